@@ -1,0 +1,47 @@
+"""rejax: fast, accurate low-bit (NVFP4) reasoning in JAX, with the ReSET sampler.
+
+Public names are imported lazily so `import rejax` never pulls in torch, cuda-python or the
+decoder until they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "Config": "rejax.config",
+    "Nvfp4Tensor": "rejax.nvfp4",
+    "quantize_weight": "rejax.nvfp4",
+    "quantize_activation": "rejax.nvfp4",
+    "dequantize": "rejax.nvfp4",
+    "nvfp4_matmul": "rejax.nvfp4",
+    "nvfp4_linear": "rejax.kernels",
+    "Greedy": "rejax.sampling",
+    "Temperature": "rejax.sampling",
+    "ReSET": "rejax.sampling",
+    "sample": "rejax.sampling",
+    "load": "rejax.checkpoint",
+    "save": "rejax.checkpoint",
+    "calibrate_input_scales": "rejax.checkpoint",
+    "logits": "rejax.generate",
+    "generate": "rejax.generate",
+    "Generation": "rejax.generate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rejax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

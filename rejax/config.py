@@ -1,0 +1,142 @@
+"""Model configuration: one frozen, hashable Config passed to jit as a static argument.
+
+Dimension legend (used in einsum strings and shape comments across rejax/):
+    B  batch (rows decoded together)        T  new tokens in this call
+    S  KV-cache length                      D  model width (hidden_size)
+    N  query heads                          K  key/value heads
+    G  query heads per kv head (N // K)     H  head dim
+    F  feed-forward width                   V  vocabulary size
+Only kernels.py and cuda_ops/ use GEMM letters instead (M rows of x, N out features, K in
+features), and say so at the top of each file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+# Hugging Face `model_type` -> rejax architecture name.
+ARCHITECTURES = {"qwen3": "qwen3", "qwen2": "qwen2"}
+# Linear quantization modes: None keeps bf16 linears.
+QUANT_MODES = (None, "nvfp4", "nvfp4-w4a16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static description of a Qwen2/Qwen3 decoder.
+
+    `quant` selects the linear format: None (bf16), "nvfp4" (W4A4: NVFP4 weights and
+    activations) or "nvfp4-w4a16" (NVFP4 weights, bf16 activations). Embeddings, norms and
+    lm_head stay bf16 in every mode.
+    """
+
+    arch: str = "qwen3"
+    vocab_size: int = 256  # V
+    hidden_size: int = 64  # D
+    intermediate_size: int = 128  # F
+    num_layers: int = 2
+    num_heads: int = 4  # N
+    num_kv_heads: int = 2  # K
+    head_dim: int = 16  # H
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qkv bias (Qwen2)
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    quant: str | None = None
+
+    def __post_init__(self):
+        if self.arch not in ARCHITECTURES.values():
+            raise ValueError(f"unknown arch {self.arch!r}; expected one of {sorted(ARCHITECTURES)}")
+        if self.quant not in QUANT_MODES:
+            raise ValueError(f"unknown quant {self.quant!r}; expected one of {QUANT_MODES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if not isinstance(self.eos_token_ids, tuple):
+            object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def q_per_kv(self) -> int:  # G
+        return self.num_heads // self.num_kv_heads
+
+
+# Presets with the real layer shapes (PAPER.md §4); weights are random in benchmarks.
+QWEN3_8B = Config(
+    arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
+    eos_token_ids=(151645, 151643),
+)
+QWEN3_14B = dataclasses.replace(
+    QWEN3_8B, hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40
+)
+QWEN3_32B = dataclasses.replace(
+    QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64
+)
+R1_DISTILL_QWEN_7B = Config(
+    arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+    num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10_000.0, attention_bias=True,
+    max_position_embeddings=131072, eos_token_ids=(151643,),
+)
+R1_DISTILL_QWEN_14B = dataclasses.replace(
+    R1_DISTILL_QWEN_7B, vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+    num_layers=48, num_heads=40, num_kv_heads=8, rope_theta=1_000_000.0,
+)
+PRESETS = {
+    "qwen3-8b": QWEN3_8B,
+    "qwen3-14b": QWEN3_14B,
+    "qwen3-32b": QWEN3_32B,
+    "r1-distill-qwen-7b": R1_DISTILL_QWEN_7B,
+    "r1-distill-qwen-14b": R1_DISTILL_QWEN_14B,
+}
+
+
+def from_hf_config(hf: Mapping[str, Any], quant: str | None = None) -> Config:
+    """Builds a Config from a Hugging Face `config.json` dict.
+
+    Raises ValueError for an unknown `model_type` or a `rope_scaling` kind rejax does not
+    implement (named in the message), so unsupported checkpoints never load silently wrong.
+    """
+    model_type = hf.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"unknown model_type {model_type!r} in config.json; rejax supports {sorted(ARCHITECTURES)}"
+        )
+    rope_scaling = hf.get("rope_scaling")
+    if rope_scaling:
+        kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+        if kind not in (None, "default"):
+            raise ValueError(f"rope_scaling type {kind!r} is not implemented (only plain RoPE)")
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        raise ValueError("sliding-window attention (use_sliding_window=true) is not implemented")
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    arch = ARCHITECTURES[model_type]
+    rope_theta = hf.get("rope_theta")
+    if rope_theta is None:  # transformers >= 5 may keep it under rope_parameters
+        rope_theta = (hf.get("rope_parameters") or {}).get("rope_theta", 10_000.0)
+    return Config(
+        arch=arch,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=hf.get("pad_token_id"),
+        quant=quant,
+    )
