@@ -25,7 +25,7 @@ _EXPORTS = {
     "sample": "rejax.sampling",
     "load": "rejax.checkpoint",
     "save": "rejax.checkpoint",
-    "calibrate_input_scales": "rejax.checkpoint",
+    "calibrate_input_scales": "rejax.generate",
     "logits": "rejax.generate",
     "generate": "rejax.generate",
     "Generation": "rejax.generate",

@@ -1,0 +1,185 @@
+"""Run-time compilation of rejax's CUDA sources with NVRTC (cuda-python), cached on disk.
+
+Kernels are compiled at first use (when a computation is lowered for CUDA), for the arch of the
+GPU that is present (`compute_XY` from its compute capability; `compute_90` when there is none,
+e.g. on CPU-only CI), with shape-specialising `-D` constants. PTX is cached on disk under
+`$REJAX_KERNEL_CACHE` (default `~/.cache/rejax/kernels`), keyed by a hash of (source, defines,
+arch, NVRTC version), so a second process skips NVRTC entirely.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import re
+import tempfile
+
+CACHE_ENV = "REJAX_KERNEL_CACHE"
+DEFAULT_ARCH = "compute_90"
+# Hopper is the oldest arch with cvt.rn.f16x2.e4m3x2 (sm_89) and the cache hints we use.
+MIN_CC = (8, 9)
+SOURCE_DIR = pathlib.Path(__file__).resolve().parent
+
+
+class KernelError(RuntimeError):
+    """A kernel cannot be built or launched here; the message says why and what to do."""
+
+
+def _nvrtc():
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError as err:
+        raise KernelError(
+            "NVRTC is not available: install the CUDA extra (`pip install rejax[cuda]`, i.e. "
+            f"cuda-bindings and nvidia-cuda-nvrtc) ({err})"
+        ) from err
+    return nvrtc
+
+
+def _check(result, what: str):
+    """Unwraps a cuda-python (status, *values) tuple, raising KernelError on failure."""
+    status, *values = result
+    if int(status) != 0:
+        raise KernelError(f"{what} failed: {status!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+@functools.cache
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    try:
+        return tuple(_check(nvrtc.nvrtcVersion(), "nvrtcVersion"))
+    except RuntimeError as err:  # the shared library itself is missing
+        raise KernelError(
+            f"NVRTC library not found ({err}); install nvidia-cuda-nvrtc matching your CUDA major"
+        ) from err
+
+
+def device_arch(device=None) -> str:
+    """`compute_XY` for a JAX CUDA device (default: the first), or `compute_90` with none."""
+    if device is None:
+        try:
+            import jax
+
+            devices = jax.devices("cuda")
+        except RuntimeError:
+            return DEFAULT_ARCH
+        if not devices:
+            return DEFAULT_ARCH
+        device = devices[0]
+    cc = getattr(device, "compute_capability", None)
+    if not cc:
+        return DEFAULT_ARCH
+    major, minor = (int(v) for v in str(cc).split("."))
+    if (major, minor) < MIN_CC:
+        raise KernelError(
+            f"GPU compute capability {major}.{minor} is unsupported: the NVFP4 kernel needs "
+            f">= {MIN_CC[0]}.{MIN_CC[1]} (E4M3 converts); use impl='ref'"
+        )
+    return f"compute_{major}{minor}"
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get(CACHE_ENV)
+    path = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "rejax" / "kernels"
+    return path
+
+
+def _key(source: str, defines: dict, arch: str, version: tuple[int, int], opts) -> str:
+    h = hashlib.sha256()
+    for part in (source, repr(sorted(defines.items())), arch, repr(version), repr(opts)):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def read_source(name: str) -> str:
+    return (SOURCE_DIR / name).read_text()
+
+
+def compile_ptx(
+    source: str,
+    *,
+    name: str = "kernel.cu",
+    defines: dict | None = None,
+    arch: str | None = None,
+    options: tuple[str, ...] = (),
+    use_cache: bool = True,
+) -> str:
+    """Compiles CUDA C++ to PTX with NVRTC (disk-cached). Returns the PTX text.
+
+    Args:
+        source: CUDA C++ source text.
+        name: file name NVRTC reports in diagnostics.
+        defines: `-D` constants (name -> int/str), baked into the PTX.
+        arch: `compute_XY`; None -> the present GPU's arch (compute_90 with no GPU).
+        options: extra NVRTC options.
+        use_cache: read/write the on-disk cache.
+    """
+    defines = dict(defines or {})
+    arch = arch or device_arch()
+    if not re.fullmatch(r"compute_\d+[af]?", arch):
+        raise KernelError(f"arch={arch!r}, expected e.g. 'compute_90'")
+    version = nvrtc_version()
+    opts = (
+        f"--gpu-architecture={arch}",
+        "--std=c++17",
+        "-default-device",
+        *(f"-D{k}={v}" for k, v in sorted(defines.items())),
+        *options,
+    )
+    key = _key(source, defines, arch, version, opts)
+    path = cache_dir() / f"{key}.ptx"
+    if use_cache and path.is_file():
+        return path.read_text()
+    ptx = _nvrtc_compile(source, name, opts)
+    if use_cache:
+        _write_atomic(path, ptx)
+    return ptx
+
+
+def _nvrtc_compile(source: str, name: str, opts: tuple[str, ...]) -> str:
+    nvrtc = _nvrtc()
+    prog = _check(
+        nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
+        "nvrtcCreateProgram",
+    )
+    try:
+        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
+        if int(status) != 0:
+            size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            log = b" " * size
+            _check(nvrtc.nvrtcGetProgramLog(prog, log), "nvrtcGetProgramLog")
+            text = log.decode(errors="replace").strip()
+            raise KernelError(f"NVRTC failed to compile {name} with {' '.join(opts)}:\n{text}")
+        size = _check(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        buf = b" " * size
+        _check(nvrtc.nvrtcGetPTX(prog, buf), "nvrtcGetPTX")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return buf.rstrip(b"\0").decode()
+
+
+def _write_atomic(path: pathlib.Path, text: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError:  # a read-only cache only costs a recompile
+        pass
+
+
+def ptx_entries(ptx: str) -> dict[str, int]:
+    """`.entry` names in a PTX module -> number of parameters."""
+    out = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\(([^)]*)\)", ptx):
+        out[m.group(1)] = len(re.findall(r"\.param\b", m.group(2)))
+    return out
+
+
+def ptx_target(ptx: str) -> str:
+    m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
+    return m.group(1) if m else ""

@@ -1,0 +1,314 @@
+"""Host side of the small-M NVFP4 GEMV (`nvfp4_gemv.cu`): shape checks, launch plan, build, launch.
+
+GEMM letters: M decode tokens, N out features, K in features. Nothing here imports cuda-python
+at module import; NVRTC and the driver are reached only by `build` and the launch callback.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import threading
+
+from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
+
+__all__ = ["GemvKernel", "KernelError", "build", "check_shape", "plan", "probe_ptx_launch"]
+
+SOURCE = "nvfp4_gemv.cu"
+MAX_M = 8
+K_MULTIPLE = 256
+SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_90 (sm_89: 99 KiB, checked at build)
+DEFAULT_SMS = 132  # H200; used when lowering without a GPU
+ENTRY = {"w4a4": "nvfp4_gemv_w4a4", "w4a16": "nvfp4_gemv_w4a16"}
+# number of operands per mode (the output pointer comes last)
+N_INPUTS = {"w4a4": 6, "w4a16": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Compile-time launch geometry for one (act, M, N, K)."""
+
+    act: str
+    m: int
+    n: int
+    k: int
+    rows: int  # R_ROWS: weight rows per warp step
+    spp: int  # 1024-element K steps per work item
+    grid: int
+    threads: int
+    smem: int
+
+    @property
+    def kparts(self) -> int:
+        steps = -(-self.k // 1024)
+        return -(-steps // self.spp)
+
+    def defines(self) -> dict:
+        return {
+            "ACT_W4A4": int(self.act == "w4a4"),
+            "M_TOK": self.m,
+            "N_OUT": self.n,
+            "K_IN": self.k,
+            "R_ROWS": self.rows,
+            "SPP": self.spp,
+            "GRID": self.grid,
+            "NTHREADS": self.threads,
+        }
+
+
+def _smem(act: str, m: int, n: int, k: int, rows: int, grid: int, kparts: int) -> int:
+    groups = n // rows
+    rpc = -(-groups // grid) * rows
+    stage = 0 if act == "w4a16" else -(-(m * k * 17 // 16) // 16) * 16
+    return stage + kparts * rpc * m * 4
+
+
+def check_shape(act: str, m: int, n: int, k: int) -> tuple[bool, str]:
+    """(True, "") if the kernel supports this problem, else (False, why)."""
+    if act not in ENTRY:
+        return False, f"act={act!r} (expected one of {tuple(ENTRY)})"
+    if not 1 <= m <= MAX_M:
+        return False, f"M={m} tokens (the GEMV handles 1..{MAX_M}; larger M is a GEMM)"
+    if n < 1:
+        return False, f"N={n} (expected >= 1)"
+    if k < K_MULTIPLE or k % K_MULTIPLE:
+        return False, f"K={k} (expected a positive multiple of {K_MULTIPLE})"
+    p = plan(act, m, n, k)
+    if p.smem > SMEM_LIMIT:
+        return False, f"M*K={m * k}: staged activations need {p.smem} B of shared memory"
+    return True, ""
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def plan(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan:
+    """Launch geometry: one CTA per SM, warps stream R rows x 1024-element K steps.
+
+    R (rows per warp step) trades smem re-reads of x against registers: x is read from shared
+    memory once per step for R rows, so R = 4 at larger M; R * M <= 32 keeps the lane reduction
+    to one value per lane. K is split into parts inside the CTA so that every warp has work when
+    N / #SMs is small. `REJAX_GEMV_ROWS` / `REJAX_GEMV_THREADS` override (tuning only).
+    """
+    if act == "w4a16":
+        rmax = 2
+    else:
+        rmax = 4
+    rmax = min(_env_int("REJAX_GEMV_ROWS", rmax), max(1, 32 // m))
+    rows = next(r for r in (8, 4, 2, 1) if r <= rmax and n % r == 0)
+    threads = _env_int("REJAX_GEMV_THREADS", 512 if (act == "w4a4" and m <= 2) else 256)
+    groups = n // rows
+    grid = min(num_sms, groups)
+    steps = -(-k // 1024)
+    gpc = -(-groups // grid)
+    warps = threads // 32
+    # enough items per CTA for its warps (about 3 each), as few K parts as possible
+    kparts = min(steps, max(1, -(-3 * warps // gpc)))
+    spp = -(-steps // kparts)
+    kparts = -(-steps // spp)
+    return Plan(
+        act=act,
+        m=m,
+        n=n,
+        k=k,
+        rows=rows,
+        spp=spp,
+        grid=grid,
+        threads=threads,
+        smem=_smem(act, m, n, k, rows, grid, kparts),
+    )
+
+
+def _escape_mlir(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == '"':
+            out.append('\\"')
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif 32 <= ord(ch) < 127:
+            out.append(ch)
+        else:
+            out.extend(f"\\{b:02X}" for b in ch.encode())
+    return "".join(out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemvKernel:
+    """A compiled GEMV specialisation and how to launch it."""
+
+    plan: Plan
+    entry: str
+    ptx: str
+
+    @property
+    def n(self) -> int:
+        return self.plan.n
+
+    def backend_config(self) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
+        p = self.plan
+        n_in = N_INPUTS[p.act]
+        return (
+            "{"
+            f'name = "{self.entry}", kernel_type = "ptx", '
+            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f"grid_x = {p.grid}, grid_y = 1, grid_z = 1, "
+            f"block_x = {p.threads}, block_y = 1, block_z = 1, "
+            f"shared_mem_bytes = {p.smem}, output_indices = [{n_in}]"
+            "}"
+        )
+
+    # -- buffer_callback launch path -------------------------------------------------------
+
+    def launch_callback(self, ctx, out, *args) -> None:
+        """`buffer_callback` target: launch on XLA's stream (no sync, no allocation)."""
+        self.launch(ctx.stream, [_device_ptr(a) for a in args] + [_device_ptr(out)])
+
+    def launch(self, stream: int, pointers: list[int]) -> None:
+        """Launches on `stream` with device pointers (operands, then the bf16 output)."""
+        from cuda.bindings import driver
+
+        if len(pointers) != N_INPUTS[self.plan.act] + 1:
+            raise KernelError(f"{self.entry} takes {N_INPUTS[self.plan.act] + 1} pointers")
+        fn = _function(self)
+        p = self.plan
+        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
+        _drv_check(
+            driver.cuLaunchKernel(fn, p.grid, 1, 1, p.threads, 1, 1, p.smem, stream, params, 0),
+            "cuLaunchKernel",
+        )
+
+
+def _device_ptr(buf) -> int:
+    iface = getattr(buf, "__cuda_array_interface__", None)
+    if iface is None:
+        raise KernelError(f"buffer {buf!r} exposes no __cuda_array_interface__")
+    return int(iface["data"][0])
+
+
+def _drv_check(result, what: str):
+    status, *values = result
+    if int(status) != 0:
+        raise KernelError(f"{what} failed: {status!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_FUNCTIONS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _function(kernel: GemvKernel):
+    """CUfunction of `kernel` in the current CUDA context (module loaded once per context)."""
+    from cuda.bindings import driver
+
+    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    key = (int(ctx), id(kernel))
+    entry = _FUNCTIONS.get(key)
+    if entry is not None:
+        return entry[1]
+    with _LOCK:
+        if key not in _FUNCTIONS:
+            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+            fn = _drv_check(
+                driver.cuModuleGetFunction(module, kernel.entry.encode()), "cuModuleGetFunction"
+            )
+            if kernel.plan.smem > 48 * 1024:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _drv_check(driver.cuFuncSetAttribute(fn, attr, kernel.plan.smem), "smem attr")
+            _FUNCTIONS[key] = (module, fn)
+            # keep the kernel alive as long as its function is cached (id() key)
+            _KEEP.append(kernel)
+        return _FUNCTIONS[key][1]
+
+
+_KEEP: list = []
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def _num_sms() -> int:
+    try:
+        import jax
+
+        dev = jax.devices("cuda")[0]
+    except (RuntimeError, IndexError):
+        return DEFAULT_SMS
+    count = getattr(dev, "core_count", None)
+    return int(count) if count else DEFAULT_SMS
+
+
+@functools.cache
+def _build_cached(
+    act: str, m: int, n: int, k: int, arch: str, num_sms: int, env: tuple, plan_env: tuple
+):
+    p = plan(act, m, n, k, num_sms)
+    if p.smem > SMEM_LIMIT:
+        raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
+    source = read_source(SOURCE)
+    extra = tuple(f"-D{name}={value}" for name, value in env if value)
+    ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
+    entry = ENTRY[act]
+    entries = ptx_entries(ptx)
+    if entries.get(entry) != N_INPUTS[act] + 1:
+        raise KernelError(f"PTX entry {entry} missing or with wrong parameters: {entries}")
+    return GemvKernel(plan=p, entry=entry, ptx=ptx)
+
+
+def build(
+    act: str, m: int, n: int, k: int, *, arch: str | None = None, num_sms: int | None = None
+) -> GemvKernel:
+    """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
+
+    Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
+    unsupported.
+    """
+    ok, why = check_shape(act, m, n, k)
+    if not ok:
+        raise KernelError(f"unsupported shape: {why}")
+    arch = arch or device_arch()
+    # cache-hint and diagnostic overrides (tuning only), e.g. REJAX_GEMV_LDW='".L1::no_allocate"'
+    env = (
+        ("LDW_HINT", os.environ.get("REJAX_GEMV_LDW", "")),
+        ("LDX_HINT", os.environ.get("REJAX_GEMV_LDX", "")),
+        ("DIAG_NODOT", os.environ.get("REJAX_GEMV_DIAG_NODOT", "")),
+    )
+    plan_env = tuple(os.environ.get(v, "") for v in ("REJAX_GEMV_ROWS", "REJAX_GEMV_THREADS"))
+    return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), env, plan_env)
+
+
+def probe_ptx_launch(call) -> None:
+    """Runs one tiny GEMV through the PTX custom call and checks it against the reference.
+
+    `call(args, act=..., n=..., k=..., impl=..., launch=...)` binds the primitive. Raises if the
+    launch fails or gives a wrong answer, so the caller can fall back to `buffer_callback`.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    m, n, k = 1, 64, 256
+    rng = np.random.default_rng(0)
+    xp = jnp.asarray(rng.integers(0, 256, (m, k // 2), dtype=np.uint8))
+    xs = jnp.full((m, k // 16), 0x38, jnp.uint8)  # E4M3 1.0
+    wp = jnp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8))
+    ws = jnp.full((n, k // 16), 0x38, jnp.uint8)
+    xg = jnp.ones((m,), jnp.float32)
+    wg = jnp.ones((), jnp.float32)
+    args = (xp, xs, xg, wp, ws, wg)
+    kw = {"act": "w4a4", "n": n, "k": k}
+    got = jax.jit(lambda *a: call(a, impl="cuda", launch="ptx", **kw))(*args)
+    want = jax.jit(lambda *a: call(a, impl="ref", launch="ptx", **kw), backend="cpu")(
+        *jax.device_put(args, jax.devices("cpu")[0])
+    )
+    if not np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)):
+        raise KernelError("PTX custom call gave a wrong result in the probe")

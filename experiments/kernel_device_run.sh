@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# One device session for the NVFP4 GEMV: environment, ptxas resource report, correctness
+# sweep, benchmark and compute-sanitizer. Usage: experiments/kernel_device_run.sh OUTDIR [phases]
+# phases (default all): env ptxas check pytest bench sanitize
+set -uo pipefail
+out=${1:?output dir}; shift
+phases=${*:-env ptxas check bench sanitize}
+export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export REJAX_KERNEL_CACHE=${REJAX_KERNEL_CACHE:-/tmp/rejax-kernels}
+mkdir -p "$out"
+for phase in $phases; do
+  t0=$(date +%s)
+  case $phase in
+    env)
+      { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+        python3 -c "import jax, jaxlib, cuda.bindings, torch; from cuda_ops.build import nvrtc_version; \
+print('jax', jax.__version__, 'cuda-bindings', cuda.bindings.__version__, 'torch', torch.__version__, \
+'nvrtc', nvrtc_version(), jax.devices(), jax.devices()[0].core_count)"
+        nvcc --version | tail -2; } >> "$out/notes.txt" 2>&1; cat "$out/notes.txt";;
+    ptxas)
+      for cfg in "1 4096 12288 4 2 512 1" "8 4096 12288 4 4 256 1" "1 4096 12288 2 6 256 0" \
+                 "8 5120 25600 4 9 256 1"; do
+        set -- $cfg
+        echo "== M=$1 N=$2 K=$3 R=$4 SPP=$5 T=$6 W4A4=$7"
+        nvcc -arch=sm_90 -cubin -o /tmp/k.cubin -Xptxas -v -DM_TOK=$1 -DN_OUT=$2 -DK_IN=$3 \
+          -DR_ROWS=$4 -DSPP=$5 -DNTHREADS=$6 -DACT_W4A4=$7 -DGRID=132 cuda_ops/nvfp4_gemv.cu 2>&1 \
+          | grep -E "registers|spill|error" ;
+      done > /tmp/ptxas.txt 2>&1
+      if grep -q error /tmp/ptxas.txt; then  # cache hints rejected: plain .nc loads
+        export REJAX_GEMV_LDW='".L1::no_allocate"' REJAX_GEMV_LDX='""'
+        echo "FALLBACK cache hints: LDW=$REJAX_GEMV_LDW LDX=$REJAX_GEMV_LDX" >> /tmp/ptxas.txt
+        nvcc -arch=sm_90 -cubin -o /tmp/k.cubin -Xptxas -v -DM_TOK=8 -DN_OUT=4096 -DK_IN=4096 \
+          -DR_ROWS=4 -DSPP=1 -DNTHREADS=256 -DACT_W4A4=1 -DGRID=132 "-DLDW_HINT=$REJAX_GEMV_LDW" \
+          "-DLDX_HINT=$REJAX_GEMV_LDX" cuda_ops/nvfp4_gemv.cu >> /tmp/ptxas.txt 2>&1
+      fi
+      cuobjdump -sass /tmp/k.cubin > /tmp/sass.txt 2>&1
+      for op in IDP4A PRMT LDG.E.128 LDS.128 SHFL FFMA FADD STL LDL; do
+        echo "$op $(grep -c "$op" /tmp/sass.txt)"; done >> /tmp/ptxas.txt
+      cat /tmp/ptxas.txt | tee -a "$out/notes.txt";;
+    check)
+      timeout ${CHECK_TIMEOUT:-600} python3 experiments/gpu_kernel_check.py ${CHECK_ARGS:---quick} --out "$out/check.json" \
+        > /tmp/check.log 2>&1; grep -E "FAIL|rror|prebuilt" /tmp/check.log | head -20
+      tail -12 /tmp/check.log;;
+    pytest)
+      timeout ${PYTEST_TIMEOUT:-600} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py \
+        ${PYTEST_K:+-k "$PYTEST_K"} > "$out/pytest.log" 2>&1
+      tail -15 "$out/pytest.log";;
+    bench)
+      python3 experiments/bench_kernel.py ${BENCH_ARGS:-} --out "$out/bench_kernel.json" \
+        > "$out/bench.log" 2>&1; tail -60 "$out/bench.log";;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool python3 experiments/gpu_kernel_check.py \
+          --sanitize 2>&1 | tail -6
+      done > /tmp/sanitize.txt 2>&1; cat /tmp/sanitize.txt | tee -a "$out/notes.txt";;
+    ncu)
+      timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k regex:nvfp4_gemv --launch-count 6 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
+        --section MemoryWorkloadAnalysis python3 experiments/gpu_kernel_check.py --profile \
+        > /tmp/ncu.txt 2>&1
+      grep -E "nvfp4_gemv|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc|Issue Slots|Achieved Occupancy|Registers|Theoretical Occ|Block Limit|One or More|Pipe|ALU|FMA|Max Bandwidth|L1/TEX Hit|L2 Hit|est. " /tmp/ncu.txt \
+        | head -150 | tee "$out/ncu.txt";;
+    quantcheck)
+      python3 - <<'PY' 2>&1 | tee -a "$out/notes.txt"
+import jax, jax.numpy as jnp, numpy as np
+from rejax import nvfp4
+x = jnp.asarray(np.random.default_rng(0).standard_normal((8, 4096)), jnp.bfloat16)
+e = nvfp4.quantize_activation(x); j = jax.jit(nvfp4.quantize_activation)(x)
+for f in ("packed", "scales", "global_scale"):
+    a, b = np.asarray(getattr(e, f)).view(np.uint8), np.asarray(getattr(j, f)).view(np.uint8)
+    print("quantize_activation eager vs jit on GPU:", f, "differing bytes", int((a != b).sum()), "of", a.size)
+PY
+      ;;
+    diag)
+      for v in "0" "1"; do
+        echo "== DIAG_NODOT=$v"
+        REJAX_GEMV_DIAG_NODOT=$v timeout 100 python3 experiments/bench_kernel.py \
+          --shapes 4096:12288,25600:5120 --ms 1,8 --ops nvfp4_w4a4 --no-chain --out /tmp/diag.json \
+          2>&1 | grep -A6 "N x K"
+      done 2>&1 | tee "$out/diag.txt";;
+    tune)
+      for v in ${TUNE_VARIANTS:-4:512 8:512 2:512 4:256 2:256 4:384}; do
+        set -- ${v%:*} ${v#*:}
+        REJAX_GEMV_ROWS=$1 REJAX_GEMV_THREADS=$2 timeout 100 python3 experiments/bench_kernel.py \
+          --shapes 4096:12288,5120:25600,6144:4096,3584:18944 --ms 1,8 --ops nvfp4_w4a4 --no-chain \
+          --out /tmp/tune_$1_$2.json > /tmp/tune.log 2>&1
+        echo "== R=$1 T=$2"; grep -A8 "N x K" /tmp/tune.log
+      done 2>&1 | tee "$out/tune.txt";;
+  esac
+  echo "[phase $phase took $(( $(date +%s) - t0 )) s]"
+done

@@ -1,0 +1,93 @@
+"""The KV cache: an explicit pytree passed into and returned from every forward call.
+
+Slots are written in order for all rows at once (one scalar write index), and each slot records
+the absolute position of the token it holds per row (-1 = empty or padding). Attention masks by
+position (rejax.layers.attention_mask), so left-padded and right-padded prompts, and rows of
+different lengths, share one cache layout. Dimension letters: see rejax/config.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rejax.config import Config
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer keys and values plus slot bookkeeping.
+
+    Attributes:
+        k: tuple over layers of [B, S, K, H] keys (RoPE applied).
+        v: tuple over layers of [B, S, K, H] values.
+        positions: [B, S] int32 absolute position held by each slot, -1 if none.
+        index: [] int32 next slot to write (shared by all rows).
+    """
+
+    k: tuple
+    v: tuple
+    positions: jax.Array
+    index: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def length(self) -> int:  # S
+        return self.positions.shape[1]
+
+
+def init_cache(cfg: Config, batch_size: int, length: int, dtype=jnp.bfloat16) -> KVCache:
+    """An empty cache.
+
+    Args:
+        cfg: model config (num_layers, num_kv_heads, head_dim).
+        batch_size: B rows.
+        length: S slots (prompt bucket + tokens to generate).
+        dtype: key/value dtype (the activation dtype).
+
+    Returns:
+        KVCache with zero keys/values, every slot position -1, index 0.
+    """
+    if batch_size <= 0 or length <= 0:
+        raise ValueError(f"cache needs batch_size > 0 and length > 0, got {batch_size=} {length=}")
+    shape = (batch_size, length, cfg.num_kv_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    return KVCache(
+        k=zeros,
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        positions=jnp.full((batch_size, length), -1, jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+def write_kv(
+    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Writes T new keys/values at slots [index, index + T) of one layer's cache.
+
+    Args:
+        k_cache, v_cache: [B, S, K, H].
+        k, v: [B, T, K, H] new entries.
+        index: [] int32 first slot.
+
+    Returns:
+        The updated (k_cache, v_cache).
+    """
+    start = (0, index, 0, 0)
+    return (
+        jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start),
+        jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start),
+    )
+
+
+def write_positions(cache: KVCache, positions: jax.Array) -> jax.Array:
+    """The cache's slot positions after writing T tokens at positions [B, T]: [B, S] int32."""
+    return jax.lax.dynamic_update_slice(
+        cache.positions, positions.astype(jnp.int32), (0, cache.index)
+    )

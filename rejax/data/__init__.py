@@ -1,0 +1,13 @@
+"""Bundled data: the arithmetic task generator (`rejax.data.tasks`) and the tiny model.
+
+`TINY_MODEL` is the folder of the shipped tiny Qwen3 reasoning model (a Hugging Face checkpoint:
+config.json, bf16 model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,
+generation_config.json), trained by experiments/train_tiny_reasoner.py on `tasks` problems.
+Load it with `rejax.load(rejax.data.TINY_MODEL)`.
+"""
+
+from pathlib import Path
+
+TINY_MODEL = Path(__file__).resolve().parent / "tiny"
+
+__all__ = ["TINY_MODEL"]

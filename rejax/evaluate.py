@@ -1,0 +1,884 @@
+"""Evaluation harness: problem files, batched sampling + grading, avg@n with a CI, τ0 calibration,
+and the paper's observation statistics (how often low-entropy tokens leave the BF16 argmax).
+
+Everything here is host glue around `rejax.generate.generate` (one compiled decode loop per
+batch shape) and `rejax.generate.logits` (teacher forcing); nothing in this module is jitted.
+
+Problem files are JSONL with one object per line holding `problem` (the prompt text) and
+`answer` (the gold answer; strings or numbers), the layout of public AIME sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+# Official ReSET defaults (PAPER.md §1.5): T_low 0.3, τ0 0.6349, T_high 1.0, w 32, top-p 0.95.
+DEFAULT_T_LOW = 0.3
+DEFAULT_TAU0 = 0.6349
+DEFAULT_T_HIGH = 1.0
+DEFAULT_TOP_P = 0.95
+DEFAULT_WINDOW = 32
+# The calibration recipe (PAPER.md §1.7): T = 0.6 sampling, 80th percentile of all entropies.
+CALIBRATION_TEMPERATURE = 0.6
+CALIBRATION_PERCENTILE = 80.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Problem files
+
+
+def load_jsonl(path: str | Path, *, limit: int | None = None) -> list[dict]:
+    """Reads a JSONL problem file.
+
+    Args:
+      path: file with one JSON object per line, each with a string `problem` and an `answer`
+        (string or number; stored as a string). Blank lines are skipped; other keys are kept.
+      limit: keep only the first `limit` problems (None keeps all).
+
+    Returns:
+      list of dicts with at least `problem` (str) and `answer` (str).
+
+    Raises:
+      ValueError: missing file, malformed JSON (names the line number), missing fields, an
+        empty file, or `limit` <= 0.
+    """
+    path = Path(path)
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be a positive number of problems, got {limit}")
+    if not path.is_file():
+        raise ValueError(f"data file {str(path)!r} does not exist (expected a JSONL problem file)")
+    problems = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if type(row) is not dict:
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object with 'problem' and 'answer', "
+                    f"got {type(row).__name__}"
+                )
+            for field in ("problem", "answer"):
+                if field not in row:
+                    raise ValueError(f"{path}:{lineno}: missing field {field!r}")
+            if not isinstance(row["problem"], str) or not row["problem"].strip():
+                raise ValueError(f"{path}:{lineno}: 'problem' must be a non-empty string")
+            if not _is_answer(row["answer"]):
+                raise ValueError(
+                    f"{path}:{lineno}: 'answer' must be a string or a number, got {row['answer']!r}"
+                )
+            row["answer"] = str(row["answer"])
+            problems.append(row)
+            if limit is not None and len(problems) >= limit:
+                break
+    if not problems:
+        raise ValueError(f"data file {str(path)!r} holds no problems")
+    return problems
+
+
+def _is_answer(value) -> bool:
+    return type(value) in (str, int, float)
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
+    """Writes one JSON object per line (parent directories are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers from a command-line spec
+
+
+def parse_sampler(
+    spec: str,
+    *,
+    t_low: float = DEFAULT_T_LOW,
+    tau0: float = DEFAULT_TAU0,
+    t_high: float = DEFAULT_T_HIGH,
+    top_p: float = DEFAULT_TOP_P,
+    window: int = DEFAULT_WINDOW,
+):
+    """Builds a sampler from `greedy`, `temp:T` or `reset`.
+
+    `top_p` applies to `temp:T` and `reset`; `t_low`, `tau0`, `t_high`, `window` to `reset`
+    only. ReSET's newline masks are left None: `generate` fills them from the tokenizer.
+
+    Raises:
+      ValueError: an unknown spec, a non-numeric or non-positive temperature, top_p outside
+        (0, 1], or out-of-range ReSET hyperparameters.
+    """
+    from rejax import sampling
+
+    _check_range("top_p", top_p, 0.0, 1.0, lo_open=True)
+    name, _, arg = spec.strip().partition(":")
+    name = name.lower()
+    if name == "greedy" and not arg:
+        return sampling.Greedy()
+    if name in ("temp", "temperature"):
+        try:
+            t = float(arg)
+        except ValueError:
+            raise ValueError(
+                f"sampler spec {spec!r}: temperature {arg!r} is not a number "
+                "(expected e.g. 'temp:0.6')"
+            ) from None
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(
+                f"sampler spec {spec!r}: temperature must be a finite number > 0 "
+                "(use 'greedy' for argmax decoding)"
+            )
+        return sampling.Temperature(t=t, top_p=top_p)
+    if name == "reset" and not arg:
+        _check_range("t_low", t_low, 0.0, math.inf)
+        _check_range("t_high", t_high, 0.0, math.inf, lo_open=True)
+        _check_range("tau0", tau0, 0.0, math.inf)
+        if window < 1:
+            raise ValueError(f"ReSET window must be >= 1, got {window}")
+        return sampling.ReSET(t_high=t_high, t_low=t_low, tau_0=tau0, window=window, top_p=top_p)
+    raise ValueError(
+        f"unknown sampler spec {spec!r}; expected 'greedy', 'temp:T' (T > 0, e.g. 'temp:0.6') "
+        "or 'reset'"
+    )
+
+
+def _check_range(name, value, lo, hi, *, lo_open=False):
+    ok = isinstance(value, (int, float)) and math.isfinite(value) and value <= hi
+    ok = ok and (value > lo if lo_open else value >= lo)
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name} must be in {bracket}{lo}, {hi}], got {value!r}")
+
+
+def describe_sampler(sampler) -> dict:
+    """A JSON-able description of a sampler (its class and float hyperparameters)."""
+    out = {"kind": type(sampler).__name__}
+    for f in dataclasses.fields(sampler):
+        v = getattr(sampler, f.name)
+        if v is None or isinstance(v, (bool, int, float, str)):
+            out[f.name] = v
+        elif np.ndim(v) == 0:
+            out[f.name] = float(v)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Metric
+
+
+def avg_at_n_ci(
+    correct,
+    *,
+    confidence: float = 0.95,
+    method: str = "normal",
+    n_boot: int = 10_000,
+    seed: int = 0,
+) -> dict:
+    """avg@n and its confidence interval, with problems as the sampling unit.
+
+    avg@n = mean over problems of the per-problem fraction of correct samples (equal to
+    correct / (problems * n) when every problem has n samples). The n samples of one problem
+    are correlated, so the interval treats the per-problem means p_i as the i.i.d. draws:
+
+      method "normal":    avg ± z * sd(p_i, ddof=1) / sqrt(P), z the normal quantile
+                          (1.96 for 95%); clipped to [0, 1].
+      method "bootstrap": percentile interval of the mean of p_i over `n_boot` resamples of
+                          the problems with replacement (seeded).
+
+    Args:
+      correct: bool/int array [P, n] (or a list of per-problem lists, ragged allowed).
+
+    Returns:
+      {"avg", "lo", "hi", "se", "n_problems", "n_samples", "confidence", "method"}; avg/lo/hi
+      are fractions in [0, 1]. With a single problem the spread is undefined: se, lo and hi
+      are then NaN.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    rows = [np.asarray(r, dtype=np.float64).reshape(-1) for r in correct]
+    if not rows or any(r.size == 0 for r in rows):
+        raise ValueError("avg_at_n_ci needs at least one problem with at least one sample")
+    p = np.array([r.mean() for r in rows])
+    n_problems = p.size
+    avg = float(p.mean())
+    se = float(p.std(ddof=1) / math.sqrt(n_problems)) if n_problems > 1 else math.nan
+    if method == "normal":
+        z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+        if n_problems < 2:
+            lo = hi = math.nan
+        else:
+            lo, hi = max(0.0, avg - z * se), min(1.0, avg + z * se)
+    elif method == "bootstrap":
+        if n_problems < 2:
+            lo = hi = math.nan
+        else:
+            rng = np.random.default_rng(seed)
+            idx = rng.integers(0, n_problems, size=(n_boot, n_problems))
+            means = p[idx].mean(axis=1)
+            alpha = (1 - confidence) / 2
+            lo, hi = (float(q) for q in np.quantile(means, [alpha, 1 - alpha]))
+    else:
+        raise ValueError(f"unknown CI method {method!r}; expected 'normal' or 'bootstrap'")
+    return {
+        "avg": avg,
+        "lo": float(lo),
+        "hi": float(hi),
+        "se": se,
+        "n_problems": int(n_problems),
+        "n_samples": int(sum(r.size for r in rows)),
+        "confidence": confidence,
+        "method": method,
+    }
+
+
+def paired_difference_ci(correct_a, correct_b, *, confidence: float = 0.95) -> dict:
+    """avg@n(a) - avg@n(b) on the same problems, with a normal-approximation CI over problems.
+
+    d_i = mean(a_i) - mean(b_i) per problem; the interval is mean(d) ± z * sd(d, ddof=1) /
+    sqrt(P). Pairing removes the between-problem variance (difficulty) from the comparison.
+
+    Args:
+      correct_a, correct_b: bool/int [P, n] (or per-problem lists) for the same P problems.
+
+    Returns:
+      {"diff", "lo", "hi", "se", "n_problems", "confidence"} (fractions; NaN CI for P = 1).
+    """
+    a = [np.asarray(r, np.float64).reshape(-1) for r in correct_a]
+    b = [np.asarray(r, np.float64).reshape(-1) for r in correct_b]
+    if len(a) != len(b) or not a:
+        raise ValueError(f"need the same non-zero number of problems, got {len(a)} and {len(b)}")
+    if any(x.size == 0 for x in a + b):
+        raise ValueError("every problem needs at least one sample on both sides")
+    d = np.array([x.mean() - y.mean() for x, y in zip(a, b)])
+    diff = float(d.mean())
+    if d.size < 2:
+        return {
+            "diff": diff,
+            "lo": math.nan,
+            "hi": math.nan,
+            "se": math.nan,
+            "n_problems": int(d.size),
+            "confidence": confidence,
+        }
+    se = float(d.std(ddof=1) / math.sqrt(d.size))
+    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    return {
+        "diff": diff,
+        "lo": diff - z * se,
+        "hi": diff + z * se,
+        "se": se,
+        "n_problems": int(d.size),
+        "confidence": confidence,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts and step boundaries
+
+
+def prompt_ids(params, problem: str, *, chat: bool) -> list[int]:
+    """Token ids of one prompt exactly as `rejax.generate.generate` builds them.
+
+    chat=True renders one user message through the checkpoint's chat template
+    (`rejax.generate.render_chat`, no extra special tokens); chat=False encodes the raw text
+    with the tokenizer's own post-processing.
+    """
+    from rejax.generate import render_chat
+
+    if params.tokenizer is None or params.tokenizer.tokenizer is None:
+        raise ValueError("these params carry no tokenizer (the checkpoint needs tokenizer.json)")
+    tok = params.tokenizer.tokenizer
+    if chat:
+        return list(tok.encode(render_chat(params, problem), add_special_tokens=False).ids)
+    return list(tok.encode(problem).ids)
+
+
+def has_chat_template(params) -> bool:
+    """Whether the checkpoint carries a chat template (`chat=True` then works)."""
+    return params.tokenizer is not None and bool(params.tokenizer.chat_template)
+
+
+def step_spans(tokens: Sequence[int], nl_mask, dnl_mask) -> list[tuple[int, int]]:
+    """Splits a response into reasoning steps with ReSET's boundary rule (PAPER.md §1.2).
+
+    A new step starts at position t iff token t-1 is a double-newline token, or tokens t-1 and
+    t-2 are both single-newline tokens; the boundary token belongs to the step it ends.
+
+    Args:
+      tokens: generated ids (prompt excluded).
+      nl_mask, dnl_mask: bool [V] masks from `rejax.sampling.newline_masks`.
+
+    Returns:
+      [(start, end)] half-open spans covering all tokens, in order.
+    """
+    nl, dnl = np.asarray(nl_mask), np.asarray(dnl_mask)
+    spans, start = [], 0
+    for t in range(1, len(tokens)):
+        prev, prev2 = tokens[t - 1], tokens[t - 2] if t >= 2 else None
+        if dnl[prev] or (nl[prev] and prev2 is not None and nl[prev2]):
+            spans.append((start, t))
+            start = t
+    if tokens:
+        spans.append((start, len(tokens)))
+    return spans
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Output of `evaluate`.
+
+    Attributes:
+      records: one JSON-able dict per problem (the input fields plus `responses`, `extracted`,
+        `correct`, `n_correct`, `num_tokens`, `finish_reason`, `mean_entropy`).
+      correct: bool [P, n] grading of every sample.
+      summary: JSON-able dict: `avg_at_n` (see `avg_at_n_ci`), token counts, timing, sampler.
+      tokens: generated ids per sample, problem-major ([P * n] lists), for teacher forcing.
+    """
+
+    records: list[dict]
+    correct: np.ndarray
+    summary: dict
+    tokens: list[list[int]]
+
+
+def evaluate(
+    params,
+    problems: Sequence[dict],
+    sampler,
+    *,
+    n: int = 8,
+    max_new_tokens: int = 1024,
+    batch_size: int | None = None,
+    key: int = 0,
+    chat: bool | None = None,
+    progress: bool = True,
+    ci_method: str = "normal",
+) -> EvalResult:
+    """Samples n responses per problem, grades them and computes avg@n with a 95% CI.
+
+    One `rejax.generate` call: problems are decoded `batch_size` at a time (batch_size * n
+    rows in one jitted prefill + while_loop); every batch has the same shape (the last is
+    padded), so the decode loop compiles once per prompt-length bucket, and row r samples with
+    fold_in(key, r), so the results do not depend on batch_size. Grading: `rejax.grading.grade` (last `\\boxed{}`,
+    numeric normalisation).
+
+    Args:
+      params: the model (`rejax.load`), with a tokenizer.
+      problems: dicts with `problem` and `answer` (see `load_jsonl`).
+      sampler: Greedy / Temperature / ReSET (see `parse_sampler`).
+      n: samples per problem (> 0).
+      max_new_tokens: generation budget per sample (> 0).
+      batch_size: problems per batch (default: min(#problems, max(1, 64 // n))).
+      key: int seed.
+      chat: render prompts with the chat template (None: when the checkpoint has one).
+      progress: tqdm bar over batches.
+      ci_method: "normal" or "bootstrap" (see `avg_at_n_ci`).
+
+    Returns:
+      EvalResult.
+    """
+    import time
+
+    from rejax.generate import generate
+    from rejax.grading import extract_answer, grade
+
+    if not isinstance(n, int) or n <= 0:
+        raise ValueError(f"n must be a positive number of samples per problem, got {n!r}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not problems:
+        raise ValueError("evaluate needs at least one problem")
+    if batch_size is None:
+        batch_size = min(len(problems), max(1, 64 // n))
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if chat is None:
+        chat = has_chat_template(params)
+    t0 = time.perf_counter()
+    gen = generate(
+        params,
+        [p["problem"] for p in problems],
+        max_new_tokens=max_new_tokens,
+        sampler=sampler,
+        key=key,
+        n=n,
+        batch_size=batch_size,
+        chat=chat,
+        progress=progress,
+    )
+    records, correct = [], []
+    for i, p in enumerate(problems):
+        rows = range(i * n, (i + 1) * n)
+        texts = [gen.text[r] for r in rows]
+        ok = [bool(grade(t, p["answer"])) for t in texts]
+        rec = dict(p)
+        rec.update(
+            index=i,
+            responses=texts,
+            extracted=[extract_answer(t) for t in texts],
+            correct=ok,
+            n_correct=sum(ok),
+            num_tokens=[len(gen.tokens[r]) for r in rows],
+            finish_reason=[gen.finish_reason[r] for r in rows],
+            mean_entropy=[float(np.mean(gen.entropy[r])) if gen.entropy[r] else None for r in rows],
+        )
+        records.append(rec)
+        correct.append(ok)
+    tokens = gen.tokens
+    wall = time.perf_counter() - t0
+    correct = np.asarray(correct, dtype=bool)
+    lengths = np.array([len(t) for t in tokens])
+    finish = [f for r in records for f in r["finish_reason"]]
+    summary = {
+        "avg_at_n": avg_at_n_ci(correct, method=ci_method),
+        "n": n,
+        "n_problems": len(problems),
+        "sampler": describe_sampler(sampler),
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "chat": chat,
+        "seed": key,
+        "tokens_generated": int(lengths.sum()),
+        "mean_response_tokens": float(lengths.mean()),
+        "frac_length_capped": float(np.mean([f == "length" for f in finish])),
+        "frac_no_answer": float(np.mean([a is None for r in records for a in r["extracted"]])),
+        "wall_s": wall,
+        "tokens_per_s": float(lengths.sum() / wall) if wall > 0 else None,
+    }
+    return EvalResult(records=records, correct=correct, summary=summary, tokens=tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Teacher forcing
+
+
+def teacher_forced_logits(params, sequences: Sequence[Sequence[int]], *, max_elems: int = 1 << 27):
+    """Yields float32 logits [T_i, V] for each token sequence, computed in padded batches.
+
+    Sequences are right-padded (causal attention keeps padding out of earlier positions) to a
+    multiple of 64 and batched so that one batch's logits hold at most `max_elems` floats.
+    """
+    from rejax.generate import logits as _logits
+
+    v = params.cfg.vocab_size
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    out: dict[int, np.ndarray] = {}
+    i = 0
+    while i < len(order):
+        t_pad = -(-len(sequences[order[i]]) // 64) * 64
+        # All sequences of this batch share the padded length of the longest one in it.
+        rows = max(1, max_elems // (t_pad * v))
+        group = order[i : i + rows]
+        t_pad = -(-max(len(sequences[k]) for k in group) // 64) * 64
+        batch = np.zeros((len(group), t_pad), np.int32)
+        for r, k in enumerate(group):
+            batch[r, : len(sequences[k])] = sequences[k]
+        z = np.asarray(_logits(params, batch))
+        for r, k in enumerate(group):
+            out[k] = z[r, : len(sequences[k])]
+        i += len(group)
+    for k in range(len(sequences)):
+        yield out.pop(k)
+
+
+def _entropy_np(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    m = z.max(axis=-1, keepdims=True)
+    e = np.exp(z - m)
+    s = e.sum(axis=-1, keepdims=True)
+    p = e / s
+    return (np.log(s[..., 0]) - (p * (z - m)).sum(axis=-1)).astype(np.float32)
+
+
+def processed_entropy(
+    z: np.ndarray, temperature: float, top_p: float = 1.0, top_k: int = 0
+) -> np.ndarray:
+    """Entropy (nats) of the distribution HF `output_scores` describe: logits / T, then top-k,
+    then top-p (HF semantics: drop tokens whose ascending cumulative mass is <= 1 - top_p,
+    keep at least one), renormalised; the log is clamped at 1e-12 as the official calibration.
+
+    Args:
+      z: float [..., V] raw logits.
+
+    Returns:
+      float32 [...].
+    """
+    z = z.astype(np.float64) / temperature
+    if top_k:
+        kth = np.sort(z, axis=-1)[..., -top_k][..., None]
+        z = np.where(z >= kth, z, -np.inf)
+    if top_p < 1.0:
+        order = np.argsort(z, axis=-1)
+        zs = np.take_along_axis(z, order, axis=-1)
+        ps = np.exp(zs - zs[..., -1:])
+        ps /= ps.sum(axis=-1, keepdims=True)
+        remove = np.cumsum(ps, axis=-1) <= 1 - top_p
+        remove[..., -1] = False
+        mask = np.empty_like(remove)
+        np.put_along_axis(mask, order, remove, axis=-1)
+        z = np.where(mask, -np.inf, z)
+    m = z.max(axis=-1, keepdims=True)
+    p = np.exp(z - m)
+    p /= p.sum(axis=-1, keepdims=True)
+    return (-(p * np.log(np.maximum(p, 1e-12))).sum(axis=-1)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# τ0 calibration (PAPER.md §1.7)
+
+
+def _generation_setting(params, name, default):
+    return dict(params.generation_config).get(name, default)
+
+
+def calibrate_tau0(
+    params,
+    problems: Sequence[dict],
+    *,
+    n_problems: int = 5,
+    max_new_tokens: int = 4096,
+    temperature: float = CALIBRATION_TEMPERATURE,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    percentile: float = CALIBRATION_PERCENTILE,
+    key: int = 0,
+    chat: bool | None = None,
+    processed: bool = True,
+) -> dict:
+    """τ0 = a percentile of all token entropies the model produces on calibration problems.
+
+    Samples one response per problem at `temperature` (the paper: NVFP4 model, T = 0.6, the
+    checkpoint's generation_config top-k / top-p), concatenates the raw full-vocabulary T=1
+    entropy of every generated token (what ReSET thresholds: `Generation.entropy`) and takes
+    its `percentile`-th percentile (numpy linear interpolation). With `processed=True` the
+    responses are also teacher-forced through the same model to get the entropy of the
+    processed distribution (T, top-k, top-p; what HF `output_scores` hold) and its percentile;
+    the raw one is the τ0 this function returns.
+
+    Args:
+      params: the model to calibrate (the NVFP4 one for ReSET).
+      problems: dicts with `problem`; the first `n_problems` are used.
+      top_p, top_k: None = the generation_config's value (else 0.95 and 0).
+
+    Returns:
+      dict with `tau0` (= `tau0_raw`), `tau0_processed` (or None), `percentile`, `n_tokens`,
+      `entropy_raw` (float32 array of all token entropies), `entropy_processed` (or None),
+      `response_lengths`, `sampler`, `teacher_forced_max_abs_diff` (raw entropy recomputed from
+      teacher-forced logits vs the decode loop's; a consistency check), `used` = "raw".
+    """
+    from rejax import sampling
+    from rejax.generate import generate
+
+    if not isinstance(n_problems, int) or n_problems <= 0:
+        raise ValueError(f"n_problems must be a positive int, got {n_problems!r}")
+    if len(problems) < n_problems:
+        raise ValueError(f"calibration needs {n_problems} problems, the data holds {len(problems)}")
+    if not 0 < percentile < 100:
+        raise ValueError(f"percentile must be in (0, 100), got {percentile}")
+    if chat is None:
+        chat = has_chat_template(params)
+    top_p = float(_generation_setting(params, "top_p", 0.95) if top_p is None else top_p)
+    top_k = int(_generation_setting(params, "top_k", 0) if top_k is None else top_k)
+    top_k = min(top_k, params.cfg.vocab_size)
+    sampler = sampling.Temperature(t=temperature, top_p=top_p, top_k=top_k)
+    texts = [p["problem"] for p in problems[:n_problems]]
+    gen = generate(
+        params,
+        texts,
+        max_new_tokens=max_new_tokens,
+        sampler=sampler,
+        key=key,
+        n=1,
+        chat=chat,
+        progress=False,
+    )
+    raw = np.concatenate([np.asarray(e, np.float32) for e in gen.entropy])
+    if raw.size == 0:
+        raise ValueError("calibration generated no tokens")
+    out = {
+        "tau0": float(np.percentile(raw, percentile)),
+        "tau0_raw": float(np.percentile(raw, percentile)),
+        "tau0_processed": None,
+        "used": "raw",
+        "percentile": percentile,
+        "n_problems": n_problems,
+        "n_tokens": int(raw.size),
+        "entropy_raw": raw,
+        "entropy_processed": None,
+        "response_lengths": [len(t) for t in gen.tokens],
+        "sampler": describe_sampler(sampler),
+        "max_new_tokens": max_new_tokens,
+        "chat": chat,
+        "seed": key,
+        "teacher_forced_max_abs_diff": None,
+    }
+    if processed:
+        seqs, spans = [], []
+        for text, toks in zip(texts, gen.tokens):
+            ids = prompt_ids(params, text, chat=chat)
+            seqs.append(ids + list(toks))
+            spans.append((len(ids) - 1, len(ids) - 1 + len(toks)))
+        proc, diff = [], 0.0
+        for (a, b), z, ent in zip(spans, teacher_forced_logits(params, seqs), gen.entropy):
+            zr = z[a:b]  # logits that predicted each generated token
+            proc.append(processed_entropy(zr, temperature, top_p, top_k))
+            if b > a:
+                diff = max(diff, float(np.max(np.abs(_entropy_np(zr) - np.asarray(ent)))))
+        proc = np.concatenate(proc)
+        out["entropy_processed"] = proc
+        out["tau0_processed"] = float(np.percentile(proc, percentile))
+        out["teacher_forced_max_abs_diff"] = diff
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Observation statistics (PAPER claim (i))
+
+
+OBSERVATION_SETS = ("all", "low", "high", "low_symbolic")
+
+
+def observation_stats(
+    ref_params,
+    problems: Sequence[dict],
+    tokens: Sequence[Sequence[int]],
+    *,
+    n: int,
+    tau0: float,
+    chat: bool | None = None,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """How often sampled tokens leave the reference (BF16) model's argmax, by reference entropy.
+
+    Each response is teacher-forced through `ref_params`; at every generated position the
+    reference entropy H_ref (raw, T=1, full vocabulary) and argmax are recorded. A position is
+    *low-entropy* when H_ref < tau0 and *symbolic* when the reference argmax decodes to text
+    containing a digit. For samples from the reference model itself the off-argmax rate is the
+    sampler's own; for NVFP4 samples it adds the quantization's argmax flips (claim (i)).
+
+    Args:
+      ref_params: the BF16 model.
+      problems: the problems the responses answer (`problem` field), in order.
+      tokens: generated ids, problem-major: responses i*n .. i*n+n-1 answer problems[i].
+      n: samples per problem.
+      tau0: the low-entropy threshold (nats).
+
+    Returns:
+      `summarize_observations` of the per-problem counts: for all / low / high / low-symbolic
+      positions the counts `n_*`, off-argmax counts `off_*`, rates `rate_*` and bootstrap 95%
+      CIs over problems `ci_*`, the mean reference NLL of the sampled tokens at low-entropy
+      positions, and `counts` (int [P, 4, 2]: positions and off-argmax per set) and
+      `nll_low` (float [P, 2]: NLL sum and count) for merging runs.
+    """
+    if len(tokens) != len(problems) * n:
+        raise ValueError(
+            f"expected {len(problems)} problems x n={n} = {len(problems) * n} "
+            f"responses, got {len(tokens)}"
+        )
+    if chat is None:
+        chat = has_chat_template(ref_params)
+    tok = ref_params.tokenizer.tokenizer
+    v = ref_params.cfg.vocab_size
+    digit = np.zeros((v,), bool)
+    n_tok = tok.get_vocab_size(with_added_tokens=True)
+    pieces = tok.decode_batch([[i] for i in range(min(v, n_tok))], skip_special_tokens=False)
+    digit[: len(pieces)] = [any(c.isdigit() for c in s) for s in pieces]
+
+    seqs, spans = [], []
+    for i, p in enumerate(problems):
+        ids = prompt_ids(ref_params, p["problem"], chat=chat)
+        for r in range(i * n, (i + 1) * n):
+            seqs.append(ids + list(tokens[r]))
+            # logits at position j predict token j + 1: the generated tokens are predicted
+            # from positions len(ids) - 1 .. len(ids) + len - 2
+            spans.append((len(ids) - 1, len(ids) - 1 + len(tokens[r])))
+    counts = np.zeros((len(problems), len(OBSERVATION_SETS), 2), np.int64)
+    nll_low = np.zeros((len(problems), 2), np.float64)
+    for s, ((a, b), z) in enumerate(zip(spans, teacher_forced_logits(ref_params, seqs))):
+        if b == a:
+            continue
+        i = s // n
+        z = z[a:b].astype(np.float64)
+        y = np.asarray(seqs[s][a + 1 : b + 1])
+        h = _entropy_np(z)
+        am = z.argmax(axis=-1)
+        off = am != y
+        low = h < tau0
+        masks = (np.ones_like(low), low, ~low, low & digit[am])
+        for k, m in enumerate(masks):
+            counts[i, k] += (m.sum(), (off & m).sum())
+        m = z.max(-1)
+        nll = np.log(np.exp(z - m[:, None]).sum(-1)) + m - z[np.arange(len(y)), y]
+        nll_low[i] += (nll[low].sum(), low.sum())
+    out = summarize_observations(counts, nll_low, n_boot=n_boot, seed=seed)
+    out.update(tau0=tau0, n_responses=len(seqs))
+    return out
+
+
+def summarize_observations(counts, nll_low, *, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Rates and bootstrap CIs (resampling problems) from `observation_stats` counts.
+
+    Args:
+      counts: int [P, 4, 2] per problem and set (`OBSERVATION_SETS`): (positions, off-argmax).
+      nll_low: float [P, 2] per problem: (sum of reference NLL at low-entropy positions, count).
+
+    Returns:
+      dict with `n_<set>`, `off_<set>`, `rate_<set>` (None without positions) and `ci_<set>`
+      (95% percentile interval of the pooled rate over `n_boot` resamples of the problems),
+      `mean_ref_nll_low`, and the inputs as lists under `counts` / `nll_low`.
+    """
+    counts = np.asarray(counts, np.int64)
+    nll_low = np.asarray(nll_low, np.float64)
+    rng = np.random.default_rng(seed)
+    boot = rng.integers(0, len(counts), size=(n_boot, len(counts)))
+    out = {}
+    for k, name in enumerate(OBSERVATION_SETS):
+        c = counts[:, k]
+        total, off = int(c[:, 0].sum()), int(c[:, 1].sum())
+        out[f"n_{name}"] = total
+        out[f"off_{name}"] = off
+        out[f"rate_{name}"] = off / total if total else None
+        out[f"ci_{name}"] = None
+        if total:
+            bt = c[boot].sum(axis=1)  # [n_boot, 2]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                r = bt[:, 1] / bt[:, 0]
+            lo, hi = np.nanquantile(r, [0.025, 0.975])
+            out[f"ci_{name}"] = [float(lo), float(hi)]
+    n_low = nll_low[:, 1].sum()
+    out["mean_ref_nll_low"] = float(nll_low[:, 0].sum() / n_low) if n_low else None
+    out["counts"] = counts.tolist()
+    out["nll_low"] = nll_low.tolist()
+    return out
+
+
+def write_calibration(
+    out_dir: str | Path,
+    result: dict,
+    reference: dict | None = None,
+    *,
+    quant: str = "nvfp4",
+    meta: dict | None = None,
+    prefix: str = "calibrate",
+) -> list[Path]:
+    """Writes a calibration (`calibrate_tau0` results) to `out_dir`.
+
+    Files: `{prefix}.json` (τ0 values, settings, `meta`), `{prefix}_entropies.npz` (every token
+    entropy: `<quant>_raw`, `<quant>_processed`, and `bf16_*` for the reference) and
+    `{prefix}_entropy.png` (histograms of the reference vs the calibrated model with the
+    percentile marked; skipped with a message on stderr when matplotlib is not installed).
+
+    Returns:
+      the paths written.
+    """
+    import sys
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = {quant: result} if reference is None else {"bf16": reference, quant: result}
+    arrays = {}
+    for name, r in runs.items():
+        arrays[f"{name}_raw"] = np.asarray(r["entropy_raw"], np.float32)
+        if r.get("entropy_processed") is not None:
+            arrays[f"{name}_processed"] = np.asarray(r["entropy_processed"], np.float32)
+    npz = out_dir / f"{prefix}_entropies.npz"
+    np.savez_compressed(npz, **arrays)
+
+    def _public(r):
+        return {k: v for k, v in r.items() if not k.startswith("entropy_")}
+
+    summary = dict(meta or {})
+    summary.update(
+        tau0=result["tau0"],
+        used=result["used"],
+        quant=quant,
+        calibration=_public(result),
+        reference_bf16=None if reference is None else _public(reference),
+        entropy_stats={k: _describe(v) for k, v in arrays.items()},
+        files={"entropies": npz.name},
+    )
+    files = [npz]
+    png = out_dir / f"{prefix}_entropy.png"
+    try:
+        _plot_entropies(png, runs, quant, result["percentile"])
+        summary["files"]["plot"] = png.name
+        files.append(png)
+    except ImportError:
+        print(
+            "rejax calibrate: matplotlib is not installed, skipping the entropy plot "
+            "(pip install matplotlib)",
+            file=sys.stderr,
+        )
+    js = out_dir / f"{prefix}.json"
+    js.write_text(json.dumps(summary, indent=2) + "\n")
+    return [js, *files]
+
+
+def _describe(x: np.ndarray) -> dict:
+    q = np.percentile(x, [50, 80, 90, 99]) if x.size else [math.nan] * 4
+    return {
+        "n": int(x.size),
+        "mean": float(x.mean()) if x.size else None,
+        "p50": float(q[0]),
+        "p80": float(q[1]),
+        "p90": float(q[2]),
+        "p99": float(q[3]),
+        "frac_below_0.1": float(np.mean(x < 0.1)) if x.size else None,
+    }
+
+
+def _plot_entropies(path: Path, runs: dict, quant: str, percentile: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = [k for k in ("raw", "processed") if all(k in _kinds(r) for r in runs.values())]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(6 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        top = max(float(np.max(r[f"entropy_{kind}"])) for r in runs.values())
+        bins = np.linspace(0.0, max(top, 1e-3), 60)
+        for (name, r), color in zip(runs.items(), ("tab:blue", "tab:red")):
+            h = np.asarray(r[f"entropy_{kind}"])
+            q = float(np.percentile(h, percentile))
+            ax.hist(
+                h,
+                bins=bins,
+                density=True,
+                histtype="step",
+                lw=1.6,
+                color=color,
+                label=f"{name} (n={h.size}, p{percentile:g}={q:.3f})",
+            )
+            ax.axvline(q, color=color, ls="--", lw=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("token entropy (nats)")
+        ax.set_ylabel("density")
+        title = "raw logits, T=1, full vocabulary" if kind == "raw" else "processed scores"
+        ax.set_title(f"{title} (tau0 = {quant} p{percentile:g})" if kind == "raw" else title)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _kinds(r: dict) -> set:
+    return {k for k in ("raw", "processed") if r.get(f"entropy_{k}") is not None}

@@ -1,0 +1,676 @@
+"""Forward, prefill, decode step and the batched generation loop, plus their host glue.
+
+Device side: `prefill` and `decode_step` are jitted with the KV cache donated; `decode_loop`
+runs the same step body in one jitted `lax.while_loop` with fixed output buffers and a per-row
+done mask. Host side (`generate`): tokenize or render the chat template, pad prompts into a
+few length buckets, decode batch x n rows together, detokenize. Dimension letters: see
+rejax/config.py (B rows, T tokens, S cache slots, V vocab, M max new tokens).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rejax.cache import KVCache, init_cache
+from rejax.model import Model, Params, linear_paths, map_linears
+
+# Prompt lengths are padded up to one of these (then to multiples of the largest), so a
+# handful of compiled shapes serve every prompt.
+_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+# Traces per jitted function; tests read it to check that a second call does not retrace.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+# An E2M1 activation's largest magnitude times E4M3's largest scale: input_scale = amax / this.
+_FP4_X_FP8_MAX = 6.0 * 448.0
+
+
+def _model(params: Params) -> Model:
+    return Model(params.cfg, params.weights["embed_tokens"]["embedding"].dtype)
+
+
+def _forward(params: Params, tokens, positions, cache, logits_at=None):
+    return _model(params).apply({"params": params.weights}, tokens, positions, cache, logits_at)
+
+
+@functools.partial(jax.jit, static_argnames=("all_logits",), donate_argnames=("cache",))
+def prefill(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache | None]:
+    """Runs the prompt through the model, filling the cache.
+
+    Args:
+        params: the model.
+        tokens: [B, T] int32 prompt ids (padding anywhere, marked by positions).
+        positions: [B, T] int32 positions, -1 for padding.
+        cache: KVCache with at least T free slots (donated), or None.
+        all_logits: return logits for all T tokens instead of each row's last token.
+
+    Returns:
+        (float32 logits [B, V] at each row's last prompt token, or [B, T, V]; the cache).
+    """
+    TRACE_COUNTS["prefill"] += 1
+    logits_at = None if all_logits else jnp.argmax(positions, axis=1)
+    return _forward(params, tokens, positions, cache, logits_at)
+
+
+def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
+    """Samples one token per row from `logits`, then feeds it through the model."""
+    from rejax.sampling import sample
+
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, step)  # [B]
+    tokens, sampler_state, info = sample(keys, logits, sampler_state, sampler)
+    tokens = tokens.astype(jnp.int32)
+    next_logits, cache = _forward(params, tokens[:, None], positions[:, None], cache)
+    return tokens, next_logits[:, 0], cache, sampler_state, info
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def decode_step(
+    params: Params,
+    logits: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    sampler,
+    sampler_state,
+    key: jax.Array,
+    step: jax.Array,
+):
+    """One decode step: sample from `logits`, then run the sampled token through the model.
+
+    Used by the streaming host loop and by benchmarks; `decode_loop` runs the same body.
+
+    Args:
+        params: the model.
+        logits: [B, V] float32 logits for the token to sample now.
+        cache: KVCache with a free slot (donated).
+        positions: [B] int32 position the sampled token will occupy.
+        sampler: Greedy | Temperature | ReSET.
+        sampler_state: rejax.sampling.SamplerState.
+        key: [B] per-row PRNG keys; row b samples this step with fold_in(key[b], step).
+        step: [] int32 index of the token being generated.
+
+    Returns:
+        (tokens int32 [B], next logits float32 [B, V], cache, sampler_state,
+         info {"entropy": [B], "temperature": [B]}).
+    """
+    TRACE_COUNTS["decode_step"] += 1
+    return _step(params, logits, cache, positions, sampler, sampler_state, key, step)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Carry of the generation while_loop.
+
+    Attributes:
+        step: [] int32 tokens generated so far (the loop index).
+        logits: [B, V] float32 logits for the next token.
+        cache: KVCache.
+        positions: [B] int32 position of the next token per row.
+        sampler_state: the sampler's SamplerState.
+        done: [B] bool rows that stopped (or are batch padding).
+        stopped: [B] bool rows that emitted a stop token.
+        lengths: [B] int32 tokens generated per row (stop token included).
+        tokens, entropy, temperature: [B, M] output buffers.
+    """
+
+    step: jax.Array
+    logits: jax.Array
+    cache: KVCache
+    positions: jax.Array
+    sampler_state: Any
+    done: jax.Array
+    stopped: jax.Array
+    lengths: jax.Array
+    tokens: jax.Array
+    entropy: jax.Array
+    temperature: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("cache",))
+def decode_loop(
+    params: Params,
+    logits: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    sampler,
+    sampler_state,
+    key: jax.Array,
+    stop_mask: jax.Array,
+    done: jax.Array,
+    max_new_tokens: int,
+) -> DecodeState:
+    """Generates up to M tokens per row in one `lax.while_loop`.
+
+    Rows stop independently when they sample a token in `stop_mask`; the loop ends when every
+    row is done or M tokens were generated. Finished rows keep stepping (fixed shapes) but
+    their outputs are ignored.
+
+    Args:
+        params: the model.
+        logits: [B, V] float32 prefill logits.
+        cache: KVCache with at least M free slots (donated).
+        positions: [B] int32 position of the first generated token per row.
+        sampler, sampler_state: as in `decode_step`.
+        key: [B] per-row PRNG keys; step i of row b uses fold_in(key[b], i).
+        stop_mask: [V] bool stop token ids.
+        done: [B] bool rows to skip (batch padding).
+        max_new_tokens: M (static: the output buffer size).
+
+    Returns:
+        The final DecodeState (outputs in .tokens/.entropy/.temperature, .lengths, .stopped).
+    """
+    TRACE_COUNTS["decode_loop"] += 1
+    b, m = logits.shape[0], max_new_tokens
+    state = DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        positions=positions,
+        sampler_state=sampler_state,
+        done=done,
+        stopped=jnp.zeros((b,), bool),
+        lengths=jnp.zeros((b,), jnp.int32),
+        tokens=jnp.zeros((b, m), jnp.int32),
+        entropy=jnp.zeros((b, m), jnp.float32),
+        temperature=jnp.zeros((b, m), jnp.float32),
+    )
+
+    def cond(s: DecodeState):
+        return (s.step < m) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        tokens, logits, cache, sampler_state, info = _step(
+            params, s.logits, s.cache, s.positions, sampler, s.sampler_state, key, s.step
+        )
+        live = ~s.done
+        hit = live & stop_mask[tokens]
+
+        def put(buf, col):
+            return jax.lax.dynamic_update_slice(buf, col.astype(buf.dtype)[:, None], (0, s.step))
+
+        return DecodeState(
+            step=s.step + 1,
+            logits=logits,
+            cache=cache,
+            positions=s.positions + 1,
+            sampler_state=sampler_state,
+            done=s.done | hit,
+            stopped=s.stopped | hit,
+            lengths=jnp.where(live, s.step + 1, s.lengths),
+            tokens=put(s.tokens, jnp.where(live, tokens, 0)),
+            entropy=put(s.entropy, info["entropy"]),
+            temperature=put(s.temperature, info["temperature"]),
+        )
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclasses.dataclass
+class Generation:
+    """Generated continuations, one entry per row (prompt-major: prompt i's n samples are
+    rows i*n .. i*n+n-1).
+
+    Attributes:
+        tokens: generated ids per row, prompt excluded, stop token included.
+        text: decoded text per row (special tokens skipped; "" without a tokenizer).
+        entropy: per-token raw (T=1) entropy in nats, per row.
+        temperature: per-token temperature the sampler used, per row.
+        finish_reason: "stop" (a stop token was sampled) or "length" per row.
+    """
+
+    tokens: list[list[int]]
+    text: list[str]
+    entropy: list[list[float]]
+    temperature: list[list[float]]
+    finish_reason: list[str]
+
+
+def _bucket(length: int) -> int:
+    for b in _BUCKETS:
+        if length <= b:
+            return b
+    top = _BUCKETS[-1]
+    return -(-length // top) * top
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> list[int]:
+    out = [int(t) for t in ids]
+    if not out:
+        raise ValueError(f"{where} is empty; every prompt needs at least one token")
+    bad = [t for t in out if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{where} holds token ids {bad[:5]} outside [0, {vocab_size})")
+    return out
+
+
+def _tokenizer(params: Params, what: str):
+    if params.tokenizer is None or params.tokenizer.tokenizer is None:
+        raise ValueError(
+            f"{what} needs a tokenizer, but these params carry none "
+            "(load a checkpoint with tokenizer.json or pass token ids)"
+        )
+    return params.tokenizer.tokenizer
+
+
+def render_chat(params: Params, content: str) -> str:
+    """Renders one user message with the checkpoint's chat template (as transformers does).
+
+    Uses a sandboxed jinja2 environment with transformers' settings (trim_blocks,
+    lstrip_blocks, loopcontrols, a non-escaping `tojson`, `raise_exception`,
+    `strftime_now`) and add_generation_prompt=True.
+
+    Raises:
+        ValueError: if the params carry no chat template.
+    """
+    host = params.tokenizer
+    template = None if host is None else host.chat_template
+    if not template:
+        raise ValueError(
+            "chat=True but the checkpoint has no chat template "
+            "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
+        )
+    return _compile_template(template).render(
+        messages=[{"role": "user", "content": content}],
+        tools=None,
+        documents=None,
+        add_generation_prompt=True,
+        **host.special_tokens,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_template(template: str):
+    import datetime
+    import json
+
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _prompt_ids(params: Params, prompt, chat: bool) -> list[list[int]]:
+    v = params.cfg.vocab_size
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise ValueError(
+            f"prompt must be a str, a non-empty list of str, or a list of token-id "
+            f"lists; got {type(prompt).__name__} {prompt!r:.80}"
+        )
+    if all(isinstance(p, str) for p in prompt):
+        tok = _tokenizer(params, "a text prompt")
+        out = []
+        for i, p in enumerate(prompt):
+            if not p:
+                raise ValueError(f"prompt[{i}] is the empty string")
+            if chat:
+                ids = tok.encode(render_chat(params, p), add_special_tokens=False).ids
+            else:
+                ids = tok.encode(p).ids
+            out.append(_check_ids(ids, v, f"prompt[{i}] ({p!r:.40} tokenized)"))
+        return out
+    if all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
+        if chat:
+            raise ValueError("chat=True needs text prompts, got token ids")
+        return [_check_ids(p, v, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    raise ValueError(
+        "prompt must be a str, a list of str, or a list of token-id lists; got a "
+        f"list mixing {sorted({type(p).__name__ for p in prompt})}"
+    )
+
+
+def _stop_mask(params: Params, stop) -> np.ndarray:
+    v = params.cfg.vocab_size
+    if stop is None:
+        ids = set(params.cfg.eos_token_ids)
+        eos = dict(params.generation_config).get("eos_token_id")
+        if eos is not None:
+            ids |= set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+    else:
+        if isinstance(stop, (str, int)):
+            stop = [stop]
+        ids = set()
+        for s in stop:
+            if isinstance(s, str):
+                enc = _tokenizer(params, f"stop string {s!r}").encode(s, add_special_tokens=False)
+                if len(enc.ids) != 1:
+                    raise ValueError(
+                        f"stop string {s!r} is {len(enc.ids)} tokens {enc.ids}; "
+                        "stop entries must be single tokens"
+                    )
+                ids.add(enc.ids[0])
+            else:
+                ids.add(int(s))
+    bad = sorted(t for t in ids if not 0 <= t < v)
+    if bad:
+        raise ValueError(f"stop token ids {bad} outside [0, {v})")
+    mask = np.zeros((v,), bool)
+    mask[sorted(ids)] = True
+    return mask
+
+
+def _prepare_sampler(params: Params, sampler):
+    from rejax import sampling
+
+    if not isinstance(sampler, (sampling.Greedy, sampling.Temperature, sampling.ReSET)):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError in rejax)
+            f"unknown sampler type {type(sampler).__name__}; expected "
+            "rejax.Greedy(), rejax.Temperature(...) or rejax.ReSET(...)"
+        )
+    if isinstance(sampler, sampling.ReSET) and (
+        sampler.nl_mask is None or sampler.dnl_mask is None
+    ):
+        tok = _tokenizer(params, "ReSET's newline masks")
+        nl, dnl = sampling.newline_masks(tok, params.cfg.vocab_size)
+        sampler = dataclasses.replace(sampler, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
+    return sampler
+
+
+def _pad_batch(prompts: list[list[int]], rows: int, bucket: int):
+    """Left-pads prompts into [rows, bucket]; rows past len(prompts) are dummy (done)."""
+    tokens = np.zeros((rows, bucket), np.int32)
+    positions = np.full((rows, bucket), -1, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for r, p in enumerate(prompts):
+        tokens[r, bucket - len(p) :] = p
+        positions[r, bucket - len(p) :] = np.arange(len(p))
+        lengths[r] = len(p)
+    # Dummy rows hold one token at position 0 so their attention is well defined.
+    positions[len(prompts) :, -1] = 0
+    done = np.arange(rows) >= len(prompts)
+    return tokens, positions, lengths, done
+
+
+def generate(
+    params: Params,
+    prompt: str | Sequence[str] | Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 256,
+    sampler=None,
+    key: int | jax.Array = 0,
+    n: int = 1,
+    stop: Iterable[int | str] | None = None,
+    batch_size: int | None = None,
+    chat: bool = False,
+    stream: bool | Callable[[str], Any] = False,
+    progress: bool | None = None,
+) -> Generation:
+    """Generates continuations for one or many prompts.
+
+    Prompts are tokenized (or rendered through the chat template with `chat=True`), each is
+    repeated n times, and batch_size prompts (batch_size * n rows) are decoded together: one
+    jitted prefill and one jitted while_loop per batch. Prompt lengths are padded to a few
+    buckets and the last batch is padded with dummy rows, so equal-shaped calls reuse the
+    compiled code. Results are deterministic for a key.
+
+    Args:
+        params: the model (with a tokenizer for text prompts, chat and ReSET).
+        prompt: a str, a list of str, or token ids as a list of lists.
+        max_new_tokens: M > 0 tokens to generate at most per row.
+        sampler: rejax.Greedy() (default), rejax.Temperature(...) or rejax.ReSET(...); ReSET's
+            newline masks are filled from the tokenizer when None.
+        key: int seed or PRNG key. Row r (prompt-major over all prompts) samples step i with
+            fold_in(fold_in(key, r), i), so results do not depend on batch_size.
+        n: samples per prompt.
+        stop: stop token ids (or single-token strings); None = the config's and
+            generation_config's EOS ids; [] = never stop early.
+        batch_size: prompts per batch (default: all at once).
+        chat: render each text prompt as one user message with the chat template.
+        stream: True prints text to stdout as it is generated, or a callable receiving each
+            new text piece; single prompt with n=1 only (host loop over `decode_step`).
+        progress: show a tqdm bar over batches (None: when there is more than one batch).
+
+    Returns:
+        Generation with one row per (prompt, sample).
+    """
+    from rejax import sampling
+
+    if sampler is None:
+        sampler = sampling.Greedy()
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if not isinstance(n, (int, np.integer)) or n <= 0:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    sampler = _prepare_sampler(params, sampler)
+    prompts = _prompt_ids(params, prompt, chat)
+    if batch_size is None:
+        batch_size = len(prompts)
+    if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    limit = params.cfg.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt[{i}] has {len(p)} tokens; with max_new_tokens="
+                f"{max_new_tokens} that exceeds max_position_embeddings={limit}"
+            )
+    stop_mask = jnp.asarray(_stop_mask(params, stop))
+    if isinstance(key, (int, np.integer)):
+        key = jax.random.key(int(key))
+    if stream:
+        if len(prompts) != 1 or n != 1:
+            raise ValueError(
+                f"stream=True needs a single prompt with n=1, got {len(prompts)} prompts and {n=}"
+            )
+        emit = stream if callable(stream) else _print_piece
+        return _generate_stream(
+            params, prompts[0], max_new_tokens, sampler, _row_keys(key, 0, 1), stop_mask, emit
+        )
+
+    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
+    show = len(batches) > 1 if progress is None else bool(progress)
+    it = enumerate(batches)
+    if show:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, total=len(batches), desc="generate", unit="batch")
+    rows: list[tuple] = []
+    for j, batch in it:
+        keys = _row_keys(key, j * batch_size * n, batch_size * n)
+        rows.extend(
+            _generate_batch(
+                params, batch, n, batch_size * n, max_new_tokens, sampler, keys, stop_mask
+            )
+        )
+    return _to_generation(params, rows)
+
+
+def _row_keys(key, first: int, rows: int) -> jax.Array:
+    """[rows] keys fold_in(key, first + r)."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        key, jnp.arange(first, first + rows, dtype=jnp.uint32)
+    )
+
+
+def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop_mask):
+    from rejax.sampling import sampler_init
+
+    expanded = [p for p in prompts for _ in range(n)]
+    bucket = _bucket(max(len(p) for p in expanded))
+    tokens, positions, lengths, done = _pad_batch(expanded, rows, bucket)
+    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    cache = init_cache(params.cfg, rows, bucket + max_new_tokens, dtype)
+    logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    out = decode_loop(
+        params,
+        logits,
+        cache,
+        jnp.asarray(lengths),
+        sampler,
+        sampler_init(sampler, rows),
+        key,
+        stop_mask,
+        jnp.asarray(done),
+        max_new_tokens=max_new_tokens,
+    )
+    toks, ent, temp, lens, stopped = jax.device_get(
+        (out.tokens, out.entropy, out.temperature, out.lengths, out.stopped)
+    )
+    return [
+        (toks[r, : lens[r]], ent[r, : lens[r]], temp[r, : lens[r]], bool(stopped[r]))
+        for r in range(len(expanded))
+    ]
+
+
+def _print_piece(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, emit):
+    from rejax.sampling import sampler_init
+
+    bucket = _bucket(len(prompt))
+    tokens, positions, lengths, _ = _pad_batch([prompt], 1, bucket)
+    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    cache = init_cache(params.cfg, 1, bucket + max_new_tokens, dtype)
+    logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    state = sampler_init(sampler, 1)
+    pos = jnp.asarray(lengths)
+    stop = np.asarray(stop_mask)
+    tok = None if params.tokenizer is None else params.tokenizer.tokenizer
+    out, ent, temp, shown, stopped = [], [], [], "", False
+    for step in range(max_new_tokens):
+        t, logits, cache, state, info = decode_step(
+            params, logits, cache, pos, sampler, state, key, jnp.int32(step)
+        )
+        pos = pos + 1
+        t = int(t[0])
+        out.append(t)
+        ent.append(float(info["entropy"][0]))
+        temp.append(float(info["temperature"][0]))
+        if tok is not None:
+            text = tok.decode(out, skip_special_tokens=True)
+            # Hold back an incomplete UTF-8 sequence until the next token completes it.
+            if not text.endswith("\ufffd") and text.startswith(shown):
+                emit(text[len(shown) :])
+                shown = text
+        if stop[t]:
+            stopped = True
+            break
+    if tok is not None:
+        text = tok.decode(out, skip_special_tokens=True)
+        if text.startswith(shown) and len(text) > len(shown):
+            emit(text[len(shown) :])
+    return _to_generation(params, [(np.asarray(out), np.asarray(ent), np.asarray(temp), stopped)])
+
+
+def _to_generation(params: Params, rows) -> Generation:
+    tok = None if params.tokenizer is None else params.tokenizer.tokenizer
+    tokens = [[int(t) for t in r[0]] for r in rows]
+    return Generation(
+        tokens=tokens,
+        text=[tok.decode(t, skip_special_tokens=True) if tok is not None else "" for t in tokens],
+        entropy=[[float(e) for e in r[1]] for r in rows],
+        temperature=[[float(e) for e in r[2]] for r in rows],
+        finish_reason=["stop" if r[3] else "length" for r in rows],
+    )
+
+
+def logits(params: Params, tokens) -> jax.Array:
+    """Full-sequence logits without a cache (scoring and tests).
+
+    Args:
+        params: the model.
+        tokens: [B, T] int token ids, no padding.
+
+    Returns:
+        float32 [B, T, V].
+    """
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or tokens.shape[1] == 0 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(
+            f"tokens must be int [B, T] with T > 0, got {tokens.shape=} {tokens.dtype=}"
+        )
+    v, limit = params.cfg.vocab_size, params.cfg.max_position_embeddings
+    if tokens.shape[1] > limit:
+        raise ValueError(f"{tokens.shape=} exceeds max_position_embeddings={limit}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= v:
+        raise ValueError(f"token ids span [{lo}, {hi}], outside [0, {v})")
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return prefill(params, tokens.astype(jnp.int32), positions, None, all_logits=True)[0]
+
+
+def calibrate_input_scales(
+    params: Params, texts: str | Sequence[str] | Sequence[Sequence[int]]
+) -> Params:
+    """Sets each NVFP4 linear's static activation scale from calibration text.
+
+    Runs every text (unpadded, one at a time) through the model with NVFP4 weights and bf16
+    activations (activation quantizers off while calibrating, as ModelOpt does), records each
+    linear's input amax over all texts, and sets `input_scale = amax / (6 * 448)`.
+
+    Args:
+        params: an NVFP4 W4A4 model (cfg.quant == "nvfp4").
+        texts: calibration strings (needs a tokenizer) or token-id lists.
+
+    Returns:
+        Params with an `input_scale` f32 [] in every decoder linear.
+    """
+    cfg = params.cfg
+    if cfg.quant != "nvfp4":
+        raise ValueError(
+            f"calibrate_input_scales needs cfg.quant == 'nvfp4' (W4A4), got {cfg.quant!r}"
+        )
+    prompts = _prompt_ids(params, texts, chat=False)
+    bare = map_linears(
+        params.weights, lambda _, p: {k: x for k, x in p.items() if k != "input_scale"}
+    )
+    model = Model(
+        dataclasses.replace(cfg, quant="nvfp4-w4a16"),
+        params.weights["embed_tokens"]["embedding"].dtype,
+    )
+    # One compiled forward per text length (a one-off pass, not part of generation).
+    forward = jax.jit(functools.partial(model.apply, mutable=["amax"]))
+    amax: dict = {}
+    for p in prompts:
+        tokens = jnp.asarray([p], jnp.int32)
+        positions = jnp.arange(len(p), dtype=jnp.int32)[None]
+        _, found = forward({"params": bare}, tokens, positions)
+        for path in linear_paths(params.weights):
+            layer, block, name = path
+            value = float(found["amax"][layer][block][name]["input"])
+            amax[path] = max(amax.get(path, 0.0), value)
+    tiny = float(np.finfo(np.float32).tiny)
+
+    def set_scale(path, p):
+        q = dict(p)
+        q["input_scale"] = jnp.asarray(max(amax[path], tiny) / _FP4_X_FP8_MAX, jnp.float32)
+        return q
+
+    return dataclasses.replace(params, weights=map_linears(bare, set_scale))

@@ -1,0 +1,575 @@
+"""NVFP4: the 4-bit block-scaled format every rejax weight and activation becomes.
+
+GEMM letters in this file: M rows of x, N out features (weight rows), K in features.
+
+An NVFP4 tensor of logical shape [rows, K] stores
+  * E2M1 codes, two per byte: element 2j in the low nibble of byte j, 2j+1 in the high nibble
+    (`packed`, uint8 [rows, K/2]); code bit 3 is the sign, codes 8..15 are the negatives;
+  * one E4M3 scale per 16 consecutive elements along K (`scales`, float8_e4m3fn [rows, K/16]);
+  * a float32 global scale (`global_scale`, [] or, for per-row dynamic activations, [rows]).
+It dequantizes as `e2m1(code) * (float(scale) * global_scale)`.
+
+Weights follow NVIDIA ModelOpt's `NVFP4QTensor.quantize` bit for bit (computed host-side in numpy
+float32, the same IEEE operations in the same order). Activations follow the vLLM / TensorRT-LLM
+recipe with the division order of torchao's `nvfp4_quantize` (static global scale, dynamic block
+scales) and are jittable. `nvfp4_matmul` is the reference the CUDA kernel is checked against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+# torchao's `nvfp4_quantize` clamps block scales to at least the smallest normal E4M3 (2**-6);
+# the TensorRT-LLM / vLLM kernels do not (subnormal scales and SF = 0 occur). Pass this as
+# `min_block_scale` to reproduce torchao.
+TORCHAO_MIN_BLOCK_SCALE = 2.0**-6
+# ModelOpt clamps weight block scales to the smallest E4M3 subnormal before the cast.
+_WEIGHT_MIN_BLOCK_SCALE = 2.0**-9
+
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+# Midpoints between consecutive E2M1 magnitudes. Round-to-nearest-even: a value exactly on a
+# midpoint goes to the even code, i.e. down at 0.25, 1.25, 2.5, 5 and up at 0.75, 1.75, 3.5.
+_ROUND_DOWN_TIES = (0.25, 1.25, 2.5, 5.0)
+_ROUND_UP_TIES = (0.75, 1.75, 3.5)
+
+_FLOAT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+_ACTS = ("w4a4", "w4a16")
+# Budget (in f32 elements) for the [G, M, N] block partials materialized per scan step.
+_PARTIALS_BUDGET = 1 << 24
+# Up to this many rows (decode shapes, the kernel's domain) the matmul reference adds the block
+# partials in block order; above it, one dot over pre-scaled values (XLA's summation order).
+SEQUENTIAL_MAX_M = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Nvfp4Tensor:
+    """NVFP4 tensor of logical shape (rows, K).
+
+    Attributes:
+        packed: uint8 [rows, K // 2]; element 2j in the low nibble of byte j, 2j+1 in the high one.
+        scales: float8_e4m3fn [rows, K // 16]; scale j covers elements 16j .. 16j + 15.
+        global_scale: float32 [] (weights, static activations) or [rows] (per-row dynamic
+            activation scale).
+        shape: static logical shape (rows, K).
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+    shape: tuple[int, int] = dataclasses.field(metadata={"static": True})
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of packed codes + block scales + global scale(s)."""
+        return int(self.packed.size + self.scales.size + 4 * self.global_scale.size)
+
+
+jax.tree_util.register_dataclass(Nvfp4Tensor)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _is_concrete(a: Any) -> bool:
+    return not isinstance(a, jax.core.Tracer)
+
+
+def _check_matrix(name: str, a: Any, dtypes=_FLOAT_DTYPES) -> None:
+    shape = tuple(np.shape(a))
+    if len(shape) != 2:
+        raise ValueError(f"{name} must be 2-D [rows, K], got shape {shape}")
+    if shape[1] == 0 or shape[1] % BLOCK:
+        raise ValueError(
+            f"{name}.shape={shape}: K={shape[1]} must be a positive multiple of {BLOCK}"
+        )
+    dtype = np.dtype(a.dtype)
+    if dtype not in dtypes:
+        raise ValueError(
+            f"{name}.dtype={dtype} not supported; expected one of {[str(d) for d in dtypes]}"
+        )
+
+
+def _check_finite(name: str, a: Any) -> None:
+    if not _is_concrete(a):
+        return
+    a32 = np.asarray(a).astype(np.float32)
+    bad = ~np.isfinite(a32)
+    if bad.any():
+        idx = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{name} (shape {a32.shape}) has {int(bad.sum())} non-finite values, "
+            f"first at {idx}: {a32[idx]}"
+        )
+
+
+def _check_input_scale(input_scale: Any) -> jax.Array:
+    if np.size(input_scale) != 1:
+        raise ValueError(
+            f"input_scale must be a scalar (or shape [1]), got shape {np.shape(input_scale)}"
+        )
+    if _is_concrete(input_scale):
+        value = float(np.asarray(input_scale, dtype=np.float32).reshape(()))
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"input_scale must be finite and > 0, got {value}")
+    return jnp.asarray(input_scale, jnp.float32).reshape(())
+
+
+# ----------------------------------------------------------------------------- E2M1 codes
+
+
+def _e2m1_magnitude(a, xp):
+    """|v| -> E2M1 magnitude code 0..7 (RNE, saturating at 6); a = |v| in float32."""
+    code = sum((a > t).astype(xp.uint8) for t in _ROUND_DOWN_TIES)
+    code = code + sum((a >= t).astype(xp.uint8) for t in _ROUND_UP_TIES)
+    return code.astype(xp.uint8)
+
+
+def e2m1_round(v: jax.Array) -> jax.Array:
+    """Rounds float32 values to E2M1 codes (RNE, saturating to +-6; the sign bit of v is kept).
+
+    Args:
+        v: float array (any shape), finite.
+
+    Returns:
+        uint8 codes of v's shape; -0.0 and negatives that round to zero give code 8.
+    """
+    v = jnp.asarray(v, jnp.float32)
+    sign = jnp.signbit(v).astype(jnp.uint8) << 3
+    return _e2m1_magnitude(jnp.abs(v), jnp) | sign
+
+
+def pack_e2m1(codes: jax.Array) -> jax.Array:
+    """Packs E2M1 codes two per byte (element 2j in the low nibble of byte j).
+
+    Args:
+        codes: uint8 [rows, K], values 0..15, K even.
+
+    Returns:
+        uint8 [rows, K // 2].
+    """
+    shape = tuple(np.shape(codes))
+    if len(shape) != 2 or shape[1] % 2:
+        raise ValueError(f"codes must be 2-D [rows, K] with K even, got shape {shape}")
+    if np.dtype(codes.dtype) != np.uint8:
+        raise ValueError(f"codes.dtype={np.dtype(codes.dtype)}, expected uint8")
+    if _is_concrete(codes) and shape[1] and int(np.max(np.asarray(codes), initial=0)) > 15:
+        raise ValueError(f"codes must be 0..15, got max {int(np.max(np.asarray(codes)))}")
+    codes = jnp.asarray(codes)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(jnp.uint8)
+
+
+def unpack_e2m1(packed: jax.Array) -> jax.Array:
+    """Inverse of `pack_e2m1`: uint8 [rows, K // 2] -> uint8 codes [rows, K]."""
+    shape = tuple(np.shape(packed))
+    if len(shape) != 2:
+        raise ValueError(f"packed must be 2-D [rows, K // 2], got shape {shape}")
+    if np.dtype(packed.dtype) != np.uint8:
+        raise ValueError(f"packed.dtype={np.dtype(packed.dtype)}, expected uint8")
+    packed = jnp.asarray(packed)
+    codes = jnp.stack([packed & 0x0F, packed >> 4], axis=-1)  # [rows, K // 2, 2]
+    return codes.reshape(shape[0], shape[1] * 2)
+
+
+def _pack_np(codes: np.ndarray) -> np.ndarray:
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+
+
+# ----------------------------------------------------------------------------- exact division
+
+
+def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """IEEE float32 a / b (round to nearest even) for a >= 0, b > 0, computed with integers.
+
+    XLA's simplifier rewrites float divisions (x / c -> x * (1 / c), (x / y) / z -> x / (y * z),
+    x / broadcast(y) -> x * broadcast(1 / y)), which changes roundings under jit and so the E4M3
+    scales and E2M1 ties. Integer long division of the significands is never rewritten, so eager,
+    jit, CPU and GPU give the same bits (checked against numpy on 4M random pairs, subnormal
+    operands included). Results below 2**-126 flush to 0 (as XLA does on CPU); results above the
+    float32 range become inf.
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    u32 = jnp.uint32
+
+    def unpack(v):
+        bits = jax.lax.bitcast_convert_type(v, u32)
+        exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
+        man = bits & u32(0x7FFFFF)
+        # Normalize subnormals: shift the leading one up to bit 23.
+        shift = jnp.maximum(jax.lax.clz(man).astype(jnp.int32) - 8, 0)
+        sub = exp == 0
+        man = jnp.where(sub, man << shift.astype(u32), man | u32(0x800000))
+        exp = jnp.where(sub, 1 - shift, exp)
+        return exp, man
+
+    a_zero = (jax.lax.bitcast_convert_type(a, u32) & u32(0x7FFFFFFF)) == 0
+    ea, ma = unpack(a)
+    eb, mb = unpack(b)
+
+    # 27 quotient bits of ma / mb in [0.5, 2): q = floor(ma * 2**26 / mb), remainder r.
+    def step(_, qr):
+        q, r = qr
+        ge = r >= mb
+        return (q << 1) | ge.astype(u32), jnp.where(ge, r - mb, r) << 1
+
+    q, r = jax.lax.fori_loop(0, 27, step, (jnp.zeros_like(ma), ma))
+    big = q >= u32(1 << 26)  # quotient >= 1: 27 significant bits, else 26
+    shift = jnp.where(big, u32(3), u32(2))
+    exp = ea - eb + 126 + big.astype(jnp.int32)
+    man = q >> shift
+    rest = q & ((u32(1) << shift) - 1)
+    half = u32(1) << (shift - 1)
+    sticky = ((rest & (half - 1)) != 0) | (r != 0)
+    round_up = ((rest & half) != 0) & (sticky | ((man & 1) == 1))
+    man = man + round_up.astype(u32)
+    carry = man >= u32(1 << 24)
+    man = jnp.where(carry, man >> 1, man)
+    exp = exp + carry.astype(jnp.int32)
+    bits = (jnp.clip(exp, 0, 255).astype(u32) << 23) | (man & u32(0x7FFFFF))
+    bits = jnp.where(exp >= 255, u32(0x7F800000), bits)
+    bits = jnp.where((exp <= 0) | a_zero, u32(0), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+
+def quantize_weight(w: Any) -> Nvfp4Tensor:
+    """Quantizes a weight matrix to NVFP4 exactly as ModelOpt's `NVFP4QTensor.quantize`.
+
+    Computed in numpy float32 on the host (offline), mirroring ModelOpt op for op:
+    global = amax(|w|) / 2688; block scale = E4M3(clamp(amax_blk / (6 * global), 2**-9, 448)),
+    1.0 for an all-zero block; code = E2M1_rn_sat(w / (float(scale) * global)) with IEEE
+    division; the sign bit is set for scaled values < 0 (so -0.0 gives code 0).
+    An all-zero matrix (where ModelOpt produces NaN) gives codes 0, scales 1.0, global 0.0.
+
+    Args:
+        w: [N, K] bfloat16 / float16 / float32 (numpy or jax array), finite, K % 16 == 0.
+
+    Returns:
+        Nvfp4Tensor with shape (N, K) and a scalar global scale.
+    """
+    _check_matrix("w", w)
+    _check_finite("w", w)
+    n, k = np.shape(w)
+    x = np.asarray(w).astype(np.float32)
+    amax = np.float32(np.max(np.abs(x)))
+    global_scale = amax / np.float32(E2M1_MAX * E4M3_MAX)
+    if amax == 0:
+        return Nvfp4Tensor(
+            packed=jnp.zeros((n, k // 2), jnp.uint8),
+            scales=jnp.ones((n, k // BLOCK), jnp.float8_e4m3fn),
+            global_scale=jnp.zeros((), jnp.float32),
+            shape=(n, k),
+        )
+    if global_scale == 0:
+        raise ValueError(f"w amax {amax!r} is too small: amax / 2688 underflows float32 to 0")
+    blocks = x.reshape(n, k // BLOCK, BLOCK)
+    block_amax = np.max(np.abs(blocks), axis=-1)  # [N, K/16]
+    scale = block_amax / (np.float32(E2M1_MAX) * global_scale)
+    scale[scale == 0] = np.float32(1.0)
+    scale = np.clip(scale, np.float32(_WEIGHT_MIN_BLOCK_SCALE), np.float32(E4M3_MAX))
+    scale_e4m3 = scale.astype(ml_dtypes.float8_e4m3fn)
+    denom = scale_e4m3.astype(np.float32) * global_scale  # [N, K/16]
+    scaled = (blocks / denom[..., None]).reshape(n, k)
+    codes = _e2m1_magnitude(np.abs(scaled), np) | ((scaled < 0).astype(np.uint8) << 3)
+    return Nvfp4Tensor(
+        packed=jnp.asarray(_pack_np(codes)),
+        scales=jnp.asarray(scale_e4m3),
+        global_scale=jnp.asarray(global_scale, jnp.float32),
+        shape=(n, k),
+    )
+
+
+def dynamic_global_scale(x: jax.Array) -> jax.Array:
+    """Per-row dynamic activation global scale amax(|x_row|) / (6 * 448); 1.0 for zero rows.
+
+    Args:
+        x: [M, K] float.
+
+    Returns:
+        float32 [M].
+    """
+    amax = jnp.max(jnp.abs(jnp.asarray(x).astype(jnp.float32)), axis=-1)
+    scale = _div_rn(amax, E2M1_MAX * E4M3_MAX)
+    return jnp.where(scale > 0, scale, jnp.float32(1.0))
+
+
+def quantize_activation(
+    x: jax.Array, input_scale: Any = None, *, min_block_scale: float = 0.0
+) -> Nvfp4Tensor:
+    """Quantizes activations to NVFP4 (static or per-row global scale, dynamic block scales).
+
+    Per row m and block j (TensorRT-LLM / vLLM recipe, torchao's division order):
+      SF = E4M3_satfinite(max(amax_blk / 6 / g, min_block_scale));
+      out_scale = (1 / g) / float(SF), or 0 when SF == 0;
+      code = E2M1_rn_sat(x * out_scale), sign bit from x's sign bit (-0.0 -> code 8).
+    Jittable; validation of values happens only for concrete (non-traced) inputs.
+
+    Args:
+        x: [M, K] bfloat16 / float16 / float32, K % 16 == 0.
+        input_scale: float32 scalar g > 0 (calibrated amax / (6 * 448)); None -> per-row dynamic
+            g = amax(|x_row|) / (6 * 448) (1.0 for an all-zero row).
+        min_block_scale: lower clamp on the block scale before the E4M3 cast; 0 follows the
+            TensorRT-LLM / vLLM kernels, `TORCHAO_MIN_BLOCK_SCALE` reproduces torchao.
+
+    Returns:
+        Nvfp4Tensor of shape (M, K); global_scale [] for a static scale, [M] when dynamic.
+    """
+    _check_matrix("x", x)
+    _check_finite("x", x)
+    if not (np.isfinite(min_block_scale) and 0.0 <= min_block_scale <= E4M3_MAX):
+        raise ValueError(f"min_block_scale must be in [0, 448], got {min_block_scale}")
+    if input_scale is not None:
+        input_scale = _check_input_scale(input_scale)
+    return _quantize_activation_arrays(jnp.asarray(x), input_scale, float(min_block_scale))
+
+
+# Jitted so that eager calls (tests, debugging) compile once per shape instead of once per op;
+# inside an outer jit it is inlined like any other traced function.
+@functools.partial(jax.jit, static_argnames="min_block_scale")
+def _quantize_activation_arrays(x, input_scale, min_block_scale):
+    m, k = x.shape
+    xf = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)  # [M, K/16, 16]
+    block_amax = jnp.max(jnp.abs(xf), axis=-1)  # [M, K/16]
+    if input_scale is None:
+        global_scale = dynamic_global_scale(x)  # [M]
+        g = global_scale[:, None]
+    else:
+        global_scale = g = input_scale
+    sf = _div_rn(_div_rn(block_amax, E2M1_MAX), g)  # IEEE divisions, in torchao's order
+    sf = jnp.clip(sf, jnp.float32(min_block_scale), jnp.float32(E4M3_MAX))
+    sf_e4m3 = sf.astype(jnp.float8_e4m3fn)
+    sf32 = sf_e4m3.astype(jnp.float32)
+    nonzero = sf32 > 0
+    out_scale = _div_rn(_div_rn(1.0, g), jnp.where(nonzero, sf32, 1.0))
+    out_scale = jnp.where(nonzero, out_scale, 0.0)
+    scaled = jnp.clip(xf * out_scale[..., None], -E2M1_MAX, E2M1_MAX)
+    codes = e2m1_round(scaled).reshape(m, k)
+    return Nvfp4Tensor(
+        packed=pack_e2m1(codes),
+        scales=sf_e4m3,
+        global_scale=global_scale,
+        shape=(m, k),
+    )
+
+
+def _check_tensor(name: str, t: Any) -> None:
+    if not isinstance(t, Nvfp4Tensor):
+        raise ValueError(f"{name} must be an Nvfp4Tensor, got {type(t).__name__}")  # noqa: TRY004
+    rows, k = t.shape
+    expect = {
+        "packed": ((rows, k // 2), np.uint8),
+        "scales": ((rows, k // BLOCK), np.dtype(jnp.float8_e4m3fn)),
+    }
+    for field, (shape, dtype) in expect.items():
+        a = getattr(t, field)
+        if tuple(a.shape) != shape or np.dtype(a.dtype) != np.dtype(dtype):
+            raise ValueError(
+                f"{name}.{field} has shape {tuple(a.shape)} dtype {a.dtype}; expected {shape} "
+                f"{np.dtype(dtype)} for logical shape {t.shape}"
+            )
+    if tuple(t.global_scale.shape) not in ((), (rows,)):
+        raise ValueError(
+            f"{name}.global_scale shape {tuple(t.global_scale.shape)}, expected () or ({rows},)"
+        )
+
+
+def _block_values(t: Nvfp4Tensor) -> jax.Array:
+    """E2M1 values as float32 [rows, K/16, 16]."""
+    codes = unpack_e2m1(t.packed)
+    return jnp.asarray(E2M1_VALUES)[codes].reshape(t.rows, t.k // BLOCK, BLOCK)
+
+
+def _row_global(t: Nvfp4Tensor) -> jax.Array:
+    """Global scale broadcastable over rows: [] or [rows, 1]."""
+    g = t.global_scale.astype(jnp.float32)
+    return g[:, None] if g.ndim == 1 else g
+
+
+def dequantize(t: Nvfp4Tensor) -> jax.Array:
+    """Dequantizes an NVFP4 tensor: e2m1(code) * (float(scale) * global_scale).
+
+    Args:
+        t: Nvfp4Tensor of shape (rows, K).
+
+    Returns:
+        float32 [rows, K].
+    """
+    _check_tensor("t", t)
+    return _dequantize_arrays(t)
+
+
+@jax.jit
+def _dequantize_arrays(t: Nvfp4Tensor) -> jax.Array:
+    block_scale = t.scales.astype(jnp.float32) * _row_global(t)  # [rows, K/16]
+    return (_block_values(t) * block_scale[..., None]).reshape(t.rows, t.k)
+
+
+# ----------------------------------------------------------------------------- matmul
+
+
+def _blockwise_accumulate(
+    xv: jax.Array, wv: jax.Array, sw: jax.Array, sx: jax.Array | None, budget: int
+) -> jax.Array:
+    """sum_j (sw[n, j] * sx[m, j]) * P[m, n, j] in float32, added in block order j = 0, 1, ...
+
+    xv: f32 [M, J, 16]; wv: f32 [N, J, 16]; sw: f32 [N, J]; sx: f32 [M, J] or None (no x scale).
+    P[m, n, j] is the 16-element dot of block j. Chunks of G blocks are materialized as
+    [G, M, N] per scan step, so memory stays bounded for large M; the float32 additions are the
+    same ((t_0 + t_1) + t_2) + ... for any G. Returns f32 [M, N].
+    """
+    m, j, _ = xv.shape
+    n = wv.shape[0]
+    g = max(1, min(j, budget // max(1, m * n)))
+    chunks = -(-j // g)
+    pad = chunks * g - j
+    # Zero blocks add exactly 0, so padding the block axis does not change the result.
+    xv = jnp.pad(xv, ((0, 0), (0, pad), (0, 0))).reshape(m, chunks, g, BLOCK)
+    wv = jnp.pad(wv, ((0, 0), (0, pad), (0, 0))).reshape(n, chunks, g, BLOCK)
+    sw = jnp.pad(sw, ((0, 0), (0, pad))).reshape(n, chunks, g)
+    if sx is not None:
+        sx = jnp.pad(sx, ((0, 0), (0, pad))).reshape(m, chunks, g)
+
+    def body(acc, c):
+        xc = jax.lax.dynamic_index_in_dim(xv, c, axis=1, keepdims=False)  # [M, G, 16]
+        wc = jax.lax.dynamic_index_in_dim(wv, c, axis=1, keepdims=False)  # [N, G, 16]
+        partials = jnp.einsum("mgk,ngk->gmn", xc, wc, precision=jax.lax.Precision.HIGHEST)
+        scale = jax.lax.dynamic_index_in_dim(sw, c, axis=1, keepdims=False).T[:, None, :]
+        if sx is not None:  # SFw * SFx is exact in float32 (two 4-bit significands)
+            sxc = jax.lax.dynamic_index_in_dim(sx, c, axis=1, keepdims=False)  # [M, G]
+            scale = scale * sxc.T[:, :, None]
+        terms = partials * scale  # [G, M, N]
+        for i in range(g):
+            acc = acc + terms[i]
+        return acc, None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros((m, n), jnp.float32), jnp.arange(chunks))
+    return acc
+
+
+def _scaled_values(t: Nvfp4Tensor) -> jax.Array:
+    """e2m1(code) * float(scale) as float32 [rows, K]; exact (a 2-bit times a 4-bit significand)."""
+    return (_block_values(t) * t.scales.astype(jnp.float32)[..., None]).reshape(t.rows, t.k)
+
+
+def _check_order(order: str, m: int) -> bool:
+    if order not in ("auto", "blocks", "dot"):
+        raise ValueError(f"order={order!r}, expected 'auto', 'blocks' or 'dot'")
+    return order == "blocks" or (order == "auto" and m <= SEQUENTIAL_MAX_M)
+
+
+def nvfp4_matmul_q(xq: Nvfp4Tensor, w: Nvfp4Tensor, *, order: str = "auto") -> jax.Array:
+    """W4A4 product of already-quantized activations and weights, as the kernel computes it.
+
+    y[m, n] = alpha * sum_j (SFw[n, j] * SFx[m, j]) * P[m, n, j], P the 16-element block dot of
+    E2M1 values; every product, block sum and scaled block sum is exact in float32, so the only
+    roundings are the float32 sum across blocks, the product with alpha = global_w * global_x
+    (per row for a dynamic x) and the final bf16 cast.
+
+    Args:
+        xq: Nvfp4Tensor (M, K).
+        w: Nvfp4Tensor (N, K) with a scalar global scale.
+        order: "blocks" adds the scaled block sums in block order j = 0, 1, ... (a scan; memory
+            bounded by chunks of blocks); "dot" is one float32 dot of the exactly pre-scaled
+            values e2m1 * SF, so only the cross-block summation order differs (XLA's); "auto"
+            uses "blocks" for M <= SEQUENTIAL_MAX_M, else "dot".
+
+    Returns:
+        bfloat16 [M, N].
+    """
+    _check_tensor("xq", xq)
+    _check_tensor("w", w)
+    if xq.k != w.k:
+        raise ValueError(f"K mismatch: xq.shape={xq.shape}, w.shape={w.shape}")
+    if w.global_scale.ndim != 0:
+        raise ValueError(f"w.global_scale must be a scalar, got shape {w.global_scale.shape}")
+    return _matmul_q_arrays(xq, w, _check_order(order, xq.rows), _PARTIALS_BUDGET)
+
+
+# The array parts below are jitted so eager calls compile once per shape, not once per op.
+@functools.partial(jax.jit, static_argnames=("sequential", "budget"))
+def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: int):
+    if sequential:
+        sx = xq.scales.astype(jnp.float32)  # [M, J]
+        sw = w.scales.astype(jnp.float32)  # [N, J]
+        acc = _blockwise_accumulate(_block_values(xq), _block_values(w), sw, sx, budget)
+    else:
+        acc = jnp.dot(_scaled_values(xq), _scaled_values(w).T, precision=jax.lax.Precision.HIGHEST)
+    alpha = w.global_scale.astype(jnp.float32) * _row_global(xq)
+    return (acc * alpha).astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("sequential", "budget"))
+def _matmul_w4a16_arrays(x: jax.Array, w: Nvfp4Tensor, sequential: bool, budget: int):
+    m, k = x.shape
+    xf = x.astype(jnp.float32)
+    if sequential:
+        xv = xf.reshape(m, k // BLOCK, BLOCK)
+        sw = w.scales.astype(jnp.float32)
+        acc = _blockwise_accumulate(xv, _block_values(w), sw, None, budget)
+    else:
+        acc = jnp.dot(xf, _scaled_values(w).T, precision=jax.lax.Precision.HIGHEST)
+    return (acc * w.global_scale.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
+def nvfp4_matmul(
+    x: jax.Array,
+    w: Nvfp4Tensor,
+    *,
+    act: str = "w4a4",
+    input_scale: Any = None,
+    order: str = "auto",
+) -> jax.Array:
+    """Reference NVFP4 linear y = x @ w.T with the kernel's numerics.
+
+    W4A4: x is quantized by `quantize_activation(x, input_scale)` and multiplied by
+    `nvfp4_matmul_q`. W4A16: per block, the float32 dot of x (upcast to float32) with the E2M1
+    weight values, times SFw, float32 accumulation across blocks, times global_w, then bf16.
+
+    Args:
+        x: [M, K] bfloat16 / float16 / float32.
+        w: Nvfp4Tensor (N, K) with a scalar global scale.
+        act: "w4a4" or "w4a16".
+        input_scale: static activation global scale (W4A4 only); None -> per-row dynamic.
+        order: as in `nvfp4_matmul_q`; for W4A16 "dot" is one float32 dot of x with
+            e2m1 * SFw (exact values), so the summation order within and across blocks is XLA's.
+
+    Returns:
+        bfloat16 [M, N].
+    """
+    if act not in _ACTS:
+        raise ValueError(f"act={act!r}, expected one of {_ACTS}")
+    _check_matrix("x", x)
+    _check_tensor("w", w)
+    if np.shape(x)[1] != w.k:
+        raise ValueError(f"K mismatch: x.shape={tuple(np.shape(x))}, w.shape={w.shape}")
+    sequential = _check_order(order, np.shape(x)[0])
+    if act == "w4a4":
+        return nvfp4_matmul_q(quantize_activation(x, input_scale), w, order=order)
+    if input_scale is not None:
+        raise ValueError("input_scale is only used with act='w4a4'; got one with act='w4a16'")
+    if w.global_scale.ndim != 0:
+        raise ValueError(f"w.global_scale must be a scalar, got shape {w.global_scale.shape}")
+    _check_finite("x", x)
+    return _matmul_w4a16_arrays(jnp.asarray(x), w, sequential, _PARTIALS_BUDGET)

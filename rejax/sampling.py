@@ -1,0 +1,632 @@
+"""Token sampling: greedy, temperature with top-k / top-p, and the ReSET entropy policy.
+
+Everything here is a pure function over `[B, V]` float32 logits and a carried `SamplerState`
+pytree, so it runs inside a jitted decode loop with no host synchronisation. Sampler
+hyperparameters are traced leaves (sweeps never recompile); only `window`, `include_current` and
+`top_k` are static.
+
+ReSET (PAPER.md §1) picks a per-token temperature from the raw T=1 full-vocabulary entropy H_t:
+T_t = T_high if H_t >= tau_t else T_low, where tau_t is the step entropy estimate when the
+current reasoning step is more uncertain than the response so far (SAT, Eq. 1) and tau_0
+otherwise; the step entropy estimate is a w-token window mean during a step's first w tokens
+and the in-step mean after that (HSE, Eq. 2). The default follows the official implementation
+("reference semantics", PAPER.md §1.6): the estimates use positions before t only, the first
+token of a response uses its own entropy, and the window crosses step boundaries.
+
+Top-p follows vLLM: a token is dropped when the mass of the tokens ranked below it, itself
+included, is <= 1 - top_p, and the most likely token is always kept. Tokens are ranked by
+probability with ties ordered as a stable ascending sort leaves them (the lower id ranks lower).
+Masses are counted exactly, in integer units of 2**-30 (`_MASS_BITS`), so the kept set does not
+depend on summation order and the full-sort and selection implementations agree token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
+TOP_P_METHODS = ("radix", "sort")
+TOP_P_METHOD = "radix"  # default exact top-p implementation (see experiments/bench_sampler.py)
+
+_MASS_BITS = 30  # probabilities are counted in integer units of 2**-30
+# Smallest float32 bit pattern whose probability has a non-zero mass: round(p * 2**30) >= 1
+# needs p > 2**-31, whose bit pattern is (127 - 31) << 23. Masses live in (this, 1.0].
+_KEY_LO = (127 - 31) << 23
+_KEY_BITS = 28  # bit patterns of (2**-31, 1.0] are _KEY_LO + [1, 0x0F800000] < _KEY_LO + 2**28
+_RADIX_BITS = 4  # bits resolved per selection round (15 thresholds per pass over V)
+
+
+# ----------------------------------------------------------------------------- samplers
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The value of `x` as a NumPy array, or None if it is traced (or not an array at all)."""
+    if isinstance(x, (bool, int, float, np.ndarray, np.generic)):
+        return np.asarray(x)
+    if isinstance(x, jax.Array):
+        try:
+            return np.asarray(x)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return None
+    return None
+
+
+def _check_value(name: str, x: Any, ok, expected: str) -> None:
+    v = _concrete(x)
+    if v is None:
+        return
+    if v.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or a [B] vector, got shape {v.shape}")
+    if not np.issubdtype(v.dtype, np.number) or not np.all(ok(v.astype(np.float64))):
+        raise ValueError(f"{name}={x!r} is invalid: expected {expected}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """Always take the most likely token (argmax of the raw logits; first id on ties)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+    """Sample from softmax(logits / t), restricted by top-k then top-p (vLLM order).
+
+    Attributes:
+      t: temperature, > 0 (scalar or per-row [B]); t <= 1e-6 samples greedily.
+      top_p: nucleus mass in (0, 1] (scalar or [B]); 1.0 keeps every token.
+      top_k: keep the tokens whose tempered logit is >= the k-th largest (ties at the k-th value
+        kept, as vLLM does); 0 disables. Static.
+    """
+
+    t: Any
+    top_p: Any = 1.0
+    top_k: int = dataclasses.field(default=0, metadata={"static": True})
+
+    def __post_init__(self):
+        _check_value("Temperature.t", self.t, lambda v: v > 0, "t > 0 (t <= 1e-6 is greedy)")
+        _check_value(
+            "Temperature.top_p", self.top_p, lambda v: (v > 0) & (v <= 1), "0 < top_p <= 1"
+        )
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"Temperature.top_k={self.top_k!r} is invalid: expected an int >= 0")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ReSET:
+    """The ReSET temperature policy followed by top-p sampling (PAPER.md §1).
+
+    Attributes:
+      t_high, t_low: temperatures for tokens at / below the threshold (>= 0; <= 1e-6 is greedy).
+      tau_0: the confident-step entropy threshold in nats.
+      window: HSE window w (static).
+      nl_mask, dnl_mask: bool [V] single-newline / double-newline token sets (`newline_masks`);
+        None is allowed at construction, `sample` and `reset_observe` require them.
+      top_p: nucleus mass in (0, 1], applied after the policy's temperature.
+      include_current: False = reference semantics (current token excluded from the estimates);
+        True = figure semantics (window H_{t-w+1..t}, in-step and running means include H_t).
+        Static.
+    """
+
+    t_high: Any = 1.0
+    t_low: Any = 0.3
+    tau_0: Any = 0.6349
+    window: int = dataclasses.field(default=32, metadata={"static": True})
+    nl_mask: Any = None
+    dnl_mask: Any = None
+    top_p: Any = 0.95
+    include_current: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    def __post_init__(self):
+        _check_value("ReSET.t_high", self.t_high, lambda v: v >= 0, "t_high >= 0")
+        _check_value("ReSET.t_low", self.t_low, lambda v: v >= 0, "t_low >= 0")
+        _check_value("ReSET.tau_0", self.tau_0, np.isfinite, "a finite entropy in nats")
+        _check_value("ReSET.top_p", self.top_p, lambda v: (v > 0) & (v <= 1), "0 < top_p <= 1")
+        if not isinstance(self.window, (int, np.integer)) or self.window < 1:
+            raise ValueError(f"ReSET.window={self.window!r} is invalid: expected an int >= 1")
+        if not isinstance(self.include_current, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError in rejax)
+                f"ReSET.include_current={self.include_current!r}: expected a bool"
+            )
+        for name in ("nl_mask", "dnl_mask"):
+            m = getattr(self, name)
+            if isinstance(m, (np.ndarray, jax.Array)) and (m.ndim != 1 or m.dtype != np.bool_):
+                raise ValueError(
+                    f"ReSET.{name} must be a bool [V] mask, got {m.dtype} with shape {m.shape}"
+                )
+
+
+Sampler = Greedy | Temperature | ReSET
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """Per-row running statistics of one response (PAPER.md §1.6), cleared at its start.
+
+    Attributes:
+      ring: f32 [B, w] the last <= w token entropies (crosses step boundaries); unused slots 0.
+      n_ring: i32 [B] valid ring entries (<= w).
+      ring_pos: i32 [B] slot the next entropy is written to.
+      s_sum, s_n: f32 [B], i32 [B] entropy sum / count since the current step began.
+      g_sum, g_n: f32 [B], i32 [B] entropy sum / count of all generated tokens.
+      y1, y2: i32 [B] the last and second-to-last generated ids (-1 = none).
+    """
+
+    ring: jax.Array
+    n_ring: jax.Array
+    ring_pos: jax.Array
+    s_sum: jax.Array
+    s_n: jax.Array
+    g_sum: jax.Array
+    g_n: jax.Array
+    y1: jax.Array
+    y2: jax.Array
+
+
+def reset_init(batch_size: int, window: int) -> SamplerState:
+    """A cleared ReSET state for `batch_size` rows and HSE window `window`."""
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: expected an int >= 1")
+    if not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window={window!r} is invalid: expected an int >= 1")
+    zf = jnp.zeros((batch_size,), jnp.float32)
+    zi = jnp.zeros((batch_size,), jnp.int32)
+    none = jnp.full((batch_size,), -1, jnp.int32)
+    return SamplerState(
+        ring=jnp.zeros((batch_size, window), jnp.float32),
+        n_ring=zi,
+        ring_pos=zi,
+        s_sum=zf,
+        s_n=zi,
+        g_sum=zf,
+        g_n=zi,
+        y1=none,
+        y2=none,
+    )
+
+
+def sampler_init(sampler: Sampler, batch_size: int) -> SamplerState:
+    """The initial state for any sampler (non-ReSET samplers carry a w=1 state they ignore)."""
+    _check_sampler(sampler)
+    return reset_init(batch_size, sampler.window if isinstance(sampler, ReSET) else 1)
+
+
+# ----------------------------------------------------------------------------- entropy
+
+
+def _max_and_entropy(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # H = logsumexp(z) - sum(p z), shifted by the row max m: one max pass plus one fused pass
+    # for the two sums. -inf logits contribute 0 (not 0 * inf).
+    m = jnp.max(z, axis=-1, keepdims=True)
+    d = z - m
+    e = jnp.exp(d)
+    s = jnp.sum(e, axis=-1)
+    u = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1)
+    return m, jnp.log(s) - u / s
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+    """Shannon entropy in nats of softmax(logits) over the full vocabulary, in float32.
+
+    Args:
+      logits: [B, V] raw logits (temperature 1).
+
+    Returns:
+      f32 [B].
+    """
+    return _max_and_entropy(jnp.asarray(logits).astype(jnp.float32))[1]
+
+
+# ----------------------------------------------------------------------------- ReSET policy
+
+
+def _check_masks(cfg: ReSET, vocab: int | None) -> None:
+    for name in ("nl_mask", "dnl_mask"):
+        m = getattr(cfg, name)
+        if m is None:
+            raise ValueError(
+                f"ReSET.{name} is None: build the newline masks with newline_masks(tokenizer, V) "
+                "and set them with dataclasses.replace"
+            )
+        shape, dtype = jnp.shape(m), jnp.result_type(m)
+        if len(shape) != 1 or dtype != jnp.bool_ or (vocab is not None and shape[0] != vocab):
+            want = f"[{vocab}]" if vocab is not None else "[V]"
+            raise ValueError(f"ReSET.{name} must be bool {want}, got {dtype} with shape {shape}")
+
+
+def _check_state(state: SamplerState, batch: int, window: int | None) -> None:
+    if not isinstance(state, SamplerState):
+        raise ValueError(f"state must be a SamplerState, got {type(state).__name__}")  # noqa: TRY004
+    shape = jnp.shape(state.ring)
+    if len(shape) != 2 or shape[0] != batch or (window is not None and shape[1] != window):
+        want = f"[{batch}, {window}]" if window is not None else f"[{batch}, w]"
+        raise ValueError(
+            f"state.ring has shape {shape}, expected {want}: build it with "
+            "sampler_init(sampler, batch_size)"
+        )
+
+
+def _row_param(name: str, x: Any, batch: int) -> jax.Array:
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim == 0:
+        return jnp.broadcast_to(x, (batch,))
+    if x.shape != (batch,):
+        raise ValueError(f"{name} has shape {x.shape}, expected a scalar or [{batch}]")
+    return x
+
+
+def _ring_mean(state: SamplerState) -> jax.Array:
+    # Recomputed from the buffer (no drift). While the ring still holds the whole response its
+    # mean is the running mean, taken from the same incremental sum so that the exact tie
+    # H_step == H-bar resolves as in the official code (strict >: confident), not by rounding.
+    ring = jnp.sum(state.ring, axis=-1) / jnp.maximum(state.n_ring, 1)
+    return jnp.where(state.n_ring == state.g_n, state.g_sum / jnp.maximum(state.g_n, 1), ring)
+
+
+def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
+    """Temperature for entropies h [B] and the state with h recorded (PAPER.md §1.6)."""
+    b, w = state.ring.shape
+    tau_0 = _row_param("ReSET.tau_0", cfg.tau_0, b)
+    t_high = _row_param("ReSET.t_high", cfg.t_high, b)
+    t_low = _row_param("ReSET.t_low", cfg.t_low, b)
+    slot = jnp.arange(w, dtype=jnp.int32)[None, :] == state.ring_pos[:, None]
+    new = dataclasses.replace(
+        state,
+        ring=jnp.where(slot, h[:, None], state.ring),
+        n_ring=jnp.minimum(state.n_ring + 1, w),
+        ring_pos=(state.ring_pos + 1) % w,
+        s_sum=state.s_sum + h,
+        s_n=state.s_n + 1,
+        g_sum=state.g_sum + h,
+        g_n=state.g_n + 1,
+    )
+    if cfg.include_current:
+        # Figure semantics: the window ends at t and both means cover t (H-bar including H_t is
+        # our reading; the paper does not say). The step mean takes over at the step's
+        # (w+1)-th token, as in the reference semantics.
+        ring_mean = _ring_mean(new)
+        h_step = jnp.where(new.s_n > w, new.s_sum / new.s_n, ring_mean)
+        h_bar = new.g_sum / new.g_n
+    else:
+        # Reference semantics: estimates from positions < t; at the first token of a response
+        # both fall back to H_t, so the step is confident and tau_0 applies.
+        ring_mean = _ring_mean(state)
+        s_mean = state.s_sum / jnp.maximum(state.s_n, 1)
+        h_step = jnp.where(state.s_n >= w, s_mean, jnp.where(state.n_ring > 0, ring_mean, h))
+        h_bar = jnp.where(state.g_n > 0, state.g_sum / jnp.maximum(state.g_n, 1), h_step)
+    tau = jnp.where(h_step > h_bar, h_step, tau_0)  # SAT (Eq. 1): strict >
+    temperature = jnp.where(h >= tau, t_high, t_low)  # non-strict >= selects T_high
+    return temperature, new
+
+
+def reset_temperature(
+    logits: jax.Array, state: SamplerState, cfg: ReSET
+) -> tuple[jax.Array, jax.Array, SamplerState]:
+    """ReSET temperature for the next token, recording its entropy in the state.
+
+    Args:
+      logits: [B, V] raw logits (temperature 1).
+      state: the `SamplerState` of these rows (window cfg.window).
+      cfg: the `ReSET` sampler (masks not needed here).
+
+    Returns:
+      (temperature f32 [B], entropy f32 [B] in nats, state with the entropy pushed).
+    """
+    logits = _check_logits(logits)
+    _check_state(state, logits.shape[0], cfg.window)
+    h = entropy(logits)
+    temperature, state = _policy(h, state, cfg)
+    return temperature, h, state
+
+
+def _lookup(mask: jax.Array, ids: jax.Array) -> jax.Array:
+    inside = (ids >= 0) & (ids < mask.shape[0])
+    return inside & mask[jnp.clip(ids, 0, mask.shape[0] - 1)]
+
+
+def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> SamplerState:
+    """Record the tokens just generated; a step boundary clears the in-step sums.
+
+    A new step starts after a double-newline token or after two single-newline tokens in a row
+    (PAPER.md §1.2); the boundary token itself belongs to the old step.
+
+    Args:
+      state: the `SamplerState` after `reset_temperature` for this position.
+      tokens: i32 [B] the generated ids.
+      cfg: the `ReSET` sampler with its masks set.
+
+    Returns:
+      The updated state.
+    """
+    _check_masks(cfg, None)
+    b = state.y1.shape[0]
+    tokens = jnp.asarray(tokens)
+    if tokens.shape != (b,) or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an int [{b}] vector, got {tokens.dtype}{tokens.shape}")
+    y1, y2 = tokens.astype(jnp.int32), state.y1
+    nl, dnl = jnp.asarray(cfg.nl_mask), jnp.asarray(cfg.dnl_mask)
+    boundary = _lookup(dnl, y1) | (_lookup(nl, y1) & _lookup(nl, y2))
+    return dataclasses.replace(
+        state,
+        s_sum=jnp.where(boundary, 0.0, state.s_sum),
+        s_n=jnp.where(boundary, 0, state.s_n),
+        y1=y1,
+        y2=y2,
+    )
+
+
+# ----------------------------------------------------------------------------- newline masks
+
+
+def newline_masks(tokenizer: Any, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Boolean masks of the single-newline and double-newline token ids (PAPER.md §1.2).
+
+    NL = ids whose single-token decode (special tokens kept) is exactly "\\n"; DNL = ids whose
+    decode contains "\\n\\n". Ids the tokenizer does not have (>= its vocabulary size, e.g. the
+    padding rows of an embedding) are False.
+
+    Args:
+      tokenizer: a `tokenizers.Tokenizer`, a transformers tokenizer, or anything with
+        `decode(list[int])` and `get_vocab()`.
+      vocab_size: V, the logits' vocabulary size.
+
+    Returns:
+      (nl_mask bool [V], dnl_mask bool [V]).
+    """
+    if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an int >= 1")
+    if hasattr(tokenizer, "decode_batch") and hasattr(tokenizer, "get_vocab_size"):
+        # tokenizers.Tokenizer: the base vocabulary, decoded in one call into the Rust library.
+        n = tokenizer.get_vocab_size(with_added_tokens=False)
+        texts = tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    elif hasattr(tokenizer, "batch_decode") and hasattr(tokenizer, "vocab_size"):
+        n = tokenizer.vocab_size
+        texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+    elif hasattr(tokenizer, "decode") and hasattr(tokenizer, "get_vocab"):
+        n = max(tokenizer.get_vocab().values()) + 1
+        texts = [tokenizer.decode([i]) for i in range(n)]
+    else:
+        raise ValueError(
+            f"tokenizer of type {type(tokenizer).__name__} has no decode_batch/batch_decode/"
+            "decode: expected a tokenizers.Tokenizer or a transformers tokenizer"
+        )
+    if n > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {n} ids but vocab_size={vocab_size}: the logits must cover "
+            "every token id"
+        )
+    arr = np.array(texts, dtype=object).astype(str)
+    nl = np.zeros(vocab_size, np.bool_)
+    dnl = np.zeros(vocab_size, np.bool_)
+    nl[:n] = arr == "\n"
+    dnl[:n] = np.char.find(arr, "\n\n") >= 0
+    return jnp.asarray(nl), jnp.asarray(dnl)
+
+
+# ----------------------------------------------------------------------------- top-p
+
+
+def _masses(probs: jax.Array) -> jax.Array:
+    # Exact integer masses: p <= 1 gives q <= 2**30, and sum(q) < 2**31 for V < 2**30.
+    return jnp.round(probs * float(1 << _MASS_BITS)).astype(jnp.int32)
+
+
+def _keep_limit(q: jax.Array, top_p: jax.Array) -> jax.Array:
+    # A token is kept iff f32(mass ranked above it) < f32(top_p) * f32(total mass), i.e. the
+    # ascending inclusive cumulative mass is > (1 - top_p) * total (vLLM). Monotone in the
+    # mass, so every method can evaluate it on exact integer sums.
+    return top_p * jnp.sum(q, axis=-1).astype(jnp.float32)
+
+
+def _top_p_sort(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    # The definition: full stable ascending sort, inclusive cumulative mass.
+    b, v = probs.shape
+    q = _masses(probs)
+    limit = _keep_limit(q, top_p)
+    order = jnp.argsort(probs, axis=-1, stable=True)
+    incl = jnp.cumsum(jnp.take_along_axis(q, order, axis=-1), axis=-1)
+    above = incl[:, -1:] - incl  # mass of the tokens ranked above each sorted position
+    keep_sorted = above.astype(jnp.float32) < limit[:, None]
+    rows = jnp.arange(b)[:, None]
+    return jnp.zeros((b, v), jnp.bool_).at[rows, order].set(keep_sorted)
+
+
+def _select_bits(count_not_kept, lo: jax.Array, bits: int, radix: int) -> jax.Array:
+    """Largest x in [lo, lo + 2**bits) with count_not_kept-predicate true, `radix` bits a pass.
+
+    count_not_kept(t [B, J]) -> i32 [B]: how many thresholds t[:, j] are not yet "kept"; the
+    predicate is monotone (false above some x), and it must hold at x = lo.
+    """
+    off = jnp.zeros_like(lo)
+    done = 0
+    while done < bits:
+        d = min(radix, bits - done)
+        shift = bits - done - d
+        j = jnp.arange(1, 1 << d, dtype=jnp.int32)
+        thresholds = (lo + off)[:, None] + (j << shift)[None, :]
+        off = off + (count_not_kept(thresholds) << shift)
+        done += d
+    return lo + off
+
+
+def _top_p_radix(probs: jax.Array, top_p: jax.Array, radix: int = _RADIX_BITS) -> jax.Array:
+    # Exact selection without sorting: find the boundary probability by a most-significant-digit
+    # search over float32 bit patterns (ordered like the values for p >= 0), each pass counting
+    # the exact mass above 2**radix - 1 thresholds (28 / radix passes over V). Tokens tied at the
+    # boundary probability are then cut by id: how many to keep is a scalar bisection, which ones
+    # a running count over V (the higher ids rank above, as in a stable ascending sort).
+    b, v = probs.shape
+    q = _masses(probs)
+    limit = _keep_limit(q, top_p)
+    key = lax.bitcast_convert_type(probs, jnp.int32)
+
+    def kept(mass_above, lim):  # exact integer masses ranked above a token -> is it kept
+        return mass_above.astype(jnp.float32) < lim
+
+    def value_pass(t):  # t [B, J] key thresholds -> how many of them still drop their token
+        above = jnp.sum(jnp.where(key[:, None, :] > t[:, :, None], q[:, None, :], 0), axis=-1)
+        return jnp.sum(~kept(above, limit[:, None]), axis=-1, dtype=jnp.int32)
+
+    # x = the largest key whose strictly-greater mass still drops it; the boundary key is x + 1
+    # (it carries mass, so x + 1 <= bits of 1.0). At _KEY_LO the mass above is the total.
+    lo = jnp.full((b,), _KEY_LO, jnp.int32)
+    k_b = _select_bits(value_pass, lo, _KEY_BITS, radix) + 1
+    above_b = key > k_b[:, None]
+    tie = key == k_b[:, None]
+    g0 = jnp.sum(jnp.where(above_b, q, 0), axis=-1)  # mass strictly above the tied tokens
+    n_tie = jnp.sum(tie, axis=-1, dtype=jnp.int32)
+    q_b = _masses(lax.bitcast_convert_type(k_b, jnp.float32))  # every tied token's mass
+    # n_keep = #{j in [0, n_tie): kept(g0 + j q_b)}, a prefix of j (j = 0 is kept): bisection
+    j = jnp.zeros((b,), jnp.int32)
+    for bit in reversed(range(max(1, math.ceil(math.log2(v + 1))))):
+        cand = j + (1 << bit)
+        ok = (cand < n_tie) & kept(g0 + jnp.minimum(cand, n_tie) * q_b, limit)
+        j = jnp.where(ok, cand, j)
+    n_keep = j + 1
+    ties_above = n_tie[:, None] - jnp.cumsum(tie, axis=-1, dtype=jnp.int32)
+    return above_b | (tie & (ties_above < n_keep[:, None]))
+
+
+def top_p_mask(probs: jax.Array, top_p: Any, method: str = TOP_P_METHOD) -> jax.Array:
+    """The tokens top-p sampling keeps (vLLM semantics, exact integer masses; module doc).
+
+    Args:
+      probs: f32 [B, V] probabilities (rows sum to ~1; zeros allowed).
+      top_p: scalar or [B] in (0, 1]; 1.0 keeps every token.
+      method: "radix" (selection by bit-pattern search, no sort) or "sort" (full sort, the
+        definition). Both give the same set.
+
+    Returns:
+      bool [B, V].
+    """
+    if method not in TOP_P_METHODS:
+        raise ValueError(f"method={method!r} is invalid: expected one of {TOP_P_METHODS}")
+    probs = jnp.asarray(probs)
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be [B, V], got shape {probs.shape}")
+    top_p = _row_param("top_p", top_p, probs.shape[0])
+    probs = probs.astype(jnp.float32)
+    keep = (_top_p_radix if method == "radix" else _top_p_sort)(probs, top_p)
+    return keep | (top_p >= 1.0)[:, None]
+
+
+# ----------------------------------------------------------------------------- sample
+
+
+def _check_logits(logits: Any) -> jax.Array:
+    logits = jnp.asarray(logits)
+    if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(
+            f"logits must be float [B, V], got {logits.dtype} with shape {logits.shape}"
+        )
+    return logits.astype(jnp.float32)
+
+
+def _check_sampler(sampler: Any) -> None:
+    if not isinstance(sampler, (Greedy, Temperature, ReSET)):
+        raise ValueError(  # noqa: TRY004
+            "sampler must be Greedy(), Temperature(...) or ReSET(...), "
+            f"got {type(sampler).__name__}"
+        )
+
+
+def _row_keys(key: jax.Array, batch: int) -> jax.Array:
+    """[B] typed keys: a single key is split per row; a [B] batch of keys is used as given."""
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed:
+        if key.dtype != jnp.uint32 or key.ndim not in (1, 2) or key.shape[-1] != 2:
+            raise ValueError(
+                f"key must be a jax.random key (or uint32 [2] / [B, 2]), got "
+                f"{key.dtype} with shape {key.shape}"
+            )
+        key = jax.random.wrap_key_data(key)
+    if key.ndim == 0:
+        return jax.random.split(key, batch)
+    if key.shape != (batch,):
+        raise ValueError(f"key has batch shape {key.shape}, expected () or ({batch},)")
+    return key
+
+
+def _sample_tempered(
+    keys: jax.Array,
+    logits: jax.Array,
+    m: jax.Array,
+    t: jax.Array,
+    top_p: jax.Array,
+    top_k: int,
+    method: str,
+) -> jax.Array:
+    # softmax((z - m) / t) shares the raw row max m (t > 0), then top-k, top-p, and a Gumbel-max
+    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax.
+    greedy = t <= GREEDY_EPS
+    zt = (logits - m) / jnp.where(greedy, 1.0, t)[:, None]
+    if top_k:
+        kth = lax.top_k(zt, top_k)[0][:, -1:]
+        zt = jnp.where(zt >= kth, zt, -jnp.inf)
+    e = jnp.exp(zt)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    keep = top_p_mask(probs, top_p, method) & (zt > -jnp.inf)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
+    drawn = jnp.argmax(jnp.where(keep, zt + g, -jnp.inf), axis=-1)
+    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+
+
+def sample(
+    key: jax.Array,
+    logits: jax.Array,
+    state: SamplerState,
+    sampler: Sampler,
+    *,
+    top_p_method: str = TOP_P_METHOD,
+) -> tuple[jax.Array, SamplerState, dict]:
+    """Draw the next token of every row.
+
+    Greedy takes the argmax of the raw logits. Temperature scales by 1/t, applies top-k and
+    top-p, and samples. ReSET computes its temperature from the raw entropy and its state
+    (`reset_temperature`), samples as Temperature does with top-p, and records the tokens
+    (`reset_observe`). A temperature <= 1e-6 means greedy.
+
+    Args:
+      key: a jax.random key (split per row) or a [B] batch of keys (row i uses key[i], so a row
+        samples the same token in any batch). Fold the step in: `jax.random.fold_in(key, step)`.
+      logits: [B, V] raw logits (cast to float32).
+      state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
+      sampler: Greedy(), Temperature(...) or ReSET(...).
+      top_p_method: "radix" or "sort" (same result; see `top_p_mask`). Static.
+
+    Returns:
+      (tokens i32 [B], state, info) with info = {"entropy": f32 [B] raw T=1 entropy in nats,
+      "temperature": f32 [B] the temperature applied (0 for Greedy)}.
+    """
+    _check_sampler(sampler)
+    logits = _check_logits(logits)
+    b, v = logits.shape
+    _check_state(state, b, sampler.window if isinstance(sampler, ReSET) else None)
+    keys = _row_keys(key, b)
+    m, h = _max_and_entropy(logits)
+    if isinstance(sampler, Greedy):
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return tokens, state, {"entropy": h, "temperature": jnp.zeros((b,), jnp.float32)}
+    if isinstance(sampler, Temperature):
+        if sampler.top_k > v:
+            raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
+        t = _row_param("Temperature.t", sampler.t, b)
+        top_p = _row_param("Temperature.top_p", sampler.top_p, b)
+        tokens = _sample_tempered(keys, logits, m, t, top_p, sampler.top_k, top_p_method)
+        return tokens, state, {"entropy": h, "temperature": t}
+    _check_masks(sampler, v)
+    top_p = _row_param("ReSET.top_p", sampler.top_p, b)
+    t, state = _policy(h, state, sampler)
+    tokens = _sample_tempered(keys, logits, m, t, top_p, 0, top_p_method)
+    state = reset_observe(state, tokens, sampler)
+    return tokens, state, {"entropy": h, "temperature": t}

@@ -1,0 +1,239 @@
+"""Generation tests: the jitted loop, determinism, retracing, stops, streaming, chat, ReSET."""
+
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from rejax.config import Config
+from rejax.model import HostTokenizer, init_params
+from rejax.sampling import Greedy, ReSET, Temperature, newline_masks, sample, sampler_init
+
+# The module, not the `rejax.generate` function the package exports.
+gen = importlib.import_module("rejax.generate")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+EOS = 257
+
+
+def _byte_tokenizer() -> Tokenizer:
+    """Byte-level BPE: 256 byte tokens, one merge "\\n\\n" (id 256), two special tokens."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["ĊĊ"] = 256
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|im_end|>", "<|im_start|>"])  # ids 257, 258
+    return tok
+
+
+@pytest.fixture(scope="module")
+def params():
+    """A tiny random Qwen3 (V=272) whose logits are far from uniform, with a tokenizer."""
+    cfg = Config(vocab_size=272, eos_token_ids=(EOS,), max_position_embeddings=128)
+    host = HostTokenizer(
+        _byte_tokenizer(), chat_template=CHAT_TEMPLATE, special_tokens={"eos_token": "<|im_end|>"}
+    )
+    p = init_params(cfg, 7, jnp.float32, tokenizer=host)
+    # normal(0.02) weights give near-uniform logits; scale matrices up for a peaked model.
+    w = jax.tree_util.tree_map(lambda x: x * 10.0 if x.ndim == 2 else x, p.weights)
+    return dataclasses.replace(p, weights=w)
+
+
+def test_text_prompt_roundtrip_and_fields(params):
+    out = gen.generate(params, "hello\n\nworld", max_new_tokens=6, stop=[])
+    assert len(out.tokens) == 1 and len(out.tokens[0]) == 6
+    assert out.text[0] == params.tokenizer.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+    assert len(out.entropy[0]) == 6 and len(out.temperature[0]) == 6
+    assert out.temperature[0] == [0.0] * 6  # greedy
+    assert all(0 < e < np.log(272) + 1e-4 for e in out.entropy[0])
+    assert out.finish_reason == ["length"]
+
+
+def test_greedy_equals_argmax_of_full_logits(params):
+    prompt = [3, 99, 4, 120, 7]
+    out = gen.generate(params, [prompt], max_new_tokens=8, stop=[])
+    # Causal: the full sequence's logits at position p are the step-by-step logits.
+    lg = gen.logits(params, [prompt + out.tokens[0]])[0, len(prompt) - 1 : -1]
+    assert np.asarray(jnp.argmax(lg, axis=-1)).tolist() == out.tokens[0]
+    assert len(set(out.tokens[0])) > 1
+
+
+def test_deterministic_for_a_key_and_independent_of_batching(params):
+    prompts = ["abc", "a much longer prompt here", "xy"]
+    s = Temperature(1.0)
+    a = gen.generate(params, prompts, max_new_tokens=10, sampler=s, key=3, n=2, stop=[])
+    b = gen.generate(
+        params, prompts, max_new_tokens=10, sampler=s, key=3, n=2, stop=[], batch_size=1
+    )
+    c = gen.generate(params, prompts, max_new_tokens=10, sampler=s, key=4, n=2, stop=[])
+    assert len(a.tokens) == 6
+    assert a.tokens == b.tokens
+    assert a.tokens != c.tokens
+    assert a.tokens[0] != a.tokens[1]  # the n samples of one prompt differ
+    np.testing.assert_allclose(a.entropy[2], b.entropy[2], rtol=1e-5)
+
+
+def test_no_retrace_on_second_call(params):
+    s1, s2 = Temperature(0.7, top_p=0.9), Temperature(1.3, top_p=0.5)
+    gen.generate(params, ["first", "second"], max_new_tokens=5, sampler=s1, key=0)
+    before = dict(gen.TRACE_COUNTS)
+    # New prompts of the same bucket, new traced hyperparameters, new key: same shapes.
+    gen.generate(params, ["third!", "4"], max_new_tokens=5, sampler=s2, key=1)
+    gen.generate(params, [[1, 2, 3], [4]], max_new_tokens=5, sampler=s1, key=2)
+    assert dict(gen.TRACE_COUNTS) == before
+    # The last batch of three prompts with batch_size=2 is padded with a dummy row.
+    gen.generate(params, ["a", "b", "c"], max_new_tokens=5, sampler=s1, batch_size=1, n=2)
+    assert dict(gen.TRACE_COUNTS) == before
+
+
+def test_decode_step_does_not_retrace(params):
+    sampler = Greedy()
+    cache = gen.init_cache(params.cfg, 1, 40, jnp.float32)
+    tokens = jnp.array([[5, 6, 7]], jnp.int32)
+    logits, cache = gen.prefill(params, tokens, jnp.arange(3, dtype=jnp.int32)[None], cache)
+    state = sampler_init(sampler, 1)
+    keys = gen._row_keys(jax.random.key(0), 0, 1)
+    pos = jnp.array([3], jnp.int32)
+    _, logits, cache, state, _ = gen.decode_step(
+        params, logits, cache, pos, sampler, state, keys, jnp.int32(0)
+    )
+    before = gen.TRACE_COUNTS["decode_step"]
+    for step in range(1, 4):
+        _, logits, cache, state, _ = gen.decode_step(
+            params, logits, cache, pos + step, sampler, state, keys, jnp.int32(step)
+        )
+    assert gen.TRACE_COUNTS["decode_step"] == before
+
+
+def test_stop_tokens_end_rows(params):
+    full = gen.generate(params, ["abc", "zz"], max_new_tokens=8, stop=[])
+    stop_tok = full.tokens[0][2]
+    out = gen.generate(params, ["abc", "zz"], max_new_tokens=8, stop=[stop_tok])
+    first = full.tokens[0].index(stop_tok)
+    assert out.tokens[0] == full.tokens[0][: first + 1]
+    assert out.finish_reason[0] == "stop"
+    if stop_tok not in full.tokens[1]:
+        assert out.tokens[1] == full.tokens[1] and out.finish_reason[1] == "length"
+    # Default stop ids: the config's EOS.
+    eos_params = dataclasses.replace(
+        params, cfg=dataclasses.replace(params.cfg, eos_token_ids=(stop_tok,))
+    )
+    out2 = gen.generate(eos_params, ["abc"], max_new_tokens=8)
+    assert out2.tokens[0] == out.tokens[0] and out2.finish_reason == ["stop"]
+
+
+def test_stream_matches_batch_generation(params):
+    pieces = []
+    s = Temperature(0.8)
+    out = gen.generate(
+        params, "stream me", max_new_tokens=9, sampler=s, key=11, stream=pieces.append, stop=[]
+    )
+    ref = gen.generate(params, "stream me", max_new_tokens=9, sampler=s, key=11, stop=[])
+    assert out.tokens == ref.tokens
+    assert "".join(pieces) == ref.text[0]
+    np.testing.assert_allclose(out.entropy[0], ref.entropy[0], rtol=1e-5)
+
+
+def test_stream_prints_to_stdout(params, capsys):
+    out = gen.generate(params, "hi", max_new_tokens=4, stream=True, stop=[])
+    assert capsys.readouterr().out == out.text[0]
+
+
+def test_progress_bar_for_batches(params, capsys):
+    gen.generate(params, ["a", "b", "c"], max_new_tokens=2, batch_size=1)
+    assert "generate" in capsys.readouterr().err
+    gen.generate(params, ["a", "b", "c"], max_new_tokens=2, batch_size=1, progress=False)
+    assert "generate" not in capsys.readouterr().err
+
+
+def test_chat_template_matches_transformers(params):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=params.tokenizer.tokenizer, eos_token="<|im_end|>"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    want = hf.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert gen.render_chat(params, "2+2?") == want
+    ids = params.tokenizer.tokenizer.encode(want, add_special_tokens=False).ids
+    a = gen.generate(params, "2+2?", chat=True, max_new_tokens=4, stop=[])
+    b = gen.generate(params, [ids], max_new_tokens=4, stop=[])
+    assert a.tokens == b.tokens
+
+
+def test_reset_inside_generate_equals_sampling_step_by_step(params):
+    prompts = ["Step one.\n\nStep", "x = 1\n"]
+    probe = gen.generate(params, prompts, max_new_tokens=16, stop=[])
+    ent = np.concatenate([np.asarray(e) for e in probe.entropy])
+    # A threshold inside the observed entropy range, so both temperatures occur.
+    sampler = ReSET(t_high=1.0, t_low=0.3, tau_0=float(np.median(ent)), window=4)
+    out = gen.generate(params, prompts, max_new_tokens=16, sampler=sampler, key=9, stop=[])
+    nl, dnl = newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
+    full = dataclasses.replace(sampler, nl_mask=nl, dnl_mask=dnl)
+    temps = set()
+    step = jax.jit(sample)
+    for r, text in enumerate(prompts):
+        seq = params.tokenizer.tokenizer.encode(text).ids
+        # Causal: the full sequence's logits at position p are the step-by-step logits.
+        all_logits = gen.logits(params, [seq + out.tokens[r]])[0, len(seq) - 1 : -1]
+        state = sampler_init(full, 1)
+        for i, tok in enumerate(out.tokens[r]):
+            lg = all_logits[i][None]
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.key(9), r), i)
+            got, state, info = step(key[None], lg, state, full)
+            assert int(got[0]) == tok, f"row {r} step {i}"
+            np.testing.assert_allclose(
+                out.temperature[r][i], float(info["temperature"][0]), rtol=1e-6
+            )
+            np.testing.assert_allclose(out.entropy[r][i], float(info["entropy"][0]), rtol=1e-4)
+            temps.add(round(out.temperature[r][i], 4))
+    assert temps == {1.0, 0.3}
+
+
+@pytest.mark.parametrize(
+    "prompt,kw,match",
+    [
+        ("", {}, "empty"),
+        ([], {}, "non-empty list"),
+        ([[]], {}, "empty"),
+        ([[1, 300]], {}, "outside"),
+        (["ok", [1, 2]], {}, "mixing"),
+        ("ok", {"max_new_tokens": 0}, "max_new_tokens"),
+        ("ok", {"max_new_tokens": -3}, "max_new_tokens"),
+        ("ok", {"max_new_tokens": 130}, "max_position_embeddings"),
+        ("x" * 120, {"max_new_tokens": 10}, "max_position_embeddings"),
+        ("ok", {"sampler": "greedy"}, "unknown sampler type"),
+        ("ok", {"n": 0}, "n must be"),
+        ("ok", {"batch_size": 0}, "batch_size"),
+        ("ok", {"stop": ["ab"]}, "single tokens"),
+        ("ok", {"stop": [999]}, "outside"),
+        (["a", "b"], {"stream": True}, "single prompt"),
+        ([[1, 2]], {"chat": True}, "text prompts"),
+    ],
+)
+def test_bad_input_raises(params, prompt, kw, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate(params, prompt, **{"max_new_tokens": 4, **kw})
+
+
+def test_missing_tokenizer_or_template_raises(params):
+    bare = dataclasses.replace(params, tokenizer=None)
+    with pytest.raises(ValueError, match="tokenizer"):
+        gen.generate(bare, "text", max_new_tokens=2)
+    with pytest.raises(ValueError, match="tokenizer"):
+        gen.generate(bare, [[1, 2]], max_new_tokens=2, sampler=ReSET())
+    no_template = dataclasses.replace(params, tokenizer=HostTokenizer(_byte_tokenizer()))
+    with pytest.raises(ValueError, match="chat template"):
+        gen.generate(no_template, "text", chat=True, max_new_tokens=2)
+    out = gen.generate(bare, [[1, 2]], max_new_tokens=2, stop=[])
+    assert out.text == [""] and len(out.tokens[0]) == 2

@@ -1,0 +1,361 @@
+"""CPU tests of rejax.kernels and cuda_ops: reference dispatch, CUDA lowering, NVRTC, shapes.
+
+GEMM letters: M rows of x, N out features, K in features.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cuda_ops import build as cbuild
+from cuda_ops import nvfp4_gemv
+from rejax import kernels, nvfp4
+
+
+def _problem(m, n, k, seed=0, lead=()):
+    rng = np.random.default_rng(seed)
+    w = nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((*lead, m, k)), jnp.bfloat16)
+    return x, w
+
+
+def _f32(a):
+    return np.asarray(a, np.float32)
+
+
+def _has_nvrtc() -> bool:
+    try:
+        cbuild.nvrtc_version()
+    except cbuild.KernelError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+
+
+# ----------------------------------------------------------------------------- reference path
+
+
+@pytest.mark.parametrize(
+    ("act", "impl", "m"),
+    [
+        ("w4a4", "auto", 1),
+        ("w4a4", "auto", 8),
+        ("w4a4", "ref", 3),
+        ("w4a4", "auto", 17),
+        ("w4a16", "auto", 2),
+        ("w4a16", "ref", 8),
+    ],
+)
+def test_reference_matches_nvfp4_matmul(act, impl, m):
+    x, w = _problem(m, 48, 256, seed=m)
+    y = kernels.nvfp4_linear(x, w, act=act, impl=impl)
+    want = nvfp4.nvfp4_matmul(x, w, act=act)
+    assert y.shape == (m, 48) and y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_f32(y), _f32(want))
+
+
+def test_static_input_scale_and_leading_dims():
+    x, w = _problem(3, 48, 256, seed=1, lead=(2,))
+    scale = jnp.float32(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) / (6 * 448))
+    y = jax.jit(lambda x, s: kernels.nvfp4_linear(x, w, input_scale=s))(x, scale)
+    want = nvfp4.nvfp4_matmul(x.reshape(6, 256), w, input_scale=scale)
+    assert y.shape == (2, 3, 48)
+    np.testing.assert_array_equal(_f32(y.reshape(6, 48)), _f32(want))
+
+
+def test_jit_eager_and_scan_agree():
+    x, w = _problem(2, 48, 256, seed=2)
+    eager = kernels.nvfp4_linear(x, w)
+
+    def body(c, xi):
+        return c, kernels.nvfp4_linear(xi, w)
+
+    _, scanned = jax.jit(lambda xs: jax.lax.scan(body, 0, xs))(jnp.stack([x, x]))
+    np.testing.assert_array_equal(_f32(scanned[0]), _f32(eager))
+    np.testing.assert_array_equal(_f32(scanned[1]), _f32(eager))
+
+
+def test_impl_cuda_raises_off_cuda():
+    x, w = _problem(1, 16, 256)
+    with pytest.raises(ValueError, match="needs the CUDA platform"):
+        kernels.nvfp4_linear(x, w, impl="cuda")
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "msg"),
+    [(9, 256, "M=9"), (1, 272, "K=272"), (1, 128, "K=128")],
+)
+def test_impl_cuda_unsupported_shape_raises(m, k, msg):
+    x, w = _problem(m, 16, k)
+    with pytest.raises(ValueError, match=msg):
+        kernels.nvfp4_linear(x, w, impl="cuda")
+
+
+def test_float32_activations_keep_reference_numerics():
+    x, w = _problem(2, 48, 256, seed=4)
+    x32 = x.astype(jnp.float32) * 1.001  # not representable in bf16
+    for act in ("w4a4", "w4a16"):
+        y = kernels.nvfp4_linear(x32, w, act=act)
+        np.testing.assert_array_equal(_f32(y), _f32(nvfp4.nvfp4_matmul(x32, w, act=act)))
+    with pytest.raises(ValueError, match="reads bfloat16"):
+        kernels.nvfp4_linear(x32, w, act="w4a16", impl="cuda")
+
+
+def test_unsupported_shape_auto_uses_reference():
+    x, w = _problem(17, 48, 256)  # M = 17 > 8: reference path
+    y = kernels.nvfp4_linear(x, w)
+    np.testing.assert_array_equal(_f32(y), _f32(nvfp4.nvfp4_matmul(x, w)))
+
+
+def test_bad_inputs_raise():
+    x, w = _problem(1, 16, 256)
+    with pytest.raises(ValueError, match="act="):
+        kernels.nvfp4_linear(x, w, act="w8a8")
+    with pytest.raises(ValueError, match="impl="):
+        kernels.nvfp4_linear(x, w, impl="triton")
+    with pytest.raises(ValueError, match="Nvfp4Tensor"):
+        kernels.nvfp4_linear(x, np.zeros((16, 256), np.float32))
+    with pytest.raises(ValueError, match=r"must end in K=256"):
+        kernels.nvfp4_linear(x[:, :128], w)
+    with pytest.raises(ValueError, match="input_scale"):
+        kernels.nvfp4_linear(x, w, act="w4a16", input_scale=1.0)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.nvfp4_linear(x.astype(jnp.int32), w)
+
+
+# ----------------------------------------------------------------------------- shape plan
+
+
+def test_check_shape_and_plan():
+    assert nvfp4_gemv.check_shape("w4a4", 8, 4096, 12288) == (True, "")
+    assert not nvfp4_gemv.check_shape("w4a4", 0, 4096, 4096)[0]
+    assert "K=4000" in nvfp4_gemv.check_shape("w4a16", 1, 4096, 4000)[1]
+    ok, why = nvfp4_gemv.check_shape("w4a4", 8, 4096, 32768)  # 8 x 32768 int8 > 227 KiB smem
+    assert not ok and "shared memory" in why
+    for act in ("w4a4", "w4a16"):
+        for m in range(1, 9):
+            for n, k in [(6144, 4096), (4096, 12288), (5120, 25600), (1000, 3584), (8, 256)]:
+                p = nvfp4_gemv.plan(act, m, n, k)
+                assert n % p.rows == 0 and p.rows * m <= 32
+                assert p.grid <= nvfp4_gemv.DEFAULT_SMS and p.grid * p.rows <= n
+                assert p.kparts * p.spp >= -(-k // 1024) > (p.kparts - 1) * p.spp
+                if nvfp4_gemv.check_shape(act, m, n, k)[0]:
+                    assert p.smem <= nvfp4_gemv.SMEM_LIMIT
+
+
+# ----------------------------------------------------------------------------- decode tables
+
+
+def _prmt(lo: int, hi: int, sel: int) -> int:
+    """PTX prmt.b32 default mode (with the sign-replicate bit)."""
+    src = (lo | (hi << 32)).to_bytes(8, "little")
+    out = bytearray(4)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = src[nib & 7]
+        out[i] = (0xFF if byte & 0x80 else 0x00) if nib & 8 else byte
+    return int.from_bytes(out, "little")
+
+
+def _table(name: str) -> int:
+    src = (cbuild.SOURCE_DIR / nvfp4_gemv.SOURCE).read_text()
+    return int(re.search(rf"#define {name} (0x[0-9A-Fa-f]+)u", src).group(1), 16)
+
+
+def _s8(word: int) -> list[int]:
+    return [b - 256 if b > 127 else b for b in word.to_bytes(4, "little")]
+
+
+def test_prmt_decode_tables_are_exact():
+    """The kernel's weight (pos + neg) and activation decodes give 2 * E2M1 value for all codes."""
+    tp, tn, tm = ((_table(f"{t}_LO"), _table(f"{t}_HI")) for t in ("TP", "TN", "TM"))
+    want = (2 * nvfp4.E2M1_VALUES).astype(int)
+    for sel in range(1 << 16):  # every combination of 4 codes
+        codes = [(sel >> (4 * i)) & 0xF for i in range(4)]
+        pos = _s8(_prmt(*tp, sel))
+        neg = _s8(_prmt(*tn, sel ^ 0x8888))
+        assert [p + q for p, q in zip(pos, neg, strict=True)] == [want[c] for c in codes]
+        if sel % 97 == 0:  # the activation path: bytewise pos - neg without borrows
+            a, b = _prmt(*tm, sel), _prmt(*tm, sel ^ 0x8888)
+            x = (((a | 0x80808080) - b) & 0xFFFFFFFF) ^ 0x80808080
+            assert _s8(x) == [want[c] for c in codes]
+
+
+def test_fp16_bit_trick_is_exact():
+    """W4A16 decode: ((v << (9 - 4i)) & 0x0E000E00) | ((v << (12 - 4i)) & 0x80008000)."""
+    rng = np.random.default_rng(0)
+    for v in [int(a) for a in rng.integers(0, 2**32, 2000, dtype=np.uint64)] + [0x89ABCDEF]:
+        for i in range(4):
+            mag = ((v << (9 - 4 * i)) if i <= 2 else (v >> 3)) & 0x0E000E00
+            sgn = ((v << (12 - 4 * i)) if i <= 2 else v) & 0x80008000
+            h = np.array([(mag | sgn) & 0xFFFF, (mag | sgn) >> 16], np.uint16).view(np.float16)
+            codes = [(v >> (4 * i)) & 0xF, (v >> (4 * (i + 4))) & 0xF]
+            got = h.astype(np.float64) * 2.0**14
+            np.testing.assert_array_equal(got, nvfp4.E2M1_VALUES[codes].astype(np.float64))
+
+
+# ----------------------------------------------------------------------------- CUDA lowering
+
+
+def _custom_calls(text: str):
+    return re.findall(r"stablehlo\.custom_call @([\w$.]+)\((.*?)\) \{(.*?)\} :", text)
+
+
+def _config_fields(text: str) -> dict:
+    cfg = re.search(r'backend_config = "(.*?)"(?:,|\s*\})', text, re.DOTALL).group(1)
+    fields = dict(re.findall(r"(\w+) = (\d+)", re.sub(r"kernel_data = \\22.*?\\22", "", cfg)))
+    fields["name"] = re.search(r"name = \\22(\w+)\\22", cfg).group(1)
+    fields["kernel_type"] = re.search(r"kernel_type = \\22(\w+)\\22", cfg).group(1)
+    fields["kernel_data"] = re.search(r"kernel_data = \\22(.*?)\\22, grid_x", cfg, re.DOTALL).group(
+        1
+    )
+    fields["output_indices"] = re.search(r"output_indices = \[([\d, ]*)\]", cfg).group(1)
+    return fields
+
+
+def _unprint(s: str) -> str:
+    """Undoes the printer's escaping of a string attribute (\\ -> \\, \\XX -> byte)."""
+    return re.sub(
+        r"\\(\\|[0-9A-Fa-f]{2})",
+        lambda m: "\\" if m.group(1) == "\\" else chr(int(m.group(1), 16)),
+        s,
+    )
+
+
+def _mlir_unescape(s: str) -> str:
+    """MLIR string-literal escapes: \\\\, \\", \\n, \\t and \\XX (two hex digits)."""
+    out, i = [], 0
+    simple = {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}
+    while i < len(s):
+        if s[i] != "\\":
+            out.append(s[i])
+            i += 1
+        elif s[i + 1] in simple:
+            out.append(simple[s[i + 1]])
+            i += 2
+        else:
+            out.append(chr(int(s[i + 1 : i + 3], 16)))  # raises on a bad escape
+            i += 3
+    return "".join(out)
+
+
+def _sha(s: str) -> str:
+    return hashlib.sha256(s.encode()).hexdigest()
+
+
+@pytest.fixture
+def stub_compiler(monkeypatch):
+    """Replaces NVRTC with a stub so lowering is checked without cuda-python."""
+    seen = []
+
+    def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
+        seen.append((defines, arch))
+        entry = "nvfp4_gemv_w4a4" if defines["ACT_W4A4"] else "nvfp4_gemv_w4a16"
+        nparams = 7 if defines["ACT_W4A4"] else 5
+        params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
+        return f'.version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }} // "q" a\\b\t\n'
+
+    monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake_compile)
+    nvfp4_gemv._build_cached.cache_clear()
+    yield seen
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@pytest.mark.parametrize(("act", "n_in"), [("w4a4", 6), ("w4a16", 4)])
+def test_cuda_lowering_emits_ptx_custom_call(stub_compiler, act, n_in):
+    x, w = _problem(4, 96, 512)
+    f = jax.jit(lambda x: kernels.nvfp4_linear(x, w, act=act))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [c for c in _custom_calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    assert len(calls) == 1
+    _target, operands, attrs = calls[0]
+    assert len(operands.split(",")) == n_in
+    assert "api_version = 2" in attrs
+    fields = _config_fields(text)
+    p = nvfp4_gemv.plan(act, 4, 96, 512)
+    assert fields["name"] == nvfp4_gemv.ENTRY[act] and fields["kernel_type"] == "ptx"
+    assert (int(fields["grid_x"]), int(fields["grid_y"]), int(fields["grid_z"])) == (p.grid, 1, 1)
+    assert int(fields["block_x"]) == p.threads and int(fields["shared_mem_bytes"]) == p.smem
+    assert fields["output_indices"] == str(n_in)
+    # the PTX travels MLIR-escaped inside the printed string attribute: decode it the way the
+    # MLIR parser does and compare with the compiler's output by hash
+    ptx = nvfp4_gemv.compile_ptx("", name="", defines=p.defines(), arch="compute_90")
+    assert _sha(_mlir_unescape(_unprint(fields["kernel_data"]))) == _sha(ptx)
+    assert re.search(r"-> tensor<4x96xbf16>", text)
+    assert stub_compiler[-1][0]["M_TOK"] == 4 and stub_compiler[-1][1] == "compute_90"
+
+
+def test_cuda_lowering_callback_path(stub_compiler):
+    x, w = _problem(2, 64, 256)
+    args = kernels._operands(x, w, "w4a4", None)
+    f = jax.jit(
+        lambda *a: kernels._gemv_call(a, act="w4a4", n=64, k=256, impl="auto", launch="callback")
+    )
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    targets = [c[0] for c in _custom_calls(text)]
+    assert any("callback" in t and "cmd_buffer" in t for t in targets), targets
+    assert "__gpu$xla.gpu.ptx" not in targets
+
+
+def test_cpu_lowering_never_compiles(stub_compiler):
+    x, w = _problem(2, 64, 256)
+    text = jax.jit(lambda x: kernels.nvfp4_linear(x, w)).trace(x).lower().as_text()
+    assert "custom_call @__gpu" not in text and not stub_compiler
+
+
+def test_large_m_lowers_to_reference_on_cuda(stub_compiler):
+    x, w = _problem(16, 64, 256)
+    text = (
+        jax.jit(lambda x: kernels.nvfp4_linear(x, w))
+        .trace(x)
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    assert "__gpu$xla.gpu.ptx" not in text and not stub_compiler
+
+
+# ----------------------------------------------------------------------------- NVRTC
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["compute_90", "compute_100"])
+@pytest.mark.parametrize(("act", "m"), [("w4a4", 1), ("w4a4", 8), ("w4a16", 3)])
+def test_nvrtc_compiles_for_hopper_and_blackwell(tmp_path, monkeypatch, arch, act, m):
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    nvfp4_gemv._build_cached.cache_clear()
+    kernel = nvfp4_gemv.build(act, m, 4096, 3584, arch=arch)
+    assert cbuild.ptx_target(kernel.ptx) == arch.replace("compute_", "sm_")
+    assert cbuild.ptx_entries(kernel.ptx) == {kernel.entry: nvfp4_gemv.N_INPUTS[act] + 1}
+    # no local-memory tables in the decode (a runtime-indexed array would show .local)
+    assert ".local" not in kernel.ptx
+    assert list(tmp_path.glob("*.ptx")), "PTX was not cached on disk"
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
+def test_nvrtc_errors_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    with pytest.raises(cbuild.KernelError, match="NVRTC failed"):
+        cbuild.compile_ptx("this is not CUDA", name="bad.cu", arch="compute_90")
+    with pytest.raises(cbuild.KernelError, match="arch="):
+        cbuild.compile_ptx("", arch="sm90")
+
+
+@needs_nvrtc
+def test_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    src = 'extern "C" __global__ void k(int* p) { p[0] = VALUE; }'
+    a = cbuild.compile_ptx(src, defines={"VALUE": 1}, arch="compute_90")
+    b = cbuild.compile_ptx(src, defines={"VALUE": 2}, arch="compute_90")
+    assert a != b and len(list(tmp_path.glob("*.ptx"))) == 2
+    (path,) = [p for p in tmp_path.glob("*.ptx") if p.read_text() == a]
+    path.write_text(a + "// cached\n")
+    assert cbuild.compile_ptx(src, defines={"VALUE": 1}, arch="compute_90").endswith("cached\n")
