@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -92,7 +93,17 @@ def _environment() -> dict:
         "backend": jax.default_backend(),
         "device": getattr(dev, "device_kind", str(dev)),
         "device_count": jax.device_count(),
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
+    }
+
+
+def _weights_sha256(path: Path) -> dict:
+    """sha256 of each safetensors file, so results can be matched to the shipped weights."""
+    import hashlib
+
+    return {
+        f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+        for f in sorted(Path(path).glob("*.safetensors"))
     }
 
 
@@ -139,10 +150,11 @@ def _markdown(res: dict) -> str:
         (
             f"{t['n_problems']} test problems x {s['n_samples']} samples (avg@{s['n_samples']}, %), "
             f"top-p {s['top_p']}, max {s['max_new_tokens']} new tokens; "
-            f"tau0 = {res['calibration']['tau0']:.4f} nats (calibrated), "
+            f"tau0 = {res['calibration']['tau0']:.3g} nats (calibrated), "
             f"T_low = {res['t_low_selection']['chosen']} (validation), T_high 1.0, w 32. "
             "95% CIs: normal approximation over per-problem means; differences paired over "
-            f"problems. Device: {res['environment']['device']} ({res['environment']['backend']})."
+            f"problems. Device: {res['environment']['device']} ({res['environment']['backend']}, "
+            f"{res['environment']['cpu_count']} CPU cores)."
         ),
     ]
     if t["stopped_early"]:
@@ -200,12 +212,15 @@ def _markdown(res: dict) -> str:
             f"{sel['n_samples']}): {grid}."
         ),
         (
-            f"Calibration: raw-entropy p80 {res['calibration']['tau0_raw']:.4f} nats "
-            f"(processed-score p80 {res['calibration']['tau0_processed']:.4f}; BF16 raw p80 "
-            f"{res['calibration']['bf16_tau0_raw']:.4f}) over {res['calibration']['n_tokens']} "
+            f"Calibration: raw-entropy p80 {res['calibration']['tau0_raw']:.3g} nats "
+            f"(processed-score p80 {res['calibration']['tau0_processed']:.3g}; BF16 raw p80 "
+            f"{res['calibration']['bf16_tau0_raw']:.3g}) over {res['calibration']['n_tokens']} "
             "tokens."
         ),
-        f"Produced by `experiments/tiny_reasoner_accuracy.py` in {res['wall_s'] / 60:.0f} min.",
+        (
+            f"Produced by `experiments/tiny_reasoner_accuracy.py` in {res['wall_s'] / 60:.0f} min "
+            f"(weights sha256 {next(iter(res['model_sha256'].values()), '?')[:12]})."
+        ),
     ]
     return "\n".join(lines) + "\n"
 
@@ -239,7 +254,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-prefix", default=str(RESULTS / "tiny_reasoner_accuracy"))
     p.add_argument("--calib-prefix", default="calibrate_tiny")
+    p.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite OUT_PREFIX.md from an existing OUT_PREFIX.json and exit",
+    )
     args = p.parse_args(argv)
+    if args.render_only:
+        prefix = Path(args.out_prefix)
+        Path(f"{prefix}.md").write_text(_markdown(json.loads(Path(f"{prefix}.json").read_text())))
+        return 0
     for name in (
         "n_problems",
         "n_samples",
@@ -264,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     test = tasks.split("test", args.n_problems, seed=args.seed)
     res = {
         "settings": dict(vars(args), chat=chat, configs=list(CONFIGS)),
+        "model_sha256": _weights_sha256(cli.resolve_model(args.model)),
         "environment": _environment(),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -35,12 +35,19 @@ __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    # `rejax.generate` is both a submodule and the public function: importing the submodule
+    # sets the package attribute to the module, so resolve the function explicitly.
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rejax' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+# Bind the function now: a later `import rejax.generate` finds the module in sys.modules and
+# leaves this attribute alone, so `rejax.generate(...)` always calls the function.
+from rejax.generate import generate  # noqa: E402
 
 
 def __dir__():

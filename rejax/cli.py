@@ -5,7 +5,8 @@
     rejax calibrate [--data problems.jsonl] [--n-problems 5] [--quant nvfp4] [--out DIR]
 
 Bad input (a missing model or data file, malformed JSONL, a bad sampler spec, n <= 0) exits
-with status 2 and one `rejax <command>: error: ...` line that names the value.
+with status 2 and one `rejax <command>: error: ...` line that names the value (set
+REJAX_TRACEBACK=1 to get the traceback instead).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -186,7 +188,7 @@ def _model_line(args, params) -> str:
     n_bytes = sum(getattr(x, "nbytes", 0) for x in _leaves(params.weights))
     quant = {None: "bf16", "nvfp4-w4a16": "NVFP4 W4A16"}.get(cfg.quant, "NVFP4 W4A4")
     if cfg.quant == "nvfp4":
-        static = "input_scale" in str(jax_paths(params.weights))
+        static = any("input_scale" in p for p in _jax_paths(params.weights))
         quant += " (static activation scales)" if static else " (dynamic per-row activation scales)"
     return (
         f"model {args.model} ({cfg.arch}, {cfg.num_layers} layers, D={cfg.hidden_size}, "
@@ -200,7 +202,7 @@ def _leaves(tree):
     return jax.tree_util.tree_leaves(tree)
 
 
-def jax_paths(tree) -> list[str]:
+def _jax_paths(tree) -> list[str]:
     import jax
 
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
@@ -707,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ValueError as e:
+        if os.environ.get("REJAX_TRACEBACK"):
+            raise
         print(f"rejax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -53,7 +53,9 @@ def load_jsonl(path: str | Path, *, limit: int | None = None) -> list[dict]:
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be a positive number of problems, got {limit}")
     if not path.is_file():
-        raise ValueError(f"data file {str(path)!r} does not exist (expected a JSONL problem file)")
+        raise ValueError(
+            f"data file {str(path)!r} does not exist or is not a file (expected JSONL)"
+        )
     problems = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -537,7 +539,8 @@ def processed_entropy(
     m = z.max(axis=-1, keepdims=True)
     p = np.exp(z - m)
     p /= p.sum(axis=-1, keepdims=True)
-    return (-(p * np.log(np.maximum(p, 1e-12))).sum(axis=-1)).astype(np.float32)
+    h = -(p * np.log(np.maximum(p, 1e-12))).sum(axis=-1)
+    return np.maximum(h, 0.0).astype(np.float32)  # no -0.0 for one-token distributions
 
 
 # ----------------------------------------------------------------------------------------------
@@ -866,7 +869,7 @@ def _plot_entropies(path: Path, runs: dict, quant: str, percentile: float) -> No
                 histtype="step",
                 lw=1.6,
                 color=color,
-                label=f"{name} (n={h.size}, p{percentile:g}={q:.3f})",
+                label=f"{name} (n={h.size}, p{percentile:g}={q:.3g})",
             )
             ax.axvline(q, color=color, ls="--", lw=1)
         ax.set_yscale("log")

@@ -347,6 +347,11 @@ def _prompt_ids(params: Params, prompt, chat: bool) -> list[list[int]]:
         if chat:
             raise ValueError("chat=True needs text prompts, got token ids")
         return [_check_ids(p, v, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if all(isinstance(p, (int, np.integer)) for p in prompt):
+        raise ValueError(
+            f"token-id prompts must be a list of lists (one per prompt), e.g. [{list(prompt)[:4]}]"
+            f"; got a flat list of {len(prompt)} ints"
+        )
     raise ValueError(
         "prompt must be a str, a list of str, or a list of token-id lists; got a "
         f"list mixing {sorted({type(p).__name__ for p in prompt})}"

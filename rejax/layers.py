@@ -156,9 +156,9 @@ def _zeros_nvfp4(n_out: int, k_in: int):
 class Linear(nn.Module):
     """A linear layer holding `weight` [N_out, K_in] (HF layout), optional `bias`.
 
-    With `quant` set ("nvfp4" / "nvfp4-w4a16") the weight is an Nvfp4Tensor and an optional static `input_scale`
-    may be present in the params (W4A4 calibrated). Sows the input amax into the `amax`
-    collection when that collection is mutable (calibration only).
+    With `quant` set ("nvfp4" / "nvfp4-w4a16") the weight is an Nvfp4Tensor and an optional
+    static `input_scale` may be present in the params (W4A4 calibrated). Sows the input amax
+    into the `amax` collection when that collection is mutable (calibration only).
     """
 
     features: int

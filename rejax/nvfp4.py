@@ -13,6 +13,15 @@ Weights follow NVIDIA ModelOpt's `NVFP4QTensor.quantize` bit for bit (computed h
 float32, the same IEEE operations in the same order). Activations follow the vLLM / TensorRT-LLM
 recipe with the division order of torchao's `nvfp4_quantize` (static global scale, dynamic block
 scales) and are jittable. `nvfp4_matmul` is the reference the CUDA kernel is checked against.
+
+Numerics notes:
+  * Activation divisions use `_div_rn` (integer long division, IEEE round-to-nearest-even),
+    because XLA rewrites float divisions under jit and that moves E4M3 / E2M1 ties.
+  * XLA flushes float32 subnormals, so the jitted paths (activations, dequantize, matmul) treat
+    values below 2**-126 as 0; real weights and activations are far above that. quantize_weight
+    runs in numpy and matches ModelOpt on subnormal inputs too.
+  * The default activation recipe has no lower clamp on block scales (TensorRT-LLM / vLLM);
+    torchao clamps them to 2**-6, reproduced with `min_block_scale=TORCHAO_MIN_BLOCK_SCALE`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,11 @@ Top-p follows vLLM: a token is dropped when the mass of the tokens ranked below 
 included, is <= 1 - top_p, and the most likely token is always kept. Tokens are ranked by
 probability with ties ordered as a stable ascending sort leaves them (the lower id ranks lower).
 Masses are counted exactly, in integer units of 2**-30 (`_MASS_BITS`), so the kept set does not
-depend on summation order and the full-sort and selection implementations agree token for token.
+depend on summation order and the full-sort and selection implementations agree token for token
+(a token below 2**-31 has zero mass: it is kept only when top_p = 1). The default selection
+("radix") finds the boundary probability with a fixed number of counting passes over V instead
+of sorting V; experiments/bench_sampler.py times both. The draw is Gumbel-max over the kept
+tokens, so sampling needs no cumulative sum either.
 """
 
 from __future__ import annotations
@@ -304,8 +308,8 @@ def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
         h_step = jnp.where(state.s_n >= w, s_mean, jnp.where(state.n_ring > 0, ring_mean, h))
         h_bar = jnp.where(state.g_n > 0, state.g_sum / jnp.maximum(state.g_n, 1), h_step)
     tau = jnp.where(h_step > h_bar, h_step, tau_0)  # SAT (Eq. 1): strict >
-    temperature = jnp.where(h >= tau, t_high, t_low)  # non-strict >= selects T_high
-    return temperature, new
+    high = h >= tau  # non-strict >= selects T_high
+    return jnp.where(high, t_high, t_low), high, new
 
 
 def reset_temperature(
@@ -324,7 +328,7 @@ def reset_temperature(
     logits = _check_logits(logits)
     _check_state(state, logits.shape[0], cfg.window)
     h = entropy(logits)
-    temperature, state = _policy(h, state, cfg)
+    temperature, _, state = _policy(h, state, cfg)
     return temperature, h, state
 
 
@@ -465,6 +469,9 @@ def _top_p_radix(probs: jax.Array, top_p: jax.Array, radix: int = _RADIX_BITS) -
     # boundary probability are then cut by id: how many to keep is a scalar bisection, which ones
     # a running count over V (the higher ids rank above, as in a stable ascending sort).
     b, v = probs.shape
+    # Materialise the probabilities once: each pass then reads them instead of recomputing
+    # exp() for every threshold (XLA would otherwise fuse the softmax into all passes).
+    probs = lax.optimization_barrier(probs)
     q = _masses(probs)
     limit = _keep_limit(q, top_p)
     key = lax.bitcast_convert_type(probs, jnp.int32)
@@ -557,6 +564,10 @@ def _row_keys(key: jax.Array, batch: int) -> jax.Array:
     return key
 
 
+def _safe_t(t: jax.Array) -> jax.Array:
+    return jnp.where(t <= GREEDY_EPS, 1.0, t)  # greedy rows: any finite scale, result unused
+
+
 def _sample_tempered(
     keys: jax.Array,
     logits: jax.Array,
@@ -565,16 +576,20 @@ def _sample_tempered(
     top_p: jax.Array,
     top_k: int,
     method: str,
+    denom: jax.Array | None = None,
 ) -> jax.Array:
     # softmax((z - m) / t) shares the raw row max m (t > 0), then top-k, top-p, and a Gumbel-max
-    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax.
+    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax. `denom` [B], if
+    # given, is the softmax denominator sum(exp((z - m) / t)) computed earlier.
     greedy = t <= GREEDY_EPS
-    zt = (logits - m) / jnp.where(greedy, 1.0, t)[:, None]
+    zt = (logits - m) / _safe_t(t)[:, None]
     if top_k:
         kth = lax.top_k(zt, top_k)[0][:, -1:]
         zt = jnp.where(zt >= kth, zt, -jnp.inf)
     e = jnp.exp(zt)
-    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+    if denom is None:
+        denom = jnp.sum(e, axis=-1)
+    probs = e / denom[:, None]
     keep = top_p_mask(probs, top_p, method) & (zt > -jnp.inf)
     g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
     drawn = jnp.argmax(jnp.where(keep, zt + g, -jnp.inf), axis=-1)
@@ -626,7 +641,15 @@ def sample(
         return tokens, state, {"entropy": h, "temperature": t}
     _check_masks(sampler, v)
     top_p = _row_param("ReSET.top_p", sampler.top_p, b)
-    t, state = _policy(h, state, sampler)
-    tokens = _sample_tempered(keys, logits, m, t, top_p, 0, top_p_method)
+    # The softmax denominators for both candidate temperatures come from the same pass over V
+    # as the entropy's sums (sibling reductions), so ReSET adds no pass over V of its own.
+    d = logits - m
+    t_hi = _safe_t(_row_param("ReSET.t_high", sampler.t_high, b))[:, None]
+    t_lo = _safe_t(_row_param("ReSET.t_low", sampler.t_low, b))[:, None]
+    s_hi = jnp.sum(jnp.exp(d / t_hi), axis=-1)
+    s_lo = jnp.sum(jnp.exp(d / t_lo), axis=-1)
+    t, high, state = _policy(h, state, sampler)
+    denom = jnp.where(high, s_hi, s_lo)
+    tokens = _sample_tempered(keys, logits, m, t, top_p, 0, top_p_method, denom)
     state = reset_observe(state, tokens, sampler)
     return tokens, state, {"entropy": h, "temperature": t}

@@ -213,6 +213,31 @@ def test_calibrate_needs_enough_problems(capsys, ckpt, data):
     assert rc == 2 and "--n-problems 4 but" in err and "holds 3" in err
 
 
+def test_step_printer_splits_like_step_spans():
+    from rejax import evaluate as ev
+
+    nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
+    nl[1], dnl[2] = True, True
+    rng = np.random.default_rng(0)
+    tokens = rng.choice([1, 1, 2, 3, 4, 5], size=200).tolist()
+    sampler = ev.parse_sampler("reset", t_low=0.3)
+    printer = cli._StepPrinter(nl, dnl, sampler)
+    temps = rng.choice([0.3, 1.0], size=200)
+    lines = [printer.push(t, 0.5, float(x)) for t, x in zip(tokens, temps)]
+    lines.append(printer.flush())
+    ends = [i + 1 for i, line in enumerate(lines[:-1]) if line]
+    spans = ev.step_spans(tokens, nl, dnl)
+    assert ends == [b for _, b in spans][: len(ends)]
+    assert len([x for x in lines if x]) == len(spans)
+    first = next(x for x in lines if x)
+    a, b = spans[0]
+    low = round(100 * np.mean(temps[a:b] == 0.3))
+    assert first == (
+        f"[step 1 | {b - a} tok | entropy mean 0.50 max 0.50 nats | "
+        f"T_low {low}% T_high {100 - low}%]"
+    )
+
+
 # ----------------------------------------------------------------------------- end to end
 
 

@@ -208,6 +208,7 @@ def test_reset_inside_generate_equals_sampling_step_by_step(params):
         ([[]], {}, "empty"),
         ([[1, 300]], {}, "outside"),
         (["ok", [1, 2]], {}, "mixing"),
+        ([1, 2, 3], {}, "list of lists"),
         ("ok", {"max_new_tokens": 0}, "max_new_tokens"),
         ("ok", {"max_new_tokens": -3}, "max_new_tokens"),
         ("ok", {"max_new_tokens": 130}, "max_position_embeddings"),

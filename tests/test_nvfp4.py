@@ -508,6 +508,38 @@ def test_matmul_blocks_order_is_exactly_sequential(dynamic, monkeypatch):
     np.testing.assert_array_equal(chunked.view(np.uint16), expect.view(np.uint16))
 
 
+@pytest.mark.parametrize("budget", [None, 3])
+def test_matmul_accumulates_in_block_order(budget, monkeypatch):
+    """Block 0 contributes 2**25 + 2**17 (a bf16 midpoint) and blocks 1..15 contribute 1.0 each.
+    In block order every 1.0 is lost to float32 rounding and bf16 rounds the midpoint down to
+    2**25; any other order keeps some of them and rounds up to 2**25 + 2**18."""
+    if budget is not None:
+        monkeypatch.setattr(nvfp4, "_PARTIALS_BUDGET", budget)  # one block per scan step
+    code = {0.0: 0, 1.0: 2, 1.5: 3, 6.0: 7}
+    x_vals = np.zeros((1, 256), np.float32)
+    w_vals = np.zeros((1, 256), np.float32)
+    x_vals[0, :16] = [6.0] * 15 + [1.0]
+    w_vals[0, :16] = [6.0] * 14 + [1.5, 1.0]  # 14 * 36 + 9 + 1 = 514 = 2 * 257
+    x_vals[0, 16::16] = 1.0
+    w_vals[0, 16::16] = 1.0
+    scales = np.ones((1, 16), np.float32)
+    scales[0, 0] = 256.0  # 514 * 256 * 256 = 2**25 + 2**17
+
+    def tensor(vals):
+        codes = np.vectorize(code.get)(vals).astype(np.uint8)
+        return Nvfp4Tensor(
+            packed=pack_e2m1(codes),
+            scales=jnp.asarray(scales, jnp.float8_e4m3fn),
+            global_scale=jnp.float32(1.0),
+            shape=(1, 256),
+        )
+
+    xq, w = tensor(x_vals), tensor(w_vals)
+    assert float(np.asarray(_sequential_reference(xq, w), np.float32)[0, 0]) == 2.0**25
+    y = float(np.asarray(nvfp4_matmul_q(xq, w, order="blocks"), np.float32)[0, 0])
+    assert y == 2.0**25
+
+
 def test_matmul_against_float64_dequantized_reference():
     """|y - ref| <= 2**-8 |ref| (bf16 output rounding) + f32 accumulation slack.
 
