@@ -300,8 +300,8 @@ class TorchReSET:
         torch = _torch()
         if window < 1 or batch_size < 1:
             raise ValueError(f"window={window} and batch_size={batch_size} must be >= 1")
-        self.nl = torch.as_tensor(np.asarray(nl_mask), dtype=torch.bool)
-        self.dnl = torch.as_tensor(np.asarray(dnl_mask), dtype=torch.bool)
+        self.nl = torch.as_tensor(np.array(nl_mask), dtype=torch.bool)
+        self.dnl = torch.as_tensor(np.array(dnl_mask), dtype=torch.bool)
         self.t_high, self.t_low, self.tau_0 = float(t_high), float(t_low), float(tau_0)
         self.top_p, self.w, self.include_current = float(top_p), int(window), include_current
         b = batch_size

@@ -80,15 +80,6 @@ def test_forward_matches_rejax_bf16():
     np.testing.assert_allclose(ref, ours, rtol=1e-2, atol=1e-2)  # STYLE.md: bf16 tolerance
 
 
-# XLA rewrites `amax / 2688` (a division by a constant) as a multiplication by its rounded
-# reciprocal, so rejax's per-row dynamic global scale is 1 ulp off the IEEE quotient in about a
-# third of the rows (PAPER.md §2 asks for IEEE division); the E4M3 block scales and codes of those
-# rows then differ. Strict: this starts failing once rejax.nvfp4 divides exactly.
-_DYNAMIC_XFAIL = pytest.mark.xfail(
-    strict=True, reason="rejax.nvfp4.dynamic_global_scale: XLA turns x / 2688 into x * (1/2688)"
-)
-
-
 def test_nvfp4_weight_dequantize_bit_exact():
     w = jnp.asarray(np.random.default_rng(2).normal(size=(48, 64)), jnp.bfloat16)
     qw = quantize_weight(w)
@@ -106,7 +97,7 @@ def test_nvfp4_weight_dequantize_bit_exact():
 @pytest.mark.parametrize(
     "input_scale",
     [
-        pytest.param(None, marks=_DYNAMIC_XFAIL, id="dynamic"),
+        pytest.param(None, id="dynamic"),
         pytest.param(0.7 / (6 * 448), id="saturating"),
         pytest.param(4.0 / (6 * 448), id="roomy"),
     ],
@@ -124,7 +115,7 @@ def test_nvfp4_activation_fake_quant_bit_exact(input_scale):
         # measured max |diff| / max |logit|: 1.1e-6 (W4A16), 1.6e-4 (W4A4 static), 0.13 (dynamic)
         pytest.param("nvfp4-w4a16", None, 1e-5, id="w4a16"),
         pytest.param("nvfp4", 2.0 / (6 * 448), 1e-3, id="w4a4-static"),
-        pytest.param("nvfp4", None, 1e-3, id="w4a4-dynamic", marks=_DYNAMIC_XFAIL),
+        pytest.param("nvfp4", None, 1e-3, id="w4a4-dynamic"),
     ],
 )
 def test_forward_quantized_close_to_rejax(quant, input_scale, bound):
