@@ -31,12 +31,28 @@ _EXPORTS = {
     "Generation": "rejax.generate",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Config",
+    "Generation",
+    "Greedy",
+    "Nvfp4Tensor",
+    "ReSET",
+    "Temperature",
+    "calibrate_input_scales",
+    "dequantize",
+    "generate",
+    "load",
+    "logits",
+    "nvfp4_linear",
+    "nvfp4_matmul",
+    "quantize_activation",
+    "quantize_weight",
+    "sample",
+    "save",
+]
 
 
 def __getattr__(name: str):
-    # `rejax.generate` is both a submodule and the public function: importing the submodule
-    # sets the package attribute to the module, so resolve the function explicitly.
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'rejax' has no attribute {name!r}")
@@ -45,9 +61,10 @@ def __getattr__(name: str):
     return value
 
 
-# Bind the function now: a later `import rejax.generate` finds the module in sys.modules and
-# leaves this attribute alone, so `rejax.generate(...)` always calls the function.
-from rejax.generate import generate  # noqa: E402
+# `rejax.generate` is both a submodule and the public function. Importing the submodule sets
+# the package attribute to the module, so bind the function now: a later `import rejax.generate`
+# finds the module in sys.modules and leaves this attribute alone.
+from rejax.generate import generate
 
 
 def __dir__():

@@ -13,7 +13,8 @@ features), and say so at the top of each file.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 # Hugging Face `model_type` -> rejax architecture name.
 ARCHITECTURES = {"qwen3": "qwen3", "qwen2": "qwen2"}
@@ -67,8 +68,16 @@ class Config:
 
 # Presets with the real layer shapes (PAPER.md §4); weights are random in benchmarks.
 QWEN3_8B = Config(
-    arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0, max_position_embeddings=40960,
+    arch="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=40960,
     eos_token_ids=(151645, 151643),
 )
 QWEN3_14B = dataclasses.replace(
@@ -78,13 +87,28 @@ QWEN3_32B = dataclasses.replace(
     QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64
 )
 R1_DISTILL_QWEN_7B = Config(
-    arch="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-    num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=10_000.0, attention_bias=True,
-    max_position_embeddings=131072, eos_token_ids=(151643,),
+    arch="qwen2",
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_layers=28,
+    num_heads=28,
+    num_kv_heads=4,
+    head_dim=128,
+    rope_theta=10_000.0,
+    attention_bias=True,
+    max_position_embeddings=131072,
+    eos_token_ids=(151643,),
 )
 R1_DISTILL_QWEN_14B = dataclasses.replace(
-    R1_DISTILL_QWEN_7B, vocab_size=152064, hidden_size=5120, intermediate_size=13824,
-    num_layers=48, num_heads=40, num_kv_heads=8, rope_theta=1_000_000.0,
+    R1_DISTILL_QWEN_7B,
+    vocab_size=152064,
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_layers=48,
+    num_heads=40,
+    num_kv_heads=8,
+    rope_theta=1_000_000.0,
 )
 PRESETS = {
     "qwen3-8b": QWEN3_8B,
