@@ -162,7 +162,10 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats
         out = jax.block_until_ready(rgen.prefill(params, tokens, positions, cache))
         return time.perf_counter() - t0, out
 
+    t0 = time.perf_counter()
+    print(f"  prefill b{batch}: compiling", flush=True)
     do_prefill()  # warm-up / compile
+    print(f"  prefill b{batch}: compiled + ran in {time.perf_counter() - t0:.1f}s", flush=True)
     timed = [do_prefill() for _ in range(max(1, prefill_repeats))]
     t_prefill = statistics.median(t for t, _ in timed)
     logits, cache = timed[-1][1]
@@ -188,7 +191,10 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats
         jax.block_until_ready(out.tokens)
         return time.perf_counter() - t0, out
 
+    t0 = time.perf_counter()
+    print(f"  decode loop b{batch}: compiling", flush=True)
     _, out = do_decode()  # warm-up / compile
+    print(f"  decode loop b{batch}: compiled + ran in {time.perf_counter() - t0:.1f}s", flush=True)
     runs = [do_decode()[0] for _ in range(repeats)]
     t_decode = statistics.median(runs)
     n_steps = int(out.step)
