@@ -215,20 +215,23 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats
 # ----------------------------------------------------------------------------- breakdown
 
 
-def _loop(body, carry, steps):
-    """A jitted fori_loop of `steps` dependent iterations of body(carry) -> carry."""
-    return jax.jit(lambda c: jax.lax.fori_loop(0, steps, lambda i, c: body(c), c))
+def _loop(body, steps):
+    """f(carry, aux): a jitted fori_loop of `steps` dependent iterations of body(carry, aux).
+
+    Arrays the body reads (weights, the cache) come in as the argument `aux`: closed over, they
+    would be baked into the executable as constants (gigabytes, and a very slow compile).
+    """
+    return jax.jit(lambda c, aux: jax.lax.fori_loop(0, steps, lambda i, c: body(c, aux), c))
 
 
 def _breakdown(params, cache, batch, steps, repeats):
     """Seconds per step of the decode step's parts, each in its own jitted loop."""
     cfg = params.cfg
-    w = params.weights
     d = cfg.hidden_size
     x0 = jnp.ones((batch, d), jnp.bfloat16) * 0.1
     out = {}
 
-    def linears(x):
+    def linears(x, w):
         for layer in range(cfg.num_layers):
             lw = w[f"layers_{layer}"]
             at, mlp = lw["self_attn"], lw["mlp"]
@@ -247,22 +250,21 @@ def _breakdown(params, cache, batch, steps, repeats):
         logits = layers.linear(x, {"weight": head}, None)
         return (x + 1e-6 * logits[:, :d]).astype(x.dtype)
 
-    f = _loop(linears, x0, steps)
-    out["linears_and_head"], _ = _time(lambda: f(x0), repeats)
+    f = _loop(linears, steps)
+    out["linears_and_head"], _ = _time(lambda: f(x0, params.weights), repeats)
 
     q0 = jnp.ones((batch, 1, cfg.num_heads, cfg.head_dim), jnp.bfloat16) * 0.1
     qpos = jnp.full((batch, 1), cache.positions.shape[1] - 1, jnp.int32)
     mask = layers.attention_mask(qpos, cache.positions.at[:, :].set(0))  # every slot valid
 
-    def attn(q):
+    def attn(q, aux):
+        kv, mask = aux
         for layer in range(cfg.num_layers):
-            q = (q + 1e-3 * layers.attention(q, cache.k[layer], cache.v[layer], mask)).astype(
-                q.dtype
-            )
+            q = (q + 1e-3 * layers.attention(q, kv.k[layer], kv.v[layer], mask)).astype(q.dtype)
         return q
 
-    f = _loop(attn, q0, steps)
-    out["attention_full_cache"], _ = _time(lambda: f(q0), repeats)
+    f = _loop(attn, steps)
+    out["attention_full_cache"], _ = _time(lambda: f(q0, (cache, mask)), repeats)
 
     z0 = jax.random.normal(jax.random.key(1), (batch, cfg.vocab_size), jnp.float32)
     nl = jnp.zeros((cfg.vocab_size,), bool).at[10].set(True)
@@ -274,16 +276,19 @@ def _breakdown(params, cache, batch, steps, repeats):
     ]:
         st0 = sampling.sampler_init(sampler, batch)
 
-        def samp(c, sampler=sampler):
+        def samp(c, aux):
             z, st = c
-            tok, st, _info = sampling.sample(keys, z, st, sampler)
+            ks, smp = aux
+            tok, st, _info = sampling.sample(ks, z, st, smp)
             return z + 1e-6 * tok[:, None].astype(z.dtype), st
 
-        f = _loop(samp, (z0, st0), steps)
-        out[name], _ = _time(lambda f=f, st0=st0: f((z0, st0)), repeats)
+        f = _loop(samp, steps)
+        out[name], _ = _time(
+            lambda f=f, st0=st0, sampler=sampler: f((z0, st0), (keys, sampler)), repeats
+        )
 
-    f = _loop(lambda c: c + 1, jnp.int32(0), steps)
-    out["empty_loop"], _ = _time(lambda: f(jnp.int32(0)), repeats)
+    f = _loop(lambda c, aux: c + aux, steps)
+    out["empty_loop"], _ = _time(lambda: f(jnp.int32(0), jnp.int32(1)), repeats)
     return {k: v / steps for k, v in out.items()}
 
 
@@ -353,6 +358,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b", choices=sorted(rconfig.PRESETS))
     ap.add_argument("--tiny", action="store_true", help="tiny config and lengths (CPU check)")
+    ap.add_argument("--layers", type=int, default=None, help="override num_layers (quick checks)")
     ap.add_argument(
         "--modes", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4", "nvfp4-w4a16"]
     )
@@ -367,6 +373,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True, help="JSON results path")
     args = ap.parse_args(argv)
     cfg = rconfig.PRESETS[args.preset]
+    if args.layers is not None:
+        if args.layers <= 0:
+            raise SystemExit(f"--layers must be positive, got {args.layers}")
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     if args.tiny:
         cfg = TINY
         args.prompt_len, args.gen_len = min(args.prompt_len, 32), min(args.gen_len, 16)

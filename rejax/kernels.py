@@ -12,8 +12,9 @@ features. `nvfp4_linear` is the only place that chooses between the reference nu
   (launch "callback"). Both run on XLA's stream and are captured in XLA command buffers.
 
 `impl="auto"` uses the kernel when lowering for CUDA and the shape is supported (M <= 8 after
-folding leading dims, K % 32 == 0, activations fit in shared memory); otherwise the reference,
-with a one-time warning for unsupported shapes on CUDA. `impl="cuda"` forces the kernel and raises
+folding leading dims, K % 256 == 0, activations fit in shared memory); otherwise the reference,
+with a one-time warning for unsupported shapes on CUDA (M > 8, prefill, is a GEMM and takes the
+reference's bf16 tensor-core dot silently). `impl="cuda"` forces the kernel and raises
 if it cannot run; `impl="ref"` forces the reference.
 """
 
@@ -156,7 +157,10 @@ def _probe_launch() -> str:
     try:
         from cuda_ops import nvfp4_gemv
 
-        nvfp4_gemv.probe_ptx_launch(_gemv_call)
+        # The first call usually comes while a jitted function is being traced: evaluate the
+        # probe eagerly instead of staging it into that trace.
+        with jax.ensure_compile_time_eval():
+            nvfp4_gemv.probe_ptx_launch(_gemv_call)
         return "ptx"
     except Exception as err:  # noqa: BLE001 - any failure of the internal target -> fallback
         _LOG.warning("nvfp4_linear: PTX custom call unusable (%s); using buffer_callback", err)
@@ -253,7 +257,9 @@ def nvfp4_linear(
         if not ok:
             if impl == "cuda":
                 raise ValueError(f"nvfp4_linear(impl='cuda'): {why}")
-            if _on_cuda():
+            # M > 8 (prefill) is a GEMM: the reference's one bf16 dot over exactly dequantized
+            # values runs on tensor cores, which is what it should do; other misses warn.
+            if _on_cuda() and m <= MAX_M:
                 _warn_once(("shape", act, m, n, k), f"nvfp4_linear: reference path for {why}")
             use_kernel = False
     if not use_kernel:

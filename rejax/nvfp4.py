@@ -15,8 +15,9 @@ recipe with the division order of torchao's `nvfp4_quantize` (static global scal
 scales) and are jittable. `nvfp4_matmul` is the reference the CUDA kernel is checked against.
 
 Numerics notes:
-  * Activation divisions use `_div_rn` (integer long division, IEEE round-to-nearest-even),
-    because XLA rewrites float divisions under jit and that moves E4M3 / E2M1 ties.
+  * Activation divisions use `_div_rn` (an IEEE division behind an optimization barrier),
+    because XLA rewrites float divisions under jit and that moves E4M3 / E2M1 ties; E4M3 scales
+    are read back by table, because XLA drops float32 -> float8 -> float32 round trips.
   * XLA flushes float32 subnormals, so the jitted paths (activations, dequantize, matmul) treat
     values below 2**-126 as 0; real weights and activations are far above that. quantize_weight
     runs in numpy and matches ModelOpt on subnormal inputs too.
@@ -208,56 +209,31 @@ def _pack_np(codes: np.ndarray) -> np.ndarray:
 
 
 def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
-    """IEEE float32 a / b (round to nearest even) for a >= 0, b > 0, computed with integers.
+    """IEEE float32 a / b (round to nearest even) that XLA's simplifier cannot rewrite.
 
-    XLA's simplifier rewrites float divisions (x / c -> x * (1 / c), (x / y) / z -> x / (y * z),
+    XLA rewrites float divisions (x / c -> x * (1 / c), (x / y) / z -> x / (y * z),
     x / broadcast(y) -> x * broadcast(1 / y)), which changes roundings under jit and so the E4M3
-    scales and E2M1 ties. Integer long division of the significands is never rewritten, so eager,
-    jit, CPU and GPU give the same bits (checked against numpy on 4M random pairs, subnormal
-    operands included). Results below 2**-126 flush to 0 (as XLA does on CPU); results above the
-    float32 range become inf.
+    scales and E2M1 ties. Both operands go through an optimization barrier, so the divide
+    sees neither a constant, a broadcast nor another divide and stays one IEEE division
+    (checked against numpy on random pairs, eager and jit). Results below 2**-126 flush to 0,
+    as XLA does.
     """
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    u32 = jnp.uint32
+    a, b = jax.lax.optimization_barrier((a, b))
+    q = a / b
+    return jnp.where(jnp.abs(q) < jnp.float32(2.0**-126), jnp.float32(0.0), q)
 
-    def unpack(v):
-        bits = jax.lax.bitcast_convert_type(v, u32)
-        exp = ((bits >> 23) & 0xFF).astype(jnp.int32)
-        man = bits & u32(0x7FFFFF)
-        # Normalize subnormals: shift the leading one up to bit 23.
-        shift = jnp.maximum(jax.lax.clz(man).astype(jnp.int32) - 8, 0)
-        sub = exp == 0
-        man = jnp.where(sub, man << shift.astype(u32), man | u32(0x800000))
-        exp = jnp.where(sub, 1 - shift, exp)
-        return exp, man
 
-    a_zero = (jax.lax.bitcast_convert_type(a, u32) & u32(0x7FFFFFFF)) == 0
-    ea, ma = unpack(a)
-    eb, mb = unpack(b)
+# E4M3 byte -> float32, read by table: XLA drops a float32 -> float8 -> float32 convert pair
+# under jit (excess precision), which would leave activation block scales unrounded.
+_E4M3_TABLE = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+_E4M3_TABLE[np.isnan(_E4M3_TABLE)] = 0.0  # 0x7F / 0xFF (NaN) never occur as scales
 
-    # 27 quotient bits of ma / mb in [0.5, 2): q = floor(ma * 2**26 / mb), remainder r.
-    def step(_, qr):
-        q, r = qr
-        ge = r >= mb
-        return (q << 1) | ge.astype(u32), jnp.where(ge, r - mb, r) << 1
 
-    q, r = jax.lax.fori_loop(0, 27, step, (jnp.zeros_like(ma), ma))
-    big = q >= u32(1 << 26)  # quotient >= 1: 27 significant bits, else 26
-    shift = jnp.where(big, u32(3), u32(2))
-    exp = ea - eb + 126 + big.astype(jnp.int32)
-    man = q >> shift
-    rest = q & ((u32(1) << shift) - 1)
-    half = u32(1) << (shift - 1)
-    sticky = ((rest & (half - 1)) != 0) | (r != 0)
-    round_up = ((rest & half) != 0) & (sticky | ((man & 1) == 1))
-    man = man + round_up.astype(u32)
-    carry = man >= u32(1 << 24)
-    man = jnp.where(carry, man >> 1, man)
-    exp = exp + carry.astype(jnp.int32)
-    bits = (jnp.clip(exp, 0, 255).astype(u32) << 23) | (man & u32(0x7FFFFF))
-    bits = jnp.where(exp >= 255, u32(0x7F800000), bits)
-    bits = jnp.where((exp <= 0) | a_zero, u32(0), bits)
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+def e4m3_to_f32(s: jax.Array) -> jax.Array:
+    """Exact float32 values of float8_e4m3fn scales, by table lookup on their bytes."""
+    idx = jax.lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
+    return jnp.asarray(_E4M3_TABLE)[idx]
 
 
 # ----------------------------------------------------------------------------- quantizers
@@ -310,6 +286,21 @@ def quantize_weight(w: Any) -> Nvfp4Tensor:
     )
 
 
+def _input_precision(x: jax.Array) -> jax.Array:
+    """x as float32, holding exactly x's bf16 / f16 values.
+
+    Under jit, XLA may skip the rounding of a float32 value cast to bf16 and back (excess
+    precision), so the quantizer would see float32 activations; reduce_precision pins them to
+    the dtype the caller asked for.
+    """
+    xf = x.astype(jnp.float32)
+    if x.dtype == jnp.bfloat16:
+        return jax.lax.reduce_precision(xf, exponent_bits=8, mantissa_bits=7)
+    if x.dtype == jnp.float16:
+        return jax.lax.reduce_precision(xf, exponent_bits=5, mantissa_bits=10)
+    return xf
+
+
 def dynamic_global_scale(x: jax.Array) -> jax.Array:
     """Per-row dynamic activation global scale amax(|x_row|) / (6 * 448); 1.0 for zero rows.
 
@@ -319,7 +310,7 @@ def dynamic_global_scale(x: jax.Array) -> jax.Array:
     Returns:
         float32 [M].
     """
-    amax = jnp.max(jnp.abs(jnp.asarray(x).astype(jnp.float32)), axis=-1)
+    amax = jnp.max(jnp.abs(_input_precision(jnp.asarray(x))), axis=-1)
     scale = _div_rn(amax, E2M1_MAX * E4M3_MAX)
     return jnp.where(scale > 0, scale, jnp.float32(1.0))
 
@@ -359,7 +350,7 @@ def quantize_activation(
 @functools.partial(jax.jit, static_argnames="min_block_scale")
 def _quantize_activation_arrays(x, input_scale, min_block_scale):
     m, k = x.shape
-    xf = x.astype(jnp.float32).reshape(m, k // BLOCK, BLOCK)  # [M, K/16, 16]
+    xf = _input_precision(x).reshape(m, k // BLOCK, BLOCK)  # [M, K/16, 16]
     block_amax = jnp.max(jnp.abs(xf), axis=-1)  # [M, K/16]
     if input_scale is None:
         global_scale = dynamic_global_scale(x)  # [M]
@@ -369,7 +360,7 @@ def _quantize_activation_arrays(x, input_scale, min_block_scale):
     sf = _div_rn(_div_rn(block_amax, E2M1_MAX), g)  # IEEE divisions, in torchao's order
     sf = jnp.clip(sf, jnp.float32(min_block_scale), jnp.float32(E4M3_MAX))
     sf_e4m3 = sf.astype(jnp.float8_e4m3fn)
-    sf32 = sf_e4m3.astype(jnp.float32)
+    sf32 = e4m3_to_f32(sf_e4m3)
     nonzero = sf32 > 0
     out_scale = _div_rn(_div_rn(1.0, g), jnp.where(nonzero, sf32, 1.0))
     out_scale = jnp.where(nonzero, out_scale, 0.0)
@@ -431,7 +422,7 @@ def dequantize(t: Nvfp4Tensor) -> jax.Array:
 
 @jax.jit
 def _dequantize_arrays(t: Nvfp4Tensor) -> jax.Array:
-    block_scale = t.scales.astype(jnp.float32) * _row_global(t)  # [rows, K/16]
+    block_scale = e4m3_to_f32(t.scales) * _row_global(t)  # [rows, K/16]
     return (_block_values(t) * block_scale[..., None]).reshape(t.rows, t.k)
 
 
@@ -479,7 +470,20 @@ def _blockwise_accumulate(
 
 def _scaled_values(t: Nvfp4Tensor) -> jax.Array:
     """e2m1(code) * float(scale) as float32 [rows, K]; exact (a 2-bit times a 4-bit significand)."""
-    return (_block_values(t) * t.scales.astype(jnp.float32)[..., None]).reshape(t.rows, t.k)
+    return (_block_values(t) * e4m3_to_f32(t.scales)[..., None]).reshape(t.rows, t.k)
+
+
+def _exact_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """float32 a @ b.T where a's and b's values are exact in a's dtype; float32 accumulation.
+
+    Pre-scaled NVFP4 values e2m1 * SF have at most 6 significant bits, so they are exact in
+    bfloat16 and every bf16 x bf16 product is exact in float32: the dot runs on bf16 operands
+    (tensor cores on a GPU) and only the float32 summation order is XLA's. float32 operands
+    (a float32 x in W4A16) use a float32 dot at HIGHEST precision.
+    """
+    if a.dtype == jnp.bfloat16:
+        return jnp.dot(a, b.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32)
+    return jnp.dot(a, b.T, precision=jax.lax.Precision.HIGHEST)
 
 
 def _check_order(order: str, m: int) -> bool:
@@ -520,11 +524,11 @@ def nvfp4_matmul_q(xq: Nvfp4Tensor, w: Nvfp4Tensor, *, order: str = "auto") -> j
 @functools.partial(jax.jit, static_argnames=("sequential", "budget"))
 def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: int):
     if sequential:
-        sx = xq.scales.astype(jnp.float32)  # [M, J]
-        sw = w.scales.astype(jnp.float32)  # [N, J]
+        sx = e4m3_to_f32(xq.scales)  # [M, J]
+        sw = e4m3_to_f32(w.scales)  # [N, J]
         acc = _blockwise_accumulate(_block_values(xq), _block_values(w), sw, sx, budget)
     else:
-        acc = jnp.dot(_scaled_values(xq), _scaled_values(w).T, precision=jax.lax.Precision.HIGHEST)
+        acc = _exact_dot(_scaled_values(xq).astype(jnp.bfloat16), _scaled_values(w))
     alpha = w.global_scale.astype(jnp.float32) * _row_global(xq)
     return (acc * alpha).astype(jnp.bfloat16)
 
@@ -535,10 +539,12 @@ def _matmul_w4a16_arrays(x: jax.Array, w: Nvfp4Tensor, sequential: bool, budget:
     xf = x.astype(jnp.float32)
     if sequential:
         xv = xf.reshape(m, k // BLOCK, BLOCK)
-        sw = w.scales.astype(jnp.float32)
+        sw = e4m3_to_f32(w.scales)
         acc = _blockwise_accumulate(xv, _block_values(w), sw, None, budget)
     else:
-        acc = jnp.dot(xf, _scaled_values(w).T, precision=jax.lax.Precision.HIGHEST)
+        # bf16 x and the (exact) bf16 weight values: products exact, float32 accumulation
+        xd = x if x.dtype == jnp.bfloat16 else xf
+        acc = _exact_dot(xd, _scaled_values(w))
     return (acc * w.global_scale.astype(jnp.float32)).astype(jnp.bfloat16)
 
 

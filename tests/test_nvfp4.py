@@ -392,8 +392,9 @@ def test_dynamic_activation_matches_torchao_per_row(jit):
 
 
 def test_div_rn_is_ieee_division():
-    """The integer division behind the activation scales equals numpy's float32 division (results
-    below 2**-126 flush to 0), eagerly and under jit, where XLA would rewrite a float divide."""
+    """The division behind the activation scales equals numpy's float32 division (operands and
+    results below 2**-126 flush to 0), eagerly and under jit, where XLA would rewrite a plain
+    float divide by a constant or a broadcast."""
     rng = np.random.default_rng(RNG_SEED + 7)
 
     def floats(n, lo, hi):
@@ -410,7 +411,7 @@ def test_div_rn_is_ieee_division():
         a, b = floats(50_000, alo, ahi), floats(50_000, blo, bhi)
         b[b == 0] = 1
         with np.errstate(all="ignore"):
-            expect = a / b
+            expect = np.where(np.abs(a) < 2.0**-126, np.float32(0), a) / b
         expect[np.abs(expect) < 2.0**-126] = 0
         for f in (nvfp4._div_rn, div):
             np.testing.assert_array_equal(
