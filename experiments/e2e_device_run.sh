@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session for the end-to-end runs: activation quantization GPU-vs-CPU check, the
 # Qwen3-8B decode benchmark and the tiny-reasoner accuracy experiment.
-# Usage: experiments/e2e_device_run.sh OUTDIR [phases]   (phases: env quant decode accuracy)
+# Usage: experiments/e2e_device_run.sh OUTDIR [phases]
+#   (phases: env quant pytest decode2 decode accuracy)
 # Extra arguments per phase: DECODE_ARGS, ACC_ARGS; time limits: DECODE_TIMEOUT, ACC_TIMEOUT.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -20,6 +21,9 @@ for phase in $phases; do
     quant)
       timeout 120 python3 experiments/gpu_quant_check.py --out "$out/gpu_quant_check.json" \
         > "$out/gpu_quant_check.log" 2>&1; tail -30 "$out/gpu_quant_check.log";;
+    pytest)  # the gpu-marked kernel tests
+      timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py \
+        > "$out/pytest_gpu.log" 2>&1; echo "rc=$?"; tail -8 "$out/pytest_gpu.log";;
     decode2)  # compile-time check on 2 layers of the real widths before the full run
       timeout 150 python3 experiments/bench_decode.py --layers 2 --modes nvfp4 --batch 1 \
         --gen-len 64 --no-breakdown --out "$out/bench_decode_2layer.json" 2>&1 | tail -8;;

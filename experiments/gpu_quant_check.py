@@ -29,7 +29,7 @@ def _intermediates(x, input_scale):
     block_amax = jnp.max(jnp.abs(xf), axis=-1)
     g = nvfp4.dynamic_global_scale(x)[:, None] if input_scale is None else input_scale
     sf = nvfp4._div_rn(nvfp4._div_rn(block_amax, 6.0), g)
-    sf32 = jnp.clip(sf, 0.0, 448.0).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    sf32 = nvfp4.e4m3_to_f32(jnp.clip(sf, 0.0, 448.0).astype(jnp.float8_e4m3fn))
     nonzero = sf32 > 0
     out_scale = nvfp4._div_rn(nvfp4._div_rn(1.0, g), jnp.where(nonzero, sf32, 1.0))
     out_scale = jnp.where(nonzero, out_scale, 0.0)

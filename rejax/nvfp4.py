@@ -15,8 +15,9 @@ recipe with the division order of torchao's `nvfp4_quantize` (static global scal
 scales) and are jittable. `nvfp4_matmul` is the reference the CUDA kernel is checked against.
 
 Numerics notes:
-  * Activation divisions use `_div_rn` (an IEEE division behind an optimization barrier),
-    because XLA rewrites float divisions under jit and that moves E4M3 / E2M1 ties; E4M3 scales
+  * Activation divisions use `_div_rn` (an exactly rounded division checked in integers),
+    because XLA rewrites float divisions under jit and the GPU's division is not correctly
+    rounded, and either moves E4M3 / E2M1 ties; E4M3 scales
     are read back by table, because XLA drops float32 -> float8 -> float32 round trips.
   * XLA flushes float32 subnormals, so the jitted paths (activations, dequantize, matmul) treat
     values below 2**-126 as 0; real weights and activations are far above that. quantize_weight
@@ -208,20 +209,56 @@ def _pack_np(codes: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- exact division
 
 
-def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
-    """IEEE float32 a / b (round to nearest even) that XLA's simplifier cannot rewrite.
+def _quotient_estimate(ma: jax.Array, mb: jax.Array) -> jax.Array:
+    """floor(ma * 2^23 / mb) to within a few units, from a float divide (any rounding)."""
+    est = ma.astype(jnp.float32) / mb.astype(jnp.float32)
+    return jnp.clip(est * jnp.float32(2.0**23), 2.0**23 - 8, 2.0**24 + 8).astype(jnp.uint32)
 
-    XLA rewrites float divisions (x / c -> x * (1 / c), (x / y) / z -> x / (y * z),
-    x / broadcast(y) -> x * broadcast(1 / y)), which changes roundings under jit and so the E4M3
-    scales and E2M1 ties. Both operands go through an optimization barrier, so the divide
-    sees neither a constant, a broadcast nor another divide and stays one IEEE division
-    (checked against numpy on random pairs, eager and jit). Results below 2**-126 flush to 0,
-    as XLA does.
+
+def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """IEEE float32 a / b (round to nearest even) for a >= 0, b > 0, exact on every backend.
+
+    A float divide is not enough: XLA's simplifier rewrites divisions under jit
+    (x / c -> x * (1 / c), (x / y) / z -> x / (y * z), x / broadcast(y) -> x * broadcast(1 / y))
+    and the GPU backend's division is not correctly rounded (1-ulp differences measured on the
+    H200), which moves E4M3 / E2M1 ties. So the float quotient is only an estimate of the 24-bit
+    significand quotient Q; the exact remainder R = Ma * 2^23 - Q * Mb is computed in wrapping
+    uint32 arithmetic (it fits in int32 whenever the estimate is within a few units), Q is
+    corrected until 0 <= R < Mb, and rounded to nearest even from R. No loops: it fuses into
+    its consumers. Operands and results below 2**-126 flush to 0 (as XLA does); results above
+    the float32 range become inf.
     """
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    a, b = jax.lax.optimization_barrier((a, b))
-    q = a / b
-    return jnp.where(jnp.abs(q) < jnp.float32(2.0**-126), jnp.float32(0.0), q)
+    u32 = jnp.uint32
+    abits = jax.lax.bitcast_convert_type(a, u32)
+    bbits = jax.lax.bitcast_convert_type(b, u32)
+    ea = ((abits >> 23) & 0xFF).astype(jnp.int32)
+    eb = ((bbits >> 23) & 0xFF).astype(jnp.int32)
+    ma = (abits & u32(0x7FFFFF)) | u32(0x800000)  # [2^23, 2^24)
+    mb = (bbits & u32(0x7FFFFF)) | u32(0x800000)
+    # Ma / Mb in [1, 2): double Ma when it is the smaller significand.
+    small = ma < mb
+    ma = jnp.where(small, ma << 1, ma)  # < 2^25, even: exact in float32
+    exp = ea - eb + 127 - small.astype(jnp.int32)
+    q = _quotient_estimate(ma, mb)
+    rem = jax.lax.bitcast_convert_type((ma << 23) - q * mb, jnp.int32)  # exact, mod 2^32
+    mbi = mb.astype(jnp.int32)
+    for _ in range(4):  # the estimate is within 4 units of the true quotient
+        low = rem < 0
+        q = jnp.where(low, q - 1, q)
+        rem = jnp.where(low, rem + mbi, rem)
+        high = rem >= mbi
+        q = jnp.where(high, q + 1, q)
+        rem = jnp.where(high, rem - mbi, rem)
+    up = (2 * rem > mbi) | ((2 * rem == mbi) & ((q & 1) == 1))
+    q = q + up.astype(u32)
+    carry = q >= u32(1 << 24)
+    q = jnp.where(carry, q >> 1, q)
+    exp = exp + carry.astype(jnp.int32)
+    bits = (jnp.clip(exp, 0, 255).astype(u32) << 23) | (q & u32(0x7FFFFF))
+    bits = jnp.where(exp >= 255, u32(0x7F800000), bits)
+    bits = jnp.where((exp <= 0) | (ea == 0), u32(0), bits)  # underflow, a zero or subnormal
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 # E4M3 byte -> float32, read by table: XLA drops a float32 -> float8 -> float32 convert pair

@@ -422,6 +422,22 @@ def test_div_rn_is_ieee_division():
     np.testing.assert_array_equal(np.asarray(div(1.0, small)), np.float32(1) / small)
 
 
+@pytest.mark.parametrize("skew", [-4, -1, 1, 4])
+def test_div_rn_corrects_a_wrong_estimate(monkeypatch, skew):
+    """The float quotient is only an estimate (XLA may rewrite it, a GPU rounds it loosely):
+    an estimate off by up to 4 units still gives numpy's correctly rounded quotient."""
+    estimate = nvfp4._quotient_estimate
+    monkeypatch.setattr(
+        nvfp4, "_quotient_estimate", lambda ma, mb: (estimate(ma, mb).astype(jnp.int32) + skew)
+        .astype(jnp.uint32)
+    )
+    rng = np.random.default_rng(RNG_SEED + 8)
+    a = rng.uniform(1e-3, 1e3, 50_000).astype(np.float32)
+    b = rng.uniform(1e-3, 1e3, 50_000).astype(np.float32)
+    got = np.asarray(jax.jit(lambda a, b: nvfp4._div_rn(a, b))(a, b))  # fresh trace
+    np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
+
+
 # --------------------------------------------------------------------------- jit == eager
 
 
