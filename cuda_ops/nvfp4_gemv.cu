@@ -11,6 +11,9 @@
 //   R_ROWS                  weight rows a warp streams together (divides N_OUT)
 //   SPP                     1024-element K steps per work item (split-K inside a CTA)
 //   GRID, NTHREADS          CTAs (<= #SMs, one per SM) and threads per CTA
+//   GEMV_STREAM             0: the persistent design below (default); 1: the streaming variant
+//                           (M <= 4, experimental, see the end of this comment); it uses
+//                           KSPLIT (warps per row group splitting K) instead of SPP and GRID
 //
 // Design (see experiments/KERNEL_NOTES.md):
 // * One CTA per SM owns a contiguous range of row groups (R_ROWS rows each). Its warps take work
@@ -31,6 +34,15 @@
 // * Partial sums of a work item are reduced across the 32 lanes with shuffles and stored to a
 //   per-(K part, row, token) slot in shared memory; the CTA adds the parts in a fixed order, so
 //   results are deterministic (no atomics). No host allocation or sync: one launch, graph-safe.
+//
+// Streaming variant (GEMV_STREAM=1, not yet measured on a GPU; selected only by
+// REJAX_GEMV_VARIANT=stream): no persistent CTAs, no x staging and no barrier before the math.
+// A warp owns one row group (R_ROWS rows) and one of KSPLIT K slices; each lane issues every load
+// of its share at once (CPL 16-byte chunks per row plus the matching x chunks, read through L1
+// where all warps of the SM share them), then decodes and multiplies. Many small CTAs fill the
+// SMs in a few waves, so a small layer is one round of loads per warp instead of a pipeline
+// that never reaches steady state. K slices of a row group are added in slice order through
+// shared memory (deterministic).
 
 #ifndef DIAG_NODOT
 #define DIAG_NODOT 0
@@ -50,13 +62,26 @@ typedef unsigned int u32;
 #define LDX_HINT ""
 #endif
 
+#ifndef GEMV_STREAM
+#define GEMV_STREAM 0
+#endif
+
 constexpr int NWARPS = NTHREADS / 32;
+constexpr int NGROUPS = N_OUT / R_ROWS;
+#if GEMV_STREAM
+constexpr int NCH = K_IN / 32;                     // 16-byte (32-element) chunks per row
+constexpr int CPS = (NCH + KSPLIT - 1) / KSPLIT;   // chunks per K slice
+constexpr int CPL = (CPS + 31) / 32;               // chunks per lane
+constexpr int GPB = NWARPS / KSPLIT;               // row groups per CTA
+static_assert(NWARPS % KSPLIT == 0, "KSPLIT must divide the warps of a CTA");
+static_assert(M_TOK <= 4, "the streaming variant handles M <= 4");
+#else
 constexpr int STEP = 1024;  // K elements per warp step: 32 lanes x 32 elements
 constexpr int NSTEPS = (K_IN + STEP - 1) / STEP;
 constexpr int KPARTS = (NSTEPS + SPP - 1) / SPP;
-constexpr int NGROUPS = N_OUT / R_ROWS;
 constexpr int GPC = (NGROUPS + GRID - 1) / GRID;  // max row groups per CTA
 constexpr int RPC = GPC * R_ROWS;                  // max rows per CTA
+#endif
 constexpr int NV = R_ROWS * M_TOK;                 // partial sums per lane per item
 constexpr int VP = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : NV <= 16 ? 16 : 32;
 static_assert(NV <= 32, "R_ROWS * M_TOK must be <= 32");
@@ -172,7 +197,72 @@ __device__ __forceinline__ float warp_reduce(float (&v)[VP], int lane) {
   return v[0];
 }
 
+#if GEMV_STREAM
+// Streaming variant: reduces a warp's sums over its lanes and writes y[m, n] = out(m, total),
+// directly when K is not split, else through `red` ([group][slice][row][token]), adding the
+// slices of a row group in slice order.
+template <typename OutScale>
+__device__ __forceinline__ void stream_epilogue(float (&acc)[VP], float* red, int lane, int tid,
+                                                int lg, int slice, int g, u16* y, OutScale out) {
+  const float total = warp_reduce(acc, lane);
+  const int idx = lane / (32 / VP);
+  const bool holder = lane % (32 / VP) == 0 && idx < NV;
+  const int r = idx / M_TOK, m = idx % M_TOK;
+  if constexpr (KSPLIT == 1) {
+    if (holder && g < NGROUPS) y[(size_t)m * N_OUT + g * R_ROWS + r] = f32_to_bf16(out(m, total));
+  } else {
+    if (holder) red[((lg * KSPLIT + slice) * R_ROWS + r) * M_TOK + m] = total;
+    __syncthreads();
+    for (int i = tid; i < GPB * NV; i += NTHREADS) {
+      const int gl = i / NV, v = i % NV, rr = v / M_TOK, mm = v % M_TOK;
+      const int gg = blockIdx.x * GPB + gl;
+      if (gg >= NGROUPS) continue;
+      float t = 0.f;
+#pragma unroll
+      for (int sl = 0; sl < KSPLIT; ++sl) t += red[((gl * KSPLIT + sl) * R_ROWS + rr) * M_TOK + mm];
+      y[(size_t)mm * N_OUT + gg * R_ROWS + rr] = f32_to_bf16(out(mm, t));
+    }
+  }
+}
+
+// Row group, K slice and chunk range of this warp.
+struct Share {
+  int lg, slice, g, c0, c1;
+  bool valid;
+};
+
+__device__ __forceinline__ Share my_share(int warp) {
+  Share s;
+  s.lg = warp / KSPLIT;
+  s.slice = warp % KSPLIT;
+  s.g = blockIdx.x * GPB + s.lg;
+  s.valid = s.g < NGROUPS;
+  s.c0 = s.slice * CPS;
+  s.c1 = s.c0 + CPS < NCH ? s.c0 + CPS : NCH;
+  return s;
+}
+
+// Issues this lane's weight loads (codes and scales of R_ROWS rows, CPL chunks) at once.
+__device__ __forceinline__ void load_share(uint4 (&q)[CPL][R_ROWS], u32 (&sw)[CPL][R_ROWS],
+                                           const u8* wp, const u8* ws, const Share& sh,
+                                           int lane) {
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    const bool ok = sh.valid && c < sh.c1;
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      const size_t n = (size_t)sh.g * R_ROWS + r;
+      q[i][r] = ok ? ld_weights(wp + n * (K_IN / 2) + c * 16) : make_uint4(0, 0, 0, 0);
+      sw[i][r] = ok ? ld_scales16(ws + n * (K_IN / 16) + c * 2) : 0u;
+    }
+  }
+}
+#endif  // GEMV_STREAM
+
 // ---------------------------------------------------------------------------- work items
+
+#if !GEMV_STREAM
 
 struct Unit {
   int item, step;  // item = local group * KPARTS + part; step = absolute 1024-element step
@@ -209,6 +299,8 @@ __device__ __forceinline__ void load_tile(WTile& t, const u8* wp, const u8* ws, 
     }
   }
 }
+
+#endif  // !GEMV_STREAM
 
 // ---------------------------------------------------------------------------- W4A4
 
@@ -257,6 +349,22 @@ __device__ __forceinline__ void row_dot(float& acc, const u32 (&wpos)[8], const 
     acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
   }
 }
+
+// acc[r * M + m] += the 32-element dot of row r's chunk with token m's chunk (x in registers)
+__device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_ROWS],
+                                          const u32 (&s)[R_ROWS], const u32 (&xw)[M_TOK][8],
+                                          const float2 (&sxf)[M_TOK]) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    u32 wpos[8], wneg[8];
+    decode_row(wpos, wneg, q[r]);
+    const float2 sw = e4m3x2_to_float2(s[r]);
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) row_dot(acc[r * M_TOK + m], wpos, wneg, xw[m], sw, sxf[m]);
+  }
+}
+
+#if !GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
@@ -316,14 +424,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
         float2 sxf[M_TOK];
 #pragma unroll
         for (int m = 0; m < M_TOK; ++m) load_x(xw[m], sxf[m], sx, ssf, m, elem);
-#pragma unroll
-        for (int r = 0; r < R_ROWS; ++r) {
-          u32 wpos[8], wneg[8];
-          decode_row(wpos, wneg, cur.q[r]);
-          const float2 sw = e4m3x2_to_float2(cur.s[r]);
-#pragma unroll
-          for (int m = 0; m < M_TOK; ++m) row_dot(acc[r * M_TOK + m], wpos, wneg, xw[m], sw, sxf[m]);
-        }
+        chunk_dot(acc, cur.q, cur.s, xw, sxf);
       } else {
         // more tokens: all rows decoded in registers, x read from smem once per token
         u32 wpos[R_ROWS][8], wneg[R_ROWS][8];
@@ -372,6 +473,65 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   }
 }
 
+#else  // GEMV_STREAM
+
+// 32 codes of token m's chunk -> 8 signed int8 words (2 * E2M1 value) in element order
+__device__ __forceinline__ void decode_act(u32 (&xw)[8], uint4 c) {
+  const u32 words[4] = {c.x, c.y, c.z, c.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    xw[2 * i] = act_to_s8(words[i]);
+    xw[2 * i + 1] = act_to_s8(words[i] >> 16);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
+                    const float* __restrict__ xg, const u8* __restrict__ wp,
+                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+  __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const Share sh = my_share(tid >> 5);
+
+  // every load of this warp's share first: weights and their scales, x chunks and scales
+  uint4 q[CPL][R_ROWS];
+  u32 sw[CPL][R_ROWS];
+  load_share(q, sw, wp, ws, sh, lane);
+  uint4 xq[CPL][M_TOK];
+  u32 sx[CPL][M_TOK];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    const bool ok = sh.valid && c < sh.c1;
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      xq[i][m] = ok ? ld_act(xp + (size_t)m * (K_IN / 2) + c * 16) : make_uint4(0, 0, 0, 0);
+      sx[i][m] = ok ? (u32) * (const u16*)(xs + (size_t)m * (K_IN / 16) + c * 2) : 0u;
+    }
+  }
+
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    u32 xw[M_TOK][8];
+    float2 sxf[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      decode_act(xw[m], xq[i][m]);
+      sxf[m] = e4m3x2_to_float2(sx[i][m]);  // zero scales for masked chunks: adds 0
+    }
+    chunk_dot(acc, q[i], sw[i], xw, sxf);
+  }
+
+  const float gw = wg[0];
+  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
+                  [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+}
+
+#endif  // GEMV_STREAM
+
 #else  // W4A16
 
 // fp16 of E2M1 code c, times 2^-14: magnitude bits (c & 7) -> fp16 bits 9..11, sign -> bit 15.
@@ -389,6 +549,46 @@ __device__ __forceinline__ float2 half2_to_float2(u32 h) {
       : "r"(h));
   return make_float2(lo, hi);
 }
+
+// acc[r * M + m] += the 32-element dot of row r's chunk with token m's bf16 x at `elem`
+// (x read through L1: every warp of the SM reads the same activations)
+__device__ __forceinline__ void chunk_dot16(float (&acc)[VP], const uint4 (&q)[R_ROWS],
+                                            const u32 (&s)[R_ROWS], const u16* x, int elem) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    const u32 words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+    float w[32];  // element order, times 2^-14
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = half2_to_float2(e2m1_pair_f16(words[c], i));
+        w[8 * c + i] = f.x;
+        w[8 * c + i + 4] = f.y;
+      }
+    }
+    const float2 sw = e4m3x2_to_float2(s[r]);
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      const u16* xr = x + (size_t)m * K_IN + elem;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint4 xa = ld_act(xr + 16 * b);
+        const uint4 xb = ld_act(xr + 16 * b + 8);
+        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dot = fmaf(w[16 * b + 2 * j], __uint_as_float(xw[j] << 16), dot);
+          dot = fmaf(w[16 * b + 2 * j + 1], __uint_as_float(xw[j] & 0xFFFF0000u), dot);
+        }
+        acc[r * M_TOK + m] = fmaf(dot, b ? sw.y : sw.x, acc[r * M_TOK + m]);
+      }
+    }
+  }
+}
+
+#if !GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
@@ -422,40 +622,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     }
 
     const int elem = u.step * STEP + lane * 32;
-    if (elem < K_IN) {
-#pragma unroll
-      for (int r = 0; r < R_ROWS; ++r) {
-        const u32 words[4] = {cur.q[r].x, cur.q[r].y, cur.q[r].z, cur.q[r].w};
-        float w[32];  // element order, times 2^-14
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float2 f = half2_to_float2(e2m1_pair_f16(words[q], i));
-            w[8 * q + i] = f.x;
-            w[8 * q + i + 4] = f.y;
-          }
-        }
-        const float2 sw = e4m3x2_to_float2(cur.s[r]);
-#pragma unroll
-        for (int m = 0; m < M_TOK; ++m) {
-          const u16* xr = x + (size_t)m * K_IN + elem;
-#pragma unroll
-          for (int b = 0; b < 2; ++b) {
-            const uint4 xa = ld_act(xr + 16 * b);
-            const uint4 xb = ld_act(xr + 16 * b + 8);
-            const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            float dot = 0.f;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              dot = fmaf(w[16 * b + 2 * j], __uint_as_float(xw[j] << 16), dot);
-              dot = fmaf(w[16 * b + 2 * j + 1], __uint_as_float(xw[j] & 0xFFFF0000u), dot);
-            }
-            acc[r * M_TOK + m] = fmaf(dot, b ? sw.y : sw.x, acc[r * M_TOK + m]);
-          }
-        }
-      }
-    }
+    if (elem < K_IN) chunk_dot16(acc, cur.q, cur.s, x, elem);
 
     if (nu.item != u.item) {
       const int part = u.item % KPARTS, lrow = (u.item / KPARTS) * R_ROWS;
@@ -483,4 +650,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   }
 }
 
-#endif
+#else  // GEMV_STREAM
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
+                     const u8* __restrict__ ws, const float* __restrict__ wg,
+                     u16* __restrict__ y) {
+  __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const Share sh = my_share(tid >> 5);
+  uint4 q[CPL][R_ROWS];
+  u32 sw[CPL][R_ROWS];
+  load_share(q, sw, wp, ws, sh, lane);
+
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    if (sh.valid && c < sh.c1) chunk_dot16(acc, q[i], sw[i], x, 32 * c);
+  }
+
+  const float gw = wg[0];
+  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
+                  [&](int, float t) { return (t * 16384.0f) * gw; });
+}
+
+#endif  // GEMV_STREAM
+
+#endif  // ACT_W4A4

@@ -39,6 +39,8 @@ class Plan:
     grid: int
     threads: int
     smem: int
+    variant: str = "persistent"  # or "stream" (REJAX_GEMV_VARIANT; M <= 4)
+    ksplit: int = 1  # stream: warps of a row group splitting K
 
     @property
     def kparts(self) -> int:
@@ -55,6 +57,8 @@ class Plan:
             "SPP": self.spp,
             "GRID": self.grid,
             "NTHREADS": self.threads,
+            "GEMV_STREAM": int(self.variant == "stream"),
+            "KSPLIT": self.ksplit,
         }
 
 
@@ -86,7 +90,73 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value else default
 
 
+VARIANT_ENV = "REJAX_GEMV_VARIANT"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+VARIANTS = ("persistent", "stream")
+STREAM_MAX_M = 4
+
+
+def plan_stream(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan | None:
+    """Launch geometry of the streaming variant, or None where it does not apply (M > 4).
+
+    A warp owns R rows and one of KSPLIT K slices and loads all of its CPL chunks per lane at
+    once; CPL is capped to bound registers (4 at M <= 2, else 2). KSPLIT (a power of two that
+    divides the warps of a CTA) is the smallest meeting that cap, then doubled while the grid
+    has fewer than 16 warps per SM and every lane still gets a chunk.
+    """
+    if m > STREAM_MAX_M:
+        return None
+    small = m <= 2 if act == "w4a4" else m == 1
+    rows = 2 if small and n % 2 == 0 else 1
+    rows = min(rows, _env_int("REJAX_GEMV_ROWS", rows))
+    cpl_max = 4 if small else 2
+    nch = k // 32
+    threads = _env_int("REJAX_GEMV_THREADS", 256)
+    ksplit = 1
+    while _cdiv(_cdiv(nch, ksplit), 32) > cpl_max:  # chunks per lane
+        ksplit *= 2
+    threads = max(threads, 32 * ksplit)
+    if threads > 1024:
+        return None
+    warps = threads // 32
+    groups = n // rows
+    while ksplit * 2 <= warps and groups * ksplit < 16 * num_sms and _cdiv(nch, ksplit * 2) >= 32:
+        ksplit *= 2
+    gpb = warps // ksplit
+    return Plan(
+        act=act,
+        m=m,
+        n=n,
+        k=k,
+        rows=rows,
+        spp=1,
+        grid=-(-groups // gpb),
+        threads=threads,
+        smem=0,
+        variant="stream",
+        ksplit=ksplit,
+    )
+
+
 def plan(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan:
+    """The launch plan: the variant `REJAX_GEMV_VARIANT` asks for ("persistent", the default, or
+    "stream" where it applies), else the persistent one (`plan_persistent`)."""
+    variant = os.environ.get(VARIANT_ENV) or "persistent"
+    if variant not in VARIANTS:
+        raise KernelError(f"{VARIANT_ENV}={variant!r}, expected one of {VARIANTS}")
+    if variant == "stream":
+        p = plan_stream(act, m, n, k, num_sms)
+        if p is not None:
+            return p
+    return plan_persistent(act, m, n, k, num_sms)
+
+
+def plan_persistent(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan:
     """Launch geometry: one CTA per SM, warps stream R rows x 1024-element K steps.
 
     R (rows per warp step) trades smem re-reads of x against registers: x is read from shared
@@ -282,7 +352,9 @@ def build(
         ("LDX_HINT", os.environ.get("REJAX_GEMV_LDX", "")),
         ("DIAG_NODOT", os.environ.get("REJAX_GEMV_DIAG_NODOT", "")),
     )
-    plan_env = tuple(os.environ.get(v, "") for v in ("REJAX_GEMV_ROWS", "REJAX_GEMV_THREADS"))
+    plan_env = tuple(
+        os.environ.get(v, "") for v in ("REJAX_GEMV_ROWS", "REJAX_GEMV_THREADS", VARIANT_ENV)
+    )
     return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), env, plan_env)
 
 

@@ -56,21 +56,29 @@ def main(argv=None) -> int:
         x_np = (rng.standard_normal((m, k)) * rng.uniform(0.1, 4.0, (m, 1))).astype(np.float32)
         x_bf = jnp.asarray(x_np, jnp.bfloat16)
         ref = _bytes(nvfp4.quantize_activation(jax.device_put(x_bf, cpu), static))
+
+        def quant(a, static=static):
+            return nvfp4.quantize_activation(a, static)
+
+        def quant_from_f32(a, static=static):
+            return nvfp4.quantize_activation(a.astype(jnp.bfloat16), static)
+
+        def steps(a, static=static):
+            return _intermediates(a, static)
+
         variants = {
-            "gpu_eager": lambda: nvfp4.quantize_activation(x_bf, static),
-            "gpu_in_jit": lambda: jax.jit(lambda a: nvfp4.quantize_activation(a, static))(x_bf),
-            "gpu_in_jit_from_f32": lambda: jax.jit(
-                lambda a: nvfp4.quantize_activation(a.astype(jnp.bfloat16), static)
-            )(jnp.asarray(x_np)),
+            "gpu_eager": (quant, x_bf),
+            "gpu_in_jit": (jax.jit(quant), x_bf),
+            "gpu_in_jit_from_f32": (jax.jit(quant_from_f32), jnp.asarray(x_np)),
         }
-        for name, fn in variants.items():
-            got = _bytes(fn())
+        for name, (fn, arg) in variants.items():
+            got = _bytes(fn(arg))
             diff = {f: int((got[f] != ref[f]).sum()) for f in ref}
             case = {"m": m, "k": k, "static": static, "variant": name, "differing_bytes": diff}
             if diff["packed"]:
                 idx = np.argwhere(got["packed"] != ref["packed"])[:6]
-                gi = jax.jit(lambda a: _intermediates(a, static))(x_bf)
-                ci = jax.jit(lambda a: _intermediates(a, static))(jax.device_put(x_bf, cpu))
+                gi = jax.jit(steps)(x_bf)
+                ci = jax.jit(steps)(jax.device_put(x_bf, cpu))
                 examples = []
                 for r, byte in idx:
                     for e in (2 * byte, 2 * byte + 1):
@@ -99,8 +107,16 @@ def main(argv=None) -> int:
             cases.append(case)
     ok = all(not any(c["differing_bytes"].values()) for c in cases)
     with open(args.out, "w") as f:
-        json.dump({"all_equal": ok, "cases": cases, "jax": jax.__version__,
-                   "device": str(jax.devices()[0].device_kind)}, f, indent=1)
+        json.dump(
+            {
+                "all_equal": ok,
+                "cases": cases,
+                "jax": jax.__version__,
+                "device": str(jax.devices()[0].device_kind),
+            },
+            f,
+            indent=1,
+        )
     print("ALL EQUAL" if ok else "MISMATCHES", flush=True)
     return 0
 

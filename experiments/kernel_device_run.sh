@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session for the NVFP4 GEMV: environment, ptxas resource report, correctness
 # sweep, benchmark and compute-sanitizer. Usage: experiments/kernel_device_run.sh OUTDIR [phases]
-# phases (default all): env ptxas check pytest bench sanitize
+# phases (default all): env ptxas check pytest bench sanitize; also ncu quantcheck diag tune
+# variants (persistent vs stream GEMV)
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas check bench sanitize}
@@ -78,6 +79,21 @@ PY
           --shapes 4096:12288,25600:5120 --ms 1,8 --ops nvfp4_w4a4 --no-chain --out /tmp/diag.json \
           2>&1 | grep -A6 "N x K"
       done 2>&1 | tee "$out/diag.txt";;
+    variants)  # persistent vs stream (REJAX_GEMV_VARIANT), same shapes, M = 1, 2, 4
+      for cfg in "1 2 4 1" "2 2 4 1" "4 1 8 1" "1 2 4 0" "2 1 8 0"; do  # M R KSPLIT W4A4
+        set -- $cfg
+        echo "== stream ptxas M=$1 R=$2 KSPLIT=$3 W4A4=$4"
+        nvcc -arch=sm_90 -cubin -o /tmp/s.cubin -Xptxas -v -DGEMV_STREAM=1 -DM_TOK=$1 \
+          -DN_OUT=4096 -DK_IN=12288 -DR_ROWS=$2 -DKSPLIT=$3 -DACT_W4A4=$4 -DNTHREADS=256 \
+          -DSPP=1 -DGRID=1 cuda_ops/nvfp4_gemv.cu 2>&1 | grep -E "registers|spill|error"
+      done 2>&1 | tee "$out/variants_ptxas.txt"
+      for v in persistent stream; do
+        REJAX_GEMV_VARIANT=$v timeout 200 python3 experiments/bench_kernel.py \
+          --shapes ${VARIANT_SHAPES:-4096:4096,6144:4096,12288:4096,4096:12288,1024:4096,5120:25600} \
+          --ms 1,2,4 --ops nvfp4_w4a4,nvfp4_w4a16,jax_bf16 --no-chain --out "$out/variant_$v.json" \
+          > /tmp/variant.log 2>&1
+        echo "== $v"; grep -A20 "N x K" /tmp/variant.log
+      done 2>&1 | tee "$out/variants.txt";;
     tune)
       for v in ${TUNE_VARIANTS:-4:512 8:512 2:512 4:256 2:256 4:384}; do
         set -- ${v%:*} ${v#*:}

@@ -151,6 +151,39 @@ def test_check_shape_and_plan():
                     assert p.smem <= nvfp4_gemv.SMEM_LIMIT
 
 
+def test_stream_plan(monkeypatch):
+    """The streaming variant: only where asked and M <= 4; its geometry covers every row and
+    chunk, bounds the chunks per lane, and fills the SMs."""
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 4096).variant == "persistent"  # the default
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "stream")
+    assert nvfp4_gemv.plan("w4a4", 8, 4096, 4096).variant == "persistent"  # M > 4
+    for act in ("w4a4", "w4a16"):
+        for m in range(1, 5):
+            for n, k in [
+                (1024, 4096),
+                (12288, 4096),
+                (4096, 12288),
+                (5120, 25600),
+                (1003, 1280),
+                (8, 256),
+                (1, 512),
+            ]:
+                p = nvfp4_gemv.plan(act, m, n, k)
+                assert p.variant == "stream" and p.smem == 0 and n % p.rows == 0
+                warps = p.threads // 32
+                assert warps % p.ksplit == 0 and p.threads <= 1024
+                gpb = warps // p.ksplit
+                assert (p.grid - 1) * gpb * p.rows < n <= p.grid * gpb * p.rows
+                nch = k // 32
+                cps = -(-nch // p.ksplit)
+                assert p.ksplit * cps >= nch and -(-cps // 32) <= 4
+    big = nvfp4_gemv.plan("w4a4", 1, 1024, 4096)  # few rows: K split to fill the SMs
+    assert big.ksplit > 1 and big.grid * big.threads // 32 >= 8 * nvfp4_gemv.DEFAULT_SMS
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "fastest")
+    with pytest.raises(nvfp4_gemv.KernelError, match="REJAX_GEMV_VARIANT"):
+        nvfp4_gemv.plan("w4a4", 1, 4096, 4096)
+
+
 # ----------------------------------------------------------------------------- decode tables
 
 
@@ -323,6 +356,20 @@ def test_large_m_lowers_to_reference_on_cuda(stub_compiler):
 
 
 # ----------------------------------------------------------------------------- NVRTC
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("act", ["w4a4", "w4a16"])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (2, 5120, 25600), (4, 1003, 1280)])
+def test_nvrtc_compiles_stream_variant(tmp_path, monkeypatch, act, m, n, k):
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "stream")
+    nvfp4_gemv._build_cached.cache_clear()
+    kernel = nvfp4_gemv.build(act, m, n, k, arch="compute_90")
+    assert kernel.plan.variant == "stream"
+    assert cbuild.ptx_entries(kernel.ptx) == {kernel.entry: nvfp4_gemv.N_INPUTS[act] + 1}
+    assert ".local" not in kernel.ptx  # loads and sums stay in registers
+    nvfp4_gemv._build_cached.cache_clear()
 
 
 @needs_nvrtc

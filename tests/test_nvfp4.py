@@ -428,8 +428,9 @@ def test_div_rn_corrects_a_wrong_estimate(monkeypatch, skew):
     an estimate off by up to 4 units still gives numpy's correctly rounded quotient."""
     estimate = nvfp4._quotient_estimate
     monkeypatch.setattr(
-        nvfp4, "_quotient_estimate", lambda ma, mb: (estimate(ma, mb).astype(jnp.int32) + skew)
-        .astype(jnp.uint32)
+        nvfp4,
+        "_quotient_estimate",
+        lambda ma, mb: (estimate(ma, mb).astype(jnp.int32) + skew).astype(jnp.uint32),
     )
     rng = np.random.default_rng(RNG_SEED + 8)
     a = rng.uniform(1e-3, 1e3, 50_000).astype(np.float32)
