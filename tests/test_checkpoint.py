@@ -820,3 +820,31 @@ def test_save_init_params_round_trip(tmp_path, quant):
     save(params, tmp_path)
     back = load(tmp_path)
     _assert_params_equal(params, back)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "quantized_on_load", "modelopt"])
+def test_generate_on_loaded_checkpoints(kind, qwen3_dir, modelopt_dir):
+    """rejax.load + rejax.generate on each kind of checkpoint the tests write: every row gets
+    its tokens, in the vocabulary, with finite entropies, the same for the same key, and the
+    NVFP4 models' first token is the argmax of `logits` on the prompt (greedy)."""
+    import rejax
+    from rejax.generate import logits
+
+    if kind == "bf16":
+        params = load(qwen3_dir[0])
+    elif kind == "quantized_on_load":
+        params = load(qwen3_dir[0], quant="nvfp4")
+    else:
+        params = load(modelopt_dir[0])
+    assert (params.cfg.quant is None) == (kind == "bf16")
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    out = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=3)
+    again = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=3)
+    assert out.tokens == again.tokens
+    v = params.cfg.vocab_size
+    for row, ent in zip(out.tokens, out.entropy):
+        assert len(row) == 6 and all(0 <= t < v for t in row)
+        assert np.all(np.isfinite(ent))
+    assert out.finish_reason == ["length", "length"]
+    first = np.asarray(logits(params, jnp.asarray([prompts[0]], jnp.int32)))[0, -1]
+    assert out.tokens[0][0] == int(np.argmax(first))
