@@ -165,7 +165,8 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats
     t0 = time.perf_counter()
     print(f"  prefill b{batch}: compiling", flush=True)
     do_prefill()  # warm-up / compile
-    print(f"  prefill b{batch}: compiled + ran in {time.perf_counter() - t0:.1f}s", flush=True)
+    prefill_first_s = time.perf_counter() - t0
+    print(f"  prefill b{batch}: compiled + ran in {prefill_first_s:.1f}s", flush=True)
     timed = [do_prefill() for _ in range(max(1, prefill_repeats))]
     t_prefill = statistics.median(t for t, _ in timed)
     logits, cache = timed[-1][1]
@@ -194,13 +195,16 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats
     t0 = time.perf_counter()
     print(f"  decode loop b{batch}: compiling", flush=True)
     _, out = do_decode()  # warm-up / compile
-    print(f"  decode loop b{batch}: compiled + ran in {time.perf_counter() - t0:.1f}s", flush=True)
+    decode_first_s = time.perf_counter() - t0
+    print(f"  decode loop b{batch}: compiled + ran in {decode_first_s:.1f}s", flush=True)
     runs = [do_decode()[0] for _ in range(repeats)]
     t_decode = statistics.median(runs)
     n_steps = int(out.step)
     finite = bool(jnp.all(jnp.isfinite(out.entropy)))
     return {
         "prefill_s": t_prefill,
+        "prefill_first_call_s": prefill_first_s,  # compile + one run
+        "decode_first_call_s": decode_first_s,  # compile + one run
         "decode_s": t_decode,
         "decode_runs_s": runs,
         "steps": n_steps,
