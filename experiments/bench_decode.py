@@ -201,19 +201,22 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats
     t_decode = statistics.median(runs)
     n_steps = int(out.step)
     finite = bool(jnp.all(jnp.isfinite(out.entropy)))
-    return {
-        "prefill_s": t_prefill,
-        "prefill_first_call_s": prefill_first_s,  # compile + one run
-        "decode_first_call_s": decode_first_s,  # compile + one run
-        "decode_s": t_decode,
-        "decode_runs_s": runs,
-        "steps": n_steps,
-        "ms_per_token": 1e3 * t_decode / n_steps,
-        "tokens_per_s": batch * n_steps / t_decode,
-        "ms_per_token_incl_prefill": 1e3 * (t_decode + t_prefill) / n_steps,
-        "entropy_finite": finite,
-        "first_tokens_row0": np.asarray(out.tokens[0, :8]).tolist(),
-    }, (logits, cache)
+    return (
+        {
+            "prefill_s": t_prefill,
+            "prefill_first_call_s": prefill_first_s,  # compile + one run
+            "decode_first_call_s": decode_first_s,  # compile + one run
+            "decode_s": t_decode,
+            "decode_runs_s": runs,
+            "steps": n_steps,
+            "ms_per_token": 1e3 * t_decode / n_steps,
+            "tokens_per_s": batch * n_steps / t_decode,
+            "ms_per_token_incl_prefill": 1e3 * (t_decode + t_prefill) / n_steps,
+            "entropy_finite": finite,
+            "first_tokens_row0": np.asarray(out.tokens[0, :8]).tolist(),
+        },
+        (logits, cache),
+    )
 
 
 # ----------------------------------------------------------------------------- breakdown
