@@ -406,3 +406,25 @@ def test_disk_cache_is_keyed_and_reused(tmp_path, monkeypatch):
     (path,) = [p for p in tmp_path.glob("*.ptx") if p.read_text() == a]
     path.write_text(a + "// cached\n")
     assert cbuild.compile_ptx(src, defines={"VALUE": 1}, arch="compute_90").endswith("cached\n")
+
+
+def test_launch_probe_runs_eagerly_inside_a_trace(monkeypatch):
+    """The once-per-process launch probe is usually first reached while a jitted model is being
+    traced; it must still run eagerly (concrete values), not be staged into that trace, or it
+    would fail and wrongly fall back to buffer_callback."""
+    seen = []
+
+    def probe(call):
+        seen.append(float(jnp.ones((), jnp.float32) * 2))  # needs a concrete value
+
+    monkeypatch.delenv(kernels.LAUNCH_ENV, raising=False)
+    monkeypatch.setattr(kernels, "_on_cuda", lambda: True)
+    monkeypatch.setattr(nvfp4_gemv, "probe_ptx_launch", probe)
+    kernels._probe_launch.cache_clear()
+    try:
+        w = nvfp4.quantize_weight(jnp.ones((64, 256), jnp.bfloat16))
+        jax.jit(lambda x: kernels.nvfp4_linear(x, w, act="w4a16"))(jnp.ones((1, 256), jnp.bfloat16))
+        assert seen == [2.0]
+        assert kernels.default_launch() == "ptx"
+    finally:
+        kernels._probe_launch.cache_clear()
