@@ -300,6 +300,33 @@ __device__ __forceinline__ void load_tile(WTile& t, const u8* wp, const u8* ws, 
   }
 }
 
+// A work item is done: reduce its sums over the lanes, store them in the item's (K part, row,
+// token) slots, and clear the accumulators.
+__device__ __forceinline__ void item_done(float (&acc)[VP], float* ybuf, int item, int lane) {
+  const int part = item % KPARTS, lrow = (item / KPARTS) * R_ROWS;
+  const float total = warp_reduce(acc, lane);
+  const int idx = lane / (32 / VP);
+  if (lane % (32 / VP) == 0 && idx < NV) {
+    ybuf[(part * RPC + lrow + idx / M_TOK) * M_TOK + idx % M_TOK] = total;
+  }
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+}
+
+// y[m, n] = out(m, sum of the K parts of row n in part order), for the CTA's rows.
+template <typename OutScale>
+__device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, int g0, int g1,
+                                                    int tid, OutScale out) {
+  const int rows = (g1 - g0) * R_ROWS;
+  for (int i = tid; i < rows * M_TOK; i += NTHREADS) {
+    const int m = i / rows, lr = i % rows;
+    float s = 0.f;
+#pragma unroll 1
+    for (int p = 0; p < KPARTS; ++p) s += ybuf[(p * RPC + lr) * M_TOK + m];
+    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, s));
+  }
+}
+
 #endif  // !GEMV_STREAM
 
 // ---------------------------------------------------------------------------- W4A4
@@ -445,32 +472,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       }
     }
 
-    if (nu.item != u.item) {  // item done: reduce across lanes, store its slot
-      const int part = u.item % KPARTS, lrow = (u.item / KPARTS) * R_ROWS;
-      const float total = warp_reduce(acc, lane);
-      const int idx = lane / (32 / VP);
-      if (lane % (32 / VP) == 0 && idx < NV) {
-        ybuf[(part * RPC + lrow + idx / M_TOK) * M_TOK + idx % M_TOK] = total;
-      }
-#pragma unroll
-      for (int v = 0; v < VP; ++v) acc[v] = 0.f;
-    }
+    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
     u = nu;
     cur = nxt;
   }
   __syncthreads();
 
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
-  const int rows = (g1 - g0) * R_ROWS;
   const float gw = wg[0];
-  for (int i = tid; i < rows * M_TOK; i += NTHREADS) {
-    const int m = i / rows, lr = i % rows;
-    float s = 0.f;
-#pragma unroll 1
-    for (int p = 0; p < KPARTS; ++p) s += ybuf[(p * RPC + lr) * M_TOK + m];
-    const float alpha = gw * xg[m];
-    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16((s * 0.25f) * alpha);
-  }
+  persistent_epilogue(ybuf, y, g0, g1, tid,
+                      [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
 }
 
 #else  // GEMV_STREAM
@@ -624,30 +635,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     const int elem = u.step * STEP + lane * 32;
     if (elem < K_IN) chunk_dot16(acc, cur.q, cur.s, x, elem);
 
-    if (nu.item != u.item) {
-      const int part = u.item % KPARTS, lrow = (u.item / KPARTS) * R_ROWS;
-      const float total = warp_reduce(acc, lane);
-      const int idx = lane / (32 / VP);
-      if (lane % (32 / VP) == 0 && idx < NV) {
-        ybuf[(part * RPC + lrow + idx / M_TOK) * M_TOK + idx % M_TOK] = total;
-      }
-#pragma unroll
-      for (int v = 0; v < VP; ++v) acc[v] = 0.f;
-    }
+    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
     u = nu;
     cur = nxt;
   }
   __syncthreads();
 
-  const int rows = (g1 - g0) * R_ROWS;
   const float gw = wg[0];
-  for (int i = tid; i < rows * M_TOK; i += NTHREADS) {
-    const int m = i / rows, lr = i % rows;
-    float s = 0.f;
-#pragma unroll 1
-    for (int p = 0; p < KPARTS; ++p) s += ybuf[(p * RPC + lr) * M_TOK + m];
-    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16((s * 16384.0f) * gw);
-  }
+  persistent_epilogue(ybuf, y, g0, g1, tid, [&](int, float t) { return (t * 16384.0f) * gw; });
 }
 
 #else  // GEMV_STREAM
