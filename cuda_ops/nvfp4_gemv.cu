@@ -65,6 +65,9 @@ typedef unsigned int u32;
 #ifndef GEMV_STREAM
 #define GEMV_STREAM 0
 #endif
+#ifndef RING_D
+#define RING_D 0
+#endif
 
 constexpr int NWARPS = NTHREADS / 32;
 constexpr int NGROUPS = N_OUT / R_ROWS;
@@ -81,6 +84,11 @@ constexpr int NSTEPS = (K_IN + STEP - 1) / STEP;
 constexpr int KPARTS = (NSTEPS + SPP - 1) / SPP;
 constexpr int GPC = (NGROUPS + GRID - 1) / GRID;  // max row groups per CTA
 constexpr int RPC = GPC * R_ROWS;                  // max rows per CTA
+// cp.async ring (RING_D > 0): per warp RING_D slots of one step's tile, R_ROWS rows of
+// 32 lanes x 16 B of codes, then R_ROWS x 64 B of block scales
+constexpr int SLOT_CODES = R_ROWS * 32 * 16;
+constexpr int SLOT_BYTES = SLOT_CODES + R_ROWS * 64;
+static_assert(RING_D == 0 || RING_D >= 2, "the ring needs at least two slots");
 #endif
 constexpr int NV = R_ROWS * M_TOK;                 // partial sums per lane per item
 constexpr int VP = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : NV <= 16 ? 16 : 32;
@@ -300,6 +308,47 @@ __device__ __forceinline__ void load_tile(WTile& t, const u8* wp, const u8* ws, 
   }
 }
 
+#if RING_D
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+  const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_oldest() {  // all but the newest RING_D - 1 groups
+  asm volatile("cp.async.wait_group %0;" ::"n"(RING_D - 1) : "memory");
+}
+
+// Issues the copies of unit v's tile into `slot` (nothing for v.item < 0) and commits a group
+// (always, so every lane has exactly one group per slot). Codes: lane l copies its own 16 B of
+// each row; scales: lanes 0..3 copy 16 B (256 elements' worth) each of each row.
+__device__ __forceinline__ void ring_issue(u8* slot, const u8* wp, const u8* ws, int row0,
+                                           int step, bool valid, int lane) {
+  if (valid) {
+    const int elem = step * STEP + lane * 32;
+    const int selem = step * STEP + lane * 256;
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      const size_t n = (size_t)(row0 + r);
+      if (elem < K_IN) cp_async16(slot + (r * 32 + lane) * 16, wp + n * (K_IN / 2) + elem / 2);
+      if (lane < 4 && selem < K_IN) {
+        cp_async16(slot + SLOT_CODES + r * 64 + lane * 16, ws + n * (K_IN / 16) + selem / 16);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+__device__ __forceinline__ void ring_read(WTile& t, const u8* slot, int lane) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    t.q[r] = *(const uint4*)(slot + (r * 32 + lane) * 16);
+    t.s[r] = *(const u16*)(slot + SLOT_CODES + r * 64 + lane * 2);
+  }
+}
+#endif  // RING_D
+
 // A work item is done: reduce its sums over the lanes, store them in the item's (K part, row,
 // token) slots, and clear the accumulators.
 __device__ __forceinline__ void item_done(float (&acc)[VP], float* ybuf, int item, int lane) {
@@ -311,6 +360,69 @@ __device__ __forceinline__ void item_done(float (&acc)[VP], float* ybuf, int ite
   }
 #pragma unroll
   for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+}
+
+// Runs this warp's units (item, step) in order: `math(acc, tile, elem)` per step, item_done at
+// the end of each item. The first loads are issued before `stage()` (the CTA's x staging and
+// barrier), so HBM latency overlaps it. RING_D > 0: a cp.async ring of RING_D slots per warp
+// keeps RING_D steps in flight; else registers hold one step ahead.
+template <typename Stage, typename Math>
+__device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, const u8* ws,
+                                          int g0, int items, int warp, int lane, Stage stage,
+                                          Math math) {
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+  Unit u = {warp < items ? warp : -1, warp < items ? (warp % KPARTS) * SPP : 0};
+#if RING_D
+  u8* my = ring + (size_t)warp * RING_D * SLOT_BYTES;
+  Unit iu = u;  // next unit to issue
+#pragma unroll
+  for (int sl = 0; sl < RING_D; ++sl) {
+    ring_issue(my + sl * SLOT_BYTES, wp, ws, (g0 + iu.item / KPARTS) * R_ROWS, iu.step,
+               iu.item >= 0, lane);
+    if (iu.item >= 0) iu = next_unit(iu, items);
+  }
+  stage();
+  int slot = 0;
+  while (u.item >= 0) {
+    cp_async_wait_oldest();
+    __syncwarp();
+    WTile cur;
+    ring_read(cur, my + slot * SLOT_BYTES, lane);
+    __syncwarp();  // every lane has read the slot (scales are shared) before it is refilled
+    ring_issue(my + slot * SLOT_BYTES, wp, ws, (g0 + iu.item / KPARTS) * R_ROWS, iu.step,
+               iu.item >= 0, lane);
+    if (iu.item >= 0) iu = next_unit(iu, items);
+    const int elem = u.step * STEP + lane * 32;
+    if (elem < K_IN) math(acc, cur, elem);
+    const Unit nu = next_unit(u, items);
+    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
+    u = nu;
+    slot = slot + 1 == RING_D ? 0 : slot + 1;
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#else
+  WTile cur;
+  {
+    const int elem = u.step * STEP + lane * 32;
+    load_tile(cur, wp, ws, (g0 + u.item / KPARTS) * R_ROWS, elem, u.item >= 0 && elem < K_IN);
+  }
+  stage();
+  while (u.item >= 0) {
+    const Unit nu = next_unit(u, items);
+    WTile nxt;
+    {
+      const int elem = nu.step * STEP + lane * 32;
+      load_tile(nxt, wp, ws, (g0 + nu.item / KPARTS) * R_ROWS, elem, nu.item >= 0 && elem < K_IN);
+    }
+    const int elem = u.step * STEP + lane * 32;
+    if (elem < K_IN) math(acc, cur, elem);
+    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
+    u = nu;
+    cur = nxt;
+  }
+#endif
 }
 
 // y[m, n] = out(m, sum of the K parts of row n in part order), for the CTA's rows.
@@ -393,6 +505,85 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_R
 
 #if !GEMV_STREAM
 
+// bytes of the W4A4 kernel's shared memory before ybuf: x staged as int8 and its scales
+constexpr int XSTAGE = ((M_TOK * K_IN * 17 / 16 + 15) / 16) * 16;
+
+// 32 weight codes (one row, two blocks) -> 8 signed int8 words (2 * E2M1 value), the decode
+// act_to_s8 does for x: ~1.6x the integer ops of decode_row, but one dp4a per 4 weights and
+// token instead of two, which pays off from a few tokens on (SIGNED_W).
+__device__ __forceinline__ void decode_row_s8(u32 (&w)[8], uint4 q) {
+  const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[2 * i] = act_to_s8(words[i]);
+    w[2 * i + 1] = act_to_s8(words[i] >> 16);
+  }
+}
+
+// acc += sum over the two blocks of (exact int8 block dot) * SFw * SFx, signed weight words
+__device__ __forceinline__ void row_dot_s8(float& acc, const u32 (&w)[8], const u32 (&xw)[8],
+                                           float2 sw, float2 sxf) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    int d = 0x4B400000;  // 1.5 * 2^23, as in row_dot
+#pragma unroll
+    for (int j = 0; j < 4; ++j) d = __dp4a((int)w[4 * b + j], (int)xw[4 * b + j], d);
+    const float dot = __int_as_float(d) - 12582912.0f;
+    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
+  }
+}
+
+#ifndef SIGNED_W
+#define SIGNED_W (M_TOK > 2)
+#endif
+
+// acc += this step's dot products of the tile's rows with the staged x of every token
+__device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, int elem,
+                                          const u8* sx, const u8* ssf) {
+  if constexpr (M_TOK <= 2) {
+    // few tokens: x of all tokens in registers, one row decoded at a time
+    u32 xw[M_TOK][8];
+    float2 sxf[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) load_x(xw[m], sxf[m], sx, ssf, m, elem);
+    chunk_dot(acc, cur.q, cur.s, xw, sxf);
+  } else if constexpr (SIGNED_W) {
+    // more tokens: all rows decoded to signed int8 in registers, x read from smem once per token
+    u32 w[R_ROWS][8];
+    float2 sw[R_ROWS];
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      decode_row_s8(w[r], cur.q[r]);
+      sw[r] = e4m3x2_to_float2(cur.s[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      u32 xw[8];
+      float2 sxf;
+      load_x(xw, sxf, sx, ssf, m, elem);
+#pragma unroll
+      for (int r = 0; r < R_ROWS; ++r) row_dot_s8(acc[r * M_TOK + m], w[r], xw, sw[r], sxf);
+    }
+  } else {
+    // more tokens: all rows decoded in registers, x read from smem once per token
+    u32 wpos[R_ROWS][8], wneg[R_ROWS][8];
+    float2 sw[R_ROWS];
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      decode_row(wpos[r], wneg[r], cur.q[r]);
+      sw[r] = e4m3x2_to_float2(cur.s[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      u32 xw[8];
+      float2 sxf;
+      load_x(xw, sxf, sx, ssf, m, elem);
+#pragma unroll
+      for (int r = 0; r < R_ROWS; ++r) row_dot(acc[r * M_TOK + m], wpos[r], wneg[r], xw, sw[r], sxf);
+    }
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
                     const float* __restrict__ xg, const u8* __restrict__ wp,
@@ -400,82 +591,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   extern __shared__ __align__(16) u8 smem[];
   u8* sx = smem;                                   // int8 [M][K]: 2 * E2M1 value
   u8* ssf = smem + M_TOK * K_IN;                   // E4M3 [M][K/16]
-  float* ybuf = (float*)(smem + ((M_TOK * K_IN * 17 / 16 + 15) / 16) * 16);  // [KPARTS][RPC][M]
+  float* ybuf = (float*)(smem + XSTAGE);           // [KPARTS][RPC][M]
+  u8* ring = smem + XSTAGE + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g0 = (int)(((long long)blockIdx.x * NGROUPS) / GRID);
   const int g1 = (int)(((long long)(blockIdx.x + 1) * NGROUPS) / GRID);
   const int items = (g1 - g0) * KPARTS;
 
-  // Issue this warp's first weight loads before staging x, so HBM latency overlaps the staging.
-  Unit u = {warp < items ? warp : -1, warp < items ? (warp % KPARTS) * SPP : 0};
-  WTile cur;
-  {
-    const int elem = u.step * STEP + lane * 32;
-    load_tile(cur, wp, ws, (g0 + u.item / KPARTS) * R_ROWS, elem, u.item >= 0 && elem < K_IN);
-  }
-
   // Stage x: codes -> signed int8 in smem (32 codes per thread per iteration), scales copied.
-  for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
-    const uint4 c = ld_act(xp + (size_t)i * 16);
-    uint4 lo, hi;
-    lo.x = act_to_s8(c.x), lo.y = act_to_s8(c.x >> 16), lo.z = act_to_s8(c.y);
-    lo.w = act_to_s8(c.y >> 16);
-    hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
-    hi.w = act_to_s8(c.w >> 16);
-    *(uint4*)(sx + (size_t)i * 32) = lo;
-    *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
-  }
-  for (int i = tid; i < M_TOK * K_IN / 64; i += NTHREADS) {
-    *(u32*)(ssf + (size_t)i * 4) = *(const u32*)(xs + (size_t)i * 4);
-  }
-  __syncthreads();
-
-  float acc[VP];
-#pragma unroll
-  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
-
-  while (u.item >= 0) {
-    const Unit nu = next_unit(u, items);
-    WTile nxt;
-    {
-      const int elem = nu.step * STEP + lane * 32;
-      load_tile(nxt, wp, ws, (g0 + nu.item / KPARTS) * R_ROWS, elem, nu.item >= 0 && elem < K_IN);
+  auto stage = [&]() {
+    for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
+      const uint4 c = ld_act(xp + (size_t)i * 16);
+      uint4 lo, hi;
+      lo.x = act_to_s8(c.x), lo.y = act_to_s8(c.x >> 16), lo.z = act_to_s8(c.y);
+      lo.w = act_to_s8(c.y >> 16);
+      hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
+      hi.w = act_to_s8(c.w >> 16);
+      *(uint4*)(sx + (size_t)i * 32) = lo;
+      *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
     }
-
-    const int elem = u.step * STEP + lane * 32;
-    if (elem < K_IN) {
-      if constexpr (M_TOK <= 2) {
-        // few tokens: x of all tokens in registers, one row decoded at a time
-        u32 xw[M_TOK][8];
-        float2 sxf[M_TOK];
-#pragma unroll
-        for (int m = 0; m < M_TOK; ++m) load_x(xw[m], sxf[m], sx, ssf, m, elem);
-        chunk_dot(acc, cur.q, cur.s, xw, sxf);
-      } else {
-        // more tokens: all rows decoded in registers, x read from smem once per token
-        u32 wpos[R_ROWS][8], wneg[R_ROWS][8];
-        float2 sw[R_ROWS];
-#pragma unroll
-        for (int r = 0; r < R_ROWS; ++r) {
-          decode_row(wpos[r], wneg[r], cur.q[r]);
-          sw[r] = e4m3x2_to_float2(cur.s[r]);
-        }
-#pragma unroll
-        for (int m = 0; m < M_TOK; ++m) {
-          u32 xw[8];
-          float2 sxf;
-          load_x(xw, sxf, sx, ssf, m, elem);
-#pragma unroll
-          for (int r = 0; r < R_ROWS; ++r) row_dot(acc[r * M_TOK + m], wpos[r], wneg[r], xw, sw[r], sxf);
-        }
-      }
+    for (int i = tid; i < M_TOK * K_IN / 64; i += NTHREADS) {
+      *(u32*)(ssf + (size_t)i * 4) = *(const u32*)(xs + (size_t)i * 4);
     }
-
-    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
-    u = nu;
-    cur = nxt;
-  }
+    __syncthreads();
+  };
+  run_units(ybuf, ring, wp, ws, g0, items, warp, lane, stage,
+            [&](float (&acc)[VP], const WTile& cur, int elem) { w4a4_step(acc, cur, elem, sx, ssf); });
   __syncthreads();
 
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
@@ -607,38 +749,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                      u16* __restrict__ y) {
   extern __shared__ __align__(16) u8 smem[];
   float* ybuf = (float*)smem;  // [KPARTS][RPC][M]
+  u8* ring = smem + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g0 = (int)(((long long)blockIdx.x * NGROUPS) / GRID);
   const int g1 = (int)(((long long)(blockIdx.x + 1) * NGROUPS) / GRID);
   const int items = (g1 - g0) * KPARTS;
 
-  Unit u = {warp < items ? warp : -1, warp < items ? (warp % KPARTS) * SPP : 0};
-  WTile cur;
-  {
-    const int elem = u.step * STEP + lane * 32;
-    load_tile(cur, wp, ws, (g0 + u.item / KPARTS) * R_ROWS, elem, u.item >= 0 && elem < K_IN);
-  }
-
-  float acc[VP];
-#pragma unroll
-  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
-
-  while (u.item >= 0) {
-    const Unit nu = next_unit(u, items);
-    WTile nxt;
-    {
-      const int elem = nu.step * STEP + lane * 32;
-      load_tile(nxt, wp, ws, (g0 + nu.item / KPARTS) * R_ROWS, elem, nu.item >= 0 && elem < K_IN);
-    }
-
-    const int elem = u.step * STEP + lane * 32;
-    if (elem < K_IN) chunk_dot16(acc, cur.q, cur.s, x, elem);
-
-    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
-    u = nu;
-    cur = nxt;
-  }
+  run_units(ybuf, ring, wp, ws, g0, items, warp, lane, [] {},
+            [&](float (&acc)[VP], const WTile& cur, int elem) {
+              chunk_dot16(acc, cur.q, cur.s, x, elem);
+            });
   __syncthreads();
 
   const float gw = wg[0];

@@ -41,6 +41,7 @@ class Plan:
     smem: int
     variant: str = "persistent"  # or "stream" (REJAX_GEMV_VARIANT; M <= 4)
     ksplit: int = 1  # stream: warps of a row group splitting K
+    ring: int = 0  # persistent: cp.async ring slots per warp (0: register double buffer)
 
     @property
     def kparts(self) -> int:
@@ -59,14 +60,33 @@ class Plan:
             "NTHREADS": self.threads,
             "GEMV_STREAM": int(self.variant == "stream"),
             "KSPLIT": self.ksplit,
+            "RING_D": self.ring,
         }
 
 
+RING_MAX = 4  # cp.async slots per warp (steps in flight)
+SLOT_BYTES_PER_ROW = 32 * 16 + 64  # one step of one row: codes of 32 lanes + block scales
+
+
 def _smem(act: str, m: int, n: int, k: int, rows: int, grid: int, kparts: int) -> int:
+    """Shared memory before the ring: staged x (W4A4) and the per-(part, row, token) sums."""
     groups = n // rows
     rpc = -(-groups // grid) * rows
     stage = 0 if act == "w4a16" else -(-(m * k * 17 // 16) // 16) * 16
-    return stage + kparts * rpc * m * 4
+    return stage + -(-(kparts * rpc * m * 4) // 16) * 16
+
+
+RING_MIN_M = 8  # the ring measured faster only at M = 8 (experiments/KERNEL_NOTES.md)
+
+
+def _ring_depth(base_smem: int, warps: int, rows: int, m: int) -> int:
+    """Ring slots per warp: RING_MAX at M >= RING_MIN_M, else 0 (register double buffer);
+    `REJAX_GEMV_RING` overrides. Capped by what fits beside `base_smem`; 0 when fewer than two
+    fit."""
+    want = _env_int("REJAX_GEMV_RING", RING_MAX if m >= RING_MIN_M else 0)
+    fit = (SMEM_LIMIT - base_smem) // (warps * rows * SLOT_BYTES_PER_ROW)
+    depth = min(want, fit)
+    return depth if depth >= 2 else 0
 
 
 def check_shape(act: str, m: int, n: int, k: int) -> tuple[bool, str]:
@@ -97,7 +117,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-VARIANTS = ("persistent", "stream")
+VARIANTS = ("auto", "persistent", "stream")
 STREAM_MAX_M = 4
 
 
@@ -143,12 +163,23 @@ def plan_stream(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) ->
     )
 
 
+# The streaming variant is the default where it measured faster on the H200: M <= 2 and
+# layers of at most this many NVFP4 bytes (at M = 1, 7-9 MB layers: 4.8 vs 6.1-6.5 us; at
+# 28 MB and above the persistent kernel is as fast or faster).
+STREAM_AUTO_MAX_M = 2
+STREAM_AUTO_MAX_BYTES = 16 << 20
+
+
 def plan(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan:
-    """The launch plan: the variant `REJAX_GEMV_VARIANT` asks for ("persistent", the default, or
-    "stream" where it applies), else the persistent one (`plan_persistent`)."""
-    variant = os.environ.get(VARIANT_ENV) or "persistent"
+    """The launch plan. `REJAX_GEMV_VARIANT` = "auto" (default: stream for M <= 2 and layers of
+    at most 16 MiB of NVFP4 bytes, else persistent), "persistent", or "stream" (where it applies,
+    M <= 4; else persistent)."""
+    variant = os.environ.get(VARIANT_ENV) or "auto"
     if variant not in VARIANTS:
         raise KernelError(f"{VARIANT_ENV}={variant!r}, expected one of {VARIANTS}")
+    if variant == "auto":
+        small = n * k * 9 // 16 <= STREAM_AUTO_MAX_BYTES
+        variant = "stream" if m <= STREAM_AUTO_MAX_M and small else "persistent"
     if variant == "stream":
         p = plan_stream(act, m, n, k, num_sms)
         if p is not None:
@@ -180,6 +211,8 @@ def plan_persistent(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS
     kparts = min(steps, max(1, -(-3 * warps // gpc)))
     spp = -(-steps // kparts)
     kparts = -(-steps // spp)
+    base = _smem(act, m, n, k, rows, grid, kparts)
+    ring = _ring_depth(base, warps, rows, m)
     return Plan(
         act=act,
         m=m,
@@ -189,7 +222,8 @@ def plan_persistent(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS
         spp=spp,
         grid=grid,
         threads=threads,
-        smem=_smem(act, m, n, k, rows, grid, kparts),
+        smem=base + ring * warps * rows * SLOT_BYTES_PER_ROW,
+        ring=ring,
     )
 
 
@@ -351,9 +385,11 @@ def build(
         ("LDW_HINT", os.environ.get("REJAX_GEMV_LDW", "")),
         ("LDX_HINT", os.environ.get("REJAX_GEMV_LDX", "")),
         ("DIAG_NODOT", os.environ.get("REJAX_GEMV_DIAG_NODOT", "")),
+        ("SIGNED_W", os.environ.get("REJAX_GEMV_SIGNED", "")),
     )
     plan_env = tuple(
-        os.environ.get(v, "") for v in ("REJAX_GEMV_ROWS", "REJAX_GEMV_THREADS", VARIANT_ENV)
+        os.environ.get(v, "")
+        for v in ("REJAX_GEMV_ROWS", "REJAX_GEMV_THREADS", "REJAX_GEMV_RING", VARIANT_ENV)
     )
     return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), env, plan_env)
 

@@ -2,7 +2,7 @@
 # One device session for the NVFP4 GEMV: environment, ptxas resource report, correctness
 # sweep, benchmark and compute-sanitizer. Usage: experiments/kernel_device_run.sh OUTDIR [phases]
 # phases (default all): env ptxas check pytest bench sanitize; also ncu quantcheck diag tune
-# variants (persistent vs stream GEMV)
+# variants (persistent vs stream GEMV) timing (jit vs CUDA graph, command buffers)
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas check bench sanitize}
@@ -94,6 +94,54 @@ PY
           > /tmp/variant.log 2>&1
         echo "== $v"; grep -A20 "N x K" /tmp/variant.log
       done 2>&1 | tee "$out/variants.txt";;
+    timing)  # jit (host clock) vs CUDA-graph (device) timing, command buffers on / off
+      for cfg in "persistent:" "stream:" "persistent:--xla_gpu_enable_command_buffer="; do
+        v=${cfg%%:*}; flags=${cfg#*:}; d=/tmp/dump_$RANDOM
+        XLA_FLAGS="$flags --xla_dump_to=$d --xla_dump_hlo_as_text" REJAX_GEMV_VARIANT=$v \
+          timeout 200 python3 experiments/bench_kernel.py \
+          --shapes ${TIMING_SHAPES:-1024:4096,4096:4096,4096:12288,5120:25600} --ms ${TIMING_MS:-1,8} \
+          --ops nvfp4_w4a4,nvfp4_w4a4_graph,nvfp4_w4a16_graph,jax_bf16,torch_bf16 --no-chain \
+          --out "$out/timing_$v${flags:+_nocmdbuf}.json" > /tmp/timing.log 2>&1
+        echo "== variant=$v XLA_FLAGS=$flags; optimized modules with command buffers:" \
+          "$(grep -l command_buffer $d/*after_optimizations.txt 2>/dev/null | wc -l)" \
+          "of $(ls $d/*after_optimizations.txt 2>/dev/null | wc -l)"
+        grep -E "^\{" /tmp/timing.log | python3 -c "
+import json, sys
+for l in sys.stdin:
+    r = json.loads(l)
+    print(r['n'], r['k'], r['m'], ' '.join(f'{k[:-2]}={v * 1e6:.2f}' for k, v in r.items() if k.endswith('_s')))"
+        tail -3 /tmp/timing.log | grep -i error
+      done 2>&1 | tee "$out/timing.txt";;
+    ring)  # cp.async ring vs register double buffer vs stream: jit and CUDA-graph timings
+      for cfg in "1 4096 12288 4 2 512 1 4" "8 4096 12288 4 1 256 1 4" "1 4096 12288 2 1 256 0 4"; do
+        set -- $cfg
+        echo "== ring ptxas M=$1 N=$2 K=$3 R=$4 SPP=$5 T=$6 W4A4=$7 RING_D=$8"
+        nvcc -arch=sm_90 -cubin -o /tmp/r.cubin -Xptxas -v -DM_TOK=$1 -DN_OUT=$2 -DK_IN=$3 \
+          -DR_ROWS=$4 -DSPP=$5 -DNTHREADS=$6 -DACT_W4A4=$7 -DRING_D=$8 -DGRID=132 \
+          cuda_ops/nvfp4_gemv.cu 2>&1 | grep -E "registers|spill|error"
+      done 2>&1 | tee "$out/ring_ptxas.txt"
+      ops=nvfp4_w4a4,nvfp4_w4a4_graph,jax_bf16
+      for cfg in "ring:persistent:4" "regs:persistent:0" "stream:stream:4"; do
+        IFS=: read name v d <<< "$cfg"
+        REJAX_GEMV_VARIANT=$v REJAX_GEMV_RING=$d timeout ${RING_TIMEOUT:-150} python3 \
+          experiments/bench_kernel.py --shapes ${RING_SHAPES:-3584:3584,4096:4096,4096:12288,5120:25600} \
+          --ms ${RING_MS:-1,2,4,8} --ops $ops --no-chain --out "$out/ring_$name.json" > /tmp/ring.log 2>&1
+        ops=nvfp4_w4a4,nvfp4_w4a4_graph
+        echo "== $name"; grep -A20 "N x K" /tmp/ring.log; grep -iE "error|Traceback" /tmp/ring.log | head -3
+      done 2>&1 | tee "$out/ring.txt";;
+    signed)  # W4A4 M > 2: signed int8 weight decode (one dp4a per 4 weights) vs pos/neg pairs,
+             # and M = 8 with R = 2 rows x 512 threads; kernel alone in CUDA graphs
+      for cfg in "pn:0::" "s8:1::" "s8r2t512:1:2:512"; do
+        IFS=: read name sg rows thr <<< "$cfg"
+        REJAX_GEMV_SIGNED=$sg REJAX_GEMV_ROWS=$rows REJAX_GEMV_THREADS=$thr timeout 120 python3 \
+          experiments/bench_kernel.py --shapes ${SIGNED_SHAPES:-4096:4096,12288:4096,4096:12288,5120:25600} \
+          --ms 4,8 --ops nvfp4_w4a4_graph --no-chain --out "$out/signed_$name.json" > /tmp/signed.log 2>&1
+        echo "== $name"; grep -iE "error|Traceback" /tmp/signed.log | head -3
+        python3 -c "
+import json, sys
+for r in json.load(open('$out/signed_$name.json'))['rows']:
+    print(r['n'], r['k'], r['m'], round(r['nvfp4_w4a4_graph_s'] * 1e6, 2))"
+      done 2>&1 | tee "$out/signed.txt";;
     tune)
       for v in ${TUNE_VARIANTS:-4:512 8:512 2:512 4:256 2:256 4:384}; do
         set -- ${v%:*} ${v#*:}

@@ -134,7 +134,8 @@ def test_bad_inputs_raise():
 # ----------------------------------------------------------------------------- shape plan
 
 
-def test_check_shape_and_plan():
+def test_check_shape_and_plan(monkeypatch):
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
     assert nvfp4_gemv.check_shape("w4a4", 8, 4096, 12288) == (True, "")
     assert not nvfp4_gemv.check_shape("w4a4", 0, 4096, 4096)[0]
     assert "K=4000" in nvfp4_gemv.check_shape("w4a16", 1, 4096, 4000)[1]
@@ -149,12 +150,39 @@ def test_check_shape_and_plan():
                 assert p.kparts * p.spp >= -(-k // 1024) > (p.kparts - 1) * p.spp
                 if nvfp4_gemv.check_shape(act, m, n, k)[0]:
                     assert p.smem <= nvfp4_gemv.SMEM_LIMIT
+                # the cp.async ring: at M = 8 where it fits (two slots or more), else off
+                warps, slot = p.threads // 32, nvfp4_gemv.SLOT_BYTES_PER_ROW * p.rows
+                base = p.smem - p.ring * warps * slot
+                fits = (nvfp4_gemv.SMEM_LIMIT - base) // (warps * slot) >= 2
+                assert p.ring == (nvfp4_gemv.RING_MAX if m == 8 and fits else 0)
+    # act W4A4, M = 8, K = 25600: the staged x leaves no room for a ring
+    assert nvfp4_gemv.plan("w4a4", 8, 5120, 25600).ring == 0
+    monkeypatch.setenv("REJAX_GEMV_RING", "3")
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 12288).ring == 3
+
+
+def test_auto_variant_choice(monkeypatch):
+    """Default plan: the streaming kernel for M <= 2 on layers of <= 16 MiB NVFP4 bytes (where it
+    measured faster), else the persistent one."""
+    monkeypatch.delenv(nvfp4_gemv.VARIANT_ENV, raising=False)
+    cases = {
+        (1, 4096, 4096): "stream",  # 9.4 MB
+        (2, 3584, 3584): "stream",
+        (1, 6144, 4096): "stream",  # 14.2 MB
+        (1, 7168, 5120): "persistent",  # 20.6 MB
+        (1, 4096, 12288): "persistent",
+        (3, 4096, 4096): "persistent",
+        (8, 1024, 1024): "persistent",
+    }
+    for (m, n, k), want in cases.items():
+        assert nvfp4_gemv.plan("w4a4", m, n, k).variant == want, (m, n, k)
 
 
 def test_stream_plan(monkeypatch):
     """The streaming variant: only where asked and M <= 4; its geometry covers every row and
     chunk, bounds the chunks per lane, and fills the SMs."""
-    assert nvfp4_gemv.plan("w4a4", 1, 4096, 4096).variant == "persistent"  # the default
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 4096).variant == "persistent"
     monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "stream")
     assert nvfp4_gemv.plan("w4a4", 8, 4096, 4096).variant == "persistent"  # M > 4
     for act in ("w4a4", "w4a16"):
@@ -369,6 +397,25 @@ def test_nvrtc_compiles_stream_variant(tmp_path, monkeypatch, act, m, n, k):
     assert kernel.plan.variant == "stream"
     assert cbuild.ptx_entries(kernel.ptx) == {kernel.entry: nvfp4_gemv.N_INPUTS[act] + 1}
     assert ".local" not in kernel.ptx  # loads and sums stay in registers
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("act", ["w4a4", "w4a16"])
+@pytest.mark.parametrize("ring", ["0", "2", "4"])
+def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, ring):
+    """The persistent kernel with and without the cp.async ring: no local memory, and the ring
+    build copies through cp.async (one commit per slot refill)."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
+    monkeypatch.setenv("REJAX_GEMV_RING", ring)
+    nvfp4_gemv._build_cached.cache_clear()
+    kernel = nvfp4_gemv.build(act, 3, 1000, 3584, arch="compute_90")
+    assert kernel.plan.ring == int(ring)
+    assert cbuild.ptx_entries(kernel.ptx) == {kernel.entry: nvfp4_gemv.N_INPUTS[act] + 1}
+    assert ".local" not in kernel.ptx
+    assert ("cp.async.cg.shared.global" in kernel.ptx) == (ring != "0")
+    assert ("cp.async.wait_group" in kernel.ptx) == (ring != "0")
     nvfp4_gemv._build_cached.cache_clear()
 
 
