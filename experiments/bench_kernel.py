@@ -152,6 +152,11 @@ def bench_shape(torch, n, k, ms, ops_enabled):
         xg = xq.global_scale
 
         for act in ("w4a4", "w4a16"):
+            if torch is not None and f"nvfp4_{act}_graph" in ops_enabled:
+                a = (xq.packed, xs, xg) if act == "w4a4" else (x,)
+                row[f"nvfp4_{act}_graph_s"] = time_kernel_graph(
+                    torch, act, m, n, k, a, list(zip(wps, wss, strict=True)), wg
+                )
             if f"nvfp4_{act}" not in ops_enabled:
                 continue
 
@@ -168,11 +173,6 @@ def bench_shape(torch, n, k, ms, ops_enabled):
                 row[f"nvfp4_{act}_s"] = time_jax(jax.jit(ours), (wps, wss), c_nv)
             except Exception as err:  # noqa: BLE001
                 row[f"nvfp4_{act}_error"] = f"{type(err).__name__}: {err}"[:300]
-            if torch is not None and f"nvfp4_{act}_graph" in ops_enabled:
-                a = (xq.packed, xs, xg) if act == "w4a4" else (x,)
-                row[f"nvfp4_{act}_graph_s"] = time_kernel_graph(
-                    torch, act, m, n, k, a, list(zip(wps, wss, strict=True)), wg
-                )
         if "act_quant" in ops_enabled:
             row["act_quant_s"] = time_jax(
                 jax.jit(lambda v: nvfp4.quantize_activation(v).packed), (x,), 1, calls=50

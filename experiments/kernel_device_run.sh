@@ -131,7 +131,7 @@ for l in sys.stdin:
       done 2>&1 | tee "$out/ring.txt";;
     signed)  # W4A4 M > 2: signed int8 weight decode (one dp4a per 4 weights) vs pos/neg pairs,
              # and M = 8 with R = 2 rows x 512 threads; kernel alone in CUDA graphs
-      for cfg in "pn:0::" "s8:1::" "s8r2t512:1:2:512"; do
+      for cfg in ${SIGNED_CFGS:-pn:0:: s8:1:: s8r2t512:1:2:512}; do
         IFS=: read name sg rows thr <<< "$cfg"
         REJAX_GEMV_SIGNED=$sg REJAX_GEMV_ROWS=$rows REJAX_GEMV_THREADS=$thr timeout 120 python3 \
           experiments/bench_kernel.py --shapes ${SIGNED_SHAPES:-4096:4096,4096:12288,5120:25600} \
