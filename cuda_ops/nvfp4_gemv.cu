@@ -11,22 +11,31 @@
 //   R_ROWS                  weight rows a warp streams together (divides N_OUT)
 //   SPP                     1024-element K steps per work item (split-K inside a CTA)
 //   GRID, NTHREADS          CTAs (<= #SMs, one per SM) and threads per CTA
-//   GEMV_STREAM             0: the persistent design below (default); 1: the streaming variant
-//                           (M <= 4, experimental, see the end of this comment); it uses
-//                           KSPLIT (warps per row group splitting K) instead of SPP and GRID
+//   GEMV_STREAM             0: the persistent design below; 1: the streaming variant (M <= 4,
+//                           see the end of this comment), which uses KSPLIT (warps per row
+//                           group splitting K) instead of SPP and GRID
+//   RING_D                  persistent: cp.async ring slots per warp (0: register prefetch)
+//   SIGNED_W                W4A4 at M > 2 (default): weights decoded to signed int8
+// The host plan (nvfp4_gemv.py) picks per shape what measured faster on the H200: streaming for
+// M <= 2 on layers of <= 16 MiB, else persistent; the ring at M = 8.
 //
 // Design (see experiments/KERNEL_NOTES.md):
 // * One CTA per SM owns a contiguous range of row groups (R_ROWS rows each). Its warps take work
 //   items (row group, K part) round robin; lane l of a warp reads 16 B of codes (32 elements,
 //   two scale blocks) of each of the R_ROWS rows per step, so a warp reads 512 contiguous bytes
 //   per row per step. Weights are read exactly once for all M tokens (the token loop is inside).
-// * Weight loads are 128-bit, L1::no_allocate + L2::evict_first (streamed once); the next step's
-//   loads are issued before the current step's math (two steps in flight per warp).
+// * Weight loads are 128-bit and do not allocate in L1 (streamed once). Either the next step's
+//   loads are issued into registers before the current step's math (two steps in flight per
+//   warp), or (RING_D > 0) each lane copies its 16 B per row with cp.async into a per-warp ring
+//   of RING_D step slots in shared memory, RING_D steps in flight. The first loads are issued
+//   before x is staged.
 // * W4A4: x is decoded once per CTA into shared memory as signed int8 (2 * E2M1 value), with its
-//   E4M3 scales beside it. Weight codes become int8 with two byte permutes per 4 codes (prmt
-//   table lookups, no local-memory tables, no E2M1 convert: sm_90 has none), and each 16-element
-//   block dot is 8 dp4a: exact integers (|sum| <= 2304 in 4x units). Blocks are scaled in fp32
-//   (SFw * SFx is exact in fp32) and accumulated in fp32 across blocks; the output is
+//   E4M3 scales beside it. Weight codes become int8 by byte permutes (prmt table lookups, no
+//   local-memory tables, no E2M1 convert: sm_90 has none): at M <= 2 a (positive, negative) pair
+//   of words per 4 codes and two dp4a each, at M > 2 (SIGNED_W) one signed word per 4 codes and
+//   one dp4a, more decode work but half the dp4a per token. Each 16-element block dot is an
+//   exact integer (|sum| <= 2304 in 4x units). Blocks are scaled in fp32 (SFw * SFx is exact in
+//   fp32) and accumulated in fp32 across blocks; the output is
 //   (acc / 4) * (global_x[m] * global_w), rounded once to bf16.
 // * W4A16: weight codes become fp16 with an exact bit trick (value * 2^-14), are widened to fp32
 //   and multiplied with the bf16 activations (read through L1) in fp32; x 2^14 is folded into
@@ -35,14 +44,13 @@
 //   per-(K part, row, token) slot in shared memory; the CTA adds the parts in a fixed order, so
 //   results are deterministic (no atomics). No host allocation or sync: one launch, graph-safe.
 //
-// Streaming variant (GEMV_STREAM=1, not yet measured on a GPU; selected only by
-// REJAX_GEMV_VARIANT=stream): no persistent CTAs, no x staging and no barrier before the math.
-// A warp owns one row group (R_ROWS rows) and one of KSPLIT K slices; each lane issues every load
-// of its share at once (CPL 16-byte chunks per row plus the matching x chunks, read through L1
-// where all warps of the SM share them), then decodes and multiplies. Many small CTAs fill the
-// SMs in a few waves, so a small layer is one round of loads per warp instead of a pipeline
-// that never reaches steady state. K slices of a row group are added in slice order through
-// shared memory (deterministic).
+// Streaming variant (GEMV_STREAM=1): no persistent CTAs, no x staging and no barrier before the
+// math. A warp owns one row group (R_ROWS rows) and one of KSPLIT K slices; each lane issues
+// every load of its share at once (CPL 16-byte chunks per row plus the matching x chunks, read
+// through L1 where all warps of the SM share them), then decodes and multiplies. Many small CTAs
+// fill the SMs in a few waves, so a small layer is one round of loads per warp instead of a
+// pipeline that never reaches steady state. K slices of a row group are added in slice order
+// through shared memory (deterministic).
 
 #ifndef DIAG_NODOT
 #define DIAG_NODOT 0

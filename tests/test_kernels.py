@@ -236,7 +236,8 @@ def _s8(word: int) -> list[int]:
 
 
 def test_prmt_decode_tables_are_exact():
-    """The kernel's weight (pos + neg) and activation decodes give 2 * E2M1 value for all codes."""
+    """The kernel's decodes give 2 * E2M1 value for all codes: the (pos, neg) pair of the weights
+    at M <= 2 and the signed word (act_to_s8) of the activations and of the weights at M > 2."""
     tp, tn, tm = ((_table(f"{t}_LO"), _table(f"{t}_HI")) for t in ("TP", "TN", "TM"))
     want = (2 * nvfp4.E2M1_VALUES).astype(int)
     for sel in range(1 << 16):  # every combination of 4 codes
@@ -244,10 +245,10 @@ def test_prmt_decode_tables_are_exact():
         pos = _s8(_prmt(*tp, sel))
         neg = _s8(_prmt(*tn, sel ^ 0x8888))
         assert [p + q for p, q in zip(pos, neg, strict=True)] == [want[c] for c in codes]
-        if sel % 97 == 0:  # the activation path: bytewise pos - neg without borrows
-            a, b = _prmt(*tm, sel), _prmt(*tm, sel ^ 0x8888)
-            x = (((a | 0x80808080) - b) & 0xFFFFFFFF) ^ 0x80808080
-            assert _s8(x) == [want[c] for c in codes]
+        # act_to_s8: bytewise pos - neg without borrows
+        a, b = _prmt(*tm, sel), _prmt(*tm, sel ^ 0x8888)
+        x = (((a | 0x80808080) - b) & 0xFFFFFFFF) ^ 0x80808080
+        assert _s8(x) == [want[c] for c in codes]
 
 
 def test_fp16_bit_trick_is_exact():
@@ -416,6 +417,25 @@ def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, 
     assert ".local" not in kernel.ptx
     assert ("cp.async.cg.shared.global" in kernel.ptx) == (ring != "0")
     assert ("cp.async.wait_group" in kernel.ptx) == (ring != "0")
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
+def test_signed_weight_decode_halves_the_dp4a(tmp_path, monkeypatch):
+    """W4A4 at M > 2 decodes weights to signed int8 by default: half the dp4a of the (pos, neg)
+    decode (REJAX_GEMV_SIGNED=0); at M <= 2 the pair decode stays."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
+    counts = {}
+    for m in (2, 4):
+        for signed in ("", "0"):
+            monkeypatch.setenv("REJAX_GEMV_SIGNED", signed)
+            nvfp4_gemv._build_cached.cache_clear()
+            ptx = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90").ptx
+            counts[m, signed] = ptx.count("dp4a.")
+            assert ".local" not in ptx
+    assert counts[4, ""] * 2 == counts[4, "0"]
+    assert counts[2, ""] == counts[2, "0"]
     nvfp4_gemv._build_cached.cache_clear()
 
 
