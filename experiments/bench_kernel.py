@@ -45,8 +45,6 @@ def _copies(nbytes: int) -> int:
     return int(min(MAX_COPIES, max(8, math.ceil(ROTATE_BYTES / nbytes) + 1)))
 
 
-
-
 # ----------------------------------------------------------------------------- timers
 
 
