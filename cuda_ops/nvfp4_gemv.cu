@@ -466,11 +466,29 @@ __device__ __forceinline__ void decode_row(u32 (&wpos)[8], u32 (&wneg)[8], uint4
   }
 }
 
+#ifndef XPLANES
+#define XPLANES 0
+#endif
+
+// Byte offset in the staged x of half h (16 int8 values) of token m's 32-element chunk c.
+// XPLANES = 0: chunks in element order, so lane l's 16-byte reads are 32 B apart (two lanes per
+// bank group in each 8-lane phase of a 128-bit access: 2-way bank conflicts). XPLANES = 1
+// (experimental, not yet measured): the two halves in separate planes, so consecutive lanes read
+// consecutive 16 B (conflict-free).
+__device__ __forceinline__ int x_slot(int m, int c, int h) {
+  return XPLANES ? m * K_IN + h * (K_IN / 2) + c * 16 : m * K_IN + c * 32 + h * 16;
+}
+
 // 32 int8 activations of token m at `elem` and their two block scales, from shared memory
 __device__ __forceinline__ void load_x(u32 (&xw)[8], float2& sxf, const u8* sx, const u8* ssf,
                                        int m, int elem) {
+#if XPLANES
+  const uint4 xa = *(const uint4*)(sx + x_slot(m, elem / 32, 0));
+  const uint4 xb = *(const uint4*)(sx + x_slot(m, elem / 32, 1));
+#else
   const uint4 xa = *(const uint4*)(sx + m * K_IN + elem);
   const uint4 xb = *(const uint4*)(sx + m * K_IN + elem + 16);
+#endif
   xw[0] = xa.x, xw[1] = xa.y, xw[2] = xa.z, xw[3] = xa.w;
   xw[4] = xb.x, xw[5] = xb.y, xw[6] = xb.z, xw[7] = xb.w;
   sxf = e4m3x2_to_float2(*(const u16*)(ssf + m * (K_IN / 16) + elem / 16));
@@ -616,8 +634,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       lo.w = act_to_s8(c.y >> 16);
       hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
       hi.w = act_to_s8(c.w >> 16);
+#if XPLANES
+      *(uint4*)(sx + x_slot(i / (K_IN / 32), i % (K_IN / 32), 0)) = lo;
+      *(uint4*)(sx + x_slot(i / (K_IN / 32), i % (K_IN / 32), 1)) = hi;
+#else
       *(uint4*)(sx + (size_t)i * 32) = lo;
       *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
+#endif
     }
     for (int i = tid; i < M_TOK * K_IN / 64; i += NTHREADS) {
       *(u32*)(ssf + (size_t)i * 4) = *(const u32*)(xs + (size_t)i * 4);

@@ -385,6 +385,7 @@ def build(
         ("LDX_HINT", os.environ.get("REJAX_GEMV_LDX", "")),
         ("DIAG_NODOT", os.environ.get("REJAX_GEMV_DIAG_NODOT", "")),
         ("SIGNED_W", os.environ.get("REJAX_GEMV_SIGNED", "")),
+        ("XPLANES", os.environ.get("REJAX_GEMV_XPLANES", "")),
     )
     plan_env = tuple(
         os.environ.get(v, "")

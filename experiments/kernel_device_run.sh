@@ -3,6 +3,7 @@
 # sweep, benchmark and compute-sanitizer. Usage: experiments/kernel_device_run.sh OUTDIR [phases]
 # phases (default all): env ptxas check pytest bench sanitize; also ncu quantcheck diag tune
 # variants (persistent vs stream GEMV) timing (jit vs CUDA graph, command buffers)
+# ring signed xplanes (kernel variants by environment, CUDA-graph timings)
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas check bench sanitize}
@@ -142,6 +143,20 @@ import json, sys
 for r in json.load(open('$out/signed_$name.json'))['rows']:
     print(r['n'], r['k'], r['m'], round(r['nvfp4_w4a4_graph_s'] * 1e6, 2))"
       done 2>&1 | tee "$out/signed.txt";;
+    xplanes)  # staged x in two planes (conflict-free 128-bit smem reads) vs element order, and
+              # the read-only floor of the same bytes; kernel alone in CUDA graphs
+      for v in 0 1; do
+        REJAX_GEMV_XPLANES=$v timeout 150 python3 experiments/bench_kernel.py \
+          --shapes ${XPLANES_SHAPES:-4096:4096,4096:12288,5120:25600} --ms 1,4,8 \
+          --ops nvfp4_w4a4_graph,read_floor_graph --no-chain --out "$out/xplanes_$v.json" \
+          > /tmp/xplanes.log 2>&1
+        echo "== XPLANES=$v"; grep -iE "error|Traceback" /tmp/xplanes.log | head -3
+        python3 -c "
+import json
+for r in json.load(open('$out/xplanes_$v.json'))['rows']:
+    print(r['n'], r['k'], r['m'], round(r['nvfp4_w4a4_graph_s'] * 1e6, 2),
+          'floor', round(r.get('read_floor_graph_s', 0) * 1e6, 2))"
+      done 2>&1 | tee "$out/xplanes.txt";;
     tune)
       for v in ${TUNE_VARIANTS:-4:512 8:512 2:512 4:256 2:256 4:384}; do
         set -- ${v%:*} ${v#*:}

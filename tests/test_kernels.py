@@ -421,6 +421,23 @@ def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, 
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("m", [1, 8])
+def test_nvrtc_compiles_x_planes_layout(tmp_path, monkeypatch, m):
+    """The experimental two-plane staged-x layout (REJAX_GEMV_XPLANES=1) compiles without local
+    memory and changes the kernel; it is off by default."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
+    ptx = {}
+    for v in ("", "1"):
+        monkeypatch.setenv("REJAX_GEMV_XPLANES", v)
+        nvfp4_gemv._build_cached.cache_clear()
+        ptx[v] = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90").ptx
+        assert ".local" not in ptx[v]
+    assert ptx[""] != ptx["1"]
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
 def test_signed_weight_decode_halves_the_dp4a(tmp_path, monkeypatch):
     """W4A4 at M > 2 decodes weights to signed int8 by default: half the dp4a of the (pos, neg)
     decode (REJAX_GEMV_SIGNED=0); at M <= 2 the pair decode stays."""

@@ -101,12 +101,17 @@ def _rel(torch, a, b):
     return float(torch.linalg.norm(a.double() - b) / torch.linalg.norm(b))
 
 
-@pytest.mark.parametrize("variant", ["persistent", "stream"])
+@pytest.mark.parametrize("variant", ["persistent", "stream", "xplanes"])
 @pytest.mark.parametrize("act", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("shape_set", ["models", "odd"])
 def test_kernel_matches_float64_reference(torch, monkeypatch, variant, act, shape_set):
     from cuda_ops import nvfp4_gemv
 
+    if variant == "xplanes":  # experimental staged-x layout of the W4A4 persistent kernel
+        if act != "w4a4":
+            pytest.skip("W4A16 stages no activations")
+        monkeypatch.setenv("REJAX_GEMV_XPLANES", "1")
+        variant = "persistent"
     monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, variant)  # stream applies to M <= 4
     gen = torch.Generator(device="cuda")
     gen.manual_seed(hash((act, shape_set)) % 2**31)
