@@ -479,6 +479,18 @@ __device__ __forceinline__ int x_slot(int m, int c, int h) {
   return XPLANES ? m * K_IN + h * (K_IN / 2) + c * 16 : m * K_IN + c * 32 + h * 16;
 }
 
+// 32 codes (two blocks) -> 8 signed int8 words (2 * E2M1 value) in element order. Used for x in
+// the streaming variant and for weights at M > 2 (SIGNED_W): ~1.6x the integer ops of
+// decode_row, but one dp4a per 4 weights and token instead of two.
+__device__ __forceinline__ void decode_s8(u32 (&w)[8], uint4 q) {
+  const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[2 * i] = act_to_s8(words[i]);
+    w[2 * i + 1] = act_to_s8(words[i] >> 16);
+  }
+}
+
 // 32 int8 activations of token m at `elem` and their two block scales, from shared memory
 __device__ __forceinline__ void load_x(u32 (&xw)[8], float2& sxf, const u8* sx, const u8* ssf,
                                        int m, int elem) {
@@ -534,17 +546,6 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_R
 // bytes of the W4A4 kernel's shared memory before ybuf: x staged as int8 and its scales
 constexpr int XSTAGE = ((M_TOK * K_IN * 17 / 16 + 15) / 16) * 16;
 
-// 32 weight codes (one row, two blocks) -> 8 signed int8 words (2 * E2M1 value), the decode
-// act_to_s8 does for x: ~1.6x the integer ops of decode_row, but one dp4a per 4 weights and
-// token instead of two, which pays off from a few tokens on (SIGNED_W).
-__device__ __forceinline__ void decode_row_s8(u32 (&w)[8], uint4 q) {
-  const u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w[2 * i] = act_to_s8(words[i]);
-    w[2 * i + 1] = act_to_s8(words[i] >> 16);
-  }
-}
 
 // acc += sum over the two blocks of (exact int8 block dot) * SFw * SFx, signed weight words
 __device__ __forceinline__ void row_dot_s8(float& acc, const u32 (&w)[8], const u32 (&xw)[8],
@@ -563,6 +564,31 @@ __device__ __forceinline__ void row_dot_s8(float& acc, const u32 (&w)[8], const 
 #define SIGNED_W (M_TOK > 2)
 #endif
 
+// One weight row's 32 codes decoded for many tokens: (positive, negative) int8 word pairs, two
+// dp4a per 4 weights, or signed int8 words, one dp4a (SIGNED_W).
+struct RowPosNeg {
+  u32 pos[8], neg[8];
+  __device__ __forceinline__ void decode(uint4 q) { decode_row(pos, neg, q); }
+  __device__ __forceinline__ void dot(float& acc, const u32 (&xw)[8], float2 sw, float2 sxf) const {
+    row_dot(acc, pos, neg, xw, sw, sxf);
+  }
+};
+struct RowSigned {
+  u32 w[8];
+  __device__ __forceinline__ void decode(uint4 q) { decode_s8(w, q); }
+  __device__ __forceinline__ void dot(float& acc, const u32 (&xw)[8], float2 sw, float2 sxf) const {
+    row_dot_s8(acc, w, xw, sw, sxf);
+  }
+};
+template <bool S>
+struct RowDecode {
+  using type = RowPosNeg;
+};
+template <>
+struct RowDecode<true> {
+  using type = RowSigned;
+};
+
 // acc += this step's dot products of the tile's rows with the staged x of every token
 __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, int elem,
                                           const u8* sx, const u8* ssf) {
@@ -573,30 +599,14 @@ __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, in
 #pragma unroll
     for (int m = 0; m < M_TOK; ++m) load_x(xw[m], sxf[m], sx, ssf, m, elem);
     chunk_dot(acc, cur.q, cur.s, xw, sxf);
-  } else if constexpr (SIGNED_W) {
-    // more tokens: all rows decoded to signed int8 in registers, x read from smem once per token
-    u32 w[R_ROWS][8];
-    float2 sw[R_ROWS];
-#pragma unroll
-    for (int r = 0; r < R_ROWS; ++r) {
-      decode_row_s8(w[r], cur.q[r]);
-      sw[r] = e4m3x2_to_float2(cur.s[r]);
-    }
-#pragma unroll
-    for (int m = 0; m < M_TOK; ++m) {
-      u32 xw[8];
-      float2 sxf;
-      load_x(xw, sxf, sx, ssf, m, elem);
-#pragma unroll
-      for (int r = 0; r < R_ROWS; ++r) row_dot_s8(acc[r * M_TOK + m], w[r], xw, sw[r], sxf);
-    }
   } else {
     // more tokens: all rows decoded in registers, x read from smem once per token
-    u32 wpos[R_ROWS][8], wneg[R_ROWS][8];
+    using Row = typename RowDecode<SIGNED_W>::type;
+    Row w[R_ROWS];
     float2 sw[R_ROWS];
 #pragma unroll
     for (int r = 0; r < R_ROWS; ++r) {
-      decode_row(wpos[r], wneg[r], cur.q[r]);
+      w[r].decode(cur.q[r]);
       sw[r] = e4m3x2_to_float2(cur.s[r]);
     }
 #pragma unroll
@@ -605,7 +615,7 @@ __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, in
       float2 sxf;
       load_x(xw, sxf, sx, ssf, m, elem);
 #pragma unroll
-      for (int r = 0; r < R_ROWS; ++r) row_dot(acc[r * M_TOK + m], wpos[r], wneg[r], xw, sw[r], sxf);
+      for (int r = 0; r < R_ROWS; ++r) w[r].dot(acc[r * M_TOK + m], xw, sw[r], sxf);
     }
   }
 }
@@ -648,7 +658,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     __syncthreads();
   };
   run_units(ybuf, ring, wp, ws, g0, items, warp, lane, stage,
-            [&](float (&acc)[VP], const WTile& cur, int elem) { w4a4_step(acc, cur, elem, sx, ssf); });
+            [&](float (&acc)[VP], const WTile& cur, int elem) {
+              w4a4_step(acc, cur, elem, sx, ssf);
+            });
   __syncthreads();
 
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
@@ -658,16 +670,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
 }
 
 #else  // GEMV_STREAM
-
-// 32 codes of token m's chunk -> 8 signed int8 words (2 * E2M1 value) in element order
-__device__ __forceinline__ void decode_act(u32 (&xw)[8], uint4 c) {
-  const u32 words[4] = {c.x, c.y, c.z, c.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    xw[2 * i] = act_to_s8(words[i]);
-    xw[2 * i + 1] = act_to_s8(words[i] >> 16);
-  }
-}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
@@ -703,7 +705,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     float2 sxf[M_TOK];
 #pragma unroll
     for (int m = 0; m < M_TOK; ++m) {
-      decode_act(xw[m], xq[i][m]);
+      decode_s8(xw[m], xq[i][m]);
       sxf[m] = e4m3x2_to_float2(sx[i][m]);  // zero scales for masked chunks: adds 0
     }
     chunk_dot(acc, q[i], sw[i], xw, sxf);
