@@ -216,11 +216,15 @@ def jax_checks(torch, cases, out):
 # ----------------------------------------------------------------------------- sanitizer
 
 
+# default plans (nvfp4_gemv.plan): persistent with register prefetch (M = 3, 5), the cp.async ring
+# (M = 8), the streaming variant (M <= 2 on small layers)
 SANITIZE_CASES = [
     ("w4a4", 3, 520, 4352),
     ("w4a4", 8, 264, 1024),
     ("w4a16", 5, 104, 768),
+    ("w4a16", 8, 72, 512),
     ("w4a4", 1, 4096, 3584),
+    ("w4a16", 2, 1000, 768),
 ]
 PROFILE_CASES = [("w4a4", 1, 4096, 12288), ("w4a4", 8, 4096, 12288)]
 
