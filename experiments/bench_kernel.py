@@ -171,6 +171,14 @@ def bench_shape(torch, n, k, ms, ops_enabled):
                 row[f"nvfp4_{act}_s"] = time_jax(jax.jit(ours), (wps, wss), c_nv)
             except Exception as err:  # noqa: BLE001
                 row[f"nvfp4_{act}_error"] = f"{type(err).__name__}: {err}"[:300]
+            if act == "w4a4" and "nvfp4_w4a4_jit_sum" in ops_enabled:
+                # the same calls, their outputs summed in the jit: one small output buffer per
+                # call instead of one per copy (tests whether fresh output buffers, which a
+                # command buffer must re-record, are what the jitted time pays at small layers)
+                def summed(wps, wss, ours=ours):
+                    return sum(jnp.sum(y, dtype=jnp.float32) for y in ours(wps, wss))
+
+                row["nvfp4_w4a4_jit_sum_s"] = time_jax(jax.jit(summed), (wps, wss), c_nv)
         if torch is not None and "read_floor_graph" in ops_enabled and m == ms[0]:
             try:
                 row["read_floor_graph_s"] = time_read_floor_graph(

@@ -3,7 +3,7 @@
 # sweep, benchmark and compute-sanitizer. Usage: experiments/kernel_device_run.sh OUTDIR [phases]
 # phases (default all): env ptxas check pytest bench sanitize; also ncu quantcheck diag tune
 # variants (persistent vs stream GEMV) timing (jit vs CUDA graph, command buffers)
-# ring signed xplanes (kernel variants by environment, CUDA-graph timings)
+# ring signed xplanes (kernel variants by environment, CUDA-graph timings) jitcheck
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas check bench sanitize}
@@ -157,6 +157,14 @@ for r in json.load(open('$out/xplanes_$v.json'))['rows']:
     print(r['n'], r['k'], r['m'], round(r['nvfp4_w4a4_graph_s'] * 1e6, 2),
           'floor', round(r.get('read_floor_graph_s', 0) * 1e6, 2))"
       done 2>&1 | tee "$out/xplanes.txt";;
+    jitcheck)  # why the jitted custom call costs more than the kernel at small layers
+      for flags in "" "--xla_gpu_enable_command_buffer="; do
+        XLA_FLAGS="$flags" timeout 150 python3 experiments/bench_kernel.py \
+          --shapes 3584:3584,4096:4096,4096:12288 --ms 1 \
+          --ops nvfp4_w4a4,nvfp4_w4a4_jit_sum,nvfp4_w4a4_graph,jax_bf16 --no-chain \
+          --out "$out/jitcheck${flags:+_nocmdbuf}.json" > /tmp/jitcheck.log 2>&1
+        echo "== XLA_FLAGS=$flags"; grep -E '^\{"n"' /tmp/jitcheck.log | cut -c1-400
+      done 2>&1 | tee "$out/jitcheck.txt";;
     tune)
       for v in ${TUNE_VARIANTS:-4:512 8:512 2:512 4:256 2:256 4:384}; do
         set -- ${v%:*} ${v#*:}
