@@ -10,6 +10,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import pathlib
 import threading
 
 from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
@@ -17,6 +18,8 @@ from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, r
 __all__ = ["GemvKernel", "KernelError", "build", "check_shape", "plan", "probe_ptx_launch"]
 
 SOURCE = "nvfp4_gemv.cu"
+# A/B timing only: compile this file in place of SOURCE (another revision of the kernel)
+SOURCE_ENV = "REJAX_GEMV_SOURCE"
 MAX_M = 8
 K_MULTIPLE = 256
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_90 (sm_89: 99 KiB, checked at build)
@@ -357,7 +360,11 @@ def _build_cached(
     p = plan(act, m, n, k, num_sms)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
-    source = read_source(SOURCE)
+    alt = dict(env).get("SOURCE_FILE")  # A/B runs only: another revision of the source
+    if alt and not pathlib.Path(alt).is_file():
+        raise KernelError(f"{SOURCE_ENV}={alt!r}: no such file (expected a kernel .cu source)")
+    source = pathlib.Path(alt).read_text() if alt else read_source(SOURCE)
+    env = tuple((name, value) for name, value in env if name != "SOURCE_FILE")
     extra = tuple(f"-D{name}={value}" for name, value in env if value)
     ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
     entry = ENTRY[act]
@@ -384,6 +391,8 @@ def build(
         ("LDW_HINT", os.environ.get("REJAX_GEMV_LDW", "")),
         ("LDX_HINT", os.environ.get("REJAX_GEMV_LDX", "")),
         ("DIAG_NODOT", os.environ.get("REJAX_GEMV_DIAG_NODOT", "")),
+        ("DIAG_LOADONLY", os.environ.get("REJAX_GEMV_DIAG_LOADONLY", "")),
+        ("SOURCE_FILE", os.environ.get(SOURCE_ENV, "")),
         ("SIGNED_W", os.environ.get("REJAX_GEMV_SIGNED", "")),
         ("XPLANES", os.environ.get("REJAX_GEMV_XPLANES", "")),
     )

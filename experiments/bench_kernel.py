@@ -186,6 +186,11 @@ def bench_shape(torch, n, k, ms, ops_enabled):
                 )
             except Exception as err:  # noqa: BLE001
                 row["read_floor_error"] = f"{type(err).__name__}: {err}"[:300]
+        if torch is not None and "read_floor_1cta_graph" in ops_enabled and m == ms[0]:
+            # the same read with the GEMV's occupancy: one CTA of 512 threads per SM
+            row["read_floor_1cta_graph_s"] = time_read_floor_graph(
+                torch, list(zip(wps, wss, strict=True)), grid_per_sm=1
+            )
         if "act_quant" in ops_enabled:
             row["act_quant_s"] = time_jax(
                 jax.jit(lambda v: nvfp4.quantize_activation(v).packed), (x,), 1, calls=50

@@ -3,7 +3,7 @@
 # sweep, benchmark and compute-sanitizer. Usage: experiments/kernel_device_run.sh OUTDIR [phases]
 # phases (default all): env ptxas check pytest bench sanitize; also ncu quantcheck diag tune
 # variants (persistent vs stream GEMV) timing (jit vs CUDA graph, command buffers)
-# ring signed xplanes (kernel variants by environment, CUDA-graph timings) jitcheck
+# ring signed xplanes ab (kernel variants by environment, CUDA-graph timings) jitcheck
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas check bench sanitize}
@@ -58,9 +58,10 @@ print('jax', jax.__version__, 'cuda-bindings', cuda.bindings.__version__, 'torch
     ncu)
       timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k regex:nvfp4_gemv --launch-count 6 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section Occupancy \
-        --section MemoryWorkloadAnalysis python3 experiments/gpu_kernel_check.py --profile \
-        > /tmp/ncu.txt 2>&1
-      grep -E "nvfp4_gemv|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc|Issue Slots|Achieved Occupancy|Registers|Theoretical Occ|Block Limit|One or More|Pipe|ALU|FMA|Max Bandwidth|L1/TEX Hit|L2 Hit|est. " /tmp/ncu.txt \
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+        python3 experiments/gpu_kernel_check.py --profile > /tmp/ncu.txt 2>&1
+      cp /tmp/ncu.txt "$out/ncu_full.txt"
+      grep -E "nvfp4_gemv|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc|Issue Slots|Achieved Occupancy|Registers|Theoretical Occ|Block Limit|One or More|No Eligible|Eligible Warps|Active Warps|Warp Cycles|Pipe|ALU|FMA|Max Bandwidth|L1/TEX Hit|L2 Hit|est. " /tmp/ncu.txt \
         | head -150 | tee "$out/ncu.txt";;
     quantcheck)
       python3 - <<'PY' 2>&1 | tee -a "$out/notes.txt"
@@ -157,6 +158,28 @@ for r in json.load(open('$out/xplanes_$v.json'))['rows']:
     print(r['n'], r['k'], r['m'], round(r['nvfp4_w4a4_graph_s'] * 1e6, 2),
           'floor', round(r.get('read_floor_graph_s', 0) * 1e6, 2))"
       done 2>&1 | tee "$out/xplanes.txt";;
+    ab)  # this tree's kernel against another revision of the source (REJAX_GEMV_SOURCE, e.g. the
+         # last commit's: git show HEAD~1:cuda_ops/nvfp4_gemv.cu > experiments/nvfp4_gemv_prev.cu),
+         # the load-only diagnostic build, persistent at every size, staged x in two planes;
+         # kernel alone in CUDA graphs, the read-only floor of the same bytes with the first config
+      first=1
+      for cfg in ${AB_CFGS:-new: prev:REJAX_GEMV_SOURCE=experiments/nvfp4_gemv_prev.cu \
+                  loadonly:REJAX_GEMV_DIAG_LOADONLY=1 pers:REJAX_GEMV_VARIANT=persistent \
+                  xplanes:REJAX_GEMV_XPLANES=1}; do
+        name=${cfg%%:*}; envs=${cfg#*:}; envs=${envs//,/ }  # NAME:VAR=1,VAR2=2
+        ops=nvfp4_w4a4_graph; [ $first = 1 ] && ops=$ops,${AB_FLOORS:-read_floor_graph}; first=0
+        env $envs timeout ${AB_TIMEOUT:-110} python3 experiments/bench_kernel.py \
+          --shapes ${AB_SHAPES:-4096:4096,4096:12288,5120:25600,25600:5120} --ms ${AB_MS:-1,2,4,8} \
+          --ops $ops --no-chain --out "$out/ab_$name.json" > /tmp/ab.log 2>&1
+        echo "== $name ($envs)"; grep -iE "error|Traceback" /tmp/ab.log | head -3
+        python3 -c "
+import json
+for r in json.load(open('$out/ab_$name.json'))['rows']:
+    print(r['n'], r['k'], r['m'], round(r['nvfp4_w4a4_graph_s'] * 1e6, 2),
+          'floor', round(r.get('read_floor_graph_s', 0) * 1e6, 2),
+          'floor_1cta', round(r.get('read_floor_1cta_graph_s', 0) * 1e6, 2))"
+        rm -f "$out/ab_$name.png"
+      done 2>&1 | tee "$out/ab.txt";;
     jitcheck)  # why the jitted custom call costs more than the kernel at small layers
       for flags in "" "--xla_gpu_enable_command_buffer="; do
         XLA_FLAGS="$flags" timeout 150 python3 experiments/bench_kernel.py \

@@ -438,6 +438,47 @@ def test_nvrtc_compiles_x_planes_layout(tmp_path, monkeypatch, m):
 
 
 @needs_nvrtc
+def test_load_only_diagnostic_drops_the_math(tmp_path, monkeypatch):
+    """REJAX_GEMV_DIAG_LOADONLY=1 keeps the loads of the W4A4 persistent kernel and drops every
+    dp4a; unset, the kernel is unchanged."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
+    ptx = {}
+    for v in ("", "1"):
+        monkeypatch.setenv("REJAX_GEMV_DIAG_LOADONLY", v)
+        nvfp4_gemv._build_cached.cache_clear()
+        ptx[v] = nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90").ptx
+    assert ptx[""].count("dp4a.") > 0 and ptx["1"].count("dp4a.") == 0
+    assert ptx["1"].count("ld.global.nc.L1::no_allocate.v4") == ptx[""].count(
+        "ld.global.nc.L1::no_allocate.v4"
+    )
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
+def test_source_override_compiles_another_revision(tmp_path, monkeypatch):
+    """REJAX_GEMV_SOURCE compiles the given file instead of cuda_ops/nvfp4_gemv.cu (A/B runs);
+    a missing file is a clear error naming the variable."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path / "cache"))
+    src = tmp_path / "other.cu"
+    src.write_text(
+        cbuild.read_source(nvfp4_gemv.SOURCE) + '\nextern "C" __global__ void ab_marker() {}\n'
+    )
+    ptx = {}
+    for v in ("", str(src)):
+        monkeypatch.setenv(nvfp4_gemv.SOURCE_ENV, v)
+        nvfp4_gemv._build_cached.cache_clear()
+        ptx[v] = nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90").ptx
+    assert "ab_marker" in cbuild.ptx_entries(ptx[str(src)])
+    assert "ab_marker" not in cbuild.ptx_entries(ptx[""])
+    monkeypatch.setenv(nvfp4_gemv.SOURCE_ENV, str(tmp_path / "missing.cu"))
+    nvfp4_gemv._build_cached.cache_clear()
+    with pytest.raises(nvfp4_gemv.KernelError, match="REJAX_GEMV_SOURCE=.*missing.cu"):
+        nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90")
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
 def test_signed_weight_decode_halves_the_dp4a(tmp_path, monkeypatch):
     """W4A4 at M > 2 decodes weights to signed int8 by default: half the dp4a of the (pos, neg)
     decode (REJAX_GEMV_SIGNED=0); at M <= 2 the pair decode stays."""
