@@ -420,6 +420,17 @@ def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, 
     nvfp4_gemv._build_cached.cache_clear()
 
 
+def _ptx_by_env(monkeypatch, var, values, m=1):
+    """PTX of the W4A4 1024 x 4096 kernel at M = m for each value of the environment variable."""
+    out = {}
+    for v in values:
+        monkeypatch.setenv(var, v)
+        nvfp4_gemv._build_cached.cache_clear()
+        out[v] = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90").ptx
+    nvfp4_gemv._build_cached.cache_clear()
+    return out
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("m", [1, 8])
 def test_nvrtc_compiles_x_planes_layout(tmp_path, monkeypatch, m):
@@ -427,14 +438,9 @@ def test_nvrtc_compiles_x_planes_layout(tmp_path, monkeypatch, m):
     memory and changes the kernel; it is off by default."""
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
-    ptx = {}
-    for v in ("", "1"):
-        monkeypatch.setenv("REJAX_GEMV_XPLANES", v)
-        nvfp4_gemv._build_cached.cache_clear()
-        ptx[v] = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90").ptx
-        assert ".local" not in ptx[v]
+    ptx = _ptx_by_env(monkeypatch, "REJAX_GEMV_XPLANES", ("", "1"), m=m)
+    assert ".local" not in ptx[""] and ".local" not in ptx["1"]
     assert ptx[""] != ptx["1"]
-    nvfp4_gemv._build_cached.cache_clear()
 
 
 @needs_nvrtc
@@ -443,16 +449,11 @@ def test_load_only_diagnostic_drops_the_math(tmp_path, monkeypatch):
     dp4a; unset, the kernel is unchanged."""
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
-    ptx = {}
-    for v in ("", "1"):
-        monkeypatch.setenv("REJAX_GEMV_DIAG_LOADONLY", v)
-        nvfp4_gemv._build_cached.cache_clear()
-        ptx[v] = nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90").ptx
+    ptx = _ptx_by_env(monkeypatch, "REJAX_GEMV_DIAG_LOADONLY", ("", "1"))
     assert ptx[""].count("dp4a.") > 0 and ptx["1"].count("dp4a.") == 0
     assert ptx["1"].count("ld.global.nc.L1::no_allocate.v4") == ptx[""].count(
         "ld.global.nc.L1::no_allocate.v4"
     )
-    nvfp4_gemv._build_cached.cache_clear()
 
 
 @needs_nvrtc
@@ -464,11 +465,7 @@ def test_source_override_compiles_another_revision(tmp_path, monkeypatch):
     src.write_text(
         cbuild.read_source(nvfp4_gemv.SOURCE) + '\nextern "C" __global__ void ab_marker() {}\n'
     )
-    ptx = {}
-    for v in ("", str(src)):
-        monkeypatch.setenv(nvfp4_gemv.SOURCE_ENV, v)
-        nvfp4_gemv._build_cached.cache_clear()
-        ptx[v] = nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90").ptx
+    ptx = _ptx_by_env(monkeypatch, nvfp4_gemv.SOURCE_ENV, ("", str(src)))
     assert "ab_marker" in cbuild.ptx_entries(ptx[str(src)])
     assert "ab_marker" not in cbuild.ptx_entries(ptx[""])
     monkeypatch.setenv(nvfp4_gemv.SOURCE_ENV, str(tmp_path / "missing.cu"))
