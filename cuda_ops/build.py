@@ -3,8 +3,8 @@
 Kernels are compiled at first use (when a computation is lowered for CUDA), for the arch of the
 GPU that is present (`compute_XY` from its compute capability; `compute_90` when there is none,
 e.g. on CPU-only CI), with shape-specialising `-D` constants. PTX is cached on disk under
-`$REJAX_KERNEL_CACHE` (default `~/.cache/rejax/kernels`), keyed by a hash of (source, defines,
-arch, NVRTC version), so a second process skips NVRTC entirely.
+`$REJAX_KERNEL_CACHE` (default `~/.cache/rejax/kernels`), keyed by a hash of (source, every local
+header it includes, defines, arch, NVRTC version), so a second process skips NVRTC entirely.
 """
 
 from __future__ import annotations
@@ -87,12 +87,36 @@ def cache_dir() -> pathlib.Path:
     return path
 
 
-def _key(source: str, defines: dict, arch: str, version: tuple[int, int], opts) -> str:
+def _key(source: str, headers: dict, defines: dict, arch: str, version, opts) -> str:
     h = hashlib.sha256()
-    for part in (source, repr(sorted(defines.items())), arch, repr(version), repr(opts)):
+    parts = [source, *(f"{n}\0{t}" for n, t in sorted(headers.items()))]
+    for part in (*parts, repr(sorted(defines.items())), arch, repr(version), repr(opts)):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: str, directory: pathlib.Path = SOURCE_DIR) -> dict[str, str]:
+    """Every `#include "name"` header of `source` found in `directory`, recursively: name -> text.
+
+    They are handed to NVRTC as in-memory headers and hashed into the cache key, so editing a
+    header recompiles every kernel that includes it.
+    """
+    found: dict[str, str] = {}
+    todo = _INCLUDE.findall(source)
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        path = directory / name
+        if not path.is_file():
+            raise KernelError(f'#include "{name}": no such header in {directory.name}/')
+        found[name] = path.read_text()
+        todo.extend(_INCLUDE.findall(found[name]))
+    return found
 
 
 def read_source(name: str) -> str:
@@ -130,20 +154,28 @@ def compile_ptx(
         *(f"-D{k}={v}" for k, v in sorted(defines.items())),
         *options,
     )
-    key = _key(source, defines, arch, version, opts)
+    headers = local_headers(source)
+    key = _key(source, headers, defines, arch, version, opts)
     path = cache_dir() / f"{key}.ptx"
     if use_cache and path.is_file():
         return path.read_text()
-    ptx = _nvrtc_compile(source, name, opts)
+    ptx = _nvrtc_compile(source, name, opts, headers)
     if use_cache:
         _write_atomic(path, ptx)
     return ptx
 
 
-def _nvrtc_compile(source: str, name: str, opts: tuple[str, ...]) -> str:
+def _nvrtc_compile(source: str, name: str, opts: tuple[str, ...], headers: dict) -> str:
     nvrtc = _nvrtc()
+    names = sorted(headers)
     prog = _check(
-        nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []),
+        nvrtc.nvrtcCreateProgram(
+            source.encode(),
+            name.encode(),
+            len(names),
+            [headers[n].encode() for n in names],
+            [n.encode() for n in names],
+        ),
         "nvrtcCreateProgram",
     )
     try:

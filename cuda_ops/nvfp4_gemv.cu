@@ -52,12 +52,6 @@
 // pipeline that never reaches steady state. K slices of a row group are added in slice order
 // through shared memory (deterministic).
 
-#ifndef DIAG_NODOT
-#define DIAG_NODOT 0
-#endif
-#ifndef DIAG_LOADONLY  // diagnostics only (wrong numbers): W4A4 persistent steps skip the math
-#define DIAG_LOADONLY 0
-#endif
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -107,6 +101,29 @@ static_assert(NV <= 32, "R_ROWS * M_TOK must be <= 32");
 static_assert(K_IN % 256 == 0, "K must be a multiple of 256");
 static_assert(N_OUT % R_ROWS == 0, "R_ROWS must divide N");
 static_assert(M_TOK >= 1 && M_TOK <= 8, "M must be 1..8");
+
+// Stacked weights (rejax stacks every decoder layer's matrix of one kind in one buffer):
+// codes [L][N][K/2], scales [L][N][K/16], global scales [L] (one per matrix) or [L][N]
+// (GW_ROWS = 1: one per output row, e.g. fused q/k/v shards quantized with their own scale).
+// `layer` is a device int32, so one compiled kernel serves every layer of a scanned decoder
+// without copying a layer's bytes out of the stack.
+#ifndef GW_ROWS
+#define GW_ROWS 0
+#endif
+struct Layer {
+  const u8* wp;
+  const u8* ws;
+  const float* wg;
+};
+
+__device__ __forceinline__ Layer layer_of(const u8* wp, const u8* ws, const float* wg,
+                                          const int* layer) {
+  const size_t l = (size_t)(unsigned)*layer;
+  return {wp + l * N_OUT * (K_IN / 2), ws + l * N_OUT * (K_IN / 16),
+          wg + l * (GW_ROWS ? N_OUT : 1)};
+}
+
+__device__ __forceinline__ float gw_of(const float* wg, int n) { return GW_ROWS ? wg[n] : wg[0]; }
 
 // ---------------------------------------------------------------------------- loads
 
@@ -217,7 +234,7 @@ __device__ __forceinline__ float warp_reduce(float (&v)[VP], int lane) {
 }
 
 #if GEMV_STREAM
-// Streaming variant: reduces a warp's sums over its lanes and writes y[m, n] = out(m, total),
+// Streaming variant: reduces a warp's sums over its lanes and writes y[m, n] = out(m, n, total),
 // directly when K is not split, else through `red` ([group][slice][row][token]), adding the
 // slices of a row group in slice order.
 template <typename OutScale>
@@ -228,7 +245,7 @@ __device__ __forceinline__ void stream_epilogue(float (&acc)[VP], float* red, in
   const bool holder = lane % (32 / VP) == 0 && idx < NV;
   const int r = idx / M_TOK, m = idx % M_TOK;
   if constexpr (KSPLIT == 1) {
-    if (holder && g < NGROUPS) y[(size_t)m * N_OUT + g * R_ROWS + r] = f32_to_bf16(out(m, total));
+    if (holder && g < NGROUPS) y[(size_t)m * N_OUT + g * R_ROWS + r] = f32_to_bf16(out(m, g * R_ROWS + r, total));
   } else {
     if (holder) red[((lg * KSPLIT + slice) * R_ROWS + r) * M_TOK + m] = total;
     __syncthreads();
@@ -239,7 +256,7 @@ __device__ __forceinline__ void stream_epilogue(float (&acc)[VP], float* red, in
       float t = 0.f;
 #pragma unroll
       for (int sl = 0; sl < KSPLIT; ++sl) t += red[((gl * KSPLIT + sl) * R_ROWS + rr) * M_TOK + mm];
-      y[(size_t)mm * N_OUT + gg * R_ROWS + rr] = f32_to_bf16(out(mm, t));
+      y[(size_t)mm * N_OUT + gg * R_ROWS + rr] = f32_to_bf16(out(mm, gg * R_ROWS + rr, t));
     }
   }
 }
@@ -436,7 +453,7 @@ __device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, c
 #endif
 }
 
-// y[m, n] = out(m, sum of the K parts of row n in part order), for the CTA's rows.
+// y[m, n] = out(m, n, sum of the K parts of row n in part order), for the CTA's rows.
 template <typename OutScale>
 __device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, int g0, int g1,
                                                     int tid, OutScale out) {
@@ -446,7 +463,7 @@ __device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, i
     float s = 0.f;
 #pragma unroll 1
     for (int p = 0; p < KPARTS; ++p) s += ybuf[(p * RPC + lr) * M_TOK + m];
-    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, s));
+    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, g0 * R_ROWS + lr, s));
   }
 }
 
@@ -469,19 +486,6 @@ __device__ __forceinline__ void decode_row(u32 (&wpos)[8], u32 (&wneg)[8], uint4
   }
 }
 
-#ifndef XPLANES
-#define XPLANES 0
-#endif
-
-// Byte offset in the staged x of half h (16 int8 values) of token m's 32-element chunk c.
-// XPLANES = 0: chunks in element order, so lane l's 16-byte reads are 32 B apart (two lanes per
-// bank group in each 8-lane phase of a 128-bit access: 2-way bank conflicts). XPLANES = 1
-// (experimental, not yet measured): the two halves in separate planes, so consecutive lanes read
-// consecutive 16 B (conflict-free).
-__device__ __forceinline__ int x_slot(int m, int c, int h) {
-  return XPLANES ? m * K_IN + h * (K_IN / 2) + c * 16 : m * K_IN + c * 32 + h * 16;
-}
-
 // 32 codes (two blocks) -> 8 signed int8 words (2 * E2M1 value) in element order. Used for x in
 // the streaming variant and for weights at M > 2 (SIGNED_W): ~1.6x the integer ops of
 // decode_row, but one dp4a per 4 weights and token instead of two.
@@ -497,13 +501,8 @@ __device__ __forceinline__ void decode_s8(u32 (&w)[8], uint4 q) {
 // 32 int8 activations of token m at `elem` and their two block scales, from shared memory
 __device__ __forceinline__ void load_x(u32 (&xw)[8], float2& sxf, const u8* sx, const u8* ssf,
                                        int m, int elem) {
-#if XPLANES
-  const uint4 xa = *(const uint4*)(sx + x_slot(m, elem / 32, 0));
-  const uint4 xb = *(const uint4*)(sx + x_slot(m, elem / 32, 1));
-#else
   const uint4 xa = *(const uint4*)(sx + m * K_IN + elem);
   const uint4 xb = *(const uint4*)(sx + m * K_IN + elem + 16);
-#endif
   xw[0] = xa.x, xw[1] = xa.y, xw[2] = xa.z, xw[3] = xa.w;
   xw[4] = xb.x, xw[5] = xb.y, xw[6] = xb.z, xw[7] = xb.w;
   sxf = e4m3x2_to_float2(*(const u16*)(ssf + m * (K_IN / 16) + elem / 16));
@@ -518,12 +517,8 @@ __device__ __forceinline__ void row_dot(float& acc, const u32 (&wpos)[8], const 
     int d = 0x4B400000;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-#if DIAG_NODOT  // diagnostics only (wrong numbers): dp4a replaced by one integer add
-      d += (int)(wpos[4 * b + j] ^ wneg[4 * b + j] ^ xw[4 * b + j]);
-#else
       d = __dp4a((int)wpos[4 * b + j], (int)xw[4 * b + j], d);
       d = __dp4a((int)wneg[4 * b + j], (int)xw[4 * b + j], d);
-#endif
     }
     const float dot = __int_as_float(d) - 12582912.0f;
     acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
@@ -595,13 +590,6 @@ struct RowDecode<true> {
 // acc += this step's dot products of the tile's rows with the staged x of every token
 __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, int elem,
                                           const u8* sx, const u8* ssf) {
-#if DIAG_LOADONLY  // every loaded word kept live by one xor, no decode and no dot
-  u32 h = 0;
-#pragma unroll
-  for (int r = 0; r < R_ROWS; ++r) h ^= cur.q[r].x ^ cur.q[r].y ^ cur.q[r].z ^ cur.q[r].w ^ cur.s[r];
-  acc[0] += __uint_as_float(h & 0x007FFFFFu);
-  return;
-#endif
   if constexpr (M_TOK <= 2) {
     // few tokens: x of all tokens in registers, one row decoded at a time
     u32 xw[M_TOK][8];
@@ -632,8 +620,13 @@ __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, in
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                    const float* __restrict__ xg, const u8* __restrict__ wp,
-                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+                    const float* __restrict__ xg, const u8* __restrict__ wp_all,
+                    const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                    const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   extern __shared__ __align__(16) u8 smem[];
   u8* sx = smem;                                   // int8 [M][K]: 2 * E2M1 value
   u8* ssf = smem + M_TOK * K_IN;                   // E4M3 [M][K/16]
@@ -654,13 +647,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       lo.w = act_to_s8(c.y >> 16);
       hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
       hi.w = act_to_s8(c.w >> 16);
-#if XPLANES
-      *(uint4*)(sx + x_slot(i / (K_IN / 32), i % (K_IN / 32), 0)) = lo;
-      *(uint4*)(sx + x_slot(i / (K_IN / 32), i % (K_IN / 32), 1)) = hi;
-#else
       *(uint4*)(sx + (size_t)i * 32) = lo;
       *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
-#endif
     }
     for (int i = tid; i < M_TOK * K_IN / 64; i += NTHREADS) {
       *(u32*)(ssf + (size_t)i * 4) = *(const u32*)(xs + (size_t)i * 4);
@@ -674,17 +662,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   __syncthreads();
 
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
-  const float gw = wg[0];
   persistent_epilogue(ybuf, y, g0, g1, tid,
-                      [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+                      [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
 }
 
 #else  // GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                    const float* __restrict__ xg, const u8* __restrict__ wp,
-                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+                    const float* __restrict__ xg, const u8* __restrict__ wp_all,
+                    const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                    const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
   const int tid = threadIdx.x, lane = tid & 31;
   const Share sh = my_share(tid >> 5);
@@ -721,9 +713,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     chunk_dot(acc, q[i], sw[i], xw, sxf);
   }
 
-  const float gw = wg[0];
   stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
-                  [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+                  [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
 }
 
 #endif  // GEMV_STREAM
@@ -787,9 +778,13 @@ __device__ __forceinline__ void chunk_dot16(float (&acc)[VP], const uint4 (&q)[R
 #if !GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
-                     const u8* __restrict__ ws, const float* __restrict__ wg,
-                     u16* __restrict__ y) {
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp_all,
+                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                     const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   extern __shared__ __align__(16) u8 smem[];
   float* ybuf = (float*)smem;  // [KPARTS][RPC][M]
   u8* ring = smem + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
@@ -805,16 +800,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             });
   __syncthreads();
 
-  const float gw = wg[0];
-  persistent_epilogue(ybuf, y, g0, g1, tid, [&](int, float t) { return (t * 16384.0f) * gw; });
+  persistent_epilogue(ybuf, y, g0, g1, tid,
+                      [&](int, int n, float t) { return (t * 16384.0f) * gw_of(wg, n); });
 }
 
 #else  // GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
-                     const u8* __restrict__ ws, const float* __restrict__ wg,
-                     u16* __restrict__ y) {
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp_all,
+                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                     const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
   const int tid = threadIdx.x, lane = tid & 31;
   const Share sh = my_share(tid >> 5);
@@ -831,9 +830,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     if (sh.valid && c < sh.c1) chunk_dot16(acc, q[i], sw[i], x, 32 * c);
   }
 
-  const float gw = wg[0];
   stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
-                  [&](int, float t) { return (t * 16384.0f) * gw; });
+                  [&](int, int n, float t) { return (t * 16384.0f) * gw_of(wg, n); });
 }
 
 #endif  // GEMV_STREAM

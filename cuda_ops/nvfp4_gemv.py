@@ -9,24 +9,68 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import os
 import pathlib
 import threading
 
 from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
 
-__all__ = ["GemvKernel", "KernelError", "build", "check_shape", "plan", "probe_ptx_launch"]
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "GemvKernel",
+    "GemvOptions",
+    "KernelError",
+    "build",
+    "check_shape",
+    "plan",
+    "probe_ptx_launch",
+]
 
 SOURCE = "nvfp4_gemv.cu"
-# A/B timing only: compile this file in place of SOURCE (another revision of the kernel)
-SOURCE_ENV = "REJAX_GEMV_SOURCE"
 MAX_M = 8
 K_MULTIPLE = 256
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_90 (sm_89: 99 KiB, checked at build)
 DEFAULT_SMS = 132  # H200; used when lowering without a GPU
 ENTRY = {"w4a4": "nvfp4_gemv_w4a4", "w4a16": "nvfp4_gemv_w4a16"}
-# number of operands per mode (the output pointer comes last)
-N_INPUTS = {"w4a4": 6, "w4a16": 4}
+# number of operands per mode (the output pointer comes last):
+# W4A4 (xp, xs, xg, wp, ws, wg, layer), W4A16 (x, wp, ws, wg, layer)
+N_INPUTS = {"w4a4": 7, "w4a16": 5}
+VARIANTS = ("auto", "persistent", "stream")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemvOptions:
+    """Kernel choices, passed explicitly (never read from the environment).
+
+    The defaults are what measured fastest on the H200 (experiments/KERNEL_NOTES.md); the other
+    values exist for experiments that time variants side by side.
+
+    Attributes:
+        variant: "auto" (stream for M <= 2 on layers of <= 16 MiB, else persistent),
+            "persistent", or "stream" (M <= 4; persistent elsewhere).
+        rows: weight rows per warp step (None: the plan's choice).
+        threads: threads per CTA (None: the plan's choice).
+        ring: persistent kernel's cp.async slots per warp (None: 4 at M = 8, else 0).
+        source: path of another revision of the kernel source (experiments only).
+        defines: extra (name, value) -D constants (experiments only, e.g. cache hints).
+    """
+
+    variant: str = "auto"
+    rows: int | None = None
+    threads: int | None = None
+    ring: int | None = None
+    source: str | None = None
+    defines: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise KernelError(f"GemvOptions.variant={self.variant!r}, expected one of {VARIANTS}")
+        for name in ("rows", "threads", "ring"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise KernelError(f"GemvOptions.{name}={value!r}, expected None or an int >= 0")
+
+
+DEFAULT_OPTIONS = GemvOptions()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +86,10 @@ class Plan:
     grid: int
     threads: int
     smem: int
-    variant: str = "persistent"  # or "stream" (REJAX_GEMV_VARIANT; M <= 4)
+    variant: str = "persistent"  # or "stream" (M <= 4)
     ksplit: int = 1  # stream: warps of a row group splitting K
     ring: int = 0  # persistent: cp.async ring slots per warp (0: register double buffer)
+    gw_rows: bool = False  # one weight global scale per output row instead of per matrix
 
     @property
     def kparts(self) -> int:
@@ -64,6 +109,7 @@ class Plan:
             "GEMV_STREAM": int(self.variant == "stream"),
             "KSPLIT": self.ksplit,
             "RING_D": self.ring,
+            "GW_ROWS": int(self.gw_rows),
         }
 
 
@@ -82,11 +128,11 @@ def _smem(act: str, m: int, n: int, k: int, rows: int, grid: int, kparts: int) -
 RING_MIN_M = 8  # the ring measured faster only at M = 8 (experiments/KERNEL_NOTES.md)
 
 
-def _ring_depth(base_smem: int, warps: int, rows: int, m: int) -> int:
-    """Ring slots per warp: RING_MAX at M >= RING_MIN_M, else 0 (register double buffer);
-    `REJAX_GEMV_RING` overrides. Capped by what fits beside `base_smem`; 0 when fewer than two
-    fit."""
-    want = _env_int("REJAX_GEMV_RING", RING_MAX if m >= RING_MIN_M else 0)
+def _ring_depth(base_smem: int, warps: int, rows: int, m: int, want: int | None) -> int:
+    """Ring slots per warp: `want`, or by default RING_MAX at M >= RING_MIN_M, else 0 (register
+    double buffer). Capped by what fits beside `base_smem`; 0 when fewer than two fit."""
+    if want is None:
+        want = RING_MAX if m >= RING_MIN_M else 0
     fit = (SMEM_LIMIT - base_smem) // (warps * rows * SLOT_BYTES_PER_ROW)
     depth = min(want, fit)
     return depth if depth >= 2 else 0
@@ -108,23 +154,21 @@ def check_shape(act: str, m: int, n: int, k: int) -> tuple[bool, str]:
     return True, ""
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
-
-
-VARIANT_ENV = "REJAX_GEMV_VARIANT"
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-VARIANTS = ("auto", "persistent", "stream")
 STREAM_MAX_M = 4
 
 
-def plan_stream(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan | None:
+def plan_stream(
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = DEFAULT_SMS,
+    options: GemvOptions = DEFAULT_OPTIONS,
+) -> Plan | None:
     """Launch geometry of the streaming variant, or None where it does not apply (M > 4).
 
     A warp owns R rows and one of KSPLIT K slices and loads all of its CPL chunks per lane at
@@ -136,10 +180,11 @@ def plan_stream(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) ->
         return None
     small = m <= 2 if act == "w4a4" else m == 1
     rows = 2 if small and n % 2 == 0 else 1
-    rows = min(rows, _env_int("REJAX_GEMV_ROWS", rows))
+    if options.rows is not None:
+        rows = min(rows, options.rows)
     cpl_max = 4 if small else 2
     nch = k // 32
-    threads = _env_int("REJAX_GEMV_THREADS", 256)
+    threads = options.threads or 256
     ksplit = 1
     while _cdiv(_cdiv(nch, ksplit), 32) > cpl_max:  # chunks per lane
         ksplit *= 2
@@ -173,37 +218,52 @@ STREAM_AUTO_MAX_M = 2
 STREAM_AUTO_MAX_BYTES = 16 << 20
 
 
-def plan(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan:
-    """The launch plan. `REJAX_GEMV_VARIANT` = "auto" (default: stream for M <= 2 and layers of
+def plan(
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = DEFAULT_SMS,
+    options: GemvOptions = DEFAULT_OPTIONS,
+    *,
+    gw_rows: bool = False,
+) -> Plan:
+    """The launch plan. `options.variant` = "auto" (default: stream for M <= 2 and layers of
     at most 16 MiB of NVFP4 bytes, else persistent), "persistent", or "stream" (where it applies,
-    M <= 4; else persistent)."""
-    variant = os.environ.get(VARIANT_ENV) or "auto"
-    if variant not in VARIANTS:
-        raise KernelError(f"{VARIANT_ENV}={variant!r}, expected one of {VARIANTS}")
+    M <= 4; else persistent). `gw_rows`: the weight has one global scale per output row."""
+    variant = options.variant
     if variant == "auto":
         small = n * k * 9 // 16 <= STREAM_AUTO_MAX_BYTES
         variant = "stream" if m <= STREAM_AUTO_MAX_M and small else "persistent"
-    if variant == "stream":
-        p = plan_stream(act, m, n, k, num_sms)
-        if p is not None:
-            return p
-    return plan_persistent(act, m, n, k, num_sms)
+    p = plan_stream(act, m, n, k, num_sms, options) if variant == "stream" else None
+    if p is None:
+        p = plan_persistent(act, m, n, k, num_sms, options)
+    return dataclasses.replace(p, gw_rows=bool(gw_rows))
 
 
-def plan_persistent(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> Plan:
+def plan_persistent(
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = DEFAULT_SMS,
+    options: GemvOptions = DEFAULT_OPTIONS,
+) -> Plan:
     """Launch geometry: one CTA per SM, warps stream R rows x 1024-element K steps.
 
     R (rows per warp step) trades smem re-reads of x against registers: x is read from shared
     memory once per step for R rows, so R = 4 at larger M; R * M <= 32 keeps the lane reduction
     to one value per lane. K is split into parts inside the CTA so that every warp has work when
-    N / #SMs is small. `REJAX_GEMV_ROWS` / `REJAX_GEMV_THREADS` override (tuning only).
+    N / #SMs is small. `options.rows` / `options.threads` override (experiments only).
     """
     # W4A4 at M > 2: R = 2 rows and 512 threads measured faster than R = 4 and 256 threads
     # (two warps per scheduler more to hide the dp4a chains; M = 8: 0.69-0.92x the time)
     rmax = 4 if act == "w4a4" and m <= 2 else 2
-    rmax = min(_env_int("REJAX_GEMV_ROWS", rmax), max(1, 32 // m))
+    if options.rows is not None:
+        rmax = options.rows
+    rmax = min(rmax, max(1, 32 // m))
     rows = next(r for r in (8, 4, 2, 1) if r <= rmax and n % r == 0)
-    threads = _env_int("REJAX_GEMV_THREADS", 512 if act == "w4a4" else 256)
+    threads = options.threads or (512 if act == "w4a4" else 256)
     groups = n // rows
     grid = min(num_sms, groups)
     steps = -(-k // 1024)
@@ -214,7 +274,7 @@ def plan_persistent(act: str, m: int, n: int, k: int, num_sms: int = DEFAULT_SMS
     spp = -(-steps // kparts)
     kparts = -(-steps // spp)
     base = _smem(act, m, n, k, rows, grid, kparts)
-    ring = _ring_depth(base, warps, rows, m)
+    ring = _ring_depth(base, warps, rows, m, options.ring)
     return Plan(
         act=act,
         m=m,
@@ -355,17 +415,21 @@ def _num_sms() -> int:
 
 @functools.cache
 def _build_cached(
-    act: str, m: int, n: int, k: int, arch: str, num_sms: int, env: tuple, plan_env: tuple
+    act: str, m: int, n: int, k: int, arch: str, num_sms: int, options: GemvOptions, gw_rows: bool
 ):
-    p = plan(act, m, n, k, num_sms)
+    p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
-    alt = dict(env).get("SOURCE_FILE")  # A/B runs only: another revision of the source
-    if alt and not pathlib.Path(alt).is_file():
-        raise KernelError(f"{SOURCE_ENV}={alt!r}: no such file (expected a kernel .cu source)")
-    source = pathlib.Path(alt).read_text() if alt else read_source(SOURCE)
-    env = tuple((name, value) for name, value in env if name != "SOURCE_FILE")
-    extra = tuple(f"-D{name}={value}" for name, value in env if value)
+    if options.source is not None:  # experiments only: another revision of the source
+        alt = pathlib.Path(options.source)
+        if not alt.is_file():
+            raise KernelError(
+                f"GemvOptions.source={options.source!r}: no such file (expected a kernel .cu)"
+            )
+        source = alt.read_text()
+    else:
+        source = read_source(SOURCE)
+    extra = tuple(f"-D{name}={value}" for name, value in options.defines)
     ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
     entry = ENTRY[act]
     entries = ptx_entries(ptx)
@@ -375,9 +439,24 @@ def _build_cached(
 
 
 def build(
-    act: str, m: int, n: int, k: int, *, arch: str | None = None, num_sms: int | None = None
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    *,
+    arch: str | None = None,
+    num_sms: int | None = None,
+    options: GemvOptions = DEFAULT_OPTIONS,
+    gw_rows: bool = False,
 ) -> GemvKernel:
     """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
+
+    Args:
+        act, m, n, k: mode ("w4a4" / "w4a16") and problem size (GEMM letters).
+        arch: `compute_XY` (None: the present GPU's, compute_90 without one).
+        num_sms: SM count the plan targets (None: the present GPU's, 132 without one).
+        options: kernel choices (defaults: what measured fastest).
+        gw_rows: the weight carries one global scale per output row ([L, N]), not per matrix.
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -385,22 +464,10 @@ def build(
     ok, why = check_shape(act, m, n, k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
+    if not isinstance(options, GemvOptions):
+        raise KernelError(f"options must be a GemvOptions, got {type(options).__name__}")
     arch = arch or device_arch()
-    # cache-hint and diagnostic overrides (tuning only), e.g. REJAX_GEMV_LDW='".L1::no_allocate"'
-    env = (
-        ("LDW_HINT", os.environ.get("REJAX_GEMV_LDW", "")),
-        ("LDX_HINT", os.environ.get("REJAX_GEMV_LDX", "")),
-        ("DIAG_NODOT", os.environ.get("REJAX_GEMV_DIAG_NODOT", "")),
-        ("DIAG_LOADONLY", os.environ.get("REJAX_GEMV_DIAG_LOADONLY", "")),
-        ("SOURCE_FILE", os.environ.get(SOURCE_ENV, "")),
-        ("SIGNED_W", os.environ.get("REJAX_GEMV_SIGNED", "")),
-        ("XPLANES", os.environ.get("REJAX_GEMV_XPLANES", "")),
-    )
-    plan_env = tuple(
-        os.environ.get(v, "")
-        for v in ("REJAX_GEMV_ROWS", "REJAX_GEMV_THREADS", "REJAX_GEMV_RING", VARIANT_ENV)
-    )
-    return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), env, plan_env)
+    return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows))
 
 
 def probe_ptx_launch(call) -> None:
@@ -421,7 +488,8 @@ def probe_ptx_launch(call) -> None:
     ws = jnp.full((n, k // 16), 0x38, jnp.uint8)
     xg = jnp.ones((m,), jnp.float32)
     wg = jnp.ones((), jnp.float32)
-    args = (xp, xs, xg, wp, ws, wg)
+    layer = jnp.zeros((), jnp.int32)
+    args = (xp, xs, xg, wp, ws, wg, layer)
     kw = {"act": "w4a4", "n": n, "k": k}
     got = jax.jit(lambda *a: call(a, impl="cuda", launch="ptx", **kw))(*args)
     want = jax.jit(lambda *a: call(a, impl="ref", launch="ptx", **kw), backend="cpu")(

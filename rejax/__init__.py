@@ -18,7 +18,7 @@ _EXPORTS = {
     "quantize_activation": "rejax.nvfp4",
     "dequantize": "rejax.nvfp4",
     "nvfp4_matmul": "rejax.nvfp4",
-    "nvfp4_linear": "rejax.kernels",
+    "nvfp4_linear": "rejax.ops.linear",
     "Greedy": "rejax.sampling",
     "Temperature": "rejax.sampling",
     "ReSET": "rejax.sampling",
@@ -29,6 +29,8 @@ _EXPORTS = {
     "logits": "rejax.generate",
     "generate": "rejax.generate",
     "Generation": "rejax.generate",
+    "Params": "rejax.params",
+    "set_compilation_cache": "rejax.compile_cache",
 }
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "Generation",
     "Greedy",
     "Nvfp4Tensor",
+    "Params",
     "ReSET",
     "Temperature",
     "calibrate_input_scales",
@@ -49,6 +52,7 @@ __all__ = [
     "quantize_weight",
     "sample",
     "save",
+    "set_compilation_cache",
 ]
 
 

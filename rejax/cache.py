@@ -1,6 +1,8 @@
 """The KV cache: an explicit pytree passed into and returned from every forward call.
 
-Slots are written in order for all rows at once (one scalar write index), and each slot records
+Keys and values of all layers are stacked, [L, B, S, K, H], so the decoder's scan over layers
+updates one slot range of one layer in place. Slots are written in order for all rows at once
+(one scalar write index), and each slot records
 the absolute position of the token it holds per row (-1 = empty or padding). Attention masks by
 position (rejax.layers.attention_mask), so left-padded and right-padded prompts, and rows of
 different lengths, share one cache layout. Dimension letters: see rejax/config.py.
@@ -19,17 +21,17 @@ from rejax.config import Config
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Per-layer keys and values plus slot bookkeeping.
+    """Stacked keys and values of every layer plus slot bookkeeping.
 
     Attributes:
-        k: tuple over layers of [B, S, K, H] keys (RoPE applied).
-        v: tuple over layers of [B, S, K, H] values.
+        k: [L, B, S, K, H] keys (RoPE applied).
+        v: [L, B, S, K, H] values.
         positions: [B, S] int32 absolute position held by each slot, -1 if none.
         index: [] int32 next slot to write (shared by all rows).
     """
 
-    k: tuple
-    v: tuple
+    k: jax.Array
+    v: jax.Array
     positions: jax.Array
     index: jax.Array
 
@@ -56,30 +58,39 @@ def init_cache(cfg: Config, batch_size: int, length: int, dtype=jnp.bfloat16) ->
     """
     if batch_size <= 0 or length <= 0:
         raise ValueError(f"cache needs batch_size > 0 and length > 0, got {batch_size=} {length=}")
-    shape = (batch_size, length, cfg.num_kv_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+    shape = (cfg.num_layers, batch_size, length, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(
-        k=zeros,
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
         positions=jnp.full((batch_size, length), -1, jnp.int32),
         index=jnp.zeros((), jnp.int32),
     )
 
 
 def write_kv(
-    k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    index: jax.Array,
+    layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Writes T new keys/values at slots [index, index + T) of one layer's cache.
 
     Args:
-        k_cache, v_cache: [B, S, K, H].
+        k_cache, v_cache: [L, B, S, K, H] stacked (with `layer`) or [B, S, K, H] one layer.
         k, v: [B, T, K, H] new entries.
         index: [] int32 first slot.
+        layer: int32 [] layer to write in a stacked cache (in place), or None.
 
     Returns:
         The updated (k_cache, v_cache).
     """
-    start = (0, index, 0, 0)
+    if layer is None:
+        start = (0, index, 0, 0)
+    else:
+        start = (layer, 0, index, 0, 0)
+        k, v = k[None], v[None]
     return (
         jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), start),
         jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), start),

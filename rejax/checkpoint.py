@@ -33,9 +33,16 @@ ModelOpt NVFP4 tensors per quantized linear `p` (checked on load, written by `sa
     p.bias            optional, float
 Excluded modules (`exclude_modules` / `ignore`, fnmatch patterns) stay float; lm_head and the
 embedding are always float. FP8 KV-cache scales (`k_proj.k_scale`, `v_proj.v_scale`) are
-dropped with a warning: rejax keeps the KV cache in bf16. Fused serving kernels (vLLM qkv /
-gate_up) share one global scale across shards; rejax keeps separate linears, so each shard uses
-its own scales and nothing needs fusing.
+dropped with a warning: rejax keeps the KV cache in bf16.
+
+Layout: every layer's tensors of one kind are stacked ([L, ...], rejax/params.py), and q/k/v and
+gate/up are fused into one linear each (rows concatenated, bytes unchanged). Each NVFP4 shard
+keeps its own `weight_scale_2` exactly (one global scale per row when they differ) and its own
+`input_scale` (one per layer when the shards agree, as ModelOpt exports them; else one per
+shard, and activations are quantized once per shard scale); nothing is re-quantized, and `save`
+splits every stack and fused linear back into the HF tensors with the same bytes. A
+ModelOpt `exclude_modules` pattern must keep a fused linear float in every layer or in none
+(a mix cannot be stacked and is refused with a message naming the modules).
 
 W4A4 with dynamic activation scales has no `input_scale` tensors; `save` marks it with
 `input_activations.dynamic = true` in config.json's `quantization_config` (the
@@ -59,7 +66,10 @@ import ml_dtypes
 import numpy as np
 
 from rejax.config import Config, from_hf_config
-from rejax.model import HostTokenizer, Params
+from rejax import nvfp4
+from rejax import params as rparams
+from rejax.nvfp4 import Nvfp4Tensor
+from rejax.params import HostTokenizer, Params
 
 logger = logging.getLogger(__name__)
 
@@ -119,57 +129,71 @@ class CheckpointFileNotFoundError(FileNotFoundError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _Linear:
+    """One HF linear: shard `shard` of layer `layer`'s fused linear `fused` in rejax."""
+
     hf: str  # HF module prefix, e.g. "model.layers.0.self_attn.q_proj"
-    path: tuple[str, ...]  # path in the weights pytree
-    shape: tuple[int, int]  # (N_out, K_in), HF layout
+    path: tuple[str, ...]  # path of the fused, stacked linear, e.g. ("layers", "self_attn", "qkv_proj")
+    layer: int
+    shard: int
+    shape: tuple[int, int]  # (N_out, K_in) of this shard, HF layout
     bias: bool
 
 
+# rejax fused linear -> the HF linears it holds, in row order
+_FUSED = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
 def _linears(cfg: Config) -> list[_Linear]:
-    """All decoder linears of `cfg` with their HF prefixes, pytree paths and shapes."""
-    d, h, f = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    shapes = {
-        "q_proj": (cfg.num_heads * h, d),
-        "k_proj": (cfg.num_kv_heads * h, d),
-        "v_proj": (cfg.num_kv_heads * h, d),
-        "o_proj": (d, cfg.num_heads * h),
-        "gate_proj": (f, d),
-        "up_proj": (f, d),
-        "down_proj": (d, f),
-    }
-    biased = {"q_proj", "k_proj", "v_proj"}  # Qwen2 (load refuses Qwen3's o_proj bias)
+    """All HF decoder linears of `cfg` (layer-major), with their place in the fused stacks."""
     out = []
     for i in range(cfg.num_layers):
-        for block, name in _LINEARS:
-            out.append(
-                _Linear(
-                    hf=f"model.layers.{i}.{block}.{name}",
-                    path=(f"layers_{i}", block, name),
-                    shape=shapes[name],
-                    bias=cfg.attention_bias and name in biased,
+        for block, fused in rparams.LINEARS:
+            k_in = rparams.linear_shape(cfg, fused)[1]
+            for s_idx, (name, rows) in enumerate(zip(_FUSED[fused], rparams.shards(cfg, fused))):
+                out.append(
+                    _Linear(
+                        hf=f"model.layers.{i}.{block}.{name}",
+                        path=("layers", block, fused),
+                        layer=i,
+                        shard=s_idx,
+                        shape=(rows, k_in),
+                        bias=rparams.has_bias(cfg, fused),
+                    )
                 )
-            )
     return out
 
 
-def _plain_tensors(cfg: Config) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
-    """(HF name, pytree path, shape) of every non-linear tensor (embedding, norms, lm_head)."""
+def _fused_groups(cfg: Config) -> dict[tuple[str, ...], list[list[_Linear]]]:
+    """Fused linear path -> [layer][shard] of its HF linears."""
+    groups: dict = {}
+    for lin in _linears(cfg):
+        per_layer = groups.setdefault(lin.path, [[] for _ in range(cfg.num_layers)])
+        per_layer[lin.layer].append(lin)
+    return groups
+
+
+def _plain_tensors(cfg: Config) -> list[tuple[str, tuple[str, ...], tuple[int, ...], int | None]]:
+    """(HF name, pytree path, shape, layer or None) of every non-linear tensor (embedding, norms,
+    lm_head); per-layer tensors are stacked over layers at their path."""
     d = cfg.hidden_size
-    out = [("model.embed_tokens.weight", ("embed_tokens", "embedding"), (cfg.vocab_size, d))]
+    out = [("model.embed_tokens.weight", ("embed_tokens", "embedding"), (cfg.vocab_size, d), None)]
     for i in range(cfg.num_layers):
-        p, q = f"model.layers.{i}", f"layers_{i}"
-        out.append((f"{p}.input_layernorm.weight", (q, "input_layernorm", "scale"), (d,)))
-        out.append(
-            (f"{p}.post_attention_layernorm.weight", (q, "post_attention_layernorm", "scale"), (d,))
-        )
+        p = f"model.layers.{i}"
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            out.append((f"{p}.{n}.weight", ("layers", n, "scale"), (d,), i))
         if cfg.arch == "qwen3":
             for n in ("q_norm", "k_norm"):
                 out.append(
-                    (f"{p}.self_attn.{n}.weight", (q, "self_attn", n, "scale"), (cfg.head_dim,))
+                    (f"{p}.self_attn.{n}.weight", ("layers", "self_attn", n, "scale"), (cfg.head_dim,), i)
                 )
-    out.append(("model.norm.weight", ("norm", "scale"), (d,)))
+    out.append(("model.norm.weight", ("norm", "scale"), (d,), None))
     if not cfg.tie_word_embeddings:
-        out.append(("lm_head.weight", ("lm_head", "weight"), (cfg.vocab_size, d)))
+        out.append(("lm_head.weight", ("lm_head", "weight"), (cfg.vocab_size, d), None))
     return out
 
 
@@ -460,9 +484,16 @@ def load(path: str | os.PathLike, quant: str | None = None, dtype: Any = jnp.bfl
     source = _TensorSource(directory)
     used: set[str] = set()
     weights: dict = {}
-    for name, tree_path, shape in _plain_tensors(cfg):
-        _set(weights, tree_path, _float(source, name, shape, dtype))
+    stacks: dict = {}
+    for name, tree_path, shape, layer in _plain_tensors(cfg):
+        value = source.get(name, shape, _FLOAT_TAGS)
+        if layer is None:
+            _set(weights, tree_path, jnp.asarray(value).astype(dtype))
+        else:
+            stacks.setdefault(tree_path, []).append(value)
         used.add(name)
+    for tree_path, values in stacks.items():
+        _set(weights, tree_path, jnp.asarray(np.stack(values)).astype(dtype))
     if cfg.tie_word_embeddings and "lm_head.weight" in source:
         _check_tied_head(source, cfg)
         used.add("lm_head.weight")
@@ -516,10 +547,6 @@ def _checkpoint_mode(qinfo: _QuantInfo, quant: str | None) -> str:
     return quant
 
 
-def _float(source: _TensorSource, name: str, shape, dtype) -> jnp.ndarray:
-    return jnp.asarray(source.get(name, shape, _FLOAT_TAGS)).astype(dtype)
-
-
 def _check_tied_head(source: _TensorSource, cfg: Config) -> None:
     shape = (cfg.vocab_size, cfg.hidden_size)
     head = source.get("lm_head.weight", shape, _FLOAT_TAGS)
@@ -534,86 +561,113 @@ def _check_tied_head(source: _TensorSource, cfg: Config) -> None:
 def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) -> None:
     from tqdm.auto import tqdm
 
-    linears = _linears(cfg)
-    total = sum(lin.shape[0] * lin.shape[1] for lin in linears)
-    quantize_weight = None
+    groups = _fused_groups(cfg)
+    total = sum(lin.shape[0] * lin.shape[1] for lin in _linears(cfg))
     if quantize:
-        from rejax.nvfp4 import quantize_weight
-
-        for lin in linears[:7]:
+        for lin in _linears(cfg)[:7]:
             if lin.shape[1] % _BLOCK:
                 raise ValueError(
                     f"{lin.hf}.weight: in_features {lin.shape[1]} is not a multiple of {_BLOCK}; "
                     "cannot quantize to NVFP4"
                 )
     bar = tqdm(
-        total=len(linears),
+        total=len(_linears(cfg)),
         desc="rejax: quantizing to NVFP4",
         unit="linear",
         disable=not quantize or total < _PROGRESS_MIN_PARAMS,
     )
-    for lin in linears:
-        entry = {"weight": _float(source, f"{lin.hf}.weight", lin.shape, dtype)}
-        used.add(f"{lin.hf}.weight")
-        if quantize_weight is not None:
-            entry["weight"] = quantize_weight(entry["weight"])
-            bar.update(1)
-        if lin.bias:
-            entry["bias"] = _float(source, f"{lin.hf}.bias", lin.shape[:1], dtype)
-            used.add(f"{lin.hf}.bias")
-        _set(weights, lin.path, entry)
+    for path, per_layer in groups.items():
+        layers_w, layers_b = [], []
+        for shard_lins in per_layer:
+            parts = []
+            for lin in shard_lins:
+                w = np.asarray(jnp.asarray(source.get(f"{lin.hf}.weight", lin.shape, _FLOAT_TAGS)).astype(dtype))
+                used.add(f"{lin.hf}.weight")
+                parts.append(nvfp4.quantize_weight(w) if quantize else w)
+                bar.update(1 if quantize else 0)
+            layers_w.append(nvfp4.concat_rows(parts) if quantize else np.concatenate(parts))
+            if shard_lins[0].bias:
+                bias = [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
+                used.update(f"{lin.hf}.bias" for lin in shard_lins)
+                layers_b.append(np.concatenate(bias))
+        weight = rparams.stack_layers(layers_w) if quantize else jnp.asarray(np.stack(layers_w))
+        entry = {"weight": weight}
+        if layers_b:
+            entry["bias"] = jnp.asarray(np.stack(layers_b)).astype(dtype)
+        _set(weights, path, entry)
     bar.close()
 
 
 def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) -> None:
-    from rejax.nvfp4 import Nvfp4Tensor
-
     for special in ("lm_head", "model.embed_tokens"):
         if f"{special}.weight_scale" in source:
             raise ValueError(
                 f"{source.file(special + '.weight_scale')}: {special} is NVFP4-quantized; rejax "
                 "keeps the embedding and lm_head in bf16 (ModelOpt default)"
             )
-    shard_scales: dict[str, set] = {}
-    for lin in _linears(cfg):
-        w_name = f"{lin.hf}.weight"
-        names = {k: f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")}
-        if w_name not in source:
-            raise ValueError(f"checkpoint is missing tensor {w_name!r}")
-        if _excluded(lin.hf, qinfo.exclude):
-            present = [n for n in names.values() if n in source]
-            if present:
-                raise ValueError(
-                    f"{source.file(present[0])}: {lin.hf} matches exclude_modules "
-                    f"{list(qinfo.exclude)} but has quantization tensor {present[0]!r}"
+    for path, per_layer in _fused_groups(cfg).items():
+        kinds = {}
+        for lin in (lin for shard_lins in per_layer for lin in shard_lins):
+            if f"{lin.hf}.weight" not in source:
+                raise ValueError(f"checkpoint is missing tensor {lin.hf + '.weight'!r}")
+            kinds[lin.hf] = _excluded(lin.hf, qinfo.exclude)
+        if len(set(kinds.values())) > 1:
+            floats = sorted(k for k, v in kinds.items() if v)
+            quant = sorted(k for k, v in kinds.items() if not v)
+            raise ValueError(
+                f"exclude_modules {list(qinfo.exclude)} keep {floats[:3]} float but {quant[:3]} "
+                f"are NVFP4: rejax stacks every layer's {'/'.join(_FUSED[path[-1]])} into one "
+                "fused linear, which must be all float or all NVFP4 (exclude a linear in every "
+                "layer, or none)"
+            )
+        excluded = next(iter(kinds.values()))
+        layers_w, layers_b, layers_in = [], [], []
+        for shard_lins in per_layer:
+            parts, inputs = [], []
+            for lin in shard_lins:
+                w_name = f"{lin.hf}.weight"
+                names = {k: f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")}
+                if excluded:
+                    present = [n for n in names.values() if n in source]
+                    if present:
+                        raise ValueError(
+                            f"{source.file(present[0])}: {lin.hf} matches exclude_modules "
+                            f"{list(qinfo.exclude)} but has quantization tensor {present[0]!r}"
+                        )
+                    parts.append(np.asarray(jnp.asarray(source.get(w_name, lin.shape, _FLOAT_TAGS)).astype(dtype)))
+                    used.add(w_name)
+                else:
+                    entry = _nvfp4_entry(source, lin, names, qinfo, cfg)
+                    used.update(n for n in names.values() if n in source)
+                    parts.append(entry["weight"])
+                    if "input_scale" in entry:
+                        inputs.append(entry["input_scale"])
+            layers_w.append(np.concatenate(parts) if excluded else nvfp4.concat_rows(parts))
+            if inputs:
+                layers_in.append(np.asarray(inputs, np.float32))
+            if shard_lins[0].bias:
+                bias = [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
+                used.update(f"{lin.hf}.bias" for lin in shard_lins)
+                layers_b.append(np.concatenate(bias))
+        weight = jnp.asarray(np.stack(layers_w)) if excluded else rparams.stack_layers(layers_w)
+        entry = {"weight": weight}
+        if layers_in:
+            scales = np.stack(layers_in)  # [L, shards]
+            shared = bool(np.all(scales == scales[:, :1]))
+            if not shared:
+                logger.info(
+                    "rejax.load: %s has per-shard input scales (e.g. layer 0: %s); activations "
+                    "are quantized once per shard scale (exact)",
+                    "/".join(path),
+                    scales[0].tolist(),
                 )
-            entry = {"weight": _float(source, w_name, lin.shape, dtype)}
-            used.add(w_name)
-        else:
-            entry = _nvfp4_entry(source, lin, names, qinfo, cfg, Nvfp4Tensor)
-            used.update(n for n in names.values() if n in source)
-            group = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up"}
-            key = f"{lin.path[0]}.{group.get(lin.path[-1], lin.path[-1])}"
-            scales = [float(entry["weight"].global_scale)]
-            if names["input_scale"] in source:
-                scales.append(float(_scalar(source, names["input_scale"])))
-            shard_scales.setdefault(key, set()).add(tuple(scales))
-            used.add(w_name)
-        if lin.bias:
-            entry["bias"] = _float(source, f"{lin.hf}.bias", lin.shape[:1], dtype)
-            used.add(f"{lin.hf}.bias")
-        _set(weights, lin.path, entry)
-    unshared = sorted(k for k, v in shard_scales.items() if len(v) > 1)
-    if unshared:
-        logger.info(
-            "rejax.load: %d fused-shard groups (e.g. %s) have per-shard global scales; rejax "
-            "keeps separate linears and uses each shard's own scales (exact)",
-            len(unshared),
-            unshared[0],
-        )
+            entry["input_scale"] = jnp.asarray(scales[:, 0] if shared else scales)
+        if layers_b:
+            entry["bias"] = jnp.asarray(np.stack(layers_b)).astype(dtype)
+        _set(weights, path, entry)
 
 
-def _nvfp4_entry(source, lin: _Linear, names, qinfo: _QuantInfo, cfg: Config, tensor_cls) -> dict:
+def _nvfp4_entry(source, lin: _Linear, names, qinfo: _QuantInfo, cfg: Config) -> dict:
     """One ModelOpt NVFP4 linear -> {"weight": Nvfp4Tensor[, "input_scale": f32 []]}."""
     w_name = f"{lin.hf}.weight"
     where = source.file(w_name)
@@ -631,7 +685,7 @@ def _nvfp4_entry(source, lin: _Linear, names, qinfo: _QuantInfo, cfg: Config, te
     packed = source.get(w_name, (n, k // 2), ("U8",))
     scales = source.get(names["weight_scale"], (n, k // _BLOCK), ("F8_E4M3", "U8"))
     entry = {
-        "weight": tensor_cls(
+        "weight": Nvfp4Tensor(
             packed=jnp.asarray(packed),
             scales=jnp.asarray(scales.view(ml_dtypes.float8_e4m3fn)),
             global_scale=jnp.asarray(_scalar(source, names["weight_scale_2"])),
@@ -808,44 +862,90 @@ def _version() -> str:
 
 
 def _to_hf_tensors(params: Params) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Flattens the weights pytree into HF-named numpy arrays; returns the float-linear list too."""
-    from rejax.nvfp4 import Nvfp4Tensor
-
+    """Flattens the weights pytree into HF-named numpy arrays (stacks split per layer, fused
+    linears split per shard, bytes unchanged); returns the float-linear list too."""
     cfg = params.cfg
     tensors: dict[str, np.ndarray] = {}
-    for name, tree_path, shape in _plain_tensors(cfg):
-        tensors[name] = _checked(_get(params.weights, tree_path), name, shape)
+    for name, tree_path, shape, layer in _plain_tensors(cfg):
+        if layer is None:
+            tensors[name] = _checked(_get(params.weights, tree_path), name, shape)
+        else:
+            stacked = _checked(
+                _get(params.weights, tree_path), "/".join(tree_path), (cfg.num_layers, *shape)
+            )
+            tensors[name] = stacked[layer]
     exclude = ["lm_head"] if cfg.quant is not None else []
     missing_input = []
-    for lin in _linears(cfg):
-        entry = _get(params.weights, lin.path)
+    for path, per_layer in _fused_groups(cfg).items():
+        entry = _get(params.weights, path)
         w = entry.get("weight") if isinstance(entry, dict) else None
+        where = "/".join(path)
         if w is None:
-            raise ValueError(f"params.weights[{'/'.join(lin.path)}] has no 'weight'")
-        if isinstance(w, Nvfp4Tensor):
+            raise ValueError(f"params.weights[{where}] has no 'weight'")
+        n, k = rparams.linear_shape(cfg, path[-1])
+        sizes = rparams.shards(cfg, path[-1])
+        quantized = isinstance(w, Nvfp4Tensor)
+        if quantized:
             if cfg.quant is None:
-                raise ValueError(f"{lin.hf}: Nvfp4Tensor weight but cfg.quant is None")
-            if tuple(w.shape) != lin.shape:
-                raise ValueError(f"{lin.hf}: Nvfp4Tensor shape {w.shape}, expected {lin.shape}")
-            n, k = lin.shape
-            tensors[f"{lin.hf}.weight"] = _checked(w.packed, f"{lin.hf}.weight", (n, k // 2))
-            scales = _checked(w.scales, f"{lin.hf}.weight_scale", (n, k // _BLOCK))
-            tensors[f"{lin.hf}.weight_scale"] = scales.view(ml_dtypes.float8_e4m3fn)
-            tensors[f"{lin.hf}.weight_scale_2"] = _checked(
-                w.global_scale, f"{lin.hf}.weight_scale_2", ()
-            ).astype(np.float32)
-            if "input_scale" in entry and cfg.quant == "nvfp4":
-                tensors[f"{lin.hf}.input_scale"] = _checked(
-                    entry["input_scale"], f"{lin.hf}.input_scale", ()
-                ).astype(np.float32)
-            elif cfg.quant == "nvfp4":
-                missing_input.append(lin.hf)
+                raise ValueError(f"{where}: Nvfp4Tensor weight but cfg.quant is None")
+            if tuple(w.shape) != (n, k) or w.stack != (cfg.num_layers,):
+                raise ValueError(
+                    f"{where}: Nvfp4Tensor shape {w.shape} stack {w.stack}, expected {(n, k)} "
+                    f"stacked over {cfg.num_layers} layers"
+                )
         else:
-            tensors[f"{lin.hf}.weight"] = _checked(w, f"{lin.hf}.weight", lin.shape)
-            if cfg.quant is not None:
-                exclude.append(lin.hf)
-        if lin.bias:
-            tensors[f"{lin.hf}.bias"] = _checked(entry.get("bias"), f"{lin.hf}.bias", lin.shape[:1])
+            w = _checked(w, f"{where}/weight", (cfg.num_layers, n, k))
+        scales_in = entry.get("input_scale") if cfg.quant == "nvfp4" else None
+        bias = entry.get("bias")
+        if per_layer[0][0].bias:
+            bias = _checked(bias, f"{where}/bias", (cfg.num_layers, n))
+        for i, shard_lins in enumerate(per_layer):
+            if quantized:
+                layer_w = nvfp4.take(w, i)
+                parts = nvfp4.split_rows(
+                    Nvfp4Tensor(
+                        packed=np.asarray(layer_w.packed),
+                        scales=np.asarray(layer_w.scales),
+                        global_scale=np.asarray(layer_w.global_scale),
+                        shape=layer_w.shape,
+                    ),
+                    sizes,
+                )
+            start = 0
+            for s_idx, lin in enumerate(shard_lins):
+                rows = slice(start, start + lin.shape[0])
+                start += lin.shape[0]
+                if not quantized:
+                    tensors[f"{lin.hf}.weight"] = w[i, rows]
+                    if cfg.quant is not None:
+                        exclude.append(lin.hf)
+                else:
+                    part = parts[s_idx]
+                    g = np.asarray(part.global_scale, np.float32)
+                    if g.ndim:
+                        raise ValueError(
+                            f"{lin.hf}: rows of this shard carry different global scales; a "
+                            "ModelOpt checkpoint stores one weight_scale_2 per linear"
+                        )
+                    tensors[f"{lin.hf}.weight"] = np.asarray(part.packed)
+                    tensors[f"{lin.hf}.weight_scale"] = np.asarray(part.scales).view(
+                        ml_dtypes.float8_e4m3fn
+                    )
+                    tensors[f"{lin.hf}.weight_scale_2"] = g
+                    if scales_in is not None:
+                        si = np.asarray(scales_in, np.float32)
+                        if si.shape not in ((cfg.num_layers,), (cfg.num_layers, len(sizes))):
+                            raise ValueError(
+                                f"{where}/input_scale has shape {list(si.shape)}, expected "
+                                f"[{cfg.num_layers}] or [{cfg.num_layers}, {len(sizes)}]"
+                            )
+                        tensors[f"{lin.hf}.input_scale"] = np.asarray(
+                            si[i] if si.ndim == 1 else si[i, s_idx], np.float32
+                        )
+                    elif cfg.quant == "nvfp4":
+                        missing_input.append(lin.hf)
+                if lin.bias:
+                    tensors[f"{lin.hf}.bias"] = bias[i, rows]
     n_quant = sum(1 for n in tensors if n.endswith(".weight_scale"))
     if missing_input and len(missing_input) != n_quant:
         raise ValueError(

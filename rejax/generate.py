@@ -1,15 +1,13 @@
-"""Forward, prefill, decode step and the batched generation loop, plus their host glue.
+"""Host side of generation: prompts, buckets, batches, streaming, detokenisation, calibration.
 
-Device side: `prefill` and `decode_step` are jitted with the KV cache donated; `decode_loop`
-runs the same step body in one jitted `lax.while_loop` with fixed output buffers and a per-row
-done mask. Host side (`generate`): tokenize or render the chat template, pad prompts into a
-few length buckets, decode batch x n rows together, detokenize. Dimension letters: see
+`generate` tokenizes or renders the chat template, pads prompts into a few length buckets,
+decodes batch x n rows together through the jitted device functions of rejax/decode.py
+(`prefill`, `decode_step`, `decode_loop`), and detokenizes. Dimension letters: see
 rejax/config.py (B rows, T tokens, S cache slots, V vocab, M max new tokens).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import sys
@@ -20,204 +18,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rejax.cache import KVCache, init_cache
-from rejax.model import Model, Params, linear_paths, map_linears
+from rejax.cache import init_cache
+from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, prefill
+from rejax.decoder import forward
+from rejax.params import Params, map_linears
+
+__all__ = [
+    "TRACE_COUNTS",
+    "Generation",
+    "calibrate_input_scales",
+    "decode_loop",
+    "decode_step",
+    "generate",
+    "logits",
+    "prefill",
+    "render_chat",
+]
 
 # Prompt lengths are padded up to one of these (then to multiples of the largest), so a
 # handful of compiled shapes serve every prompt.
 _BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 
-# Traces per jitted function; tests read it to check that a second call does not retrace.
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
 # An E2M1 activation's largest magnitude times E4M3's largest scale: input_scale = amax / this.
 _FP4_X_FP8_MAX = 6.0 * 448.0
-
-
-def _model(params: Params) -> Model:
-    return Model(params.cfg, params.weights["embed_tokens"]["embedding"].dtype)
-
-
-def _forward(params: Params, tokens, positions, cache, logits_at=None):
-    return _model(params).apply({"params": params.weights}, tokens, positions, cache, logits_at)
-
-
-@functools.partial(jax.jit, static_argnames=("all_logits",), donate_argnames=("cache",))
-def prefill(
-    params: Params,
-    tokens: jax.Array,
-    positions: jax.Array,
-    cache: KVCache | None,
-    all_logits: bool = False,
-) -> tuple[jax.Array, KVCache | None]:
-    """Runs the prompt through the model, filling the cache.
-
-    Args:
-        params: the model.
-        tokens: [B, T] int32 prompt ids (padding anywhere, marked by positions).
-        positions: [B, T] int32 positions, -1 for padding.
-        cache: KVCache with at least T free slots (donated), or None.
-        all_logits: return logits for all T tokens instead of each row's last token.
-
-    Returns:
-        (float32 logits [B, V] at each row's last prompt token, or [B, T, V]; the cache).
-    """
-    TRACE_COUNTS["prefill"] += 1
-    logits_at = None if all_logits else jnp.argmax(positions, axis=1)
-    return _forward(params, tokens, positions, cache, logits_at)
-
-
-def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
-    """Samples one token per row from `logits`, then feeds it through the model."""
-    from rejax.sampling import sample
-
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, step)  # [B]
-    tokens, sampler_state, info = sample(keys, logits, sampler_state, sampler)
-    tokens = tokens.astype(jnp.int32)
-    next_logits, cache = _forward(params, tokens[:, None], positions[:, None], cache)
-    return tokens, next_logits[:, 0], cache, sampler_state, info
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def decode_step(
-    params: Params,
-    logits: jax.Array,
-    cache: KVCache,
-    positions: jax.Array,
-    sampler,
-    sampler_state,
-    key: jax.Array,
-    step: jax.Array,
-):
-    """One decode step: sample from `logits`, then run the sampled token through the model.
-
-    Used by the streaming host loop and by benchmarks; `decode_loop` runs the same body.
-
-    Args:
-        params: the model.
-        logits: [B, V] float32 logits for the token to sample now.
-        cache: KVCache with a free slot (donated).
-        positions: [B] int32 position the sampled token will occupy.
-        sampler: Greedy | Temperature | ReSET.
-        sampler_state: rejax.sampling.SamplerState.
-        key: [B] per-row PRNG keys; row b samples this step with fold_in(key[b], step).
-        step: [] int32 index of the token being generated.
-
-    Returns:
-        (tokens int32 [B], next logits float32 [B, V], cache, sampler_state,
-         info {"entropy": [B], "temperature": [B]}).
-    """
-    TRACE_COUNTS["decode_step"] += 1
-    return _step(params, logits, cache, positions, sampler, sampler_state, key, step)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class DecodeState:
-    """Carry of the generation while_loop.
-
-    Attributes:
-        step: [] int32 tokens generated so far (the loop index).
-        logits: [B, V] float32 logits for the next token.
-        cache: KVCache.
-        positions: [B] int32 position of the next token per row.
-        sampler_state: the sampler's SamplerState.
-        done: [B] bool rows that stopped (or are batch padding).
-        stopped: [B] bool rows that emitted a stop token.
-        lengths: [B] int32 tokens generated per row (stop token included).
-        tokens, entropy, temperature: [B, M] output buffers.
-    """
-
-    step: jax.Array
-    logits: jax.Array
-    cache: KVCache
-    positions: jax.Array
-    sampler_state: Any
-    done: jax.Array
-    stopped: jax.Array
-    lengths: jax.Array
-    tokens: jax.Array
-    entropy: jax.Array
-    temperature: jax.Array
-
-
-@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("cache",))
-def decode_loop(
-    params: Params,
-    logits: jax.Array,
-    cache: KVCache,
-    positions: jax.Array,
-    sampler,
-    sampler_state,
-    key: jax.Array,
-    stop_mask: jax.Array,
-    done: jax.Array,
-    max_new_tokens: int,
-) -> DecodeState:
-    """Generates up to M tokens per row in one `lax.while_loop`.
-
-    Rows stop independently when they sample a token in `stop_mask`; the loop ends when every
-    row is done or M tokens were generated. Finished rows keep stepping (fixed shapes) but
-    their outputs are ignored.
-
-    Args:
-        params: the model.
-        logits: [B, V] float32 prefill logits.
-        cache: KVCache with at least M free slots (donated).
-        positions: [B] int32 position of the first generated token per row.
-        sampler, sampler_state: as in `decode_step`.
-        key: [B] per-row PRNG keys; step i of row b uses fold_in(key[b], i).
-        stop_mask: [V] bool stop token ids.
-        done: [B] bool rows to skip (batch padding).
-        max_new_tokens: M (static: the output buffer size).
-
-    Returns:
-        The final DecodeState (outputs in .tokens/.entropy/.temperature, .lengths, .stopped).
-    """
-    TRACE_COUNTS["decode_loop"] += 1
-    b, m = logits.shape[0], max_new_tokens
-    state = DecodeState(
-        step=jnp.zeros((), jnp.int32),
-        logits=logits,
-        cache=cache,
-        positions=positions,
-        sampler_state=sampler_state,
-        done=done,
-        stopped=jnp.zeros((b,), bool),
-        lengths=jnp.zeros((b,), jnp.int32),
-        tokens=jnp.zeros((b, m), jnp.int32),
-        entropy=jnp.zeros((b, m), jnp.float32),
-        temperature=jnp.zeros((b, m), jnp.float32),
-    )
-
-    def cond(s: DecodeState):
-        return (s.step < m) & ~jnp.all(s.done)
-
-    def body(s: DecodeState):
-        tokens, logits, cache, sampler_state, info = _step(
-            params, s.logits, s.cache, s.positions, sampler, s.sampler_state, key, s.step
-        )
-        live = ~s.done
-        hit = live & stop_mask[tokens]
-
-        def put(buf, col):
-            return jax.lax.dynamic_update_slice(buf, col.astype(buf.dtype)[:, None], (0, s.step))
-
-        return DecodeState(
-            step=s.step + 1,
-            logits=logits,
-            cache=cache,
-            positions=s.positions + 1,
-            sampler_state=sampler_state,
-            done=s.done | hit,
-            stopped=s.stopped | hit,
-            lengths=jnp.where(live, s.step + 1, s.lengths),
-            tokens=put(s.tokens, jnp.where(live, tokens, 0)),
-            entropy=put(s.entropy, info["entropy"]),
-            temperature=put(s.temperature, info["temperature"]),
-        )
-
-    return jax.lax.while_loop(cond, body, state)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -645,7 +468,7 @@ def calibrate_input_scales(
         texts: calibration strings (needs a tokenizer) or token-id lists.
 
     Returns:
-        Params with an `input_scale` f32 [] in every decoder linear.
+        Params with an `input_scale` f32 [L] (one per layer) in every decoder linear.
     """
     cfg = params.cfg
     if cfg.quant != "nvfp4":
@@ -656,26 +479,23 @@ def calibrate_input_scales(
     bare = map_linears(
         params.weights, lambda _, p: {k: x for k, x in p.items() if k != "input_scale"}
     )
-    model = Model(
-        dataclasses.replace(cfg, quant="nvfp4-w4a16"),
-        params.weights["embed_tokens"]["embedding"].dtype,
+    # NVFP4 weights, bf16 activations while calibrating. One compiled forward per text
+    # length (a one-off pass, not part of generation).
+    w4a16 = dataclasses.replace(cfg, quant="nvfp4-w4a16")
+    run = jax.jit(
+        lambda w, t, p: forward(w, t, p, None, w4a16, with_amax=True)[2]
     )
-    # One compiled forward per text length (a one-off pass, not part of generation).
-    forward = jax.jit(functools.partial(model.apply, mutable=["amax"]))
     amax: dict = {}
     for p in prompts:
         tokens = jnp.asarray([p], jnp.int32)
         positions = jnp.arange(len(p), dtype=jnp.int32)[None]
-        _, found = forward({"params": bare}, tokens, positions)
-        for path in linear_paths(params.weights):
-            layer, block, name = path
-            value = float(found["amax"][layer][block][name]["input"])
-            amax[path] = max(amax.get(path, 0.0), value)
-    tiny = float(np.finfo(np.float32).tiny)
+        found = jax.device_get(run(bare, tokens, positions))  # {name: f32 [L]}
+        for name, per_layer in found.items():
+            amax[name] = np.maximum(amax.get(name, 0.0), np.asarray(per_layer, np.float32))
+    tiny = np.float32(np.finfo(np.float32).tiny)
 
     def set_scale(path, p):
-        q = dict(p)
-        q["input_scale"] = jnp.asarray(max(amax[path], tiny) / _FP4_X_FP8_MAX, jnp.float32)
-        return q
+        scale = np.maximum(amax[path[1]], tiny) / np.float32(_FP4_X_FP8_MAX)
+        return {**p, "input_scale": jnp.asarray(scale, jnp.float32)}
 
     return dataclasses.replace(params, weights=map_linears(bare, set_scale))

@@ -1,19 +1,22 @@
-"""Decoder building blocks: RMSNorm, RoPE, GQA attention, SwiGLU MLP and the linear layer.
+"""Decoder building blocks as pure functions: RMSNorm, RoPE, GQA attention, SwiGLU, linear.
 
-The math lives in small pure functions (`rms_norm`, `rope`, `attention`, `linear`, `swiglu`);
-the Flax Linen modules below only declare parameters and call them. Parameter names follow the
-Hugging Face checkpoint layout (CONTRACTS.md), e.g. a linear holds `weight` [N_out, K_in].
-Dimension letters: see rejax/config.py.
+These are the references every fused or kernel op is checked against; `rejax.decoder` composes
+them into a layer. A linear holds `weight` [N_out, K_in] (HF layout), stacked over layers
+[L, N_out, K_in] in the decoder (see rejax/params.py). Dimension letters: see rejax/config.py.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import linen as nn
 
-from rejax.config import Config
+from rejax import nvfp4
+from rejax.nvfp4 import Nvfp4Tensor
+from rejax.ops import _dispatch
+from rejax.ops.linear import nvfp4_linear
 
 # Masked attention scores: the most negative finite float32, so a row with every key masked
 # (a padded query) gives a uniform softmax rather than NaN.
@@ -109,192 +112,78 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 _ACT = {"nvfp4": "w4a4", "nvfp4-w4a16": "w4a16"}
 
 
-def linear(x: jax.Array, params: dict, quant: str | None = None) -> jax.Array:
-    """y = x @ W.T (+ b) for a bf16 weight in HF layout, or an NVFP4 linear through the kernel.
+def take(a: Any, layer: Any) -> Any:
+    """Entry `layer` (int or traced int32 []) of a stacked array; `a` itself when layer is None."""
+    if layer is None:
+        return a
+    return jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)
 
-    NVFP4 linears (quant "nvfp4" = W4A4, "nvfp4-w4a16" = W4A16) call
-    `rejax.kernels.nvfp4_linear` on bf16 activations; W4A4 uses the static `input_scale` when
-    the params hold one, else a per-row dynamic global scale.
+
+def linear(
+    x: jax.Array,
+    params: dict,
+    quant: str | None = None,
+    *,
+    layer: Any = None,
+    shards: tuple[int, ...] | None = None,
+) -> jax.Array:
+    """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
+
+    NVFP4 linears (quant "nvfp4" = W4A4, "nvfp4-w4a16" = W4A16) take bf16 activations; W4A4 uses
+    the static `input_scale` when the params hold one, else a per-row dynamic global scale, and
+    quantizes the activations once however many shards the linear fuses. A fused linear whose
+    shards have different static input scales (`input_scale` [..., shards]) quantizes x once per
+    shard with that shard's scale, so each shard's rows equal the unfused linear exactly.
 
     Args:
         x: [..., K_in] activations.
-        params: {"weight": [N_out, K_in] array or Nvfp4Tensor, optional "bias" [N_out],
-            optional "input_scale" f32 []}.
-        quant: None (bf16 / float weight), "nvfp4" or "nvfp4-w4a16" (cfg.quant).
+        params: {"weight": [(L,) N_out, K_in] array or Nvfp4Tensor, optional "bias" [(L,) N_out],
+            optional "input_scale" f32 [(L,)] or [(L,) shards]}.
+        quant: None (float weights), "nvfp4" or "nvfp4-w4a16" (cfg.quant): the activation mode
+            of NVFP4 weights.
+        layer: index into stacked params (int or traced int32 []), or None for one matrix. The
+            NVFP4 kernel reads the stack in place; a float weight is sliced.
+        shards: output rows of each fused shard (needed only for per-shard input scales).
 
     Returns:
         [..., N_out] in x's dtype.
     """
     w = params["weight"]
-    if quant is None:
-        y = jnp.einsum("...k,nk->...n", x, w.astype(x.dtype))
+    if not isinstance(w, Nvfp4Tensor):
+        y = jnp.einsum("...k,nk->...n", x, take(w, layer).astype(x.dtype))
     else:
-        from rejax.kernels import nvfp4_linear
-
+        if quant not in _ACT:
+            raise ValueError(f"NVFP4 weight needs quant 'nvfp4' or 'nvfp4-w4a16', got {quant!r}")
         act = _ACT[quant]
         # A calibrated input_scale only matters for W4A4; W4A16 never quantizes activations.
-        input_scale = params.get("input_scale") if act == "w4a4" else None
-        y = nvfp4_linear(x.astype(jnp.bfloat16), w, input_scale=input_scale, act=act)
+        scale = params.get("input_scale") if act == "w4a4" else None
+        scale = None if scale is None else take(scale, layer)
+        xb = x.astype(jnp.bfloat16)
+        if scale is not None and scale.ndim == 1:
+            y = _per_shard_linear(xb, w, scale, layer, shards)
+        else:
+            y = nvfp4_linear(xb, w, input_scale=scale, act=act, layer=layer)
         y = y.astype(x.dtype)
     if "bias" in params:
-        y = y + params["bias"].astype(x.dtype)
+        y = y + take(params["bias"], layer).astype(x.dtype)
     return y
 
 
-def _zeros_nvfp4(n_out: int, k_in: int):
-    """An all-zero Nvfp4Tensor: the Linen init for quantized weights (shape checking only)."""
-    from rejax.nvfp4 import Nvfp4Tensor
-
-    return Nvfp4Tensor(
-        packed=jnp.zeros((n_out, k_in // 2), jnp.uint8),
-        scales=jnp.zeros((n_out, k_in // 16), jnp.float8_e4m3fn),
-        global_scale=jnp.ones((), jnp.float32),
-        shape=(n_out, k_in),
+def _per_shard_linear(x, w, scales, layer, shards):
+    if shards is None or len(shards) != scales.shape[0]:
+        raise ValueError(f"per-shard input scales {scales.shape} need shards=, got {shards}")
+    _dispatch.note_once(
+        "nvfp4_linear", f"fused linear {w.shape} with per-shard input scales: one GEMV per shard"
     )
-
-
-class Linear(nn.Module):
-    """A linear layer holding `weight` [N_out, K_in] (HF layout), optional `bias`.
-
-    With `quant` set ("nvfp4" / "nvfp4-w4a16") the weight is an Nvfp4Tensor and an optional
-    static `input_scale` may be present in the params (W4A4 calibrated). Sows the input amax
-    into the `amax` collection when that collection is mutable (calibration only).
-    """
-
-    features: int
-    use_bias: bool = False
-    quant: str | None = None
-    param_dtype: jnp.dtype = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        k_in = x.shape[-1]
-        if self.quant is not None:
-            w = self.param("weight", lambda _: _zeros_nvfp4(self.features, k_in))
-        else:
-            init = nn.initializers.normal(0.02)
-            w = self.param("weight", init, (self.features, k_in), self.param_dtype)
-        p = {"weight": w}
-        if self.use_bias:
-            p["bias"] = self.param(
-                "bias", nn.initializers.zeros, (self.features,), self.param_dtype
-            )
-        if self.quant is not None and self.has_variable("params", "input_scale"):
-            p["input_scale"] = self.param("input_scale", nn.initializers.ones, (), jnp.float32)
-        if self.is_mutable_collection("amax"):
-            amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-            self.sow("amax", "input", amax, reduce_fn=jnp.maximum, init_fn=lambda: jnp.float32(0))
-        return linear(x, p, self.quant)
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with parameter `scale` [D]."""
-
-    eps: float
-    param_dtype: jnp.dtype = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        return rms_norm(x, scale, self.eps)
-
-
-class Embed(nn.Module):
-    """Token embedding with parameter `embedding` [V, D]; also the tied lm_head."""
-
-    num_embeddings: int
-    features: int
-    param_dtype: jnp.dtype = jnp.bfloat16
-
-    def setup(self):
-        self.embedding = self.param(
-            "embedding",
-            nn.initializers.normal(0.02),
-            (self.num_embeddings, self.features),
-            self.param_dtype,
+    wl = w if layer is None else nvfp4.take(w, layer)
+    outs, start = [], 0
+    for i, n in enumerate(shards):
+        part = Nvfp4Tensor(
+            packed=wl.packed[start : start + n],
+            scales=wl.scales[start : start + n],
+            global_scale=wl.global_scale if not wl.per_row else wl.global_scale[start : start + n],
+            shape=(n, wl.k),
         )
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding, tokens, axis=0)
-
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Tied head: [..., D] -> [..., V] in x's dtype."""
-        return jnp.einsum("...d,vd->...v", x, self.embedding.astype(x.dtype))
-
-
-class Attention(nn.Module):
-    """Self-attention (Qwen2 / Qwen3) over an explicit per-layer KV cache.
-
-    Called with x [B, T, D], positions [B, T], the layer's cache arrays k, v [B, S, K, H] (or
-    None for cache-free full-sequence attention), the cache write slot and the cache's
-    per-slot positions after this write [B, S]. Returns (out [B, T, D], (k, v)).
-    """
-
-    cfg: Config
-    param_dtype: jnp.dtype = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x, positions, kv, index, k_positions):
-        cfg = self.cfg
-        b, t, _ = x.shape
-        n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
-        def lin(name, features, bias):
-            return Linear(
-                features, use_bias=bias, quant=cfg.quant, param_dtype=self.param_dtype, name=name
-            )
-
-        q = lin("q_proj", n * h, cfg.attention_bias)(x).reshape(b, t, n, h)  # [B, T, N, H]
-        k = lin("k_proj", kh * h, cfg.attention_bias)(x).reshape(b, t, kh, h)  # [B, T, K, H]
-        v = lin("v_proj", kh * h, cfg.attention_bias)(x).reshape(b, t, kh, h)  # [B, T, K, H]
-        if cfg.arch == "qwen3":
-            q = RMSNorm(cfg.rms_norm_eps, self.param_dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.param_dtype, name="k_norm")(k)
-        q = rope(q, positions, cfg.rope_theta)
-        k = rope(k, positions, cfg.rope_theta)
-        if kv is None:
-            keys, values = k, v
-        else:
-            from rejax.cache import write_kv
-
-            keys, values = write_kv(kv[0], kv[1], k, v, index)
-        mask = attention_mask(positions, k_positions)
-        out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
-        out = lin("o_proj", cfg.hidden_size, False)(out)
-        return out, (None if kv is None else (keys, values))
-
-
-class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    cfg: Config
-    param_dtype: jnp.dtype = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x):
-        cfg = self.cfg
-
-        def lin(name, features):
-            return Linear(features, quant=cfg.quant, param_dtype=self.param_dtype, name=name)
-
-        hidden = swiglu(
-            lin("gate_proj", cfg.intermediate_size)(x), lin("up_proj", cfg.intermediate_size)(x)
-        )
-        return lin("down_proj", cfg.hidden_size)(hidden)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)); x + mlp(norm(x))."""
-
-    cfg: Config
-    param_dtype: jnp.dtype = jnp.bfloat16
-
-    @nn.compact
-    def __call__(self, x, positions, kv, index, k_positions):
-        cfg, pd = self.cfg, self.param_dtype
-        h = RMSNorm(cfg.rms_norm_eps, pd, name="input_layernorm")(x)
-        h, kv = Attention(cfg, pd, name="self_attn")(h, positions, kv, index, k_positions)
-        x = x + h
-        h = RMSNorm(cfg.rms_norm_eps, pd, name="post_attention_layernorm")(x)
-        x = x + MLP(cfg, pd, name="mlp")(h)
-        return x, kv
+        outs.append(nvfp4_linear(x, part, input_scale=scales[i], act="w4a4"))
+        start += n
+    return jnp.concatenate(outs, axis=-1)

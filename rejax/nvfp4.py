@@ -6,8 +6,11 @@ An NVFP4 tensor of logical shape [rows, K] stores
   * E2M1 codes, two per byte: element 2j in the low nibble of byte j, 2j+1 in the high nibble
     (`packed`, uint8 [rows, K/2]); code bit 3 is the sign, codes 8..15 are the negatives;
   * one E4M3 scale per 16 consecutive elements along K (`scales`, float8_e4m3fn [rows, K/16]);
-  * a float32 global scale (`global_scale`, [] or, for per-row dynamic activations, [rows]).
-It dequantizes as `e2m1(code) * (float(scale) * global_scale)`.
+  * a float32 global scale (`global_scale`: [] for one per matrix, or [rows], one per row: per-row
+    dynamic activations, or a fused weight whose shards keep their own scales).
+It dequantizes as `e2m1(code) * (float(scale) * global_scale)`. A decoder stacks the matrices of
+its layers: leading stack dims on every array (packed [L, rows, K/2], scales [L, rows, K/16],
+global_scale [L] or [L, rows]); `take(t, i)` reads one matrix of a stack.
 
 Weights follow NVIDIA ModelOpt's `NVFP4QTensor.quantize` bit for bit (computed host-side in numpy
 float32, the same IEEE operations in the same order). Activations follow the vLLM / TensorRT-LLM
@@ -89,6 +92,16 @@ class Nvfp4Tensor:
     @property
     def k(self) -> int:
         return self.shape[1]
+
+    @property
+    def stack(self) -> tuple[int, ...]:
+        """Leading stack dims (() for one matrix, (L,) for a decoder's layers)."""
+        return tuple(np.shape(self.packed)[:-2])
+
+    @property
+    def per_row(self) -> bool:
+        """True when the global scale has one value per row."""
+        return np.ndim(self.global_scale) == len(self.stack) + 1
 
     @property
     def nbytes(self) -> int:
@@ -411,13 +424,14 @@ def _quantize_activation_arrays(x, input_scale, min_block_scale):
     )
 
 
-def _check_tensor(name: str, t: Any) -> None:
+def _check_tensor(name: str, t: Any, *, stacked: bool = False) -> None:
     if not isinstance(t, Nvfp4Tensor):
         raise ValueError(f"{name} must be an Nvfp4Tensor, got {type(t).__name__}")  # noqa: TRY004
     rows, k = t.shape
+    stack = t.stack if stacked else ()
     expect = {
-        "packed": ((rows, k // 2), np.uint8),
-        "scales": ((rows, k // BLOCK), np.dtype(jnp.float8_e4m3fn)),
+        "packed": ((*stack, rows, k // 2), np.uint8),
+        "scales": ((*stack, rows, k // BLOCK), np.dtype(jnp.float8_e4m3fn)),
     }
     for field, (shape, dtype) in expect.items():
         a = getattr(t, field)
@@ -426,10 +440,116 @@ def _check_tensor(name: str, t: Any) -> None:
                 f"{name}.{field} has shape {tuple(a.shape)} dtype {a.dtype}; expected {shape} "
                 f"{np.dtype(dtype)} for logical shape {t.shape}"
             )
-    if tuple(t.global_scale.shape) not in ((), (rows,)):
+    if tuple(t.global_scale.shape) not in (stack, (*stack, rows)):
         raise ValueError(
-            f"{name}.global_scale shape {tuple(t.global_scale.shape)}, expected () or ({rows},)"
+            f"{name}.global_scale shape {tuple(t.global_scale.shape)}, expected {stack} or "
+            f"{(*stack, rows)}"
         )
+
+
+def take(t: Nvfp4Tensor, i: Any) -> Nvfp4Tensor:
+    """Matrix i of a stacked Nvfp4Tensor (i may be traced: a dynamic index, no copy of the rest).
+
+    Args:
+        t: Nvfp4Tensor with at least one stack dim.
+        i: int or int32 [] index into the first stack dim.
+
+    Returns:
+        Nvfp4Tensor with one stack dim fewer.
+    """
+    if not t.stack:
+        raise ValueError(f"take() needs a stacked Nvfp4Tensor, got packed {t.packed.shape}")
+
+    def one(a):
+        return jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False)
+
+    return Nvfp4Tensor(
+        packed=one(t.packed), scales=one(t.scales), global_scale=one(t.global_scale), shape=t.shape
+    )
+
+
+def stack(tensors: list[Nvfp4Tensor]) -> Nvfp4Tensor:
+    """Stacks equal-shaped Nvfp4Tensors along a new leading dim (a decoder's layers).
+
+    Global scales must all be per matrix or all per row.
+    """
+    if not tensors:
+        raise ValueError("stack() needs at least one Nvfp4Tensor")
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        _check_tensor(f"tensors[{i}]", t, stacked=True)
+        if t.shape != first.shape or t.stack != first.stack or t.per_row != first.per_row:
+            raise ValueError(
+                f"tensors[{i}] has shape {t.shape} stack {t.stack} per_row={t.per_row}; "
+                f"tensors[0] has {first.shape} {first.stack} per_row={first.per_row}"
+            )
+
+    def cat(field):
+        return jnp.stack([jnp.asarray(getattr(t, field)) for t in tensors])
+
+    return Nvfp4Tensor(
+        packed=cat("packed"), scales=cat("scales"), global_scale=cat("global_scale"), shape=first.shape
+    )
+
+
+def concat_rows(tensors: list[Nvfp4Tensor]) -> Nvfp4Tensor:
+    """Concatenates the rows of NVFP4 matrices (fused q/k/v or gate/up shards), bytes unchanged.
+
+    Each shard keeps its own global scale exactly: when they all equal the first shard's, the
+    result has that one scale; otherwise one scale per row (each row holding its shard's). No
+    value is re-quantized.
+
+    Args:
+        tensors: Nvfp4Tensors of shapes (rows_i, K), unstacked, equal K.
+
+    Returns:
+        Nvfp4Tensor (sum rows_i, K).
+    """
+    if not tensors:
+        raise ValueError("concat_rows() needs at least one Nvfp4Tensor")
+    k = tensors[0].k
+    for i, t in enumerate(tensors):
+        _check_tensor(f"tensors[{i}]", t)
+        if t.k != k:
+            raise ValueError(f"tensors[{i}].shape={t.shape}: K differs from {tensors[0].shape}")
+    rows = sum(t.rows for t in tensors)
+    scalars = [np.asarray(t.global_scale, np.float32) for t in tensors]
+    if all(g.ndim == 0 for g in scalars) and all(g == scalars[0] for g in scalars):
+        global_scale = jnp.asarray(scalars[0])
+    else:
+        global_scale = jnp.concatenate(
+            [jnp.broadcast_to(jnp.asarray(g, jnp.float32), (t.rows,)) for g, t in zip(scalars, tensors)]
+        )
+    return Nvfp4Tensor(
+        packed=jnp.concatenate([jnp.asarray(t.packed) for t in tensors]),
+        scales=jnp.concatenate([jnp.asarray(t.scales) for t in tensors]),
+        global_scale=global_scale,
+        shape=(rows, k),
+    )
+
+
+def split_rows(t: Nvfp4Tensor, sizes: tuple[int, ...]) -> list[Nvfp4Tensor]:
+    """Inverse of `concat_rows`: shards of `sizes` rows; a per-row scale that is constant over a
+    shard becomes that shard's scalar scale again (so a fused checkpoint round-trips exactly)."""
+    _check_tensor("t", t)
+    if sum(sizes) != t.rows:
+        raise ValueError(f"sizes {sizes} do not add up to the {t.rows} rows of {t.shape}")
+    out, start = [], 0
+    gs = np.asarray(t.global_scale, np.float32)
+    for n in sizes:
+        g = gs if gs.ndim == 0 else gs[start : start + n]
+        if g.ndim == 1 and np.all(g == g[0]):
+            g = g[0]
+        out.append(
+            Nvfp4Tensor(
+                packed=t.packed[start : start + n],
+                scales=t.scales[start : start + n],
+                global_scale=jnp.asarray(g, jnp.float32),
+                shape=(n, t.k),
+            )
+        )
+        start += n
+    return out
 
 
 def _block_values(t: Nvfp4Tensor) -> jax.Array:
@@ -442,6 +562,12 @@ def _row_global(t: Nvfp4Tensor) -> jax.Array:
     """Global scale broadcastable over rows: [] or [rows, 1]."""
     g = t.global_scale.astype(jnp.float32)
     return g[:, None] if g.ndim == 1 else g
+
+
+def _col_global(w: Nvfp4Tensor) -> jax.Array:
+    """A weight's global scale broadcastable over output columns [M, N]: [] or [1, N]."""
+    g = w.global_scale.astype(jnp.float32)
+    return g[None, :] if g.ndim == 1 else g
 
 
 def dequantize(t: Nvfp4Tensor) -> jax.Array:
@@ -539,7 +665,7 @@ def nvfp4_matmul_q(xq: Nvfp4Tensor, w: Nvfp4Tensor, *, order: str = "auto") -> j
 
     Args:
         xq: Nvfp4Tensor (M, K).
-        w: Nvfp4Tensor (N, K) with a scalar global scale.
+        w: Nvfp4Tensor (N, K); global scale [] or per row [N].
         order: "blocks" adds the scaled block sums in block order j = 0, 1, ... (a scan; memory
             bounded by chunks of blocks); "dot" is one float32 dot of the exactly pre-scaled
             values e2m1 * SF, so only the cross-block summation order differs (XLA's); "auto"
@@ -552,8 +678,6 @@ def nvfp4_matmul_q(xq: Nvfp4Tensor, w: Nvfp4Tensor, *, order: str = "auto") -> j
     _check_tensor("w", w)
     if xq.k != w.k:
         raise ValueError(f"K mismatch: xq.shape={xq.shape}, w.shape={w.shape}")
-    if w.global_scale.ndim != 0:
-        raise ValueError(f"w.global_scale must be a scalar, got shape {w.global_scale.shape}")
     return _matmul_q_arrays(xq, w, _check_order(order, xq.rows), _PARTIALS_BUDGET)
 
 
@@ -566,7 +690,7 @@ def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: 
         acc = _blockwise_accumulate(_block_values(xq), _block_values(w), sw, sx, budget)
     else:
         acc = _exact_dot(_scaled_values(xq).astype(jnp.bfloat16), _scaled_values(w))
-    alpha = w.global_scale.astype(jnp.float32) * _row_global(xq)
+    alpha = _col_global(w) * _row_global(xq)
     return (acc * alpha).astype(jnp.bfloat16)
 
 
@@ -582,7 +706,7 @@ def _matmul_w4a16_arrays(x: jax.Array, w: Nvfp4Tensor, sequential: bool, budget:
         # bf16 x and the (exact) bf16 weight values: products exact, float32 accumulation
         xd = x if x.dtype == jnp.bfloat16 else xf
         acc = _exact_dot(xd, _scaled_values(w))
-    return (acc * w.global_scale.astype(jnp.float32)).astype(jnp.bfloat16)
+    return (acc * _col_global(w)).astype(jnp.bfloat16)
 
 
 def nvfp4_matmul(
@@ -601,7 +725,7 @@ def nvfp4_matmul(
 
     Args:
         x: [M, K] bfloat16 / float16 / float32.
-        w: Nvfp4Tensor (N, K) with a scalar global scale.
+        w: Nvfp4Tensor (N, K); global scale [] or per row [N].
         act: "w4a4" or "w4a16".
         input_scale: static activation global scale (W4A4 only); None -> per-row dynamic.
         order: as in `nvfp4_matmul_q`; for W4A16 "dot" is one float32 dot of x with
@@ -621,7 +745,5 @@ def nvfp4_matmul(
         return nvfp4_matmul_q(quantize_activation(x, input_scale), w, order=order)
     if input_scale is not None:
         raise ValueError("input_scale is only used with act='w4a4'; got one with act='w4a16'")
-    if w.global_scale.ndim != 0:
-        raise ValueError(f"w.global_scale must be a scalar, got shape {w.global_scale.shape}")
     _check_finite("x", x)
     return _matmul_w4a16_arrays(jnp.asarray(x), w, sequential, _PARTIALS_BUDGET)

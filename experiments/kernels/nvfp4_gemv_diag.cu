@@ -1,0 +1,841 @@
+// Small-M NVFP4 GEMV for Hopper (sm_90; runs on sm_89+): y[M, N] = x[M, K] . W[N, K]^T, bf16 out.
+//
+// GEMM letters: M decode tokens (rows of x), N out features (rows of W), K in features.
+// W is NVFP4 (rejax.nvfp4.Nvfp4Tensor): codes uint8 [N, K/2] (element 2j in the low nibble of
+// byte j), E4M3 block scales uint8 [N, K/16], a float32 global scale. Two activation modes:
+//   W4A4  (nvfp4_gemv_w4a4):  x NVFP4 too (codes [M, K/2], scales [M, K/16], global scale [M]);
+//   W4A16 (nvfp4_gemv_w4a16): x bf16 [M, K].
+//
+// Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
+//   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
+//   R_ROWS                  weight rows a warp streams together (divides N_OUT)
+//   SPP                     1024-element K steps per work item (split-K inside a CTA)
+//   GRID, NTHREADS          CTAs (<= #SMs, one per SM) and threads per CTA
+//   GEMV_STREAM             0: the persistent design below; 1: the streaming variant (M <= 4,
+//                           see the end of this comment), which uses KSPLIT (warps per row
+//                           group splitting K) instead of SPP and GRID
+//   RING_D                  persistent: cp.async ring slots per warp (0: register prefetch)
+//   SIGNED_W                W4A4 at M > 2 (default): weights decoded to signed int8
+// The host plan (nvfp4_gemv.py) picks per shape what measured faster on the H200: streaming for
+// M <= 2 on layers of <= 16 MiB, else persistent; the ring at M = 8.
+//
+// Design (see experiments/KERNEL_NOTES.md):
+// * One CTA per SM owns a contiguous range of row groups (R_ROWS rows each). Its warps take work
+//   items (row group, K part) round robin; lane l of a warp reads 16 B of codes (32 elements,
+//   two scale blocks) of each of the R_ROWS rows per step, so a warp reads 512 contiguous bytes
+//   per row per step. Weights are read exactly once for all M tokens (the token loop is inside).
+// * Weight loads are 128-bit and do not allocate in L1 (streamed once). Either the next step's
+//   loads are issued into registers before the current step's math (two steps in flight per
+//   warp), or (RING_D > 0) each lane copies its 16 B per row with cp.async into a per-warp ring
+//   of RING_D step slots in shared memory, RING_D steps in flight. The first loads are issued
+//   before x is staged.
+// * W4A4: x is decoded once per CTA into shared memory as signed int8 (2 * E2M1 value), with its
+//   E4M3 scales beside it. Weight codes become int8 by byte permutes (prmt table lookups, no
+//   local-memory tables, no E2M1 convert: sm_90 has none): at M <= 2 a (positive, negative) pair
+//   of words per 4 codes and two dp4a each, at M > 2 (SIGNED_W) one signed word per 4 codes and
+//   one dp4a, more decode work but half the dp4a per token. Each 16-element block dot is an
+//   exact integer (|sum| <= 2304 in 4x units). Blocks are scaled in fp32 (SFw * SFx is exact in
+//   fp32) and accumulated in fp32 across blocks; the output is
+//   (acc / 4) * (global_x[m] * global_w), rounded once to bf16.
+// * W4A16: weight codes become fp16 with an exact bit trick (value * 2^-14), are widened to fp32
+//   and multiplied with the bf16 activations (read through L1) in fp32; x 2^14 is folded into
+//   the output scale.
+// * Partial sums of a work item are reduced across the 32 lanes with shuffles and stored to a
+//   per-(K part, row, token) slot in shared memory; the CTA adds the parts in a fixed order, so
+//   results are deterministic (no atomics). No host allocation or sync: one launch, graph-safe.
+//
+// Streaming variant (GEMV_STREAM=1): no persistent CTAs, no x staging and no barrier before the
+// math. A warp owns one row group (R_ROWS rows) and one of KSPLIT K slices; each lane issues
+// every load of its share at once (CPL 16-byte chunks per row plus the matching x chunks, read
+// through L1 where all warps of the SM share them), then decodes and multiplies. Many small CTAs
+// fill the SMs in a few waves, so a small layer is one round of loads per warp instead of a
+// pipeline that never reaches steady state. K slices of a row group are added in slice order
+// through shared memory (deterministic).
+
+#ifndef DIAG_NODOT
+#define DIAG_NODOT 0
+#endif
+#ifndef DIAG_LOADONLY  // diagnostics only (wrong numbers): W4A4 persistent steps skip the math
+#define DIAG_LOADONLY 0
+#endif
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// Cache hints. Weights are streamed once: non-coherent loads that do not allocate in L1. On
+// sm_90 ptxas accepts the .L2::evict_first / evict_last qualifiers only on 256-bit loads
+// (sm_100), so there is no L2 priority here; activations use plain non-coherent loads.
+#ifndef LDW_HINT
+#define LDW_HINT ".L1::no_allocate"
+#endif
+#ifndef LDX_HINT
+#define LDX_HINT ""
+#endif
+
+#ifndef GEMV_STREAM
+#define GEMV_STREAM 0
+#endif
+#ifndef RING_D
+#define RING_D 0
+#endif
+
+constexpr int NWARPS = NTHREADS / 32;
+constexpr int NGROUPS = N_OUT / R_ROWS;
+#if GEMV_STREAM
+constexpr int NCH = K_IN / 32;                     // 16-byte (32-element) chunks per row
+constexpr int CPS = (NCH + KSPLIT - 1) / KSPLIT;   // chunks per K slice
+constexpr int CPL = (CPS + 31) / 32;               // chunks per lane
+constexpr int GPB = NWARPS / KSPLIT;               // row groups per CTA
+static_assert(NWARPS % KSPLIT == 0, "KSPLIT must divide the warps of a CTA");
+static_assert(M_TOK <= 4, "the streaming variant handles M <= 4");
+#else
+constexpr int STEP = 1024;  // K elements per warp step: 32 lanes x 32 elements
+constexpr int NSTEPS = (K_IN + STEP - 1) / STEP;
+constexpr int KPARTS = (NSTEPS + SPP - 1) / SPP;
+constexpr int GPC = (NGROUPS + GRID - 1) / GRID;  // max row groups per CTA
+constexpr int RPC = GPC * R_ROWS;                  // max rows per CTA
+// cp.async ring (RING_D > 0): per warp RING_D slots of one step's tile, R_ROWS rows of
+// 32 lanes x 16 B of codes, then R_ROWS x 64 B of block scales
+constexpr int SLOT_CODES = R_ROWS * 32 * 16;
+constexpr int SLOT_BYTES = SLOT_CODES + R_ROWS * 64;
+static_assert(RING_D == 0 || RING_D >= 2, "the ring needs at least two slots");
+#endif
+constexpr int NV = R_ROWS * M_TOK;                 // partial sums per lane per item
+constexpr int VP = NV <= 1 ? 1 : NV <= 2 ? 2 : NV <= 4 ? 4 : NV <= 8 ? 8 : NV <= 16 ? 16 : 32;
+static_assert(NV <= 32, "R_ROWS * M_TOK must be <= 32");
+static_assert(K_IN % 256 == 0, "K must be a multiple of 256");
+static_assert(N_OUT % R_ROWS == 0, "R_ROWS must divide N");
+static_assert(M_TOK >= 1 && M_TOK <= 8, "M must be 1..8");
+
+// ---------------------------------------------------------------------------- loads
+
+__device__ __forceinline__ uint4 ld_weights(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc" LDW_HINT ".v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u32 ld_scales16(const void* p) {
+  u16 v;
+  asm volatile("ld.global.nc" LDW_HINT ".u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_act(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc" LDX_HINT ".v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// ---------------------------------------------------------------------------- decode
+
+__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+  return d;
+}
+
+// int8 tables indexed by the low 3 bits of a selector nibble; prmt's sign mode (nibble bit 3,
+// the E2M1 sign) replaces the byte with its msb replicated, i.e. 0x00 for these positive bytes.
+// Magnitudes of 2 * E2M1 value: codes 0..7 -> 0 1 2 3 4 6 8 12.
+#define TM_LO 0x03020100u
+#define TM_HI 0x0C080604u
+// Weight tables: positive codes look up TP = magnitude + 1 (0 stays 0) in `pos`, and TN (the
+// negated magnitudes) in sign mode, which yields 0xFF = -1 for c >= 1; negative codes look up
+// TN normally and TP in sign mode (0). So pos + neg == signed 2 * value per byte, and each of
+// the two dp4a's takes one of them: dp4a(pos, x) + dp4a(neg, x) == sum(w * x) exactly.
+#define TP_LO 0x04030200u
+#define TP_HI 0x0D090705u
+#define TN_LO 0xFDFEFF00u
+#define TN_HI 0xF4F8FAFCu
+
+// 4 codes (low 16 bits of v, nibble i = element i) -> 4 signed int8 2 * E2M1 values.
+__device__ __forceinline__ u32 act_to_s8(u32 v) {
+  const u32 pos = prmt(TM_LO, TM_HI, v);
+  const u32 neg = prmt(TM_LO, TM_HI, v ^ 0x8888u);
+  // bytewise pos - neg without borrows (both < 0x80), then back to two's complement
+  return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
+}
+
+// two E4M3 bytes (low, high) -> two floats, exact (E4M3 fits in fp16)
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
+  u32 h;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
+  float lo, hi;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  return make_float2(lo, hi);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// ---------------------------------------------------------------------------- reduction
+
+// c ? a : b on values (inline asm, so the compiler cannot turn it into a select of addresses,
+// which would move the array to local memory)
+__device__ __forceinline__ float selp(float a, float b, bool c) {
+  float d;
+  asm("{ .reg .pred p; setp.ne.b32 p, %3, 0; selp.f32 %0, %1, %2, p; }"
+      : "=f"(d)
+      : "f"(a), "f"(b), "r"((int)c));
+  return d;
+}
+
+// One transpose-reduce step: lanes with `bit` set keep the upper S values, the others the lower
+// S, each adding its partner's copy; v[0..S) then holds the kept half.
+template <int S, int BIT>
+__device__ __forceinline__ void reduce_step(float (&v)[VP], bool upper) {
+#pragma unroll
+  for (int j = 0; j < S; ++j) {
+    const float send = selp(v[j], v[j + S], upper);
+    const float keep = selp(v[j + S], v[j], upper);
+    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, BIT);
+  }
+}
+
+// Sums v[0..VP) over the 32 lanes. Afterwards lane l holds the total of value l / (32 / VP)
+// when l % (32 / VP) == 0 (transpose-reduce: each step halves the values a lane carries).
+__device__ __forceinline__ float warp_reduce(float (&v)[VP], int lane) {
+  if constexpr (VP >= 32) reduce_step<16, 16>(v, lane & 16);
+  if constexpr (VP >= 16) reduce_step<8, 32 / VP * 8>(v, lane & (32 / VP * 8));
+  if constexpr (VP >= 8) reduce_step<4, 32 / VP * 4>(v, lane & (32 / VP * 4));
+  if constexpr (VP >= 4) reduce_step<2, 32 / VP * 2>(v, lane & (32 / VP * 2));
+  if constexpr (VP >= 2) reduce_step<1, 32 / VP>(v, lane & (32 / VP));
+#pragma unroll
+  for (int b = 16 / VP; b >= 1; b >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], b);
+  return v[0];
+}
+
+#if GEMV_STREAM
+// Streaming variant: reduces a warp's sums over its lanes and writes y[m, n] = out(m, total),
+// directly when K is not split, else through `red` ([group][slice][row][token]), adding the
+// slices of a row group in slice order.
+template <typename OutScale>
+__device__ __forceinline__ void stream_epilogue(float (&acc)[VP], float* red, int lane, int tid,
+                                                int lg, int slice, int g, u16* y, OutScale out) {
+  const float total = warp_reduce(acc, lane);
+  const int idx = lane / (32 / VP);
+  const bool holder = lane % (32 / VP) == 0 && idx < NV;
+  const int r = idx / M_TOK, m = idx % M_TOK;
+  if constexpr (KSPLIT == 1) {
+    if (holder && g < NGROUPS) y[(size_t)m * N_OUT + g * R_ROWS + r] = f32_to_bf16(out(m, total));
+  } else {
+    if (holder) red[((lg * KSPLIT + slice) * R_ROWS + r) * M_TOK + m] = total;
+    __syncthreads();
+    for (int i = tid; i < GPB * NV; i += NTHREADS) {
+      const int gl = i / NV, v = i % NV, rr = v / M_TOK, mm = v % M_TOK;
+      const int gg = blockIdx.x * GPB + gl;
+      if (gg >= NGROUPS) continue;
+      float t = 0.f;
+#pragma unroll
+      for (int sl = 0; sl < KSPLIT; ++sl) t += red[((gl * KSPLIT + sl) * R_ROWS + rr) * M_TOK + mm];
+      y[(size_t)mm * N_OUT + gg * R_ROWS + rr] = f32_to_bf16(out(mm, t));
+    }
+  }
+}
+
+// Row group, K slice and chunk range of this warp.
+struct Share {
+  int lg, slice, g, c0, c1;
+  bool valid;
+};
+
+__device__ __forceinline__ Share my_share(int warp) {
+  Share s;
+  s.lg = warp / KSPLIT;
+  s.slice = warp % KSPLIT;
+  s.g = blockIdx.x * GPB + s.lg;
+  s.valid = s.g < NGROUPS;
+  s.c0 = s.slice * CPS;
+  s.c1 = s.c0 + CPS < NCH ? s.c0 + CPS : NCH;
+  return s;
+}
+
+// Issues this lane's weight loads (codes and scales of R_ROWS rows, CPL chunks) at once.
+__device__ __forceinline__ void load_share(uint4 (&q)[CPL][R_ROWS], u32 (&sw)[CPL][R_ROWS],
+                                           const u8* wp, const u8* ws, const Share& sh,
+                                           int lane) {
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    const bool ok = sh.valid && c < sh.c1;
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      const size_t n = (size_t)sh.g * R_ROWS + r;
+      q[i][r] = ok ? ld_weights(wp + n * (K_IN / 2) + c * 16) : make_uint4(0, 0, 0, 0);
+      sw[i][r] = ok ? ld_scales16(ws + n * (K_IN / 16) + c * 2) : 0u;
+    }
+  }
+}
+#endif  // GEMV_STREAM
+
+// ---------------------------------------------------------------------------- work items
+
+#if !GEMV_STREAM
+
+struct Unit {
+  int item, step;  // item = local group * KPARTS + part; step = absolute 1024-element step
+};
+
+__device__ __forceinline__ int part_end(int part) {
+  return (part + 1) * SPP < NSTEPS ? (part + 1) * SPP : NSTEPS;
+}
+
+// next unit of this warp after u (item stride NWARPS), or item == -1
+__device__ __forceinline__ Unit next_unit(Unit u, int items) {
+  if (u.step + 1 < part_end(u.item % KPARTS)) return {u.item, u.step + 1};
+  const int it = u.item + NWARPS;
+  if (it >= items) return {-1, 0};
+  return {it, (it % KPARTS) * SPP};
+}
+
+struct WTile {
+  uint4 q[R_ROWS];  // 32 codes of each row
+  u32 s[R_ROWS];    // their two E4M3 block scales
+};
+
+__device__ __forceinline__ void load_tile(WTile& t, const u8* wp, const u8* ws, int row0,
+                                          int elem, bool valid) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    if (valid) {
+      const size_t n = (size_t)(row0 + r);
+      t.q[r] = ld_weights(wp + n * (K_IN / 2) + elem / 2);
+      t.s[r] = ld_scales16(ws + n * (K_IN / 16) + elem / 16);
+    } else {
+      t.q[r] = make_uint4(0, 0, 0, 0);
+      t.s[r] = 0;
+    }
+  }
+}
+
+#if RING_D
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* src) {
+  const u32 d = (u32)__cvta_generic_to_shared(smem_dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+__device__ __forceinline__ void cp_async_wait_oldest() {  // all but the newest RING_D - 1 groups
+  asm volatile("cp.async.wait_group %0;" ::"n"(RING_D - 1) : "memory");
+}
+
+// Issues the copies of unit v's tile into `slot` (nothing for v.item < 0) and commits a group
+// (always, so every lane has exactly one group per slot). Codes: lane l copies its own 16 B of
+// each row; scales: lanes 0..3 copy 16 B (256 elements' worth) each of each row.
+__device__ __forceinline__ void ring_issue(u8* slot, const u8* wp, const u8* ws, int row0,
+                                           int step, bool valid, int lane) {
+  if (valid) {
+    const int elem = step * STEP + lane * 32;
+    const int selem = step * STEP + lane * 256;
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      const size_t n = (size_t)(row0 + r);
+      if (elem < K_IN) cp_async16(slot + (r * 32 + lane) * 16, wp + n * (K_IN / 2) + elem / 2);
+      if (lane < 4 && selem < K_IN) {
+        cp_async16(slot + SLOT_CODES + r * 64 + lane * 16, ws + n * (K_IN / 16) + selem / 16);
+      }
+    }
+  }
+  cp_async_commit();
+}
+
+__device__ __forceinline__ void ring_read(WTile& t, const u8* slot, int lane) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    t.q[r] = *(const uint4*)(slot + (r * 32 + lane) * 16);
+    t.s[r] = *(const u16*)(slot + SLOT_CODES + r * 64 + lane * 2);
+  }
+}
+#endif  // RING_D
+
+// A work item is done: reduce its sums over the lanes, store them in the item's (K part, row,
+// token) slots, and clear the accumulators.
+__device__ __forceinline__ void item_done(float (&acc)[VP], float* ybuf, int item, int lane) {
+  const int part = item % KPARTS, lrow = (item / KPARTS) * R_ROWS;
+  const float total = warp_reduce(acc, lane);
+  const int idx = lane / (32 / VP);
+  if (lane % (32 / VP) == 0 && idx < NV) {
+    ybuf[(part * RPC + lrow + idx / M_TOK) * M_TOK + idx % M_TOK] = total;
+  }
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+}
+
+// Runs this warp's units (item, step) in order: `math(acc, tile, elem)` per step, item_done at
+// the end of each item. The first loads are issued before `stage()` (the CTA's x staging and
+// barrier), so HBM latency overlaps it. RING_D > 0: a cp.async ring of RING_D slots per warp
+// keeps RING_D steps in flight; else registers hold one step ahead.
+template <typename Stage, typename Math>
+__device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, const u8* ws,
+                                          int g0, int items, int warp, int lane, Stage stage,
+                                          Math math) {
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+  Unit u = {warp < items ? warp : -1, warp < items ? (warp % KPARTS) * SPP : 0};
+#if RING_D
+  u8* my = ring + (size_t)warp * RING_D * SLOT_BYTES;
+  Unit iu = u;  // next unit to issue
+#pragma unroll
+  for (int sl = 0; sl < RING_D; ++sl) {
+    ring_issue(my + sl * SLOT_BYTES, wp, ws, (g0 + iu.item / KPARTS) * R_ROWS, iu.step,
+               iu.item >= 0, lane);
+    if (iu.item >= 0) iu = next_unit(iu, items);
+  }
+  stage();
+  int slot = 0;
+  while (u.item >= 0) {
+    cp_async_wait_oldest();
+    __syncwarp();
+    WTile cur;
+    ring_read(cur, my + slot * SLOT_BYTES, lane);
+    __syncwarp();  // every lane has read the slot (scales are shared) before it is refilled
+    ring_issue(my + slot * SLOT_BYTES, wp, ws, (g0 + iu.item / KPARTS) * R_ROWS, iu.step,
+               iu.item >= 0, lane);
+    if (iu.item >= 0) iu = next_unit(iu, items);
+    const int elem = u.step * STEP + lane * 32;
+    if (elem < K_IN) math(acc, cur, elem);
+    const Unit nu = next_unit(u, items);
+    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
+    u = nu;
+    slot = slot + 1 == RING_D ? 0 : slot + 1;
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#else
+  WTile cur;
+  {
+    const int elem = u.step * STEP + lane * 32;
+    load_tile(cur, wp, ws, (g0 + u.item / KPARTS) * R_ROWS, elem, u.item >= 0 && elem < K_IN);
+  }
+  stage();
+  while (u.item >= 0) {
+    const Unit nu = next_unit(u, items);
+    WTile nxt;
+    {
+      const int elem = nu.step * STEP + lane * 32;
+      load_tile(nxt, wp, ws, (g0 + nu.item / KPARTS) * R_ROWS, elem, nu.item >= 0 && elem < K_IN);
+    }
+    const int elem = u.step * STEP + lane * 32;
+    if (elem < K_IN) math(acc, cur, elem);
+    if (nu.item != u.item) item_done(acc, ybuf, u.item, lane);  // reduce, store its slot
+    u = nu;
+    cur = nxt;
+  }
+#endif
+}
+
+// y[m, n] = out(m, sum of the K parts of row n in part order), for the CTA's rows.
+template <typename OutScale>
+__device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, int g0, int g1,
+                                                    int tid, OutScale out) {
+  const int rows = (g1 - g0) * R_ROWS;
+  for (int i = tid; i < rows * M_TOK; i += NTHREADS) {
+    const int m = i / rows, lr = i % rows;
+    float s = 0.f;
+#pragma unroll 1
+    for (int p = 0; p < KPARTS; ++p) s += ybuf[(p * RPC + lr) * M_TOK + m];
+    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, s));
+  }
+}
+
+#endif  // !GEMV_STREAM
+
+// ---------------------------------------------------------------------------- W4A4
+
+#if ACT_W4A4
+
+// 32 weight codes (one row, two blocks) -> 8 (pos, neg) int8 words in element order
+__device__ __forceinline__ void decode_row(u32 (&wpos)[8], u32 (&wneg)[8], uint4 q) {
+  const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 vx = words[i] ^ 0x88888888u;
+    wpos[2 * i] = prmt(TP_LO, TP_HI, words[i]);
+    wneg[2 * i] = prmt(TN_LO, TN_HI, vx);
+    wpos[2 * i + 1] = prmt(TP_LO, TP_HI, words[i] >> 16);
+    wneg[2 * i + 1] = prmt(TN_LO, TN_HI, vx >> 16);
+  }
+}
+
+#ifndef XPLANES
+#define XPLANES 0
+#endif
+
+// Byte offset in the staged x of half h (16 int8 values) of token m's 32-element chunk c.
+// XPLANES = 0: chunks in element order, so lane l's 16-byte reads are 32 B apart (two lanes per
+// bank group in each 8-lane phase of a 128-bit access: 2-way bank conflicts). XPLANES = 1
+// (experimental, not yet measured): the two halves in separate planes, so consecutive lanes read
+// consecutive 16 B (conflict-free).
+__device__ __forceinline__ int x_slot(int m, int c, int h) {
+  return XPLANES ? m * K_IN + h * (K_IN / 2) + c * 16 : m * K_IN + c * 32 + h * 16;
+}
+
+// 32 codes (two blocks) -> 8 signed int8 words (2 * E2M1 value) in element order. Used for x in
+// the streaming variant and for weights at M > 2 (SIGNED_W): ~1.6x the integer ops of
+// decode_row, but one dp4a per 4 weights and token instead of two.
+__device__ __forceinline__ void decode_s8(u32 (&w)[8], uint4 q) {
+  const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[2 * i] = act_to_s8(words[i]);
+    w[2 * i + 1] = act_to_s8(words[i] >> 16);
+  }
+}
+
+// 32 int8 activations of token m at `elem` and their two block scales, from shared memory
+__device__ __forceinline__ void load_x(u32 (&xw)[8], float2& sxf, const u8* sx, const u8* ssf,
+                                       int m, int elem) {
+#if XPLANES
+  const uint4 xa = *(const uint4*)(sx + x_slot(m, elem / 32, 0));
+  const uint4 xb = *(const uint4*)(sx + x_slot(m, elem / 32, 1));
+#else
+  const uint4 xa = *(const uint4*)(sx + m * K_IN + elem);
+  const uint4 xb = *(const uint4*)(sx + m * K_IN + elem + 16);
+#endif
+  xw[0] = xa.x, xw[1] = xa.y, xw[2] = xa.z, xw[3] = xa.w;
+  xw[4] = xb.x, xw[5] = xb.y, xw[6] = xb.z, xw[7] = xb.w;
+  sxf = e4m3x2_to_float2(*(const u16*)(ssf + m * (K_IN / 16) + elem / 16));
+}
+
+// acc += sum over the two blocks of (exact int8 block dot) * SFw * SFx
+__device__ __forceinline__ void row_dot(float& acc, const u32 (&wpos)[8], const u32 (&wneg)[8],
+                                        const u32 (&xw)[8], float2 sw, float2 sxf) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    // 0x4B400000 = 1.5 * 2^23: the int sum lands in the fp32 mantissa and is read back exactly
+    int d = 0x4B400000;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#if DIAG_NODOT  // diagnostics only (wrong numbers): dp4a replaced by one integer add
+      d += (int)(wpos[4 * b + j] ^ wneg[4 * b + j] ^ xw[4 * b + j]);
+#else
+      d = __dp4a((int)wpos[4 * b + j], (int)xw[4 * b + j], d);
+      d = __dp4a((int)wneg[4 * b + j], (int)xw[4 * b + j], d);
+#endif
+    }
+    const float dot = __int_as_float(d) - 12582912.0f;
+    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
+  }
+}
+
+// acc[r * M + m] += the 32-element dot of row r's chunk with token m's chunk (x in registers)
+__device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_ROWS],
+                                          const u32 (&s)[R_ROWS], const u32 (&xw)[M_TOK][8],
+                                          const float2 (&sxf)[M_TOK]) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    u32 wpos[8], wneg[8];
+    decode_row(wpos, wneg, q[r]);
+    const float2 sw = e4m3x2_to_float2(s[r]);
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) row_dot(acc[r * M_TOK + m], wpos, wneg, xw[m], sw, sxf[m]);
+  }
+}
+
+#if !GEMV_STREAM
+
+// bytes of the W4A4 kernel's shared memory before ybuf: x staged as int8 and its scales
+constexpr int XSTAGE = ((M_TOK * K_IN * 17 / 16 + 15) / 16) * 16;
+
+
+// acc += sum over the two blocks of (exact int8 block dot) * SFw * SFx, signed weight words
+__device__ __forceinline__ void row_dot_s8(float& acc, const u32 (&w)[8], const u32 (&xw)[8],
+                                           float2 sw, float2 sxf) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    int d = 0x4B400000;  // 1.5 * 2^23, as in row_dot
+#pragma unroll
+    for (int j = 0; j < 4; ++j) d = __dp4a((int)w[4 * b + j], (int)xw[4 * b + j], d);
+    const float dot = __int_as_float(d) - 12582912.0f;
+    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
+  }
+}
+
+#ifndef SIGNED_W
+#define SIGNED_W (M_TOK > 2)
+#endif
+
+// One weight row's 32 codes decoded for many tokens: (positive, negative) int8 word pairs, two
+// dp4a per 4 weights, or signed int8 words, one dp4a (SIGNED_W).
+struct RowPosNeg {
+  u32 pos[8], neg[8];
+  __device__ __forceinline__ void decode(uint4 q) { decode_row(pos, neg, q); }
+  __device__ __forceinline__ void dot(float& acc, const u32 (&xw)[8], float2 sw, float2 sxf) const {
+    row_dot(acc, pos, neg, xw, sw, sxf);
+  }
+};
+struct RowSigned {
+  u32 w[8];
+  __device__ __forceinline__ void decode(uint4 q) { decode_s8(w, q); }
+  __device__ __forceinline__ void dot(float& acc, const u32 (&xw)[8], float2 sw, float2 sxf) const {
+    row_dot_s8(acc, w, xw, sw, sxf);
+  }
+};
+template <bool S>
+struct RowDecode {
+  using type = RowPosNeg;
+};
+template <>
+struct RowDecode<true> {
+  using type = RowSigned;
+};
+
+// acc += this step's dot products of the tile's rows with the staged x of every token
+__device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, int elem,
+                                          const u8* sx, const u8* ssf) {
+#if DIAG_LOADONLY  // every loaded word kept live by one xor, no decode and no dot
+  u32 h = 0;
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) h ^= cur.q[r].x ^ cur.q[r].y ^ cur.q[r].z ^ cur.q[r].w ^ cur.s[r];
+  acc[0] += __uint_as_float(h & 0x007FFFFFu);
+  return;
+#endif
+  if constexpr (M_TOK <= 2) {
+    // few tokens: x of all tokens in registers, one row decoded at a time
+    u32 xw[M_TOK][8];
+    float2 sxf[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) load_x(xw[m], sxf[m], sx, ssf, m, elem);
+    chunk_dot(acc, cur.q, cur.s, xw, sxf);
+  } else {
+    // more tokens: all rows decoded in registers, x read from smem once per token
+    using Row = typename RowDecode<SIGNED_W>::type;
+    Row w[R_ROWS];
+    float2 sw[R_ROWS];
+#pragma unroll
+    for (int r = 0; r < R_ROWS; ++r) {
+      w[r].decode(cur.q[r]);
+      sw[r] = e4m3x2_to_float2(cur.s[r]);
+    }
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      u32 xw[8];
+      float2 sxf;
+      load_x(xw, sxf, sx, ssf, m, elem);
+#pragma unroll
+      for (int r = 0; r < R_ROWS; ++r) w[r].dot(acc[r * M_TOK + m], xw, sw[r], sxf);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
+                    const float* __restrict__ xg, const u8* __restrict__ wp,
+                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+  extern __shared__ __align__(16) u8 smem[];
+  u8* sx = smem;                                   // int8 [M][K]: 2 * E2M1 value
+  u8* ssf = smem + M_TOK * K_IN;                   // E4M3 [M][K/16]
+  float* ybuf = (float*)(smem + XSTAGE);           // [KPARTS][RPC][M]
+  u8* ring = smem + XSTAGE + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g0 = (int)(((long long)blockIdx.x * NGROUPS) / GRID);
+  const int g1 = (int)(((long long)(blockIdx.x + 1) * NGROUPS) / GRID);
+  const int items = (g1 - g0) * KPARTS;
+
+  // Stage x: codes -> signed int8 in smem (32 codes per thread per iteration), scales copied.
+  auto stage = [&]() {
+    for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
+      const uint4 c = ld_act(xp + (size_t)i * 16);
+      uint4 lo, hi;
+      lo.x = act_to_s8(c.x), lo.y = act_to_s8(c.x >> 16), lo.z = act_to_s8(c.y);
+      lo.w = act_to_s8(c.y >> 16);
+      hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
+      hi.w = act_to_s8(c.w >> 16);
+#if XPLANES
+      *(uint4*)(sx + x_slot(i / (K_IN / 32), i % (K_IN / 32), 0)) = lo;
+      *(uint4*)(sx + x_slot(i / (K_IN / 32), i % (K_IN / 32), 1)) = hi;
+#else
+      *(uint4*)(sx + (size_t)i * 32) = lo;
+      *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
+#endif
+    }
+    for (int i = tid; i < M_TOK * K_IN / 64; i += NTHREADS) {
+      *(u32*)(ssf + (size_t)i * 4) = *(const u32*)(xs + (size_t)i * 4);
+    }
+    __syncthreads();
+  };
+  run_units(ybuf, ring, wp, ws, g0, items, warp, lane, stage,
+            [&](float (&acc)[VP], const WTile& cur, int elem) {
+              w4a4_step(acc, cur, elem, sx, ssf);
+            });
+  __syncthreads();
+
+  // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
+  const float gw = wg[0];
+  persistent_epilogue(ybuf, y, g0, g1, tid,
+                      [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+}
+
+#else  // GEMV_STREAM
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
+                    const float* __restrict__ xg, const u8* __restrict__ wp,
+                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+  __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const Share sh = my_share(tid >> 5);
+
+  // every load of this warp's share first: weights and their scales, x chunks and scales
+  uint4 q[CPL][R_ROWS];
+  u32 sw[CPL][R_ROWS];
+  load_share(q, sw, wp, ws, sh, lane);
+  uint4 xq[CPL][M_TOK];
+  u32 sx[CPL][M_TOK];
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    const bool ok = sh.valid && c < sh.c1;
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      xq[i][m] = ok ? ld_act(xp + (size_t)m * (K_IN / 2) + c * 16) : make_uint4(0, 0, 0, 0);
+      sx[i][m] = ok ? (u32) * (const u16*)(xs + (size_t)m * (K_IN / 16) + c * 2) : 0u;
+    }
+  }
+
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    u32 xw[M_TOK][8];
+    float2 sxf[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      decode_s8(xw[m], xq[i][m]);
+      sxf[m] = e4m3x2_to_float2(sx[i][m]);  // zero scales for masked chunks: adds 0
+    }
+    chunk_dot(acc, q[i], sw[i], xw, sxf);
+  }
+
+  const float gw = wg[0];
+  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
+                  [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+}
+
+#endif  // GEMV_STREAM
+
+#else  // W4A16
+
+// fp16 of E2M1 code c, times 2^-14: magnitude bits (c & 7) -> fp16 bits 9..11, sign -> bit 15.
+// Pair (element i, element i + 4) of a 32-bit word of 8 codes lands in (low, high) halves.
+__device__ __forceinline__ u32 e2m1_pair_f16(u32 v, int i) {
+  const u32 mag = i <= 2 ? (v << (9 - 4 * i)) : (v >> 3);
+  const u32 sgn = i <= 2 ? (v << (12 - 4 * i)) : v;
+  return (mag & 0x0E000E00u) | (sgn & 0x80008000u);
+}
+
+__device__ __forceinline__ float2 half2_to_float2(u32 h) {
+  float lo, hi;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  return make_float2(lo, hi);
+}
+
+// acc[r * M + m] += the 32-element dot of row r's chunk with token m's bf16 x at `elem`
+// (x read through L1: every warp of the SM reads the same activations)
+__device__ __forceinline__ void chunk_dot16(float (&acc)[VP], const uint4 (&q)[R_ROWS],
+                                            const u32 (&s)[R_ROWS], const u16* x, int elem) {
+#pragma unroll
+  for (int r = 0; r < R_ROWS; ++r) {
+    const u32 words[4] = {q[r].x, q[r].y, q[r].z, q[r].w};
+    float w[32];  // element order, times 2^-14
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = half2_to_float2(e2m1_pair_f16(words[c], i));
+        w[8 * c + i] = f.x;
+        w[8 * c + i + 4] = f.y;
+      }
+    }
+    const float2 sw = e4m3x2_to_float2(s[r]);
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      const u16* xr = x + (size_t)m * K_IN + elem;
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const uint4 xa = ld_act(xr + 16 * b);
+        const uint4 xb = ld_act(xr + 16 * b + 8);
+        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+        float dot = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dot = fmaf(w[16 * b + 2 * j], __uint_as_float(xw[j] << 16), dot);
+          dot = fmaf(w[16 * b + 2 * j + 1], __uint_as_float(xw[j] & 0xFFFF0000u), dot);
+        }
+        acc[r * M_TOK + m] = fmaf(dot, b ? sw.y : sw.x, acc[r * M_TOK + m]);
+      }
+    }
+  }
+}
+
+#if !GEMV_STREAM
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
+                     const u8* __restrict__ ws, const float* __restrict__ wg,
+                     u16* __restrict__ y) {
+  extern __shared__ __align__(16) u8 smem[];
+  float* ybuf = (float*)smem;  // [KPARTS][RPC][M]
+  u8* ring = smem + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g0 = (int)(((long long)blockIdx.x * NGROUPS) / GRID);
+  const int g1 = (int)(((long long)(blockIdx.x + 1) * NGROUPS) / GRID);
+  const int items = (g1 - g0) * KPARTS;
+
+  run_units(ybuf, ring, wp, ws, g0, items, warp, lane, [] {},
+            [&](float (&acc)[VP], const WTile& cur, int elem) {
+              chunk_dot16(acc, cur.q, cur.s, x, elem);
+            });
+  __syncthreads();
+
+  const float gw = wg[0];
+  persistent_epilogue(ybuf, y, g0, g1, tid, [&](int, float t) { return (t * 16384.0f) * gw; });
+}
+
+#else  // GEMV_STREAM
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
+                     const u8* __restrict__ ws, const float* __restrict__ wg,
+                     u16* __restrict__ y) {
+  __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
+  const int tid = threadIdx.x, lane = tid & 31;
+  const Share sh = my_share(tid >> 5);
+  uint4 q[CPL][R_ROWS];
+  u32 sw[CPL][R_ROWS];
+  load_share(q, sw, wp, ws, sh, lane);
+
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    if (sh.valid && c < sh.c1) chunk_dot16(acc, q[i], sw[i], x, 32 * c);
+  }
+
+  const float gw = wg[0];
+  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
+                  [&](int, float t) { return (t * 16384.0f) * gw; });
+}
+
+#endif  // GEMV_STREAM
+
+#endif  // ACT_W4A4

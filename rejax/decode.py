@@ -1,0 +1,209 @@
+"""Device side of generation: jitted prefill, decode step and the decode loop.
+
+`prefill` and `decode_step` are jitted with the KV cache donated; `decode_loop` runs the same
+step body in one jitted `lax.while_loop` with fixed output buffers and a per-row done mask.
+Nothing here touches the host (tokenizers, padding and text live in rejax/generate.py).
+Dimension letters: see rejax/config.py (B rows, T tokens, S cache slots, V vocab, M max new
+tokens).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rejax import compile_cache
+from rejax.cache import KVCache
+from rejax.decoder import forward
+from rejax.params import Params
+from rejax.sampling import sample
+
+# Traces per jitted function; tests read it to check that a second call does not retrace.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+compile_cache.enable_default()
+
+
+def _forward(params: Params, tokens, positions, cache, logits_at=None):
+    return forward(params.weights, tokens, positions, cache, params.cfg, logits_at)
+
+
+@functools.partial(jax.jit, static_argnames=("all_logits",), donate_argnames=("cache",))
+def prefill(
+    params: Params,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None,
+    all_logits: bool = False,
+) -> tuple[jax.Array, KVCache | None]:
+    """Runs the prompt through the model, filling the cache.
+
+    Args:
+        params: the model.
+        tokens: [B, T] int32 prompt ids (padding anywhere, marked by positions).
+        positions: [B, T] int32 positions, -1 for padding.
+        cache: KVCache with at least T free slots (donated), or None.
+        all_logits: return logits for all T tokens instead of each row's last token.
+
+    Returns:
+        (float32 logits [B, V] at each row's last prompt token, or [B, T, V]; the cache).
+    """
+    TRACE_COUNTS["prefill"] += 1
+    logits_at = None if all_logits else jnp.argmax(positions, axis=1)
+    return _forward(params, tokens, positions, cache, logits_at)
+
+
+def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
+    """Samples one token per row from `logits`, then feeds it through the model."""
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, step)  # [B]
+    tokens, sampler_state, info = sample(keys, logits, sampler_state, sampler)
+    tokens = tokens.astype(jnp.int32)
+    next_logits, cache = _forward(params, tokens[:, None], positions[:, None], cache)
+    return tokens, next_logits[:, 0], cache, sampler_state, info
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def decode_step(
+    params: Params,
+    logits: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    sampler,
+    sampler_state,
+    key: jax.Array,
+    step: jax.Array,
+):
+    """One decode step: sample from `logits`, then run the sampled token through the model.
+
+    Used by the streaming host loop and by benchmarks; `decode_loop` runs the same body.
+
+    Args:
+        params: the model.
+        logits: [B, V] float32 logits for the token to sample now.
+        cache: KVCache with a free slot (donated).
+        positions: [B] int32 position the sampled token will occupy.
+        sampler: Greedy | Temperature | ReSET.
+        sampler_state: rejax.sampling.SamplerState.
+        key: [B] per-row PRNG keys; row b samples this step with fold_in(key[b], step).
+        step: [] int32 index of the token being generated.
+
+    Returns:
+        (tokens int32 [B], next logits float32 [B, V], cache, sampler_state,
+         info {"entropy": [B], "temperature": [B]}).
+    """
+    TRACE_COUNTS["decode_step"] += 1
+    return _step(params, logits, cache, positions, sampler, sampler_state, key, step)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Carry of the generation while_loop.
+
+    Attributes:
+        step: [] int32 tokens generated so far (the loop index).
+        logits: [B, V] float32 logits for the next token.
+        cache: KVCache.
+        positions: [B] int32 position of the next token per row.
+        sampler_state: the sampler's SamplerState.
+        done: [B] bool rows that stopped (or are batch padding).
+        stopped: [B] bool rows that emitted a stop token.
+        lengths: [B] int32 tokens generated per row (stop token included).
+        tokens, entropy, temperature: [B, M] output buffers.
+    """
+
+    step: jax.Array
+    logits: jax.Array
+    cache: KVCache
+    positions: jax.Array
+    sampler_state: Any
+    done: jax.Array
+    stopped: jax.Array
+    lengths: jax.Array
+    tokens: jax.Array
+    entropy: jax.Array
+    temperature: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("cache",))
+def decode_loop(
+    params: Params,
+    logits: jax.Array,
+    cache: KVCache,
+    positions: jax.Array,
+    sampler,
+    sampler_state,
+    key: jax.Array,
+    stop_mask: jax.Array,
+    done: jax.Array,
+    max_new_tokens: int,
+) -> DecodeState:
+    """Generates up to M tokens per row in one `lax.while_loop`.
+
+    Rows stop independently when they sample a token in `stop_mask`; the loop ends when every
+    row is done or M tokens were generated. Finished rows keep stepping (fixed shapes) but
+    their outputs are ignored.
+
+    Args:
+        params: the model.
+        logits: [B, V] float32 prefill logits.
+        cache: KVCache with at least M free slots (donated).
+        positions: [B] int32 position of the first generated token per row.
+        sampler, sampler_state: as in `decode_step`.
+        key: [B] per-row PRNG keys; step i of row b uses fold_in(key[b], i).
+        stop_mask: [V] bool stop token ids.
+        done: [B] bool rows to skip (batch padding).
+        max_new_tokens: M (static: the output buffer size).
+
+    Returns:
+        The final DecodeState (outputs in .tokens/.entropy/.temperature, .lengths, .stopped).
+    """
+    TRACE_COUNTS["decode_loop"] += 1
+    b, m = logits.shape[0], max_new_tokens
+    state = DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        logits=logits,
+        cache=cache,
+        positions=positions,
+        sampler_state=sampler_state,
+        done=done,
+        stopped=jnp.zeros((b,), bool),
+        lengths=jnp.zeros((b,), jnp.int32),
+        tokens=jnp.zeros((b, m), jnp.int32),
+        entropy=jnp.zeros((b, m), jnp.float32),
+        temperature=jnp.zeros((b, m), jnp.float32),
+    )
+
+    def cond(s: DecodeState):
+        return (s.step < m) & ~jnp.all(s.done)
+
+    def body(s: DecodeState):
+        tokens, logits, cache, sampler_state, info = _step(
+            params, s.logits, s.cache, s.positions, sampler, s.sampler_state, key, s.step
+        )
+        live = ~s.done
+        hit = live & stop_mask[tokens]
+
+        def put(buf, col):
+            return jax.lax.dynamic_update_slice(buf, col.astype(buf.dtype)[:, None], (0, s.step))
+
+        return DecodeState(
+            step=s.step + 1,
+            logits=logits,
+            cache=cache,
+            positions=s.positions + 1,
+            sampler_state=sampler_state,
+            done=s.done | hit,
+            stopped=s.stopped | hit,
+            lengths=jnp.where(live, s.step + 1, s.lengths),
+            tokens=put(s.tokens, jnp.where(live, tokens, 0)),
+            entropy=put(s.entropy, info["entropy"]),
+            temperature=put(s.temperature, info["temperature"]),
+        )
+
+    return jax.lax.while_loop(cond, body, state)

@@ -1,0 +1,184 @@
+"""The decoder (Qwen3 / Qwen2): one layer as a pure function, the stack under one `lax.scan`.
+
+`forward` embeds the tokens, runs `decoder_layer` for layer i = 0 .. L-1 under a `lax.scan`
+over the stacked layer weights (rejax/params.py), so the compiled program does not grow with
+depth, then the final norm and head. The stacked weights are closed over, not scanned: every op
+receives the whole stack and the layer index (the NVFP4 kernel offsets its pointers by it), and
+the stacked KV cache [L, B, S, K, H] is carried and updated in place. `Model` is the Flax Linen
+module over it: `Model(cfg).apply({"params": weights}, tokens, positions, cache)` returns
+`(logits, cache)`, nothing mutated. Dimension letters: see rejax/config.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from rejax import params as rparams
+from rejax.cache import KVCache, write_kv, write_positions
+from rejax.config import Config
+from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
+
+
+def decoder_layer(
+    x: jax.Array,
+    lw: dict,
+    i: jax.Array,
+    positions: jax.Array,
+    kv: tuple[jax.Array, jax.Array] | None,
+    index: jax.Array | None,
+    k_positions: jax.Array,
+    cfg: Config,
+    with_amax: bool = False,
+) -> tuple[jax.Array, tuple | None, dict]:
+    """Pre-norm block x + attn(norm(x)); x + mlp(norm(x)) for layer i of the stack.
+
+    Args:
+        x: [B, T, D] activations.
+        lw: the stacked layer weights (params["layers"]).
+        i: int32 [] layer index.
+        positions: [B, T] int32 positions (-1 = padding).
+        kv: stacked cache (k, v) [L, B, S, K, H] to write this layer's T entries into, or None
+            for cache-free attention over these T tokens.
+        index: [] int32 first cache slot written (with kv).
+        k_positions: [B, S] (or [B, T] without a cache) positions held by each key slot.
+        cfg: model config.
+        with_amax: record each linear's input amax (calibration).
+
+    Returns:
+        (x [B, T, D], updated kv or None, {linear name: input amax f32 []} or {}).
+    """
+    b, t, _ = x.shape
+    n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_ = cfg.quant
+    att, mlp = lw["self_attn"], lw["mlp"]
+    amax = {}
+
+    def lin(inp, block, name):
+        if with_amax:
+            amax[name] = jnp.max(jnp.abs(inp.astype(jnp.float32)))
+        return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name))
+
+    hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
+    qkv = lin(hs, att, "qkv_proj")
+    q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
+    k = qkv[..., n * h : (n + kh) * h].reshape(b, t, kh, h)  # [B, T, K, H]
+    v = qkv[..., (n + kh) * h :].reshape(b, t, kh, h)  # [B, T, K, H]
+    if cfg.arch == "qwen3":
+        q = rms_norm(q, take(att["q_norm"]["scale"], i), cfg.rms_norm_eps)
+        k = rms_norm(k, take(att["k_norm"]["scale"], i), cfg.rms_norm_eps)
+    q = rope(q, positions, cfg.rope_theta)
+    k = rope(k, positions, cfg.rope_theta)
+    if kv is None:
+        keys, values = k, v
+    else:
+        kv = write_kv(kv[0], kv[1], k, v, index, layer=i)
+        keys, values = take(kv[0], i), take(kv[1], i)  # [B, S, K, H]
+    mask = attention_mask(positions, k_positions)
+    out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
+    x = x + lin(out, att, "o_proj")
+    hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
+    gate_up = lin(hs, mlp, "gate_up_proj")
+    f = cfg.intermediate_size
+    x = x + lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj")
+    return x, kv, amax
+
+
+def forward(
+    weights: dict,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None,
+    cfg: Config,
+    logits_at: jax.Array | None = None,
+    *,
+    with_amax: bool = False,
+):
+    """Forward over T new tokens per row.
+
+    Args:
+        weights: the weights pytree (rejax/params.py).
+        tokens: [B, T] int32 token ids (padding ids are ignored through positions).
+        positions: [B, T] int32 absolute positions; -1 marks padding.
+        cache: a KVCache with room for T more slots, or None for cache-free attention over
+            these T tokens only.
+        cfg: model config.
+        logits_at: optional [B] int32 index into T; when given only those rows' logits are
+            computed (prefill), shape [B, V].
+        with_amax: also return each linear's input amax per layer ({name: f32 [L]}), for
+            activation-scale calibration.
+
+    Returns:
+        (logits float32 [B, T, V] or [B, V], updated cache or None[, amax]).
+    """
+    embedding = weights["embed_tokens"]["embedding"]
+    x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+    if cache is None:
+        index, k_positions, kv = None, positions, None
+    else:
+        if tokens.shape[1] > cache.length:
+            raise ValueError(
+                f"{tokens.shape=} has more tokens than the cache's {cache.length} slots"
+            )
+        index, k_positions = cache.index, write_positions(cache, positions)
+        kv = (cache.k, cache.v)
+    lw = weights["layers"]
+
+    def body(carry, i):
+        x, kv = carry
+        x, kv, amax = decoder_layer(x, lw, i, positions, kv, index, k_positions, cfg, with_amax)
+        return (x, kv), amax
+
+    (x, kv), amax = jax.lax.scan(body, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    if logits_at is not None:
+        x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+    x = rms_norm(x, weights["norm"]["scale"], cfg.rms_norm_eps)
+    # The head runs in the activation dtype and is cast to float32 afterwards, as
+    # transformers and vLLM do, so entropies see the same logits.
+    head = embedding if cfg.tie_word_embeddings else weights["lm_head"]["weight"]
+    logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype)).astype(jnp.float32)
+    if cache is not None:
+        cache = KVCache(
+            k=kv[0], v=kv[1], positions=k_positions, index=cache.index + tokens.shape[1]
+        )
+    if with_amax:
+        return logits, cache, amax
+    return logits, cache
+
+
+class Model(nn.Module):
+    """The Qwen2 / Qwen3 decoder as a Flax Linen module, applied functionally.
+
+    `Model(cfg).apply({"params": weights}, tokens, positions, cache)` returns `(logits, cache)`;
+    `Model(cfg).init(key, tokens, positions)` returns random weights in the layout of
+    rejax/params.py (all-zero NVFP4 linears when cfg.quant is set: shapes only). The math is
+    `forward`; the module only declares the parameter groups.
+
+    Attributes:
+        cfg: static model config; cfg.quant selects the NVFP4 activation mode.
+        param_dtype: dtype of float parameters created by `init` (tests use float32).
+    """
+
+    cfg: Config
+    param_dtype: Any = jnp.bfloat16
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache=None, logits_at=None):
+        init = {}
+
+        def group(name):
+            def make(key):
+                if name not in init:
+                    init.update(rparams.init_weights(self.cfg, key, self.param_dtype))
+                return init[name]
+
+            return self.param(name, make)
+
+        names = ["embed_tokens", "layers", "norm"]
+        if not self.cfg.tie_word_embeddings:
+            names.append("lm_head")
+        weights = {name: group(name) for name in names}
+        return forward(weights, tokens, positions, cache, self.cfg, logits_at)

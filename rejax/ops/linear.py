@@ -1,0 +1,258 @@
+"""The NVFP4 linear: one primitive, a pure-JAX reference lowering and a CUDA kernel lowering.
+
+GEMM letters in this file (as in cuda_ops): M rows of x (decode tokens), N out features, K in
+features. The weight may be one matrix or a stack of them (a decoder's layers, [L, N, K/2] codes):
+the primitive then receives the whole stack and a layer index (a device int32), and the kernel
+offsets its pointers by the layer, so no layer's bytes are copied out of the stack.
+
+* Every platform lowers the primitive to the reference (`rejax.nvfp4` numerics), so CPU tracing
+  never touches NVRTC or the custom call. CPU uses the block-ordered summation for decode shapes
+  (the kernel's order).
+* The `platform="cuda"` lowering asks the one dispatch rule (`rejax.ops._dispatch.use_kernel`):
+  the small-M GEMV of `cuda_ops/nvfp4_gemv.cu` when it supports the shape (M <= 8 after folding
+  leading dims, K % 256 == 0, activations fit in shared memory) and builds, emitted as XLA's PTX
+  custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
+  "callback"); otherwise the reference with one bf16 tensor-core dot over the exactly
+  pre-scaled values (never a sequential scan on a GPU), the reason logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from cuda_ops import nvfp4_gemv
+from rejax import nvfp4
+from rejax.nvfp4 import Nvfp4Tensor
+from rejax.ops import _dispatch
+
+ACTS = ("w4a4", "w4a16")
+MAX_M = nvfp4_gemv.MAX_M
+OP = "nvfp4_linear"
+
+_FLOAT_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _as_e4m3(s: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(s, jnp.float8_e4m3fn)
+
+
+def _weight(wp, ws, wg, layer, n: int, k: int) -> Nvfp4Tensor:
+    """The layer's Nvfp4Tensor from (possibly stacked) kernel operands."""
+    w = Nvfp4Tensor(packed=wp, scales=_as_e4m3(ws), global_scale=wg, shape=(n, k))
+    return nvfp4.take(w, layer) if wp.ndim == 3 else w
+
+
+def _reference(*args, act: str, n: int, k: int, order: str = "auto", **_: Any) -> jax.Array:
+    """Reference numerics on the primitive's operands (see `_operands`)."""
+    if act == "w4a4":
+        xp, xs, xg, wp, ws, wg, layer = args
+        m = xp.shape[0]
+        xq = Nvfp4Tensor(packed=xp, scales=_as_e4m3(xs), global_scale=xg, shape=(m, k))
+        return nvfp4.nvfp4_matmul_q(xq, _weight(wp, ws, wg, layer, n, k), order=order)
+    x, wp, ws, wg, layer = args
+    return nvfp4.nvfp4_matmul(x, _weight(wp, ws, wg, layer, n, k), act="w4a16", order=order)
+
+
+# ----------------------------------------------------------------------------- primitive
+
+_gemv_p = Primitive("rejax_nvfp4_gemv")
+
+
+def _abstract(*args, act: str, n: int, k: int, **_: Any):
+    m = args[0].shape[0]
+    return jax.core.ShapedArray((m, n), jnp.bfloat16)
+
+
+_gemv_p.def_abstract_eval(_abstract)
+
+
+@functools.cache
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(_gemv_p.bind, **params))
+
+
+# eager calls run the primitive through jit (and so through the lowering rules below)
+_gemv_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
+
+
+def _lower_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(OP, params["impl"], ctx.module_context.platforms)
+    return mlir.lower_fun(functools.partial(_reference, **params), multiple_results=False)(
+        ctx, *args
+    )
+
+
+def _lower_gpu_reference(ctx, *args, **params):
+    # one bf16 tensor-core dot over exactly pre-scaled values: the GPU-friendly reference
+    fn = functools.partial(_reference, **{**params, "order": "dot"})
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
+def _lower_cuda(ctx, *args, **params):
+    m = ctx.avals_in[0].shape[0]
+    act, n, k = params["act"], params["n"], params["k"]
+    supported = _supported(act, m, n, k, ctx.avals_in[0].dtype)
+    kernel = None
+    if supported[0] and params["impl"] != "ref":
+        try:
+            kernel = nvfp4_gemv.build(
+                act, m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+            )
+        except nvfp4_gemv.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(OP, params["impl"], supported):
+        return _lower_gpu_reference(ctx, *args, **params)
+    if params["launch"] == "ptx":
+        return jax.ffi.ffi_lowering(
+            "__gpu$xla.gpu.ptx", api_version=2, backend_config=kernel.backend_config()
+        )(ctx, *args)
+    return mlir.lower_fun(functools.partial(_callback_impl, kernel=kernel), multiple_results=False)(
+        ctx, *args
+    )
+
+
+mlir.register_lowering(_gemv_p, _lower_reference)
+mlir.register_lowering(_gemv_p, _lower_cuda, platform="cuda")
+
+
+def _callback_impl(*args, kernel):
+    from jax.experimental.buffer_callback import buffer_callback
+
+    m = args[0].shape[0]
+    out = jax.ShapeDtypeStruct((m, kernel.n), jnp.bfloat16)
+    return buffer_callback(kernel.launch_callback, out, command_buffer_compatible=True)(*args)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def _supported(act: str, m: int, n: int, k: int, x_dtype) -> tuple[bool, str]:
+    ok, why = nvfp4_gemv.check_shape(act, m, n, k)
+    if ok and act == "w4a16" and np.dtype(x_dtype) != np.dtype(jnp.bfloat16):
+        # the kernel reads bf16 activations; the reference keeps float32 inputs exact
+        return False, f"x.dtype={np.dtype(x_dtype)} (the W4A16 kernel reads bfloat16)"
+    return ok, why
+
+
+def supported(act: str, m: int, n: int, k: int) -> tuple[bool, str]:
+    """Whether the CUDA kernel handles this problem; (False, reason) otherwise."""
+    return nvfp4_gemv.check_shape(act, m, n, k)
+
+
+def gemv_call(
+    args,
+    *,
+    act,
+    n,
+    k,
+    impl,
+    launch,
+    gw_rows=False,
+    options=nvfp4_gemv.DEFAULT_OPTIONS,
+    order="auto",
+):
+    """Binds the primitive on flat kernel operands (see `_operands`)."""
+    return _gemv_p.bind(
+        *args,
+        act=act,
+        n=n,
+        k=k,
+        impl=impl,
+        launch=launch,
+        gw_rows=gw_rows,
+        options=options,
+        order=order,
+    )
+
+
+def _operands(x2: jax.Array, w: Nvfp4Tensor, act: str, input_scale: Any, layer: Any):
+    """Flat kernel operands: W4A4 (xp, xs, xg[M], wp, ws, wg, layer); W4A16 (x, wp, ws, wg,
+    layer). wp / ws / wg keep the weight's stack dim; layer is int32 []."""
+    wp = w.packed
+    ws = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+    wg = jnp.asarray(w.global_scale, jnp.float32)
+    li = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    if act == "w4a16":
+        return (x2, wp, ws, wg, li)
+    xq = nvfp4.quantize_activation(x2, input_scale)
+    m = x2.shape[0]
+    xg = jnp.broadcast_to(jnp.asarray(xq.global_scale, jnp.float32), (m,))
+    xs = jax.lax.bitcast_convert_type(xq.scales, jnp.uint8)
+    return (xq.packed, xs, xg, wp, ws, wg, li)
+
+
+def _check_args(x: Any, w: Any, act: str, impl: str, input_scale: Any, layer: Any) -> None:
+    if act not in ACTS:
+        raise ValueError(f"act={act!r}, expected one of {ACTS}")
+    _dispatch.check_impl(impl)
+    if not isinstance(w, Nvfp4Tensor):
+        raise ValueError(f"w must be an Nvfp4Tensor, got {type(w).__name__}")  # noqa: TRY004
+    if len(w.stack) > 1:
+        raise ValueError(f"w has stack dims {w.stack}; nvfp4_linear takes one matrix or one stack")
+    if w.stack and layer is None:
+        raise ValueError(f"w is a stack of {w.stack[0]} matrices: pass layer=<index>")
+    if not w.stack and layer is not None:
+        raise ValueError("layer= is only used with a stacked weight (packed [L, N, K/2])")
+    nvfp4._check_tensor("w", w, stacked=True)
+    shape = tuple(np.shape(x))
+    if len(shape) < 1 or shape[-1] != w.k:
+        raise ValueError(f"x.shape={shape} must end in K={w.k} (w.shape={w.shape})")
+    if np.dtype(x.dtype) not in _FLOAT_DTYPES:
+        raise ValueError(f"x.dtype={np.dtype(x.dtype)}, expected bfloat16, float16 or float32")
+    if act == "w4a16" and input_scale is not None:
+        raise ValueError("input_scale is only used with act='w4a4'; got one with act='w4a16'")
+
+
+def nvfp4_linear(
+    x: jax.Array,
+    w: Nvfp4Tensor,
+    *,
+    input_scale: Any = None,
+    act: str = "w4a4",
+    impl: str = "auto",
+    layer: Any = None,
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+) -> jax.Array:
+    """NVFP4 linear y = x @ w.T with the reference numerics of `rejax.nvfp4.nvfp4_matmul`.
+
+    Args:
+        x: [..., K] bfloat16 (float16 / float32 accepted); leading dims fold into M.
+        w: Nvfp4Tensor of shape (N, K) (global scale [] or per row [N]), or a stack of them
+            (packed [L, N, K/2], global scale [L] or [L, N]) with `layer` selecting one.
+        input_scale: W4A4 static activation global scale (f32 scalar); None -> per-row dynamic.
+        act: "w4a4" (activations quantized to NVFP4) or "w4a16" (bf16 activations).
+        impl: "auto" (kernel on CUDA when supported, else reference), "ref", or "cuda" (kernel
+            or an error saying why not).
+        layer: int or int32 [] index into a stacked w (may be traced).
+        options: kernel choices (cuda_ops.nvfp4_gemv.GemvOptions; defaults measured fastest).
+
+    Returns:
+        bfloat16 [..., N].
+    """
+    _check_args(x, w, act, impl, input_scale, layer)
+    lead = tuple(np.shape(x)[:-1])
+    m = int(np.prod(lead, dtype=np.int64))
+    n, k = w.shape
+    if m == 0:
+        return jnp.zeros((*lead, n), jnp.bfloat16)
+    if impl == "cuda":
+        ok, why = _supported(act, m, n, k, x.dtype)
+        if not ok:
+            raise ValueError(f"nvfp4_linear(impl='cuda'): {why}")
+    x2 = jnp.reshape(x, (m, k))  # [M, K]
+    args = _operands(x2, w, act, input_scale, layer)
+    launch = _dispatch.default_launch() if impl != "ref" else "ptx"
+    y = gemv_call(
+        args, act=act, n=n, k=k, impl=impl, launch=launch, gw_rows=w.per_row, options=options
+    )
+    return jnp.reshape(y, (*lead, n))
