@@ -33,9 +33,11 @@ import numpy as np
 
 from rejax import config as rconfig
 from rejax import layers, sampling
+from rejax import params as rparams
 from rejax.cache import init_cache
-from rejax.model import Model, Params, linear_paths
-from rejax.nvfp4 import Nvfp4Tensor
+from rejax.ops import _dispatch
+from rejax.ops import linear as rlinear
+from rejax.params import Params
 
 # The module (the package's `rejax.generate` attribute is the function).
 rgen = importlib.import_module("rejax.generate")
@@ -54,56 +56,15 @@ TINY = rconfig.Config(
 # ----------------------------------------------------------------------------- random weights
 
 
-@functools.cache
-def _normal(shape, dtype, std):
-    return jax.jit(lambda k: (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
-
-
-@functools.cache
-def _random_nvfp4(n, k):
-    """A random Nvfp4Tensor built on device: uniform codes, E4M3 block scales in [64, 448)."""
-
-    def make(key):
-        kc, ks = jax.random.split(key)
-        packed = jax.random.bits(kc, (n, k // 2), jnp.uint8)
-        scales = jax.random.uniform(ks, (n, k // 16), jnp.float32, 64.0, 448.0)
-        # E2M1 codes have RMS ~3.2 and scales ~256: global 0.02 / 800 gives weights of std ~0.02.
-        return Nvfp4Tensor(
-            packed=packed,
-            scales=scales.astype(jnp.float8_e4m3fn),
-            global_scale=jnp.float32(0.02 / 800.0),
-            shape=(n, k),
-        )
-
-    return jax.jit(make)
-
-
 def random_params(cfg: rconfig.Config, seed: int = 0) -> Params:
-    """Random bf16 or NVFP4 weights with the structure `Model(cfg).init` produces."""
-    float_cfg = dataclasses.replace(cfg, quant=None)
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    shapes = jax.eval_shape(Model(float_cfg, jnp.bfloat16).init, jax.random.key(0), tokens, tokens)[
-        "params"
-    ]
-    key = jax.random.key(seed)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    out = []
-    for i, (path, s) in enumerate(leaves):
-        name = jax.tree_util.keystr(path)
-        k = jax.random.fold_in(key, i)
-        if name.endswith("['scale']"):
-            out.append(jnp.ones(s.shape, s.dtype))
-        elif name.endswith("['bias']"):
-            out.append(_normal(s.shape, s.dtype, 0.02)(k))
-        elif cfg.quant is not None and "layers_" in name and name.endswith("['weight']"):
-            out.append(_random_nvfp4(*s.shape)(k))
-        else:
-            out.append(_normal(s.shape, s.dtype, 0.02)(k))
-    weights = jax.tree_util.tree_unflatten(treedef, out)  # fresh dicts
-    if cfg.quant == "nvfp4":  # W4A4 with static, calibrated-style activation scales
-        for layer, block, name in linear_paths(weights):
-            weights[layer][block][name]["input_scale"] = jnp.float32(4.0 / (6 * 448))
-    return Params(weights=weights, cfg=cfg)
+    """Random bf16 or NVFP4 weights built on the device (`rejax.params.random_params`); W4A4
+    linears get static, calibrated-style activation scales."""
+    params = rparams.random_params(cfg, seed)
+    if cfg.quant == "nvfp4":
+        scale = jnp.full((cfg.num_layers,), 4.0 / (6 * 448), jnp.float32)
+        weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+        params = dataclasses.replace(params, weights=weights)
+    return params
 
 
 def _weight_bytes(params: Params) -> int:
@@ -238,21 +199,24 @@ def _breakdown(params, cache, batch, steps, repeats):
     x0 = jnp.ones((batch, d), jnp.bfloat16) * 0.1
     out = {}
 
+    nq, ffw = cfg.num_heads * cfg.head_dim, cfg.intermediate_size
+
     def linears(x, w):
-        for layer in range(cfg.num_layers):
-            lw = w[f"layers_{layer}"]
-            at, mlp = lw["self_attn"], lw["mlp"]
-            q = layers.linear(x, at["q_proj"], cfg.quant)
-            k = layers.linear(x, at["k_proj"], cfg.quant)
-            v = layers.linear(x, at["v_proj"], cfg.quant)
-            o = layers.linear(
-                q + 1e-3 * jnp.tile(k + v, (1, cfg.q_per_kv)), at["o_proj"], cfg.quant
-            )
-            h = layers.swiglu(
-                layers.linear(o, mlp["gate_proj"], cfg.quant),
-                layers.linear(o, mlp["up_proj"], cfg.quant),
-            )
-            x = (0.5 * x + 1e-3 * layers.linear(h, mlp["down_proj"], cfg.quant)).astype(x.dtype)
+        at, mlp = w["layers"]["self_attn"], w["layers"]["mlp"]
+
+        def one(i, x):
+            qkv = layers.linear(x, at["qkv_proj"], cfg.quant, layer=i)
+            o = layers.linear(qkv[:, :nq], at["o_proj"], cfg.quant, layer=i)
+            gu = layers.linear(o, mlp["gate_up_proj"], cfg.quant, layer=i)
+            h = layers.swiglu(gu[:, :ffw], gu[:, ffw:])
+            y = layers.linear(h, mlp["down_proj"], cfg.quant, layer=i)
+            return (0.5 * x + 1e-3 * y).astype(x.dtype)
+
+        if isinstance(at["qkv_proj"]["weight"], tuple):  # float: one buffer per layer
+            for i in range(cfg.num_layers):
+                x = one(i, x)
+        else:
+            x = jax.lax.fori_loop(0, cfg.num_layers, one, x)
         head = w["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else w["lm_head"]["weight"]
         logits = layers.linear(x, {"weight": head}, None)
         return (x + 1e-6 * logits[:, :d]).astype(x.dtype)
@@ -266,9 +230,12 @@ def _breakdown(params, cache, batch, steps, repeats):
 
     def attn(q, aux):
         kv, mask = aux
-        for layer in range(cfg.num_layers):
-            q = (q + 1e-3 * layers.attention(q, kv.k[layer], kv.v[layer], mask)).astype(q.dtype)
-        return q
+
+        def one(i, q):
+            k, v = layers.take(kv.k, i), layers.take(kv.v, i)
+            return (q + 1e-3 * layers.attention(q, k, v, mask)).astype(q.dtype)
+
+        return jax.lax.fori_loop(0, cfg.num_layers, one, q)
 
     f = _loop(attn, steps)
     out["attention_full_cache"], _ = _time(lambda: f(q0, (cache, mask)), repeats)
@@ -303,23 +270,16 @@ def _breakdown(params, cache, batch, steps, repeats):
 
 
 def _kernel_report(cfg, batches) -> dict:
-    from rejax import kernels
-
     on_cuda = jax.default_backend() == "gpu"
     rep = {"on_cuda": on_cuda}
     if not on_cuda:
         rep["note"] = "no CUDA device: NVFP4 linears ran the pure-JAX reference path"
         return rep
     try:
-        rep["launch"] = kernels.default_launch()
-        shapes = {
-            "qkv": (cfg.num_heads * cfg.head_dim, cfg.hidden_size),
-            "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
-            "gate_up": (cfg.intermediate_size, cfg.hidden_size),
-            "down": (cfg.hidden_size, cfg.intermediate_size),
-        }
+        rep["launch"] = _dispatch.default_launch()
+        shapes = {name: rparams.linear_shape(cfg, name) for _, name in rparams.LINEARS}
         rep["supported"] = {
-            f"{name}_m{m}": list(kernels.supported("w4a4", m, n, k))
+            f"{name}_m{m}": list(rlinear.supported("w4a4", m, n, k))
             for name, (n, k) in shapes.items()
             for m in batches
         }
@@ -370,6 +330,7 @@ def main(argv=None) -> dict:
         "--modes", nargs="+", default=["bf16", "nvfp4"], choices=["bf16", "nvfp4", "nvfp4-w4a16"]
     )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="timed decode runs (median)")
@@ -384,6 +345,7 @@ def main(argv=None) -> dict:
         if args.layers <= 0:
             raise SystemExit(f"--layers must be positive, got {args.layers}")
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cfg = dataclasses.replace(cfg, layer_loop=args.layer_loop)
     if args.tiny:
         cfg = TINY
         args.prompt_len, args.gen_len = min(args.prompt_len, 32), min(args.gen_len, 16)

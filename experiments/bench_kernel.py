@@ -45,6 +45,39 @@ def _copies(nbytes: int) -> int:
     return int(min(MAX_COPIES, max(8, math.ceil(ROTATE_BYTES / nbytes) + 1)))
 
 
+# Experiment switches: the variables the device scripts set, turned into explicit kernel
+# options (the library itself reads none of them).
+_ENV_OPTIONS = {
+    "REJAX_GEMV_VARIANT": "variant",
+    "REJAX_GEMV_ROWS": "rows",
+    "REJAX_GEMV_THREADS": "threads",
+    "REJAX_GEMV_RING": "ring",
+    "REJAX_GEMV_SOURCE": "source",
+}
+_ENV_DEFINES = {"REJAX_GEMV_LDW": "LDW_HINT", "REJAX_GEMV_LDX": "LDX_HINT", "REJAX_GEMV_SIGNED": "SIGNED_W"}
+LAYER0 = None  # int32 [] zero on the device: the layer operand of an unstacked weight
+
+
+def options_from_env():
+    """GemvOptions from the REJAX_GEMV_* variables the device scripts set (experiments only);
+    REJAX_GEMV_DIAG=1 compiles experiments/kernels/nvfp4_gemv_diag.cu with its diagnostics."""
+    import os
+
+    from cuda_ops import nvfp4_gemv
+
+    kw = {}
+    for var, field in _ENV_OPTIONS.items():
+        value = os.environ.get(var)
+        if value:
+            kw[field] = value if field in ("variant", "source") else int(value)
+    defines = [(d, os.environ[v]) for v, d in _ENV_DEFINES.items() if os.environ.get(v)]
+    for var, define in (("REJAX_GEMV_DIAG_NODOT", "DIAG_NODOT"), ("REJAX_GEMV_DIAG_LOADONLY", "DIAG_LOADONLY"), ("REJAX_GEMV_XPLANES", "XPLANES")):
+        if os.environ.get(var):
+            defines.append((define, os.environ[var]))
+            kw.setdefault("source", "experiments/kernels/nvfp4_gemv_diag.cu")
+    return nvfp4_gemv.GemvOptions(defines=tuple(defines), **kw)
+
+
 # ----------------------------------------------------------------------------- timers
 
 
@@ -115,7 +148,9 @@ def bench_shape(torch, n, k, ms, ops_enabled):
     import jax
     import jax.numpy as jnp
 
-    from rejax import kernels, nvfp4
+    from rejax import nvfp4
+    from rejax.ops import _dispatch
+    from rejax.ops import linear as kernels
 
     rows = []
     key = jax.random.PRNGKey(n * 7 + k)
@@ -159,8 +194,14 @@ def bench_shape(torch, n, k, ms, ops_enabled):
                 continue
 
             def one(w, xa, act=act):
-                return kernels._gemv_call(
-                    (*xa, *w, wg), act=act, n=n, k=k, impl="cuda", launch=kernels.default_launch()
+                return kernels.gemv_call(
+                    (*xa, *w, wg, LAYER0),
+                    act=act,
+                    n=n,
+                    k=k,
+                    impl="cuda",
+                    launch=_dispatch.default_launch(),
+                    options=options_from_env(),
                 )
 
             def ours(wps, wss, act=act, xq=xq, xs=xs, xg=xg, x=x, one=one):
@@ -259,14 +300,15 @@ def time_kernel_graph(torch, act, m, n, k, x_ops, weights, wg):
     and no host dispatch in the measured interval: the floor the jitted call approaches."""
     from cuda_ops import nvfp4_gemv
 
-    kernel = nvfp4_gemv.build(act, m, n, k)
+    kernel = nvfp4_gemv.build(act, m, n, k, options=options_from_env())
     xptr = [a.unsafe_buffer_pointer() for a in x_ops]
     gptr = wg.unsafe_buffer_pointer()
+    lptr = LAYER0.unsafe_buffer_pointer()
     outs = [torch.empty((m, n), dtype=torch.bfloat16, device="cuda") for _ in weights]
 
     def mk(i):
         wp, ws = weights[i]
-        ptrs = [*xptr, wp.unsafe_buffer_pointer(), ws.unsafe_buffer_pointer(), gptr]
+        ptrs = [*xptr, wp.unsafe_buffer_pointer(), ws.unsafe_buffer_pointer(), gptr, lptr]
 
         def fn():
             kernel.launch(torch.cuda.current_stream().cuda_stream, [*ptrs, outs[i].data_ptr()])
@@ -362,7 +404,9 @@ def chain_overhead(n_calls=100):
     import jax.numpy as jnp
 
     from cuda_ops.build import compile_ptx
-    from rejax import kernels, nvfp4
+    from rejax import nvfp4
+    from rejax.ops import _dispatch
+    from rejax.ops import linear as kernels
 
     out = {}
     size = 4096
@@ -411,8 +455,8 @@ def chain_overhead(n_calls=100):
 
         def chain(x, launch=launch):
             for _ in range(n_calls):
-                x = kernels._gemv_call(
-                    (x, wp, ws, wg), act="w4a16", n=256, k=256, impl="cuda", launch=launch
+                x = kernels.gemv_call(
+                    (x, wp, ws, wg, LAYER0), act="w4a16", n=256, k=256, impl="cuda", launch=launch
                 )
             return x
 
@@ -585,13 +629,16 @@ def main():
     except ImportError:
         torch = None
     import jax
+    import jax.numpy as jnp
 
-    from rejax import kernels
+    from rejax.ops import _dispatch
 
+    global LAYER0
+    LAYER0 = jnp.zeros((), jnp.int32)
     result = {
         "versions": _versions(torch),
         "device": str(jax.devices()[0]),
-        "launch": kernels.default_launch(),
+        "launch": _dispatch.default_launch(),
         "method": __doc__,
     }
     try:

@@ -92,20 +92,21 @@ def random_operands(torch, act, m, n, k, gen):
 
     wp, ws = codes(n, k // 2), scales(n, k // 16)
     wg = (torch.rand((), device="cuda", generator=gen) * 1e-3 + 1e-4).float()
+    layer = torch.zeros((), dtype=torch.int32, device="cuda")
     if act == "w4a4":
         xp, xs = codes(m, k // 2), scales(m, k // 16)
         xg = (torch.rand((m,), device="cuda", generator=gen) * 1e-2 + 1e-3).float()
-        return [xp, xs, xg, wp, ws, wg]
+        return [xp, xs, xg, wp, ws, wg, layer]
     x = torch.randn((m, k), device="cuda", generator=gen).to(torch.bfloat16)
-    return [x, wp, ws, wg]
+    return [x, wp, ws, wg, layer]
 
 
 def reference64(torch, dequant, act, ops):
     if act == "w4a4":
-        xp, xs, xg, wp, ws, wg = ops
+        xp, xs, xg, wp, ws, wg, _ = ops
         x = dequant(xp, xs) * xg.double()[:, None]
     else:
-        x, wp, ws, wg = ops
+        x, wp, ws, wg, _ = ops
         x = x.double()
     w = dequant(wp, ws) * wg.double()
     return x @ w.T  # [M, N] f64
@@ -156,7 +157,7 @@ def jax_checks(torch, cases, out):
     import jax
     import jax.numpy as jnp
 
-    from rejax import kernels
+    from rejax.ops import linear as kernels
 
     res = []
     for (act, m, n, k), ops, y_direct in cases:
@@ -166,7 +167,7 @@ def jax_checks(torch, cases, out):
         paths = {}
         for launch in ("ptx", "callback"):
             f = jax.jit(
-                lambda *a, launch=launch, kw=kw: kernels._gemv_call(
+                lambda *a, launch=launch, kw=kw: kernels.gemv_call(
                     a, impl="cuda", launch=launch, **kw
                 )
             )
@@ -252,6 +253,7 @@ def raw_runs(cases, repeats=1):
                 rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
                 rng.integers(0x20, 0x78, (n, k // 16), dtype=np.uint8),
                 np.full((), 1e-3, np.float32),
+                np.zeros((), np.int32),
             ]
         else:
             host = [
@@ -259,6 +261,7 @@ def raw_runs(cases, repeats=1):
                 rng.integers(0, 256, (n, k // 2), dtype=np.uint8),
                 rng.integers(0x20, 0x78, (n, k // 16), dtype=np.uint8),
                 np.full((), 1e-3, np.float32),
+                np.zeros((), np.int32),
             ]
         ptrs = []
         for a in host:

@@ -590,7 +590,9 @@ def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) ->
                 bias = [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
                 used.update(f"{lin.hf}.bias" for lin in shard_lins)
                 layers_b.append(np.concatenate(bias))
-        weight = rparams.stack_layers(layers_w) if quantize else jnp.asarray(np.stack(layers_w))
+        weight = (
+            rparams.stack_layers(layers_w) if quantize else tuple(jnp.asarray(w) for w in layers_w)
+        )
         entry = {"weight": weight}
         if layers_b:
             entry["bias"] = jnp.asarray(np.stack(layers_b)).astype(dtype)
@@ -649,7 +651,9 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
                 bias = [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
                 used.update(f"{lin.hf}.bias" for lin in shard_lins)
                 layers_b.append(np.concatenate(bias))
-        weight = jnp.asarray(np.stack(layers_w)) if excluded else rparams.stack_layers(layers_w)
+        weight = (
+            tuple(jnp.asarray(w) for w in layers_w) if excluded else rparams.stack_layers(layers_w)
+        )
         entry = {"weight": weight}
         if layers_in:
             scales = np.stack(layers_in)  # [L, shards]
@@ -894,7 +898,12 @@ def _to_hf_tensors(params: Params) -> tuple[dict[str, np.ndarray], list[str]]:
                     f"stacked over {cfg.num_layers} layers"
                 )
         else:
-            w = _checked(w, f"{where}/weight", (cfg.num_layers, n, k))
+            if not isinstance(w, (tuple, list)) or len(w) != cfg.num_layers:
+                raise ValueError(
+                    f"{where}/weight: expected a tuple of {cfg.num_layers} per-layer float "
+                    f"arrays [{n}, {k}], got {type(w).__name__}"
+                )
+            w = [_checked(a, f"{where}/weight[{i}]", (n, k)) for i, a in enumerate(w)]
         scales_in = entry.get("input_scale") if cfg.quant == "nvfp4" else None
         bias = entry.get("bias")
         if per_layer[0][0].bias:
@@ -916,7 +925,7 @@ def _to_hf_tensors(params: Params) -> tuple[dict[str, np.ndarray], list[str]]:
                 rows = slice(start, start + lin.shape[0])
                 start += lin.shape[0]
                 if not quantized:
-                    tensors[f"{lin.hf}.weight"] = w[i, rows]
+                    tensors[f"{lin.hf}.weight"] = w[i][rows]
                     if cfg.quant is not None:
                         exclude.append(lin.hf)
                 else:

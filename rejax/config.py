@@ -20,6 +20,11 @@ from typing import Any
 ARCHITECTURES = {"qwen3": "qwen3", "qwen2": "qwen2"}
 # Linear quantization modes: None keeps bf16 linears.
 QUANT_MODES = (None, "nvfp4", "nvfp4-w4a16")
+# How the decoder runs its layers: "scan" (one lax.scan over the stacked weights: compile time
+# independent of depth; every decoder linear NVFP4), "unroll" (a Python loop), or "auto" (scan
+# when every decoder linear is NVFP4, whose kernel reads the stack in place; unroll when float
+# linears are present, which hold one buffer per layer: see rejax/params.py).
+LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +53,15 @@ class Config:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     quant: str | None = None
+    layer_loop: str = "auto"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
             raise ValueError(f"unknown arch {self.arch!r}; expected one of {sorted(ARCHITECTURES)}")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"unknown quant {self.quant!r}; expected one of {QUANT_MODES}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise ValueError(f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

@@ -21,6 +21,7 @@ from rejax import params as rparams
 from rejax.cache import KVCache, write_kv, write_positions
 from rejax.config import Config
 from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
+from rejax.nvfp4 import Nvfp4Tensor
 
 
 def decoder_layer(
@@ -87,6 +88,27 @@ def decoder_layer(
     return x, kv, amax
 
 
+def layer_loop(weights: dict, cfg: Config) -> str:
+    """"scan" or "unroll" for these weights (cfg.layer_loop, "auto" resolved).
+
+    "auto" scans when every decoder linear is NVFP4: its kernel reads the layer stack in place.
+    Float linears hold one buffer per layer (a tuple; XLA would copy a slice of a stacked float
+    weight before its cuBLAS call, rejax/params.py), which only a Python loop can index, so
+    they take the unrolled loop: one layer body per layer in the program, as before stacking.
+    """
+    quantized = all(
+        isinstance(weights["layers"][b][n]["weight"], Nvfp4Tensor) for b, n in rparams.LINEARS
+    )
+    if cfg.layer_loop == "scan" and not quantized:
+        raise ValueError(
+            "layer_loop='scan' needs every decoder linear NVFP4 (stacked); float linears hold "
+            "one array per layer and need layer_loop='unroll' or 'auto'"
+        )
+    if cfg.layer_loop != "auto":
+        return cfg.layer_loop
+    return "scan" if quantized else "unroll"
+
+
 def forward(
     weights: dict,
     tokens: jax.Array,
@@ -132,7 +154,14 @@ def forward(
         x, kv, amax = decoder_layer(x, lw, i, positions, kv, index, k_positions, cfg, with_amax)
         return (x, kv), amax
 
-    (x, kv), amax = jax.lax.scan(body, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    if layer_loop(weights, cfg) == "scan":
+        (x, kv), amax = jax.lax.scan(body, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    else:
+        per_layer = []
+        for i in range(cfg.num_layers):
+            (x, kv), a = body((x, kv), i)
+            per_layer.append(a)
+        amax = jax.tree.map(lambda *v: jnp.stack(v), *per_layer) if with_amax else {}
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     x = rms_norm(x, weights["norm"]["scale"], cfg.rms_norm_eps)

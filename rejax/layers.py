@@ -113,9 +113,17 @@ _ACT = {"nvfp4": "w4a4", "nvfp4-w4a16": "w4a16"}
 
 
 def take(a: Any, layer: Any) -> Any:
-    """Entry `layer` (int or traced int32 []) of a stacked array; `a` itself when layer is None."""
+    """Entry `layer` of per-layer weights: a stacked array (int or traced int32 [] index) or a
+    tuple of per-layer arrays (Python int index); `a` itself when layer is None."""
     if layer is None:
         return a
+    if isinstance(a, (tuple, list)):
+        if not isinstance(layer, (int, np.integer)):
+            raise ValueError(
+                "per-layer weights held as a tuple need a static layer index (an unrolled layer "
+                f"loop), got {type(layer).__name__}"
+            )
+        return a[int(layer)]
     return jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)
 
 
@@ -137,12 +145,14 @@ def linear(
 
     Args:
         x: [..., K_in] activations.
-        params: {"weight": [(L,) N_out, K_in] array or Nvfp4Tensor, optional "bias" [(L,) N_out],
-            optional "input_scale" f32 [(L,)] or [(L,) shards]}.
+        params: {"weight": [N_out, K_in] array, a tuple of them (one per layer), or an
+            Nvfp4Tensor (stacked [L, ...] with `layer`), optional "bias" [(L,) N_out], optional
+            "input_scale" f32 [(L,)] or [(L,) shards]}.
         quant: None (float weights), "nvfp4" or "nvfp4-w4a16" (cfg.quant): the activation mode
             of NVFP4 weights.
-        layer: index into stacked params (int or traced int32 []), or None for one matrix. The
-            NVFP4 kernel reads the stack in place; a float weight is sliced.
+        layer: index into per-layer params (int or traced int32 []), or None for one matrix.
+            The NVFP4 kernel reads its stack in place; float weights are separate per-layer
+            arrays (XLA would copy a slice of a stack before its cuBLAS call).
         shards: output rows of each fused shard (needed only for per-shard input scales).
 
     Returns:

@@ -6,20 +6,25 @@ The weights pytree, taken by `rejax.decoder.Model(cfg).apply({"params": weights}
     embed_tokens/embedding                [V, D]
     layers/input_layernorm/scale          [L, D]
     layers/post_attention_layernorm/scale [L, D]
-    layers/self_attn/qkv_proj/weight      [L, N*H + 2*K*H, D]   (q, k, v rows, in that order)
+    layers/self_attn/qkv_proj/weight      L x [N*H + 2*K*H, D]  (q, k, v rows, in that order)
     layers/self_attn/qkv_proj/bias        [L, N*H + 2*K*H]      (Qwen2)
     layers/self_attn/q_norm/scale         [L, H]                (Qwen3; k_norm likewise)
-    layers/self_attn/o_proj/weight        [L, D, N*H]
-    layers/mlp/gate_up_proj/weight        [L, 2*F, D]           (gate rows, then up rows)
-    layers/mlp/down_proj/weight           [L, D, F]
+    layers/self_attn/o_proj/weight        L x [D, N*H]
+    layers/mlp/gate_up_proj/weight        L x [2*F, D]          (gate rows, then up rows)
+    layers/mlp/down_proj/weight           L x [D, F]
     norm/scale                            [D]
     lm_head/weight                        [V, D]                (absent when tied)
 
-A linear's weight is a float array or a stacked `Nvfp4Tensor` (packed [L, N, K/2]; global scale
-[L], or [L, N] when the shards of a fused linear keep their own scales). A W4A4 linear may hold
-`input_scale` f32 [L] (static activation scale; [L, shards] when the shards' scales differ). The
-Hugging Face names (`model.layers.{i}.self_attn.q_proj`, ...) live only in rejax/checkpoint.py.
-Dimension letters: see rejax/config.py.
+A linear's weight ("L x [N, K]") is either a stacked `Nvfp4Tensor` (packed [L, N, K/2], scales
+[L, N, K/16], global scale [L], or [L, N] when the shards of a fused linear keep their own
+scales), which the NVFP4 kernel reads in place given the layer index, or, for float weights, a
+tuple of L separate [N, K] arrays: XLA copies a layer's slice out of a stacked float weight
+before its cuBLAS call (measured on the H200: bf16 decode 2.1-2.5x slower, scanned or
+unrolled), so float linears keep one buffer per layer and the decoder unrolls its layer loop for
+them (rejax/decoder.py). A W4A4 linear may hold `input_scale` f32 [L] (static activation scale;
+[L, shards] when the shards' scales differ). The Hugging Face names
+(`model.layers.{i}.self_attn.q_proj`, ...) live only in rejax/checkpoint.py. Dimension letters:
+see rejax/config.py.
 """
 
 from __future__ import annotations
@@ -129,14 +134,17 @@ def init_weights(cfg: Config, key: jax.Array, dtype=jnp.bfloat16) -> dict:
     quantizes real random weights instead.
     """
     L, d, v = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
-    keys = iter(jax.random.split(key, 8))
+    keys = iter(jax.random.split(key, 4 + 4 * L))
 
     def normal(shape):
         return (0.02 * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
 
     def lin(name):
         n, k = linear_shape(cfg, name)
-        p = {"weight": _zeros_nvfp4((L,), n, k) if cfg.quant else normal((L, n, k))}
+        if cfg.quant:
+            p = {"weight": _zeros_nvfp4((L,), n, k)}
+        else:
+            p = {"weight": tuple(normal((n, k)) for _ in range(L))}
         if has_bias(cfg, name):
             p["bias"] = jnp.zeros((L, n), dtype)
         return p
@@ -274,14 +282,15 @@ def copy_dicts(tree):
 
 
 def quantize_stack(w: Any, sizes: tuple[int, ...]) -> Nvfp4Tensor:
-    """Quantizes a stacked float linear [L, N, K] to a stacked Nvfp4Tensor, shard by shard.
+    """Quantizes a float linear (L x [N, K], a tuple or a stacked array) to a stacked
+    Nvfp4Tensor, shard by shard.
 
     Each (layer, shard) matrix goes through `nvfp4.quantize_weight` on its own, exactly as
     ModelOpt quantizes the unfused linears, and the shards are joined with `concat_rows`.
     """
-    w = np.asarray(w)
     per_layer = []
     for layer in w:
+        layer = np.asarray(layer)
         parts, start = [], 0
         for n in sizes:
             parts.append(nvfp4.quantize_weight(layer[start : start + n]))

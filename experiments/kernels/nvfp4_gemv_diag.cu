@@ -1,3 +1,8 @@
+// EXPERIMENTS ONLY: the GEMV of the fourth device session with its diagnostics
+// (DIAG_NODOT, DIAG_LOADONLY: wrong numbers on purpose) and the two-plane staged-x layout
+// (XPLANES), which measured no faster. Compiled through GemvOptions(source=...) by
+// experiments/bench_kernel.py; the product kernel is cuda_ops/nvfp4_gemv.cu.
+//
 // Small-M NVFP4 GEMV for Hopper (sm_90; runs on sm_89+): y[M, N] = x[M, K] . W[N, K]^T, bf16 out.
 //
 // GEMM letters: M decode tokens (rows of x), N out features (rows of W), K in features.
@@ -107,6 +112,29 @@ static_assert(NV <= 32, "R_ROWS * M_TOK must be <= 32");
 static_assert(K_IN % 256 == 0, "K must be a multiple of 256");
 static_assert(N_OUT % R_ROWS == 0, "R_ROWS must divide N");
 static_assert(M_TOK >= 1 && M_TOK <= 8, "M must be 1..8");
+
+// Stacked weights (rejax stacks every decoder layer's matrix of one kind in one buffer):
+// codes [L][N][K/2], scales [L][N][K/16], global scales [L] (one per matrix) or [L][N]
+// (GW_ROWS = 1: one per output row, e.g. fused q/k/v shards quantized with their own scale).
+// `layer` is a device int32, so one compiled kernel serves every layer of a scanned decoder
+// without copying a layer's bytes out of the stack.
+#ifndef GW_ROWS
+#define GW_ROWS 0
+#endif
+struct Layer {
+  const u8* wp;
+  const u8* ws;
+  const float* wg;
+};
+
+__device__ __forceinline__ Layer layer_of(const u8* wp, const u8* ws, const float* wg,
+                                          const int* layer) {
+  const size_t l = (size_t)(unsigned)*layer;
+  return {wp + l * N_OUT * (K_IN / 2), ws + l * N_OUT * (K_IN / 16),
+          wg + l * (GW_ROWS ? N_OUT : 1)};
+}
+
+__device__ __forceinline__ float gw_of(const float* wg, int n) { return GW_ROWS ? wg[n] : wg[0]; }
 
 // ---------------------------------------------------------------------------- loads
 
@@ -228,7 +256,7 @@ __device__ __forceinline__ void stream_epilogue(float (&acc)[VP], float* red, in
   const bool holder = lane % (32 / VP) == 0 && idx < NV;
   const int r = idx / M_TOK, m = idx % M_TOK;
   if constexpr (KSPLIT == 1) {
-    if (holder && g < NGROUPS) y[(size_t)m * N_OUT + g * R_ROWS + r] = f32_to_bf16(out(m, total));
+    if (holder && g < NGROUPS) y[(size_t)m * N_OUT + g * R_ROWS + r] = f32_to_bf16(out(m, g * R_ROWS + r, total));
   } else {
     if (holder) red[((lg * KSPLIT + slice) * R_ROWS + r) * M_TOK + m] = total;
     __syncthreads();
@@ -239,7 +267,7 @@ __device__ __forceinline__ void stream_epilogue(float (&acc)[VP], float* red, in
       float t = 0.f;
 #pragma unroll
       for (int sl = 0; sl < KSPLIT; ++sl) t += red[((gl * KSPLIT + sl) * R_ROWS + rr) * M_TOK + mm];
-      y[(size_t)mm * N_OUT + gg * R_ROWS + rr] = f32_to_bf16(out(mm, t));
+      y[(size_t)mm * N_OUT + gg * R_ROWS + rr] = f32_to_bf16(out(mm, gg * R_ROWS + rr, t));
     }
   }
 }
@@ -446,7 +474,7 @@ __device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, i
     float s = 0.f;
 #pragma unroll 1
     for (int p = 0; p < KPARTS; ++p) s += ybuf[(p * RPC + lr) * M_TOK + m];
-    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, s));
+    y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, g0 * R_ROWS + lr, s));
   }
 }
 
@@ -632,8 +660,13 @@ __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, in
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                    const float* __restrict__ xg, const u8* __restrict__ wp,
-                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+                    const float* __restrict__ xg, const u8* __restrict__ wp_all,
+                    const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                    const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   extern __shared__ __align__(16) u8 smem[];
   u8* sx = smem;                                   // int8 [M][K]: 2 * E2M1 value
   u8* ssf = smem + M_TOK * K_IN;                   // E4M3 [M][K/16]
@@ -674,17 +707,21 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   __syncthreads();
 
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
-  const float gw = wg[0];
   persistent_epilogue(ybuf, y, g0, g1, tid,
-                      [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+                      [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
 }
 
 #else  // GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                    const float* __restrict__ xg, const u8* __restrict__ wp,
-                    const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+                    const float* __restrict__ xg, const u8* __restrict__ wp_all,
+                    const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                    const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
   const int tid = threadIdx.x, lane = tid & 31;
   const Share sh = my_share(tid >> 5);
@@ -721,9 +758,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     chunk_dot(acc, q[i], sw[i], xw, sxf);
   }
 
-  const float gw = wg[0];
   stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
-                  [&](int m, float t) { return (t * 0.25f) * (gw * xg[m]); });
+                  [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
 }
 
 #endif  // GEMV_STREAM
@@ -787,9 +823,13 @@ __device__ __forceinline__ void chunk_dot16(float (&acc)[VP], const uint4 (&q)[R
 #if !GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
-                     const u8* __restrict__ ws, const float* __restrict__ wg,
-                     u16* __restrict__ y) {
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp_all,
+                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                     const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   extern __shared__ __align__(16) u8 smem[];
   float* ybuf = (float*)smem;  // [KPARTS][RPC][M]
   u8* ring = smem + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
@@ -805,16 +845,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
             });
   __syncthreads();
 
-  const float gw = wg[0];
-  persistent_epilogue(ybuf, y, g0, g1, tid, [&](int, float t) { return (t * 16384.0f) * gw; });
+  persistent_epilogue(ybuf, y, g0, g1, tid,
+                      [&](int, int n, float t) { return (t * 16384.0f) * gw_of(wg, n); });
 }
 
 #else  // GEMV_STREAM
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp,
-                     const u8* __restrict__ ws, const float* __restrict__ wg,
-                     u16* __restrict__ y) {
+    nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp_all,
+                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
+                     const int* __restrict__ layer, u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
   __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
   const int tid = threadIdx.x, lane = tid & 31;
   const Share sh = my_share(tid >> 5);
@@ -831,9 +875,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     if (sh.valid && c < sh.c1) chunk_dot16(acc, q[i], sw[i], x, 32 * c);
   }
 
-  const float gw = wg[0];
   stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
-                  [&](int, float t) { return (t * 16384.0f) * gw; });
+                  [&](int, int n, float t) { return (t * 16384.0f) * gw_of(wg, n); });
 }
 
 #endif  // GEMV_STREAM
