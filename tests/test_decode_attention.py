@@ -2,13 +2,20 @@
 (interpret mode on CPU, the real kernel under the gpu marker) vs the reference, one compile
 inside a jitted loop as the cache fills."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from rejax.layers import attention, attention_mask
-from rejax.ops.decode_attention import decode_attention, decode_attention_ref
+from rejax.ops.decode_attention import (
+    decode_attention,
+    decode_attention_kernel,
+    decode_attention_ref,
+    default_num_splits,
+)
 
 # kernel vs reference, bf16 out (STYLE.md): norm(y - ref) / norm(ref)
 KERNEL_REL_TOL = 1e-2
@@ -114,6 +121,16 @@ def test_kernel_interpret_equals_ref(b, n, kh, h, s, live, block_s, splits):
     np.testing.assert_array_equal(np.asarray(out)[~vis], 0)
 
 
+def test_kernel_poisoned_outputs_interpret():
+    """The poison path (NaN outputs aliased in, as the GPU check runs it) gives the same result."""
+    live = 70
+    q, kc, vc, qp, kp = _problem(8, b=2, n=8, kh=2, h=16, s=128, live=live)
+    args = (q, kc, vc, jnp.int32(0), qp, kp, jnp.int32(live))
+    ref = decode_attention(*args, impl="ref")
+    out = decode_attention_kernel(*args, block_s=16, num_splits=4, interpret=True, poison=True)
+    assert _rel(out, ref) <= KERNEL_REL_TOL
+
+
 def _fill_loop(impl, n_steps, counter):
     """A jitted while_loop that writes one token per step into a 2-layer stacked cache and runs
     decode attention over every layer with `lax.scan` (layer and live are traced)."""
@@ -180,6 +197,28 @@ def test_auto_on_cpu_is_ref():
     )
 
 
+def _cuda_kernels(q, kc, vc, qp, kp, impl):
+    """Names of the Pallas kernels in the program lowered for CUDA (no GPU needed to lower)."""
+    f = jax.jit(lambda *a: decode_attention(*a, impl=impl))
+    text = (
+        f.trace(q, kc, vc, jnp.int32(0), qp, kp, jnp.int32(3))
+        .lower(lowering_platforms=("cuda",))
+        .as_text()
+    )
+    return re.findall(r'name = "(rejax_decode_attention_[a-z]+)"', text)
+
+
+def test_cuda_lowering_dispatch():
+    q, kc, vc, qp, kp = _problem(9, b=2, n=8, kh=2, h=64, s=64, live=20)
+    both = ["rejax_decode_attention_partials", "rejax_decode_attention_combine"]
+    assert _cuda_kernels(q, kc, vc, qp, kp, "auto") == both
+    assert _cuda_kernels(q, kc, vc, qp, kp, "pallas") == both
+    assert _cuda_kernels(q, kc, vc, qp, kp, "ref") == []
+    f32 = [x.astype(jnp.float32) for x in (q, kc, vc)]
+    with pytest.warns(UserWarning, match="bfloat16 or float16"):
+        assert _cuda_kernels(*f32, qp, kp, "auto") == []
+
+
 def test_pallas_raises_off_cuda():
     q, kc, vc, qp, kp = _problem(5, b=1, n=4, kh=2, h=16, s=32, live=20)
     with pytest.raises(ValueError, match="needs the CUDA platform"):
@@ -234,6 +273,9 @@ def test_kernel_equals_ref_gpu(b, s, lives):
         args = (q, kc, vc, jnp.int32(1), qp, kp, jnp.int32(live))
         out = decode_attention(*args, impl="pallas")
         ref = decode_attention(*args, impl="ref")
+        splits = default_num_splits(b, 8, s)
+        poisoned = decode_attention_kernel(*args, num_splits=splits, poison=True)
+        np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(out))
         vis = _visible_rows(qp, kp, live)
         assert _rel(np.asarray(out)[vis], np.asarray(ref)[vis]) <= KERNEL_REL_TOL, live
         np.testing.assert_array_equal(np.asarray(out)[~vis], 0)

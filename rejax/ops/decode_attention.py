@@ -223,38 +223,94 @@ def _combine_kernel(
     plgpu.store(o_ref.at[b, rows, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
 
 
-def _kernel_call(
-    q, k_cache, v_cache, layer, q_positions, k_positions, live, *, block_s, num_splits, interpret
-):
+def _poisoned(kernel, n_in: int, n_out: int):
+    """The kernel called with NaN-filled outputs aliased in: drops the aliased input refs."""
+
+    def run(*refs):
+        return kernel(*refs[: n_in - n_out], *refs[n_in:])
+
+    return run
+
+
+def _call(kernel, args, out_shape, *, grid, interpret, poison, name):
+    if poison:  # start every output as NaN (the interpreter does so for unaliased outputs too)
+        outs = [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+        aliases = {len(args) + i: i for i in range(len(outs))}
+        kernel = _poisoned(kernel, len(args) + len(outs), len(outs))
+        args = (*args, *outs)
+    else:
+        aliases = {}
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+def decode_attention_kernel(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+    *,
+    block_s: int = BLOCK_S,
+    num_splits: int,
+    interpret: bool = False,
+    poison: bool = False,
+) -> jax.Array:
+    """The two Pallas calls themselves, without dispatch or input checks (use
+    `decode_attention`; this entry point is for kernel tests and benchmarks).
+
+    Args:
+        q, k_cache, v_cache, layer, q_positions, k_positions, live: as `decode_attention`,
+            already validated; positions int32.
+        block_s: slots per block.
+        num_splits: P.
+        interpret: run through the Pallas interpreter (any platform).
+        poison: start the partial and final outputs as NaN, so a split that the combine reads
+            without the partials kernel having written it, or an output row left unwritten,
+            shows up as NaN (GPU checks; the interpreter always starts outputs as NaN).
+
+    Returns:
+        [B, N, H] in q's dtype.
+    """
     b, n, h = q.shape
     _, _, s, kh, _ = k_cache.shape
     g = n // kh
     gp = max(16, pl.next_power_of_2(g))
     statics = {"g": g, "gp": gp, "block_s": block_s, "num_splits": num_splits, "seq": s}
-    params = plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     # [1] refs rather than 0-d ones: a reshape (free), loaded as ref[0] in the kernels
-    live1 = live.astype(jnp.int32).reshape(1)
-    layer1 = layer.astype(jnp.int32).reshape(1)
-    acc, m, l = pl.pallas_call(
+    live1 = jnp.asarray(live, jnp.int32).reshape(1)
+    layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
+    common = {"interpret": interpret, "poison": poison}
+    acc, m, l = _call(
         functools.partial(_partials_kernel, **statics),
-        grid=(b, kh, num_splits),
-        out_shape=(
+        (live1, layer1, q_positions, q, k_cache, v_cache, k_positions),
+        (
             jax.ShapeDtypeStruct((b, num_splits, n, h), jnp.float32),
             jax.ShapeDtypeStruct((b, num_splits, n), jnp.float32),
             jax.ShapeDtypeStruct((b, num_splits, n), jnp.float32),
         ),
-        compiler_params=params,
-        interpret=interpret,
+        grid=(b, kh, num_splits),
         name="rejax_decode_attention_partials",
-    )(live1, layer1, q_positions.astype(jnp.int32), q, k_cache, v_cache, k_positions)
-    return pl.pallas_call(
+        **common,
+    )
+    (out,) = _call(
         functools.partial(_combine_kernel, **statics),
+        (live1, acc, m, l),
+        (jax.ShapeDtypeStruct((b, n, h), q.dtype),),
         grid=(b, kh),
-        out_shape=jax.ShapeDtypeStruct((b, n, h), q.dtype),
-        compiler_params=params,
-        interpret=interpret,
         name="rejax_decode_attention_combine",
-    )(live1, acc, m, l)
+        **common,
+    )
+    return out
 
 
 def kernel_supported(q_shape, k_shape, dtype, block_s: int = BLOCK_S) -> tuple[bool, str]:
@@ -317,7 +373,7 @@ def _lower_ref(ctx, *args, **params):
 
 def _lower_kernel(ctx, *args, interpret: bool, block_s: int, num_splits: int, **_: Any):
     fn = functools.partial(
-        _kernel_call, block_s=block_s, num_splits=num_splits, interpret=interpret
+        decode_attention_kernel, block_s=block_s, num_splits=num_splits, interpret=interpret
     )
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
