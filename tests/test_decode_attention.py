@@ -26,16 +26,11 @@ def _rel(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
 
 
-def _problem(seed, *, b, n, kh, h, s, live, layers=2, dtype=jnp.bfloat16, left_pad=True):
-    """Random q and cache with per-row lengths <= live, left padding and -1 holes.
+def _positions(rng, b, s, live, left_pad=True):
+    """Per-row slot positions over [0, live): left padding, -1 holes; slots >= live empty.
 
-    Slots >= live are empty (-1) and hold random values, as a cache reused across requests does.
-    Returns (q, k_cache, v_cache, q_positions, k_positions).
+    Returns (q_positions [B], k_positions [B, S]) as int32 numpy arrays.
     """
-    rng = np.random.default_rng(seed)
-    q = rng.standard_normal((b, n, h)).astype(np.float32)
-    k_cache = rng.standard_normal((layers, b, s, kh, h)).astype(np.float32)
-    v_cache = rng.standard_normal((layers, b, s, kh, h)).astype(np.float32)
     k_pos = np.full((b, s), -1, np.int32)
     q_pos = np.zeros((b,), np.int32)
     for r in range(b):
@@ -47,6 +42,20 @@ def _problem(seed, *, b, n, kh, h, s, live, layers=2, dtype=jnp.bfloat16, left_p
         # own slot is never a hole, so every row with q_pos >= 0 sees a key
         q_pos[r] = max(0, live - pad - 1 - int(rng.integers(0, 3)))
         k_pos[r, pad + q_pos[r]] = q_pos[r]
+    return q_pos, k_pos
+
+
+def _problem(seed, *, b, n, kh, h, s, live, layers=2, dtype=jnp.bfloat16, left_pad=True):
+    """Random q and cache with per-row lengths <= live, left padding and -1 holes.
+
+    Slots >= live are empty (-1) and hold random values, as a cache reused across requests does.
+    Returns (q, k_cache, v_cache, q_positions, k_positions).
+    """
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, n, h)).astype(np.float32)
+    k_cache = rng.standard_normal((layers, b, s, kh, h)).astype(np.float32)
+    v_cache = rng.standard_normal((layers, b, s, kh, h)).astype(np.float32)
+    q_pos, k_pos = _positions(rng, b, s, live, left_pad)
     return (
         jnp.asarray(q, dtype),
         jnp.asarray(k_cache, dtype),
@@ -266,14 +275,24 @@ def test_bad_inputs_raise():
     ],
 )
 def test_kernel_equals_ref_gpu(b, s, lives):
+    n, kh, h = 32, 8, 128  # Qwen3-8B
+    keys = jax.random.split(jax.random.key(b), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_full = jax.random.normal(keys[1], (2, b, s, kh, h), jnp.bfloat16)
+    v_full = jax.random.normal(keys[2], (2, b, s, kh, h), jnp.bfloat16)
+    rng = np.random.default_rng(s)
     for live in lives:
-        q, kc, vc, qp, kp = _problem(live, b=b, n=32, kh=8, h=128, s=s, live=live)
-        kc = kc.at[:, :, live:].set(jnp.nan)
-        vc = vc.at[:, :, live:].set(jnp.nan)
+        qp, kp = _positions(rng, b, s, live)
+        if b > 1:
+            qp[b - 1] = -1  # a padded row
+        qp, kp = jnp.asarray(qp), jnp.asarray(kp)
+        # slots past live are never read: poison them
+        kc = k_full.at[:, :, live:].set(jnp.nan)
+        vc = v_full.at[:, :, live:].set(jnp.nan)
         args = (q, kc, vc, jnp.int32(1), qp, kp, jnp.int32(live))
         out = decode_attention(*args, impl="pallas")
         ref = decode_attention(*args, impl="ref")
-        splits = default_num_splits(b, 8, s)
+        splits = default_num_splits(b, kh, s)
         poisoned = decode_attention_kernel(*args, num_splits=splits, poison=True)
         np.testing.assert_array_equal(np.asarray(poisoned), np.asarray(out))
         vis = _visible_rows(qp, kp, live)
