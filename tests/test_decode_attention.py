@@ -15,6 +15,7 @@ from rejax.ops.decode_attention import (
     decode_attention_kernel,
     decode_attention_ref,
     default_num_splits,
+    prefill_attention,
 )
 
 # kernel vs reference, bf16 out (STYLE.md): norm(y - ref) / norm(ref)
@@ -312,3 +313,90 @@ def test_kernel_compiles_once_in_while_loop_gpu():
         out = f(q, kc, vc, kp0, jnp.int32(live0))
         assert _rel(out, f_ref(q, kc, vc, kp0, jnp.int32(live0))) <= KERNEL_REL_TOL
     assert count == [1]
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def _prefill_problem(seed, *, b, t, s, n, kh, h, dtype):
+    """Cache slots [0, T) hold the prompt (left padded per row, -1 holes); the other S - T slots
+    are empty. Returns (q, k, v, q_positions, k_positions)."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, s, kh, h)), dtype)
+    k_pos = np.full((b, s), -1, np.int32)
+    q_pos = np.full((b, t), -1, np.int32)
+    for r in range(b):
+        pad = int(rng.integers(0, t // 2))
+        q_pos[r, pad:] = np.arange(t - pad)
+        k_pos[r, :t] = q_pos[r]
+        holes = rng.random(t) < 0.1
+        k_pos[r, :t][holes & (np.arange(t) > pad)] = -1
+    return q, k, v, jnp.asarray(q_pos), jnp.asarray(k_pos)
+
+
+@pytest.mark.parametrize(
+    "dtype,tol",
+    [(jnp.float32, 1e-5), (jnp.bfloat16, KERNEL_REL_TOL)],  # f32: no cast of the weights
+)
+def test_prefill_equals_masked_attention(dtype, tol):
+    # T and S no multiple of the chunks: a padded query chunk, and a last key chunk shifted back
+    # to slots 33..52 that overlaps prompt slots 33..36 of the chunk before it
+    q, k, v, qp, kp = _prefill_problem(10, b=3, t=37, s=53, n=8, kh=2, h=16, dtype=dtype)
+    out = prefill_attention(q, k, v, qp, kp, q_chunk=16, k_chunk=20)
+    today = attention(q, k, v, attention_mask(qp, kp))
+    vis = np.asarray(attention_mask(qp, kp)).any(axis=-1)  # [B, T]
+    assert (~vis).any() and vis.sum() > 50  # padded queries and real ones
+    assert _rel(np.asarray(out)[vis], np.asarray(today)[vis]) <= tol
+    np.testing.assert_array_equal(np.asarray(out)[~vis], 0)
+    # one chunk covering everything gives the same numbers
+    whole = prefill_attention(q, k, v, qp, kp, q_chunk=64, k_chunk=64)
+    assert _rel(np.asarray(whole)[vis], np.asarray(today)[vis]) <= tol
+
+
+def _largest_intermediate(closed_jaxpr) -> int:
+    """Element count of the largest value any equation (at any nesting depth) produces."""
+
+    def walk(jaxpr):
+        biggest = 0
+        for eqn in jaxpr.eqns:
+            for var in eqn.outvars:
+                biggest = max(biggest, int(np.prod(getattr(var.aval, "shape", ()))))
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                        biggest = max(biggest, walk(sub.jaxpr))
+                    elif hasattr(sub, "eqns"):
+                        biggest = max(biggest, walk(sub))
+        return biggest
+
+    return walk(closed_jaxpr.jaxpr)
+
+
+def test_prefill_never_materializes_scores():
+    b, t, s, n, kh, h = 1, 512, 1024, 8, 2, 8  # q ([B, T, N, H]) smaller than a score chunk
+    sd = jax.ShapeDtypeStruct
+    args = (
+        sd((b, t, n, h), jnp.bfloat16),
+        sd((b, s, kh, h), jnp.bfloat16),
+        sd((b, s, kh, h), jnp.bfloat16),
+        sd((b, t), jnp.int32),
+        sd((b, s), jnp.int32),
+    )
+    jaxpr = jax.make_jaxpr(lambda *a: prefill_attention(*a, q_chunk=64, k_chunk=128))(*args)
+    assert _largest_intermediate(jaxpr) == b * n * 64 * 128  # one chunk of scores
+    today = jax.make_jaxpr(lambda q, k, v, qp, kp: attention(q, k, v, attention_mask(qp, kp)))
+    assert _largest_intermediate(today(*args)) == b * n * t * s  # the check sees [B, N, T, S]
+
+
+def test_prefill_bad_inputs_raise():
+    q, k, v, qp, kp = _prefill_problem(11, b=2, t=8, s=16, n=4, kh=2, h=16, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        prefill_attention(q[:, :, :3], k, v, qp, kp)
+    with pytest.raises(ValueError, match="positions must be"):
+        prefill_attention(q, k, v, qp[:, :4], kp)
+    with pytest.raises(ValueError, match="k, v must be"):
+        prefill_attention(q, k, v[:, :8], qp, kp)
+    with pytest.raises(ValueError, match="chunks must be"):
+        prefill_attention(q, k, v, qp, kp, k_chunk=0)

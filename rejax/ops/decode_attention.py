@@ -1,4 +1,4 @@
-"""Decode attention that reads only the live slots of the stacked KV cache.
+"""Decode attention over the live slots of the stacked KV cache, and chunked prefill attention.
 
 One new query token per row attends over one layer of the stacked cache [L, B, S, K, H]. The
 pure-JAX reference (`decode_attention_ref`) is today's `rejax.layers.attention` with slots at or
@@ -34,6 +34,8 @@ Numerics (both paths): scores q.k in float32 scaled by H**-0.5; a key is visible
 the value dtype before the PV product. The kernel casts the unnormalized exp(s - m) (in (0, 1])
 instead of the normalized probability, the same 2**-8 relative rounding per weight for bf16, and
 normalizes the float32 sum at the end. A row with no visible key returns zeros on both paths.
+`prefill_attention` is the prompt-side op (T new tokens): a chunked online softmax in pure JAX
+that never holds [B, N, T, S] scores.
 Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits).
 """
 
@@ -498,3 +500,102 @@ def decode_attention(
         block_s=int(block_s),
         num_splits=int(num_splits),
     )
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def prefill_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    *,
+    q_chunk: int = 256,
+    k_chunk: int = 512,
+) -> jax.Array:
+    """Attention of T new tokens over S keys that never materializes [B, N, T, S] scores.
+
+    Pure JAX, flash style: a `lax.map` over chunks of `q_chunk` queries, each running an online
+    softmax (running max, sum and weighted V in float32) over chunks of `k_chunk` keys read in
+    place from k / v (no padded or transposed copy of the cache). The largest intermediate is
+    [B, N, q_chunk, k_chunk] float32. Masking is `rejax.layers.attention_mask`: a key is
+    visible iff 0 <= k_positions[b, s] <= q_positions[b, t] (causal over the prompt plus what
+    the cache holds, left padding and holes alike). Weights exp(s - m) are cast to v's dtype
+    before the PV product, as in `decode_attention`; for rows with a visible key the result
+    matches `rejax.layers.attention` to the rounding of that cast. Rows with no visible key
+    (padded queries) return zeros.
+
+    Args:
+        q: [B, T, N, H] queries (RoPE applied).
+        k, v: [B, S, K, H] keys (RoPE applied) and values, e.g. one layer of the cache after
+            the prompt's keys were written; N must be a multiple of K.
+        q_positions: [B, T] int32 query positions (-1 = padding).
+        k_positions: [B, S] int32 position held by each key slot (-1 = empty or padding).
+        q_chunk: queries per chunk (T is padded up to a multiple; only q is copied).
+        k_chunk: keys per chunk.
+
+    Returns:
+        [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    if k.ndim != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[3] != h:
+        raise ValueError(
+            f"k, v must be [B, S, K, H] matching q [B, T, N, H]: {q.shape=} {k.shape=} {v.shape=}"
+        )
+    s, kh = k.shape[1], k.shape[2]
+    if n % kh:
+        raise ValueError(f"query heads N={n} must be a multiple of kv heads K={kh}")
+    if q_positions.shape != (b, t) or k_positions.shape != (b, s):
+        raise ValueError(
+            f"positions must be q [B, T]=({b}, {t}) and k [B, S]=({b}, {s}), got "
+            f"{q_positions.shape=} {k_positions.shape=}"
+        )
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"chunks must be >= 1, got {q_chunk=} {k_chunk=}")
+    g = n // kh
+    tq, sk = min(q_chunk, t), min(k_chunk, s)
+    nq, nk = pl.cdiv(t, tq), pl.cdiv(s, sk)
+    pad = nq * tq - t
+    qg = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nq, tq, kh, g, h)
+    qg = qg.transpose(1, 0, 3, 4, 2, 5)  # [nq, B, K, G, tq, H]
+    qp = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    qp = qp.reshape(b, nq, tq).transpose(1, 0, 2)  # [nq, B, tq]
+    k_pos = k_positions.astype(jnp.int32)
+
+    def one_q_chunk(args):
+        qi, qpi = args  # [B, K, G, tq, H], [B, tq]
+
+        def body(j, carry):
+            acc, m, l = carry
+            # The last chunk is shifted back to fit inside S (dynamic_slice clamps); slots it
+            # shares with the previous chunk are masked so none is counted twice.
+            start = jnp.minimum(j * sk, s - sk)
+            kj = lax.dynamic_slice_in_dim(k, start, sk, axis=1)  # [B, sk, K, H]
+            vj = lax.dynamic_slice_in_dim(v, start, sk, axis=1)  # [B, sk, K, H]
+            kpj = lax.dynamic_slice_in_dim(k_pos, start, sk, axis=1)  # [B, sk]
+            kpj = jnp.where(start + jnp.arange(sk) >= j * sk, kpj, -1)
+            scores = jnp.einsum("BKGTH,BSKH->BKGTS", qi, kj, preferred_element_type=jnp.float32)
+            scores = scores * (h**-0.5)
+            vis = ((kpj[:, None, :] >= 0) & (kpj[:, None, :] <= qpi[:, :, None]))[:, None, None]
+            scores = jnp.where(vis, scores, _NEG)  # [B, K, G, tq, sk]
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            alpha = jnp.exp(m - m_new)
+            w = jnp.where(vis, jnp.exp(scores - m_new[..., None]), 0.0)
+            pv = jnp.einsum(
+                "BKGTS,BSKH->BKGTH", w.astype(v.dtype), vj, preferred_element_type=jnp.float32
+            )
+            return alpha[..., None] * acc + pv, m_new, alpha * l + jnp.sum(w, axis=-1)
+
+        init = (
+            jnp.zeros((b, kh, g, tq, h), jnp.float32),
+            jnp.full((b, kh, g, tq), _NEG, jnp.float32),
+            jnp.zeros((b, kh, g, tq), jnp.float32),
+        )
+        acc, _, l = lax.fori_loop(0, nk, body, init)
+        return jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+    out = lax.map(one_q_chunk, (qg, qp))  # [nq, B, K, G, tq, H]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * tq, n, h)[:, :t]  # [B, T, N, H]
+    return out.astype(q.dtype)
