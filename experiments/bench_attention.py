@@ -1,4 +1,4 @@
-"""Decode attention benchmark: the live-slot Pallas kernel vs the reference vs the full-cache einsum.
+"""Decode attention benchmark: live-slot Pallas kernel vs reference vs the full-cache einsum.
 
 Each variant runs inside one jitted `fori_loop` of `--steps` dependent calls (the query of call
 i + 1 depends on the output of call i; the layer alternates over a [L=2, B, S, K, H] cache, so
@@ -16,7 +16,7 @@ and q not counted) over that time as GB/s, and that as a fraction of a measured 
 the reference on random data: live lengths incl. 1, block and split boundaries, lengths that
 are no block multiple, left padding, -1 holes, a padded query row, batch 1..64.
 
-    PYTHONPATH=. python experiments/bench_attention.py --out experiments/results/bench_attention_h200.json
+    PYTHONPATH=. python experiments/bench_attention.py --out OUT.json   # GPU, full sweep
     PYTHONPATH=. python experiments/bench_attention.py --tiny --out /tmp/bench_attention_tiny.json
 
 `--tiny` runs small shapes with the kernel in Pallas interpret mode (a CPU check of the script).
@@ -97,8 +97,8 @@ def copy_ceiling(nbytes: int, repeats: int) -> float:
     return 2 * x.size * 4 / _time(lambda: f(x), repeats)
 
 
-@functools.partial(jax.jit, static_argnames=("b", "s", "live", "n", "kh", "h", "layers", "poison"))
-def _problem(key, *, b, s, live, n, kh, h, layers, poison):
+@functools.partial(jax.jit, static_argnames=("b", "s", "n", "kh", "h", "layers", "poison"))
+def _problem(key, live, *, b, s, n, kh, h, layers, poison):
     """Random bf16 q and cache; per-row left padding, 5% -1 holes, the last row a padded query.
 
     Returns (q, k_cache, v_cache, q_positions, k_positions).
@@ -108,7 +108,7 @@ def _problem(key, *, b, s, live, n, kh, h, layers, poison):
     k_cache = jax.random.normal(ks[1], (layers, b, s, kh, h), jnp.bfloat16)
     v_cache = jax.random.normal(ks[2], (layers, b, s, kh, h), jnp.bfloat16)
     slot = jnp.arange(s)
-    pad = jax.random.randint(ks[3], (b,), 0, max(1, live // 3))
+    pad = jax.random.randint(ks[3], (b,), 0, jnp.maximum(1, live // 3))
     pos = slot[None, :] - pad[:, None]  # [B, S]
     holes = jax.random.uniform(ks[4], (b, s)) < 0.05
     k_pos = jnp.where((slot < live) & (pos >= 0) & ~holes, pos, -1)
@@ -166,7 +166,15 @@ def run_timings(args, kernel_impl: str, ceiling: float) -> list[dict]:
             if not lives:
                 continue
             q, kc, vc, _, _ = _problem(
-                jax.random.key(s + b), b=b, s=s, live=s, n=n, kh=kh, h=h, layers=2, poison=False
+                jax.random.key(s + b),
+                jnp.int32(s),
+                b=b,
+                s=s,
+                n=n,
+                kh=kh,
+                h=h,
+                layers=2,
+                poison=False,
             )
             slot = jnp.arange(s)
             for impl in args.impls:
@@ -211,7 +219,8 @@ def run_timings(args, kernel_impl: str, ceiling: float) -> list[dict]:
                     rows.append(row)
                     print(
                         f"S={s:6d} B={b:2d} live={live:6d} {impl:6s} {row['us_per_call']:9.1f} us "
-                        f"{row['GBps_live']:8.1f} GB/s live ({row['frac_copy_ceiling']:.0%} of copy)"
+                        f"{row['GBps_live']:8.1f} GB/s live "
+                        f"({row['frac_copy_ceiling']:.0%} of copy)"
                         f" traces={counter[0]}",
                         flush=True,
                     )
@@ -236,9 +245,9 @@ def run_check(args, kernel_impl: str) -> dict:
         for live in _check_lives(s, args.block_s, splits, rng):
             q, kc, vc, qp, kp = _problem(
                 jax.random.key(live * 7 + b),
+                jnp.int32(live),
                 b=b,
                 s=s,
-                live=live,
                 n=n,
                 kh=kh,
                 h=h,
