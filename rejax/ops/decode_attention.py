@@ -63,9 +63,11 @@ IMPLS = ("auto", "ref", "pallas", "interpret")
 # Slots per kernel block: a [64, 128] bf16 K tile is 16 KiB, two stages of K and V fit in shared
 # memory with room to spare, and Triton's dot needs every dimension >= 16.
 BLOCK_S = 64
-# Splits are sized so that about this many programs run per call: 4 per SM on the H200's 132
-# SMs, enough to hide load latency without making the combine long.
-TARGET_PROGRAMS = 528
+# Splits are sized so that about this many programs run per call (about 4 per SM on the H200's
+# 132 SMs, enough to hide load latency); with K = 8 kv heads a batch-1 call gets 64 splits.
+TARGET_PROGRAMS = 512
+# The combine holds [next_pow2(P), H] float32 partials of one head in registers.
+MAX_SPLITS = 128
 # A split walks at least this many blocks, so short live ranges do not spread over programs
 # that would each pay the fixed cost (q load, partial write) for one block of keys.
 MIN_BLOCKS_PER_SPLIT = 2
@@ -196,33 +198,25 @@ def _partials_kernel(
 
 
 def _combine_kernel(
-    live_ref, acc_ref, m_ref, l_ref, o_ref, *, g: int, gp: int, block_s: int, num_splits: int, seq
+    live_ref, acc_ref, m_ref, l_ref, o_ref, *, block_s: int, num_splits: int, seq: int, **_
 ):
-    b, kvh = pl.program_id(0), pl.program_id(1)
+    # One program per (row, query head) reads the partials of all active splits at once: a
+    # serial loop over P splits would put P dependent global loads on the critical path.
+    b, head = pl.program_id(0), pl.program_id(1)
     live = jnp.clip(live_ref[0], 0, seq)
     _, active = _split_plan(live, block_s, num_splits)
-    h = acc_ref.shape[-1]
-    rows = pl.ds(kvh * g, gp)
-    row_ok = jnp.arange(gp) < g
-
-    def body(p, carry):
-        acc, m, l = carry
-        m_p = plgpu.load(m_ref.at[b, p, rows], mask=row_ok, other=_NEG)
-        l_p = plgpu.load(l_ref.at[b, p, rows], mask=row_ok, other=0.0)
-        acc_p = plgpu.load(acc_ref.at[b, p, rows, :], mask=row_ok[:, None], other=0.0)
-        m_new = jnp.maximum(m, m_p)
-        a, c = jnp.exp(m - m_new), jnp.exp(m_p - m_new)
-        return a[:, None] * acc + c[:, None] * acc_p, m_new, a * l + c * l_p
-
-    init = (
-        jnp.zeros((gp, h), jnp.float32),
-        jnp.full((gp,), _NEG, jnp.float32),
-        jnp.zeros((gp,), jnp.float32),
-    )
-    acc, _, l = lax.fori_loop(0, active, body, init)
-    # l == 0 iff the row saw no visible key (each visible key adds exp(0) = 1 at its split's max).
-    out = jnp.where((l > 0)[:, None], acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-    plgpu.store(o_ref.at[b, rows, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+    pp = pl.next_power_of_2(num_splits)
+    split_ok = jnp.arange(pp) < active  # splits past `active` were never written
+    m = plgpu.load(m_ref.at[b, pl.ds(0, pp), head], mask=split_ok, other=_NEG)  # [pp]
+    l = plgpu.load(l_ref.at[b, pl.ds(0, pp), head], mask=split_ok, other=0.0)  # [pp]
+    acc = plgpu.load(acc_ref.at[b, pl.ds(0, pp), head, :], mask=split_ok[:, None], other=0.0)
+    w = jnp.where(split_ok, jnp.exp(m - jnp.max(m)), 0.0)  # [pp]
+    total = jnp.sum(w * l)
+    out = jnp.sum(w[:, None] * acc, axis=0)  # [H]
+    # total == 0 iff the row saw no visible key (each visible key adds exp(0) = 1 at its
+    # split's max): zeros then, not 0 / 0.
+    out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+    plgpu.store(o_ref.at[b, head, :], out.astype(o_ref.dtype))
 
 
 def _poisoned(kernel, n_in: int, n_out: int):
@@ -308,7 +302,7 @@ def decode_attention_kernel(
         functools.partial(_combine_kernel, **statics),
         (live1, acc, m, l),
         (jax.ShapeDtypeStruct((b, n, h), q.dtype),),
-        grid=(b, kh),
+        grid=(b, n),
         name="rejax_decode_attention_combine",
         **common,
     )
@@ -342,7 +336,8 @@ def kernel_supported(q_shape, k_shape, dtype, block_s: int = BLOCK_S) -> tuple[b
 
 def default_num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLOCK_S) -> int:
     """P: enough splits for about TARGET_PROGRAMS programs, at most one per block of the cache."""
-    return int(max(1, min(pl.cdiv(TARGET_PROGRAMS, batch * kv_heads), pl.cdiv(slots, block_s))))
+    splits = min(pl.cdiv(TARGET_PROGRAMS, batch * kv_heads), pl.cdiv(slots, block_s), MAX_SPLITS)
+    return int(max(1, splits))
 
 
 # ----------------------------------------------------------------------------- primitive
@@ -483,8 +478,8 @@ def decode_attention(
         ok, reason = False, f"kernel needs one dtype for q, k, v, got {sorted(map(str, dtypes))}"
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[3], k_cache.shape[2], block_s)
-    elif num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if impl in ("pallas", "interpret") and not ok:
         raise ValueError(f"decode_attention(impl={impl!r}) cannot run: {reason}")
     return _attn_p.bind(
