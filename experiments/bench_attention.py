@@ -19,6 +19,9 @@ are no block multiple, left padding, -1 holes, a padded query row, batch 1..64.
     PYTHONPATH=. python experiments/bench_attention.py --out OUT.json   # GPU, full sweep
     PYTHONPATH=. python experiments/bench_attention.py --tiny --out /tmp/bench_attention_tiny.json
 
+A prefill phase times `prefill_attention` (chunked, B = 1, T = S) against today's attention
+that holds [B, N, T, S] float32 scores, with XLA's temporary bytes for each.
+
 `--tiny` runs small shapes with the kernel in Pallas interpret mode (a CPU check of the script).
 """
 
@@ -43,6 +46,7 @@ from rejax.ops.decode_attention import (
     decode_attention,
     decode_attention_kernel,
     default_num_splits,
+    prefill_attention,
 )
 
 # kernel vs reference, bf16 out: norm(y - ref) / norm(ref) over rows with a visible key
@@ -295,6 +299,53 @@ def run_check(args, kernel_impl: str) -> dict:
     return {"tolerance": REL_TOL, "failures": failures, "cases": cases}
 
 
+def _temp_bytes(jitted, *xs) -> int | None:
+    """XLA's temporary-buffer bytes for the compiled program (None if not reported)."""
+    try:
+        return int(jitted.lower(*xs).compile().memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        return None
+
+
+def run_prefill(args) -> list[dict]:
+    """Prompt attention: chunked `prefill_attention` vs today's [B, N, T, S] attention."""
+    n, kh, h = args.heads
+    rows = []
+    for t in args.prefill_lens:
+        ks = jax.random.split(jax.random.key(t), 3)
+        q = jax.random.normal(ks[0], (1, t, n, h), jnp.bfloat16)
+        k = jax.random.normal(ks[1], (1, t, kh, h), jnp.bfloat16)
+        v = jax.random.normal(ks[2], (1, t, kh, h), jnp.bfloat16)
+        pos = jnp.arange(t, dtype=jnp.int32)[None]
+        variants = {"chunked": jax.jit(prefill_attention)}
+        score_bytes = n * t * t * 4
+        if score_bytes <= args.max_score_gib << 30:
+            variants["full"] = jax.jit(
+                lambda q, k, v, qp, kp: attention(q, k, v, attention_mask(qp, kp))
+            )
+        outs = {}
+        for name, f in variants.items():
+            xs = (q, k, v, pos, pos)
+            sec = _time(lambda f=f, xs=xs: f(*xs), args.repeats)
+            outs[name] = np.asarray(f(*xs), np.float32)
+            rows.append(
+                {
+                    "T": t,
+                    "impl": name,
+                    "s": sec,
+                    "temp_bytes": _temp_bytes(f, *xs),
+                    "full_scores_bytes": score_bytes,
+                }
+            )
+            print(f"prefill T={t} {name}: {sec * 1e3:.2f} ms", flush=True)
+        if "full" in outs:
+            ref = outs["full"]
+            rows[-2]["rel_err_vs_full"] = float(
+                np.linalg.norm(outs["chunked"] - ref) / np.linalg.norm(ref)
+            )
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON results path")
@@ -317,6 +368,19 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument(
+        "--prefill-lens",
+        nargs="*",
+        type=int,
+        default=[2048, 8192],
+        help="prompt lengths for the prefill phase (none: skip it)",
+    )
+    ap.add_argument(
+        "--max-score-gib",
+        type=int,
+        default=16,
+        help="skip today's prefill attention when its scores exceed this",
+    )
     ap.add_argument("--copy-mib", type=int, default=2048, help="copy-ceiling buffer size")
     ap.add_argument("--tiny", action="store_true", help="small shapes, interpret kernel (CPU)")
     args = ap.parse_args(argv)
@@ -324,6 +388,7 @@ def main(argv=None) -> dict:
         args.slots, args.live, args.batch = [64, 200], [16, 100], [1, 2]
         args.heads, args.steps, args.repeats, args.copy_mib = [8, 2, 32], 2, 1, 16
         args.check_shapes, args.block_s = ["1x200", "3x64"], 16
+        args.prefill_lens = [40]
     try:
         args.check_shapes = [tuple(int(v) for v in c.split("x")) for c in args.check_shapes]
     except ValueError:
@@ -349,6 +414,9 @@ def main(argv=None) -> dict:
         _write(args.out, result)
     if not args.no_timing:
         result["timings"] = run_timings(args, kernel_impl, ceiling)
+        _write(args.out, result)
+    if args.prefill_lens:
+        result["prefill"] = run_prefill(args)
     _write(args.out, result)
     print(f"wrote {args.out}")
     if result.get("check", {}).get("failures"):

@@ -520,7 +520,9 @@ def prefill_attention(
     the cache holds, left padding and holes alike). Weights exp(s - m) are cast to v's dtype
     before the PV product, as in `decode_attention`; for rows with a visible key the result
     matches `rejax.layers.attention` to the rounding of that cast. Rows with no visible key
-    (padded queries) return zeros.
+    (padded queries) return zeros. Every (query chunk, key chunk) pair is computed, masked or
+    not (positions are data, so causal skipping would need a device-side branch): the FLOPs of
+    the unchunked op, in bounded memory.
 
     Args:
         q: [B, T, N, H] queries (RoPE applied).
