@@ -11,7 +11,8 @@ backend):
   is not), so the loop bounds follow the cache as it fills, slots >= live are never read, and
   a jitted `while_loop` compiles once;
 * each split writes its partial max, sum and unnormalized weighted V (float32); a second small
-  kernel combines the active splits of a row and normalizes.
+  kernel, one program per (row, query head), reads the partials of all active splits at once,
+  combines and normalizes them.
 
 Why Pallas rather than a CUDA kernel through cuda_ops: decode attention is two small matmuls
 per block ([G, H] x [H, Bs] and [G, Bs] x [Bs, H]) plus an online softmax, which Triton maps
@@ -19,8 +20,12 @@ onto tensor cores and pipelines (cp.async, num_stages) without hand-written layo
 kernel's speed is bound by reading K/V, which Triton's masked, coalesced 256-byte row loads
 reach without the register-level decoding that made the NVFP4 GEMV worth hand-writing. Pallas
 also runs the same kernel body on CPU in interpret mode, so the kernel (not just its
-reference) is tested in CI. A CUDA version stays an option if the H200 measurement shows the
-Triton kernel short of the copy bandwidth.
+reference) is tested in CI. cuDNN through `jax.nn.dot_product_attention` takes per-row
+sequence lengths, i.e. a prefix of valid slots, but our mask is by slot position (left padding,
+-1 holes inside the live range), which would need a [B, 1, 1, S] mask tensor per call and
+per-row lengths instead of one `live`. Not yet measured on the H200
+(`experiments/bench_attention.py` does it); a CUDA version stays the option if the Triton
+kernel falls short of the copy bandwidth.
 
 Dispatch follows rejax.kernels: one primitive whose default lowering is the reference and whose
 `platform="cuda"` lowering is the Pallas kernel, so CPU tracing never builds a Triton kernel.
@@ -32,8 +37,8 @@ interpreter on any platform (tests).
 Numerics (both paths): scores q.k in float32 scaled by H**-0.5; a key is visible iff
 0 <= k_positions[b, s] <= q_positions[b] and s < live; softmax in float32; probabilities cast to
 the value dtype before the PV product. The kernel casts the unnormalized exp(s - m) (in (0, 1])
-instead of the normalized probability, the same 2**-8 relative rounding per weight for bf16, and
-normalizes the float32 sum at the end. A row with no visible key returns zeros on both paths.
+instead of the normalized probability (the same bf16 rounding, at most 2**-9 relative, per
+weight) and normalizes the float32 sum at the end. A row with no visible key returns zeros on both paths.
 `prefill_attention` is the prompt-side op (T new tokens): a chunked online softmax in pure JAX
 that never holds [B, N, T, S] scores.
 Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits).
