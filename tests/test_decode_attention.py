@@ -232,6 +232,24 @@ def test_cuda_lowering_dispatch():
         assert _cuda_kernels(*f32, qp, kp, "auto") == []
 
 
+def test_auto_falls_back_when_the_kernel_does_not_compile(monkeypatch):
+    # Pretend to be on a GPU: the probe then compiles the kernel for real, which fails on this
+    # CPU, and impl="auto" must emit the reference (with a warning) instead.
+    import rejax.ops.decode_attention as da
+
+    monkeypatch.setattr(da, "_on_cuda", lambda: True)
+    da._compile_error.cache_clear()
+    q, kc, vc, qp, kp = _problem(12, b=1, n=4, kh=2, h=32, s=32, live=20)
+    try:
+        with pytest.warns(UserWarning, match="does not compile here"):
+            assert _cuda_kernels(q, kc, vc, qp, kp, "auto") == []
+        # forcing the kernel skips the probe: the failure surfaces where it happens
+        both = ["rejax_decode_attention_partials", "rejax_decode_attention_combine"]
+        assert _cuda_kernels(q, kc, vc, qp, kp, "pallas") == both
+    finally:
+        da._compile_error.cache_clear()
+
+
 def test_pallas_raises_off_cuda():
     q, kc, vc, qp, kp = _problem(5, b=1, n=4, kh=2, h=16, s=32, live=20)
     with pytest.raises(ValueError, match="needs the CUDA platform"):

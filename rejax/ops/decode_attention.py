@@ -29,8 +29,9 @@ kernel falls short of the copy bandwidth.
 
 Dispatch follows rejax.kernels: one primitive whose default lowering is the reference and whose
 `platform="cuda"` lowering is the Pallas kernel, so CPU tracing never builds a Triton kernel.
-`impl="auto"` takes the kernel when lowering for CUDA and the shape is supported (else the
-reference, with a one-time warning on CUDA); `"ref"` forces the reference; `"pallas"` forces
+`impl="auto"` takes the kernel when lowering for CUDA, the shape is supported and the kernel
+compiles for it on this GPU (checked once per shape; else the reference, with a one-time
+warning); `"ref"` forces the reference; `"pallas"` forces
 the kernel and raises if it cannot run; `"interpret"` runs the kernel body through the Pallas
 interpreter on any platform (tests).
 
@@ -391,11 +392,42 @@ def _lower_default(ctx, *args, impl: str, **params):
     return _lower_ref(ctx, *args)
 
 
+def _on_cuda() -> bool:
+    try:
+        return jax.default_backend() == "gpu" and bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _compile_error(avals: tuple, block_s: int, num_splits: int) -> str:
+    """ "" if the kernel compiles (Triton to cubin) for these operands on this GPU, else why.
+
+    `impl="auto"` asks once per shape before emitting the kernel, so a Triton failure on some
+    GPU or JAX version falls back to the reference instead of failing the whole program.
+    Lowering for CUDA on a machine without one (export, the dispatch test) cannot compile and
+    skips the probe.
+    """
+    if not _on_cuda():
+        return ""
+    fn = functools.partial(decode_attention_kernel, block_s=block_s, num_splits=num_splits)
+    try:
+        # Compile-only, outside the trace being lowered; no operand is allocated.
+        with jax.ensure_compile_time_eval():
+            jax.jit(fn).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).compile()
+    except Exception as err:  # noqa: BLE001 - any Triton / XLA failure -> reference
+        return f"the Pallas kernel does not compile here ({type(err).__name__}: {err})"
+    return ""
+
+
 def _lower_cuda(ctx, *args, impl: str, reason: str, **params):
     if impl == "interpret":
         return _lower_kernel(ctx, *args, interpret=True, **params)
     if impl == "ref":
         return _lower_ref(ctx, *args)
+    if impl == "auto" and not reason:
+        avals = tuple((a.shape, a.dtype) for a in ctx.avals_in)
+        reason = _compile_error(avals, params["block_s"], params["num_splits"])
     if reason:  # impl == "auto": "pallas" with a reason was refused in decode_attention
         _warn_once(f"decode_attention: using the reference path: {reason}")
         return _lower_ref(ctx, *args)
