@@ -1,0 +1,635 @@
+"""Decode attention over the live slots of the stacked KV cache, and chunked prefill attention.
+
+One new query token per row attends over one layer of the stacked cache [L, B, S, K, H]. The
+pure-JAX reference (`decode_attention_ref`) is today's `rejax.layers.attention` with slots at or
+beyond `live` masked out; the fast path is a flash-decoding kernel written in Pallas (Triton
+backend):
+
+* grid (B, K, P): each program takes one row, one kv head with all G = N / K query heads that
+  share it (GQA without repeating K/V), and one of P splits of the live range;
+* the split plan comes from `live` on the device (P is static, the number of blocks per split
+  is not), so the loop bounds follow the cache as it fills, slots >= live are never read, and
+  a jitted `while_loop` compiles once;
+* each split writes its partial max, sum and unnormalized weighted V (float32); a second small
+  kernel, one program per (row, query head), reads the partials of all active splits at once,
+  combines and normalizes them.
+
+Why Pallas rather than a CUDA kernel through cuda_ops: decode attention is two small matmuls
+per block ([G, H] x [H, Bs] and [G, Bs] x [Bs, H]) plus an online softmax, which Triton maps
+onto tensor cores and pipelines (cp.async, num_stages) without hand-written layouts; the
+kernel's speed is bound by reading K/V, which Triton's masked, coalesced 256-byte row loads
+reach without the register-level decoding that made the NVFP4 GEMV worth hand-writing. Pallas
+also runs the same kernel body on CPU in interpret mode, so the kernel (not just its
+reference) is tested in CI. cuDNN through `jax.nn.dot_product_attention` takes per-row
+sequence lengths, i.e. a prefix of valid slots, but our mask is by slot position (left padding,
+-1 holes inside the live range), which would need a [B, 1, 1, S] mask tensor per call and
+per-row lengths instead of one `live`. Not yet measured on the H200
+(`experiments/bench_attention.py` does it); a CUDA version stays the option if the Triton
+kernel falls short of the copy bandwidth.
+
+Dispatch follows rejax.kernels: one primitive whose default lowering is the reference and whose
+`platform="cuda"` lowering is the Pallas kernel, so CPU tracing never builds a Triton kernel.
+`impl="auto"` takes the kernel when lowering for CUDA, the shape is supported and the kernel
+compiles for it on this GPU (checked once per shape; else the reference, with a one-time
+warning); `"ref"` forces the reference; `"pallas"` forces
+the kernel and raises if it cannot run; `"interpret"` runs the kernel body through the Pallas
+interpreter on any platform (tests).
+
+Numerics (both paths): scores q.k in float32 scaled by H**-0.5; a key is visible iff
+0 <= k_positions[b, s] <= q_positions[b] and s < live; softmax in float32; probabilities cast to
+the value dtype before the PV product. The kernel casts the unnormalized exp(s - m) (in (0, 1])
+instead of the normalized probability (the same bf16 rounding, at most 2**-9 relative, per
+weight) and normalizes the float32 sum at the end. A row with no visible key returns zeros on both paths.
+`prefill_attention` is the prompt-side op (T new tokens): a chunked online softmax in pure JAX
+that never holds [B, N, T, S] scores.
+Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from rejax.layers import attention, attention_mask
+
+_LOG = logging.getLogger(__name__)
+
+IMPLS = ("auto", "ref", "pallas", "interpret")
+# Slots per kernel block: a [64, 128] bf16 K tile is 16 KiB, two stages of K and V fit in shared
+# memory with room to spare, and Triton's dot needs every dimension >= 16.
+BLOCK_S = 64
+# Splits are sized so that about this many programs run per call (about 4 per SM on the H200's
+# 132 SMs, enough to hide load latency); with K = 8 kv heads a batch-1 call gets 64 splits.
+TARGET_PROGRAMS = 512
+# The combine holds [next_pow2(P), H] float32 partials of one head in registers.
+MAX_SPLITS = 128
+# A split walks at least this many blocks, so short live ranges do not spread over programs
+# that would each pay the fixed cost (q load, partial write) for one block of keys.
+MIN_BLOCKS_PER_SPLIT = 2
+NUM_WARPS = 4
+NUM_STAGES = 2
+_KERNEL_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+# Score of a hidden key and the initial running max: finite, so exp(m_old - m_new) is never
+# exp(-inf + inf) = NaN while a row has seen no visible key yet.
+_NEG = -1e30
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def decode_attention_ref(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+) -> jax.Array:
+    """Pure-JAX decode attention: `rejax.layers.attention` over one layer, slots >= live hidden.
+
+    It computes scores over all S slots (static shapes) and masks the ones at or past `live`;
+    for rows with a visible key it equals `attention(q[:, None], k_cache[layer],
+    v_cache[layer], attention_mask(q_positions[:, None], k_positions))[:, 0]` whenever the
+    slots past `live` hold no position (-1). Rows with no visible key return zeros.
+
+    Args:
+        q: [B, N, H] one query per row (RoPE applied).
+        k_cache, v_cache: [L, B, S, K, H] stacked cache.
+        layer: int32 [] layer to read.
+        q_positions: [B] int32 absolute position of each row's query.
+        k_positions: [B, S] int32 position held by each slot, -1 = empty / padding.
+        live: int32 [] slots [0, live) may hold tokens.
+
+    Returns:
+        [B, N, H] in q's dtype.
+    """
+    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [B, S, K, H]
+    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)  # [B, S, K, H]
+    in_live = jnp.arange(k.shape[1]) < live  # [S]
+    k_pos = jnp.where(in_live, k_positions, -1)  # [B, S]
+    # Hidden slots get probability 0, but 0 * NaN is NaN: stale slots past `live` may hold
+    # anything, so their values are zeroed too (a no-op for finite values).
+    v = jnp.where(in_live[None, :, None, None], v, jnp.zeros((), v.dtype))
+    mask = attention_mask(q_positions[:, None], k_pos)  # [B, 1, S]
+    out = attention(q[:, None], k, v, mask)[:, 0]  # [B, N, H]
+    visible = jnp.any(mask, axis=(1, 2))  # [B]
+    return jnp.where(visible[:, None, None], out, 0).astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------- Pallas kernel
+
+
+def _split_plan(live: jax.Array, block_s: int, num_splits: int) -> tuple[jax.Array, jax.Array]:
+    """(blocks per split, active splits) for `live` slots; both int32 device scalars."""
+    blocks = pl.cdiv(live, block_s)
+    per_split = jnp.maximum(pl.cdiv(blocks, num_splits), MIN_BLOCKS_PER_SPLIT)
+    return per_split, pl.cdiv(blocks, per_split)
+
+
+def _partials_kernel(
+    live_ref,
+    layer_ref,
+    qpos_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    kpos_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    g: int,
+    gp: int,
+    block_s: int,
+    num_splits: int,
+    seq: int,
+):
+    b, kvh, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    live = jnp.clip(live_ref[0], 0, seq)
+    layer = layer_ref[0]
+    per_split, active = _split_plan(live, block_s, num_splits)
+    first = p * per_split
+    last = jnp.minimum(first + per_split, pl.cdiv(live, block_s))
+    h = q_ref.shape[-1]
+    # The G query heads of this kv head, padded to gp >= 16 rows for the tensor-core dot; the
+    # padding rows are masked on load and store, so q needs no re-layout in memory.
+    rows = pl.ds(kvh * g, gp)
+    row_ok = jnp.arange(gp) < g
+    q = plgpu.load(q_ref.at[b, rows, :], mask=row_ok[:, None], other=0)  # [gp, H]
+    q_pos = qpos_ref[b]
+
+    def body(i, carry):
+        acc, m, l = carry
+        start = i * block_s
+        slots = pl.ds(start, block_s)
+        in_live = start + jnp.arange(block_s) < live  # [Bs]
+        k_pos = plgpu.load(kpos_ref.at[b, slots], mask=in_live, other=-1)  # [Bs]
+        k = plgpu.load(k_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0)
+        scores = plgpu.dot(q, k, trans_b=True) * (h**-0.5)  # [gp, Bs] f32
+        visible = ((k_pos >= 0) & (k_pos <= q_pos))[None, :]  # [1, Bs]
+        scores = jnp.where(visible, scores, _NEG)
+        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+        alpha = jnp.exp(m - m_new)
+        # Hidden keys get exactly 0, even while m_new is still _NEG (no visible key yet).
+        w = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)  # [gp, Bs] f32
+        v = plgpu.load(v_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0)
+        acc = alpha[:, None] * acc + plgpu.dot(w.astype(v.dtype), v)  # [gp, H] f32
+        return acc, m_new, alpha * l + jnp.sum(w, axis=1)
+
+    init = (
+        jnp.zeros((gp, h), jnp.float32),
+        jnp.full((gp,), _NEG, jnp.float32),
+        jnp.zeros((gp,), jnp.float32),
+    )
+    acc, m, l = lax.fori_loop(first, last, body, init)
+
+    # Splits past the active ones hold nothing and the combine never reads them.
+    @pl.when(p < active)
+    def _():
+        plgpu.store(acc_ref.at[b, p, rows, :], acc, mask=row_ok[:, None])
+        plgpu.store(m_ref.at[b, p, rows], m, mask=row_ok)
+        plgpu.store(l_ref.at[b, p, rows], l, mask=row_ok)
+
+
+def _combine_kernel(
+    live_ref, acc_ref, m_ref, l_ref, o_ref, *, block_s: int, num_splits: int, seq: int, **_
+):
+    # One program per (row, query head) reads the partials of all active splits at once: a
+    # serial loop over P splits would put P dependent global loads on the critical path.
+    b, head = pl.program_id(0), pl.program_id(1)
+    live = jnp.clip(live_ref[0], 0, seq)
+    _, active = _split_plan(live, block_s, num_splits)
+    pp = pl.next_power_of_2(num_splits)
+    split_ok = jnp.arange(pp) < active  # splits past `active` were never written
+    m = plgpu.load(m_ref.at[b, pl.ds(0, pp), head], mask=split_ok, other=_NEG)  # [pp]
+    l = plgpu.load(l_ref.at[b, pl.ds(0, pp), head], mask=split_ok, other=0.0)  # [pp]
+    acc = plgpu.load(acc_ref.at[b, pl.ds(0, pp), head, :], mask=split_ok[:, None], other=0.0)
+    w = jnp.where(split_ok, jnp.exp(m - jnp.max(m)), 0.0)  # [pp]
+    total = jnp.sum(w * l)
+    out = jnp.sum(w[:, None] * acc, axis=0)  # [H]
+    # total == 0 iff the row saw no visible key (each visible key adds exp(0) = 1 at its
+    # split's max): zeros then, not 0 / 0.
+    out = jnp.where(total > 0, out / jnp.where(total > 0, total, 1.0), 0.0)
+    plgpu.store(o_ref.at[b, head, :], out.astype(o_ref.dtype))
+
+
+def _poisoned(kernel, n_in: int, n_out: int):
+    """The kernel called with NaN-filled outputs aliased in: drops the aliased input refs."""
+
+    def run(*refs):
+        return kernel(*refs[: n_in - n_out], *refs[n_in:])
+
+    return run
+
+
+def _call(kernel, args, out_shape, *, grid, interpret, poison, name):
+    if poison:  # start every output as NaN (the interpreter does so for unaliased outputs too)
+        outs = [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
+        aliases = {len(args) + i: i for i in range(len(outs))}
+        kernel = _poisoned(kernel, len(args) + len(outs), len(outs))
+        args = (*args, *outs)
+    else:
+        aliases = {}
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        interpret=interpret,
+        name=name,
+    )(*args)
+
+
+def decode_attention_kernel(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+    *,
+    block_s: int = BLOCK_S,
+    num_splits: int,
+    interpret: bool = False,
+    poison: bool = False,
+) -> jax.Array:
+    """The two Pallas calls themselves, without dispatch or input checks (use
+    `decode_attention`; this entry point is for kernel tests and benchmarks).
+
+    Args:
+        q, k_cache, v_cache, layer, q_positions, k_positions, live: as `decode_attention`,
+            already validated; positions int32.
+        block_s: slots per block.
+        num_splits: P.
+        interpret: run through the Pallas interpreter (any platform).
+        poison: start the partial and final outputs as NaN, so a split that the combine reads
+            without the partials kernel having written it, or an output row left unwritten,
+            shows up as NaN (GPU checks; the interpreter always starts outputs as NaN).
+
+    Returns:
+        [B, N, H] in q's dtype.
+    """
+    b, n, h = q.shape
+    _, _, s, kh, _ = k_cache.shape
+    g = n // kh
+    gp = max(16, pl.next_power_of_2(g))
+    statics = {"g": g, "gp": gp, "block_s": block_s, "num_splits": num_splits, "seq": s}
+    # [1] refs rather than 0-d ones: a reshape (free), loaded as ref[0] in the kernels
+    live1 = jnp.asarray(live, jnp.int32).reshape(1)
+    layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
+    common = {"interpret": interpret, "poison": poison}
+    acc, m, l = _call(
+        functools.partial(_partials_kernel, **statics),
+        (live1, layer1, q_positions, q, k_cache, v_cache, k_positions),
+        (
+            jax.ShapeDtypeStruct((b, num_splits, n, h), jnp.float32),
+            jax.ShapeDtypeStruct((b, num_splits, n), jnp.float32),
+            jax.ShapeDtypeStruct((b, num_splits, n), jnp.float32),
+        ),
+        grid=(b, kh, num_splits),
+        name="rejax_decode_attention_partials",
+        **common,
+    )
+    (out,) = _call(
+        functools.partial(_combine_kernel, **statics),
+        (live1, acc, m, l),
+        (jax.ShapeDtypeStruct((b, n, h), q.dtype),),
+        grid=(b, n),
+        name="rejax_decode_attention_combine",
+        **common,
+    )
+    return out
+
+
+def kernel_supported(q_shape, k_shape, dtype, block_s: int = BLOCK_S) -> tuple[bool, str]:
+    """Whether the Pallas kernel handles this problem; (False, reason) otherwise.
+
+    Args:
+        q_shape: (B, N, H).
+        k_shape: (L, B, S, K, H).
+        dtype: the common dtype of q and the caches.
+        block_s: slots per kernel block.
+
+    Returns:
+        (ok, reason); reason is "" when ok.
+    """
+    _, n, h = q_shape
+    kh = k_shape[3]
+    if np.dtype(dtype) not in _KERNEL_DTYPES:
+        return False, f"kernel needs bfloat16 or float16 q/k/v, got {np.dtype(dtype).name}"
+    if h < 16 or h > 256 or h & (h - 1):
+        return False, f"kernel needs a power-of-two head dim in [16, 256], got H={h}"
+    if n // kh > 64:
+        return False, f"kernel handles up to 64 query heads per kv head, got G={n // kh}"
+    if block_s < 16 or block_s & (block_s - 1):
+        return False, f"block_s must be a power of two >= 16, got {block_s}"
+    return True, ""
+
+
+def default_num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLOCK_S) -> int:
+    """P: enough splits for about TARGET_PROGRAMS programs, at most one per block of the cache."""
+    splits = min(pl.cdiv(TARGET_PROGRAMS, batch * kv_heads), pl.cdiv(slots, block_s), MAX_SPLITS)
+    return int(max(1, splits))
+
+
+# ----------------------------------------------------------------------------- primitive
+
+_attn_p = Primitive("rejax_decode_attention")
+_attn_p.def_abstract_eval(lambda q, *_, **__: jax.core.ShapedArray(q.shape, q.dtype))
+
+
+@functools.cache
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(_attn_p.bind, **params))
+
+
+# eager calls run the primitive through jit (and so through the lowering rules below)
+_attn_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
+        _LOG.warning(message)
+
+
+def _lower_ref(ctx, *args, **params):
+    return mlir.lower_fun(decode_attention_ref, multiple_results=False)(ctx, *args)
+
+
+def _lower_kernel(ctx, *args, interpret: bool, block_s: int, num_splits: int, **_: Any):
+    fn = functools.partial(
+        decode_attention_kernel, block_s=block_s, num_splits=num_splits, interpret=interpret
+    )
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
+def _lower_default(ctx, *args, impl: str, **params):
+    if impl == "interpret":
+        return _lower_kernel(ctx, *args, interpret=True, **params)
+    if impl == "pallas":
+        raise ValueError(
+            "decode_attention(impl='pallas') needs the CUDA platform, but this computation is "
+            f"lowered for {ctx.module_context.platforms}; use impl='auto', 'ref' or 'interpret'"
+        )
+    return _lower_ref(ctx, *args)
+
+
+def _on_cuda() -> bool:
+    try:
+        return jax.default_backend() == "gpu" and bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _compile_error(avals: tuple, block_s: int, num_splits: int) -> str:
+    """ "" if the kernel compiles (Triton to cubin) for these operands on this GPU, else why.
+
+    `impl="auto"` asks once per shape before emitting the kernel, so a Triton failure on some
+    GPU or JAX version falls back to the reference instead of failing the whole program.
+    Lowering for CUDA on a machine without one (export, the dispatch test) cannot compile and
+    skips the probe.
+    """
+    if not _on_cuda():
+        return ""
+    fn = functools.partial(decode_attention_kernel, block_s=block_s, num_splits=num_splits)
+    try:
+        # Compile-only, outside the trace being lowered; no operand is allocated.
+        with jax.ensure_compile_time_eval():
+            jax.jit(fn).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).compile()
+    except Exception as err:  # noqa: BLE001 - any Triton / XLA failure -> reference
+        return f"the Pallas kernel does not compile here ({type(err).__name__}: {err})"
+    return ""
+
+
+def _lower_cuda(ctx, *args, impl: str, reason: str, **params):
+    if impl == "interpret":
+        return _lower_kernel(ctx, *args, interpret=True, **params)
+    if impl == "ref":
+        return _lower_ref(ctx, *args)
+    if impl == "auto" and not reason:
+        avals = tuple((a.shape, a.dtype) for a in ctx.avals_in)
+        reason = _compile_error(avals, params["block_s"], params["num_splits"])
+    if reason:  # impl == "auto": "pallas" with a reason was refused in decode_attention
+        _warn_once(f"decode_attention: using the reference path: {reason}")
+        return _lower_ref(ctx, *args)
+    return _lower_kernel(ctx, *args, interpret=False, **params)
+
+
+mlir.register_lowering(_attn_p, _lower_default)
+mlir.register_lowering(_attn_p, _lower_cuda, platform="cuda")
+
+
+# ----------------------------------------------------------------------------- public op
+
+
+def _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live) -> None:
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, N, H], got {q.shape=}")
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [L, B, S, K, H], got {k_cache.shape=} "
+            f"{v_cache.shape=}"
+        )
+    n_layers, b, s, kh, h = k_cache.shape
+    if q.shape[0] != b or q.shape[2] != h:
+        raise ValueError(
+            f"q [B, N, H] does not match the cache [L, B, S, K, H]: {q.shape=} {k_cache.shape=}"
+        )
+    if q.shape[1] % kh:
+        raise ValueError(f"query heads N={q.shape[1]} must be a multiple of kv heads K={kh}")
+    if q_positions.shape != (b,):
+        raise ValueError(f"q_positions must be [B]=({b},), got {q_positions.shape=}")
+    if k_positions.shape != (b, s):
+        raise ValueError(f"k_positions must be [B, S]=({b}, {s}), got {k_positions.shape=}")
+    for name, x in (("q_positions", q_positions), ("k_positions", k_positions)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+    for name, x, hi in (("layer", layer, n_layers - 1), ("live", live, s)):
+        if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(
+                f"{name} must be an integer scalar, got {jnp.shape(x)} {jnp.result_type(x)}"
+            )
+        if not isinstance(x, jax.core.Tracer) and not 0 <= int(x) <= hi:
+            raise ValueError(f"{name}={int(x)} out of range [0, {hi}]")
+
+
+def decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+    *,
+    impl: str = "auto",
+    block_s: int = BLOCK_S,
+    num_splits: int | None = None,
+) -> jax.Array:
+    """Attention of one new token per row over the live slots of one layer of the stacked cache.
+
+    Works inside jit, `lax.scan` over layers and `lax.while_loop`: `layer` and `live` are device
+    values and the compiled program does not depend on them. Traced values are clamped on the
+    device (layer to [0, L), live to [0, S]); concrete ones out of range raise.
+
+    Args:
+        q: [B, N, H] bf16 queries, one new token per row (RoPE applied).
+        k_cache, v_cache: [L, B, S, K, H] all layers stacked, this token's k/v already written.
+        layer: int32 [] which layer to read.
+        q_positions: [B] int32 absolute position of each row's query.
+        k_positions: [B, S] int32 position held by each slot, -1 = empty / padding.
+        live: int32 [] slots [0, live) may hold tokens; slots >= live are never read.
+        impl: "auto", "ref", "pallas" or "interpret" (see the module docstring).
+        block_s: slots per kernel block (kernel only; a power of two >= 16).
+        num_splits: P splits of the live range per row and kv head (kernel only); None ->
+            `default_num_splits`.
+
+    Returns:
+        [B, N, H] in q's dtype; zeros for a row with no visible key.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r}, expected one of {IMPLS}")
+    _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live)
+    dtypes = {np.dtype(q.dtype), np.dtype(k_cache.dtype), np.dtype(v_cache.dtype)}
+    ok, reason = kernel_supported(q.shape, k_cache.shape, q.dtype, block_s)
+    if ok and len(dtypes) != 1:
+        ok, reason = False, f"kernel needs one dtype for q, k, v, got {sorted(map(str, dtypes))}"
+    if num_splits is None:
+        num_splits = default_num_splits(q.shape[0], k_cache.shape[3], k_cache.shape[2], block_s)
+    elif not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    if impl in ("pallas", "interpret") and not ok:
+        raise ValueError(f"decode_attention(impl={impl!r}) cannot run: {reason}")
+    return _attn_p.bind(
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        q_positions.astype(jnp.int32),
+        k_positions.astype(jnp.int32),
+        jnp.asarray(live, jnp.int32),
+        impl=impl,
+        reason=reason,
+        block_s=int(block_s),
+        num_splits=int(num_splits),
+    )
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+def prefill_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    *,
+    q_chunk: int = 256,
+    k_chunk: int = 512,
+) -> jax.Array:
+    """Attention of T new tokens over S keys that never materializes [B, N, T, S] scores.
+
+    Pure JAX, flash style: a `lax.map` over chunks of `q_chunk` queries, each running an online
+    softmax (running max, sum and weighted V in float32) over chunks of `k_chunk` keys read in
+    place from k / v (no padded or transposed copy of the cache). The largest intermediate is
+    [B, N, q_chunk, k_chunk] float32. Masking is `rejax.layers.attention_mask`: a key is
+    visible iff 0 <= k_positions[b, s] <= q_positions[b, t] (causal over the prompt plus what
+    the cache holds, left padding and holes alike). Weights exp(s - m) are cast to v's dtype
+    before the PV product, as in `decode_attention`; for rows with a visible key the result
+    matches `rejax.layers.attention` to the rounding of that cast. Rows with no visible key
+    (padded queries) return zeros. Every (query chunk, key chunk) pair is computed, masked or
+    not (positions are data, so causal skipping would need a device-side branch): the FLOPs of
+    the unchunked op, in bounded memory.
+
+    Args:
+        q: [B, T, N, H] queries (RoPE applied).
+        k, v: [B, S, K, H] keys (RoPE applied) and values, e.g. one layer of the cache after
+            the prompt's keys were written; N must be a multiple of K.
+        q_positions: [B, T] int32 query positions (-1 = padding).
+        k_positions: [B, S] int32 position held by each key slot (-1 = empty or padding).
+        q_chunk: queries per chunk (T is padded up to a multiple; only q is copied).
+        k_chunk: keys per chunk.
+
+    Returns:
+        [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    if k.ndim != 4 or v.shape != k.shape or k.shape[0] != b or k.shape[3] != h:
+        raise ValueError(
+            f"k, v must be [B, S, K, H] matching q [B, T, N, H]: {q.shape=} {k.shape=} {v.shape=}"
+        )
+    s, kh = k.shape[1], k.shape[2]
+    if n % kh:
+        raise ValueError(f"query heads N={n} must be a multiple of kv heads K={kh}")
+    if q_positions.shape != (b, t) or k_positions.shape != (b, s):
+        raise ValueError(
+            f"positions must be q [B, T]=({b}, {t}) and k [B, S]=({b}, {s}), got "
+            f"{q_positions.shape=} {k_positions.shape=}"
+        )
+    if q_chunk < 1 or k_chunk < 1:
+        raise ValueError(f"chunks must be >= 1, got {q_chunk=} {k_chunk=}")
+    g = n // kh
+    tq, sk = min(q_chunk, t), min(k_chunk, s)
+    nq, nk = pl.cdiv(t, tq), pl.cdiv(s, sk)
+    pad = nq * tq - t
+    qg = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nq, tq, kh, g, h)
+    qg = qg.transpose(1, 0, 3, 4, 2, 5)  # [nq, B, K, G, tq, H]
+    qp = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, pad)), constant_values=-1)
+    qp = qp.reshape(b, nq, tq).transpose(1, 0, 2)  # [nq, B, tq]
+    k_pos = k_positions.astype(jnp.int32)
+
+    def one_q_chunk(args):
+        qi, qpi = args  # [B, K, G, tq, H], [B, tq]
+
+        def body(j, carry):
+            acc, m, l = carry
+            # The last chunk is shifted back to fit inside S (dynamic_slice clamps); slots it
+            # shares with the previous chunk are masked so none is counted twice.
+            start = jnp.minimum(j * sk, s - sk)
+            kj = lax.dynamic_slice_in_dim(k, start, sk, axis=1)  # [B, sk, K, H]
+            vj = lax.dynamic_slice_in_dim(v, start, sk, axis=1)  # [B, sk, K, H]
+            kpj = lax.dynamic_slice_in_dim(k_pos, start, sk, axis=1)  # [B, sk]
+            kpj = jnp.where(start + jnp.arange(sk) >= j * sk, kpj, -1)
+            scores = jnp.einsum("BKGTH,BSKH->BKGTS", qi, kj, preferred_element_type=jnp.float32)
+            scores = scores * (h**-0.5)
+            vis = ((kpj[:, None, :] >= 0) & (kpj[:, None, :] <= qpi[:, :, None]))[:, None, None]
+            scores = jnp.where(vis, scores, _NEG)  # [B, K, G, tq, sk]
+            m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+            alpha = jnp.exp(m - m_new)
+            w = jnp.where(vis, jnp.exp(scores - m_new[..., None]), 0.0)
+            pv = jnp.einsum(
+                "BKGTS,BSKH->BKGTH", w.astype(v.dtype), vj, preferred_element_type=jnp.float32
+            )
+            return alpha[..., None] * acc + pv, m_new, alpha * l + jnp.sum(w, axis=-1)
+
+        init = (
+            jnp.zeros((b, kh, g, tq, h), jnp.float32),
+            jnp.full((b, kh, g, tq), _NEG, jnp.float32),
+            jnp.zeros((b, kh, g, tq), jnp.float32),
+        )
+        acc, _, l = lax.fori_loop(0, nk, body, init)
+        return jnp.where((l > 0)[..., None], acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+    out = lax.map(one_q_chunk, (qg, qp))  # [nq, B, K, G, tq, H]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * tq, n, h)[:, :t]  # [B, T, N, H]
+    return out.astype(q.dtype)
