@@ -119,5 +119,5 @@ def test_is_equivalent_symbolic_via_math_verify():
 def test_bad_input():
     with pytest.raises(ValueError, match="text must be a str"):
         extract_answer(None)
-    with pytest.raises(ValueError, match="answer must be a str or int"):
+    with pytest.raises(ValueError, match="math reference must be a str or int"):
         grade(r"\boxed{1}", None)
