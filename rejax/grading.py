@@ -294,26 +294,41 @@ def grade_detail(
         ValueError: an unknown task, a reference of the wrong form for the task, or text that
           is not a str.
     """
+    if task != "code":  # code references are checked (and parsed) below
+        check_reference(reference, task)
+    if task == "math":
+        predicted, rule = _extract_math(text)
+        ok = predicted is not None and is_equivalent(predicted, str(reference))
+        return Grade(ok, predicted, rule)
+    if task == "mcq":
+        letter, rule = _extract_choice(text)
+        return Grade(letter == reference, letter, rule)
+    tests, fn_name = check_code_reference(reference)
+    program, rule = _extract_code(text)
+    failure = _run_tests(program, tests, fn_name, timeout_s)
+    return Grade(failure is None, program, rule, failure)
+
+
+def check_reference(reference, task: str) -> None:
+    """Raises ValueError unless `reference` has the form `task` needs (see `grade`).
+
+    Args:
+        reference: the reference answer.
+        task: "math", "mcq" or "code".
+    """
     if task == "math":
         if not isinstance(reference, (str, int)) or isinstance(reference, bool):
             raise ValueError(
                 f"math reference must be a str or int, got {type(reference).__name__}: "
                 f"{reference!r}"
             )
-        predicted, rule = _extract_math(text)
-        ok = predicted is not None and is_equivalent(predicted, str(reference))
-        return Grade(ok, predicted, rule)
-    if task == "mcq":
+    elif task == "mcq":
         if reference not in ("A", "B", "C", "D"):
             raise ValueError(f"mcq reference must be one of 'A'..'D', got {reference!r}")
-        letter, rule = _extract_choice(text)
-        return Grade(letter == reference, letter, rule)
-    if task == "code":
-        tests, fn_name = check_code_reference(reference)
-        program, rule = _extract_code(text)
-        failure = _run_tests(program, tests, fn_name, timeout_s)
-        return Grade(failure is None, program, rule, failure)
-    raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+    elif task == "code":
+        check_code_reference(reference)
+    else:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
 
 
 def check_code_reference(reference) -> tuple[list[dict], str | None]:
