@@ -655,6 +655,8 @@ def evaluate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not problems:
         raise ValueError("evaluate needs at least one problem")
+    if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     prompts, refs = [], []
     for i, p in enumerate(problems):
         prompt, ref = _prompt_and_reference(p, i, task)
