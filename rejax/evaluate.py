@@ -255,7 +255,9 @@ def _code_problem(row: dict, where: str, idx: int) -> dict:
     content = _field(row, "question_content", where)
     starter = row.get("starter_code") or ""
     if not isinstance(starter, str):
-        raise ValueError(f"{where}: field 'starter_code' must be str, got {type(starter).__name__}")
+        raise ValueError(  # noqa: TRY004
+            f"{where}: field 'starter_code' must be str, got {type(starter).__name__}"
+        )
     public = _json_field(row, "public_test_cases", where, list)
     private = row.get("private_test_cases")
     private = [] if private in (None, "") else _private_tests(private, where)
@@ -285,7 +287,7 @@ def _json_field(row: dict, name: str, where: str, kind: type):
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: field {name!r} is not valid JSON ({e.msg})") from None
     if not isinstance(value, kind):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 (the project's bad-input error is ValueError)
             f"{where}: field {name!r} must hold a JSON {kind.__name__}, got {type(value).__name__}"
         )
     return value
@@ -307,7 +309,9 @@ def _private_tests(value, where: str) -> list:
     if isinstance(value, list):
         return value
     if not isinstance(value, str):
-        raise ValueError(f"{where}: field {field!r} must be str, got {type(value).__name__}")
+        raise ValueError(  # noqa: TRY004
+            f"{where}: field {field!r} must be str, got {type(value).__name__}"
+        )
     text = value.strip()
     if text.startswith("["):  # older releases store plain JSON
         return _json_field({field: text}, field, where, list)
@@ -328,7 +332,7 @@ def _private_tests(value, where: str) -> list:
             f"{where}: field {field!r} refused: the pickle is not a plain string ({e})"
         ) from None
     if not isinstance(payload, str):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 (the project's bad-input error is ValueError)
             f"{where}: field {field!r} refused: expected a pickled JSON string, got a pickled "
             f"{type(payload).__name__}"
         )
@@ -643,7 +647,6 @@ def evaluate(
       code `failure_status` (counts per failure kind).
     """
     import time
-
     from concurrent.futures import ThreadPoolExecutor
 
     from rejax.generate import generate
@@ -684,6 +687,7 @@ def evaluate(
         chat=chat,
         progress=progress,
     )
+
     def _grade(r):
         return grade_detail(gen.text[r], refs[r // n], task, timeout_s=timeout_s)
 

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -150,19 +151,22 @@ def run_program(
         except (TypeError, ValueError) as e:
             raise ValueError(f"call arguments must be JSON values: {e}") from None
     elif not isinstance(stdin, str):
-        raise ValueError(f"stdin must be a str, got {type(stdin).__name__}")  # noqa: TRY004
+        raise ValueError(f"stdin must be a str, got {type(stdin).__name__}")
     if os.name != "posix":
         raise ValueError("the code sandbox needs a POSIX system (resource limits, sessions)")
     cpu_s = limits.cpu_s if limits.cpu_s is not None else math.ceil(timeout_s) + 1
 
-    workdir = tempfile.mkdtemp(prefix="rejax-sandbox-")
-    try:
+    with contextlib.ExitStack() as stack:
+        workdir = tempfile.mkdtemp(prefix="rejax-sandbox-")
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
         if os.geteuid() == 0:
             # The program may run as nobody (see _DRIVER): give it its working directory.
             os.chown(workdir, *_nobody())
-        # Kept outside the working directory, so the program neither sees nor overwrites them.
-        files = [tempfile.TemporaryFile() for _ in range(4)]
-        f_in, f_out, f_err, f_res = files
+        # Unnamed files outside the working directory: stdin, stdout, stderr, the driver's
+        # result channel and its configuration.
+        f_in, f_out, f_err, f_res, f_cfg = (
+            stack.enter_context(tempfile.TemporaryFile()) for _ in range(5)
+        )
         f_in.write(stdin.encode("utf-8"))
         f_in.seek(0)
         config = {
@@ -180,11 +184,8 @@ def run_program(
             "processes": limits.processes,
             "nobody": list(_nobody()),
         }
-        f_cfg = tempfile.TemporaryFile()
-        files.append(f_cfg)
         f_cfg.write(json.dumps(config).encode("utf-8"))
         f_cfg.seek(0)
-        env = dict(_ENV, HOME=workdir, TMPDIR=workdir)
         t0 = time.perf_counter()
         proc = subprocess.Popen(
             [python or sys.executable, "-I", "-X", "utf8", "-c", _DRIVER, str(f_cfg.fileno())],
@@ -192,7 +193,7 @@ def run_program(
             stdout=f_out,
             stderr=f_err,
             cwd=workdir,
-            env=env,
+            env=dict(_ENV, HOME=workdir, TMPDIR=workdir),
             pass_fds=(f_res.fileno(), f_cfg.fileno()),
             start_new_session=True,  # own process group, so one killpg reaches every child
         )
@@ -205,15 +206,13 @@ def run_program(
         if returncode is None:
             proc.wait()
         seconds = time.perf_counter() - t0
-        stdout = _read(f_out, limits.output_bytes)
-        stderr = _read(f_err, None)
-        lines = _read(f_res, None).splitlines()
-        for f in files:
-            f.close()
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    meta = json.loads(lines[0]) if lines else {}
-    user = meta.get("user")
+        stdout = _read(f_out, 0, limits.output_bytes)
+        stderr = _read(f_err, -4 * STDERR_TAIL, None)  # bytes, so a few times the characters
+        lines = _read(f_res, 0, None).splitlines()
+    try:
+        user = json.loads(lines[0])["user"]
+    except (IndexError, ValueError, TypeError, KeyError):
+        user = None  # the driver failed before reporting (or the program overwrote it)
     if user == "root":
         _warn_root()
     return RunResult(
@@ -244,8 +243,9 @@ def _kill_group(pgid: int) -> None:
         pass  # the group is already gone
 
 
-def _read(f, limit: int | None) -> str:
-    f.seek(0)
+def _read(f, start: int, limit: int | None) -> str:
+    """Reads a file from `start` (negative: that many bytes before its end) up to `limit`."""
+    f.seek(start if start >= 0 else max(0, f.seek(0, os.SEEK_END) + start))
     data = f.read() if limit is None else f.read(limit)
     return data.decode("utf-8", errors="replace")
 

@@ -160,7 +160,9 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     marker = tmp_path / "pwned"
     rows = [_lcb_row(), _lcb_row(private_test_cases=_pack(_Payload(marker)))]
     f = _write_jsonl(tmp_path / "lcb.jsonl", rows)
-    with pytest.raises(ValueError, match=rf"{f}:2: field 'private_test_cases' refused.*refused global io.open"):
+    with pytest.raises(
+        ValueError, match=rf"{f}:2: field 'private_test_cases' refused.*refused global io.open"
+    ):
         ev.load_problems(f, "code")
     assert not marker.exists()
 
@@ -168,10 +170,14 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
 def test_pickled_non_string_and_garbage_are_refused(tmp_path):
     tests = [{"input": "1\n", "output": "1\n", "testtype": "stdin"}]
     f = _write_jsonl(tmp_path / "a.jsonl", [_lcb_row(private_test_cases=_pack(tests))])
-    with pytest.raises(ValueError, match=r":1: field 'private_test_cases' refused: .*got a pickled list"):
+    with pytest.raises(
+        ValueError, match=r":1: field 'private_test_cases' refused: .*got a pickled list"
+    ):
         ev.load_problems(f, "code")
     f = _write_jsonl(tmp_path / "b.jsonl", [_lcb_row(private_test_cases="not base64 !!")])
-    with pytest.raises(ValueError, match=r":1: field 'private_test_cases' is neither JSON nor base64"):
+    with pytest.raises(
+        ValueError, match=r":1: field 'private_test_cases' is neither JSON nor base64"
+    ):
         ev.load_problems(f, "code")
 
 
@@ -186,7 +192,11 @@ def test_pickled_non_string_and_garbage_are_refused(tmp_path):
             r":1: field 'private_test_cases': code reference tests\[0\].testtype must be",
         ),
         (
-            {"public_test_cases": json.dumps([{"input": "1", "output": "1", "testtype": "functional"}])},
+            {
+                "public_test_cases": json.dumps(
+                    [{"input": "1", "output": "1", "testtype": "functional"}]
+                )
+            },
             r":1: field 'public_test_cases': .*functional but the reference has no fn_name",
         ),
         (

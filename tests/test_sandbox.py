@@ -52,7 +52,11 @@ def test_wrong_program_names_the_failing_test():
     assert not g.correct
     # the first test passes, the second fails: all tests must pass
     assert g.failure["index"] == 1 and g.failure["status"] == "wrong_answer"
-    assert (g.failure["input"], g.failure["expected"], g.failure["got"]) == ("10 -4\n", "6\n", "14\n")
+    assert (g.failure["input"], g.failure["expected"], g.failure["got"]) == (
+        "10 -4\n",
+        "6\n",
+        "14\n",
+    )
 
 
 def test_raising_program_reports_its_stderr_tail():
