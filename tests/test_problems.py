@@ -5,11 +5,13 @@ end on the bundled tiny model. Fixtures: tests/data/*_tiny.*"""
 
 import base64
 import csv
+import importlib
 import json
 import pickle
 import random
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,6 +20,7 @@ from rejax import evaluate as ev
 
 DATA = Path(__file__).resolve().parent / "data"
 REPO = Path(__file__).resolve().parents[1]
+GENERATE = importlib.import_module("rejax.generate")  # the module (rejax.generate is a function)
 
 
 def _pack(obj) -> str:
@@ -269,3 +272,60 @@ def test_eval_task_code_end_to_end_on_the_tiny_model(capsys, tmp_path):
     assert s["task"] == "code" and s["avg_at_n"]["avg"] == 0.0
     assert sum(s["failure_status"].values()) == 2 and sum(s["extracted_by"].values()) == 2
     assert "2 graded answers, extracted by:" in stdout and "failures:" in stdout
+
+
+def _fake_generate(texts_by_prompt):
+    """A stand-in for rejax.generate.generate that answers each prompt with fixed texts."""
+
+    def generate(params, prompts, *, n, **kwargs):
+        text = [t for p in prompts for t in texts_by_prompt[p][:n]]
+        return SimpleNamespace(
+            text=text,
+            tokens=[[1, 2, 3]] * len(text),
+            finish_reason=["stop"] * len(text),
+            entropy=[[0.5]] * len(text),
+        )
+
+    return generate
+
+
+def test_eval_reports_the_math_last_number_fallback(monkeypatch, capsys, tmp_path):
+    responses = {
+        # boxed and right; fallback and right; fallback and wrong; no answer at all
+        "Find the remainder when 2^10 is divided by 7.": [r"so \boxed{2}", "it is 2"],
+        "What is 12 * 12?": ["maybe 143", "no idea"],
+    }
+    monkeypatch.setattr(GENERATE, "generate", _fake_generate(responses))
+    monkeypatch.setattr(cli, "load_model", lambda spec, quant: SimpleNamespace())
+    monkeypatch.setattr(cli, "_model_line", lambda args, params: "fake model")
+    summary = tmp_path / "summary.json"
+    argv = ["eval", "--data", str(DATA / "aime_tiny.jsonl"), "--n", "2", "--no-chat"]
+    rc = cli.main([*argv, "--sampler", "greedy", "--no-progress", "--summary", str(summary)])
+    stdout, err = capsys.readouterr()
+    assert rc == 0, err
+    s = json.loads(summary.read_text())
+    assert (s["n_last_number_fallback"], s["n_last_number_fallback_correct"]) == (2, 1)
+    assert s["extracted_by"] == {"boxed": 1, "last_number": 2, "none": 1}
+    assert s["avg_at_n"]["avg"] == pytest.approx(0.5)
+    assert "2 of 4 graded answers came from the last-number fallback" in stdout
+    assert "1 of them graded correct" in stdout
+
+
+def test_evaluate_mcq_records_letters_and_rules(monkeypatch):
+    problems = ev.load_problems(DATA / "gpqa_tiny.jsonl", "mcq")
+    gold = [p["reference"] for p in problems]  # D, B, A
+    responses = {
+        problems[0]["prompt"]: [f"Answer: {gold[0]}"],
+        problems[1]["prompt"]: [r"\boxed{C}"],
+        problems[2]["prompt"]: ["no letter here"],
+    }
+    monkeypatch.setattr(GENERATE, "generate", _fake_generate(responses))
+    from rejax.sampling import Greedy
+
+    res = ev.evaluate(None, problems, Greedy(), n=1, chat=False, progress=False, task="mcq")
+    assert [r["extracted"] for r in res.records] == [[gold[0]], ["C"], [None]]
+    assert [r["extracted_by"] for r in res.records] == [["answer_line"], ["boxed"], [None]]
+    assert res.correct.tolist() == [[True], [gold[1] == "C"], [False]]
+    assert res.summary["extracted_by"] == {"answer_line": 1, "boxed": 1, "none": 1}
+    with pytest.raises(ValueError, match="problem 0: mcq reference must be one of"):
+        ev.evaluate(None, [dict(problems[0], reference="E")], Greedy(), n=1, task="mcq")
