@@ -108,14 +108,15 @@ def test_gpqa_csv_and_jsonl_agree():
 def test_gpqa_csv_error_names_the_record_line(tmp_path):
     rows = _gpqa_rows(3)
     rows[0]["Question"] = "spans\nthree\nlines"
-    rows[2]["Incorrect Answer 3"] = ""
+    rows[1]["Question"] = "spans\ntwo lines"
+    rows[1]["Incorrect Answer 3"] = ""
     f = tmp_path / "gpqa.csv"
     with f.open("w", newline="") as out:
         w = csv.DictWriter(out, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    # header line 1, row 0 on lines 2-4, row 1 on line 5, row 2 on line 6
-    with pytest.raises(ValueError, match=rf"{f}:6: field 'Incorrect Answer 3' is empty"):
+    # header line 1, row 0 on lines 2-4, row 1 on lines 5-6: named by the line it starts on
+    with pytest.raises(ValueError, match=rf"{f}:5: field 'Incorrect Answer 3' is empty"):
         ev.load_problems(f, "mcq")
 
 
