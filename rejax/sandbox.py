@@ -269,20 +269,22 @@ def _warn_root() -> None:
 _DRIVER = r"""
 import json, os, resource, sys
 
-def _readable_by_others(path):
-    # every directory up to the root must be searchable, the last one readable, by "other"
+def _usable_by_others(path):
+    # "other" must be able to list `path` (imports scan their directories) and search it and
+    # every directory above it
     path = os.path.realpath(path)
+    need = 0o005
     while True:
         try:
             mode = os.stat(path).st_mode
         except OSError:
             return False
-        if not mode & 0o001:
+        if mode & need != need:
             return False
         parent = os.path.dirname(path)
         if parent == path:
             return True
-        path = parent
+        path, need = parent, 0o001
 
 def _user_tasks(uid):
     n = 0
@@ -309,7 +311,7 @@ def _main():
     user = None
     if os.geteuid() == 0:
         stdlib = os.path.dirname(os.__file__)
-        if _readable_by_others(stdlib) and _readable_by_others(sys.executable):
+        if _usable_by_others(stdlib):
             uid, gid = cfg["nobody"]
             os.setgroups([])
             os.setgid(gid)
@@ -327,9 +329,11 @@ def _main():
     for name, value in limits.items():
         kind = getattr(resource, "RLIMIT_" + name)
         soft, hard = resource.getrlimit(kind)
-        value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         # CPU: SIGXCPU at the soft limit, SIGKILL one second later
-        resource.setrlimit(kind, (value, value + 1 if name == "CPU" else value))
+        want = value + 1 if name == "CPU" else value
+        if hard != resource.RLIM_INFINITY:
+            value, want = min(value, hard), min(want, hard)
+        resource.setrlimit(kind, (value, want))
     result.write(json.dumps({"user": user}) + "\n")
     result.flush()
     call = cfg["call"]
