@@ -440,6 +440,8 @@ def _versions() -> dict:
 def _cmd_eval(args) -> int:
     resolve_model(args.model)
     problems = ev.load_problems(args.data, args.task, limit=args.limit)
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     sampler = _sampler(args)
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)

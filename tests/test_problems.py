@@ -248,6 +248,19 @@ def test_eval_task_is_documented():
     assert "--task math|mcq|code" in readme and "--timeout S" in readme
 
 
+def test_eval_bad_task_data_and_timeout_fail_before_loading(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("the model was loaded"))
+    code = ["eval", "--task", "code", "--data", str(DATA / "lcb_tiny.jsonl")]
+    assert cli.main([*code, "--timeout", "0"]) == 2
+    assert "--timeout must be a positive number of seconds, got 0" in capsys.readouterr().err
+    # a math file read as code names the first row's missing field
+    assert cli.main(["eval", "--task", "code", "--data", str(DATA / "aime_tiny.jsonl")]) == 2
+    assert "aime_tiny.jsonl:1: missing field 'question_content'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--task", "essay", "--data", str(DATA / "aime_tiny.jsonl")])
+    assert "invalid choice: 'essay'" in capsys.readouterr().err
+
+
 @pytest.mark.filterwarnings("ignore:rejax.sandbox. running as root")
 def test_eval_task_code_end_to_end_on_the_tiny_model(capsys, tmp_path):
     out, summary = tmp_path / "results.jsonl", tmp_path / "summary.json"
