@@ -116,6 +116,13 @@ def test_cpu_limit_kills_a_busy_program():
     assert r.status == "signal" and r.seconds < 5.0, r
 
 
+def test_endless_output_is_cut_at_the_file_size_limit():
+    r = run_program("while True:\n    print('x' * 1000)", limits=Limits(output_bytes=2**20))
+    # Python ignores SIGXFSZ, so the write beyond the limit fails (EFBIG) and the program exits
+    assert r.status == "error" and "File too large" in r.stderr_tail and r.seconds < 4.0, r
+    assert 0 < len(r.stdout) <= 2**20
+
+
 def test_open_files_limit():
     prog = "fs = []\nfor i in range(1000):\n    fs.append(open('f%d' % i, 'w'))\n"
     r = run_program(prog, limits=Limits(open_files=32))
