@@ -643,8 +643,9 @@ def evaluate(
       EvalResult. Records hold `extracted` (math answer / letter / program), `extracted_by`
       (the rule that found it) and for code `failure` (the first failing test per sample, with
       its stderr tail; None when it passed). The summary adds `task`, `extracted_by` (counts
-      per rule) and for math `n_last_number_fallback` / `n_last_number_fallback_correct`, for
-      code `failure_status` (counts per failure kind).
+      per rule), `grade_s` (grading time; `wall_s` is generation only) and for math
+      `n_last_number_fallback` / `n_last_number_fallback_correct`, for code `failure_status`
+      (counts per failure kind).
     """
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -658,6 +659,8 @@ def evaluate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not problems:
         raise ValueError("evaluate needs at least one problem")
+    if task not in ("math", "mcq", "code"):
+        raise ValueError(f"unknown task {task!r}; expected 'math', 'mcq' or 'code'")
     if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     prompts, refs = [], []
@@ -687,6 +690,7 @@ def evaluate(
         chat=chat,
         progress=progress,
     )
+    wall = time.perf_counter() - t0  # generation only: code grading can take a while
 
     def _grade(r):
         return grade_detail(gen.text[r], refs[r // n], task, timeout_s=timeout_s)
@@ -721,7 +725,6 @@ def evaluate(
         records.append(rec)
         correct.append(ok)
     tokens = gen.tokens
-    wall = time.perf_counter() - t0
     correct = np.asarray(correct, dtype=bool)
     lengths = np.array([len(t) for t in tokens])
     finish = [f for r in records for f in r["finish_reason"]]
@@ -742,6 +745,7 @@ def evaluate(
         "extracted_by": _counts(str(g.rule) if g.rule else "none" for g in grades),
         "wall_s": wall,
         "tokens_per_s": float(lengths.sum() / wall) if wall > 0 else None,
+        "grade_s": time.perf_counter() - t0 - wall,
     }
     if task == "math":
         fallback = [g for g in grades if g.rule == "last_number"]

@@ -341,5 +341,7 @@ def test_evaluate_mcq_records_letters_and_rules(monkeypatch):
     assert [r["extracted_by"] for r in res.records] == [["answer_line"], ["boxed"], [None]]
     assert res.correct.tolist() == [[True], [gold[1] == "C"], [False]]
     assert res.summary["extracted_by"] == {"answer_line": 1, "boxed": 1, "none": 1}
+    with pytest.raises(ValueError, match="unknown task 'essay'"):
+        ev.evaluate(None, problems, Greedy(), n=1, task="essay")
     with pytest.raises(ValueError, match="problem 0: mcq reference must be one of"):
         ev.evaluate(None, [dict(problems[0], reference="E")], Greedy(), n=1, task="mcq")
