@@ -92,7 +92,7 @@ def _last_boxed(text: str) -> str | None:
 # Multiple choice, in the paper's order. A letter must not be glued to a word or digit, so
 # "Answer: Because" or "is Bob" never reads as a choice. Markdown bold and a `(X)` / `$X$`
 # wrapping are allowed around the letter.
-_LETTER = r"[\s*$(\[]*([A-D])(?![A-Za-z0-9])"
+_LETTER = r"[ \t*$(\[]*([A-D])(?![A-Za-z0-9])"
 _MCQ_ANSWER = re.compile(r"(?i:answer)[ \t]*\**[ \t]*:" + _LETTER)
 _MCQ_PHRASE = re.compile(r"(?i:answer|choice|option)\s+is\s*:?(?:\s*(?i:option|choice))?" + _LETTER)
 _MCQ_STANDALONE = re.compile(r"(?<![A-Za-z0-9])([A-D])(?![A-Za-z0-9])")

@@ -181,6 +181,8 @@ def test_unknown_task_and_bad_references():
         ("**Answer:** D", "D", "answer_line"),
         ("answer: (b)... no. ANSWER: $C$", "C", "answer_line"),
         ("Final Answer:\tA", "A", "answer_line"),
+        # the letter must be on the "Answer:" line: here "A" only starts the next sentence
+        ("Final answer:\nA student would say so", "A", "standalone"),
         # rule 1 beats every later rule, wherever they appear
         (r"Answer: B. Though \boxed{C} and the answer is D.", "B", "answer_line"),
         # rule 2: a boxed letter (the last one that is a letter)
