@@ -89,8 +89,7 @@ def test_unbounded_allocation_is_refused_by_the_memory_limit():
     # Growing without bound stops at the limit (lowered here to keep the test light).
     grow = "chunks = []\nwhile True:\n    chunks.append(bytearray(2**24))\n"
     r = run_program(grow, timeout_s=5.0, limits=Limits(memory_bytes=256 * 2**20))
-    assert r.status == "error" and "MemoryError" in r.stderr_tail, r
-    assert r.seconds < 4.0
+    assert r.status == "error" and "MemoryError" in r.stderr_tail, r  # not "timeout"
 
 
 def test_parent_environment_is_not_inherited(monkeypatch):
@@ -113,13 +112,13 @@ def test_fresh_working_directory_is_removed_afterwards():
 
 def test_cpu_limit_kills_a_busy_program():
     r = run_program("while True:\n    pass", timeout_s=10.0, limits=Limits(cpu_s=1))
-    assert r.status == "signal" and r.seconds < 5.0, r
+    assert r.status == "signal", r  # SIGXCPU after 1 s of CPU, not the 10 s wall timeout
 
 
 def test_endless_output_is_cut_at_the_file_size_limit():
     r = run_program("while True:\n    print('x' * 1000)", limits=Limits(output_bytes=2**20))
     # Python ignores SIGXFSZ, so the write beyond the limit fails (EFBIG) and the program exits
-    assert r.status == "error" and "File too large" in r.stderr_tail and r.seconds < 4.0, r
+    assert r.status == "error" and "File too large" in r.stderr_tail, r
     assert 0 < len(r.stdout) <= 2**20
 
 
