@@ -109,7 +109,7 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-# The three released formats (PAPER.md §5). Prompts are the user message before the chat template.
+# The three released formats of the paper's evaluation. Prompts are the user message (no template).
 
 # OpenAI simple-evals' multiple-choice template, used for GPQA.
 GPQA_TEMPLATE = (

@@ -1,4 +1,4 @@
-r"""Answer extraction and grading for the paper's three tasks (PAPER.md §5): `grade` is the entry.
+r"""Answer extraction and grading for the paper's three tasks: `grade` is the entry.
 
 **math** (reference: the answer string). The answer of a response is the content of its last
 brace-balanced `\boxed{...}` (nesting allowed), else the last number in the text (the

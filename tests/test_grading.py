@@ -1,4 +1,4 @@
-"""Answer extraction and grading (PAPER.md §5): math (tricky answers), the mcq rules and their
+"""Answer extraction and grading (the paper's rules): math (tricky answers), the mcq rules and their
 order, code extraction, and the `grade` entry's validation. Code execution: test_sandbox.py."""
 
 from fractions import Fraction

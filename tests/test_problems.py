@@ -77,7 +77,7 @@ def test_gpqa_gold_position_is_the_papers_rule(tmp_path):
     problems = ev.load_problems(_write_jsonl(tmp_path / "gpqa.jsonl", rows), "mcq")
     letters = []
     for idx, (row, p) in enumerate(zip(rows, problems)):
-        gold = random.Random(idx).randint(0, 3)  # PAPER.md §5, row idx counted from 0
+        gold = random.Random(idx).randint(0, 3)  # the paper's rule, row idx counted from 0
         expected = [row[f"Incorrect Answer {k}"] for k in (1, 2, 3)]
         expected.insert(gold, row["Correct Answer"])
         letters.append("ABCD"[gold])
