@@ -261,9 +261,7 @@ class Grade:
 FAILURE_CHARS = 500  # characters kept of a failing test's input / expected / got
 
 
-def grade(
-    text: str, reference, task: str = "math", *, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> bool:
+def grade(text: str, reference, task: str = "math", timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
     """Whether a response is correct (see the module docstring for each task's rule).
 
     Args:
@@ -281,7 +279,7 @@ def grade(
 
 
 def grade_detail(
-    text: str, reference, task: str = "math", *, timeout_s: float = DEFAULT_TIMEOUT_S
+    text: str, reference, task: str = "math", timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> Grade:
     """Grades a response and says what was extracted, by which rule, and (code) what failed.
 
