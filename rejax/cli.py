@@ -1,7 +1,7 @@
 """The `rejax` command: generate (streamed, with per-step entropy/temperature), eval, calibrate.
 
     rejax generate [--model PATH|tiny] [--quant Q] [--sampler S] ... PROMPT
-    rejax eval --data problems.jsonl [--n 8] ... [--out results.jsonl] [--summary summary.json]
+    rejax eval [--task math|mcq|code] --data FILE [--n 8] ... [--out results.jsonl] [--summary FILE]
     rejax calibrate [--data problems.jsonl] [--n-problems 5] [--quant nvfp4] [--out DIR]
 
 Bad input (a missing model or data file, malformed JSONL, a bad sampler spec, n <= 0) exits
@@ -439,13 +439,15 @@ def _versions() -> dict:
 
 def _cmd_eval(args) -> int:
     resolve_model(args.model)
-    problems = ev.load_jsonl(args.data, limit=args.limit)
+    problems = ev.load_problems(args.data, args.task, limit=args.limit)
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     sampler = _sampler(args)
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
     _err(
         f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}; "
-        f"{len(problems)} problems x n={args.n}"
+        f"{args.task}: {len(problems)} problems x n={args.n}"
     )
     res = ev.evaluate(
         params,
@@ -458,6 +460,8 @@ def _cmd_eval(args) -> int:
         chat=chat,
         progress=not args.no_progress,
         ci_method=args.ci,
+        task=args.task,
+        timeout_s=args.timeout,
     )
     summary = dict(
         res.summary, model=args.model, quant=args.quant, data=str(args.data), versions=_versions()
@@ -474,6 +478,20 @@ def _cmd_eval(args) -> int:
         f"{summary['mean_response_tokens']:.0f} tokens/response, "
         f"{100 * summary['frac_length_capped']:.1f}% hit --max-new-tokens)"
     )
+    graded = summary["n_problems"] * args.n
+    if args.task == "math":
+        print(
+            f"{summary['n_last_number_fallback']} of {graded} graded answers came from the "
+            f"last-number fallback (no \\boxed{{}}), {summary['n_last_number_fallback_correct']} "
+            "of them graded correct"
+        )
+    else:
+        rules = ", ".join(f"{k} {v}" for k, v in summary["extracted_by"].items())
+        line = f"{graded} graded answers, extracted by: {rules}"
+        if args.task == "code":
+            fails = ", ".join(f"{k} {v}" for k, v in summary["failure_status"].items())
+            line += f"; failures: {fails or 'none'}"
+        print(line)
     return 0
 
 
@@ -582,17 +600,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "eval",
-        help="avg@n with a 95%% CI on a JSONL problem file",
+        help="avg@n with a 95%% CI on a math, multiple-choice or code problem file",
         description="Sample n responses per problem (problems x n rows per compiled batch), "
-        "grade the last \\boxed{} answer (numeric normalisation) and report avg@n "
-        "with a 95% CI that treats problems as the sampling unit (normal "
+        "grade them (math: the last \\boxed{} answer, else the last number, with numeric "
+        "normalisation; mcq: the answer letter; code: every test in a sandboxed process) "
+        "and report avg@n with a 95% CI that treats problems as the sampling unit (normal "
         "approximation over per-problem means, or a bootstrap over problems).",
+    )
+    e.add_argument(
+        "--task",
+        default="math",
+        choices=("math", "mcq", "code"),
+        help="math: AIME-style JSONL (problem, answer); mcq: GPQA CSV/JSONL; code: "
+        "LiveCodeBench code_generation_lite JSONL (default: math)",
     )
     e.add_argument(
         "--data",
         required=True,
         metavar="FILE",
-        help='JSONL problems, one {"problem": ..., "answer": ...} per line',
+        help="the problem file in the --task's format",
+    )
+    e.add_argument(
+        "--timeout",
+        type=_float,
+        default=8.0,
+        metavar="S",
+        help="code: seconds per test run (default: 8)",
     )
     e.add_argument(
         "--n", type=_positive_int, default=8, metavar="N", help="samples per problem (default: 8)"
@@ -624,7 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         default=None,
         metavar="FILE",
-        help="write per-problem results (responses, answers, grades) as JSONL",
+        help="write per-problem results (responses, extracted answers, grades; for code the "
+        "first failing test and its stderr tail) as JSONL",
     )
     e.add_argument(
         "--summary",

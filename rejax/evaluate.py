@@ -4,16 +4,24 @@ and the paper's observation statistics (how often low-entropy tokens leave the B
 Everything here is host glue around `rejax.generate.generate` (one compiled decode loop per
 batch shape) and `rejax.generate.logits` (teacher forcing); nothing in this module is jitted.
 
-Problem files are JSONL with one object per line holding `problem` (the prompt text) and
-`answer` (the gold answer; strings or numbers), the layout of public AIME sets.
+Problem files: `load_problems` reads the released formats of the paper's three tasks (AIME math
+JSONL, GPQA CSV / JSONL, LiveCodeBench code JSONL); `load_jsonl` reads the math layout alone
+(`problem`, `answer`) for calibration.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import csv
 import dataclasses
+import io
 import json
 import math
+import os
+import pickle
 import statistics
+import zlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -99,6 +107,236 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> None:
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+# The three released formats of the paper's evaluation. Prompts are the user message (no template).
+
+# OpenAI simple-evals' multiple-choice template, used for GPQA.
+GPQA_TEMPLATE = (
+    "Answer the following multiple choice question. The last line of your response should be of "
+    "the following format: 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think "
+    "step by step before answering.\n\n{question}\n\nA) {A}\nB) {B}\nC) {C}\nD) {D}"
+)
+# LiveCodeBench's generic code-generation question template (lcb_runner prompts); its system
+# message is not sent, as the paper uses no system prompt.
+LCB_WITH_STARTER = (
+    "You will use the following starter code to write the solution to the problem and enclose "
+    "your code within delimiters."
+)
+LCB_WITHOUT_STARTER = (
+    "Read the inputs from stdin solve the problem and write the answer to stdout (do not "
+    "directly test on the sample inputs). Enclose your code within delimiters as follows. Ensure "
+    "that when the python program runs, it reads the inputs, runs the algorithm and writes output "
+    "to STDOUT."
+)
+_MAX_PRIVATE_BYTES = 1 << 30  # decompressed private tests of one row (a zlib bomb guard)
+
+
+def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> list[dict]:
+    """Reads a released problem file for `task` ("math", "mcq" or "code").
+
+    Formats (JSONL, one object per line; a `.csv` file is read as CSV with a header row):
+      math: `problem` and `answer` (string or number), as the public AIME sets; optional `id`.
+      mcq: GPQA rows with `Question`, `Correct Answer`, `Incorrect Answer 1`..`3` (optional
+        `Record ID`). For the row at 0-based index idx the correct answer is inserted at
+        position `random.Random(idx).randint(0, 3)` among the incorrect ones (kept in order);
+        the prompt is simple-evals' template (`GPQA_TEMPLATE`).
+      code: LiveCodeBench `code_generation_lite` rows with `question_content`, `starter_code`,
+        `public_test_cases` (JSON list of {input, output, testtype}), `private_test_cases`
+        (the same list as JSON, or base64 of zlib of a pickled JSON string), `metadata` (JSON
+        with `func_name` for functional problems), optional `question_id`. The pickle is read
+        by an unpickler that refuses every global, so a file carrying anything but a pickled
+        string is refused and nothing in it runs. The prompt is LCB's stdin / starter-code
+        question template.
+
+    Args:
+      path: the file.
+      task: "math", "mcq" or "code".
+      limit: keep only the first `limit` problems (None keeps all).
+
+    Returns:
+      list of {"id": str, "prompt": str, "reference": ...}, the reference in the form
+      `rejax.grading.grade` takes for `task` (answer string, gold letter, or {"tests",
+      "fn_name"} with public tests first).
+
+    Raises:
+      ValueError: an unknown task, a missing or empty file, `limit` <= 0, or a bad row; row
+        errors name the file, the line and the field. No row is skipped.
+    """
+    from rejax import grading
+
+    convert = {"math": _math_problem, "mcq": _mcq_problem, "code": _code_problem}.get(task)
+    if convert is None:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(grading.TASKS)}")
+    if limit is not None and (not isinstance(limit, int) or limit <= 0):
+        raise ValueError(f"limit must be a positive number of problems, got {limit!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data file {str(path)!r} does not exist or is not a file")
+    problems = []
+    for idx, (lineno, row) in enumerate(_rows(path)):
+        where = f"{path}:{lineno}"
+        problem = convert(row, where, idx)
+        try:
+            grading.check_reference(problem["reference"], task)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        problems.append(problem)
+        if limit is not None and len(problems) >= limit:
+            break
+    if not problems:
+        raise ValueError(f"data file {str(path)!r} holds no problems")
+    return problems
+
+
+def _rows(path: Path):
+    """Yields (line number, row dict) of a JSONL or CSV file (the line a CSV record starts on)."""
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            start = 2
+            for row in reader:
+                yield start, row
+                start = reader.line_num + 1
+        return
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            if type(row) is not dict:
+                raise ValueError(
+                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
+                )
+            yield lineno, row
+
+
+def _field(row: dict, name: str, where: str, *, types=(str,), empty: bool = False):
+    if name not in row or row[name] is None:
+        raise ValueError(f"{where}: missing field {name!r}")
+    value = row[name]
+    if type(value) not in types:
+        kinds = " or ".join(t.__name__ for t in types)
+        raise ValueError(f"{where}: field {name!r} must be {kinds}, got {type(value).__name__}")
+    if not empty and isinstance(value, str) and not value.strip():
+        raise ValueError(f"{where}: field {name!r} is empty")
+    return value
+
+
+def _row_id(row: dict, key: str, idx: int) -> str:
+    value = row.get(key)
+    return str(idx) if value is None or value == "" else str(value)
+
+
+def _math_problem(row: dict, where: str, idx: int) -> dict:
+    problem = _field(row, "problem", where)
+    answer = _field(row, "answer", where, types=(str, int, float))
+    return {"id": _row_id(row, "id", idx), "prompt": problem, "reference": str(answer).strip()}
+
+
+def _mcq_problem(row: dict, where: str, idx: int) -> dict:
+    import random
+
+    question = _field(row, "Question", where).strip()
+    correct = _field(row, "Correct Answer", where).strip()
+    choices = [_field(row, f"Incorrect Answer {k}", where).strip() for k in (1, 2, 3)]
+    gold = random.Random(idx).randint(0, 3)
+    choices.insert(gold, correct)
+    prompt = GPQA_TEMPLATE.format(question=question, **dict(zip("ABCD", choices)))
+    return {"id": _row_id(row, "Record ID", idx), "prompt": prompt, "reference": "ABCD"[gold]}
+
+
+def _code_problem(row: dict, where: str, idx: int) -> dict:
+    from rejax import grading
+
+    content = _field(row, "question_content", where)
+    starter = row.get("starter_code") or ""
+    if not isinstance(starter, str):
+        raise ValueError(  # noqa: TRY004
+            f"{where}: field 'starter_code' must be str, got {type(starter).__name__}"
+        )
+    public = _json_field(row, "public_test_cases", where, list)
+    private = row.get("private_test_cases")
+    private = [] if private in (None, "") else _private_tests(private, where)
+    metadata = _json_field(row, "metadata", where, dict) if row.get("metadata") else {}
+    fn_name = metadata.get("func_name") or None
+    for field, tests in (("public_test_cases", public), ("private_test_cases", private)):
+        if tests:
+            try:
+                grading.check_code_reference({"tests": tests, "fn_name": fn_name})
+            except ValueError as e:
+                raise ValueError(f"{where}: field {field!r}: {e}") from None
+    prompt = f"### Question:\n{content}\n\n"
+    if starter.strip():
+        prompt += f"### Format: {LCB_WITH_STARTER}\n```python\n{starter}\n```\n\n"
+    else:
+        prompt += f"### Format: {LCB_WITHOUT_STARTER}\n```python\n# YOUR CODE HERE\n```\n\n"
+    prompt += "### Answer: (use the provided format with backticks)\n\n"
+    reference = {"tests": public + private, "fn_name": fn_name}
+    return {"id": _row_id(row, "question_id", idx), "prompt": prompt, "reference": reference}
+
+
+def _json_field(row: dict, name: str, where: str, kind: type):
+    value = _field(row, name, where, types=(str, kind))
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: field {name!r} is not valid JSON ({e.msg})") from None
+    if not isinstance(value, kind):
+        raise ValueError(  # noqa: TRY004 (the project's bad-input error is ValueError)
+            f"{where}: field {name!r} must hold a JSON {kind.__name__}, got {type(value).__name__}"
+        )
+    return value
+
+
+class _StringOnlyUnpickler(pickle.Unpickler):
+    """Refuses every global (class or function) and persistent id: only plain data loads, so
+    no code in the pickle can run (a `__reduce__` payload needs a global to call)."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("refused persistent id")
+
+
+def _private_tests(value, where: str) -> list:
+    field = "private_test_cases"
+    if isinstance(value, list):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(  # noqa: TRY004
+            f"{where}: field {field!r} must be str, got {type(value).__name__}"
+        )
+    text = value.strip()
+    if text.startswith("["):  # older releases store plain JSON
+        return _json_field({field: text}, field, where, list)
+    try:
+        packed = base64.b64decode(text, validate=True)
+        z = zlib.decompressobj()
+        data = z.decompress(packed, _MAX_PRIVATE_BYTES)
+        if z.unconsumed_tail:
+            raise ValueError(f"decompresses to more than {_MAX_PRIVATE_BYTES} bytes")
+    except (binascii.Error, zlib.error, ValueError) as e:
+        raise ValueError(
+            f"{where}: field {field!r} is neither JSON nor base64 + zlib data ({e})"
+        ) from None
+    try:
+        payload = _StringOnlyUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # noqa: BLE001 (any failure of untrusted data is a refusal)
+        raise ValueError(
+            f"{where}: field {field!r} refused: the pickle is not a plain string ({e})"
+        ) from None
+    if not isinstance(payload, str):
+        raise ValueError(  # noqa: TRY004 (the project's bad-input error is ValueError)
+            f"{where}: field {field!r} refused: expected a pickled JSON string, got a pickled "
+            f"{type(payload).__name__}"
+        )
+    return _json_field({field: payload}, field, where, list)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,18 +610,23 @@ def evaluate(
     chat: bool | None = None,
     progress: bool = True,
     ci_method: str = "normal",
+    task: str = "math",
+    timeout_s: float = 8.0,
+    grade_workers: int | None = None,
 ) -> EvalResult:
     """Samples n responses per problem, grades them and computes avg@n with a 95% CI.
 
     One `rejax.generate` call: problems are decoded `batch_size` at a time (batch_size * n
     rows in one jitted prefill + while_loop); every batch has the same shape (the last is
     padded), so the decode loop compiles once per prompt-length bucket, and row r samples with
-    fold_in(key, r), so the results do not depend on batch_size. Grading: `rejax.grading.grade` (last `\\boxed{}`,
-    numeric normalisation).
+    fold_in(key, r), so the results do not depend on batch_size. Grading:
+    `rejax.grading.grade_detail` for `task` (math: last `\\boxed{}` else the last number; mcq:
+    the letter rules; code: every test in the sandbox), after every reference was checked.
 
     Args:
       params: the model (`rejax.load`), with a tokenizer.
-      problems: dicts with `problem` and `answer` (see `load_jsonl`).
+      problems: dicts with `prompt` and `reference` (see `load_problems`), or for math
+        `problem` and `answer` (see `load_jsonl`).
       sampler: Greedy / Temperature / ReSET (see `parse_sampler`).
       n: samples per problem (> 0).
       max_new_tokens: generation budget per sample (> 0).
@@ -392,14 +635,23 @@ def evaluate(
       chat: render prompts with the chat template (None: when the checkpoint has one).
       progress: tqdm bar over batches.
       ci_method: "normal" or "bootstrap" (see `avg_at_n_ci`).
+      task: "math", "mcq" or "code" (how the responses are graded).
+      timeout_s: code: wall-clock limit per test run.
+      grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
 
     Returns:
-      EvalResult.
+      EvalResult. Records hold `extracted` (math answer / letter / program), `extracted_by`
+      (the rule that found it) and for code `failure` (the first failing test per sample, with
+      its stderr tail; None when it passed). The summary adds `task`, `extracted_by` (counts
+      per rule), `grade_s` (grading time; `wall_s` is generation only) and for math
+      `n_last_number_fallback` / `n_last_number_fallback_correct`, for code `failure_status`
+      (counts per failure kind).
     """
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     from rejax.generate import generate
-    from rejax.grading import extract_answer, grade
+    from rejax.grading import check_reference, grade_detail
 
     if not isinstance(n, int) or n <= 0:
         raise ValueError(f"n must be a positive number of samples per problem, got {n!r}")
@@ -407,6 +659,19 @@ def evaluate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not problems:
         raise ValueError("evaluate needs at least one problem")
+    if task not in ("math", "mcq", "code"):
+        raise ValueError(f"unknown task {task!r}; expected 'math', 'mcq' or 'code'")
+    if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    prompts, refs = [], []
+    for i, p in enumerate(problems):
+        prompt, ref = _prompt_and_reference(p, i, task)
+        try:
+            check_reference(ref, task)
+        except ValueError as e:
+            raise ValueError(f"problem {i}: {e}") from None
+        prompts.append(prompt)
+        refs.append(ref)
     if batch_size is None:
         batch_size = min(len(problems), max(1, 64 // n))
     if not isinstance(batch_size, int) or batch_size <= 0:
@@ -416,7 +681,7 @@ def evaluate(
     t0 = time.perf_counter()
     gen = generate(
         params,
-        [p["problem"] for p in problems],
+        prompts,
         max_new_tokens=max_new_tokens,
         sampler=sampler,
         key=key,
@@ -425,26 +690,41 @@ def evaluate(
         chat=chat,
         progress=progress,
     )
+    wall = time.perf_counter() - t0  # generation only: code grading can take a while
+
+    def _grade(r):
+        return grade_detail(gen.text[r], refs[r // n], task, timeout_s=timeout_s)
+
+    workers = grade_workers or (min(4, os.cpu_count() or 1) if task == "code" else 1)
+    if workers > 1:  # each code grade waits on sandbox processes, so threads overlap them
+        with ThreadPoolExecutor(workers) as pool:
+            grades = list(pool.map(_grade, range(len(problems) * n)))
+    else:
+        grades = [_grade(r) for r in range(len(problems) * n)]
     records, correct = [], []
     for i, p in enumerate(problems):
         rows = range(i * n, (i + 1) * n)
         texts = [gen.text[r] for r in rows]
-        ok = [bool(grade(t, p["answer"])) for t in texts]
+        ok = [grades[r].correct for r in rows]
         rec = dict(p)
+        if task == "code":  # the tests can be megabytes: keep their count, not a copy
+            rec["reference"] = {"n_tests": len(refs[i]["tests"]), "fn_name": refs[i]["fn_name"]}
         rec.update(
             index=i,
             responses=texts,
-            extracted=[extract_answer(t) for t in texts],
+            extracted=[grades[r].extracted for r in rows],
+            extracted_by=[grades[r].rule for r in rows],
             correct=ok,
             n_correct=sum(ok),
             num_tokens=[len(gen.tokens[r]) for r in rows],
             finish_reason=[gen.finish_reason[r] for r in rows],
             mean_entropy=[float(np.mean(gen.entropy[r])) if gen.entropy[r] else None for r in rows],
         )
+        if task == "code":
+            rec["failure"] = [grades[r].failure for r in rows]
         records.append(rec)
         correct.append(ok)
     tokens = gen.tokens
-    wall = time.perf_counter() - t0
     correct = np.asarray(correct, dtype=bool)
     lengths = np.array([len(t) for t in tokens])
     finish = [f for r in records for f in r["finish_reason"]]
@@ -461,10 +741,38 @@ def evaluate(
         "mean_response_tokens": float(lengths.mean()),
         "frac_length_capped": float(np.mean([f == "length" for f in finish])),
         "frac_no_answer": float(np.mean([a is None for r in records for a in r["extracted"]])),
+        "task": task,
+        "extracted_by": _counts(str(g.rule) if g.rule else "none" for g in grades),
         "wall_s": wall,
         "tokens_per_s": float(lengths.sum() / wall) if wall > 0 else None,
+        "grade_s": time.perf_counter() - t0 - wall,
     }
+    if task == "math":
+        fallback = [g for g in grades if g.rule == "last_number"]
+        summary["n_last_number_fallback"] = len(fallback)
+        summary["n_last_number_fallback_correct"] = sum(g.correct for g in fallback)
+    if task == "code":
+        summary["failure_status"] = _counts(g.failure["status"] for g in grades if g.failure)
     return EvalResult(records=records, correct=correct, summary=summary, tokens=tokens)
+
+
+def _counts(items) -> dict:
+    out: dict = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _prompt_and_reference(p: dict, i: int, task: str):
+    if "prompt" in p and "reference" in p:
+        return p["prompt"], p["reference"]
+    if task == "math" and "problem" in p and "answer" in p:
+        return p["problem"], p["answer"]
+    raise ValueError(
+        f"problem {i} needs 'prompt' and 'reference' (see load_problems)"
+        + (" or 'problem' and 'answer'" if task == "math" else "")
+        + f", got keys {sorted(p)}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------

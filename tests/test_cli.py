@@ -269,7 +269,7 @@ def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_mode
     )
     assert rc == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["problem"] for r in rows] == [p["problem"] for p in PROBLEMS]
+    assert [r["prompt"] for r in rows] == [p["problem"] for p in PROBLEMS]
     assert all(len(r["responses"]) == len(r["correct"]) == 1 for r in rows)
     s = json.loads(summary.read_text())
     n_correct = sum(r["n_correct"] for r in rows)
