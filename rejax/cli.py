@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from rejax import evaluate as ev
+from rejax.config import PRESETS
 
 TINY = "tiny"
 QUANTS = {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
@@ -785,11 +786,118 @@ def _cmd_calibrate(args) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# bench
+
+
+def _cmd_bench(args) -> int:
+    import dataclasses
+
+    from rejax import bench
+
+    if args.out:
+        check_output_path(args.out, "--out")
+    if args.preset is not None:
+        cfg = PRESETS[args.preset]
+        if args.layers is not None:
+            cfg = dataclasses.replace(cfg, num_layers=args.layers)
+        label = f"preset {args.preset} ({cfg.num_layers} layers, random weights)"
+    else:
+        if args.layers is not None:
+            raise ValueError("--layers applies to --preset only (a checkpoint has its own depth)")
+        resolve_model(args.model)
+        label = args.model
+    need = args.prompt_len + max(args.new_tokens)
+    models = {}
+    for q in dict.fromkeys(args.quant):
+        if args.preset is not None:
+            limit = cfg.max_position_embeddings
+            if need > limit:
+                raise ValueError(
+                    f"--prompt-len {args.prompt_len} + --new-tokens {max(args.new_tokens)} = "
+                    f"{need} exceeds the context of {limit}"
+                )
+            models[q] = bench._random_params(cfg, q, args.seed)
+        else:
+            models[q] = load_model(args.model, q)
+            limit = models[q].cfg.max_position_embeddings
+            if need > limit:
+                raise ValueError(
+                    f"--prompt-len {args.prompt_len} + --new-tokens {max(args.new_tokens)} = "
+                    f"{need} exceeds the model's context of {limit}"
+                )
+    _err(f"# bench {label}: {', '.join(models)}; batch {args.batch}; new tokens {args.new_tokens}")
+    result = bench.run(
+        models,
+        batches=args.batch,
+        new_tokens=args.new_tokens,
+        prompt_len=args.prompt_len,
+        repeats=args.repeats,
+        copy_mib=args.copy_mib,
+        seed=args.seed,
+        label=label,
+        log=_err,
+    )
+    print(bench.format_table(result))
+    if args.out:
+        _write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _write_json(path, value: dict) -> None:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2, allow_nan=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# compare
+
+
+def _cmd_compare(args) -> int:
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from rejax import compare, sampling
+
+    if args.out:
+        check_output_path(args.out, "--out")
+    model_dir = resolve_model(args.model)
+    args.sampler = "reset"
+    reset, source = _sampler(args, model_dir)
+    params = load_model(args.model, args.quant)
+    if params.tokenizer is None or params.tokenizer.tokenizer is None:
+        raise ValueError(f"{args.model!r} has no tokenizer.json; `rejax compare` needs one")
+    if args.prompt is None:
+        from rejax.data import tasks
+
+        args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
+    if not args.prompt.strip():
+        raise ValueError(f"--prompt is empty ({args.prompt!r}); expected a problem")
+    chat = _chat(args, params)
+    ids = ev.prompt_ids(params, args.prompt, chat=chat)
+    nl, dnl = sampling.newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
+    reset = dataclasses.replace(reset, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
+    _err(f"# compare {_model_line(args, params)}; {sampler_label(reset)}{source}")
+    result = compare.compare(params, ids, steps=args.steps, reset=reset, repeats=args.repeats)
+    result = dict(result, model=args.model, prompt=args.prompt, chat=chat)
+    from rejax import bench
+
+    result["versions"] = bench.versions()
+    print(compare.format_table(result))
+    if args.out:
+        _write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
 # parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `rejax` argument parser (sub-commands generate, eval, calibrate)."""
+    """The `rejax` argument parser (sub-commands generate, eval, calibrate, bench, compare)."""
     parser = argparse.ArgumentParser(
         prog="rejax",
         description="NVFP4 (W4A4) reasoning in JAX with the ReSET sampler.",
@@ -969,6 +1077,140 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_prompt_args(c)
     c.set_defaults(func=_cmd_calibrate)
+
+    b = sub.add_parser(
+        "bench",
+        help="decode speed: ms/token, tokens/s, bandwidth against a copy ceiling",
+        description="Time the jitted prefill and decode loop (greedy, no early stop) of a "
+        "checkpoint or of a preset config with random weights: ms/token, tokens/s, weight + "
+        "KV-cache bytes per step and the bandwidth they imply next to a copy ceiling "
+        "measured in the same run, prefill time and first-call (compile + run) time. "
+        "Medians of --repeats calls, warm-up excluded.",
+    )
+    src = b.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model",
+        default=TINY,
+        metavar="PATH|tiny",
+        help="checkpoint directory, or 'tiny' for the bundled model (default: tiny)",
+    )
+    src.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="a preset config with random weights instead of a checkpoint",
+    )
+    b.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --preset: keep only N decoder layers (quick runs)",
+    )
+    b.add_argument(
+        "--quant",
+        nargs="+",
+        default=["bf16", "nvfp4"],
+        choices=sorted(QUANTS),
+        help="linear formats to time (default: bf16 nvfp4)",
+    )
+    b.add_argument(
+        "--batch",
+        nargs="+",
+        type=_positive_int,
+        default=[1],
+        metavar="B",
+        help="batch sizes (default: 1)",
+    )
+    b.add_argument(
+        "--new-tokens",
+        nargs="+",
+        type=_positive_int,
+        default=[128],
+        metavar="N",
+        help="generated tokens per row (default: 128)",
+    )
+    b.add_argument(
+        "--prompt-len",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="random prompt tokens per row (default: 64)",
+    )
+    b.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        metavar="R",
+        help="timed calls per point, median reported (default: 3)",
+    )
+    b.add_argument(
+        "--copy-mib",
+        type=_positive_int,
+        default=256,
+        metavar="M",
+        help="copy-ceiling buffer size in MiB (default: 256)",
+    )
+    b.add_argument("--seed", type=int, default=0, metavar="S", help="PRNG seed (default: 0)")
+    b.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the results (numbers, config, git sha, versions, device) as JSON",
+    )
+    b.set_defaults(func=_cmd_bench)
+
+    k = sub.add_parser(
+        "compare",
+        help="JAX against the Torch path on the same weights",
+        description="Decode a greedy trace with JAX, teacher-force prompt + trace through "
+        "rejax.logits and rejax.torch_ref.forward, and report logits max |diff| and relative "
+        "error, top-1 agreement and entropy difference on the trace, ReSET decision agreement "
+        "(rejax.sampling vs TorchReSET) and time per step / forward of each.",
+    )
+    _add_model_args(k)
+    k.add_argument(
+        "--prompt",
+        default=None,
+        metavar="TEXT",
+        help="prompt text (default: a validation problem of the bundled task)",
+    )
+    k.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="greedy trace length (default: 32)",
+    )
+    k.add_argument(
+        "--t-low",
+        type=_float,
+        default=None,
+        metavar="X",
+        help=f"ReSET T_low (default: the model's {RESET_FILE}, else {ev.DEFAULT_T_LOW})",
+    )
+    k.add_argument(
+        "--tau0",
+        type=_float,
+        default=None,
+        metavar="X",
+        help=f"ReSET tau0 in nats (default: the model's {RESET_FILE}, else {ev.DEFAULT_TAU0})",
+    )
+    k.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        metavar="R",
+        help="timed calls per measurement, median reported (default: 3)",
+    )
+    k.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the results as JSON",
+    )
+    _add_prompt_args(k)
+    k.set_defaults(func=_cmd_compare, t_high=None, top_p=None)
     return parser
 
 
