@@ -804,6 +804,7 @@ def _cmd_bench(args) -> int:
     else:
         if args.layers is not None:
             raise ValueError("--layers applies to --preset only (a checkpoint has its own depth)")
+        args.model = TINY if args.model is None else args.model
         resolve_model(args.model)
         label = args.model
     need = args.prompt_len + max(args.new_tokens)
@@ -863,6 +864,8 @@ def _cmd_compare(args) -> int:
 
     if args.out:
         check_output_path(args.out, "--out")
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError(f"--prompt is empty ({args.prompt!r}); expected a problem")
     model_dir = resolve_model(args.model)
     args.sampler = "reset"
     reset, source = _sampler(args, model_dir)
@@ -873,8 +876,6 @@ def _cmd_compare(args) -> int:
         from rejax.data import tasks
 
         args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
-    if not args.prompt.strip():
-        raise ValueError(f"--prompt is empty ({args.prompt!r}); expected a problem")
     chat = _chat(args, params)
     ids = ev.prompt_ids(params, args.prompt, chat=chat)
     nl, dnl = sampling.newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
@@ -1090,7 +1091,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = b.add_mutually_exclusive_group()
     src.add_argument(
         "--model",
-        default=TINY,
+        default=None,  # None, not "tiny": argparse sees a conflict only for a non-default value
         metavar="PATH|tiny",
         help="checkpoint directory, or 'tiny' for the bundled model (default: tiny)",
     )
