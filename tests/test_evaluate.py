@@ -241,7 +241,7 @@ def test_wilson_interval_hand_computed():
         ev.wilson_interval(0.5, 0)
 
 
-@pytest.mark.parametrize("method", ev.CI_METHODS)
+@pytest.mark.parametrize("method", ["normal", "bootstrap", "wilson"])
 @pytest.mark.parametrize(
     ("correct", "lo", "hi"),
     [
