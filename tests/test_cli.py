@@ -514,7 +514,7 @@ def test_step_printer_shows_small_entropies():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--sampler", "greedy", "--tau0", "0.1"], "--tau0 0.1 does not apply to --sampler 'greedy'"),
+        (["--sampler", "greedy", "--tau0", "0.1"], "--tau0 0.1 does not apply to --sampler 'gre"),
         (["--sampler", "greedy", "--top-p", "0.9"], "--top-p 0.9 does not apply"),
         (["--sampler", "temp:0.6", "--t-low", "0.2"], "--t-low 0.2 does not apply"),
     ],
