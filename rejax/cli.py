@@ -373,8 +373,11 @@ def _err(*parts) -> None:
 # generate
 
 
-def _nats(x: float) -> str:
-    # Confident tokens have entropies of 1e-5 nats and less: two decimals would show 0.00.
+def format_nats(x: float) -> str:
+    """An entropy in nats for display: two decimals, or scientific notation below 0.01.
+
+    Confident tokens have entropies of 1e-5 nats and less, which two decimals show as 0.00.
+    """
     x = float(x)
     return "0" if x == 0 else f"{x:.2f}" if abs(x) >= 0.01 else f"{x:.1e}"
 
@@ -409,8 +412,8 @@ class _StepPrinter:
         h = np.asarray(self.entropy)
         t = np.asarray(self.temperature, np.float32)
         line = (
-            f"[step {self.index} | {len(h)} tok | entropy mean {_nats(h.mean())} "
-            f"max {_nats(h.max())} nats | "
+            f"[step {self.index} | {len(h)} tok | entropy mean {format_nats(h.mean())} "
+            f"max {format_nats(h.max())} nats | "
         )
         if self.reset:
             low = float(np.mean(t == np.float32(self.t_low)))
@@ -587,8 +590,9 @@ def _cmd_generate(args) -> int:
         rate = f"{(n - 1) / rest:.1f} tok/s after the first" if n > 1 and rest > 0 else ""
         _err(
             f"# {n} tokens, finish: {res['finish_reason']}, mean entropy "
-            f"{_nats(np.mean(res['entropy']))} nats, first token {res['first_token_s']:.1f} s "
-            f"(incl. compile), {rate}; answer: {extract_answer(res['text'])}"
+            f"{format_nats(np.mean(res['entropy']))} nats, first token "
+            f"{res['first_token_s']:.1f} s (incl. compile), {rate}; "
+            f"answer: {extract_answer(res['text'])}"
         )
         return 0
     t0 = time.perf_counter()

@@ -95,6 +95,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
 
 
 def _result_line(name, res, answer, grade) -> None:
+    from rejax.cli import format_nats
     from rejax.grading import extract_answer
 
     got = extract_answer(res["text"])
@@ -107,7 +108,8 @@ def _result_line(name, res, answer, grade) -> None:
     temps = ", ".join(f"T={v:g}: {np.mean(t == v):.0%}" for v in np.unique(t))
     print(
         f"{name}: answer {got}{verdict}; {len(res['tokens'])} tokens "
-        f"({res['finish_reason']}), mean entropy {np.mean(res['entropy']):.3f} nats; {temps}"
+        f"({res['finish_reason']}), mean entropy {format_nats(np.mean(res['entropy']))} nats; "
+        f"{temps}"
     )
 
 

@@ -508,7 +508,7 @@ def test_step_printer_shows_small_entropies():
     printer.push(3, 1.0e-5, 0.6)
     line = printer.push(2, 3.0e-5, 0.6)
     assert "entropy mean 2.0e-05 max 3.0e-05 nats" in line, line
-    assert cli._nats(0.0) == "0" and cli._nats(0.5) == "0.50"
+    assert cli.format_nats(0.0) == "0" and cli.format_nats(0.5) == "0.50"
 
 
 @pytest.mark.parametrize(
