@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import platform
 import statistics
 import subprocess
@@ -49,6 +50,31 @@ def _random_params(cfg: Config, quant: str, seed: int) -> Params:
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; expected one of {sorted(QUANTS)}")
     return init_params(dataclasses.replace(cfg, quant=QUANTS[quant]), seed)
+
+
+def estimate_weight_bytes(cfg: Config, quant: str) -> int:
+    """Approximate bytes of a config's weights in a quant mode, from its shapes alone.
+
+    bf16 embeddings / lm_head / norms, and per decoder linear 2 bytes per weight (bf16) or
+    0.5 + 1/16 (NVFP4 codes and E4M3 block scales).
+    """
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    linear = cfg.num_layers * d * (2 * q + 2 * kv + 3 * f)
+    per_weight = 2.0 if QUANTS[quant] is None else 0.5 + 1 / 16
+    tables = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
+    return int(linear * per_weight + 2 * tables + 2 * cfg.num_layers * 4 * d)
+
+
+def device_memory_bytes() -> int | None:
+    """Memory of the default device (its allocator limit; host RAM on CPU), None if unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _nbytes(tree) -> int:

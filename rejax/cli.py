@@ -821,6 +821,16 @@ def _cmd_bench(args) -> int:
                     f"--prompt-len {args.prompt_len} + --new-tokens {max(args.new_tokens)} = "
                     f"{need} exceeds the context of {limit}"
                 )
+            # Random weights are built in full before timing: refuse what cannot fit (the
+            # bf16 weights are made first even for NVFP4, which then quantizes them).
+            need_bytes = bench.estimate_weight_bytes(cfg, "bf16")
+            have = bench.device_memory_bytes()
+            if have is not None and need_bytes > 0.8 * have:
+                raise ValueError(
+                    f"--preset {args.preset} with {cfg.num_layers} layers needs about "
+                    f"{need_bytes / 2**30:.1f} GiB for its random weights, more than this "
+                    f"device's {have / 2**30:.1f} GiB allows; pass --layers N for fewer layers"
+                )
             models[q] = bench._random_params(cfg, q, args.seed)
         else:
             models[q] = load_model(args.model, q)

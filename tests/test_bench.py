@@ -51,6 +51,12 @@ def test_bench_on_the_bundled_model(capsys, tmp_path):
     assert "ms/token" in stdout and "copy ceiling" in stdout and f"wrote {out}" in stdout
 
 
+def _all_bytes(params) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params.weights))
+
+
 def test_random_params_modes():
     cfg = Config()  # 2 layers, D=64, V=256
     models = {q: bench._random_params(cfg, q, 0) for q in ("bf16", "nvfp4")}
@@ -63,6 +69,8 @@ def test_random_params_modes():
     assert bench.weight_bytes(models["bf16"]) >= 2 * (linear + head)
     nvfp4 = bench.weight_bytes(models["nvfp4"]) - (bench.weight_bytes(models["bf16"]) - 2 * linear)
     assert linear * (0.5 + 1 / 16) <= nvfp4 <= linear * (0.5 + 1 / 16) + 64 * layers * 7
+    for q, m in models.items():
+        assert bench.estimate_weight_bytes(cfg, q) == pytest.approx(_all_bytes(m), rel=0.02)
     with pytest.raises(ValueError, match="unknown quant 'fp8'"):
         bench._random_params(cfg, "fp8", 0)
 
@@ -80,6 +88,15 @@ def test_bench_bad_arguments(capsys, argv, message):
     rc = cli.main(["bench", "--quant", "bf16", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and message in err, err
+
+
+def test_bench_refuses_a_preset_larger_than_the_device(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "device_memory_bytes", lambda: 8 << 30)
+    monkeypatch.setattr(bench, "_random_params", lambda *a: pytest.fail("built the weights"))
+    rc = cli.main(["bench", "--preset", "qwen3-8b", "--quant", "nvfp4"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--preset qwen3-8b with 36 layers needs about 15." in err, err
+    assert "pass --layers N" in err
 
 
 def test_bench_model_and_preset_exclude_each_other(capsys):
