@@ -540,7 +540,8 @@ class _ProblemProgress:
     def update(self, prompts: int, tokens: int) -> None:
         self.tokens += tokens
         wall = time.perf_counter() - self.t0
-        self.bar.set_postfix_str(f"{self.tokens / wall:.0f} tok/s" if wall > 0 else "")
+        rate = f"{self.tokens / wall:.0f} tok/s" if wall > 0 else ""
+        self.bar.set_postfix_str(rate, refresh=False)  # drawn once, by the update below
         self.bar.update(prompts)
 
     def close(self) -> None:
