@@ -232,7 +232,10 @@ def _sampler(args, model_dir: Path | None = None):
     kind = args.sampler.strip().partition(":")[0].lower()
     kind = "temp" if kind == "temperature" else kind
     for name in ("t_low", "tau0", "t_high", "top_p"):
-        if getattr(args, name) is not None and name not in _SAMPLER_OPTIONS.get(kind, ()):
+        # An unknown kind is left to parse_sampler, whose message lists the valid specs.
+        if kind not in _SAMPLER_OPTIONS:
+            break
+        if getattr(args, name) is not None and name not in _SAMPLER_OPTIONS[kind]:
             flag = "--" + name.replace("_", "-")
             users = " or ".join(k for k, v in _SAMPLER_OPTIONS.items() if name in v)
             raise ValueError(
