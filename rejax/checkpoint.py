@@ -441,7 +441,8 @@ def load(path: str | os.PathLike, quant: str | None = None, dtype: Any = jnp.bfl
 
     Args:
         path: the model directory (config.json, safetensors, optional tokenizer files).
-        quant: None (the checkpoint's own format), "nvfp4" (W4A4) or "nvfp4-w4a16". On a float
+        quant: None (the checkpoint's own format), "bf16" (float linears; refused for an NVFP4
+            checkpoint), "nvfp4" (W4A4) or "nvfp4-w4a16". On a float
             checkpoint the NVFP4 modes quantize every decoder linear offline with
             `rejax.nvfp4.quantize_weight`; see the module docstring for NVFP4 checkpoints.
         dtype: float dtype of embeddings, norms, lm_head, biases and float linears.
@@ -462,14 +463,24 @@ def load(path: str | os.PathLike, quant: str | None = None, dtype: Any = jnp.bfl
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointFileNotFoundError(f"{config_path}: missing (every checkpoint needs one)")
-    if quant not in (None, "nvfp4", "nvfp4-w4a16"):
-        raise ValueError(f"unknown quant {quant!r}; expected None, 'nvfp4' or 'nvfp4-w4a16'")
+    if quant not in (None, "bf16", "nvfp4", "nvfp4-w4a16"):
+        raise ValueError(
+            f"unknown quant {quant!r}; expected None, 'bf16', 'nvfp4' or 'nvfp4-w4a16'"
+        )
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"dtype must be a float dtype, got {dtype}")
 
     hf = _read_json(config_path)
     qinfo = _quant_info(directory, hf)
+    if quant == "bf16":
+        # "bf16" = float linears, as the command line calls it; None keeps the file's format.
+        if qinfo is not None:
+            raise ValueError(
+                f"quant='bf16' but {str(directory)!r} is an NVFP4 checkpoint ({qinfo.mode}): its "
+                "float weights are not in it; load it with quant=None, 'nvfp4' or 'nvfp4-w4a16'"
+            )
+        quant = None
     mode = quant if qinfo is None else _checkpoint_mode(qinfo, quant)
     try:
         cfg = from_hf_config(hf, quant=mode)

@@ -1,12 +1,16 @@
-"""The `rejax` command: generate (streamed, with per-step entropy/temperature), eval, calibrate.
+"""The `rejax` command: generate, eval, calibrate, bench and compare.
 
-    rejax generate [--model PATH|tiny] [--quant Q] [--sampler S] ... PROMPT
+    rejax generate [--model PATH|tiny] [--quant Q] [--sampler S] ... PROMPT | - | --prompts FILE
     rejax eval [--task math|mcq|code] --data FILE [--n 8] ... [--out results.jsonl] [--summary FILE]
     rejax calibrate [--data problems.jsonl] [--n-problems 5] [--quant nvfp4] [--out DIR]
+    rejax bench [--model PATH|tiny | --preset NAME] [--quant Q] [--batch 1 8] [--out FILE]
+    rejax compare [--model PATH|tiny] [--quant Q] [--steps N] [--out FILE]
 
-Bad input (a missing model or data file, malformed JSONL, a bad sampler spec, n <= 0) exits
-with status 2 and one `rejax <command>: error: ...` line that names the value (set
-REJAX_TRACEBACK=1 to get the traceback instead).
+Every command is a front end over the library (`rejax.generate`, `rejax.evaluate`,
+`rejax.bench`, `rejax.compare`). Bad input (a missing model or data file, malformed JSONL, a bad
+sampler spec, n <= 0, an unwritable output path, an option the chosen sampler does not use)
+exits with status 2 and one `rejax <command>: error: ...` line that names the value, before any
+generation starts (set REJAX_TRACEBACK=1 to get the traceback instead).
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ import time
 from pathlib import Path
 
 from rejax import evaluate as ev
+from rejax.config import PRESETS
 
 TINY = "tiny"
-QUANTS = {"bf16": None, "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
+QUANTS = {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -49,6 +54,11 @@ def resolve_model(spec: str) -> Path:
             )
         return path
     path = Path(spec).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"model path {spec!r} is a file; expected a checkpoint directory (with config.json "
+            "and *.safetensors) or 'tiny'"
+        )
     if not path.is_dir():
         raise ValueError(
             f"model path {spec!r} does not exist (expected a checkpoint directory "
@@ -73,6 +83,8 @@ def load_model(spec: str, quant: str):
     quiet = _DropMessage("without calibration data")
     log.addFilter(quiet)
     try:
+        # "bf16" asks for float linears: load refuses it for an NVFP4 checkpoint instead of
+        # silently running that checkpoint's own W4A4.
         return load(path, quant=QUANTS[quant])
     finally:
         log.removeFilter(quiet)
@@ -132,32 +144,172 @@ def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "res
     p.add_argument(
         "--t-low",
         type=_float,
-        default=ev.DEFAULT_T_LOW,
+        default=None,
         metavar="X",
-        help=f"ReSET T_low (default: {ev.DEFAULT_T_LOW})",
+        help=f"ReSET T_low (default: the model's {RESET_FILE}, else {ev.DEFAULT_T_LOW})",
     )
     p.add_argument(
         "--tau0",
         type=_float,
-        default=ev.DEFAULT_TAU0,
+        default=None,
         metavar="X",
-        help=f"ReSET confident-step entropy threshold in nats "
-        f"(default: {ev.DEFAULT_TAU0}; see `rejax calibrate`)",
+        help=f"ReSET confident-step entropy threshold in nats (default: the model's "
+        f"{RESET_FILE}, else {ev.DEFAULT_TAU0}; see `rejax calibrate`)",
     )
     p.add_argument(
         "--t-high",
         type=_float,
-        default=ev.DEFAULT_T_HIGH,
+        default=None,
         metavar="X",
-        help=f"ReSET T_high (default: {ev.DEFAULT_T_HIGH})",
+        help=f"ReSET T_high (default: the model's {RESET_FILE}, else {ev.DEFAULT_T_HIGH})",
     )
     p.add_argument(
         "--top-p",
         type=_float,
-        default=ev.DEFAULT_TOP_P,
+        default=None,
         metavar="P",
-        help=f"nucleus mass for temp:T and reset (default: {ev.DEFAULT_TOP_P})",
+        help=f"nucleus mass for temp:T and reset (default: {ev.DEFAULT_TOP_P}, the paper's; "
+        "rejax.Temperature's API default is 1.0)",
     )
+
+
+# ReSET settings a model directory may carry (written by `rejax calibrate --reset-json`).
+RESET_FILE = "reset.json"
+_RESET_KEYS = {"tau_0": "--tau0", "t_low": "--t-low", "t_high": "--t-high"}
+# Which sampler-tuning options each sampler kind reads.
+_SAMPLER_OPTIONS = {
+    "greedy": (),
+    "temp": ("top_p",),
+    "reset": ("t_low", "tau0", "t_high", "top_p"),
+}
+
+
+def read_reset_settings(model_dir: str | Path) -> dict | None:
+    """Reads a model directory's calibrated ReSET settings (`reset.json`), if it has one.
+
+    The file is one JSON object with any of `tau_0` (nats), `t_low` and `t_high` (numbers);
+    other keys must be strings (notes such as `source`). `rejax generate` and `rejax eval` use
+    these values instead of the paper's when the flags are not given.
+
+    Args:
+      model_dir: the checkpoint directory.
+
+    Returns:
+      {"tau_0": ..., "t_low": ..., "t_high": ...} with the keys the file sets, or None when
+      the directory has no reset.json.
+
+    Raises:
+      ValueError: malformed JSON, a non-numeric or negative value, or an unknown numeric key.
+    """
+    path = Path(model_dir) / RESET_FILE
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: malformed JSON ({e.msg})") from None
+    if type(raw) is not dict:
+        raise ValueError(f"{path}: expected a JSON object with tau_0 / t_low / t_high")
+    out = {}
+    for k, v in raw.items():
+        if k in _RESET_KEYS:
+            if type(v) not in (int, float) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{path}: {k} must be a finite number >= 0, got {v!r}")
+            out[k] = float(v)
+        elif not isinstance(v, str):
+            raise ValueError(
+                f"{path}: unknown setting {k!r}={v!r}; expected {sorted(_RESET_KEYS)} "
+                "(other keys hold notes as strings)"
+            )
+    return out
+
+
+def _sampler(args, model_dir: Path | None = None):
+    """The sampler of `--sampler` and its options; returns (sampler, where the values came from).
+
+    Raises ValueError for a tuning option the chosen sampler does not read (it would be ignored).
+    """
+    kind = args.sampler.strip().partition(":")[0].lower()
+    kind = "temp" if kind == "temperature" else kind
+    for name in ("t_low", "tau0", "t_high", "top_p"):
+        # An unknown kind is left to parse_sampler, whose message lists the valid specs.
+        if kind not in _SAMPLER_OPTIONS:
+            break
+        if getattr(args, name) is not None and name not in _SAMPLER_OPTIONS[kind]:
+            flag = "--" + name.replace("_", "-")
+            users = " or ".join(k for k, v in _SAMPLER_OPTIONS.items() if name in v)
+            raise ValueError(
+                f"{flag} {getattr(args, name):g} does not apply to --sampler {args.sampler!r} "
+                f"(only to {users}); drop it or change --sampler"
+            )
+    values = {"t_low": ev.DEFAULT_T_LOW, "tau0": ev.DEFAULT_TAU0, "t_high": ev.DEFAULT_T_HIGH}
+    source = ""
+    saved = read_reset_settings(model_dir) if kind == "reset" and model_dir else None
+    if saved:
+        used = []
+        for key, flag in _RESET_KEYS.items():
+            name = flag[2:].replace("-", "_")
+            if key in saved and getattr(args, name) is None:
+                values[name] = saved[key]
+                used.append(flag[2:])
+        if used:
+            source = f" ({', '.join(used)} from the model's {RESET_FILE})"
+    for name in values:
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    top_p = ev.DEFAULT_TOP_P if args.top_p is None else args.top_p
+    return ev.parse_sampler(args.sampler, top_p=top_p, **values), source
+
+
+def check_output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path:
+    """Checks, before any work, that `path` can be written (as a file, or a directory).
+
+    Missing parent directories are fine (they are created on writing); the nearest existing
+    ancestor must be a writable directory.
+
+    Raises:
+      ValueError: naming the flag and the offending path.
+    """
+    path = Path(path).expanduser()
+    if directory and path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a file; expected a directory")
+    if not directory and path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is a directory; expected a file name")
+    parent = path if directory else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(
+            f"{flag} {str(path)!r} cannot be created: {str(parent)!r} is a file, not a directory"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {str(path)!r} cannot be written: {str(parent)!r} is read-only")
+    return path
+
+
+def _max_new_tokens(requested, default: int, params, prompts: list[list[int]]) -> int:
+    """`--max-new-tokens`, or its default clamped to what the model's context leaves.
+
+    An explicit value is kept (generate rejects one that does not fit, naming the prompt); the
+    default shrinks to the context minus the longest prompt, with a notice on stderr.
+    """
+    limit = params.cfg.max_position_embeddings
+    longest = max(len(p) for p in prompts)
+    room = limit - longest
+    if room <= 0:
+        raise ValueError(
+            f"the longest prompt has {longest} tokens, which fills the model's context of "
+            f"{limit} (max_position_embeddings); shorten it"
+        )
+    if requested is not None:
+        return requested
+    if default <= room:
+        return default
+    _err(
+        f"# --max-new-tokens {room} (the default {default} does not fit: the model's context is "
+        f"{limit} tokens and the longest prompt has {longest})"
+    )
+    return room
 
 
 def _add_prompt_args(p: argparse.ArgumentParser) -> None:
@@ -169,12 +321,6 @@ def _add_prompt_args(p: argparse.ArgumentParser) -> None:
         "template (default: when the checkpoint has one)",
     )
     p.add_argument("--seed", type=int, default=0, metavar="S", help="PRNG seed (default: 0)")
-
-
-def _sampler(args):
-    return ev.parse_sampler(
-        args.sampler, t_low=args.t_low, tau0=args.tau0, t_high=args.t_high, top_p=args.top_p
-    )
 
 
 def _chat(args, params) -> bool:
@@ -230,12 +376,13 @@ def _err(*parts) -> None:
 # generate
 
 
-def _stop_ids(params) -> set[int]:
-    ids = set(params.cfg.eos_token_ids)
-    eos = dict(params.generation_config).get("eos_token_id")
-    if eos is not None:
-        ids |= set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-    return ids
+def format_nats(x: float) -> str:
+    """An entropy in nats for display: two decimals, or scientific notation below 0.01.
+
+    Confident tokens have entropies of 1e-5 nats and less, which two decimals show as 0.00.
+    """
+    x = float(x)
+    return "0" if x == 0 else f"{x:.2f}" if abs(x) >= 0.01 else f"{x:.1e}"
 
 
 class _StepPrinter:
@@ -268,8 +415,8 @@ class _StepPrinter:
         h = np.asarray(self.entropy)
         t = np.asarray(self.temperature, np.float32)
         line = (
-            f"[step {self.index} | {len(h)} tok | entropy mean {h.mean():.2f} "
-            f"max {h.max():.2f} nats | "
+            f"[step {self.index} | {len(h)} tok | entropy mean {format_nats(h.mean())} "
+            f"max {format_nats(h.max())} nats | "
         )
         if self.reset:
             low = float(np.mean(t == np.float32(self.t_low)))
@@ -283,7 +430,7 @@ class _StepPrinter:
         return line
 
 
-def stream_generate(
+def stream_response(
     params,
     prompt: str,
     *,
@@ -295,11 +442,21 @@ def stream_generate(
     out=None,
     err=None,
 ) -> dict:
-    """Generates one response token by token, writing text to `out` as it appears and a
-    per-step entropy/temperature line to `err` after every reasoning step.
+    """Streams one response through `rejax.generate(..., stream=...)`: text to `out` as it
+    appears, and a per-step entropy/temperature line to `err` after every reasoning step.
 
-    Uses the same jitted `prefill` / `decode_step` and the same keys as
-    `rejax.generate(params, prompt, key=seed)`, so the tokens agree with it.
+    The tokens are those of `rejax.generate(params, prompt, key=seed)` (the library's one
+    streaming loop, with its prompt checks and buckets).
+
+    Args:
+      params: the model, with a tokenizer.
+      prompt: the prompt text.
+      sampler: Greedy / Temperature / ReSET.
+      max_new_tokens: tokens to generate at most.
+      seed: PRNG seed.
+      chat: render the prompt with the chat template.
+      stats: write the per-step lines.
+      out, err: text streams (default stdout / stderr).
 
     Returns:
       dict with `text`, `tokens`, `entropy`, `temperature`, `finish_reason`, `seconds`,
@@ -307,120 +464,174 @@ def stream_generate(
     """
     import dataclasses
 
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
     from rejax import sampling
-    from rejax.cache import init_cache
-    from rejax.generate import decode_step, prefill
+    from rejax.generate import generate
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
-    tok = params.tokenizer.tokenizer if params.tokenizer is not None else None
-    if tok is None:
+    if params.tokenizer is None or params.tokenizer.tokenizer is None:
         raise ValueError("the checkpoint has no tokenizer.json; `rejax generate` needs one")
-    ids = ev.prompt_ids(params, prompt, chat=chat)
-    limit = params.cfg.max_position_embeddings
-    if len(ids) + max_new_tokens > limit:
-        raise ValueError(
-            f"the prompt has {len(ids)} tokens; with --max-new-tokens "
-            f"{max_new_tokens} that exceeds max_position_embeddings={limit}"
-        )
+    tok = params.tokenizer.tokenizer
     nl, dnl = (np.asarray(m) for m in sampling.newline_masks(tok, params.cfg.vocab_size))
-    if isinstance(sampler, sampling.ReSET):
+    if isinstance(sampler, sampling.ReSET) and sampler.nl_mask is None:
         sampler = dataclasses.replace(sampler, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
-    stop = _stop_ids(params)
     printer = _StepPrinter(nl, dnl, sampler)
-
+    first: list[float] = []
     t0 = time.perf_counter()
-    dtype = params.weights["embed_tokens"]["embedding"].dtype
-    cache = init_cache(params.cfg, 1, len(ids) + max_new_tokens, dtype)
-    tokens = jnp.asarray([ids], jnp.int32)
-    positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    logits, cache = prefill(params, tokens, positions, cache)
-    state = sampling.sampler_init(sampler, 1)
-    # generate's key for row 0: fold_in(key, row); decode_step folds the step in per row.
-    key = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-        jax.random.key(seed), jnp.arange(1, dtype=jnp.uint32)
-    )
-    pos = jnp.asarray([len(ids)], jnp.int32)
-    gen, ent, temp, shown, finish, first = [], [], [], "", "length", None
-    for step in range(max_new_tokens):
-        t, logits, cache, state, info = decode_step(
-            params, logits, cache, pos, sampler, state, key, jnp.int32(step)
-        )
-        pos = pos + 1
-        t = int(t[0])
-        if first is None:
-            first = time.perf_counter() - t0
-        gen.append(t)
-        ent.append(float(info["entropy"][0]))
-        temp.append(float(info["temperature"][0]))
-        text = tok.decode(gen, skip_special_tokens=True)
-        if not text.endswith("\ufffd") and text.startswith(shown):
-            out.write(text[len(shown) :])
-            out.flush()
-            shown = text
-        line = printer.push(t, ent[-1], temp[-1])
+
+    def piece(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    def on_token(token: int, entropy: float, temperature: float) -> None:
+        if not first:
+            first.append(time.perf_counter() - t0)
+        line = printer.push(token, entropy, temperature)
         if stats and line:
             err.write(f"    {line}\n")
             err.flush()
-        if t in stop:
-            finish = "stop"
-            break
-    text = tok.decode(gen, skip_special_tokens=True)
-    if text.startswith(shown) and len(text) > len(shown):
-        out.write(text[len(shown) :])
+
+    gen = generate(
+        params,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        sampler=sampler,
+        key=seed,
+        chat=chat,
+        stream=piece,
+        on_token=on_token,
+    )
+    text = gen.text[0]
     if not text.endswith("\n"):
         out.write("\n")
     out.flush()
     line = printer.flush()
     if stats and line:
         err.write(f"    {line}\n")
-    seconds = time.perf_counter() - t0
     return {
         "text": text,
-        "tokens": gen,
-        "entropy": ent,
-        "temperature": temp,
-        "finish_reason": finish,
-        "seconds": seconds,
-        "first_token_s": first,
+        "tokens": gen.tokens[0],
+        "entropy": gen.entropy[0],
+        "temperature": gen.temperature[0],
+        "finish_reason": gen.finish_reason[0],
+        "seconds": time.perf_counter() - t0,
+        "first_token_s": first[0] if first else None,
     }
 
 
+def _read_prompts(args) -> list[str]:
+    """PROMPT, `-` (stdin) or --prompts FILE (one per line, or JSONL with `prompt`/`problem`)."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise ValueError(
+            "give either a PROMPT (or '-' to read it from stdin) or --prompts FILE, "
+            f"got {'both' if args.prompt is not None else 'neither'}"
+        )
+    if args.prompt is not None:
+        text = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
+        where = "the prompt read from stdin" if args.prompt == "-" else "PROMPT"
+        if not text.strip():
+            raise ValueError(f"{where} is empty ({text!r}); expected a problem to answer")
+        return [text]
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise ValueError(f"--prompts {str(path)!r} does not exist or is not a file")
+    prompts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        text = line
+        if line.lstrip().startswith("{"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            key = "prompt" if "prompt" in row else "problem"
+            text = row.get(key)
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(
+                    f"{path}:{lineno}: expected a non-empty string field 'prompt' or 'problem'"
+                )
+        prompts.append(text)
+    if not prompts:
+        raise ValueError(f"--prompts {str(path)!r} holds no prompts")
+    return prompts
+
+
 def _cmd_generate(args) -> int:
+    import numpy as np
+
+    from rejax.generate import generate
     from rejax.grading import extract_answer
 
-    sampler = _sampler(args)
+    prompts = _read_prompts(args)
+    model_dir = resolve_model(args.model)
+    sampler, source = _sampler(args, model_dir)
     t0 = time.perf_counter()
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
+    ids = [ev.prompt_ids(params, p, chat=chat) for p in prompts]
+    max_new = _max_new_tokens(args.max_new_tokens, 512, params, ids)
     _err(
-        f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}; "
+        f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}{source}; "
         f"loaded in {time.perf_counter() - t0:.1f} s"
     )
-    res = stream_generate(
+    if len(prompts) == 1 and args.n == 1 and not args.json:
+        res = stream_response(
+            params,
+            prompts[0],
+            sampler=sampler,
+            max_new_tokens=max_new,
+            seed=args.seed,
+            chat=chat,
+            stats=not args.no_stats,
+        )
+        n = len(res["tokens"])
+        rest = res["seconds"] - res["first_token_s"]
+        rate = f"{(n - 1) / rest:.1f} tok/s after the first" if n > 1 and rest > 0 else ""
+        _err(
+            f"# {n} tokens, finish: {res['finish_reason']}, mean entropy "
+            f"{format_nats(np.mean(res['entropy']))} nats, first token "
+            f"{res['first_token_s']:.1f} s (incl. compile), {rate}; "
+            f"answer: {extract_answer(res['text'])}"
+        )
+        return 0
+    t0 = time.perf_counter()
+    gen = generate(
         params,
-        args.prompt,
+        prompts,
+        max_new_tokens=max_new,
         sampler=sampler,
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
+        key=args.seed,
+        n=args.n,
         chat=chat,
-        stats=not args.no_stats,
     )
-    n = len(res["tokens"])
-    rest = res["seconds"] - res["first_token_s"]
-    rate = f"{(n - 1) / rest:.1f} tok/s after the first" if n > 1 and rest > 0 else ""
-    import numpy as np
-
+    for r in range(len(gen.tokens)):
+        i, j = divmod(r, args.n)
+        if args.json:
+            row = {
+                "prompt_index": i,
+                "sample": j,
+                "prompt": prompts[i],
+                "text": gen.text[r],
+                "tokens": gen.tokens[r],
+                "entropy": gen.entropy[r],
+                "temperature": gen.temperature[r],
+                "finish_reason": gen.finish_reason[r],
+            }
+            print(json.dumps(row, ensure_ascii=False, allow_nan=False), flush=True)
+        else:
+            print(f"=== prompt {i}, sample {j} ===\n{gen.text[r].rstrip()}", flush=True)
+            _err(
+                f"# prompt {i} sample {j}: {len(gen.tokens[r])} tokens, finish: "
+                f"{gen.finish_reason[r]}, answer: {extract_answer(gen.text[r])}"
+            )
+    total = sum(len(t) for t in gen.tokens)
     _err(
-        f"# {n} tokens, finish: {res['finish_reason']}, mean entropy "
-        f"{np.mean(res['entropy']):.3f} nats, first token {res['first_token_s']:.1f} s "
-        f"(incl. compile), {rate}; answer: {extract_answer(res['text'])}"
+        f"# {len(prompts)} prompts x n={args.n}: {total} tokens in "
+        f"{time.perf_counter() - t0:.1f} s (incl. compile)"
     )
     return 0
 
@@ -438,15 +649,20 @@ def _versions() -> dict:
 
 
 def _cmd_eval(args) -> int:
-    resolve_model(args.model)
-    problems = ev.load_problems(args.data, args.task, limit=args.limit)
+    model_dir = resolve_model(args.model)
+    for flag in ("out", "summary"):
+        if getattr(args, flag):
+            check_output_path(getattr(args, flag), f"--{flag}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
-    sampler = _sampler(args)
+    problems = ev.load_problems(args.data, args.task, limit=args.limit)
+    sampler, source = _sampler(args, model_dir)
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
+    ids = [ev.prompt_ids(params, p["prompt"], chat=chat) for p in problems]
+    max_new = _max_new_tokens(args.max_new_tokens, 1024, params, ids)
     _err(
-        f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}; "
+        f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}{source}; "
         f"{args.task}: {len(problems)} problems x n={args.n}"
     )
     res = ev.evaluate(
@@ -454,7 +670,7 @@ def _cmd_eval(args) -> int:
         problems,
         sampler,
         n=args.n,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new,
         batch_size=args.batch_size,
         key=args.seed,
         chat=chat,
@@ -470,7 +686,8 @@ def _cmd_eval(args) -> int:
         ev.write_jsonl(args.out, res.records)
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(json.dumps(summary, indent=2) + "\n")
+        # allow_nan=False: a strict JSON parser rejects a bare NaN; fail here instead.
+        Path(args.summary).write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     a = summary["avg_at_n"]
     print(
         f"avg@{args.n} = {100 * a['avg']:.2f}%  (95% CI {100 * a['lo']:.2f}-"
@@ -506,7 +723,10 @@ def _default_calibration_problems(n: int) -> list[dict]:
 
 
 def _cmd_calibrate(args) -> int:
-    resolve_model(args.model)  # a bad --model fails before any work
+    model_dir = resolve_model(args.model)  # a bad --model fails before any work
+    check_output_path(args.out, "--out", directory=True)
+    if args.reset_json:
+        check_output_path(args.reset_json, "--reset-json")
     if args.data is not None:
         problems = ev.load_jsonl(args.data)
         source = str(args.data)
@@ -517,6 +737,8 @@ def _cmd_calibrate(args) -> int:
         raise ValueError(f"--n-problems {args.n_problems} but {source} holds {len(problems)}")
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
+    ids = [ev.prompt_ids(params, p["problem"], chat=chat) for p in problems[: args.n_problems]]
+    max_new = _max_new_tokens(args.max_new_tokens, 4096, params, ids)
     _err(
         f"# calibrating tau0 on {args.n_problems} problems from {source}: "
         f"{_model_line(args, params)}"
@@ -525,7 +747,7 @@ def _cmd_calibrate(args) -> int:
         params,
         problems,
         n_problems=args.n_problems,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=max_new,
         percentile=args.percentile,
         key=args.seed,
         chat=chat,
@@ -537,7 +759,7 @@ def _cmd_calibrate(args) -> int:
             load_model(args.model, "bf16"),
             problems,
             n_problems=args.n_problems,
-            max_new_tokens=args.max_new_tokens,
+            max_new_tokens=max_new,
             percentile=args.percentile,
             key=args.seed,
             chat=chat,
@@ -547,21 +769,162 @@ def _cmd_calibrate(args) -> int:
         args.out, res, ref, quant=args.quant, meta=meta, prefix=args.prefix
     )
     print(
-        f"tau0 = {res['tau0']:.4f} nats  ({args.percentile:g}th percentile of the raw T=1 "
+        f"tau0 = {res['tau0']:.4g} nats  ({args.percentile:g}th percentile of the raw T=1 "
         f"full-vocab entropy of {res['n_tokens']} {args.quant} tokens)"
     )
     if res["tau0_processed"] is not None:
         print(
             f"       processed-score percentile (T={res['sampler']['t']:g}, top-p/top-k): "
-            f"{res['tau0_processed']:.4f} nats (not used)"
+            f"{res['tau0_processed']:.4g} nats (not used)"
         )
     if ref is not None:
         print(
-            f"bf16 reference: raw percentile {ref['tau0_raw']:.4f} nats over "
+            f"bf16 reference: raw percentile {ref['tau0_raw']:.4g} nats over "
             f"{ref['n_tokens']} tokens"
         )
     for f in files:
         print(f"wrote {f}")
+    # The T_low in use stays (calibration sets tau0 only): the model's file, else the default.
+    saved = read_reset_settings(model_dir) or {}
+    t_low = saved.get("t_low", ev.DEFAULT_T_LOW)
+    tau0 = float(f"{res['tau0']:.4g}")
+    print(
+        f"use it: rejax generate --model {args.model} --quant {args.quant} --sampler reset "
+        f"--tau0 {tau0:g} --t-low {t_low:g} ..."
+    )
+    if args.reset_json:
+        settings = dict(
+            saved,
+            tau_0=tau0,
+            t_low=t_low,
+            source=f"rejax calibrate: p{args.percentile:g} of {res['n_tokens']} {args.quant} "
+            f"token entropies on {args.n_problems} problems from {source}",
+        )
+        path = Path(args.reset_json).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(settings, indent=2, allow_nan=False) + "\n")
+        print(
+            f"wrote {path} (put it in the model directory as {RESET_FILE} to make these the "
+            "defaults of `rejax generate` and `rejax eval`)"
+        )
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# bench
+
+
+def _cmd_bench(args) -> int:
+    import dataclasses
+
+    from rejax import bench
+
+    if args.out:
+        check_output_path(args.out, "--out")
+    if args.preset is not None:
+        cfg = PRESETS[args.preset]
+        if args.layers is not None:
+            cfg = dataclasses.replace(cfg, num_layers=args.layers)
+        label = f"preset {args.preset} ({cfg.num_layers} layers, random weights)"
+    else:
+        if args.layers is not None:
+            raise ValueError("--layers applies to --preset only (a checkpoint has its own depth)")
+        args.model = TINY if args.model is None else args.model
+        resolve_model(args.model)
+        label = args.model
+    need = args.prompt_len + max(args.new_tokens)
+    models = {}
+    for q in dict.fromkeys(args.quant):
+        if args.preset is not None:
+            limit = cfg.max_position_embeddings
+            if need > limit:
+                raise ValueError(
+                    f"--prompt-len {args.prompt_len} + --new-tokens {max(args.new_tokens)} = "
+                    f"{need} exceeds the context of {limit}"
+                )
+            # Random weights are built in full before timing: refuse what cannot fit (the
+            # bf16 weights are made first even for NVFP4, which then quantizes them).
+            need_bytes = bench.estimate_weight_bytes(cfg, "bf16")
+            have = bench.device_memory_bytes()
+            if have is not None and need_bytes > 0.8 * have:
+                raise ValueError(
+                    f"--preset {args.preset} with {cfg.num_layers} layers needs about "
+                    f"{need_bytes / 2**30:.1f} GiB for its random weights, more than this "
+                    f"device's {have / 2**30:.1f} GiB allows; pass --layers N for fewer layers"
+                )
+            models[q] = bench._random_params(cfg, q, args.seed)
+        else:
+            models[q] = load_model(args.model, q)
+            limit = models[q].cfg.max_position_embeddings
+            if need > limit:
+                raise ValueError(
+                    f"--prompt-len {args.prompt_len} + --new-tokens {max(args.new_tokens)} = "
+                    f"{need} exceeds the model's context of {limit}"
+                )
+    _err(f"# bench {label}: {', '.join(models)}; batch {args.batch}; new tokens {args.new_tokens}")
+    result = bench.run(
+        models,
+        batches=args.batch,
+        new_tokens=args.new_tokens,
+        prompt_len=args.prompt_len,
+        repeats=args.repeats,
+        copy_mib=args.copy_mib,
+        seed=args.seed,
+        label=label,
+        log=_err,
+    )
+    print(bench.format_table(result))
+    if args.out:
+        _write_json(args.out, result)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _write_json(path, value: dict) -> None:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2, allow_nan=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# compare
+
+
+def _cmd_compare(args) -> int:
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from rejax import compare, sampling
+
+    if args.out:
+        check_output_path(args.out, "--out")
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError(f"--prompt is empty ({args.prompt!r}); expected a problem")
+    model_dir = resolve_model(args.model)
+    args.sampler = "reset"
+    reset, source = _sampler(args, model_dir)
+    params = load_model(args.model, args.quant)
+    if params.tokenizer is None or params.tokenizer.tokenizer is None:
+        raise ValueError(f"{args.model!r} has no tokenizer.json; `rejax compare` needs one")
+    if args.prompt is None:
+        from rejax.data import tasks
+
+        args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
+    chat = _chat(args, params)
+    ids = ev.prompt_ids(params, args.prompt, chat=chat)
+    nl, dnl = sampling.newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
+    reset = dataclasses.replace(reset, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
+    _err(f"# compare {_model_line(args, params)}; {sampler_label(reset)}{source}")
+    result = compare.compare(params, ids, steps=args.steps, reset=reset, repeats=args.repeats)
+    result = dict(result, model=args.model, prompt=args.prompt, chat=chat)
+    from rejax import bench
+
+    result["versions"] = bench.versions()
+    print(compare.format_table(result))
+    if args.out:
+        _write_json(args.out, result)
+        print(f"wrote {args.out}")
     return 0
 
 
@@ -570,7 +933,7 @@ def _cmd_calibrate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `rejax` argument parser (sub-commands generate, eval, calibrate)."""
+    """The `rejax` argument parser (sub-commands generate, eval, calibrate, bench, compare)."""
     parser = argparse.ArgumentParser(
         prog="rejax",
         description="NVFP4 (W4A4) reasoning in JAX with the ReSET sampler.",
@@ -579,23 +942,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "generate",
-        help="stream one response with per-step entropy/temperature",
+        help="stream one response with per-step entropy/temperature, or sample a prompts file",
         description="Stream one response. The text goes to stdout; after every reasoning step "
         "(a blank line) stderr gets a line with the step's token count, mean/max "
-        "raw entropy (nats) and the share of tokens at T_low / T_high.",
+        "raw entropy (nats) and the share of tokens at T_low / T_high. With --prompts, "
+        "--n > 1 or --json the rows are decoded together (one compiled loop) and printed "
+        "when done.",
     )
     _add_model_args(g)
     _add_sampler_args(g)
     g.add_argument(
         "--max-new-tokens",
         type=_positive_int,
-        default=512,
+        default=None,
         metavar="N",
-        help="tokens to generate at most (default: 512)",
+        help="tokens to generate at most (default: 512, or what the model's context leaves)",
     )
     _add_prompt_args(g)
     g.add_argument("--no-stats", action="store_true", help="do not print per-step statistics")
-    g.add_argument("prompt", metavar="PROMPT", help="the prompt text (a problem)")
+    g.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help="read prompts from FILE: one per line, or JSONL with a 'prompt' (or 'problem') field",
+    )
+    g.add_argument(
+        "--n", type=_positive_int, default=1, metavar="N", help="samples per prompt (default: 1)"
+    )
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per row (prompt_index, sample, prompt, text, tokens, "
+        "entropy, temperature, finish_reason) instead of the text",
+    )
+    g.add_argument(
+        "prompt",
+        nargs="?",
+        default=None,
+        metavar="PROMPT",
+        help="the prompt text (a problem); '-' reads it from stdin",
+    )
     g.set_defaults(func=_cmd_generate)
 
     e = sub.add_parser(
@@ -605,7 +991,8 @@ def build_parser() -> argparse.ArgumentParser:
         "grade them (math: the last \\boxed{} answer, else the last number, with numeric "
         "normalisation; mcq: the answer letter; code: every test in a sandboxed process) "
         "and report avg@n with a 95% CI that treats problems as the sampling unit (normal "
-        "approximation over per-problem means, or a bootstrap over problems).",
+        "approximation over per-problem means, a bootstrap over problems, or a Wilson score "
+        "interval; the first two fall back to Wilson when they are degenerate).",
     )
     e.add_argument(
         "--task",
@@ -635,9 +1022,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--max-new-tokens",
         type=_positive_int,
-        default=1024,
+        default=None,
         metavar="N",
-        help="tokens per response at most (default: 1024)",
+        help="tokens per response at most (default: 1024, or what the model's context leaves)",
     )
     e.add_argument(
         "--batch-size",
@@ -669,8 +1056,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--ci",
         default="normal",
-        choices=("normal", "bootstrap"),
-        help="95%% CI method (default: normal)",
+        choices=ev.CI_METHODS,
+        help="95%% CI method; normal and bootstrap fall back to wilson for one problem or "
+        "when every problem scores the same (default: normal)",
     )
     e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     _add_prompt_args(e)
@@ -682,8 +1070,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="tau0 = the 80th percentile of the raw (T=1, full-vocabulary) token "
         "entropy of the quantized model sampling at T=0.6 on calibration problems "
         "(the entropy ReSET thresholds). Also reports the processed-score "
-        "percentile, dumps every token entropy (npz) with a JSON summary and plots bf16 vs quantized "
-        "entropy histograms (PNG, needs matplotlib).",
+        "percentile, dumps every token entropy (npz) with a JSON summary, plots bf16 vs "
+        "quantized entropy histograms (PNG, needs matplotlib) and prints the flags to paste "
+        f"(--reset-json writes them as the model's {RESET_FILE}).",
     )
     _add_model_args(c)
     c.add_argument(
@@ -702,9 +1091,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--max-new-tokens",
         type=_positive_int,
-        default=4096,
+        default=None,
         metavar="N",
-        help="tokens per response at most (default: 4096)",
+        help="tokens per response at most (default: 4096, or what the model's context leaves)",
     )
     c.add_argument(
         "--percentile",
@@ -731,8 +1120,149 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="output file name prefix (default: calibrate)",
     )
+    c.add_argument(
+        "--reset-json",
+        default=None,
+        metavar="FILE",
+        help=f"also write the ReSET settings (tau_0, t_low) as JSON to FILE; saved as "
+        f"MODEL_DIR/{RESET_FILE} they become the model's defaults",
+    )
     _add_prompt_args(c)
     c.set_defaults(func=_cmd_calibrate)
+
+    b = sub.add_parser(
+        "bench",
+        help="decode speed: ms/token, tokens/s, bandwidth against a copy ceiling",
+        description="Time the jitted prefill and decode loop (greedy, no early stop) of a "
+        "checkpoint or of a preset config with random weights: ms/token, tokens/s, weight + "
+        "KV-cache bytes per step and the bandwidth they imply next to a copy ceiling "
+        "measured in the same run, prefill time and first-call (compile + run) time. "
+        "Medians of --repeats calls, warm-up excluded.",
+    )
+    src = b.add_mutually_exclusive_group()
+    src.add_argument(
+        "--model",
+        default=None,  # None, not "tiny": argparse sees a conflict only for a non-default value
+        metavar="PATH|tiny",
+        help="checkpoint directory, or 'tiny' for the bundled model (default: tiny)",
+    )
+    src.add_argument(
+        "--preset",
+        default=None,
+        choices=sorted(PRESETS),
+        help="a preset config with random weights instead of a checkpoint",
+    )
+    b.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="with --preset: keep only N decoder layers (quick runs)",
+    )
+    b.add_argument(
+        "--quant",
+        nargs="+",
+        default=["bf16", "nvfp4"],
+        choices=sorted(QUANTS),
+        help="linear formats to time (default: bf16 nvfp4)",
+    )
+    b.add_argument(
+        "--batch",
+        nargs="+",
+        type=_positive_int,
+        default=[1],
+        metavar="B",
+        help="batch sizes (default: 1)",
+    )
+    b.add_argument(
+        "--new-tokens",
+        nargs="+",
+        type=_positive_int,
+        default=[128],
+        metavar="N",
+        help="generated tokens per row (default: 128)",
+    )
+    b.add_argument(
+        "--prompt-len",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="random prompt tokens per row (default: 64)",
+    )
+    b.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        metavar="R",
+        help="timed calls per point, median reported (default: 3)",
+    )
+    b.add_argument(
+        "--copy-mib",
+        type=_positive_int,
+        default=256,
+        metavar="M",
+        help="copy-ceiling buffer size in MiB (default: 256)",
+    )
+    b.add_argument("--seed", type=int, default=0, metavar="S", help="PRNG seed (default: 0)")
+    b.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the results (numbers, config, git sha, versions, device) as JSON",
+    )
+    b.set_defaults(func=_cmd_bench)
+
+    k = sub.add_parser(
+        "compare",
+        help="JAX against the Torch path on the same weights",
+        description="Decode a greedy trace with JAX, teacher-force prompt + trace through "
+        "rejax.logits and rejax.torch_ref.forward, and report logits max |diff| and relative "
+        "error, top-1 agreement and entropy difference on the trace, ReSET decision agreement "
+        "(rejax.sampling vs TorchReSET) and time per step / forward of each.",
+    )
+    _add_model_args(k)
+    k.add_argument(
+        "--prompt",
+        default=None,
+        metavar="TEXT",
+        help="prompt text (default: a validation problem of the bundled task)",
+    )
+    k.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=32,
+        metavar="N",
+        help="greedy trace length (default: 32)",
+    )
+    k.add_argument(
+        "--t-low",
+        type=_float,
+        default=None,
+        metavar="X",
+        help=f"ReSET T_low (default: the model's {RESET_FILE}, else {ev.DEFAULT_T_LOW})",
+    )
+    k.add_argument(
+        "--tau0",
+        type=_float,
+        default=None,
+        metavar="X",
+        help=f"ReSET tau0 in nats (default: the model's {RESET_FILE}, else {ev.DEFAULT_TAU0})",
+    )
+    k.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=3,
+        metavar="R",
+        help="timed calls per measurement, median reported (default: 3)",
+    )
+    k.add_argument(
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="write the results as JSON",
+    )
+    _add_prompt_args(k)
+    k.set_defaults(func=_cmd_compare, t_high=None, top_p=None)
     return parser
 
 

@@ -21,13 +21,8 @@ import time
 
 import numpy as np
 
-# ReSET settings for the bundled model, from experiments/tiny_reasoner_accuracy.py (weights
-# sha256 5613a9bb7713): τ0 = the 80th percentile of the NVFP4 model's raw token entropy on 5
-# validation problems (experiments/results/calibrate_tiny.json, H200 run; the model is nearly
-# deterministic on its task, hence the tiny value), T_low chosen on the validation split
-# (0.1, 0.3 and 0.5 tied; the smallest is kept). T_high and w are the paper's values.
-TINY_T_LOW = 0.1
-TINY_TAU0 = 7.699e-05
+# T_high for the bundled model is the paper's; tau0 and T_low come from the model directory's
+# reset.json (see `rejax.cli.read_reset_settings`), the values `rejax generate` uses by default.
 TINY_T_HIGH = 1.0
 
 
@@ -48,7 +43,13 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
     else:
         answer = None
     max_new = 48 if short else 256
-    reset = ev.parse_sampler("reset", t_low=TINY_T_LOW, tau0=TINY_TAU0, t_high=TINY_T_HIGH)
+    saved = cli.read_reset_settings(cli.bundled_model_dir()) or {}
+    reset = ev.parse_sampler(
+        "reset",
+        t_low=saved.get("t_low", ev.DEFAULT_T_LOW),
+        tau0=saved.get("tau_0", ev.DEFAULT_TAU0),
+        t_high=saved.get("t_high", TINY_T_HIGH),
+    )
     temp = ev.parse_sampler("temp:0.6")
 
     _banner(f"rejax demo: the bundled tiny reasoner (Hugging Face Qwen3 format), on {_backend()}")
@@ -61,7 +62,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
     )
     _banner(f"NVFP4 W4A4 + {cli.sampler_label(reset)}")
     chat = ev.has_chat_template(params)
-    res = cli.stream_generate(
+    res = cli.stream_response(
         params,
         problem,
         sampler=reset,
@@ -76,7 +77,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
     _banner("contrast: BF16 weights, temperature 0.6")
     bf16 = cli.load_model(cli.TINY, "bf16")
     quiet = io.StringIO()
-    ref = cli.stream_generate(
+    ref = cli.stream_response(
         bf16,
         problem,
         sampler=temp,
@@ -94,6 +95,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
 
 
 def _result_line(name, res, answer, grade) -> None:
+    from rejax.cli import format_nats
     from rejax.grading import extract_answer
 
     got = extract_answer(res["text"])
@@ -106,7 +108,8 @@ def _result_line(name, res, answer, grade) -> None:
     temps = ", ".join(f"T={v:g}: {np.mean(t == v):.0%}" for v in np.unique(t))
     print(
         f"{name}: answer {got}{verdict}; {len(res['tokens'])} tokens "
-        f"({res['finish_reason']}), mean entropy {np.mean(res['entropy']):.3f} nats; {temps}"
+        f"({res['finish_reason']}), mean entropy {format_nats(np.mean(res['entropy']))} nats; "
+        f"{temps}"
     )
 
 

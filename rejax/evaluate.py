@@ -21,8 +21,10 @@ import math
 import os
 import pickle
 import statistics
+import time
 import zlib
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +90,9 @@ def load_jsonl(path: str | Path, *, limit: int | None = None) -> list[dict]:
                     f"{path}:{lineno}: 'answer' must be a string or a number, got {row['answer']!r}"
                 )
             row["answer"] = str(row["answer"])
+            if not row["answer"].strip():
+                # An empty gold answer would grade every response wrong without a word.
+                raise ValueError(f"{path}:{lineno}: 'answer' is empty (expected the gold answer)")
             problems.append(row)
             if limit is not None and len(problems) >= limit:
                 break
@@ -419,6 +424,36 @@ def describe_sampler(sampler) -> dict:
 # Metric
 
 
+CI_METHODS = ("normal", "bootstrap", "wilson")
+
+
+def _z(confidence: float) -> float:
+    return statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def wilson_interval(p: float, n: int, *, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for a proportion p observed over n units.
+
+    Unlike the normal approximation it stays inside [0, 1], has non-zero width at p = 0 and
+    p = 1 (10 of 10 gives [0.722, 1]) and is defined for n = 1.
+
+    Args:
+      p: the observed proportion in [0, 1].
+      n: number of units (> 0).
+      confidence: two-sided level in (0, 1).
+
+    Returns:
+      (lo, hi), fractions in [0, 1].
+    """
+    if n <= 0 or not 0.0 <= p <= 1.0:
+        raise ValueError(f"wilson_interval needs 0 <= p <= 1 and n > 0, got p={p!r}, n={n!r}")
+    z = _z(confidence)
+    z2n = z * z / n
+    center = (p + z2n / 2) / (1 + z2n)
+    half = z / (1 + z2n) * math.sqrt(p * (1 - p) / n + z2n / (4 * n))
+    return max(0.0, center - half), min(1.0, center + half)
+
+
 def avg_at_n_ci(
     correct,
     *,
@@ -437,41 +472,51 @@ def avg_at_n_ci(
                           (1.96 for 95%); clipped to [0, 1].
       method "bootstrap": percentile interval of the mean of p_i over `n_boot` resamples of
                           the problems with replacement (seeded).
+      method "wilson":    Wilson score interval of avg over P units. Each p_i lies in [0, 1],
+                          so var(p_i) <= avg * (1 - avg), the binomial variance this interval
+                          assumes: it is conservative for n > 1.
+
+    "normal" and "bootstrap" estimate the spread from the data; with one problem, or when
+    every problem has the same mean (all right, all wrong), that estimate is zero or undefined
+    and their interval would be empty or NaN. They then fall back to "wilson"; `method` in the
+    result names the interval actually computed and `requested_method` the one asked for.
 
     Args:
       correct: bool/int array [P, n] (or a list of per-problem lists, ragged allowed).
+      confidence: two-sided level in (0, 1).
+      method: one of CI_METHODS.
+      n_boot, seed: bootstrap resamples and their seed.
 
     Returns:
-      {"avg", "lo", "hi", "se", "n_problems", "n_samples", "confidence", "method"}; avg/lo/hi
-      are fractions in [0, 1]. With a single problem the spread is undefined: se, lo and hi
-      are then NaN.
+      {"avg", "lo", "hi", "se", "n_problems", "n_samples", "confidence", "method",
+      "requested_method"}; avg/lo/hi are finite fractions in [0, 1]; se is the standard error
+      of avg over problems (sd(p_i) / sqrt(P)), None for a single problem.
     """
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if method not in CI_METHODS:
+        raise ValueError(f"unknown CI method {method!r}; expected one of {CI_METHODS}")
     rows = [np.asarray(r, dtype=np.float64).reshape(-1) for r in correct]
     if not rows or any(r.size == 0 for r in rows):
         raise ValueError("avg_at_n_ci needs at least one problem with at least one sample")
     p = np.array([r.mean() for r in rows])
     n_problems = p.size
     avg = float(p.mean())
-    se = float(p.std(ddof=1) / math.sqrt(n_problems)) if n_problems > 1 else math.nan
-    if method == "normal":
-        z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
-        if n_problems < 2:
-            lo = hi = math.nan
-        else:
-            lo, hi = max(0.0, avg - z * se), min(1.0, avg + z * se)
-    elif method == "bootstrap":
-        if n_problems < 2:
-            lo = hi = math.nan
-        else:
-            rng = np.random.default_rng(seed)
-            idx = rng.integers(0, n_problems, size=(n_boot, n_problems))
-            means = p[idx].mean(axis=1)
-            alpha = (1 - confidence) / 2
-            lo, hi = (float(q) for q in np.quantile(means, [alpha, 1 - alpha]))
+    se = float(p.std(ddof=1) / math.sqrt(n_problems)) if n_problems > 1 else None
+    used = method
+    if method != "wilson" and (n_problems < 2 or np.all(p == p[0])):
+        used = "wilson"
+    if used == "wilson":
+        lo, hi = wilson_interval(min(max(avg, 0.0), 1.0), n_problems, confidence=confidence)
+    elif used == "normal":
+        z = _z(confidence)
+        lo, hi = max(0.0, avg - z * se), min(1.0, avg + z * se)
     else:
-        raise ValueError(f"unknown CI method {method!r}; expected 'normal' or 'bootstrap'")
+        rng = np.random.default_rng(seed)
+        idx = rng.integers(0, n_problems, size=(n_boot, n_problems))
+        means = p[idx].mean(axis=1)
+        alpha = (1 - confidence) / 2
+        lo, hi = (float(q) for q in np.quantile(means, [alpha, 1 - alpha]))
     return {
         "avg": avg,
         "lo": float(lo),
@@ -480,48 +525,60 @@ def avg_at_n_ci(
         "n_problems": int(n_problems),
         "n_samples": int(sum(r.size for r in rows)),
         "confidence": confidence,
-        "method": method,
+        "method": used,
+        "requested_method": method,
     }
 
 
 def paired_difference_ci(correct_a, correct_b, *, confidence: float = 0.95) -> dict:
-    """avg@n(a) - avg@n(b) on the same problems, with a normal-approximation CI over problems.
+    """avg@n(a) - avg@n(b) on the same problems, with a CI over problems.
 
     d_i = mean(a_i) - mean(b_i) per problem; the interval is mean(d) ± z * sd(d, ddof=1) /
-    sqrt(P). Pairing removes the between-problem variance (difficulty) from the comparison.
+    sqrt(P) ("normal"). Pairing removes the between-problem variance (difficulty) from the
+    comparison. With one problem, or when every d_i is equal (both sides all right, say), that
+    spread is zero or undefined; the interval is then Newcombe's hybrid score interval
+    ("newcombe": the Wilson intervals of both sides over P problems combined), which ignores
+    the pairing and so is conservative for positively correlated sides.
 
     Args:
       correct_a, correct_b: bool/int [P, n] (or per-problem lists) for the same P problems.
+      confidence: two-sided level in (0, 1).
 
     Returns:
-      {"diff", "lo", "hi", "se", "n_problems", "confidence"} (fractions; NaN CI for P = 1).
+      {"diff", "lo", "hi", "se", "n_problems", "confidence", "method"} (finite fractions in
+      [-1, 1]; se None for a single problem).
     """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     a = [np.asarray(r, np.float64).reshape(-1) for r in correct_a]
     b = [np.asarray(r, np.float64).reshape(-1) for r in correct_b]
     if len(a) != len(b) or not a:
         raise ValueError(f"need the same non-zero number of problems, got {len(a)} and {len(b)}")
     if any(x.size == 0 for x in a + b):
         raise ValueError("every problem needs at least one sample on both sides")
-    d = np.array([x.mean() - y.mean() for x, y in zip(a, b)])
+    pa = np.array([x.mean() for x in a])
+    pb = np.array([y.mean() for y in b])
+    d = pa - pb
     diff = float(d.mean())
-    if d.size < 2:
-        return {
-            "diff": diff,
-            "lo": math.nan,
-            "hi": math.nan,
-            "se": math.nan,
-            "n_problems": int(d.size),
-            "confidence": confidence,
-        }
-    se = float(d.std(ddof=1) / math.sqrt(d.size))
-    z = statistics.NormalDist().inv_cdf(0.5 + confidence / 2)
+    se = float(d.std(ddof=1) / math.sqrt(d.size)) if d.size > 1 else None
+    if d.size > 1 and not np.all(d == d[0]):
+        z = _z(confidence)
+        lo, hi, method = diff - z * se, diff + z * se, "normal"
+    else:
+        ma, mb = float(pa.mean()), float(pb.mean())
+        la, ua = wilson_interval(ma, d.size, confidence=confidence)
+        lb, ub = wilson_interval(mb, d.size, confidence=confidence)
+        lo = diff - math.sqrt((ma - la) ** 2 + (ub - mb) ** 2)
+        hi = diff + math.sqrt((ua - ma) ** 2 + (mb - lb) ** 2)
+        method = "newcombe"
     return {
         "diff": diff,
-        "lo": diff - z * se,
-        "hi": diff + z * se,
+        "lo": max(-1.0, lo),
+        "hi": min(1.0, hi),
         "se": se,
         "n_problems": int(d.size),
         "confidence": confidence,
+        "method": method,
     }
 
 
@@ -633,8 +690,9 @@ def evaluate(
       batch_size: problems per batch (default: min(#problems, max(1, 64 // n))).
       key: int seed.
       chat: render prompts with the chat template (None: when the checkpoint has one).
-      progress: tqdm bar over batches.
-      ci_method: "normal" or "bootstrap" (see `avg_at_n_ci`).
+      progress: a tqdm bar on stderr counting problems done, with problems/s and the
+        generated tokens/s (it moves when a batch finishes).
+      ci_method: one of CI_METHODS (see `avg_at_n_ci`).
       task: "math", "mcq" or "code" (how the responses are graded).
       timeout_s: code: wall-clock limit per test run.
       grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
@@ -647,9 +705,6 @@ def evaluate(
       `n_last_number_fallback` / `n_last_number_fallback_correct`, for code `failure_status`
       (counts per failure kind).
     """
-    import time
-    from concurrent.futures import ThreadPoolExecutor
-
     from rejax.generate import generate
     from rejax.grading import check_reference, grade_detail
 
@@ -679,17 +734,22 @@ def evaluate(
     if chat is None:
         chat = has_chat_template(params)
     t0 = time.perf_counter()
-    gen = generate(
-        params,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        sampler=sampler,
-        key=key,
-        n=n,
-        batch_size=batch_size,
-        chat=chat,
-        progress=progress,
-    )
+    bar = _ProblemProgress(len(problems), n) if progress else None
+    try:
+        gen = generate(
+            params,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            key=key,
+            n=n,
+            batch_size=batch_size,
+            chat=chat,
+            progress=bar.update if bar is not None else False,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     wall = time.perf_counter() - t0  # generation only: code grading can take a while
 
     def _grade(r):
@@ -773,6 +833,27 @@ def _prompt_and_reference(p: dict, i: int, task: str):
         + (" or 'problem' and 'answer'" if task == "math" else "")
         + f", got keys {sorted(p)}"
     )
+
+
+class _ProblemProgress:
+    """tqdm bar over problems fed by `generate`'s per-batch progress callback."""
+
+    def __init__(self, n_problems: int, n: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=n_problems, desc=f"eval (n={n})", unit="problem")
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def update(self, prompts: int, tokens: int) -> None:
+        self.tokens += tokens
+        wall = time.perf_counter() - self.t0
+        rate = f"{self.tokens / wall:.0f} tok/s" if wall > 0 else ""
+        self.bar.set_postfix_str(rate, refresh=False)  # drawn once, by the update below
+        self.bar.update(prompts)
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # ----------------------------------------------------------------------------------------------

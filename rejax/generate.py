@@ -255,7 +255,8 @@ def generate(
     batch_size: int | None = None,
     chat: bool = False,
     stream: bool | Callable[[str], Any] = False,
-    progress: bool | None = None,
+    on_token: Callable[[int, float, float], Any] | None = None,
+    progress: bool | Callable[[int, int], Any] | None = None,
 ) -> Generation:
     """Generates continuations for one or many prompts.
 
@@ -280,7 +281,12 @@ def generate(
         chat: render each text prompt as one user message with the chat template.
         stream: True prints text to stdout as it is generated, or a callable receiving each
             new text piece; single prompt with n=1 only (host loop over `decode_step`).
-        progress: show a tqdm bar over batches (None: when there is more than one batch).
+        on_token: with `stream`, called after each generated token (and after its text piece)
+            as on_token(token_id, raw entropy in nats, temperature used); per-step statistics
+            are built on it.
+        progress: show a tqdm bar over batches (None: when there is more than one batch), or a
+            callable called after each batch as progress(prompts_done, tokens_generated) with
+            that batch's counts, for a caller's own progress report.
 
     Returns:
         Generation with one row per (prompt, sample).
@@ -316,11 +322,21 @@ def generate(
             )
         emit = stream if callable(stream) else _print_piece
         return _generate_stream(
-            params, prompts[0], max_new_tokens, sampler, _row_keys(key, 0, 1), stop_mask, emit
+            params,
+            prompts[0],
+            max_new_tokens,
+            sampler,
+            _row_keys(key, 0, 1),
+            stop_mask,
+            emit,
+            on_token,
         )
+    if on_token is not None:
+        raise ValueError("on_token needs stream=True (or a stream callable)")
 
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    show = len(batches) > 1 if progress is None else bool(progress)
+    report = progress if callable(progress) else None
+    show = report is None and (len(batches) > 1 if progress is None else bool(progress))
     it = enumerate(batches)
     if show:
         from tqdm.auto import tqdm
@@ -329,11 +345,12 @@ def generate(
     rows: list[tuple] = []
     for j, batch in it:
         keys = _row_keys(key, j * batch_size * n, batch_size * n)
-        rows.extend(
-            _generate_batch(
-                params, batch, n, batch_size * n, max_new_tokens, sampler, keys, stop_mask
-            )
+        done = _generate_batch(
+            params, batch, n, batch_size * n, max_new_tokens, sampler, keys, stop_mask
         )
+        rows.extend(done)
+        if report is not None:
+            report(len(batch), sum(len(r[0]) for r in done))
     return _to_generation(params, rows)
 
 
@@ -379,7 +396,7 @@ def _print_piece(piece: str) -> None:
     sys.stdout.flush()
 
 
-def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, emit):
+def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, emit, on_token=None):
     from rejax.sampling import sampler_init
 
     bucket = _bucket(len(prompt))
@@ -407,6 +424,8 @@ def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, em
             if not text.endswith("\ufffd") and text.startswith(shown):
                 emit(text[len(shown) :])
                 shown = text
+        if on_token is not None:
+            on_token(t, ent[-1], temp[-1])
         if stop[t]:
             stopped = True
             break

@@ -1,8 +1,12 @@
 """Tests for the `rejax` command line and `python -m rejax.demo`: documented options, clear
 errors for bad input, and generate / eval / calibrate end to end on a tiny random checkpoint."""
 
+import argparse
+import importlib
+import io
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,58 +16,6 @@ from test_evaluate import PROBLEMS, write_tiny_checkpoint
 from rejax import cli
 
 REPO = Path(__file__).resolve().parents[1]
-
-# Every option the README documents, per command.
-DOCUMENTED = {
-    "generate": [
-        "--model",
-        "--quant",
-        "--sampler",
-        "--max-new-tokens",
-        "--t-low",
-        "--tau0",
-        "--t-high",
-        "--top-p",
-        "--seed",
-        "--chat",
-        "--no-stats",
-        "PROMPT",
-    ],
-    "eval": [
-        "--data",
-        "--n",
-        "--model",
-        "--quant",
-        "--sampler",
-        "--max-new-tokens",
-        "--batch-size",
-        "--limit",
-        "--out",
-        "--summary",
-        "--ci",
-        "--no-progress",
-        "--t-low",
-        "--tau0",
-        "--t-high",
-        "--top-p",
-        "--seed",
-        "--chat",
-    ],
-    "calibrate": [
-        "--model",
-        "--quant",
-        "--data",
-        "--n-problems",
-        "--max-new-tokens",
-        "--percentile",
-        "--reference",
-        "--out",
-        "--prefix",
-        "--seed",
-        "--chat",
-    ],
-}
-
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
@@ -110,24 +62,71 @@ def _help(capsys, command):
 # ----------------------------------------------------------------------------- help
 
 
-@pytest.mark.parametrize("command", sorted(DOCUMENTED))
-def test_help_lists_every_documented_option(capsys, command):
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    parser = cli.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def _options(command: str) -> tuple[set[str], set[str]]:
+    """(long flags, positional metavars) the parser of `command` accepts."""
+    flags, positionals = set(), set()
+    for action in _subparsers()[command]._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if action.option_strings:
+            flags.update(o for o in action.option_strings if o.startswith("--"))
+        else:
+            positionals.add(action.metavar or action.dest)
+    return flags, positionals
+
+
+def _readme_synopsis() -> dict[str, str]:
+    """README "Command line" code block, split into one synopsis per command."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Command line", 1)[1]
+    block = section.split("```", 2)[1]
+    out: dict[str, str] = {}
+    command = None
+    for line in block.splitlines():
+        m = re.match(r"rejax (\w+)", line)
+        if m:
+            command = m.group(1)
+            out[command] = line
+        elif line.strip() and command is not None:
+            out[command] += " " + line.strip()
+    return out
+
+
+COMMANDS = sorted(_subparsers())
+
+
+def test_readme_lists_every_command():
+    assert sorted(_readme_synopsis()) == COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_synopsis_matches_the_parser(command):
+    synopsis = _readme_synopsis()[command]
+    flags, positionals = _options(command)
+    documented = set(re.findall(r"--[a-z][a-z0-9-]*", synopsis))
+    assert documented == flags, (
+        f"rejax {command}: README lacks {sorted(flags - documented)}, "
+        f"README has unknown {sorted(documented - flags)}"
+    )
+    for name in positionals:
+        assert re.search(rf"[\[\s]{name}\b", synopsis), (command, name)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_lists_every_option(capsys, command):
     text = _help(capsys, command)
-    for option in DOCUMENTED[command]:
+    flags, positionals = _options(command)
+    for option in flags | positionals:
         assert re.search(rf"(^|[\s\[,]){re.escape(option)}\b", text), (command, option)
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     assert command in capsys.readouterr().out
-
-
-def test_readme_documents_every_option():
-    readme = (REPO / "README.md").read_text()
-    if "rejax eval" not in readme:
-        pytest.skip("README.md has no command-line section yet")
-    for command, options in DOCUMENTED.items():
-        assert f"rejax {command}" in readme, command
-        for option in options:
-            assert option in readme, (command, option)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -295,6 +294,8 @@ def test_calibrate_writes_tau0_dumps_and_plot(capsys, ckpt, data, tmp_path, cach
         tmp_path,
         "--prefix",
         "cal",
+        "--reset-json",
+        tmp_path / "model_settings" / "reset.json",
     )
     assert rc == 0, err
     s = json.loads((tmp_path / "cal.json").read_text())
@@ -302,7 +303,12 @@ def test_calibrate_writes_tau0_dumps_and_plot(capsys, ckpt, data, tmp_path, cach
     assert s["tau0"] == pytest.approx(np.percentile(dump["nvfp4_raw"], 80))
     assert s["reference_bf16"]["n_tokens"] == dump["bf16_raw"].size
     assert s["quant"] == "nvfp4" and s["used"] == "raw"
-    assert f"tau0 = {s['tau0']:.4f} nats" in stdout
+    assert f"tau0 = {s['tau0']:.4g} nats" in stdout
+    # The flags to paste, and the same values as the model's settings file.
+    tau0 = float(f"{s['tau0']:.4g}")
+    assert f"--sampler reset --tau0 {tau0:g} --t-low 0.3" in stdout
+    saved = cli.read_reset_settings(tmp_path / "model_settings")
+    assert saved == {"tau_0": tau0, "t_low": 0.3}
     pytest.importorskip("matplotlib")
     assert (tmp_path / "cal_entropy.png").stat().st_size > 1000
 
@@ -332,16 +338,14 @@ def test_generate_streams_text_and_step_stats(capsys, ckpt, cached_models):
     assert stdout.endswith("\n") and "[step" not in stdout
 
 
-def test_stream_generate_matches_generate(ckpt, cached_models):
-    import io
-
+def test_stream_response_matches_generate(ckpt, cached_models):
     from rejax import evaluate as ev
     from rejax.generate import generate
 
     params = cli.load_model(str(ckpt), "nvfp4")
     sampler = ev.parse_sampler("reset", tau0=4.0)
     buf = io.StringIO()
-    res = cli.stream_generate(
+    res = cli.stream_response(
         params,
         "Evaluate 7 * 6.",
         sampler=sampler,
@@ -367,3 +371,205 @@ def test_demo_fallback_without_bundled_model(capsys, monkeypatch, tmp_path):
     assert "generation-free" in out and "NVFP4 weight [256, 1024]" in out
     temps = [float(m) for m in re.findall(r"^\s+\d+\s+[\d.]+\s+([\d.]+)\s", out, re.MULTILINE)]
     assert len(temps) == 14 and set(temps) == {0.3, 1.0}
+
+
+# ----------------------------------------------------------------------------- issue 18 defects
+
+
+class _Stop(Exception):
+    """Raised by a spy in place of long work; the test then checks what it was called with."""
+
+
+def _spy(calls: list):
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise _Stop
+
+    return spy
+
+
+def test_eval_and_calibrate_defaults_fit_the_models_context(
+    capsys, monkeypatch, ckpt, data, cached_models
+):
+    from rejax import evaluate as ev
+
+    params = cli.load_model(str(ckpt), "nvfp4")
+    limit = params.cfg.max_position_embeddings  # 512 < the eval / calibrate defaults
+    longest = max(len(ev.prompt_ids(params, p["problem"], chat=True)) for p in PROBLEMS)
+    for command, target in (("eval", "evaluate"), ("calibrate", "calibrate_tau0")):
+        calls: list = []
+        monkeypatch.setattr(ev, target, _spy(calls))
+        argv = [command, "--model", ckpt, "--data", data]
+        if command == "calibrate":
+            argv += ["--n-problems", 3, "--out", ckpt.parent / "cal"]
+        with pytest.raises(_Stop):
+            cli.main([str(a) for a in argv])
+        assert calls[0][1]["max_new_tokens"] == limit - longest, command
+        err = capsys.readouterr().err
+        assert f"--max-new-tokens {limit - longest} (the default" in err
+        assert f"context is {limit} tokens" in err
+
+
+@pytest.mark.parametrize("prompt", ["", "   ", "-"])
+def test_generate_rejects_an_empty_prompt(capsys, monkeypatch, prompt):
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    rc, _, err = _run(capsys, "generate", prompt)
+    assert rc == 2 and "is empty" in err and "expected a problem" in err, err
+
+
+def test_generate_reads_stdin_and_streams_through_rejax_generate(monkeypatch, ckpt, cached_models):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Evaluate 3 + 4.\n"))
+    calls: list = []
+    monkeypatch.setattr(importlib.import_module("rejax.generate"), "generate", _spy(calls))
+    with pytest.raises(_Stop):
+        cli.main(["generate", "--model", str(ckpt), "--max-new-tokens", "5", "-"])
+    (args, kwargs), = calls
+    assert args[1] == "Evaluate 3 + 4."
+    assert callable(kwargs["stream"]) and callable(kwargs["on_token"])
+    assert kwargs["max_new_tokens"] == 5
+
+
+def test_bf16_on_an_nvfp4_checkpoint_is_refused(capsys, tmp_path, ckpt, cached_models):
+    import rejax
+
+    nvfp4 = tmp_path / "nvfp4"
+    rejax.save(cli.load_model(str(ckpt), "nvfp4"), nvfp4)
+    rc, _, err = _run(capsys, "generate", "--model", nvfp4, "--quant", "bf16", "hi")
+    assert rc == 2 and "is an NVFP4 checkpoint (nvfp4)" in err, err
+    with pytest.raises(ValueError, match="float weights are not in it"):
+        rejax.load(nvfp4, quant="bf16")
+    assert rejax.load(ckpt, quant="bf16").cfg.quant is None
+
+
+def test_output_paths_are_checked_before_any_work(capsys, monkeypatch, tmp_path, data):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    cases = [
+        (["eval", "--data", data, "--out", a_file / "r.jsonl"], "--out", "is a file"),
+        (["eval", "--data", data, "--summary", tmp_path], "--summary", "is a directory"),
+        (["calibrate", "--out", a_file], "--out", "is a file; expected a directory"),
+        (["calibrate", "--reset-json", tmp_path], "--reset-json", "is a directory"),
+        (["bench", "--out", a_file / "b.json"], "--out", "is a file"),
+        (["compare", "--out", tmp_path], "--out", "is a directory"),
+    ]
+    for argv, flag, message in cases:
+        rc, _, err = _run(capsys, *argv)
+        assert rc == 2 and f"error: {flag} " in err and message in err, (argv, err)
+
+
+def test_model_reset_json_sets_the_reset_defaults(tmp_path, ckpt):
+    model = tmp_path / "model"
+    shutil.copytree(ckpt, model)
+    (model / "reset.json").write_text('{"tau_0": 0.25, "t_low": 0.2, "source": "test"}')
+    parse = cli.build_parser().parse_args
+    sampler, source = cli._sampler(parse(["generate", "--model", str(model), "hi"]), model)
+    assert (float(sampler.tau_0), float(sampler.t_low), float(sampler.t_high)) == (0.25, 0.2, 1.0)
+    assert "tau0, t-low from the model's reset.json" in source
+    explicit = parse(["generate", "--model", str(model), "--tau0", "0.5", "hi"])
+    assert float(cli._sampler(explicit, model)[0].tau_0) == 0.5
+    assert float(cli._sampler(explicit, ckpt)[0].t_low) == 0.3  # no file: the paper's value
+    (model / "reset.json").write_text('{"tau_0": "low"}')
+    with pytest.raises(ValueError, match=r"reset.json: tau_0 must be a finite number >= 0"):
+        cli._sampler(parse(["generate", "hi"]), model)
+
+
+def test_bundled_model_carries_the_readme_calibration():
+    saved = cli.read_reset_settings(cli.bundled_model_dir())
+    assert saved == {"tau_0": 7.699e-05, "t_low": 0.1}
+    readme = (REPO / "README.md").read_text()
+    assert "τ₀ = 7.7e-5 nats" in readme and "T_low = 0.1" in readme
+
+
+def test_readme_api_tour_names_resolve():
+    readme = (REPO / "README.md").read_text()
+    # `rejax.generate` is the function, so `rejax.generate.prefill` is an AttributeError.
+    assert "`rejax.generate.prefill`" not in readme
+    assert "from rejax.generate import prefill, decode_step" in readme
+    from rejax.generate import decode_step, prefill
+
+    assert callable(prefill) and callable(decode_step)
+    assert "from rejax import torch_ref" in readme
+    from rejax import torch_ref
+
+    assert callable(torch_ref.forward)
+    assert "per-token dynamic" not in readme and "per-row (per-token) dynamic" in readme
+    assert '"bf16"' in readme.split("## API tour")[1].split("## Command line")[0]
+    assert "rejax.Temperature` defaults to `top_p=1.0`" in readme
+
+
+def test_step_printer_shows_small_entropies():
+    from rejax import evaluate as ev
+
+    nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
+    dnl[2] = True
+    printer = cli._StepPrinter(nl, dnl, ev.parse_sampler("temp:0.6"))
+    printer.push(3, 1.0e-5, 0.6)
+    line = printer.push(2, 3.0e-5, 0.6)
+    assert "entropy mean 2.0e-05 max 3.0e-05 nats" in line, line
+    assert cli.format_nats(0.0) == "0" and cli.format_nats(0.5) == "0.50"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sampler", "greedy", "--tau0", "0.1"], "--tau0 0.1 does not apply to --sampler 'gre"),
+        (["--sampler", "greedy", "--top-p", "0.9"], "--top-p 0.9 does not apply"),
+        (["--sampler", "temp:0.6", "--t-low", "0.2"], "--t-low 0.2 does not apply"),
+    ],
+)
+def test_options_the_sampler_does_not_read_are_refused(capsys, monkeypatch, ckpt, argv, message):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    rc, _, err = _run(capsys, "generate", "--model", ckpt, *argv, "hi")
+    assert rc == 2 and message in err, err
+
+
+def test_model_path_that_is_a_file(capsys, tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"")
+    rc, _, err = _run(capsys, "generate", "--model", f, "hi")
+    assert rc == 2 and f"model path '{f}' is a file; expected a checkpoint directory" in err
+
+
+# ----------------------------------------------------------------------------- issue 18 features
+
+
+def test_read_prompts_from_lines_and_jsonl(tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text('Evaluate 1 + 1.\n\n{"prompt": "Evaluate 2 + 2."}\n{"problem": "Evaluate 3."}\n')
+    args = cli.build_parser().parse_args(["generate", "--prompts", str(f)])
+    assert cli._read_prompts(args) == ["Evaluate 1 + 1.", "Evaluate 2 + 2.", "Evaluate 3."]
+    f.write_text('{"prompt": "  "}\n')
+    with pytest.raises(ValueError, match=r"p.txt:1: expected a non-empty string field"):
+        cli._read_prompts(args)
+    both = cli.build_parser().parse_args(["generate", "--prompts", str(f), "hi"])
+    with pytest.raises(ValueError, match="got both"):
+        cli._read_prompts(both)
+
+
+def test_generate_prompts_file_n_and_json(capsys, tmp_path, ckpt, cached_models):
+    from rejax import evaluate as ev
+    from rejax.generate import generate
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "Evaluate 5 - 2."}\n')
+    # Two rows of 8 tokens with temp:0.7 and bf16: the compiled shapes of the eval test.
+    rc, out, err = _run(
+        capsys, "generate", "--model", ckpt, "--quant", "bf16", "--sampler", "temp:0.7",
+        "--prompts", f, "--n", 2, "--max-new-tokens", 8, "--seed", 4, "--json",
+    )  # fmt: skip
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    params = cli.load_model(str(ckpt), "bf16")
+    ref = generate(
+        params, ["Evaluate 5 - 2."], n=2, max_new_tokens=8, key=4, chat=True,
+        sampler=ev.parse_sampler("temp:0.7"),
+    )  # fmt: skip
+    assert [(r["prompt_index"], r["sample"]) for r in rows] == [(0, 0), (0, 1)]
+    assert [r["tokens"] for r in rows] == ref.tokens
+    assert [r["text"] for r in rows] == ref.text
+    assert [r["finish_reason"] for r in rows] == ref.finish_reason
+    for r, h, t in zip(rows, ref.entropy, ref.temperature):
+        np.testing.assert_allclose(r["entropy"], h, rtol=1e-6)
+        assert r["temperature"] == pytest.approx(t)

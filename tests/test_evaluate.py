@@ -122,6 +122,7 @@ def test_load_jsonl_reads_fields_and_skips_blank_lines(tmp_path):
         ("[1, 2]\n", r":1: expected a JSON object"),
         ('{"problem": "", "answer": 1}\n', r":1: 'problem' must be a non-empty string"),
         ('{"problem": "a", "answer": null}\n', r":1: 'answer' must be a string or a number"),
+        ('{"problem": "a", "answer": " "}\n', r":1: 'answer' is empty"),
         ("\n\n", r"holds no problems"),
     ],
 )
@@ -210,10 +211,10 @@ def test_avg_at_n_ci_bootstrap_and_degenerate_cases():
     assert boot["lo"] == pytest.approx(normal["lo"], abs=0.01)
     assert boot["hi"] == pytest.approx(normal["hi"], abs=0.01)
     one = ev.avg_at_n_ci([[1, 0, 1, 1]])
-    assert one["avg"] == 0.75 and math.isnan(one["lo"]) and math.isnan(one["hi"])
+    assert one["avg"] == 0.75 and one["method"] == "wilson" and one["se"] is None
     with pytest.raises(ValueError, match="at least one problem"):
         ev.avg_at_n_ci([])
-    with pytest.raises(ValueError, match="unknown CI method 'wald'"):
+    with pytest.raises(ValueError, match="unknown CI method 'wald'; expected one of"):
         ev.avg_at_n_ci(correct, method="wald")
 
 
@@ -228,6 +229,46 @@ def test_paired_difference_ci_hand_computed():
     assert out["hi"] == pytest.approx(0.532896, abs=2e-6)
     with pytest.raises(ValueError, match="same non-zero number of problems, got 4 and 3"):
         ev.paired_difference_ci(a, b[:3])
+
+
+def test_wilson_interval_hand_computed():
+    # 10 of 10: center (1 + z^2/20) / (1 + z^2/10) = 0.861236, half-width 0.138764.
+    assert ev.wilson_interval(1.0, 10) == pytest.approx((0.722467, 1.0), abs=1e-6)
+    assert ev.wilson_interval(0.0, 10) == pytest.approx((0.0, 0.277533), abs=1e-6)
+    # 1 of 2: symmetric about 0.5, half-width z / (1 + z^2/2) * sqrt(1/8 + z^2/16) = 0.405469.
+    assert ev.wilson_interval(0.5, 2) == pytest.approx((0.094531, 0.905469), abs=1e-6)
+    with pytest.raises(ValueError, match=r"n > 0, got p=0.5, n=0"):
+        ev.wilson_interval(0.5, 0)
+
+
+@pytest.mark.parametrize("method", ["normal", "bootstrap", "wilson"])
+@pytest.mark.parametrize(
+    ("correct", "lo", "hi"),
+    [
+        ([[1, 1]] * 10, 0.722467, 1.0),  # every problem right: not 100-100%
+        ([[0]] * 10, 0.0, 0.277533),  # every problem wrong
+        # one problem (n = 1 unit): half-width z / (2 * sqrt(1 + z^2)) = 0.445379, not NaN
+        ([[1, 0]], 0.054621, 0.945379),
+    ],
+)
+def test_avg_at_n_ci_degenerate_sets_fall_back_to_wilson(method, correct, lo, hi):
+    out = ev.avg_at_n_ci(correct, method=method)
+    assert (out["lo"], out["hi"]) == pytest.approx((lo, hi), abs=1e-6)
+    assert out["method"] == "wilson" and out["requested_method"] == method
+    json.dumps(out, allow_nan=False)  # strict JSON: no NaN anywhere
+
+
+def test_paired_difference_ci_degenerate_sets_use_newcombe():
+    same = ev.paired_difference_ci([[1]] * 10, [[1]] * 10)
+    # Both sides 10 of 10: diff 0 +- (1 - 0.722467).
+    assert (same["diff"], same["method"]) == (0.0, "newcombe")
+    assert (same["lo"], same["hi"]) == pytest.approx((-0.277533, 0.277533), abs=1e-6)
+    one = ev.paired_difference_ci([[1, 1]], [[0, 0]])
+    # P = 1: Wilson(1, 1) = [0.206549, 1], Wilson(0, 1) = [0, 0.793451].
+    assert one["diff"] == 1.0 and one["se"] is None
+    expected = (1 - math.hypot(0.793451, 0.793451), 1.0)
+    assert (one["lo"], one["hi"]) == pytest.approx(expected, abs=1e-6)
+    json.dumps(one, allow_nan=False)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -355,3 +396,14 @@ def test_observation_stats_greedy_samples_never_leave_their_own_argmax(params):
     assert off["rate_high"] > 0.3
     with pytest.raises(ValueError, match=r"2 problems x n=2 = 4 responses, got 2"):
         ev.observation_stats(params, PROBLEMS[:2], gen.tokens, n=2, tau0=1.0)
+
+
+def test_evaluate_progress_counts_problems_with_a_rate(params, capsys):
+    # Same shapes as the end-to-end test above (2 problems x n=2 per batch, 8 tokens).
+    ev.evaluate(
+        params, PROBLEMS, ev.parse_sampler("temp:0.8"), n=2, max_new_tokens=8, batch_size=2,
+        key=3, progress=True,
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert "3/3" in err and "problem/s" in err and "tok/s" in err, err
+    assert "batch" not in err
