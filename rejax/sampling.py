@@ -17,11 +17,21 @@ Top-p follows vLLM: a token is dropped when the mass of the tokens ranked below 
 included, is <= 1 - top_p, and the most likely token is always kept. Tokens are ranked by
 probability with ties ordered as a stable ascending sort leaves them (the lower id ranks lower).
 Masses are counted exactly, in integer units of 2**-30 (`_MASS_BITS`), so the kept set does not
-depend on summation order and the full-sort and selection implementations agree token for token
-(a token below 2**-31 has zero mass: it is kept only when top_p = 1). The default selection
-("radix") finds the boundary probability with a fixed number of counting passes over V instead
-of sorting V; experiments/bench_sampler.py times both. The draw is Gumbel-max over the kept
-tokens, so sampling needs no cumulative sum either.
+depend on summation order and every implementation agrees token for token (a token below 2**-31
+has zero mass: it is kept only when top_p = 1). Implementations (`TOP_P_METHODS`, timed side by
+side by experiments/bench_sampler.py):
+
+- "topk" (default): the 16 most likely tokens (`lax.top_k`, a single small-k kernel on GPU) and
+  the row's total mass decide the kept set whenever it ends inside them, and the draw is then a
+  Gumbel-max over those 16 candidates only. Rows whose nucleus reaches past the 16th token fall
+  back to "radix" under a `lax.cond` that runs only when some row needs it (its predicate is
+  still read once per call).
+- "radix": finds the boundary probability with a fixed number of counting passes over V.
+- "sort": a full sort of V, the definition.
+
+Top-k with k > 16 is found by rounds of 16 (`_kth_largest`), since XLA's GPU top-k kernel stops at
+16 and a larger k becomes a sort of V. The draw is Gumbel-max over the kept tokens, so sampling
+needs no cumulative sum either.
 """
 
 from __future__ import annotations
@@ -36,8 +46,8 @@ import numpy as np
 from jax import lax
 
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
-TOP_P_METHODS = ("radix", "sort")
-TOP_P_METHOD = "radix"  # default exact top-p implementation (see experiments/bench_sampler.py)
+TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
+TOP_P_METHOD = "topk"  # the default; experiments/bench_sampler.py times every method
 
 _MASS_BITS = 30  # probabilities are counted in integer units of 2**-30
 # Smallest float32 bit pattern whose probability has a non-zero mass: round(p * 2**30) >= 1
@@ -45,6 +55,562 @@ _MASS_BITS = 30  # probabilities are counted in integer units of 2**-30
 _KEY_LO = (127 - 31) << 23
 _KEY_BITS = 28  # bit patterns of (2**-31, 1.0] are _KEY_LO + [1, 0x0F800000] < _KEY_LO + 2**28
 _RADIX_BITS = 4  # bits resolved per selection round (15 thresholds per pass over V)
+# Candidates of the "topk" method and the width of one top-k round: XLA's GPU TopK kernel serves
+# k <= 16 (TopkSpecializer); above that lax.top_k is a sort of the whole row.
+_TOPK_FAST = 16
+
+
+# ----------------------------------------------------------------------------- samplers
+
+
+def _concrete(x: Any) -> np.ndarray | None:
+    """The value of `x` as a NumPy array, or None if it is traced (or not an array at all)."""
+    if isinstance(x, (bool, int, float, np.ndarray, np.generic)):
+        return np.asarray(x)
+    if isinstance(x, jax.Array):
+        try:
+            return np.asarray(x)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return None
+    return None
+
+
+def _check_value(name: str, x: Any, ok, expected: str) -> None:
+    v = _concrete(x)
+    if v is None:
+        return
+    if v.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or a [B] vector, got shape {v.shape}")
+    if not np.issubdtype(v.dtype, np.number) or not np.all(ok(v.astype(np.float64))):
+        raise ValueError(f"{name}={x!r} is invalid: expected {expected}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Greedy:
+    """Always take the most likely token (argmax of the raw logits; first id on ties)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Temperature:
+    """Sample from softmax(logits / t), restricted by top-k then top-p (vLLM order).
+
+    Attributes:
+      t: temperature, > 0 (scalar or per-row [B]); t <= 1e-6 samples greedily.
+      top_p: nucleus mass in (0, 1] (scalar or [B]); 1.0 keeps every token.
+      top_k: keep the tokens whose tempered logit is >= the k-th largest (ties at the k-th value
+        kept, as vLLM does); 0 disables. Static.
+    """
+
+    t: Any
+    top_p: Any = 1.0
+    top_k: int = dataclasses.field(default=0, metadata={"static": True})
+
+    def __post_init__(self):
+        _check_value("Temperature.t", self.t, lambda v: v > 0, "t > 0 (t <= 1e-6 is greedy)")
+        _check_value(
+            "Temperature.top_p", self.top_p, lambda v: (v > 0) & (v <= 1), "0 < top_p <= 1"
+        )
+        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
+            raise ValueError(f"Temperature.top_k={self.top_k!r} is invalid: expected an int >= 0")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ReSET:
+    """The ReSET temperature policy followed by top-p sampling (PAPER.md §1).
+
+    Attributes:
+      t_high, t_low: temperatures for tokens at / below the threshold (>= 0; <= 1e-6 is greedy).
+      tau_0: the confident-step entropy threshold in nats.
+      window: HSE window w (static).
+      nl_mask, dnl_mask: bool [V] single-newline / double-newline token sets (`newline_masks`);
+        None is allowed at construction, `sample` and `reset_observe` require them.
+      top_p: nucleus mass in (0, 1], applied after the policy's temperature.
+      include_current: False = reference semantics (current token excluded from the estimates);
+        True = figure semantics (window H_{t-w+1..t}, in-step and running means include H_t).
+        Static.
+    """
+
+    t_high: Any = 1.0
+    t_low: Any = 0.3
+    tau_0: Any = 0.6349
+    window: int = dataclasses.field(default=32, metadata={"static": True})
+    nl_mask: Any = None
+    dnl_mask: Any = None
+    top_p: Any = 0.95
+    include_current: bool = dataclasses.field(default=False, metadata={"static": True})
+
+    def __post_init__(self):
+        _check_value("ReSET.t_high", self.t_high, lambda v: v >= 0, "t_high >= 0")
+        _check_value("ReSET.t_low", self.t_low, lambda v: v >= 0, "t_low >= 0")
+        _check_value("ReSET.tau_0", self.tau_0, np.isfinite, "a finite entropy in nats")
+        _check_value("ReSET.top_p", self.top_p, lambda v: (v > 0) & (v <= 1), "0 < top_p <= 1")
+        if not isinstance(self.window, (int, np.integer)) or self.window < 1:
+            raise ValueError(f"ReSET.window={self.window!r} is invalid: expected an int >= 1")
+        if not isinstance(self.include_current, bool):
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError in rejax)
+                f"ReSET.include_current={self.include_current!r}: expected a bool"
+            )
+        for name in ("nl_mask", "dnl_mask"):
+            m = getattr(self, name)
+            if isinstance(m, (np.ndarray, jax.Array)) and (m.ndim != 1 or m.dtype != np.bool_):
+                raise ValueError(
+                    f"ReSET.{name} must be a bool [V] mask, got {m.dtype} with shape {m.shape}"
+                )
+
+
+Sampler = Greedy | Temperature | ReSET
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerState:
+    """Per-row running statistics of one response (PAPER.md §1.6), cleared at its start.
+
+    Attributes:
+      ring: f32 [B, w] the last <= w token entropies (crosses step boundaries); unused slots 0.
+      n_ring: i32 [B] valid ring entries (<= w).
+      ring_pos: i32 [B] slot the next entropy is written to.
+      s_sum, s_n: f32 [B], i32 [B] entropy sum / count since the current step began.
+      g_sum, g_n: f32 [B], i32 [B] entropy sum / count of all generated tokens.
+      y1, y2: i32 [B] the last and second-to-last generated ids (-1 = none).
+    """
+
+    ring: jax.Array
+    n_ring: jax.Array
+    ring_pos: jax.Array
+    s_sum: jax.Array
+    s_n: jax.Array
+    g_sum: jax.Array
+    g_n: jax.Array
+    y1: jax.Array
+    y2: jax.Array
+
+
+def reset_init(batch_size: int, window: int) -> SamplerState:
+    """A cleared ReSET state for `batch_size` rows and HSE window `window`."""
+    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} is invalid: expected an int >= 1")
+    if not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window={window!r} is invalid: expected an int >= 1")
+    zf = jnp.zeros((batch_size,), jnp.float32)
+    zi = jnp.zeros((batch_size,), jnp.int32)
+    none = jnp.full((batch_size,), -1, jnp.int32)
+    return SamplerState(
+        ring=jnp.zeros((batch_size, window), jnp.float32),
+        n_ring=zi,
+        ring_pos=zi,
+        s_sum=zf,
+        s_n=zi,
+        g_sum=zf,
+        g_n=zi,
+        y1=none,
+        y2=none,
+    )
+
+
+def sampler_init(sampler: Sampler, batch_size: int) -> SamplerState:
+    """The initial state for any sampler (non-ReSET samplers carry a w=1 state they ignore)."""
+    _check_sampler(sampler)
+    return reset_init(batch_size, sampler.window if isinstance(sampler, ReSET) else 1)
+
+
+# ----------------------------------------------------------------------------- entropy
+
+
+def _max_and_entropy(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # H = logsumexp(z) - sum(p z), shifted by the row max m: one max pass plus one fused pass
+    # for the two sums. -inf logits contribute 0 (not 0 * inf).
+    m = jnp.max(z, axis=-1, keepdims=True)
+    d = z - m
+    e = jnp.exp(d)
+    s = jnp.sum(e, axis=-1)
+    u = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1)
+    return m, jnp.log(s) - u / s
+
+
+def entropy(logits: jax.Array) -> jax.Array:
+    """Shannon entropy in nats of softmax(logits) over the full vocabulary, in float32.
+
+    Args:
+      logits: [B, V] raw logits (temperature 1).
+
+    Returns:
+      f32 [B].
+    """
+    return _max_and_entropy(jnp.asarray(logits).astype(jnp.float32))[1]
+
+
+# ----------------------------------------------------------------------------- ReSET policy
+
+
+def _check_masks(cfg: ReSET, vocab: int | None) -> None:
+    for name in ("nl_mask", "dnl_mask"):
+        m = getattr(cfg, name)
+        if m is None:
+            raise ValueError(
+                f"ReSET.{name} is None: build the newline masks with newline_masks(tokenizer, V) "
+                "and set them with dataclasses.replace"
+            )
+        shape, dtype = jnp.shape(m), jnp.result_type(m)
+        if len(shape) != 1 or dtype != jnp.bool_ or (vocab is not None and shape[0] != vocab):
+            want = f"[{vocab}]" if vocab is not None else "[V]"
+            raise ValueError(f"ReSET.{name} must be bool {want}, got {dtype} with shape {shape}")
+
+
+def _check_state(state: SamplerState, batch: int, window: int | None) -> None:
+    if not isinstance(state, SamplerState):
+        raise ValueError(f"state must be a SamplerState, got {type(state).__name__}")  # noqa: TRY004
+    shape = jnp.shape(state.ring)
+    if len(shape) != 2 or shape[0] != batch or (window is not None and shape[1] != window):
+        want = f"[{batch}, {window}]" if window is not None else f"[{batch}, w]"
+        raise ValueError(
+            f"state.ring has shape {shape}, expected {want}: build it with "
+            "sampler_init(sampler, batch_size)"
+        )
+
+
+def _row_param(name: str, x: Any, batch: int) -> jax.Array:
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim == 0:
+        return jnp.broadcast_to(x, (batch,))
+    if x.shape != (batch,):
+        raise ValueError(f"{name} has shape {x.shape}, expected a scalar or [{batch}]")
+    return x
+
+
+def _ring_mean(state: SamplerState) -> jax.Array:
+    # Recomputed from the buffer (no drift). While the ring still holds the whole response its
+    # mean is the running mean, taken from the same incremental sum so that the exact tie
+    # H_step == H-bar resolves as in the official code (strict >: confident), not by rounding.
+    ring = jnp.sum(state.ring, axis=-1) / jnp.maximum(state.n_ring, 1)
+    return jnp.where(state.n_ring == state.g_n, state.g_sum / jnp.maximum(state.g_n, 1), ring)
+
+
+def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
+    """Temperature for entropies h [B] and the state with h recorded (PAPER.md §1.6)."""
+    b, w = state.ring.shape
+    tau_0 = _row_param("ReSET.tau_0", cfg.tau_0, b)
+    t_high = _row_param("ReSET.t_high", cfg.t_high, b)
+    t_low = _row_param("ReSET.t_low", cfg.t_low, b)
+    slot = jnp.arange(w, dtype=jnp.int32)[None, :] == state.ring_pos[:, None]
+    new = dataclasses.replace(
+        state,
+        ring=jnp.where(slot, h[:, None], state.ring),
+        n_ring=jnp.minimum(state.n_ring + 1, w),
+        ring_pos=(state.ring_pos + 1) % w,
+        s_sum=state.s_sum + h,
+        s_n=state.s_n + 1,
+        g_sum=state.g_sum + h,
+        g_n=state.g_n + 1,
+    )
+    if cfg.include_current:
+        # Figure semantics: the window ends at t and both means cover t (H-bar including H_t is
+        # our reading; the paper does not say). The step mean takes over at the step's
+        # (w+1)-th token, as in the reference semantics.
+        ring_mean = _ring_mean(new)
+        h_step = jnp.where(new.s_n > w, new.s_sum / new.s_n, ring_mean)
+        h_bar = new.g_sum / new.g_n
+    else:
+        # Reference semantics: estimates from positions < t; at the first token of a response
+        # both fall back to H_t, so the step is confident and tau_0 applies.
+        ring_mean = _ring_mean(state)
+        s_mean = state.s_sum / jnp.maximum(state.s_n, 1)
+        h_step = jnp.where(state.s_n >= w, s_mean, jnp.where(state.n_ring > 0, ring_mean, h))
+        h_bar = jnp.where(state.g_n > 0, state.g_sum / jnp.maximum(state.g_n, 1), h_step)
+    tau = jnp.where(h_step > h_bar, h_step, tau_0)  # SAT (Eq. 1): strict >
+    high = h >= tau  # non-strict >= selects T_high
+    return jnp.where(high, t_high, t_low), high, new
+
+
+def reset_temperature(
+    logits: jax.Array, state: SamplerState, cfg: ReSET
+) -> tuple[jax.Array, jax.Array, SamplerState]:
+    """ReSET temperature for the next token, recording its entropy in the state.
+
+    Args:
+      logits: [B, V] raw logits (temperature 1).
+      state: the `SamplerState` of these rows (window cfg.window).
+      cfg: the `ReSET` sampler (masks not needed here).
+
+    Returns:
+      (temperature f32 [B], entropy f32 [B] in nats, state with the entropy pushed).
+    """
+    logits = _check_logits(logits)
+    _check_state(state, logits.shape[0], cfg.window)
+    h = entropy(logits)
+    temperature, _, state = _policy(h, state, cfg)
+    return temperature, h, state
+
+
+def _lookup(mask: jax.Array, ids: jax.Array) -> jax.Array:
+    inside = (ids >= 0) & (ids < mask.shape[0])
+    return inside & mask[jnp.clip(ids, 0, mask.shape[0] - 1)]
+
+
+def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> SamplerState:
+    """Record the tokens just generated; a step boundary clears the in-step sums.
+
+    A new step starts after a double-newline token or after two single-newline tokens in a row
+    (PAPER.md §1.2); the boundary token itself belongs to the old step.
+
+    Args:
+      state: the `SamplerState` after `reset_temperature` for this position.
+      tokens: i32 [B] the generated ids.
+      cfg: the `ReSET` sampler with its masks set.
+
+    Returns:
+      The updated state.
+    """
+    _check_masks(cfg, None)
+    b = state.y1.shape[0]
+    tokens = jnp.asarray(tokens)
+    if tokens.shape != (b,) or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an int [{b}] vector, got {tokens.dtype}{tokens.shape}")
+    y1, y2 = tokens.astype(jnp.int32), state.y1
+    nl, dnl = jnp.asarray(cfg.nl_mask), jnp.asarray(cfg.dnl_mask)
+    boundary = _lookup(dnl, y1) | (_lookup(nl, y1) & _lookup(nl, y2))
+    return dataclasses.replace(
+        state,
+        s_sum=jnp.where(boundary, 0.0, state.s_sum),
+        s_n=jnp.where(boundary, 0, state.s_n),
+        y1=y1,
+        y2=y2,
+    )
+
+
+# ----------------------------------------------------------------------------- newline masks
+
+
+def newline_masks(tokenizer: Any, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Boolean masks of the single-newline and double-newline token ids (PAPER.md §1.2).
+
+    NL = ids whose single-token decode (special tokens kept) is exactly "\\n"; DNL = ids whose
+    decode contains "\\n\\n". Ids the tokenizer does not have (>= its vocabulary size, e.g. the
+    padding rows of an embedding) are False.
+
+    Args:
+      tokenizer: a `tokenizers.Tokenizer`, a transformers tokenizer, or anything with
+        `decode(list[int])` and `get_vocab()`.
+      vocab_size: V, the logits' vocabulary size.
+
+    Returns:
+      (nl_mask bool [V], dnl_mask bool [V]).
+    """
+    if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
+        raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an int >= 1")
+    if hasattr(tokenizer, "decode_batch") and hasattr(tokenizer, "get_vocab_size"):
+        # tokenizers.Tokenizer: the base vocabulary, decoded in one call into the Rust library.
+        n = tokenizer.get_vocab_size(with_added_tokens=False)
+        texts = tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    elif hasattr(tokenizer, "batch_decode") and hasattr(tokenizer, "vocab_size"):
+        n = tokenizer.vocab_size
+        texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
+    elif hasattr(tokenizer, "decode") and hasattr(tokenizer, "get_vocab"):
+        n = max(tokenizer.get_vocab().values()) + 1
+        texts = [tokenizer.decode([i]) for i in range(n)]
+    else:
+        raise ValueError(
+            f"tokenizer of type {type(tokenizer).__name__} has no decode_batch/batch_decode/"
+            "decode: expected a tokenizers.Tokenizer or a transformers tokenizer"
+        )
+    if n > vocab_size:
+        raise ValueError(
+            f"the tokenizer has {n} ids but vocab_size={vocab_size}: the logits must cover "
+            "every token id"
+        )
+    arr = np.array(texts, dtype=object).astype(str)
+    nl = np.zeros(vocab_size, np.bool_)
+    dnl = np.zeros(vocab_size, np.bool_)
+    nl[:n] = arr == "\n"
+    dnl[:n] = np.char.find(arr, "\n\n") >= 0
+    return jnp.asarray(nl), jnp.asarray(dnl)
+
+
+# ----------------------------------------------------------------------------- top-p
+
+
+def _masses(probs: jax.Array) -> jax.Array:
+    # Exact integer masses: p <= 1 gives q <= 2**30, and sum(q) < 2**31 for V < 2**30.
+    return jnp.round(probs * float(1 << _MASS_BITS)).astype(jnp.int32)
+
+
+def _keep_limit(q: jax.Array, top_p: jax.Array) -> jax.Array:
+    # A token is kept iff f32(mass ranked above it) < f32(top_p) * f32(total mass), i.e. the
+    # ascending inclusive cumulative mass is > (1 - top_p) * total (vLLM). Monotone in the
+    # mass, so every method can evaluate it on exact integer sums.
+    return top_p * jnp.sum(q, axis=-1).astype(jnp.float32)
+
+
+def _top_p_sort(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    # The definition: full stable ascending sort, inclusive cumulative mass.
+    b, v = probs.shape
+    q = _masses(probs)
+    limit = _keep_limit(q, top_p)
+    order = jnp.argsort(probs, axis=-1, stable=True)
+    incl = jnp.cumsum(jnp.take_along_axis(q, order, axis=-1), axis=-1)
+    above = incl[:, -1:] - incl  # mass of the tokens ranked above each sorted position
+    keep_sorted = above.astype(jnp.float32) < limit[:, None]
+    rows = jnp.arange(b)[:, None]
+    return jnp.zeros((b, v), jnp.bool_).at[rows, order].set(keep_sorted)
+
+
+def _select_bits(count_not_kept, lo: jax.Array, bits: int, radix: int) -> jax.Array:
+    """Largest x in [lo, lo + 2**bits) with count_not_kept-predicate true, `radix` bits a pass.
+
+    count_not_kept(t [B, J]) -> i32 [B]: how many thresholds t[:, j] are not yet "kept"; the
+    predicate is monotone (false above some x), and it must hold at x = lo.
+    """
+    off = jnp.zeros_like(lo)
+    done = 0
+    while done < bits:
+        d = min(radix, bits - done)
+        shift = bits - done - d
+        j = jnp.arange(1, 1 << d, dtype=jnp.int32)
+        thresholds = (lo + off)[:, None] + (j << shift)[None, :]
+        off = off + (count_not_kept(thresholds) << shift)
+        done += d
+    return lo + off
+
+
+def _top_p_radix(probs: jax.Array, top_p: jax.Array, radix: int = _RADIX_BITS) -> jax.Array:
+    # Exact selection without sorting: find the boundary probability by a most-significant-digit
+    # search over float32 bit patterns (ordered like the values for p >= 0), each pass counting
+    # the exact mass above 2**radix - 1 thresholds (28 / radix passes over V). Tokens tied at the
+    # boundary probability are then cut by id: how many to keep is a scalar bisection, which ones
+    # a running count over V (the higher ids rank above, as in a stable ascending sort).
+    b, v = probs.shape
+    # Materialise the probabilities once: each pass then reads them instead of recomputing
+    # exp() for every threshold (XLA would otherwise fuse the softmax into all passes).
+    probs = lax.optimization_barrier(probs)
+    q = _masses(probs)
+    limit = _keep_limit(q, top_p)
+    key = lax.bitcast_convert_type(probs, jnp.int32)
+
+    def kept(mass_above, lim):  # exact integer masses ranked above a token -> is it kept
+        return mass_above.astype(jnp.float32) < lim
+
+    def value_pass(t):  # t [B, J] key thresholds -> how many of them still drop their token
+        above = jnp.sum(jnp.where(key[:, None, :] > t[:, :, None], q[:, None, :], 0), axis=-1)
+        return jnp.sum(~kept(above, limit[:, None]), axis=-1, dtype=jnp.int32)
+
+    # x = the largest key whose strictly-greater mass still drops it; the boundary key is x + 1
+    # (it carries mass, so x + 1 <= bits of 1.0). At _KEY_LO the mass above is the total.
+    lo = jnp.full((b,), _KEY_LO, jnp.int32)
+    k_b = _select_bits(value_pass, lo, _KEY_BITS, radix) + 1
+    above_b = key > k_b[:, None]
+    tie = key == k_b[:, None]
+    g0 = jnp.sum(jnp.where(above_b, q, 0), axis=-1)  # mass strictly above the tied tokens
+    n_tie = jnp.sum(tie, axis=-1, dtype=jnp.int32)
+    q_b = _masses(lax.bitcast_convert_type(k_b, jnp.float32))  # every tied token's mass
+    # n_keep = #{j in [0, n_tie): kept(g0 + j q_b)}, a prefix of j (j = 0 is kept): bisection
+    j = jnp.zeros((b,), jnp.int32)
+    for bit in reversed(range(max(1, math.ceil(math.log2(v + 1))))):
+        cand = j + (1 << bit)
+        ok = (cand < n_tie) & kept(g0 + jnp.minimum(cand, n_tie) * q_b, limit)
+        j = jnp.where(ok, cand, j)
+    n_keep = j + 1
+    ties_above = n_tie[:, None] - jnp.cumsum(tie, axis=-1, dtype=jnp.int32)
+    return above_b | (tie & (ties_above < n_keep[:, None]))
+
+
+def _top_p_candidates(probs: jax.Array, top_p: jax.Array):
+    # The k = min(16, V) most likely tokens in rank order and their exact keep decisions, valid
+    # for a row when `covered`: the nucleus then lies inside the candidates. A candidate's mass
+    # ranked above is exact when every token ranked above it is a candidate, which holds for
+    # probabilities > the k-th value v_k (ties at v_k may be split by top_k in either way). So a
+    # row is covered when its first dropped candidate lies above v_k, when v_k = 0 (every token
+    # outside has probability 0: dropped unless top_p = 1, and never drawn), or when k = V.
+    b, v = probs.shape
+    k = min(_TOPK_FAST, v)
+    vals, idx = lax.top_k(probs, k)
+    # rank order: probability descending, the higher id first among ties (module docstring)
+    _, _, idx = lax.sort((-vals, -idx, idx), dimension=-1, num_keys=2)
+    vals = jnp.take_along_axis(probs, idx, axis=-1)
+    q = _masses(vals)
+    limit = _keep_limit(_masses(probs), top_p)  # the one pass over V besides top_k
+    above = jnp.cumsum(q, axis=-1) - q
+    kept = (above.astype(jnp.float32) < limit[:, None]) | (top_p >= 1.0)[:, None]
+    v_k = vals[:, -1:]
+    covered = jnp.any(~kept & (vals > v_k), axis=-1) | (v_k[:, 0] == 0.0) | (k == v)
+    return idx, vals, kept, covered
+
+
+def _top_p_topk(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    b, v = probs.shape
+    idx, _, kept, covered = _top_p_candidates(probs, top_p)
+    rows = jnp.arange(b)[:, None]
+    fast = jnp.zeros((b, v), jnp.bool_).at[rows, idx].set(kept)
+    slow = lax.cond(
+        jnp.any(~covered),
+        lambda: _top_p_radix(probs, top_p),
+        lambda: jnp.zeros((b, v), jnp.bool_),
+    )
+    return jnp.where(covered[:, None], fast, slow)
+
+
+def top_p_mask(probs: jax.Array, top_p: Any, method: str = TOP_P_METHOD) -> jax.Array:
+    """The tokens top-p sampling keeps (vLLM semantics, exact integer masses; module doc).
+
+    Args:
+      probs: f32 [B, V] probabilities (rows sum to ~1; zeros allowed).
+      top_p: scalar or [B] in (0, 1]; 1.0 keeps every token.
+      method: "topk" (16 candidates, "radix" for rows whose nucleus is larger), "radix"
+        (selection by bit-pattern search, no sort) or "sort" (full sort, the definition). All
+        give the same set.
+
+    Returns:
+      bool [B, V].
+    """
+    _check_method(method)
+    probs = jnp.asarray(probs)
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be [B, V], got shape {probs.shape}")
+    top_p = _row_param("top_p", top_p, probs.shape[0])
+    probs = probs.astype(jnp.float32)
+    fn = {"topk": _top_p_topk, "radix": _top_p_radix, "sort": _top_p_sort}[method]
+    return fn(probs, top_p) | (top_p >= 1.0)[:, None]
+
+
+def _check_method(method: Any) -> None:
+    if method not in TOP_P_METHODS:
+        raise ValueError(f"top-p method={method!r} is invalid: expected one of {TOP_P_METHODS}")
+
+
+# ----------------------------------------------------------------------------- top-k
+
+
+def _kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """f32 [B]: the k-th largest entry of each row of x [B, V], counted with multiplicity.
+
+    k <= 16 is one `lax.top_k`. Larger k takes ceil(k / 16) rounds of 16: a round's 16th value a
+    is the answer if the rank sought falls among the entries >= a (a count over V), and otherwise
+    the next round searches the entries < a for the remaining rank.
+    """
+    b, v = x.shape
+    assert 1 <= k <= v, (k, v)
+    if k <= _TOPK_FAST:
+        return lax.top_k(x, k)[0][:, -1]
+    need = jnp.full((b,), k, jnp.int32)  # rank still sought among the entries of `cur`
+    answer = jnp.zeros((b,), x.dtype)
+    found = jnp.zeros((b,), jnp.bool_)
+    cur = x
+    for r in range(-(-k // _TOPK_FAST)):
+        top = lax.top_k(cur, _TOPK_FAST)[0]  # [B, 16] descending
+        here = jnp.take_along_axis(top, jnp.clip(need - 1, 0, _TOPK_FAST - 1)[:, None], -1)[:, 0]
+        a = top[:, -1]
+        answer = jnp.where(~found & (need <= _TOPK_FAST), here, answer)
+        found = found | (need <= _TOPK_FAST)
+        if (r + 1) * _TOPK_FAST >= k:
+            break  # need <= k - 16 r <= 16 now: this round decided every row
+        n_ge = jnp.sum(cur >= a[:, None], axis=-1, dtype=jnp.int32)
+        answer = jnp.where(~found & (need <= n_ge), a, answer)
+        found = found | (need <= n_ge)
+        need = need - n_ge
+        cur = jnp.where(cur < a[:, None], cur, -jnp.inf)
+    return answer
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -568,6 +1134,36 @@ def _safe_t(t: jax.Array) -> jax.Array:
     return jnp.where(t <= GREEDY_EPS, 1.0, t)  # greedy rows: any finite scale, result unused
 
 
+def _draw(keys: jax.Array, zt: jax.Array, keep: jax.Array) -> jax.Array:
+    # Gumbel-max over the kept tokens: an exact draw from softmax(zt) restricted to `keep`.
+    g = jax.vmap(lambda k: jax.random.gumbel(k, zt.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(jnp.where(keep & (zt > -jnp.inf), zt + g, -jnp.inf), axis=-1)
+
+
+def _draw_topk(keys: jax.Array, zt: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    # Covered rows draw among their 16 candidates; the others take the radix mask and a draw
+    # over V, computed only when some row needs them. Which path a row takes depends on its own
+    # logits and top_p only, so rows stay independent and each path is an exact draw.
+    b, v = probs.shape
+    idx, vals, kept, covered = _top_p_candidates(probs, top_p)
+    zk = jnp.take_along_axis(zt, idx, axis=-1)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, idx.shape[-1:], jnp.float32))(keys)
+    j = jnp.argmax(jnp.where(kept & (vals > 0.0), zk + g, -jnp.inf), axis=-1)
+    fast = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0]
+
+    def slow():
+        # rows with top_p = 1 need no mask, only the draw over V
+        keep = lax.cond(
+            jnp.any(~covered & (top_p < 1.0)),
+            lambda: _top_p_radix(probs, top_p) | (top_p >= 1.0)[:, None],
+            lambda: jnp.ones((b, v), jnp.bool_),
+        )
+        return _draw(keys, zt, keep).astype(jnp.int32)
+
+    drawn = lax.cond(jnp.any(~covered), slow, lambda: jnp.zeros((b,), jnp.int32))
+    return jnp.where(covered, fast, drawn)
+
+
 def _sample_tempered(
     keys: jax.Array,
     logits: jax.Array,
@@ -580,19 +1176,19 @@ def _sample_tempered(
 ) -> jax.Array:
     # softmax((z - m) / t) shares the raw row max m (t > 0), then top-k, top-p, and a Gumbel-max
     # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax. `denom` [B], if
-    # given, is the softmax denominator sum(exp((z - m) / t)) computed earlier.
+    # given, is the softmax denominator sum(exp((z - m) / t)) computed earlier (top_k = 0).
     greedy = t <= GREEDY_EPS
     zt = (logits - m) / _safe_t(t)[:, None]
     if top_k:
-        kth = lax.top_k(zt, top_k)[0][:, -1:]
-        zt = jnp.where(zt >= kth, zt, -jnp.inf)
+        zt = jnp.where(zt >= _kth_largest(zt, top_k)[:, None], zt, -jnp.inf)
     e = jnp.exp(zt)
     if denom is None:
         denom = jnp.sum(e, axis=-1)
     probs = e / denom[:, None]
-    keep = top_p_mask(probs, top_p, method) & (zt > -jnp.inf)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
-    drawn = jnp.argmax(jnp.where(keep, zt + g, -jnp.inf), axis=-1)
+    if method == "topk":
+        drawn = _draw_topk(keys, zt, probs, top_p)
+    else:
+        drawn = _draw(keys, zt, top_p_mask(probs, top_p, method))
     return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
 
 
@@ -617,13 +1213,15 @@ def sample(
       logits: [B, V] raw logits (cast to float32).
       state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
       sampler: Greedy(), Temperature(...) or ReSET(...).
-      top_p_method: "radix" or "sort" (same result; see `top_p_mask`). Static.
+      top_p_method: one of `TOP_P_METHODS` (the same kept set; "topk" draws with other random
+        numbers than "radix" and "sort" do, so tokens differ for the same key). Static.
 
     Returns:
       (tokens i32 [B], state, info) with info = {"entropy": f32 [B] raw T=1 entropy in nats,
       "temperature": f32 [B] the temperature applied (0 for Greedy)}.
     """
     _check_sampler(sampler)
+    _check_method(top_p_method)
     logits = _check_logits(logits)
     b, v = logits.shape
     _check_state(state, b, sampler.window if isinstance(sampler, ReSET) else None)
