@@ -312,17 +312,31 @@ def _cases(rng, n):
         yield probs, top_p.astype(np.float32)
 
 
+def _covered(probs, top_p):
+    """Which rows the "topk" method decides from its 16 candidates (the rest take "radix")."""
+    return np.asarray(_covered_jit(jnp.asarray(probs), jnp.asarray(top_p)))
+
+
+_covered_jit = jax.jit(lambda probs, top_p: sampling._top_p_candidates(probs, top_p)[3])
+
+
 def test_top_p_methods_equal_definition_including_ties():
     rng = np.random.default_rng(0)
     fn = jax.jit(top_p_mask, static_argnames="method")
+    n_covered = n_rows = 0
     for probs, top_p in _cases(rng, 120):
         want = _top_p_numpy(probs, top_p)
-        for method in ("sort", "radix"):
+        for method in sampling.TOP_P_METHODS:
             got = np.asarray(fn(jnp.asarray(probs), jnp.asarray(top_p), method=method))
             assert (got == want).all(), (method, probs, top_p)
+        if probs.shape[1] > sampling._TOPK_FAST:
+            n_covered += int(_covered(probs, top_p).sum())
+            n_rows += probs.shape[0]
+    # both "topk" paths ran on rows wider than its 16 candidates
+    assert 0.2 * n_rows < n_covered < 0.8 * n_rows, (n_covered, n_rows)
     # a tie group cut in the middle: 4 x 0.25 at top_p 0.5 keeps the two highest ids (vLLM
     # stable ascending sort drops the lower ids first)
-    for method in ("sort", "radix"):
+    for method in sampling.TOP_P_METHODS:
         got = top_p_mask(jnp.full((1, 4), 0.25), 0.5, method)
         assert np.asarray(got).tolist() == [[False, False, True, True]]
         got = top_p_mask(jnp.array([[0.1, 0.6, 0.3]]), 0.5, method)  # only the top token
@@ -348,16 +362,142 @@ def test_top_p_matches_float64_vllm_definition():
             assert (np.asarray(got)[0] == want[b]).all()
 
 
-def test_top_p_radix_equals_sort_at_full_vocab():
+def test_top_p_methods_equal_sort_at_full_vocab():
     v = 151936
-    z = jax.random.normal(jax.random.key(0), (2, v)) * jnp.array([[3.0], [0.5]])
+    z = jax.random.normal(jax.random.key(0), (3, v)) * jnp.array([[3.0], [0.5], [1.0]])
+    z = z.at[2, :5].set(jnp.array([14.0, 13.8, 13.8, 13.5, 13.0]))  # a peaked row
     probs = jax.nn.softmax(z / 0.6, axis=-1)
     fn = jax.jit(top_p_mask, static_argnames="method")
     for tp in (0.95, 0.5):
-        a = fn(probs, tp, method="radix")
-        b = fn(probs, tp, method="sort")
-        assert bool(jnp.all(a == b))
-        assert 1 < int(a[0].sum()) < v
+        want = fn(probs, tp, method="sort")
+        for method in ("radix", "topk"):
+            assert bool(jnp.all(fn(probs, tp, method=method) == want)), (method, tp)
+        assert 1 < int(want[0].sum()) < v
+        assert 1 < int(want[2].sum()) <= sampling._TOPK_FAST
+        # the flat row's nucleus passes the 16 candidates, the peaked row's does not
+        assert _covered(probs, jnp.full((3,), tp))[1:].tolist() == [False, True]
+
+
+def test_kth_largest_rounds_of_16():
+    rng = np.random.default_rng(5)
+    fn = jax.jit(sampling._kth_largest, static_argnums=1)
+    for v in (40, 300):
+        z = rng.integers(-4, 4, size=(6, v)).astype(np.float32)  # large tie groups
+        z[1] = rng.normal(size=v)
+        z[2, : v // 2] = -np.inf
+        z[3] = 0.0
+        z[4, :-17] = -np.inf  # exactly 17 finite entries
+        for k in (16, 17, 20, 33, v):
+            want = -np.sort(-z, axis=-1)[:, k - 1]
+            np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(z), k)), want, err_msg=f"{k}")
+
+
+def _chi2_pvalue(stat: float, df: int) -> float:
+    """P(chi2_df >= stat): 1 - the regularised lower incomplete gamma P(df/2, stat/2) (series)."""
+    a, x = df / 2.0, stat / 2.0
+    term = total = 1.0 / a
+    n = 0
+    while term > 1e-17 * total:
+        n += 1
+        term *= x / (a + n)
+        total += term
+    return max(0.0, 1.0 - math.exp(a * math.log(x) - x - math.lgamma(a)) * total) if x > 0 else 1.0
+
+
+def _assert_draws_match(tokens, want, label):
+    """Chi-square goodness of fit of the drawn ids to the exact distribution `want` [V]."""
+    n = tokens.size
+    counts = np.bincount(tokens, minlength=want.size)
+    assert counts[want == 0].sum() == 0, f"{label}: drew ids outside the nucleus"
+    expected = want * n
+    big = expected >= 5  # pool the rare ids into one bin so that every bin expects >= 5
+    obs = np.append(counts[big], counts[~big & (want > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (want > 0)].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    if exp.size < 2:
+        assert counts[want > 0].sum() == n
+        return
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    p = _chi2_pvalue(stat, exp.size - 1)
+    assert p > 1e-4, f"{label}: chi2 {stat:.1f} on {exp.size - 1} dof, p = {p:.2e}"
+
+
+def test_chi2_pvalue_helper():
+    # known quantiles: chi2_1 >= 3.841 has p 0.05; chi2_10 >= 29.59 has p 0.001
+    assert abs(_chi2_pvalue(3.841, 1) - 0.05) < 1e-3
+    assert abs(_chi2_pvalue(29.59, 10) - 0.001) < 1e-4
+    assert abs(_chi2_pvalue(10.0, 10) - 0.4405) < 1e-3
+
+
+V40 = 40
+
+
+def _dist_logits(case):
+    rng = np.random.default_rng(11)
+    if case == "peaked":  # nucleus inside the 16 candidates ("topk" fast path)
+        return np.concatenate([[6.0, 5.0, 4.5, 4.0, 3.0], rng.normal(size=V40 - 5)]), 0.95
+    if case == "flat":  # 40 equal logits, top_p 0.5: 20 tied tokens kept (radix fallback)
+        return np.zeros(V40), 0.5
+    if case == "ties":  # tie groups with the boundary inside one group, nucleus > 16
+        return np.repeat([2.0, 1.0, 0.0, -1.0], 10), 0.8
+    if case == "top_p_1":
+        return rng.normal(size=V40) * 1.5, 1.0
+    if case == "tiny_top_p":  # only the top token (the higher id of a tie at the top)
+        return np.concatenate([[3.0, 3.0], rng.normal(size=V40 - 2)]), 1e-3
+    raise AssertionError(case)
+
+
+def _exact_truncated(z, t, top_p, top_k=0):
+    zt = np.asarray(z, np.float32) / np.float32(t)
+    if top_k:
+        zt = np.where(zt >= np.sort(zt)[::-1][top_k - 1], zt, -np.inf)
+    p = np.exp(zt.astype(np.float64) - zt.max())
+    p /= p.sum()
+    keep = _top_p_numpy(p[None].astype(np.float32), np.array([top_p], np.float32))[0]
+    want = np.where(keep & (p > 0), p, 0.0)
+    return want / want.sum()
+
+
+_N_DRAWS = 100_000
+
+
+@pytest.mark.parametrize(
+    ("case", "method"),
+    [(c, "topk") for c in ("peaked", "flat", "ties", "top_p_1", "tiny_top_p")] + [("ties", "radix")],
+)
+def test_draws_follow_truncated_softmax(case, method):
+    # 10^5 rows of the same logits, one key each; chi-square against the exact truncated
+    # softmax at p > 1e-4 (a fixed key, so the outcome is deterministic), no id outside it.
+    z, top_p = _dist_logits(case)
+    t = 0.8
+    keys = jax.random.split(jax.random.key(2024), _N_DRAWS)
+    zb = jnp.broadcast_to(jnp.asarray(z, jnp.float32), (_N_DRAWS, V40))
+    run = jax.jit(sample, static_argnames="top_p_method")
+    smp = Temperature(t, top_p=top_p)
+    tok, _, _ = run(keys, zb, sampler_init(smp, _N_DRAWS), smp, top_p_method=method)
+    want = _exact_truncated(z, t, top_p)
+    _assert_draws_match(np.asarray(tok), want, f"{case}/{method}")
+    if method == "topk":  # the case exercises the path its comment names
+        cov = _covered(jax.nn.softmax(zb[:1] / t), jnp.full((1,), top_p, jnp.float32))[0]
+        assert cov == (case in ("peaked", "tiny_top_p")), case
+
+
+def test_draws_top_k_20_and_reset():
+    n, v = _N_DRAWS, 64
+    rng = np.random.default_rng(3)
+    z = (rng.normal(size=v) * 1.2).astype(np.float32)
+    z[[3, 9, 30]] = z.max() + 0.5  # ties among the top
+    keys = jax.random.split(jax.random.key(7), n)
+    zb = jnp.broadcast_to(jnp.asarray(z), (n, v))
+    run = jax.jit(sample)
+    smp = Temperature(0.7, top_p=0.9, top_k=20)
+    tok, _, _ = run(keys, zb, sampler_init(smp, n), smp)
+    _assert_draws_match(np.asarray(tok), _exact_truncated(z, 0.7, 0.9, top_k=20), "top_k 20")
+    # ReSET at a response's first token: H >= tau_0 = 0.5 takes T_high
+    cfg = _reset_cfg(v, t_high=1.3, t_low=0.2, tau_0=0.5, top_p=0.95)
+    tok, _, info = run(keys, zb, sampler_init(cfg, n), cfg)
+    assert (np.asarray(info["temperature"]) == np.float32(1.3)).all()
+    _assert_draws_match(np.asarray(tok), _exact_truncated(z, 1.3, 0.95), "reset")
 
 
 # ----------------------------------------------------------------------------- samplers
