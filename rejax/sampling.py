@@ -23,9 +23,9 @@ side by experiments/bench_sampler.py):
 
 - "topk" (default): the 16 most likely tokens (`lax.top_k`, a single small-k kernel on GPU) and
   the row's total mass decide the kept set whenever it ends inside them, and the draw is then a
-  Gumbel-max over those 16 candidates only. Rows whose nucleus reaches past the 16th token fall
-  back to "radix" under a `lax.cond` that runs only when some row needs it (its predicate is
-  still read once per call).
+  Gumbel-max over those 16 candidates only. Rows whose nucleus reaches past the candidates (or
+  ends inside a tie group that the 16th token splits) fall back to "radix" under a `lax.cond`
+  that runs only when some row needs it (its predicate is still read once per call).
 - "radix": finds the boundary probability with a fixed number of counting passes over V.
 - "sort": a full sort of V, the definition.
 
@@ -518,11 +518,12 @@ def _top_p_radix(probs: jax.Array, top_p: jax.Array, radix: int = _RADIX_BITS) -
 
 def _top_p_candidates(probs: jax.Array, top_p: jax.Array):
     # The k = min(16, V) most likely tokens in rank order and their exact keep decisions, valid
-    # for a row when `covered`: the nucleus then lies inside the candidates. A candidate's mass
-    # ranked above is exact when every token ranked above it is a candidate, which holds for
-    # probabilities > the k-th value v_k (ties at v_k may be split by top_k in either way). So a
-    # row is covered when its first dropped candidate lies above v_k, when v_k = 0 (every token
-    # outside has probability 0: dropped unless top_p = 1, and never drawn), or when k = V.
+    # for a row when `covered`: the nucleus then lies inside the candidates. top_k may split the
+    # tie group at the k-th value v_k either way, so a candidate's mass ranked above is known
+    # exactly only above v_k and at the first v_k candidate (everything above it is a candidate;
+    # whichever v_k token truly ranks first has that same mass above it). A row is covered when
+    # such an exact candidate is dropped (so is everything ranked below it), when v_k = 0 (every
+    # token outside has probability 0: dropped unless top_p = 1, and never drawn), or if k = V.
     b, v = probs.shape
     k = min(_TOPK_FAST, v)
     vals, idx = lax.top_k(probs, k)
@@ -534,7 +535,9 @@ def _top_p_candidates(probs: jax.Array, top_p: jax.Array):
     above = jnp.cumsum(q, axis=-1) - q
     kept = (above.astype(jnp.float32) < limit[:, None]) | (top_p >= 1.0)[:, None]
     v_k = vals[:, -1:]
-    covered = jnp.any(~kept & (vals > v_k), axis=-1) | (v_k[:, 0] == 0.0) | (k == v)
+    at_v_k = vals == v_k
+    exact = (vals > v_k) | (at_v_k & (jnp.cumsum(at_v_k, axis=-1) == 1))
+    covered = jnp.any(~kept & exact, axis=-1) | (v_k[:, 0] == 0.0) | (k == v)
     return idx, vals, kept, covered
 
 

@@ -632,6 +632,50 @@ def test_sweeps_do_not_retrace():
     assert len(traces) == 2
 
 
+@pytest.mark.parametrize("method", sampling.TOP_P_METHODS)
+def test_methods_do_not_retrace_when_paths_change(method):
+    # V = 40 > 16: the logits below switch rows between the "topk" candidate path and its
+    # fallback; neither that nor new sampler values may retrace, and decode steps reuse the trace
+    traces = []
+
+    @jax.jit
+    def step(key, z, state, sampler):
+        traces.append(1)
+        return sample(key, z, state, sampler, top_p_method=method)
+
+    v, b = 40, 2
+    peaked = jnp.zeros((b, v)).at[:, 3].set(20.0)
+    flat = jnp.zeros((b, v))
+    cfg = _reset_cfg(v)
+    state = sampler_init(cfg, b)
+    for i, z in enumerate([peaked, flat, peaked.at[1].set(0.0)]):
+        cfg = dataclasses.replace(cfg, t_low=0.1 * (i + 1), top_p=0.9 - 0.1 * i)
+        _, state, _ = step(jax.random.fold_in(jax.random.key(0), i), z, state, cfg)
+    assert len(traces) == 1
+    for t in (0.5, 0.7):
+        smp = Temperature(t, top_p=t, top_k=20)
+        step(jax.random.key(0), flat if t == 0.5 else peaked, sampler_init(smp, b), smp)
+    assert len(traces) == 2
+
+
+def test_topk_rows_independent_across_paths():
+    # one row on the 16-candidate path, one on the fallback: each row's token equals the token
+    # it draws alone, whatever the other row needs
+    v = 40
+    z = jnp.stack([jnp.zeros(v).at[5].set(20.0), jnp.zeros(v), jnp.linspace(0.0, 3.0, v)])
+    probs = jax.nn.softmax(z / 0.8, axis=-1)
+    assert _covered(probs, jnp.full((3,), 0.9, jnp.float32)).tolist() == [True, False, False]
+    run = jax.jit(sample, static_argnames="top_p_method")
+    smp = Temperature(0.8, top_p=0.9)
+    for i in range(20):
+        keys = jax.random.split(jax.random.key(i), 3)
+        tok, _, _ = run(keys, z, sampler_init(smp, 3), smp, top_p_method="topk")
+        for r in range(3):
+            alone, _, _ = run(keys[r : r + 1], z[r : r + 1], sampler_init(smp, 1), smp,
+                              top_p_method="topk")  # fmt: skip
+            assert int(alone[0]) == int(tok[r]), (i, r)
+
+
 # ----------------------------------------------------------------------------- newline masks
 
 
