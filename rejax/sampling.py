@@ -48,6 +48,8 @@ from jax import lax
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
 TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
 TOP_P_METHOD = "topk"  # the default; experiments/bench_sampler.py times every method
+STATS_METHODS = ("two_pass", "online")  # how `sample` gets max, entropy, denominators
+STATS_METHOD = "two_pass"  # the default, until the GPU timing of "online" decides
 
 _MASS_BITS = 30  # probabilities are counted in integer units of 2**-30
 # Smallest float32 bit pattern whose probability has a non-zero mass: round(p * 2**30) >= 1
@@ -220,15 +222,67 @@ def sampler_init(sampler: Sampler, batch_size: int) -> SamplerState:
 # ----------------------------------------------------------------------------- entropy
 
 
-def _max_and_entropy(z: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # H = logsumexp(z) - sum(p z), shifted by the row max m: one max pass plus one fused pass
-    # for the two sums. -inf logits contribute 0 (not 0 * inf).
-    m = jnp.max(z, axis=-1, keepdims=True)
+def _max_argmax(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # The row max and jnp.argmax's index (first index among equal values, NaN wins) from one
+    # variadic reduction, so the greedy token and the softmax shift share a pass over V.
+    def pick(a, b):
+        (av, ai), (bv, bi) = a, b
+        a_val = (av > bv) | (av != av)
+        a_idx = a_val | ((av == bv) & (ai < bi))
+        return jnp.where(a_val, av, bv), jnp.where(a_idx, ai, bi)
+
+    ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    init = (jnp.array(-jnp.inf, z.dtype), jnp.array(0, jnp.int32))
+    m, i = lax.reduce((z, ids), init, pick, (1,))
+    return m[:, None], i
+
+
+def _max_and_entropy(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # H = logsumexp(z) - sum(p z), shifted by the row max m: one max pass (with the argmax)
+    # plus one fused pass for the two sums. -inf logits contribute 0 (not 0 * inf).
+    m, top = _max_argmax(z)
     d = z - m
     e = jnp.exp(d)
     s = jnp.sum(e, axis=-1)
     u = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1)
-    return m, jnp.log(s) - u / s
+    return m, jnp.log(s) - u / s, top
+
+
+def _online_stats(z: jax.Array, inv_ts: tuple[jax.Array, ...]):
+    # One variadic reduction over V for the row max, its first index, the two entropy sums and
+    # sum(exp((z - m) * inv_t)) for each inv_t [B]: partial results at different maxima are
+    # rescaled when combined (online softmax), so nothing waits for a separate max pass. Same
+    # quantities as _max_and_entropy up to float rounding; -inf logits contribute nothing.
+    b, v = z.shape
+    live = z > -jnp.inf
+    one = jnp.where(live, 1.0, 0.0).astype(jnp.float32)
+    ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    invs = [jnp.broadcast_to(x[:, None], z.shape) for x in inv_ts]
+    n = len(inv_ts)
+
+    def pick(a, c):
+        (am, ai, as_, au, *ar), (cm, ci, cs, cu, *cr) = a, c
+        a_val = (am > cm) | (am != am)
+        idx = jnp.where(a_val | ((am == cm) & (ai < ci)), ai, ci)
+        m = jnp.maximum(am, cm)
+        da = jnp.where(as_ > 0, am - m, 0.0)  # finite whenever the part holds any mass
+        dc = jnp.where(cs > 0, cm - m, 0.0)
+        ea, ec = jnp.where(as_ > 0, jnp.exp(da), 0.0), jnp.where(cs > 0, jnp.exp(dc), 0.0)
+        out_s = as_ * ea + cs * ec
+        out_u = ea * (au + as_ * da) + ec * (cu + cs * dc)
+        inv = [jnp.maximum(x, y) for x, y in zip(ar[n:], cr[n:])]
+        sums = [
+            jnp.where(as_ > 0, x * jnp.exp(da * w), 0.0)
+            + jnp.where(cs > 0, y * jnp.exp(dc * w), 0.0)
+            for x, y, w in zip(ar[:n], cr[:n], inv)
+        ]
+        return (m, idx, out_s, out_u, *sums, *inv)
+
+    ops = (z, ids, one, jnp.zeros_like(z), *([one] * n), *invs)
+    f0, i0 = jnp.array(0.0, jnp.float32), jnp.array(0, jnp.int32)
+    init = (jnp.array(-jnp.inf, jnp.float32), i0, f0, f0, *([f0] * n), *([f0] * n))
+    m, top, s, u, *rest = lax.reduce(ops, init, pick, (1,))
+    return m[:, None], top, jnp.log(s) - u / s, rest[:n]
 
 
 def entropy(logits: jax.Array) -> jax.Array:
@@ -692,6 +746,7 @@ def _sample_tempered(
     keys: jax.Array,
     logits: jax.Array,
     m: jax.Array,
+    top: jax.Array,
     t: jax.Array,
     top_p: jax.Array,
     top_k: int,
@@ -699,8 +754,8 @@ def _sample_tempered(
     denom: jax.Array | None = None,
 ) -> jax.Array:
     # softmax((z - m) / t) shares the raw row max m (t > 0), then top-k, top-p, and a Gumbel-max
-    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax. `denom` [B], if
-    # given, is the softmax denominator sum(exp((z - m) / t)) computed earlier (top_k = 0).
+    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax `top`. `denom`
+    # [B], if given, is the softmax denominator sum(exp((z - m) / t)) computed earlier.
     greedy = t <= GREEDY_EPS
     zt = (logits - m) / _safe_t(t)[:, None]
     if top_k:
@@ -713,7 +768,7 @@ def _sample_tempered(
         drawn = _draw_topk(keys, zt, probs, top_p)
     else:
         drawn = _draw(keys, zt, top_p_mask(probs, top_p, method))
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    return jnp.where(greedy, top, drawn).astype(jnp.int32)
 
 
 def sample(
@@ -723,6 +778,7 @@ def sample(
     sampler: Sampler,
     *,
     top_p_method: str = TOP_P_METHOD,
+    stats_method: str = STATS_METHOD,
 ) -> tuple[jax.Array, SamplerState, dict]:
     """Draw the next token of every row.
 
@@ -739,6 +795,9 @@ def sample(
       sampler: Greedy(), Temperature(...) or ReSET(...).
       top_p_method: one of `TOP_P_METHODS` (the same kept set; "topk" draws with other random
         numbers than "radix" and "sort" do, so tokens differ for the same key). Static.
+      stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
+        softmax denominators) or "online" (all of them in one rescaling reduction; the same
+        values up to float rounding). Static.
 
     Returns:
       (tokens i32 [B], state, info) with info = {"entropy": f32 [B] raw T=1 entropy in nats,
@@ -746,32 +805,48 @@ def sample(
     """
     _check_sampler(sampler)
     _check_method(top_p_method)
+    if stats_method not in STATS_METHODS:
+        raise ValueError(
+            f"stats_method={stats_method!r} is invalid: expected one of {STATS_METHODS}"
+        )
     logits = _check_logits(logits)
     b, v = logits.shape
     _check_state(state, b, sampler.window if isinstance(sampler, ReSET) else None)
+    if isinstance(sampler, Temperature) and sampler.top_k > v:
+        raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
+    if isinstance(sampler, ReSET):
+        _check_masks(sampler, v)
     keys = _row_keys(key, b)
-    m, h = _max_and_entropy(logits)
-    if isinstance(sampler, Greedy):
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, state, {"entropy": h, "temperature": jnp.zeros((b,), jnp.float32)}
+    # the temperatures whose softmax denominators the statistics pass can provide
     if isinstance(sampler, Temperature):
-        if sampler.top_k > v:
-            raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
         t = _row_param("Temperature.t", sampler.t, b)
+        temps = [_safe_t(t)] if sampler.top_k == 0 else []  # top-k changes the denominator
+    elif isinstance(sampler, ReSET):
+        t_hi = _safe_t(_row_param("ReSET.t_high", sampler.t_high, b))
+        t_lo = _safe_t(_row_param("ReSET.t_low", sampler.t_low, b))
+        temps = [t_hi, t_lo]
+    else:
+        temps = []
+    if stats_method == "online":
+        m, top, h, denoms = _online_stats(logits, tuple(1.0 / x for x in temps))
+    else:
+        m, h, top = _max_and_entropy(logits)
+        # sibling reductions of the entropy's sums (the same pass over V); for Temperature the
+        # denominator is left to _sample_tempered, as it was before the online variant existed
+        d = logits - m
+        denoms = [jnp.sum(jnp.exp(d / x[:, None]), axis=-1) for x in temps]
+        denoms = denoms if isinstance(sampler, ReSET) else [None] * len(temps)
+    if isinstance(sampler, Greedy):
+        return top, state, {"entropy": h, "temperature": jnp.zeros((b,), jnp.float32)}
+    if isinstance(sampler, Temperature):
         top_p = _row_param("Temperature.top_p", sampler.top_p, b)
-        tokens = _sample_tempered(keys, logits, m, t, top_p, sampler.top_k, top_p_method)
+        denom = denoms[0] if denoms else None
+        tokens = _sample_tempered(keys, logits, m, top, t, top_p, sampler.top_k, top_p_method,
+                                  denom)  # fmt: skip
         return tokens, state, {"entropy": h, "temperature": t}
-    _check_masks(sampler, v)
     top_p = _row_param("ReSET.top_p", sampler.top_p, b)
-    # The softmax denominators for both candidate temperatures come from the same pass over V
-    # as the entropy's sums (sibling reductions), so ReSET adds no pass over V of its own.
-    d = logits - m
-    t_hi = _safe_t(_row_param("ReSET.t_high", sampler.t_high, b))[:, None]
-    t_lo = _safe_t(_row_param("ReSET.t_low", sampler.t_low, b))[:, None]
-    s_hi = jnp.sum(jnp.exp(d / t_hi), axis=-1)
-    s_lo = jnp.sum(jnp.exp(d / t_lo), axis=-1)
     t, high, state = _policy(h, state, sampler)
-    denom = jnp.where(high, s_hi, s_lo)
-    tokens = _sample_tempered(keys, logits, m, t, top_p, 0, top_p_method, denom)
+    denom = jnp.where(high, denoms[0], denoms[1])
+    tokens = _sample_tempered(keys, logits, m, top, t, top_p, 0, top_p_method, denom)
     state = reset_observe(state, tokens, sampler)
     return tokens, state, {"entropy": h, "temperature": t}

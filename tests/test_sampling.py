@@ -266,6 +266,55 @@ def test_sample_loop_matches_reference_policy():
         assert ok.all(), f"row {b}: first mismatch at {int(np.argmin(ok))}"
 
 
+def test_online_stats_loop_matches_reference_policy():
+    # test_sample_loop_matches_reference_policy with the one-pass ("online") statistics
+    rng = np.random.default_rng(8)
+    steps, batch, v = 400, 3, 12
+    logits, _ = _random_stream(rng, steps, batch, v)
+    logits[:, :, NL] += 1.5
+    cfg = ReSET(t_high=1.0, t_low=0.3, tau_0=1.25, window=4, nl_mask=_masks(v)[0],
+                dnl_mask=_masks(v)[1], top_p=0.9)  # fmt: skip
+
+    def body(state, xs):
+        i, z = xs
+        key = jax.random.fold_in(jax.random.key(3), i)
+        tok, state, info = sample(key, z, state, cfg, stats_method="online")
+        return state, (tok, info["temperature"], info["entropy"])
+
+    run = jax.jit(lambda s, z: lax.scan(body, s, (jnp.arange(steps), z)))
+    _, (toks, temps, ents) = run(sampler_init(cfg, batch), jnp.asarray(logits))
+    toks, temps, ents = map(np.asarray, (toks, temps, ents))
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(ents, -(p * np.log(p)).sum(-1), atol=2e-6)  # f32 vs f64 entropy
+    assert (toks == NL).sum() > 20
+    for b in range(batch):
+        want, amb = _ref_policy(
+            ents[:, b], toks[:, b], w=4, tau_0=1.25, t_high=1.0, t_low=0.3,
+            nl={NL}, dnl={DNL, DOT_DNL},
+        )  # fmt: skip
+        ok = np.array(amb) | (temps[:, b] == np.array(want, np.float32))
+        assert ok.all(), f"row {b}: first mismatch at {int(np.argmin(ok))}"
+
+
+def test_online_stats_equal_two_pass():
+    z = jax.random.normal(jax.random.key(5), (6, 3000)) * jnp.array([[0.1, 1, 3, 10, 30, 1]]).T
+    z = z.at[0, :100].set(-jnp.inf).at[5, 1:].set(-jnp.inf).at[2, 7].set(z[2].max())  # a tie
+    inv = (jnp.full((6,), 1 / 0.7), jnp.linspace(0.5, 1e6, 6))  # 1e6: a near-greedy T_low
+    m, top, h, (a, c) = jax.jit(sampling._online_stats)(z, inv)
+    m2, h2, top2 = sampling._max_and_entropy(z)
+    assert (np.asarray(m) == np.asarray(m2)).all() and (np.asarray(top) == np.asarray(top2)).all()
+    np.testing.assert_allclose(h, h2, rtol=1e-5, atol=2e-6)  # tolerance: f32 rescaling
+    for got, w in ((a, inv[0]), (c, inv[1])):
+        want = jnp.sum(jnp.exp((z - m2) * w[:, None]), axis=-1)
+        np.testing.assert_allclose(got, want, rtol=2e-5)  # tolerance: f32 rescaling
+    with pytest.raises(ValueError, match="stats_method"):
+        sample(jax.random.key(0), z, sampler_init(Greedy(), 6), Greedy(), stats_method="one")
+    with pytest.raises(ValueError, match="top-p method"):
+        sample(jax.random.key(0), z, sampler_init(Greedy(), 6), Greedy(), top_p_method="heap")
+
+
 # ----------------------------------------------------------------------------- entropy
 
 
