@@ -12,6 +12,8 @@ the fraction of rows that take the 16-candidate path, and each variant's cost ov
 
 Usage: PYTHONPATH=. python experiments/bench_sampler.py \\
     --out experiments/results/bench_sampler_gpu.json
+(about 140 timed scans by default; to keep one call short, run `--logits peaked` and
+`--logits flat` into two files.)
 Quick CPU check: PYTHONPATH=. python experiments/bench_sampler.py --vocab 4096 --batch 1 8 \\
     --steps 2 --repeats 2 --out /tmp/bench_sampler_cpu.json
 """
@@ -38,14 +40,14 @@ from rejax.sampling import Greedy, ReSET, Temperature, sample, sampler_init, top
 T_LOW, T_HIGH, TAU_0, TOP_P = 0.3, 1.0, 0.6349, 0.95
 
 
-def _git_sha() -> str:
+def _git(*cmd: str) -> str | None:
     try:
         return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+            ["git", *cmd], capture_output=True, text=True, check=True,
             cwd=os.path.dirname(os.path.abspath(__file__)),
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return None
 
 
 def _median_time(fn, args, repeats: int) -> float:
@@ -59,13 +61,15 @@ def _median_time(fn, args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def _scan_sampler(sampler, steps: int, method: str):
+def _scan_sampler(sampler, steps: int, method: str, stats: str = sampling.STATS_METHOD):
     def run(keys, logits, state):
         def body(carry, i):
             state, acc = carry
             z = logits + i.astype(jnp.float32) * 1e-3  # a fresh array every step
             ks = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
-            tokens, state, info = sample(ks, z, state, sampler, top_p_method=method)
+            tokens, state, info = sample(
+                ks, z, state, sampler, top_p_method=method, stats_method=stats
+            )
             # the entropy stays live, as in a decode loop that reports it
             acc = acc + tokens + (info["entropy"] > 0).astype(jnp.int32)
             return (state, acc), None
@@ -118,6 +122,11 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"]
     )
+    parser.add_argument(
+        "--stats", nargs="+", default=list(sampling.STATS_METHODS), choices=sampling.STATS_METHODS,
+        help="statistics variants; the non-default ones are timed for greedy, temperature + "
+        "top-p and ReSET + top-p",
+    )
     parser.add_argument("--git-sha", default=None, help="sha to record (default: git rev-parse)")
     args = parser.parse_args(argv)
     if args.vocab < sampling._TOPK_FAST + 8 or min(args.batch) < 1:
@@ -151,14 +160,19 @@ def main(argv=None) -> None:
             greedy = _scan_sampler(Greedy(), steps, sampling.TOP_P_METHOD)
             row["greedy_us"] = _median_time(greedy, (keys, logits, sampler_init(Greedy(), b)),
                                             repeats) / steps * 1e6  # fmt: skip
-            for name, smp in samplers.items():
-                for method in args.methods:
-                    fn = _scan_sampler(smp, steps, method)
-                    t = _median_time(fn, (keys, logits, sampler_init(smp, b)), repeats)
-                    row[f"{name}/{method}_us"] = t / steps * 1e6
-                    row[f"{name}/{method}_over_greedy_us"] = row[f"{name}/{method}_us"] - row[
-                        "greedy_us"
-                    ]
+            runs = [(name, smp, m, sampling.STATS_METHOD) for name, smp in samplers.items()
+                    for m in args.methods]  # fmt: skip
+            extra = [st for st in args.stats if st != sampling.STATS_METHOD]
+            runs += [("greedy", Greedy(), sampling.TOP_P_METHOD, st) for st in extra]
+            runs += [(name, samplers[name], m, st) for st in extra for m in args.methods
+                     for name in ("temperature_top_p", "reset_top_p")]  # fmt: skip
+            for name, smp, method, stats in runs:
+                fn = _scan_sampler(smp, steps, method, stats)
+                t = _median_time(fn, (keys, logits, sampler_init(smp, b)), repeats)
+                label = name if name == "greedy" else f"{name}/{method}"
+                label += "" if stats == sampling.STATS_METHOD else f"+{stats}"
+                row[f"{label}_us"] = t / steps * 1e6
+                row[f"{label}_over_greedy_us"] = row[f"{label}_us"] - row["greedy_us"]
             probs = jax.nn.softmax(logits / 0.6, axis=-1)
             for method in args.methods:
                 fn = _scan_top_p(steps, method)
@@ -170,17 +184,20 @@ def main(argv=None) -> None:
             }
             results.append(row)
             print(json.dumps(row), flush=True)
-            best = min(args.methods, key=lambda m: row[f"reset_top_p/{m}_us"])
+            labels = [k[: -len("_us")] for k in row if k.startswith("reset_top_p/")
+                      and k.endswith("_us") and not k.endswith("over_greedy_us")]  # fmt: skip
+            best = min(labels, key=lambda k: row[f"{k}_us"])
             summary.append(
-                {"logits": kind, "batch": b, "fastest_reset_method": best,
-                 "reset_top_p_over_greedy_us": row[f"reset_top_p/{best}_over_greedy_us"]}
+                {"logits": kind, "batch": b, "fastest_reset": best,
+                 "reset_top_p_over_greedy_us": row[f"{best}_over_greedy_us"]}
             )  # fmt: skip
 
     dev = jax.devices()[0]
     record = {
         "benchmark": "bench_sampler",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": args.git_sha or _git_sha(),
+        "git_sha": args.git_sha or _git("rev-parse", "HEAD") or "unknown",
+        "git_dirty": None if args.git_sha else bool(_git("status", "--porcelain", "--", "rejax")),
         "python": sys.version.split()[0],
         "jax": jax.__version__,
         "jaxlib": getattr(jax.lib, "__version__", None),
@@ -192,6 +209,8 @@ def main(argv=None) -> None:
         "steps_per_scan": steps,
         "repeats": repeats,
         "default_top_p_method": sampling.TOP_P_METHOD,
+        "default_stats_method": sampling.STATS_METHOD,
+        "stats_methods": args.stats,
         "methods": args.methods,
         "samplers": {
             "temperature_top_p": f"Temperature(0.6, top_p={TOP_P})",
@@ -200,8 +219,9 @@ def main(argv=None) -> None:
             "reset_top_p": f"ReSET(t_high={T_HIGH}, t_low={T_LOW}, tau_0={TAU_0}, top_p={TOP_P})",
         },
         "method": "jitted lax.scan of `steps` sample() calls (entropy kept live); median wall "
-        "time / steps in us; compile and one warm-up excluded; *_over_greedy_us = variant - "
-        "greedy on the same logits and batch; top_p_mask/* times the mask alone on softmax(z/0.6)",
+        "time / steps in us; compile and one warm-up excluded; labels are sampler/top-p method "
+        "(+stats method when not the default); *_over_greedy_us = variant - greedy (default "
+        "stats) on the same logits and batch; top_p_mask/* times the mask alone on softmax(z/0.6)",
         "results": results,
         # issue 15 targets (H200): ReSET + top-p 0.95 over greedy <= 15 us at B=1, <= 60 us at B=64
         "summary": summary,
