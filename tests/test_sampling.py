@@ -714,7 +714,8 @@ def test_topk_rows_independent_across_paths():
     # one row on the 16-candidate path, one on the fallback: each row's token equals the token
     # it draws alone, whatever the other row needs
     v = 40
-    z = jnp.stack([jnp.zeros(v).at[5].set(20.0), jnp.zeros(v), jnp.linspace(0.0, 3.0, v)])
+    # row 0 keeps 4 tied tokens, drawn from its candidates; rows 1 and 2 keep more than 16
+    z = jnp.stack([jnp.zeros(v).at[5:9].set(6.0), jnp.zeros(v), jnp.linspace(0.0, 3.0, v)])
     probs = jax.nn.softmax(z / 0.8, axis=-1)
     assert _covered(probs, jnp.full((3,), 0.9, jnp.float32)).tolist() == [True, False, False]
     run = jax.jit(sample, static_argnames="top_p_method")
