@@ -32,6 +32,11 @@ side by experiments/bench_sampler.py):
 Top-k with k > 16 is found by rounds of 16 (`_kth_largest`), since XLA's GPU top-k kernel stops at
 16 and a larger k becomes a sort of V. The draw is Gumbel-max over the kept tokens, so sampling
 needs no cumulative sum either.
+
+The row statistics (max and argmax, the entropy's two sums, the softmax denominators at the
+temperatures the sampler may apply) take a max pass and one fused pass over V ("two_pass", the
+default) or a single rescaling reduction ("online"; `STATS_METHODS`, same values up to float
+rounding).
 """
 
 from __future__ import annotations
