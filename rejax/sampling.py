@@ -258,7 +258,6 @@ def _online_stats(z: jax.Array, inv_ts: tuple[jax.Array, ...]):
     # sum(exp((z - m) * inv_t)) for each inv_t [B]: partial results at different maxima are
     # rescaled when combined (online softmax), so nothing waits for a separate max pass. Same
     # quantities as _max_and_entropy up to float rounding; -inf logits contribute nothing.
-    b, v = z.shape
     live = z > -jnp.inf
     one = jnp.where(live, 1.0, 0.0).astype(jnp.float32)
     ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
@@ -583,7 +582,7 @@ def _top_p_candidates(probs: jax.Array, top_p: jax.Array):
     # whichever v_k token truly ranks first has that same mass above it). A row is covered when
     # such an exact candidate is dropped (so is everything ranked below it), when v_k = 0 (every
     # token outside has probability 0: dropped unless top_p = 1, and never drawn), or if k = V.
-    b, v = probs.shape
+    v = probs.shape[1]
     k = min(_TOPK_FAST, v)
     vals, idx = lax.top_k(probs, k)
     # rank order: probability descending, the higher id first among ties (module docstring)
@@ -836,11 +835,13 @@ def sample(
         m, top, h, denoms = _online_stats(logits, tuple(1.0 / x for x in temps))
     else:
         m, h, top = _max_and_entropy(logits)
-        # sibling reductions of the entropy's sums (the same pass over V); for Temperature the
-        # denominator is left to _sample_tempered, as it was before the online variant existed
+        # ReSET's two denominators are sibling reductions of the entropy's sums (the same pass
+        # over V); Temperature's is summed in _sample_tempered, next to its probabilities
         d = logits - m
-        denoms = [jnp.sum(jnp.exp(d / x[:, None]), axis=-1) for x in temps]
-        denoms = denoms if isinstance(sampler, ReSET) else [None] * len(temps)
+        if isinstance(sampler, ReSET):
+            denoms = [jnp.sum(jnp.exp(d / x[:, None]), axis=-1) for x in temps]
+        else:
+            denoms = [None] * len(temps)
     if isinstance(sampler, Greedy):
         return top, state, {"entropy": h, "temperature": jnp.zeros((b,), jnp.float32)}
     if isinstance(sampler, Temperature):

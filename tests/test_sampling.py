@@ -684,7 +684,7 @@ def test_sweeps_do_not_retrace():
     assert len(traces) == 2
 
 
-@pytest.mark.parametrize("method", sampling.TOP_P_METHODS)
+@pytest.mark.parametrize("method", ["topk", "radix"])  # "sort" has no data-dependent path
 def test_methods_do_not_retrace_when_paths_change(method):
     # V = 40 > 16: the logits below switch rows between the "topk" candidate path and its
     # fallback; neither that nor new sampler values may retrace, and decode steps reuse the trace
