@@ -17,11 +17,26 @@ Top-p follows vLLM: a token is dropped when the mass of the tokens ranked below 
 included, is <= 1 - top_p, and the most likely token is always kept. Tokens are ranked by
 probability with ties ordered as a stable ascending sort leaves them (the lower id ranks lower).
 Masses are counted exactly, in integer units of 2**-30 (`_MASS_BITS`), so the kept set does not
-depend on summation order and the full-sort and selection implementations agree token for token
-(a token below 2**-31 has zero mass: it is kept only when top_p = 1). The default selection
-("radix") finds the boundary probability with a fixed number of counting passes over V instead
-of sorting V; experiments/bench_sampler.py times both. The draw is Gumbel-max over the kept
-tokens, so sampling needs no cumulative sum either.
+depend on summation order and every implementation agrees token for token (a token below 2**-31
+has zero mass: it is kept only when top_p = 1). Implementations (`TOP_P_METHODS`, timed side by
+side by experiments/bench_sampler.py):
+
+- "topk" (default): the 16 most likely tokens (`lax.top_k`, a single small-k kernel on GPU) and
+  the row's total mass decide the kept set whenever it ends inside them, and the draw is then a
+  Gumbel-max over those 16 candidates only. Rows whose nucleus reaches past the candidates (or
+  ends inside a tie group that the 16th token splits) fall back to "radix" under a `lax.cond`
+  that runs only when some row needs it (its predicate is still read once per call).
+- "radix": finds the boundary probability with a fixed number of counting passes over V.
+- "sort": a full sort of V, the definition.
+
+Top-k with k > 16 is found by rounds of 16 (`_kth_largest`), since XLA's GPU top-k kernel stops at
+16 and a larger k becomes a sort of V. The draw is Gumbel-max over the kept tokens, so sampling
+needs no cumulative sum either.
+
+The row statistics (max and argmax, the entropy's two sums, the softmax denominators at the
+temperatures the sampler may apply) take a max pass and one fused pass over V ("two_pass", the
+default) or a single rescaling reduction ("online"; `STATS_METHODS`, same values up to float
+rounding).
 """
 
 from __future__ import annotations
@@ -36,8 +51,10 @@ import numpy as np
 from jax import lax
 
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
-TOP_P_METHODS = ("radix", "sort")
-TOP_P_METHOD = "radix"  # default exact top-p implementation (see experiments/bench_sampler.py)
+TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
+TOP_P_METHOD = "topk"  # the default; experiments/bench_sampler.py times every method
+STATS_METHODS = ("two_pass", "online")  # how `sample` gets max, entropy, denominators
+STATS_METHOD = "two_pass"  # the default, until the GPU timing of "online" decides
 
 _MASS_BITS = 30  # probabilities are counted in integer units of 2**-30
 # Smallest float32 bit pattern whose probability has a non-zero mass: round(p * 2**30) >= 1
@@ -45,6 +62,9 @@ _MASS_BITS = 30  # probabilities are counted in integer units of 2**-30
 _KEY_LO = (127 - 31) << 23
 _KEY_BITS = 28  # bit patterns of (2**-31, 1.0] are _KEY_LO + [1, 0x0F800000] < _KEY_LO + 2**28
 _RADIX_BITS = 4  # bits resolved per selection round (15 thresholds per pass over V)
+# Candidates of the "topk" method and the width of one top-k round: XLA's GPU TopK kernel serves
+# k <= 16 (TopkSpecializer); above that lax.top_k is a sort of the whole row.
+_TOPK_FAST = 16
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -207,15 +227,66 @@ def sampler_init(sampler: Sampler, batch_size: int) -> SamplerState:
 # ----------------------------------------------------------------------------- entropy
 
 
-def _max_and_entropy(z: jax.Array) -> tuple[jax.Array, jax.Array]:
-    # H = logsumexp(z) - sum(p z), shifted by the row max m: one max pass plus one fused pass
-    # for the two sums. -inf logits contribute 0 (not 0 * inf).
-    m = jnp.max(z, axis=-1, keepdims=True)
+def _max_argmax(z: jax.Array) -> tuple[jax.Array, jax.Array]:
+    # The row max and jnp.argmax's index (first index among equal values, NaN wins) from one
+    # variadic reduction, so the greedy token and the softmax shift share a pass over V.
+    def pick(a, b):
+        (av, ai), (bv, bi) = a, b
+        a_val = (av > bv) | (av != av)
+        a_idx = a_val | ((av == bv) & (ai < bi))
+        return jnp.where(a_val, av, bv), jnp.where(a_idx, ai, bi)
+
+    ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    init = (jnp.array(-jnp.inf, z.dtype), jnp.array(0, jnp.int32))
+    m, i = lax.reduce((z, ids), init, pick, (1,))
+    return m[:, None], i
+
+
+def _max_and_entropy(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # H = logsumexp(z) - sum(p z), shifted by the row max m: one max pass (with the argmax)
+    # plus one fused pass for the two sums. -inf logits contribute 0 (not 0 * inf).
+    m, top = _max_argmax(z)
     d = z - m
     e = jnp.exp(d)
     s = jnp.sum(e, axis=-1)
     u = jnp.sum(jnp.where(e > 0, e * d, 0.0), axis=-1)
-    return m, jnp.log(s) - u / s
+    return m, jnp.log(s) - u / s, top
+
+
+def _online_stats(z: jax.Array, inv_ts: tuple[jax.Array, ...]):
+    # One variadic reduction over V for the row max, its first index, the two entropy sums and
+    # sum(exp((z - m) * inv_t)) for each inv_t [B]: partial results at different maxima are
+    # rescaled when combined (online softmax), so nothing waits for a separate max pass. Same
+    # quantities as _max_and_entropy up to float rounding; -inf logits contribute nothing.
+    live = z > -jnp.inf
+    one = jnp.where(live, 1.0, 0.0).astype(jnp.float32)
+    ids = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+    invs = [jnp.broadcast_to(x[:, None], z.shape) for x in inv_ts]
+    n = len(inv_ts)
+
+    def pick(a, c):
+        (am, ai, as_, au, *ar), (cm, ci, cs, cu, *cr) = a, c
+        a_val = (am > cm) | (am != am)
+        idx = jnp.where(a_val | ((am == cm) & (ai < ci)), ai, ci)
+        m = jnp.maximum(am, cm)
+        da = jnp.where(as_ > 0, am - m, 0.0)  # finite whenever the part holds any mass
+        dc = jnp.where(cs > 0, cm - m, 0.0)
+        ea, ec = jnp.where(as_ > 0, jnp.exp(da), 0.0), jnp.where(cs > 0, jnp.exp(dc), 0.0)
+        out_s = as_ * ea + cs * ec
+        out_u = ea * (au + as_ * da) + ec * (cu + cs * dc)
+        inv = [jnp.maximum(x, y) for x, y in zip(ar[n:], cr[n:])]
+        sums = [
+            jnp.where(as_ > 0, x * jnp.exp(da * w), 0.0)
+            + jnp.where(cs > 0, y * jnp.exp(dc * w), 0.0)
+            for x, y, w in zip(ar[:n], cr[:n], inv)
+        ]
+        return (m, idx, out_s, out_u, *sums, *inv)
+
+    ops = (z, ids, one, jnp.zeros_like(z), *([one] * n), *invs)
+    f0, i0 = jnp.array(0.0, jnp.float32), jnp.array(0, jnp.int32)
+    init = (jnp.array(-jnp.inf, jnp.float32), i0, f0, f0, *([f0] * n), *([f0] * n))
+    m, top, s, u, *rest = lax.reduce(ops, init, pick, (1,))
+    return m[:, None], top, jnp.log(s) - u / s, rest[:n]
 
 
 def entropy(logits: jax.Array) -> jax.Array:
@@ -503,27 +574,104 @@ def _top_p_radix(probs: jax.Array, top_p: jax.Array, radix: int = _RADIX_BITS) -
     return above_b | (tie & (ties_above < n_keep[:, None]))
 
 
+def _top_p_candidates(probs: jax.Array, top_p: jax.Array):
+    # The k = min(16, V) most likely tokens in rank order and their exact keep decisions, valid
+    # for a row when `covered`: the nucleus then lies inside the candidates. top_k may split the
+    # tie group at the k-th value v_k either way, so a candidate's mass ranked above is known
+    # exactly only above v_k and at the first v_k candidate (everything above it is a candidate;
+    # whichever v_k token truly ranks first has that same mass above it). A row is covered when
+    # such an exact candidate is dropped (so is everything ranked below it), when v_k = 0 (every
+    # token outside has probability 0: dropped unless top_p = 1, and never drawn), or if k = V.
+    v = probs.shape[1]
+    k = min(_TOPK_FAST, v)
+    vals, idx = lax.top_k(probs, k)
+    # rank order: probability descending, the higher id first among ties (module docstring)
+    _, _, idx = lax.sort((-vals, -idx, idx), dimension=-1, num_keys=2)
+    vals = jnp.take_along_axis(probs, idx, axis=-1)
+    q = _masses(vals)
+    limit = _keep_limit(_masses(probs), top_p)  # the one pass over V besides top_k
+    above = jnp.cumsum(q, axis=-1) - q
+    kept = (above.astype(jnp.float32) < limit[:, None]) | (top_p >= 1.0)[:, None]
+    v_k = vals[:, -1:]
+    at_v_k = vals == v_k
+    exact = (vals > v_k) | (at_v_k & (jnp.cumsum(at_v_k, axis=-1) == 1))
+    covered = jnp.any(~kept & exact, axis=-1) | (v_k[:, 0] == 0.0) | (k == v)
+    return idx, vals, kept, covered
+
+
+def _top_p_topk(probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    b, v = probs.shape
+    idx, _, kept, covered = _top_p_candidates(probs, top_p)
+    rows = jnp.arange(b)[:, None]
+    fast = jnp.zeros((b, v), jnp.bool_).at[rows, idx].set(kept)
+    slow = lax.cond(
+        jnp.any(~covered),
+        lambda: _top_p_radix(probs, top_p),
+        lambda: jnp.zeros((b, v), jnp.bool_),
+    )
+    return jnp.where(covered[:, None], fast, slow)
+
+
 def top_p_mask(probs: jax.Array, top_p: Any, method: str = TOP_P_METHOD) -> jax.Array:
     """The tokens top-p sampling keeps (vLLM semantics, exact integer masses; module doc).
 
     Args:
       probs: f32 [B, V] probabilities (rows sum to ~1; zeros allowed).
       top_p: scalar or [B] in (0, 1]; 1.0 keeps every token.
-      method: "radix" (selection by bit-pattern search, no sort) or "sort" (full sort, the
-        definition). Both give the same set.
+      method: "topk" (16 candidates, "radix" for rows whose nucleus is larger), "radix"
+        (selection by bit-pattern search, no sort) or "sort" (full sort, the definition). All
+        give the same set.
 
     Returns:
       bool [B, V].
     """
-    if method not in TOP_P_METHODS:
-        raise ValueError(f"method={method!r} is invalid: expected one of {TOP_P_METHODS}")
+    _check_method(method)
     probs = jnp.asarray(probs)
     if probs.ndim != 2:
         raise ValueError(f"probs must be [B, V], got shape {probs.shape}")
     top_p = _row_param("top_p", top_p, probs.shape[0])
     probs = probs.astype(jnp.float32)
-    keep = (_top_p_radix if method == "radix" else _top_p_sort)(probs, top_p)
-    return keep | (top_p >= 1.0)[:, None]
+    fn = {"topk": _top_p_topk, "radix": _top_p_radix, "sort": _top_p_sort}[method]
+    return fn(probs, top_p) | (top_p >= 1.0)[:, None]
+
+
+def _check_method(method: Any) -> None:
+    if method not in TOP_P_METHODS:
+        raise ValueError(f"top-p method={method!r} is invalid: expected one of {TOP_P_METHODS}")
+
+
+# ----------------------------------------------------------------------------- top-k
+
+
+def _kth_largest(x: jax.Array, k: int) -> jax.Array:
+    """f32 [B]: the k-th largest entry of each row of x [B, V], counted with multiplicity.
+
+    k <= 16 is one `lax.top_k`. Larger k takes ceil(k / 16) rounds of 16: a round's 16th value a
+    is the answer if the rank sought falls among the entries >= a (a count over V), and otherwise
+    the next round searches the entries < a for the remaining rank.
+    """
+    b, v = x.shape
+    assert 1 <= k <= v, (k, v)
+    if k <= _TOPK_FAST:
+        return lax.top_k(x, k)[0][:, -1]
+    need = jnp.full((b,), k, jnp.int32)  # rank still sought among the entries of `cur`
+    answer = jnp.zeros((b,), x.dtype)
+    found = jnp.zeros((b,), jnp.bool_)
+    cur = x
+    for r in range(-(-k // _TOPK_FAST)):
+        top = lax.top_k(cur, _TOPK_FAST)[0]  # [B, 16] descending
+        here = jnp.take_along_axis(top, jnp.clip(need - 1, 0, _TOPK_FAST - 1)[:, None], -1)[:, 0]
+        a = top[:, -1]
+        answer = jnp.where(~found & (need <= _TOPK_FAST), here, answer)
+        found = found | (need <= _TOPK_FAST)
+        if (r + 1) * _TOPK_FAST >= k:
+            break  # need <= k - 16 r <= 16 now: this round decided every row
+        n_ge = jnp.sum(cur >= a[:, None], axis=-1, dtype=jnp.int32)
+        answer = jnp.where(~found & (need <= n_ge), a, answer)
+        found = found | (need <= n_ge)
+        need = need - n_ge
+        cur = jnp.where(cur < a[:, None], cur, -jnp.inf)
+    return answer
 
 
 # ----------------------------------------------------------------------------- sample
@@ -568,10 +716,41 @@ def _safe_t(t: jax.Array) -> jax.Array:
     return jnp.where(t <= GREEDY_EPS, 1.0, t)  # greedy rows: any finite scale, result unused
 
 
+def _draw(keys: jax.Array, zt: jax.Array, keep: jax.Array) -> jax.Array:
+    # Gumbel-max over the kept tokens: an exact draw from softmax(zt) restricted to `keep`.
+    g = jax.vmap(lambda k: jax.random.gumbel(k, zt.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(jnp.where(keep & (zt > -jnp.inf), zt + g, -jnp.inf), axis=-1)
+
+
+def _draw_topk(keys: jax.Array, zt: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    # Covered rows draw among their 16 candidates; the others take the radix mask and a draw
+    # over V, computed only when some row needs them. Which path a row takes depends on its own
+    # logits and top_p only, so rows stay independent and each path is an exact draw.
+    b, v = probs.shape
+    idx, vals, kept, covered = _top_p_candidates(probs, top_p)
+    zk = jnp.take_along_axis(zt, idx, axis=-1)
+    g = jax.vmap(lambda k: jax.random.gumbel(k, idx.shape[-1:], jnp.float32))(keys)
+    j = jnp.argmax(jnp.where(kept & (vals > 0.0), zk + g, -jnp.inf), axis=-1)
+    fast = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0]
+
+    def slow():
+        # rows with top_p = 1 need no mask, only the draw over V
+        keep = lax.cond(
+            jnp.any(~covered & (top_p < 1.0)),
+            lambda: _top_p_radix(probs, top_p) | (top_p >= 1.0)[:, None],
+            lambda: jnp.ones((b, v), jnp.bool_),
+        )
+        return _draw(keys, zt, keep).astype(jnp.int32)
+
+    drawn = lax.cond(jnp.any(~covered), slow, lambda: jnp.zeros((b,), jnp.int32))
+    return jnp.where(covered, fast, drawn)
+
+
 def _sample_tempered(
     keys: jax.Array,
     logits: jax.Array,
     m: jax.Array,
+    top: jax.Array,
     t: jax.Array,
     top_p: jax.Array,
     top_k: int,
@@ -579,21 +758,21 @@ def _sample_tempered(
     denom: jax.Array | None = None,
 ) -> jax.Array:
     # softmax((z - m) / t) shares the raw row max m (t > 0), then top-k, top-p, and a Gumbel-max
-    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax. `denom` [B], if
-    # given, is the softmax denominator sum(exp((z - m) / t)) computed earlier.
+    # draw over the kept tokens; rows with t <= GREEDY_EPS take the raw argmax `top`. `denom`
+    # [B], if given, is the softmax denominator sum(exp((z - m) / t)) computed earlier.
     greedy = t <= GREEDY_EPS
     zt = (logits - m) / _safe_t(t)[:, None]
     if top_k:
-        kth = lax.top_k(zt, top_k)[0][:, -1:]
-        zt = jnp.where(zt >= kth, zt, -jnp.inf)
+        zt = jnp.where(zt >= _kth_largest(zt, top_k)[:, None], zt, -jnp.inf)
     e = jnp.exp(zt)
     if denom is None:
         denom = jnp.sum(e, axis=-1)
     probs = e / denom[:, None]
-    keep = top_p_mask(probs, top_p, method) & (zt > -jnp.inf)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, logits.shape[-1:], jnp.float32))(keys)
-    drawn = jnp.argmax(jnp.where(keep, zt + g, -jnp.inf), axis=-1)
-    return jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    if method == "topk":
+        drawn = _draw_topk(keys, zt, probs, top_p)
+    else:
+        drawn = _draw(keys, zt, top_p_mask(probs, top_p, method))
+    return jnp.where(greedy, top, drawn).astype(jnp.int32)
 
 
 def sample(
@@ -603,6 +782,7 @@ def sample(
     sampler: Sampler,
     *,
     top_p_method: str = TOP_P_METHOD,
+    stats_method: str = STATS_METHOD,
 ) -> tuple[jax.Array, SamplerState, dict]:
     """Draw the next token of every row.
 
@@ -617,39 +797,62 @@ def sample(
       logits: [B, V] raw logits (cast to float32).
       state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
       sampler: Greedy(), Temperature(...) or ReSET(...).
-      top_p_method: "radix" or "sort" (same result; see `top_p_mask`). Static.
+      top_p_method: one of `TOP_P_METHODS` (the same kept set; "topk" draws with other random
+        numbers than "radix" and "sort" do, so tokens differ for the same key). Static.
+      stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
+        softmax denominators) or "online" (all of them in one rescaling reduction; the same
+        values up to float rounding). Static.
 
     Returns:
       (tokens i32 [B], state, info) with info = {"entropy": f32 [B] raw T=1 entropy in nats,
       "temperature": f32 [B] the temperature applied (0 for Greedy)}.
     """
     _check_sampler(sampler)
+    _check_method(top_p_method)
+    if stats_method not in STATS_METHODS:
+        raise ValueError(
+            f"stats_method={stats_method!r} is invalid: expected one of {STATS_METHODS}"
+        )
     logits = _check_logits(logits)
     b, v = logits.shape
     _check_state(state, b, sampler.window if isinstance(sampler, ReSET) else None)
+    if isinstance(sampler, Temperature) and sampler.top_k > v:
+        raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
+    if isinstance(sampler, ReSET):
+        _check_masks(sampler, v)
     keys = _row_keys(key, b)
-    m, h = _max_and_entropy(logits)
-    if isinstance(sampler, Greedy):
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return tokens, state, {"entropy": h, "temperature": jnp.zeros((b,), jnp.float32)}
+    # the temperatures whose softmax denominators the statistics pass can provide
     if isinstance(sampler, Temperature):
-        if sampler.top_k > v:
-            raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
         t = _row_param("Temperature.t", sampler.t, b)
+        temps = [_safe_t(t)] if sampler.top_k == 0 else []  # top-k changes the denominator
+    elif isinstance(sampler, ReSET):
+        t_hi = _safe_t(_row_param("ReSET.t_high", sampler.t_high, b))
+        t_lo = _safe_t(_row_param("ReSET.t_low", sampler.t_low, b))
+        temps = [t_hi, t_lo]
+    else:
+        temps = []
+    if stats_method == "online":
+        m, top, h, denoms = _online_stats(logits, tuple(1.0 / x for x in temps))
+    else:
+        m, h, top = _max_and_entropy(logits)
+        # ReSET's two denominators are sibling reductions of the entropy's sums (the same pass
+        # over V); Temperature's is summed in _sample_tempered, next to its probabilities
+        d = logits - m
+        if isinstance(sampler, ReSET):
+            denoms = [jnp.sum(jnp.exp(d / x[:, None]), axis=-1) for x in temps]
+        else:
+            denoms = [None] * len(temps)
+    if isinstance(sampler, Greedy):
+        return top, state, {"entropy": h, "temperature": jnp.zeros((b,), jnp.float32)}
+    if isinstance(sampler, Temperature):
         top_p = _row_param("Temperature.top_p", sampler.top_p, b)
-        tokens = _sample_tempered(keys, logits, m, t, top_p, sampler.top_k, top_p_method)
+        denom = denoms[0] if denoms else None
+        tokens = _sample_tempered(keys, logits, m, top, t, top_p, sampler.top_k, top_p_method,
+                                  denom)  # fmt: skip
         return tokens, state, {"entropy": h, "temperature": t}
-    _check_masks(sampler, v)
     top_p = _row_param("ReSET.top_p", sampler.top_p, b)
-    # The softmax denominators for both candidate temperatures come from the same pass over V
-    # as the entropy's sums (sibling reductions), so ReSET adds no pass over V of its own.
-    d = logits - m
-    t_hi = _safe_t(_row_param("ReSET.t_high", sampler.t_high, b))[:, None]
-    t_lo = _safe_t(_row_param("ReSET.t_low", sampler.t_low, b))[:, None]
-    s_hi = jnp.sum(jnp.exp(d / t_hi), axis=-1)
-    s_lo = jnp.sum(jnp.exp(d / t_lo), axis=-1)
     t, high, state = _policy(h, state, sampler)
-    denom = jnp.where(high, s_hi, s_lo)
-    tokens = _sample_tempered(keys, logits, m, t, top_p, 0, top_p_method, denom)
+    denom = jnp.where(high, denoms[0], denoms[1])
+    tokens = _sample_tempered(keys, logits, m, top, t, top_p, 0, top_p_method, denom)
     state = reset_observe(state, tokens, sampler)
     return tokens, state, {"entropy": h, "temperature": t}

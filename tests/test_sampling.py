@@ -266,6 +266,55 @@ def test_sample_loop_matches_reference_policy():
         assert ok.all(), f"row {b}: first mismatch at {int(np.argmin(ok))}"
 
 
+def test_online_stats_loop_matches_reference_policy():
+    # test_sample_loop_matches_reference_policy with the one-pass ("online") statistics
+    rng = np.random.default_rng(8)
+    steps, batch, v = 400, 3, 12
+    logits, _ = _random_stream(rng, steps, batch, v)
+    logits[:, :, NL] += 1.5
+    cfg = ReSET(t_high=1.0, t_low=0.3, tau_0=1.25, window=4, nl_mask=_masks(v)[0],
+                dnl_mask=_masks(v)[1], top_p=0.9)  # fmt: skip
+
+    def body(state, xs):
+        i, z = xs
+        key = jax.random.fold_in(jax.random.key(3), i)
+        tok, state, info = sample(key, z, state, cfg, stats_method="online")
+        return state, (tok, info["temperature"], info["entropy"])
+
+    run = jax.jit(lambda s, z: lax.scan(body, s, (jnp.arange(steps), z)))
+    _, (toks, temps, ents) = run(sampler_init(cfg, batch), jnp.asarray(logits))
+    toks, temps, ents = map(np.asarray, (toks, temps, ents))
+    z = logits.astype(np.float64)
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(ents, -(p * np.log(p)).sum(-1), atol=2e-6)  # f32 vs f64 entropy
+    assert (toks == NL).sum() > 20
+    for b in range(batch):
+        want, amb = _ref_policy(
+            ents[:, b], toks[:, b], w=4, tau_0=1.25, t_high=1.0, t_low=0.3,
+            nl={NL}, dnl={DNL, DOT_DNL},
+        )  # fmt: skip
+        ok = np.array(amb) | (temps[:, b] == np.array(want, np.float32))
+        assert ok.all(), f"row {b}: first mismatch at {int(np.argmin(ok))}"
+
+
+def test_online_stats_equal_two_pass():
+    z = jax.random.normal(jax.random.key(5), (6, 3000)) * jnp.array([[0.1, 1, 3, 10, 30, 1]]).T
+    z = z.at[0, :100].set(-jnp.inf).at[5, 1:].set(-jnp.inf).at[2, 7].set(z[2].max())  # a tie
+    inv = (jnp.full((6,), 1 / 0.7), jnp.linspace(0.5, 1e6, 6))  # 1e6: a near-greedy T_low
+    m, top, h, (a, c) = jax.jit(sampling._online_stats)(z, inv)
+    m2, h2, top2 = sampling._max_and_entropy(z)
+    assert (np.asarray(m) == np.asarray(m2)).all() and (np.asarray(top) == np.asarray(top2)).all()
+    np.testing.assert_allclose(h, h2, rtol=1e-5, atol=2e-6)  # tolerance: f32 rescaling
+    for got, w in ((a, inv[0]), (c, inv[1])):
+        want = jnp.sum(jnp.exp((z - m2) * w[:, None]), axis=-1)
+        np.testing.assert_allclose(got, want, rtol=2e-5)  # tolerance: f32 rescaling
+    with pytest.raises(ValueError, match="stats_method"):
+        sample(jax.random.key(0), z, sampler_init(Greedy(), 6), Greedy(), stats_method="one")
+    with pytest.raises(ValueError, match="top-p method"):
+        sample(jax.random.key(0), z, sampler_init(Greedy(), 6), Greedy(), top_p_method="heap")
+
+
 # ----------------------------------------------------------------------------- entropy
 
 
@@ -312,17 +361,35 @@ def _cases(rng, n):
         yield probs, top_p.astype(np.float32)
 
 
+def _covered(probs, top_p):
+    """Which rows the "topk" method decides from its 16 candidates (the rest take "radix")."""
+    return np.asarray(_covered_jit(jnp.asarray(probs), jnp.asarray(top_p)))
+
+
+_covered_jit = jax.jit(lambda probs, top_p: sampling._top_p_candidates(probs, top_p)[3])
+
+
 def test_top_p_methods_equal_definition_including_ties():
+    # 120 cases of 3 rows; rows are independent, so the cases of one width run as one batch
     rng = np.random.default_rng(0)
     fn = jax.jit(top_p_mask, static_argnames="method")
+    groups = collections.defaultdict(list)
     for probs, top_p in _cases(rng, 120):
+        groups[probs.shape[1]].append((probs, top_p))
+    for v, cases in groups.items():
+        probs = np.concatenate([c[0] for c in cases])
+        top_p = np.concatenate([c[1] for c in cases])
         want = _top_p_numpy(probs, top_p)
-        for method in ("sort", "radix"):
+        for method in sampling.TOP_P_METHODS:
             got = np.asarray(fn(jnp.asarray(probs), jnp.asarray(top_p), method=method))
-            assert (got == want).all(), (method, probs, top_p)
+            bad = np.flatnonzero((got != want).any(-1))
+            assert bad.size == 0, (method, v, probs[bad[:1]], top_p[bad[:1]])
+        if v > sampling._TOPK_FAST:  # both "topk" paths ran on rows wider than its candidates
+            n_covered = int(_covered(probs, top_p).sum())
+            assert 0.2 * len(probs) < n_covered < 0.8 * len(probs), (v, n_covered, len(probs))
     # a tie group cut in the middle: 4 x 0.25 at top_p 0.5 keeps the two highest ids (vLLM
     # stable ascending sort drops the lower ids first)
-    for method in ("sort", "radix"):
+    for method in sampling.TOP_P_METHODS:
         got = top_p_mask(jnp.full((1, 4), 0.25), 0.5, method)
         assert np.asarray(got).tolist() == [[False, False, True, True]]
         got = top_p_mask(jnp.array([[0.1, 0.6, 0.3]]), 0.5, method)  # only the top token
@@ -348,16 +415,146 @@ def test_top_p_matches_float64_vllm_definition():
             assert (np.asarray(got)[0] == want[b]).all()
 
 
-def test_top_p_radix_equals_sort_at_full_vocab():
+def test_top_p_methods_equal_sort_at_full_vocab():
     v = 151936
-    z = jax.random.normal(jax.random.key(0), (2, v)) * jnp.array([[3.0], [0.5]])
+    z = jax.random.normal(jax.random.key(0), (3, v)) * jnp.array([[3.0], [0.5], [1.0]])
+    z = z.at[2, :5].set(jnp.array([14.0, 13.8, 13.8, 13.5, 13.0]))  # a peaked row
     probs = jax.nn.softmax(z / 0.6, axis=-1)
     fn = jax.jit(top_p_mask, static_argnames="method")
     for tp in (0.95, 0.5):
-        a = fn(probs, tp, method="radix")
-        b = fn(probs, tp, method="sort")
-        assert bool(jnp.all(a == b))
-        assert 1 < int(a[0].sum()) < v
+        want = fn(probs, tp, method="sort")
+        for method in ("radix", "topk"):
+            assert bool(jnp.all(fn(probs, tp, method=method) == want)), (method, tp)
+        assert 1 < int(want[0].sum()) < v
+        assert 1 < int(want[2].sum()) <= sampling._TOPK_FAST
+        # the flat row's nucleus passes the 16 candidates, the peaked row's does not
+        assert _covered(probs, jnp.full((3,), tp))[1:].tolist() == [False, True]
+
+
+def test_kth_largest_rounds_of_16():
+    rng = np.random.default_rng(5)
+    fn = jax.jit(sampling._kth_largest, static_argnums=1)
+    for v in (40, 300):
+        z = rng.integers(-4, 4, size=(6, v)).astype(np.float32)  # large tie groups
+        z[1] = rng.normal(size=v)
+        z[2, : v // 2] = -np.inf
+        z[3] = 0.0
+        z[4, :-17] = -np.inf  # exactly 17 finite entries
+        for k in (16, 17, 20, 33, v):
+            want = -np.sort(-z, axis=-1)[:, k - 1]
+            np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(z), k)), want, err_msg=f"{k}")
+
+
+def _chi2_pvalue(stat: float, df: int) -> float:
+    """P(chi2_df >= stat): 1 - the regularised lower incomplete gamma P(df/2, stat/2) (series)."""
+    a, x = df / 2.0, stat / 2.0
+    term = total = 1.0 / a
+    n = 0
+    while term > 1e-17 * total:
+        n += 1
+        term *= x / (a + n)
+        total += term
+    return max(0.0, 1.0 - math.exp(a * math.log(x) - x - math.lgamma(a)) * total) if x > 0 else 1.0
+
+
+def _assert_draws_match(tokens, want, label):
+    """Chi-square goodness of fit of the drawn ids to the exact distribution `want` [V]."""
+    n = tokens.size
+    counts = np.bincount(tokens, minlength=want.size)
+    assert counts[want == 0].sum() == 0, f"{label}: drew ids outside the nucleus"
+    expected = want * n
+    big = expected >= 5  # pool the rare ids into one bin so that every bin expects >= 5
+    obs = np.append(counts[big], counts[~big & (want > 0)].sum())
+    exp = np.append(expected[big], expected[~big & (want > 0)].sum())
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    if exp.size < 2:
+        assert counts[want > 0].sum() == n
+        return
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    p = _chi2_pvalue(stat, exp.size - 1)
+    assert p > 1e-4, f"{label}: chi2 {stat:.1f} on {exp.size - 1} dof, p = {p:.2e}"
+
+
+def test_chi2_pvalue_helper():
+    # known quantiles: chi2_1 >= 3.841 has p 0.05; chi2_10 >= 29.59 has p 0.001
+    assert abs(_chi2_pvalue(3.841, 1) - 0.05) < 1e-3
+    assert abs(_chi2_pvalue(29.59, 10) - 0.001) < 1e-4
+    assert abs(_chi2_pvalue(10.0, 10) - 0.4405) < 1e-3
+
+
+V40 = 40
+
+
+def _dist_logits(case):
+    rng = np.random.default_rng(11)
+    if case == "peaked":  # nucleus inside the 16 candidates ("topk" fast path)
+        return np.concatenate([[6.0, 5.0, 4.5, 4.0, 3.0], rng.normal(size=V40 - 5)]), 0.95
+    if case == "flat":  # 40 equal logits, top_p 0.5: 20 tied tokens kept (radix fallback)
+        return np.zeros(V40), 0.5
+    if case == "ties":  # tie groups with the boundary inside one group, nucleus > 16
+        return np.repeat([2.0, 1.0, 0.0, -1.0], 10), 0.8
+    if case == "top_p_1":
+        return rng.normal(size=V40) * 1.5, 1.0
+    if case == "tiny_top_p":  # only the top token (the higher id of a tie at the top)
+        return np.concatenate([[3.0, 3.0], rng.normal(size=V40 - 2)]), 1e-3
+    raise AssertionError(case)
+
+
+def _exact_truncated(z, t, top_p, top_k=0):
+    zt = np.asarray(z, np.float32) / np.float32(t)
+    if top_k:
+        zt = np.where(zt >= np.sort(zt)[::-1][top_k - 1], zt, -np.inf)
+    p = np.exp(zt.astype(np.float64) - zt.max())
+    p /= p.sum()
+    keep = _top_p_numpy(p[None].astype(np.float32), np.array([top_p], np.float32))[0]
+    want = np.where(keep & (p > 0), p, 0.0)
+    return want / want.sum()
+
+
+_N_DRAWS = 100_000
+
+
+@pytest.mark.parametrize(
+    ("case", "method"),
+    [(c, "topk") for c in ("peaked", "flat", "ties", "top_p_1", "tiny_top_p")]
+    + [("ties", "radix")],
+)
+def test_draws_follow_truncated_softmax(case, method):
+    # 10^5 rows of the same logits, one key each; chi-square against the exact truncated
+    # softmax at p > 1e-4 (a fixed key, so the outcome is deterministic), no id outside it.
+    z, top_p = _dist_logits(case)
+    t = 0.8
+    keys = jax.random.split(jax.random.key(2024), _N_DRAWS)
+    zb = jnp.broadcast_to(jnp.asarray(z, jnp.float32), (_N_DRAWS, V40))
+    run = jax.jit(sample, static_argnames="top_p_method")
+    smp = Temperature(t, top_p=top_p)
+    tok, _, _ = run(keys, zb, sampler_init(smp, _N_DRAWS), smp, top_p_method=method)
+    want = _exact_truncated(z, t, top_p)
+    _assert_draws_match(np.asarray(tok), want, f"{case}/{method}")
+    if method == "topk":  # the case exercises the path its comment names
+        cov = _covered(jax.nn.softmax(zb[:1] / t), jnp.full((1,), top_p, jnp.float32))[0]
+        assert cov == (case in ("peaked", "tiny_top_p")), case
+
+
+def test_draws_top_k_20_and_reset():
+    n, v = _N_DRAWS, 32
+    rng = np.random.default_rng(3)
+    z = (rng.normal(size=v) * 1.2).astype(np.float32)
+    z[[3, 9, 30]] = z.max() + 0.5  # ties among the top
+    keys = jax.random.split(jax.random.key(7), n)
+    zb = jnp.broadcast_to(jnp.asarray(z), (n, v))
+    run = jax.jit(sample)
+    # top_p = 1: the support is exactly the 20 largest (found in two rounds of 16)
+    smp = Temperature(0.7, top_k=20)
+    tok, _, _ = run(keys, zb, sampler_init(smp, n), smp)
+    want = _exact_truncated(z, 0.7, 1.0, top_k=20)
+    assert (want > 0).sum() == 20
+    _assert_draws_match(np.asarray(tok), want, "top_k 20")
+    # ReSET at a response's first token: H >= tau_0 = 0.5 takes T_high
+    cfg = _reset_cfg(v, t_high=1.3, t_low=0.2, tau_0=0.5, top_p=0.95)
+    tok, _, info = run(keys, zb, sampler_init(cfg, n), cfg)
+    assert (np.asarray(info["temperature"]) == np.float32(1.3)).all()
+    _assert_draws_match(np.asarray(tok), _exact_truncated(z, 1.3, 0.95), "reset")
 
 
 # ----------------------------------------------------------------------------- samplers
@@ -485,6 +682,51 @@ def test_sweeps_do_not_retrace():
     for t in (0.5, 0.7):
         step(jax.random.key(0), z, sampler_init(Greedy(), b), Temperature(t, top_p=t))
     assert len(traces) == 2
+
+
+@pytest.mark.parametrize("method", ["topk", "radix"])  # "sort" has no data-dependent path
+def test_methods_do_not_retrace_when_paths_change(method):
+    # V = 40 > 16: the logits below switch rows between the "topk" candidate path and its
+    # fallback; neither that nor new sampler values may retrace, and decode steps reuse the trace
+    traces = []
+
+    @jax.jit
+    def step(key, z, state, sampler):
+        traces.append(1)
+        return sample(key, z, state, sampler, top_p_method=method)
+
+    v, b = 40, 2
+    peaked = jnp.zeros((b, v)).at[:, 3].set(20.0)
+    flat = jnp.zeros((b, v))
+    cfg = _reset_cfg(v)
+    state = sampler_init(cfg, b)
+    for i, z in enumerate([peaked, flat, peaked.at[1].set(0.0)]):
+        cfg = dataclasses.replace(cfg, t_low=0.1 * (i + 1), top_p=0.9 - 0.1 * i)
+        _, state, _ = step(jax.random.fold_in(jax.random.key(0), i), z, state, cfg)
+    assert len(traces) == 1
+    for t in (0.5, 0.7):
+        smp = Temperature(t, top_p=t, top_k=20)
+        step(jax.random.key(0), flat if t == 0.5 else peaked, sampler_init(smp, b), smp)
+    assert len(traces) == 2
+
+
+def test_topk_rows_independent_across_paths():
+    # one row on the 16-candidate path, one on the fallback: each row's token equals the token
+    # it draws alone, whatever the other row needs
+    v = 40
+    # row 0 keeps 4 tied tokens, drawn from its candidates; rows 1 and 2 keep more than 16
+    z = jnp.stack([jnp.zeros(v).at[5:9].set(6.0), jnp.zeros(v), jnp.linspace(0.0, 3.0, v)])
+    probs = jax.nn.softmax(z / 0.8, axis=-1)
+    assert _covered(probs, jnp.full((3,), 0.9, jnp.float32)).tolist() == [True, False, False]
+    run = jax.jit(sample, static_argnames="top_p_method")
+    smp = Temperature(0.8, top_p=0.9)
+    for i in range(6):
+        keys = jax.random.split(jax.random.key(i), 3)
+        tok, _, _ = run(keys, z, sampler_init(smp, 3), smp, top_p_method="topk")
+        for r in range(3):
+            alone, _, _ = run(keys[r : r + 1], z[r : r + 1], sampler_init(smp, 1), smp,
+                              top_p_method="topk")  # fmt: skip
+            assert int(alone[0]) == int(tok[r]), (i, r)
 
 
 # ----------------------------------------------------------------------------- newline masks
