@@ -28,7 +28,7 @@ import numpy as np
 from rejax import sampling
 from rejax.cache import init_cache
 from rejax.config import Config
-from rejax.model import Params
+from rejax.params import Params, random_params
 
 # Command-line quant names -> Config.quant.
 QUANTS = {"bf16": None, "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
@@ -42,14 +42,12 @@ def _gen():
 def _random_params(cfg: Config, quant: str, seed: int) -> Params:
     """Random weights for a config in one quant mode: the one place bench builds weights.
 
-    Uses `rejax.model.init_params` (host-side quantization: fine for the bundled model and
-    small or shrunk presets on CPU); a device-side random builder can replace it here.
+    `rejax.params.random_params` builds them on the device (NVFP4 as random codes and block
+    scales, never through the host quantizer), so full-size presets build in seconds.
     """
-    from rejax.model import init_params
-
     if quant not in QUANTS:
         raise ValueError(f"unknown quant {quant!r}; expected one of {sorted(QUANTS)}")
-    return init_params(dataclasses.replace(cfg, quant=QUANTS[quant]), seed)
+    return random_params(dataclasses.replace(cfg, quant=QUANTS[quant]), seed)
 
 
 def estimate_weight_bytes(cfg: Config, quant: str) -> int:

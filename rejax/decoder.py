@@ -199,6 +199,11 @@ class Model(nn.Module):
         init = {}
 
         def group(name):
+            if self.has_variable("params", name):
+                # applied to given weights: taken as they are (per-row NVFP4 scales, per-shard
+                # input scales and calibration state vary from the init's shapes)
+                return self.get_variable("params", name)
+
             def make(key):
                 if name not in init:
                     init.update(rparams.init_weights(self.cfg, key, self.param_dtype))

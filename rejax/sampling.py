@@ -52,7 +52,8 @@ from jax import lax
 
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
 TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
-TOP_P_METHOD = "topk"  # the default; experiments/bench_sampler.py times every method
+TOP_P_METHOD = "radix"  # the default until the GPU timing of "topk" (its lax.cond reads a
+# predicate on the host every step) decides; experiments/bench_sampler.py times every method
 STATS_METHODS = ("two_pass", "online")  # how `sample` gets max, entropy, denominators
 STATS_METHOD = "two_pass"  # the default, until the GPU timing of "online" decides
 

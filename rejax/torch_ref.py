@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from rejax import params as rparams
+
 E2M1_VALUES = (
     0.0,
     0.5,
@@ -86,6 +88,8 @@ def torch_weights(params) -> dict:
     def convert(node):
         if isinstance(node, dict):
             return {k: convert(v) for k, v in node.items()}
+        if isinstance(node, (tuple, list)):  # float linears: one array per layer
+            return tuple(convert(v) for v in node)
         if isinstance(node, Nvfp4Tensor):
             return {
                 "packed": to_torch(node.packed),
@@ -178,6 +182,25 @@ def _linear(x, p: dict, quant: str | None):
     return y
 
 
+def _shard_linear(x, p: dict, scales, sizes, quant):
+    """A fused NVFP4 linear whose shards carry their own static input scales."""
+    torch = _torch()
+    w = p["weight"]
+    outs, start = [], 0
+    for j, rows in enumerate(sizes):
+        g = w["global_scale"]
+        part = {
+            "packed": w["packed"][start : start + rows],
+            "scales": w["scales"][start : start + rows],
+            "global_scale": g[start : start + rows] if g.ndim else g,
+            "shape": (rows, w["shape"][1]),
+        }
+        outs.append(_linear(x, {"weight": part, "input_scale": scales[j]}, quant))
+        start += rows
+    y = torch.cat(outs, dim=-1)
+    return y + p["bias"].to(x.dtype) if "bias" in p else y
+
+
 def _rms_norm(x, scale, eps: float):
     torch = _torch()
     xf = x.float()
@@ -232,26 +255,48 @@ def forward(params, tokens, weights: dict | None = None):
     x = embedding[tokens]  # [B, T, D]
     positions = torch.arange(t)[None, :].expand(b, t)
     n, kv, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    f = cfg.intermediate_size
+    lw = w["layers"]
+
+    def at(tree, i):
+        """Layer i of a stacked tensor, a per-layer tuple, or a stacked NVFP4 dict."""
+        if isinstance(tree, (tuple, list)):
+            return tree[i]
+        if isinstance(tree, dict) and "packed" in tree:
+            fields = {k: tree[k][i] for k in ("packed", "scales", "global_scale")}
+            return {**fields, "shape": tree["shape"]}
+        return tree[i]
+
+    def lin(x_in, p, i, name):
+        q = {"weight": at(p["weight"], i)}
+        if "bias" in p:
+            q["bias"] = p["bias"][i]
+        if "input_scale" in p:
+            s_in = p["input_scale"][i]
+            if s_in.ndim:  # per-shard input scales: one fake quantization per shard
+                return _shard_linear(x_in, q, s_in, rparams.shards(cfg, name), cfg.quant)
+            q["input_scale"] = s_in
+        return _linear(x_in, q, cfg.quant)
+
     with torch.no_grad():
         for i in range(cfg.num_layers):
-            lw = w[f"layers_{i}"]
-            att = lw["self_attn"]
-            hs = _rms_norm(x, lw["input_layernorm"]["scale"], cfg.rms_norm_eps)
-            q = _linear(hs, att["q_proj"], cfg.quant).reshape(b, t, n, h)
-            k = _linear(hs, att["k_proj"], cfg.quant).reshape(b, t, kv, h)
-            v = _linear(hs, att["v_proj"], cfg.quant).reshape(b, t, kv, h)
+            att, mlp = lw["self_attn"], lw["mlp"]
+            hs = _rms_norm(x, lw["input_layernorm"]["scale"][i], cfg.rms_norm_eps)
+            qkv = lin(hs, att["qkv_proj"], i, "qkv_proj")
+            q = qkv[..., : n * h].reshape(b, t, n, h)
+            k = qkv[..., n * h : (n + kv) * h].reshape(b, t, kv, h)
+            v = qkv[..., (n + kv) * h :].reshape(b, t, kv, h)
             if cfg.arch == "qwen3":
-                q = _rms_norm(q, att["q_norm"]["scale"], cfg.rms_norm_eps)
-                k = _rms_norm(k, att["k_norm"]["scale"], cfg.rms_norm_eps)
+                q = _rms_norm(q, att["q_norm"]["scale"][i], cfg.rms_norm_eps)
+                k = _rms_norm(k, att["k_norm"]["scale"][i], cfg.rms_norm_eps)
             q = _rope(q, positions, cfg.rope_theta)
             k = _rope(k, positions, cfg.rope_theta)
             o = _attention(q, k, v).reshape(b, t, n * h)
-            x = x + _linear(o, att["o_proj"], cfg.quant)
-            hs = _rms_norm(x, lw["post_attention_layernorm"]["scale"], cfg.rms_norm_eps)
-            mlp = lw["mlp"]
-            gate = _linear(hs, mlp["gate_proj"], cfg.quant)
-            up = _linear(hs, mlp["up_proj"], cfg.quant)
-            x = x + _linear(torch.nn.functional.silu(gate) * up, mlp["down_proj"], cfg.quant)
+            x = x + lin(o, att["o_proj"], i, "o_proj")
+            hs = _rms_norm(x, lw["post_attention_layernorm"]["scale"][i], cfg.rms_norm_eps)
+            gate_up = lin(hs, mlp["gate_up_proj"], i, "gate_up_proj")
+            act = torch.nn.functional.silu(gate_up[..., :f]) * gate_up[..., f:]
+            x = x + lin(act, mlp["down_proj"], i, "down_proj")
         x = _rms_norm(x, w["norm"]["scale"], cfg.rms_norm_eps)
         head = embedding if cfg.tie_word_embeddings else w["lm_head"]["weight"]
         return (x @ head.to(x.dtype).T).float()

@@ -812,7 +812,7 @@ def test_quantization_progress_bar(qwen3_dir, monkeypatch, capsys):
 def test_save_init_params_round_trip(tmp_path, quant):
     """Params built by the decoder (`init_params`) save and load back unchanged."""
     from rejax.config import Config
-    from rejax.model import init_params
+    from rejax.params import init_params
 
     cfg = Config(arch="qwen2", attention_bias=True, eos_token_ids=(5, 6), bos_token_id=1)
     cfg = dataclasses.replace(cfg, quant=quant)

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from rejax.config import Config
-from rejax.model import HostTokenizer, init_params
+from rejax.params import HostTokenizer, init_params
 from rejax.sampling import Greedy, ReSET, Temperature, newline_masks, sample, sampler_init
 
 # The module, not the `rejax.generate` function the package exports.

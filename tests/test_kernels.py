@@ -1,4 +1,5 @@
-"""CPU tests of rejax.kernels and cuda_ops: reference dispatch, CUDA lowering, NVRTC, shapes.
+"""CPU tests of the NVFP4 linear (rejax.ops.linear) and cuda_ops: dispatch, CUDA lowering,
+NVRTC, shapes, kernel options.
 
 GEMM letters: M rows of x, N out features, K in features.
 """
@@ -13,9 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ml_dtypes
+
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemv
-from rejax import kernels, nvfp4
+from rejax import nvfp4
+from rejax.ops import _dispatch
+from rejax.ops import linear as kernels
 
 
 def _problem(m, n, k, seed=0, lead=()):
@@ -43,6 +48,24 @@ needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC
 # ----------------------------------------------------------------------------- reference path
 
 
+def _f64(x, w, act, input_scale=None):
+    """float64 product of the same quantized operands (the kernel's and the reference's)."""
+    wd = np.asarray(nvfp4.dequantize(w), np.float64)
+    if act == "w4a4":
+        xd = np.asarray(nvfp4.dequantize(nvfp4.quantize_activation(x, input_scale)), np.float64)
+    else:
+        xd = np.asarray(x, np.float64)
+    return xd @ wd.T
+
+
+def _assert_at_bf16_floor(y, y64):
+    """|y - y64| <= 1.5x the error of y64 merely rounded to bf16 (Frobenius), as on the GPU."""
+    y = np.asarray(y, np.float64).reshape(y64.shape)
+    floor = np.linalg.norm(y64.astype(ml_dtypes.bfloat16).astype(np.float64) - y64)
+    err = np.linalg.norm(y - y64)
+    assert err <= 1.5 * floor + 1e-6 * np.linalg.norm(y64), (err, floor)
+
+
 @pytest.mark.parametrize(
     ("act", "impl", "m"),
     [
@@ -54,12 +77,62 @@ needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC
         ("w4a16", "ref", 8),
     ],
 )
-def test_reference_matches_nvfp4_matmul(act, impl, m):
+def test_linear_matches_float64_of_the_quantized_operands(act, impl, m):
     x, w = _problem(m, 48, 256, seed=m)
     y = kernels.nvfp4_linear(x, w, act=act, impl=impl)
-    want = nvfp4.nvfp4_matmul(x, w, act=act)
     assert y.shape == (m, 48) and y.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(_f32(y), _f32(want))
+    _assert_at_bf16_floor(y, _f64(x, w, act))
+
+
+def test_stacked_weight_with_per_row_scales_reads_its_layer():
+    """A stack of 3 matrices (fused shards with their own global scales: one scale per row),
+    layer selected by a traced index, equals float64 of that layer's matrix."""
+    rng = np.random.default_rng(11)
+    layers = []
+    for i in range(3):
+        parts = [
+            nvfp4.quantize_weight(rng.standard_normal((n, 256)).astype(np.float32) * (i + 1) * s)
+            for n, s in ((32, 1.0), (16, 3.0))
+        ]
+        layers.append(nvfp4.concat_rows(parts))
+    stack = nvfp4.stack(layers)
+    assert stack.per_row and stack.global_scale.shape == (3, 48)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    for act in ("w4a4", "w4a16"):
+        f = jax.jit(lambda x, i, act=act: kernels.nvfp4_linear(x, stack, act=act, layer=i))
+        for i in range(3):
+            _assert_at_bf16_floor(f(x, jnp.int32(i)), _f64(x, layers[i], act))
+    with pytest.raises(ValueError, match="pass layer="):
+        kernels.nvfp4_linear(x, stack)
+    with pytest.raises(ValueError, match="only used with a stacked"):
+        kernels.nvfp4_linear(x, layers[0], layer=0)
+
+
+def test_fused_shards_equal_the_unfused_linears():
+    """q/k/v quantized with their own global scales, fused: each shard's columns equal its own
+    linear bit for bit (same activation codes, same block dots, the shard's own alpha)."""
+    rng = np.random.default_rng(12)
+    parts = [
+        nvfp4.quantize_weight(rng.standard_normal((n, 512)).astype(np.float32) * s)
+        for n, s in ((64, 1.0), (32, 0.2), (32, 5.0))
+    ]
+    fused = nvfp4.concat_rows(parts)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    scale = jnp.float32(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) / (6 * 448))
+    for act, s_in in (("w4a4", scale), ("w4a4", None), ("w4a16", None)):
+        y = _f32(kernels.nvfp4_linear(x, fused, act=act, input_scale=s_in))
+        got = np.split(y, [64, 96], axis=1)
+        for part, g in zip(parts, got, strict=True):
+            want = _f32(kernels.nvfp4_linear(x, part, act=act, input_scale=s_in))
+            np.testing.assert_array_equal(g, want)
+    back = nvfp4.split_rows(fused, (64, 32, 32))
+    for a, b in zip(back, parts, strict=True):
+        assert np.asarray(a.global_scale).shape == ()
+        for field in ("packed", "scales", "global_scale"):
+            np.testing.assert_array_equal(
+                np.asarray(getattr(a, field)).reshape(-1).view(np.uint8),
+                np.asarray(getattr(b, field)).reshape(-1).view(np.uint8),
+            )
 
 
 def test_static_input_scale_and_leading_dims():
@@ -100,19 +173,14 @@ def test_impl_cuda_unsupported_shape_raises(m, k, msg):
 
 
 def test_float32_activations_keep_reference_numerics():
+    """float32 x (not representable in bf16): W4A16 multiplies the float32 values themselves
+    (float64 check on x32, not on its bf16 rounding); W4A4 quantizes them."""
     x, w = _problem(2, 48, 256, seed=4)
     x32 = x.astype(jnp.float32) * 1.001  # not representable in bf16
     for act in ("w4a4", "w4a16"):
-        y = kernels.nvfp4_linear(x32, w, act=act)
-        np.testing.assert_array_equal(_f32(y), _f32(nvfp4.nvfp4_matmul(x32, w, act=act)))
+        _assert_at_bf16_floor(kernels.nvfp4_linear(x32, w, act=act), _f64(x32, w, act))
     with pytest.raises(ValueError, match="reads bfloat16"):
         kernels.nvfp4_linear(x32, w, act="w4a16", impl="cuda")
-
-
-def test_unsupported_shape_auto_uses_reference():
-    x, w = _problem(17, 48, 256)  # M = 17 > 8: reference path
-    y = kernels.nvfp4_linear(x, w)
-    np.testing.assert_array_equal(_f32(y), _f32(nvfp4.nvfp4_matmul(x, w)))
 
 
 def test_bad_inputs_raise():
@@ -134,8 +202,7 @@ def test_bad_inputs_raise():
 # ----------------------------------------------------------------------------- shape plan
 
 
-def test_check_shape_and_plan(monkeypatch):
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
+def test_check_shape_and_plan():
     assert nvfp4_gemv.check_shape("w4a4", 8, 4096, 12288) == (True, "")
     assert not nvfp4_gemv.check_shape("w4a4", 0, 4096, 4096)[0]
     assert "K=4000" in nvfp4_gemv.check_shape("w4a16", 1, 4096, 4000)[1]
@@ -144,7 +211,7 @@ def test_check_shape_and_plan(monkeypatch):
     for act in ("w4a4", "w4a16"):
         for m in range(1, 9):
             for n, k in [(6144, 4096), (4096, 12288), (5120, 25600), (1000, 3584), (8, 256)]:
-                p = nvfp4_gemv.plan(act, m, n, k)
+                p = nvfp4_gemv.plan(act, m, n, k, options=PERSISTENT)
                 assert n % p.rows == 0 and p.rows * m <= 32
                 assert p.grid <= nvfp4_gemv.DEFAULT_SMS and p.grid * p.rows <= n
                 assert p.kparts * p.spp >= -(-k // 1024) > (p.kparts - 1) * p.spp
@@ -157,14 +224,34 @@ def test_check_shape_and_plan(monkeypatch):
                 assert p.ring == (nvfp4_gemv.RING_MAX if m == 8 and fits else 0)
     # act W4A4, M = 8, K = 25600: the staged x leaves no room for a ring
     assert nvfp4_gemv.plan("w4a4", 8, 5120, 25600).ring == 0
-    monkeypatch.setenv("REJAX_GEMV_RING", "3")
-    assert nvfp4_gemv.plan("w4a4", 1, 4096, 12288).ring == 3
+    opts = nvfp4_gemv.GemvOptions(variant="persistent", ring=3)
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 12288, options=opts).ring == 3
 
 
-def test_auto_variant_choice(monkeypatch):
+PERSISTENT = nvfp4_gemv.GemvOptions(variant="persistent")
+STREAM = nvfp4_gemv.GemvOptions(variant="stream")
+
+
+def test_kernel_options_are_arguments_not_environment(monkeypatch):
+    """The plan reads no environment variable (a stale shell variable cannot change a kernel);
+    bad options raise with the field named."""
+    for var in ("REJAX_GEMV_VARIANT", "REJAX_GEMV_ROWS", "REJAX_GEMV_RING", "REJAX_GEMV_THREADS"):
+        monkeypatch.setenv(var, "3" if var != "REJAX_GEMV_VARIANT" else "stream")
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 12288) == nvfp4_gemv.plan(
+        "w4a4", 1, 4096, 12288, options=nvfp4_gemv.DEFAULT_OPTIONS
+    )
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 12288).variant == "persistent"
+    with pytest.raises(nvfp4_gemv.KernelError, match="variant='fastest'"):
+        nvfp4_gemv.GemvOptions(variant="fastest")
+    with pytest.raises(nvfp4_gemv.KernelError, match="rows=-1"):
+        nvfp4_gemv.GemvOptions(rows=-1)
+    with pytest.raises(nvfp4_gemv.KernelError, match="GemvOptions"):
+        nvfp4_gemv.build("w4a4", 1, 64, 256, options={"variant": "stream"})
+
+
+def test_auto_variant_choice():
     """Default plan: the streaming kernel for M <= 2 on layers of <= 16 MiB NVFP4 bytes (where it
     measured faster), else the persistent one."""
-    monkeypatch.delenv(nvfp4_gemv.VARIANT_ENV, raising=False)
     cases = {
         (1, 4096, 4096): "stream",  # 9.4 MB
         (2, 3584, 3584): "stream",
@@ -178,13 +265,11 @@ def test_auto_variant_choice(monkeypatch):
         assert nvfp4_gemv.plan("w4a4", m, n, k).variant == want, (m, n, k)
 
 
-def test_stream_plan(monkeypatch):
+def test_stream_plan():
     """The streaming variant: only where asked and M <= 4; its geometry covers every row and
     chunk, bounds the chunks per lane, and fills the SMs."""
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
-    assert nvfp4_gemv.plan("w4a4", 1, 4096, 4096).variant == "persistent"
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "stream")
-    assert nvfp4_gemv.plan("w4a4", 8, 4096, 4096).variant == "persistent"  # M > 4
+    assert nvfp4_gemv.plan("w4a4", 1, 4096, 4096, options=PERSISTENT).variant == "persistent"
+    assert nvfp4_gemv.plan("w4a4", 8, 4096, 4096, options=STREAM).variant == "persistent"
     for act in ("w4a4", "w4a16"):
         for m in range(1, 5):
             for n, k in [
@@ -196,7 +281,7 @@ def test_stream_plan(monkeypatch):
                 (8, 256),
                 (1, 512),
             ]:
-                p = nvfp4_gemv.plan(act, m, n, k)
+                p = nvfp4_gemv.plan(act, m, n, k, options=STREAM)
                 assert p.variant == "stream" and p.smem == 0 and n % p.rows == 0
                 warps = p.threads // 32
                 assert warps % p.ksplit == 0 and p.threads <= 1024
@@ -205,11 +290,8 @@ def test_stream_plan(monkeypatch):
                 nch = k // 32
                 cps = -(-nch // p.ksplit)
                 assert p.ksplit * cps >= nch and -(-cps // 32) <= 4
-    big = nvfp4_gemv.plan("w4a4", 1, 1024, 4096)  # few rows: K split to fill the SMs
+    big = nvfp4_gemv.plan("w4a4", 1, 1024, 4096, options=STREAM)  # few rows: K split
     assert big.ksplit > 1 and big.grid * big.threads // 32 >= 8 * nvfp4_gemv.DEFAULT_SMS
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "fastest")
-    with pytest.raises(nvfp4_gemv.KernelError, match="REJAX_GEMV_VARIANT"):
-        nvfp4_gemv.plan("w4a4", 1, 4096, 4096)
 
 
 # ----------------------------------------------------------------------------- decode tables
@@ -321,7 +403,7 @@ def stub_compiler(monkeypatch):
     def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append((defines, arch))
         entry = "nvfp4_gemv_w4a4" if defines["ACT_W4A4"] else "nvfp4_gemv_w4a16"
-        nparams = 7 if defines["ACT_W4A4"] else 5
+        nparams = 8 if defines["ACT_W4A4"] else 6
         params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
         return f'.version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }} // "q" a\\b\t\n'
 
@@ -331,7 +413,7 @@ def stub_compiler(monkeypatch):
     nvfp4_gemv._build_cached.cache_clear()
 
 
-@pytest.mark.parametrize(("act", "n_in"), [("w4a4", 6), ("w4a16", 4)])
+@pytest.mark.parametrize(("act", "n_in"), [("w4a4", 7), ("w4a16", 5)])
 def test_cuda_lowering_emits_ptx_custom_call(stub_compiler, act, n_in):
     x, w = _problem(4, 96, 512)
     f = jax.jit(lambda x: kernels.nvfp4_linear(x, w, act=act))
@@ -357,9 +439,9 @@ def test_cuda_lowering_emits_ptx_custom_call(stub_compiler, act, n_in):
 
 def test_cuda_lowering_callback_path(stub_compiler):
     x, w = _problem(2, 64, 256)
-    args = kernels._operands(x, w, "w4a4", None)
+    args = kernels._operands(x, w, "w4a4", None, None)
     f = jax.jit(
-        lambda *a: kernels._gemv_call(a, act="w4a4", n=64, k=256, impl="auto", launch="callback")
+        lambda *a: kernels.gemv_call(a, act="w4a4", n=64, k=256, impl="auto", launch="callback")
     )
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     targets = [c[0] for c in _custom_calls(text)]
@@ -373,15 +455,21 @@ def test_cpu_lowering_never_compiles(stub_compiler):
     assert "custom_call @__gpu" not in text and not stub_compiler
 
 
-def test_large_m_lowers_to_reference_on_cuda(stub_compiler):
+def test_large_m_lowers_to_the_dot_reference_on_cuda(stub_compiler):
+    """M = 16 on CUDA: one dispatch decision (logged once, with the reason), the reference
+    lowered as one tensor-core dot (dot_general on bf16 operands), never the sequential
+    block scan (a while loop) that the CPU reference uses at this M."""
     x, w = _problem(16, 64, 256)
-    text = (
-        jax.jit(lambda x: kernels.nvfp4_linear(x, w))
-        .trace(x)
-        .lower(lowering_platforms=("cuda",))
-        .as_text()
-    )
+    f = jax.jit(lambda x: kernels.nvfp4_linear(x, w))
+    with pytest.warns(UserWarning, match="M=16"):
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.ptx" not in text and not stub_compiler
+    assert "stablehlo.while" not in text and "dot_general" in text and "bf16" in text
+    assert ("nvfp4_linear", "M=16 tokens (the GEMV handles 1..8; larger M is a GEMM)") in (
+        _dispatch.noted()
+    )
+    cpu = jax.jit(lambda x: kernels.nvfp4_linear(x, w)).trace(x).lower().as_text()
+    assert "stablehlo.while" in cpu  # the CPU reference adds blocks in the kernel's order
 
 
 # ----------------------------------------------------------------------------- NVRTC
@@ -392,9 +480,8 @@ def test_large_m_lowers_to_reference_on_cuda(stub_compiler):
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (2, 5120, 25600), (4, 1003, 1280)])
 def test_nvrtc_compiles_stream_variant(tmp_path, monkeypatch, act, m, n, k):
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "stream")
     nvfp4_gemv._build_cached.cache_clear()
-    kernel = nvfp4_gemv.build(act, m, n, k, arch="compute_90")
+    kernel = nvfp4_gemv.build(act, m, n, k, arch="compute_90", options=STREAM)
     assert kernel.plan.variant == "stream"
     assert cbuild.ptx_entries(kernel.ptx) == {kernel.entry: nvfp4_gemv.N_INPUTS[act] + 1}
     assert ".local" not in kernel.ptx  # loads and sums stay in registers
@@ -408,10 +495,9 @@ def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, 
     """The persistent kernel with and without the cp.async ring: no local memory, and the ring
     build copies through cp.async (one commit per slot refill)."""
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
-    monkeypatch.setenv("REJAX_GEMV_RING", ring)
     nvfp4_gemv._build_cached.cache_clear()
-    kernel = nvfp4_gemv.build(act, 3, 1000, 3584, arch="compute_90")
+    opts = nvfp4_gemv.GemvOptions(variant="persistent", ring=int(ring))
+    kernel = nvfp4_gemv.build(act, 3, 1000, 3584, arch="compute_90", options=opts)
     assert kernel.plan.ring == int(ring)
     assert cbuild.ptx_entries(kernel.ptx) == {kernel.entry: nvfp4_gemv.N_INPUTS[act] + 1}
     assert ".local" not in kernel.ptx
@@ -420,78 +506,97 @@ def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, 
     nvfp4_gemv._build_cached.cache_clear()
 
 
-def _ptx_by_env(monkeypatch, var, values, m=1):
-    """PTX of the W4A4 1024 x 4096 kernel at M = m for each value of the environment variable."""
+def _ptx_by_options(values, m=1, **fixed):
+    """PTX of the W4A4 1024 x 4096 kernel at M = m for each GemvOptions(**fixed, **value)."""
     out = {}
-    for v in values:
-        monkeypatch.setenv(var, v)
+    for name, kw in values.items():
         nvfp4_gemv._build_cached.cache_clear()
-        out[v] = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90").ptx
+        opts = nvfp4_gemv.GemvOptions(**fixed, **kw)
+        out[name] = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90", options=opts).ptx
     nvfp4_gemv._build_cached.cache_clear()
     return out
 
 
-@needs_nvrtc
-@pytest.mark.parametrize("m", [1, 8])
-def test_nvrtc_compiles_x_planes_layout(tmp_path, monkeypatch, m):
-    """The experimental two-plane staged-x layout (REJAX_GEMV_XPLANES=1) compiles without local
-    memory and changes the kernel; it is off by default."""
-    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
-    ptx = _ptx_by_env(monkeypatch, "REJAX_GEMV_XPLANES", ("", "1"), m=m)
-    assert ".local" not in ptx[""] and ".local" not in ptx["1"]
-    assert ptx[""] != ptx["1"]
+DIAG = "experiments/kernels/nvfp4_gemv_diag.cu"
 
 
 @needs_nvrtc
-def test_load_only_diagnostic_drops_the_math(tmp_path, monkeypatch):
-    """REJAX_GEMV_DIAG_LOADONLY=1 keeps the loads of the W4A4 persistent kernel and drops every
-    dp4a; unset, the kernel is unchanged."""
+def test_product_kernel_has_no_diagnostics_and_experiments_keep_theirs(tmp_path, monkeypatch):
+    """The diagnostics (wrong numbers on purpose) and the two-plane layout live only in the
+    experiments' copy of the kernel, compiled through GemvOptions(source=...)."""
+    src = cbuild.read_source(nvfp4_gemv.SOURCE)
+    for name in ("DIAG_NODOT", "DIAG_LOADONLY", "XPLANES"):
+        assert name not in src
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
-    ptx = _ptx_by_env(monkeypatch, "REJAX_GEMV_DIAG_LOADONLY", ("", "1"))
-    assert ptx[""].count("dp4a.") > 0 and ptx["1"].count("dp4a.") == 0
-    assert ptx["1"].count("ld.global.nc.L1::no_allocate.v4") == ptx[""].count(
-        "ld.global.nc.L1::no_allocate.v4"
+    ptx = _ptx_by_options(
+        {"prod": {}, "diag": {"source": DIAG}, "loadonly": {"source": DIAG, "defines": (("DIAG_LOADONLY", "1"),)}},
+        variant="persistent",
     )
+    assert ptx["prod"] == ptx["diag"]  # the copy without its switches is the product kernel
+    assert ptx["prod"].count("dp4a.") > 0 and ptx["loadonly"].count("dp4a.") == 0
 
 
 @needs_nvrtc
-def test_source_override_compiles_another_revision(tmp_path, monkeypatch):
-    """REJAX_GEMV_SOURCE compiles the given file instead of cuda_ops/nvfp4_gemv.cu (A/B runs);
-    a missing file is a clear error naming the variable."""
+def test_source_option_compiles_another_revision(tmp_path, monkeypatch):
+    """GemvOptions(source=...) compiles the given file instead of cuda_ops/nvfp4_gemv.cu (A/B
+    runs); a missing file is a clear error naming the option."""
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path / "cache"))
     src = tmp_path / "other.cu"
     src.write_text(
         cbuild.read_source(nvfp4_gemv.SOURCE) + '\nextern "C" __global__ void ab_marker() {}\n'
     )
-    ptx = _ptx_by_env(monkeypatch, nvfp4_gemv.SOURCE_ENV, ("", str(src)))
-    assert "ab_marker" in cbuild.ptx_entries(ptx[str(src)])
-    assert "ab_marker" not in cbuild.ptx_entries(ptx[""])
-    monkeypatch.setenv(nvfp4_gemv.SOURCE_ENV, str(tmp_path / "missing.cu"))
+    ptx = _ptx_by_options({"prod": {}, "alt": {"source": str(src)}})
+    assert "ab_marker" in cbuild.ptx_entries(ptx["alt"])
+    assert "ab_marker" not in cbuild.ptx_entries(ptx["prod"])
     nvfp4_gemv._build_cached.cache_clear()
-    with pytest.raises(nvfp4_gemv.KernelError, match="REJAX_GEMV_SOURCE=.*missing.cu"):
-        nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90")
+    with pytest.raises(nvfp4_gemv.KernelError, match="source=.*missing.cu"):
+        opts = nvfp4_gemv.GemvOptions(source=str(tmp_path / "missing.cu"))
+        nvfp4_gemv.build("w4a4", 1, 1024, 4096, arch="compute_90", options=opts)
     nvfp4_gemv._build_cached.cache_clear()
 
 
 @needs_nvrtc
 def test_signed_weight_decode_halves_the_dp4a(tmp_path, monkeypatch):
     """W4A4 at M > 2 decodes weights to signed int8 by default: half the dp4a of the (pos, neg)
-    decode (REJAX_GEMV_SIGNED=0); at M <= 2 the pair decode stays."""
+    decode (-DSIGNED_W=0); at M <= 2 the pair decode stays."""
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
-    monkeypatch.setenv(nvfp4_gemv.VARIANT_ENV, "persistent")
     counts = {}
     for m in (2, 4):
-        for signed in ("", "0"):
-            monkeypatch.setenv("REJAX_GEMV_SIGNED", signed)
-            nvfp4_gemv._build_cached.cache_clear()
-            ptx = nvfp4_gemv.build("w4a4", m, 1024, 4096, arch="compute_90").ptx
-            counts[m, signed] = ptx.count("dp4a.")
-            assert ".local" not in ptx
-    assert counts[4, ""] * 2 == counts[4, "0"]
-    assert counts[2, ""] == counts[2, "0"]
+        ptx = _ptx_by_options(
+            {"default": {}, "pair": {"defines": (("SIGNED_W", "0"),)}}, m=m, variant="persistent"
+        )
+        for name, text in ptx.items():
+            counts[m, name] = text.count("dp4a.")
+            assert ".local" not in text
+    assert counts[4, "default"] * 2 == counts[4, "pair"]
+    assert counts[2, "default"] == counts[2, "pair"]
+
+
+@needs_nvrtc
+def test_gw_rows_reads_one_global_scale_per_row(tmp_path, monkeypatch):
+    """Per-row weight global scales compile to a different kernel with no local memory."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    for act in ("w4a4", "w4a16"):
+        nvfp4_gemv._build_cached.cache_clear()
+        one = nvfp4_gemv.build(act, 1, 1024, 4096, arch="compute_90").ptx
+        rows = nvfp4_gemv.build(act, 1, 1024, 4096, arch="compute_90", gw_rows=True).ptx
+        assert one != rows and ".local" not in rows
     nvfp4_gemv._build_cached.cache_clear()
+
+
+def test_cache_key_hashes_included_headers(tmp_path):
+    """A kernel source's local headers are hashed into the PTX cache key: editing a header
+    changes the key; a missing header is an error naming it."""
+    (tmp_path / "common.cuh").write_text("#define X 1\n")
+    src = '#include "common.cuh"\n__global__ void k() {}\n'
+    h1 = cbuild.local_headers(src, tmp_path)
+    assert h1 == {"common.cuh": "#define X 1\n"}
+    k1 = cbuild._key(src, h1, {}, "compute_90", (13, 0), ())
+    (tmp_path / "common.cuh").write_text("#define X 2\n")
+    h2 = cbuild.local_headers(src, tmp_path)
+    assert cbuild._key(src, h2, {}, "compute_90", (13, 0), ()) != k1
+    with pytest.raises(cbuild.KernelError, match="missing.cuh"):
+        cbuild.local_headers('#include "missing.cuh"\n', tmp_path)
 
 
 @needs_nvrtc
@@ -539,17 +644,17 @@ def test_launch_probe_runs_eagerly_inside_a_trace(monkeypatch):
     def probe(call):
         seen.append(float(jnp.ones((), jnp.float32) * 2))  # needs a concrete value
 
-    monkeypatch.delenv(kernels.LAUNCH_ENV, raising=False)
-    monkeypatch.setattr(kernels, "_on_cuda", lambda: True)
+    monkeypatch.delenv(_dispatch.LAUNCH_ENV, raising=False)
+    monkeypatch.setattr(_dispatch, "on_cuda", lambda: True)
     monkeypatch.setattr(nvfp4_gemv, "probe_ptx_launch", probe)
-    kernels._probe_launch.cache_clear()
+    _dispatch.default_launch.cache_clear()
     try:
         w = nvfp4.quantize_weight(jnp.ones((64, 256), jnp.bfloat16))
         jax.jit(lambda x: kernels.nvfp4_linear(x, w, act="w4a16"))(jnp.ones((1, 256), jnp.bfloat16))
         assert seen == [2.0]
-        assert kernels.default_launch() == "ptx"
+        assert _dispatch.default_launch() == "ptx"
     finally:
-        kernels._probe_launch.cache_clear()
+        _dispatch.default_launch.cache_clear()
 
 
 # ----------------------------------------------------------------------------- benchmark harness

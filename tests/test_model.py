@@ -8,75 +8,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rejax import params as rparams
 from rejax.cache import init_cache, write_kv
 from rejax.config import Config, from_hf_config
+from rejax.decoder import Model
 from rejax.layers import attention, attention_mask, rms_norm, rope
-from rejax.model import Model, Params, init_params, linear_paths
+from rejax.params import Params, init_params, linear_paths
 
 # The module, not the `rejax.generate` function the package exports.
 gen = importlib.import_module("rejax.generate")
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10_000.0,
-    "initializer_range": 0.2,
-}
 # fp32 HF parity: max |ours - theirs| / max |theirs|.
 LOGITS_RTOL = 1e-4
-
-
-def _hf_model(arch: str, tie: bool = False, seed: int = 0):
-    torch.manual_seed(seed)
-    if arch == "qwen3":
-        config = transformers.Qwen3Config(**TINY, tie_word_embeddings=tie)
-        model = transformers.Qwen3ForCausalLM(config)
-    else:
-        kw = {k: v for k, v in TINY.items() if k != "head_dim"}
-        config = transformers.Qwen2Config(**kw, tie_word_embeddings=tie)
-        model = transformers.Qwen2ForCausalLM(config)
-    model = model.float().eval()
-    # Norm scales and biases start at 1 / 0; randomize them so the parity test sees them.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def _params_from_hf(model) -> Params:
-    """Test-local HF -> rejax name mapping (the library's lives in checkpoint.py)."""
-    cfg = from_hf_config(model.config.to_dict())
-    w: dict = {}
-    for name, t in model.state_dict().items():
-        a = jnp.asarray(t.detach().numpy())
-        parts = name.split(".")
-        if name == "model.embed_tokens.weight":
-            w["embed_tokens"] = {"embedding": a}
-        elif name == "model.norm.weight":
-            w["norm"] = {"scale": a}
-        elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
-                w["lm_head"] = {"weight": a}
-        else:
-            layer = w.setdefault(f"layers_{parts[2]}", {})
-            if parts[3] in ("input_layernorm", "post_attention_layernorm"):
-                layer[parts[3]] = {"scale": a}
-            elif parts[4].endswith("_norm"):
-                layer.setdefault(parts[3], {})[parts[4]] = {"scale": a}
-            else:
-                layer.setdefault(parts[3], {}).setdefault(parts[4], {})[parts[5]] = a
-    return Params(weights=w, cfg=cfg)
 
 
 def _max_rel(a, b) -> float:
@@ -138,15 +82,24 @@ def test_cache_write_places_entries_at_index():
     new = jnp.ones((1, 2, 1, 2))
     k2, _ = write_kv(kc, kc, new, new, jnp.int32(3))
     assert np.asarray(k2)[0, :, 0, 0].tolist() == [0, 0, 0, 1, 1, 0]
+    # the stacked cache [L, B, S, K, H]: only layer 1's slots 3..4 change
+    stacked = jnp.zeros((3, 1, 6, 1, 2))
+    k3, _ = write_kv(stacked, stacked, new, new, jnp.int32(3), layer=jnp.int32(1))
+    k3 = np.asarray(k3)
+    assert k3[1, 0, :, 0, 0].tolist() == [0, 0, 0, 1, 1, 0]
+    assert not k3[0].any() and not k3[2].any()
+    cache = init_cache(Config(num_layers=3), 2, 7)
+    assert cache.k.shape == (3, 2, 7, 2, 16) and cache.v.shape == cache.k.shape
 
 
 # ----------------------------------------------------------------------------- HF parity
 
 
 @pytest.mark.parametrize("arch,tie", [("qwen3", False), ("qwen3", True), ("qwen2", False)])
-def test_logits_match_transformers_fp32(arch, tie):
-    model = _hf_model(arch, tie)
-    params = _params_from_hf(model)
+def test_logits_match_transformers_fp32(hf_tiny, arch, tie):
+    import torch
+
+    model, params = hf_tiny(arch, tie)
     assert params.cfg.arch == arch and params.cfg.tie_word_embeddings == tie
     tokens = np.random.default_rng(0).integers(0, 256, (2, 11))
     with torch.no_grad():
@@ -159,11 +112,12 @@ def test_logits_match_transformers_fp32(arch, tie):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
-def test_greedy_matches_transformers_generate(arch):
+def test_greedy_matches_transformers_generate(hf_tiny, arch):
+    import torch
+
     from rejax.sampling import Greedy
 
-    model = _hf_model(arch)
-    params = _params_from_hf(model)
+    model, params = hf_tiny(arch, False)
     prompts = [[5, 17, 42, 99, 3, 250, 7], [11, 12], [200, 1, 2, 3, 4]]
     out = gen.generate(params, prompts, max_new_tokens=12, sampler=Greedy(), stop=[])
     for i, p in enumerate(prompts):
@@ -256,17 +210,23 @@ def test_init_params_tree_matches_contract():
     w = _init_shapes(cfg)
     assert w["embed_tokens"]["embedding"].shape == (256, 64)
     assert w["lm_head"]["weight"].shape == (256, 64)
-    attn = w["layers_1"]["self_attn"]
-    assert attn["q_proj"]["weight"].shape == (64, 64)  # [N_out, K_in]
-    assert attn["k_proj"]["weight"].shape == (32, 64)
-    assert attn["q_norm"]["scale"].shape == (16,)
-    assert w["layers_0"]["mlp"]["down_proj"]["weight"].shape == (64, 128)
+    attn = w["layers"]["self_attn"]
+    qkv = attn["qkv_proj"]["weight"]  # float: one [N_out, K_in] array per layer
+    assert len(qkv) == 2 and qkv[1].shape == (64 + 2 * 32, 64)
+    assert attn["o_proj"]["weight"][0].shape == (64, 64)
+    assert attn["q_norm"]["scale"].shape == (2, 16)  # stacked [L, H]
+    assert w["layers"]["mlp"]["gate_up_proj"]["weight"][0].shape == (2 * 128, 64)
+    assert w["layers"]["mlp"]["down_proj"]["weight"][0].shape == (64, 128)
+    assert w["layers"]["input_layernorm"]["scale"].shape == (2, 64)
     assert w["embed_tokens"]["embedding"].dtype == jnp.bfloat16
-    assert len(linear_paths(w)) == 14
+    assert len(linear_paths(w)) == 4
     assert "lm_head" not in _init_shapes(Config(tie_word_embeddings=True))
-    w2 = _init_shapes(Config(arch="qwen2", attention_bias=True))["layers_0"]
-    assert w2["self_attn"]["q_proj"]["bias"].shape == (64,)
+    w2 = _init_shapes(Config(arch="qwen2", attention_bias=True))["layers"]
+    assert w2["self_attn"]["qkv_proj"]["bias"].shape == (2, 128)
     assert "bias" not in w2["self_attn"]["o_proj"] and "q_norm" not in w2["self_attn"]
+    # NVFP4: every linear one stacked Nvfp4Tensor
+    wq = init_params(Config(quant="nvfp4"), 0).weights["layers"]["mlp"]["gate_up_proj"]["weight"]
+    assert wq.stack == (2,) and wq.shape == (256, 64) and wq.packed.shape == (2, 256, 32)
 
 
 def test_logits_bad_input():
@@ -305,8 +265,12 @@ def _dequant_twin(calls):
     """nvfp4_linear stand-in: dequantize W (and fake-quantize x for W4A4), then a float dot."""
     from rejax.nvfp4 import dequantize, quantize_activation
 
-    def fake(x, w, *, input_scale=None, act="w4a4", impl="auto"):
+    from rejax.nvfp4 import take
+
+    def fake(x, w, *, input_scale=None, act="w4a4", impl="auto", layer=None):
         calls.append((act, input_scale is not None))
+        if layer is not None:
+            w = take(w, layer)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
         if act == "w4a4":
@@ -335,22 +299,22 @@ def _rel_norm(a, b):
     "quant,calibrated", [("nvfp4", False), ("nvfp4", True), ("nvfp4-w4a16", False)]
 )
 def test_nvfp4_reference_equals_dequantized_twin(monkeypatch, quant, calibrated):
-    import rejax.kernels
-    from rejax.nvfp4 import Nvfp4Tensor, dequantize
+    import rejax.layers
+    from rejax.nvfp4 import Nvfp4Tensor, dequantize, take
 
     cfg = Config(num_layers=1)
     params = init_params(dataclasses.replace(cfg, quant=quant), 5, jnp.float32)
-    w = params.weights["layers_0"]["mlp"]["up_proj"]["weight"]
-    assert isinstance(w, Nvfp4Tensor) and w.shape == (128, 64)
+    w = params.weights["layers"]["mlp"]["gate_up_proj"]["weight"]
+    assert isinstance(w, Nvfp4Tensor) and w.shape == (256, 64) and w.stack == (1,)
     tokens = np.random.default_rng(4).integers(0, 256, (2, 10))
     if calibrated:
         params = gen.calibrate_input_scales(params, [list(tokens[0]), list(tokens[1][:6])])
     ours = _fresh_logits(params, tokens)
     calls = []
-    monkeypatch.setattr(rejax.kernels, "nvfp4_linear", _dequant_twin(calls))
+    monkeypatch.setattr(rejax.layers, "nvfp4_linear", _dequant_twin(calls))
     twin = _fresh_logits(params, tokens)
     act = "w4a4" if quant == "nvfp4" else "w4a16"
-    assert calls == [(act, calibrated)] * 7  # every decoder linear, with its input_scale
+    assert calls == [(act, calibrated)] * 4  # every (fused) decoder linear, with its input_scale
     rel = _rel_norm(ours, twin)
     assert rel <= NVFP4_TWIN_RTOL, f"{quant} calibrated={calibrated}: {rel:.2e}"
     # The quantization is real: the float model with the original weights is much further off.
@@ -358,28 +322,31 @@ def test_nvfp4_reference_equals_dequantized_twin(monkeypatch, quant, calibrated)
     assert _rel_norm(_fresh_logits(float_params, tokens), twin) > 5 * max(rel, 1e-3)
     if quant == "nvfp4-w4a16":
         # W4A16 = the bf16/float model on dequantized weights (activations unquantized).
-        from rejax.model import map_linears
+        from rejax.params import map_linears
 
-        dq = map_linears(params.weights, lambda _, p: {**p, "weight": dequantize(p["weight"])})
+        def deq(_, p):
+            w = p["weight"]
+            return {**p, "weight": tuple(dequantize(take(w, i)) for i in range(w.stack[0]))}
+
+        dq = map_linears(params.weights, deq)
         plain = Params(weights=dq, cfg=cfg)
         assert _rel_norm(_fresh_logits(plain, tokens), twin) <= BF16_ROUNDING_RTOL
 
 
 def test_calibrate_input_scales_sets_amax_over_6x448():
-    params = init_params(Config(quant="nvfp4", num_layers=1), 6, jnp.float32)
+    params = init_params(Config(quant="nvfp4", num_layers=2), 6, jnp.float32)
     texts = [[1, 2, 3, 4], [200, 201, 7, 9]]
     cal = gen.calibrate_input_scales(params, texts)
-    for layer, block, name in linear_paths(cal.weights):
-        s = cal.weights[layer][block][name]["input_scale"]
-        assert s.shape == () and s.dtype == jnp.float32 and float(s) > 0
-    # q/k/v_proj of layer 0 see rms_norm(embedding); their scale is that amax / (6 * 448).
+    for block, name in linear_paths(cal.weights):
+        s = cal.weights["layers"][block][name]["input_scale"]
+        assert s.shape == (2,) and s.dtype == jnp.float32 and bool((s > 0).all())
+    # the fused qkv_proj of layer 0 sees rms_norm(embedding): its scale is that amax / (6 * 448)
     emb = params.weights["embed_tokens"]["embedding"]
-    scale = params.weights["layers_0"]["input_layernorm"]["scale"]
+    scale = params.weights["layers"]["input_layernorm"]["scale"][0]
     amax = max(float(jnp.abs(rms_norm(emb[jnp.array(t)], scale, 1e-6)).max()) for t in texts)
-    attn = cal.weights["layers_0"]["self_attn"]
-    for name in ("q_proj", "k_proj", "v_proj"):
-        np.testing.assert_allclose(float(attn[name]["input_scale"]), amax / 2688, rtol=1e-6)
-    assert "input_scale" not in params.weights["layers_0"]["self_attn"]["q_proj"]  # not mutated
+    attn = cal.weights["layers"]["self_attn"]
+    np.testing.assert_allclose(float(attn["qkv_proj"]["input_scale"][0]), amax / 2688, rtol=1e-6)
+    assert "input_scale" not in params.weights["layers"]["self_attn"]["qkv_proj"]  # not mutated
     with pytest.raises(ValueError, match="nvfp4"):
         gen.calibrate_input_scales(
             dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, quant=None)), texts

@@ -28,7 +28,7 @@ TINY = {
 
 def _random_params(arch: str, tied: bool, dtype=jnp.float32, seed=0):
     """init_params with every leaf (norm scales and biases too) replaced by random values."""
-    from rejax.model import init_params
+    from rejax.params import init_params
 
     cfg = Config(arch=arch, tie_word_embeddings=tied, attention_bias=arch == "qwen2", **TINY)
     params = init_params(cfg, 0, dtype=dtype)
@@ -45,12 +45,13 @@ def _random_params(arch: str, tied: bool, dtype=jnp.float32, seed=0):
 
 
 def _quantized(params, quant: str, input_scale=None):
-    from rejax.model import map_linears
+    from rejax.params import map_linears, quantize_stack, shards
 
-    def q(_, p):
-        out = dict(p, weight=quantize_weight(p["weight"].astype(jnp.bfloat16)))
+    def q(path, p):
+        w16 = [a.astype(jnp.bfloat16) for a in p["weight"]]
+        out = dict(p, weight=quantize_stack(w16, shards(params.cfg, path[1])))
         if input_scale is not None:
-            out["input_scale"] = jnp.asarray(input_scale, jnp.float32)
+            out["input_scale"] = jnp.full((params.cfg.num_layers,), input_scale, jnp.float32)
         return out
 
     cfg = dataclasses.replace(params.cfg, quant=quant)
