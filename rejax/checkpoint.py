@@ -624,6 +624,13 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
             if f"{lin.hf}.weight" not in source:
                 raise ValueError(f"checkpoint is missing tensor {lin.hf + '.weight'!r}")
             kinds[lin.hf] = _excluded(lin.hf, qinfo.exclude)
+            quant_names = [f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")]
+            present = [n for n in quant_names if n in source]
+            if kinds[lin.hf] and present:
+                raise ValueError(
+                    f"{source.file(present[0])}: {lin.hf} matches exclude_modules "
+                    f"{list(qinfo.exclude)} but has quantization tensor {present[0]!r}"
+                )
         if len(set(kinds.values())) > 1:
             floats = sorted(k for k, v in kinds.items() if v)
             quant = sorted(k for k, v in kinds.items() if not v)
@@ -641,16 +648,11 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
                 w_name = f"{lin.hf}.weight"
                 names = {k: f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")}
                 if excluded:
-                    present = [n for n in names.values() if n in source]
-                    if present:
-                        raise ValueError(
-                            f"{source.file(present[0])}: {lin.hf} matches exclude_modules "
-                            f"{list(qinfo.exclude)} but has quantization tensor {present[0]!r}"
-                        )
                     parts.append(np.asarray(jnp.asarray(source.get(w_name, lin.shape, _FLOAT_TAGS)).astype(dtype)))
                     used.add(w_name)
                 else:
                     entry = _nvfp4_entry(source, lin, names, qinfo, cfg)
+                    used.add(w_name)
                     used.update(n for n in names.values() if n in source)
                     parts.append(entry["weight"])
                     if "input_scale" in entry:

@@ -118,22 +118,73 @@ def _edit_json(path, fn):
     path.write_text(json.dumps(value))
 
 
-def _rejax_path(hf_name: str) -> tuple[str, ...]:
-    """Independent restatement of the CONTRACTS.md name table (test oracle)."""
-    parts = hf_name.split(".")
+_FUSED = {  # HF linear -> (rejax fused linear, shard index); an independent restatement
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "o_proj": ("o_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+
+
+def _rows(cfg, fused: str, shard: int) -> slice:
+    """Rows of shard `shard` in the fused linear (q, k, v rows; gate, up rows)."""
+    qh, kvh, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    sizes = {"qkv_proj": (qh, kvh, kvh), "gate_up_proj": (f, f)}.get(fused, (None,))
+    start = sum(sizes[:shard]) if shard else 0
+    return slice(start, None if sizes[shard] is None else start + sizes[shard])
+
+
+def _entry(params, prefix: str) -> dict:
+    """The rejax view of one HF linear `prefix` (e.g. "model.layers.1.mlp.down_proj"): its
+    weight (float array, or an Nvfp4Tensor of just its rows), bias and input_scale."""
+    parts = prefix.split(".")
+    layer, block, name = int(parts[2]), parts[3], parts[4]
+    fused, shard = _FUSED[name]
+    stacked = params.weights["layers"][block][fused]
+    rows = _rows(params.cfg, fused, shard)
+    out = {}
+    w = stacked["weight"]
+    if isinstance(w, Nvfp4Tensor):
+        g = _np(w.global_scale)[layer]
+        g = g[rows] if g.ndim else g
+        if g.ndim and np.all(g == g[0]):
+            g = g[0]
+        packed = _np(w.packed)[layer][rows]
+        out["weight"] = Nvfp4Tensor(
+            packed=packed,
+            scales=_np(w.scales)[layer][rows],
+            global_scale=np.asarray(g, np.float32),
+            shape=(packed.shape[0], w.shape[1]),
+        )
+    else:
+        out["weight"] = _np(w[layer])[rows]
+    if "bias" in stacked:
+        out["bias"] = _np(stacked["bias"])[layer][rows]
+    if "input_scale" in stacked:
+        s = _np(stacked["input_scale"])[layer]
+        out["input_scale"] = s[shard] if s.ndim else s
+    return out
+
+
+def _hf_view(params, hf_name: str):
+    """The rejax array holding HF tensor `hf_name` (test oracle of the name map and layout)."""
+    w = params.weights
     if hf_name == "model.embed_tokens.weight":
-        return ("embed_tokens", "embedding")
+        return w["embed_tokens"]["embedding"]
     if hf_name == "model.norm.weight":
-        return ("norm", "scale")
+        return w["norm"]["scale"]
     if hf_name == "lm_head.weight":
-        return ("lm_head", "weight")
-    layer = f"layers_{parts[2]}"
-    rest = parts[3:]
+        return w["lm_head"]["weight"]
+    parts = hf_name.split(".")
+    layer, rest = int(parts[2]), parts[3:]
     if rest[0] in ("input_layernorm", "post_attention_layernorm"):
-        return (layer, rest[0], "scale")
+        return _np(w["layers"][rest[0]]["scale"])[layer]
     if rest[1] in ("q_norm", "k_norm"):
-        return (layer, "self_attn", rest[1], "scale")
-    return (layer, rest[0], rest[1], rest[2])
+        return _np(w["layers"]["self_attn"][rest[1]]["scale"])[layer]
+    return _entry(params, ".".join(parts[:5]))[rest[2]]
 
 
 def _leaf(weights, path):
@@ -172,21 +223,22 @@ def test_load_matches_torch_state_dict(tmp_path, arch, tied, shard):
     assert cfg.attention_bias == (arch == "qwen2")
     expected = {k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}
     for name, tensor in expected.items():
-        leaf = _leaf(params.weights, _rejax_path(name))
+        leaf = _hf_view(params, name)
         assert leaf.dtype == jnp.float32, name
         np.testing.assert_array_equal(_np(leaf), tensor.numpy(), err_msg=name)
-    # Nothing more than the checkpoint's tensors.
+    # Nothing more than the checkpoint's tensors: every element is one of theirs.
     import jax
 
-    assert len(jax.tree_util.tree_leaves(params.weights)) == len(expected)
+    total = sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(params.weights))
+    assert total == sum(int(t.numel()) for t in expected.values())
     assert ("lm_head" in params.weights) == (not tied)
 
 
 def test_load_default_dtype_is_bf16(qwen3_dir):
     directory, state = qwen3_dir
     params = load(directory)
-    leaf = params.weights["layers_1"]["mlp"]["down_proj"]["weight"]
-    assert leaf.dtype == jnp.bfloat16
+    leaf = _entry(params, "model.layers.1.mlp.down_proj")["weight"]
+    assert leaf.dtype == ml_dtypes.bfloat16
     ref = state["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16).float().numpy()
     np.testing.assert_array_equal(_np(leaf).astype(np.float32), ref)
 
@@ -196,7 +248,7 @@ def test_bf16_checkpoint_loads_bit_exact(tmp_path):
     model.save_pretrained(tmp_path, safe_serialization=True)
     params = load(tmp_path)  # bf16 -> bf16: no rounding at all
     for name, tensor in model.state_dict().items():
-        leaf = _np(_leaf(params.weights, _rejax_path(name)))
+        leaf = _np(_hf_view(params, name))
         assert leaf.dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(
             leaf.view(np.uint16), tensor.view(torch.int16).numpy().view(np.uint16)
@@ -243,7 +295,7 @@ def test_quant_nvfp4_quantizes_every_linear(qwen3_dir, caplog):
         for block, name in [("self_attn", n) for n in LINEARS[:4]] + [
             ("mlp", n) for n in LINEARS[4:]
         ]:
-            entry = params.weights[f"layers_{i}"][block][name]
+            entry = _entry(params, f"model.layers.{i}.{block}.{name}")
             assert set(entry) == {"weight"}, (i, name)  # W4A4 dynamic: no input_scale
             w = entry["weight"]
             assert isinstance(w, Nvfp4Tensor)
@@ -258,7 +310,7 @@ def test_quant_nvfp4_quantizes_every_linear(qwen3_dir, caplog):
     # Embedding, norms and lm_head stay float (bf16).
     assert params.weights["embed_tokens"]["embedding"].dtype == jnp.bfloat16
     assert params.weights["lm_head"]["weight"].dtype == jnp.bfloat16
-    assert params.weights["layers_0"]["self_attn"]["q_norm"]["scale"].dtype == jnp.bfloat16
+    assert params.weights["layers"]["self_attn"]["q_norm"]["scale"].dtype == jnp.bfloat16
 
 
 def test_quant_w4a16_same_weights_no_notice(qwen2_dir, caplog):
@@ -267,7 +319,7 @@ def test_quant_w4a16_same_weights_no_notice(qwen2_dir, caplog):
         params = load(directory, quant="nvfp4-w4a16")
     assert not caplog.records
     assert params.cfg.quant == "nvfp4-w4a16"
-    entry = params.weights["layers_0"]["self_attn"]["k_proj"]
+    entry = _entry(params, "model.layers.0.self_attn.k_proj")
     assert set(entry) == {"weight", "bias"}  # qwen2 bias stays float
     ref = quantize_weight(
         jnp.asarray(state["model.layers.0.self_attn.k_proj.weight"].numpy()).astype(jnp.bfloat16)
@@ -353,7 +405,7 @@ def test_modelopt_checkpoint_bytes_untouched(modelopt_dir):
     assert params.cfg.quant == "nvfp4"
     assert len(qtensors) == 14
     for prefix, (qt, scale, scale_2) in qtensors.items():
-        entry = _leaf(params.weights, _rejax_path(prefix + ".weight")[:-1])
+        entry = _entry(params, prefix)
         assert set(entry) == {"weight", "input_scale"}
         w = entry["weight"]
         np.testing.assert_array_equal(_np(w.packed), written[prefix + ".weight"].numpy())
@@ -378,40 +430,48 @@ def test_modelopt_matches_quantize_on_load(modelopt_dir, qwen3_dir):
     directory, _, _ = modelopt_dir
     a = load(directory)
     b = load(qwen3_dir[0], quant="nvfp4")
-    wa = a.weights["layers_1"]["mlp"]["gate_proj"]["weight"]
-    wb = b.weights["layers_1"]["mlp"]["gate_proj"]["weight"]
+    wa = _entry(a, "model.layers.1.mlp.gate_proj")["weight"]
+    wb = _entry(b, "model.layers.1.mlp.gate_proj")["weight"]
     np.testing.assert_array_equal(_np(wa.packed), _np(wb.packed))
     np.testing.assert_array_equal(_np(wa.scales).view(np.uint8), _np(wb.scales).view(np.uint8))
 
 
 def test_modelopt_scalar_shape_1_and_exclude_patterns(qwen3_dir, tmp_path):
+    """Scalars stored as [1]; an exclude pattern that keeps one linear kind float in every layer
+    (here every layer's MLP) loads those stacks float; a pattern that splits a stack (one
+    layer's MLP float, the other's NVFP4) is refused with the modules named."""
     src, state = qwen3_dir
     written, _ = _write_modelopt(
-        tmp_path / "m", src, exclude=("lm_head", "model.layers.1.mlp*"), scalar_shape=(1,)
+        tmp_path / "m", src, exclude=("lm_head", "model.layers.0.mlp", "model.layers.1.mlp"),
+        scalar_shape=(1,),
     )
-    assert written["model.layers.0.mlp.up_proj.weight_scale_2"].shape == (1,)
+    assert written["model.layers.0.self_attn.o_proj.weight_scale_2"].shape == (1,)
     params = load(tmp_path / "m")
-    assert _np(params.weights["layers_0"]["mlp"]["up_proj"]["weight"].global_scale).shape == ()
-    assert _np(params.weights["layers_0"]["mlp"]["up_proj"]["input_scale"]).shape == ()
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        entry = params.weights["layers_1"]["mlp"][name]
-        assert set(entry) == {"weight"} and not isinstance(entry["weight"], Nvfp4Tensor)
-        ref = state[f"model.layers.1.mlp.{name}.weight"].to(torch.bfloat16).float().numpy()
-        np.testing.assert_array_equal(_np(entry["weight"]).astype(np.float32), ref)
-    assert isinstance(params.weights["layers_1"]["self_attn"]["o_proj"]["weight"], Nvfp4Tensor)
+    o = _entry(params, "model.layers.0.self_attn.o_proj")
+    assert _np(o["weight"].global_scale).shape == () and _np(o["input_scale"]).shape == ()
+    for i in range(2):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            entry = _entry(params, f"model.layers.{i}.mlp.{name}")
+            assert set(entry) == {"weight"} and not isinstance(entry["weight"], Nvfp4Tensor)
+            ref = state[f"model.layers.{i}.mlp.{name}.weight"].to(torch.bfloat16).float().numpy()
+            np.testing.assert_array_equal(_np(entry["weight"]).astype(np.float32), ref)
+    assert isinstance(params.weights["layers"]["self_attn"]["o_proj"]["weight"], Nvfp4Tensor)
+    _write_modelopt(tmp_path / "split", src, exclude=("lm_head", "model.layers.1.mlp*"))
+    with pytest.raises(ValueError, match=r"keep \['model\.layers\.1\.mlp\.gate_proj', .*float but"):
+        load(tmp_path / "split")
 
 
 def test_modelopt_w4a16_and_mode_conflicts(modelopt_dir, qwen3_dir, tmp_path, caplog):
     directory, written, _ = modelopt_dir
     # quant="nvfp4" on an NVFP4 (W4A4) checkpoint is the checkpoint's own mode.
     same = load(directory, quant="nvfp4")
-    assert "input_scale" in same.weights["layers_0"]["mlp"]["down_proj"]
+    assert "input_scale" in _entry(same, "model.layers.0.mlp.down_proj")
     # quant="nvfp4-w4a16" keeps the bytes, drops the activation scales, and says so.
     with caplog.at_level(logging.WARNING, logger="rejax.checkpoint"):
         w4a16 = load(directory, quant="nvfp4-w4a16")
     assert any("W4A16" in r.getMessage() for r in caplog.records)
     assert w4a16.cfg.quant == "nvfp4-w4a16"
-    entry = w4a16.weights["layers_0"]["mlp"]["down_proj"]
+    entry = _entry(w4a16, "model.layers.0.mlp.down_proj")
     assert set(entry) == {"weight"}
     np.testing.assert_array_equal(
         _np(entry["weight"].packed), written["model.layers.0.mlp.down_proj.weight"].numpy()
@@ -421,7 +481,8 @@ def test_modelopt_w4a16_and_mode_conflicts(modelopt_dir, qwen3_dir, tmp_path, ca
     assert load(tmp_path / "w").cfg.quant == "nvfp4-w4a16"
     dyn = load(tmp_path / "w", quant="nvfp4")
     assert (
-        dyn.cfg.quant == "nvfp4" and "input_scale" not in dyn.weights["layers_0"]["mlp"]["up_proj"]
+        dyn.cfg.quant == "nvfp4"
+        and "input_scale" not in _entry(dyn, "model.layers.0.mlp.up_proj")
     )
 
 
@@ -530,18 +591,17 @@ def test_round_trip_static_scales_set_after_quantizing(qwen3_dir, tmp_path):
     """A W4A4 model whose input_scales were set (as calibrate_input_scales does) saves them."""
     params = load(qwen3_dir[0], quant="nvfp4")
     weights = params.weights
-    for i in range(2):
-        for block in ("self_attn", "mlp"):
-            for entry in weights[f"layers_{i}"][block].values():
-                if "weight" in entry:
-                    entry["input_scale"] = jnp.asarray(0.01 * (i + 1), jnp.float32)
+    for block in ("self_attn", "mlp"):
+        for entry in weights["layers"][block].values():
+            if "weight" in entry:
+                entry["input_scale"] = jnp.asarray([0.01, 0.02], jnp.float32)  # [L]
     params = dataclasses.replace(params, weights=weights)
     save(params, tmp_path / "a")
     back = load(tmp_path / "a")
     _assert_params_equal(params, back)
     # Partly calibrated params are refused instead of being written inconsistently.
-    del weights["layers_1"]["mlp"]["down_proj"]["input_scale"]
-    with pytest.raises(ValueError, match="layers.1.mlp.down_proj"):
+    del weights["layers"]["mlp"]["down_proj"]["input_scale"]
+    with pytest.raises(ValueError, match="layers.0.mlp.down_proj"):
         save(params, tmp_path / "b")
 
 
