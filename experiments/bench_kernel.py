@@ -54,7 +54,11 @@ _ENV_OPTIONS = {
     "REJAX_GEMV_RING": "ring",
     "REJAX_GEMV_SOURCE": "source",
 }
-_ENV_DEFINES = {"REJAX_GEMV_LDW": "LDW_HINT", "REJAX_GEMV_LDX": "LDX_HINT", "REJAX_GEMV_SIGNED": "SIGNED_W"}
+_ENV_DEFINES = {
+    "REJAX_GEMV_LDW": "LDW_HINT",
+    "REJAX_GEMV_LDX": "LDX_HINT",
+    "REJAX_GEMV_SIGNED": "SIGNED_W",
+}
 LAYER0 = None  # int32 [] zero on the device: the layer operand of an unstacked weight
 
 
@@ -71,7 +75,11 @@ def options_from_env():
         if value:
             kw[field] = value if field in ("variant", "source") else int(value)
     defines = [(d, os.environ[v]) for v, d in _ENV_DEFINES.items() if os.environ.get(v)]
-    for var, define in (("REJAX_GEMV_DIAG_NODOT", "DIAG_NODOT"), ("REJAX_GEMV_DIAG_LOADONLY", "DIAG_LOADONLY"), ("REJAX_GEMV_XPLANES", "XPLANES")):
+    for var, define in (
+        ("REJAX_GEMV_DIAG_NODOT", "DIAG_NODOT"),
+        ("REJAX_GEMV_DIAG_LOADONLY", "DIAG_LOADONLY"),
+        ("REJAX_GEMV_XPLANES", "XPLANES"),
+    ):
         if os.environ.get(var):
             defines.append((define, os.environ[var]))
             kw.setdefault("source", "experiments/kernels/nvfp4_gemv_diag.cu")
@@ -405,7 +413,6 @@ def chain_overhead(n_calls=100):
 
     from cuda_ops.build import compile_ptx
     from rejax import nvfp4
-    from rejax.ops import _dispatch
     from rejax.ops import linear as kernels
 
     out = {}

@@ -123,7 +123,10 @@ def main(argv=None) -> None:
         "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"]
     )
     parser.add_argument(
-        "--stats", nargs="+", default=list(sampling.STATS_METHODS), choices=sampling.STATS_METHODS,
+        "--stats",
+        nargs="+",
+        default=list(sampling.STATS_METHODS),
+        choices=sampling.STATS_METHODS,
         help="statistics variants; the non-default ones are timed for greedy, temperature + "
         "top-p and ReSET + top-p",
     )

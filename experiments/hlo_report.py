@@ -54,10 +54,12 @@ def compiled_step(cfg: rconfig.Config, batch: int, slots: int):
 
 
 def report(hlo: str, min_bytes: int) -> dict:
-    lines = [ln.strip() for ln in hlo.splitlines() if " = " in ln and not ln.strip().startswith("//")]
+    lines = [
+        ln.strip() for ln in hlo.splitlines() if " = " in ln and not ln.strip().startswith("//")
+    ]
     big = []
     for ln in lines:
-        lhs, _, rhs = ln.partition(" = ")
+        _, _, rhs = ln.partition(" = ")
         head = rhs.split("(")[0].split() if "(" in rhs else []
         op = head[-1] if head else ""
         if op in ("copy", "dynamic-slice", "dynamic-update-slice", "fusion", "custom-call"):

@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from rejax.model import Model, Params, init_params
 
 from rejax.config import Config
 from rejax.data import tasks
-from rejax.model import Model, Params, init_params
 
 # The shipped model. D, F and N*H are multiples of 256 so every decoder linear's input dim
 # suits the CUDA NVFP4 GEMV (K % 256 == 0); V is the tokenizer's size rounded up to 128.
@@ -284,8 +284,9 @@ def export(weights, cfg: Config, tok, out: Path) -> None:
     """Writes the HF Qwen3 checkpoint to `out` with rejax.checkpoint.save (bf16 safetensors,
     config.json, tokenizer.json, tokenizer_config.json with the chat template), then
     generation_config.json (sampling defaults T=0.6, top-p 0.95, no top-k)."""
-    from rejax.checkpoint import save
     from rejax.model import HostTokenizer
+
+    from rejax.checkpoint import save
 
     host = HostTokenizer(
         tok,

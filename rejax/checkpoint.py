@@ -65,9 +65,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from rejax.config import Config, from_hf_config
 from rejax import nvfp4
 from rejax import params as rparams
+from rejax.config import Config, from_hf_config
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.params import HostTokenizer, Params
 
@@ -132,7 +132,9 @@ class _Linear:
     """One HF linear: shard `shard` of layer `layer`'s fused linear `fused` in rejax."""
 
     hf: str  # HF module prefix, e.g. "model.layers.0.self_attn.q_proj"
-    path: tuple[str, ...]  # path of the fused, stacked linear, e.g. ("layers", "self_attn", "qkv_proj")
+    path: tuple[
+        str, ...
+    ]  # path of the fused, stacked linear, e.g. ("layers", "self_attn", "qkv_proj")
     layer: int
     shard: int
     shape: tuple[int, int]  # (N_out, K_in) of this shard, HF layout
@@ -189,7 +191,12 @@ def _plain_tensors(cfg: Config) -> list[tuple[str, tuple[str, ...], tuple[int, .
         if cfg.arch == "qwen3":
             for n in ("q_norm", "k_norm"):
                 out.append(
-                    (f"{p}.self_attn.{n}.weight", ("layers", "self_attn", n, "scale"), (cfg.head_dim,), i)
+                    (
+                        f"{p}.self_attn.{n}.weight",
+                        ("layers", "self_attn", n, "scale"),
+                        (cfg.head_dim,),
+                        i,
+                    )
                 )
     out.append(("model.norm.weight", ("norm", "scale"), (d,), None))
     if not cfg.tie_word_embeddings:
@@ -592,13 +599,19 @@ def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) ->
         for shard_lins in per_layer:
             parts = []
             for lin in shard_lins:
-                w = np.asarray(jnp.asarray(source.get(f"{lin.hf}.weight", lin.shape, _FLOAT_TAGS)).astype(dtype))
+                w = np.asarray(
+                    jnp.asarray(source.get(f"{lin.hf}.weight", lin.shape, _FLOAT_TAGS)).astype(
+                        dtype
+                    )
+                )
                 used.add(f"{lin.hf}.weight")
                 parts.append(nvfp4.quantize_weight(w) if quantize else w)
                 bar.update(1 if quantize else 0)
             layers_w.append(nvfp4.concat_rows(parts) if quantize else np.concatenate(parts))
             if shard_lins[0].bias:
-                bias = [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
+                bias = [
+                    source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins
+                ]
                 used.update(f"{lin.hf}.bias" for lin in shard_lins)
                 layers_b.append(np.concatenate(bias))
         weight = (
@@ -624,7 +637,9 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
             if f"{lin.hf}.weight" not in source:
                 raise ValueError(f"checkpoint is missing tensor {lin.hf + '.weight'!r}")
             kinds[lin.hf] = _excluded(lin.hf, qinfo.exclude)
-            quant_names = [f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")]
+            quant_names = [
+                f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")
+            ]
             present = [n for n in quant_names if n in source]
             if kinds[lin.hf] and present:
                 raise ValueError(
@@ -646,9 +661,15 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
             parts, inputs = [], []
             for lin in shard_lins:
                 w_name = f"{lin.hf}.weight"
-                names = {k: f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")}
+                names = {
+                    k: f"{lin.hf}.{k}" for k in ("weight_scale", "weight_scale_2", "input_scale")
+                }
                 if excluded:
-                    parts.append(np.asarray(jnp.asarray(source.get(w_name, lin.shape, _FLOAT_TAGS)).astype(dtype)))
+                    parts.append(
+                        np.asarray(
+                            jnp.asarray(source.get(w_name, lin.shape, _FLOAT_TAGS)).astype(dtype)
+                        )
+                    )
                     used.add(w_name)
                 else:
                     entry = _nvfp4_entry(source, lin, names, qinfo, cfg)
@@ -661,7 +682,9 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
             if inputs:
                 layers_in.append(np.asarray(inputs, np.float32))
             if shard_lins[0].bias:
-                bias = [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
+                bias = [
+                    source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins
+                ]
                 used.update(f"{lin.hf}.bias" for lin in shard_lins)
                 layers_b.append(np.concatenate(bias))
         weight = (

@@ -61,7 +61,9 @@ class Config:
         if self.quant not in QUANT_MODES:
             raise ValueError(f"unknown quant {self.quant!r}; expected one of {QUANT_MODES}")
         if self.layer_loop not in LAYER_LOOPS:
-            raise ValueError(f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}")
+            raise ValueError(
+                f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

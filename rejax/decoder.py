@@ -89,7 +89,7 @@ def decoder_layer(
 
 
 def layer_loop(weights: dict, cfg: Config) -> str:
-    """"scan" or "unroll" for these weights (cfg.layer_loop, "auto" resolved).
+    """ "scan" or "unroll" for these weights (cfg.layer_loop, "auto" resolved).
 
     "auto" scans when every decoder linear is NVFP4: its kernel reads the layer stack in place.
     Float linears hold one buffer per layer (a tuple; XLA would copy a slice of a stacked float

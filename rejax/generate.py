@@ -501,9 +501,7 @@ def calibrate_input_scales(
     # NVFP4 weights, bf16 activations while calibrating. One compiled forward per text
     # length (a one-off pass, not part of generation).
     w4a16 = dataclasses.replace(cfg, quant="nvfp4-w4a16")
-    run = jax.jit(
-        lambda w, t, p: forward(w, t, p, None, w4a16, with_amax=True)[2]
-    )
+    run = jax.jit(lambda w, t, p: forward(w, t, p, None, w4a16, with_amax=True)[2])
     amax: dict = {}
     for p in prompts:
         tokens = jnp.asarray([p], jnp.int32)

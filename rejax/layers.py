@@ -119,7 +119,7 @@ def take(a: Any, layer: Any) -> Any:
         return a
     if isinstance(a, (tuple, list)):
         if not isinstance(layer, (int, np.integer)):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 (bad input is a ValueError in rejax)
                 "per-layer weights held as a tuple need a static layer index (an unrolled layer "
                 f"loop), got {type(layer).__name__}"
             )

@@ -488,7 +488,10 @@ def stack(tensors: list[Nvfp4Tensor]) -> Nvfp4Tensor:
         return jnp.stack([jnp.asarray(getattr(t, field)) for t in tensors])
 
     return Nvfp4Tensor(
-        packed=cat("packed"), scales=cat("scales"), global_scale=cat("global_scale"), shape=first.shape
+        packed=cat("packed"),
+        scales=cat("scales"),
+        global_scale=cat("global_scale"),
+        shape=first.shape,
     )
 
 
@@ -518,7 +521,10 @@ def concat_rows(tensors: list[Nvfp4Tensor]) -> Nvfp4Tensor:
         global_scale = jnp.asarray(scalars[0])
     else:
         global_scale = jnp.concatenate(
-            [jnp.broadcast_to(jnp.asarray(g, jnp.float32), (t.rows,)) for g, t in zip(scalars, tensors)]
+            [
+                jnp.broadcast_to(jnp.asarray(g, jnp.float32), (t.rows,))
+                for g, t in zip(scalars, tensors)
+            ]
         )
     return Nvfp4Tensor(
         packed=jnp.concatenate([jnp.asarray(t.packed) for t in tensors]),

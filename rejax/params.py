@@ -43,7 +43,12 @@ from rejax.config import Config
 from rejax.nvfp4 import Nvfp4Tensor
 
 # Fused decoder linears: (block, name) in layer order.
-LINEARS = (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"), ("mlp", "down_proj"))
+LINEARS = (
+    ("self_attn", "qkv_proj"),
+    ("self_attn", "o_proj"),
+    ("mlp", "gate_up_proj"),
+    ("mlp", "down_proj"),
+)
 
 
 def shards(cfg: Config, name: str) -> tuple[int, ...]:

@@ -233,7 +233,7 @@ def _max_argmax(z: jax.Array) -> tuple[jax.Array, jax.Array]:
     # variadic reduction, so the greedy token and the softmax shift share a pass over V.
     def pick(a, b):
         (av, ai), (bv, bi) = a, b
-        a_val = (av > bv) | (av != av)
+        a_val = (av > bv) | jnp.isnan(av)
         a_idx = a_val | ((av == bv) & (ai < bi))
         return jnp.where(a_val, av, bv), jnp.where(a_idx, ai, bi)
 
@@ -267,7 +267,7 @@ def _online_stats(z: jax.Array, inv_ts: tuple[jax.Array, ...]):
 
     def pick(a, c):
         (am, ai, as_, au, *ar), (cm, ci, cs, cu, *cr) = a, c
-        a_val = (am > cm) | (am != am)
+        a_val = (am > cm) | jnp.isnan(am)
         idx = jnp.where(a_val | ((am == cm) & (ai < ci)), ai, ci)
         m = jnp.maximum(am, cm)
         da = jnp.where(as_ > 0, am - m, 0.0)  # finite whenever the part holds any mass

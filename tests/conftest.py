@@ -75,7 +75,9 @@ def _params_from_hf(model) -> Params:
         return [sd[f"model.layers.{i}.{name}"] for i in range(L)]
 
     def fused(names, suffix="weight"):
-        return [jnp.concatenate([sd[f"model.layers.{i}.{n}.{suffix}"] for n in names]) for i in range(L)]
+        return [
+            jnp.concatenate([sd[f"model.layers.{i}.{n}.{suffix}"] for n in names]) for i in range(L)
+        ]
 
     qkv = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     attn = {

@@ -131,7 +131,11 @@ _FUSED = {  # HF linear -> (rejax fused linear, shard index); an independent res
 
 def _rows(cfg, fused: str, shard: int) -> slice:
     """Rows of shard `shard` in the fused linear (q, k, v rows; gate, up rows)."""
-    qh, kvh, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    qh, kvh, f = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     sizes = {"qkv_proj": (qh, kvh, kvh), "gate_up_proj": (f, f)}.get(fused, (None,))
     start = sum(sizes[:shard]) if shard else 0
     return slice(start, None if sizes[shard] is None else start + sizes[shard])
@@ -442,7 +446,9 @@ def test_modelopt_scalar_shape_1_and_exclude_patterns(qwen3_dir, tmp_path):
     layer's MLP float, the other's NVFP4) is refused with the modules named."""
     src, state = qwen3_dir
     written, _ = _write_modelopt(
-        tmp_path / "m", src, exclude=("lm_head", "model.layers.0.mlp", "model.layers.1.mlp"),
+        tmp_path / "m",
+        src,
+        exclude=("lm_head", "model.layers.0.mlp", "model.layers.1.mlp"),
         scalar_shape=(1,),
     )
     assert written["model.layers.0.self_attn.o_proj.weight_scale_2"].shape == (1,)
@@ -480,9 +486,8 @@ def test_modelopt_w4a16_and_mode_conflicts(modelopt_dir, qwen3_dir, tmp_path, ca
     _write_modelopt(tmp_path / "w", qwen3_dir[0], algo="W4A16_NVFP4")
     assert load(tmp_path / "w").cfg.quant == "nvfp4-w4a16"
     dyn = load(tmp_path / "w", quant="nvfp4")
-    assert (
-        dyn.cfg.quant == "nvfp4"
-        and "input_scale" not in _entry(dyn, "model.layers.0.mlp.up_proj")
+    assert dyn.cfg.quant == "nvfp4" and "input_scale" not in _entry(
+        dyn, "model.layers.0.mlp.up_proj"
     )
 
 

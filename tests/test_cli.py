@@ -17,6 +17,7 @@ from rejax import cli
 
 REPO = Path(__file__).resolve().parents[1]
 
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cli"))
@@ -424,7 +425,7 @@ def test_generate_reads_stdin_and_streams_through_rejax_generate(monkeypatch, ck
     monkeypatch.setattr(importlib.import_module("rejax.generate"), "generate", _spy(calls))
     with pytest.raises(_Stop):
         cli.main(["generate", "--model", str(ckpt), "--max-new-tokens", "5", "-"])
-    (args, kwargs), = calls
+    ((args, kwargs),) = calls
     assert args[1] == "Evaluate 3 + 4."
     assert callable(kwargs["stream"]) and callable(kwargs["on_token"])
     assert kwargs["max_new_tokens"] == 5
@@ -486,8 +487,8 @@ def test_readme_api_tour_names_resolve():
     readme = (REPO / "README.md").read_text()
     # `rejax.generate` is the function, so `rejax.generate.prefill` is an AttributeError.
     assert "`rejax.generate.prefill`" not in readme
-    assert "from rejax.generate import prefill, decode_step" in readme
-    from rejax.generate import decode_step, prefill
+    assert "`rejax.decode.prefill` and `decode_step`" in readme
+    from rejax.decode import decode_step, prefill
 
     assert callable(prefill) and callable(decode_step)
     assert "from rejax import torch_ref" in readme

@@ -11,10 +11,9 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
-
-import ml_dtypes
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemv
@@ -529,7 +528,11 @@ def test_product_kernel_has_no_diagnostics_and_experiments_keep_theirs(tmp_path,
         assert name not in src
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
     ptx = _ptx_by_options(
-        {"prod": {}, "diag": {"source": DIAG}, "loadonly": {"source": DIAG, "defines": (("DIAG_LOADONLY", "1"),)}},
+        {
+            "prod": {},
+            "diag": {"source": DIAG},
+            "loadonly": {"source": DIAG, "defines": (("DIAG_LOADONLY", "1"),)},
+        },
         variant="persistent",
     )
     assert ptx["prod"] == ptx["diag"]  # the copy without its switches is the product kernel

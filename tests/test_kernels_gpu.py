@@ -26,6 +26,7 @@ def _seed(*parts) -> int:
     """A reproducible seed from the case's parameters (`hash()` of a str changes per process)."""
     return zlib.crc32(repr(parts).encode()) % 2**31
 
+
 HEAD = 128
 MODELS = {  # hidden, intermediate, q heads, kv heads (PAPER.md section 4)
     "Qwen3-8B": (4096, 12288, 32, 8),

@@ -8,9 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rejax import params as rparams
 from rejax.cache import init_cache, write_kv
-from rejax.config import Config, from_hf_config
+from rejax.config import Config
 from rejax.decoder import Model
 from rejax.layers import attention, attention_mask, rms_norm, rope
 from rejax.params import Params, init_params, linear_paths
@@ -263,9 +262,7 @@ BF16_ROUNDING_RTOL = 1e-2
 
 def _dequant_twin(calls):
     """nvfp4_linear stand-in: dequantize W (and fake-quantize x for W4A4), then a float dot."""
-    from rejax.nvfp4 import dequantize, quantize_activation
-
-    from rejax.nvfp4 import take
+    from rejax.nvfp4 import dequantize, quantize_activation, take
 
     def fake(x, w, *, input_scale=None, act="w4a4", impl="auto", layer=None):
         calls.append((act, input_scale is not None))

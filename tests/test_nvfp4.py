@@ -651,7 +651,8 @@ def _bad_inputs():
         (lambda: nvfp4_matmul(x, np.ones((4, 32), np.float32)), "Nvfp4Tensor"),
         (lambda: nvfp4_matmul(x, broken), "packed"),
         (lambda: nvfp4_matmul_q(quantize_activation(np.ones((2, 64), np.float32)), good_w), "K"),
-        (lambda: nvfp4_matmul_q(good_w, quantize_activation(x)), "global_scale"),
+        # a stack of weights is one matrix per call (nvfp4.take picks one)
+        (lambda: nvfp4_matmul_q(quantize_activation(x), nvfp4.stack([good_w, good_w])), "packed"),
         (lambda: dequantize(broken), "packed"),
     ]
 

@@ -107,7 +107,6 @@ def default_launch() -> str:
         return "ptx"
     try:
         from cuda_ops import nvfp4_gemv
-
         from rejax.ops.linear import gemv_call
 
         # The first call usually comes while a jitted function is being traced: evaluate the
