@@ -609,11 +609,7 @@ def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) ->
                 bar.update(1 if quantize else 0)
             layers_w.append(nvfp4.concat_rows(parts) if quantize else np.concatenate(parts))
             if shard_lins[0].bias:
-                bias = [
-                    source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins
-                ]
-                used.update(f"{lin.hf}.bias" for lin in shard_lins)
-                layers_b.append(np.concatenate(bias))
+                layers_b.append(_fused_bias(source, shard_lins, used))
         weight = (
             rparams.stack_layers(layers_w) if quantize else tuple(jnp.asarray(w) for w in layers_w)
         )
@@ -622,6 +618,14 @@ def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) ->
             entry["bias"] = jnp.asarray(np.stack(layers_b)).astype(dtype)
         _set(weights, path, entry)
     bar.close()
+
+
+def _fused_bias(source, shard_lins: list[_Linear], used: set) -> np.ndarray:
+    """One layer's fused bias: the shards' biases concatenated in row order."""
+    used.update(f"{lin.hf}.bias" for lin in shard_lins)
+    return np.concatenate(
+        [source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins]
+    )
 
 
 def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) -> None:
@@ -682,11 +686,7 @@ def _load_nvfp4_linears(source, cfg, qinfo: _QuantInfo, weights, used, dtype) ->
             if inputs:
                 layers_in.append(np.asarray(inputs, np.float32))
             if shard_lins[0].bias:
-                bias = [
-                    source.get(f"{lin.hf}.bias", lin.shape[:1], _FLOAT_TAGS) for lin in shard_lins
-                ]
-                used.update(f"{lin.hf}.bias" for lin in shard_lins)
-                layers_b.append(np.concatenate(bias))
+                layers_b.append(_fused_bias(source, shard_lins, used))
         weight = (
             tuple(jnp.asarray(w) for w in layers_w) if excluded else rparams.stack_layers(layers_w)
         )
