@@ -1,4 +1,4 @@
-"""Linear-layer shapes (N out, K in) of the models the paper evaluates (PAPER.md section 4).
+"""Linear-layer shapes (N out, K in) of the models the paper evaluates (the paper's models).
 
 qkv is the fused q/k/v projection, N = (q heads + 2 kv heads) * 128; gate/up is one of the two
 (unfused) projections; down maps the FFN back to the hidden size. GEMM letters: N, K.

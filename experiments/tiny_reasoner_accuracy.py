@@ -2,7 +2,7 @@
 plus the paper's observation statistics (claim (i): low-entropy tokens sampled off the BF16
 argmax).
 
-Protocol (PAPER.md §1.7, §5, scaled to the tiny task):
+Protocol (the paper's recipe, §5, scaled to the tiny task):
   1. tau0: `rejax.evaluate.calibrate_tau0` on the NVFP4 model, the first `--calib-problems`
      validation problems, T = 0.6 (the raw full-vocabulary entropy ReSET thresholds); the BF16
      model on the same problems for the comparison plot.

@@ -76,7 +76,7 @@ class Config:
         return self.num_heads // self.num_kv_heads
 
 
-# Presets with the real layer shapes (PAPER.md §4); weights are random in benchmarks.
+# Presets with the real layer shapes (the paper's models); weights are random in benchmarks.
 QWEN3_8B = Config(
     arch="qwen3",
     vocab_size=151936,

@@ -29,13 +29,13 @@ from pathlib import Path
 
 import numpy as np
 
-# Official ReSET defaults (PAPER.md §1.5): T_low 0.3, τ0 0.6349, T_high 1.0, w 32, top-p 0.95.
+# Official ReSET defaults (the official release): T_low 0.3, τ0 0.6349, T_high 1.0, w 32, top-p 0.95.
 DEFAULT_T_LOW = 0.3
 DEFAULT_TAU0 = 0.6349
 DEFAULT_T_HIGH = 1.0
 DEFAULT_TOP_P = 0.95
 DEFAULT_WINDOW = 32
-# The calibration recipe (PAPER.md §1.7): T = 0.6 sampling, 80th percentile of all entropies.
+# The calibration recipe (the paper's recipe): T = 0.6 sampling, 80th percentile of all entropies.
 CALIBRATION_TEMPERATURE = 0.6
 CALIBRATION_PERCENTILE = 80.0
 
@@ -609,7 +609,7 @@ def has_chat_template(params) -> bool:
 
 
 def step_spans(tokens: Sequence[int], nl_mask, dnl_mask) -> list[tuple[int, int]]:
-    """Splits a response into reasoning steps with ReSET's boundary rule (PAPER.md §1.2).
+    """Splits a response into reasoning steps with ReSET's boundary rule (the paper's step rule).
 
     A new step starts at position t iff token t-1 is a double-newline token, or tokens t-1 and
     t-2 are both single-newline tokens; the boundary token belongs to the step it ends.
@@ -933,7 +933,7 @@ def processed_entropy(
 
 
 # ----------------------------------------------------------------------------------------------
-# τ0 calibration (PAPER.md §1.7)
+# τ0 calibration (the paper's recipe)
 
 
 def _generation_setting(params, name, default):

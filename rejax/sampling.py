@@ -5,12 +5,12 @@ pytree, so it runs inside a jitted decode loop with no host synchronisation. Sam
 hyperparameters are traced leaves (sweeps never recompile); only `window`, `include_current` and
 `top_k` are static.
 
-ReSET (PAPER.md §1) picks a per-token temperature from the raw T=1 full-vocabulary entropy H_t:
+ReSET (the ReSET paper) picks a per-token temperature from the raw T=1 full-vocabulary entropy H_t:
 T_t = T_high if H_t >= tau_t else T_low, where tau_t is the step entropy estimate when the
 current reasoning step is more uncertain than the response so far (SAT, Eq. 1) and tau_0
 otherwise; the step entropy estimate is a w-token window mean during a step's first w tokens
 and the in-step mean after that (HSE, Eq. 2). The default follows the official implementation
-("reference semantics", PAPER.md §1.6): the estimates use positions before t only, the first
+("reference semantics", the official implementation's): the estimates use positions before t only, the first
 token of a response uses its own entropy, and the window crosses step boundaries.
 
 Top-p follows vLLM: a token is dropped when the mass of the tokens ranked below it, itself
@@ -127,7 +127,7 @@ class Temperature:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ReSET:
-    """The ReSET temperature policy followed by top-p sampling (PAPER.md §1).
+    """The ReSET temperature policy followed by top-p sampling (the ReSET paper).
 
     Attributes:
       t_high, t_low: temperatures for tokens at / below the threshold (>= 0; <= 1e-6 is greedy).
@@ -175,7 +175,7 @@ Sampler = Greedy | Temperature | ReSET
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplerState:
-    """Per-row running statistics of one response (PAPER.md §1.6), cleared at its start.
+    """Per-row running statistics of one response (the official implementation's reference semantics), cleared at its start.
 
     Attributes:
       ring: f32 [B, w] the last <= w token entropies (crosses step boundaries); unused slots 0.
@@ -349,7 +349,7 @@ def _ring_mean(state: SamplerState) -> jax.Array:
 
 
 def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
-    """Temperature for entropies h [B] and the state with h recorded (PAPER.md §1.6)."""
+    """Temperature for entropies h [B] and the state with h recorded (the official implementation's reference semantics)."""
     b, w = state.ring.shape
     tau_0 = _row_param("ReSET.tau_0", cfg.tau_0, b)
     t_high = _row_param("ReSET.t_high", cfg.t_high, b)
@@ -413,7 +413,7 @@ def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> Sampler
     """Record the tokens just generated; a step boundary clears the in-step sums.
 
     A new step starts after a double-newline token or after two single-newline tokens in a row
-    (PAPER.md §1.2); the boundary token itself belongs to the old step.
+    (the paper's step rule); the boundary token itself belongs to the old step.
 
     Args:
       state: the `SamplerState` after `reset_temperature` for this position.
@@ -444,7 +444,7 @@ def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> Sampler
 
 
 def newline_masks(tokenizer: Any, vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """Boolean masks of the single-newline and double-newline token ids (PAPER.md §1.2).
+    """Boolean masks of the single-newline and double-newline token ids (the paper's step rule).
 
     NL = ids whose single-token decode (special tokens kept) is exactly "\\n"; DNL = ids whose
     decode contains "\\n\\n". Ids the tokenizer does not have (>= its vocabulary size, e.g. the

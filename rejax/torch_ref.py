@@ -3,9 +3,9 @@
 Used to compare frameworks on the same weights: `forward(params, tokens)` runs a small eager
 PyTorch Qwen2/Qwen3 forward over a `Params` pytree (weights moved with DLPack, or through numpy
 for dtypes DLPack does not carry), including NVFP4 linears: W4A16 multiplies by the dequantized
-weight; W4A4 also fake-quantizes the activations with the recipe of PAPER.md §2 (static
+weight; W4A4 also fake-quantizes the activations with the recipe of the paper (static
 `input_scale` when the linear has one, else the per-row dynamic global scale). `TorchReSET`
-re-states the ReSET temperature policy of PAPER.md §1.6 over a batch of rows, so its decisions
+re-states the ReSET temperature policy of the official implementation's reference semantics over a batch of rows, so its decisions
 can be compared with `rejax.sampling` on the same logits.
 
 Numerics follow rejax's float path (HF conventions): RMSNorm normalizes in float32 and casts
@@ -130,7 +130,7 @@ def _e2m1_round(v):
 
 
 def fake_quantize_activation(x, input_scale=None):
-    """NVFP4 quantize-dequantize of activations (PAPER.md §2), float32 out.
+    """NVFP4 quantize-dequantize of activations (the NVFP4 W4A4 recipe of the paper), float32 out.
 
     Per row and 16-block: SF = E4M3_satfinite(amax_blk / 6 / g); x_q = e2m1(x * (1/g) / SF)
     * SF * g, with g = input_scale (static) or amax(|x_row|) / (6 * 448) (dynamic; 1 for a
@@ -322,7 +322,7 @@ def entropy(logits):
 
 
 class TorchReSET:
-    """The ReSET temperature policy (PAPER.md §1.6) for B rows, in PyTorch, float32 state.
+    """The ReSET temperature policy (the official implementation's reference semantics) for B rows, in PyTorch, float32 state.
 
     Call `temperature(logits)` before sampling each position and `observe(tokens)` after;
     `sample(logits, generator)` does both with vLLM top-p. Reference semantics by default;

@@ -28,7 +28,7 @@ def _seed(*parts) -> int:
 
 
 HEAD = 128
-MODELS = {  # hidden, intermediate, q heads, kv heads (PAPER.md section 4)
+MODELS = {  # hidden, intermediate, q heads, kv heads (the paper's models)
     "Qwen3-8B": (4096, 12288, 32, 8),
     "Qwen3-14B": (5120, 17408, 40, 8),
     "Qwen3-32B": (5120, 25600, 64, 8),

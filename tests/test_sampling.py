@@ -1,4 +1,4 @@
-"""Tests for rejax.sampling: ReSET semantics (PAPER.md §1.6), top-p exactness, samplers, masks."""
+"""Tests for rejax.sampling: ReSET semantics (the official implementation's reference semantics), top-p exactness, samplers, masks."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _logits_with_entropy(kind: str) -> np.ndarray:
 
 
 def _ref_policy(entropies, tokens, *, w, tau_0, t_high, t_low, nl, dnl, include_current=False):
-    """The official policy written out plainly (PAPER.md §1.6), float64 and Python lists.
+    """The official policy written out plainly (the official implementation's reference semantics), float64 and Python lists.
 
     Returns (temperatures, ambiguous) per position; `ambiguous` flags decisions whose margin
     (step vs running mean, or entropy vs threshold) is non-zero but < 1e-5, where float32 sums
