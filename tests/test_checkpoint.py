@@ -890,8 +890,9 @@ def test_save_init_params_round_trip(tmp_path, quant):
 @pytest.mark.parametrize("kind", ["bf16", "quantized_on_load", "modelopt"])
 def test_generate_on_loaded_checkpoints(kind, qwen3_dir, modelopt_dir):
     """rejax.load + rejax.generate on each kind of checkpoint the tests write: every row gets
-    its tokens, in the vocabulary, with finite entropies, the same for the same key, and the
-    NVFP4 models' first token is the argmax of `logits` on the prompt (greedy)."""
+    its tokens, in the vocabulary, with finite entropies; sampled rows are the same for the same
+    key and differ for another key; the greedy first token is the argmax of `logits` on the
+    prompt."""
     import rejax
     from rejax.generate import logits
 
@@ -903,13 +904,16 @@ def test_generate_on_loaded_checkpoints(kind, qwen3_dir, modelopt_dir):
         params = load(modelopt_dir[0])
     assert (params.cfg.quant is None) == (kind == "bf16")
     prompts = [[1, 2, 3, 4], [5, 6]]
-    out = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=3)
-    again = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=3)
-    assert out.tokens == again.tokens
+    hot = rejax.Temperature(1.0)
+    out = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=3, sampler=hot)
+    again = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=3, sampler=hot)
+    other = rejax.generate(params, prompts, max_new_tokens=6, stop=[], key=4, sampler=hot)
+    assert out.tokens == again.tokens and out.tokens != other.tokens
     v = params.cfg.vocab_size
     for row, ent in zip(out.tokens, out.entropy):
         assert len(row) == 6 and all(0 <= t < v for t in row)
         assert np.all(np.isfinite(ent))
     assert out.finish_reason == ["length", "length"]
+    greedy = rejax.generate(params, prompts, max_new_tokens=1, stop=[])
     first = np.asarray(logits(params, jnp.asarray([prompts[0]], jnp.int32)))[0, -1]
-    assert out.tokens[0][0] == int(np.argmax(first))
+    assert greedy.tokens[0][0] == int(np.argmax(first))

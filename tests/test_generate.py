@@ -90,9 +90,11 @@ def test_no_retrace_on_second_call(params):
     gen.generate(params, ["third!", "4"], max_new_tokens=5, sampler=s2, key=1)
     gen.generate(params, [[1, 2, 3], [4]], max_new_tokens=5, sampler=s1, key=2)
     assert dict(gen.TRACE_COUNTS) == before
-    # The last batch of three prompts with batch_size=2 is padded with a dummy row.
-    gen.generate(params, ["a", "b", "c"], max_new_tokens=5, sampler=s1, batch_size=1, n=2)
+    # The last batch of three prompts with batch_size=2 is padded with a dummy row: the same
+    # [2, bucket] shapes again, so still no retrace, and the padding row is dropped.
+    out = gen.generate(params, ["a", "b", "c"], max_new_tokens=5, sampler=s1, batch_size=2)
     assert dict(gen.TRACE_COUNTS) == before
+    assert len(out.tokens) == 3 and all(len(t) == 5 for t in out.tokens)
 
 
 def test_decode_step_does_not_retrace(params):
@@ -116,13 +118,15 @@ def test_decode_step_does_not_retrace(params):
 
 def test_stop_tokens_end_rows(params):
     full = gen.generate(params, ["abc", "zz"], max_new_tokens=8, stop=[])
-    stop_tok = full.tokens[0][2]
+    # a token row 0 generates and row 1 never does: row 0 stops at it, row 1 runs to the end
+    only_row0 = [t for t in full.tokens[0][1:] if t not in full.tokens[1]]
+    assert only_row0, (full.tokens, "pick other prompts: the rows share every token")
+    stop_tok = only_row0[0]
     out = gen.generate(params, ["abc", "zz"], max_new_tokens=8, stop=[stop_tok])
     first = full.tokens[0].index(stop_tok)
     assert out.tokens[0] == full.tokens[0][: first + 1]
     assert out.finish_reason[0] == "stop"
-    if stop_tok not in full.tokens[1]:
-        assert out.tokens[1] == full.tokens[1] and out.finish_reason[1] == "length"
+    assert out.tokens[1] == full.tokens[1] and out.finish_reason[1] == "length"
     # Default stop ids: the config's EOS.
     eos_params = dataclasses.replace(
         params, cfg=dataclasses.replace(params.cfg, eos_token_ids=(stop_tok,))
