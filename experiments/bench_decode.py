@@ -330,6 +330,9 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
+    ap.add_argument(
+        "--attention", default="einsum", choices=["einsum", "live"], help="Config.attention"
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="timed decode runs (median)")
@@ -344,7 +347,7 @@ def main(argv=None) -> dict:
         if args.layers <= 0:
             raise SystemExit(f"--layers must be positive, got {args.layers}")
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cfg = dataclasses.replace(cfg, layer_loop=args.layer_loop)
+    cfg = dataclasses.replace(cfg, layer_loop=args.layer_loop, attention=args.attention)
     if args.tiny:
         cfg = TINY
         args.prompt_len, args.gen_len = min(args.prompt_len, 32), min(args.gen_len, 16)

@@ -25,6 +25,10 @@ QUANT_MODES = (None, "nvfp4", "nvfp4-w4a16")
 # when every decoder linear is NVFP4, whose kernel reads the stack in place; unroll when float
 # linears are present, which hold one buffer per layer: see rejax/params.py).
 LAYER_LOOPS = ("auto", "scan", "unroll")
+# Decode-step attention: "einsum" (masked attention over every cache slot, the reference) or
+# "live" (rejax.ops.decode_attention: reads only the slots written so far; a Pallas kernel on
+# CUDA). Opt-in until measured on the GPU.
+ATTENTIONS = ("einsum", "live")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,12 +58,15 @@ class Config:
     pad_token_id: int | None = None
     quant: str | None = None
     layer_loop: str = "auto"
+    attention: str = "einsum"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
             raise ValueError(f"unknown arch {self.arch!r}; expected one of {sorted(ARCHITECTURES)}")
         if self.quant not in QUANT_MODES:
             raise ValueError(f"unknown quant {self.quant!r}; expected one of {QUANT_MODES}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {self.attention!r}; expected one of {ATTENTIONS}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(
                 f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"

@@ -22,6 +22,7 @@ from rejax.cache import KVCache, write_kv, write_positions
 from rejax.config import Config
 from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
 from rejax.nvfp4 import Nvfp4Tensor
+from rejax.ops.decode_attention import decode_attention
 
 
 def decoder_layer(
@@ -78,8 +79,14 @@ def decoder_layer(
     else:
         kv = write_kv(kv[0], kv[1], k, v, index, layer=i)
         keys, values = take(kv[0], i), take(kv[1], i)  # [B, S, K, H]
-    mask = attention_mask(positions, k_positions)
-    out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
+    if kv is not None and t == 1 and cfg.attention == "live":
+        # one new token per row: read only the slots written so far, [0, index + 1)
+        li = jnp.asarray(i, jnp.int32)
+        out = decode_attention(q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, index + 1)
+        out = out.reshape(b, t, n * h)  # [B, 1, N*H]
+    else:
+        mask = attention_mask(positions, k_positions)
+        out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     x = x + lin(out, att, "o_proj")
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
     gate_up = lin(hs, mlp, "gate_up_proj")

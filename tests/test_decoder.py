@@ -156,3 +156,30 @@ def test_compilation_cache_on_by_default_and_switches(monkeypatch, tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", saved[0])
         jax.config.update("jax_enable_compilation_cache", saved[1])
+
+
+@pytest.mark.parametrize("quant", [None, "nvfp4"])
+def test_live_slot_attention_equals_masked_attention(quant):
+    """Config.attention='live' (decode steps read only the written slots through
+    rejax.ops.decode_attention; its reference on CPU) gives the logits of the masked attention
+    over every slot, step by step, in a cache with empty slots left over."""
+    params = init_params(Config(quant=quant), 6, jnp.float32)
+    live = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, attention="live"))
+    b, t, p = 2, 9, 4
+    tokens = np.random.default_rng(7).integers(0, 256, (b, t)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+
+    def steps(pr):
+        apply = jax.jit(
+            lambda w, tok, pos, c: Model(pr.cfg, jnp.float32).apply({"params": w}, tok, pos, c)
+        )
+        cache = init_cache(pr.cfg, b, t + 5, jnp.float32)
+        out, cache = apply(pr.weights, tokens[:, :p], positions[:, :p], cache)
+        logits = [np.asarray(out)]
+        for i in range(p, t):
+            out, cache = apply(pr.weights, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
+            logits.append(np.asarray(out))
+        return np.concatenate(logits, axis=1)
+
+    a, c = steps(params), steps(live)
+    np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5)

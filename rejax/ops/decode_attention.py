@@ -48,8 +48,6 @@ Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits)
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 from typing import Any
 
 import jax
@@ -62,8 +60,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from rejax.layers import attention, attention_mask
-
-_LOG = logging.getLogger(__name__)
+from rejax.ops import _dispatch
 
 IMPLS = ("auto", "ref", "pallas", "interpret")
 # Slots per kernel block: a [64, 128] bf16 K tile is 16 KiB, two stages of K and V fit in shared
@@ -360,15 +357,6 @@ def _jitted_bind(**params):
 # eager calls run the primitive through jit (and so through the lowering rules below)
 _attn_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
 
-_WARNED: set = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
-        _LOG.warning(message)
-
 
 def _lower_ref(ctx, *args, **params):
     return mlir.lower_fun(decode_attention_ref, multiple_results=False)(ctx, *args)
@@ -393,10 +381,7 @@ def _lower_default(ctx, *args, impl: str, **params):
 
 
 def _on_cuda() -> bool:
-    try:
-        return jax.default_backend() == "gpu" and bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
+    return _dispatch.on_cuda()
 
 
 @functools.cache
@@ -429,7 +414,7 @@ def _lower_cuda(ctx, *args, impl: str, reason: str, **params):
         avals = tuple((a.shape, a.dtype) for a in ctx.avals_in)
         reason = _compile_error(avals, params["block_s"], params["num_splits"])
     if reason:  # impl == "auto": "pallas" with a reason was refused in decode_attention
-        _warn_once(f"decode_attention: using the reference path: {reason}")
+        _dispatch.note_once("decode_attention", reason)
         return _lower_ref(ctx, *args)
     return _lower_kernel(ctx, *args, interpret=False, **params)
 
