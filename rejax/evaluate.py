@@ -67,35 +67,23 @@ def load_jsonl(path: str | Path, *, limit: int | None = None) -> list[dict]:
             f"data file {str(path)!r} does not exist or is not a file (expected JSONL)"
         )
     problems = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            if type(row) is not dict:
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object with 'problem' and 'answer', "
-                    f"got {type(row).__name__}"
-                )
-            for field in ("problem", "answer"):
-                if field not in row:
-                    raise ValueError(f"{path}:{lineno}: missing field {field!r}")
-            if not isinstance(row["problem"], str) or not row["problem"].strip():
-                raise ValueError(f"{path}:{lineno}: 'problem' must be a non-empty string")
-            if not _is_answer(row["answer"]):
-                raise ValueError(
-                    f"{path}:{lineno}: 'answer' must be a string or a number, got {row['answer']!r}"
-                )
-            row["answer"] = str(row["answer"])
-            if not row["answer"].strip():
-                # An empty gold answer would grade every response wrong without a word.
-                raise ValueError(f"{path}:{lineno}: 'answer' is empty (expected the gold answer)")
-            problems.append(row)
-            if limit is not None and len(problems) >= limit:
-                break
+    for lineno, row in _rows(path, what="a JSON object with 'problem' and 'answer'"):
+        for field in ("problem", "answer"):
+            if field not in row:
+                raise ValueError(f"{path}:{lineno}: missing field {field!r}")
+        if not isinstance(row["problem"], str) or not row["problem"].strip():
+            raise ValueError(f"{path}:{lineno}: 'problem' must be a non-empty string")
+        if not _is_answer(row["answer"]):
+            raise ValueError(
+                f"{path}:{lineno}: 'answer' must be a string or a number, got {row['answer']!r}"
+            )
+        row["answer"] = str(row["answer"])
+        if not row["answer"].strip():
+            # An empty gold answer would grade every response wrong without a word.
+            raise ValueError(f"{path}:{lineno}: 'answer' is empty (expected the gold answer)")
+        problems.append(row)
+        if limit is not None and len(problems) >= limit:
+            break
     if not problems:
         raise ValueError(f"data file {str(path)!r} holds no problems")
     return problems
@@ -194,8 +182,9 @@ def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> l
     return problems
 
 
-def _rows(path: Path):
-    """Yields (line number, row dict) of a JSONL or CSV file (the line a CSV record starts on)."""
+def _rows(path: Path, what: str = "a JSON object"):
+    """Yields (line number, row dict) of a JSONL or CSV file (the line a CSV record starts on);
+    a JSONL line that is not a JSON object is an error saying `what` was expected."""
     if path.suffix.lower() == ".csv":
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
@@ -213,9 +202,7 @@ def _rows(path: Path):
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
             if type(row) is not dict:
-                raise ValueError(
-                    f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}"
-                )
+                raise ValueError(f"{path}:{lineno}: expected {what}, got {type(row).__name__}")
             yield lineno, row
 
 
