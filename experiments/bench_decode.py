@@ -1,10 +1,11 @@
 """Decode benchmark: ms/token, tokens/s and achieved bandwidth, bf16 vs NVFP4, batch 1 and 8.
 
-Random weights with a real config (default Qwen3-8B; nothing is downloaded), built directly on
-the device (NVFP4 weights as random codes and scales, no host quantizer). For each mode and batch
-size it times the jitted prefill and the jitted generation loop (`rejax.generate.decode_loop`,
-greedy, no early stop) separately, with compilation excluded (the first call is the warm-up) and
-the median of repeated runs. Bandwidth = (weight bytes + KV-cache bytes read) per step / step
+A thin user of `rejax bench` (rejax/bench.py) for the experiments' device scripts: random
+weights with a real config (default Qwen3-8B; nothing is downloaded) built on the device
+(`rejax.params.random_params`, with static W4A4 activation scales), the product's timing of the
+jitted prefill and decode loop (`rejax.bench.bench_decode`: greedy, no early stop, first call
+recorded, median of repeated runs), the product's copy ceiling and versions, plus what the
+command line does not offer: `--layer-loop` / `--attention` (Config fields) and a breakdown. Bandwidth = (weight bytes + KV-cache bytes read) per step / step
 time, next to a measured device copy ceiling. A breakdown estimates what dominates one decode
 step by timing variants in jitted loops: the linears alone (+ lm_head), attention over the cache
 alone, the sampler alone (greedy and ReSET), and an empty loop iteration; the remainder (norms,
@@ -20,16 +21,14 @@ import argparse
 import dataclasses
 import importlib
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from rejax import bench as rbench
 from rejax import config as rconfig
 from rejax import layers, sampling
 from rejax import params as rparams
@@ -95,88 +94,18 @@ def _time(fn, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def copy_ceiling(nbytes: int, repeats: int) -> float:
-    """Device read+write bandwidth (bytes/s) of an elementwise pass over `nbytes` bytes."""
-    x = jnp.zeros((nbytes // 4,), jnp.uint32)
-    f = jax.jit(lambda a: a + jnp.uint32(1))
-    t, _ = _time(lambda: f(x), repeats)
-    return 2 * x.size * 4 / t
-
-
-def _run_generation(params, batch, prompt_len, gen_len, repeats, prefill_repeats):
-    cfg = params.cfg
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
-    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    slots = prompt_len + gen_len
-    sampler = sampling.Greedy()
-    keys = rgen._row_keys(jax.random.key(0), 0, batch)
-    stop = jnp.zeros((cfg.vocab_size,), bool)
-    done = jnp.zeros((batch,), bool)
-    lengths = jnp.full((batch,), prompt_len, jnp.int32)
-
-    def do_prefill():
-        cache = init_cache(cfg, batch, slots, jnp.bfloat16)
-        jax.block_until_ready(cache)
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(rgen.prefill(params, tokens, positions, cache))
-        return time.perf_counter() - t0, out
-
-    t0 = time.perf_counter()
-    print(f"  prefill b{batch}: compiling", flush=True)
-    do_prefill()  # warm-up / compile
-    prefill_first_s = time.perf_counter() - t0
-    print(f"  prefill b{batch}: compiled + ran in {prefill_first_s:.1f}s", flush=True)
-    timed = [do_prefill() for _ in range(max(1, prefill_repeats))]
-    t_prefill = statistics.median(t for t, _ in timed)
-    logits, cache = timed[-1][1]
-    del timed
-
-    def do_decode():
-        # A fresh copy each call: the loop donates its cache.
-        c = jax.tree_util.tree_map(jnp.copy, cache)
-        jax.block_until_ready(c)
-        t0 = time.perf_counter()
-        out = rgen.decode_loop(
-            params,
-            logits,
-            c,
-            lengths,
-            sampler,
-            sampling.sampler_init(sampler, batch),
-            keys,
-            stop,
-            done,
-            max_new_tokens=gen_len,
-        )
-        jax.block_until_ready(out.tokens)
-        return time.perf_counter() - t0, out
-
-    t0 = time.perf_counter()
-    print(f"  decode loop b{batch}: compiling", flush=True)
-    _, out = do_decode()  # warm-up / compile
-    decode_first_s = time.perf_counter() - t0
-    print(f"  decode loop b{batch}: compiled + ran in {decode_first_s:.1f}s", flush=True)
-    runs = [do_decode()[0] for _ in range(repeats)]
-    t_decode = statistics.median(runs)
-    n_steps = int(out.step)
-    finite = bool(jnp.all(jnp.isfinite(out.entropy)))
-    return (
-        {
-            "prefill_s": t_prefill,
-            "prefill_first_call_s": prefill_first_s,  # compile + one run
-            "decode_first_call_s": decode_first_s,  # compile + one run
-            "decode_s": t_decode,
-            "decode_runs_s": runs,
-            "steps": n_steps,
-            "ms_per_token": 1e3 * t_decode / n_steps,
-            "tokens_per_s": batch * n_steps / t_decode,
-            "ms_per_token_incl_prefill": 1e3 * (t_decode + t_prefill) / n_steps,
-            "entropy_finite": finite,
-            "first_tokens_row0": np.asarray(out.tokens[0, :8]).tolist(),
-        },
-        (logits, cache),
+def _run_generation(params, batch, prompt_len, gen_len, repeats):
+    """`rejax.bench.bench_decode` (the product's timing of prefill and the decode loop), plus a
+    cache filled by one more prefill for the breakdown below."""
+    run = rbench.bench_decode(
+        params, batch=batch, new_tokens=gen_len, prompt_len=prompt_len, repeats=repeats
     )
+    cfg = params.cfg
+    tokens = jnp.zeros((batch, prompt_len), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+    cache = init_cache(cfg, batch, prompt_len + gen_len, jnp.bfloat16)
+    _, cache = rgen.prefill(params, tokens, positions, cache)
+    return run, cache
 
 
 # ----------------------------------------------------------------------------- breakdown
@@ -287,34 +216,6 @@ def _kernel_report(cfg, batches) -> dict:
     return rep
 
 
-def _versions() -> dict:
-    import flax
-    import jaxlib
-
-    out = {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "platform_version": str(jax.devices()[0].client.platform_version),
-    }
-    try:
-        from importlib.metadata import version
-
-        out["torch"] = version("torch")
-    except Exception:  # noqa: BLE001 - torch is optional
-        out["torch"] = None
-    try:
-        out["git_sha"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        out["git_sha"] = None
-    return out
-
-
 def _write(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
@@ -336,7 +237,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="timed decode runs (median)")
-    ap.add_argument("--prefill-repeats", type=int, default=1)
     ap.add_argument("--breakdown-steps", type=int, default=128)
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048, help="copy-ceiling buffer size")
@@ -356,7 +256,7 @@ def main(argv=None) -> dict:
     result = {
         "config": dataclasses.asdict(cfg),
         "args": vars(args),
-        "versions": _versions(),
+        "versions": rbench.versions(),
         "kernel": _kernel_report(cfg, args.batch),
         "runs": [],
     }
@@ -366,7 +266,7 @@ def main(argv=None) -> dict:
         "CUDA kernel reads packed weights directly), so on the reference path (no GPU) the "
         "linears time is a lower bound and the remainder absorbs the difference"
     )
-    result["copy_ceiling_GBps"] = copy_ceiling(args.copy_mib << 20, args.repeats) / 1e9
+    result["copy_ceiling_GBps"] = rbench.copy_ceiling(args.copy_mib << 20, args.repeats) / 1e9
     print(f"copy ceiling {result['copy_ceiling_GBps']:.0f} GB/s", flush=True)
     bucket = rgen._bucket(args.prompt_len)
     for mode in args.modes:
@@ -382,9 +282,7 @@ def main(argv=None) -> dict:
         for batch in args.batch:
             t0 = time.perf_counter()
             try:
-                run, (_, cache) = _run_generation(
-                    params, batch, bucket, args.gen_len, args.repeats, args.prefill_repeats
-                )
+                run, cache = _run_generation(params, batch, bucket, args.gen_len, args.repeats)
             except Exception as err:  # noqa: BLE001 - record the failure, keep benchmarking
                 result["runs"].append(
                     {"mode": mode, "batch": batch, "error": f"{type(err).__name__}: {err}"}
@@ -431,9 +329,14 @@ def main(argv=None) -> dict:
             result["runs"].append(run)
             _write(args.out, result)  # partial results survive a timeout
             print(
+                f"  first calls: prefill {run['prefill_first_call_s']:.1f} s, decode loop "
+                f"{run['decode_first_call_s']:.1f} s (compiled + ran)",
+                flush=True,
+            )
+            print(
                 f"[{mode} b{batch}] {run['ms_per_token']:.3f} ms/token, "
                 f"{run['tokens_per_s']:.1f} tok/s, {run['bandwidth_GBps']:.0f} GB/s, "
-                f"prefill {run['prefill_s'] * 1e3:.1f} ms"
+                f"prefill {run['prefill_ms']:.1f} ms"
                 + (f", dominant: {run.get('dominant')}" if "dominant" in run else ""),
                 flush=True,
             )
