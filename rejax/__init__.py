@@ -1,7 +1,8 @@
 """rejax: fast, accurate low-bit (NVFP4) reasoning in JAX, with the ReSET sampler.
 
-Public names are imported lazily so `import rejax` never pulls in torch, cuda-python or the
-decoder until they are used.
+Public names are imported lazily where they can be: `import rejax` never pulls in torch,
+cuda-python or transformers. The function `rejax.generate` is bound at import (the name is also
+its module's), so importing rejax loads JAX, Flax and the decoder.
 """
 
 from __future__ import annotations
