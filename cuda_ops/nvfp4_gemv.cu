@@ -4,7 +4,10 @@
 // W is NVFP4 (rejax.nvfp4.Nvfp4Tensor): codes uint8 [N, K/2] (element 2j in the low nibble of
 // byte j), E4M3 block scales uint8 [N, K/16], a float32 global scale. Two activation modes:
 //   W4A4  (nvfp4_gemv_w4a4):  x NVFP4 too (codes [M, K/2], scales [M, K/16], global scale [M]);
-//   W4A16 (nvfp4_gemv_w4a16): x bf16 [M, K].
+//   W4A16 (nvfp4_gemv_w4a16): x bf16 [M, K];
+//   W4A4 with X_BF16 (nvfp4_gemv_w4a4_bf16): x bf16, quantized to NVFP4 inside the kernel
+//   (exactly rejax.nvfp4.quantize_activation), after an optional RMSNorm or SwiGLU prologue and
+//   with an optional residual add (see "in-kernel x quant" below).
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
@@ -72,6 +75,9 @@ typedef unsigned int u32;
 #endif
 #ifndef RING_D
 #define RING_D 0
+#endif
+#ifndef X_BF16
+#define X_BF16 0  // W4A4 entry nvfp4_gemv_w4a4_bf16: bf16 x quantized in the kernel (below)
 #endif
 
 constexpr int NWARPS = NTHREADS / 32;
@@ -539,6 +545,228 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_R
   }
 }
 
+
+#if X_BF16
+// ---------------------------------------------------------------------------- in-kernel x quant
+//
+// nvfp4_gemv_w4a4_bf16 reads bf16 activations and quantizes them itself, giving the codes and
+// block scales of rejax.nvfp4.quantize_activation (same operations in the same order; CUDA's
+// __fdiv_rn is the correctly rounded division the reference emulates, with its flush of
+// results and operands below 2^-126 to 0). Before the quantizer an optional prologue builds the
+// linear's input from what the decoder holds (each a composition of rejax.layers functions,
+// with bf16 roundings where they have them):
+//   PRO = 0: x itself, [M, K];
+//   PRO = 1: rms_norm(x, nw, NORM_EPS), x [M, K], nw the layer's bf16 norm weight [(L,) K];
+//   PRO = 2: swiglu(x[:, :K], x[:, K:]), x the [M, 2K] gate_up output.
+// DYN_XG = 0: static global scale xg[0]; 1: per row amax / (6 * 448) (1 for a zero row).
+// EPI_RES = 1: y = res + y (bf16 add, res [M, N]), the decoder's residual.
+// Row statistics (the norm's mean square, the dynamic scale's amax) are CTA-wide reductions,
+// recomputed by every CTA from the small activations; the summation order of the mean square
+// is not XLA's, so PRO = 1 is equal to the composition up to the rounding of that sum.
+
+#ifndef PRO
+#define PRO 0
+#endif
+#ifndef DYN_XG
+#define DYN_XG 0
+#endif
+#ifndef EPI_RES
+#define EPI_RES 0
+#endif
+#ifndef NW_STACK
+#define NW_STACK 0
+#endif
+#ifndef NORM_EPS
+#define NORM_EPS 1e-6f
+#endif
+constexpr int X_COLS = PRO == 2 ? 2 * K_IN : K_IN;  // elements per row of x
+constexpr float F32_MIN = 1.17549435e-38f;
+constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
+
+__device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float((u32)h << 16); }
+__device__ __forceinline__ float rbf16(float f) { return bf16f(f32_to_bf16(f)); }
+
+// a / b correctly rounded, operands and results below 2^-126 flushed to 0 (nvfp4._div_rn)
+__device__ __forceinline__ float div_rn(float a, float b) {
+  if (a < F32_MIN) return 0.f;
+  const float q = __fdiv_rn(a, b);
+  return q < F32_MIN ? 0.f : q;
+}
+
+// The activations and their per-row statistics (in shared memory, [M_TOK] each).
+struct XRows {
+  const u16* x;
+  const u16* nw;  // the layer's norm weight (PRO = 1)
+  float* rs;      // PRO = 1: rsqrt(mean(x^2) + eps) per row
+  float* g;       // global scale per row
+  float* ig;      // 1 / g per row
+};
+
+// 8 bf16 at p (16-byte aligned) as floats
+__device__ __forceinline__ void ld8(float (&v)[8], const u16* p) {
+  const uint4 q = ld_act(p);
+  const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+// the linear's inputs e0 .. e0 + 7 of row m (bf16 values held in floats), e0 % 8 == 0
+__device__ __forceinline__ void pro_values8(float (&v)[8], const XRows& xr, int m, int e0) {
+  ld8(v, xr.x + (size_t)m * X_COLS + e0);
+  if constexpr (PRO == 1) {
+    float w[8];
+    ld8(w, xr.nw + e0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = rbf16(w[j] * rbf16(v[j] * xr.rs[m]));
+  } else if constexpr (PRO == 2) {
+    float u[8];
+    ld8(u, xr.x + (size_t)m * X_COLS + K_IN + e0);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float sig = rbf16(1.0f / (1.0f + expf(-v[j])));  // jax.nn.sigmoid, bf16 out
+      v[j] = rbf16(rbf16(v[j] * sig) * u[j]);                // silu(g) = g * sigmoid(g); * up
+    }
+  }
+}
+
+// CTA-wide sum (SUM) or max of one value per row; every thread gets the totals.
+template <bool SUM>
+__device__ __forceinline__ void cta_reduce(float (&v)[M_TOK], float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int m = 0; m < M_TOK; ++m) {
+#pragma unroll
+    for (int b = 16; b >= 1; b >>= 1) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[m], b);
+      v[m] = SUM ? v[m] + o : fmaxf(v[m], o);
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) scratch[m * (NTHREADS / 32) + warp] = v[m];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M_TOK; ++m) {
+    float t = SUM ? 0.f : -1.f;
+    for (int w = 0; w < NTHREADS / 32; ++w) {  // fixed order: the same total in every CTA
+      const float o = scratch[m * (NTHREADS / 32) + w];
+      t = SUM ? t + o : fmaxf(t, o);
+    }
+    v[m] = t;
+  }
+  __syncthreads();  // scratch is reused
+}
+
+// Fills the row statistics of xr (all threads of the CTA call it; ends with a barrier).
+__device__ __forceinline__ void row_stats(const XRows& xr, const float* xg, float* scratch) {
+  if constexpr (PRO == 1) {
+    float s[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      s[m] = 0.f;
+      for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+        float v[8];
+        ld8(v, xr.x + (size_t)m * X_COLS + e);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s[m] = fmaf(v[j], v[j], s[m]);
+      }
+    }
+    cta_reduce<true>(s, scratch);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int m = 0; m < M_TOK; ++m) xr.rs[m] = rsqrtf(s[m] / (float)K_IN + NORM_EPS);
+    }
+    __syncthreads();
+  }
+  if constexpr (DYN_XG) {
+    float a[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      a[m] = 0.f;
+      for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+        float v[8];
+        pro_values8(v, xr, m, e);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[m] = fmaxf(a[m], fabsf(v[j]));
+      }
+    }
+    cta_reduce<false>(a, scratch);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int m = 0; m < M_TOK; ++m) {
+        const float g = div_rn(a[m], 2688.0f);  // 6 * 448
+        xr.g[m] = g > 0.f ? g : 1.0f;
+      }
+    }
+  } else if (threadIdx.x == 0) {
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) xr.g[m] = xg[0];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) xr.ig[m] = div_rn(1.0f, xr.g[m]);
+  }
+  __syncthreads();
+}
+
+// E2M1 magnitude code of a = |v| (RNE, saturating at 6): ties 0.25, 1.25, 2.5, 5 round down,
+// 0.75, 1.75, 3.5 up (nvfp4._e2m1_magnitude)
+__device__ __forceinline__ u32 e2m1_mag(float a) {
+  return (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f) +
+         (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
+}
+
+// Quantizes the 32 elements [elem, elem + 32) of row m (two blocks): packed codes as the
+// activation codes buffer holds them (element 2j in the low nibble of byte j) and the two E4M3
+// scale bytes (first block in the low byte).
+__device__ __forceinline__ void quant_chunk(const XRows& xr, int m, int elem, uint4& codes,
+                                            u32& scales) {
+  float v[4][8];
+  float sf[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) pro_values8(v[i], xr, m, elem + 8 * i);
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[2 * b + j / 8][j % 8]));
+    sf[b] = fminf(div_rn(div_rn(amax, 6.0f), xr.g[m]), 448.0f);  // >= 0: no lower clamp
+  }
+  u16 s16;  // E4M3 RNE of both block scales (first block in the low byte)
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(sf[1]), "f"(sf[0]));
+  scales = s16;
+  const float2 sfd = e4m3x2_to_float2(s16);
+  u32 words[4];
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const float sd = b ? sfd.y : sfd.x;
+    const float os = sd > 0.f ? div_rn(xr.ig[m], sd) : 0.f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 w = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float s = fminf(fmaxf(v[2 * b + h][j] * os, -6.0f), 6.0f);
+        w |= (e2m1_mag(fabsf(s)) | (__float_as_uint(s) >> 31 << 3)) << (4 * j);
+      }
+      words[2 * b + h] = w;
+    }
+  }
+  codes = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// y epilogue value: the GEMV's output, plus the residual (bf16 add) with EPI_RES
+__device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
+  if constexpr (EPI_RES) return bf16f(res[(size_t)m * N_OUT + n]) + rbf16(out);
+  return out;
+}
+#endif  // X_BF16
+
 #if !GEMV_STREAM
 
 // bytes of the W4A4 kernel's shared memory before ybuf: x staged as int8 and its scales
@@ -618,6 +846,60 @@ __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, in
   }
 }
 
+
+#if X_BF16
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    nvfp4_gemv_w4a4_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
+                         const u16* __restrict__ nw_all, const u16* __restrict__ res,
+                         const u8* __restrict__ wp_all, const u8* __restrict__ ws_all,
+                         const float* __restrict__ wg_all, const int* __restrict__ layer,
+                         u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
+  extern __shared__ __align__(16) u8 smem[];
+  u8* sx = smem;                                   // int8 [M][K]: 2 * E2M1 value
+  u8* ssf = smem + M_TOK * K_IN;                   // E4M3 [M][K/16]
+  float* ybuf = (float*)(smem + XSTAGE);           // [KPARTS][RPC][M]
+  u8* ring = smem + XSTAGE + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
+  __shared__ float scratch[RED_SLOTS], s_rs[M_TOK], s_g[M_TOK], s_ig[M_TOK];
+  const XRows xr = {x, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0), s_rs, s_g, s_ig};
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g0 = (int)(((long long)blockIdx.x * NGROUPS) / GRID);
+  const int g1 = (int)(((long long)(blockIdx.x + 1) * NGROUPS) / GRID);
+  const int items = (g1 - g0) * KPARTS;
+
+  // Stage x: row statistics, then the quantized codes as signed int8 and their scales in smem
+  // (while the first weight loads are in flight).
+  auto stage = [&]() {
+    row_stats(xr, xg, scratch);
+    for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
+      uint4 c;
+      u32 sc;
+      quant_chunk(xr, i / (K_IN / 32), (i % (K_IN / 32)) * 32, c, sc);
+      uint4 lo, hi;
+      lo.x = act_to_s8(c.x), lo.y = act_to_s8(c.x >> 16), lo.z = act_to_s8(c.y);
+      lo.w = act_to_s8(c.y >> 16);
+      hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
+      hi.w = act_to_s8(c.w >> 16);
+      *(uint4*)(sx + (size_t)i * 32) = lo;
+      *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
+      *(u16*)(ssf + (size_t)i * 2) = (u16)sc;
+    }
+    __syncthreads();
+  };
+  run_units(ybuf, ring, wp, ws, g0, items, warp, lane, stage,
+            [&](float (&acc)[VP], const WTile& cur, int elem) {
+              w4a4_step(acc, cur, elem, sx, ssf);
+            });
+  __syncthreads();
+  persistent_epilogue(ybuf, y, g0, g1, tid, [&](int m, int n, float t) {
+    return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * s_g[m]));
+  });
+}
+#else  // !X_BF16
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
                     const float* __restrict__ xg, const u8* __restrict__ wp_all,
@@ -666,7 +948,65 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
                       [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
 }
 
+#endif  // X_BF16
 #else  // GEMV_STREAM
+
+#if X_BF16
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_gemv_w4a4_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
+                         const u16* __restrict__ nw_all, const u16* __restrict__ res,
+                         const u8* __restrict__ wp_all, const u8* __restrict__ ws_all,
+                         const float* __restrict__ wg_all, const int* __restrict__ layer,
+                         u16* __restrict__ y) {
+  const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
+  const u8* __restrict__ wp = lw.wp;
+  const u8* __restrict__ ws = lw.ws;
+  const float* __restrict__ wg = lw.wg;
+  __shared__ float red[KSPLIT > 1 ? GPB * KSPLIT * NV : 1];
+  __shared__ __align__(16) u8 sxq[M_TOK * K_IN / 2];  // quantized x codes [M][K/2]
+  __shared__ __align__(16) u8 sxs[M_TOK * K_IN / 16];  // and scales [M][K/16]
+  __shared__ float scratch[RED_SLOTS], s_rs[M_TOK], s_g[M_TOK], s_ig[M_TOK];
+  const XRows xr = {x, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0), s_rs, s_g, s_ig};
+  const int tid = threadIdx.x, lane = tid & 31;
+  const Share sh = my_share(tid >> 5);
+
+  // the weight loads of this warp's share first, then x quantized once per CTA into smem
+  uint4 q[CPL][R_ROWS];
+  u32 sw[CPL][R_ROWS];
+  load_share(q, sw, wp, ws, sh, lane);
+  row_stats(xr, xg, scratch);
+  for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
+    uint4 c;
+    u32 sc;
+    quant_chunk(xr, i / (K_IN / 32), (i % (K_IN / 32)) * 32, c, sc);
+    *(uint4*)(sxq + (size_t)i * 16) = c;
+    *(u16*)(sxs + (size_t)i * 2) = (u16)sc;
+  }
+  __syncthreads();
+
+  float acc[VP];
+#pragma unroll
+  for (int v = 0; v < VP; ++v) acc[v] = 0.f;
+#pragma unroll
+  for (int i = 0; i < CPL; ++i) {
+    const int c = sh.c0 + lane + 32 * i;
+    const bool ok = sh.valid && c < sh.c1;
+    u32 xw[M_TOK][8];
+    float2 sxf[M_TOK];
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      const uint4 xq = ok ? *(const uint4*)(sxq + m * (K_IN / 2) + c * 16) : make_uint4(0, 0, 0, 0);
+      decode_s8(xw[m], xq);
+      sxf[m] = e4m3x2_to_float2(ok ? (u32) * (const u16*)(sxs + m * (K_IN / 16) + c * 2) : 0u);
+    }
+    chunk_dot(acc, q[i], sw[i], xw, sxf);
+  }
+
+  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y, [&](int m, int n, float t) {
+    return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * s_g[m]));
+  });
+}
+#else  // !X_BF16
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
@@ -717,6 +1057,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
                   [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
 }
 
+#endif  // X_BF16
 #endif  // GEMV_STREAM
 
 #else  // W4A16

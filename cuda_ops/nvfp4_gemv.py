@@ -16,6 +16,7 @@ from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, r
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "Fused",
     "GemvKernel",
     "GemvOptions",
     "KernelError",
@@ -30,10 +31,14 @@ MAX_M = 8
 K_MULTIPLE = 256
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_90 (sm_89: 99 KiB, checked at build)
 DEFAULT_SMS = 132  # H200; used when lowering without a GPU
-ENTRY = {"w4a4": "nvfp4_gemv_w4a4", "w4a16": "nvfp4_gemv_w4a16"}
+# "w4a4x": W4A4 with bf16 activations quantized inside the kernel (plus a `Fused` prologue /
+# epilogue)
+ENTRY = {"w4a4": "nvfp4_gemv_w4a4", "w4a16": "nvfp4_gemv_w4a16", "w4a4x": "nvfp4_gemv_w4a4_bf16"}
 # number of operands per mode (the output pointer comes last):
-# W4A4 (xp, xs, xg, wp, ws, wg, layer), W4A16 (x, wp, ws, wg, layer)
-N_INPUTS = {"w4a4": 7, "w4a16": 5}
+# W4A4 (xp, xs, xg, wp, ws, wg, layer), W4A16 (x, wp, ws, wg, layer),
+# W4A4X (x, xg, norm weight, residual, wp, ws, wg, layer); unused ones are 1-element dummies
+N_INPUTS = {"w4a4": 7, "w4a16": 5, "w4a4x": 8}
+PROLOGUES = ("none", "rmsnorm", "swiglu")
 VARIANTS = ("auto", "persistent", "stream")
 
 
@@ -74,6 +79,43 @@ DEFAULT_OPTIONS = GemvOptions()
 
 
 @dataclasses.dataclass(frozen=True)
+class Fused:
+    """What the "w4a4x" kernel does around the GEMV (compile-time constants).
+
+    Attributes:
+        prologue: "none" (x is the linear's input), "rmsnorm" (rms_norm(x, norm weight, eps)) or
+            "swiglu" (x is [M, 2K]: silu(x[:, :K]) * x[:, K:]).
+        residual: add a bf16 residual [M, N] to the output.
+        dynamic: per-row dynamic activation global scale (else the static xg[0]).
+        eps: the RMSNorm epsilon.
+        norm_stacked: the norm weight is stacked [L, K] (indexed by the layer operand).
+    """
+
+    prologue: str = "none"
+    residual: bool = False
+    dynamic: bool = False
+    eps: float = 1e-6
+    norm_stacked: bool = False
+
+    def __post_init__(self):
+        if self.prologue not in PROLOGUES:
+            raise KernelError(f"Fused.prologue={self.prologue!r}, expected one of {PROLOGUES}")
+
+    def defines(self) -> dict:
+        return {
+            "X_BF16": 1,
+            "PRO": PROLOGUES.index(self.prologue),
+            "EPI_RES": int(self.residual),
+            "DYN_XG": int(self.dynamic),
+            "NW_STACK": int(self.norm_stacked),
+            "NORM_EPS": f"{float(self.eps)!r}f",
+        }
+
+
+PLAIN = Fused()
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """Compile-time launch geometry for one (act, M, N, K)."""
 
@@ -90,6 +132,7 @@ class Plan:
     ksplit: int = 1  # stream: warps of a row group splitting K
     ring: int = 0  # persistent: cp.async ring slots per warp (0: register double buffer)
     gw_rows: bool = False  # one weight global scale per output row instead of per matrix
+    fused: Fused | None = None  # act "w4a4x" only
 
     @property
     def kparts(self) -> int:
@@ -97,8 +140,9 @@ class Plan:
         return -(-steps // self.spp)
 
     def defines(self) -> dict:
-        return {
-            "ACT_W4A4": int(self.act == "w4a4"),
+        extra = {} if self.fused is None else self.fused.defines()
+        return extra | {
+            "ACT_W4A4": int(self.act in ("w4a4", "w4a4x")),
             "M_TOK": self.m,
             "N_OUT": self.n,
             "K_IN": self.k,
@@ -121,7 +165,7 @@ def _smem(act: str, m: int, n: int, k: int, rows: int, grid: int, kparts: int) -
     """Shared memory before the ring: staged x (W4A4) and the per-(part, row, token) sums."""
     groups = n // rows
     rpc = -(-groups // grid) * rows
-    stage = 0 if act == "w4a16" else -(-(m * k * 17 // 16) // 16) * 16
+    stage = 0 if act == "w4a16" else -(-(m * k * 17 // 16) // 16) * 16  # w4a4 / w4a4x
     return stage + -(-(kparts * rpc * m * 4) // 16) * 16
 
 
@@ -178,7 +222,7 @@ def plan_stream(
     """
     if m > STREAM_MAX_M:
         return None
-    small = m <= 2 if act == "w4a4" else m == 1
+    small = m <= 2 if act != "w4a16" else m == 1
     rows = 2 if small and n % 2 == 0 else 1
     if options.rows is not None:
         rows = min(rows, options.rows)
@@ -258,12 +302,12 @@ def plan_persistent(
     """
     # W4A4 at M > 2: R = 2 rows and 512 threads measured faster than R = 4 and 256 threads
     # (two warps per scheduler more to hide the dp4a chains; M = 8: 0.69-0.92x the time)
-    rmax = 4 if act == "w4a4" and m <= 2 else 2
+    rmax = 4 if act != "w4a16" and m <= 2 else 2
     if options.rows is not None:
         rmax = options.rows
     rmax = min(rmax, max(1, 32 // m))
     rows = next(r for r in (8, 4, 2, 1) if r <= rmax and n % r == 0)
-    threads = options.threads or (512 if act == "w4a4" else 256)
+    threads = options.threads or (512 if act != "w4a16" else 256)
     groups = n // rows
     grid = min(num_sms, groups)
     steps = -(-k // 1024)
@@ -415,9 +459,19 @@ def _num_sms() -> int:
 
 @functools.cache
 def _build_cached(
-    act: str, m: int, n: int, k: int, arch: str, num_sms: int, options: GemvOptions, gw_rows: bool
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    arch: str,
+    num_sms: int,
+    options: GemvOptions,
+    gw_rows: bool,
+    fused: Fused | None,
 ):
     p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
+    if act == "w4a4x":
+        p = dataclasses.replace(p, fused=fused or PLAIN)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
     if options.source is not None:  # experiments only: another revision of the source
@@ -448,15 +502,18 @@ def build(
     num_sms: int | None = None,
     options: GemvOptions = DEFAULT_OPTIONS,
     gw_rows: bool = False,
+    fused: Fused | None = None,
 ) -> GemvKernel:
     """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
 
     Args:
-        act, m, n, k: mode ("w4a4" / "w4a16") and problem size (GEMM letters).
+        act, m, n, k: mode ("w4a4" / "w4a16" / "w4a4x": W4A4 reading bf16 activations) and
+            problem size (GEMM letters; K is the linear's input width, also for "swiglu").
         arch: `compute_XY` (None: the present GPU's, compute_90 without one).
         num_sms: SM count the plan targets (None: the present GPU's, 132 without one).
         options: kernel choices (defaults: what measured fastest).
         gw_rows: the weight carries one global scale per output row ([L, N]), not per matrix.
+        fused: "w4a4x" only: the prologue / epilogue (default `PLAIN`: none, static scale).
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -466,8 +523,10 @@ def build(
         raise KernelError(f"unsupported shape: {why}")
     if not isinstance(options, GemvOptions):
         raise KernelError(f"options must be a GemvOptions, got {type(options).__name__}")
+    if fused is not None and act != "w4a4x":
+        raise KernelError(f"fused= is only for act='w4a4x', got act={act!r}")
     arch = arch or device_arch()
-    return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows))
+    return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused)
 
 
 def probe_ptx_launch(call) -> None:

@@ -94,11 +94,26 @@ def _time(fn, repeats: int) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def _run_generation(params, batch, prompt_len, gen_len, repeats):
+SAMPLERS = {
+    "greedy": lambda: sampling.Greedy(),
+    "reset": lambda: sampling.ReSET(t_high=1.0, t_low=0.1, top_p=0.95),
+    "reset-topk": lambda: sampling.ReSET(t_high=1.0, t_low=0.1, top_p=0.95, top_p_method="topk"),
+    "temp": lambda: sampling.Temperature(t=0.6, top_p=0.95),
+    "temp-topk": lambda: sampling.Temperature(t=0.6, top_p=0.95, top_p_method="topk"),
+    "topk20": lambda: sampling.Temperature(t=0.6, top_p=0.95, top_k=20),
+}
+
+
+def _run_generation(params, batch, prompt_len, gen_len, repeats, sampler="greedy"):
     """`rejax.bench.bench_decode` (the product's timing of prefill and the decode loop), plus a
     cache filled by one more prefill for the breakdown below."""
     run = rbench.bench_decode(
-        params, batch=batch, new_tokens=gen_len, prompt_len=prompt_len, repeats=repeats
+        params,
+        batch=batch,
+        new_tokens=gen_len,
+        prompt_len=prompt_len,
+        repeats=repeats,
+        sampler=SAMPLERS[sampler](),
     )
     cfg = params.cfg
     tokens = jnp.zeros((batch, prompt_len), jnp.int32)
@@ -234,6 +249,19 @@ def main(argv=None) -> dict:
     ap.add_argument(
         "--attention", default="einsum", choices=["einsum", "live"], help="Config.attention"
     )
+    ap.add_argument(
+        "--linear-fusion",
+        default="fused",
+        choices=list(rconfig.LINEAR_FUSIONS),
+        help="Config.linear_fusion",
+    )
+    ap.add_argument(
+        "--samplers",
+        nargs="+",
+        default=["greedy"],
+        choices=sorted(SAMPLERS),
+        help="decode-loop samplers to time per batch (the breakdown runs for the first)",
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="timed decode runs (median)")
@@ -247,7 +275,12 @@ def main(argv=None) -> dict:
         if args.layers <= 0:
             raise SystemExit(f"--layers must be positive, got {args.layers}")
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cfg = dataclasses.replace(cfg, layer_loop=args.layer_loop, attention=args.attention)
+    cfg = dataclasses.replace(
+        cfg,
+        layer_loop=args.layer_loop,
+        attention=args.attention,
+        linear_fusion=args.linear_fusion,
+    )
     if args.tiny:
         cfg = TINY
         args.prompt_len, args.gen_len = min(args.prompt_len, 32), min(args.gen_len, 16)
@@ -279,15 +312,22 @@ def main(argv=None) -> dict:
             f"[{mode}] weights {wbytes / 1e9:.2f} GB built in {time.perf_counter() - t0:.1f}s",
             flush=True,
         )
-        for batch in args.batch:
+        for batch, sampler in [(b, s) for b in args.batch for s in args.samplers]:
             t0 = time.perf_counter()
             try:
-                run, cache = _run_generation(params, batch, bucket, args.gen_len, args.repeats)
+                run, cache = _run_generation(
+                    params, batch, bucket, args.gen_len, args.repeats, sampler
+                )
             except Exception as err:  # noqa: BLE001 - record the failure, keep benchmarking
                 result["runs"].append(
-                    {"mode": mode, "batch": batch, "error": f"{type(err).__name__}: {err}"}
+                    {
+                        "mode": mode,
+                        "batch": batch,
+                        "sampler": sampler,
+                        "error": f"{type(err).__name__}: {err}",
+                    }
                 )
-                print(f"[{mode} b{batch}] FAILED {err}", flush=True)
+                print(f"[{mode} b{batch} {sampler}] FAILED {err}", flush=True)
                 continue
             slots = bucket + args.gen_len
             kv_full = _kv_bytes(cfg, batch, slots)
@@ -296,6 +336,7 @@ def main(argv=None) -> dict:
             run.update(
                 mode=mode,
                 batch=batch,
+                sampler=sampler,
                 prompt_len=bucket,
                 gen_len=args.gen_len,
                 weight_bytes=wbytes,
@@ -305,7 +346,7 @@ def main(argv=None) -> dict:
                 weight_bandwidth_GBps=wbytes / step_s / 1e9,
             )
             run["fraction_of_copy_ceiling"] = run["bandwidth_GBps"] / result["copy_ceiling_GBps"]
-            if not args.no_breakdown:
+            if not args.no_breakdown and sampler == args.samplers[0]:
                 bd = _breakdown(params, cache, batch, args.breakdown_steps, args.repeats)
                 parts = (
                     bd["linears_and_head"]
@@ -334,7 +375,7 @@ def main(argv=None) -> dict:
                 flush=True,
             )
             print(
-                f"[{mode} b{batch}] {run['ms_per_token']:.3f} ms/token, "
+                f"[{mode} b{batch} {sampler}] {run['ms_per_token']:.3f} ms/token, "
                 f"{run['tokens_per_s']:.1f} tok/s, {run['bandwidth_GBps']:.0f} GB/s, "
                 f"prefill {run['prefill_ms']:.1f} ms"
                 + (f", dominant: {run.get('dominant')}" if "dominant" in run else ""),
@@ -343,7 +384,11 @@ def main(argv=None) -> dict:
         del params
     speed = {}
     for batch in args.batch:
-        by = {r["mode"]: r for r in result["runs"] if r["batch"] == batch and "error" not in r}
+        by = {
+            r["mode"]: r
+            for r in result["runs"]
+            if r["batch"] == batch and r["sampler"] == args.samplers[0] and "error" not in r
+        }
         if "bf16" in by and "nvfp4" in by:
             speed[f"b{batch}"] = by["bf16"]["ms_per_token"] / by["nvfp4"]["ms_per_token"]
     result["nvfp4_speedup_over_bf16"] = speed

@@ -8,6 +8,12 @@
 #   abflags  this tree with XLA_FLAGS variants FLAGS_A / FLAGS_B (e.g. dynamic-slice fusion)
 #   cold36   36-layer NVFP4 batch 1: first-call (compile + run) times with an empty JAX cache,
 #            then again in a second process from the persistent cache
+#   gemm     bf16 decode GEMMs fused vs split (qkv, gate_up), batch 1..64
+#   batch    8-layer decode at batch 16 and 64, bf16 vs NVFP4 (BATCH_ARGS)
+#   attn     decode-attention benchmark and its gpu tests (tests/test_decode_attention.py)
+#   fused    fused-linear gpu tests, then 8-layer NVFP4 fused vs unfused (FUSED_ARGS) and the
+#            36-layer bf16 / NVFP4 batch-1 speedup (FUSED36_ARGS)
+#   sampler  sampler micro-benchmark, then 36-layer decode loops per sampler (SAMPLER_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -59,6 +65,45 @@ for phase in $phases; do
           > "$out/cold36_$run.log" 2>&1; echo "$run rc=$?"
         grep "compiled\|^\[" "$out/cold36_$run.log"
       done;;
+    gemm)
+      timeout ${GEMM_TIMEOUT:-120} python3 experiments/bench_fused_gemm.py \
+        --out "$out/fused_gemm.json" > "$out/fused_gemm.log" 2>&1; echo "rc=$?"
+      tail -30 "$out/fused_gemm.log";;
+    batch)
+      args=${BATCH_ARGS:---layers 8 --batch 16 64 --gen-len 256 --repeats 3 --no-breakdown}
+      JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${BATCH_TIMEOUT:-240} \
+        python3 experiments/bench_decode.py $args --out "$out/batch.json" \
+        > "$out/batch.log" 2>&1; echo "rc=$?"; grep "^\[\|FAIL" "$out/batch.log";;
+    attn)
+      timeout ${ATTN_TIMEOUT:-200} python3 experiments/bench_attention.py \
+        --out "$out/bench_attention.json" > "$out/bench_attention.log" 2>&1; echo "bench rc=$?"
+      tail -40 "$out/bench_attention.log"
+      timeout ${ATTN_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_decode_attention.py \
+        > "$out/attn_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$out/attn_tests.log";;
+    fused)
+      timeout ${FUSED_TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
+        > "$out/fused_tests.log" 2>&1; echo "tests rc=$?"; tail -25 "$out/fused_tests.log"
+      args=${FUSED_ARGS:---modes nvfp4 --layers 8 --batch 1 8 --gen-len 256 --repeats 3 --no-breakdown}
+      for fu in unfused fused; do
+        JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${FUSED_TIMEOUT:-200} \
+          python3 experiments/bench_decode.py $args --linear-fusion $fu \
+          --out "$out/fused8_$fu.json" > "$out/fused8_$fu.log" 2>&1; echo "$fu rc=$?"
+        grep "^\[\|FAIL" "$out/fused8_$fu.log"
+      done
+      args=${FUSED36_ARGS:---batch 1 --gen-len 1024 --repeats 3}
+      JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${FUSED36_TIMEOUT:-300} \
+        python3 experiments/bench_decode.py $args --out "$out/fused36.json" \
+        > "$out/fused36.log" 2>&1; echo "36 rc=$?"; grep "^\[\|FAIL\|first" "$out/fused36.log";;
+    sampler)
+      timeout ${SAMPLER_TIMEOUT:-120} python3 experiments/bench_sampler.py \
+        --out "$out/bench_sampler.json" > "$out/bench_sampler.log" 2>&1; echo "micro rc=$?"
+      tail -30 "$out/bench_sampler.log"
+      args=${SAMPLER_ARGS:---modes nvfp4 --batch 1 64 --gen-len 256 --repeats 3 --no-breakdown}
+      JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${SAMPLER_LOOP_TIMEOUT:-300} \
+        python3 experiments/bench_decode.py $args \
+        --samplers greedy reset reset-topk temp temp-topk topk20 \
+        --out "$out/sampler_loop.json" > "$out/sampler_loop.log" 2>&1; echo "loop rc=$?"
+      grep "^\[\|FAIL" "$out/sampler_loop.log";;
   esac
   echo "[phase $phase took $(( $(date +%s) - t0 )) s]"
 done

@@ -122,6 +122,7 @@ def bench_decode(
     prompt_len: int,
     repeats: int = 3,
     seed: int = 0,
+    sampler: sampling.Sampler | None = None,
 ) -> dict:
     """Times prefill and the decode loop for one (batch, new_tokens) point.
 
@@ -132,6 +133,8 @@ def bench_decode(
       prompt_len: random prompt length per row.
       repeats: timed calls after the first (median reported).
       seed: prompt token seed.
+      sampler: the decode loop's sampler (default Greedy()); a ReSET without newline masks gets
+        all-false ones (the whole answer is one step).
 
     Returns:
       dict: batch, new_tokens, prompt_len, prefill_ms, prefill_first_call_s,
@@ -154,7 +157,10 @@ def bench_decode(
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-    sampler = sampling.Greedy()
+    sampler = sampling.Greedy() if sampler is None else sampler
+    if isinstance(sampler, sampling.ReSET) and sampler.nl_mask is None:
+        none = jnp.zeros((cfg.vocab_size,), bool)
+        sampler = dataclasses.replace(sampler, nl_mask=none, dnl_mask=none)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         jax.random.key(seed), jnp.arange(batch, dtype=jnp.uint32)
     )

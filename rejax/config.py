@@ -29,6 +29,10 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 # "live" (rejax.ops.decode_attention: reads only the slots written so far; a Pallas kernel on
 # CUDA). Opt-in until measured on the GPU.
 ATTENTIONS = ("einsum", "live")
+# W4A4 decoder linears: "fused" (rejax.ops.fused_linear: RMSNorm / SwiGLU, activation
+# quantization and the residual add in the GEMV's launch on CUDA; bitwise the unfused
+# composition elsewhere) or "unfused" (rejax.layers.linear after separate XLA ops).
+LINEAR_FUSIONS = ("fused", "unfused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Config:
     quant: str | None = None
     layer_loop: str = "auto"
     attention: str = "einsum"
+    linear_fusion: str = "fused"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -67,6 +72,10 @@ class Config:
             raise ValueError(f"unknown quant {self.quant!r}; expected one of {QUANT_MODES}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {self.attention!r}; expected one of {ATTENTIONS}")
+        if self.linear_fusion not in LINEAR_FUSIONS:
+            raise ValueError(
+                f"unknown linear_fusion {self.linear_fusion!r}; expected one of {LINEAR_FUSIONS}"
+            )
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(
                 f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"

@@ -23,6 +23,7 @@ from rejax.config import Config
 from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops.decode_attention import decode_attention
+from rejax.ops.fused_linear import fusable, fused_linear
 
 
 def decoder_layer(
@@ -64,8 +65,21 @@ def decoder_layer(
             amax[name] = jnp.max(jnp.abs(inp.astype(jnp.float32)))
         return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name))
 
-    hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
-    qkv = lin(hs, att, "qkv_proj")
+    # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
+    # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
+    fuse = (
+        cfg.linear_fusion == "fused"
+        and not with_amax
+        and x.dtype == jnp.bfloat16
+        and all(fusable(lw[blk][name], q_) for blk, name in rparams.LINEARS)
+    )
+    eps = cfg.rms_norm_eps
+    if fuse:
+        norm = lw["input_layernorm"]["scale"]
+        qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps)
+    else:
+        hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
+        qkv = lin(hs, att, "qkv_proj")
     q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
     k = qkv[..., n * h : (n + kh) * h].reshape(b, t, kh, h)  # [B, T, K, H]
     v = qkv[..., (n + kh) * h :].reshape(b, t, kh, h)  # [B, T, K, H]
@@ -87,6 +101,13 @@ def decoder_layer(
     else:
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
+    if fuse:
+        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x)
+        norm = lw["post_attention_layernorm"]["scale"]
+        gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
+                               eps=eps)  # fmt: skip
+        x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x)
+        return x, kv, amax
     x = x + lin(out, att, "o_proj")
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
     gate_up = lin(hs, mlp, "gate_up_proj")

@@ -109,13 +109,16 @@ class Temperature:
       top_p: nucleus mass in (0, 1] (scalar or [B]); 1.0 keeps every token.
       top_k: keep the tokens whose tempered logit is >= the k-th largest (ties at the k-th value
         kept, as vLLM does); 0 disables. Static.
+      top_p_method: one of `TOP_P_METHODS`, how the nucleus is found (same kept set). Static.
     """
 
     t: Any
     top_p: Any = 1.0
     top_k: int = dataclasses.field(default=0, metadata={"static": True})
+    top_p_method: str = dataclasses.field(default=TOP_P_METHOD, metadata={"static": True})
 
     def __post_init__(self):
+        _check_method(self.top_p_method)
         _check_value("Temperature.t", self.t, lambda v: v > 0, "t > 0 (t <= 1e-6 is greedy)")
         _check_value(
             "Temperature.top_p", self.top_p, lambda v: (v > 0) & (v <= 1), "0 < top_p <= 1"
@@ -139,6 +142,7 @@ class ReSET:
       include_current: False = reference semantics (current token excluded from the estimates);
         True = figure semantics (window H_{t-w+1..t}, in-step and running means include H_t).
         Static.
+      top_p_method: one of `TOP_P_METHODS`, how the nucleus is found (same kept set). Static.
     """
 
     t_high: Any = 1.0
@@ -149,8 +153,10 @@ class ReSET:
     dnl_mask: Any = None
     top_p: Any = 0.95
     include_current: bool = dataclasses.field(default=False, metadata={"static": True})
+    top_p_method: str = dataclasses.field(default=TOP_P_METHOD, metadata={"static": True})
 
     def __post_init__(self):
+        _check_method(self.top_p_method)
         _check_value("ReSET.t_high", self.t_high, lambda v: v >= 0, "t_high >= 0")
         _check_value("ReSET.t_low", self.t_low, lambda v: v >= 0, "t_low >= 0")
         _check_value("ReSET.tau_0", self.tau_0, np.isfinite, "a finite entropy in nats")
@@ -782,7 +788,7 @@ def sample(
     state: SamplerState,
     sampler: Sampler,
     *,
-    top_p_method: str = TOP_P_METHOD,
+    top_p_method: str | None = None,
     stats_method: str = STATS_METHOD,
 ) -> tuple[jax.Array, SamplerState, dict]:
     """Draw the next token of every row.
@@ -798,7 +804,8 @@ def sample(
       logits: [B, V] raw logits (cast to float32).
       state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
       sampler: Greedy(), Temperature(...) or ReSET(...).
-      top_p_method: one of `TOP_P_METHODS` (the same kept set; "topk" draws with other random
+      top_p_method: one of `TOP_P_METHODS`, overriding the sampler's own `top_p_method`
+        (None: the sampler's). (The same kept set; "topk" draws with other random
         numbers than "radix" and "sort" do, so tokens differ for the same key). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
@@ -809,6 +816,8 @@ def sample(
       "temperature": f32 [B] the temperature applied (0 for Greedy)}.
     """
     _check_sampler(sampler)
+    if top_p_method is None:
+        top_p_method = getattr(sampler, "top_p_method", TOP_P_METHOD)
     _check_method(top_p_method)
     if stats_method not in STATS_METHODS:
         raise ValueError(

@@ -1,0 +1,199 @@
+"""Fused NVFP4 decode linears (rejax/ops/fused_linear.py): the reference is the unfused
+composition bitwise, the fused decoder equals the unfused one, and the CUDA lowering emits one
+kernel launch per fused linear."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cuda_ops import nvfp4_gemv
+from rejax import layers, nvfp4, sampling
+from rejax import params as rparams
+from rejax.cache import init_cache
+from rejax.config import Config
+from rejax.decode import decode_step, prefill
+from rejax.ops import fused_linear as fl
+from rejax.params import init_params
+
+L, N, K = 3, 64, 256
+
+
+def _stacked(per_row: bool, key=0):
+    rng = np.random.default_rng(key)
+    ws = [jnp.asarray(rng.standard_normal((N, K)) * 0.05, jnp.float32) for _ in range(L)]
+    if per_row:  # two shards with their own global scales: one scale per output row
+        mats = [
+            nvfp4.concat_rows([nvfp4.quantize_weight(w[:40]), nvfp4.quantize_weight(3 * w[40:])])
+            for w in ws
+        ]
+        assert mats[0].per_row
+    else:
+        mats = [nvfp4.quantize_weight(w) for w in ws]
+    return nvfp4.stack(mats)
+
+
+def _bf16(a):
+    return jnp.asarray(a, jnp.float32).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+def test_reference_is_the_unfused_composition_bitwise(prologue, per_row, static):
+    rng = np.random.default_rng(1)
+    w = _stacked(per_row)
+    m = 3
+    width = 2 * K if prologue == "swiglu" else K
+    x = _bf16(rng.standard_normal((m, width)) * 2)
+    x = x.at[0, :16].set(0).at[1, 16:32].set(3e4)  # a zero block and a saturating one
+    norm = _bf16(1 + 0.1 * rng.standard_normal((L, K)))
+    res = _bf16(rng.standard_normal((m, N)))
+    scale = jnp.full((L,), 0.01, jnp.float32) if static else None
+    params = {"weight": w} | ({"input_scale": scale} if static else {})
+    i = jnp.int32(2)
+    got = jax.jit(
+        lambda x, r, i: fl.fused_linear(
+            x, params, layer=i, prologue=prologue, norm=norm, eps=1e-6, residual=r
+        )
+    )(x, res, i)
+
+    def unfused(x, r, i):
+        if prologue == "rmsnorm":
+            h = layers.rms_norm(x, layers.take(norm, i), 1e-6)
+        elif prologue == "swiglu":
+            h = layers.swiglu(x[:, :K], x[:, K:])
+        else:
+            h = x
+        return r + layers.linear(h, params, "nvfp4", layer=i)
+
+    want = jax.jit(unfused)(x, res, i)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_bad_arguments_are_refused():
+    w = _stacked(False)
+    x = _bf16(np.ones((2, K)))
+    with pytest.raises(ValueError, match="prologue="):
+        fl.fused_linear(x, {"weight": w}, layer=0, prologue="gelu")
+    with pytest.raises(ValueError, match="needs norm="):
+        fl.fused_linear(x, {"weight": w}, layer=0, prologue="rmsnorm")
+    with pytest.raises(ValueError, match="must end in 512"):
+        fl.fused_linear(x, {"weight": w}, layer=0, prologue="swiglu")
+    with pytest.raises(ValueError, match="residual.shape"):
+        fl.fused_linear(x, {"weight": w}, layer=0, residual=_bf16(np.ones((2, N + 1))))
+    with pytest.raises(ValueError, match="bfloat16"):
+        fl.fused_linear(x.astype(jnp.float32), {"weight": w}, layer=0)
+    with pytest.raises(ValueError, match="one input scale per matrix"):
+        fl.fused_linear(x, {"weight": w, "input_scale": jnp.ones((L, 2))}, layer=0)
+    with pytest.raises(ValueError, match="pass layer="):
+        fl.fused_linear(x, {"weight": w})
+
+
+def _decode_logits(params, steps=3):
+    cfg = params.cfg
+    b, p = 2, 5
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, p)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    cache = init_cache(cfg, b, p + steps, jnp.bfloat16)
+    logits, cache = prefill(params, tokens, positions, cache)
+    out = [np.asarray(logits)]
+    smp = sampling.Greedy()
+    st = sampling.sampler_init(smp, b)
+    keys = jax.random.split(jax.random.key(0), b)
+    pos = jnp.full((b,), p, jnp.int32)
+    for i in range(steps):
+        _tok, logits, cache, st, _info = decode_step(
+            params, logits, cache, pos, smp, st, keys, jnp.int32(i)
+        )
+        out.append(np.asarray(logits))
+        pos = pos + 1
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_fused_decoder_equals_unfused_bitwise(static):
+    """W4A4 decoder in bf16: prefill and decode-step logits with linear_fusion="fused" equal
+    "unfused" exactly on CPU (the fused reference is the composition)."""
+    params = init_params(Config(quant="nvfp4"), 7, jnp.bfloat16)
+    if static:
+        scale = jnp.full((params.cfg.num_layers,), 0.02, jnp.float32)
+        weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+        params = dataclasses.replace(params, weights=weights)
+    fused = _decode_logits(params)
+    unfused_cfg = dataclasses.replace(params.cfg, linear_fusion="unfused")
+    unfused = _decode_logits(dataclasses.replace(params, cfg=unfused_cfg))
+    assert np.isfinite(fused).all()
+    np.testing.assert_array_equal(fused, unfused)
+
+
+def test_config_refuses_unknown_fusion():
+    with pytest.raises(ValueError, match="linear_fusion"):
+        Config(linear_fusion="yes")
+
+
+# ----------------------------------------------------------------------------- CUDA lowering
+
+
+@pytest.fixture
+def stub_compiler(monkeypatch):
+    """NVRTC replaced by a stub that returns PTX with the requested entry, so the lowering is
+    checked without cuda-python; records the -D constants of every build."""
+    seen = []
+
+    def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
+        seen.append(defines)
+        if defines.get("X_BF16"):
+            entry, nparams = "nvfp4_gemv_w4a4_bf16", 9
+        elif defines["ACT_W4A4"]:
+            entry, nparams = "nvfp4_gemv_w4a4", 8
+        else:
+            entry, nparams = "nvfp4_gemv_w4a16", 6
+        params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
+        return f".version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }}\n"
+
+    monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake_compile)
+    nvfp4_gemv._build_cached.cache_clear()
+    yield seen
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+def test_decode_step_lowers_to_one_launch_per_fused_linear(stub_compiler):
+    """On CUDA each decoder layer's four W4A4 linears are four `nvfp4_gemv_w4a4_bf16` launches
+    (norms, SwiGLU, quantization and residuals inside them) and nothing else of them is a custom
+    call; the scanned body holds them once."""
+    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64)
+    params = rparams.init_params(cfg, 0, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+    b = 2
+    cache = init_cache(cfg, b, 8, jnp.bfloat16)
+    smp = sampling.Greedy()
+    args = (
+        params,
+        jnp.zeros((b, cfg.vocab_size), jnp.float32),
+        cache,
+        jnp.zeros((b,), jnp.int32),
+        smp,
+        sampling.sampler_init(smp, b),
+        jax.random.split(jax.random.key(0), b),
+        jnp.int32(0),
+    )
+    text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    entries = re.findall(r"name = \\22(\w+)\\22", text)
+    assert entries.count("nvfp4_gemv_w4a4_bf16") == 4, entries
+    assert "nvfp4_gemv_w4a4" not in entries  # no unfused launch left
+    pro = sorted((d["PRO"], d["EPI_RES"], d["NW_STACK"]) for d in stub_compiler)
+    # qkv and gate_up: rmsnorm (stacked norm weight), o: residual, down: swiglu + residual
+    assert pro == [(0, 1, 0), (1, 0, 1), (1, 0, 1), (2, 1, 0)], pro
+    unfused = dataclasses.replace(params, cfg=dataclasses.replace(cfg, linear_fusion="unfused"))
+    args = (unfused, *args[1:])
+    text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"name = \\22(\w+)\\22", text).count("nvfp4_gemv_w4a4") == 4
