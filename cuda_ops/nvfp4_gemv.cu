@@ -721,43 +721,52 @@ __device__ __forceinline__ u32 e2m1_mag(float a) {
          (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
 }
 
-// Quantizes the 32 elements [elem, elem + 32) of row m (two blocks): packed codes as the
-// activation codes buffer holds them (element 2j in the low nibble of byte j) and the two E4M3
-// scale bytes (first block in the low byte).
-__device__ __forceinline__ void quant_chunk(const XRows& xr, int m, int elem, uint4& codes,
-                                            u32& scales) {
-  float v[4][8];
-  float sf[2];
+// Quantizes 4 elements [e0, e0 + 4) of row m; the 4 consecutive lanes holding one 16-element
+// block (e0 % 16 = 4 * (lane % 4)) find its amax together with two shuffles, so a CTA quantizes
+// its x with 4 elements per thread per round (every lane of the warp must call it). Returns the
+// 4 codes in the low 16 bits (element e0 in the lowest nibble); `scale` gets the block's E4M3
+// byte.
+__device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale) {
+  float v[4];
+  {
+    const u16* p = xr.x + (size_t)m * X_COLS + e0;
+    const uint2 q = *(const uint2*)p;
+    v[0] = __uint_as_float(q.x << 16), v[1] = __uint_as_float(q.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(q.y << 16), v[3] = __uint_as_float(q.y & 0xFFFF0000u);
+    if constexpr (PRO == 1) {
+      const uint2 w = *(const uint2*)(xr.nw + e0);
+      const float wf[4] = {__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xFFFF0000u),
+                           __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xFFFF0000u)};
+      const float rs = xr.rs[m];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) pro_values8(v[i], xr, m, elem + 8 * i);
+      for (int j = 0; j < 4; ++j) v[j] = rbf16(wf[j] * rbf16(v[j] * rs));
+    } else if constexpr (PRO == 2) {
+      const uint2 u = *(const uint2*)(p + K_IN);
+      const float uf[4] = {__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
+                           __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u)};
 #pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) amax = fmaxf(amax, fabsf(v[2 * b + j / 8][j % 8]));
-    sf[b] = fminf(div_rn(div_rn(amax, 6.0f), xr.g[m]), 448.0f);  // >= 0: no lower clamp
-  }
-  u16 s16;  // E4M3 RNE of both block scales (first block in the low byte)
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(sf[1]), "f"(sf[0]));
-  scales = s16;
-  const float2 sfd = e4m3x2_to_float2(s16);
-  u32 words[4];
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    const float sd = b ? sfd.y : sfd.x;
-    const float os = sd > 0.f ? div_rn(xr.ig[m], sd) : 0.f;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      u32 w = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float s = fminf(fmaxf(v[2 * b + h][j] * os, -6.0f), 6.0f);
-        w |= (e2m1_mag(fabsf(s)) | (__float_as_uint(s) >> 31 << 3)) << (4 * j);
+      for (int j = 0; j < 4; ++j) {
+        const float sig = rbf16(1.0f / (1.0f + expf(-v[j])));  // jax.nn.sigmoid, bf16 out
+        v[j] = rbf16(rbf16(v[j] * sig) * uf[j]);                // silu(g) = g * sigmoid(g); * up
       }
-      words[2 * b + h] = w;
     }
   }
-  codes = make_uint4(words[0], words[1], words[2], words[3]);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const float sf = fminf(div_rn(div_rn(amax, 6.0f), xr.g[m]), 448.0f);  // >= 0: no lower clamp
+  u16 s16;  // E4M3 RNE in the low byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(0.0f), "f"(sf));
+  scale = s16 & 0xFFu;
+  const float sd = e4m3x2_to_float2(scale).x;
+  const float os = sd > 0.f ? div_rn(xr.ig[m], sd) : 0.f;
+  u32 c = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float t = fminf(fmaxf(v[j] * os, -6.0f), 6.0f);
+    c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
+  }
+  return c;
 }
 
 // y epilogue value: the GEMV's output, plus the residual (bf16 add) with EPI_RES
@@ -875,18 +884,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   // (while the first weight loads are in flight).
   auto stage = [&]() {
     row_stats(xr, xg, scratch);
-    for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
-      uint4 c;
+    for (int i = tid; i < M_TOK * K_IN / 4; i += NTHREADS) {  // full warps: K / 4 % 64 == 0
+      const int m = i / (K_IN / 4), e0 = (i % (K_IN / 4)) * 4;
       u32 sc;
-      quant_chunk(xr, i / (K_IN / 32), (i % (K_IN / 32)) * 32, c, sc);
-      uint4 lo, hi;
-      lo.x = act_to_s8(c.x), lo.y = act_to_s8(c.x >> 16), lo.z = act_to_s8(c.y);
-      lo.w = act_to_s8(c.y >> 16);
-      hi.x = act_to_s8(c.z), hi.y = act_to_s8(c.z >> 16), hi.z = act_to_s8(c.w);
-      hi.w = act_to_s8(c.w >> 16);
-      *(uint4*)(sx + (size_t)i * 32) = lo;
-      *(uint4*)(sx + (size_t)i * 32 + 16) = hi;
-      *(u16*)(ssf + (size_t)i * 2) = (u16)sc;
+      const u32 c = quant4(xr, m, e0, sc);
+      *(u32*)(sx + (size_t)m * K_IN + e0) = act_to_s8(c);
+      if ((i & 3) == 0) ssf[(size_t)m * (K_IN / 16) + e0 / 16] = (u8)sc;
     }
     __syncthreads();
   };
@@ -975,12 +978,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   u32 sw[CPL][R_ROWS];
   load_share(q, sw, wp, ws, sh, lane);
   row_stats(xr, xg, scratch);
-  for (int i = tid; i < M_TOK * K_IN / 32; i += NTHREADS) {
-    uint4 c;
+  for (int i = tid; i < M_TOK * K_IN / 4; i += NTHREADS) {  // full warps: K / 4 % 64 == 0
+    const int m = i / (K_IN / 4), e0 = (i % (K_IN / 4)) * 4;
     u32 sc;
-    quant_chunk(xr, i / (K_IN / 32), (i % (K_IN / 32)) * 32, c, sc);
-    *(uint4*)(sxq + (size_t)i * 16) = c;
-    *(u16*)(sxs + (size_t)i * 2) = (u16)sc;
+    const u32 c = quant4(xr, m, e0, sc);
+    *(u16*)(sxq + (size_t)m * (K_IN / 2) + e0 / 2) = (u16)c;
+    if ((i & 3) == 0) sxs[(size_t)m * (K_IN / 16) + e0 / 16] = (u8)sc;
   }
   __syncthreads();
 

@@ -11,8 +11,8 @@
 #   gemm     bf16 decode GEMMs fused vs split (qkv, gate_up), batch 1..64
 #   batch    8-layer decode at batch 16 and 64, bf16 vs NVFP4 (BATCH_ARGS)
 #   attn     decode-attention benchmark and its gpu tests (tests/test_decode_attention.py)
-#   fused    fused-linear gpu tests, then 8-layer NVFP4 fused vs unfused (FUSED_ARGS) and the
-#            36-layer bf16 / NVFP4 batch-1 speedup (FUSED36_ARGS)
+#   fused    8-layer NVFP4 fused vs unfused linears (FUSED_ARGS), then the fused-linear gpu tests
+#   fused36  36-layer bf16 / NVFP4 batch-1 speedup with the breakdown (FUSED36_ARGS)
 #   sampler  sampler micro-benchmark, then 36-layer decode loops per sampler (SAMPLER_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
@@ -81,8 +81,6 @@ for phase in $phases; do
       timeout ${ATTN_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_decode_attention.py \
         > "$out/attn_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$out/attn_tests.log";;
     fused)
-      timeout ${FUSED_TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
-        > "$out/fused_tests.log" 2>&1; echo "tests rc=$?"; tail -25 "$out/fused_tests.log"
       args=${FUSED_ARGS:---modes nvfp4 --layers 8 --batch 1 8 --gen-len 256 --repeats 3 --no-breakdown}
       for fu in unfused fused; do
         JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${FUSED_TIMEOUT:-200} \
@@ -90,6 +88,9 @@ for phase in $phases; do
           --out "$out/fused8_$fu.json" > "$out/fused8_$fu.log" 2>&1; echo "$fu rc=$?"
         grep "^\[\|FAIL" "$out/fused8_$fu.log"
       done
+      timeout ${FUSED_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
+        > "$out/fused_tests.log" 2>&1; echo "tests rc=$?"; tail -25 "$out/fused_tests.log";;
+    fused36)
       args=${FUSED36_ARGS:---batch 1 --gen-len 1024 --repeats 3}
       JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${FUSED36_TIMEOUT:-300} \
         python3 experiments/bench_decode.py $args --out "$out/fused36.json" \

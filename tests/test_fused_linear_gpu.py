@@ -96,7 +96,7 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
     )
     width = 2 * k if prologue == "swiglu" else k
     worst = []
-    for m in (1, 2, 5, 8):
+    for m in (1, 8):
         x = _x(m, width, _seed(n, k, m, prologue), scale=1.0)
         r = jax.random.normal(jax.random.key(m), (m, n), jnp.float32).astype(jnp.bfloat16)
         got = np.asarray(fused(x, r), np.float64)
