@@ -251,7 +251,7 @@ def main(argv=None) -> dict:
     )
     ap.add_argument(
         "--linear-fusion",
-        default="fused",
+        default=rconfig.Config.linear_fusion,
         choices=list(rconfig.LINEAR_FUSIONS),
         help="Config.linear_fusion",
     )

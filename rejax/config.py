@@ -29,9 +29,11 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 # "live" (rejax.ops.decode_attention: reads only the slots written so far; a Pallas kernel on
 # CUDA). Opt-in until measured on the GPU.
 ATTENTIONS = ("einsum", "live")
-# W4A4 decoder linears: "fused" (rejax.ops.fused_linear: RMSNorm / SwiGLU, activation
-# quantization and the residual add in the GEMV's launch on CUDA; bitwise the unfused
-# composition elsewhere) or "unfused" (rejax.layers.linear after separate XLA ops).
+# W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
+# SwiGLU / add ops) or "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
+# bitwise the unfused composition elsewhere). "fused" is opt-in: on the H200 it measured
+# slower (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because
+# every CTA redoes the prologue for all of x (experiments/DECODE_NOTES.md).
 LINEAR_FUSIONS = ("fused", "unfused")
 
 
@@ -63,7 +65,7 @@ class Config:
     quant: str | None = None
     layer_loop: str = "auto"
     attention: str = "einsum"
-    linear_fusion: str = "fused"
+    linear_fusion: str = "unfused"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():

@@ -52,8 +52,10 @@ from jax import lax
 
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
 TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
-TOP_P_METHOD = "radix"  # the default until the GPU timing of "topk" (its lax.cond reads a
-# predicate on the host every step) decides; experiments/bench_sampler.py times every method
+# The default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p costs
+# +80 us per step with "radix" and +415 us with "topk", whose lax.top_k over 152K entries is not
+# XLA's fast TopK path (experiments/results/decode_h200_b/README.md)
+TOP_P_METHOD = "radix"
 STATS_METHODS = ("two_pass", "online")  # how `sample` gets max, entropy, denominators
 STATS_METHOD = "two_pass"  # the default, until the GPU timing of "online" decides
 

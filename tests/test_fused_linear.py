@@ -121,7 +121,7 @@ def _decode_logits(params, steps=3):
 def test_fused_decoder_equals_unfused_bitwise(static):
     """W4A4 decoder in bf16: prefill and decode-step logits with linear_fusion="fused" equal
     "unfused" exactly on CPU (the fused reference is the composition)."""
-    params = init_params(Config(quant="nvfp4"), 7, jnp.bfloat16)
+    params = init_params(Config(quant="nvfp4", linear_fusion="fused"), 7, jnp.bfloat16)
     if static:
         scale = jnp.full((params.cfg.num_layers,), 0.02, jnp.float32)
         weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
@@ -168,7 +168,9 @@ def test_decode_step_lowers_to_one_launch_per_fused_linear(stub_compiler):
     """On CUDA each decoder layer's four W4A4 linears are four `nvfp4_gemv_w4a4_bf16` launches
     (norms, SwiGLU, quantization and residuals inside them) and nothing else of them is a custom
     call; the scanned body holds them once."""
-    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64)
+    cfg = Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="fused"
+    )
     params = rparams.init_params(cfg, 0, jnp.bfloat16)
     scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
     weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
