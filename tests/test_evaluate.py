@@ -352,7 +352,13 @@ def test_calibrate_tau0_and_write_calibration(params, tmp_path):
     # Teacher forcing reproduces the decode loop's entropies: the prompt tokens and the
     # position offsets match generate's.
     assert res["teacher_forced_max_abs_diff"] < 1e-3
-    assert res["sampler"] == {"kind": "Temperature", "t": 0.6, "top_p": 0.95, "top_k": 0}
+    assert res["sampler"] == {
+        "kind": "Temperature",
+        "t": 0.6,
+        "top_p": 0.95,
+        "top_k": 0,
+        "top_p_method": "radix",
+    }
 
     files = ev.write_calibration(tmp_path, res, res, quant="nvfp4", meta={"model": "x"})
     names = sorted(f.name for f in files)
