@@ -18,43 +18,21 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file
+try:  # torch is optional: the tests whose checkpoints transformers writes skip in `hf_model`
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+except ImportError:
+    torch = transformers = load_file = save_file = None
 
 from rejax.checkpoint import CheckpointFileNotFoundError, load, save
 from rejax.nvfp4 import Nvfp4Tensor, dequantize, quantize_weight
 
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-def _hf_model(arch: str, tied: bool, seed: int = 0):
-    torch.manual_seed(seed)
-    if arch == "qwen3":
-        cfg = transformers.Qwen3Config(**TINY, tie_word_embeddings=tied)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    else:
-        cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=tied)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    # Random (not init-default) norm scales and biases so every tensor is distinguishable.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    return model.eval()
 
 
 def _write_tokenizer(directory):
@@ -75,8 +53,9 @@ def _write_tokenizer(directory):
     return tok
 
 
-def _write_hf(directory, arch="qwen3", tied=False, shard=None, tokenizer=True, seed=0):
-    model = _hf_model(arch, tied, seed)
+def _write_hf(hf_model, directory, arch="qwen3", tied=False, shard=None, tokenizer=True, seed=0):
+    """Writes `hf_model(arch, tied, seed)` with transformers; returns its state dict."""
+    model = hf_model(arch, tied, seed)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     if tokenizer:
@@ -87,15 +66,15 @@ def _write_hf(directory, arch="qwen3", tied=False, shard=None, tokenizer=True, s
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
+def qwen3_dir(tmp_path_factory, hf_model):
     d = tmp_path_factory.mktemp("qwen3")
-    return d, _write_hf(d, "qwen3", tied=False)
+    return d, _write_hf(hf_model, d, "qwen3", tied=False)
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
+def qwen2_dir(tmp_path_factory, hf_model):
     d = tmp_path_factory.mktemp("qwen2")
-    return d, _write_hf(d, "qwen2", tied=True, seed=1)
+    return d, _write_hf(hf_model, d, "qwen2", tied=True, seed=1)
 
 
 def _copy(src, tmp_path, name="copy"):
@@ -214,8 +193,8 @@ def _np(x):
         ("qwen3", False, "40KB"),
     ],
 )
-def test_load_matches_torch_state_dict(tmp_path, arch, tied, shard):
-    state = _write_hf(tmp_path, arch, tied=tied, shard=shard)
+def test_load_matches_torch_state_dict(tmp_path, hf_model, arch, tied, shard):
+    state = _write_hf(hf_model, tmp_path, arch, tied=tied, shard=shard)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").exists()
         assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
@@ -247,8 +226,8 @@ def test_load_default_dtype_is_bf16(qwen3_dir):
     np.testing.assert_array_equal(_np(leaf).astype(np.float32), ref)
 
 
-def test_bf16_checkpoint_loads_bit_exact(tmp_path):
-    model = _hf_model("qwen3", tied=False).to(torch.bfloat16)
+def test_bf16_checkpoint_loads_bit_exact(tmp_path, hf_model):
+    model = hf_model("qwen3", False).to(torch.bfloat16)
     model.save_pretrained(tmp_path, safe_serialization=True)
     params = load(tmp_path)  # bf16 -> bf16: no rounding at all
     for name, tensor in model.state_dict().items():
@@ -631,8 +610,8 @@ def test_missing_files(qwen3_dir, tmp_path):
         load(d)
 
 
-def test_missing_shard(tmp_path):
-    _write_hf(tmp_path, shard="40KB", tokenizer=False)
+def test_missing_shard(tmp_path, hf_model):
+    _write_hf(hf_model, tmp_path, shard="40KB", tokenizer=False)
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(CheckpointFileNotFoundError, match=shard.name):

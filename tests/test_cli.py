@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_evaluate import PROBLEMS, write_tiny_checkpoint
 
 from rejax import cli
 
@@ -19,8 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cli"))
+def ckpt(chat_checkpoint):
+    return chat_checkpoint
 
 
 _LOADED: dict = {}
@@ -41,9 +40,9 @@ def cached_models(monkeypatch):
 
 
 @pytest.fixture
-def data(tmp_path):
+def data(tmp_path, math_problems):
     f = tmp_path / "problems.jsonl"
-    f.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    f.write_text("".join(json.dumps(p) + "\n" for p in math_problems))
     return f
 
 
@@ -241,7 +240,7 @@ def test_step_printer_splits_like_step_spans():
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_models):
+def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_models, math_problems):
     out, summary = tmp_path / "r" / "results.jsonl", tmp_path / "r" / "summary.json"
     # Same decode shapes as the calibration test below (2 rows, 8 tokens): one compilation.
     rc, stdout, err = _run(
@@ -269,7 +268,7 @@ def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_mode
     )
     assert rc == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == [p["problem"] for p in PROBLEMS]
+    assert [r["prompt"] for r in rows] == [p["problem"] for p in math_problems]
     assert all(len(r["responses"]) == len(r["correct"]) == 1 for r in rows)
     s = json.loads(summary.read_text())
     n_correct = sum(r["n_correct"] for r in rows)
@@ -390,13 +389,13 @@ def _spy(calls: list):
 
 
 def test_eval_and_calibrate_defaults_fit_the_models_context(
-    capsys, monkeypatch, ckpt, data, cached_models
+    capsys, monkeypatch, ckpt, data, cached_models, math_problems
 ):
     from rejax import evaluate as ev
 
     params = cli.load_model(str(ckpt), "nvfp4")
     limit = params.cfg.max_position_embeddings  # 512 < the eval / calibrate defaults
-    longest = max(len(ev.prompt_ids(params, p["problem"], chat=True)) for p in PROBLEMS)
+    longest = max(len(ev.prompt_ids(params, p["problem"], chat=True)) for p in math_problems)
     for command, target in (("eval", "evaluate"), ("calibrate", "calibrate_tau0")):
         calls: list = []
         monkeypatch.setattr(ev, target, _spy(calls))
