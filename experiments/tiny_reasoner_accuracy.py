@@ -46,6 +46,7 @@ import numpy as np
 from rejax import cli
 from rejax import evaluate as ev
 from rejax.data import tasks
+from rejax.text import has_chat_template
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("bf16_t0.6", "nvfp4_t0.6", "nvfp4_reset")
@@ -282,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"loading {args.model} as bf16 and nvfp4 (W4A4, dynamic activation scales)")
     bf16 = cli.load_model(args.model, "bf16")
     nvfp4 = cli.load_model(args.model, "nvfp4")
-    chat = ev.has_chat_template(nvfp4)
+    chat = has_chat_template(nvfp4)
     params = {"bf16_t0.6": bf16, "nvfp4_t0.6": nvfp4, "nvfp4_reset": nvfp4}
     val = tasks.split("validation", args.calib_problems + args.n_val_problems, seed=args.seed)
     test = tasks.split("test", args.n_problems, seed=args.seed)

@@ -1,7 +1,7 @@
 """Trains the tiny Qwen3 reasoning model shipped in rejax/data/tiny, and exports it.
 
 Steps: generate arithmetic problems (rejax.data.tasks), train a byte-level BPE tokenizer on
-them, train a Qwen3-architecture decoder (rejax.model.Model) with optax AdamW and a cosine
+them, train a Qwen3-architecture decoder (rejax.decoder.Model) with optax AdamW and a cosine
 schedule on the solution tokens, measure greedy accuracy on validation problems, and export a
 Hugging Face Qwen3 checkpoint (config.json, bf16 model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template, generation_config.json).
@@ -37,10 +37,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from rejax.model import Model, Params, init_params
 
 from rejax.config import Config
 from rejax.data import tasks
+from rejax.decoder import Model
+from rejax.params import Params, init_params
 
 # The shipped model. D, F and N*H are multiples of 256 so every decoder linear's input dim
 # suits the CUDA NVFP4 GEMV (K % 256 == 0); V is the tokenizer's size rounded up to 128.
@@ -284,9 +285,8 @@ def export(weights, cfg: Config, tok, out: Path) -> None:
     """Writes the HF Qwen3 checkpoint to `out` with rejax.checkpoint.save (bf16 safetensors,
     config.json, tokenizer.json, tokenizer_config.json with the chat template), then
     generation_config.json (sampling defaults T=0.6, top-p 0.95, no top-k)."""
-    from rejax.model import HostTokenizer
-
     from rejax.checkpoint import save
+    from rejax.text import HostTokenizer
 
     host = HostTokenizer(
         tok,

@@ -69,7 +69,8 @@ from rejax import nvfp4
 from rejax import params as rparams
 from rejax.config import Config, from_hf_config
 from rejax.nvfp4 import Nvfp4Tensor
-from rejax.params import HostTokenizer, Params
+from rejax.params import Params
+from rejax.text import HostTokenizer
 
 logger = logging.getLogger(__name__)
 

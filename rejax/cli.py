@@ -25,6 +25,7 @@ from pathlib import Path
 
 from rejax import evaluate as ev
 from rejax.config import PRESETS
+from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks
 
 TINY = "tiny"
 QUANTS = {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
@@ -325,7 +326,7 @@ def _add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 def _chat(args, params) -> bool:
     if args.chat is None:
-        return ev.has_chat_template(params)
+        return has_chat_template(params)
     return args.chat
 
 
@@ -401,9 +402,8 @@ class _StepPrinter:
         """Records one token; returns the finished step's line if this token ends a step."""
         self.entropy.append(entropy)
         self.temperature.append(temperature)
-        ends = bool(self.dnl[token]) or (
-            bool(self.nl[token]) and self.prev is not None and bool(self.nl[self.prev])
-        )
+        before = self.prev is not None and bool(self.nl[self.prev])
+        ends = ends_step(bool(self.nl[token]), bool(self.dnl[token]), before)
         self.prev = token
         return self.flush() if ends else None
 
@@ -475,7 +475,7 @@ def stream_response(
     if params.tokenizer is None or params.tokenizer.tokenizer is None:
         raise ValueError("the checkpoint has no tokenizer.json; `rejax generate` needs one")
     tok = params.tokenizer.tokenizer
-    nl, dnl = (np.asarray(m) for m in sampling.newline_masks(tok, params.cfg.vocab_size))
+    nl, dnl = (np.asarray(m) for m in newline_masks(tok, params.cfg.vocab_size))
     if isinstance(sampler, sampling.ReSET) and sampler.nl_mask is None:
         sampler = dataclasses.replace(sampler, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
     printer = _StepPrinter(nl, dnl, sampler)
@@ -572,7 +572,7 @@ def _cmd_generate(args) -> int:
     t0 = time.perf_counter()
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
-    ids = [ev.prompt_ids(params, p, chat=chat) for p in prompts]
+    ids = [encode_prompt(params, p, chat=chat) for p in prompts]
     max_new = _max_new_tokens(args.max_new_tokens, 512, params, ids)
     _err(
         f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}{source}; "
@@ -659,7 +659,7 @@ def _cmd_eval(args) -> int:
     sampler, source = _sampler(args, model_dir)
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
-    ids = [ev.prompt_ids(params, p["prompt"], chat=chat) for p in problems]
+    ids = [encode_prompt(params, p["prompt"], chat=chat) for p in problems]
     max_new = _max_new_tokens(args.max_new_tokens, 1024, params, ids)
     _err(
         f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}{source}; "
@@ -737,7 +737,7 @@ def _cmd_calibrate(args) -> int:
         raise ValueError(f"--n-problems {args.n_problems} but {source} holds {len(problems)}")
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
-    ids = [ev.prompt_ids(params, p["problem"], chat=chat) for p in problems[: args.n_problems]]
+    ids = [encode_prompt(params, p["problem"], chat=chat) for p in problems[: args.n_problems]]
     max_new = _max_new_tokens(args.max_new_tokens, 4096, params, ids)
     _err(
         f"# calibrating tau0 on {args.n_problems} problems from {source}: "
@@ -895,7 +895,7 @@ def _cmd_compare(args) -> int:
 
     import jax.numpy as jnp
 
-    from rejax import compare, sampling
+    from rejax import compare
 
     if args.out:
         check_output_path(args.out, "--out")
@@ -912,8 +912,8 @@ def _cmd_compare(args) -> int:
 
         args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
     chat = _chat(args, params)
-    ids = ev.prompt_ids(params, args.prompt, chat=chat)
-    nl, dnl = sampling.newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
+    ids = encode_prompt(params, args.prompt, chat=chat)
+    nl, dnl = newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
     reset = dataclasses.replace(reset, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
     _err(f"# compare {_model_line(args, params)}; {sampler_label(reset)}{source}")
     result = compare.compare(params, ids, steps=args.steps, reset=reset, repeats=args.repeats)

@@ -101,7 +101,7 @@ def compare(
     if steps <= 0 or repeats <= 0:
         raise ValueError(f"steps and repeats must be positive, got {steps=} {repeats=}")
     if reset.nl_mask is None or reset.dnl_mask is None:
-        raise ValueError("reset needs its newline masks (rejax.sampling.newline_masks)")
+        raise ValueError("reset needs its newline masks (rejax.text.newline_masks)")
     limit = params.cfg.max_position_embeddings
     if len(prompt) + steps > limit:
         raise ValueError(

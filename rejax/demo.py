@@ -35,6 +35,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
     from rejax import evaluate as ev
     from rejax.data import tasks
     from rejax.grading import grade
+    from rejax.text import has_chat_template
 
     t0 = time.perf_counter()
     if problem is None:
@@ -61,7 +62,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
         f"every decoder linear NVFP4 W4A4 (dynamic per-row activation scales)"
     )
     _banner(f"NVFP4 W4A4 + {cli.sampler_label(reset)}")
-    chat = ev.has_chat_template(params)
+    chat = has_chat_template(params)
     res = cli.stream_response(
         params,
         problem,

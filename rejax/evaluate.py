@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rejax.text import encode_prompt, has_chat_template
+
 # Official ReSET defaults (the official release): T_low 0.3, τ0 0.6349, T_high 1.0, w 32, top-p 0.95.
 DEFAULT_T_LOW = 0.3
 DEFAULT_TAU0 = 0.6349
@@ -570,57 +572,6 @@ def paired_difference_ci(correct_a, correct_b, *, confidence: float = 0.95) -> d
 
 
 # ----------------------------------------------------------------------------------------------
-# Prompts and step boundaries
-
-
-def prompt_ids(params, problem: str, *, chat: bool) -> list[int]:
-    """Token ids of one prompt exactly as `rejax.generate.generate` builds them.
-
-    chat=True renders one user message through the checkpoint's chat template
-    (`rejax.generate.render_chat`, no extra special tokens); chat=False encodes the raw text
-    with the tokenizer's own post-processing.
-    """
-    from rejax.generate import render_chat
-
-    if params.tokenizer is None or params.tokenizer.tokenizer is None:
-        raise ValueError("these params carry no tokenizer (the checkpoint needs tokenizer.json)")
-    tok = params.tokenizer.tokenizer
-    if chat:
-        return list(tok.encode(render_chat(params, problem), add_special_tokens=False).ids)
-    return list(tok.encode(problem).ids)
-
-
-def has_chat_template(params) -> bool:
-    """Whether the checkpoint carries a chat template (`chat=True` then works)."""
-    return params.tokenizer is not None and bool(params.tokenizer.chat_template)
-
-
-def step_spans(tokens: Sequence[int], nl_mask, dnl_mask) -> list[tuple[int, int]]:
-    """Splits a response into reasoning steps with ReSET's boundary rule (the paper's step rule).
-
-    A new step starts at position t iff token t-1 is a double-newline token, or tokens t-1 and
-    t-2 are both single-newline tokens; the boundary token belongs to the step it ends.
-
-    Args:
-      tokens: generated ids (prompt excluded).
-      nl_mask, dnl_mask: bool [V] masks from `rejax.sampling.newline_masks`.
-
-    Returns:
-      [(start, end)] half-open spans covering all tokens, in order.
-    """
-    nl, dnl = np.asarray(nl_mask), np.asarray(dnl_mask)
-    spans, start = [], 0
-    for t in range(1, len(tokens)):
-        prev, prev2 = tokens[t - 1], tokens[t - 2] if t >= 2 else None
-        if dnl[prev] or (nl[prev] and prev2 is not None and nl[prev2]):
-            spans.append((start, t))
-            start = t
-    if tokens:
-        spans.append((start, len(tokens)))
-    return spans
-
-
-# ----------------------------------------------------------------------------------------------
 # Evaluation
 
 
@@ -1011,7 +962,7 @@ def calibrate_tau0(
     if processed:
         seqs, spans = [], []
         for text, toks in zip(texts, gen.tokens):
-            ids = prompt_ids(params, text, chat=chat)
+            ids = encode_prompt(params, text, chat=chat)
             seqs.append(ids + list(toks))
             spans.append((len(ids) - 1, len(ids) - 1 + len(toks)))
         proc, diff = [], 0.0
@@ -1083,7 +1034,7 @@ def observation_stats(
 
     seqs, spans = [], []
     for i, p in enumerate(problems):
-        ids = prompt_ids(ref_params, p["problem"], chat=chat)
+        ids = encode_prompt(ref_params, p["problem"], chat=chat)
         for r in range(i * n, (i + 1) * n):
             seqs.append(ids + list(tokens[r]))
             # logits at position j predict token j + 1: the generated tokens are predicted

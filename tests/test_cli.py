@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from rejax import cli
+from rejax.text import encode_prompt, step_spans
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -225,7 +226,7 @@ def test_step_printer_splits_like_step_spans():
     lines = [printer.push(t, 0.5, float(x)) for t, x in zip(tokens, temps)]
     lines.append(printer.flush())
     ends = [i + 1 for i, line in enumerate(lines[:-1]) if line]
-    spans = ev.step_spans(tokens, nl, dnl)
+    spans = step_spans(tokens, nl, dnl)
     assert ends == [b for _, b in spans][: len(ends)]
     assert len([x for x in lines if x]) == len(spans)
     first = next(x for x in lines if x)
@@ -395,7 +396,7 @@ def test_eval_and_calibrate_defaults_fit_the_models_context(
 
     params = cli.load_model(str(ckpt), "nvfp4")
     limit = params.cfg.max_position_embeddings  # 512 < the eval / calibrate defaults
-    longest = max(len(ev.prompt_ids(params, p["problem"], chat=True)) for p in math_problems)
+    longest = max(len(encode_prompt(params, p["problem"], chat=True)) for p in math_problems)
     for command, target in (("eval", "evaluate"), ("calibrate", "calibrate_tau0")):
         calls: list = []
         monkeypatch.setattr(ev, target, _spy(calls))

@@ -9,6 +9,7 @@ import pytest
 
 from rejax import evaluate as ev
 from rejax import sampling
+from rejax.text import step_spans
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +200,9 @@ def test_step_spans_follow_the_reset_boundary_rule():
     nl[1], dnl[2] = True, True
     # tokens: a b \n\n c \n \n d \n e   (ids 3 4 2 5 1 1 6 1 7)
     tokens = [3, 4, 2, 5, 1, 1, 6, 1, 7]
-    assert ev.step_spans(tokens, nl, dnl) == [(0, 3), (3, 6), (6, 9)]
-    assert ev.step_spans([], nl, dnl) == []
-    assert ev.step_spans([2, 2], nl, dnl) == [(0, 1), (1, 2)]
+    assert step_spans(tokens, nl, dnl) == [(0, 3), (3, 6), (6, 9)]
+    assert step_spans([], nl, dnl) == []
+    assert step_spans([2, 2], nl, dnl) == [(0, 1), (1, 2)]
 
 
 def test_processed_entropy_hand_cases():

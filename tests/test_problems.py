@@ -313,7 +313,7 @@ def test_eval_reports_the_math_last_number_fallback(monkeypatch, capsys, tmp_pat
     fake = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=4096))
     monkeypatch.setattr(cli, "load_model", lambda spec, quant: fake)
     monkeypatch.setattr(cli, "_model_line", lambda args, params: "fake model")
-    monkeypatch.setattr(cli.ev, "prompt_ids", lambda params, problem, chat: [0] * 8)
+    monkeypatch.setattr(cli, "encode_prompt", lambda params, problem, chat: [0] * 8)
     summary = tmp_path / "summary.json"
     argv = ["eval", "--data", str(DATA / "aime_tiny.jsonl"), "--n", "2", "--no-chat"]
     rc = cli.main([*argv, "--sampler", "greedy", "--no-progress", "--summary", str(summary)])
