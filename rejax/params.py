@@ -23,8 +23,8 @@ before its cuBLAS call (measured on the H200: bf16 decode 2.1-2.5x slower, scann
 unrolled), so float linears keep one buffer per layer and the decoder unrolls its layer loop for
 them (rejax/decoder.py). A W4A4 linear may hold `input_scale` f32 [L] (static activation scale;
 [L, shards] when the shards' scales differ). The Hugging Face names
-(`model.layers.{i}.self_attn.q_proj`, ...) live only in rejax/checkpoint.py. Dimension letters:
-see rejax/config.py.
+(`model.layers.{i}.self_attn.q_proj`, ...) live only in rejax/checkpoint/names.py. Dimension
+letters: see rejax/config.py.
 """
 
 from __future__ import annotations

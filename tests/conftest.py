@@ -74,7 +74,7 @@ def _hf_model(arch: str, tie: bool = False, seed: int = 0):
 
 
 def _params_from_hf(model) -> Params:
-    """Test-local HF -> rejax mapping (the library's lives in rejax/checkpoint.py): per-layer
+    """Test-local HF -> rejax mapping (the library's lives in rejax/checkpoint/names.py): per-layer
     tensors stacked, q/k/v and gate/up rows concatenated, float linears one array per layer."""
     cfg = from_hf_config(model.config.to_dict())
     sd = {k: jnp.asarray(v.detach().numpy()) for k, v in model.state_dict().items()}

@@ -842,7 +842,7 @@ def test_loaded_logits_match_hf(which, request):
 
 
 def test_quantization_progress_bar(qwen3_dir, monkeypatch, capsys):
-    import rejax.checkpoint as ckpt
+    import rejax.checkpoint.reader as ckpt
 
     load(qwen3_dir[0], quant="nvfp4-w4a16")  # tiny model: no bar
     assert "quantizing" not in capsys.readouterr().err
