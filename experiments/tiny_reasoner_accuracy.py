@@ -3,7 +3,7 @@ plus the paper's observation statistics (claim (i): low-entropy tokens sampled o
 argmax).
 
 Protocol (the paper's recipe, §5, scaled to the tiny task):
-  1. tau0: `rejax.evaluate.calibrate_tau0` on the NVFP4 model, the first `--calib-problems`
+  1. tau0: `rejax.eval.calibrate_tau0` on the NVFP4 model, the first `--calib-problems`
      validation problems, T = 0.6 (the raw full-vocabulary entropy ReSET thresholds); the BF16
      model on the same problems for the comparison plot.
   2. T_low: chosen on the next `--n-val-problems` validation problems only, from `--t-low-grid`,
@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from rejax import cli
-from rejax import evaluate as ev
+from rejax import eval as ev
 from rejax.data import tasks
 from rejax.text import has_chat_template
 

@@ -256,8 +256,8 @@ def greedy_decode(
 
 
 def greedy_accuracy(weights, cfg, tok, problems: list[dict], max_len: int, stop_ids) -> dict:
-    """Greedy accuracy (rejax.grading.grade) on chat-formatted problems; a few samples kept."""
-    from rejax.grading import grade
+    """Greedy accuracy (rejax.eval.grading.grade) on chat-formatted problems; a few samples kept."""
+    from rejax.eval.grading import grade
 
     prompts = [tok.encode(tasks.chat_prompt(p["problem"])).ids for p in problems]
     gens = greedy_decode(weights, cfg, prompts, max_len, stop_ids)

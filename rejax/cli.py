@@ -6,7 +6,7 @@
     rejax bench [--model PATH|tiny | --preset NAME] [--quant Q] [--batch 1 8] [--out FILE]
     rejax compare [--model PATH|tiny] [--quant Q] [--steps N] [--out FILE]
 
-Every command is a front end over the library (`rejax.generate`, `rejax.evaluate`,
+Every command is a front end over the library (`rejax.generate`, `rejax.eval`,
 `rejax.bench`, `rejax.compare`). Bad input (a missing model or data file, malformed JSONL, a bad
 sampler spec, n <= 0, an unwritable output path, an option the chosen sampler does not use)
 exits with status 2 and one `rejax <command>: error: ...` line that names the value, before any
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from rejax import evaluate as ev
+from rejax import eval as ev
 from rejax.config import PRESETS
 from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks
 
@@ -563,8 +563,8 @@ def _read_prompts(args) -> list[str]:
 def _cmd_generate(args) -> int:
     import numpy as np
 
+    from rejax.eval.grading import extract_answer
     from rejax.generate import generate
-    from rejax.grading import extract_answer
 
     prompts = _read_prompts(args)
     model_dir = resolve_model(args.model)

@@ -32,9 +32,9 @@ def _banner(text: str) -> None:
 
 def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
     from rejax import cli
-    from rejax import evaluate as ev
+    from rejax import eval as ev
     from rejax.data import tasks
-    from rejax.grading import grade
+    from rejax.eval.grading import grade
     from rejax.text import has_chat_template
 
     t0 = time.perf_counter()
@@ -97,7 +97,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
 
 def _result_line(name, res, answer, grade) -> None:
     from rejax.cli import format_nats
-    from rejax.grading import extract_answer
+    from rejax.eval.grading import extract_answer
 
     got = extract_answer(res["text"])
     verdict = ""

@@ -214,7 +214,7 @@ def test_calibrate_needs_enough_problems(capsys, ckpt, data):
 
 
 def test_step_printer_splits_like_step_spans():
-    from rejax import evaluate as ev
+    from rejax import eval as ev
 
     nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
     nl[1], dnl[2] = True, True
@@ -340,7 +340,7 @@ def test_generate_streams_text_and_step_stats(capsys, ckpt, cached_models):
 
 
 def test_stream_response_matches_generate(ckpt, cached_models):
-    from rejax import evaluate as ev
+    from rejax import eval as ev
     from rejax.generate import generate
 
     params = cli.load_model(str(ckpt), "nvfp4")
@@ -392,7 +392,7 @@ def _spy(calls: list):
 def test_eval_and_calibrate_defaults_fit_the_models_context(
     capsys, monkeypatch, ckpt, data, cached_models, math_problems
 ):
-    from rejax import evaluate as ev
+    from rejax import eval as ev
 
     params = cli.load_model(str(ckpt), "nvfp4")
     limit = params.cfg.max_position_embeddings  # 512 < the eval / calibrate defaults
@@ -501,7 +501,7 @@ def test_readme_api_tour_names_resolve():
 
 
 def test_step_printer_shows_small_entropies():
-    from rejax import evaluate as ev
+    from rejax import eval as ev
 
     nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
     dnl[2] = True
@@ -550,7 +550,7 @@ def test_read_prompts_from_lines_and_jsonl(tmp_path):
 
 
 def test_generate_prompts_file_n_and_json(capsys, tmp_path, ckpt, cached_models):
-    from rejax import evaluate as ev
+    from rejax import eval as ev
     from rejax.generate import generate
 
     f = tmp_path / "prompts.jsonl"

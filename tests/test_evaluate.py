@@ -1,4 +1,4 @@
-"""Tests for rejax.evaluate: problem files, sampler specs, avg@n CIs, step spans, processed
+"""Tests for rejax.eval: problem files, sampler specs, avg@n CIs, step spans, processed
 entropy, and eval / calibration / observation statistics on a tiny random checkpoint."""
 
 import json
@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from rejax import evaluate as ev
+from rejax import eval as ev
 from rejax import sampling
+from rejax.eval.forcing import entropy_np
 from rejax.text import step_spans
 
 
@@ -207,7 +208,7 @@ def test_step_spans_follow_the_reset_boundary_rule():
 
 def test_processed_entropy_hand_cases():
     z = np.log(np.array([[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]]))
-    raw = ev._entropy_np(z)
+    raw = entropy_np(z)
     assert raw[0] == pytest.approx(math.log(4), rel=1e-6)
     np.testing.assert_allclose(ev.processed_entropy(z, 1.0), raw, rtol=1e-6)
     # Uniform over 4, top-p 0.5: ascending cumsum 0.25, 0.5 <= 0.5 are dropped -> 2 tokens left.
@@ -228,7 +229,7 @@ def test_evaluate_end_to_end_grades_and_is_deterministic(params, math_problems):
     )
     assert res.correct.shape == (3, 2)
     assert len(res.records) == 3 and len(res.tokens) == 6
-    from rejax.grading import extract_answer, grade
+    from rejax.eval.grading import extract_answer, grade
 
     for rec, ok in zip(res.records, res.correct):
         assert rec["correct"] == list(ok)
