@@ -10,7 +10,7 @@ import numpy as np
 
 from rejax import sampling
 
-# Official ReSET defaults (the official release): T_low 0.3, τ0 0.6349, T_high 1.0, w 32, top-p 0.95.
+# The official ReSET defaults: T_low 0.3, τ0 0.6349, T_high 1.0, w 32, top-p 0.95.
 DEFAULT_T_LOW = 0.3
 DEFAULT_TAU0 = 0.6349
 DEFAULT_T_HIGH = 1.0

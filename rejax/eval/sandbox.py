@@ -255,8 +255,8 @@ def _warn_root() -> None:
     if not _warned_root:
         _warned_root = True
         warnings.warn(
-            "rejax.eval.sandbox: running as root and the interpreter is not readable by 'nobody', so "
-            "programs keep root's rights (they may raise their own limits and the process limit "
+            "rejax.eval.sandbox: running as root and the interpreter is not readable by 'nobody', "
+            "so programs keep root's rights (they may raise their own limits and the process limit "
             "does not apply); run the grader as an unprivileged user",
             RuntimeWarning,
             stacklevel=3,
