@@ -13,9 +13,7 @@ from rejax.generate import logits as full_logits
 # Teacher forcing
 
 
-def teacher_forced_logits(
-    params, sequences: Sequence[Sequence[int]], *, max_elems: int = 1 << 27
-):
+def teacher_forced_logits(params, sequences: Sequence[Sequence[int]], *, max_elems: int = 1 << 27):
     """Yields float32 logits [T_i, V] for each token sequence, computed in padded batches.
 
     Sequences are right-padded (causal attention keeps padding out of earlier positions) to a
