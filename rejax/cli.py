@@ -16,15 +16,26 @@ generation starts (set REJAX_TRACEBACK=1 to get the traceback instead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rejax import bench, compare, sampling
 from rejax import eval as ev
+from rejax.checkpoint import load
 from rejax.config import PRESETS
+from rejax.data import tasks
+from rejax.eval.grading import extract_answer
+from rejax.generate import generate
 from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks
 
 TINY = "tiny"
@@ -74,9 +85,6 @@ def resolve_model(spec: str) -> Path:
 
 def load_model(spec: str, quant: str):
     """Loads `--model` with `--quant` (bf16 | nvfp4 | nvfp4-w4a16) through `rejax.load`."""
-    import logging
-
-    from rejax.checkpoint import load
 
     path = resolve_model(spec)
     log = logging.getLogger("rejax.checkpoint")
@@ -344,21 +352,15 @@ def _model_line(args, params) -> str:
 
 
 def _leaves(tree):
-    import jax
-
     return jax.tree_util.tree_leaves(tree)
 
 
 def _jax_paths(tree) -> list[str]:
-    import jax
-
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def sampler_label(sampler) -> str:
     """A short human-readable description of a sampler."""
-    from rejax import sampling
-
     if isinstance(sampler, sampling.Greedy):
         return "greedy"
     if isinstance(sampler, sampling.Temperature):
@@ -390,8 +392,6 @@ class _StepPrinter:
     """Tracks step boundaries while streaming and formats one summary line per step."""
 
     def __init__(self, nl, dnl, sampler):
-        from rejax import sampling
-
         self.nl, self.dnl = nl, dnl
         self.reset = isinstance(sampler, sampling.ReSET)
         self.t_low = float(sampler.t_low) if self.reset else None
@@ -410,8 +410,6 @@ class _StepPrinter:
     def flush(self) -> str | None:
         if not self.entropy:
             return None
-        import numpy as np
-
         h = np.asarray(self.entropy)
         t = np.asarray(self.temperature, np.float32)
         line = (
@@ -462,13 +460,6 @@ def stream_response(
       dict with `text`, `tokens`, `entropy`, `temperature`, `finish_reason`, `seconds`,
       `first_token_s` (includes compilation).
     """
-    import dataclasses
-
-    import jax.numpy as jnp
-    import numpy as np
-
-    from rejax import sampling
-    from rejax.generate import generate
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -561,10 +552,6 @@ def _read_prompts(args) -> list[str]:
 
 
 def _cmd_generate(args) -> int:
-    import numpy as np
-
-    from rejax.eval.grading import extract_answer
-    from rejax.generate import generate
 
     prompts = _read_prompts(args)
     model_dir = resolve_model(args.model)
@@ -640,14 +627,6 @@ def _cmd_generate(args) -> int:
 # eval
 
 
-def _versions() -> dict:
-    import jax
-
-    from rejax import __version__
-
-    return {"rejax": __version__, "jax": jax.__version__, "backend": jax.default_backend()}
-
-
 def _cmd_eval(args) -> int:
     model_dir = resolve_model(args.model)
     for flag in ("out", "summary"):
@@ -680,7 +659,11 @@ def _cmd_eval(args) -> int:
         timeout_s=args.timeout,
     )
     summary = dict(
-        res.summary, model=args.model, quant=args.quant, data=str(args.data), versions=_versions()
+        res.summary,
+        model=args.model,
+        quant=args.quant,
+        data=str(args.data),
+        versions=bench.versions(),
     )
     if args.out:
         ev.write_jsonl(args.out, res.records)
@@ -717,8 +700,6 @@ def _cmd_eval(args) -> int:
 
 
 def _default_calibration_problems(n: int) -> list[dict]:
-    from rejax.data import tasks
-
     return tasks.split("validation", n)
 
 
@@ -764,7 +745,7 @@ def _cmd_calibrate(args) -> int:
             key=args.seed,
             chat=chat,
         )
-    meta = {"model": args.model, "data": source, "versions": _versions()}
+    meta = {"model": args.model, "data": source, "versions": bench.versions()}
     files = ev.write_calibration(
         args.out, res, ref, quant=args.quant, meta=meta, prefix=args.prefix
     )
@@ -815,9 +796,6 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    import dataclasses
-
-    from rejax import bench
 
     if args.out:
         check_output_path(args.out, "--out")
@@ -891,11 +869,6 @@ def _write_json(path, value: dict) -> None:
 
 
 def _cmd_compare(args) -> int:
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from rejax import compare
 
     if args.out:
         check_output_path(args.out, "--out")
@@ -908,8 +881,6 @@ def _cmd_compare(args) -> int:
     if params.tokenizer is None or params.tokenizer.tokenizer is None:
         raise ValueError(f"{args.model!r} has no tokenizer.json; `rejax compare` needs one")
     if args.prompt is None:
-        from rejax.data import tasks
-
         args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
     chat = _chat(args, params)
     ids = encode_prompt(params, args.prompt, chat=chat)
@@ -918,8 +889,6 @@ def _cmd_compare(args) -> int:
     _err(f"# compare {_model_line(args, params)}; {sampler_label(reset)}{source}")
     result = compare.compare(params, ids, steps=args.steps, reset=reset, repeats=args.repeats)
     result = dict(result, model=args.model, prompt=args.prompt, chat=chat)
-    from rejax import bench
-
     result["versions"] = bench.versions()
     print(compare.format_table(result))
     if args.out:

@@ -2,7 +2,6 @@
 errors for bad input, and generate / eval / calibrate end to end on a tiny random checkpoint."""
 
 import argparse
-import importlib
 import io
 import json
 import re
@@ -422,7 +421,7 @@ def test_generate_rejects_an_empty_prompt(capsys, monkeypatch, prompt):
 def test_generate_reads_stdin_and_streams_through_rejax_generate(monkeypatch, ckpt, cached_models):
     monkeypatch.setattr("sys.stdin", io.StringIO("Evaluate 3 + 4.\n"))
     calls: list = []
-    monkeypatch.setattr(importlib.import_module("rejax.generate"), "generate", _spy(calls))
+    monkeypatch.setattr(cli, "generate", _spy(calls))
     with pytest.raises(_Stop):
         cli.main(["generate", "--model", str(ckpt), "--max-new-tokens", "5", "-"])
     ((args, kwargs),) = calls

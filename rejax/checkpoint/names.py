@@ -13,15 +13,6 @@ from rejax import params as rparams
 from rejax.checkpoint.files import FLOAT_TAGS
 from rejax.config import Config
 
-_LINEARS = (
-    ("self_attn", "q_proj"),
-    ("self_attn", "k_proj"),
-    ("self_attn", "v_proj"),
-    ("self_attn", "o_proj"),
-    ("mlp", "gate_proj"),
-    ("mlp", "up_proj"),
-    ("mlp", "down_proj"),
-)
 # Buffers some exporters write that carry no weights (recomputed from the config).
 HARMLESS = re.compile(r"^(model\.)?(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq$")
 # FP8 KV-cache scales from ModelOpt exports with kv_cache_quant_algo=FP8.
@@ -36,9 +27,8 @@ class Linear:
     """One HF linear: shard `shard` of layer `layer`'s fused linear `fused` in rejax."""
 
     hf: str  # HF module prefix, e.g. "model.layers.0.self_attn.q_proj"
-    path: tuple[
-        str, ...
-    ]  # path of the fused, stacked linear, e.g. ("layers", "self_attn", "qkv_proj")
+    # path of the fused, stacked linear, e.g. ("layers", "self_attn", "qkv_proj")
+    path: tuple[str, ...]
     layer: int
     shard: int
     shape: tuple[int, int]  # (N_out, K_in) of this shard, HF layout
