@@ -35,8 +35,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,6 +43,7 @@ import numpy as np
 
 from rejax import cli
 from rejax import eval as ev
+from rejax.bench import versions
 from rejax.data import tasks
 from rejax.text import has_chat_template
 
@@ -62,40 +61,10 @@ def _log(msg: str) -> None:
     print(f"[{stamp}] {msg}", flush=True)
 
 
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _environment() -> dict:
     import jax
 
-    try:
-        import jaxlib
-
-        jaxlib_version = jaxlib.__version__
-    except ImportError:
-        jaxlib_version = None
-    dev = jax.devices()[0]
-    return {
-        "git_sha": _git_sha(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib_version,
-        "backend": jax.default_backend(),
-        "device": getattr(dev, "device_kind", str(dev)),
-        "device_count": jax.device_count(),
-        "cpu_count": os.cpu_count(),
-    }
+    return dict(versions(), device_count=jax.device_count(), cpu_count=os.cpu_count())
 
 
 def _weights_sha256(path: Path) -> dict:

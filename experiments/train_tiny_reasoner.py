@@ -29,7 +29,6 @@ import math
 import multiprocessing
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rejax.bench import versions
 from rejax.config import Config
 from rejax.data import tasks
 from rejax.decoder import Model
@@ -332,19 +332,6 @@ def _plot(history: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 # ----------------------------------------------------------------------------------------------
 
 
@@ -485,7 +472,7 @@ def main(argv=None) -> dict:
     export(weights, cfg, tok, export_dir)
     size = (export_dir / "model.safetensors").stat().st_size
     metrics = {
-        "git_sha": _git_sha(),
+        "git_sha": versions()["git_sha"],
         # Output folders are left out: they are machine paths and do not affect the result.
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "export")},
         "config": dataclasses.asdict(cfg),
