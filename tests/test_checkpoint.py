@@ -327,7 +327,8 @@ def _modelopt_quantize(w: torch.Tensor):
 def _write_modelopt(
     directory, src_dir, *, exclude=("lm_head",), scalar_shape=(), algo="NVFP4", seed=0
 ):
-    """Writes a ModelOpt NVFP4 checkpoint of the float model in `src_dir` (format of PAPER §2).
+    """Writes a ModelOpt NVFP4 checkpoint of the float model in `src_dir` (the format that
+    rejax.checkpoint's docstring describes).
 
     Returns {hf tensor name: torch tensor} as written, and {linear prefix: ModelOpt QTensor}.
     """

@@ -11,7 +11,7 @@ from rejax.eval.forcing import entropy_np, teacher_forced_logits
 from rejax.text import encode_prompt, has_chat_template
 
 # ----------------------------------------------------------------------------------------------
-# Observation statistics (PAPER claim (i))
+# Observation statistics (the paper's claim (i))
 
 
 OBSERVATION_SETS = ("all", "low", "high", "low_symbolic")
