@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from rejax import sampling
 from rejax.cache import init_cache
@@ -199,8 +200,6 @@ def generate(
     show = report is None and (len(batches) > 1 if progress is None else bool(progress))
     it = enumerate(batches)
     if show:
-        from tqdm.auto import tqdm
-
         it = tqdm(it, total=len(batches), desc="generate", unit="batch")
     rows: list[tuple] = []
     for j, batch in it:

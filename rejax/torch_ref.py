@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from rejax import params as rparams
-from rejax.nvfp4 import BLOCK
+from rejax.nvfp4 import BLOCK, Nvfp4Tensor
 
 E2M1_VALUES = (
     0.0,
@@ -83,7 +83,6 @@ def torch_weights(params) -> dict:
 
     An Nvfp4Tensor becomes {"packed", "scales", "global_scale", "shape"}.
     """
-    from rejax.nvfp4 import Nvfp4Tensor
 
     def convert(node):
         if isinstance(node, dict):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, TensorSpec, safe_open, serialize_file
 
 # safetensors dtype tag <-> numpy dtype (bf16 / fp8 through ml_dtypes).
 _ST_DTYPES = {
@@ -51,8 +52,6 @@ class _SafetensorsFile:
     """
 
     def __init__(self, path: Path):
-        from safetensors import SafetensorError, safe_open
-
         self.path = path
         try:
             with safe_open(str(path), framework="np") as f:  # validates header and file size
@@ -166,8 +165,6 @@ class TensorSource:
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    from safetensors import TensorSpec, serialize_file
-
     # np.ascontiguousarray would turn 0-d scalars into shape [1]; keep [] as written.
     arrays = {k: v if v.flags.c_contiguous else v.copy(order="C") for k, v in tensors.items()}
     specs = {

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from rejax import nvfp4
 from rejax import params as rparams
@@ -172,8 +173,6 @@ def _check_tied_head(source: TensorSource, cfg: Config) -> None:
 
 
 def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) -> None:
-    from tqdm.auto import tqdm
-
     groups = fused_groups(cfg)
     total = sum(lin.shape[0] * lin.shape[1] for lin in linears(cfg))
     if quantize:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from rejax.checkpoint.files import read_json, write_json
 from rejax.text import HostTokenizer
 
@@ -22,8 +24,6 @@ def load_tokenizer(directory: Path) -> HostTokenizer | None:
     tok_path = directory / "tokenizer.json"
     if not tok_path.exists():
         return None
-    from tokenizers import Tokenizer
-
     try:
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as e:  # the tokenizers library raises a bare Exception on bad files

@@ -10,7 +10,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from rejax import nvfp4
+from rejax import __version__, nvfp4
 from rejax import params as rparams
 from rejax.checkpoint.files import DTYPE_NAMES, write_json, write_safetensors
 from rejax.checkpoint.modelopt import MODES_TO_ALGO
@@ -57,7 +57,7 @@ def save(params: Params, path: str | os.PathLike, *, max_shard_bytes: int | None
     if cfg.quant is not None:
         dynamic = cfg.quant == "nvfp4" and not any(n.endswith(".input_scale") for n in tensors)
         quant_file = {
-            "producer": {"name": "rejax", "version": _version()},
+            "producer": {"name": "rejax", "version": __version__},
             "quantization": {
                 "quant_algo": MODES_TO_ALGO[cfg.quant],
                 "kv_cache_quant_algo": None,
@@ -82,12 +82,6 @@ def save(params: Params, path: str | os.PathLike, *, max_shard_bytes: int | None
         write_json(directory / "generation_config.json", unhashable(params.generation_config))
     if params.tokenizer is not None:
         save_tokenizer(params.tokenizer, directory)
-
-
-def _version() -> str:
-    from rejax import __version__
-
-    return __version__
 
 
 def _to_hf_tensors(params: Params) -> tuple[dict[str, np.ndarray], list[str]]:

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -227,8 +228,6 @@ def run_program(
 
 
 def _nobody() -> tuple[int, int]:
-    import pwd
-
     try:
         entry = pwd.getpwnam("nobody")
         return entry.pw_uid, entry.pw_gid
