@@ -143,13 +143,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, quant_default: str = "nvfp4")
     )
 
 
-def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "reset") -> None:
-    p.add_argument(
-        "--sampler",
-        default=sampler_default,
-        metavar="SPEC",
-        help=f"greedy | temp:T (e.g. temp:0.6) | reset (default: {sampler_default})",
-    )
+def _add_reset_threshold_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--t-low",
         type=_float,
@@ -165,6 +159,16 @@ def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "res
         help=f"ReSET confident-step entropy threshold in nats (default: the model's "
         f"{RESET_FILE}, else {ev.DEFAULT_TAU0}; see `rejax calibrate`)",
     )
+
+
+def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "reset") -> None:
+    p.add_argument(
+        "--sampler",
+        default=sampler_default,
+        metavar="SPEC",
+        help=f"greedy | temp:T (e.g. temp:0.6) | reset (default: {sampler_default})",
+    )
+    _add_reset_threshold_args(p)
     p.add_argument(
         "--t-high",
         type=_float,
@@ -1203,20 +1207,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="greedy trace length (default: 32)",
     )
-    k.add_argument(
-        "--t-low",
-        type=_float,
-        default=None,
-        metavar="X",
-        help=f"ReSET T_low (default: the model's {RESET_FILE}, else {ev.DEFAULT_T_LOW})",
-    )
-    k.add_argument(
-        "--tau0",
-        type=_float,
-        default=None,
-        metavar="X",
-        help=f"ReSET tau0 in nats (default: the model's {RESET_FILE}, else {ev.DEFAULT_TAU0})",
-    )
+    _add_reset_threshold_args(k)
     k.add_argument(
         "--repeats",
         type=_positive_int,
