@@ -25,7 +25,7 @@ import numpy as np
 
 from rejax import cli, nvfp4, sampling
 from rejax import eval as ev
-from rejax.cli import bundled_model_dir, format_nats
+from rejax.cli import format_nats
 from rejax.data import tasks
 from rejax.eval.grading import extract_answer, grade
 from rejax.text import has_chat_template
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--problem", default=None, help="a problem text (default: one test problem)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
     args = p.parse_args(argv)
-    if (bundled_model_dir() / "config.json").is_file():
+    if (cli.bundled_model_dir() / "config.json").is_file():
         run_model_demo(short=args.short, problem=args.problem, seed=args.seed)
     else:
         run_fallback_demo(seed=args.seed)
