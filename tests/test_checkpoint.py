@@ -25,8 +25,13 @@ try:  # torch is optional: the tests whose checkpoints transformers writes skip 
 except ImportError:
     torch = transformers = load_file = save_file = None
 
+import rejax
+import rejax.checkpoint.reader as ckpt
 from rejax.checkpoint import CheckpointFileNotFoundError, load, save
+from rejax.config import Config
+from rejax.generate import logits
 from rejax.nvfp4 import Nvfp4Tensor, dequantize, quantize_weight
+from rejax.params import init_params
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
@@ -828,8 +833,6 @@ def test_qwen3_attention_bias_refused(qwen3_dir, tmp_path):
 @pytest.mark.parametrize("which", ["qwen3_dir", "qwen2_dir"])
 def test_loaded_logits_match_hf(which, request):
     """Logits of a loaded checkpoint equal transformers' (fp32, max rel diff <= 1e-4)."""
-    from rejax.generate import logits
-
     directory, _ = request.getfixturevalue(which)
     params = load(directory, dtype=jnp.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -843,8 +846,6 @@ def test_loaded_logits_match_hf(which, request):
 
 
 def test_quantization_progress_bar(qwen3_dir, monkeypatch, capsys):
-    import rejax.checkpoint.reader as ckpt
-
     load(qwen3_dir[0], quant="nvfp4-w4a16")  # tiny model: no bar
     assert "quantizing" not in capsys.readouterr().err
     monkeypatch.setattr(ckpt, "_PROGRESS_MIN_PARAMS", 0)
@@ -856,9 +857,6 @@ def test_quantization_progress_bar(qwen3_dir, monkeypatch, capsys):
 @pytest.mark.parametrize("quant", [None, "nvfp4"])
 def test_save_init_params_round_trip(tmp_path, quant):
     """Params built by the decoder (`init_params`) save and load back unchanged."""
-    from rejax.config import Config
-    from rejax.params import init_params
-
     cfg = Config(arch="qwen2", attention_bias=True, eos_token_ids=(5, 6), bos_token_id=1)
     cfg = dataclasses.replace(cfg, quant=quant)
     params = init_params(cfg, 0)
@@ -873,9 +871,6 @@ def test_generate_on_loaded_checkpoints(kind, qwen3_dir, modelopt_dir):
     its tokens, in the vocabulary, with finite entropies; sampled rows are the same for the same
     key and differ for another key; the greedy first token is the argmax of `logits` on the
     prompt."""
-    import rejax
-    from rejax.generate import logits
-
     if kind == "bf16":
         params = load(qwen3_dir[0])
     elif kind == "quantized_on_load":

@@ -11,7 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rejax import cli
+import rejax
+from rejax import cli, demo, torch_ref
+from rejax import eval as ev
+from rejax.decode import decode_step, prefill
+from rejax.generate import generate
 from rejax.text import encode_prompt, step_spans
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,8 +217,6 @@ def test_calibrate_needs_enough_problems(capsys, ckpt, data):
 
 
 def test_step_printer_splits_like_step_spans():
-    from rejax import eval as ev
-
     nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
     nl[1], dnl[2] = True, True
     rng = np.random.default_rng(0)
@@ -339,9 +341,6 @@ def test_generate_streams_text_and_step_stats(capsys, ckpt, cached_models):
 
 
 def test_stream_response_matches_generate(ckpt, cached_models):
-    from rejax import eval as ev
-    from rejax.generate import generate
-
     params = cli.load_model(str(ckpt), "nvfp4")
     sampler = ev.parse_sampler("reset", tau0=4.0)
     buf = io.StringIO()
@@ -363,8 +362,6 @@ def test_stream_response_matches_generate(ckpt, cached_models):
 
 
 def test_demo_fallback_without_bundled_model(capsys, monkeypatch, tmp_path):
-    from rejax import demo
-
     monkeypatch.setattr(cli, "bundled_model_dir", lambda: tmp_path / "absent")
     assert demo.main([]) == 0
     out = capsys.readouterr().out
@@ -391,8 +388,6 @@ def _spy(calls: list):
 def test_eval_and_calibrate_defaults_fit_the_models_context(
     capsys, monkeypatch, ckpt, data, cached_models, math_problems
 ):
-    from rejax import eval as ev
-
     params = cli.load_model(str(ckpt), "nvfp4")
     limit = params.cfg.max_position_embeddings  # 512 < the eval / calibrate defaults
     longest = max(len(encode_prompt(params, p["problem"], chat=True)) for p in math_problems)
@@ -431,8 +426,6 @@ def test_generate_reads_stdin_and_streams_through_rejax_generate(monkeypatch, ck
 
 
 def test_bf16_on_an_nvfp4_checkpoint_is_refused(capsys, tmp_path, ckpt, cached_models):
-    import rejax
-
     nvfp4 = tmp_path / "nvfp4"
     rejax.save(cli.load_model(str(ckpt), "nvfp4"), nvfp4)
     rc, _, err = _run(capsys, "generate", "--model", nvfp4, "--quant", "bf16", "hi")
@@ -487,12 +480,8 @@ def test_readme_api_tour_names_resolve():
     # `rejax.generate` is the function, so `rejax.generate.prefill` is an AttributeError.
     assert "`rejax.generate.prefill`" not in readme
     assert "`rejax.decode.prefill` and `decode_step`" in readme
-    from rejax.decode import decode_step, prefill
-
     assert callable(prefill) and callable(decode_step)
     assert "from rejax import torch_ref" in readme
-    from rejax import torch_ref
-
     assert callable(torch_ref.forward)
     assert "per-token dynamic" not in readme and "per-row (per-token) dynamic" in readme
     assert '"bf16"' in readme.split("## API tour")[1].split("## Command line")[0]
@@ -500,8 +489,6 @@ def test_readme_api_tour_names_resolve():
 
 
 def test_step_printer_shows_small_entropies():
-    from rejax import eval as ev
-
     nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
     dnl[2] = True
     printer = cli._StepPrinter(nl, dnl, ev.parse_sampler("temp:0.6"))
@@ -549,9 +536,6 @@ def test_read_prompts_from_lines_and_jsonl(tmp_path):
 
 
 def test_generate_prompts_file_n_and_json(capsys, tmp_path, ckpt, cached_models):
-    from rejax import eval as ev
-    from rejax.generate import generate
-
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "Evaluate 5 - 2."}\n')
     # Two rows of 8 tokens with temp:0.7 and bf16: the compiled shapes of the eval test.

@@ -9,15 +9,16 @@ import pytest
 
 from rejax import eval as ev
 from rejax import sampling
+from rejax.checkpoint import load
 from rejax.eval.forcing import entropy_np
+from rejax.eval.grading import extract_answer, grade
+from rejax.generate import generate
 from rejax.text import step_spans
 
 
 @pytest.fixture(scope="module")
 def params(chat_checkpoint):
     import jax.numpy as jnp
-
-    from rejax.checkpoint import load
 
     # float32 keeps the cached decode and the full-sequence forward within 1e-4 of each other.
     return load(chat_checkpoint, dtype=jnp.float32)
@@ -229,8 +230,6 @@ def test_evaluate_end_to_end_grades_and_is_deterministic(params, math_problems):
     )
     assert res.correct.shape == (3, 2)
     assert len(res.records) == 3 and len(res.tokens) == 6
-    from rejax.eval.grading import extract_answer, grade
-
     for rec, ok in zip(res.records, res.correct):
         assert rec["correct"] == list(ok)
         assert rec["extracted"] == [extract_answer(t) for t in rec["responses"]]
@@ -294,8 +293,6 @@ def test_calibrate_tau0_and_write_calibration(params, tmp_path, math_problems):
 
 
 def test_observation_stats_greedy_samples_never_leave_their_own_argmax(params, math_problems):
-    from rejax.generate import generate
-
     gen = generate(
         params,
         [p["problem"] for p in math_problems[:2]],

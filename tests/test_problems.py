@@ -17,6 +17,7 @@ import pytest
 from rejax import cli
 from rejax import eval as ev
 from rejax.eval import harness
+from rejax.sampling import Greedy
 
 DATA = Path(__file__).resolve().parent / "data"
 REPO = Path(__file__).resolve().parents[1]
@@ -335,8 +336,6 @@ def test_evaluate_mcq_records_letters_and_rules(monkeypatch):
         problems[2]["prompt"]: ["no letter here"],
     }
     monkeypatch.setattr(harness, "generate", _fake_generate(responses))
-    from rejax.sampling import Greedy
-
     res = ev.evaluate(None, problems, Greedy(), n=1, chat=False, progress=False, task="mcq")
     assert [r["extracted"] for r in res.records] == [[gold[0]], ["C"], [None]]
     assert [r["extracted_by"] for r in res.records] == [["answer_line"], ["boxed"], [None]]
