@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -40,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rejax.bench import versions
 from rejax.layers import attention, attention_mask
 from rejax.ops.decode_attention import (
     BLOCK_S,
@@ -54,33 +53,6 @@ REL_TOL = 1e-2
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _versions() -> dict:
-    import flax
-    import jaxlib
-
-    out = {
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "flax": flax.__version__,
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind),
-        "platform_version": str(jax.devices()[0].client.platform_version),
-    }
-    try:
-        out["git_sha"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        out["git_dirty"] = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain"], capture_output=True, text=True, check=False
-            ).stdout.strip()
-        )
-    except OSError:
-        out["git_sha"] = None
-    return out
 
 
 def _time(fn, repeats: int) -> float:
@@ -400,7 +372,9 @@ def main(argv=None) -> dict:
         raise SystemExit("the kernel needs a CUDA GPU; use --tiny for a CPU run")
     result = {
         "args": {k: v for k, v in vars(args).items()},
-        "versions": _versions(),
+        "versions": dict(
+            versions(), platform_version=str(jax.devices()[0].client.platform_version)
+        ),
         "kernel_impl": kernel_impl,
         "bytes_note": "live_kv_bytes = K and V of slots [0, live) of one layer: "
         "2 * B * live * K * H * itemsize; GBps_live divides it by the time per call for every "

@@ -25,9 +25,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -579,17 +577,11 @@ def plot(derived, path):
 
 
 def _versions(torch):
-    import jax
+    """rejax.bench.versions() plus the CUDA toolchain this benchmark compiled with."""
+    from rejax.bench import versions
 
-    v = {"python": platform.python_version(), "jax": jax.__version__}
-    try:
-        import jaxlib
-
-        v["jaxlib"] = jaxlib.__version__
-    except ImportError:
-        pass
+    v = versions()
     if torch is not None:
-        v["torch"] = torch.__version__
         v["cuda"] = torch.version.cuda
     try:
         from cuda_ops.build import nvrtc_version
@@ -597,12 +589,6 @@ def _versions(torch):
         v["nvrtc"] = ".".join(map(str, nvrtc_version()))
     except Exception as err:  # noqa: BLE001
         v["nvrtc"] = f"unavailable: {err}"
-    try:
-        v["git_sha"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        v["git_sha"] = "unknown"
     return v
 
 

@@ -25,8 +25,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
-import sys
 import time
 
 import jax
@@ -35,19 +33,10 @@ import numpy as np
 from jax import lax
 
 from rejax import sampling
+from rejax.bench import versions
 from rejax.sampling import Greedy, ReSET, Temperature, sample, sampler_init, top_p_mask
 
 T_LOW, T_HIGH, TAU_0, TOP_P = 0.3, 1.0, 0.6349, 0.95
-
-
-def _git(*cmd: str) -> str | None:
-    try:
-        return subprocess.run(
-            ["git", *cmd], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _median_time(fn, args, repeats: int) -> float:
@@ -195,19 +184,13 @@ def main(argv=None) -> None:
                  "reset_top_p_over_greedy_us": row[f"{best}_over_greedy_us"]}
             )  # fmt: skip
 
-    dev = jax.devices()[0]
     record = {
         "benchmark": "bench_sampler",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_sha": args.git_sha or _git("rev-parse", "HEAD") or "unknown",
-        "git_dirty": None if args.git_sha else bool(_git("status", "--porcelain", "--", "rejax")),
-        "python": sys.version.split()[0],
-        "jax": jax.__version__,
-        "jaxlib": getattr(jax.lib, "__version__", None),
+        **versions(),
+        **({"git_sha": args.git_sha, "git_dirty": None} if args.git_sha else {}),
         "numpy": np.__version__,
         "platform": platform.platform(),
-        "backend": backend,
-        "device": getattr(dev, "device_kind", str(dev)),
         "vocab": v,
         "steps_per_scan": steps,
         "repeats": repeats,

@@ -3,7 +3,7 @@ plus the paper's observation statistics (claim (i): low-entropy tokens sampled o
 argmax).
 
 Protocol (the paper's recipe, §5, scaled to the tiny task):
-  1. tau0: `rejax.evaluate.calibrate_tau0` on the NVFP4 model, the first `--calib-problems`
+  1. tau0: `rejax.eval.calibrate_tau0` on the NVFP4 model, the first `--calib-problems`
      validation problems, T = 0.6 (the raw full-vocabulary entropy ReSET thresholds); the BF16
      model on the same problems for the comparison plot.
   2. T_low: chosen on the next `--n-val-problems` validation problems only, from `--t-low-grid`,
@@ -35,8 +35,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,8 +42,10 @@ from pathlib import Path
 import numpy as np
 
 from rejax import cli
-from rejax import evaluate as ev
+from rejax import eval as ev
+from rejax.bench import versions
 from rejax.data import tasks
+from rejax.text import has_chat_template
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("bf16_t0.6", "nvfp4_t0.6", "nvfp4_reset")
@@ -61,40 +61,10 @@ def _log(msg: str) -> None:
     print(f"[{stamp}] {msg}", flush=True)
 
 
-def _git_sha() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            check=True,
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def _environment() -> dict:
     import jax
 
-    try:
-        import jaxlib
-
-        jaxlib_version = jaxlib.__version__
-    except ImportError:
-        jaxlib_version = None
-    dev = jax.devices()[0]
-    return {
-        "git_sha": _git_sha(),
-        "python": platform.python_version(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib_version,
-        "backend": jax.default_backend(),
-        "device": getattr(dev, "device_kind", str(dev)),
-        "device_count": jax.device_count(),
-        "cpu_count": os.cpu_count(),
-    }
+    return dict(versions(), device_count=jax.device_count(), cpu_count=os.cpu_count())
 
 
 def _weights_sha256(path: Path) -> dict:
@@ -282,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"loading {args.model} as bf16 and nvfp4 (W4A4, dynamic activation scales)")
     bf16 = cli.load_model(args.model, "bf16")
     nvfp4 = cli.load_model(args.model, "nvfp4")
-    chat = ev.has_chat_template(nvfp4)
+    chat = has_chat_template(nvfp4)
     params = {"bf16_t0.6": bf16, "nvfp4_t0.6": nvfp4, "nvfp4_reset": nvfp4}
     val = tasks.split("validation", args.calib_problems + args.n_val_problems, seed=args.seed)
     test = tasks.split("test", args.n_problems, seed=args.seed)

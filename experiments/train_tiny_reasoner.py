@@ -1,7 +1,7 @@
 """Trains the tiny Qwen3 reasoning model shipped in rejax/data/tiny, and exports it.
 
 Steps: generate arithmetic problems (rejax.data.tasks), train a byte-level BPE tokenizer on
-them, train a Qwen3-architecture decoder (rejax.model.Model) with optax AdamW and a cosine
+them, train a Qwen3-architecture decoder (rejax.decoder.Model) with optax AdamW and a cosine
 schedule on the solution tokens, measure greedy accuracy on validation problems, and export a
 Hugging Face Qwen3 checkpoint (config.json, bf16 model.safetensors, tokenizer.json,
 tokenizer_config.json with a chat template, generation_config.json).
@@ -29,7 +29,6 @@ import math
 import multiprocessing
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
@@ -37,10 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from rejax.model import Model, Params, init_params
 
+from rejax.bench import versions
 from rejax.config import Config
 from rejax.data import tasks
+from rejax.decoder import Model
+from rejax.params import Params, init_params
 
 # The shipped model. D, F and N*H are multiples of 256 so every decoder linear's input dim
 # suits the CUDA NVFP4 GEMV (K % 256 == 0); V is the tokenizer's size rounded up to 128.
@@ -255,8 +256,8 @@ def greedy_decode(
 
 
 def greedy_accuracy(weights, cfg, tok, problems: list[dict], max_len: int, stop_ids) -> dict:
-    """Greedy accuracy (rejax.grading.grade) on chat-formatted problems; a few samples kept."""
-    from rejax.grading import grade
+    """Greedy accuracy (rejax.eval.grading.grade) on chat-formatted problems; a few samples kept."""
+    from rejax.eval.grading import grade
 
     prompts = [tok.encode(tasks.chat_prompt(p["problem"])).ids for p in problems]
     gens = greedy_decode(weights, cfg, prompts, max_len, stop_ids)
@@ -284,9 +285,8 @@ def export(weights, cfg: Config, tok, out: Path) -> None:
     """Writes the HF Qwen3 checkpoint to `out` with rejax.checkpoint.save (bf16 safetensors,
     config.json, tokenizer.json, tokenizer_config.json with the chat template), then
     generation_config.json (sampling defaults T=0.6, top-p 0.95, no top-k)."""
-    from rejax.model import HostTokenizer
-
     from rejax.checkpoint import save
+    from rejax.text import HostTokenizer
 
     host = HostTokenizer(
         tok,
@@ -330,19 +330,6 @@ def _plot(history: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _git_sha() -> str | None:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,7 +472,7 @@ def main(argv=None) -> dict:
     export(weights, cfg, tok, export_dir)
     size = (export_dir / "model.safetensors").stat().st_size
     metrics = {
-        "git_sha": _git_sha(),
+        "git_sha": versions()["git_sha"],
         # Output folders are left out: they are machine paths and do not affect the result.
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "export")},
         "config": dataclasses.asdict(cfg),

@@ -19,15 +19,19 @@ import platform
 import statistics
 import subprocess
 import time
+from importlib import metadata
 from pathlib import Path
 
+import flax
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
-from rejax import sampling
+from rejax import __version__, sampling
 from rejax.cache import init_cache
 from rejax.config import Config
+from rejax.nvfp4 import BLOCK
 from rejax.params import Params, random_params
 
 # Command-line quant names -> Config.quant.
@@ -59,7 +63,7 @@ def estimate_weight_bytes(cfg: Config, quant: str) -> int:
     d, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     linear = cfg.num_layers * d * (2 * q + 2 * kv + 3 * f)
-    per_weight = 2.0 if QUANTS[quant] is None else 0.5 + 1 / 16
+    per_weight = 2.0 if QUANTS[quant] is None else 0.5 + 1 / BLOCK
     tables = cfg.vocab_size * d * (1 if cfg.tie_word_embeddings else 2)
     return int(linear * per_weight + 2 * tables + 2 * cfg.num_layers * 4 * d)
 
@@ -298,12 +302,26 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def versions() -> dict:
-    """git sha (None outside a checkout), python, jax, jaxlib, flax, torch, device."""
-    import flax
-    import jaxlib
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError:
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
 
+
+def versions() -> dict:
+    """What produced a result file, the one copy every script and command records: rejax, git sha
+    and whether the checkout has uncommitted changes (None outside a checkout), python, jax,
+    jaxlib, flax, torch (None without it), backend and device."""
     out = {
+        "rejax": __version__,
         "python": platform.python_version(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
@@ -311,21 +329,11 @@ def versions() -> dict:
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind),
     }
-    try:
-        from importlib.metadata import version
-
-        out["torch"] = version("torch")
-    except Exception:  # noqa: BLE001 - torch is optional
+    try:  # the installed version, without importing torch
+        out["torch"] = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # torch is optional
         out["torch"] = None
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            check=False,
-        ).stdout.strip()
-        out["git_sha"] = sha or None
-    except OSError:
-        out["git_sha"] = None
+    out["git_sha"] = _git("rev-parse", "HEAD") or None
+    status = _git("status", "--porcelain")
+    out["git_dirty"] = None if status is None else bool(status)
     return out

@@ -6,7 +6,7 @@
     rejax bench [--model PATH|tiny | --preset NAME] [--quant Q] [--batch 1 8] [--out FILE]
     rejax compare [--model PATH|tiny] [--quant Q] [--steps N] [--out FILE]
 
-Every command is a front end over the library (`rejax.generate`, `rejax.evaluate`,
+Every command is a front end over the library (`rejax.generate`, `rejax.eval`,
 `rejax.bench`, `rejax.compare`). Bad input (a missing model or data file, malformed JSONL, a bad
 sampler spec, n <= 0, an unwritable output path, an option the chosen sampler does not use)
 exits with status 2 and one `rejax <command>: error: ...` line that names the value, before any
@@ -16,15 +16,27 @@ generation starts (set REJAX_TRACEBACK=1 to get the traceback instead).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from rejax import evaluate as ev
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rejax import bench, compare, sampling
+from rejax import eval as ev
+from rejax.checkpoint import load
 from rejax.config import PRESETS
+from rejax.data import tasks
+from rejax.eval.grading import extract_answer
+from rejax.generate import generate
+from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks
 
 TINY = "tiny"
 QUANTS = {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
@@ -73,9 +85,6 @@ def resolve_model(spec: str) -> Path:
 
 def load_model(spec: str, quant: str):
     """Loads `--model` with `--quant` (bf16 | nvfp4 | nvfp4-w4a16) through `rejax.load`."""
-    import logging
-
-    from rejax.checkpoint import load
 
     path = resolve_model(spec)
     log = logging.getLogger("rejax.checkpoint")
@@ -134,13 +143,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, quant_default: str = "nvfp4")
     )
 
 
-def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "reset") -> None:
-    p.add_argument(
-        "--sampler",
-        default=sampler_default,
-        metavar="SPEC",
-        help=f"greedy | temp:T (e.g. temp:0.6) | reset (default: {sampler_default})",
-    )
+def _add_reset_threshold_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--t-low",
         type=_float,
@@ -156,6 +159,16 @@ def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "res
         help=f"ReSET confident-step entropy threshold in nats (default: the model's "
         f"{RESET_FILE}, else {ev.DEFAULT_TAU0}; see `rejax calibrate`)",
     )
+
+
+def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "reset") -> None:
+    p.add_argument(
+        "--sampler",
+        default=sampler_default,
+        metavar="SPEC",
+        help=f"greedy | temp:T (e.g. temp:0.6) | reset (default: {sampler_default})",
+    )
+    _add_reset_threshold_args(p)
     p.add_argument(
         "--t-high",
         type=_float,
@@ -325,7 +338,7 @@ def _add_prompt_args(p: argparse.ArgumentParser) -> None:
 
 def _chat(args, params) -> bool:
     if args.chat is None:
-        return ev.has_chat_template(params)
+        return has_chat_template(params)
     return args.chat
 
 
@@ -343,21 +356,15 @@ def _model_line(args, params) -> str:
 
 
 def _leaves(tree):
-    import jax
-
     return jax.tree_util.tree_leaves(tree)
 
 
 def _jax_paths(tree) -> list[str]:
-    import jax
-
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def sampler_label(sampler) -> str:
     """A short human-readable description of a sampler."""
-    from rejax import sampling
-
     if isinstance(sampler, sampling.Greedy):
         return "greedy"
     if isinstance(sampler, sampling.Temperature):
@@ -389,8 +396,6 @@ class _StepPrinter:
     """Tracks step boundaries while streaming and formats one summary line per step."""
 
     def __init__(self, nl, dnl, sampler):
-        from rejax import sampling
-
         self.nl, self.dnl = nl, dnl
         self.reset = isinstance(sampler, sampling.ReSET)
         self.t_low = float(sampler.t_low) if self.reset else None
@@ -401,17 +406,14 @@ class _StepPrinter:
         """Records one token; returns the finished step's line if this token ends a step."""
         self.entropy.append(entropy)
         self.temperature.append(temperature)
-        ends = bool(self.dnl[token]) or (
-            bool(self.nl[token]) and self.prev is not None and bool(self.nl[self.prev])
-        )
+        before = self.prev is not None and bool(self.nl[self.prev])
+        ends = ends_step(bool(self.nl[token]), bool(self.dnl[token]), before)
         self.prev = token
         return self.flush() if ends else None
 
     def flush(self) -> str | None:
         if not self.entropy:
             return None
-        import numpy as np
-
         h = np.asarray(self.entropy)
         t = np.asarray(self.temperature, np.float32)
         line = (
@@ -462,20 +464,13 @@ def stream_response(
       dict with `text`, `tokens`, `entropy`, `temperature`, `finish_reason`, `seconds`,
       `first_token_s` (includes compilation).
     """
-    import dataclasses
-
-    import jax.numpy as jnp
-    import numpy as np
-
-    from rejax import sampling
-    from rejax.generate import generate
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     if params.tokenizer is None or params.tokenizer.tokenizer is None:
         raise ValueError("the checkpoint has no tokenizer.json; `rejax generate` needs one")
     tok = params.tokenizer.tokenizer
-    nl, dnl = (np.asarray(m) for m in sampling.newline_masks(tok, params.cfg.vocab_size))
+    nl, dnl = (np.asarray(m) for m in newline_masks(tok, params.cfg.vocab_size))
     if isinstance(sampler, sampling.ReSET) and sampler.nl_mask is None:
         sampler = dataclasses.replace(sampler, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
     printer = _StepPrinter(nl, dnl, sampler)
@@ -561,10 +556,6 @@ def _read_prompts(args) -> list[str]:
 
 
 def _cmd_generate(args) -> int:
-    import numpy as np
-
-    from rejax.generate import generate
-    from rejax.grading import extract_answer
 
     prompts = _read_prompts(args)
     model_dir = resolve_model(args.model)
@@ -572,7 +563,7 @@ def _cmd_generate(args) -> int:
     t0 = time.perf_counter()
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
-    ids = [ev.prompt_ids(params, p, chat=chat) for p in prompts]
+    ids = [encode_prompt(params, p, chat=chat) for p in prompts]
     max_new = _max_new_tokens(args.max_new_tokens, 512, params, ids)
     _err(
         f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}{source}; "
@@ -640,14 +631,6 @@ def _cmd_generate(args) -> int:
 # eval
 
 
-def _versions() -> dict:
-    import jax
-
-    from rejax import __version__
-
-    return {"rejax": __version__, "jax": jax.__version__, "backend": jax.default_backend()}
-
-
 def _cmd_eval(args) -> int:
     model_dir = resolve_model(args.model)
     for flag in ("out", "summary"):
@@ -659,7 +642,7 @@ def _cmd_eval(args) -> int:
     sampler, source = _sampler(args, model_dir)
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
-    ids = [ev.prompt_ids(params, p["prompt"], chat=chat) for p in problems]
+    ids = [encode_prompt(params, p["prompt"], chat=chat) for p in problems]
     max_new = _max_new_tokens(args.max_new_tokens, 1024, params, ids)
     _err(
         f"# {_model_line(args, params)}; sampler {sampler_label(sampler)}{source}; "
@@ -680,7 +663,11 @@ def _cmd_eval(args) -> int:
         timeout_s=args.timeout,
     )
     summary = dict(
-        res.summary, model=args.model, quant=args.quant, data=str(args.data), versions=_versions()
+        res.summary,
+        model=args.model,
+        quant=args.quant,
+        data=str(args.data),
+        versions=bench.versions(),
     )
     if args.out:
         ev.write_jsonl(args.out, res.records)
@@ -717,8 +704,6 @@ def _cmd_eval(args) -> int:
 
 
 def _default_calibration_problems(n: int) -> list[dict]:
-    from rejax.data import tasks
-
     return tasks.split("validation", n)
 
 
@@ -737,7 +722,7 @@ def _cmd_calibrate(args) -> int:
         raise ValueError(f"--n-problems {args.n_problems} but {source} holds {len(problems)}")
     params = load_model(args.model, args.quant)
     chat = _chat(args, params)
-    ids = [ev.prompt_ids(params, p["problem"], chat=chat) for p in problems[: args.n_problems]]
+    ids = [encode_prompt(params, p["problem"], chat=chat) for p in problems[: args.n_problems]]
     max_new = _max_new_tokens(args.max_new_tokens, 4096, params, ids)
     _err(
         f"# calibrating tau0 on {args.n_problems} problems from {source}: "
@@ -764,7 +749,7 @@ def _cmd_calibrate(args) -> int:
             key=args.seed,
             chat=chat,
         )
-    meta = {"model": args.model, "data": source, "versions": _versions()}
+    meta = {"model": args.model, "data": source, "versions": bench.versions()}
     files = ev.write_calibration(
         args.out, res, ref, quant=args.quant, meta=meta, prefix=args.prefix
     )
@@ -815,9 +800,6 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    import dataclasses
-
-    from rejax import bench
 
     if args.out:
         check_output_path(args.out, "--out")
@@ -891,11 +873,6 @@ def _write_json(path, value: dict) -> None:
 
 
 def _cmd_compare(args) -> int:
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from rejax import compare, sampling
 
     if args.out:
         check_output_path(args.out, "--out")
@@ -908,18 +885,14 @@ def _cmd_compare(args) -> int:
     if params.tokenizer is None or params.tokenizer.tokenizer is None:
         raise ValueError(f"{args.model!r} has no tokenizer.json; `rejax compare` needs one")
     if args.prompt is None:
-        from rejax.data import tasks
-
         args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
     chat = _chat(args, params)
-    ids = ev.prompt_ids(params, args.prompt, chat=chat)
-    nl, dnl = sampling.newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
+    ids = encode_prompt(params, args.prompt, chat=chat)
+    nl, dnl = newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
     reset = dataclasses.replace(reset, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
     _err(f"# compare {_model_line(args, params)}; {sampler_label(reset)}{source}")
     result = compare.compare(params, ids, steps=args.steps, reset=reset, repeats=args.repeats)
     result = dict(result, model=args.model, prompt=args.prompt, chat=chat)
-    from rejax import bench
-
     result["versions"] = bench.versions()
     print(compare.format_table(result))
     if args.out:
@@ -1234,20 +1207,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="greedy trace length (default: 32)",
     )
-    k.add_argument(
-        "--t-low",
-        type=_float,
-        default=None,
-        metavar="X",
-        help=f"ReSET T_low (default: the model's {RESET_FILE}, else {ev.DEFAULT_T_LOW})",
-    )
-    k.add_argument(
-        "--tau0",
-        type=_float,
-        default=None,
-        metavar="X",
-        help=f"ReSET tau0 in nats (default: the model's {RESET_FILE}, else {ev.DEFAULT_TAU0})",
-    )
+    _add_reset_threshold_args(k)
     k.add_argument(
         "--repeats",
         type=_positive_int,

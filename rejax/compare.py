@@ -25,7 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rejax import sampling
+from rejax import sampling, torch_ref
+from rejax.generate import generate
+from rejax.generate import logits as jax_logits
+from rejax.torch_ref import TorchReSET
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -59,8 +62,6 @@ def _jax_decisions(logits: np.ndarray, trace: list[int], reset) -> np.ndarray:
 
 
 def _torch_decisions(logits: np.ndarray, trace: list[int], reset) -> np.ndarray:
-    from rejax.torch_ref import TorchReSET
-
     policy = TorchReSET.from_rejax(reset, 1)
     out = []
     for z, tok in zip(logits, trace):
@@ -94,14 +95,10 @@ def compare(
       logits), reset_agreement_same_logits, reset_agreement_own_logits, jax_ms_per_token,
       jax_forward_ms, torch_forward_ms, reset_settings.
     """
-    from rejax import torch_ref
-    from rejax.generate import generate
-    from rejax.generate import logits as jax_logits
-
     if steps <= 0 or repeats <= 0:
         raise ValueError(f"steps and repeats must be positive, got {steps=} {repeats=}")
     if reset.nl_mask is None or reset.dnl_mask is None:
-        raise ValueError("reset needs its newline masks (rejax.sampling.newline_masks)")
+        raise ValueError("reset needs its newline masks (rejax.text.newline_masks)")
     limit = params.cfg.max_position_embeddings
     if len(prompt) + steps > limit:
         raise ValueError(

@@ -19,7 +19,16 @@ import io
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from rejax import cli, nvfp4, sampling
+from rejax import eval as ev
+from rejax.cli import format_nats
+from rejax.data import tasks
+from rejax.eval.grading import extract_answer, grade
+from rejax.text import has_chat_template
 
 # T_high for the bundled model is the paper's; tau0 and T_low come from the model directory's
 # reset.json (see `rejax.cli.read_reset_settings`), the values `rejax generate` uses by default.
@@ -31,11 +40,6 @@ def _banner(text: str) -> None:
 
 
 def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
-    from rejax import cli
-    from rejax import evaluate as ev
-    from rejax.data import tasks
-    from rejax.grading import grade
-
     t0 = time.perf_counter()
     if problem is None:
         example = tasks.split("test", 1, seed=seed)[0]
@@ -61,7 +65,7 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
         f"every decoder linear NVFP4 W4A4 (dynamic per-row activation scales)"
     )
     _banner(f"NVFP4 W4A4 + {cli.sampler_label(reset)}")
-    chat = ev.has_chat_template(params)
+    chat = has_chat_template(params)
     res = cli.stream_response(
         params,
         problem,
@@ -95,9 +99,6 @@ def run_model_demo(*, short: bool, problem: str | None, seed: int) -> None:
 
 
 def _result_line(name, res, answer, grade) -> None:
-    from rejax.cli import format_nats
-    from rejax.grading import extract_answer
-
     got = extract_answer(res["text"])
     verdict = ""
     if res["finish_reason"] == "length" and "\\boxed" not in res["text"]:
@@ -114,8 +115,6 @@ def _result_line(name, res, answer, grade) -> None:
 
 
 def _backend() -> str:
-    import jax
-
     return f"{jax.default_backend()} ({jax.device_count()} device)"
 
 
@@ -125,11 +124,6 @@ def _backend() -> str:
 
 def run_fallback_demo(*, seed: int) -> None:
     """NVFP4 quantization error on a random weight and ReSET on synthetic logits."""
-    import jax
-    import jax.numpy as jnp
-
-    from rejax import nvfp4, sampling
-
     t0 = time.perf_counter()
     _banner("rejax demo (generation-free: the bundled tiny model is not in this checkout)")
     rng = np.random.default_rng(seed)
@@ -182,14 +176,12 @@ def run_fallback_demo(*, seed: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the demo; returns the exit status."""
-    from rejax.cli import bundled_model_dir
-
     p = argparse.ArgumentParser(prog="python -m rejax.demo", description=__doc__.splitlines()[0])
     p.add_argument("--short", action="store_true", help="fewer tokens (CI)")
     p.add_argument("--problem", default=None, help="a problem text (default: one test problem)")
     p.add_argument("--seed", type=int, default=0, help="PRNG seed (default: 0)")
     args = p.parse_args(argv)
-    if (bundled_model_dir() / "config.json").is_file():
+    if (cli.bundled_model_dir() / "config.json").is_file():
         run_model_demo(short=args.short, problem=args.problem, seed=args.seed)
     else:
         run_fallback_demo(seed=args.seed)

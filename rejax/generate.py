@@ -1,15 +1,14 @@
 """Host side of generation: prompts, buckets, batches, streaming, detokenisation, calibration.
 
-`generate` tokenizes or renders the chat template, pads prompts into a few length buckets,
-decodes batch x n rows together through the jitted device functions of rejax/decode.py
-(`prefill`, `decode_step`, `decode_loop`), and detokenizes. Dimension letters: see
+`generate` tokenizes or renders the chat template (rejax/text.py), pads prompts into a few
+length buckets, decodes batch x n rows together through the jitted device functions of
+rejax/decode.py (`prefill`, `decode_step`, `decode_loop`), and detokenizes. Dimension letters: see
 rejax/config.py (B rows, T tokens, S cache slots, V vocab, M max new tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -17,11 +16,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
+from rejax import sampling
 from rejax.cache import init_cache
 from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, prefill
 from rejax.decoder import forward
 from rejax.params import Params, map_linears
+from rejax.text import newline_masks, prompt_ids, require_tokenizer
+from rejax.text import stop_mask as text_stop_mask
 
 __all__ = [
     "TRACE_COUNTS",
@@ -32,7 +35,6 @@ __all__ = [
     "generate",
     "logits",
     "prefill",
-    "render_chat",
 ]
 
 # Prompt lengths are padded up to one of these (then to multiples of the largest), so a
@@ -74,146 +76,7 @@ def _bucket(length: int) -> int:
     return -(-length // top) * top
 
 
-def _check_ids(ids: Sequence[int], vocab_size: int, where: str) -> list[int]:
-    out = [int(t) for t in ids]
-    if not out:
-        raise ValueError(f"{where} is empty; every prompt needs at least one token")
-    bad = [t for t in out if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{where} holds token ids {bad[:5]} outside [0, {vocab_size})")
-    return out
-
-
-def _tokenizer(params: Params, what: str):
-    if params.tokenizer is None or params.tokenizer.tokenizer is None:
-        raise ValueError(
-            f"{what} needs a tokenizer, but these params carry none "
-            "(load a checkpoint with tokenizer.json or pass token ids)"
-        )
-    return params.tokenizer.tokenizer
-
-
-def render_chat(params: Params, content: str) -> str:
-    """Renders one user message with the checkpoint's chat template (as transformers does).
-
-    Uses a sandboxed jinja2 environment with transformers' settings (trim_blocks,
-    lstrip_blocks, loopcontrols, a non-escaping `tojson`, `raise_exception`,
-    `strftime_now`) and add_generation_prompt=True.
-
-    Raises:
-        ValueError: if the params carry no chat template.
-    """
-    host = params.tokenizer
-    template = None if host is None else host.chat_template
-    if not template:
-        raise ValueError(
-            "chat=True but the checkpoint has no chat template "
-            "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
-        )
-    return _compile_template(template).render(
-        messages=[{"role": "user", "content": content}],
-        tools=None,
-        documents=None,
-        add_generation_prompt=True,
-        **host.special_tokens,
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _compile_template(template: str):
-    import datetime
-    import json
-
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-    return env.from_string(template)
-
-
-def _prompt_ids(params: Params, prompt, chat: bool) -> list[list[int]]:
-    v = params.cfg.vocab_size
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if not isinstance(prompt, (list, tuple)) or not prompt:
-        raise ValueError(
-            f"prompt must be a str, a non-empty list of str, or a list of token-id "
-            f"lists; got {type(prompt).__name__} {prompt!r:.80}"
-        )
-    if all(isinstance(p, str) for p in prompt):
-        tok = _tokenizer(params, "a text prompt")
-        out = []
-        for i, p in enumerate(prompt):
-            if not p:
-                raise ValueError(f"prompt[{i}] is the empty string")
-            if chat:
-                ids = tok.encode(render_chat(params, p), add_special_tokens=False).ids
-            else:
-                ids = tok.encode(p).ids
-            out.append(_check_ids(ids, v, f"prompt[{i}] ({p!r:.40} tokenized)"))
-        return out
-    if all(isinstance(p, (list, tuple, np.ndarray)) for p in prompt):
-        if chat:
-            raise ValueError("chat=True needs text prompts, got token ids")
-        return [_check_ids(p, v, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    if all(isinstance(p, (int, np.integer)) for p in prompt):
-        raise ValueError(
-            f"token-id prompts must be a list of lists (one per prompt), e.g. [{list(prompt)[:4]}]"
-            f"; got a flat list of {len(prompt)} ints"
-        )
-    raise ValueError(
-        "prompt must be a str, a list of str, or a list of token-id lists; got a "
-        f"list mixing {sorted({type(p).__name__ for p in prompt})}"
-    )
-
-
-def _stop_mask(params: Params, stop) -> np.ndarray:
-    v = params.cfg.vocab_size
-    if stop is None:
-        ids = set(params.cfg.eos_token_ids)
-        eos = dict(params.generation_config).get("eos_token_id")
-        if eos is not None:
-            ids |= set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
-    else:
-        if isinstance(stop, (str, int)):
-            stop = [stop]
-        ids = set()
-        for s in stop:
-            if isinstance(s, str):
-                enc = _tokenizer(params, f"stop string {s!r}").encode(s, add_special_tokens=False)
-                if len(enc.ids) != 1:
-                    raise ValueError(
-                        f"stop string {s!r} is {len(enc.ids)} tokens {enc.ids}; "
-                        "stop entries must be single tokens"
-                    )
-                ids.add(enc.ids[0])
-            else:
-                ids.add(int(s))
-    bad = sorted(t for t in ids if not 0 <= t < v)
-    if bad:
-        raise ValueError(f"stop token ids {bad} outside [0, {v})")
-    mask = np.zeros((v,), bool)
-    mask[sorted(ids)] = True
-    return mask
-
-
 def _prepare_sampler(params: Params, sampler):
-    from rejax import sampling
-
     if not isinstance(sampler, (sampling.Greedy, sampling.Temperature, sampling.ReSET)):
         raise ValueError(  # noqa: TRY004 (bad input is a ValueError in rejax)
             f"unknown sampler type {type(sampler).__name__}; expected "
@@ -222,8 +85,8 @@ def _prepare_sampler(params: Params, sampler):
     if isinstance(sampler, sampling.ReSET) and (
         sampler.nl_mask is None or sampler.dnl_mask is None
     ):
-        tok = _tokenizer(params, "ReSET's newline masks")
-        nl, dnl = sampling.newline_masks(tok, params.cfg.vocab_size)
+        tok = require_tokenizer(params, "ReSET's newline masks")
+        nl, dnl = newline_masks(tok, params.cfg.vocab_size)
         sampler = dataclasses.replace(sampler, nl_mask=jnp.asarray(nl), dnl_mask=jnp.asarray(dnl))
     return sampler
 
@@ -291,8 +154,6 @@ def generate(
     Returns:
         Generation with one row per (prompt, sample).
     """
-    from rejax import sampling
-
     if sampler is None:
         sampler = sampling.Greedy()
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
@@ -300,7 +161,7 @@ def generate(
     if not isinstance(n, (int, np.integer)) or n <= 0:
         raise ValueError(f"n must be a positive int, got {n!r}")
     sampler = _prepare_sampler(params, sampler)
-    prompts = _prompt_ids(params, prompt, chat)
+    prompts = prompt_ids(params, prompt, chat)
     if batch_size is None:
         batch_size = len(prompts)
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
@@ -312,7 +173,7 @@ def generate(
                 f"prompt[{i}] has {len(p)} tokens; with max_new_tokens="
                 f"{max_new_tokens} that exceeds max_position_embeddings={limit}"
             )
-    stop_mask = jnp.asarray(_stop_mask(params, stop))
+    stop_mask = jnp.asarray(text_stop_mask(params, stop))
     if isinstance(key, (int, np.integer)):
         key = jax.random.key(int(key))
     if stream:
@@ -339,8 +200,6 @@ def generate(
     show = report is None and (len(batches) > 1 if progress is None else bool(progress))
     it = enumerate(batches)
     if show:
-        from tqdm.auto import tqdm
-
         it = tqdm(it, total=len(batches), desc="generate", unit="batch")
     rows: list[tuple] = []
     for j, batch in it:
@@ -362,8 +221,6 @@ def _row_keys(key, first: int, rows: int) -> jax.Array:
 
 
 def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop_mask):
-    from rejax.sampling import sampler_init
-
     expanded = [p for p in prompts for _ in range(n)]
     bucket = _bucket(max(len(p) for p in expanded))
     tokens, positions, lengths, done = _pad_batch(expanded, rows, bucket)
@@ -376,7 +233,7 @@ def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop
         cache,
         jnp.asarray(lengths),
         sampler,
-        sampler_init(sampler, rows),
+        sampling.sampler_init(sampler, rows),
         key,
         stop_mask,
         jnp.asarray(done),
@@ -397,14 +254,12 @@ def _print_piece(piece: str) -> None:
 
 
 def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, emit, on_token=None):
-    from rejax.sampling import sampler_init
-
     bucket = _bucket(len(prompt))
     tokens, positions, lengths, _ = _pad_batch([prompt], 1, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
     cache = init_cache(params.cfg, 1, bucket + max_new_tokens, dtype)
     logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
-    state = sampler_init(sampler, 1)
+    state = sampling.sampler_init(sampler, 1)
     pos = jnp.asarray(lengths)
     stop = np.asarray(stop_mask)
     tok = None if params.tokenizer is None else params.tokenizer.tokenizer
@@ -494,7 +349,7 @@ def calibrate_input_scales(
         raise ValueError(
             f"calibrate_input_scales needs cfg.quant == 'nvfp4' (W4A4), got {cfg.quant!r}"
         )
-    prompts = _prompt_ids(params, texts, chat=False)
+    prompts = prompt_ids(params, texts, chat=False)
     bare = map_linears(
         params.weights, lambda _, p: {k: x for k, x in p.items() if k != "input_scale"}
     )

@@ -23,15 +23,14 @@ before its cuBLAS call (measured on the H200: bf16 decode 2.1-2.5x slower, scann
 unrolled), so float linears keep one buffer per layer and the decoder unrolls its layer loop for
 them (rejax/decoder.py). A W4A4 linear may hold `input_scale` f32 [L] (static activation scale;
 [L, shards] when the shards' scales differ). The Hugging Face names
-(`model.layers.{i}.self_attn.q_proj`, ...) live only in rejax/checkpoint.py. Dimension letters:
-see rejax/config.py.
+(`model.layers.{i}.self_attn.q_proj`, ...) live only in rejax/checkpoint/names.py. Dimension
+letters: see rejax/config.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 from typing import Any
 
 import jax
@@ -41,6 +40,7 @@ import numpy as np
 from rejax import nvfp4
 from rejax.config import Config
 from rejax.nvfp4 import Nvfp4Tensor
+from rejax.text import HostTokenizer
 
 # Fused decoder linears: (block, name) in layer order.
 LINEARS = (
@@ -75,34 +75,6 @@ def linear_shape(cfg: Config, name: str) -> tuple[int, int]:
 
 def has_bias(cfg: Config, name: str) -> bool:
     return cfg.attention_bias and name == "qkv_proj"
-
-
-class HostTokenizer:
-    """Host-side tokenizer handle carried as static pytree metadata.
-
-    Hashes and compares by a digest of its content (vocabulary, chat template, special tokens),
-    so two loads of the same checkpoint share every compiled function, and carrying it in
-    `Params` never retraces a jitted function.
-    """
-
-    def __init__(
-        self, tokenizer: Any, chat_template: str | None = None, special_tokens: dict | None = None
-    ):
-        self.tokenizer = tokenizer  # a `tokenizers.Tokenizer`
-        self.chat_template = chat_template
-        self.special_tokens = dict(special_tokens or {})
-        h = hashlib.sha256()
-        body = tokenizer.to_str() if hasattr(tokenizer, "to_str") else repr(id(tokenizer))
-        for part in (body, chat_template or "", repr(sorted(self.special_tokens.items()))):
-            h.update(part.encode())
-            h.update(b"\0")
-        self.digest = h.hexdigest()
-
-    def __hash__(self):
-        return hash(self.digest)
-
-    def __eq__(self, other):
-        return isinstance(other, HostTokenizer) and self.digest == other.digest
 
 
 @jax.tree_util.register_dataclass

@@ -50,6 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rejax.text import ends_step
+
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
 TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
 # The default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p costs
@@ -138,8 +140,8 @@ class ReSET:
       t_high, t_low: temperatures for tokens at / below the threshold (>= 0; <= 1e-6 is greedy).
       tau_0: the confident-step entropy threshold in nats.
       window: HSE window w (static).
-      nl_mask, dnl_mask: bool [V] single-newline / double-newline token sets (`newline_masks`);
-        None is allowed at construction, `sample` and `reset_observe` require them.
+      nl_mask, dnl_mask: bool [V] single-newline / double-newline token sets
+        (`rejax.text.newline_masks`); None is allowed at construction, `sample` and `reset_observe` require them.
       top_p: nucleus mass in (0, 1], applied after the policy's temperature.
       include_current: False = reference semantics (current token excluded from the estimates);
         True = figure semantics (window H_{t-w+1..t}, in-step and running means include H_t).
@@ -318,8 +320,8 @@ def _check_masks(cfg: ReSET, vocab: int | None) -> None:
         m = getattr(cfg, name)
         if m is None:
             raise ValueError(
-                f"ReSET.{name} is None: build the newline masks with newline_masks(tokenizer, V) "
-                "and set them with dataclasses.replace"
+                f"ReSET.{name} is None: build the newline masks with "
+                "rejax.text.newline_masks(tokenizer, V) and set them with dataclasses.replace"
             )
         shape, dtype = jnp.shape(m), jnp.result_type(m)
         if len(shape) != 1 or dtype != jnp.bool_ or (vocab is not None and shape[0] != vocab):
@@ -420,8 +422,9 @@ def _lookup(mask: jax.Array, ids: jax.Array) -> jax.Array:
 def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> SamplerState:
     """Record the tokens just generated; a step boundary clears the in-step sums.
 
-    A new step starts after a double-newline token or after two single-newline tokens in a row
-    (the paper's step rule); the boundary token itself belongs to the old step.
+    A new step starts after a token that ends one by `rejax.text.ends_step` (the paper's step
+    rule: a double-newline token, or two single-newline tokens in a row); the boundary token
+    itself belongs to the old step.
 
     Args:
       state: the `SamplerState` after `reset_temperature` for this position.
@@ -438,7 +441,7 @@ def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> Sampler
         raise ValueError(f"tokens must be an int [{b}] vector, got {tokens.dtype}{tokens.shape}")
     y1, y2 = tokens.astype(jnp.int32), state.y1
     nl, dnl = jnp.asarray(cfg.nl_mask), jnp.asarray(cfg.dnl_mask)
-    boundary = _lookup(dnl, y1) | (_lookup(nl, y1) & _lookup(nl, y2))
+    boundary = ends_step(_lookup(nl, y1), _lookup(dnl, y1), _lookup(nl, y2))
     return dataclasses.replace(
         state,
         s_sum=jnp.where(boundary, 0.0, state.s_sum),
@@ -446,54 +449,6 @@ def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> Sampler
         y1=y1,
         y2=y2,
     )
-
-
-# ----------------------------------------------------------------------------- newline masks
-
-
-def newline_masks(tokenizer: Any, vocab_size: int) -> tuple[jax.Array, jax.Array]:
-    """Boolean masks of the single-newline and double-newline token ids (the paper's step rule).
-
-    NL = ids whose single-token decode (special tokens kept) is exactly "\\n"; DNL = ids whose
-    decode contains "\\n\\n". Ids the tokenizer does not have (>= its vocabulary size, e.g. the
-    padding rows of an embedding) are False.
-
-    Args:
-      tokenizer: a `tokenizers.Tokenizer`, a transformers tokenizer, or anything with
-        `decode(list[int])` and `get_vocab()`.
-      vocab_size: V, the logits' vocabulary size.
-
-    Returns:
-      (nl_mask bool [V], dnl_mask bool [V]).
-    """
-    if not isinstance(vocab_size, (int, np.integer)) or vocab_size < 1:
-        raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an int >= 1")
-    if hasattr(tokenizer, "decode_batch") and hasattr(tokenizer, "get_vocab_size"):
-        # tokenizers.Tokenizer: the base vocabulary, decoded in one call into the Rust library.
-        n = tokenizer.get_vocab_size(with_added_tokens=False)
-        texts = tokenizer.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
-    elif hasattr(tokenizer, "batch_decode") and hasattr(tokenizer, "vocab_size"):
-        n = tokenizer.vocab_size
-        texts = tokenizer.batch_decode([[i] for i in range(n)], skip_special_tokens=False)
-    elif hasattr(tokenizer, "decode") and hasattr(tokenizer, "get_vocab"):
-        n = max(tokenizer.get_vocab().values()) + 1
-        texts = [tokenizer.decode([i]) for i in range(n)]
-    else:
-        raise ValueError(
-            f"tokenizer of type {type(tokenizer).__name__} has no decode_batch/batch_decode/"
-            "decode: expected a tokenizers.Tokenizer or a transformers tokenizer"
-        )
-    if n > vocab_size:
-        raise ValueError(
-            f"the tokenizer has {n} ids but vocab_size={vocab_size}: the logits must cover "
-            "every token id"
-        )
-    arr = np.array(texts, dtype=object).astype(str)
-    nl = np.zeros(vocab_size, np.bool_)
-    dnl = np.zeros(vocab_size, np.bool_)
-    nl[:n] = arr == "\n"
-    dnl[:n] = np.char.find(arr, "\n\n") >= 0
-    return jnp.asarray(nl), jnp.asarray(dnl)
 
 
 # ----------------------------------------------------------------------------- top-p

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from rejax import params as rparams
+from rejax.nvfp4 import BLOCK, Nvfp4Tensor
 
 E2M1_VALUES = (
     0.0,
@@ -47,7 +48,6 @@ E2M1_VALUES = (
 )
 _E4M3_MAX = 448.0
 _E2M1_MAX = 6.0
-_BLOCK = 16
 
 
 def _torch():
@@ -83,7 +83,6 @@ def torch_weights(params) -> dict:
 
     An Nvfp4Tensor becomes {"packed", "scales", "global_scale", "shape"}.
     """
-    from rejax.nvfp4 import Nvfp4Tensor
 
     def convert(node):
         if isinstance(node, dict):
@@ -116,7 +115,7 @@ def dequantize_weight(w: dict):
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k).long()
     values = torch.tensor(E2M1_VALUES, dtype=torch.float32)[codes]
     scale = w["scales"].float() * w["global_scale"].float().reshape(-1, 1)  # [N, K/16]
-    return (values.reshape(n, k // _BLOCK, _BLOCK) * scale[..., None]).reshape(n, k)
+    return (values.reshape(n, k // BLOCK, BLOCK) * scale[..., None]).reshape(n, k)
 
 
 def _e2m1_round(v):
@@ -145,9 +144,9 @@ def fake_quantize_activation(x, input_scale=None):
     """
     torch = _torch()
     m, k = x.shape
-    if k % _BLOCK:
-        raise ValueError(f"x.shape={tuple(x.shape)}: K must be a multiple of {_BLOCK}")
-    xf = x.float().reshape(m, k // _BLOCK, _BLOCK)
+    if k % BLOCK:
+        raise ValueError(f"x.shape={tuple(x.shape)}: K must be a multiple of {BLOCK}")
+    xf = x.float().reshape(m, k // BLOCK, BLOCK)
     if input_scale is None:
         g = xf.abs().amax(dim=(1, 2)) / (_E2M1_MAX * _E4M3_MAX)
         g = torch.where(g > 0, g, torch.ones_like(g))[:, None]  # [M, 1]

@@ -1,8 +1,17 @@
 """Test configuration and shared fixtures.
 
-CPU by default; tests marked `gpu` skip unless JAX sees a CUDA GPU. `hf_tiny(arch, tie)` builds a
-tiny random transformers model (seeded) and its rejax Params through a test-local name map.
+CPU by default; tests marked `gpu` skip unless JAX sees a CUDA GPU. Fixtures:
+- `hf_model(arch, tie=False, seed=0)`: a tiny random transformers Qwen3 / Qwen2 (fp32, seeded,
+  random norm scales and biases); skips without torch and transformers.
+- `hf_tiny(arch, tie=False, seed=0)`: that model and its rejax Params through a test-local
+  name map.
+- `chat_checkpoint`: a directory holding a tiny random Qwen3 with a byte-level tokenizer,
+  ChatML chat template and <|im_end|> as EOS, written once per session by transformers.
+- `math_problems`: three arithmetic problems with answers, the rows of a problems file.
 """
+
+import json
+import string
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +53,8 @@ TINY = {
 
 
 def _hf_model(arch: str, tie: bool = False, seed: int = 0):
-    import torch
-    import transformers
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(seed)
     if arch == "qwen3":
@@ -65,7 +74,7 @@ def _hf_model(arch: str, tie: bool = False, seed: int = 0):
 
 
 def _params_from_hf(model) -> Params:
-    """Test-local HF -> rejax mapping (the library's lives in rejax/checkpoint.py): per-layer
+    """Test-local HF -> rejax mapping (the library's lives in rejax/checkpoint/names.py): per-layer
     tensors stacked, q/k/v and gate/up rows concatenated, float linears one array per layer."""
     cfg = from_hf_config(model.config.to_dict())
     sd = {k: jnp.asarray(v.detach().numpy()) for k, v in model.state_dict().items()}
@@ -109,6 +118,12 @@ def _params_from_hf(model) -> Params:
     return Params(weights=w, cfg=cfg)
 
 
+@pytest.fixture(scope="session")
+def hf_model():
+    """factory(arch, tie=False, seed=0) -> a tiny random transformers model in fp32."""
+    return _hf_model
+
+
 @pytest.fixture
 def hf_tiny():
     """factory(arch, tie=False, seed=0) -> (transformers model, rejax Params) in fp32."""
@@ -120,3 +135,93 @@ def hf_tiny():
         return model, _params_from_hf(model)
 
     return make
+
+
+# ----------------------------------------------------------------------------- chat checkpoint
+
+
+def _byte_symbols() -> dict[int, str]:
+    # GPT-2 byte -> printable-unicode table, as the ByteLevel pre-tokenizer uses.
+    bs = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    cs, extra = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _write_chat_checkpoint(directory, *, seed: int = 0, vocab_size: int = 128):
+    """A random 2-layer Qwen3 (D=64) with a character-level byte BPE tokenizer ("\\n\\n" is one
+    token), ChatML chat template and <|im_end|> as EOS, written by transformers."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    sym = _byte_symbols()
+    vocab = {}
+    for c in [*string.printable[:95], "\n"]:
+        vocab[sym[ord(c)]] = len(vocab)
+    nl = sym[ord("\n")]
+    vocab[nl + nl] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(nl, nl)]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"})
+    )
+    torch.manual_seed(seed)
+    # A large init range gives peaked logits, so argmax decisions are not near-ties.
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        eos_token_id=eos,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )
+    transformers.Qwen3ForCausalLM(cfg).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """A tiny random chat checkpoint (see `_write_chat_checkpoint`); tests must not modify it."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    return _write_chat_checkpoint(tmp_path_factory.mktemp("chat_checkpoint"))
+
+
+_MATH_PROBLEMS = [
+    {"problem": "Evaluate 1 + 2.", "answer": "3"},
+    {"problem": "Evaluate 4 * 5.", "answer": "20"},
+    {"problem": "Evaluate 9 - 12.", "answer": "-3"},
+]
+
+
+@pytest.fixture
+def math_problems():
+    """Three {"problem", "answer"} rows (a fresh copy per test)."""
+    return [dict(p) for p in _MATH_PROBLEMS]

@@ -18,43 +18,26 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file, save_file
+try:  # torch is optional: the tests whose checkpoints transformers writes skip in `hf_model`
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+except ImportError:
+    torch = transformers = load_file = save_file = None
 
+import rejax
+import rejax.checkpoint.reader as ckpt
 from rejax.checkpoint import CheckpointFileNotFoundError, load, save
+from rejax.config import Config
+from rejax.generate import logits
 from rejax.nvfp4 import Nvfp4Tensor, dequantize, quantize_weight
+from rejax.params import init_params
 
-TINY = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
 
 
 # ----------------------------------------------------------------------------- fixtures
-
-
-def _hf_model(arch: str, tied: bool, seed: int = 0):
-    torch.manual_seed(seed)
-    if arch == "qwen3":
-        cfg = transformers.Qwen3Config(**TINY, tie_word_embeddings=tied)
-        model = transformers.Qwen3ForCausalLM(cfg)
-    else:
-        cfg = transformers.Qwen2Config(**TINY, tie_word_embeddings=tied)
-        model = transformers.Qwen2ForCausalLM(cfg)
-    # Random (not init-default) norm scales and biases so every tensor is distinguishable.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("norm.weight", ".bias")):
-                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "norm" in name else 0.0))
-    return model.eval()
 
 
 def _write_tokenizer(directory):
@@ -75,8 +58,9 @@ def _write_tokenizer(directory):
     return tok
 
 
-def _write_hf(directory, arch="qwen3", tied=False, shard=None, tokenizer=True, seed=0):
-    model = _hf_model(arch, tied, seed)
+def _write_hf(hf_model, directory, arch="qwen3", tied=False, shard=None, tokenizer=True, seed=0):
+    """Writes `hf_model(arch, tied, seed)` with transformers; returns its state dict."""
+    model = hf_model(arch, tied, seed)
     kwargs = {"max_shard_size": shard} if shard else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)
     if tokenizer:
@@ -87,15 +71,15 @@ def _write_hf(directory, arch="qwen3", tied=False, shard=None, tokenizer=True, s
 
 
 @pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
+def qwen3_dir(tmp_path_factory, hf_model):
     d = tmp_path_factory.mktemp("qwen3")
-    return d, _write_hf(d, "qwen3", tied=False)
+    return d, _write_hf(hf_model, d, "qwen3", tied=False)
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory):
+def qwen2_dir(tmp_path_factory, hf_model):
     d = tmp_path_factory.mktemp("qwen2")
-    return d, _write_hf(d, "qwen2", tied=True, seed=1)
+    return d, _write_hf(hf_model, d, "qwen2", tied=True, seed=1)
 
 
 def _copy(src, tmp_path, name="copy"):
@@ -214,8 +198,8 @@ def _np(x):
         ("qwen3", False, "40KB"),
     ],
 )
-def test_load_matches_torch_state_dict(tmp_path, arch, tied, shard):
-    state = _write_hf(tmp_path, arch, tied=tied, shard=shard)
+def test_load_matches_torch_state_dict(tmp_path, hf_model, arch, tied, shard):
+    state = _write_hf(hf_model, tmp_path, arch, tied=tied, shard=shard)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").exists()
         assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
@@ -247,8 +231,8 @@ def test_load_default_dtype_is_bf16(qwen3_dir):
     np.testing.assert_array_equal(_np(leaf).astype(np.float32), ref)
 
 
-def test_bf16_checkpoint_loads_bit_exact(tmp_path):
-    model = _hf_model("qwen3", tied=False).to(torch.bfloat16)
+def test_bf16_checkpoint_loads_bit_exact(tmp_path, hf_model):
+    model = hf_model("qwen3", False).to(torch.bfloat16)
     model.save_pretrained(tmp_path, safe_serialization=True)
     params = load(tmp_path)  # bf16 -> bf16: no rounding at all
     for name, tensor in model.state_dict().items():
@@ -348,7 +332,8 @@ def _modelopt_quantize(w: torch.Tensor):
 def _write_modelopt(
     directory, src_dir, *, exclude=("lm_head",), scalar_shape=(), algo="NVFP4", seed=0
 ):
-    """Writes a ModelOpt NVFP4 checkpoint of the float model in `src_dir` (format of PAPER §2).
+    """Writes a ModelOpt NVFP4 checkpoint of the float model in `src_dir` (the format that
+    rejax.checkpoint's docstring describes).
 
     Returns {hf tensor name: torch tensor} as written, and {linear prefix: ModelOpt QTensor}.
     """
@@ -631,8 +616,8 @@ def test_missing_files(qwen3_dir, tmp_path):
         load(d)
 
 
-def test_missing_shard(tmp_path):
-    _write_hf(tmp_path, shard="40KB", tokenizer=False)
+def test_missing_shard(tmp_path, hf_model):
+    _write_hf(hf_model, tmp_path, shard="40KB", tokenizer=False)
     shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(CheckpointFileNotFoundError, match=shard.name):
@@ -848,8 +833,6 @@ def test_qwen3_attention_bias_refused(qwen3_dir, tmp_path):
 @pytest.mark.parametrize("which", ["qwen3_dir", "qwen2_dir"])
 def test_loaded_logits_match_hf(which, request):
     """Logits of a loaded checkpoint equal transformers' (fp32, max rel diff <= 1e-4)."""
-    from rejax.generate import logits
-
     directory, _ = request.getfixturevalue(which)
     params = load(directory, dtype=jnp.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
@@ -863,8 +846,6 @@ def test_loaded_logits_match_hf(which, request):
 
 
 def test_quantization_progress_bar(qwen3_dir, monkeypatch, capsys):
-    import rejax.checkpoint as ckpt
-
     load(qwen3_dir[0], quant="nvfp4-w4a16")  # tiny model: no bar
     assert "quantizing" not in capsys.readouterr().err
     monkeypatch.setattr(ckpt, "_PROGRESS_MIN_PARAMS", 0)
@@ -876,9 +857,6 @@ def test_quantization_progress_bar(qwen3_dir, monkeypatch, capsys):
 @pytest.mark.parametrize("quant", [None, "nvfp4"])
 def test_save_init_params_round_trip(tmp_path, quant):
     """Params built by the decoder (`init_params`) save and load back unchanged."""
-    from rejax.config import Config
-    from rejax.params import init_params
-
     cfg = Config(arch="qwen2", attention_bias=True, eos_token_ids=(5, 6), bos_token_id=1)
     cfg = dataclasses.replace(cfg, quant=quant)
     params = init_params(cfg, 0)
@@ -893,9 +871,6 @@ def test_generate_on_loaded_checkpoints(kind, qwen3_dir, modelopt_dir):
     its tokens, in the vocabulary, with finite entropies; sampled rows are the same for the same
     key and differ for another key; the greedy first token is the argmax of `logits` on the
     prompt."""
-    import rejax
-    from rejax.generate import logits
-
     if kind == "bf16":
         params = load(qwen3_dir[0])
     elif kind == "quantized_on_load":

@@ -2,7 +2,6 @@
 errors for bad input, and generate / eval / calibrate end to end on a tiny random checkpoint."""
 
 import argparse
-import importlib
 import io
 import json
 import re
@@ -11,16 +10,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_evaluate import PROBLEMS, write_tiny_checkpoint
 
-from rejax import cli
+import rejax
+from rejax import cli, demo, torch_ref
+from rejax import eval as ev
+from rejax.decode import decode_step, prefill
+from rejax.generate import generate
+from rejax.text import encode_prompt, step_spans
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cli"))
+def ckpt(chat_checkpoint):
+    return chat_checkpoint
 
 
 _LOADED: dict = {}
@@ -41,9 +44,9 @@ def cached_models(monkeypatch):
 
 
 @pytest.fixture
-def data(tmp_path):
+def data(tmp_path, math_problems):
     f = tmp_path / "problems.jsonl"
-    f.write_text("".join(json.dumps(p) + "\n" for p in PROBLEMS))
+    f.write_text("".join(json.dumps(p) + "\n" for p in math_problems))
     return f
 
 
@@ -214,8 +217,6 @@ def test_calibrate_needs_enough_problems(capsys, ckpt, data):
 
 
 def test_step_printer_splits_like_step_spans():
-    from rejax import evaluate as ev
-
     nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
     nl[1], dnl[2] = True, True
     rng = np.random.default_rng(0)
@@ -226,7 +227,7 @@ def test_step_printer_splits_like_step_spans():
     lines = [printer.push(t, 0.5, float(x)) for t, x in zip(tokens, temps)]
     lines.append(printer.flush())
     ends = [i + 1 for i, line in enumerate(lines[:-1]) if line]
-    spans = ev.step_spans(tokens, nl, dnl)
+    spans = step_spans(tokens, nl, dnl)
     assert ends == [b for _, b in spans][: len(ends)]
     assert len([x for x in lines if x]) == len(spans)
     first = next(x for x in lines if x)
@@ -241,7 +242,7 @@ def test_step_printer_splits_like_step_spans():
 # ----------------------------------------------------------------------------- end to end
 
 
-def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_models):
+def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_models, math_problems):
     out, summary = tmp_path / "r" / "results.jsonl", tmp_path / "r" / "summary.json"
     # Same decode shapes as the calibration test below (2 rows, 8 tokens): one compilation.
     rc, stdout, err = _run(
@@ -269,7 +270,7 @@ def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_mode
     )
     assert rc == 0, err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["prompt"] for r in rows] == [p["problem"] for p in PROBLEMS]
+    assert [r["prompt"] for r in rows] == [p["problem"] for p in math_problems]
     assert all(len(r["responses"]) == len(r["correct"]) == 1 for r in rows)
     s = json.loads(summary.read_text())
     n_correct = sum(r["n_correct"] for r in rows)
@@ -340,9 +341,6 @@ def test_generate_streams_text_and_step_stats(capsys, ckpt, cached_models):
 
 
 def test_stream_response_matches_generate(ckpt, cached_models):
-    from rejax import evaluate as ev
-    from rejax.generate import generate
-
     params = cli.load_model(str(ckpt), "nvfp4")
     sampler = ev.parse_sampler("reset", tau0=4.0)
     buf = io.StringIO()
@@ -364,8 +362,6 @@ def test_stream_response_matches_generate(ckpt, cached_models):
 
 
 def test_demo_fallback_without_bundled_model(capsys, monkeypatch, tmp_path):
-    from rejax import demo
-
     monkeypatch.setattr(cli, "bundled_model_dir", lambda: tmp_path / "absent")
     assert demo.main([]) == 0
     out = capsys.readouterr().out
@@ -390,13 +386,11 @@ def _spy(calls: list):
 
 
 def test_eval_and_calibrate_defaults_fit_the_models_context(
-    capsys, monkeypatch, ckpt, data, cached_models
+    capsys, monkeypatch, ckpt, data, cached_models, math_problems
 ):
-    from rejax import evaluate as ev
-
     params = cli.load_model(str(ckpt), "nvfp4")
     limit = params.cfg.max_position_embeddings  # 512 < the eval / calibrate defaults
-    longest = max(len(ev.prompt_ids(params, p["problem"], chat=True)) for p in PROBLEMS)
+    longest = max(len(encode_prompt(params, p["problem"], chat=True)) for p in math_problems)
     for command, target in (("eval", "evaluate"), ("calibrate", "calibrate_tau0")):
         calls: list = []
         monkeypatch.setattr(ev, target, _spy(calls))
@@ -422,7 +416,7 @@ def test_generate_rejects_an_empty_prompt(capsys, monkeypatch, prompt):
 def test_generate_reads_stdin_and_streams_through_rejax_generate(monkeypatch, ckpt, cached_models):
     monkeypatch.setattr("sys.stdin", io.StringIO("Evaluate 3 + 4.\n"))
     calls: list = []
-    monkeypatch.setattr(importlib.import_module("rejax.generate"), "generate", _spy(calls))
+    monkeypatch.setattr(cli, "generate", _spy(calls))
     with pytest.raises(_Stop):
         cli.main(["generate", "--model", str(ckpt), "--max-new-tokens", "5", "-"])
     ((args, kwargs),) = calls
@@ -432,8 +426,6 @@ def test_generate_reads_stdin_and_streams_through_rejax_generate(monkeypatch, ck
 
 
 def test_bf16_on_an_nvfp4_checkpoint_is_refused(capsys, tmp_path, ckpt, cached_models):
-    import rejax
-
     nvfp4 = tmp_path / "nvfp4"
     rejax.save(cli.load_model(str(ckpt), "nvfp4"), nvfp4)
     rc, _, err = _run(capsys, "generate", "--model", nvfp4, "--quant", "bf16", "hi")
@@ -488,12 +480,8 @@ def test_readme_api_tour_names_resolve():
     # `rejax.generate` is the function, so `rejax.generate.prefill` is an AttributeError.
     assert "`rejax.generate.prefill`" not in readme
     assert "`rejax.decode.prefill` and `decode_step`" in readme
-    from rejax.decode import decode_step, prefill
-
     assert callable(prefill) and callable(decode_step)
     assert "from rejax import torch_ref" in readme
-    from rejax import torch_ref
-
     assert callable(torch_ref.forward)
     assert "per-token dynamic" not in readme and "per-row (per-token) dynamic" in readme
     assert '"bf16"' in readme.split("## API tour")[1].split("## Command line")[0]
@@ -501,8 +489,6 @@ def test_readme_api_tour_names_resolve():
 
 
 def test_step_printer_shows_small_entropies():
-    from rejax import evaluate as ev
-
     nl, dnl = np.zeros(8, bool), np.zeros(8, bool)
     dnl[2] = True
     printer = cli._StepPrinter(nl, dnl, ev.parse_sampler("temp:0.6"))
@@ -550,9 +536,6 @@ def test_read_prompts_from_lines_and_jsonl(tmp_path):
 
 
 def test_generate_prompts_file_n_and_json(capsys, tmp_path, ckpt, cached_models):
-    from rejax import evaluate as ev
-    from rejax.generate import generate
-
     f = tmp_path / "prompts.jsonl"
     f.write_text('{"prompt": "Evaluate 5 - 2."}\n')
     # Two rows of 8 tokens with temp:0.7 and bf16: the compiled shapes of the eval test.

@@ -1,105 +1,27 @@
-"""Tests for rejax.evaluate: problem files, sampler specs, avg@n CIs, step spans, processed
+"""Tests for rejax.eval: problem files, sampler specs, avg@n CIs, step spans, processed
 entropy, and eval / calibration / observation statistics on a tiny random checkpoint."""
 
 import json
 import math
-import string
 
 import numpy as np
 import pytest
 
-from rejax import evaluate as ev
+from rejax import eval as ev
 from rejax import sampling
-
-# ----------------------------------------------------------------------------- checkpoint
-
-
-def _byte_symbols() -> dict[int, str]:
-    # GPT-2 byte -> printable-unicode table, as the ByteLevel pre-tokenizer uses.
-    bs = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    cs, extra = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
-
-def write_tiny_checkpoint(directory, *, seed: int = 0, vocab_size: int = 128):
-    """A random 2-layer Qwen3 (D=64) with a character-level byte BPE tokenizer ("\\n\\n" is one
-    token), ChatML chat template and <|im_end|> as EOS, written by transformers."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    directory.mkdir(parents=True, exist_ok=True)
-    sym = _byte_symbols()
-    vocab = {}
-    for c in [*string.printable[:95], "\n"]:
-        vocab[sym[ord(c)]] = len(vocab)
-    nl = sym[ord("\n")]
-    vocab[nl + nl] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(nl, nl)]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(directory / "tokenizer.json"))
-    eos = tok.token_to_id("<|im_end|>")
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"})
-    )
-    torch.manual_seed(seed)
-    # A large init range gives peaked logits, so argmax decisions are not near-ties.
-    cfg = transformers.Qwen3Config(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        eos_token_id=eos,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    transformers.Qwen3ForCausalLM(cfg).save_pretrained(directory)
-    return directory
+from rejax.checkpoint import load
+from rejax.eval.forcing import entropy_np
+from rejax.eval.grading import extract_answer, grade
+from rejax.generate import generate
+from rejax.text import step_spans
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_eval"))
-
-
-@pytest.fixture(scope="module")
-def params(ckpt):
+def params(chat_checkpoint):
     import jax.numpy as jnp
 
-    from rejax.checkpoint import load
-
     # float32 keeps the cached decode and the full-sequence forward within 1e-4 of each other.
-    return load(ckpt, dtype=jnp.float32)
-
-
-PROBLEMS = [
-    {"problem": "Evaluate 1 + 2.", "answer": "3"},
-    {"problem": "Evaluate 4 * 5.", "answer": "20"},
-    {"problem": "Evaluate 9 - 12.", "answer": "-3"},
-]
+    return load(chat_checkpoint, dtype=jnp.float32)
 
 
 # ----------------------------------------------------------------------------- load_jsonl
@@ -280,14 +202,14 @@ def test_step_spans_follow_the_reset_boundary_rule():
     nl[1], dnl[2] = True, True
     # tokens: a b \n\n c \n \n d \n e   (ids 3 4 2 5 1 1 6 1 7)
     tokens = [3, 4, 2, 5, 1, 1, 6, 1, 7]
-    assert ev.step_spans(tokens, nl, dnl) == [(0, 3), (3, 6), (6, 9)]
-    assert ev.step_spans([], nl, dnl) == []
-    assert ev.step_spans([2, 2], nl, dnl) == [(0, 1), (1, 2)]
+    assert step_spans(tokens, nl, dnl) == [(0, 3), (3, 6), (6, 9)]
+    assert step_spans([], nl, dnl) == []
+    assert step_spans([2, 2], nl, dnl) == [(0, 1), (1, 2)]
 
 
 def test_processed_entropy_hand_cases():
     z = np.log(np.array([[0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]]))
-    raw = ev._entropy_np(z)
+    raw = entropy_np(z)
     assert raw[0] == pytest.approx(math.log(4), rel=1e-6)
     np.testing.assert_allclose(ev.processed_entropy(z, 1.0), raw, rtol=1e-6)
     # Uniform over 4, top-p 0.5: ascending cumsum 0.25, 0.5 <= 0.5 are dropped -> 2 tokens left.
@@ -301,15 +223,13 @@ def test_processed_entropy_hand_cases():
 # ----------------------------------------------------------------------------- on a checkpoint
 
 
-def test_evaluate_end_to_end_grades_and_is_deterministic(params):
+def test_evaluate_end_to_end_grades_and_is_deterministic(params, math_problems):
     sampler = ev.parse_sampler("temp:0.8")
     res = ev.evaluate(
-        params, PROBLEMS, sampler, n=2, max_new_tokens=8, batch_size=2, key=3, progress=False
+        params, math_problems, sampler, n=2, max_new_tokens=8, batch_size=2, key=3, progress=False
     )
     assert res.correct.shape == (3, 2)
     assert len(res.records) == 3 and len(res.tokens) == 6
-    from rejax.grading import extract_answer, grade
-
     for rec, ok in zip(res.records, res.correct):
         assert rec["correct"] == list(ok)
         assert rec["extracted"] == [extract_answer(t) for t in rec["responses"]]
@@ -324,7 +244,7 @@ def test_evaluate_end_to_end_grades_and_is_deterministic(params):
     # cannot produce): with the same key the first sample must now be graded correct, and the
     # batch size must not change any response.
     relabeled = [
-        dict(p, answer=r["extracted"][0] or "123456789") for p, r in zip(PROBLEMS, res.records)
+        dict(p, answer=r["extracted"][0] or "123456789") for p, r in zip(math_problems, res.records)
     ]
     again = ev.evaluate(
         params, relabeled, sampler, n=2, max_new_tokens=8, batch_size=3, key=3, progress=False
@@ -335,15 +255,15 @@ def test_evaluate_end_to_end_grades_and_is_deterministic(params):
     ]
 
 
-def test_evaluate_rejects_bad_arguments(params):
+def test_evaluate_rejects_bad_arguments(params, math_problems):
     with pytest.raises(ValueError, match="n must be a positive"):
-        ev.evaluate(params, PROBLEMS, ev.parse_sampler("greedy"), n=0)
+        ev.evaluate(params, math_problems, ev.parse_sampler("greedy"), n=0)
     with pytest.raises(ValueError, match="at least one problem"):
         ev.evaluate(params, [], ev.parse_sampler("greedy"), n=1)
 
 
-def test_calibrate_tau0_and_write_calibration(params, tmp_path):
-    res = ev.calibrate_tau0(params, PROBLEMS, n_problems=2, max_new_tokens=12, key=0)
+def test_calibrate_tau0_and_write_calibration(params, tmp_path, math_problems):
+    res = ev.calibrate_tau0(params, math_problems, n_problems=2, max_new_tokens=12, key=0)
     raw = res["entropy_raw"]
     assert raw.size == res["n_tokens"] == sum(res["response_lengths"])
     assert res["tau0"] == res["tau0_raw"] == pytest.approx(np.percentile(raw, 80))
@@ -375,39 +295,37 @@ def test_calibrate_tau0_and_write_calibration(params, tmp_path):
         assert (tmp_path / "calibrate_entropy.png").stat().st_size > 1000
 
     with pytest.raises(ValueError, match="calibration needs 5 problems, the data holds 3"):
-        ev.calibrate_tau0(params, PROBLEMS, n_problems=5)
+        ev.calibrate_tau0(params, math_problems, n_problems=5)
 
 
-def test_observation_stats_greedy_samples_never_leave_their_own_argmax(params):
-    from rejax.generate import generate
-
+def test_observation_stats_greedy_samples_never_leave_their_own_argmax(params, math_problems):
     gen = generate(
         params,
-        [p["problem"] for p in PROBLEMS[:2]],
+        [p["problem"] for p in math_problems[:2]],
         n=1,
         max_new_tokens=10,
         sampler=sampling.Greedy(),
         stop=[],
         chat=True,
     )
-    stats = ev.observation_stats(params, PROBLEMS[:2], gen.tokens, n=1, tau0=100.0)
+    stats = ev.observation_stats(params, math_problems[:2], gen.tokens, n=1, tau0=100.0)
     assert stats["n_all"] == stats["n_low"] == 20
     assert stats["off_all"] == 0 and stats["rate_low"] == 0.0
     assert stats["n_high"] == 0 and stats["rate_high"] is None
 
     # Shifting every response by one token makes most tokens disagree with the argmax.
     shifted = [[t[0], *t[:-1]] for t in gen.tokens]
-    off = ev.observation_stats(params, PROBLEMS[:2], shifted, n=1, tau0=0.0)
+    off = ev.observation_stats(params, math_problems[:2], shifted, n=1, tau0=0.0)
     assert off["n_low"] == 0 and off["n_high"] == 20
     assert off["rate_high"] > 0.3
     with pytest.raises(ValueError, match=r"2 problems x n=2 = 4 responses, got 2"):
-        ev.observation_stats(params, PROBLEMS[:2], gen.tokens, n=2, tau0=1.0)
+        ev.observation_stats(params, math_problems[:2], gen.tokens, n=2, tau0=1.0)
 
 
-def test_evaluate_progress_counts_problems_with_a_rate(params, capsys):
+def test_evaluate_progress_counts_problems_with_a_rate(params, capsys, math_problems):
     # Same shapes as the end-to-end test above (2 problems x n=2 per batch, 8 tokens).
     ev.evaluate(
-        params, PROBLEMS, ev.parse_sampler("temp:0.8"), n=2, max_new_tokens=8, batch_size=2,
+        params, math_problems, ev.parse_sampler("temp:0.8"), n=2, max_new_tokens=8, batch_size=2,
         key=3, progress=True,
     )  # fmt: skip
     err = capsys.readouterr().err

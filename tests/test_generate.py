@@ -10,8 +10,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from rejax.config import Config
-from rejax.params import HostTokenizer, init_params
-from rejax.sampling import Greedy, ReSET, Temperature, newline_masks, sample, sampler_init
+from rejax.params import init_params
+from rejax.sampling import Greedy, ReSET, Temperature, sample, sampler_init
+from rejax.text import HostTokenizer, newline_masks, render_chat
 
 # The module, not the `rejax.generate` function the package exports.
 gen = importlib.import_module("rejax.generate")
@@ -168,7 +169,7 @@ def test_chat_template_matches_transformers(params):
     want = hf.apply_chat_template(
         [{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True
     )
-    assert gen.render_chat(params, "2+2?") == want
+    assert render_chat(params, "2+2?") == want
     ids = params.tokenizer.tokenizer.encode(want, add_special_tokens=False).ids
     a = gen.generate(params, "2+2?", chat=True, max_new_tokens=4, stop=[])
     b = gen.generate(params, [ids], max_new_tokens=4, stop=[])

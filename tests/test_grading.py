@@ -5,7 +5,7 @@ from fractions import Fraction
 
 import pytest
 
-from rejax.grading import (
+from rejax.eval.grading import (
     _extract_choice,
     _extract_code,
     extract_answer,

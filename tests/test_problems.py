@@ -1,11 +1,10 @@
-"""Problem loaders for the paper's three tasks (rejax.evaluate.load_problems): AIME JSONL, GPQA
+"""Problem loaders for the paper's three tasks (rejax.eval.load_problems): AIME JSONL, GPQA
 CSV / JSONL with the gold-position rule, LiveCodeBench rows with packed private tests and a
 refused malicious pickle; bad rows named by file, line and field; `rejax eval --task code` end to
 end on the bundled tiny model. Fixtures: tests/data/*_tiny.*"""
 
 import base64
 import csv
-import importlib
 import json
 import pickle
 import random
@@ -16,11 +15,12 @@ from types import SimpleNamespace
 import pytest
 
 from rejax import cli
-from rejax import evaluate as ev
+from rejax import eval as ev
+from rejax.eval import harness
+from rejax.sampling import Greedy
 
 DATA = Path(__file__).resolve().parent / "data"
 REPO = Path(__file__).resolve().parents[1]
-GENERATE = importlib.import_module("rejax.generate")  # the module (rejax.generate is a function)
 
 
 def _pack(obj) -> str:
@@ -261,7 +261,7 @@ def test_eval_bad_task_data_and_timeout_fail_before_loading(capsys, monkeypatch,
     assert "invalid choice: 'essay'" in capsys.readouterr().err
 
 
-@pytest.mark.filterwarnings("ignore:rejax.sandbox. running as root")
+@pytest.mark.filterwarnings("ignore:rejax.eval.sandbox. running as root")
 def test_eval_task_code_end_to_end_on_the_tiny_model(capsys, tmp_path):
     out, summary = tmp_path / "results.jsonl", tmp_path / "summary.json"
     argv = ["eval", "--task", "code", "--model", "tiny", "--quant", "bf16"]
@@ -309,11 +309,11 @@ def test_eval_reports_the_math_last_number_fallback(monkeypatch, capsys, tmp_pat
         "Find the remainder when 2^10 is divided by 7.": [r"so \boxed{2}", "it is 2"],
         "What is 12 * 12?": ["maybe 143", "no idea"],
     }
-    monkeypatch.setattr(GENERATE, "generate", _fake_generate(responses))
+    monkeypatch.setattr(harness, "generate", _fake_generate(responses))
     fake = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=4096))
     monkeypatch.setattr(cli, "load_model", lambda spec, quant: fake)
     monkeypatch.setattr(cli, "_model_line", lambda args, params: "fake model")
-    monkeypatch.setattr(cli.ev, "prompt_ids", lambda params, problem, chat: [0] * 8)
+    monkeypatch.setattr(cli, "encode_prompt", lambda params, problem, chat: [0] * 8)
     summary = tmp_path / "summary.json"
     argv = ["eval", "--data", str(DATA / "aime_tiny.jsonl"), "--n", "2", "--no-chat"]
     rc = cli.main([*argv, "--sampler", "greedy", "--no-progress", "--summary", str(summary)])
@@ -335,9 +335,7 @@ def test_evaluate_mcq_records_letters_and_rules(monkeypatch):
         problems[1]["prompt"]: [r"\boxed{C}"],
         problems[2]["prompt"]: ["no letter here"],
     }
-    monkeypatch.setattr(GENERATE, "generate", _fake_generate(responses))
-    from rejax.sampling import Greedy
-
+    monkeypatch.setattr(harness, "generate", _fake_generate(responses))
     res = ev.evaluate(None, problems, Greedy(), n=1, chat=False, progress=False, task="mcq")
     assert [r["extracted"] for r in res.records] == [[gold[0]], ["C"], [None]]
     assert [r["extracted_by"] for r in res.records] == [["answer_line"], ["boxed"], [None]]

@@ -19,7 +19,6 @@ from rejax.sampling import (
     SamplerState,
     Temperature,
     entropy,
-    newline_masks,
     reset_init,
     reset_observe,
     reset_temperature,
@@ -27,6 +26,7 @@ from rejax.sampling import (
     sampler_init,
     top_p_mask,
 )
+from rejax.text import newline_masks
 
 V8 = 8
 NL, DNL, DOT_DNL, OTHER = 0, 1, 2, 5  # token ids of the scripted traces

@@ -1,4 +1,4 @@
-"""The code sandbox (rejax.sandbox) and code grading through it (rejax.grading, task="code"):
+"""The code sandbox (rejax.eval.sandbox) and code grading through it (rejax.eval.grading, task="code"):
 right, wrong, raising, extra whitespace, endless loops, unbounded allocation, the parent's
 environment, closed stdin, process groups. Each test runs a handful of ~0.1 s interpreters."""
 
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from rejax import sandbox
-from rejax.grading import grade, grade_detail
-from rejax.sandbox import Limits, run_program
+from rejax.eval import sandbox
+from rejax.eval.grading import grade, grade_detail
+from rejax.eval.sandbox import Limits, run_program
 
-pytestmark = pytest.mark.filterwarnings("ignore:rejax.sandbox. running as root")
+pytestmark = pytest.mark.filterwarnings("ignore:rejax.eval.sandbox. running as root")
 
 
 def _stdin_ref(*pairs):

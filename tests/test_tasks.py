@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rejax.data import tasks
-from rejax.grading import grade, to_number
+from rejax.eval.grading import grade, to_number
 
 
 def _eval_expression(problem: str) -> Fraction:

@@ -14,7 +14,7 @@ import pytest
 
 import rejax
 from rejax.data import TINY_MODEL, tasks
-from rejax.grading import grade
+from rejax.eval.grading import grade
 
 MAX_CHECKPOINT_BYTES = 20 * 2**20  # the package must stay small
 # Greedy accuracy threshold on N_GREEDY validation problems: 12/16 = 75%, far below the 98.8%

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -227,8 +228,6 @@ def run_program(
 
 
 def _nobody() -> tuple[int, int]:
-    import pwd
-
     try:
         entry = pwd.getpwnam("nobody")
         return entry.pw_uid, entry.pw_gid
@@ -255,8 +254,8 @@ def _warn_root() -> None:
     if not _warned_root:
         _warned_root = True
         warnings.warn(
-            "rejax.sandbox: running as root and the interpreter is not readable by 'nobody', so "
-            "programs keep root's rights (they may raise their own limits and the process limit "
+            "rejax.eval.sandbox: running as root and the interpreter is not readable by 'nobody', "
+            "so programs keep root's rights (they may raise their own limits and the process limit "
             "does not apply); run the grader as an unprivileged user",
             RuntimeWarning,
             stacklevel=3,

@@ -16,7 +16,7 @@ is X", else the last standalone capital A-D. No letter is graded wrong.
 
 **code** (reference: `{"tests": [...], "fn_name": ...}`). The program is the last fenced
 `python` block, else the last fenced block of any language, else the whole text. Every test
-must pass, each run in `rejax.sandbox` (a separate, limited process) with its own timeout:
+must pass, each run in `rejax.eval.sandbox` (a separate, limited process) with its own timeout:
 stdin tests compare stdout with the expected output after `rstrip()`; functional tests parse
 each input line as one JSON argument, call `Solution().<fn_name>(*args)` (or the top-level
 function `fn_name`) and compare the JSON-normalised return value with the JSON output.
@@ -35,7 +35,7 @@ import json
 import re
 from fractions import Fraction
 
-from rejax import sandbox
+from rejax.eval import sandbox
 
 TASKS = ("math", "mcq", "code")
 TOLERANCE = 1e-6
