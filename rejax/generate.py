@@ -344,8 +344,9 @@ def generate(
     if on_token is not None:
         raise ValueError("on_token needs stream=True (or a stream callable)")
     if slots is not None:
-        return _generate_slots(params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask,
-                               progress)  # fmt: skip
+        return _generate_slots(
+            params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress
+        )
 
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     report = progress if callable(progress) else None
@@ -368,20 +369,30 @@ def generate(
 
 
 def _generate_slots(params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress):
-    from rejax.slots import generate_rows, RowProgress
+    from rejax.slots import RowProgress, generate_rows
+
+    def prompts_done(rows, done, tokens):  # the batch path's progress(prompts, tokens)
+        progress(done, tokens)
 
     bar = None
     if callable(progress):
-        report = lambda rows, done, toks: progress(done, toks)  # noqa: E731
+        report = prompts_done
     elif progress or progress is None:
         bar = report = RowProgress(len(prompts) * n, slots)
     else:
         report = None
     try:
         rows, stats = generate_rows(
-            params, prompts, slots=slots, max_new_tokens=max_new_tokens, sampler=sampler,
-            key=key, stop_mask=stop_mask, n=n, progress=report,
-        )  # fmt: skip
+            params,
+            prompts,
+            slots=slots,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            key=key,
+            stop_mask=stop_mask,
+            n=n,
+            progress=report,
+        )
     finally:
         if bar is not None:
             bar.close()

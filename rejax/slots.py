@@ -110,7 +110,8 @@ def slot_prefill(
     tokens: jax.Array,
     positions: jax.Array,
     slot_ids: jax.Array,
-    keys: jax.Array,
+    key: jax.Array,
+    rows: jax.Array,
     budgets: jax.Array,
     sampler,
 ) -> SlotState:
@@ -122,7 +123,8 @@ def slot_prefill(
         tokens: [P, T] int32 prompts left-padded to their bucket T.
         positions: [P, T] int32 positions (-1 = padding).
         slot_ids: [P] int32 slot of each prompt; B (out of range) for a dummy row.
-        keys: [P] PRNG keys of the rows, fold_in(key, r).
+        key: the run's PRNG key.
+        rows: [P] uint32 row index r of each prompt (its key is fold_in(key, r)).
         budgets: [P] int32 tokens each row may generate (<= M, and T + budget <= S).
         sampler: the run's sampler (its cleared state is put into the slots).
 
@@ -138,6 +140,7 @@ def slot_prefill(
         params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1)
     )
     ids = slot_ids.astype(jnp.int32)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
 
     def put(buf, rows):  # rows past B (dummies) are dropped
         return buf.at[ids].set(rows.astype(buf.dtype), mode="drop")
@@ -289,6 +292,7 @@ def generate_rows(
     max_steps: int = 256,
     bucket: Callable[[int], int] | None = None,
     progress: Callable[[int, int, int], Any] | None = None,
+    buffer_tokens: int | None = None,
 ) -> tuple[list[tuple], SlotStats]:
     """Generates every (prompt, sample) row through `slots` refilled slots.
 
@@ -308,6 +312,9 @@ def generate_rows(
         bucket: prompt length -> padded length (default: rejax.generate's buckets).
         progress: called after each sync as progress(rows done, prompts done, tokens) with
             the counts since the last call.
+        buffer_tokens: M, the output buffer width and the cache room past the prompt bucket
+            (default: the largest budget); runs with the same M, B and buckets share their
+            compiled programs (a benchmark's warm-up).
 
     Returns:
         (rows in row order as (tokens, entropy, temperature, stopped) numpy tuples, SlotStats).
@@ -334,13 +341,14 @@ def generate_rows(
     if n_rows == 0 or budgets.min() <= 0:
         raise ValueError(f"need rows with max_new_tokens > 0, got {n_rows} rows, {budgets.min()=}")
     buckets = [bucket(len(p)) for p in prompts]
-    m = int(budgets.max())
+    m = int(budgets.max()) if buffer_tokens is None else buffer_tokens
+    if not isinstance(m, (int, np.integer)) or m < budgets.max():
+        raise ValueError(
+            f"buffer_tokens={buffer_tokens!r} is below the largest budget {budgets.max()}"
+        )
     length = max(buckets) + m
     t0 = time.perf_counter()
     state = init_slots(params, slots, length, m, sampler)
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
-        key, jnp.arange(n_rows, dtype=jnp.uint32)
-    )
     pending = list(range(n_rows))[::-1]  # popped from the end: row order
     occupant = [-1] * slots
     left_per_prompt = [n] * len(prompts)
@@ -359,9 +367,20 @@ def generate_rows(
                 for b, r in zip(ids, part):
                     occupant[b] = r
                 state = _prefill(
-                    params, state, prompts, n, part, ids, tb, refill_rows, slots, row_keys,
-                    budgets, sampler, _pad_batch,
-                )  # fmt: skip
+                    params,
+                    state,
+                    prompts,
+                    n,
+                    part,
+                    ids,
+                    tb,
+                    refill_rows,
+                    slots,
+                    key,
+                    budgets,
+                    sampler,
+                    _pad_batch,
+                )
                 prefills += 1
         if all(o < 0 for o in occupant):
             break
@@ -375,7 +394,7 @@ def generate_rows(
         ended = [b for b in range(slots) if occupant[b] >= 0 and done[b]]
         if not ended:
             continue
-        got = _collect(state, ended)
+        got = _collect(state, ended, refill_rows)
         new_tokens, new_prompts = 0, 0
         for b, row in zip(ended, got):
             r = occupant[b]
@@ -401,11 +420,11 @@ def generate_rows(
     return results, stats
 
 
-def _prefill(params, state, prompts, n, part, ids, tb, p, slots, row_keys, budgets, sampler, pad):
+def _prefill(params, state, prompts, n, part, ids, tb, p, slots, key, budgets, sampler, pad):
     tokens, positions, _, _ = pad([prompts[r // n] for r in part], p, tb)
     slot_ids = np.full((p,), slots, np.int32)  # dummies: out of range, dropped
     slot_ids[: len(part)] = ids
-    rows = np.zeros((p,), np.int32)
+    rows = np.zeros((p,), np.uint32)
     rows[: len(part)] = part
     budget = np.ones((p,), np.int32)
     budget[: len(part)] = budgets[part]
@@ -415,30 +434,37 @@ def _prefill(params, state, prompts, n, part, ids, tb, p, slots, row_keys, budge
         jnp.asarray(tokens),
         jnp.asarray(positions),
         jnp.asarray(slot_ids),
-        row_keys[jnp.asarray(rows)],
+        key,
+        jnp.asarray(rows),
         jnp.asarray(budget),
         sampler,
     )
 
 
-def _collect(state: SlotState, ended: list[int]) -> list[tuple]:
-    # Gathers the ended slots' rows on the device first (padded to a power of two, so a few
-    # gather shapes serve the run), then copies only them to the host.
-    q = 1 << (len(ended) - 1).bit_length()
-    idx = jnp.asarray(ended + [ended[0]] * (q - len(ended)), jnp.int32)
-    toks, ent, temp, lens, stopped = jax.device_get(
-        (
-            state.tokens[idx],
-            state.entropy[idx],
-            state.temperature[idx],
-            state.step[idx],
-            state.stopped[idx],
-        )
+# Jitted so that the gather runs on the device and only the Q gathered rows are copied to the
+# host; Q = refill_rows for every call, so one compiled gather serves the run.
+@jax.jit
+def _gather(state: SlotState, idx: jax.Array):
+    return (
+        state.tokens[idx],
+        state.entropy[idx],
+        state.temperature[idx],
+        state.step[idx],
+        (state.stopped[idx]),
     )
-    return [
-        (toks[i, : lens[i]], ent[i, : lens[i]], temp[i, : lens[i]], bool(stopped[i]))
-        for i in range(len(ended))
-    ]
+
+
+def _collect(state: SlotState, ended: list[int], q: int) -> list[tuple]:
+    out = []
+    for i in range(0, len(ended), q):
+        part = ended[i : i + q]
+        idx = jnp.asarray(part + [part[0]] * (q - len(part)), jnp.int32)
+        toks, ent, temp, lens, stopped = jax.device_get(_gather(state, idx))
+        out += [
+            (toks[j, : lens[j]], ent[j, : lens[j]], temp[j, : lens[j]], bool(stopped[j]))
+            for j in range(len(part))
+        ]
+    return out
 
 
 def _check_scalar_sampler(sampler) -> None:

@@ -68,7 +68,7 @@ def static(params):
             n=N,
             stop=STOP,
             progress=False,
-        )  # fmt: skip
+        )
         for name, s in SAMPLERS.items()
     }
 
@@ -84,9 +84,16 @@ def _same(a, b):
 def test_refilled_run_equals_static_batches(params, static, name):
     before = dict(gen.TRACE_COUNTS)
     out = gen.generate(
-        params, PROMPTS, max_new_tokens=M, sampler=SAMPLERS[name], key=3, n=N,
-        stop=STOP, slots=3, progress=False,
-    )  # fmt: skip
+        params,
+        PROMPTS,
+        max_new_tokens=M,
+        sampler=SAMPLERS[name],
+        key=3,
+        n=N,
+        stop=STOP,
+        slots=3,
+        progress=False,
+    )
     _same(out, static[name])
     ref = static[name]
     lengths = [len(t) for t in ref.tokens]
@@ -110,9 +117,16 @@ def test_one_slot_refilled_for_every_row(params, static):
     # rows (stale keys past the new prompt must be masked), and a row must not inherit the
     # previous occupant's key, sampler state or step.
     out = gen.generate(
-        params, PROMPTS[:5], max_new_tokens=M, sampler=SAMPLERS["reset"], key=3, n=N,
-        stop=STOP, slots=1, progress=False,
-    )  # fmt: skip
+        params,
+        PROMPTS[:5],
+        max_new_tokens=M,
+        sampler=SAMPLERS["reset"],
+        key=3,
+        n=N,
+        stop=STOP,
+        slots=1,
+        progress=False,
+    )
     ref = static["reset"]
     assert out.tokens == ref.tokens[:10] and out.finish_reason == ref.finish_reason[:10]
     assert len({len(t) for t in out.tokens}) >= 3
@@ -123,9 +137,15 @@ def test_fewer_rows_than_slots(params, static):
     # The bucket-64 prompt alone (greedy, so its rows do not depend on the row index, and the
     # shapes of the 3-slot run above): 2 rows, 3 slots.
     out = gen.generate(
-        params, [PROMPTS[5]], max_new_tokens=M, sampler=SAMPLERS["greedy"], n=N,
-        stop=STOP, slots=3, progress=False,
-    )  # fmt: skip
+        params,
+        [PROMPTS[5]],
+        max_new_tokens=M,
+        sampler=SAMPLERS["greedy"],
+        n=N,
+        stop=STOP,
+        slots=3,
+        progress=False,
+    )
     assert out.tokens == static["greedy"].tokens[10:12]
     s = out.slot_stats
     assert s["occupancy"] <= 2 / 3 and s["chunks"] == 1 and s["prefills"] == 2
@@ -136,13 +156,26 @@ def test_per_row_budgets_and_progress(params):
     sampler, key = SAMPLERS["reset"], jax.random.key(2)
     calls = []
     rows, stats = sl.generate_rows(
-        params, PROMPTS, slots=3, max_new_tokens=budgets, sampler=sampler, key=key,
-        stop_mask=jnp.zeros((V,), bool), n=N, progress=lambda *c: calls.append(c),
-    )  # fmt: skip
+        params,
+        PROMPTS,
+        slots=3,
+        max_new_tokens=budgets,
+        sampler=sampler,
+        key=key,
+        stop_mask=jnp.zeros((V,), bool),
+        n=N,
+        progress=lambda *c: calls.append(c),
+    )
     full = gen.generate(
-        params, PROMPTS, max_new_tokens=M, sampler=sampler, key=2, n=N, stop=[],
+        params,
+        PROMPTS,
+        max_new_tokens=M,
+        sampler=sampler,
+        key=2,
+        n=N,
+        stop=[],
         progress=False,
-    )  # fmt: skip
+    )
     assert [len(r[0]) for r in rows] == budgets
     for r, (row, ref) in enumerate(zip(rows, full.tokens)):
         assert row[0].tolist() == ref[: budgets[r]], r
@@ -157,9 +190,16 @@ def test_no_retrace_for_new_prompts_keys_and_hyperparameters(params, static):
     assert seen.get("decode_chunk", 0) >= 1  # compiled by the runs above
     # New prompts in the same buckets, a new key, new traced hyperparameters.
     out = gen.generate(
-        params, _prompts([30, 50, 1], seed=4), max_new_tokens=M, key=1, n=3, stop=STOP,
-        sampler=_reset(0.5, 0.9, 0.2), slots=3, progress=False,
-    )  # fmt: skip
+        params,
+        _prompts([30, 50, 1], seed=4),
+        max_new_tokens=M,
+        key=1,
+        n=3,
+        stop=STOP,
+        sampler=_reset(0.5, 0.9, 0.2),
+        slots=3,
+        progress=False,
+    )
     assert dict(gen.TRACE_COUNTS) == seen
     assert len(out.tokens) == 9 and out.slot_stats["prefills"] == 9
 
@@ -190,7 +230,7 @@ def test_bad_input_raises(params, kw, match):
 
 
 def test_bad_driver_input_raises(params):
-    common = dict(sampler=Greedy(), key=jax.random.key(0), stop_mask=jnp.zeros((V,), bool))
+    common = {"sampler": Greedy(), "key": jax.random.key(0), "stop_mask": jnp.zeros((V,), bool)}
     with pytest.raises(ValueError, match="refill_rows"):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, refill_rows=3, **common)
     with pytest.raises(ValueError, match="one per row"):
