@@ -134,21 +134,24 @@ def test_one_slot_refilled_for_every_row(params, static):
 
 
 def test_fewer_rows_than_slots(params, static):
-    # The bucket-64 prompt alone (greedy, so its rows do not depend on the row index, and the
-    # shapes of the 3-slot run above): 2 rows, 3 slots.
-    out = gen.generate(
+    # The bucket-64 prompt alone (greedy, so its rows do not depend on the row index): 2 rows
+    # in 3 slots, prefilled together with a dummy row (refill_rows=3) that must be dropped.
+    stop_mask = jnp.asarray(np.isin(np.arange(V), STOP))
+    rows, s = sl.generate_rows(
         params,
         [PROMPTS[5]],
+        slots=3,
         max_new_tokens=M,
         sampler=SAMPLERS["greedy"],
+        key=jax.random.key(0),
+        stop_mask=stop_mask,
         n=N,
-        stop=STOP,
-        slots=3,
-        progress=False,
+        refill_rows=3,
     )
-    assert out.tokens == static["greedy"].tokens[10:12]
-    s = out.slot_stats
-    assert s["occupancy"] <= 2 / 3 and s["chunks"] == 1 and s["prefills"] == 2
+    assert [r[0].tolist() for r in rows] == static["greedy"].tokens[10:12]
+    assert s.prefills == 1 and s.chunks == 1
+    assert s.live_row_steps == s.tokens == sum(len(r[0]) for r in rows)  # no dummy went live
+    assert s.occupancy <= 2 / 3
 
 
 def test_per_row_budgets_and_progress(params):
