@@ -284,12 +284,15 @@ def main(argv=None) -> dict:
             "static": {**s_t, "tokens_per_s": total / s_t["wall_s"]},
             "slots": {**r_t, "tokens_per_s": total / r_t["wall_s"]},
             "wall_ratio_slots_over_static": r_t["wall_s"] / s_t["wall_s"],
+            # the fewest steps B slots could take (every slot busy every step)
+            "ideal_slot_steps": total / args.slots,
             "tokens": compare(s_rows, r_rows),
         }
         result["runs"].append(run)
         log(
             f"[{quant}] static {s_t['wall_s']:.1f}s, slots {r_t['wall_s']:.1f}s "
-            f"(x{run['wall_ratio_slots_over_static']:.2f}), occupancy {r_t['occupancy']:.3f}, "
+            f"(x{run['wall_ratio_slots_over_static']:.2f}), occupancy {r_t['occupancy']:.3f} "
+            f"({r_t['occupancy_while_pending'] or 0:.3f} while rows pending), "
             f"{run['slots']['tokens_per_s']:.0f} vs {run['static']['tokens_per_s']:.0f} tok/s, "
             f"identical rows {run['tokens']['rows_identical']}/{rows}"
         )

@@ -252,6 +252,8 @@ class SlotStats:
         steps: decode steps run (each steps all B slots).
         live_row_steps: row-steps that generated a token.
         occupancy: live_row_steps / (steps * B): the mean fraction of slots doing work.
+        occupancy_while_pending: the same over the decode calls that began with rows still
+            pending (before the drain, where no row is left to refill a slot); None if none.
         prefills: `slot_prefill` calls.
         chunks: `decode_chunk` calls (host syncs).
         tokens: tokens generated.
@@ -263,6 +265,7 @@ class SlotStats:
     steps: int
     live_row_steps: int
     occupancy: float
+    occupancy_while_pending: float | None
     prefills: int
     chunks: int
     tokens: int
@@ -354,6 +357,7 @@ def generate_rows(
     left_per_prompt = [n] * len(prompts)
     results: list[tuple | None] = [None] * n_rows
     steps = used = prefills = chunks = tokens = 0
+    pending_steps = pending_used = 0
     while True:
         free = [b for b in range(slots) if occupant[b] < 0]
         take = [pending.pop() for _ in range(min(len(free), len(pending)))]
@@ -391,6 +395,8 @@ def generate_rows(
         chunks += 1
         done, ran, live = jax.device_get((state.done, ran, live))
         steps, used = steps + int(ran), used + int(live)
+        if pending:
+            pending_steps, pending_used = pending_steps + int(ran), pending_used + int(live)
         ended = [b for b in range(slots) if occupant[b] >= 0 and done[b]]
         if not ended:
             continue
@@ -412,6 +418,7 @@ def generate_rows(
         steps=steps,
         live_row_steps=used,
         occupancy=used / (steps * slots) if steps else 0.0,
+        occupancy_while_pending=pending_used / (pending_steps * slots) if pending_steps else None,
         prefills=prefills,
         chunks=chunks,
         tokens=tokens,

@@ -107,6 +107,7 @@ def test_refilled_run_equals_static_batches(params, static, name):
     assert stats["rows"] == 12 and stats["tokens"] == sum(lengths) == stats["live_row_steps"]
     assert stats["prefills"] == 12  # one row per refill (B // 16 -> 1), a slot refilled 4x
     assert stats["occupancy"] == sum(lengths) / (3 * stats["steps"]) > 0.7
+    assert stats["occupancy_while_pending"] > stats["occupancy"]  # the drain has idle slots
     # 12 refills over two buckets: one decode program and one prefill per bucket at most.
     assert gen.TRACE_COUNTS["decode_chunk"] - before.get("decode_chunk", 0) <= 1
     assert gen.TRACE_COUNTS["slot_prefill"] - before.get("slot_prefill", 0) <= 2
@@ -151,7 +152,7 @@ def test_fewer_rows_than_slots(params, static):
     assert [r[0].tolist() for r in rows] == static["greedy"].tokens[10:12]
     assert s.prefills == 1 and s.chunks == 1
     assert s.live_row_steps == s.tokens == sum(len(r[0]) for r in rows)  # no dummy went live
-    assert s.occupancy <= 2 / 3
+    assert s.occupancy <= 2 / 3 and s.occupancy_while_pending is None
 
 
 def test_per_row_budgets_and_progress(params):
