@@ -175,6 +175,8 @@ def run_slots(params, prompts, n, slots, budgets, key, sampler, refill_rows, max
     rslots.generate_rows(params, warm, n=1, max_new_tokens=2, **kw)
     compile_s = time.perf_counter() - t0
     log(f"  slots warm-up (compile) {compile_s:.1f}s")
+    memory = _chunk_memory(params, slots, max(by_bucket) + m, m, sampler, stop)
+    log(f"  decode_chunk memory {memory}")
     done = [0]
 
     def progress(rows, _prompts, _tokens):
@@ -187,7 +189,26 @@ def run_slots(params, prompts, n, slots, budgets, key, sampler, refill_rows, max
         params, prompts, n=n, max_new_tokens=[int(b) for b in budgets], progress=progress, **kw
     )
     wall = time.perf_counter() - t1
-    return [r[0] for r in rows], {"wall_s": wall, "compile_s": compile_s, **stats.as_dict()}
+    stats = {"wall_s": wall, "compile_s": compile_s, "memory": memory, **stats.as_dict()}
+    return [r[0] for r in rows], stats
+
+
+def _chunk_memory(params, slots, length, m, sampler, stop) -> dict:
+    # The per-row cache writes are scatters: in place when the cache buffer is reused, a copy
+    # of the whole cache per write otherwise (XLA:CPU does this for bf16, which it scatters in
+    # float32). The compiled decode step's temporaries show which one this backend does.
+    state = jax.eval_shape(lambda: rslots.init_slots(params, slots, length, m, sampler))
+    one = jnp.int32(1)
+    mem = rslots.decode_chunk.lower(params, state, sampler, stop, one, one).compile()
+    mem = mem.memory_analysis()
+    cache = 2 * int(np.prod(state.cache.k.shape)) * state.cache.k.dtype.itemsize
+    temp = None if mem is None else int(mem.temp_size_in_bytes)
+    return {
+        "cache_bytes": cache,
+        "decode_chunk_temp_bytes": temp,
+        # judged only where the cache dwarfs the step's other temporaries (logits, sampler)
+        "cache_copied": None if temp is None or cache < 1 << 30 else temp >= cache,
+    }
 
 
 def compare(static_rows, slot_rows) -> dict:
