@@ -11,7 +11,8 @@ the layout of a static batch row, and the slot positions mask whatever a previou
 Two jitted programs serve a whole run: `decode_chunk` (one `lax.while_loop` of decode steps that
 stops once `want` slots are free, after `max_steps` steps, or when every slot is done) and
 `slot_prefill` (one per prompt bucket; P rows at a time, padded with dummy rows). The host
-loop between them reads the done mask, collects the finished rows and refills their slots.
+loop between them reads the done mask, collects the finished rows (a jitted gather of P rows
+at a time, so only they cross to the host) and refills their slots.
 
 A row's tokens depend only on its prompt, its budget, the key and its row index r: row r samples
 its step i with fold_in(fold_in(key, r), i), the rule of `rejax.generate`, so a refilled run
