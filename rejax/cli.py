@@ -658,6 +658,7 @@ def _cmd_eval(args) -> int:
         key=args.seed,
         chat=chat,
         progress=not args.no_progress,
+        slots=args.slots,
         ci_method=args.ci,
         task=args.task,
         timeout_s=args.timeout,
@@ -1005,6 +1006,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="B",
         help="problems decoded together (B x n rows; default: max(1, 64 // n))",
+    )
+    e.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=None,
+        metavar="B",
+        help="decode through B row slots, refilling a slot with the next (problem, sample) "
+        "as soon as its row ends (same responses as batches; excludes --batch-size)",
     )
     e.add_argument(
         "--limit",

@@ -46,7 +46,7 @@ def decoder_layer(
         positions: [B, T] int32 positions (-1 = padding).
         kv: stacked cache (k, v) [L, B, S, K, H] to write this layer's T entries into, or None
             for cache-free attention over these T tokens.
-        index: [] int32 first cache slot written (with kv).
+        index: [] int32 first cache slot written (with kv), or [B] int32 per row.
         k_positions: [B, S] (or [B, T] without a cache) positions held by each key slot.
         cfg: model config.
         with_amax: record each linear's input amax (calibration).
@@ -94,9 +94,11 @@ def decoder_layer(
         kv = write_kv(kv[0], kv[1], k, v, index, layer=i)
         keys, values = take(kv[0], i), take(kv[1], i)  # [B, S, K, H]
     if kv is not None and t == 1 and cfg.attention == "live":
-        # one new token per row: read only the slots written so far, [0, index + 1)
+        # one new token per row: read only the slots written so far, [0, index + 1) (with a
+        # per-row index, up to the furthest row's; the positions mask the rest)
         li = jnp.asarray(i, jnp.int32)
-        out = decode_attention(q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, index + 1)
+        live = index + 1 if jnp.ndim(index) == 0 else jnp.max(index) + 1
+        out = decode_attention(q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live)
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
     else:
         mask = attention_mask(positions, k_positions)

@@ -59,6 +59,8 @@ class Generation:
         entropy: per-token raw (T=1) entropy in nats, per row.
         temperature: per-token temperature the sampler used, per row.
         finish_reason: "stop" (a stop token was sampled) or "length" per row.
+        slot_stats: with `slots`, what the slot-refill run did (rejax.slots.SlotStats as a
+            dict: occupancy, steps, prefills, ...); None otherwise.
     """
 
     tokens: list[list[int]]
@@ -66,6 +68,7 @@ class Generation:
     entropy: list[list[float]]
     temperature: list[list[float]]
     finish_reason: list[str]
+    slot_stats: dict | None = None
 
 
 def _bucket(length: int) -> int:
@@ -120,6 +123,7 @@ def generate(
     stream: bool | Callable[[str], Any] = False,
     on_token: Callable[[int, float, float], Any] | None = None,
     progress: bool | Callable[[int, int], Any] | None = None,
+    slots: int | None = None,
 ) -> Generation:
     """Generates continuations for one or many prompts.
 
@@ -149,7 +153,11 @@ def generate(
             are built on it.
         progress: show a tqdm bar over batches (None: when there is more than one batch), or a
             callable called after each batch as progress(prompts_done, tokens_generated) with
-            that batch's counts, for a caller's own progress report.
+            that batch's counts, for a caller's own progress report. With `slots` the bar
+            counts rows and the callable is called after each host sync.
+        slots: decode through this many refilled row slots (rejax/slots.py) instead of static
+            batches: a slot whose row ends takes the next pending (prompt, sample) row. Same
+            tokens as static batches; excludes batch_size and stream.
 
     Returns:
         Generation with one row per (prompt, sample).
@@ -162,6 +170,8 @@ def generate(
         raise ValueError(f"n must be a positive int, got {n!r}")
     sampler = _prepare_sampler(params, sampler)
     prompts = prompt_ids(params, prompt, chat)
+    if slots is not None and (batch_size is not None or stream):
+        raise ValueError(f"slots={slots!r} excludes batch_size and stream (got {batch_size=})")
     if batch_size is None:
         batch_size = len(prompts)
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:
@@ -194,6 +204,10 @@ def generate(
         )
     if on_token is not None:
         raise ValueError("on_token needs stream=True (or a stream callable)")
+    if slots is not None:
+        return _generate_slots(
+            params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress
+        )
 
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
     report = progress if callable(progress) else None
@@ -211,6 +225,37 @@ def generate(
         if report is not None:
             report(len(batch), sum(len(r[0]) for r in done))
     return _to_generation(params, rows)
+
+
+def _generate_slots(params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress):
+    from rejax.slots import RowProgress, generate_rows
+
+    def prompts_done(rows, done, tokens):  # the batch path's progress(prompts, tokens)
+        progress(done, tokens)
+
+    bar = None
+    if callable(progress):
+        report = prompts_done
+    elif progress or progress is None:
+        bar = report = RowProgress(len(prompts) * n, slots)
+    else:
+        report = None
+    try:
+        rows, stats = generate_rows(
+            params,
+            prompts,
+            slots=slots,
+            max_new_tokens=max_new_tokens,
+            sampler=sampler,
+            key=key,
+            stop_mask=stop_mask,
+            n=n,
+            progress=report,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    return dataclasses.replace(_to_generation(params, rows), slot_stats=stats.as_dict())
 
 
 def _row_keys(key, first: int, rows: int) -> jax.Array:

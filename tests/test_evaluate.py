@@ -331,3 +331,20 @@ def test_evaluate_progress_counts_problems_with_a_rate(params, capsys, math_prob
     err = capsys.readouterr().err
     assert "3/3" in err and "problem/s" in err and "tok/s" in err, err
     assert "batch" not in err
+
+
+def test_evaluate_with_slots_matches_batches_and_reports_occupancy(params, capsys, math_problems):
+    # The end-to-end test's run (2 problems x n=2 per batch, 8 tokens) through 3 refilled
+    # slots: the same responses, a bar over rows with tok/s, occupancy in the summary.
+    sampler = ev.parse_sampler("temp:0.8")
+    kw = {"n": 2, "max_new_tokens": 8, "key": 3}
+    batched = ev.evaluate(params, math_problems, sampler, batch_size=2, progress=False, **kw)
+    slotted = ev.evaluate(params, math_problems, sampler, slots=3, progress=True, **kw)
+    assert [r["responses"] for r in slotted.records] == [r["responses"] for r in batched.records]
+    s = slotted.summary
+    assert s["slots"] == 3 and 0 < s["slot_occupancy"] <= 1 and s["batch_size"] is None
+    assert "slot_occupancy" not in batched.summary
+    err = capsys.readouterr().err
+    assert "6/6" in err and "row" in err and "tok/s" in err, err
+    with pytest.raises(ValueError, match="excludes batch_size"):
+        ev.evaluate(params, math_problems, sampler, slots=3, batch_size=2, **kw)

@@ -56,6 +56,7 @@ def evaluate(
     task: str = "math",
     timeout_s: float = 8.0,
     grade_workers: int | None = None,
+    slots: int | None = None,
 ) -> EvalResult:
     """Samples n responses per problem, grades them and computes avg@n with a 95% CI.
 
@@ -82,6 +83,9 @@ def evaluate(
       task: "math", "mcq" or "code" (how the responses are graded).
       timeout_s: code: wall-clock limit per test run.
       grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
+      slots: decode the problems x n rows through this many refilled slots (rejax/slots.py)
+        instead of batches (excludes batch_size; same responses); the bar then counts rows
+        and the summary adds `slots` and `slot_occupancy`.
 
     Returns:
       EvalResult. Records hold `extracted` (math answer / letter / program), `extracted_by`
@@ -110,14 +114,16 @@ def evaluate(
             raise ValueError(f"problem {i}: {e}") from None
         prompts.append(prompt)
         refs.append(ref)
-    if batch_size is None:
+    if slots is not None and batch_size is not None:
+        raise ValueError(f"slots={slots!r} excludes batch_size={batch_size!r}")
+    if batch_size is None and slots is None:
         batch_size = min(len(problems), max(1, 64 // n))
-    if not isinstance(batch_size, int) or batch_size <= 0:
+    if slots is None and (not isinstance(batch_size, int) or batch_size <= 0):
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if chat is None:
         chat = has_chat_template(params)
     t0 = time.perf_counter()
-    bar = _ProblemProgress(len(problems), n) if progress else None
+    bar = _ProblemProgress(len(problems), n) if progress and slots is None else None
     try:
         gen = generate(
             params,
@@ -128,7 +134,8 @@ def evaluate(
             n=n,
             batch_size=batch_size,
             chat=chat,
-            progress=bar.update if bar is not None else False,
+            progress=bar.update if bar is not None else bool(progress),
+            slots=slots,
         )
     finally:
         if bar is not None:
@@ -190,6 +197,9 @@ def evaluate(
         "tokens_per_s": float(lengths.sum() / wall) if wall > 0 else None,
         "grade_s": time.perf_counter() - t0 - wall,
     }
+    if slots is not None:
+        summary["slots"] = slots
+        summary["slot_occupancy"] = gen.slot_stats["occupancy"]
     if task == "math":
         fallback = [g for g in grades if g.rule == "last_number"]
         summary["n_last_number_fallback"] = len(fallback)

@@ -1,0 +1,509 @@
+"""Slot-refill generation: a fixed number of row slots kept busy over many (prompt, sample) rows.
+
+Static batches (rejax/generate.py) step every row until the batch's longest row ends. Here B
+slots decode together and a slot whose row ends takes the next pending row: that row's prompt
+is prefilled on its own (a [P, T] prefill into a fresh cache) and copied into the slot's cache
+row, while the other slots keep their state. The cache has a per-row write index [B]
+(rejax/cache.py), so every slot runs at its own position; each slot's cache row holds its
+prompt left-padded to the prompt's bucket at slots [0, T) and its generated tokens after it,
+the layout of a static batch row, and the slot positions mask whatever a previous occupant left.
+
+Two jitted programs serve a whole run: `decode_chunk` (one `lax.while_loop` of decode steps that
+stops once `want` slots are free, after `max_steps` steps, or when every slot is done) and
+`slot_prefill` (one per prompt bucket; P rows at a time, padded with dummy rows). The host
+loop between them reads the done mask, collects the finished rows (a jitted gather of P rows
+at a time, so only they cross to the host) and refills their slots.
+
+A row's tokens depend only on its prompt, its budget, the key and its row index r: row r samples
+its step i with fold_in(fold_in(key, r), i), the rule of `rejax.generate`, so a refilled run
+gives the tokens of static batches. Dimension letters: see rejax/config.py (B slots, P rows
+prefilled together, T prompt bucket, S cache slots, V vocab, M the largest budget).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rejax.cache import KVCache, init_cache
+from rejax.decode import TRACE_COUNTS
+from rejax.decoder import forward
+from rejax.params import Params
+from rejax.sampling import sample, sampler_init
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """Device state of B slots, carried through `decode_chunk` and `slot_prefill`.
+
+    Attributes:
+        logits: [B, V] float32 logits for each slot's next token.
+        cache: KVCache with a per-row index [B] (the next slot each row writes).
+        positions: [B] int32 position of each slot's next token.
+        step: [B] int32 tokens the slot's row has generated (its next step index).
+        budget: [B] int32 tokens the slot's row may generate at most.
+        keys: [B] the rows' PRNG keys fold_in(key, r).
+        sampler_state: the sampler's SamplerState, one row per slot.
+        done: [B] bool slots whose row ended (or that never held one): free to refill.
+        stopped: [B] bool rows that ended on a stop token.
+        tokens, entropy, temperature: [B, M] output buffers, column i = step i.
+    """
+
+    logits: jax.Array
+    cache: KVCache
+    positions: jax.Array
+    step: jax.Array
+    budget: jax.Array
+    keys: jax.Array
+    sampler_state: Any
+    done: jax.Array
+    stopped: jax.Array
+    tokens: jax.Array
+    entropy: jax.Array
+    temperature: jax.Array
+
+
+def init_slots(params: Params, slots: int, length: int, max_new_tokens: int, sampler) -> SlotState:
+    """B empty slots (every one done) over a cache of S = `length` slots per row.
+
+    Args:
+        params: the model (its embedding dtype is the cache dtype).
+        slots: B.
+        length: S, at least the largest prompt bucket plus the largest budget.
+        max_new_tokens: M, the output buffer width (the largest budget).
+        sampler: the run's sampler (its state's shape).
+    """
+    cfg = params.cfg
+    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    cache = init_cache(cfg, slots, length, dtype)
+    cache = dataclasses.replace(cache, index=jnp.zeros((slots,), jnp.int32))
+    zi = jnp.zeros((slots,), jnp.int32)
+    state = SlotState(
+        logits=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
+        cache=cache,
+        positions=zi,
+        step=zi,
+        budget=zi,
+        keys=jax.random.split(jax.random.key(0), slots),
+        sampler_state=sampler_init(sampler, slots),
+        done=jnp.ones((slots,), bool),
+        stopped=jnp.zeros((slots,), bool),
+        tokens=jnp.zeros((slots, max_new_tokens), jnp.int32),
+        entropy=jnp.zeros((slots, max_new_tokens), jnp.float32),
+        temperature=jnp.zeros((slots, max_new_tokens), jnp.float32),
+    )
+    # distinct buffers: the state is donated, and one buffer may not be donated twice
+    return jax.tree.map(jnp.copy, state)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def slot_prefill(
+    params: Params,
+    state: SlotState,
+    tokens: jax.Array,
+    positions: jax.Array,
+    slot_ids: jax.Array,
+    key: jax.Array,
+    rows: jax.Array,
+    budgets: jax.Array,
+    sampler,
+) -> SlotState:
+    """Prefills P prompts and puts each into its slot; the other slots keep their state.
+
+    Args:
+        params: the model.
+        state: the slots (donated).
+        tokens: [P, T] int32 prompts left-padded to their bucket T.
+        positions: [P, T] int32 positions (-1 = padding).
+        slot_ids: [P] int32 slot of each prompt; B (out of range) for a dummy row.
+        key: the run's PRNG key.
+        rows: [P] uint32 row index r of each prompt (its key is fold_in(key, r)).
+        budgets: [P] int32 tokens each row may generate (<= M, and T + budget <= S).
+        sampler: the run's sampler (its cleared state is put into the slots).
+
+    Returns:
+        The SlotState with the P rows live at step 0.
+    """
+    TRACE_COUNTS["slot_prefill"] += 1
+    cfg = params.cfg
+    p, t = tokens.shape
+    s = state.cache.length
+    fresh = init_cache(cfg, p, t, state.cache.k.dtype)
+    logits, fresh = forward(
+        params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1)
+    )
+    ids = slot_ids.astype(jnp.int32)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
+
+    def put(buf, rows):  # rows past B (dummies) are dropped
+        return buf.at[ids].set(rows.astype(buf.dtype), mode="drop")
+
+    c = state.cache
+    pos_rows = jnp.full((p, s), -1, jnp.int32).at[:, :t].set(positions)
+    cache = KVCache(
+        k=c.k.at[:, ids, :t].set(fresh.k, mode="drop"),
+        v=c.v.at[:, ids, :t].set(fresh.v, mode="drop"),
+        positions=put(c.positions, pos_rows),
+        index=put(c.index, jnp.full((p,), t, jnp.int32)),
+    )
+    cleared = sampler_init(sampler, p)
+    return SlotState(
+        logits=put(state.logits, logits),
+        cache=cache,
+        positions=put(state.positions, jnp.max(positions, axis=1) + 1),
+        step=put(state.step, jnp.zeros((p,), jnp.int32)),
+        budget=put(state.budget, budgets),
+        keys=state.keys.at[ids].set(keys, mode="drop"),
+        sampler_state=jax.tree.map(put, state.sampler_state, cleared),
+        done=put(state.done, jnp.zeros((p,), bool)),
+        stopped=put(state.stopped, jnp.zeros((p,), bool)),
+        tokens=state.tokens,
+        entropy=state.entropy,
+        temperature=state.temperature,
+    )
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def decode_chunk(
+    params: Params,
+    state: SlotState,
+    sampler,
+    stop_mask: jax.Array,
+    want: jax.Array,
+    max_steps: jax.Array,
+) -> tuple[SlotState, jax.Array, jax.Array]:
+    """Decode steps over all slots until `want` slots are done, or `max_steps`, or all done.
+
+    Each live slot samples its step `step[b]` with fold_in(keys[b], step[b]) and feeds the
+    token through the model at its own cache index; a row ends on a stop token or at its
+    budget. Done slots keep stepping (fixed shapes) without advancing or recording anything.
+
+    Args:
+        params: the model.
+        state: the slots (donated).
+        sampler: Greedy | Temperature | ReSET.
+        stop_mask: [V] bool stop token ids.
+        want: [] int32 stop once this many slots are done (B: run until all are).
+        max_steps: [] int32 steps at most in this call.
+
+    Returns:
+        (state, steps run [] int32, live row-steps [] int32 (occupancy numerator)).
+    """
+    TRACE_COUNTS["decode_chunk"] += 1
+    b, m = state.tokens.shape
+    rows = jnp.arange(b)
+
+    def cond(c):
+        s, n, _ = c
+        free = jnp.sum(s.done.astype(jnp.int32))
+        return (n < max_steps) & (free < want) & (free < b)
+
+    def body(c):
+        s, n, used = c
+        keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)  # [B]
+        tokens, sampler_state, info = sample(keys, s.logits, s.sampler_state, sampler)
+        tokens = tokens.astype(jnp.int32)
+        logits, cache = forward(
+            params.weights, tokens[:, None], s.positions[:, None], s.cache, params.cfg
+        )
+        live = ~s.done
+        col = jnp.where(live, s.step, m)  # column m is out of range: dropped
+
+        def put(buf, x):
+            return buf.at[rows, col].set(x.astype(buf.dtype), mode="drop")
+
+        hit = live & stop_mask[tokens]
+        step = jnp.where(live, s.step + 1, s.step)
+        adv = live.astype(jnp.int32)
+        s = SlotState(
+            logits=logits[:, 0],
+            cache=dataclasses.replace(cache, index=s.cache.index + adv),
+            positions=s.positions + adv,
+            step=step,
+            budget=s.budget,
+            keys=s.keys,
+            sampler_state=sampler_state,
+            done=s.done | hit | (step >= s.budget),
+            stopped=s.stopped | hit,
+            tokens=put(s.tokens, tokens),
+            entropy=put(s.entropy, info["entropy"]),
+            temperature=put(s.temperature, info["temperature"]),
+        )
+        return s, n + 1, used + jnp.sum(adv)
+
+    zero = jnp.zeros((), jnp.int32)
+    return jax.lax.while_loop(cond, body, (state, zero, zero))
+
+
+@dataclasses.dataclass
+class SlotStats:
+    """What a slot-refill run did.
+
+    Attributes:
+        slots: B.
+        rows: rows generated.
+        steps: decode steps run (each steps all B slots).
+        live_row_steps: row-steps that generated a token.
+        occupancy: live_row_steps / (steps * B): the mean fraction of slots doing work.
+        occupancy_while_pending: the same over the decode calls that began with rows still
+            pending (before the drain, where no row is left to refill a slot); None if none.
+        prefills: `slot_prefill` calls.
+        chunks: `decode_chunk` calls (host syncs).
+        tokens: tokens generated.
+        wall_s: seconds of the whole run (compilation included on a first run).
+    """
+
+    slots: int
+    rows: int
+    steps: int
+    live_row_steps: int
+    occupancy: float
+    occupancy_while_pending: float | None
+    prefills: int
+    chunks: int
+    tokens: int
+    wall_s: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _default_refill_rows(slots: int) -> int:
+    # Rows prefilled together: with B / 16 the loop waits for a few free slots (a few percent
+    # of occupancy) instead of running one prefill per finished row.
+    return max(1, slots // 16)
+
+
+def generate_rows(
+    params: Params,
+    prompts: Sequence[Sequence[int]],
+    *,
+    slots: int,
+    max_new_tokens: int | Sequence[int],
+    sampler,
+    key: jax.Array,
+    stop_mask: jax.Array,
+    n: int = 1,
+    refill_rows: int | None = None,
+    max_steps: int = 256,
+    bucket: Callable[[int], int] | None = None,
+    progress: Callable[[int, int, int], Any] | None = None,
+    buffer_tokens: int | None = None,
+) -> tuple[list[tuple], SlotStats]:
+    """Generates every (prompt, sample) row through `slots` refilled slots.
+
+    Args:
+        params: the model.
+        prompts: token ids per prompt (checked by the caller).
+        slots: B > 0 slots decoded together.
+        max_new_tokens: tokens per row at most, one int or one per row (len(prompts) * n,
+            prompt-major).
+        sampler: a prepared sampler (ReSET with its newline masks); scalar hyperparameters.
+        key: PRNG key; row r = prompt * n + sample uses fold_in(key, r).
+        stop_mask: [V] bool stop token ids.
+        n: samples per prompt.
+        refill_rows: P rows prefilled together (default max(1, B // 16)); the decode loop
+            returns to the host once P slots are free (or fewer rows are pending).
+        max_steps: decode steps at most between host syncs (progress granularity).
+        bucket: prompt length -> padded length (default: rejax.generate's buckets).
+        progress: called after each sync as progress(rows done, prompts done, tokens) with
+            the counts since the last call.
+        buffer_tokens: M, the output buffer width and the cache room past the prompt bucket
+            (default: the largest budget); runs with the same M, B and buckets share their
+            compiled programs (a benchmark's warm-up).
+
+    Returns:
+        (rows in row order as (tokens, entropy, temperature, stopped) numpy tuples, SlotStats).
+    """
+    from rejax.generate import _bucket, _pad_batch
+
+    bucket = bucket or _bucket
+    for name, v in (("slots", slots), ("n", n), ("max_steps", max_steps)):
+        if not isinstance(v, (int, np.integer)) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    refill_rows = _default_refill_rows(slots) if refill_rows is None else refill_rows
+    if not isinstance(refill_rows, (int, np.integer)) or not 0 < refill_rows <= slots:
+        raise ValueError(f"refill_rows must be an int in [1, slots={slots}], got {refill_rows!r}")
+    _check_scalar_sampler(sampler)
+    n_rows = len(prompts) * n
+    if np.ndim(max_new_tokens) not in (0, 1) or (
+        np.ndim(max_new_tokens) == 1 and len(max_new_tokens) != n_rows
+    ):
+        raise ValueError(
+            f"max_new_tokens has shape {np.shape(max_new_tokens)}, expected an int or one per "
+            f"row (len(prompts) * n = {n_rows})"
+        )
+    budgets = np.broadcast_to(np.asarray(max_new_tokens), (n_rows,)).astype(np.int64)
+    if n_rows == 0 or budgets.min() <= 0:
+        raise ValueError(f"need rows with max_new_tokens > 0, got {n_rows} rows, {budgets.min()=}")
+    buckets = [bucket(len(p)) for p in prompts]
+    m = int(budgets.max()) if buffer_tokens is None else buffer_tokens
+    if not isinstance(m, (int, np.integer)) or m < budgets.max():
+        raise ValueError(
+            f"buffer_tokens={buffer_tokens!r} is below the largest budget {budgets.max()}"
+        )
+    length = max(buckets) + m
+    t0 = time.perf_counter()
+    state = init_slots(params, slots, length, m, sampler)
+    pending = list(range(n_rows))[::-1]  # popped from the end: row order
+    occupant = [-1] * slots
+    left_per_prompt = [n] * len(prompts)
+    results: list[tuple | None] = [None] * n_rows
+    steps = used = prefills = chunks = tokens = 0
+    pending_steps = pending_used = 0
+    while True:
+        free = [b for b in range(slots) if occupant[b] < 0]
+        take = [pending.pop() for _ in range(min(len(free), len(pending)))]
+        by_bucket: dict[int, list[int]] = {}
+        for r in take:
+            by_bucket.setdefault(buckets[r // n], []).append(r)
+        for tb, group in by_bucket.items():
+            for i in range(0, len(group), refill_rows):
+                part = group[i : i + refill_rows]
+                ids = [free.pop(0) for _ in part]
+                for b, r in zip(ids, part):
+                    occupant[b] = r
+                state = _prefill(
+                    params,
+                    state,
+                    prompts,
+                    n,
+                    part,
+                    ids,
+                    tb,
+                    refill_rows,
+                    slots,
+                    key,
+                    budgets,
+                    sampler,
+                    _pad_batch,
+                )
+                prefills += 1
+        if all(o < 0 for o in occupant):
+            break
+        want = slots if not pending else min(refill_rows, len(pending))
+        state, ran, live = decode_chunk(
+            params, state, sampler, stop_mask, jnp.int32(want), jnp.int32(max_steps)
+        )
+        chunks += 1
+        done, ran, live = jax.device_get((state.done, ran, live))
+        steps, used = steps + int(ran), used + int(live)
+        if pending:
+            pending_steps, pending_used = pending_steps + int(ran), pending_used + int(live)
+        ended = [b for b in range(slots) if occupant[b] >= 0 and done[b]]
+        if not ended:
+            continue
+        got = _collect(state, ended, refill_rows)
+        new_tokens, new_prompts = 0, 0
+        for b, row in zip(ended, got):
+            r = occupant[b]
+            results[r] = row
+            occupant[b] = -1
+            new_tokens += len(row[0])
+            left_per_prompt[r // n] -= 1
+            new_prompts += left_per_prompt[r // n] == 0
+        tokens += new_tokens
+        if progress is not None:
+            progress(len(ended), new_prompts, new_tokens)
+    stats = SlotStats(
+        slots=slots,
+        rows=n_rows,
+        steps=steps,
+        live_row_steps=used,
+        occupancy=used / (steps * slots) if steps else 0.0,
+        occupancy_while_pending=pending_used / (pending_steps * slots) if pending_steps else None,
+        prefills=prefills,
+        chunks=chunks,
+        tokens=tokens,
+        wall_s=time.perf_counter() - t0,
+    )
+    return results, stats
+
+
+def _prefill(params, state, prompts, n, part, ids, tb, p, slots, key, budgets, sampler, pad):
+    tokens, positions, _, _ = pad([prompts[r // n] for r in part], p, tb)
+    slot_ids = np.full((p,), slots, np.int32)  # dummies: out of range, dropped
+    slot_ids[: len(part)] = ids
+    rows = np.zeros((p,), np.uint32)
+    rows[: len(part)] = part
+    budget = np.ones((p,), np.int32)
+    budget[: len(part)] = budgets[part]
+    return slot_prefill(
+        params,
+        state,
+        jnp.asarray(tokens),
+        jnp.asarray(positions),
+        jnp.asarray(slot_ids),
+        key,
+        jnp.asarray(rows),
+        jnp.asarray(budget),
+        sampler,
+    )
+
+
+# Jitted so that the gather runs on the device and only the Q gathered rows are copied to the
+# host; Q = refill_rows for every call, so one compiled gather serves the run.
+@jax.jit
+def _gather(state: SlotState, idx: jax.Array):
+    return (
+        state.tokens[idx],
+        state.entropy[idx],
+        state.temperature[idx],
+        state.step[idx],
+        (state.stopped[idx]),
+    )
+
+
+def _collect(state: SlotState, ended: list[int], q: int) -> list[tuple]:
+    out = []
+    for i in range(0, len(ended), q):
+        part = ended[i : i + q]
+        idx = jnp.asarray(part + [part[0]] * (q - len(part)), jnp.int32)
+        toks, ent, temp, lens, stopped = jax.device_get(_gather(state, idx))
+        out += [
+            (toks[j, : lens[j]], ent[j, : lens[j]], temp[j, : lens[j]], bool(stopped[j]))
+            for j in range(len(part))
+        ]
+    return out
+
+
+def _check_scalar_sampler(sampler) -> None:
+    # Slots hold different rows over time, so a per-row [B] hyperparameter has no fixed row.
+    for f in dataclasses.fields(sampler):
+        if f.name in ("nl_mask", "dnl_mask") or f.metadata.get("static"):
+            continue
+        v = getattr(sampler, f.name)
+        if np.ndim(v) != 0:
+            raise ValueError(
+                f"slots need scalar sampler hyperparameters; {type(sampler).__name__}.{f.name} "
+                f"has shape {np.shape(v)}"
+            )
+
+
+class RowProgress:
+    """A tqdm bar on stderr over rows done, with the generated tokens/s; a `progress` callable."""
+
+    def __init__(self, rows: int, slots: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=rows, desc=f"generate ({slots} slots)", unit="row")
+        self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def __call__(self, rows: int, prompts: int, tokens: int) -> None:
+        self.tokens += tokens
+        wall = time.perf_counter() - self.t0
+        rate = f"{self.tokens / wall:.0f} tok/s" if wall > 0 else ""
+        self.bar.set_postfix_str(rate, refresh=False)  # drawn once, by the update below
+        self.bar.update(rows)
+
+    def close(self) -> None:
+        self.bar.close()

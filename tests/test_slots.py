@@ -1,0 +1,241 @@
+"""Slot-refill generation (rejax/slots.py): the same tokens as static batches, any schedule."""
+
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rejax import slots as sl
+from rejax.cache import write_kv
+from rejax.config import Config
+from rejax.params import init_params
+from rejax.sampling import Greedy, ReSET, Temperature
+
+gen = importlib.import_module("rejax.generate")
+
+V = 272
+M = 16  # one budget (and so one set of compiled shapes) for the whole file
+# Stop ids the rows below sample at different steps (lengths 1 .. 16, stop and length ends).
+STOP = [3, 9, 19, 27]
+N = 2
+
+
+@pytest.fixture(scope="module")
+def params():
+    """A tiny random Qwen3 with peaked logits (as in test_generate)."""
+    cfg = Config(vocab_size=V, eos_token_ids=(STOP[0],), max_position_embeddings=256, num_layers=1)
+    p = init_params(cfg, 7, jnp.float32)
+    w = jax.tree_util.tree_map(lambda x: x * 10.0 if x.ndim == 2 else x, p.weights)
+    return dataclasses.replace(p, weights=w)
+
+
+def _prompts(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 256, size=n)] for n in lengths]
+
+
+# Two prompt buckets (32 and 64; the 40-token prompt last): slots hold rows at different
+# cache indices.
+PROMPTS = [_prompts([3, 40, 7, 12, 5, 20])[i] for i in (0, 2, 3, 4, 5, 1)]
+
+
+def _reset(t_low=0.3, t_high=1.2, tau_0=0.5):
+    # Greedy rows are ReSET rows at temperature 0 (<= GREEDY_EPS samples the argmax): the
+    # same compiled programs serve both, since hyperparameters are traced.
+    nl = np.zeros((V,), bool)
+    nl[[10, 11, 12]] = True
+    dnl = np.zeros((V,), bool)
+    dnl[[13, 14]] = True
+    return ReSET(t_low=t_low, tau_0=tau_0, t_high=t_high, window=4, nl_mask=nl, dnl_mask=dnl)
+
+
+SAMPLERS = {"greedy": _reset(0.0, 0.0), "reset": _reset()}
+
+
+@pytest.fixture(scope="module")
+def static(params):
+    """Static-batch generations of PROMPTS x N, per sampler: the reference."""
+    return {
+        name: gen.generate(
+            params,
+            PROMPTS,
+            max_new_tokens=M,
+            sampler=s,
+            key=3,
+            n=N,
+            stop=STOP,
+            progress=False,
+        )
+        for name, s in SAMPLERS.items()
+    }
+
+
+def _same(a, b):
+    assert a.tokens == b.tokens
+    assert a.finish_reason == b.finish_reason
+    for x, y in zip(a.entropy + a.temperature, b.entropy + b.temperature):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # same tokens, same math
+
+
+@pytest.mark.parametrize("name", ["greedy", "reset"])
+def test_refilled_run_equals_static_batches(params, static, name):
+    before = dict(gen.TRACE_COUNTS)
+    out = gen.generate(
+        params,
+        PROMPTS,
+        max_new_tokens=M,
+        sampler=SAMPLERS[name],
+        key=3,
+        n=N,
+        stop=STOP,
+        slots=3,
+        progress=False,
+    )
+    _same(out, static[name])
+    ref = static[name]
+    lengths = [len(t) for t in ref.tokens]
+    assert "stop" in ref.finish_reason and "length" in ref.finish_reason
+    assert len(set(lengths)) >= 3, lengths  # slots free at different steps
+    if name == "greedy":
+        assert ref.tokens[0::2] == ref.tokens[1::2]  # argmax rows: the key plays no part
+    else:
+        assert ref.tokens[0::2] != ref.tokens[1::2]
+    stats = out.slot_stats
+    assert stats["rows"] == 12 and stats["tokens"] == sum(lengths) == stats["live_row_steps"]
+    assert stats["prefills"] == 12  # one row per refill (B // 16 -> 1), a slot refilled 4x
+    assert stats["occupancy"] == sum(lengths) / (3 * stats["steps"]) > 0.7
+    assert stats["occupancy_while_pending"] > stats["occupancy"]  # the drain has idle slots
+    # 12 refills over two buckets: one decode program and one prefill per bucket at most.
+    assert gen.TRACE_COUNTS["decode_chunk"] - before.get("decode_chunk", 0) <= 1
+    assert gen.TRACE_COUNTS["slot_prefill"] - before.get("slot_prefill", 0) <= 2
+
+
+def test_one_slot_refilled_for_every_row(params, static):
+    # One slot serves rows 0..9 (the bucket-32 prompts): a refill follows longer prompts and
+    # rows (stale keys past the new prompt must be masked), and a row must not inherit the
+    # previous occupant's key, sampler state or step.
+    out = gen.generate(
+        params,
+        PROMPTS[:5],
+        max_new_tokens=M,
+        sampler=SAMPLERS["reset"],
+        key=3,
+        n=N,
+        stop=STOP,
+        slots=1,
+        progress=False,
+    )
+    ref = static["reset"]
+    assert out.tokens == ref.tokens[:10] and out.finish_reason == ref.finish_reason[:10]
+    assert len({len(t) for t in out.tokens}) >= 3
+    assert out.slot_stats["prefills"] == 10 and out.slot_stats["occupancy"] == 1.0
+
+
+def test_fewer_rows_than_slots(params, static):
+    # The bucket-64 prompt alone (greedy, so its rows do not depend on the row index): 2 rows
+    # in 3 slots, prefilled together with a dummy row (refill_rows=3) that must be dropped.
+    stop_mask = jnp.asarray(np.isin(np.arange(V), STOP))
+    rows, s = sl.generate_rows(
+        params,
+        [PROMPTS[5]],
+        slots=3,
+        max_new_tokens=M,
+        sampler=SAMPLERS["greedy"],
+        key=jax.random.key(0),
+        stop_mask=stop_mask,
+        n=N,
+        refill_rows=3,
+    )
+    assert [r[0].tolist() for r in rows] == static["greedy"].tokens[10:12]
+    assert s.prefills == 1 and s.chunks == 1
+    assert s.live_row_steps == s.tokens == sum(len(r[0]) for r in rows)  # no dummy went live
+    assert s.occupancy <= 2 / 3 and s.occupancy_while_pending is None
+
+
+def test_per_row_budgets_and_progress(params):
+    budgets = [4, 11, 1, 7, 16, 2, 9, 3, 12, 5, 6, 8]  # one per row
+    sampler, key = SAMPLERS["reset"], jax.random.key(2)
+    calls = []
+    rows, stats = sl.generate_rows(
+        params,
+        PROMPTS,
+        slots=3,
+        max_new_tokens=budgets,
+        sampler=sampler,
+        key=key,
+        stop_mask=jnp.zeros((V,), bool),
+        n=N,
+        progress=lambda *c: calls.append(c),
+    )
+    full = gen.generate(
+        params,
+        PROMPTS,
+        max_new_tokens=M,
+        sampler=sampler,
+        key=2,
+        n=N,
+        stop=[],
+        progress=False,
+    )
+    assert [len(r[0]) for r in rows] == budgets
+    for r, (row, ref) in enumerate(zip(rows, full.tokens)):
+        assert row[0].tolist() == ref[: budgets[r]], r
+        assert not row[3]  # no stop token: every row ends at its budget
+    assert sum(c[0] for c in calls) == 12 and sum(c[1] for c in calls) == len(PROMPTS)
+    assert sum(c[2] for c in calls) == sum(budgets) == stats.tokens
+    assert stats.chunks == len(calls) or stats.chunks > len(calls)
+
+
+def test_no_retrace_for_new_prompts_keys_and_hyperparameters(params, static):
+    seen = dict(gen.TRACE_COUNTS)
+    assert seen.get("decode_chunk", 0) >= 1  # compiled by the runs above
+    # New prompts in the same buckets, a new key, new traced hyperparameters.
+    out = gen.generate(
+        params,
+        _prompts([30, 50, 1], seed=4),
+        max_new_tokens=M,
+        key=1,
+        n=3,
+        stop=STOP,
+        sampler=_reset(0.5, 0.9, 0.2),
+        slots=3,
+        progress=False,
+    )
+    assert dict(gen.TRACE_COUNTS) == seen
+    assert len(out.tokens) == 9 and out.slot_stats["prefills"] == 9
+
+
+def test_per_row_cache_write_matches_dynamic_update_slice():
+    rng = np.random.default_rng(0)
+    cache = rng.normal(size=(2, 3, 6, 1, 2)).astype(np.float32)  # [L, B, S, K, H]
+    new = rng.normal(size=(3, 2, 1, 2)).astype(np.float32)  # [B, T, K, H]
+    index = np.array([0, 4, 6], np.int32)  # row 2 is past the end: its write is dropped
+    got = jax.jit(lambda c, x, i: write_kv(c, c, x, x, i, layer=1)[0])(cache, new, index)
+    want = cache.copy()
+    want[1, 0, 0:2] = new[0]
+    want[1, 1, 4:6] = new[1]
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"slots": 0}, "slots must be a positive int"),
+        ({"slots": 2, "batch_size": 2}, "excludes batch_size"),
+        ({"slots": 2, "sampler": Temperature(jnp.ones((2,)))}, "scalar sampler"),
+    ],
+)
+def test_bad_input_raises(params, kw, match):
+    with pytest.raises(ValueError, match=match):
+        gen.generate(params, [[1, 2]], max_new_tokens=2, progress=False, **kw)
+
+
+def test_bad_driver_input_raises(params):
+    common = {"sampler": Greedy(), "key": jax.random.key(0), "stop_mask": jnp.zeros((V,), bool)}
+    with pytest.raises(ValueError, match="refill_rows"):
+        sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, refill_rows=3, **common)
+    with pytest.raises(ValueError, match="one per row"):
+        sl.generate_rows(params, [[1]], slots=2, max_new_tokens=[2, 3], n=1, **common)
