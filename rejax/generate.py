@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rejax.sharding import init_cache
 from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, prefill
 from rejax.decoder import forward
 from rejax.params import Params, map_linears
+from rejax.sharding import init_cache
 
 __all__ = [
     "TRACE_COUNTS",

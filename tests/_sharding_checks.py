@@ -8,25 +8,25 @@ import os
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
-import dataclasses  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import dataclasses
+import json
+import re
+import sys
+import time
 
 _T0 = time.perf_counter()
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import rejax  # noqa: E402
-from rejax import nvfp4, sharding  # noqa: E402
-from rejax.config import Config  # noqa: E402
-from rejax.decode import TRACE_COUNTS, decode_step, prefill  # noqa: E402
-from rejax.ops.linear import nvfp4_linear  # noqa: E402
-from rejax.params import init_params  # noqa: E402
-from rejax.sampling import sampler_init  # noqa: E402
+import rejax
+from rejax import nvfp4, sharding
+from rejax.config import Config
+from rejax.decode import TRACE_COUNTS, decode_step, prefill
+from rejax.ops.linear import nvfp4_linear
+from rejax.params import init_params
+from rejax.sampling import sampler_init
 
 # 4 kv heads, so model=4 leaves one per device
 CFG = Config(
