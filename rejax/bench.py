@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from rejax import sampling
-from rejax.cache import init_cache
 from rejax.config import Config
 from rejax.params import Params, random_params
+from rejax.sharding import init_cache
 
 # Command-line quant names -> Config.quant.
 QUANTS = {"bf16": None, "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
@@ -164,7 +164,7 @@ def bench_decode(
     filled = {}
 
     def prefill():
-        cache = jax.block_until_ready(init_cache(cfg, batch, slots, jnp.bfloat16))
+        cache = jax.block_until_ready(init_cache(params, batch, slots, jnp.bfloat16))
         t0 = time.perf_counter()
         filled["out"] = jax.block_until_ready(gen.prefill(params, tokens, positions, cache))
         return time.perf_counter() - t0
@@ -257,9 +257,11 @@ def run(
                 )
                 r = {"quant": quant, **r, "share_of_copy": r["bandwidth_GBps"] / ceiling}
                 rows.append(r)
-    cfg = next(iter(models.values())).cfg
+    first = next(iter(models.values()))
+    cfg = first.cfg
     return {
         "model": label,
+        "mesh": None if first.sharding is None else dict(first.sharding.mesh.shape),
         "config": dataclasses.asdict(dataclasses.replace(cfg, quant=None)),
         "prompt_len": prompt_len,
         "repeats": repeats,
