@@ -368,13 +368,16 @@ def forward(
     layout = params.sharding
     _check_rows(tokens.shape[0], layout)
     cfg = local_config(params.cfg, layout.model)
-    split_vocab = layout.vocab == "split"
+    # with one device per model group there is nothing to reduce: each data shard runs the
+    # one-device program, without collectives of one participant
+    tp_axis = "model" if layout.model > 1 else None
+    gather = tp_axis is not None and layout.vocab == "split"
 
     def body(weights, tokens, positions, cache, logits_at):
         logits, cache = decoder_forward(
-            _localize(weights), tokens, positions, cache, cfg, logits_at, tp_axis="model"
+            _localize(weights), tokens, positions, cache, cfg, logits_at, tp_axis=tp_axis
         )
-        if split_vocab:
+        if gather:
             # [B / data, (T,) V / model] -> whole rows for the sampler
             logits = jax.lax.all_gather(logits, "model", axis=logits.ndim - 1, tiled=True)
         return logits, cache

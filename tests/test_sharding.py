@@ -6,15 +6,23 @@ asserts on one of its results. Tolerances: float32 logits `allclose(rtol=1e-5, a
 against one device; NVFP4 as named at each comparison.
 """
 
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from rejax import sharding
+from rejax import Greedy, sharding
+from rejax.config import Config
+from rejax.decode import decode_step
+from rejax.params import init_params
+from rejax.sampling import sampler_init
 
 CHECKS = Path(__file__).with_name("_sharding_checks.py")
 MESHES = ("data=8", "model=2 x data=4", "model=4 x data=2")
@@ -100,3 +108,35 @@ def test_parse_mesh():
     for bad in ("data=2,foo=1", "data=0", "data=x", "data=2,data=2", ""):
         with pytest.raises(ValueError, match="mesh"):
             sharding.parse_mesh(bad)
+
+
+def test_one_by_one_mesh_compiles_to_the_plain_program():
+    # the acceptance proxy on CPU: a 1 x 1 mesh adds no collective and no op to the decode step
+    cfg = Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        quant="nvfp4-w4a16",
+    )
+    p = init_params(cfg, 0)
+    ops = []
+    for params in (p, sharding.shard(p, sharding.make_mesh(1, 1))):
+        rows, greedy = 2, Greedy()
+        args = (
+            params,
+            jnp.zeros((rows, cfg.vocab_size)),
+            sharding.init_cache(params, rows, 8),
+            jnp.zeros(rows, jnp.int32),
+            greedy,
+            sampler_init(greedy, rows),
+            jax.random.split(jax.random.key(0), rows),
+            jnp.int32(0),
+        )
+        text = decode_step.lower(*args).compile().as_text()
+        ops.append(collections.Counter(re.findall(r"= \S+ ([a-z][a-z0-9-]*)\(", text)))
+    assert ops[1] == ops[0]
+    assert "all-reduce" not in ops[1]
