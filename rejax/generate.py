@@ -494,6 +494,8 @@ def calibrate_input_scales(
         raise ValueError(
             f"calibrate_input_scales needs cfg.quant == 'nvfp4' (W4A4), got {cfg.quant!r}"
         )
+    if params.sharding is not None:
+        raise ValueError("calibrate_input_scales takes one-device params (rejax.sharding.unshard)")
     prompts = _prompt_ids(params, texts, chat=False)
     bare = map_linears(
         params.weights, lambda _, p: {k: x for k, x in p.items() if k != "input_scale"}
