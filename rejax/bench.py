@@ -25,10 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rejax import sampling
+from rejax import sampling, sharding
 from rejax.config import Config
 from rejax.params import Params, random_params
-from rejax.sharding import init_cache
 
 # Command-line quant names -> Config.quant.
 QUANTS = {"bf16": None, "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
@@ -164,7 +163,7 @@ def bench_decode(
     filled = {}
 
     def prefill():
-        cache = jax.block_until_ready(init_cache(params, batch, slots, jnp.bfloat16))
+        cache = jax.block_until_ready(sharding.init_cache(params, batch, slots, jnp.bfloat16))
         t0 = time.perf_counter()
         filled["out"] = jax.block_until_ready(gen.prefill(params, tokens, positions, cache))
         return time.perf_counter() - t0

@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rejax import sharding
+from rejax.cache import init_cache  # noqa: F401 (callers use rejax.generate's init_cache)
 from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, prefill
 from rejax.decoder import forward
 from rejax.params import Params, map_linears
-from rejax.sharding import init_cache
 
 __all__ = [
     "TRACE_COUNTS",
@@ -368,7 +369,7 @@ def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop
     bucket = _bucket(max(len(p) for p in expanded))
     tokens, positions, lengths, done = _pad_batch(expanded, rows, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
-    cache = init_cache(params, rows, bucket + max_new_tokens, dtype)
+    cache = sharding.init_cache(params, rows, bucket + max_new_tokens, dtype)
     logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
     out = decode_loop(
         params,
@@ -402,7 +403,7 @@ def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, em
     bucket = _bucket(len(prompt))
     tokens, positions, lengths, _ = _pad_batch([prompt], 1, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
-    cache = init_cache(params, 1, bucket + max_new_tokens, dtype)
+    cache = sharding.init_cache(params, 1, bucket + max_new_tokens, dtype)
     logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
     state = sampler_init(sampler, 1)
     pos = jnp.asarray(lengths)
