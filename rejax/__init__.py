@@ -32,6 +32,7 @@ _EXPORTS = {
     "Generation": "rejax.generate",
     "Params": "rejax.params",
     "set_compilation_cache": "rejax.compile_cache",
+    "shard": "rejax.sharding",
 }
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "sample",
     "save",
     "set_compilation_cache",
+    "shard",
 ]
 
 

@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from rejax import __version__, sampling
-from rejax.cache import init_cache
+from rejax import __version__, sampling, sharding
 from rejax.config import Config
 from rejax.nvfp4 import BLOCK
 from rejax.params import Params, random_params
@@ -174,7 +173,7 @@ def bench_decode(
     filled = {}
 
     def prefill():
-        cache = jax.block_until_ready(init_cache(cfg, batch, slots, jnp.bfloat16))
+        cache = jax.block_until_ready(sharding.init_cache(params, batch, slots, jnp.bfloat16))
         t0 = time.perf_counter()
         filled["out"] = jax.block_until_ready(gen.prefill(params, tokens, positions, cache))
         return time.perf_counter() - t0
@@ -267,9 +266,11 @@ def run(
                 )
                 r = {"quant": quant, **r, "share_of_copy": r["bandwidth_GBps"] / ceiling}
                 rows.append(r)
-    cfg = next(iter(models.values())).cfg
+    first = next(iter(models.values()))
+    cfg = first.cfg
     return {
         "model": label,
+        "mesh": None if first.sharding is None else dict(first.sharding.mesh.shape),
         "config": dataclasses.asdict(dataclasses.replace(cfg, quant=None)),
         "prompt_len": prompt_len,
         "repeats": repeats,

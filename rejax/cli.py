@@ -631,6 +631,25 @@ def _cmd_generate(args) -> int:
 # eval
 
 
+def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mesh",
+        default=None,
+        metavar="data=D,model=M",
+        help="run on D x M devices through jax.sharding: batch rows over data, heads and "
+        "feed-forward width over model (rejax.shard; default: one device)",
+    )
+
+
+def _shard(args, params):
+    """params placed on the --mesh (unchanged without one); a bad mesh is a ValueError."""
+    if args.mesh is None:
+        return params
+    from rejax import sharding
+
+    return sharding.shard(params, sharding.make_mesh(**sharding.parse_mesh(args.mesh)))
+
+
 def _cmd_eval(args) -> int:
     model_dir = resolve_model(args.model)
     for flag in ("out", "summary"):
@@ -640,7 +659,7 @@ def _cmd_eval(args) -> int:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     problems = ev.load_problems(args.data, args.task, limit=args.limit)
     sampler, source = _sampler(args, model_dir)
-    params = load_model(args.model, args.quant)
+    params = _shard(args, load_model(args.model, args.quant))
     chat = _chat(args, params)
     ids = [encode_prompt(params, p["prompt"], chat=chat) for p in problems]
     max_new = _max_new_tokens(args.max_new_tokens, 1024, params, ids)
@@ -835,9 +854,9 @@ def _cmd_bench(args) -> int:
                     f"{need_bytes / 2**30:.1f} GiB for its random weights, more than this "
                     f"device's {have / 2**30:.1f} GiB allows; pass --layers N for fewer layers"
                 )
-            models[q] = bench._random_params(cfg, q, args.seed)
+            models[q] = _shard(args, bench._random_params(cfg, q, args.seed))
         else:
-            models[q] = load_model(args.model, q)
+            models[q] = _shard(args, load_model(args.model, q))
             limit = models[q].cfg.max_position_embeddings
             if need > limit:
                 raise ValueError(
@@ -1043,6 +1062,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when every problem scores the same (default: normal)",
     )
     e.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    _add_mesh_arg(e)
     _add_prompt_args(e)
     e.set_defaults(func=_cmd_eval)
 
@@ -1192,6 +1212,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write the results (numbers, config, git sha, versions, device) as JSON",
     )
+    _add_mesh_arg(b)
     b.set_defaults(func=_cmd_bench)
 
     k = sub.add_parser(

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rejax import compile_cache
+from rejax import compile_cache, sharding
 from rejax.cache import KVCache
 from rejax.decoder import forward
 from rejax.params import Params
@@ -30,6 +30,8 @@ compile_cache.enable_default()
 
 
 def _forward(params: Params, tokens, positions, cache, logits_at=None):
+    if params.sharding is not None:  # placed on a mesh by rejax.shard
+        return sharding.forward(params, tokens, positions, cache, logits_at)
     return forward(params.weights, tokens, positions, cache, params.cfg, logits_at)
 
 

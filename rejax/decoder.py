@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from rejax import params as rparams
+from rejax import sharding
 from rejax.cache import KVCache, write_kv, write_positions
 from rejax.config import Config
 from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
@@ -36,6 +37,7 @@ def decoder_layer(
     k_positions: jax.Array,
     cfg: Config,
     with_amax: bool = False,
+    tp_axis: str | None = None,
 ) -> tuple[jax.Array, tuple | None, dict]:
     """Pre-norm block x + attn(norm(x)); x + mlp(norm(x)) for layer i of the stack.
 
@@ -50,6 +52,9 @@ def decoder_layer(
         k_positions: [B, S] (or [B, T] without a cache) positions held by each key slot.
         cfg: model config.
         with_amax: record each linear's input amax (calibration).
+        tp_axis: inside `shard_map` (rejax/sharding.py), the mesh axis the heads and the
+            feed-forward width are split over: lw and cfg are this device's slice, and o_proj
+            and down_proj are row-parallel (`sharding.row_parallel_linear`, one all-reduce each).
 
     Returns:
         (x [B, T, D], updated kv or None, {linear name: input amax f32 []} or {}).
@@ -63,6 +68,9 @@ def decoder_layer(
     def lin(inp, block, name):
         if with_amax:
             amax[name] = jnp.max(jnp.abs(inp.astype(jnp.float32)))
+        if tp_axis is not None and name in sharding.ROW_PARALLEL:
+            shards = rparams.shards(cfg, name)
+            return sharding.row_parallel_linear(inp, block[name], q_, i, shards, tp_axis)
         return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name))
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
@@ -148,6 +156,7 @@ def forward(
     logits_at: jax.Array | None = None,
     *,
     with_amax: bool = False,
+    tp_axis: str | None = None,
 ):
     """Forward over T new tokens per row.
 
@@ -162,12 +171,19 @@ def forward(
             computed (prefill), shape [B, V].
         with_amax: also return each linear's input amax per layer ({name: f32 [L]}), for
             activation-scale calibration.
+        tp_axis: run as one device's shard of a tensor-parallel model inside `shard_map`
+            (rejax/sharding.py): weights and cfg are this device's slice, row-parallel linears
+            all-reduce over this mesh axis, and an embedding table with fewer rows than
+            cfg.vocab_size is this device's vocabulary slice (logits are then [..., V / M]).
 
     Returns:
         (logits float32 [B, T, V] or [B, V], updated cache or None[, amax]).
     """
     embedding = weights["embed_tokens"]["embedding"]
-    x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
+    if tp_axis is not None and embedding.shape[0] != cfg.vocab_size:
+        x = sharding.embed_vocab_split(embedding, tokens, tp_axis)  # [B, T, D]
+    else:
+        x = jnp.take(embedding, tokens, axis=0)  # [B, T, D]
     if cache is None:
         index, k_positions, kv = None, positions, None
     else:
@@ -181,7 +197,9 @@ def forward(
 
     def body(carry, i):
         x, kv = carry
-        x, kv, amax = decoder_layer(x, lw, i, positions, kv, index, k_positions, cfg, with_amax)
+        x, kv, amax = decoder_layer(
+            x, lw, i, positions, kv, index, k_positions, cfg, with_amax, tp_axis
+        )
         return (x, kv), amax
 
     if layer_loop(weights, cfg) == "scan":

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from rejax import sampling
-from rejax.cache import init_cache
+from rejax import sampling, sharding
+from rejax.cache import init_cache  # noqa: F401 (callers use rejax.generate's init_cache)
 from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, prefill
 from rejax.decoder import forward
 from rejax.params import Params, map_linears
@@ -270,7 +270,7 @@ def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop
     bucket = _bucket(max(len(p) for p in expanded))
     tokens, positions, lengths, done = _pad_batch(expanded, rows, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
-    cache = init_cache(params.cfg, rows, bucket + max_new_tokens, dtype)
+    cache = sharding.init_cache(params, rows, bucket + max_new_tokens, dtype)
     logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
     out = decode_loop(
         params,
@@ -302,7 +302,7 @@ def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, em
     bucket = _bucket(len(prompt))
     tokens, positions, lengths, _ = _pad_batch([prompt], 1, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
-    cache = init_cache(params.cfg, 1, bucket + max_new_tokens, dtype)
+    cache = sharding.init_cache(params, 1, bucket + max_new_tokens, dtype)
     logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
     state = sampling.sampler_init(sampler, 1)
     pos = jnp.asarray(lengths)
@@ -394,6 +394,8 @@ def calibrate_input_scales(
         raise ValueError(
             f"calibrate_input_scales needs cfg.quant == 'nvfp4' (W4A4), got {cfg.quant!r}"
         )
+    if params.sharding is not None:
+        raise ValueError("calibrate_input_scales takes one-device params (rejax.sharding.unshard)")
     prompts = prompt_ids(params, texts, chat=False)
     bare = map_linears(
         params.weights, lambda _, p: {k: x for k, x in p.items() if k != "input_scale"}

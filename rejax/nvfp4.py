@@ -147,16 +147,23 @@ def _check_finite(name: str, a: Any) -> None:
         )
 
 
-def _check_input_scale(input_scale: Any) -> jax.Array:
-    if np.size(input_scale) != 1:
+def _check_input_scale(input_scale: Any, rows: int | None = None) -> jax.Array:
+    per_row = rows is not None and np.size(input_scale) != 1
+    if per_row and tuple(np.shape(input_scale)) != (rows,):
+        raise ValueError(
+            f"input_scale must be a scalar (or shape [1]) or one per row [{rows}], got shape "
+            f"{np.shape(input_scale)}"
+        )
+    if not per_row and np.size(input_scale) != 1:
         raise ValueError(
             f"input_scale must be a scalar (or shape [1]), got shape {np.shape(input_scale)}"
         )
     if _is_concrete(input_scale):
-        value = float(np.asarray(input_scale, dtype=np.float32).reshape(()))
-        if not (np.isfinite(value) and value > 0):
+        value = np.asarray(input_scale, dtype=np.float32)
+        if not (np.all(np.isfinite(value)) and np.all(value > 0)):
             raise ValueError(f"input_scale must be finite and > 0, got {value}")
-    return jnp.asarray(input_scale, jnp.float32).reshape(())
+    scale = jnp.asarray(input_scale, jnp.float32)
+    return scale if per_row else scale.reshape(())
 
 
 # ----------------------------------------------------------------------------- E2M1 codes
@@ -360,7 +367,21 @@ def dynamic_global_scale(x: jax.Array) -> jax.Array:
     Returns:
         float32 [M].
     """
-    amax = jnp.max(jnp.abs(_input_precision(jnp.asarray(x))), axis=-1)
+    return global_scale_from_amax(activation_amax(x))
+
+
+def activation_amax(x: jax.Array) -> jax.Array:
+    """amax(|x_row|) at x's own precision (bf16 / f16 values exactly): float32 [M] of [M, K].
+
+    A row split over devices (a tensor-parallel row-parallel linear) takes the max of these
+    over the devices before `global_scale_from_amax`, so every device quantizes its slice with
+    the scale of the whole row.
+    """
+    return jnp.max(jnp.abs(_input_precision(jnp.asarray(x))), axis=-1)
+
+
+def global_scale_from_amax(amax: jax.Array) -> jax.Array:
+    """The dynamic global scale amax / (6 * 448) of rows with this amax; 1.0 where it is 0."""
     scale = _div_rn(amax, E2M1_MAX * E4M3_MAX)
     return jnp.where(scale > 0, scale, jnp.float32(1.0))
 
@@ -378,20 +399,22 @@ def quantize_activation(
 
     Args:
         x: [M, K] bfloat16 / float16 / float32, K % 16 == 0.
-        input_scale: float32 scalar g > 0 (calibrated amax / (6 * 448)); None -> per-row dynamic
-            g = amax(|x_row|) / (6 * 448) (1.0 for an all-zero row).
+        input_scale: float32 scalar g > 0 (calibrated amax / (6 * 448)), or float32 [M] (one
+            given scale per row: the dynamic scale of rows split over devices); None -> per-row
+            dynamic g = amax(|x_row|) / (6 * 448) (1.0 for an all-zero row).
         min_block_scale: lower clamp on the block scale before the E4M3 cast; 0 follows the
             TensorRT-LLM / vLLM kernels, `TORCHAO_MIN_BLOCK_SCALE` reproduces torchao.
 
     Returns:
-        Nvfp4Tensor of shape (M, K); global_scale [] for a static scale, [M] when dynamic.
+        Nvfp4Tensor of shape (M, K); global_scale [] for a static scale, [M] when dynamic or
+        given per row.
     """
     _check_matrix("x", x)
     _check_finite("x", x)
     if not (np.isfinite(min_block_scale) and 0.0 <= min_block_scale <= E4M3_MAX):
         raise ValueError(f"min_block_scale must be in [0, 448], got {min_block_scale}")
     if input_scale is not None:
-        input_scale = _check_input_scale(input_scale)
+        input_scale = _check_input_scale(input_scale, rows=np.shape(x)[0])
     return _quantize_activation_arrays(jnp.asarray(x), input_scale, float(min_block_scale))
 
 
@@ -406,7 +429,8 @@ def _quantize_activation_arrays(x, input_scale, min_block_scale):
         global_scale = dynamic_global_scale(x)  # [M]
         g = global_scale[:, None]
     else:
-        global_scale = g = input_scale
+        global_scale = input_scale
+        g = input_scale if input_scale.ndim == 0 else input_scale[:, None]  # [] or [M, 1]
     sf = _div_rn(_div_rn(block_amax, E2M1_MAX), g)  # IEEE divisions, in torchao's order
     sf = jnp.clip(sf, jnp.float32(min_block_scale), jnp.float32(E4M3_MAX))
     sf_e4m3 = sf.astype(jnp.float8_e4m3fn)

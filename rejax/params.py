@@ -83,13 +83,16 @@ class Params:
     """A loaded model: the weights pytree plus its static config and host-side tokenizer.
 
     `weights` is the params dict taken by `Model(cfg).apply({"params": weights}, ...)` (layout in
-    this module's docstring).
+    this module's docstring). `sharding` is None for one device, or the `rejax.sharding.Layout`
+    (mesh and vocabulary placement) that `rejax.shard` placed the weights in: the jitted decode
+    functions then run the model under `shard_map` over that mesh.
     """
 
     weights: dict
     cfg: Config = dataclasses.field(metadata={"static": True})
     tokenizer: HostTokenizer | None = dataclasses.field(default=None, metadata={"static": True})
     generation_config: tuple = dataclasses.field(default=(), metadata={"static": True})
+    sharding: Any = dataclasses.field(default=None, metadata={"static": True})
 
 
 # ----------------------------------------------------------------------------- init

@@ -636,7 +636,10 @@ def _bad_inputs():
         (lambda: quantize_activation(x, -1.0), "input_scale"),
         (lambda: quantize_activation(x, np.nan), "input_scale"),
         (lambda: quantize_activation(x, np.inf), "input_scale"),
-        (lambda: quantize_activation(x, np.ones(2, np.float32)), "input_scale"),
+        # one scale per row is [M] = [2]; any other shape is refused
+        (lambda: quantize_activation(x, np.ones(3, np.float32)), "input_scale"),
+        (lambda: quantize_activation(x, np.ones((2, 1), np.float32)), "input_scale"),
+        (lambda: quantize_activation(x, np.array([1.0, 0.0], np.float32)), "input_scale"),
         (lambda: quantize_activation(x, 1.0, min_block_scale=-1.0), "min_block_scale"),
         (lambda: pack_e2m1(np.zeros((2, 3), np.uint8)), "K even"),
         (lambda: pack_e2m1(np.zeros((2, 4), np.int32)), "uint8"),
@@ -662,3 +665,20 @@ def test_bad_input_raises(case):
     fn, match = _bad_inputs()[case]
     with pytest.raises(ValueError, match=match):
         fn()
+
+
+def test_per_row_input_scale_equals_the_dynamic_scale():
+    # given the dynamic scale of each row, the per-row static path is the dynamic path
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 64)) * np.array([[1], [10], [0.1], [3], [7]])).astype(np.float32)
+    dyn = quantize_activation(x)
+    given = quantize_activation(x, nvfp4.global_scale_from_amax(nvfp4.activation_amax(x)))
+    other = quantize_activation(x, np.full(5, 0.01, np.float32))
+    for field in ("packed", "scales", "global_scale"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(given, field), np.float32),
+            np.asarray(getattr(dyn, field), np.float32),
+        )
+    assert not np.array_equal(
+        np.asarray(other.scales, np.float32), np.asarray(dyn.scales, np.float32)
+    )

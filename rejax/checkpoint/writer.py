@@ -37,6 +37,8 @@ def save(params: Params, path: str | os.PathLike, *, max_shard_bytes: int | None
         max_shard_bytes: if set, split the tensors into shards of at most this many bytes with a
             model.safetensors.index.json (a tensor larger than the limit gets its own shard).
     """
+    if params.sharding is not None:
+        raise ValueError("params are sharded (rejax.shard); save rejax.sharding.unshard(params)")
     cfg = params.cfg
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
