@@ -77,6 +77,7 @@ def decoder_layer(
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
     fuse = (
         cfg.linear_fusion == "fused"
+        and tp_axis is None  # row-parallel linears need their all-reduce before the residual
         and not with_amax
         and x.dtype == jnp.bfloat16
         and all(fusable(lw[blk][name], q_) for blk, name in rparams.LINEARS)
