@@ -5,8 +5,9 @@ Everything here is host glue around `rejax.generate.generate` (one compiled deco
 batch shape) and `rejax.generate.logits` (teacher forcing); nothing in this module is jitted.
 
 Problem files: `load_problems` reads the released formats of the paper's three tasks (AIME math
-JSONL, GPQA CSV / JSONL, LiveCodeBench code JSONL); `load_jsonl` reads the math layout alone
-(`problem`, `answer`) for calibration.
+JSONL, GPQA CSV / JSONL, LiveCodeBench code JSONL) and the bundled Countdown task's JSONL
+(`rejax.data.countdown.write_jsonl`); `load_jsonl` reads the math layout alone (`problem`,
+`answer`) for calibration.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ _MAX_PRIVATE_BYTES = 1 << 30  # decompressed private tests of one row (a zlib bo
 
 
 def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> list[dict]:
-    """Reads a released problem file for `task` ("math", "mcq" or "code").
+    """Reads a problem file for `task` ("math", "mcq", "code" or "countdown").
 
     Formats (JSONL, one object per line; a `.csv` file is read as CSV with a header row):
       math: `problem` and `answer` (string or number), as the public AIME sets; optional `id`.
@@ -141,16 +142,18 @@ def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> l
         by an unpickler that refuses every global, so a file carrying anything but a pickled
         string is refused and nothing in it runs. The prompt is LCB's stdin / starter-code
         question template.
+      countdown: `problem` (the prompt), `numbers` (list of ints), `target` (int), optional
+        `id`, as `rejax.data.countdown.write_jsonl` writes them.
 
     Args:
       path: the file.
-      task: "math", "mcq" or "code".
+      task: one of `rejax.grading.TASKS`.
       limit: keep only the first `limit` problems (None keeps all).
 
     Returns:
       list of {"id": str, "prompt": str, "reference": ...}, the reference in the form
-      `rejax.grading.grade` takes for `task` (answer string, gold letter, or {"tests",
-      "fn_name"} with public tests first).
+      `rejax.grading.grade` takes for `task` (answer string, gold letter, {"tests",
+      "fn_name"} with public tests first, or {"numbers", "target"}).
 
     Raises:
       ValueError: an unknown task, a missing or empty file, `limit` <= 0, or a bad row; row
@@ -158,7 +161,12 @@ def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> l
     """
     from rejax import grading
 
-    convert = {"math": _math_problem, "mcq": _mcq_problem, "code": _code_problem}.get(task)
+    convert = {
+        "math": _math_problem,
+        "mcq": _mcq_problem,
+        "code": _code_problem,
+        "countdown": _countdown_problem,
+    }.get(task)
     if convert is None:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(grading.TASKS)}")
     if limit is not None and (not isinstance(limit, int) or limit <= 0):
@@ -227,6 +235,17 @@ def _math_problem(row: dict, where: str, idx: int) -> dict:
     problem = _field(row, "problem", where)
     answer = _field(row, "answer", where, types=(str, int, float))
     return {"id": _row_id(row, "id", idx), "prompt": problem, "reference": str(answer).strip()}
+
+
+def _countdown_problem(row: dict, where: str, idx: int) -> dict:
+    problem = _field(row, "problem", where)
+    numbers = _field(row, "numbers", where, types=(list,))
+    target = _field(row, "target", where, types=(int,))
+    return {
+        "id": _row_id(row, "id", idx),
+        "prompt": problem,
+        "reference": {"numbers": numbers, "target": target},
+    }
 
 
 def _mcq_problem(row: dict, where: str, idx: int) -> dict:
@@ -665,12 +684,14 @@ def evaluate(
     padded), so the decode loop compiles once per prompt-length bucket, and row r samples with
     fold_in(key, r), so the results do not depend on batch_size. Grading:
     `rejax.grading.grade_detail` for `task` (math: last `\\boxed{}` else the last number; mcq:
-    the letter rules; code: every test in the sandbox), after every reference was checked.
+    the letter rules; code: every test in the sandbox; countdown: the last boxed expression,
+    exactly), after every reference was checked.
 
     Args:
       params: the model (`rejax.load`), with a tokenizer.
       problems: dicts with `prompt` and `reference` (see `load_problems`), or for math
-        `problem` and `answer` (see `load_jsonl`).
+        `problem` and `answer` (see `load_jsonl`), or for countdown `problem`, `numbers` and
+        `target` (`rejax.data.countdown` problems).
       sampler: Greedy / Temperature / ReSET (see `parse_sampler`).
       n: samples per problem (> 0).
       max_new_tokens: generation budget per sample (> 0).
@@ -680,7 +701,7 @@ def evaluate(
       progress: a tqdm bar on stderr counting problems done, with problems/s and the
         generated tokens/s (it moves when a batch finishes).
       ci_method: one of CI_METHODS (see `avg_at_n_ci`).
-      task: "math", "mcq" or "code" (how the responses are graded).
+      task: one of `rejax.grading.TASKS` (how the responses are graded).
       timeout_s: code: wall-clock limit per test run.
       grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
 
@@ -689,11 +710,11 @@ def evaluate(
       (the rule that found it) and for code `failure` (the first failing test per sample, with
       its stderr tail; None when it passed). The summary adds `task`, `extracted_by` (counts
       per rule), `grade_s` (grading time; `wall_s` is generation only) and for math
-      `n_last_number_fallback` / `n_last_number_fallback_correct`, for code `failure_status`
-      (counts per failure kind).
+      `n_last_number_fallback` / `n_last_number_fallback_correct`, for code and countdown
+      `failure_status` (counts per failure kind).
     """
     from rejax.generate import generate
-    from rejax.grading import check_reference, grade_detail
+    from rejax.grading import TASKS, check_reference, grade_detail
 
     if not isinstance(n, int) or n <= 0:
         raise ValueError(f"n must be a positive number of samples per problem, got {n!r}")
@@ -701,8 +722,8 @@ def evaluate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not problems:
         raise ValueError("evaluate needs at least one problem")
-    if task not in ("math", "mcq", "code"):
-        raise ValueError(f"unknown task {task!r}; expected 'math', 'mcq' or 'code'")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     prompts, refs = [], []
@@ -798,7 +819,7 @@ def evaluate(
         fallback = [g for g in grades if g.rule == "last_number"]
         summary["n_last_number_fallback"] = len(fallback)
         summary["n_last_number_fallback_correct"] = sum(g.correct for g in fallback)
-    if task == "code":
+    if task in ("code", "countdown"):
         summary["failure_status"] = _counts(g.failure["status"] for g in grades if g.failure)
     return EvalResult(records=records, correct=correct, summary=summary, tokens=tokens)
 
@@ -815,9 +836,12 @@ def _prompt_and_reference(p: dict, i: int, task: str):
         return p["prompt"], p["reference"]
     if task == "math" and "problem" in p and "answer" in p:
         return p["problem"], p["answer"]
+    if task == "countdown" and {"problem", "numbers", "target"} <= set(p):
+        return p["problem"], {"numbers": p["numbers"], "target": p["target"]}
     raise ValueError(
         f"problem {i} needs 'prompt' and 'reference' (see load_problems)"
         + (" or 'problem' and 'answer'" if task == "math" else "")
+        + (" or 'problem', 'numbers' and 'target'" if task == "countdown" else "")
         + f", got keys {sorted(p)}"
     )
 
