@@ -338,7 +338,9 @@ def _markdown(res: dict) -> str:
             f"| {LABELS[name]} | {_rate_text(o, 'low')} | "
             f"{_rate_text(o, 'low_symbolic')} | {_rate_text(o, 'high')} |"
         )
-    if res.get("step_entropy"):
+    if res.get("step_entropy") and not res["step_entropy"]["n_high_steps"]:
+        lines += ["", "Observation (claim (ii)): no step had a BF16 step-mean entropy >= tau0."]
+    elif res.get("step_entropy"):
         st = res["step_entropy"]
         lines += [
             "",
