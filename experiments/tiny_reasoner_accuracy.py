@@ -1,6 +1,11 @@
-"""Accuracy of the bundled tiny reasoner: BF16 vs NVFP4 W4A4 vs NVFP4 + ReSET, with 95% CIs,
-plus the paper's observation statistics (claim (i): low-entropy tokens sampled off the BF16
-argmax).
+"""Accuracy of a bundled reasoner: BF16 vs NVFP4 W4A4 vs NVFP4 + ReSET, with 95% CIs, plus
+the paper's observation statistics (claim (i): low-entropy tokens sampled off the BF16 argmax;
+claim (ii), with --plots: NVFP4's entropy in high-uncertainty steps against BF16's).
+
+`--task arithmetic` (default) runs the tiny model's task (rejax.data.tasks), `--task countdown`
+the search task (rejax.data.countdown, graded exactly); `--ablations` adds NVFP4 + ReSET with
+T_high 0.6 and 0.8 and with include_current=True. experiments/search_reasoner_accuracy.py runs
+this script with the search reasoner's settings.
 
 Protocol (the paper's recipe, §5, scaled to the tiny task):
   1. tau0: `rejax.eval.calibrate_tau0` on the NVFP4 model, the first `--calib-problems`
@@ -10,13 +15,17 @@ Protocol (the paper's recipe, §5, scaled to the tiny task):
      by avg@`--n-val-samples` of NVFP4 + ReSET (ties: the smaller T_low).
   3. Test: `--n-problems` test problems x `--n-samples` samples, top-p 0.95, for
         BF16 T=0.6 | NVFP4 W4A4 T=0.6 | NVFP4 W4A4 + ReSET (T_high 1.0, w 32, tau0, T_low),
-     in chunks of problems; every configuration runs on every chunk with the same PRNG key
+     (plus the ablations), in chunks of problems; every configuration runs on every chunk with
+     the same PRNG key
      (paired comparison), and a chunk's results are written as soon as it finishes. With
      `--time-budget` the test stops after the chunk that exhausts it, and the results say how
      many problems were evaluated.
   4. Observation statistics: every test response teacher-forced through the BF16 model;
      off-argmax rates at low-entropy positions (BF16 entropy < tau0), overall and at symbolic
-     (digit) positions, with bootstrap CIs over responses.
+     (digit) positions, with bootstrap CIs over responses. With --plots, the BF16 samples of
+     the first `--step-chunks` chunks are also teacher-forced through the NVFP4 model: per
+     reasoning step (ReSET's boundary rule) the mean entropy under each model, and for steps
+     whose BF16 mean entropy is >= tau0 (high-uncertainty steps) their distributions.
 
 avg@n CIs: normal approximation over per-problem means (problems are the sampling unit);
 differences between configurations: paired over problems.
@@ -41,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rejax import cli
+from rejax import cli, text
 from rejax import eval as ev
 from rejax.bench import versions
 from rejax.data import tasks
@@ -49,11 +58,28 @@ from rejax.text import has_chat_template
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = ("bf16_t0.6", "nvfp4_t0.6", "nvfp4_reset")
+ABLATIONS = ("nvfp4_reset_thigh0.6", "nvfp4_reset_thigh0.8", "nvfp4_reset_current")
 LABELS = {
     "bf16_t0.6": "BF16, T = 0.6",
     "nvfp4_t0.6": "NVFP4 W4A4, T = 0.6",
     "nvfp4_reset": "NVFP4 W4A4 + ReSET",
+    "nvfp4_reset_thigh0.6": "NVFP4 + ReSET, T_high = 0.6",
+    "nvfp4_reset_thigh0.8": "NVFP4 + ReSET, T_high = 0.8",
+    "nvfp4_reset_current": "NVFP4 + ReSET, include_current",
 }
+TASKS = ("arithmetic", "countdown")  # rejax.data.tasks / rejax.data.countdown
+
+
+def _problems(task: str, split: str, n: int, seed: int) -> list[dict]:
+    if task == "countdown":
+        from rejax.data import countdown
+
+        return countdown.split(split, n, seed=seed)
+    return tasks.split(split, n, seed=seed)
+
+
+def _grading_task(task: str) -> str:
+    return "countdown" if task == "countdown" else "math"
 
 
 def _log(msg: str) -> None:
@@ -96,8 +122,10 @@ def _rate_text(stats: dict, key: str) -> str:
 
 
 def _sampler(name: str, tau0: float, t_low: float, top_p: float):
-    if name == "nvfp4_reset":
-        return ev.parse_sampler("reset", t_low=t_low, tau0=tau0, t_high=1.0, top_p=top_p, window=32)
+    if name.startswith("nvfp4_reset"):
+        t_high = {"nvfp4_reset_thigh0.6": 0.6, "nvfp4_reset_thigh0.8": 0.8}.get(name, 1.0)
+        s = ev.parse_sampler("reset", t_low=t_low, tau0=tau0, t_high=t_high, top_p=top_p, window=32)
+        return dataclasses.replace(s, include_current=name == "nvfp4_reset_current")
     return ev.parse_sampler("temp:0.6", top_p=top_p)
 
 
@@ -111,11 +139,116 @@ def _merge_observations(parts: list[dict], tau0: float) -> dict:
     return out
 
 
+def _step_entropies(bf16, nvfp4, problems, tokens, args, chat):
+    """Per-step mean raw entropy (nats) of the same responses under each model.
+
+    The responses are teacher-forced through both models; steps follow ReSET's boundary rule
+    (`rejax.text.step_spans`), so the two lists are aligned step by step.
+
+    Returns:
+        [("bf16", [step means]), ("nvfp4", [step means])].
+    """
+    tok = bf16.tokenizer.tokenizer
+    nl, dnl = (np.asarray(m) for m in text.newline_masks(tok, bf16.cfg.vocab_size))
+    seqs, spans = [], []
+    for i, p in enumerate(problems):
+        ids = text.encode_prompt(bf16, p["problem"], chat=chat)
+        for r in range(i * args.n_samples, (i + 1) * args.n_samples):
+            seqs.append(ids + list(tokens[r]))
+            spans.append((len(ids) - 1, len(ids) - 1 + len(tokens[r])))
+    out = []
+    for name, model in (("bf16", bf16), ("nvfp4", nvfp4)):
+        means = []
+        for (a, b), seq, z in zip(spans, seqs, ev.teacher_forced_logits(model, seqs)):
+            h = ev.processed_entropy(z[a:b], 1.0)  # T = 1, no top-p: the raw entropy
+            for x, y in text.step_spans(seq[a + 1 : b + 1], nl, dnl):
+                means.append(float(h[x:y].mean()))
+        out.append((name, means))
+    return out
+
+
+def _step_summary(steps: dict, tau0: float) -> dict | None:
+    b, q = np.asarray(steps["bf16"]), np.asarray(steps["nvfp4"])
+    if not b.size:
+        return None
+    high = b >= tau0
+    d = q[high] - b[high]
+    return {
+        "n_steps": int(b.size),
+        "n_high_steps": int(high.sum()),
+        "n_responses": steps.get("responses"),
+        "median_bf16_high": float(np.median(b[high])) if high.any() else float("nan"),
+        "median_nvfp4_high": float(np.median(q[high])) if high.any() else float("nan"),
+        "frac_nvfp4_lower_high": float(np.mean(d < 0)) if high.any() else float("nan"),
+        "mean_diff_high": float(d.mean()) if high.any() else float("nan"),
+        "rule": "high-uncertainty step: BF16 step-mean raw entropy >= tau0",
+    }
+
+
+def _plot_observations(prefix: Path, res: dict, steps: dict, tau0: float) -> list[str]:
+    """Claim (i): off-argmax rates at low-entropy positions per configuration; claim (ii):
+    step-mean entropy of BF16 vs NVFP4 in high-uncertainty steps. Returns the file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    obs = res["test"]["observation"]
+    names = list(obs)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 4))
+    width = 0.38
+    for j, (key, label) in enumerate((("low", "low-entropy"), ("low_symbolic", "low, symbolic"))):
+        rates = [100 * (obs[c][f"rate_{key}"] or 0.0) for c in names]
+        cis = [obs[c][f"ci_{key}"] or [0.0, 0.0] for c in names]
+        err = [
+            [r - 100 * lo for r, (lo, _) in zip(rates, cis)],
+            [100 * hi - r for r, (_, hi) in zip(rates, cis)],
+        ]
+        x = np.arange(len(names)) + (j - 0.5) * width
+        ax.bar(x, rates, width, yerr=err, capsize=3, label=label)
+    ax.set_xticks(np.arange(len(names)), [LABELS[c] for c in names], rotation=20, ha="right")
+    ax.set_ylabel("sampled token != BF16 argmax (%)")
+    ax.set_title(f"low-entropy positions (BF16 entropy < tau0 = {tau0:.3g} nats)")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    off = Path(f"{prefix}_offargmax.png")
+    fig.savefig(off, dpi=120)
+    plt.close(fig)
+
+    files = [off.name]
+    b, q = np.asarray(steps["bf16"]), np.asarray(steps["nvfp4"])
+    high = b >= tau0
+    if high.any():
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+        top = max(float(b[high].max()), float(q[high].max()), 1e-3)
+        bins = np.linspace(0.0, top, 50)
+        ax1.hist(b[high], bins=bins, histtype="step", lw=1.6, label=f"BF16 (n={high.sum()})")
+        ax1.hist(q[high], bins=bins, histtype="step", lw=1.6, label="NVFP4 W4A4")
+        ax1.set_xlabel("step-mean token entropy (nats)")
+        ax1.set_ylabel("steps")
+        ax1.set_title("high-uncertainty steps (BF16 step mean >= tau0)")
+        ax1.legend()
+        ax2.scatter(b[high], q[high], s=3, alpha=0.3)
+        ax2.plot([0, top], [0, top], "k--", lw=1)
+        ax2.set_xlabel("BF16 step-mean entropy (nats)")
+        ax2.set_ylabel("NVFP4 step-mean entropy (nats)")
+        ax2.set_title("same steps, teacher-forced through both models")
+        fig.tight_layout()
+        st = Path(f"{prefix}_step_entropy.png")
+        fig.savefig(st, dpi=120)
+        plt.close(fig)
+        files.append(st.name)
+    return files
+
+
 def _markdown(res: dict) -> str:
     t = res["test"]
     s = res["settings"]
+    configs = s["configs"]
+    title = {"countdown": "Countdown search reasoner"}.get(s.get("task"), "Tiny reasoner")
     lines = [
-        "## Tiny reasoner: BF16 vs NVFP4 W4A4 vs NVFP4 + ReSET",
+        f"## {title}: BF16 vs NVFP4 W4A4 vs NVFP4 + ReSET",
         "",
         (
             f"{t['n_problems']} test problems x {s['n_samples']} samples (avg@{s['n_samples']}, %), "
@@ -148,7 +281,7 @@ def _markdown(res: dict) -> str:
         ),
         "|---|---|---|---|---|",
     ]
-    for name in CONFIGS:
+    for name in configs:
         c = t["configs"][name]
         vs = "—" if name == "nvfp4_t0.6" else _diff_text(t["paired"][f"{name}_vs_nvfp4_t0.6"])
         lines.append(
@@ -167,12 +300,28 @@ def _markdown(res: dict) -> str:
         "| samples from | low-entropy | low-entropy symbolic | high-entropy |",
         "|---|---|---|---|",
     ]
-    for name in CONFIGS:
+    for name in configs:
         o = t["observation"][name]
         lines.append(
             f"| {LABELS[name]} | {_rate_text(o, 'low')} | "
             f"{_rate_text(o, 'low_symbolic')} | {_rate_text(o, 'high')} |"
         )
+    if res.get("step_entropy") and not res["step_entropy"]["n_high_steps"]:
+        lines += ["", "Observation (claim (ii)): no step had a BF16 step-mean entropy >= tau0."]
+    elif res.get("step_entropy"):
+        st = res["step_entropy"]
+        lines += [
+            "",
+            (
+                f"Observation (claim (ii)): {st['n_high_steps']} high-uncertainty steps (BF16 "
+                f"step-mean entropy >= tau0) of {st['n_steps']} steps of {st['n_responses']} BF16 "
+                f"responses, teacher-forced through both models: median step-mean entropy BF16 "
+                f"{st['median_bf16_high']:.3g} vs NVFP4 {st['median_nvfp4_high']:.3g} nats; "
+                f"NVFP4 lower in {100 * st['frac_nvfp4_lower_high']:.1f}% of them "
+                f"(paired mean difference NVFP4 - BF16 {st['mean_diff_high']:+.3g} nats). "
+                f"Plots: {', '.join(res.get('plots', []))}."
+            ),
+        ]
     sel = res["t_low_selection"]
     grid = ", ".join(f"T_low {g['t_low']}: {_ci_text(g['avg_at_n'])}" for g in sel["grid"])
     lines += [
@@ -188,7 +337,8 @@ def _markdown(res: dict) -> str:
             "tokens."
         ),
         (
-            f"Produced by `experiments/tiny_reasoner_accuracy.py` in {res['wall_s'] / 60:.0f} min "
+            f"Produced by `experiments/tiny_reasoner_accuracy.py --task {s.get('task', 'arithmetic')}`"
+            f" in {res['wall_s'] / 60:.0f} min "
             f"(weights sha256 {next(iter(res['model_sha256'].values()), '?')[:12]})."
         ),
     ]
@@ -198,6 +348,28 @@ def _markdown(res: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or 'tiny'")
+    p.add_argument("--task", choices=TASKS, default="arithmetic", help="the problems' generator")
+    p.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also NVFP4 + ReSET with T_high 0.6, 0.8 and with include_current=True",
+    )
+    p.add_argument(
+        "--plots",
+        action="store_true",
+        help="write OUT_PREFIX_offargmax.png and OUT_PREFIX_step_entropy.png",
+    )
+    p.add_argument(
+        "--step-chunks",
+        type=int,
+        default=2,
+        help="test chunks whose BF16 samples feed the step-entropy comparison (--plots)",
+    )
+    p.add_argument(
+        "--reset-json",
+        default=None,
+        help="write the calibrated tau_0 and the chosen T_low there (a model's reset.json)",
+    )
     p.add_argument("--n-problems", type=int, default=1000, help="test problems")
     p.add_argument("--n-samples", type=int, default=8, help="samples per test problem")
     p.add_argument("--calib-problems", type=int, default=5, help="validation problems for tau0")
@@ -222,14 +394,30 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds; stop the test after the chunk that exceeds it",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-prefix", default=str(RESULTS / "tiny_reasoner_accuracy"))
-    p.add_argument("--calib-prefix", default="calibrate_tiny")
+    p.add_argument(
+        "--out-prefix",
+        default=None,
+        help="default: results/tiny_reasoner_accuracy (arithmetic), results/countdown_accuracy",
+    )
+    p.add_argument(
+        "--calib-prefix",
+        default=None,
+        help="default: calibrate_tiny (arithmetic), calibrate_countdown (countdown)",
+    )
     p.add_argument(
         "--render-only",
         action="store_true",
         help="rewrite OUT_PREFIX.md from an existing OUT_PREFIX.json and exit",
     )
     args = p.parse_args(argv)
+    countdown = args.task == "countdown"
+    if args.out_prefix is None:
+        args.out_prefix = str(
+            RESULTS / ("countdown_accuracy" if countdown else "tiny_reasoner_accuracy")
+        )
+    if args.calib_prefix is None:
+        args.calib_prefix = "calibrate_countdown" if countdown else "calibrate_tiny"
+    configs = CONFIGS + (ABLATIONS if args.ablations else ())
     if args.render_only:
         prefix = Path(args.out_prefix)
         Path(f"{prefix}.md").write_text(_markdown(json.loads(Path(f"{prefix}.json").read_text())))
@@ -253,11 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     bf16 = cli.load_model(args.model, "bf16")
     nvfp4 = cli.load_model(args.model, "nvfp4")
     chat = has_chat_template(nvfp4)
-    params = {"bf16_t0.6": bf16, "nvfp4_t0.6": nvfp4, "nvfp4_reset": nvfp4}
-    val = tasks.split("validation", args.calib_problems + args.n_val_problems, seed=args.seed)
-    test = tasks.split("test", args.n_problems, seed=args.seed)
+    params = {name: bf16 if name.startswith("bf16") else nvfp4 for name in configs}
+    grading_task = _grading_task(args.task)
+    val = _problems(
+        args.task, "validation", args.calib_problems + args.n_val_problems, seed=args.seed
+    )
+    test = _problems(args.task, "test", args.n_problems, seed=args.seed)
     res = {
-        "settings": dict(vars(args), chat=chat, configs=list(CONFIGS)),
+        "settings": dict(vars(args), chat=chat, configs=list(configs)),
         "model_sha256": _weights_sha256(cli.resolve_model(args.model)),
         "environment": _environment(),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -288,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
         quant="nvfp4",
         meta={
             "model": args.model,
-            "data": "rejax.data.tasks validation split",
+            "data": f"rejax.data.{'countdown' if countdown else 'tasks'} validation split",
             "environment": res["environment"],
         },
         prefix=args.calib_prefix,
@@ -322,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
             key=args.seed + 1,
             chat=chat,
             progress=False,
+            task=grading_task,
         )
         grid.append(
             {
@@ -345,18 +537,38 @@ def main(argv: list[str] | None = None) -> int:
         "rule": "max avg@n; ties: smaller",
     }
     _log(f"chosen T_low = {t_low}")
+    if args.reset_json:
+        Path(args.reset_json).write_text(
+            json.dumps(
+                {
+                    "tau_0": float(f"{tau0:.4g}"),
+                    "t_low": t_low,
+                    "source": (
+                        f"tau_0: 80th percentile of the NVFP4 model's raw token entropy on "
+                        f"{args.calib_problems} validation problems ({args.calib_prefix}.json); "
+                        f"t_low chosen on {len(val_problems)} validation problems from "
+                        f"{list(args.t_low_grid)} (experiments/tiny_reasoner_accuracy.py "
+                        f"--task {args.task})"
+                    ),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        _log(f"wrote {args.reset_json}")
 
     # 3 + 4. test, in chunks -------------------------------------------------------------
     chunk = args.chunk_problems or max(1, args.batch_rows // args.n_samples)
-    correct = {c: [] for c in CONFIGS}
-    summaries = {c: [] for c in CONFIGS}
-    observations = {c: [] for c in CONFIGS}
+    correct = {c: [] for c in configs}
+    summaries = {c: [] for c in configs}
+    observations = {c: [] for c in configs}
+    steps = {"bf16": [], "nvfp4": [], "responses": 0}
     t_test = time.perf_counter()
     done, stopped_early = 0, False
     for k, start in enumerate(range(0, len(test), chunk)):
         problems = test[start : start + chunk]
         key = args.seed * 1_000_003 + 17 + k  # same key for every configuration of a chunk
-        for name in CONFIGS:
+        for name in configs:
             r = ev.evaluate(
                 params[name],
                 problems,
@@ -367,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
                 key=key,
                 chat=chat,
                 progress=False,
+                task=grading_task,
             )
             correct[name].extend(r.correct.tolist())
             summaries[name].append(r.summary)
@@ -375,13 +588,19 @@ def main(argv: list[str] | None = None) -> int:
                     bf16, problems, r.tokens, n=args.n_samples, tau0=tau0, chat=chat, seed=k
                 )
             )
+            if args.plots and name == "bf16_t0.6" and k < args.step_chunks:
+                for model, out in _step_entropies(bf16, nvfp4, problems, r.tokens, args, chat):
+                    steps[model].extend(out)
+                steps["responses"] += len(r.tokens)
         done += len(problems)
         elapsed = time.perf_counter() - t_test
-        accs = ", ".join(f"{c} {100 * np.mean(correct[c]):.1f}%" for c in CONFIGS)
+        accs = ", ".join(f"{c} {100 * np.mean(correct[c]):.1f}%" for c in configs)
         _log(f"test {done}/{len(test)} problems ({elapsed:.0f} s): {accs}")
         res["test"] = _test_summary(
             correct, summaries, observations, tau0, done, stopped_early=done < len(test)
         )
+        if args.plots:
+            res["step_entropy"] = _step_summary(steps, tau0)
         res["wall_s"] = time.perf_counter() - t_start
         _write(out_prefix, res)
         if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
@@ -392,6 +611,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     res["wall_s"] = time.perf_counter() - t_start
     res["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.plots:
+        res["step_entropy"] = _step_summary(steps, tau0)
+        res["plots"] = _plot_observations(out_prefix, res, steps, tau0)
     _write(out_prefix, res)
     _log(f"wrote {out_prefix}.json and {out_prefix}.md")
     print(_markdown(res))
@@ -399,8 +621,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _test_summary(correct, summaries, observations, tau0, done, *, stopped_early) -> dict:
+    names = list(correct)
     configs = {}
-    for name in CONFIGS:
+    for name in names:
         s = summaries[name]
         tokens = sum(x["tokens_generated"] for x in s)
         rows = sum(x["n_problems"] * x["n"] for x in s)
@@ -415,20 +638,14 @@ def _test_summary(correct, summaries, observations, tau0, done, *, stopped_early
             "tokens_generated": tokens,
             "decode_wall_s": sum(x["wall_s"] for x in s),
         }
-    paired = {
-        f"{a}_vs_{b}": ev.paired_difference_ci(correct[a], correct[b])
-        for a, b in (
-            ("nvfp4_reset", "nvfp4_t0.6"),
-            ("bf16_t0.6", "nvfp4_t0.6"),
-            ("nvfp4_reset", "bf16_t0.6"),
-        )
-    }
+    pairs = [(a, "nvfp4_t0.6") for a in names if a != "nvfp4_t0.6"] + [("nvfp4_reset", "bf16_t0.6")]
+    paired = {f"{a}_vs_{b}": ev.paired_difference_ci(correct[a], correct[b]) for a, b in pairs}
     return {
         "n_problems": done,
         "stopped_early": stopped_early,
         "configs": configs,
         "paired": paired,
-        "observation": {c: _merge_observations(observations[c], tau0) for c in CONFIGS},
+        "observation": {c: _merge_observations(observations[c], tau0) for c in names},
     }
 
 

@@ -198,6 +198,83 @@ def lr_at(step: int, peak: float, warmup: int, total: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+def train_loop(weights, cfg: Config, ids, mask, val_ids, val_mask, args):
+    """The optimizer loop: AdamW (make_optimizer) on bf16 compute with float32 master weights,
+    linear warm-up and cosine decay (lr_at), batches drawn from a seeded permutation.
+
+    Args:
+        weights: float32 initial weights.
+        ids, mask: training sequences and loss mask (encode_examples).
+        val_ids, val_mask: validation sequences for the loss curve.
+        args: namespace with seed, steps, time_budget, batch, lr, warmup, weight_decay,
+            eval_every.
+
+    Returns:
+        (weights, history, steps run, training seconds, ms per step after step 10 or None).
+    """
+    tx = make_optimizer(args.weight_decay)
+    opt_state = tx.init(weights)
+
+    @jax.jit
+    def train_step(weights, opt_state, ids, mask, lr):
+        loss, grads = jax.value_and_grad(_loss_fn)(weights, cfg, ids, mask)
+        updates, opt_state = tx.update(grads, opt_state, weights)
+        weights = jax.tree.map(lambda w, u: w - lr * u, weights, updates)
+        return weights, opt_state, loss
+
+    eval_loss = jax.jit(lambda w, i, m: _loss_fn(w, cfg, i, m))
+    rng = np.random.default_rng(args.seed)
+    order = rng.permutation(len(ids))
+    cursor = 0
+    history = {"step": [], "train_loss": [], "val_step": [], "val_loss": []}
+    pending = []
+    total = args.steps
+    t_train = time.perf_counter()
+    t_timed, timed_from = None, 10
+    step = 0
+    while step < total:
+        if cursor + args.batch > len(order):
+            order, cursor = rng.permutation(len(ids)), 0
+        sel = order[cursor : cursor + args.batch]
+        cursor += args.batch
+        lr = lr_at(step, args.lr, args.warmup, total)
+        weights, opt_state, loss = train_step(
+            weights, opt_state, ids[sel], mask[sel], jnp.float32(lr)
+        )
+        pending.append((step, loss))
+        step += 1
+        if step == timed_from:
+            jax.block_until_ready(loss)
+            t_timed = time.perf_counter()
+        if args.time_budget and step == timed_from + 40:
+            jax.block_until_ready(loss)
+            per_step = (time.perf_counter() - t_timed) / 40
+            fit = int((args.time_budget - (time.perf_counter() - t_train)) / per_step) + step
+            total = max(step, min(args.steps, fit))
+            print(f"step time {per_step * 1e3:.1f} ms -> {total} steps", flush=True)
+        if step % 50 == 0 or step % args.eval_every == 0 or step == total:
+            for s, v in jax.device_get(pending):
+                history["step"].append(int(s))
+                history["train_loss"].append(float(v))
+            pending = []
+        if step % args.eval_every == 0 or step == total:
+            v = float(eval_loss(weights, val_ids, val_mask))
+            history["val_step"].append(step)
+            history["val_loss"].append(v)
+            print(
+                f"step {step}/{total} lr {lr:.2e} train {history['train_loss'][-1]:.4f} "
+                f"val {v:.4f} ({time.perf_counter() - t_train:.0f}s)",
+                flush=True,
+            )
+    jax.block_until_ready(weights)
+    train_seconds = time.perf_counter() - t_train
+    step_ms = (
+        (time.perf_counter() - t_timed) / max(1, total - timed_from) * 1e3 if t_timed else None
+    )
+
+    return weights, history, total, train_seconds, step_ms
+
+
 # ----------------------------------------------------------------------------------------------
 # Greedy evaluation (a cache-free loop, independent of rejax.generate)
 
@@ -255,14 +332,22 @@ def greedy_decode(
     return out
 
 
-def greedy_accuracy(weights, cfg, tok, problems: list[dict], max_len: int, stop_ids) -> dict:
-    """Greedy accuracy (rejax.eval.grading.grade) on chat-formatted problems; a few samples kept."""
+def greedy_accuracy(
+    weights, cfg, tok, problems: list[dict], max_len: int, stop_ids, task: str = "math"
+) -> dict:
+    """Greedy accuracy (rejax.eval.grading.grade for `task`) on chat-formatted problems; a few
+    samples kept. The reference is `answer` (math) or {numbers, target} (countdown)."""
     from rejax.eval.grading import grade
+
+    def reference(p):
+        if task == "countdown":
+            return {"numbers": p["numbers"], "target": p["target"]}
+        return p["answer"]
 
     prompts = [tok.encode(tasks.chat_prompt(p["problem"])).ids for p in problems]
     gens = greedy_decode(weights, cfg, prompts, max_len, stop_ids)
     texts = [tok.decode(g) for g in gens]
-    correct = [grade(t, p["answer"]) for t, p in zip(texts, problems)]
+    correct = [grade(t, reference(p), task=task) for t, p in zip(texts, problems)]
     n = len(problems)
     acc = sum(correct) / max(n, 1)
     return {
@@ -312,7 +397,7 @@ def export(weights, cfg: Config, tok, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2) + "\n")
 
 
-def _plot(history: dict, path: Path) -> None:
+def _plot(history: dict, path: Path, title: str = "tiny Qwen3 reasoner") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,7 +409,7 @@ def _plot(history: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("tiny Qwen3 reasoner")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -400,64 +485,8 @@ def main(argv=None) -> dict:
     n_params = sum(int(x.size) for x in jax.tree.leaves(weights))
     print(f"model: {n_params / 1e6:.2f}M params, {cfg}", flush=True)
 
-    tx = make_optimizer(args.weight_decay)
-    opt_state = tx.init(weights)
-
-    @jax.jit
-    def train_step(weights, opt_state, ids, mask, lr):
-        loss, grads = jax.value_and_grad(_loss_fn)(weights, cfg, ids, mask)
-        updates, opt_state = tx.update(grads, opt_state, weights)
-        weights = jax.tree.map(lambda w, u: w - lr * u, weights, updates)
-        return weights, opt_state, loss
-
-    eval_loss = jax.jit(lambda w, i, m: _loss_fn(w, cfg, i, m))
-    rng = np.random.default_rng(args.seed)
-    order = rng.permutation(len(ids))
-    cursor = 0
-    history = {"step": [], "train_loss": [], "val_step": [], "val_loss": []}
-    pending = []
-    total = args.steps
-    t_train = time.perf_counter()
-    t_timed, timed_from = None, 10
-    step = 0
-    while step < total:
-        if cursor + args.batch > len(order):
-            order, cursor = rng.permutation(len(ids)), 0
-        sel = order[cursor : cursor + args.batch]
-        cursor += args.batch
-        lr = lr_at(step, args.lr, args.warmup, total)
-        weights, opt_state, loss = train_step(
-            weights, opt_state, ids[sel], mask[sel], jnp.float32(lr)
-        )
-        pending.append((step, loss))
-        step += 1
-        if step == timed_from:
-            jax.block_until_ready(loss)
-            t_timed = time.perf_counter()
-        if args.time_budget and step == timed_from + 40:
-            jax.block_until_ready(loss)
-            per_step = (time.perf_counter() - t_timed) / 40
-            fit = int((args.time_budget - (time.perf_counter() - t_train)) / per_step) + step
-            total = max(step, min(args.steps, fit))
-            print(f"step time {per_step * 1e3:.1f} ms -> {total} steps", flush=True)
-        if step % 50 == 0 or step % args.eval_every == 0 or step == total:
-            for s, v in jax.device_get(pending):
-                history["step"].append(int(s))
-                history["train_loss"].append(float(v))
-            pending = []
-        if step % args.eval_every == 0 or step == total:
-            v = float(eval_loss(weights, val_ids, val_mask))
-            history["val_step"].append(step)
-            history["val_loss"].append(v)
-            print(
-                f"step {step}/{total} lr {lr:.2e} train {history['train_loss'][-1]:.4f} "
-                f"val {v:.4f} ({time.perf_counter() - t_train:.0f}s)",
-                flush=True,
-            )
-    jax.block_until_ready(weights)
-    train_seconds = time.perf_counter() - t_train
-    step_ms = (
-        (time.perf_counter() - t_timed) / max(1, total - timed_from) * 1e3 if t_timed else None
+    weights, history, total, train_seconds, step_ms = train_loop(
+        weights, cfg, ids, mask, val_ids, val_mask, args
     )
 
     t_eval = time.perf_counter()

@@ -1,7 +1,7 @@
 """The `rejax` command: generate, eval, calibrate, bench and compare.
 
     rejax generate [--model PATH|tiny] [--quant Q] [--sampler S] ... PROMPT | - | --prompts FILE
-    rejax eval [--task math|mcq|code] --data FILE [--n 8] ... [--out results.jsonl] [--summary FILE]
+    rejax eval [--task math|mcq|code|countdown] --data FILE [--n 8] ... [--out results.jsonl] [--summary FILE]
     rejax calibrate [--data problems.jsonl] [--n-problems 5] [--quant nvfp4] [--out DIR]
     rejax bench [--model PATH|tiny | --preset NAME] [--quant Q] [--batch 1 8] [--out FILE]
     rejax compare [--model PATH|tiny] [--quant Q] [--steps N] [--out FILE]
@@ -712,7 +712,7 @@ def _cmd_eval(args) -> int:
     else:
         rules = ", ".join(f"{k} {v}" for k, v in summary["extracted_by"].items())
         line = f"{graded} graded answers, extracted by: {rules}"
-        if args.task == "code":
+        if args.task in ("code", "countdown"):
             fails = ", ".join(f"{k} {v}" for k, v in summary["failure_status"].items())
             line += f"; failures: {fails or 'none'}"
         print(line)
@@ -990,9 +990,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--task",
         default="math",
-        choices=("math", "mcq", "code"),
+        choices=("math", "mcq", "code", "countdown"),
         help="math: AIME-style JSONL (problem, answer); mcq: GPQA CSV/JSONL; code: "
-        "LiveCodeBench code_generation_lite JSONL (default: math)",
+        "LiveCodeBench code_generation_lite JSONL; countdown: the bundled search task's JSONL "
+        "(problem, numbers, target) (default: math)",
     )
     e.add_argument(
         "--data",

@@ -280,6 +280,33 @@ def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_mode
     assert stdout.startswith("avg@1 = ") and "95% CI" in stdout
 
 
+def test_eval_countdown_grades_with_the_exact_checker(capsys, ckpt, tmp_path, cached_models):
+    from rejax.data import countdown
+    from rejax.eval.grading import grade_detail
+
+    data, out, summary = tmp_path / "cd.jsonl", tmp_path / "cd_out.jsonl", tmp_path / "cd.json"
+    countdown.write_jsonl(countdown.split("test", 2), data)
+    rc, stdout, err = _run(
+        capsys,
+        *("eval", "--task", "countdown", "--model", ckpt, "--quant", "bf16", "--data", data),
+        *("--n", 1, "--max-new-tokens", 8, "--batch-size", 2, "--no-progress"),
+        *("--out", out, "--summary", summary),
+    )
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    statuses = []
+    for row in rows:
+        g = grade_detail(row["responses"][0], row["reference"], task="countdown")
+        assert row["correct"] == [g.correct] and row["extracted"] == [g.extracted]
+        statuses += [] if g.correct else [g.failure["status"]]
+    s = json.loads(summary.read_text())
+    assert s["task"] == "countdown" and s["n_problems"] == 2
+    assert (
+        sum(s["failure_status"].values()) == len(statuses) == 2 - sum(r["n_correct"] for r in rows)
+    )
+    assert "failures: " in stdout
+
+
 def test_calibrate_writes_tau0_dumps_and_plot(capsys, ckpt, data, tmp_path, cached_models):
     rc, stdout, err = _run(
         capsys,

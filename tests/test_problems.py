@@ -243,9 +243,9 @@ def test_bad_files_and_arguments(tmp_path):
 
 def test_eval_task_is_documented():
     e_help = cli.build_parser()._subparsers._group_actions[0].choices["eval"].format_help()
-    assert "--task {math,mcq,code}" in e_help and "--timeout" in e_help
+    assert "--task {math,mcq,code,countdown}" in e_help and "--timeout" in e_help
     readme = (REPO / "README.md").read_text()
-    assert "--task math|mcq|code" in readme and "--timeout S" in readme
+    assert "--task math|mcq|code|countdown" in readme and "--timeout S" in readme
 
 
 def test_eval_bad_task_data_and_timeout_fail_before_loading(capsys, monkeypatch, tmp_path):

@@ -1,4 +1,8 @@
-"""Bundled data: the arithmetic task generator (`rejax.data.tasks`) and the tiny model.
+"""Bundled data: the task generators and the tiny model.
+
+`rejax.data.tasks` draws the tiny model's multi-step arithmetic problems; `rejax.data.countdown`
+draws Countdown problems with backtracking search traces (graded by `rejax.eval.grading`, task
+"countdown"; `experiments/train_search_reasoner.py` trains a model on them).
 
 `TINY_MODEL` is the folder of the shipped tiny Qwen3 reasoning model (a Hugging Face checkpoint:
 config.json, bf16 model.safetensors, tokenizer.json, tokenizer_config.json with a chat template,

@@ -14,6 +14,14 @@ it knows about also count.
 `Answer: X`, else the last boxed letter (`\boxed{X}`), else the last "answer / choice / option
 is X", else the last standalone capital A-D. No letter is graded wrong.
 
+**countdown** (reference: `{"numbers": [int, ...], "target": int}`). The answer is the content
+of the last brace-balanced `\boxed{...}` (no fallback), read as an arithmetic expression of
+non-negative integers, `+ - * /` (`\times`, `\cdot`, `\div` too) and parentheses (no unary
+minus, no decimals). It is right when it uses every number exactly once (as a multiset) and
+evaluates exactly (fractions, so intermediate values may be non-integers) to the target. A
+division by zero or anything else that does not parse is wrong; `Grade.failure["status"]` says
+which rule failed: "no_answer", "malformed", "wrong_numbers" or "wrong_value".
+
 **code** (reference: `{"tests": [...], "fn_name": ...}`). The program is the last fenced
 `python` block, else the last fenced block of any language, else the whole text. Every test
 must pass, each run in `rejax.eval.sandbox` (a separate, limited process) with its own timeout:
@@ -26,6 +34,8 @@ Example:
     True
     >>> grade("The answer is (C).", "C", task="mcq")
     True
+    >>> grade(r"\boxed{(7+4)*6/3}", {"numbers": [3, 4, 6, 7], "target": 22}, task="countdown")
+    True
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from fractions import Fraction
 
 from rejax.eval import sandbox
 
-TASKS = ("math", "mcq", "code")
+TASKS = ("math", "mcq", "code", "countdown")
 TOLERANCE = 1e-6
 DEFAULT_TIMEOUT_S = 8.0  # per code test, as the paper
 _NUMBER = re.compile(r"[-+]?\d*\.?\d+")
@@ -246,10 +256,11 @@ class Grade:
       extracted: the extracted answer (math: the answer string, mcq: the letter, code: the
         program), None when nothing could be extracted.
       rule: which extraction rule produced it (math: "boxed" | "last_number"; mcq: one of
-        `MCQ_RULES`; code: one of `CODE_RULES`), None when nothing was extracted.
-      failure: code only: the first failing test (`index`, `testtype`, `status`, `input`,
+        `MCQ_RULES`; code: one of `CODE_RULES`; countdown: "boxed"), None when nothing was extracted.
+      failure: code: the first failing test (`index`, `testtype`, `status`, `input`,
         `expected`, `got`, `stderr_tail`; long fields cut to `FAILURE_CHARS`), None when every
-        test passed or for other tasks.
+        test passed; countdown: `{"status": ...}` (see the module docstring) when wrong; None
+        for other tasks.
     """
 
     correct: bool
@@ -268,8 +279,9 @@ def grade(text: str, reference, task: str = "math", timeout_s: float = DEFAULT_T
         text: the model's full response.
         reference: math: the answer (str or int, e.g. "12", "\\frac{7}{2}"); mcq: the gold
             letter "A".."D"; code: `{"tests": [{"input": str, "output": str, "testtype":
-            "stdin" | "functional"}, ...], "fn_name": str | None}`.
-        task: "math", "mcq" or "code".
+            "stdin" | "functional"}, ...], "fn_name": str | None}`; countdown: `{"numbers":
+            [int, ...], "target": int}`.
+        task: one of `TASKS`.
         timeout_s: code only: wall-clock limit per test, in seconds.
 
     Returns:
@@ -301,6 +313,18 @@ def grade_detail(
     if task == "mcq":
         letter, rule = _extract_choice(text)
         return Grade(letter == reference, letter, rule)
+    if task == "countdown":
+        _check_text(text)
+        expression = _last_boxed(text)
+        if expression is None:
+            return Grade(False, None, None, {"status": "no_answer"})
+        status = countdown_status(expression, reference["numbers"], reference["target"])
+        return Grade(
+            status == "correct",
+            expression,
+            "boxed",
+            None if status == "correct" else {"status": status},
+        )
     tests, fn_name = check_code_reference(reference)
     program, rule = _extract_code(text)
     failure = _run_tests(program, tests, fn_name, timeout_s)
@@ -312,7 +336,7 @@ def check_reference(reference, task: str) -> None:
 
     Args:
         reference: the reference answer.
-        task: "math", "mcq" or "code".
+        task: one of `TASKS`.
     """
     if task == "math":
         if not isinstance(reference, (str, int)) or isinstance(reference, bool):
@@ -323,10 +347,103 @@ def check_reference(reference, task: str) -> None:
     elif task == "mcq":
         if reference not in ("A", "B", "C", "D"):
             raise ValueError(f"mcq reference must be one of 'A'..'D', got {reference!r}")
+    elif task == "countdown":
+        ok = isinstance(reference, dict) and set(reference) >= {"numbers", "target"}
+        numbers = reference.get("numbers") if ok else None
+        ok = ok and isinstance(numbers, (list, tuple)) and len(numbers) >= 1
+        ok = ok and all(_is_int(x) and x >= 0 for x in numbers) and _is_int(reference["target"])
+        if not ok:
+            raise ValueError(
+                'countdown reference must be {"numbers": [non-negative ints], "target": int}, '
+                f"got {reference!r:.200}"
+            )
     elif task == "code":
         check_code_reference(reference)
     else:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_COUNTDOWN_TOKEN = re.compile(r"\s*(?:([0-9]+)|(\\times|\\cdot|\\div|[-+*/()]))")
+_COUNTDOWN_OPS = {"\\times": "*", "\\cdot": "*", "\\div": "/"}
+
+
+def countdown_value(expression: str) -> tuple[Fraction, list[int]] | None:
+    """The exact value of a Countdown expression and the integers it uses, or None.
+
+    Args:
+        expression: integers, `+ - * /` (also `\\times`, `\\cdot`, `\\div`), parentheses and
+            spaces; no unary minus, no decimals.
+
+    Returns:
+        (value as a Fraction, the integers in order of appearance); None when the text does not
+        parse or divides by zero.
+    """
+    if not isinstance(expression, str):
+        raise ValueError(f"expression must be a str, got {type(expression).__name__}")  # noqa: TRY004
+    tokens, pos = [], 0
+    text = expression.strip()
+    while pos < len(text):
+        m = _COUNTDOWN_TOKEN.match(text, pos)
+        if m is None:
+            return None
+        tokens.append(int(m.group(1)) if m.group(1) else _COUNTDOWN_OPS.get(m.group(2), m.group(2)))
+        pos = m.end()
+    numbers: list[int] = []
+    try:
+        value, end = _cd_sum(tokens, 0, numbers)
+    except (IndexError, ZeroDivisionError, ValueError, RecursionError):
+        return None
+    return (value, numbers) if end == len(tokens) else None
+
+
+def _cd_sum(tokens, i, numbers):
+    value, i = _cd_product(tokens, i, numbers)
+    while i < len(tokens) and tokens[i] in ("+", "-"):
+        rhs, j = _cd_product(tokens, i + 1, numbers)
+        value, i = (value + rhs if tokens[i] == "+" else value - rhs), j
+    return value, i
+
+
+def _cd_product(tokens, i, numbers):
+    value, i = _cd_atom(tokens, i, numbers)
+    while i < len(tokens) and tokens[i] in ("*", "/"):
+        rhs, j = _cd_atom(tokens, i + 1, numbers)
+        value, i = (value * rhs if tokens[i] == "*" else value / rhs), j  # 0 raises
+    return value, i
+
+
+def _cd_atom(tokens, i, numbers):
+    t = tokens[i]
+    if isinstance(t, int):
+        numbers.append(t)
+        return Fraction(t), i + 1
+    if t == "(":
+        value, j = _cd_sum(tokens, i + 1, numbers)
+        if tokens[j] != ")":
+            raise ValueError("unclosed parenthesis")
+        return value, j + 1
+    raise ValueError(f"unexpected {t!r}")
+
+
+def countdown_status(expression: str, numbers, target: int) -> str:
+    """Grades a Countdown answer: "correct", "malformed", "wrong_numbers" or "wrong_value".
+
+    Args:
+        expression: the answer expression (see `countdown_value`).
+        numbers: the given numbers; each must be used exactly once (as a multiset).
+        target: the value to reach, exactly.
+    """
+    parsed = countdown_value(expression)
+    if parsed is None:
+        return "malformed"
+    value, used = parsed
+    if sorted(used) != sorted(numbers):
+        return "wrong_numbers"
+    return "correct" if value == target else "wrong_value"
 
 
 def check_code_reference(reference) -> tuple[list[dict], str | None]:

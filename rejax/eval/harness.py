@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tqdm.auto import tqdm
 
-from rejax.eval.grading import check_reference, grade_detail
+from rejax.eval.grading import TASKS, check_reference, grade_detail
 from rejax.eval.samplers import describe_sampler
 from rejax.eval.stats import avg_at_n_ci
 from rejax.generate import generate
@@ -65,12 +65,14 @@ def evaluate(
     padded), so the decode loop compiles once per prompt-length bucket, and row r samples with
     fold_in(key, r), so the results do not depend on batch_size. Grading:
     `rejax.eval.grading.grade_detail` for `task` (math: last `\\boxed{}` else the last number; mcq:
-    the letter rules; code: every test in the sandbox), after every reference was checked.
+    the letter rules; code: every test in the sandbox; countdown: the last boxed expression,
+    exactly), after every reference was checked.
 
     Args:
       params: the model (`rejax.load`), with a tokenizer.
       problems: dicts with `prompt` and `reference` (see `load_problems`), or for math
-        `problem` and `answer` (see `load_jsonl`).
+        `problem` and `answer` (see `load_jsonl`), or for countdown `problem`, `numbers` and
+        `target` (`rejax.data.countdown` problems).
       sampler: Greedy / Temperature / ReSET (see `parse_sampler`).
       n: samples per problem (> 0).
       max_new_tokens: generation budget per sample (> 0).
@@ -80,7 +82,7 @@ def evaluate(
       progress: a tqdm bar on stderr counting problems done, with problems/s and the
         generated tokens/s (it moves when a batch finishes).
       ci_method: one of CI_METHODS (see `avg_at_n_ci`).
-      task: "math", "mcq" or "code" (how the responses are graded).
+      task: one of `rejax.eval.grading.TASKS` (how the responses are graded).
       timeout_s: code: wall-clock limit per test run.
       grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
       slots: decode the problems x n rows through this many refilled slots (rejax/slots.py)
@@ -101,8 +103,8 @@ def evaluate(
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not problems:
         raise ValueError("evaluate needs at least one problem")
-    if task not in ("math", "mcq", "code"):
-        raise ValueError(f"unknown task {task!r}; expected 'math', 'mcq' or 'code'")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASKS)}")
     if not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
     prompts, refs = [], []
@@ -204,7 +206,7 @@ def evaluate(
         fallback = [g for g in grades if g.rule == "last_number"]
         summary["n_last_number_fallback"] = len(fallback)
         summary["n_last_number_fallback_correct"] = sum(g.correct for g in fallback)
-    if task == "code":
+    if task in ("code", "countdown"):
         summary["failure_status"] = _counts(g.failure["status"] for g in grades if g.failure)
     return EvalResult(records=records, correct=correct, summary=summary, tokens=tokens)
 
@@ -221,9 +223,12 @@ def _prompt_and_reference(p: dict, i: int, task: str):
         return p["prompt"], p["reference"]
     if task == "math" and "problem" in p and "answer" in p:
         return p["problem"], p["answer"]
+    if task == "countdown" and {"problem", "numbers", "target"} <= set(p):
+        return p["problem"], {"numbers": p["numbers"], "target": p["target"]}
     raise ValueError(
         f"problem {i} needs 'prompt' and 'reference' (see load_problems)"
         + (" or 'problem' and 'answer'" if task == "math" else "")
+        + (" or 'problem', 'numbers' and 'target'" if task == "countdown" else "")
         + f", got keys {sorted(p)}"
     )
 

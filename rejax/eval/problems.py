@@ -1,5 +1,5 @@
 """Problem files: the released formats of the paper's three tasks (AIME math JSONL, GPQA
-CSV / JSONL, LiveCodeBench code JSONL) through `load_problems`, the math layout alone
+CSV / JSONL, LiveCodeBench code JSONL) and the bundled Countdown task (`rejax.data.countdown`) through `load_problems`, the math layout alone
 (`problem`, `answer`) through `load_jsonl`, and `write_jsonl`."""
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ _MAX_PRIVATE_BYTES = 1 << 30  # decompressed private tests of one row (a zlib bo
 
 
 def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> list[dict]:
-    """Reads a released problem file for `task` ("math", "mcq" or "code").
+    """Reads a problem file for `task` ("math", "mcq", "code" or "countdown").
 
     Formats (JSONL, one object per line; a `.csv` file is read as CSV with a header row):
       math: `problem` and `answer` (string or number), as the public AIME sets; optional `id`.
@@ -118,22 +118,29 @@ def load_problems(path: str | Path, task: str, *, limit: int | None = None) -> l
         by an unpickler that refuses every global, so a file carrying anything but a pickled
         string is refused and nothing in it runs. The prompt is LCB's stdin / starter-code
         question template.
+      countdown: `problem` (the prompt), `numbers` (list of ints), `target` (int), optional
+        `id`, as `rejax.data.countdown.write_jsonl` writes them.
 
     Args:
       path: the file.
-      task: "math", "mcq" or "code".
+      task: one of `rejax.eval.grading.TASKS`.
       limit: keep only the first `limit` problems (None keeps all).
 
     Returns:
       list of {"id": str, "prompt": str, "reference": ...}, the reference in the form
-      `rejax.eval.grading.grade` takes for `task` (answer string, gold letter, or {"tests",
-      "fn_name"} with public tests first).
+      `rejax.eval.grading.grade` takes for `task` (answer string, gold letter, {"tests",
+      "fn_name"} with public tests first, or {"numbers", "target"}).
 
     Raises:
       ValueError: an unknown task, a missing or empty file, `limit` <= 0, or a bad row; row
         errors name the file, the line and the field. No row is skipped.
     """
-    convert = {"math": _math_problem, "mcq": _mcq_problem, "code": _code_problem}.get(task)
+    convert = {
+        "math": _math_problem,
+        "mcq": _mcq_problem,
+        "code": _code_problem,
+        "countdown": _countdown_problem,
+    }.get(task)
     if convert is None:
         raise ValueError(f"unknown task {task!r}; expected one of {', '.join(grading.TASKS)}")
     if limit is not None and (not isinstance(limit, int) or limit <= 0):
@@ -202,6 +209,17 @@ def _math_problem(row: dict, where: str, idx: int) -> dict:
     problem = _field(row, "problem", where)
     answer = _field(row, "answer", where, types=(str, int, float))
     return {"id": _row_id(row, "id", idx), "prompt": problem, "reference": str(answer).strip()}
+
+
+def _countdown_problem(row: dict, where: str, idx: int) -> dict:
+    problem = _field(row, "problem", where)
+    numbers = _field(row, "numbers", where, types=(list,))
+    target = _field(row, "target", where, types=(int,))
+    return {
+        "id": _row_id(row, "id", idx),
+        "prompt": problem,
+        "reference": {"numbers": numbers, "target": target},
+    }
 
 
 def _mcq_problem(row: dict, where: str, idx: int) -> dict:

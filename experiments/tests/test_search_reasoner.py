@@ -1,0 +1,58 @@
+"""The Countdown experiment scripts' own logic (no training, no decoding): option handling,
+the ablation samplers and the step-entropy summary."""
+
+import pytest
+
+from experiments import search_reasoner_accuracy, tiny_reasoner_accuracy, train_search_reasoner
+
+
+def test_smoke_options_are_small_and_difficulty_flags_reach_the_generator(tmp_path):
+    args = train_search_reasoner.parse_args(["--out", str(tmp_path), "--smoke"])
+    assert (args.size, args.steps, args.time_budget) == ("smoke", 4, None)
+    args = train_search_reasoner.parse_args(
+        ["--out", str(tmp_path), "--max-number", "20", "--guide", "0.3", "--n-numbers", "3"]
+    )
+    d = train_search_reasoner._difficulty(args)
+    assert (d.max_number, d.guide, d.n_numbers) == (20, 0.3, 3)
+    with pytest.raises(ValueError, match="--batch must be positive"):
+        train_search_reasoner.parse_args(["--out", str(tmp_path), "--batch", "0"])
+
+
+def test_the_m_size_fits_the_bundle_and_the_kernel():
+    m = train_search_reasoner.SIZES["m"]
+    d, f, nh, kh = m["hidden_size"], m["intermediate_size"], m["num_heads"], m["num_kv_heads"]
+    per_layer = (nh + 2 * kh) * m["head_dim"] * d + nh * m["head_dim"] * d + 3 * f * d
+    n_params = m["num_layers"] * per_layer + 2 * 384 * d  # + embedding and head at V = 384
+    assert 2 * n_params < 47e6  # bf16 bytes: with the 13 MB tiny model, under 60 MB
+    assert d % 256 == 0 and f % 256 == 0 and (nh * m["head_dim"]) % 256 == 0
+
+
+def test_ablation_samplers():
+    s = {
+        name: tiny_reasoner_accuracy._sampler(name, 0.5, 0.1, 0.95)
+        for name in tiny_reasoner_accuracy.CONFIGS + tiny_reasoner_accuracy.ABLATIONS
+    }
+    assert type(s["bf16_t0.6"]).__name__ == "Temperature" and s["bf16_t0.6"].t == 0.6
+    assert float(s["nvfp4_reset"].t_high) == 1.0 and not s["nvfp4_reset"].include_current
+    assert float(s["nvfp4_reset_thigh0.6"].t_high) == 0.6
+    assert float(s["nvfp4_reset_thigh0.8"].t_high) == 0.8
+    assert s["nvfp4_reset_current"].include_current
+    assert float(s["nvfp4_reset_current"].t_high) == 1.0
+    assert all(float(s[n].tau_0) == 0.5 and float(s[n].t_low) == 0.1 for n in s if "reset" in n)
+
+
+def test_step_summary_hand_computed():
+    steps = {"bf16": [0.1, 1.0, 2.0, 3.0], "nvfp4": [0.1, 0.5, 2.5, 1.0], "responses": 2}
+    st = tiny_reasoner_accuracy._step_summary(steps, tau0=1.0)
+    assert (st["n_steps"], st["n_high_steps"], st["n_responses"]) == (4, 3, 2)
+    assert st["median_bf16_high"] == 2.0 and st["median_nvfp4_high"] == 1.0
+    assert st["frac_nvfp4_lower_high"] == pytest.approx(2 / 3)
+    assert st["mean_diff_high"] == pytest.approx((-0.5 + 0.5 - 2.0) / 3)
+    assert tiny_reasoner_accuracy._step_summary({"bf16": [], "nvfp4": []}, 1.0) is None
+
+
+def test_search_accuracy_needs_a_trained_model():
+    with pytest.raises(SystemExit, match="--model"):
+        search_reasoner_accuracy.main([])
+    with pytest.raises(SystemExit, match="--model"):
+        search_reasoner_accuracy.main(["--model", "tiny"])
