@@ -95,48 +95,26 @@ class Config:
 
 
 # Presets with the real layer shapes (the paper's models); weights are random in benchmarks.
-QWEN3_8B = Config(
-    arch="qwen3",
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_layers=36,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=40960,
-    eos_token_ids=(151645, 151643),
-)
-QWEN3_14B = dataclasses.replace(
-    QWEN3_8B, hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40
-)
-QWEN3_32B = dataclasses.replace(
-    QWEN3_8B, hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64
-)
-R1_DISTILL_QWEN_7B = Config(
-    arch="qwen2",
-    vocab_size=152064,
-    hidden_size=3584,
-    intermediate_size=18944,
-    num_layers=28,
-    num_heads=28,
-    num_kv_heads=4,
-    head_dim=128,
-    rope_theta=10_000.0,
-    attention_bias=True,
-    max_position_embeddings=131072,
-    eos_token_ids=(151643,),
-)
+# The two families differ in architecture, vocabulary, RoPE base, context and Qwen2's qkv bias;
+# the models of a family only in widths and depth (dims: D, F, layers, N).
+_QWEN3 = {"arch": "qwen3", "vocab_size": 151936, "rope_theta": 1_000_000.0,
+          "max_position_embeddings": 40960, "eos_token_ids": (151645, 151643)}  # fmt: skip
+_QWEN2 = {"arch": "qwen2", "vocab_size": 152064, "rope_theta": 10_000.0, "attention_bias": True,
+          "max_position_embeddings": 131072, "eos_token_ids": (151643,)}  # fmt: skip
+
+
+def _preset(family: dict, d: int, f: int, layers: int, n: int, kv: int) -> Config:
+    return Config(**family, hidden_size=d, intermediate_size=f, num_layers=layers, num_heads=n,
+                  num_kv_heads=kv, head_dim=128)  # fmt: skip
+
+
+QWEN3_8B = _preset(_QWEN3, 4096, 12288, 36, 32, 8)
+QWEN3_14B = _preset(_QWEN3, 5120, 17408, 40, 40, 8)
+QWEN3_32B = _preset(_QWEN3, 5120, 25600, 64, 64, 8)
+R1_DISTILL_QWEN_7B = _preset(_QWEN2, 3584, 18944, 28, 28, 4)
+# DeepSeek-R1-Distill-Qwen-14B is built on Qwen2.5-14B: the Qwen2 architecture with RoPE 1e6
 R1_DISTILL_QWEN_14B = dataclasses.replace(
-    R1_DISTILL_QWEN_7B,
-    vocab_size=152064,
-    hidden_size=5120,
-    intermediate_size=13824,
-    num_layers=48,
-    num_heads=40,
-    num_kv_heads=8,
-    rope_theta=1_000_000.0,
+    _preset(_QWEN2, 5120, 13824, 48, 40, 8), rope_theta=1_000_000.0
 )
 PRESETS = {
     "qwen3-8b": QWEN3_8B,
