@@ -1,0 +1,58 @@
+"""The kernel-launch counter of experiments/count_kernels.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).parents[1] / "count_kernels.py"
+_spec = importlib.util.spec_from_file_location("count_kernels", _PATH)
+ck = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ck)
+
+HLO = """HloModule m
+
+%body.7 (p: (s32[], bf16[4])) -> (s32[], bf16[4]) {
+  %p = (s32[], bf16[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[4] get-tuple-element(%p), index=1
+  %c = s32[] constant(1)
+  %f1 = bf16[4] fusion(%x), kind=kLoop, calls=%fused_a
+  %g = bf16[4] custom-call(%f1), custom_call_target="__gpu$xla.gpu.ptx", backend_config={name = \\"nvfp4_gemv_w4a4\\"}
+  %b = bf16[2,2] bitcast(%g)
+  %f2 = s32[] fusion(%i, %c), kind=kLoop, calls=%fused_b
+  ROOT %t = (s32[], bf16[4]) tuple(%f2, %g)
+}
+
+%cond.8 (p: (s32[], bf16[4])) -> pred[] {
+  %p = (s32[], bf16[4]) parameter(0)
+  ROOT %lt = pred[] fusion(%p), kind=kLoop, calls=%fused_c
+}
+
+ENTRY %main (a: bf16[4]) -> bf16[4] {
+  %a = bf16[4] parameter(0)
+  %w = (s32[], bf16[4]) while(%init), condition=%cond.8, body=%body.7, backend_config={"known_trip_count":{"n":"3"}}
+  %other = (s32[], bf16[4]) while(%init), condition=%cond.8, body=%cond.8, backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r = bf16[4] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_counts_the_layer_body_launches_only():
+    c = ck.count_launches(HLO, 3)
+    assert c["total"] == 3
+    assert c["by_kind"] == {"custom-call:__gpu$xla.gpu.ptx:nvfp4_gemv_w4a4": 1, "fusion": 2}
+
+
+def test_a_missing_layer_loop_is_an_error():
+    with pytest.raises(ValueError, match="known_trip_count 4"):
+        ck.count_launches(HLO, 4)
+
+
+def test_compiled_tiny_decode_step_is_counted():
+    cfg = dataclasses.replace(ck.TINY, linear_fusion="unfused")
+    c = ck.count_launches(ck.compiled_decode_step(cfg, 1, 16), cfg.num_layers)
+    assert c["total"] > 4 and sum(c["by_kind"].values()) == c["total"]
