@@ -23,6 +23,7 @@ __all__ = [
     "build",
     "check_shape",
     "plan",
+    "prebuild",
     "probe_ptx_launch",
 ]
 
@@ -457,8 +458,7 @@ def _num_sms() -> int:
     return int(count) if count else DEFAULT_SMS
 
 
-@functools.cache
-def _build_cached(
+def _compile_job(
     act: str,
     m: int,
     n: int,
@@ -469,6 +469,7 @@ def _build_cached(
     gw_rows: bool,
     fused: Fused | None,
 ):
+    """(plan, compile_ptx keyword arguments) of one kernel: everything but the compilation."""
     p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
     if act == "w4a4x":
         p = dataclasses.replace(p, fused=fused or PLAIN)
@@ -484,12 +485,77 @@ def _build_cached(
     else:
         source = read_source(SOURCE)
     extra = tuple(f"-D{name}={value}" for name, value in options.defines)
-    ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
+    return p, {
+        "name": SOURCE,
+        "defines": p.defines(),
+        "arch": arch,
+        "options": extra,
+        "source": source,
+    }
+
+
+@functools.cache
+def _build_cached(
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    arch: str,
+    num_sms: int,
+    options: GemvOptions,
+    gw_rows: bool,
+    fused: Fused | None,
+):
+    p, kw = _compile_job(act, m, n, k, arch, num_sms, options, gw_rows, fused)
+    ptx = compile_ptx(kw.pop("source"), **kw)
     entry = ENTRY[act]
     entries = ptx_entries(ptx)
     if entries.get(entry) != N_INPUTS[act] + 1:
         raise KernelError(f"PTX entry {entry} missing or with wrong parameters: {entries}")
     return GemvKernel(plan=p, entry=entry, ptx=ptx)
+
+
+def prebuild(
+    problems: list[dict],
+    *,
+    arch: str | None = None,
+    num_sms: int | None = None,
+    workers: int | None = None,
+) -> list[GemvKernel]:
+    """Builds many kernels at once: NVRTC runs in `workers` threads (it releases the GIL), each
+    kernel exactly as `build` makes it (and cached as `build` caches it).
+
+    Warms the kernels a program will lower (a model's layer shapes at several M) in parallel
+    instead of one NVRTC compile per first lowering.
+
+    Args:
+        problems: `build` keyword arguments per kernel: act, m, n, k and optionally options,
+            gw_rows, fused.
+        arch, num_sms: as in `build` (None: the present GPU's).
+        workers: threads (None: the CPU count, at most 16).
+
+    Returns:
+        The kernels, in the order of `problems`.
+    """
+    import concurrent.futures
+    import os
+
+    arch = arch or device_arch()
+    num_sms = num_sms or _num_sms()
+    keys = []
+    for prob in problems:
+        ok, why = check_shape(prob["act"], prob["m"], prob["n"], prob["k"])
+        if not ok:
+            raise KernelError(f"unsupported shape {prob}: {why}")
+        keys.append((
+            prob["act"], prob["m"], prob["n"], prob["k"], arch, num_sms,
+            prob.get("options", DEFAULT_OPTIONS), bool(prob.get("gw_rows", False)),
+            prob.get("fused"),
+        ))  # fmt: skip
+    workers = workers or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda key: _build_cached(*key), dict.fromkeys(keys)))
+    return [_build_cached(*key) for key in keys]
 
 
 def build(

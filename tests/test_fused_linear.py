@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemv
 from rejax import layers, nvfp4, sampling
 from rejax import params as rparams
@@ -199,3 +200,37 @@ def test_decode_step_lowers_to_one_launch_per_fused_linear(stub_compiler):
     args = (unfused, *args[1:])
     text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"name = \\22(\w+)\\22", text).count("nvfp4_gemv_w4a4") == 4
+
+
+def _has_nvrtc() -> bool:
+    try:
+        cbuild.nvrtc_version()
+    except cbuild.KernelError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+def test_prebuild_compiles_exactly_what_build_reads(tmp_path, monkeypatch):
+    """`prebuild` compiles the kernels in threads into the disk cache: the builds afterwards
+    (as the CUDA lowering calls them) find every kernel there and compile nothing new."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_gemv._build_cached.cache_clear()
+    fused = nvfp4_gemv.Fused(prologue="swiglu", residual=True)
+    problems = [{"act": "w4a4x", "m": m, "n": 64, "k": 256, "fused": fused} for m in (1, 3)]
+    problems += [
+        {"act": "w4a4", "m": 2, "n": 64, "k": 256},
+        {"act": "w4a4", "m": 2, "n": 64, "k": 256},
+    ]
+    kernels = nvfp4_gemv.prebuild(problems, arch="compute_90", num_sms=132, workers=2)
+    assert [k.entry for k in kernels] == ["nvfp4_gemv_w4a4_bf16"] * 2 + ["nvfp4_gemv_w4a4"] * 2
+    assert kernels[0].plan.fused == fused and kernels[2] is kernels[3]
+    files = sorted(tmp_path.glob("*.ptx"))
+    assert len(files) == 3
+    nvfp4_gemv._build_cached.cache_clear()
+    again = [nvfp4_gemv.build(**p, arch="compute_90", num_sms=132) for p in problems]
+    assert [k.ptx for k in again] == [k.ptx for k in kernels]
+    assert sorted(tmp_path.glob("*.ptx")) == files  # nothing compiled anew
+    with pytest.raises(nvfp4_gemv.KernelError, match="unsupported shape"):
+        nvfp4_gemv.prebuild([{"act": "w4a4", "m": 9, "n": 64, "k": 256}], arch="compute_90")
+    nvfp4_gemv._build_cached.cache_clear()

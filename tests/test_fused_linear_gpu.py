@@ -17,6 +17,7 @@ GEMM letters: M tokens, N out features, K in features.
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import zlib
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cuda_ops import nvfp4_gemv
 from rejax import layers, nvfp4
 from rejax.ops import fused_linear as fl
 
@@ -40,12 +42,30 @@ def _seed(*parts) -> int:
 
 
 def _weight(n, k, seed, layers_=2):
+    # random NVFP4 codes and block scales made on the device (quantizing float weights on the
+    # host takes longer than the tests), a per-layer global scale
     key = jax.random.key(seed)
-    mats = []
-    for i in range(layers_):
-        w = jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02
-        mats.append(nvfp4.quantize_weight(np.asarray(w)))
-    return nvfp4.stack(mats)
+    packed = jax.random.randint(key, (layers_, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.randint(jax.random.fold_in(key, 1), (layers_, n, k // 16), 0x20, 0x48)
+    scales = jax.lax.bitcast_convert_type(scales.astype(jnp.uint8), jnp.float8_e4m3fn)
+    gscale = jnp.full((layers_,), 1e-3, jnp.float32)
+    return nvfp4.Nvfp4Tensor(packed=packed, scales=scales, global_scale=gscale, shape=(n, k))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuilt():
+    """The kernels of the two shape sweeps below, compiled up front in parallel (`prebuild`)."""
+    problems = []
+    for n, k in QWEN3_8B:
+        for m in range(1, 9):
+            specs = [nvfp4_gemv.Fused(dynamic=False), nvfp4_gemv.Fused(dynamic=True)]
+            specs += [
+                nvfp4_gemv.Fused(prologue=p, residual=True, norm_stacked=p == "rmsnorm")
+                for p in nvfp4_gemv.PROLOGUES
+            ]
+            problems.append({"act": "w4a4", "m": m, "n": n, "k": k})
+            problems += [{"act": "w4a4x", "m": m, "n": n, "k": k, "fused": f} for f in specs]
+    nvfp4_gemv.prebuild(problems)
 
 
 def _x(m, k, seed, scale=2.0):
@@ -118,6 +138,8 @@ def test_tiny_model_greedy_tokens_gpu_kernels_vs_cpu_reference():
         pytest.skip("bundled tiny model missing")
     prompts = [tasks.chat_prompt(p["problem"]) for p in tasks.split("test", 50)]
     params = rejax.load(path, quant="nvfp4")
+    cfg = dataclasses.replace(params.cfg, linear_fusion="fused")
+    params = dataclasses.replace(params, cfg=cfg)
     gpu = rejax.generate(params, prompts, max_new_tokens=128, stop=[])
     cpu_dev = jax.devices("cpu")[0]
     with jax.default_device(cpu_dev):
