@@ -25,9 +25,11 @@ QUANT_MODES = (None, "nvfp4", "nvfp4-w4a16")
 # when every decoder linear is NVFP4, whose kernel reads the stack in place; unroll when float
 # linears are present, which hold one buffer per layer: see rejax/params.py).
 LAYER_LOOPS = ("auto", "scan", "unroll")
-# Decode-step attention: "einsum" (masked attention over every cache slot, the reference) or
-# "live" (rejax.ops.decode_attention: reads only the slots written so far; a Pallas kernel on
-# CUDA). Opt-in until measured on the GPU.
+# Attention over the cache: "einsum" (masked attention over every cache slot, the reference) or
+# "live" (rejax.ops.decode_attention: decode steps read only the slots written so far, a Pallas
+# kernel on CUDA; prompts use its flash-style prefill_attention). Opt-in: on the H200 it was
+# 10x faster than "einsum" per layer with a 33K-slot cache, and no faster end to end with a
+# 1K-slot one (experiments/results/decode_h200_b/).
 ATTENTIONS = ("einsum", "live")
 # W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
 # SwiGLU / add ops) or "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;

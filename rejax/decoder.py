@@ -23,7 +23,7 @@ from rejax.cache import KVCache, write_kv, write_positions
 from rejax.config import Config
 from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
 from rejax.nvfp4 import Nvfp4Tensor
-from rejax.ops.decode_attention import decode_attention
+from rejax.ops.decode_attention import decode_attention, prefill_attention
 from rejax.ops.fused_linear import fusable, fused_linear
 
 
@@ -109,6 +109,9 @@ def decoder_layer(
         live = index + 1 if jnp.ndim(index) == 0 else jnp.max(index) + 1
         out = decode_attention(q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live)
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
+    elif kv is not None and cfg.attention == "live":
+        # a prompt: flash-style over chunks, never holding [B, N, T, S] scores
+        out = prefill_attention(q, keys, values, positions, k_positions).reshape(b, t, n * h)
     else:
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
