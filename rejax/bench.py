@@ -13,6 +13,7 @@ leaves, less the embedding table (a step reads only B of its rows).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import os
 import platform
@@ -317,10 +318,29 @@ def _git(*args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
+def source_digest(roots: list[Path] | None = None) -> str:
+    """16 hex digits of sha256 over the code that runs (every .py / .cu / .cuh file under rejax/
+    and cuda_ops/, by relative path and content): names the tree even where git's HEAD is stale
+    or absent (a copied working tree)."""
+    if roots is None:
+        here = Path(__file__).resolve().parent
+        roots = [here, here.parent / "cuda_ops"]
+    h = hashlib.sha256()
+    for root in roots:
+        files = sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cu", ".cuh"))
+        for f in files:
+            name = f"{root.name}/{f.relative_to(root).as_posix()}".encode()
+            h.update(len(name).to_bytes(4, "little") + name)
+            data = f.read_bytes()
+            h.update(len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:16]
+
+
 def versions() -> dict:
     """What produced a result file, the one copy every script and command records: rejax, git sha
-    and whether the checkout has uncommitted changes (None outside a checkout), python, jax,
-    jaxlib, flax, torch (None without it), backend and device."""
+    and whether the checkout has uncommitted changes (None outside a checkout), the digest of the
+    sources that ran (`source_digest`), python, jax, jaxlib, flax, torch (None without it),
+    backend and device."""
     out = {
         "rejax": __version__,
         "python": platform.python_version(),
@@ -337,4 +357,5 @@ def versions() -> dict:
     out["git_sha"] = _git("rev-parse", "HEAD") or None
     status = _git("status", "--porcelain")
     out["git_dirty"] = None if status is None else bool(status)
+    out["source_digest"] = source_digest()
     return out

@@ -108,3 +108,23 @@ def test_bench_model_and_preset_exclude_each_other(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--model", "tiny", "--preset", "qwen3-8b"])
     assert e.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_source_digest_names_the_code(tmp_path):
+    """`versions()` records a digest of the sources that changes with any of them (and with a
+    renamed file), so a result names its tree where git's HEAD does not."""
+    v = bench.versions()
+    assert len(v["source_digest"]) == 16 and v["source_digest"] == bench.source_digest()
+    root = tmp_path / "rejax"
+    (root / "ops").mkdir(parents=True)
+    (root / "a.py").write_text("x = 1\n")
+    (root / "ops" / "k.cu").write_text("// kernel\n")
+    (root / "notes.md").write_text("not code\n")
+    first = bench.source_digest([root])
+    (root / "notes.md").write_text("changed\n")
+    assert bench.source_digest([root]) == first
+    (root / "ops" / "k.cu").write_text("// kernel v2\n")
+    second = bench.source_digest([root])
+    assert second != first
+    (root / "a.py").rename(root / "b.py")
+    assert bench.source_digest([root]) != second
