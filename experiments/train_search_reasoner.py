@@ -28,7 +28,6 @@ import dataclasses
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ import optax
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_tiny_reasoner as tiny  # the sibling script whose recipe this reuses
 
+from rejax.bench import versions
 from rejax.config import Config
 from rejax.data import countdown
 from rejax.params import init_params
@@ -254,12 +254,7 @@ def main(argv=None) -> dict:
         },
         "step_ms": step_ms,
         "history": history,
-        "versions": {
-            "jax": jax.__version__,
-            "optax": optax.__version__,
-            "python": platform.python_version(),
-        },
-        "device": str(jax.devices()[0].device_kind),
+        "versions": {**versions(), "optax": optax.__version__},
     }
     (out / "countdown_train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     tiny._plot(history, out / "countdown_train_loss.png", title="Countdown search reasoner")

@@ -28,7 +28,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -524,12 +523,7 @@ def main(argv=None) -> dict:
         },
         "step_ms": step_ms,
         "history": history,
-        "versions": {
-            "jax": jax.__version__,
-            "optax": optax.__version__,
-            "python": platform.python_version(),
-        },
-        "device": str(jax.devices()[0].device_kind),
+        "versions": {**versions(), "optax": optax.__version__},
     }
     (out / "tiny_train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
     _plot(history, out / "tiny_train_loss.png")
