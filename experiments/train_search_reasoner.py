@@ -227,7 +227,6 @@ def main(argv=None) -> dict:
     size = (export_dir / "model.safetensors").stat().st_size
     lengths = mask.sum(axis=1)
     metrics = {
-        "git_sha": tiny._git_sha(),
         "args": {k: v for k, v in vars(args).items() if k not in ("out", "export")},
         "difficulty": dataclasses.asdict(difficulty),
         "config": dataclasses.asdict(cfg),

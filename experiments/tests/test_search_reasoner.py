@@ -56,3 +56,19 @@ def test_search_accuracy_needs_a_trained_model():
         search_reasoner_accuracy.main([])
     with pytest.raises(SystemExit, match="--model"):
         search_reasoner_accuracy.main(["--model", "tiny"])
+
+
+def test_smoke_training_writes_a_loadable_model(tmp_path):
+    """--smoke end to end: a few steps, the metrics (with rejax's versions) and an HF model
+    directory that rejax loads."""
+    import json
+
+    import rejax
+
+    train_search_reasoner.main(
+        ["--smoke", "--out", str(tmp_path / "out"), "--export", str(tmp_path / "model")]
+    )
+    metrics = json.loads((tmp_path / "out" / "countdown_train_metrics.json").read_text())
+    assert metrics["steps"] == 4 and "source_digest" in metrics["versions"]
+    params = rejax.load(tmp_path / "model")
+    assert params.cfg.num_layers >= 1 and params.tokenizer is not None
