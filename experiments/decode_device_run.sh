@@ -14,6 +14,13 @@
 #   fused    8-layer NVFP4 fused vs unfused linears (FUSED_ARGS), then the fused-linear gpu tests
 #   fused36  36-layer bf16 / NVFP4 batch-1 speedup with the breakdown (FUSED36_ARGS)
 #   sampler  sampler micro-benchmark, then 36-layer decode loops per sampler (SAMPLER_ARGS)
+#   train    Countdown search reasoners ([T2-F]) of the sizes in TRAIN_SIZES (default "s m"),
+#            trained side by side (TRAIN_ARGS, default --time-budget 200), exported to OUT/countdown_*;
+#            the kernel count and the fused-linear gpu tests run meanwhile (they time nothing)
+#   peek     a quick BF16 / NVFP4 / ReSET accuracy look at each trained OUT/countdown_* (200
+#            problems x 4, side by side), to pick the model for the full experiment
+#   shard    sharded 1x1 mesh vs plain path ([T2-J]): 36-layer NVFP4 and 8-layer bf16, batch 1 and 8
+#   count    kernels per decoder layer of the compiled decode step (experiments/count_kernels.py)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -105,6 +112,52 @@ for phase in $phases; do
         --samplers greedy reset reset-topk temp temp-topk topk20 \
         --out "$out/sampler_loop.json" > "$out/sampler_loop.log" 2>&1; echo "loop rc=$?"
       grep "^\[\|FAIL" "$out/sampler_loop.log";;
+    train)
+      pids=()
+      for size in ${TRAIN_SIZES:-s m}; do
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout ${TRAIN_TIMEOUT:-420} \
+          python3 experiments/train_search_reasoner.py --size $size --out "$out/train_$size" \
+          --export "$out/countdown_$size" ${TRAIN_ARGS:---time-budget 200} \
+          > "$out/train_$size.log" 2>&1 &
+        pids+=($!)
+      done
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${COUNT_TIMEOUT:-200} \
+        python3 experiments/count_kernels.py --layers 4 --batch 1 8 --attention einsum live \
+        --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1; echo "count rc=$?"
+      tail -20 "$out/count_kernels.log"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${FUSED_TEST_TIMEOUT:-240} \
+        python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
+        > "$out/fused_tests.log" 2>&1; echo "fused tests rc=$?"; tail -15 "$out/fused_tests.log"
+      for pid in "${pids[@]}"; do wait $pid; echo "train rc=$?"; done
+      for size in ${TRAIN_SIZES:-s m}; do
+        echo "== train $size"; grep -v "^step\|^ *[0-9]" "$out/train_$size.log" | tail -8
+      done;;
+    peek)
+      pids=()
+      for size in ${TRAIN_SIZES:-s m}; do
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout ${PEEK_TIMEOUT:-200} \
+          python3 experiments/tiny_reasoner_accuracy.py --task countdown \
+          --model "$out/countdown_$size" --n-problems 200 --n-samples 4 --n-val-problems 16 \
+          --n-val-samples 2 --t-low-grid 0.3 --max-new-tokens 512 --batch-rows 1024 \
+          --time-budget ${PEEK_BUDGET:-120} --out-prefix "$out/peek_$size" \
+          --reset-json "$out/peek_${size}_reset.json" > "$out/peek_$size.log" 2>&1 &
+        pids+=($!)
+      done
+      for pid in "${pids[@]}"; do wait $pid; echo "peek rc=$?"; done
+      for size in ${TRAIN_SIZES:-s m}; do echo "== peek $size"; tail -12 "$out/peek_$size.log"; done;;
+    shard)
+      timeout ${SHARD_TIMEOUT:-200} python3 experiments/bench_sharding.py --quant nvfp4 \
+        --batch 1 8 ${SHARD_ARGS:---new-tokens 128 --repeats 3 --rounds 2} \
+        --out "$out/shard_1x1_nvfp4_36l.json" > "$out/shard_nvfp4.log" 2>&1; echo "nvfp4 rc=$?"
+      tail -6 "$out/shard_nvfp4.log"
+      timeout ${SHARD_TIMEOUT:-200} python3 experiments/bench_sharding.py --quant bf16 \
+        --layers 8 --batch 1 8 ${SHARD_ARGS:---new-tokens 128 --repeats 3 --rounds 2} \
+        --out "$out/shard_1x1_bf16_8l.json" > "$out/shard_bf16.log" 2>&1; echo "bf16 rc=$?"
+      tail -6 "$out/shard_bf16.log";;
+    count)
+      timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
+        --attention einsum live --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1
+      echo "rc=$?"; tail -20 "$out/count_kernels.log";;
   esac
   echo "[phase $phase took $(( $(date +%s) - t0 )) s]"
 done
