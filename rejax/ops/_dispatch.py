@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import warnings
 
 import jax
@@ -89,6 +90,26 @@ def on_cuda() -> bool:
         return jax.default_backend() == "gpu" and bool(jax.devices("cuda"))
     except RuntimeError:
         return False
+
+
+def outside_trace(fn):
+    """fn() run in a fresh thread, whose JAX trace state (thread-local) is empty: a compile probe
+    made from inside a lowering rule neither joins the trace being lowered nor evaluates
+    eagerly. Returns fn's result and re-raises its exception."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            result["error"] = err
+
+    t = threading.Thread(target=run, name="rejax-probe")
+    t.start()
+    t.join()
+    if "error" in result:
+        raise result["error"]
+    return result.get("value")
 
 
 @functools.cache

@@ -385,21 +385,31 @@ def _on_cuda() -> bool:
 
 
 @functools.cache
-def _compile_error(avals: tuple, block_s: int, num_splits: int) -> str:
+def _compile_error(avals: tuple, block_s: int, num_splits: int, interpret: bool = False) -> str:
     """ "" if the kernel compiles (Triton to cubin) for these operands on this GPU, else why.
 
     `impl="auto"` asks once per shape before emitting the kernel, so a Triton failure on some
     GPU or JAX version falls back to the reference instead of failing the whole program.
     Lowering for CUDA on a machine without one (export, the dispatch test) cannot compile and
-    skips the probe.
+    skips the probe. `interpret=True` probes the interpreted kernel (any platform: the probe's
+    own test).
     """
-    if not _on_cuda():
+    if not interpret and not _on_cuda():
         return ""
-    fn = functools.partial(decode_attention_kernel, block_s=block_s, num_splits=num_splits)
+    fn = functools.partial(
+        decode_attention_kernel, block_s=block_s, num_splits=num_splits, interpret=interpret
+    )
+
+    def probe():
+        # Compile-only; no operand is allocated.
+        jax.jit(fn).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).compile()
+
     try:
-        # Compile-only, outside the trace being lowered; no operand is allocated.
-        with jax.ensure_compile_time_eval():
-            jax.jit(fn).lower(*(jax.ShapeDtypeStruct(s, d) for s, d in avals)).compile()
+        # The probe runs while an outer jit is being lowered. It must not join that trace, nor
+        # evaluate eagerly (jax.ensure_compile_time_eval made Pallas evaluate program_id and
+        # fail, so every jitted "live" step silently took the reference): a fresh thread starts
+        # with JAX's thread-local trace state empty.
+        _dispatch.outside_trace(probe)
     except Exception as err:  # noqa: BLE001 - any Triton / XLA failure -> reference
         return f"the Pallas kernel does not compile here ({type(err).__name__}: {err})"
     return ""
