@@ -69,16 +69,32 @@ def layer_body(hlo: str, num_layers: int) -> str:
     return found[0]
 
 
+def _fused_ops(comps: dict[str, list[str]], line: str) -> dict[str, int]:
+    """Opcodes inside the computation a fusion calls (what the launch does), free ones left out."""
+    called = re.search(r"calls=%?([\w.\-]+)", line)
+    if not called or called.group(1) not in comps:
+        return {}
+    ops = collections.Counter()
+    for inner in comps[called.group(1)]:
+        m = _INSTRUCTION.match(inner)
+        if m and m.group(2) not in _FREE:
+            ops[m.group(2)] += 1
+    return dict(sorted(ops.items()))
+
+
 def count_launches(hlo: str, num_layers: int) -> dict:
-    """{"total": n, "by_kind": {opcode or custom-call target: n}} for one layer's body."""
+    """{"total": n, "by_kind": {opcode or custom-call target: n}, "launches": [{"name", "kind",
+    "ops"}]} for one layer's body, launches in program order."""
     comps = computations(hlo)
     body = comps[layer_body(hlo, num_layers)]
     kinds = collections.Counter()
+    launches = []
     for line in body:
         m = _INSTRUCTION.match(line)
         if not m or m.group(2) in _FREE:
             continue
         op = m.group(2)
+        ops = _fused_ops(comps, line) if op == "fusion" else {}
         if op == "custom-call":
             t = re.search(r'custom_call_target="([^"]+)"', line)
             name = re.search(r'"name":"(\w+)"|name = \\?"(\w+)', line)
@@ -86,7 +102,12 @@ def count_launches(hlo: str, num_layers: int) -> dict:
             if name:
                 op += f":{name.group(1) or name.group(2)}"
         kinds[op] += 1
-    return {"total": sum(kinds.values()), "by_kind": dict(sorted(kinds.items()))}
+        launches.append({"name": m.group(1), "kind": op, "ops": ops})
+    return {
+        "total": sum(kinds.values()),
+        "by_kind": dict(sorted(kinds.items())),
+        "launches": launches,
+    }
 
 
 def compiled_decode_step(cfg: rconfig.Config, batch: int, slots: int) -> str:

@@ -14,9 +14,10 @@
 #   fused    8-layer NVFP4 fused vs unfused linears (FUSED_ARGS), then the fused-linear gpu tests
 #   fused36  36-layer bf16 / NVFP4 batch-1 speedup with the breakdown (FUSED36_ARGS)
 #   sampler  sampler micro-benchmark, then 36-layer decode loops per sampler (SAMPLER_ARGS)
-#   train    Countdown search reasoners ([T2-F]) of the sizes in TRAIN_SIZES (default "s m"),
-#            trained side by side (TRAIN_ARGS, default --time-budget 200), exported to OUT/countdown_*;
-#            the kernel count and the fused-linear gpu tests run meanwhile (they time nothing)
+#   train    Countdown search reasoners ([T2-F]), the runs of TRAIN_RUNS ("TAG SIZE [args]" per
+#            line; default sizes s and m) side by side (TRAIN_ARGS, default --time-budget 200),
+#            exported to OUT/countdown_TAG; TRAIN_SIDE (default "count fusedtest", or gpu test
+#            files) runs meanwhile: things that time nothing
 #   peek     a quick BF16 / NVFP4 / ReSET accuracy look at each trained OUT/countdown_* (200
 #            problems x 4, side by side), to pick the model for the full experiment
 #   shard    sharded 1x1 mesh vs plain path ([T2-J]): 36-layer NVFP4 and 8-layer bf16, batch 1 and 8
@@ -113,28 +114,46 @@ for phase in $phases; do
         --out "$out/sampler_loop.json" > "$out/sampler_loop.log" 2>&1; echo "loop rc=$?"
       grep "^\[\|FAIL" "$out/sampler_loop.log";;
     train)
-      pids=()
-      for size in ${TRAIN_SIZES:-s m}; do
+      # TRAIN_RUNS: one run per line, "TAG SIZE [extra train_search_reasoner.py args]";
+      # default: sizes s and m at the default difficulty
+      runs=${TRAIN_RUNS:-$'s s\nm m'}
+      pids=(); tags=()
+      while read -r tag size extra; do
+        [ -n "$tag" ] || continue
+        tags+=("$tag")
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout ${TRAIN_TIMEOUT:-420} \
-          python3 experiments/train_search_reasoner.py --size $size --out "$out/train_$size" \
-          --export "$out/countdown_$size" ${TRAIN_ARGS:---time-budget 200} \
-          > "$out/train_$size.log" 2>&1 &
+          python3 experiments/train_search_reasoner.py --size $size --out "$out/train_$tag" \
+          --export "$out/countdown_$tag" ${TRAIN_ARGS:---time-budget 200} $extra \
+          > "$out/train_$tag.log" 2>&1 &
         pids+=($!)
-      done
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${COUNT_TIMEOUT:-200} \
-        python3 experiments/count_kernels.py --layers 4 --batch 1 8 --attention einsum live \
-        --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1; echo "count rc=$?"
-      tail -20 "$out/count_kernels.log"
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${FUSED_TEST_TIMEOUT:-240} \
-        python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
-        > "$out/fused_tests.log" 2>&1; echo "fused tests rc=$?"; tail -15 "$out/fused_tests.log"
+      done <<< "$runs"
+      echo "${tags[@]}" > "$out/train_tags.txt"
+      if [ -n "${TRAIN_SIDE:-count fusedtest}" ]; then
+        for side in ${TRAIN_SIDE:-count fusedtest}; do
+          case $side in
+            count)
+              XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${COUNT_TIMEOUT:-200} \
+                python3 experiments/count_kernels.py --layers 4 --batch 1 8 --attention einsum live \
+                --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1; echo "count rc=$?"
+              tail -20 "$out/count_kernels.log";;
+            fusedtest)
+              XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${FUSED_TEST_TIMEOUT:-240} \
+                python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
+                > "$out/fused_tests.log" 2>&1; echo "fused tests rc=$?"; tail -15 "$out/fused_tests.log";;
+            *)  # a pytest target (gpu-marked tests that time nothing)
+              XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${SIDE_TEST_TIMEOUT:-240} \
+                python3 -m pytest -q -m gpu $side > "$out/side_$(basename $side .py).log" 2>&1
+              echo "$side rc=$?"; tail -15 "$out/side_$(basename $side .py).log";;
+          esac
+        done
+      fi
       for pid in "${pids[@]}"; do wait $pid; echo "train rc=$?"; done
-      for size in ${TRAIN_SIZES:-s m}; do
-        echo "== train $size"; grep -v "^step\|^ *[0-9]" "$out/train_$size.log" | tail -8
+      for tag in "${tags[@]}"; do
+        echo "== train $tag"; grep -v "^step\|^ *[0-9]" "$out/train_$tag.log" | tail -8
       done;;
     peek)
       pids=()
-      for size in ${TRAIN_SIZES:-s m}; do
+      for size in $(cat "$out/train_tags.txt" 2>/dev/null || echo s m); do
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 timeout ${PEEK_TIMEOUT:-200} \
           python3 experiments/tiny_reasoner_accuracy.py --task countdown \
           --model "$out/countdown_$size" --n-problems 200 --n-samples 4 --n-val-problems 16 \
@@ -144,7 +163,7 @@ for phase in $phases; do
         pids+=($!)
       done
       for pid in "${pids[@]}"; do wait $pid; echo "peek rc=$?"; done
-      for size in ${TRAIN_SIZES:-s m}; do echo "== peek $size"; tail -12 "$out/peek_$size.log"; done;;
+      for size in $(cat "$out/train_tags.txt" 2>/dev/null || echo s m); do echo "== peek $size"; tail -12 "$out/peek_$size.log"; done;;
     shard)
       timeout ${SHARD_TIMEOUT:-200} python3 experiments/bench_sharding.py --quant nvfp4 \
         --batch 1 8 ${SHARD_ARGS:---new-tokens 128 --repeats 3 --rounds 2} \

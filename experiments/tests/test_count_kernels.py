@@ -15,6 +15,12 @@ _spec.loader.exec_module(ck)
 
 HLO = """HloModule m
 
+%fused_a (x: bf16[4]) -> bf16[4] {
+  %x = bf16[4] parameter(0)
+  %m = bf16[4] multiply(%x, %x)
+  ROOT %n = bf16[4] negate(%m)
+}
+
 %body.7 (p: (s32[], bf16[4])) -> (s32[], bf16[4]) {
   %p = (s32[], bf16[4]) parameter(0)
   %i = s32[] get-tuple-element(%p), index=0
@@ -45,6 +51,14 @@ def test_counts_the_layer_body_launches_only():
     c = ck.count_launches(HLO, 3)
     assert c["total"] == 3
     assert c["by_kind"] == {"custom-call:__gpu$xla.gpu.ptx:nvfp4_gemv_w4a4": 1, "fusion": 2}
+    # each launch in program order, a fusion with the ops of the computation it calls
+    assert [(x["name"], x["kind"]) for x in c["launches"]] == [
+        ("f1", "fusion"),
+        ("g", "custom-call:__gpu$xla.gpu.ptx:nvfp4_gemv_w4a4"),
+        ("f2", "fusion"),
+    ]
+    assert c["launches"][0]["ops"] == {"multiply": 1, "negate": 1}
+    assert c["launches"][2]["ops"] == {}  # fused_b is not in the text
 
 
 def test_a_missing_layer_loop_is_an_error():
