@@ -70,12 +70,23 @@ LABELS = {
 TASKS = ("arithmetic", "countdown")  # rejax.data.tasks / rejax.data.countdown
 
 
-def _problems(task: str, split: str, n: int, seed: int) -> list[dict]:
+def _problems(task: str, split: str, n: int, seed: int, difficulty=None) -> list[dict]:
+    """`n` problems of `split`; countdown ones of `difficulty` (None: the generator's default)."""
     if task == "countdown":
         from rejax.data import countdown
 
-        return countdown.split(split, n, seed=seed)
+        return countdown.split(split, n, seed=seed, difficulty=difficulty or countdown.DEFAULT)
     return tasks.split(split, n, seed=seed)
+
+
+def _difficulty(task: str, model: str):
+    """The Countdown difficulty a checkpoint was trained on (its countdown_difficulty.json), or
+    None (the default family; the bundled tiny model and the arithmetic task)."""
+    if task != "countdown" or model == "tiny":
+        return None
+    from rejax.data import countdown
+
+    return countdown.load_difficulty(model)
 
 
 def _grading_task(task: str) -> str:
@@ -443,12 +454,19 @@ def main(argv: list[str] | None = None) -> int:
     chat = has_chat_template(nvfp4)
     params = {name: bf16 if name.startswith("bf16") else nvfp4 for name in configs}
     grading_task = _grading_task(args.task)
-    val = _problems(
-        args.task, "validation", args.calib_problems + args.n_val_problems, seed=args.seed
-    )
-    test = _problems(args.task, "test", args.n_problems, seed=args.seed)
+    difficulty = _difficulty(args.task, args.model)
+    if difficulty is not None:
+        _log(f"problems of the checkpoint's training difficulty: {difficulty}")
+    n_val = args.calib_problems + args.n_val_problems
+    val = _problems(args.task, "validation", n_val, seed=args.seed, difficulty=difficulty)
+    test = _problems(args.task, "test", args.n_problems, seed=args.seed, difficulty=difficulty)
     res = {
-        "settings": dict(vars(args), chat=chat, configs=list(configs)),
+        "settings": dict(
+            vars(args),
+            chat=chat,
+            configs=list(configs),
+            difficulty=None if difficulty is None else dataclasses.asdict(difficulty),
+        ),
         "model_sha256": _weights_sha256(cli.resolve_model(args.model)),
         "environment": _environment(),
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -220,6 +220,7 @@ def main(argv=None) -> dict:
     )
 
     tiny.export(weights, cfg, tok, export_dir)
+    countdown.save_difficulty(export_dir, difficulty)  # the test problems come from the same family
     gen_path = export_dir / "generation_config.json"
     gen_cfg = json.loads(gen_path.read_text())
     gen_cfg["max_new_tokens"] = args.seq_len

@@ -273,3 +273,16 @@ def test_jsonl_round_trip_through_load_problems(tmp_path):
     bad.write_text(json.dumps({"problem": "Make 3 from 1 2.", "numbers": [1, 2.5], "target": 3}))
     with pytest.raises(ValueError, match=r"bad.jsonl:1: countdown reference must be"):
         ev.load_problems(bad, "countdown")
+
+
+def test_difficulty_file_round_trip_and_errors(tmp_path):
+    assert countdown.load_difficulty(tmp_path) is None  # no file: the caller's default
+    d = countdown.Difficulty(n_numbers=3, max_number=25, max_target=199, guide=0.7)
+    countdown.save_difficulty(tmp_path, d)
+    assert countdown.load_difficulty(tmp_path) == d
+    (tmp_path / countdown.DIFFICULTY_FILE).write_text('{"n_numbers": 3, "depth": 2}')
+    with pytest.raises(ValueError, match="fields among"):
+        countdown.load_difficulty(tmp_path)
+    (tmp_path / countdown.DIFFICULTY_FILE).write_text('{"n_numbers": 9}')
+    with pytest.raises(ValueError, match="n_numbers=9"):
+        countdown.load_difficulty(tmp_path)

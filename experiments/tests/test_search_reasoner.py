@@ -65,10 +65,20 @@ def test_smoke_training_writes_a_loadable_model(tmp_path):
 
     import rejax
 
+    from rejax.data import countdown
+
     train_search_reasoner.main(
         ["--smoke", "--out", str(tmp_path / "out"), "--export", str(tmp_path / "model")]
+        + ["--n-numbers", "3", "--max-number", "25", "--max-target", "199"]
     )
     metrics = json.loads((tmp_path / "out" / "countdown_train_metrics.json").read_text())
     assert metrics["steps"] == 4 and "source_digest" in metrics["versions"]
     params = rejax.load(tmp_path / "model")
     assert params.cfg.num_layers >= 1 and params.tokenizer is not None
+    # the checkpoint records its task family, and the accuracy experiment draws from it
+    want = countdown.Difficulty(n_numbers=3, max_number=25, max_target=199)
+    assert countdown.load_difficulty(tmp_path / "model") == want
+    d = tiny_reasoner_accuracy._difficulty("countdown", str(tmp_path / "model"))
+    test = tiny_reasoner_accuracy._problems("countdown", "test", 20, seed=0, difficulty=d)
+    assert test == countdown.split("test", 20, difficulty=want)
+    assert all(len(p["numbers"]) == 3 for p in test)

@@ -58,14 +58,17 @@ from rejax.data.tasks import CHAT_TEMPLATE, SPECIAL_TOKENS, chat_prompt, raw_pro
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "DIFFICULTY_FILE",
     "SPECIAL_TOKENS",
     "SPLITS",
     "Difficulty",
     "chat_prompt",
     "iter_split",
+    "load_difficulty",
     "make_problem",
     "raw_prompt",
     "read_jsonl",
+    "save_difficulty",
     "solutions",
     "split",
     "split_of",
@@ -126,6 +129,37 @@ class Difficulty:
 
 
 DEFAULT = Difficulty()
+
+# The difficulty a checkpoint was trained on, saved beside its config.json, so its test problems
+# are drawn from the same family.
+DIFFICULTY_FILE = "countdown_difficulty.json"
+
+
+def save_difficulty(model_dir: str | os.PathLike, difficulty: Difficulty) -> None:
+    """Writes `difficulty` as MODEL_DIR/countdown_difficulty.json."""
+    path = os.path.join(model_dir, DIFFICULTY_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(dataclasses.asdict(difficulty), f, indent=1)
+        f.write("\n")
+
+
+def load_difficulty(model_dir: str | os.PathLike) -> Difficulty | None:
+    """The difficulty saved in MODEL_DIR (`save_difficulty`), or None when there is none.
+
+    Raises:
+        ValueError: the file holds an unknown field or an invalid value.
+    """
+    path = os.path.join(model_dir, DIFFICULTY_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        fields = json.load(f)
+    known = {f.name for f in dataclasses.fields(Difficulty)}
+    if not isinstance(fields, dict) or not set(fields) <= known:
+        raise ValueError(
+            f"{path}: expected an object with fields among {sorted(known)}, got {fields!r}"
+        )
+    return Difficulty(**fields)
 
 
 # ----------------------------------------------------------------------------------------------
