@@ -7,7 +7,8 @@
 //   W4A16 (nvfp4_gemv_w4a16): x bf16 [M, K];
 //   W4A4 with X_BF16 (nvfp4_gemv_w4a4_bf16): x bf16, quantized to NVFP4 inside the kernel
 //   (exactly rejax.nvfp4.quantize_activation), after an optional RMSNorm or SwiGLU prologue and
-//   with an optional residual add (see "in-kernel x quant" below).
+//   with an optional residual add (see "in-kernel x quant" below);
+//   with QUANT_ONLY, that quantizer alone (nvfp4_quantize_bf16), for the plain W4A4 GEMV.
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
@@ -78,6 +79,9 @@ typedef unsigned int u32;
 #endif
 #ifndef X_BF16
 #define X_BF16 0  // W4A4 entry nvfp4_gemv_w4a4_bf16: bf16 x quantized in the kernel (below)
+#endif
+#ifndef QUANT_ONLY
+#define QUANT_ONLY 0  // with X_BF16: only the quantizer entry nvfp4_quantize_bf16 (below)
 #endif
 
 constexpr int NWARPS = NTHREADS / 32;
@@ -776,6 +780,37 @@ __device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
 }
 #endif  // X_BF16
 
+#if QUANT_ONLY
+// ---------------------------------------------------------------------------- quantizer alone
+//
+// nvfp4_quantize_bf16: the in-kernel quantizer above as a kernel of its own (the prologue PRO,
+// then rejax.nvfp4.quantize_activation), for a plain W4A4 GEMV to read: one launch that does
+// once what the fused GEMV redoes in every CTA. Compiled with M_TOK = 1, one CTA per row of x
+// (blockIdx.x is the row). Writes the codes xp [M, K/2], the E4M3 block scales xs [M, K/16]
+// and the row's global scale xg_out [M] (the static xg[0], or DYN_XG's per-row scale).
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
+                        const u16* __restrict__ nw_all, const int* __restrict__ layer,
+                        u8* __restrict__ xp, u8* __restrict__ xs, float* __restrict__ xg_out) {
+  static_assert(M_TOK == 1, "the quantizer runs one CTA per row");
+  __shared__ float scratch[RED_SLOTS], s_rs[1], s_g[1], s_ig[1];
+  const size_t row = blockIdx.x;
+  const XRows xr = {x + row * X_COLS, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0),
+                    s_rs, s_g, s_ig};
+  row_stats(xr, xg, scratch);
+  // K / 4 is a multiple of 32 (K % 256 == 0): every warp is full in each round, as quant4's
+  // shuffles need
+  for (int i = threadIdx.x; i < K_IN / 4; i += NTHREADS) {
+    u32 sc;
+    const u32 c = quant4(xr, 0, 4 * i, sc);
+    *(u16*)(xp + row * (K_IN / 2) + 2 * i) = (u16)c;
+    if ((i & 3) == 0) xs[row * (K_IN / 16) + i / 4] = (u8)sc;
+  }
+  if (threadIdx.x == 0) xg_out[row] = s_g[0];
+}
+#else  // !QUANT_ONLY: the GEMV entries
+
+
 #if !GEMV_STREAM
 
 // bytes of the W4A4 kernel's shared memory before ybuf: x staged as int8 and its scales
@@ -1062,6 +1097,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 
 #endif  // X_BF16
 #endif  // GEMV_STREAM
+
+#endif  // QUANT_ONLY
 
 #else  // W4A16
 

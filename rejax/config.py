@@ -27,16 +27,20 @@ QUANT_MODES = (None, "nvfp4", "nvfp4-w4a16")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 # Attention over the cache: "einsum" (masked attention over every cache slot, the reference) or
 # "live" (rejax.ops.decode_attention: decode steps read only the slots written so far, a Pallas
-# kernel on CUDA; prompts use its flash-style prefill_attention). Opt-in: on the H200 it was
-# 10x faster than "einsum" per layer with a 33K-slot cache, and no faster end to end with a
-# 1K-slot one (experiments/results/decode_h200_b/).
+# kernel on CUDA; prompts use its flash-style prefill_attention). Opt-in: on the H200 the kernel
+# was 10x faster than "einsum" per layer with a 33K-slot cache; the end-to-end comparison of
+# experiments/results/decode_h200_b/ did not run it (its compile probe failed inside jit, fixed
+# since, experiments/results/h200_c/).
 ATTENTIONS = ("einsum", "live")
 # W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
-# SwiGLU / add ops) or "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
-# bitwise the unfused composition elsewhere). "fused" is opt-in: on the H200 it measured
-# slower (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because
-# every CTA redoes the prologue for all of x (experiments/DECODE_NOTES.md).
-LINEAR_FUSIONS = ("fused", "unfused")
+# SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
+# bitwise the unfused composition elsewhere) or "split" (rejax.ops.fused_linear with two
+# launches on CUDA: the prologue and quantizer once in a kernel of their own, then the plain
+# GEMV; the residual add stays an XLA op). "fused" is opt-in: on the H200 it measured slower
+# (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because every CTA
+# redoes the prologue for all of x (experiments/DECODE_NOTES.md); "split" is the design that
+# does it once.
+LINEAR_FUSIONS = ("fused", "split", "unfused")
 
 
 @dataclasses.dataclass(frozen=True)

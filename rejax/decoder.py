@@ -76,16 +76,18 @@ def decoder_layer(
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
     fuse = (
-        cfg.linear_fusion == "fused"
+        cfg.linear_fusion in ("fused", "split")
         and tp_axis is None  # row-parallel linears need their all-reduce before the residual
         and not with_amax
         and x.dtype == jnp.bfloat16
         and all(fusable(lw[blk][name], q_) for blk, name in rparams.LINEARS)
     )
     eps = cfg.rms_norm_eps
+    kernels = "two" if cfg.linear_fusion == "split" else "one"
     if fuse:
         norm = lw["input_layernorm"]["scale"]
-        qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps)
+        qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps,
+                           kernels=kernels)  # fmt: skip
     else:
         hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
         qkv = lin(hs, att, "qkv_proj")
@@ -116,11 +118,12 @@ def decoder_layer(
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
-        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x)
+        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x, kernels=kernels)
         norm = lw["post_attention_layernorm"]["scale"]
         gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
-                               eps=eps)  # fmt: skip
-        x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x)
+                               eps=eps, kernels=kernels)  # fmt: skip
+        x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
+                         kernels=kernels)  # fmt: skip
         return x, kv, amax
     x = x + lin(out, att, "o_proj")
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)

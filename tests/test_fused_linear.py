@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cuda_ops import build as cbuild
-from cuda_ops import nvfp4_gemv
+from cuda_ops import nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4, sampling
 from rejax import params as rparams
 from rejax.cache import init_cache
@@ -118,11 +118,12 @@ def _decode_logits(params, steps=3):
     return np.stack(out)
 
 
+@pytest.mark.parametrize("fusion", ["fused", "split"])
 @pytest.mark.parametrize("static", [True, False])
-def test_fused_decoder_equals_unfused_bitwise(static):
-    """W4A4 decoder in bf16: prefill and decode-step logits with linear_fusion="fused" equal
-    "unfused" exactly on CPU (the fused reference is the composition)."""
-    params = init_params(Config(quant="nvfp4", linear_fusion="fused"), 7, jnp.bfloat16)
+def test_fused_decoder_equals_unfused_bitwise(static, fusion):
+    """W4A4 decoder in bf16: prefill and decode-step logits with linear_fusion="fused" or
+    "split" equal "unfused" exactly on CPU (the fused reference is the composition)."""
+    params = init_params(Config(quant="nvfp4", linear_fusion=fusion), 7, jnp.bfloat16)
     if static:
         scale = jnp.full((params.cfg.num_layers,), 0.02, jnp.float32)
         weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
@@ -150,7 +151,9 @@ def stub_compiler(monkeypatch):
 
     def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append(defines)
-        if defines.get("X_BF16"):
+        if defines.get("QUANT_ONLY"):
+            entry, nparams = "nvfp4_quantize_bf16", 7
+        elif defines.get("X_BF16"):
             entry, nparams = "nvfp4_gemv_w4a4_bf16", 9
         elif defines["ACT_W4A4"]:
             entry, nparams = "nvfp4_gemv_w4a4", 8
@@ -160,9 +163,57 @@ def stub_compiler(monkeypatch):
         return f".version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }}\n"
 
     monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake_compile)
+    monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake_compile)
     nvfp4_gemv._build_cached.cache_clear()
+    nvfp4_quant._build_cached.cache_clear()
     yield seen
     nvfp4_gemv._build_cached.cache_clear()
+    nvfp4_quant._build_cached.cache_clear()
+
+
+def _decode_step_cuda_text(cfg) -> str:
+    params = rparams.init_params(cfg, 0, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+    b = 2
+    smp = sampling.Greedy()
+    args = (
+        params,
+        jnp.zeros((b, cfg.vocab_size), jnp.float32),
+        init_cache(cfg, b, 8, jnp.bfloat16),
+        jnp.zeros((b,), jnp.int32),
+        smp,
+        sampling.sampler_init(smp, b),
+        jax.random.split(jax.random.key(0), b),
+        jnp.int32(0),
+    )
+    return decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
+    """linear_fusion="split": per layer four `nvfp4_quantize_bf16` launches (rmsnorm for qkv
+    and gate_up, none for o, swiglu for down; no residual inside) and four plain
+    `nvfp4_gemv_w4a4` launches, and no fused GEMV."""
+    cfg = Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split"
+    )
+    entries = re.findall(r"name = \\22(\w+)\\22", _decode_step_cuda_text(cfg))
+    assert entries.count("nvfp4_quantize_bf16") == 4, entries
+    assert entries.count("nvfp4_gemv_w4a4") == 4, entries
+    assert "nvfp4_gemv_w4a4_bf16" not in entries
+    quant = sorted((d["PRO"], d["EPI_RES"], d["NW_STACK"]) for d in stub_compiler
+                   if d.get("QUANT_ONLY"))  # fmt: skip
+    # qkv and gate_up share one build (same K, same prologue): three distinct quantizers
+    assert quant == [(0, 0, 0), (1, 0, 1), (2, 0, 0)], quant
+    assert all(d["M_TOK"] == 1 for d in stub_compiler if d.get("QUANT_ONLY"))
+
+
+def test_split_refuses_unknown_kernels():
+    w = _stacked(False)
+    x = jnp.zeros((1, w.k), jnp.bfloat16)
+    with pytest.raises(ValueError, match="kernels='three'"):
+        fl.fused_linear(x, {"weight": w}, layer=0, kernels="three")
 
 
 def test_decode_step_lowers_to_one_launch_per_fused_linear(stub_compiler):
@@ -234,3 +285,25 @@ def test_prebuild_compiles_exactly_what_build_reads(tmp_path, monkeypatch):
     with pytest.raises(nvfp4_gemv.KernelError, match="unsupported shape"):
         nvfp4_gemv.prebuild([{"act": "w4a4", "m": 9, "n": 64, "k": 256}], arch="compute_90")
     nvfp4_gemv._build_cached.cache_clear()
+
+
+@pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+def test_quantizer_kernel_compiles_for_sm90(tmp_path, monkeypatch):
+    """NVRTC compiles `nvfp4_quantize_bf16` for every prologue, static and dynamic scales (the
+    build checks the entry's 7 parameters), and the GEMV entries are left out of its PTX."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_quant._build_cached.cache_clear()
+    try:
+        for prologue in nvfp4_gemv.PROLOGUES:
+            for dynamic in (False, True):
+                fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, norm_stacked=True)
+                kern = nvfp4_quant.build(8, 12288, fused, arch="compute_90")
+                entries = cbuild.ptx_entries(kern.ptx)
+                assert entries == {"nvfp4_quantize_bf16": 7}, entries
+                assert "grid_x = 8," in kern.backend_config()
+        with pytest.raises(nvfp4_gemv.KernelError, match="residual"):
+            nvfp4_quant.build(1, 4096, nvfp4_gemv.Fused(residual=True), arch="compute_90")
+        with pytest.raises(nvfp4_gemv.KernelError, match="M=9"):
+            nvfp4_quant.build(9, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
+    finally:
+        nvfp4_quant._build_cached.cache_clear()

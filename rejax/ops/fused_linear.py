@@ -15,11 +15,15 @@ unfused functions (`rejax.layers.rms_norm` / `swiglu`, `rejax.nvfp4.nvfp4_matmul
 CUDA, M <= 8 runs `cuda_ops/nvfp4_gemv.cu`'s `nvfp4_gemv_w4a4_bf16` (one launch: prologue,
 quantization with the reference's exact divisions, GEMV, residual); the kernel's RMSNorm sums
 the mean square in another order than XLA, so its output may differ from the composition by
-that rounding. Everything else (M > 8, per-shard input scales, W4A16) is the composition.
+that rounding. With `kernels="two"` the prologue and the quantizer run once, in
+`nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, one CTA per row, the same device code), and the
+plain W4A4 GEMV reads its codes; the residual add is then an XLA op. Everything else (M > 8,
+per-shard input scales, W4A16, the buffer_callback launch) is the composition.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -29,28 +33,33 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from cuda_ops import nvfp4_gemv
+from cuda_ops import nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
-from rejax.ops.linear import _weight
+from rejax.ops.linear import _weight, gemv_call
 
 OP = "nvfp4_fused_linear"
 PROLOGUES = nvfp4_gemv.PROLOGUES
+KERNELS = ("one", "two")  # CUDA launches per fused linear (see the module docstring)
 
 
 # ----------------------------------------------------------------------------- reference
 
 
-def _reference(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, order="auto", **_: Any):
-    """The unfused composition on the primitive's operands (see `fused_linear`)."""
+def _prologue(x, nw, layer, *, k, fused):
+    """The linear's input from the primitive's x (the unfused rms_norm / swiglu)."""
     if fused.prologue == "rmsnorm":
         scale = layers.take(nw, layer) if fused.norm_stacked else nw
-        h = layers.rms_norm(x, scale, fused.eps)
-    elif fused.prologue == "swiglu":
-        h = layers.swiglu(x[:, :k], x[:, k:])
-    else:
-        h = x
+        return layers.rms_norm(x, scale, fused.eps)
+    if fused.prologue == "swiglu":
+        return layers.swiglu(x[:, :k], x[:, k:])
+    return x
+
+
+def _reference(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, order="auto", **_: Any):
+    """The unfused composition on the primitive's operands (see `fused_linear`)."""
+    h = _prologue(x, nw, layer, k=k, fused=fused)
     scale = None if fused.dynamic else xg[0]
     w = _weight(wp, ws, wg, layer, n, k)
     y = nvfp4.nvfp4_matmul(h.astype(jnp.bfloat16), w, act="w4a4", input_scale=scale, order=order)
@@ -79,7 +88,97 @@ def _lower_reference(ctx, *args, **params):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
 
+# ----------------------------------------------------------------------------- quantizer alone
+
+
+def _quant_reference(x, xg, nw, layer, *, k, fused):
+    """(codes uint8 [M, K/2], scales uint8 [M, K/16], global scale f32 [M]) of the prologue's
+    output, as `rejax.nvfp4.quantize_activation` gives them."""
+    h = _prologue(x, nw, layer, k=k, fused=fused).astype(jnp.bfloat16)
+    q = nvfp4.quantize_activation(h, None if fused.dynamic else xg[0])
+    xs = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+    return q.packed, xs, jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32), (h.shape[0],))
+
+
+_quant_p = Primitive("rejax_nvfp4_quantize")
+_quant_p.multiple_results = True
+_quant_p.def_abstract_eval(
+    lambda x, *_, k, **__: (
+        jax.core.ShapedArray((x.shape[0], k // 2), jnp.uint8),
+        jax.core.ShapedArray((x.shape[0], k // nvfp4.BLOCK), jnp.uint8),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+)
+
+
+def _lower_quant_reference(ctx, *args, k, fused, kernel):
+    del kernel
+    fn = functools.partial(_quant_reference, k=k, fused=fused)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lower_quant_cuda(ctx, *args, k, fused, kernel):
+    if kernel is None:  # bound only with a built kernel by _lower_two; else the reference
+        return _lower_quant_reference(ctx, *args, k=k, fused=fused, kernel=None)
+    return jax.ffi.ffi_lowering(
+        "__gpu$xla.gpu.ptx", api_version=2, backend_config=kernel.backend_config()
+    )(ctx, *args)
+
+
+mlir.register_lowering(_quant_p, _lower_quant_reference)
+mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
+
+
+def _two_kernels(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gw_rows):
+    """The quantizer kernel, then the plain W4A4 GEMV on its codes, then the residual add."""
+    pro = dataclasses.replace(fused, residual=False)
+    xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
+    y = gemv_call(
+        (xp, xs, xgr, wp, ws, wg, layer),
+        act="w4a4",
+        n=n,
+        k=k,
+        impl="cuda",
+        launch="ptx",
+        gw_rows=gw_rows,
+        options=options,
+    )
+    return res + y if fused.residual else y
+
+
+def _lower_two(ctx, *args, **params):
+    m = ctx.avals_in[0].shape[0]
+    n, k, fused = params["n"], params["k"], params["fused"]
+    supported = nvfp4_quant.check_shape(m, k)
+    if supported[0]:
+        supported = nvfp4_gemv.check_shape("w4a4", m, n, k)
+    if supported[0] and params["launch"] != "ptx":
+        supported = (False, f"launch={params['launch']!r} (the two-kernel path needs 'ptx')")
+    quant = None
+    if supported[0] and params["impl"] != "ref":
+        try:
+            quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
+            nvfp4_gemv.build("w4a4", m, n, k, options=params["options"], gw_rows=params["gw_rows"])
+        except nvfp4_gemv.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(OP, params["impl"], supported):
+        fn = functools.partial(_reference, **{**params, "order": "dot"})
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    fn = functools.partial(
+        _two_kernels,
+        n=n,
+        k=k,
+        fused=fused,
+        quant=quant,
+        options=params["options"],
+        gw_rows=params["gw_rows"],
+    )
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
 def _lower_cuda(ctx, *args, **params):
+    if params["kernels"] == "two":
+        return _lower_two(ctx, *args, **params)
     m = ctx.avals_in[0].shape[0]
     n, k = params["n"], params["k"]
     supported = nvfp4_gemv.check_shape("w4a4x", m, n, k)
@@ -150,8 +249,10 @@ def fused_linear(
     residual: jax.Array | None = None,
     impl: str = "auto",
     options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+    kernels: str = "one",
 ) -> jax.Array:
-    """y = [residual +] nvfp4_linear(prologue(x)) as one op (one kernel launch on CUDA, M <= 8).
+    """y = [residual +] nvfp4_linear(prologue(x)) as one op (one kernel launch on CUDA, M <= 8,
+    or two with `kernels="two"`).
 
     Args:
         x: [..., K] bf16 (prologue "none" / "rmsnorm") or [..., 2K] (prologue "swiglu": the
@@ -165,11 +266,15 @@ def fused_linear(
         residual: optional [..., N] bf16 added to the output (bf16 add).
         impl: "auto", "ref" or "cuda" (as `rejax.ops.linear.nvfp4_linear`).
         options: kernel choices.
+        kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV;
+            both launches in CUDA only, the same reference elsewhere).
 
     Returns:
         bf16 [..., N].
     """
     _dispatch.check_impl(impl)
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}, expected one of {KERNELS}")
     if prologue not in PROLOGUES:
         raise ValueError(f"prologue={prologue!r}, expected one of {PROLOGUES}")
     if not fusable(params, "nvfp4"):
@@ -213,6 +318,8 @@ def fused_linear(
     )
     if impl == "cuda":
         ok, why = nvfp4_gemv.check_shape("w4a4x", m, n, k)
+        if ok and kernels == "two":
+            ok, why = nvfp4_quant.check_shape(m, k)
         if not ok:
             raise ValueError(f"fused_linear(impl='cuda'): {why}")
     one = jnp.zeros((1,), jnp.bfloat16)
@@ -236,5 +343,6 @@ def fused_linear(
         launch=launch,
         gw_rows=w.per_row,
         options=options,
+        kernels=kernels,
     )
     return jnp.reshape(y, (*lead, n))

@@ -1,0 +1,89 @@
+"""Host side of the stand-alone activation quantizer `nvfp4_quantize_bf16` (in `nvfp4_gemv.cu`,
+compiled with QUANT_ONLY): build and launch configuration.
+
+The kernel runs the fused GEMV's prologue and quantizer once, one CTA per row of x, and writes
+what the plain W4A4 GEMV reads (codes [M, K/2], E4M3 scales [M, K/16], global scale [M]). Its
+device code is the fused kernel's (`Fused` in cuda_ops/nvfp4_gemv.py describes the prologue),
+so the codes and scales are `rejax.nvfp4.quantize_activation`'s (bitwise for prologues "none"
+and "swiglu"; "rmsnorm" sums the mean square in its own order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
+from cuda_ops.nvfp4_gemv import K_MULTIPLE, MAX_M, SOURCE, Fused, _escape_mlir
+
+__all__ = ["ENTRY", "N_INPUTS", "QuantKernel", "build", "check_shape"]
+
+ENTRY = "nvfp4_quantize_bf16"
+# operands (x, xg, norm weight, layer) then outputs (codes, scales, global scale per row)
+N_INPUTS = 4
+N_OUTPUTS = 3
+THREADS = 256
+# the GEMV part of the source is not compiled (QUANT_ONLY), but its constants must be valid
+_GEMV_DUMMIES = {
+    "ACT_W4A4": 1, "M_TOK": 1, "N_OUT": 1, "R_ROWS": 1, "SPP": 1, "GRID": 1, "GEMV_STREAM": 0,
+    "KSPLIT": 1, "RING_D": 0, "GW_ROWS": 0,
+}  # fmt: skip
+
+
+def check_shape(m: int, k: int) -> tuple[bool, str]:
+    """(True, "") if the quantizer kernel takes [m, k] activations, else (False, why)."""
+    if not 1 <= m <= MAX_M:
+        return False, f"M={m} rows (the quantizer kernel serves the GEMV's 1..{MAX_M})"
+    if k < K_MULTIPLE or k % K_MULTIPLE:
+        return False, f"K={k} (expected a positive multiple of {K_MULTIPLE})"
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QuantKernel:
+    """A compiled quantizer specialisation: M rows (one CTA each) of K inputs."""
+
+    m: int
+    k: int
+    fused: Fused
+    ptx: str
+
+    def backend_config(self) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
+        outs = ", ".join(str(N_INPUTS + i) for i in range(N_OUTPUTS))
+        return (
+            "{"
+            f'name = "{ENTRY}", kernel_type = "ptx", '
+            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f"grid_x = {self.m}, grid_y = 1, grid_z = 1, "
+            f"block_x = {THREADS}, block_y = 1, block_z = 1, "
+            f"shared_mem_bytes = 0, output_indices = [{outs}]"
+            "}"
+        )
+
+
+@functools.cache
+def _build_cached(m: int, k: int, fused: Fused, arch: str) -> QuantKernel:
+    if fused.residual:
+        raise KernelError("the quantizer has no residual epilogue (Fused.residual=True)")
+    defines = _GEMV_DUMMIES | fused.defines() | {"K_IN": k, "NTHREADS": THREADS, "QUANT_ONLY": 1}
+    ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=defines, arch=arch)
+    entries = ptx_entries(ptx)
+    if entries.get(ENTRY) != N_INPUTS + N_OUTPUTS:
+        raise KernelError(f"PTX entry {ENTRY} missing or with wrong parameters: {entries}")
+    return QuantKernel(m=m, k=k, fused=fused, ptx=ptx)
+
+
+def build(m: int, k: int, fused: Fused, *, arch: str | None = None) -> QuantKernel:
+    """Compiles (NVRTC, disk-cached) the quantizer for M rows of K inputs after `fused.prologue`
+    ("swiglu": x holds 2K columns), static (xg[0]) or per-row dynamic (`fused.dynamic`) global
+    scale.
+
+    Raises KernelError when NVRTC is missing or the shape is unsupported.
+    """
+    ok, why = check_shape(m, k)
+    if not ok:
+        raise KernelError(f"unsupported shape: {why}")
+    if not isinstance(fused, Fused):
+        raise KernelError(f"fused must be a Fused, got {type(fused).__name__}")
+    return _build_cached(m, k, fused, arch or device_arch())

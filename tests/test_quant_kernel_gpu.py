@@ -1,0 +1,87 @@
+"""GPU tests of the stand-alone activation quantizer `nvfp4_quantize_bf16` (marker `gpu`) and of
+`fused_linear(kernels="two")` (quantizer kernel, then the plain W4A4 GEMV).
+
+* Its codes, E4M3 scales and global scales equal `rejax.nvfp4.quantize_activation` of the
+  prologue's output bitwise for prologues "none" and "swiglu", static and dynamic global scales,
+  zero and saturating blocks; "rmsnorm" sums the mean square in the kernel's own order, so a
+  few of the norm's bf16 outputs may round the other way: >= QUANT_EQUAL of the codes equal.
+* `fused_linear(kernels="two")` equals the unfused composition bitwise for prologue "none" with a
+  residual (same quantized operands, the same GEMV, the same bf16 add).
+
+GEMM letters: M tokens, N out features, K in features.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cuda_ops import nvfp4_gemv, nvfp4_quant
+from rejax import layers, nvfp4
+from rejax.ops import fused_linear as fl
+
+pytestmark = pytest.mark.gpu
+
+QUANT_EQUAL = 0.97
+
+
+def _x(m, width, seed, scale=2.0):
+    x = jax.random.normal(jax.random.key(seed), (m, width), jnp.float32) * scale
+    x = x.at[0, :16].set(0.0)  # a zero block
+    x = x.at[m - 1, 32:48].set(3e4)  # a block that saturates E4M3 with the static scale
+    return x.astype(jnp.bfloat16)
+
+
+def _quantize(x, xg, nw, layer, k, fused):
+    kern = nvfp4_quant.build(x.shape[0], k, fused)
+    f = jax.jit(lambda *a: fl._quant_p.bind(*a, k=k, fused=fused, kernel=kern))
+    ref = jax.jit(lambda *a: fl._quant_reference(*a, k=k, fused=fused))
+    return [np.asarray(a) for a in f(x, xg, nw, layer)], [
+        np.asarray(a) for a in ref(x, xg, nw, layer)
+    ]
+
+
+@pytest.mark.parametrize("prologue", ["none", "swiglu", "rmsnorm"])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
+    fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, norm_stacked=True)
+    width = 2 * k if prologue == "swiglu" else k
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
+    xg = jnp.full((1,), 0.01, jnp.float32)
+    layer = jnp.int32(1)
+    for m in (1, 3, 8):
+        x = _x(m, width, m * 7 + k)
+        got, want = _quantize(x, xg, norm, layer, k, fused)
+        what = f"M={m} K={k} dynamic={dynamic} prologue={prologue}"
+        if prologue == "rmsnorm":
+            assert np.mean(got[0] == want[0]) >= QUANT_EQUAL, what
+            np.testing.assert_allclose(got[2], want[2], rtol=1e-2, err_msg=what)
+        else:
+            for g, w, name in zip(got, want, ("codes", "scales", "global scale")):
+                np.testing.assert_array_equal(g, w, err_msg=f"{name}: {what}")
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288)])
+def test_two_kernels_equal_the_composition(n, k):
+    key = jax.random.key(n + k)
+    packed = jax.random.randint(key, (2, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    scales = jax.random.randint(jax.random.fold_in(key, 1), (2, n, k // 16), 0x20, 0x48)
+    scales = jax.lax.bitcast_convert_type(scales.astype(jnp.uint8), jnp.float8_e4m3fn)
+    w = nvfp4.Nvfp4Tensor(packed, scales, jnp.full((2,), 1e-3, jnp.float32), (n, k))
+    layer = jnp.int32(1)
+    for params in ({"weight": w}, {"weight": w, "input_scale": jnp.full((2,), 0.02, jnp.float32)}):
+        two = jax.jit(
+            lambda x, r, p=params: fl.fused_linear(x, p, layer=layer, residual=r, kernels="two")
+        )
+        unfused = jax.jit(lambda x, r, p=params: r + layers.linear(x, p, "nvfp4", layer=layer))
+        for m in (1, 8):
+            x = _x(m, k, m + n, scale=1.0)
+            r = jax.random.normal(jax.random.key(m), (m, n), jnp.float32).astype(jnp.bfloat16)
+            text = two.lower(x, r).compile().as_text()
+            assert "nvfp4_quantize_bf16" in text, "the two-kernel path fell back"
+            got = np.asarray(two(x, r), np.float32)
+            assert np.isfinite(got).all()
+            np.testing.assert_array_equal(got, np.asarray(unfused(x, r), np.float32))
