@@ -21,6 +21,8 @@
 #   peek     a quick BF16 / NVFP4 / ReSET accuracy look at each trained OUT/countdown_* (200
 #            problems x 4, side by side), to pick the model for the full experiment
 #   shard    sharded 1x1 mesh vs plain path ([T2-J]): 36-layer NVFP4 and 8-layer bf16, batch 1 and 8
+#   split    linear_fusion "split" vs "unfused" ([T2-B]): the quantizer kernel's gpu tests, the
+#            kernel count, then 36-layer NVFP4 decode loops (SPLIT_ARGS) for each
 #   count    kernels per decoder layer of the compiled decode step (experiments/count_kernels.py)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
@@ -173,6 +175,19 @@ for phase in $phases; do
         --layers 8 --batch 1 8 ${SHARD_ARGS:---new-tokens 128 --repeats 3 --rounds 2} \
         --out "$out/shard_1x1_bf16_8l.json" > "$out/shard_bf16.log" 2>&1; echo "bf16 rc=$?"
       tail -6 "$out/shard_bf16.log";;
+    split)
+      timeout ${SPLIT_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_quant_kernel_gpu.py \
+        > "$out/quant_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$out/quant_tests.log"
+      timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
+        --linear-fusion unfused split --attention einsum live --out "$out/count_split.json" \
+        > "$out/count_split.log" 2>&1; echo "count rc=$?"; grep "^\[" "$out/count_split.log"
+      args=${SPLIT_ARGS:---modes nvfp4 --batch 1 8 --gen-len 256 --repeats 3 --no-breakdown}
+      for fu in unfused split; do
+        JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${SPLIT_TIMEOUT:-200} \
+          python3 experiments/bench_decode.py $args --linear-fusion $fu \
+          --out "$out/split36_$fu.json" > "$out/split36_$fu.log" 2>&1; echo "$fu rc=$?"
+        grep "^\[\|FAIL\|Error" "$out/split36_$fu.log" | tail -8
+      done;;
     count)
       timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
         --attention einsum live --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1
