@@ -38,8 +38,10 @@ ATTENTIONS = ("einsum", "live")
 # launches on CUDA: the prologue and quantizer once in a kernel of their own, then the plain
 # GEMV; the residual add stays an XLA op). "fused" is opt-in: on the H200 it measured slower
 # (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because every CTA
-# redoes the prologue for all of x (experiments/DECODE_NOTES.md); "split" is the design that
-# does it once.
+# redoes the prologue for all of x (experiments/DECODE_NOTES.md). "split" is opt-in too: 18
+# instead of 30 launches per layer, but slower (36 layers, batch 1: 3.580 vs 3.158 ms/token;
+# batch 8: 6.465 vs 6.218), its one-CTA-per-row quantizer being a serial latency
+# (experiments/results/h200_c/).
 LINEAR_FUSIONS = ("fused", "split", "unfused")
 
 

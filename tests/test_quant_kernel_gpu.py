@@ -2,9 +2,11 @@
 `fused_linear(kernels="two")` (quantizer kernel, then the plain W4A4 GEMV).
 
 * Its codes, E4M3 scales and global scales equal `rejax.nvfp4.quantize_activation` of the
-  prologue's output bitwise for prologues "none" and "swiglu", static and dynamic global scales,
-  zero and saturating blocks; "rmsnorm" sums the mean square in the kernel's own order, so a
-  few of the norm's bf16 outputs may round the other way: >= QUANT_EQUAL of the codes equal.
+  prologue's output bitwise for prologue "none", static and dynamic global scales, zero and
+  saturating blocks. "rmsnorm" sums the mean square in the kernel's own order and "swiglu" takes
+  CUDA's expf for the sigmoid (not XLA's logistic), so a few of the prologue's bf16 outputs may
+  round the other way: >= QUANT_EQUAL of the code bytes equal (measured on the H200: 0.4-0.6%
+  of the bytes differ with "swiglu").
 * `fused_linear(kernels="two")` equals the unfused composition bitwise for prologue "none" with a
   residual (same quantized operands, the same GEMV, the same bf16 add).
 
@@ -56,7 +58,7 @@ def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
         x = _x(m, width, m * 7 + k)
         got, want = _quantize(x, xg, norm, layer, k, fused)
         what = f"M={m} K={k} dynamic={dynamic} prologue={prologue}"
-        if prologue == "rmsnorm":
+        if prologue != "none":
             assert np.mean(got[0] == want[0]) >= QUANT_EQUAL, what
             np.testing.assert_allclose(got[2], want[2], rtol=1e-2, err_msg=what)
         else:
