@@ -1,0 +1,625 @@
+// The fused GPU sampler: temperature (or ReSET's entropy policy) + exact top-p + a Gumbel-max draw.
+//
+// Three kernels over B rows of V float32 logits, each a grid of CHUNKS x B blocks (one chunk of a
+// row per block) whose last block to finish a row (an atomic ticket, no grid sync) combines it:
+//
+//   rejax_sample_stats    max, first / last argmax, the entropy's sums and the softmax
+//                         denominators at both candidate temperatures; the last block picks the
+//                         row's temperature (high = h >= thr || h > alt) -> stats [B, 4], arg [B, 2]
+//   rejax_sample_hist     per token p = exp((z - m) / t) / denom, its integer mass q (units of
+//                         2**-30) and a histogram of q over NB bins of p's bit pattern (ties share
+//                         a bin), plus the best Gumbel score per bin; the last block finds the
+//                         boundary bin b (the lowest bin whose top-ranked token is kept) -> plan
+//   rejax_sample_resolve  collects the tokens of bin b (at most NMAX), sorts them by (p, id) and
+//                         applies the exact keep rule; the draw is the best score over the bins
+//                         above b and the kept tokens of b. A bin of more than NMAX tokens is
+//                         resolved by the last block alone (two finer histograms, then the tie
+//                         group cut by id).
+//
+// The keep rule is rejax.sampling's: a token is kept iff f32(mass ranked above it) < f32(top_p) *
+// f32(total mass), ranked by p with ties ordered by id (the higher id ranks above). Scratch
+// lives in module globals that each row's last block clears again, so every launch starts clean.
+// Compile-time constants (-D): B_ROWS, V_SIZE, CHUNKS, CH (chunk length), NTHREADS, NMAX.
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define NB 2048                      // bins of the top-p histogram (and of the finer levels)
+#define BPT (NB / NTHREADS)          // bins per thread in the last block
+#define NWARPS (NTHREADS / 32)
+#define KEY_LO ((127u - 31u) << 23)  // bit pattern of 2**-31: larger patterns have mass >= 1
+#define BIN_BITS 17                  // key bits below the bin index
+#define GREEDY_EPS 1e-6f
+#define GMAX 17.5f                   // > the largest Gumbel value gumbel() can return (16.64)
+#define MASS_SCALE 1073741824.0f     // 2**30
+#define INT_BIG 0x7fffffff
+#define INFINITY __int_as_float(0x7f800000)
+
+// ----------------------------------------------------------------------------- helpers
+
+__device__ __forceinline__ u32 rotl(u32 x, int r) { return (x << r) | (x >> (32 - r)); }
+
+// Threefry-2x32 (20 rounds), first output word, for key (k0, k1) and counter (c0, c1).
+__device__ __forceinline__ u32 threefry_x0(u32 k0, u32 k1, u32 c0, u32 c1) {
+    const u32 ks0 = k0, ks1 = k1, ks2 = k0 ^ k1 ^ 0x1BD11BDAu;
+    u32 x0 = c0 + ks0, x1 = c1 + ks1;
+#define RND(r) x0 += x1; x1 = rotl(x1, r); x1 ^= x0;
+    RND(13) RND(15) RND(26) RND(6)  x0 += ks1; x1 += ks2 + 1u;
+    RND(17) RND(29) RND(16) RND(24) x0 += ks2; x1 += ks0 + 2u;
+    RND(13) RND(15) RND(26) RND(6)  x0 += ks0; x1 += ks1 + 3u;
+    RND(17) RND(29) RND(16) RND(24) x0 += ks1; x1 += ks2 + 4u;
+    RND(13) RND(15) RND(26) RND(6)  x0 += ks2; x1 += ks0 + 5u;
+#undef RND
+    return x0;
+}
+
+// Gumbel noise of token `id` under the row key: u in [2**-24, 1 - 2**-24] from 23 random bits.
+__device__ __forceinline__ float gumbel(u32 k0, u32 k1, int id) {
+    const u32 x = threefry_x0(k0, k1, (u32)id, 0u);
+    const float u = ((float)(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
+    return -logf(-logf(u));
+}
+
+// (score, id) packed so that a larger u64 is a larger score, then the lower id; 0 = none.
+__device__ __forceinline__ u64 pack(float s, int id) {
+    u32 b = __float_as_uint(s);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)b << 32) | (u64)(0xFFFFFFFFu - (u32)id);
+}
+__device__ __forceinline__ int unpack_id(u64 p) { return (int)(0xFFFFFFFFu - (u32)(p & 0xFFFFFFFFu)); }
+
+__device__ __forceinline__ u32 mass_of_key(u32 key) {
+    return (u32)rintf(__uint_as_float(key) * MASS_SCALE);
+}
+
+// The token's tempered logit and the bit pattern of its probability (the same code in every
+// kernel, so all of them see identical values).
+__device__ __forceinline__ float tempered(float z, float m, float t) { return (z - m) / t; }
+__device__ __forceinline__ u32 prob_key(float zt, float den) { return __float_as_uint(expf(zt) / den); }
+__device__ __forceinline__ int bin_of(u32 key) {
+    return key > KEY_LO ? (int)((key - KEY_LO - 1u) >> BIN_BITS) + 1 : 0;
+}
+__device__ __forceinline__ u32 bin_lo(int b) { return KEY_LO + 1u + ((u32)(b - 1) << BIN_BITS); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+__device__ __forceinline__ float warp_maxf(float x) {
+    for (int o = 16; o; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ int warp_mini(int x) {
+    for (int o = 16; o; o >>= 1) x = min(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ int warp_maxi(int x) {
+    for (int o = 16; o; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
+    return x;
+}
+__device__ __forceinline__ u64 warp_maxu64(u64 x) {
+    for (int o = 16; o; o >>= 1) {
+        const u64 y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = y > x ? y : x;
+    }
+    return x;
+}
+
+// Block-wide reductions (every thread gets the result); `red` is NWARPS words of scratch.
+__device__ float block_sum(float x, float* red) {
+    x = warp_sum(x);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = threadIdx.x < NWARPS ? red[threadIdx.x] : 0.0f;
+    if (threadIdx.x < 32) x = warp_sum(x);
+    if (threadIdx.x == 0) red[0] = x;
+    __syncthreads();
+    return red[0];
+}
+__device__ float block_maxf(float x, float* red) {
+    x = warp_maxf(x);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = threadIdx.x < NWARPS ? red[threadIdx.x] : -INFINITY;
+    if (threadIdx.x < 32) x = warp_maxf(x);
+    if (threadIdx.x == 0) red[0] = x;
+    __syncthreads();
+    return red[0];
+}
+__device__ int block_mini(int x, int* red) {
+    x = warp_mini(x);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = threadIdx.x < NWARPS ? red[threadIdx.x] : INT_BIG;
+    if (threadIdx.x < 32) x = warp_mini(x);
+    if (threadIdx.x == 0) red[0] = x;
+    __syncthreads();
+    return red[0];
+}
+__device__ int block_maxi(int x, int* red) {
+    x = warp_maxi(x);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = threadIdx.x < NWARPS ? red[threadIdx.x] : -1;
+    if (threadIdx.x < 32) x = warp_maxi(x);
+    if (threadIdx.x == 0) red[0] = x;
+    __syncthreads();
+    return red[0];
+}
+__device__ u64 block_maxu64(u64 x, u64* red) {
+    x = warp_maxu64(x);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = threadIdx.x < NWARPS ? red[threadIdx.x] : 0ull;
+    if (threadIdx.x < 32) x = warp_maxu64(x);
+    if (threadIdx.x == 0) red[0] = x;
+    __syncthreads();
+    return red[0];
+}
+// Inclusive prefix sum over threads in thread order; *total gets the block's sum.
+__device__ u32 block_scan(u32 x, u32* red, u32* total) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) red[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        u32 s = lane < NWARPS ? red[lane] : 0u;
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        if (lane < NWARPS) red[lane] = s;
+    }
+    __syncthreads();
+    const u32 out = x + (w > 0 ? red[w - 1] : 0u);
+    *total = red[NWARPS - 1];
+    __syncthreads();
+    return out;
+}
+
+// The last block to arrive for row r (after every block's writes are visible).
+__device__ bool last_arrival(u32* counter, int* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) *flag = atomicAdd(counter, 1u) == (u32)(CHUNKS - 1);
+    __syncthreads();
+    if (*flag) __threadfence();
+    return *flag;
+}
+
+// Boundary of a histogram (NB bins, bin NB-1 ranked highest) whose bins sit below `base` mass:
+// the lowest non-empty bin whose top-ranked token is kept, (float)(mass above it) < limit. All
+// threads get (*b, *above); *b = INT_BIG if no bin qualifies.
+__device__ void find_boundary(const u32* hm, const u32* hc, u32 base, float limit, u32* red,
+                              int* ired, int* b, u32* above_b) {
+    __shared__ u32 s_above;
+    const int i0 = threadIdx.x * BPT;
+    u32 mine = 0;
+    for (int k = 0; k < BPT; ++k) mine += hm[i0 + k];
+    u32 total;
+    const u32 incl = block_scan(mine, red, &total);
+    u32 above = base + (total - incl);
+    int cand = INT_BIG;
+    u32 cand_above = 0;
+    for (int k = BPT - 1; k >= 0; --k) {
+        const int i = i0 + k;
+        if (hc[i] && (float)above < limit) {
+            cand = i;
+            cand_above = above;
+        }
+        above += hm[i];
+    }
+    const int best = block_mini(cand, ired);
+    if (cand == best && best != INT_BIG) s_above = cand_above;
+    __syncthreads();
+    *b = best;
+    *above_b = best != INT_BIG ? s_above : 0u;
+    __syncthreads();
+}
+
+// ----------------------------------------------------------------------------- 1: statistics
+
+__device__ u32 g_stats_done[B_ROWS];
+__device__ float g_stats_part[B_ROWS * CHUNKS * 5];
+__device__ int g_stats_arg[B_ROWS * CHUNKS * 2];
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ thr,
+                   const float* __restrict__ alt, const float* __restrict__ t_a,
+                   const float* __restrict__ t_b, float* __restrict__ stats,
+                   int* __restrict__ arg) {
+    __shared__ float red[NWARPS];
+    __shared__ int ired[NWARPS];
+    __shared__ int is_last;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+    const float* z = logits + (size_t)r * V_SIZE;
+    const int lo = c * CH, hi = min(lo + CH, V_SIZE);
+    const float ta_raw = t_a[r], tb_raw = t_b[r];
+    const float ta = ta_raw <= GREEDY_EPS ? 1.0f : ta_raw;
+    const float tb = tb_raw <= GREEDY_EPS ? 1.0f : tb_raw;
+
+    float m = -INFINITY;
+    int first = INT_BIG, last = -1;
+    for (int j = lo + tid; j < hi; j += NTHREADS) {
+        const float x = z[j];
+        if (x > m) {
+            m = x;
+            first = j;
+            last = j;
+        } else if (x == m) {
+            first = min(first, j);
+            last = j;
+        }
+    }
+    const float mc = block_maxf(m, red);
+    first = block_mini(m == mc ? first : INT_BIG, ired);
+    last = block_maxi(m == mc ? last : -1, ired);
+    float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
+    if (mc > -INFINITY) {
+        for (int j = lo + tid; j < hi; j += NTHREADS) {
+            const float d = z[j] - mc;
+            const float e = expf(d);
+            s += e;
+            if (e > 0.0f) u += e * d;
+            sa += expf(d / ta);
+            sb += expf(d / tb);
+        }
+    }
+    s = block_sum(s, red);
+    u = block_sum(u, red);
+    sa = block_sum(sa, red);
+    sb = block_sum(sb, red);
+    if (tid == 0) {
+        float* p = g_stats_part + (size_t)(r * CHUNKS + c) * 5;
+        p[0] = mc;
+        p[1] = s;
+        p[2] = u;
+        p[3] = sa;
+        p[4] = sb;
+        g_stats_arg[(r * CHUNKS + c) * 2] = first;
+        g_stats_arg[(r * CHUNKS + c) * 2 + 1] = last;
+    }
+    if (!last_arrival(&g_stats_done[r], &is_last)) return;
+    if (tid >= 32) return;
+    // one warp combines the row's chunks (rescaling each chunk's sums to the row max)
+    const float* part = g_stats_part + (size_t)r * CHUNKS * 5;
+    float mw = -INFINITY;
+    for (int i = tid; i < CHUNKS; i += 32) mw = fmaxf(mw, __ldcg(part + i * 5));
+    mw = warp_maxf(mw);
+    float S = 0.0f, U = 0.0f, SA = 0.0f, SB = 0.0f;
+    int f = INT_BIG, l = -1;
+    for (int i = tid; i < CHUNKS; i += 32) {
+        const float mi = __ldcg(part + i * 5), si = __ldcg(part + i * 5 + 1);
+        if (mi == mw) {
+            f = min(f, __ldcg(g_stats_arg + (r * CHUNKS + i) * 2));
+            l = max(l, __ldcg(g_stats_arg + (r * CHUNKS + i) * 2 + 1));
+        }
+        if (si > 0.0f) {
+            const float dm = mi - mw, w = expf(dm);
+            S += si * w;
+            U += w * (__ldcg(part + i * 5 + 2) + si * dm);
+            SA += __ldcg(part + i * 5 + 3) * expf(dm / ta);
+            SB += __ldcg(part + i * 5 + 4) * expf(dm / tb);
+        }
+    }
+    S = warp_sum(S);
+    U = warp_sum(U);
+    SA = warp_sum(SA);
+    SB = warp_sum(SB);
+    f = warp_mini(f);
+    l = warp_maxi(l);
+    if (tid == 0) {
+        const float h = logf(S) - U / S;
+        const bool high = (h >= thr[r]) || (h > alt[r]);
+        stats[r * 4 + 0] = mw;
+        stats[r * 4 + 1] = high ? ta_raw : tb_raw;
+        stats[r * 4 + 2] = high ? SA : SB;
+        stats[r * 4 + 3] = h;
+        arg[r * 2 + 0] = f == INT_BIG ? 0 : f;
+        arg[r * 2 + 1] = l < 0 ? 0 : l;
+        g_stats_done[r] = 0u;
+    }
+}
+
+// ----------------------------------------------------------------------------- 2: histogram
+
+__device__ u32 g_hist_done[B_ROWS];
+__device__ u32 g_hist_mass[B_ROWS * NB];
+__device__ u32 g_hist_cnt[B_ROWS * NB];
+__device__ u64 g_hist_best[B_ROWS * NB];
+
+// plan [B, 8] ints: 0 mode (0: tokens final in slot 1; 1: resolve bin b), 1 token, 2 b,
+// 3 mass above b, 4 tokens in b, 5 limit (float bits), 6 / 7 best score above b (lo / hi word)
+#define PLAN 8
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ stats,
+                  const int* __restrict__ arg, const float* __restrict__ top_p,
+                  const u32* __restrict__ keys, int* __restrict__ plan) {
+    __shared__ u32 hm[NB], hc[NB];
+    __shared__ u64 hb[NB];
+    __shared__ u32 red[NWARPS];
+    __shared__ int ired[NWARPS];
+    __shared__ u64 ured[NWARPS];
+    __shared__ int is_last;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+    const float m = stats[r * 4], t = stats[r * 4 + 1], den = stats[r * 4 + 2];
+    int* pl = plan + r * PLAN;
+    if (t <= GREEDY_EPS) {  // greedy row: the first argmax of the raw logits
+        if (c == 0 && tid == 0) {
+            pl[0] = 0;
+            pl[1] = arg[r * 2];
+        }
+        return;
+    }
+    const float tp = top_p[r];
+    const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+    // the top-ranked token (zt = 0) is always kept: no token scoring below it can win
+    const float floor_score = gumbel(k0, k1, arg[r * 2 + 1]) - GMAX;
+    for (int i = tid; i < NB; i += NTHREADS) {
+        hm[i] = 0u;
+        hc[i] = 0u;
+        hb[i] = 0ull;
+    }
+    __syncthreads();
+    const float* z = logits + (size_t)r * V_SIZE;
+    const int lo = c * CH, hi = min(lo + CH, V_SIZE);
+    for (int j = lo + tid; j < hi; j += NTHREADS) {
+        const float zt = tempered(z[j], m, t);
+        if (!(zt > -INFINITY)) continue;  // masked (and NaN) logits are never drawn
+        const u32 key = prob_key(zt, den);
+        const int b = bin_of(key);
+        if (b > 0) {
+            atomicAdd(&hm[b], mass_of_key(key));
+            atomicAdd(&hc[b], 1u);
+        }
+        if (zt >= floor_score) atomicMax(&hb[b], pack(zt + gumbel(k0, k1, j), j));
+    }
+    __syncthreads();
+    for (int i = tid; i < NB; i += NTHREADS) {
+        if (hc[i]) {
+            atomicAdd(&g_hist_mass[r * NB + i], hm[i]);
+            atomicAdd(&g_hist_cnt[r * NB + i], hc[i]);
+        }
+        if (hb[i]) atomicMax(&g_hist_best[r * NB + i], hb[i]);
+    }
+    if (!last_arrival(&g_hist_done[r], &is_last)) return;
+    // the row's histogram, cleared behind us for the next launch
+    for (int i = tid; i < NB; i += NTHREADS) {
+        hm[i] = __ldcg(&g_hist_mass[r * NB + i]);
+        hc[i] = __ldcg(&g_hist_cnt[r * NB + i]);
+        hb[i] = __ldcg(&g_hist_best[r * NB + i]);
+        g_hist_mass[r * NB + i] = 0u;
+        g_hist_cnt[r * NB + i] = 0u;
+        g_hist_best[r * NB + i] = 0ull;
+    }
+    __syncthreads();
+    if (tid == 0) g_hist_done[r] = 0u;
+    if (tp >= 1.0f) {  // every token is kept
+        u64 best = 0ull;
+        for (int i = tid; i < NB; i += NTHREADS) best = hb[i] > best ? hb[i] : best;
+        best = block_maxu64(best, ured);
+        if (tid == 0) {
+            pl[0] = 0;
+            pl[1] = unpack_id(best);
+        }
+        return;
+    }
+    u32 mine = 0;
+    for (int i = tid; i < NB; i += NTHREADS) mine += hm[i];
+    u32 total;
+    block_scan(mine, red, &total);
+    const float limit = tp * (float)total;
+    int b;
+    u32 above_b;
+    find_boundary(hm, hc, 0u, limit, red, ired, &b, &above_b);
+    if (b == INT_BIG) b = NB - 1;  // unreachable for finite logits (the top bin qualifies)
+    u64 best = 0ull;
+    for (int i = tid; i < NB; i += NTHREADS)
+        if (i > b && hb[i] > best) best = hb[i];
+    best = block_maxu64(best, ured);
+    if (tid == 0) {
+        const u32 nb = hc[b], mb = hm[b];
+        // bin b is kept whole if even its lowest token (mass >= its lower edge's) is kept
+        const bool whole = nb == 1u || (float)(above_b + mb - mass_of_key(bin_lo(b))) < limit;
+        if (whole) {
+            pl[0] = 0;
+            pl[1] = unpack_id(hb[b] > best ? hb[b] : best);
+        } else {
+            pl[0] = 1;
+            pl[2] = b;
+            pl[3] = (int)above_b;
+            pl[4] = (int)nb;
+            pl[5] = __float_as_int(limit);
+            pl[6] = (int)(u32)(best & 0xFFFFFFFFull);
+            pl[7] = (int)(u32)(best >> 32);
+        }
+    }
+}
+
+// ----------------------------------------------------------------------------- 3: resolve
+
+__device__ u32 g_res_done[B_ROWS];
+__device__ u32 g_res_n[B_ROWS];
+__device__ u64 g_res_list[B_ROWS * NMAX];
+
+// The kept tokens of bin b when it holds more than NMAX tokens, by the last block alone: a
+// histogram of 64-pattern sub-bins, one of the 64 exact patterns of the boundary sub-bin, then
+// the tie group at the boundary pattern cut by id (contiguous id ranges per thread). Returns the
+// best packed score among the kept tokens of bin b.
+__device__ u64 resolve_large(const float* z, float m, float t, float den, u32 k0, u32 k1,
+                             float floor_score, u32 klo, u32 above, float limit, u32* hm,
+                             u32* hc, u32* red, int* ired, u64* ured) {
+    __shared__ u32 s_tie;
+    const int tid = threadIdx.x;
+    const u32 khi = klo + (1u << BIN_BITS);
+    u32 lo = klo;
+    for (int level = 0; level < 2; ++level) {
+        const int shift = level == 0 ? 6 : 0;  // 2048 bins of 64 patterns, then 64 of one
+        for (int i = tid; i < NB; i += NTHREADS) {
+            hm[i] = 0u;
+            hc[i] = 0u;
+        }
+        __syncthreads();
+        const u32 span = level == 0 ? (1u << BIN_BITS) : 64u;
+        for (int j = tid; j < V_SIZE; j += NTHREADS) {
+            const float zt = tempered(z[j], m, t);
+            if (!(zt > -INFINITY)) continue;
+            const u32 key = prob_key(zt, den);
+            if (key >= lo && key - lo < span) {
+                const int i = (int)((key - lo) >> shift);
+                atomicAdd(&hm[i], mass_of_key(key));
+                atomicAdd(&hc[i], 1u);
+            }
+        }
+        __syncthreads();
+        int b;
+        u32 ab;
+        find_boundary(hm, hc, above, limit, red, ired, &b, &ab);
+        lo += (u32)b << shift;
+        above = ab;
+        if (level == 1 && tid == 0) s_tie = hc[b];
+        __syncthreads();
+    }
+    const u32 kb = lo, n_tie = s_tie, qb = mass_of_key(kb);
+    // n_keep = #{j in [0, n_tie): (float)(above + j qb) < limit}, a prefix of j (j = 0 is kept)
+    u32 n_keep = 1;
+    {
+        u32 lo_j = 0, hi_j = n_tie;  // invariant: lo_j kept; hi_j = n_tie or dropped
+        while (hi_j - lo_j > 1) {
+            const u32 mid = lo_j + (hi_j - lo_j) / 2;
+            if ((float)(above + mid * qb) < limit) lo_j = mid;
+            else hi_j = mid;
+        }
+        n_keep = lo_j + 1;
+    }
+    const int per = (V_SIZE + NTHREADS - 1) / NTHREADS;
+    const int j0 = tid * per, j1 = min(j0 + per, V_SIZE);
+    u32 ties = 0;
+    for (int j = j0; j < j1; ++j) {
+        const float zt = tempered(z[j], m, t);
+        if (zt > -INFINITY && prob_key(zt, den) == kb) ++ties;
+    }
+    u32 total;
+    const u32 incl = block_scan(ties, red, &total);
+    u32 rank = total - incl;  // tied tokens at higher ids (they rank above)
+    u64 best = 0ull;
+    for (int j = j1 - 1; j >= j0; --j) {
+        const float zt = tempered(z[j], m, t);
+        if (!(zt > -INFINITY)) continue;
+        const u32 key = prob_key(zt, den);
+        bool kept = key > kb && key < khi;
+        if (key == kb) kept = rank++ < n_keep;
+        if (kept && zt >= floor_score) {
+            const u64 p = pack(zt + gumbel(k0, k1, j), j);
+            best = p > best ? p : best;
+        }
+    }
+    return block_maxu64(best, ured);
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__ stats,
+                     const int* __restrict__ arg, const u32* __restrict__ keys,
+                     const int* __restrict__ plan, int* __restrict__ tokens) {
+    __shared__ u64 list[NMAX];
+    __shared__ u32 hm[NB], hc[NB];
+    __shared__ u32 red[NWARPS];
+    __shared__ int ired[NWARPS];
+    __shared__ u64 ured[NWARPS];
+    __shared__ int is_last;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+    const int* pl = plan + r * PLAN;
+    if (pl[0] == 0) {
+        if (c == 0 && tid == 0) tokens[r] = pl[1];
+        return;
+    }
+    const float m = stats[r * 4], t = stats[r * 4 + 1], den = stats[r * 4 + 2];
+    const int b = pl[2];
+    const u32 above_b = (u32)pl[3], nb = (u32)pl[4];
+    const float limit = __int_as_float(pl[5]);
+    const u32 klo = bin_lo(b);
+    const float* z = logits + (size_t)r * V_SIZE;
+    if (nb <= (u32)NMAX) {  // collect bin b
+        const int lo = c * CH, hi = min(lo + CH, V_SIZE);
+        for (int j = lo + tid; j < hi; j += NTHREADS) {
+            const float zt = tempered(z[j], m, t);
+            if (!(zt > -INFINITY)) continue;
+            const u32 key = prob_key(zt, den);
+            if (key >= klo && key - klo < (1u << BIN_BITS)) {
+                const u32 slot = atomicAdd(&g_res_n[r], 1u);
+                if (slot < (u32)NMAX) g_res_list[r * NMAX + slot] = ((u64)key << 32) | (u32)j;
+            }
+        }
+    }
+    if (!last_arrival(&g_res_done[r], &is_last)) return;
+    const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+    const float floor_score = gumbel(k0, k1, arg[r * 2 + 1]) - GMAX;
+    u64 best = ((u64)(u32)pl[7] << 32) | (u64)(u32)pl[6];
+    if (nb <= (u32)NMAX) {
+        int n2 = 1;
+        while (n2 < (int)nb) n2 <<= 1;
+        for (int i = tid; i < n2; i += NTHREADS)
+            list[i] = i < (int)nb ? __ldcg(&g_res_list[r * NMAX + i]) : 0ull;
+        __syncthreads();
+        // bitonic sort, descending: rank order (p, then id, both descending)
+        for (int k = 2; k <= n2; k <<= 1) {
+            for (int j = k >> 1; j > 0; j >>= 1) {
+                for (int i = tid; i < n2; i += NTHREADS) {
+                    const int ixj = i ^ j;
+                    if (ixj > i) {
+                        const u64 a = list[i], bb = list[ixj];
+                        const bool desc = (i & k) == 0;
+                        if (desc ? a < bb : a > bb) {
+                            list[i] = bb;
+                            list[ixj] = a;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        // exclusive prefix of the masses in rank order: (NMAX / NTHREADS) entries per thread
+        const int per = NMAX / NTHREADS, i0 = tid * per;
+        u32 mine = 0;
+        for (int k = 0; k < per; ++k)
+            if (i0 + k < (int)nb) mine += mass_of_key((u32)(list[i0 + k] >> 32));
+        u32 total;
+        u32 run = above_b + block_scan(mine, red, &total) - mine;
+        u64 mybest = 0ull;
+        for (int k = 0; k < per; ++k) {
+            const int i = i0 + k;
+            if (i >= (int)nb) break;
+            const u32 key = (u32)(list[i] >> 32);
+            const int id = (int)(u32)(list[i] & 0xFFFFFFFFull);
+            if ((float)run < limit) {
+                const float zt = tempered(z[id], m, t);
+                if (zt >= floor_score) {
+                    const u64 p = pack(zt + gumbel(k0, k1, id), id);
+                    mybest = p > mybest ? p : mybest;
+                }
+            }
+            run += mass_of_key(key);
+        }
+        mybest = block_maxu64(mybest, ured);
+        best = mybest > best ? mybest : best;
+    } else {
+        const u64 inb = resolve_large(z, m, t, den, k0, k1, floor_score, klo, above_b, limit, hm,
+                                      hc, red, ired, ured);
+        best = inb > best ? inb : best;
+    }
+    if (tid == 0) {
+        tokens[r] = unpack_id(best);
+        g_res_n[r] = 0u;
+        g_res_done[r] = 0u;
+    }
+}

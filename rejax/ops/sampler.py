@@ -1,0 +1,366 @@
+"""The fused sampler op: temperature (or ReSET's choice of two) + exact top-p + the draw.
+
+`sample_top_p(logits, thr, alt, t_a, t_b, top_p, keys)` draws one token per row from
+softmax((z - m) / t) restricted to the top-p nucleus (rejax.sampling's exact integer-mass
+definition), where the row's temperature is t_a when its raw entropy h satisfies
+h >= thr or h > alt and t_b otherwise (Temperature: thr = -inf, so always t_a; ReSET: thr and
+alt encode the policy's threshold, `rejax.sampling._policy_threshold`). It returns the tokens,
+h and the temperature used.
+
+* Every platform lowers the primitive to its reference: rejax.sampling's "radix" path
+  (`rejax.sampling._reference_tempered`), so CPU results are those of that method.
+* The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the three kernels of
+  `cuda_ops/sampler.cu` (statistics; top-p histogram; boundary resolution, each one multi-block
+  pass over the row with a last-block combine) as `__gpu$xla.gpu.ptx` custom calls, or else
+  the reference. The kernels draw with their own random numbers (a Gumbel-max over the kept
+  tokens with Threefry noise keyed by the row's key and the token id), so tokens differ from the
+  reference's for the same key while the distribution is the same.
+
+`emulate` is a NumPy mirror of the kernels' algorithm (the same bins, boundary search, whole-bin
+test, collection and large-bin paths, pruning and noise) that the CPU tests check against the
+definition.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from cuda_ops import sampler as kernels
+from rejax.ops import _dispatch
+
+OP = "sample_top_p"
+KINDS = ("temperature", "reset")
+GREEDY_EPS = 1e-6
+
+# ----------------------------------------------------------------------------- primitive
+
+_sample_p = Primitive("rejax_sample_top_p")
+_sample_p.multiple_results = True
+
+
+def _abstract(logits, thr, alt, t_a, t_b, top_p, keys, **_: Any):
+    b = logits.shape[0]
+    return (
+        jax.core.ShapedArray((b,), jnp.int32),
+        jax.core.ShapedArray((b,), jnp.float32),
+        jax.core.ShapedArray((b,), jnp.float32),
+    )
+
+
+_sample_p.def_abstract_eval(_abstract)
+
+
+@functools.cache
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(_sample_p.bind, **params))
+
+
+_sample_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
+
+
+def _reference(logits, thr, alt, t_a, t_b, top_p, keys, *, kind, key_impl, stats_method, **_):
+    from rejax import sampling  # sampling imports this module
+
+    return sampling._reference_tempered(
+        logits, thr, alt, t_a, t_b, top_p, jax.random.wrap_key_data(keys, impl=key_impl),
+        kind=kind, stats_method=stats_method,
+    )  # fmt: skip
+
+
+def _lower_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(OP, params["impl"], ctx.module_context.platforms)
+    fn = functools.partial(_reference, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _supported(b: int, v: int, keys_shape, launch: str) -> tuple[bool, str]:
+    if tuple(keys_shape) != (b, 2):
+        return False, f"key data of shape {tuple(keys_shape)} (the kernel takes threefry [B, 2])"
+    if launch != "ptx":
+        return False, f"launch={launch!r} (the sampler kernels use the PTX custom call only)"
+    return kernels.check_shape(b, v)
+
+
+def _lower_cuda(ctx, *args, **params):
+    b, v = ctx.avals_in[0].shape
+    supported = _supported(b, v, ctx.avals_in[6].shape, params["launch"])
+    kern = None
+    if supported[0] and params["impl"] != "ref":
+        try:
+            kern = kernels.build(b, v)
+        except kernels.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(OP, params["impl"], supported):
+        fn = functools.partial(_reference, **params)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(functools.partial(_cuda_impl, kern=kern), multiple_results=True)(
+        ctx, *args
+    )
+
+
+def _call(kern, entry: str, out, *operands):
+    return jax.ffi.ffi_call(
+        "__gpu$xla.gpu.ptx",
+        out,
+        custom_call_api_version=2,
+        legacy_backend_config=kern.backend_config(entry),
+    )(*operands)
+
+
+def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
+    b = logits.shape[0]
+    f32, i32 = jnp.float32, jnp.int32
+    stats, arg = _call(
+        kern,
+        "rejax_sample_stats",
+        (jax.ShapeDtypeStruct((b, 4), f32), jax.ShapeDtypeStruct((b, 2), i32)),
+        logits, thr, alt, t_a, t_b,
+    )  # fmt: skip
+    plan = _call(
+        kern,
+        "rejax_sample_hist",
+        jax.ShapeDtypeStruct((b, kernels.PLAN_WORDS), i32),
+        logits, stats, arg, top_p, keys,
+    )  # fmt: skip
+    tokens = _call(
+        kern,
+        "rejax_sample_resolve",
+        jax.ShapeDtypeStruct((b,), i32),
+        logits, stats, arg, keys, plan,
+    )  # fmt: skip
+    return tokens, stats[:, 3], stats[:, 1]
+
+
+def _batch(args, dims, **params):
+    # vmap adds a leading dim n over rows: fold it into B (rows are independent)
+    n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    flat = []
+    for a, d in zip(args, dims):
+        a = jnp.broadcast_to(a, (n, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        flat.append(a.reshape(n * a.shape[1], *a.shape[2:]))
+    outs = _sample_p.bind(*flat, **params)
+    return [o.reshape(n, -1) for o in outs], [0, 0, 0]
+
+
+batching.primitive_batchers[_sample_p] = _batch
+mlir.register_lowering(_sample_p, _lower_reference)
+mlir.register_lowering(_sample_p, _lower_cuda, platform="cuda")
+
+
+def sample_top_p(
+    logits: jax.Array,
+    thr: jax.Array,
+    alt: jax.Array,
+    t_a: jax.Array,
+    t_b: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+    *,
+    kind: str,
+    impl: str = "auto",
+    stats_method: str = "two_pass",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row (module docstring).
+
+    Args:
+      logits: f32 [B, V] raw logits.
+      thr, alt: f32 [B]: a row takes t_a iff its entropy h >= thr or h > alt, else t_b.
+      t_a, t_b: f32 [B] temperatures (<= 1e-6: greedy, the first argmax of the raw logits).
+      top_p: f32 [B] in (0, 1].
+      keys: [B] typed jax.random keys, one per row (fold the step in before).
+      kind: "temperature" or "reset" (only how the reference sums its denominators). Static.
+      impl: "auto" (kernel on CUDA when supported), "ref", or "cuda" (kernel or an error).
+      stats_method: the reference's statistics ("two_pass" / "online"). Static.
+
+    Returns:
+      (tokens i32 [B], entropy f32 [B], temperature f32 [B]).
+    """
+    _dispatch.check_impl(impl)
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}, expected one of {KINDS}")
+    key_impl = str(jax.random.key_impl(keys))
+    data = jax.random.key_data(keys)
+    launch = _dispatch.default_launch() if impl != "ref" else "ptx"
+    params = {"kind": kind, "key_impl": key_impl, "stats_method": stats_method, "impl": impl}
+    outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, launch=launch, **params)
+    return tuple(outs)
+
+
+# ----------------------------------------------------------------------------- emulation
+
+_KEY_LO = (127 - 31) << 23
+_BIN_BITS = 17
+_GMAX = np.float32(17.5)
+PATHS = ("greedy", "full", "whole", "collect", "large")
+
+
+def threefry_x0(k0, k1, c0, c1=0):
+    """First output word of Threefry-2x32 (20 rounds), elementwise over uint32 arrays."""
+    k0, k1 = np.asarray(k0, np.uint32), np.asarray(k1, np.uint32)
+    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
+    x0 = (np.asarray(c0, np.uint32) + ks[0]).astype(np.uint32)
+    x1 = (np.asarray(c1, np.uint32) + ks[1]).astype(np.uint32)
+    rot = ((13, 15, 26, 6), (17, 29, 16, 24))
+    with np.errstate(over="ignore"):
+        for i in range(5):
+            for r in rot[i % 2]:
+                x0 = x0 + x1
+                x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
+                x1 = x1 ^ x0
+            x0 = x0 + ks[(i + 1) % 3]
+            x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
+    return x0
+
+
+def gumbel(k0, k1, ids) -> np.ndarray:
+    """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting)."""
+    x = threefry_x0(k0, k1, np.asarray(ids, np.uint32))
+    u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    return -np.log(-np.log(u))
+
+
+def _masses(keys: np.ndarray) -> np.ndarray:
+    p = keys.astype(np.uint32).view(np.float32)
+    return np.rint(p * np.float32(2.0**30)).astype(np.int64)
+
+
+def _bins(keys: np.ndarray) -> np.ndarray:
+    k = keys.astype(np.int64)
+    return np.where(k > _KEY_LO, ((k - _KEY_LO - 1) >> _BIN_BITS) + 1, 0)
+
+
+def _boundary(mass: np.ndarray, cnt: np.ndarray, base: int, limit: np.float32) -> tuple[int, int]:
+    # the lowest non-empty bin whose top-ranked token is kept: (float)(mass above) < limit
+    above = base + np.concatenate([np.cumsum(mass[::-1])[::-1][1:], [0]])
+    ok = (cnt > 0) & (above.astype(np.float32) < limit)
+    b = int(np.flatnonzero(ok)[0])
+    return b, int(above[b])
+
+
+def _row_stats(z: np.ndarray, chunks: int, ta: np.float32, tb: np.float32):
+    # per-chunk max / sums, combined at the row max (the stats kernel)
+    parts = []
+    for zc in np.array_split(z, chunks):
+        mc = zc.max()
+        if mc == -np.inf:
+            parts.append((mc, 0.0, 0.0, 0.0, 0.0))
+            continue
+        d = zc - mc
+        e = np.exp(d)
+        u = np.sum(np.where(e > 0, e * d, 0), dtype=np.float32)
+        parts.append((mc, e.sum(dtype=np.float32), u, np.exp(d / ta).sum(dtype=np.float32),
+                      np.exp(d / tb).sum(dtype=np.float32)))  # fmt: skip
+    p = np.array(parts, np.float32)
+    m = p[:, 0].max()
+    live = p[:, 1] > 0
+    dm = np.where(live, p[:, 0] - m, 0).astype(np.float32)
+    w = np.where(live, np.exp(dm), 0).astype(np.float32)
+    s = np.sum(p[:, 1] * w, dtype=np.float32)
+    u = np.sum(w * (p[:, 2] + p[:, 1] * dm), dtype=np.float32)
+    sa = np.sum(np.where(live, p[:, 3] * np.exp(dm / ta), 0), dtype=np.float32)
+    sb = np.sum(np.where(live, p[:, 4] * np.exp(dm / tb), 0), dtype=np.float32)
+    h = np.float32(np.log(s) - u / s)
+    return m, h, sa, sb
+
+
+def emulate(
+    logits,
+    thr,
+    alt,
+    t_a,
+    t_b,
+    top_p,
+    key_data,
+    *,
+    chunks: int = 8,
+    nmax: int = kernels.NMAX,
+    prune: bool = True,
+) -> dict:
+    """The kernels' algorithm in NumPy for one row of logits and many keys.
+
+    Args:
+      logits: f32 [V] one row; thr, alt, t_a, t_b, top_p: its scalars.
+      key_data: uint32 [n, 2] row keys (n independent draws from the same logits).
+      chunks: blocks per row of the statistics pass; nmax: the collected bin's capacity.
+      prune: skip tokens that cannot beat the top-ranked token's score (the kernels do).
+
+    Returns:
+      dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
+      probabilities), "keep" bool [V] (the kept set) and "path" (one of `PATHS`).
+    """
+    z = np.asarray(logits, np.float32)
+    key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
+    k0, k1 = key_data[:, :1], key_data[:, 1:]
+    raw = np.float32(t_a), np.float32(t_b)
+    ta, tb = (np.float32(1.0) if x <= GREEDY_EPS else x for x in raw)
+    m, h, sa, sb = _row_stats(z, chunks, ta, tb)
+    high = bool(h >= np.float32(thr)) or bool(h > np.float32(alt))
+    t, den = (raw[0], sa) if high else (raw[1], sb)
+    out = {"entropy": h, "temperature": t}
+    if t <= GREEDY_EPS:
+        out.update(tokens=np.full(len(key_data), int(np.argmax(z)), np.int32), path="greedy",
+                   probs=None, keep=None)  # fmt: skip
+        return out
+    v = z.shape[0]
+
+    zt = (z - m) / t
+    live = zt > -np.inf
+    with np.errstate(under="ignore"):
+        probs = np.where(live, np.exp(zt) / den, 0).astype(np.float32)
+    keys = probs.view(np.uint32).astype(np.int64)
+    q = np.where(live, _masses(keys), 0)
+    bins = np.where(live, _bins(keys), -1)
+    tp = np.float32(top_p)
+    if tp >= 1:
+        keep, path = live, "full"
+    else:
+        nb = kernels.NB
+        mass = np.bincount(bins[bins > 0], weights=q[bins > 0], minlength=nb).astype(np.int64)
+        cnt = np.bincount(bins[bins > 0], minlength=nb)
+        limit = tp * np.float32(q.sum())
+        b, above_b = _boundary(mass, cnt, 0, limit)
+        lo = _KEY_LO + 1 + ((b - 1) << _BIN_BITS)
+        keep = live & (bins > b)
+        edge = int(_masses(np.array([lo]))[0])
+        if cnt[b] == 1 or np.float32(above_b + mass[b] - edge) < limit:
+            keep, path = keep | (bins == b), "whole"
+        elif cnt[b] <= nmax:  # collect, sort by (p, id) descending, exact prefix
+            sel = np.flatnonzero(bins == b)
+            order = sel[np.lexsort((-sel, -keys[sel]))]
+            excl = above_b + np.cumsum(q[order]) - q[order]
+            keep[order[excl.astype(np.float32) < limit]] = True
+            path = "collect"
+        else:  # two finer levels, then the tie group cut by id
+            inb = bins == b
+            sub = np.where(inb, (keys - lo) >> 6, -1)
+            m2 = np.bincount(sub[inb], weights=q[inb], minlength=nb).astype(np.int64)
+            b2, above = _boundary(m2, np.bincount(sub[inb], minlength=nb), above_b, limit)
+            lo2 = lo + (b2 << 6)
+            ins = inb & (sub == b2)
+            m3 = np.bincount(keys[ins] - lo2, weights=q[ins], minlength=64).astype(np.int64)
+            b3, above = _boundary(m3, np.bincount(keys[ins] - lo2, minlength=64), above, limit)
+            kb = lo2 + b3
+            tie = keys == kb
+            qb = int(_masses(np.array([kb]))[0])
+            j = np.arange(int(tie.sum()))
+            n_keep = int(np.sum((above + j * qb).astype(np.float32) < limit))
+            rank = tie.sum() - np.cumsum(tie)  # ties at higher ids
+            keep |= inb & ((keys > kb) | (tie & (rank < n_keep)))
+            path = "large"
+    out.update(probs=probs, keep=keep, path=path)
+    # Gumbel-max over the kept tokens, ties to the lower id; pruned below the top token's score
+    top_last = v - 1 - int(np.argmax(z[::-1]))
+    cand = np.flatnonzero(keep)
+    score = zt[cand][None, :] + gumbel(k0, k1, cand[None, :])
+    if prune:
+        floor = gumbel(k0, k1, top_last) - _GMAX
+        score = np.where(zt[cand][None, :] >= floor, score, -np.inf)
+    out["tokens"] = cand[np.argmax(score, axis=1)].astype(np.int32)
+    return out
