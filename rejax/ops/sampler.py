@@ -247,14 +247,15 @@ def _boundary(mass: np.ndarray, cnt: np.ndarray, base: int, limit: np.float32) -
 def _row_stats(z: np.ndarray, chunks: int, ta: np.float32, tb: np.float32):
     # per-chunk max / sums, combined at the row max (the stats kernel)
     parts = []
-    for zc in np.array_split(z, chunks):
+    for zc in np.array_split(z, min(chunks, z.shape[0])):
         mc = zc.max()
         if mc == -np.inf:
             parts.append((mc, 0.0, 0.0, 0.0, 0.0))
             continue
         d = zc - mc
         e = np.exp(d)
-        u = np.sum(np.where(e > 0, e * d, 0), dtype=np.float32)
+        with np.errstate(invalid="ignore"):  # e * d = 0 * -inf at masked logits (not summed)
+            u = np.sum(np.where(e > 0, e * d, 0), dtype=np.float32)
         parts.append((mc, e.sum(dtype=np.float32), u, np.exp(d / ta).sum(dtype=np.float32),
                       np.exp(d / tb).sum(dtype=np.float32)))  # fmt: skip
     p = np.array(parts, np.float32)
