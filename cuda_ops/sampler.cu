@@ -16,10 +16,18 @@
 //                         resolved by the last block alone (two finer histograms, then the tie
 //                         group cut by id).
 //
+// With TOP_K = k > 0 (top-k, then top-p on the renormalised top-k softmax, as rejax.sampling):
+// the histogram counts tokens per bin of the tempered logit and finds the bin of the k-th
+// largest; resolve collects every token in that bin or above (a superset of the top k), sorts
+// them, cuts at the k-th largest value (ties kept), renormalises and applies top-p to the list
+// exactly. More than NMAX of them: the last block selects the k-th largest by three histogram
+// levels over V, and for a tie group larger than the list runs top-p over V restricted to the
+// top-k set by itself.
+//
 // The keep rule is rejax.sampling's: a token is kept iff f32(mass ranked above it) < f32(top_p) *
 // f32(total mass), ranked by p with ties ordered by id (the higher id ranks above). Scratch
 // lives in module globals that each row's last block clears again, so every launch starts clean.
-// Compile-time constants (-D): B_ROWS, V_SIZE, CHUNKS, CH (chunk length), NTHREADS, NMAX.
+// Compile-time constants (-D): B_ROWS, V_SIZE, CHUNKS, CH (chunk length), NTHREADS, NMAX, TOP_K.
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -332,14 +340,24 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
 
 // ----------------------------------------------------------------------------- 2: histogram
 
+// ----------------------------------------------------------------------------- 2: histogram
+
 __device__ u32 g_hist_done[B_ROWS];
 __device__ u32 g_hist_mass[B_ROWS * NB];
 __device__ u32 g_hist_cnt[B_ROWS * NB];
 __device__ u64 g_hist_best[B_ROWS * NB];
 
-// plan [B, 8] ints: 0 mode (0: tokens final in slot 1; 1: resolve bin b), 1 token, 2 b,
-// 3 mass above b, 4 tokens in b, 5 limit (float bits), 6 / 7 best score above b (lo / hi word)
+// plan [B, 8] ints: 0 mode (0: token final in slot 1; 1: resolve top-p bin b; 2: top-k), 1 token,
+// 2 bin b (top-k: the bin of the k-th largest), 3 mass above b, 4 tokens in b (top-k: in bins
+// >= b), 5 limit (float bits), 6 / 7 best score above b (lo / hi word)
 #define PLAN 8
+
+// Top-k bins: a monotone function of the tempered logit itself (equal values share a bin), 1/64
+// of a raw logit unit wide, the highest bin holding the maximum; gaps beyond 32 share bin 0.
+__device__ __forceinline__ int topk_bin(float zt, float t) {
+    const float x = -zt * (t * 64.0f);
+    return NB - 1 - (x < (float)(NB - 1) ? (int)x : NB - 1);
+}
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ stats,
@@ -376,6 +394,9 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     for (int j = lo + tid; j < hi; j += NTHREADS) {
         const float zt = tempered(z[j], m, t);
         if (!(zt > -INFINITY)) continue;  // masked (and NaN) logits are never drawn
+#if TOP_K > 0
+        atomicAdd(&hc[topk_bin(zt, t)], 1u);
+#else
         const u32 key = prob_key(zt, den);
         const int b = bin_of(key);
         if (b > 0) {
@@ -383,6 +404,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
             atomicAdd(&hc[b], 1u);
         }
         if (zt >= floor_score) atomicMax(&hb[b], pack(zt + gumbel(k0, k1, j), j));
+#endif
     }
     __syncthreads();
     for (int i = tid; i < NB; i += NTHREADS) {
@@ -404,6 +426,37 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     }
     __syncthreads();
     if (tid == 0) g_hist_done[r] = 0u;
+#if TOP_K > 0
+    {  // b = the highest bin whose count from the top reaches k (0: fewer than k live tokens)
+        const int i0 = tid * BPT;
+        u32 mine = 0;
+        for (int k = 0; k < BPT; ++k) mine += hc[i0 + k];
+        u32 total;
+        const u32 incl = block_scan(mine, red, &total);
+        u32 s = total - incl;
+        int cand = -1;
+        u32 cand_s = 0;
+        for (int k = BPT - 1; k >= 0; --k) {
+            s += hc[i0 + k];
+            if (cand < 0 && s >= (u32)TOP_K) {
+                cand = i0 + k;
+                cand_s = s;
+            }
+        }
+        const int b = block_maxi(cand, ired);
+        if (b < 0 && tid == 0) {
+            pl[0] = 2;
+            pl[2] = 0;
+            pl[4] = (int)total;
+        }
+        if (b >= 0 && cand == b) {
+            pl[0] = 2;
+            pl[2] = b;
+            pl[4] = (int)cand_s;
+        }
+        return;
+    }
+#endif
     if (tp >= 1.0f) {  // every token is kept
         u64 best = 0ull;
         for (int i = tid; i < NB; i += NTHREADS) best = hb[i] > best ? hb[i] : best;
@@ -452,30 +505,89 @@ __device__ u32 g_res_done[B_ROWS];
 __device__ u32 g_res_n[B_ROWS];
 __device__ u64 g_res_list[B_ROWS * NMAX];
 
-// The kept tokens of bin b when it holds more than NMAX tokens, by the last block alone: a
-// histogram of 64-pattern sub-bins, one of the 64 exact patterns of the boundary sub-bin, then
-// the tie group at the boundary pattern cut by id (contiguous id ranges per thread). Returns the
-// best packed score among the kept tokens of bin b.
-__device__ u64 resolve_large(const float* z, float m, float t, float den, u32 k0, u32 k1,
-                             float floor_score, u32 klo, u32 above, float limit, u32* hm,
-                             u32* hc, u32* red, int* ired, u64* ured) {
-    __shared__ u32 s_tie;
+__device__ __forceinline__ u32 ord_of(float f) {  // order-preserving bits of a float
+    const u32 b = __float_as_uint(f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float float_of_ord(u32 o) {
+    return __uint_as_float((o & 0x80000000u) ? (o & 0x7FFFFFFFu) : ~o);
+}
+
+// Bitonic sort of list[0, n2) (n2 a power of two), descending.
+__device__ void sort_desc(u64* list, int n2) {
+    for (int k = 2; k <= n2; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < n2; i += NTHREADS) {
+                const int ixj = i ^ j;
+                if (ixj > i) {
+                    const u64 a = list[i], bb = list[ixj];
+                    if ((i & k) == 0 ? a < bb : a > bb) {
+                        list[i] = bb;
+                        list[ixj] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+__device__ __forceinline__ int pow2_at_least(int n) {
+    int n2 = 1;
+    while (n2 < n) n2 <<= 1;
+    return n2;
+}
+
+// list[0, n) holds (probability bits << 32 | id) in rank order below `base` mass: the best packed
+// score among the kept ones (all of them if `full`).
+__device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool full,
+                           const float* z, float m, float t, u32 k0, u32 k1, float floor_score,
+                           u32* red, u64* ured) {
+    const int per = NMAX / NTHREADS, i0 = threadIdx.x * per;
+    u32 mine = 0;
+    for (int k = 0; k < per; ++k)
+        if (i0 + k < n) mine += mass_of_key((u32)(list[i0 + k] >> 32));
+    u32 total;
+    u32 run = base + block_scan(mine, red, &total) - mine;
+    u64 best = 0ull;
+    for (int k = 0; k < per; ++k) {
+        const int i = i0 + k;
+        if (i >= n) break;
+        const u32 key = (u32)(list[i] >> 32);
+        const int id = (int)(u32)(list[i] & 0xFFFFFFFFull);
+        if (full || (float)run < limit) {
+            const float zt = tempered(z[id], m, t);
+            if (zt >= floor_score) {
+                const u64 p = pack(zt + gumbel(k0, k1, id), id);
+                best = p > best ? p : best;
+            }
+        }
+        run += mass_of_key(key);
+    }
+    return block_maxu64(best, ured);
+}
+
+// The kept tokens among those with tempered logit >= zmin whose probability bits lie in
+// [lo, lo + 2**bits), ranked below `above` mass, by the last block alone: histograms of up to 11
+// bits a level over V until one bit pattern remains, then that tie group cut by id (contiguous
+// id ranges per thread, the higher ids ranking above). Returns the best packed score among them.
+__device__ u64 resolve_range(const float* z, float m, float t, float den, float zmin, u32 k0,
+                             u32 k1, float floor_score, u32 lo, int bits, u32 above, float limit,
+                             u32* hm, u32* hc, u32* red, int* ired, u64* ured) {
     const int tid = threadIdx.x;
-    const u32 khi = klo + (1u << BIN_BITS);
-    u32 lo = klo;
-    for (int level = 0; level < 2; ++level) {
-        const int shift = level == 0 ? 6 : 0;  // 2048 bins of 64 patterns, then 64 of one
+    const u32 khi = lo + (1u << bits);  // bits <= 17: no overflow
+    while (bits > 0) {
+        const int d = bits < 11 ? bits : 11, shift = bits - d;
         for (int i = tid; i < NB; i += NTHREADS) {
             hm[i] = 0u;
             hc[i] = 0u;
         }
         __syncthreads();
-        const u32 span = level == 0 ? (1u << BIN_BITS) : 64u;
         for (int j = tid; j < V_SIZE; j += NTHREADS) {
             const float zt = tempered(z[j], m, t);
-            if (!(zt > -INFINITY)) continue;
+            if (!(zt > -INFINITY) || zt < zmin) continue;
             const u32 key = prob_key(zt, den);
-            if (key >= lo && key - lo < span) {
+            if (key >= lo && ((key - lo) >> bits) == 0u) {
                 const int i = (int)((key - lo) >> shift);
                 atomicAdd(&hm[i], mass_of_key(key));
                 atomicAdd(&hc[i], 1u);
@@ -487,35 +599,31 @@ __device__ u64 resolve_large(const float* z, float m, float t, float den, u32 k0
         find_boundary(hm, hc, above, limit, red, ired, &b, &ab);
         lo += (u32)b << shift;
         above = ab;
-        if (level == 1 && tid == 0) s_tie = hc[b];
-        __syncthreads();
+        bits = shift;
     }
-    const u32 kb = lo, n_tie = s_tie, qb = mass_of_key(kb);
-    // n_keep = #{j in [0, n_tie): (float)(above + j qb) < limit}, a prefix of j (j = 0 is kept)
-    u32 n_keep = 1;
-    {
-        u32 lo_j = 0, hi_j = n_tie;  // invariant: lo_j kept; hi_j = n_tie or dropped
-        while (hi_j - lo_j > 1) {
-            const u32 mid = lo_j + (hi_j - lo_j) / 2;
-            if ((float)(above + mid * qb) < limit) lo_j = mid;
-            else hi_j = mid;
-        }
-        n_keep = lo_j + 1;
-    }
+    const u32 kb = lo, qb = mass_of_key(kb);
     const int per = (V_SIZE + NTHREADS - 1) / NTHREADS;
     const int j0 = tid * per, j1 = min(j0 + per, V_SIZE);
     u32 ties = 0;
     for (int j = j0; j < j1; ++j) {
         const float zt = tempered(z[j], m, t);
-        if (zt > -INFINITY && prob_key(zt, den) == kb) ++ties;
+        if (zt > -INFINITY && zt >= zmin && prob_key(zt, den) == kb) ++ties;
     }
-    u32 total;
-    const u32 incl = block_scan(ties, red, &total);
-    u32 rank = total - incl;  // tied tokens at higher ids (they rank above)
+    u32 n_tie;
+    const u32 incl = block_scan(ties, red, &n_tie);
+    u32 rank = n_tie - incl;  // tied tokens at higher ids (they rank above)
+    // n_keep = #{j in [0, n_tie): (float)(above + j qb) < limit}, a prefix of j (j = 0 is kept)
+    u32 lo_j = 0, hi_j = n_tie;  // invariant: lo_j kept; hi_j = n_tie or dropped
+    while (hi_j - lo_j > 1) {
+        const u32 mid = lo_j + (hi_j - lo_j) / 2;
+        if ((float)(above + mid * qb) < limit) lo_j = mid;
+        else hi_j = mid;
+    }
+    const u32 n_keep = lo_j + 1;
     u64 best = 0ull;
     for (int j = j1 - 1; j >= j0; --j) {
         const float zt = tempered(z[j], m, t);
-        if (!(zt > -INFINITY)) continue;
+        if (!(zt > -INFINITY) || zt < zmin) continue;
         const u32 key = prob_key(zt, den);
         bool kept = key > kb && key < khi;
         if (key == kb) kept = rank++ < n_keep;
@@ -527,15 +635,180 @@ __device__ u64 resolve_large(const float* z, float m, float t, float den, u32 k0
     return block_maxu64(best, ured);
 }
 
+#if TOP_K > 0
+// Top-k then top-p by the last block. list[0, n) holds (order bits of zt << 32 | id) of a superset
+// of the top-k tokens (every token >= the k-th largest); or, with n > NMAX, nothing yet: the k-th
+// largest is then found by histograms over V first.
+__device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, float t, u32 k0,
+                         u32 k1, float floor_score, u32* hm, u32* hc, u32* red, int* ired,
+                         u64* ured, float* fred) {
+    __shared__ u32 s_n;
+    const int tid = threadIdx.x;
+    if (n > NMAX) {  // select the k-th largest order key bit by bit (11, 11, 10 bits)
+        u32 prefix = 0, need = TOP_K, cnt_at = 0;
+        bool found = true;
+        for (int level = 0; level < 3 && found; ++level) {
+            const int width = level < 2 ? 11 : 10, shift = 32 - 11 * level - width;
+            const int hi_shift = shift + width;  // bits above this level must match the prefix
+            for (int i = tid; i < NB; i += NTHREADS) hc[i] = 0u;
+            __syncthreads();
+            for (int j = tid; j < V_SIZE; j += NTHREADS) {
+                const float zt = tempered(z[j], m, t);
+                if (!(zt > -INFINITY)) continue;
+                const u32 o = ord_of(zt);
+                if (hi_shift == 32 || (o >> hi_shift) == (prefix >> hi_shift))
+                    atomicAdd(&hc[(o >> shift) & ((1u << width) - 1u)], 1u);
+            }
+            __syncthreads();
+            const int i0 = tid * BPT;
+            u32 mine = 0;
+            for (int k = 0; k < BPT; ++k) mine += hc[i0 + k];
+            u32 total;
+            const u32 incl = block_scan(mine, red, &total);
+            u32 s = total - incl;
+            int cand = -1;
+            u32 cand_above = 0, cand_cnt = 0;
+            for (int k = BPT - 1; k >= 0; --k) {
+                const u32 before = s;
+                s += hc[i0 + k];
+                if (cand < 0 && s >= need) {
+                    cand = i0 + k;
+                    cand_above = before;
+                    cand_cnt = hc[i0 + k];
+                }
+            }
+            const int b = block_maxi(cand, ired);
+            if (b < 0) {
+                found = false;  // fewer than k live tokens: all of them are kept
+            } else {
+                if (cand == b) {
+                    hm[0] = cand_above;
+                    hm[1] = cand_cnt;
+                }
+                __syncthreads();
+                prefix |= (u32)b << shift;
+                need -= hm[0];
+                cnt_at = hm[1];
+                __syncthreads();
+            }
+        }
+        const u32 vk = found ? prefix : 0u;
+        const u32 n_ge = found ? (TOP_K - need) + cnt_at : 0xFFFFFFFFu;
+        if (n_ge <= (u32)NMAX) {  // collect every token >= the k-th largest
+            if (tid == 0) s_n = 0u;
+            __syncthreads();
+            for (int j = tid; j < V_SIZE; j += NTHREADS) {
+                const float zt = tempered(z[j], m, t);
+                if (zt > -INFINITY && ord_of(zt) >= vk) {
+                    const u32 slot = atomicAdd(&s_n, 1u);
+                    list[slot] = ((u64)ord_of(zt) << 32) | (u32)j;
+                }
+            }
+            __syncthreads();
+            n = (int)s_n;
+        } else {  // a tie group larger than the list: top-p over V restricted to zt >= v_k
+            const float zmin = found ? float_of_ord(vk) : -INFINITY;
+            float s = 0.0f;
+            for (int j = tid; j < V_SIZE; j += NTHREADS) {
+                const float zt = tempered(z[j], m, t);
+                if (zt > -INFINITY && zt >= zmin) s += expf(zt);
+            }
+            const float den = block_sum(s, fred);
+            u64* hb = list;  // NB words: the list is not used on this path
+            for (int i = tid; i < NB; i += NTHREADS) {
+                hm[i] = 0u;
+                hc[i] = 0u;
+                hb[i] = 0ull;
+            }
+            __syncthreads();
+            for (int j = tid; j < V_SIZE; j += NTHREADS) {
+                const float zt = tempered(z[j], m, t);
+                if (!(zt > -INFINITY) || zt < zmin) continue;
+                const u32 key = prob_key(zt, den);
+                const int b = bin_of(key);
+                if (b > 0) {
+                    atomicAdd(&hm[b], mass_of_key(key));
+                    atomicAdd(&hc[b], 1u);
+                }
+                if (zt >= floor_score) atomicMax(&hb[b], pack(zt + gumbel(k0, k1, j), j));
+            }
+            __syncthreads();
+            u64 best = 0ull;
+            if (tp >= 1.0f) {
+                for (int i = tid; i < NB; i += NTHREADS) best = hb[i] > best ? hb[i] : best;
+                return unpack_id(block_maxu64(best, ured));
+            }
+            u32 mine = 0;
+            for (int i = tid; i < NB; i += NTHREADS) mine += hm[i];
+            u32 total;
+            block_scan(mine, red, &total);
+            const float limit = tp * (float)total;
+            int b;
+            u32 above_b;
+            find_boundary(hm, hc, 0u, limit, red, ired, &b, &above_b);
+            if (b == INT_BIG) b = NB - 1;
+            for (int i = tid; i < NB; i += NTHREADS)
+                if (i >= b && hb[i] > best) best = hb[i];  // bin b: cut below if it is split
+            if (tid == 0) s_n = hc[b];
+            best = block_maxu64(best, ured);
+            const u32 nb = s_n;
+            const bool whole = nb == 1u ||
+                               (float)(above_b + hm[b] - mass_of_key(bin_lo(b))) < limit;
+            if (!whole) {  // the bins above b, then the kept part of b
+                u64 above_best = 0ull;
+                for (int i = tid; i < NB; i += NTHREADS)
+                    if (i > b && hb[i] > above_best) above_best = hb[i];
+                above_best = block_maxu64(above_best, ured);
+                const u64 inb = resolve_range(z, m, t, den, zmin, k0, k1, floor_score, bin_lo(b),
+                                              BIN_BITS, above_b, limit, hm, hc, red, ired, ured);
+                best = inb > above_best ? inb : above_best;
+            }
+            return unpack_id(best);
+        }
+    }
+    const int n2 = pow2_at_least(n);
+    for (int i = n + tid; i < n2; i += NTHREADS) list[i] = 0ull;
+    __syncthreads();
+    sort_desc(list, n2);
+    // n_k: the entries >= the k-th largest (ties at it kept); the denominator over them
+    const u32 vk = n >= TOP_K ? (u32)(list[TOP_K - 1] >> 32) : 0u;
+    int nk = 0;
+    for (int i = tid; i < n; i += NTHREADS)
+        if ((u32)(list[i] >> 32) >= vk) nk = max(nk, i + 1);
+    nk = block_maxi(nk, ired);
+    float s = 0.0f;
+    for (int i = tid; i < nk; i += NTHREADS) s += expf(float_of_ord((u32)(list[i] >> 32)));
+    const float den = block_sum(s, fred);
+    for (int i = tid; i < n2; i += NTHREADS) {
+        const u64 e = list[i];
+        list[i] = i < nk ? ((u64)prob_key(float_of_ord((u32)(e >> 32)), den) << 32) |
+                               (e & 0xFFFFFFFFull)
+                         : 0ull;
+    }
+    __syncthreads();
+    sort_desc(list, n2);  // rank order: probability, then id
+    u32 mine = 0;
+    for (int i = tid; i < nk; i += NTHREADS) mine += mass_of_key((u32)(list[i] >> 32));
+    u32 total;
+    block_scan(mine, red, &total);
+    const float limit = tp * (float)total;
+    const u64 best = draw_sorted(list, nk, 0u, limit, tp >= 1.0f, z, m, t, k0, k1, floor_score,
+                                 red, ured);
+    return unpack_id(best);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__ stats,
-                     const int* __restrict__ arg, const u32* __restrict__ keys,
-                     const int* __restrict__ plan, int* __restrict__ tokens) {
-    __shared__ u64 list[NMAX];
+                     const int* __restrict__ arg, const float* __restrict__ top_p,
+                     const u32* __restrict__ keys, const int* __restrict__ plan,
+                     int* __restrict__ tokens) {
+    __shared__ u64 list[NMAX > NB ? NMAX : NB];
     __shared__ u32 hm[NB], hc[NB];
     __shared__ u32 red[NWARPS];
     __shared__ int ired[NWARPS];
     __shared__ u64 ured[NWARPS];
+    __shared__ float fred[NWARPS];
     __shared__ int is_last;
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     const int* pl = plan + r * PLAN;
@@ -545,17 +818,22 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     }
     const float m = stats[r * 4], t = stats[r * 4 + 1], den = stats[r * 4 + 2];
     const int b = pl[2];
-    const u32 above_b = (u32)pl[3], nb = (u32)pl[4];
-    const float limit = __int_as_float(pl[5]);
-    const u32 klo = bin_lo(b);
+    const u32 nb = (u32)pl[4];
     const float* z = logits + (size_t)r * V_SIZE;
-    if (nb <= (u32)NMAX) {  // collect bin b
+    const u32 klo = bin_lo(b);
+    if (nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of the bins >= b
         const int lo = c * CH, hi = min(lo + CH, V_SIZE);
         for (int j = lo + tid; j < hi; j += NTHREADS) {
             const float zt = tempered(z[j], m, t);
             if (!(zt > -INFINITY)) continue;
+#if TOP_K > 0
+            const bool in = topk_bin(zt, t) >= b;
+            const u32 key = ord_of(zt);
+#else
             const u32 key = prob_key(zt, den);
-            if (key >= klo && key - klo < (1u << BIN_BITS)) {
+            const bool in = key >= klo && key - klo < (1u << BIN_BITS);
+#endif
+            if (in) {
                 const u32 slot = atomicAdd(&g_res_n[r], 1u);
                 if (slot < (u32)NMAX) g_res_list[r * NMAX + slot] = ((u64)key << 32) | (u32)j;
             }
@@ -564,61 +842,34 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     if (!last_arrival(&g_res_done[r], &is_last)) return;
     const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
     const float floor_score = gumbel(k0, k1, arg[r * 2 + 1]) - GMAX;
-    u64 best = ((u64)(u32)pl[7] << 32) | (u64)(u32)pl[6];
     if (nb <= (u32)NMAX) {
-        int n2 = 1;
-        while (n2 < (int)nb) n2 <<= 1;
-        for (int i = tid; i < n2; i += NTHREADS)
-            list[i] = i < (int)nb ? __ldcg(&g_res_list[r * NMAX + i]) : 0ull;
+        for (int i = tid; i < (int)nb; i += NTHREADS) list[i] = __ldcg(&g_res_list[r * NMAX + i]);
         __syncthreads();
-        // bitonic sort, descending: rank order (p, then id, both descending)
-        for (int k = 2; k <= n2; k <<= 1) {
-            for (int j = k >> 1; j > 0; j >>= 1) {
-                for (int i = tid; i < n2; i += NTHREADS) {
-                    const int ixj = i ^ j;
-                    if (ixj > i) {
-                        const u64 a = list[i], bb = list[ixj];
-                        const bool desc = (i & k) == 0;
-                        if (desc ? a < bb : a > bb) {
-                            list[i] = bb;
-                            list[ixj] = a;
-                        }
-                    }
-                }
-                __syncthreads();
-            }
-        }
-        // exclusive prefix of the masses in rank order: (NMAX / NTHREADS) entries per thread
-        const int per = NMAX / NTHREADS, i0 = tid * per;
-        u32 mine = 0;
-        for (int k = 0; k < per; ++k)
-            if (i0 + k < (int)nb) mine += mass_of_key((u32)(list[i0 + k] >> 32));
-        u32 total;
-        u32 run = above_b + block_scan(mine, red, &total) - mine;
-        u64 mybest = 0ull;
-        for (int k = 0; k < per; ++k) {
-            const int i = i0 + k;
-            if (i >= (int)nb) break;
-            const u32 key = (u32)(list[i] >> 32);
-            const int id = (int)(u32)(list[i] & 0xFFFFFFFFull);
-            if ((float)run < limit) {
-                const float zt = tempered(z[id], m, t);
-                if (zt >= floor_score) {
-                    const u64 p = pack(zt + gumbel(k0, k1, id), id);
-                    mybest = p > mybest ? p : mybest;
-                }
-            }
-            run += mass_of_key(key);
-        }
-        mybest = block_maxu64(mybest, ured);
-        best = mybest > best ? mybest : best;
-    } else {
-        const u64 inb = resolve_large(z, m, t, den, k0, k1, floor_score, klo, above_b, limit, hm,
-                                      hc, red, ired, ured);
-        best = inb > best ? inb : best;
     }
+#if TOP_K > 0
+    const int token = topk_draw(list, (int)nb, top_p[r], z, m, t, k0, k1, floor_score, hm, hc,
+                                red, ired, ured, fred);
+#else
+    const u32 above_b = (u32)pl[3];
+    const float limit = __int_as_float(pl[5]);
+    u64 best = ((u64)(u32)pl[7] << 32) | (u64)(u32)pl[6];
+    u64 inb;
+    if (nb <= (u32)NMAX) {
+        const int n2 = pow2_at_least((int)nb);
+        for (int i = (int)nb + tid; i < n2; i += NTHREADS) list[i] = 0ull;
+        __syncthreads();
+        sort_desc(list, n2);  // rank order: probability, then id
+        inb = draw_sorted(list, (int)nb, above_b, limit, false, z, m, t, k0, k1, floor_score, red,
+                          ured);
+    } else {
+        inb = resolve_range(z, m, t, den, -INFINITY, k0, k1, floor_score, klo, BIN_BITS, above_b,
+                            limit, hm, hc, red, ired, ured);
+    }
+    const int token = unpack_id(inb > best ? inb : best);
+    (void)fred;
+#endif
     if (tid == 0) {
-        tokens[r] = unpack_id(best);
+        tokens[r] = token;
         g_res_n[r] = 0u;
         g_res_done[r] = 0u;
     }

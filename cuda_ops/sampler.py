@@ -19,7 +19,7 @@ SOURCE = "sampler.cu"
 ENTRIES = {
     "rejax_sample_stats": (5, 2),  # logits, thr, alt, t_a, t_b -> stats [B, 4], arg [B, 2]
     "rejax_sample_hist": (5, 1),  # logits, stats, arg, top_p, keys -> plan [B, 8]
-    "rejax_sample_resolve": (5, 1),  # logits, stats, arg, keys, plan -> tokens [B]
+    "rejax_sample_resolve": (6, 1),  # logits, stats, arg, top_p, keys, plan -> tokens [B]
 }
 PLAN_WORDS = 8
 THREADS = 512
@@ -31,12 +31,14 @@ RESIDENT_BLOCKS = 528  # 132 SMs x 4 blocks of 512 threads (the H200); the grid 
 MAX_CHUNKS = 128
 
 
-def check_shape(batch: int, vocab: int) -> tuple[bool, str]:
-    """(True, "") if the kernels support [batch, vocab] logits, else (False, why)."""
+def check_shape(batch: int, vocab: int, top_k: int = 0) -> tuple[bool, str]:
+    """(True, "") if the kernels support [batch, vocab] logits and top_k, else (False, why)."""
     if not 1 <= batch <= MAX_BATCH:
         return False, f"batch={batch} (the sampler kernel handles 1..{MAX_BATCH} rows)"
     if not 2 <= vocab <= MAX_VOCAB:
         return False, f"V={vocab} (the sampler kernel handles 2..{MAX_VOCAB} tokens)"
+    if not 0 <= top_k <= vocab:
+        return False, f"top_k={top_k} (expected 0..V={vocab})"
     return True, ""
 
 
@@ -48,11 +50,13 @@ class Plan:
     vocab: int
     chunks: int
     chunk: int
+    top_k: int = 0
     threads: int = THREADS
     nmax: int = NMAX
 
     def defines(self) -> dict:
         return {
+            "TOP_K": self.top_k,
             "B_ROWS": self.batch,
             "V_SIZE": self.vocab,
             "CHUNKS": self.chunks,
@@ -62,13 +66,13 @@ class Plan:
         }
 
 
-def plan(batch: int, vocab: int) -> Plan:
+def plan(batch: int, vocab: int, top_k: int = 0) -> Plan:
     """About one wave of blocks over the whole batch, at least 4 chunks per row."""
     chunks = max(4, min(MAX_CHUNKS, RESIDENT_BLOCKS // batch))
     chunks = min(chunks, vocab)
     chunk = -(-vocab // chunks)
     chunks = -(-vocab // chunk)  # no empty trailing chunk
-    return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk)
+    return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k)
 
 
 def _escape_mlir(text: str) -> str:
@@ -116,18 +120,19 @@ class SamplerKernel:
 
 
 @functools.cache
-def _build_cached(batch: int, vocab: int, arch: str) -> SamplerKernel:
-    p = plan(batch, vocab)
+def _build_cached(batch: int, vocab: int, top_k: int, arch: str) -> SamplerKernel:
+    p = plan(batch, vocab, top_k)
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=p.defines(), arch=arch)
     return SamplerKernel(plan=p, ptx=ptx)
 
 
-def build(batch: int, vocab: int, *, arch: str | None = None) -> SamplerKernel:
-    """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits.
+def build(batch: int, vocab: int, top_k: int = 0, *, arch: str | None = None) -> SamplerKernel:
+    """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits
+    (top_k > 0: top-k before top-p).
 
     Raises KernelError when NVRTC is missing or the shape is unsupported.
     """
-    ok, why = check_shape(batch, vocab)
+    ok, why = check_shape(batch, vocab, top_k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
-    return _build_cached(batch, vocab, arch or device_arch())
+    return _build_cached(batch, vocab, top_k, arch or device_arch())

@@ -706,7 +706,7 @@ def _row_keys(key: jax.Array, batch: int) -> jax.Array:
 def _kernel_serves(sampler: Sampler) -> bool:
     """Whether method "kernel" runs `sampler` through the fused op (else through "radix")."""
     if isinstance(sampler, Temperature):
-        return sampler.top_k == 0
+        return True
     return isinstance(sampler, ReSET) and not sampler.include_current
 
 
@@ -773,13 +773,17 @@ def _sample_tempered(
     return jnp.where(greedy, top, drawn).astype(jnp.int32)
 
 
-def _reference_tempered(logits, thr, alt, t_a, t_b, top_p, keys, *, kind: str, stats_method: str):
+def _reference_tempered(
+    logits, thr, alt, t_a, t_b, top_p, keys, *, kind: str, top_k: int, stats_method: str
+):
     """The reference of `rejax.ops.sampler.sample_top_p`: (tokens, entropy, temperature) [B].
 
     Row temperature t_a if h >= thr or h > alt, else t_b; exactly `sample`'s "radix" path
     (same statistics, denominators and random numbers).
     """
     temps = [_safe_t(t_a), _safe_t(t_b)] if kind == "reset" else [_safe_t(t_a)]
+    if top_k:
+        temps = []  # top-k changes the denominator: _sample_tempered sums it
     if stats_method == "online":
         m, top, h, denoms = _online_stats(logits, tuple(1.0 / x for x in temps))
     else:
@@ -791,21 +795,25 @@ def _reference_tempered(logits, thr, alt, t_a, t_b, top_p, keys, *, kind: str, s
             denoms = [None]
     high = (h >= thr) | (h > alt)
     t = jnp.where(high, t_a, t_b)
-    denom = denoms[0] if kind != "reset" else jnp.where(high, denoms[0], denoms[1])
-    tokens = _sample_tempered(keys, logits, m, top, t, top_p, 0, "radix", denom)
+    if kind == "reset":
+        denom = jnp.where(high, denoms[0], denoms[1])
+    else:
+        denom = denoms[0] if denoms else None
+    tokens = _sample_tempered(keys, logits, m, top, t, top_p, top_k, "radix", denom)
     return tokens, h, t
 
 
 def _sample_kernel(keys, logits, state, sampler, stats_method):
-    # the fused op (rejax.ops.sampler): Temperature without top-k, ReSET in reference semantics
+    # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics
     b = logits.shape[0]
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)
         top_p = _row_param("Temperature.top_p", sampler.top_p, b)
         thr, alt = jnp.full((b,), -jnp.inf), jnp.full((b,), jnp.inf)
         tokens, h, t = sampler_op.sample_top_p(
-            logits, thr, alt, t, t, top_p, keys, kind="temperature", stats_method=stats_method
-        )
+            logits, thr, alt, t, t, top_p, keys, kind="temperature", top_k=sampler.top_k,
+            stats_method=stats_method,
+        )  # fmt: skip
         return tokens, state, {"entropy": h, "temperature": t}
     thr, alt = _policy_threshold(state, sampler)
     t_high = _row_param("ReSET.t_high", sampler.t_high, b)

@@ -52,7 +52,11 @@ def test_cuda_lowering_emits_the_three_kernels():
     pytest.importorskip("cuda.bindings.nvrtc")
     b, v = 3, 1000
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
-    for smp in (Temperature(0.6, top_p=0.9), ReSET(top_p=0.95, **masks)):
+    for smp in (
+        Temperature(0.6, top_p=0.9),
+        ReSET(top_p=0.95, **masks),
+        Temperature(0.6, top_k=20),
+    ):
         hlo = _lower_cuda(smp, b, v)
         assert hlo.count("__gpu$xla.gpu.ptx") == 3
         cfgs = _backend_configs(hlo)
@@ -73,7 +77,6 @@ def test_cuda_lowering_falls_back_where_the_kernel_does_not_serve():
     v = 300
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
     for smp in (
-        Temperature(0.6, top_p=0.9, top_k=20),  # top-k: the "radix" path
         ReSET(include_current=True, **masks),  # figure semantics: the "radix" path
         Temperature(0.6, top_p=0.9, top_p_method="radix"),
     ):
@@ -89,7 +92,7 @@ def test_default_cpu_path_gives_the_radix_tokens():
     b, v = 4, 200
     masks = {"nl_mask": jnp.zeros(v, bool).at[3].set(True), "dnl_mask": jnp.zeros(v, bool)}
     run = jax.jit(sample, static_argnames="top_p_method")
-    for smp in (Temperature(jnp.array([0.6, 1.0, 1e-7, 2.0]), top_p=0.9),
+    for smp in (Temperature(jnp.array([0.6, 1.0, 1e-7, 2.0]), top_p=0.9, top_k=7),
                 ReSET(t_high=1.0, t_low=0.1, top_p=0.95, **masks)):  # fmt: skip
         sa = sb = sampler_init(smp, b)
         for step in range(3):
@@ -156,14 +159,43 @@ def _em_cases():
     }
 
 
-@pytest.mark.parametrize("name", list(_em_cases()))
+def _topk_cases():
+    rng = np.random.default_rng(6)
+    normal = rng.normal(size=3000).astype(np.float32)
+    steps = np.repeat(np.arange(30, 0, -1, dtype=np.float32) * 0.25, 40)  # 30 tie groups of 40
+    return {  # name: (logits, t, top_p, k, nmax, path)
+        "k20": (normal, 0.6, 0.95, 20, 2048, "topk_list"),
+        "k20_full": (normal, 0.6, 1.0, 20, 2048, "topk_list"),
+        "k20_select": (normal * 0.02, 1.0, 0.9, 20, 24, "topk_select"),
+        "k20_large": (normal, 1.0, 0.9, 20, 8, "topk_large"),
+        "ties_at_k": (steps, 1.0, 0.9, 50, 2048, "topk_list"),  # 80 tokens >= the 50th
+        "equal": (np.zeros(3000, np.float32), 1.0, 0.5, 20, 512, "topk_large"),
+        "few_live": (
+            np.r_[normal[:5], np.full(40, -np.inf, np.float32)],
+            1.0,
+            0.8,
+            20,
+            64,
+            "topk_list",
+        ),  # fmt: skip
+    }
+
+
+@pytest.mark.parametrize("name", list(_em_cases()) + [f"topk:{n}" for n in _topk_cases()])
 def test_emulation_keeps_the_definition(name):
-    z, t, top_p, nmax, path = _em_cases()[name]
-    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), nmax=nmax, chunks=5)
+    if name.startswith("topk:"):
+        z, t, top_p, k, nmax, path = _topk_cases()[name[5:]]
+    else:
+        (z, t, top_p, nmax, path), k = _em_cases()[name], 0
+    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=5)
     if path is not None:
         assert em["path"] == path
-    want = _top_p_numpy(em["probs"][None], np.array([top_p], np.float32))[0]
-    want &= np.asarray(z) > -np.inf
+    zt = np.asarray(z, np.float32) / np.float32(t)
+    live = zt > -np.inf
+    if k:  # the top-k rule on the tempered logits (ties at the k-th kept)
+        live &= zt >= np.sort(zt)[::-1][min(k, live.sum()) - 1]
+        assert (em["probs"][~live] == 0).all()
+    want = _top_p_numpy(em["probs"][None], np.array([top_p], np.float32))[0] & live
     np.testing.assert_array_equal(em["keep"], want)
     assert want[em["tokens"]].all()
 
@@ -171,15 +203,23 @@ def test_emulation_keeps_the_definition(name):
 _N = 100_000
 
 
-@pytest.mark.parametrize("name", ["peaked", "ties", "ties_large", "tiny_top_p", "top_p_1"])
+@pytest.mark.parametrize(
+    "name", ["peaked", "ties", "ties_large", "tiny_top_p", "top_p_1", "topk:k20", "topk:ties_at_k"]
+)
 def test_emulation_draws_follow_the_truncated_softmax(name):
     # 10^5 draws (one key each) against the exact truncated softmax; p > 1e-4 (fixed keys)
-    z, t, top_p, nmax, _ = _em_cases()[name]
+    if name.startswith("topk:"):
+        z, t, top_p, k, nmax, _ = _topk_cases()[name[5:]]
+        if name == "topk:ties_at_k":
+            z, k = z[::10], 5  # 30 groups of 4: the k-th falls inside the second group
+    else:
+        (z, t, top_p, nmax, _), k = _em_cases()[name], 0
     z = np.asarray(z, np.float32)
     if name.startswith("ties"):  # 4 groups of 15 (the keep cut inside one group)
         z = z[::4]
-    z = z[:80]  # at most 80 candidates per draw: the noise is 8e6 Threefry calls
-    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(_N, seed=9), nmax=nmax)
+    if not k:
+        z = z[:80]  # at most 80 candidates per draw: the noise is 8e6 Threefry calls
+    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(_N, seed=9), top_k=k, nmax=nmax)
     p = np.exp((z.astype(np.float64) - z.max()) / t)
     want = np.where(em["keep"], p, 0.0)
     _assert_draws_match(em["tokens"], want / want.sum(), name)

@@ -65,12 +65,14 @@ def _jitted_bind(**params):
 _sample_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
 
 
-def _reference(logits, thr, alt, t_a, t_b, top_p, keys, *, kind, key_impl, stats_method, **_):
+def _reference(
+    logits, thr, alt, t_a, t_b, top_p, keys, *, kind, top_k, key_impl, stats_method, **_
+):
     from rejax import sampling  # sampling imports this module
 
     return sampling._reference_tempered(
         logits, thr, alt, t_a, t_b, top_p, jax.random.wrap_key_data(keys, impl=key_impl),
-        kind=kind, stats_method=stats_method,
+        kind=kind, top_k=top_k, stats_method=stats_method,
     )  # fmt: skip
 
 
@@ -80,21 +82,21 @@ def _lower_reference(ctx, *args, **params):
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
-def _supported(b: int, v: int, keys_shape, launch: str) -> tuple[bool, str]:
+def _supported(b: int, v: int, top_k: int, keys_shape, launch: str) -> tuple[bool, str]:
     if tuple(keys_shape) != (b, 2):
         return False, f"key data of shape {tuple(keys_shape)} (the kernel takes threefry [B, 2])"
     if launch != "ptx":
         return False, f"launch={launch!r} (the sampler kernels use the PTX custom call only)"
-    return kernels.check_shape(b, v)
+    return kernels.check_shape(b, v, top_k)
 
 
 def _lower_cuda(ctx, *args, **params):
     b, v = ctx.avals_in[0].shape
-    supported = _supported(b, v, ctx.avals_in[6].shape, params["launch"])
+    supported = _supported(b, v, params["top_k"], ctx.avals_in[6].shape, params["launch"])
     kern = None
     if supported[0] and params["impl"] != "ref":
         try:
-            kern = kernels.build(b, v)
+            kern = kernels.build(b, v, params["top_k"])
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
@@ -133,7 +135,7 @@ def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
         kern,
         "rejax_sample_resolve",
         jax.ShapeDtypeStruct((b,), i32),
-        logits, stats, arg, keys, plan,
+        logits, stats, arg, top_p, keys, plan,
     )  # fmt: skip
     return tokens, stats[:, 3], stats[:, 1]
 
@@ -164,6 +166,7 @@ def sample_top_p(
     keys: jax.Array,
     *,
     kind: str,
+    top_k: int = 0,
     impl: str = "auto",
     stats_method: str = "two_pass",
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -176,6 +179,8 @@ def sample_top_p(
       top_p: f32 [B] in (0, 1].
       keys: [B] typed jax.random keys, one per row (fold the step in before).
       kind: "temperature" or "reset" (only how the reference sums its denominators). Static.
+      top_k: > 0 keeps the tokens whose tempered logit is >= the k-th largest before top-p
+        (`rejax.sampling.Temperature`'s rule). Static.
       impl: "auto" (kernel on CUDA when supported), "ref", or "cuda" (kernel or an error).
       stats_method: the reference's statistics ("two_pass" / "online"). Static.
 
@@ -188,7 +193,10 @@ def sample_top_p(
     key_impl = str(jax.random.key_impl(keys))
     data = jax.random.key_data(keys)
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
-    params = {"kind": kind, "key_impl": key_impl, "stats_method": stats_method, "impl": impl}
+    if not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k={top_k!r}, expected an int in [0, V={logits.shape[-1]}]")
+    params = {"kind": kind, "top_k": int(top_k), "key_impl": key_impl}
+    params |= {"stats_method": stats_method, "impl": impl}
     outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, launch=launch, **params)
     return tuple(outs)
 
@@ -198,7 +206,7 @@ def sample_top_p(
 _KEY_LO = (127 - 31) << 23
 _BIN_BITS = 17
 _GMAX = np.float32(17.5)
-PATHS = ("greedy", "full", "whole", "collect", "large")
+PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
 
 
 def threefry_x0(k0, k1, c0, c1=0):
@@ -271,6 +279,88 @@ def _row_stats(z: np.ndarray, chunks: int, ta: np.float32, tb: np.float32):
     return m, h, sa, sb
 
 
+def _probs(zt, live, den):
+    with np.errstate(under="ignore", over="ignore"):
+        probs = np.where(live, np.exp(zt) / den, 0).astype(np.float32)
+    keys = probs.view(np.uint32).astype(np.int64)
+    return probs, keys, np.where(live, _masses(keys), 0)
+
+
+def _top_p_keep(zt, live, den, tp, nmax, collect):
+    # the histogram kernel's boundary bin, then resolve's collect (or large-bin) path
+    probs, keys, q = _probs(zt, live, den)
+    if tp >= 1:
+        return live, probs, "full"
+    nb = kernels.NB
+    bins = np.where(live, _bins(keys), -1)
+    mass = np.bincount(bins[bins > 0], weights=q[bins > 0], minlength=nb).astype(np.int64)
+    cnt = np.bincount(bins[bins > 0], minlength=nb)
+    limit = tp * np.float32(q.sum())
+    b, above_b = _boundary(mass, cnt, 0, limit)
+    lo = _KEY_LO + 1 + ((b - 1) << _BIN_BITS)
+    keep = live & (bins > b)
+    edge = int(_masses(np.array([lo]))[0])
+    if cnt[b] == 1 or np.float32(above_b + mass[b] - edge) < limit:
+        return keep | (bins == b), probs, "whole"
+    if collect and cnt[b] <= nmax:  # collect, sort by (p, id) descending, exact prefix
+        sel = np.flatnonzero(bins == b)
+        order = sel[np.lexsort((-sel, -keys[sel]))]
+        excl = above_b + np.cumsum(q[order]) - q[order]
+        keep[order[excl.astype(np.float32) < limit]] = True
+        return keep, probs, "collect"
+    # two finer levels, then the tie group cut by id
+    inb = bins == b
+    sub = np.where(inb, (keys - lo) >> 6, -1)
+    m2 = np.bincount(sub[inb], weights=q[inb], minlength=nb).astype(np.int64)
+    b2, above = _boundary(m2, np.bincount(sub[inb], minlength=nb), above_b, limit)
+    lo2 = lo + (b2 << 6)
+    ins = inb & (sub == b2)
+    m3 = np.bincount(keys[ins] - lo2, weights=q[ins], minlength=64).astype(np.int64)
+    b3, above = _boundary(m3, np.bincount(keys[ins] - lo2, minlength=64), above, limit)
+    kb = lo2 + b3
+    tie = live & (keys == kb)
+    qb = int(_masses(np.array([kb]))[0])
+    j = np.arange(int(tie.sum()))
+    n_keep = int(np.sum((above + j * qb).astype(np.float32) < limit))
+    rank = tie.sum() - np.cumsum(tie)  # ties at higher ids
+    keep |= inb & ((keys > kb) | (tie & (rank < n_keep)))
+    return keep, probs, "large"
+
+
+def _top_k_keep(zt, live, t, k, tp, nmax):
+    # top-k bins of the tempered logit, the bin of the k-th largest, then the list (or the last
+    # block's selection over V, or its top-p over the top-k set for a huge tie group)
+    nb = kernels.NB
+    x = -zt * (np.float32(t) * np.float32(64.0))
+    with np.errstate(invalid="ignore"):
+        tbin = nb - 1 - np.where(x < nb - 1, np.floor(np.where(live, x, 0)), nb - 1).astype(int)
+    cnt = np.bincount(tbin[live], minlength=nb)
+    suffix = np.cumsum(cnt[::-1])[::-1]
+    hits = np.flatnonzero(suffix >= k)
+    c = int(suffix[hits[-1]]) if hits.size else int(live.sum())
+    n_live = int(live.sum())
+    vk = np.sort(zt[live])[::-1][k - 1] if n_live >= k else -np.inf
+    in_k = live & (zt >= vk)
+    den = np.sum(np.exp(zt[in_k]), dtype=np.float32)
+    if c <= nmax:
+        path = "topk_list"
+    elif n_live >= k and int(in_k.sum()) <= nmax:
+        path = "topk_select"
+    else:
+        keep, probs, _ = _top_p_keep(zt, in_k, den, tp, nmax, collect=False)
+        return keep, probs, "topk_large"
+    probs, keys, q = _probs(zt, in_k, den)
+    if tp >= 1:
+        return in_k, probs, path
+    sel = np.flatnonzero(in_k)
+    order = sel[np.lexsort((-sel, -keys[sel]))]
+    limit = tp * np.float32(q.sum())
+    excl = np.cumsum(q[order]) - q[order]
+    keep = np.zeros_like(live)
+    keep[order[excl.astype(np.float32) < limit]] = True
+    return keep, probs, path
+
+
 def emulate(
     logits,
     thr,
@@ -280,6 +370,7 @@ def emulate(
     top_p,
     key_data,
     *,
+    top_k: int = 0,
     chunks: int = 8,
     nmax: int = kernels.NMAX,
     prune: bool = True,
@@ -289,6 +380,7 @@ def emulate(
     Args:
       logits: f32 [V] one row; thr, alt, t_a, t_b, top_p: its scalars.
       key_data: uint32 [n, 2] row keys (n independent draws from the same logits).
+      top_k: > 0: top-k (on the tempered logits, ties kept) before top-p.
       chunks: blocks per row of the statistics pass; nmax: the collected bin's capacity.
       prune: skip tokens that cannot beat the top-ranked token's score (the kernels do).
 
@@ -310,51 +402,13 @@ def emulate(
                    probs=None, keep=None)  # fmt: skip
         return out
     v = z.shape[0]
-
     zt = (z - m) / t
     live = zt > -np.inf
-    with np.errstate(under="ignore"):
-        probs = np.where(live, np.exp(zt) / den, 0).astype(np.float32)
-    keys = probs.view(np.uint32).astype(np.int64)
-    q = np.where(live, _masses(keys), 0)
-    bins = np.where(live, _bins(keys), -1)
     tp = np.float32(top_p)
-    if tp >= 1:
-        keep, path = live, "full"
+    if top_k:
+        keep, probs, path = _top_k_keep(zt, live, t, top_k, tp, nmax)
     else:
-        nb = kernels.NB
-        mass = np.bincount(bins[bins > 0], weights=q[bins > 0], minlength=nb).astype(np.int64)
-        cnt = np.bincount(bins[bins > 0], minlength=nb)
-        limit = tp * np.float32(q.sum())
-        b, above_b = _boundary(mass, cnt, 0, limit)
-        lo = _KEY_LO + 1 + ((b - 1) << _BIN_BITS)
-        keep = live & (bins > b)
-        edge = int(_masses(np.array([lo]))[0])
-        if cnt[b] == 1 or np.float32(above_b + mass[b] - edge) < limit:
-            keep, path = keep | (bins == b), "whole"
-        elif cnt[b] <= nmax:  # collect, sort by (p, id) descending, exact prefix
-            sel = np.flatnonzero(bins == b)
-            order = sel[np.lexsort((-sel, -keys[sel]))]
-            excl = above_b + np.cumsum(q[order]) - q[order]
-            keep[order[excl.astype(np.float32) < limit]] = True
-            path = "collect"
-        else:  # two finer levels, then the tie group cut by id
-            inb = bins == b
-            sub = np.where(inb, (keys - lo) >> 6, -1)
-            m2 = np.bincount(sub[inb], weights=q[inb], minlength=nb).astype(np.int64)
-            b2, above = _boundary(m2, np.bincount(sub[inb], minlength=nb), above_b, limit)
-            lo2 = lo + (b2 << 6)
-            ins = inb & (sub == b2)
-            m3 = np.bincount(keys[ins] - lo2, weights=q[ins], minlength=64).astype(np.int64)
-            b3, above = _boundary(m3, np.bincount(keys[ins] - lo2, minlength=64), above, limit)
-            kb = lo2 + b3
-            tie = keys == kb
-            qb = int(_masses(np.array([kb]))[0])
-            j = np.arange(int(tie.sum()))
-            n_keep = int(np.sum((above + j * qb).astype(np.float32) < limit))
-            rank = tie.sum() - np.cumsum(tie)  # ties at higher ids
-            keep |= inb & ((keys > kb) | (tie & (rank < n_keep)))
-            path = "large"
+        keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True)
     out.update(probs=probs, keep=keep, path=path)
     # Gumbel-max over the kept tokens, ties to the lower id; pruned below the top token's score
     top_last = v - 1 - int(np.argmax(z[::-1]))
