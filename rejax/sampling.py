@@ -852,8 +852,8 @@ def sample(
       top_p_method: one of `SAMPLE_METHODS`, overriding the sampler's own `top_p_method`
         (None: the sampler's). (The same kept set; "topk" draws with other random
         numbers than "radix" and "sort" do, and so does "kernel" on a GPU, so tokens differ
-        for the same key; "kernel" off a GPU, or for Temperature with top_k > 0 or ReSET with
-        include_current=True, is "radix"). Static.
+        for the same key; "kernel" off a GPU, or for ReSET with include_current=True, is
+        "radix"). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.

@@ -69,25 +69,26 @@ def test_lowered_on_gpu_as_three_custom_calls():
 
 
 @pytest.mark.parametrize(
-    "kind,t,top_p",
-    [("peaked", 0.6, 0.95), ("real", 1.0, 0.95), ("flat", 0.6, 0.95), ("ties", 1.0, 0.5),
-     ("equal", 1.0, 0.3), ("real", 1.0, 1.0), ("real", 0.6, 1e-3), ("peaked", 0.0, 0.95)],
+    "kind,t,top_p,top_k",
+    [("peaked", 0.6, 0.95, 0), ("real", 1.0, 0.95, 0), ("flat", 0.6, 0.95, 0),
+     ("ties", 1.0, 0.5, 0), ("equal", 1.0, 0.3, 0), ("real", 1.0, 1.0, 0), ("real", 0.6, 1e-3, 0),
+     ("peaked", 0.0, 0.95, 0), ("real", 0.6, 0.95, 20), ("real", 1.0, 1.0, 20),
+     ("equal", 1.0, 0.5, 20), ("flat", 1.0, 0.9, 3000), ("ties", 1.0, 0.9, 30)],
 )  # fmt: skip
-def test_kernel_matches_emulation_and_nucleus(kind, t, top_p):
+def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k):
     b = 16
     z = _logits(kind, b, seed=1)
     keys = jax.random.split(jax.random.key(7), b)
-    tok, _, info = _run(Temperature(t=t, top_p=top_p), z, keys)
+    tok, _, info = _run(Temperature(t=t, top_p=top_p, top_k=top_k), z, keys)
     data = np.asarray(jax.random.key_data(keys))
     agree, paths = 0, set()
+    chunks = op.kernels.plan(b, V).chunks
     for i in range(b):
-        em = op.emulate(
-            z[i], -np.inf, np.inf, t, t, top_p, data[i], chunks=op.kernels.plan(b, V).chunks
-        )
+        em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k, chunks=chunks)
         paths.add(em["path"])
         agree += int(em["tokens"][0] == tok[i])
         if t > 0:
-            _, keep = _nucleus64(z[i], t, top_p)
+            _, keep = _nucleus64(_top_k64(z[i], top_k), t, top_p)
             assert keep[tok[i]], (kind, i, tok[i])
         else:
             assert tok[i] == np.argmax(z[i])
@@ -95,14 +96,20 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p):
     np.testing.assert_allclose(np.asarray(info["temperature"]), t)
 
 
+def _top_k64(z: np.ndarray, k: int) -> np.ndarray:
+    return z if not k else np.where(z >= np.sort(z)[::-1][k - 1], z, -np.inf)
+
+
 @pytest.mark.parametrize(
-    "kind,t,top_p", [("peaked", 1.0, 0.95), ("ties", 1.0, 0.5), ("real", 0.6, 0.9),
-                     ("equal", 1.0, 1e-4), ("peaked", 1.0, 1.0)],
+    "kind,t,top_p,top_k",
+    [("peaked", 1.0, 0.95, 0), ("ties", 1.0, 0.5, 0), ("real", 0.6, 0.9, 0),
+     ("equal", 1.0, 1e-4, 0), ("peaked", 1.0, 1.0, 0), ("real", 0.6, 0.95, 20),
+     ("ties", 1.0, 1.0, 30)],
 )  # fmt: skip
-def test_kernel_distribution_chi_square(kind, t, top_p):
+def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
     b, steps = 64, 1600  # 102,400 draws
     z = np.repeat(_logits(kind, 1, seed=3), b, axis=0)
-    smp = Temperature(t=t, top_p=top_p)
+    smp = Temperature(t=t, top_p=top_p, top_k=top_k)
     key = jax.random.key(11)
 
     @jax.jit
@@ -114,10 +121,10 @@ def test_kernel_distribution_chi_square(kind, t, top_p):
         return jax.lax.scan(body, 0, jnp.arange(steps))[1]
 
     tok = np.asarray(draws(jnp.asarray(z))).ravel()
-    p, keep = _nucleus64(z[0], t, top_p, slack=0.0)
+    p, keep = _nucleus64(_top_k64(z[0], top_k), t, top_p, slack=0.0)
     assert keep[tok].all(), "a token outside the nucleus"
     q = np.where(keep, p, 0)
-    _assert_draws_match(tok, q / q.sum(), f"{kind} t={t} top_p={top_p}")  # p > 1e-4
+    _assert_draws_match(tok, q / q.sum(), f"{kind} t={t} top_p={top_p} top_k={top_k}")
 
 
 def test_rows_independent_and_batch_sizes():

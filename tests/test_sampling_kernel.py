@@ -170,14 +170,7 @@ def _topk_cases():
         "k20_large": (normal, 1.0, 0.9, 20, 8, "topk_large"),
         "ties_at_k": (steps, 1.0, 0.9, 50, 2048, "topk_list"),  # 80 tokens >= the 50th
         "equal": (np.zeros(3000, np.float32), 1.0, 0.5, 20, 512, "topk_large"),
-        "few_live": (
-            np.r_[normal[:5], np.full(40, -np.inf, np.float32)],
-            1.0,
-            0.8,
-            20,
-            64,
-            "topk_list",
-        ),  # fmt: skip
+        "few_live": (np.r_[normal[:5], [-np.inf] * 40], 1.0, 0.8, 20, 64, "topk_list"),
     }
 
 
