@@ -38,7 +38,10 @@ typedef unsigned long long u64;
 #define KEY_LO ((127u - 31u) << 23)  // bit pattern of 2**-31: larger patterns have mass >= 1
 #define BIN_BITS 17                  // key bits below the bin index
 #define GREEDY_EPS 1e-6f
-#define GMAX 17.5f                   // > the largest Gumbel value gumbel() can return (16.64)
+// A token can win the draw only if its tempered logit is >= FLOOR: the top-ranked token (always
+// kept, zt within 2**-24 of 0) scores >= -2.82 (the smallest Gumbel value gumbel() returns) and
+// no token scores above zt + 16.64 (the largest), so FLOOR = -(16.64 + 2.82) less a margin.
+#define FLOOR (-20.5f)
 #define MASS_SCALE 1073741824.0f     // 2**30
 #define INT_BIG 0x7fffffff
 #define INFINITY __int_as_float(0x7f800000)
@@ -381,8 +384,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     }
     const float tp = top_p[r];
     const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
-    // the top-ranked token (zt = 0) is always kept: no token scoring below it can win
-    const float floor_score = gumbel(k0, k1, arg[r * 2 + 1]) - GMAX;
+    const float floor_score = FLOOR;
     for (int i = tid; i < NB; i += NTHREADS) {
         hm[i] = 0u;
         hc[i] = 0u;
@@ -841,7 +843,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     }
     if (!last_arrival(&g_res_done[r], &is_last)) return;
     const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
-    const float floor_score = gumbel(k0, k1, arg[r * 2 + 1]) - GMAX;
+    const float floor_score = FLOOR;
     if (nb <= (u32)NMAX) {
         for (int i = tid; i < (int)nb; i += NTHREADS) list[i] = __ldcg(&g_res_list[r * NMAX + i]);
         __syncthreads();

@@ -205,7 +205,7 @@ def sample_top_p(
 
 _KEY_LO = (127 - 31) << 23
 _BIN_BITS = 17
-_GMAX = np.float32(17.5)
+_FLOOR = np.float32(-20.5)  # no token below this tempered logit can win (sampler.cu's FLOOR)
 PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
 
 
@@ -401,7 +401,6 @@ def emulate(
         out.update(tokens=np.full(len(key_data), int(np.argmax(z)), np.int32), path="greedy",
                    probs=None, keep=None)  # fmt: skip
         return out
-    v = z.shape[0]
     zt = (z - m) / t
     live = zt > -np.inf
     tp = np.float32(top_p)
@@ -410,12 +409,10 @@ def emulate(
     else:
         keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True)
     out.update(probs=probs, keep=keep, path=path)
-    # Gumbel-max over the kept tokens, ties to the lower id; pruned below the top token's score
-    top_last = v - 1 - int(np.argmax(z[::-1]))
+    # Gumbel-max over the kept tokens, ties to the lower id; pruned below FLOOR
     cand = np.flatnonzero(keep)
-    score = zt[cand][None, :] + gumbel(k0, k1, cand[None, :])
     if prune:
-        floor = gumbel(k0, k1, top_last) - _GMAX
-        score = np.where(zt[cand][None, :] >= floor, score, -np.inf)
+        cand = cand[zt[cand] >= _FLOOR]
+    score = zt[cand][None, :] + gumbel(k0, k1, cand[None, :])
     out["tokens"] = cand[np.argmax(score, axis=1)].astype(np.int32)
     return out
