@@ -50,25 +50,35 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 rotl(u32 x, int r) { return (x << r) | (x >> (32 - r)); }
 
-// Threefry-2x32 (20 rounds), first output word, for key (k0, k1) and counter (c0, c1).
-__device__ __forceinline__ u32 threefry_x0(u32 k0, u32 k1, u32 c0, u32 c1) {
-    const u32 ks0 = k0, ks1 = k1, ks2 = k0 ^ k1 ^ 0x1BD11BDAu;
-    u32 x0 = c0 + ks0, x1 = c1 + ks1;
-#define RND(r) x0 += x1; x1 = rotl(x1, r); x1 ^= x0;
-    RND(13) RND(15) RND(26) RND(6)  x0 += ks1; x1 += ks2 + 1u;
-    RND(17) RND(29) RND(16) RND(24) x0 += ks2; x1 += ks0 + 2u;
-    RND(13) RND(15) RND(26) RND(6)  x0 += ks0; x1 += ks1 + 3u;
-    RND(17) RND(29) RND(16) RND(24) x0 += ks1; x1 += ks2 + 4u;
-    RND(13) RND(15) RND(26) RND(6)  x0 += ks2; x1 += ks0 + 5u;
-#undef RND
-    return x0;
+// Philox-4x32-10 (Random123's constants), the 4 output words for counter (c0, c1, c2, c3).
+__device__ __forceinline__ uint4 philox(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, u32 k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const u32 lo0 = 0xD2511F53u * c0, hi0 = __umulhi(0xD2511F53u, c0);
+        const u32 lo1 = 0xCD9E8D57u * c2, hi1 = __umulhi(0xCD9E8D57u, c2);
+        c0 = hi1 ^ c1 ^ k0;
+        c1 = lo1;
+        c2 = hi0 ^ c3 ^ k1;
+        c3 = lo0;
+    }
+    return make_uint4(c0, c1, c2, c3);
 }
 
-// Gumbel noise of token `id` under the row key: u in [2**-24, 1 - 2**-24] from 23 random bits.
-__device__ __forceinline__ float gumbel(u32 k0, u32 k1, int id) {
-    const u32 x = threefry_x0(k0, k1, (u32)id, 0u);
+// Gumbel noise from one random word: u in [2**-24, 1 - 2**-24] from its top 23 bits.
+__device__ __forceinline__ float gumbel_of(u32 x) {
     const float u = ((float)(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
-    return -logf(-logf(u));
+    return -__logf(-logf(u));
+}
+__device__ __forceinline__ u32 word(uint4 w, int i) {
+    return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
+}
+// Token id's noise under the row key: word id % 4 of Philox at counter (id / 4, 0, 0, 0).
+__device__ __forceinline__ float gumbel(u32 k0, u32 k1, int id) {
+    return gumbel_of(word(philox((u32)id >> 2, 0u, 0u, 0u, k0, k1), id & 3));
 }
 
 // (score, id) packed so that a larger u64 is a larger score, then the lower id; 0 = none.
@@ -84,9 +94,11 @@ __device__ __forceinline__ u32 mass_of_key(u32 key) {
 }
 
 // The token's tempered logit and the bit pattern of its probability (the same code in every
-// kernel, so all of them see identical values).
-__device__ __forceinline__ float tempered(float z, float m, float t) { return (z - m) / t; }
-__device__ __forceinline__ u32 prob_key(float zt, float den) { return __float_as_uint(expf(zt) / den); }
+// kernel, so all of them see identical values): multiplies by the row's 1 / t and 1 / denominator.
+__device__ __forceinline__ float tempered(float z, float m, float inv_t) { return (z - m) * inv_t; }
+__device__ __forceinline__ u32 prob_key(float zt, float inv_den) {
+    return __float_as_uint(expf(zt) * inv_den);
+}
 __device__ __forceinline__ int bin_of(u32 key) {
     return key > KEY_LO ? (int)((key - KEY_LO - 1u) >> BIN_BITS) + 1 : 0;
 }
@@ -255,8 +267,8 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
     const float* z = logits + (size_t)r * V_SIZE;
     const int lo = c * CH, hi = min(lo + CH, V_SIZE);
     const float ta_raw = t_a[r], tb_raw = t_b[r];
-    const float ta = ta_raw <= GREEDY_EPS ? 1.0f : ta_raw;
-    const float tb = tb_raw <= GREEDY_EPS ? 1.0f : tb_raw;
+    const float ia = 1.0f / (ta_raw <= GREEDY_EPS ? 1.0f : ta_raw);
+    const float ib = 1.0f / (tb_raw <= GREEDY_EPS ? 1.0f : tb_raw);
 
     float m = -INFINITY;
     int first = INT_BIG, last = -1;
@@ -281,8 +293,8 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
             const float e = expf(d);
             s += e;
             if (e > 0.0f) u += e * d;
-            sa += expf(d / ta);
-            sb += expf(d / tb);
+            sa += expf(d * ia);
+            sb += expf(d * ib);
         }
     }
     s = block_sum(s, red);
@@ -318,8 +330,8 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
             const float dm = mi - mw, w = expf(dm);
             S += si * w;
             U += w * (__ldcg(part + i * 5 + 2) + si * dm);
-            SA += __ldcg(part + i * 5 + 3) * expf(dm / ta);
-            SB += __ldcg(part + i * 5 + 4) * expf(dm / tb);
+            SA += __ldcg(part + i * 5 + 3) * expf(dm * ia);
+            SB += __ldcg(part + i * 5 + 4) * expf(dm * ib);
         }
     }
     S = warp_sum(S);
@@ -383,6 +395,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
         return;
     }
     const float tp = top_p[r];
+    const float it = 1.0f / t, iden = 1.0f / den;
     const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
     const float floor_score = FLOOR;
     for (int i = tid; i < NB; i += NTHREADS) {
@@ -393,19 +406,42 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     __syncthreads();
     const float* z = logits + (size_t)r * V_SIZE;
     const int lo = c * CH, hi = min(lo + CH, V_SIZE);
-    for (int j = lo + tid; j < hi; j += NTHREADS) {
-        const float zt = tempered(z[j], m, t);
-        if (!(zt > -INFINITY)) continue;  // masked (and NaN) logits are never drawn
-#if TOP_K > 0
-        atomicAdd(&hc[topk_bin(zt, t)], 1u);
+    // four consecutive tokens per thread: one Philox call gives the noise of all four
+    for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        float x[4];
+#if V_SIZE % 4 == 0
+        const float4 v4 = *reinterpret_cast<const float4*>(z + j0);  // CH % 4 == 0: aligned
+        x[0] = v4.x;
+        x[1] = v4.y;
+        x[2] = v4.z;
+        x[3] = v4.w;
 #else
-        const u32 key = prob_key(zt, den);
-        const int b = bin_of(key);
-        if (b > 0) {
-            atomicAdd(&hm[b], mass_of_key(key));
-            atomicAdd(&hc[b], 1u);
+        for (int q = 0; q < 4; ++q) x[q] = j0 + q < hi ? z[j0 + q] : -INFINITY;
+#endif
+#if TOP_K > 0
+        for (int q = 0; q < 4; ++q) {
+            const float zt = tempered(x[q], m, it);
+            if (zt > -INFINITY) atomicAdd(&hc[topk_bin(zt, t)], 1u);
         }
-        if (zt >= floor_score) atomicMax(&hb[b], pack(zt + gumbel(k0, k1, j), j));
+#else
+        float zt[4];
+        bool any = false;
+        for (int q = 0; q < 4; ++q) {
+            zt[q] = tempered(x[q], m, it);
+            any |= zt[q] >= floor_score;
+        }
+        const uint4 w = any ? philox((u32)j0 >> 2, 0u, 0u, 0u, k0, k1) : make_uint4(0, 0, 0, 0);
+        for (int q = 0; q < 4; ++q) {
+            if (!(zt[q] > -INFINITY)) continue;  // masked (and NaN) logits are never drawn
+            const u32 key = prob_key(zt[q], iden);
+            const int b = bin_of(key);
+            if (b > 0) {
+                atomicAdd(&hm[b], mass_of_key(key));
+                atomicAdd(&hc[b], 1u);
+            }
+            if (zt[q] >= floor_score)
+                atomicMax(&hb[b], pack(zt[q] + gumbel_of(word(w, q)), j0 + q));
+        }
 #endif
     }
     __syncthreads();
@@ -543,7 +579,7 @@ __device__ __forceinline__ int pow2_at_least(int n) {
 // list[0, n) holds (probability bits << 32 | id) in rank order below `base` mass: the best packed
 // score among the kept ones (all of them if `full`).
 __device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool full,
-                           const float* z, float m, float t, u32 k0, u32 k1, float floor_score,
+                           const float* z, float m, float it, u32 k0, u32 k1, float floor_score,
                            u32* red, u64* ured) {
     const int per = NMAX / NTHREADS, i0 = threadIdx.x * per;
     u32 mine = 0;
@@ -558,7 +594,7 @@ __device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool f
         const u32 key = (u32)(list[i] >> 32);
         const int id = (int)(u32)(list[i] & 0xFFFFFFFFull);
         if (full || (float)run < limit) {
-            const float zt = tempered(z[id], m, t);
+            const float zt = tempered(z[id], m, it);
             if (zt >= floor_score) {
                 const u64 p = pack(zt + gumbel(k0, k1, id), id);
                 best = p > best ? p : best;
@@ -573,7 +609,7 @@ __device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool f
 // [lo, lo + 2**bits), ranked below `above` mass, by the last block alone: histograms of up to 11
 // bits a level over V until one bit pattern remains, then that tie group cut by id (contiguous
 // id ranges per thread, the higher ids ranking above). Returns the best packed score among them.
-__device__ u64 resolve_range(const float* z, float m, float t, float den, float zmin, u32 k0,
+__device__ u64 resolve_range(const float* z, float m, float it, float iden, float zmin, u32 k0,
                              u32 k1, float floor_score, u32 lo, int bits, u32 above, float limit,
                              u32* hm, u32* hc, u32* red, int* ired, u64* ured) {
     const int tid = threadIdx.x;
@@ -586,9 +622,9 @@ __device__ u64 resolve_range(const float* z, float m, float t, float den, float 
         }
         __syncthreads();
         for (int j = tid; j < V_SIZE; j += NTHREADS) {
-            const float zt = tempered(z[j], m, t);
+            const float zt = tempered(z[j], m, it);
             if (!(zt > -INFINITY) || zt < zmin) continue;
-            const u32 key = prob_key(zt, den);
+            const u32 key = prob_key(zt, iden);
             if (key >= lo && ((key - lo) >> bits) == 0u) {
                 const int i = (int)((key - lo) >> shift);
                 atomicAdd(&hm[i], mass_of_key(key));
@@ -608,8 +644,8 @@ __device__ u64 resolve_range(const float* z, float m, float t, float den, float 
     const int j0 = tid * per, j1 = min(j0 + per, V_SIZE);
     u32 ties = 0;
     for (int j = j0; j < j1; ++j) {
-        const float zt = tempered(z[j], m, t);
-        if (zt > -INFINITY && zt >= zmin && prob_key(zt, den) == kb) ++ties;
+        const float zt = tempered(z[j], m, it);
+        if (zt > -INFINITY && zt >= zmin && prob_key(zt, iden) == kb) ++ties;
     }
     u32 n_tie;
     const u32 incl = block_scan(ties, red, &n_tie);
@@ -624,9 +660,9 @@ __device__ u64 resolve_range(const float* z, float m, float t, float den, float 
     const u32 n_keep = lo_j + 1;
     u64 best = 0ull;
     for (int j = j1 - 1; j >= j0; --j) {
-        const float zt = tempered(z[j], m, t);
+        const float zt = tempered(z[j], m, it);
         if (!(zt > -INFINITY) || zt < zmin) continue;
-        const u32 key = prob_key(zt, den);
+        const u32 key = prob_key(zt, iden);
         bool kept = key > kb && key < khi;
         if (key == kb) kept = rank++ < n_keep;
         if (kept && zt >= floor_score) {
@@ -641,7 +677,7 @@ __device__ u64 resolve_range(const float* z, float m, float t, float den, float 
 // Top-k then top-p by the last block. list[0, n) holds (order bits of zt << 32 | id) of a superset
 // of the top-k tokens (every token >= the k-th largest); or, with n > NMAX, nothing yet: the k-th
 // largest is then found by histograms over V first.
-__device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, float t, u32 k0,
+__device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, float it, u32 k0,
                          u32 k1, float floor_score, u32* hm, u32* hc, u32* red, int* ired,
                          u64* ured, float* fred) {
     __shared__ u32 s_n;
@@ -655,7 +691,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
             for (int i = tid; i < NB; i += NTHREADS) hc[i] = 0u;
             __syncthreads();
             for (int j = tid; j < V_SIZE; j += NTHREADS) {
-                const float zt = tempered(z[j], m, t);
+                const float zt = tempered(z[j], m, it);
                 if (!(zt > -INFINITY)) continue;
                 const u32 o = ord_of(zt);
                 if (hi_shift == 32 || (o >> hi_shift) == (prefix >> hi_shift))
@@ -700,7 +736,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
             if (tid == 0) s_n = 0u;
             __syncthreads();
             for (int j = tid; j < V_SIZE; j += NTHREADS) {
-                const float zt = tempered(z[j], m, t);
+                const float zt = tempered(z[j], m, it);
                 if (zt > -INFINITY && ord_of(zt) >= vk) {
                     const u32 slot = atomicAdd(&s_n, 1u);
                     list[slot] = ((u64)ord_of(zt) << 32) | (u32)j;
@@ -712,10 +748,10 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
             const float zmin = found ? float_of_ord(vk) : -INFINITY;
             float s = 0.0f;
             for (int j = tid; j < V_SIZE; j += NTHREADS) {
-                const float zt = tempered(z[j], m, t);
+                const float zt = tempered(z[j], m, it);
                 if (zt > -INFINITY && zt >= zmin) s += expf(zt);
             }
-            const float den = block_sum(s, fred);
+            const float iden = 1.0f / block_sum(s, fred);
             u64* hb = list;  // NB words: the list is not used on this path
             for (int i = tid; i < NB; i += NTHREADS) {
                 hm[i] = 0u;
@@ -724,9 +760,9 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
             }
             __syncthreads();
             for (int j = tid; j < V_SIZE; j += NTHREADS) {
-                const float zt = tempered(z[j], m, t);
+                const float zt = tempered(z[j], m, it);
                 if (!(zt > -INFINITY) || zt < zmin) continue;
-                const u32 key = prob_key(zt, den);
+                const u32 key = prob_key(zt, iden);
                 const int b = bin_of(key);
                 if (b > 0) {
                     atomicAdd(&hm[b], mass_of_key(key));
@@ -761,7 +797,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
                 for (int i = tid; i < NB; i += NTHREADS)
                     if (i > b && hb[i] > above_best) above_best = hb[i];
                 above_best = block_maxu64(above_best, ured);
-                const u64 inb = resolve_range(z, m, t, den, zmin, k0, k1, floor_score, bin_lo(b),
+                const u64 inb = resolve_range(z, m, it, iden, zmin, k0, k1, floor_score, bin_lo(b),
                                               BIN_BITS, above_b, limit, hm, hc, red, ired, ured);
                 best = inb > above_best ? inb : above_best;
             }
@@ -780,10 +816,10 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
     nk = block_maxi(nk, ired);
     float s = 0.0f;
     for (int i = tid; i < nk; i += NTHREADS) s += expf(float_of_ord((u32)(list[i] >> 32)));
-    const float den = block_sum(s, fred);
+    const float iden = 1.0f / block_sum(s, fred);
     for (int i = tid; i < n2; i += NTHREADS) {
         const u64 e = list[i];
-        list[i] = i < nk ? ((u64)prob_key(float_of_ord((u32)(e >> 32)), den) << 32) |
+        list[i] = i < nk ? ((u64)prob_key(float_of_ord((u32)(e >> 32)), iden) << 32) |
                                (e & 0xFFFFFFFFull)
                          : 0ull;
     }
@@ -794,7 +830,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
     u32 total;
     block_scan(mine, red, &total);
     const float limit = tp * (float)total;
-    const u64 best = draw_sorted(list, nk, 0u, limit, tp >= 1.0f, z, m, t, k0, k1, floor_score,
+    const u64 best = draw_sorted(list, nk, 0u, limit, tp >= 1.0f, z, m, it, k0, k1, floor_score,
                                  red, ured);
     return unpack_id(best);
 }
@@ -819,6 +855,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
         return;
     }
     const float m = stats[r * 4], t = stats[r * 4 + 1], den = stats[r * 4 + 2];
+    const float it = 1.0f / t, iden = 1.0f / den;
     const int b = pl[2];
     const u32 nb = (u32)pl[4];
     const float* z = logits + (size_t)r * V_SIZE;
@@ -826,13 +863,13 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     if (nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of the bins >= b
         const int lo = c * CH, hi = min(lo + CH, V_SIZE);
         for (int j = lo + tid; j < hi; j += NTHREADS) {
-            const float zt = tempered(z[j], m, t);
+            const float zt = tempered(z[j], m, it);
             if (!(zt > -INFINITY)) continue;
 #if TOP_K > 0
             const bool in = topk_bin(zt, t) >= b;
             const u32 key = ord_of(zt);
 #else
-            const u32 key = prob_key(zt, den);
+            const u32 key = prob_key(zt, iden);
             const bool in = key >= klo && key - klo < (1u << BIN_BITS);
 #endif
             if (in) {
@@ -849,7 +886,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
         __syncthreads();
     }
 #if TOP_K > 0
-    const int token = topk_draw(list, (int)nb, top_p[r], z, m, t, k0, k1, floor_score, hm, hc,
+    const int token = topk_draw(list, (int)nb, top_p[r], z, m, it, k0, k1, floor_score, hm, hc,
                                 red, ired, ured, fred);
 #else
     const u32 above_b = (u32)pl[3];
@@ -861,10 +898,10 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
         for (int i = (int)nb + tid; i < n2; i += NTHREADS) list[i] = 0ull;
         __syncthreads();
         sort_desc(list, n2);  // rank order: probability, then id
-        inb = draw_sorted(list, (int)nb, above_b, limit, false, z, m, t, k0, k1, floor_score, red,
+        inb = draw_sorted(list, (int)nb, above_b, limit, false, z, m, it, k0, k1, floor_score, red,
                           ured);
     } else {
-        inb = resolve_range(z, m, t, den, -INFINITY, k0, k1, floor_score, klo, BIN_BITS, above_b,
+        inb = resolve_range(z, m, it, iden, -INFINITY, k0, k1, floor_score, klo, BIN_BITS, above_b,
                             limit, hm, hc, red, ired, ured);
     }
     const int token = unpack_id(inb > best ? inb : best);

@@ -66,12 +66,16 @@ class Plan:
         }
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def plan(batch: int, vocab: int, top_k: int = 0) -> Plan:
     """About one wave of blocks over the whole batch, at least 4 chunks per row."""
     chunks = max(4, min(MAX_CHUNKS, RESIDENT_BLOCKS // batch))
     chunks = min(chunks, vocab)
-    chunk = -(-vocab // chunks)
-    chunks = -(-vocab // chunk)  # no empty trailing chunk
+    chunk = _cdiv(_cdiv(vocab, chunks), 4) * 4  # a multiple of 4 (the histogram's float4 loads)
+    chunks = _cdiv(vocab, chunk)  # no empty trailing chunk
     return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k)
 
 

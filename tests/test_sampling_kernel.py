@@ -241,11 +241,14 @@ def test_emulation_reset_choice_and_greedy():
     assert alt["temperature"] == 1.0
 
 
-def test_threefry_is_the_standard_one():
-    # the kernels' noise is Threefry-2x32 (20 rounds) on counter (id, 0), as jax.random's
-    from jax.extend.random import threefry_2x32
-
-    k = np.array([0x12345678, 0x9ABCDEF0], np.uint32)
-    c0, c1 = np.arange(8, dtype=np.uint32), np.arange(100, 108, dtype=np.uint32)
-    want = np.asarray(threefry_2x32(jnp.asarray(k), jnp.asarray(np.r_[c0, c1])))[:8]
-    np.testing.assert_array_equal(op.threefry_x0(k[0], k[1], c0, c1), want)
+def test_philox_is_the_standard_one():
+    # the kernels' noise is Philox-4x32-10: Random123's known-answer vectors
+    kat = [
+        ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+        ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+        ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+         (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+    ]  # fmt: skip
+    for (c0, c1, c2, c3), (k0, k1), want in kat:
+        got = op.philox(np.uint32(c0), np.uint32(k0), np.uint32(k1), c1, c2, c3)
+        assert tuple(int(x) for x in got) == want

@@ -209,27 +209,26 @@ _FLOOR = np.float32(-20.5)  # no token below this tempered logit can win (sample
 PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
 
 
-def threefry_x0(k0, k1, c0, c1=0):
-    """First output word of Threefry-2x32 (20 rounds), elementwise over uint32 arrays."""
-    k0, k1 = np.asarray(k0, np.uint32), np.asarray(k1, np.uint32)
-    ks = (k0, k1, k0 ^ k1 ^ np.uint32(0x1BD11BDA))
-    x0 = (np.asarray(c0, np.uint32) + ks[0]).astype(np.uint32)
-    x1 = (np.asarray(c1, np.uint32) + ks[1]).astype(np.uint32)
-    rot = ((13, 15, 26, 6), (17, 29, 16, 24))
-    with np.errstate(over="ignore"):
-        for i in range(5):
-            for r in rot[i % 2]:
-                x0 = x0 + x1
-                x1 = (x1 << np.uint32(r)) | (x1 >> np.uint32(32 - r))
-                x1 = x1 ^ x0
-            x0 = x0 + ks[(i + 1) % 3]
-            x1 = x1 + ks[(i + 2) % 3] + np.uint32(i + 1)
-    return x0
+def philox(c0, k0, k1, c1=0, c2=0, c3=0) -> tuple[np.ndarray, ...]:
+    """Philox-4x32-10 (Random123's constants): the 4 output words, elementwise over uint32."""
+    c = [np.asarray(x, np.uint64) & np.uint64(0xFFFFFFFF) for x in (c0, c1, c2, c3)]
+    k0, k1 = np.asarray(k0, np.uint64), np.asarray(k1, np.uint64)
+    mask = np.uint64(0xFFFFFFFF)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+             p0 & mask]  # fmt: skip
+    return tuple(x.astype(np.uint32) for x in c)
 
 
 def gumbel(k0, k1, ids) -> np.ndarray:
-    """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting)."""
-    x = threefry_x0(k0, k1, np.asarray(ids, np.uint32))
+    """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting): word id % 4 of
+    Philox at counter (id / 4, 0, 0, 0), 23 bits to u in [2**-24, 1 - 2**-24], -log(-log(u))."""
+    ids = np.asarray(ids, np.uint32)
+    w = philox(ids >> np.uint32(2), k0, k1)
+    x = np.choose((ids & np.uint32(3)).astype(np.intp), w)
     u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
     return -np.log(-np.log(u))
 
@@ -252,7 +251,7 @@ def _boundary(mass: np.ndarray, cnt: np.ndarray, base: int, limit: np.float32) -
     return b, int(above[b])
 
 
-def _row_stats(z: np.ndarray, chunks: int, ta: np.float32, tb: np.float32):
+def _row_stats(z: np.ndarray, chunks: int, ia: np.float32, ib: np.float32):
     # per-chunk max / sums, combined at the row max (the stats kernel)
     parts = []
     for zc in np.array_split(z, min(chunks, z.shape[0])):
@@ -264,8 +263,8 @@ def _row_stats(z: np.ndarray, chunks: int, ta: np.float32, tb: np.float32):
         e = np.exp(d)
         with np.errstate(invalid="ignore"):  # e * d = 0 * -inf at masked logits (not summed)
             u = np.sum(np.where(e > 0, e * d, 0), dtype=np.float32)
-        parts.append((mc, e.sum(dtype=np.float32), u, np.exp(d / ta).sum(dtype=np.float32),
-                      np.exp(d / tb).sum(dtype=np.float32)))  # fmt: skip
+        parts.append((mc, e.sum(dtype=np.float32), u, np.exp(d * ia).sum(dtype=np.float32),
+                      np.exp(d * ib).sum(dtype=np.float32)))  # fmt: skip
     p = np.array(parts, np.float32)
     m = p[:, 0].max()
     live = p[:, 1] > 0
@@ -273,15 +272,15 @@ def _row_stats(z: np.ndarray, chunks: int, ta: np.float32, tb: np.float32):
     w = np.where(live, np.exp(dm), 0).astype(np.float32)
     s = np.sum(p[:, 1] * w, dtype=np.float32)
     u = np.sum(w * (p[:, 2] + p[:, 1] * dm), dtype=np.float32)
-    sa = np.sum(np.where(live, p[:, 3] * np.exp(dm / ta), 0), dtype=np.float32)
-    sb = np.sum(np.where(live, p[:, 4] * np.exp(dm / tb), 0), dtype=np.float32)
+    sa = np.sum(np.where(live, p[:, 3] * np.exp(dm * ia), 0), dtype=np.float32)
+    sb = np.sum(np.where(live, p[:, 4] * np.exp(dm * ib), 0), dtype=np.float32)
     h = np.float32(np.log(s) - u / s)
     return m, h, sa, sb
 
 
 def _probs(zt, live, den):
     with np.errstate(under="ignore", over="ignore"):
-        probs = np.where(live, np.exp(zt) / den, 0).astype(np.float32)
+        probs = np.where(live, np.exp(zt) * (np.float32(1) / den), 0).astype(np.float32)
     keys = probs.view(np.uint32).astype(np.int64)
     return probs, keys, np.where(live, _masses(keys), 0)
 
@@ -393,7 +392,7 @@ def emulate(
     k0, k1 = key_data[:, :1], key_data[:, 1:]
     raw = np.float32(t_a), np.float32(t_b)
     ta, tb = (np.float32(1.0) if x <= GREEDY_EPS else x for x in raw)
-    m, h, sa, sb = _row_stats(z, chunks, ta, tb)
+    m, h, sa, sb = _row_stats(z, chunks, np.float32(1) / ta, np.float32(1) / tb)
     high = bool(h >= np.float32(thr)) or bool(h > np.float32(alt))
     t, den = (raw[0], sa) if high else (raw[1], sb)
     out = {"entropy": h, "temperature": t}
@@ -401,7 +400,7 @@ def emulate(
         out.update(tokens=np.full(len(key_data), int(np.argmax(z)), np.int32), path="greedy",
                    probs=None, keep=None)  # fmt: skip
         return out
-    zt = (z - m) / t
+    zt = (z - m) * (np.float32(1) / t)
     live = zt > -np.inf
     tp = np.float32(top_p)
     if top_k:
