@@ -131,12 +131,14 @@ def _decode_loop(args, samplers) -> dict:
 
         def timed(smp, b=b):
             r = rbench.bench_decode(params, batch=b, new_tokens=args.decode_tokens,
-                                    prompt_len=128, repeats=3, sampler=smp)  # fmt: skip
+                                    prompt_len=128, repeats=args.decode_repeats,
+                                    sampler=smp)  # fmt: skip
             return r["ms_per_token"] * 1e3
 
         greedy = timed(Greedy())
         row = {"batch": b, "greedy_us_per_token": greedy}
-        for name, smp in samplers.items():
+        for name in args.decode_samplers:
+            smp = samplers[name]
             if isinstance(smp, ReSET):
                 smp = dataclasses.replace(smp, nl_mask=nl, dnl_mask=dnl)
             for method in args.methods:
@@ -146,7 +148,9 @@ def _decode_loop(args, samplers) -> dict:
         runs.append(row)
         print(json.dumps(row), flush=True)
     return {"layers": args.decode_layers, "model": "qwen3-8b nvfp4, random weights",
-            "new_tokens": args.decode_tokens, "prompt_len": 128, "runs": runs}  # fmt: skip
+            "new_tokens": args.decode_tokens, "prompt_len": 128, "repeats": args.decode_repeats,
+            "method": "rejax.bench.bench_decode median ms/token; *_over_greedy_us = sampler "
+            "variant - greedy in the same process", "runs": runs}  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -173,7 +177,15 @@ def main(argv=None) -> None:
         default=0,
         help="also time the decode loop of a random Qwen3-8B NVFP4 with this many layers (0: no)",
     )
-    parser.add_argument("--decode-tokens", type=int, default=256, help="decode-loop tokens")
+    parser.add_argument("--decode-tokens", type=int, default=512, help="decode-loop tokens")
+    parser.add_argument("--decode-repeats", type=int, default=5, help="timed decode-loop runs")
+    parser.add_argument(
+        "--decode-samplers",
+        nargs="+",
+        default=["temperature_top_p", "top_k20_top_p", "reset_top_p"],
+        choices=["temperature_top_p", "top_k20", "top_k20_top_p", "reset_top_p"],
+        help="samplers timed in the decode loop (each with every --methods entry)",
+    )
     parser.add_argument(
         "--stats",
         nargs="+",

@@ -121,7 +121,9 @@ def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
         return jax.lax.scan(body, 0, jnp.arange(steps))[1]
 
     tok = np.asarray(draws(jnp.asarray(z))).ravel()
-    p, keep = _nucleus64(_top_k64(z[0], top_k), t, top_p, slack=0.0)
+    # the kernel's float32 probabilities may move the boundary token across the float64 cut:
+    # tokens within 1e-6 of mass of it count as kept (drawn with their tiny expected share)
+    p, keep = _nucleus64(_top_k64(z[0], top_k), t, top_p, slack=1e-6)
     assert keep[tok].all(), "a token outside the nucleus"
     q = np.where(keep, p, 0)
     _assert_draws_match(tok, q / q.sum(), f"{kind} t={t} top_p={top_p} top_k={top_k}")
