@@ -252,3 +252,17 @@ def test_philox_is_the_standard_one():
     for (c0, c1, c2, c3), (k0, k1), want in kat:
         got = op.philox(np.uint32(c0), np.uint32(k0), np.uint32(k1), c1, c2, c3)
         assert tuple(int(x) for x in got) == want
+
+
+def test_op_rejects_bad_arguments():
+    z = jnp.zeros((2, 10), jnp.float32)
+    v = jnp.ones((2,), jnp.float32)
+    keys = jax.random.split(jax.random.key(0), 2)
+    with pytest.raises(ValueError, match="kind='greedy'"):
+        op.sample_top_p(z, v, v, v, v, v, keys, kind="greedy")
+    with pytest.raises(ValueError, match="top_k=11"):
+        op.sample_top_p(z, v, v, v, v, v, keys, kind="temperature", top_k=11)
+    with pytest.raises(ValueError, match="impl='gpu'"):
+        op.sample_top_p(z, v, v, v, v, v, keys, kind="temperature", impl="gpu")
+    with pytest.raises(ValueError, match="top-p method='kernel' is invalid"):
+        sampling.top_p_mask(jax.nn.softmax(z), 0.9, method="kernel")  # a sampler path, not a mask
