@@ -10,7 +10,15 @@ Each top-p method (`rejax.sampling.TOP_P_METHODS`) is timed on two kinds of logi
 here (its 16-candidate path), "flat" rows keep thousands (its radix fallback). The JSON records
 the fraction of rows that take the 16-candidate path, and each variant's cost over greedy.
 
-Usage: PYTHONPATH=. python experiments/bench_sampler.py \\
+The default method "kernel" is the fused CUDA sampler (`rejax.ops.sampler`) on a GPU; "radix"
+is the previous default (pure XLA). `--decode-layers N` also times the decode loop of a
+random-weight Qwen3-8B NVFP4 with N layers (`rejax.bench.bench_decode`) per sampler and method,
+next to greedy ("decode" in the JSON).
+
+Usage (H200, the issue-15 measurement):
+  PYTHONPATH=. python experiments/bench_sampler.py --batch 1 64 --logits peaked lm \\
+    --methods kernel radix --decode-layers 36 --out experiments/results/bench_sampler_gpu.json
+All methods: PYTHONPATH=. python experiments/bench_sampler.py \\
     --out experiments/results/bench_sampler_gpu.json
 (about 140 timed scans by default; to keep one call short, run `--logits peaked` and
 `--logits flat` into two files.)
@@ -86,6 +94,8 @@ def _logits(kind: str, b: int, v: int) -> jax.Array:
     z = jax.random.normal(jax.random.key(b), (b, v), jnp.float32)
     if kind == "flat":
         return z  # N(0, 1): thousands of tokens in the nucleus at T = 0.6 and 1.0
+    if kind == "lm":  # a long right tail, as language-model logits have
+        return 2.0 * jax.random.gumbel(jax.random.key(b), (b, v), jnp.float32)
     # a few dominant tokens over an N(0, 1) body: at T = 1 the top 8 hold > 99.9% of the mass
     return z.at[:, :8].set(jnp.arange(8, 0, -1, dtype=jnp.float32) * 0.5 + 20.0)
 
@@ -94,6 +104,53 @@ def _covered_fraction(logits: jax.Array, t: float, top_p: float) -> float:
     probs = jax.nn.softmax(logits / t, axis=-1)
     tp = jnp.full((logits.shape[0],), top_p, jnp.float32)
     return float(jnp.mean(sampling._top_p_candidates(probs, tp)[3]))
+
+
+def _decode_loop(args, samplers) -> dict:
+    """ms/token of the decode loop per (batch, sampler, method), and each one's cost over greedy."""
+    import dataclasses
+
+    from rejax import bench as rbench
+    from rejax import config as rconfig
+    from rejax import params as rparams
+
+    cfg = dataclasses.replace(
+        rconfig.PRESETS["qwen3-8b"], num_layers=args.decode_layers, quant="nvfp4"
+    )
+    # as experiments/bench_decode.py builds it: random weights, static activation scales
+    params = rparams.random_params(cfg, 0)
+    scale = jnp.full((cfg.num_layers,), 4.0 / (6 * 448), jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+    jax.block_until_ready(params.weights)
+    v = cfg.vocab_size
+    nl = jnp.zeros((v,), jnp.bool_).at[198].set(True)
+    dnl = jnp.zeros((v,), jnp.bool_).at[271].set(True)
+    runs = []
+    for b in args.batch:
+
+        def timed(smp, b=b):
+            r = rbench.bench_decode(params, batch=b, new_tokens=args.decode_tokens,
+                                    prompt_len=128, repeats=args.decode_repeats,
+                                    sampler=smp)  # fmt: skip
+            return r["ms_per_token"] * 1e3
+
+        greedy = timed(Greedy())
+        row = {"batch": b, "greedy_us_per_token": greedy}
+        for name in args.decode_samplers:
+            smp = samplers[name]
+            if isinstance(smp, ReSET):
+                smp = dataclasses.replace(smp, nl_mask=nl, dnl_mask=dnl)
+            for method in args.methods:
+                us = timed(dataclasses.replace(smp, top_p_method=method))
+                row[f"{name}/{method}_us_per_token"] = us
+                row[f"{name}/{method}_over_greedy_us"] = us - greedy
+        runs.append(row)
+        print(json.dumps(row), flush=True)
+    return {"layers": args.decode_layers, "model": "qwen3-8b nvfp4, random weights",
+            "new_tokens": args.decode_tokens, "prompt_len": 128, "repeats": args.decode_repeats,
+            "method": "rejax.bench.bench_decode median ms/token; *_over_greedy_us = sampler "
+            "variant - greedy in the same process", "runs": runs}  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -106,10 +163,28 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="sample calls per timed scan")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument(
-        "--methods", nargs="+", default=list(sampling.TOP_P_METHODS), choices=sampling.TOP_P_METHODS
+        "--methods",
+        nargs="+",
+        default=list(sampling.SAMPLE_METHODS),
+        choices=sampling.SAMPLE_METHODS,
     )
     parser.add_argument(
-        "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat"]
+        "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat", "lm"]
+    )
+    parser.add_argument(
+        "--decode-layers",
+        type=int,
+        default=0,
+        help="also time the decode loop of a random Qwen3-8B NVFP4 with this many layers (0: no)",
+    )
+    parser.add_argument("--decode-tokens", type=int, default=512, help="decode-loop tokens")
+    parser.add_argument("--decode-repeats", type=int, default=5, help="timed decode-loop runs")
+    parser.add_argument(
+        "--decode-samplers",
+        nargs="+",
+        default=["temperature_top_p", "top_k20_top_p", "reset_top_p"],
+        choices=["temperature_top_p", "top_k20", "top_k20_top_p", "reset_top_p"],
+        help="samplers timed in the decode loop (each with every --methods entry)",
     )
     parser.add_argument(
         "--stats",
@@ -166,7 +241,7 @@ def main(argv=None) -> None:
                 row[f"{label}_us"] = t / steps * 1e6
                 row[f"{label}_over_greedy_us"] = row[f"{label}_us"] - row["greedy_us"]
             probs = jax.nn.softmax(logits / 0.6, axis=-1)
-            for method in args.methods:
+            for method in [m for m in args.methods if m in sampling.TOP_P_METHODS]:
                 fn = _scan_top_p(steps, method)
                 t = _median_time(fn, (probs, jnp.full((b,), TOP_P)), repeats)
                 row[f"top_p_mask/{method}_us_per_call"] = t / steps * 1e6
@@ -184,6 +259,7 @@ def main(argv=None) -> None:
                  "reset_top_p_over_greedy_us": row[f"{best}_over_greedy_us"]}
             )  # fmt: skip
 
+    decode = _decode_loop(args, samplers) if args.decode_layers else None
     record = {
         "benchmark": "bench_sampler",
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -211,6 +287,7 @@ def main(argv=None) -> None:
         "results": results,
         # issue 15 targets (H200): ReSET + top-p 0.95 over greedy <= 15 us at B=1, <= 60 us at B=64
         "summary": summary,
+        "decode": decode,
         "total_seconds": time.perf_counter() - t_start,
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

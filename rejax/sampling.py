@@ -50,14 +50,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from rejax.ops import sampler as sampler_op
 from rejax.text import ends_step
 
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
-TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p implementations (module docstring)
-# The default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p costs
-# +80 us per step with "radix" and +415 us with "topk", whose lax.top_k over 152K entries is not
-# XLA's fast TopK path (experiments/results/decode_h200_b/README.md)
-TOP_P_METHOD = "radix"
+TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (module docstring)
+# How `sample` finds the nucleus and draws: a mask method, or "kernel" (the default): the fused
+# op `rejax.ops.sampler.sample_top_p`, the CUDA kernels on a GPU when they support the call and
+# the "radix" computation elsewhere (so CPU results are those of "radix").
+SAMPLE_METHODS = ("kernel", *TOP_P_METHODS)
+TOP_P_METHOD = "kernel"
+# The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
+# cost +80 us per step with "radix" and +415 us with "topk", whose lax.top_k over 152K entries
+# is not XLA's fast TopK path (experiments/results/decode_h200_b/README.md)
+MASK_METHOD = "radix"
 STATS_METHODS = ("two_pass", "online")  # how `sample` gets max, entropy, denominators
 STATS_METHOD = "two_pass"  # the default, until the GPU timing of "online" decides
 
@@ -113,7 +119,7 @@ class Temperature:
       top_p: nucleus mass in (0, 1] (scalar or [B]); 1.0 keeps every token.
       top_k: keep the tokens whose tempered logit is >= the k-th largest (ties at the k-th value
         kept, as vLLM does); 0 disables. Static.
-      top_p_method: one of `TOP_P_METHODS`, how the nucleus is found (same kept set). Static.
+      top_p_method: one of `SAMPLE_METHODS`, how the nucleus is found (same kept set). Static.
     """
 
     t: Any
@@ -146,7 +152,7 @@ class ReSET:
       include_current: False = reference semantics (current token excluded from the estimates);
         True = figure semantics (window H_{t-w+1..t}, in-step and running means include H_t).
         Static.
-      top_p_method: one of `TOP_P_METHODS`, how the nucleus is found (same kept set). Static.
+      top_p_method: one of `SAMPLE_METHODS`, how the nucleus is found (same kept set). Static.
     """
 
     t_high: Any = 1.0
@@ -394,6 +400,27 @@ def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
     return jnp.where(high, t_high, t_low), high, new
 
 
+def _policy_threshold(state: SamplerState, cfg: ReSET) -> tuple[jax.Array, jax.Array]:
+    """(thr, alt) f32 [B] with _policy's decision high == (h >= thr) | (h > alt) for every h.
+
+    Reference semantics only (include_current=False), where the estimates come from the state;
+    the one case that involves H_t itself (no ring entry and no full step yet) is a first token
+    (h_step = h_bar = H_t: tau_0) or, with earlier tokens counted, tau = H_t when H_t > H-bar.
+    """
+    b, w = state.ring.shape
+    tau_0 = _row_param("ReSET.tau_0", cfg.tau_0, b)
+    ring_mean = _ring_mean(state)
+    s_mean = state.s_sum / jnp.maximum(state.s_n, 1)
+    g_mean = state.g_sum / jnp.maximum(state.g_n, 1)
+    uses_h = (state.s_n < w) & (state.n_ring == 0)
+    h_step = jnp.where(state.s_n >= w, s_mean, ring_mean)
+    h_bar = jnp.where(state.g_n > 0, g_mean, h_step)
+    tau = jnp.where(h_step > h_bar, h_step, tau_0)
+    thr = jnp.where(uses_h, tau_0, tau)
+    alt = jnp.where(uses_h & (state.g_n > 0), g_mean, jnp.inf)
+    return thr, alt
+
+
 def reset_temperature(
     logits: jax.Array, state: SamplerState, cfg: ReSET
 ) -> tuple[jax.Array, jax.Array, SamplerState]:
@@ -576,7 +603,7 @@ def _top_p_topk(probs: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(covered[:, None], fast, slow)
 
 
-def top_p_mask(probs: jax.Array, top_p: Any, method: str = TOP_P_METHOD) -> jax.Array:
+def top_p_mask(probs: jax.Array, top_p: Any, method: str = MASK_METHOD) -> jax.Array:
     """The tokens top-p sampling keeps (vLLM semantics, exact integer masses; module doc).
 
     Args:
@@ -589,7 +616,7 @@ def top_p_mask(probs: jax.Array, top_p: Any, method: str = TOP_P_METHOD) -> jax.
     Returns:
       bool [B, V].
     """
-    _check_method(method)
+    _check_method(method, TOP_P_METHODS)
     probs = jnp.asarray(probs)
     if probs.ndim != 2:
         raise ValueError(f"probs must be [B, V], got shape {probs.shape}")
@@ -599,9 +626,9 @@ def top_p_mask(probs: jax.Array, top_p: Any, method: str = TOP_P_METHOD) -> jax.
     return fn(probs, top_p) | (top_p >= 1.0)[:, None]
 
 
-def _check_method(method: Any) -> None:
-    if method not in TOP_P_METHODS:
-        raise ValueError(f"top-p method={method!r} is invalid: expected one of {TOP_P_METHODS}")
+def _check_method(method: Any, allowed: tuple[str, ...] = SAMPLE_METHODS) -> None:
+    if method not in allowed:
+        raise ValueError(f"top-p method={method!r} is invalid: expected one of {allowed}")
 
 
 # ----------------------------------------------------------------------------- top-k
@@ -676,6 +703,13 @@ def _row_keys(key: jax.Array, batch: int) -> jax.Array:
     return key
 
 
+def _kernel_serves(sampler: Sampler) -> bool:
+    """Whether method "kernel" runs `sampler` through the fused op (else through "radix")."""
+    if isinstance(sampler, Temperature):
+        return True
+    return isinstance(sampler, ReSET) and not sampler.include_current
+
+
 def _safe_t(t: jax.Array) -> jax.Array:
     return jnp.where(t <= GREEDY_EPS, 1.0, t)  # greedy rows: any finite scale, result unused
 
@@ -739,6 +773,60 @@ def _sample_tempered(
     return jnp.where(greedy, top, drawn).astype(jnp.int32)
 
 
+def _reference_tempered(
+    logits, thr, alt, t_a, t_b, top_p, keys, *, kind: str, top_k: int, stats_method: str
+):
+    """The reference of `rejax.ops.sampler.sample_top_p`: (tokens, entropy, temperature) [B].
+
+    Row temperature t_a if h >= thr or h > alt, else t_b; exactly `sample`'s "radix" path
+    (same statistics, denominators and random numbers).
+    """
+    temps = [_safe_t(t_a), _safe_t(t_b)] if kind == "reset" else [_safe_t(t_a)]
+    if top_k:
+        temps = []  # top-k changes the denominator: _sample_tempered sums it
+    if stats_method == "online":
+        m, top, h, denoms = _online_stats(logits, tuple(1.0 / x for x in temps))
+    else:
+        m, h, top = _max_and_entropy(logits)
+        d = logits - m
+        if kind == "reset":
+            denoms = [jnp.sum(jnp.exp(d / x[:, None]), axis=-1) for x in temps]
+        else:
+            denoms = [None]
+    high = (h >= thr) | (h > alt)
+    t = jnp.where(high, t_a, t_b)
+    if kind == "reset":
+        denom = jnp.where(high, denoms[0], denoms[1])
+    else:
+        denom = denoms[0] if denoms else None
+    tokens = _sample_tempered(keys, logits, m, top, t, top_p, top_k, "radix", denom)
+    return tokens, h, t
+
+
+def _sample_kernel(keys, logits, state, sampler, stats_method):
+    # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics
+    b = logits.shape[0]
+    if isinstance(sampler, Temperature):
+        t = _row_param("Temperature.t", sampler.t, b)
+        top_p = _row_param("Temperature.top_p", sampler.top_p, b)
+        thr, alt = jnp.full((b,), -jnp.inf), jnp.full((b,), jnp.inf)
+        tokens, h, t = sampler_op.sample_top_p(
+            logits, thr, alt, t, t, top_p, keys, kind="temperature", top_k=sampler.top_k,
+            stats_method=stats_method,
+        )  # fmt: skip
+        return tokens, state, {"entropy": h, "temperature": t}
+    thr, alt = _policy_threshold(state, sampler)
+    t_high = _row_param("ReSET.t_high", sampler.t_high, b)
+    t_low = _row_param("ReSET.t_low", sampler.t_low, b)
+    top_p = _row_param("ReSET.top_p", sampler.top_p, b)
+    tokens, h, t = sampler_op.sample_top_p(
+        logits, thr, alt, t_high, t_low, top_p, keys, kind="reset", stats_method=stats_method
+    )
+    _, _, state = _policy(h, state, sampler)
+    state = reset_observe(state, tokens, sampler)
+    return tokens, state, {"entropy": h, "temperature": t}
+
+
 def sample(
     key: jax.Array,
     logits: jax.Array,
@@ -761,9 +849,11 @@ def sample(
       logits: [B, V] raw logits (cast to float32).
       state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
       sampler: Greedy(), Temperature(...) or ReSET(...).
-      top_p_method: one of `TOP_P_METHODS`, overriding the sampler's own `top_p_method`
+      top_p_method: one of `SAMPLE_METHODS`, overriding the sampler's own `top_p_method`
         (None: the sampler's). (The same kept set; "topk" draws with other random
-        numbers than "radix" and "sort" do, so tokens differ for the same key). Static.
+        numbers than "radix" and "sort" do, and so does "kernel" on a GPU, so tokens differ
+        for the same key; "kernel" off a GPU, or for ReSET with include_current=True, is
+        "radix"). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.
@@ -788,6 +878,10 @@ def sample(
     if isinstance(sampler, ReSET):
         _check_masks(sampler, v)
     keys = _row_keys(key, b)
+    if top_p_method == "kernel":
+        if _kernel_serves(sampler):
+            return _sample_kernel(keys, logits, state, sampler, stats_method)
+        top_p_method = "radix"  # what the op's reference computes
     # the temperatures whose softmax denominators the statistics pass can provide
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)

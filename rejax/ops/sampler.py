@@ -1,0 +1,417 @@
+"""The fused sampler op: temperature (or ReSET's choice of two) + exact top-p + the draw.
+
+`sample_top_p(logits, thr, alt, t_a, t_b, top_p, keys)` draws one token per row from
+softmax((z - m) / t) restricted to the top-p nucleus (rejax.sampling's exact integer-mass
+definition), where the row's temperature is t_a when its raw entropy h satisfies
+h >= thr or h > alt and t_b otherwise (Temperature: thr = -inf, so always t_a; ReSET: thr and
+alt encode the policy's threshold, `rejax.sampling._policy_threshold`). It returns the tokens,
+h and the temperature used.
+
+* Every platform lowers the primitive to its reference: rejax.sampling's "radix" path
+  (`rejax.sampling._reference_tempered`), so CPU results are those of that method.
+* The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the three kernels of
+  `cuda_ops/sampler.cu` (statistics; top-p histogram; boundary resolution, each one multi-block
+  pass over the row with a last-block combine) as `__gpu$xla.gpu.ptx` custom calls, or else
+  the reference. The kernels draw with their own random numbers (a Gumbel-max over the kept
+  tokens with Threefry noise keyed by the row's key and the token id), so tokens differ from the
+  reference's for the same key while the distribution is the same.
+
+`emulate` is a NumPy mirror of the kernels' algorithm (the same bins, boundary search, whole-bin
+test, collection and large-bin paths, pruning and noise) that the CPU tests check against the
+definition.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from cuda_ops import sampler as kernels
+from rejax.ops import _dispatch
+
+OP = "sample_top_p"
+KINDS = ("temperature", "reset")
+GREEDY_EPS = 1e-6
+
+# ----------------------------------------------------------------------------- primitive
+
+_sample_p = Primitive("rejax_sample_top_p")
+_sample_p.multiple_results = True
+
+
+def _abstract(logits, thr, alt, t_a, t_b, top_p, keys, **_: Any):
+    b = logits.shape[0]
+    return (
+        jax.core.ShapedArray((b,), jnp.int32),
+        jax.core.ShapedArray((b,), jnp.float32),
+        jax.core.ShapedArray((b,), jnp.float32),
+    )
+
+
+_sample_p.def_abstract_eval(_abstract)
+
+
+@functools.cache
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(_sample_p.bind, **params))
+
+
+_sample_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
+
+
+def _reference(
+    logits, thr, alt, t_a, t_b, top_p, keys, *, kind, top_k, key_impl, stats_method, **_
+):
+    from rejax import sampling  # sampling imports this module
+
+    return sampling._reference_tempered(
+        logits, thr, alt, t_a, t_b, top_p, jax.random.wrap_key_data(keys, impl=key_impl),
+        kind=kind, top_k=top_k, stats_method=stats_method,
+    )  # fmt: skip
+
+
+def _lower_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(OP, params["impl"], ctx.module_context.platforms)
+    fn = functools.partial(_reference, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _supported(b: int, v: int, top_k: int, keys_shape, launch: str) -> tuple[bool, str]:
+    if tuple(keys_shape) != (b, 2):
+        return False, f"key data of shape {tuple(keys_shape)} (the kernel takes threefry [B, 2])"
+    if launch != "ptx":
+        return False, f"launch={launch!r} (the sampler kernels use the PTX custom call only)"
+    return kernels.check_shape(b, v, top_k)
+
+
+def _lower_cuda(ctx, *args, **params):
+    b, v = ctx.avals_in[0].shape
+    supported = _supported(b, v, params["top_k"], ctx.avals_in[6].shape, params["launch"])
+    kern = None
+    if supported[0] and params["impl"] != "ref":
+        try:
+            kern = kernels.build(b, v, params["top_k"])
+        except kernels.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(OP, params["impl"], supported):
+        fn = functools.partial(_reference, **params)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(functools.partial(_cuda_impl, kern=kern), multiple_results=True)(
+        ctx, *args
+    )
+
+
+def _call(kern, entry: str, out, *operands):
+    return jax.ffi.ffi_call(
+        "__gpu$xla.gpu.ptx",
+        out,
+        custom_call_api_version=2,
+        legacy_backend_config=kern.backend_config(entry),
+    )(*operands)
+
+
+def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
+    b = logits.shape[0]
+    f32, i32 = jnp.float32, jnp.int32
+    stats, arg = _call(
+        kern,
+        "rejax_sample_stats",
+        (jax.ShapeDtypeStruct((b, 4), f32), jax.ShapeDtypeStruct((b, 2), i32)),
+        logits, thr, alt, t_a, t_b,
+    )  # fmt: skip
+    plan = _call(
+        kern,
+        "rejax_sample_hist",
+        jax.ShapeDtypeStruct((b, kernels.PLAN_WORDS), i32),
+        logits, stats, arg, top_p, keys,
+    )  # fmt: skip
+    tokens = _call(
+        kern,
+        "rejax_sample_resolve",
+        jax.ShapeDtypeStruct((b,), i32),
+        logits, stats, arg, top_p, keys, plan,
+    )  # fmt: skip
+    return tokens, stats[:, 3], stats[:, 1]
+
+
+def _batch(args, dims, **params):
+    # vmap adds a leading dim n over rows: fold it into B (rows are independent)
+    n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    flat = []
+    for a, d in zip(args, dims):
+        a = jnp.broadcast_to(a, (n, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        flat.append(a.reshape(n * a.shape[1], *a.shape[2:]))
+    outs = _sample_p.bind(*flat, **params)
+    return [o.reshape(n, -1) for o in outs], [0, 0, 0]
+
+
+batching.primitive_batchers[_sample_p] = _batch
+mlir.register_lowering(_sample_p, _lower_reference)
+mlir.register_lowering(_sample_p, _lower_cuda, platform="cuda")
+
+
+def sample_top_p(
+    logits: jax.Array,
+    thr: jax.Array,
+    alt: jax.Array,
+    t_a: jax.Array,
+    t_b: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+    *,
+    kind: str,
+    top_k: int = 0,
+    impl: str = "auto",
+    stats_method: str = "two_pass",
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row (module docstring).
+
+    Args:
+      logits: f32 [B, V] raw logits.
+      thr, alt: f32 [B]: a row takes t_a iff its entropy h >= thr or h > alt, else t_b.
+      t_a, t_b: f32 [B] temperatures (<= 1e-6: greedy, the first argmax of the raw logits).
+      top_p: f32 [B] in (0, 1].
+      keys: [B] typed jax.random keys, one per row (fold the step in before).
+      kind: "temperature" or "reset" (only how the reference sums its denominators). Static.
+      top_k: > 0 keeps the tokens whose tempered logit is >= the k-th largest before top-p
+        (`rejax.sampling.Temperature`'s rule). Static.
+      impl: "auto" (kernel on CUDA when supported), "ref", or "cuda" (kernel or an error).
+      stats_method: the reference's statistics ("two_pass" / "online"). Static.
+
+    Returns:
+      (tokens i32 [B], entropy f32 [B], temperature f32 [B]).
+    """
+    _dispatch.check_impl(impl)
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r}, expected one of {KINDS}")
+    key_impl = str(jax.random.key_impl(keys))
+    data = jax.random.key_data(keys)
+    launch = _dispatch.default_launch() if impl != "ref" else "ptx"
+    if not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k={top_k!r}, expected an int in [0, V={logits.shape[-1]}]")
+    params = {"kind": kind, "top_k": int(top_k), "key_impl": key_impl}
+    params |= {"stats_method": stats_method, "impl": impl}
+    outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, launch=launch, **params)
+    return tuple(outs)
+
+
+# ----------------------------------------------------------------------------- emulation
+
+_KEY_LO = (127 - 31) << 23
+_BIN_BITS = 17
+_FLOOR = np.float32(-20.5)  # no token below this tempered logit can win (sampler.cu's FLOOR)
+PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
+
+
+def philox(c0, k0, k1, c1=0, c2=0, c3=0) -> tuple[np.ndarray, ...]:
+    """Philox-4x32-10 (Random123's constants): the 4 output words, elementwise over uint32."""
+    c = [np.asarray(x, np.uint64) & np.uint64(0xFFFFFFFF) for x in (c0, c1, c2, c3)]
+    k0, k1 = np.asarray(k0, np.uint64), np.asarray(k1, np.uint64)
+    mask = np.uint64(0xFFFFFFFF)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + np.uint64(0x9E3779B9)) & mask, (k1 + np.uint64(0xBB67AE85)) & mask
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
+             p0 & mask]  # fmt: skip
+    return tuple(x.astype(np.uint32) for x in c)
+
+
+def gumbel(k0, k1, ids) -> np.ndarray:
+    """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting): word id % 4 of
+    Philox at counter (id / 4, 0, 0, 0), 23 bits to u in [2**-24, 1 - 2**-24], -log(-log(u))."""
+    ids = np.asarray(ids, np.uint32)
+    w = philox(ids >> np.uint32(2), k0, k1)
+    x = np.choose((ids & np.uint32(3)).astype(np.intp), w)
+    u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
+    return -np.log(-np.log(u))
+
+
+def _masses(keys: np.ndarray) -> np.ndarray:
+    p = keys.astype(np.uint32).view(np.float32)
+    return np.rint(p * np.float32(2.0**30)).astype(np.int64)
+
+
+def _bins(keys: np.ndarray) -> np.ndarray:
+    k = keys.astype(np.int64)
+    return np.where(k > _KEY_LO, ((k - _KEY_LO - 1) >> _BIN_BITS) + 1, 0)
+
+
+def _boundary(mass: np.ndarray, cnt: np.ndarray, base: int, limit: np.float32) -> tuple[int, int]:
+    # the lowest non-empty bin whose top-ranked token is kept: (float)(mass above) < limit
+    above = base + np.concatenate([np.cumsum(mass[::-1])[::-1][1:], [0]])
+    ok = (cnt > 0) & (above.astype(np.float32) < limit)
+    b = int(np.flatnonzero(ok)[0])
+    return b, int(above[b])
+
+
+def _row_stats(z: np.ndarray, chunks: int, ia: np.float32, ib: np.float32):
+    # per-chunk max / sums, combined at the row max (the stats kernel)
+    parts = []
+    for zc in np.array_split(z, min(chunks, z.shape[0])):
+        mc = zc.max()
+        if mc == -np.inf:
+            parts.append((mc, 0.0, 0.0, 0.0, 0.0))
+            continue
+        d = zc - mc
+        e = np.exp(d)
+        with np.errstate(invalid="ignore"):  # e * d = 0 * -inf at masked logits (not summed)
+            u = np.sum(np.where(e > 0, e * d, 0), dtype=np.float32)
+        parts.append((mc, e.sum(dtype=np.float32), u, np.exp(d * ia).sum(dtype=np.float32),
+                      np.exp(d * ib).sum(dtype=np.float32)))  # fmt: skip
+    p = np.array(parts, np.float32)
+    m = p[:, 0].max()
+    live = p[:, 1] > 0
+    dm = np.where(live, p[:, 0] - m, 0).astype(np.float32)
+    w = np.where(live, np.exp(dm), 0).astype(np.float32)
+    s = np.sum(p[:, 1] * w, dtype=np.float32)
+    u = np.sum(w * (p[:, 2] + p[:, 1] * dm), dtype=np.float32)
+    sa = np.sum(np.where(live, p[:, 3] * np.exp(dm * ia), 0), dtype=np.float32)
+    sb = np.sum(np.where(live, p[:, 4] * np.exp(dm * ib), 0), dtype=np.float32)
+    h = np.float32(np.log(s) - u / s)
+    return m, h, sa, sb
+
+
+def _probs(zt, live, den):
+    with np.errstate(under="ignore", over="ignore"):
+        probs = np.where(live, np.exp(zt) * (np.float32(1) / den), 0).astype(np.float32)
+    keys = probs.view(np.uint32).astype(np.int64)
+    return probs, keys, np.where(live, _masses(keys), 0)
+
+
+def _top_p_keep(zt, live, den, tp, nmax, collect):
+    # the histogram kernel's boundary bin, then resolve's collect (or large-bin) path
+    probs, keys, q = _probs(zt, live, den)
+    if tp >= 1:
+        return live, probs, "full"
+    nb = kernels.NB
+    bins = np.where(live, _bins(keys), -1)
+    mass = np.bincount(bins[bins > 0], weights=q[bins > 0], minlength=nb).astype(np.int64)
+    cnt = np.bincount(bins[bins > 0], minlength=nb)
+    limit = tp * np.float32(q.sum())
+    b, above_b = _boundary(mass, cnt, 0, limit)
+    lo = _KEY_LO + 1 + ((b - 1) << _BIN_BITS)
+    keep = live & (bins > b)
+    edge = int(_masses(np.array([lo]))[0])
+    if cnt[b] == 1 or np.float32(above_b + mass[b] - edge) < limit:
+        return keep | (bins == b), probs, "whole"
+    if collect and cnt[b] <= nmax:  # collect, sort by (p, id) descending, exact prefix
+        sel = np.flatnonzero(bins == b)
+        order = sel[np.lexsort((-sel, -keys[sel]))]
+        excl = above_b + np.cumsum(q[order]) - q[order]
+        keep[order[excl.astype(np.float32) < limit]] = True
+        return keep, probs, "collect"
+    # two finer levels, then the tie group cut by id
+    inb = bins == b
+    sub = np.where(inb, (keys - lo) >> 6, -1)
+    m2 = np.bincount(sub[inb], weights=q[inb], minlength=nb).astype(np.int64)
+    b2, above = _boundary(m2, np.bincount(sub[inb], minlength=nb), above_b, limit)
+    lo2 = lo + (b2 << 6)
+    ins = inb & (sub == b2)
+    m3 = np.bincount(keys[ins] - lo2, weights=q[ins], minlength=64).astype(np.int64)
+    b3, above = _boundary(m3, np.bincount(keys[ins] - lo2, minlength=64), above, limit)
+    kb = lo2 + b3
+    tie = live & (keys == kb)
+    qb = int(_masses(np.array([kb]))[0])
+    j = np.arange(int(tie.sum()))
+    n_keep = int(np.sum((above + j * qb).astype(np.float32) < limit))
+    rank = tie.sum() - np.cumsum(tie)  # ties at higher ids
+    keep |= inb & ((keys > kb) | (tie & (rank < n_keep)))
+    return keep, probs, "large"
+
+
+def _top_k_keep(zt, live, t, k, tp, nmax):
+    # top-k bins of the tempered logit, the bin of the k-th largest, then the list (or the last
+    # block's selection over V, or its top-p over the top-k set for a huge tie group)
+    nb = kernels.NB
+    x = -zt * (np.float32(t) * np.float32(64.0))
+    with np.errstate(invalid="ignore"):
+        tbin = nb - 1 - np.where(x < nb - 1, np.floor(np.where(live, x, 0)), nb - 1).astype(int)
+    cnt = np.bincount(tbin[live], minlength=nb)
+    suffix = np.cumsum(cnt[::-1])[::-1]
+    hits = np.flatnonzero(suffix >= k)
+    c = int(suffix[hits[-1]]) if hits.size else int(live.sum())
+    n_live = int(live.sum())
+    vk = np.sort(zt[live])[::-1][k - 1] if n_live >= k else -np.inf
+    in_k = live & (zt >= vk)
+    den = np.sum(np.exp(zt[in_k]), dtype=np.float32)
+    if c <= nmax:
+        path = "topk_list"
+    elif n_live >= k and int(in_k.sum()) <= nmax:
+        path = "topk_select"
+    else:
+        keep, probs, _ = _top_p_keep(zt, in_k, den, tp, nmax, collect=False)
+        return keep, probs, "topk_large"
+    probs, keys, q = _probs(zt, in_k, den)
+    if tp >= 1:
+        return in_k, probs, path
+    sel = np.flatnonzero(in_k)
+    order = sel[np.lexsort((-sel, -keys[sel]))]
+    limit = tp * np.float32(q.sum())
+    excl = np.cumsum(q[order]) - q[order]
+    keep = np.zeros_like(live)
+    keep[order[excl.astype(np.float32) < limit]] = True
+    return keep, probs, path
+
+
+def emulate(
+    logits,
+    thr,
+    alt,
+    t_a,
+    t_b,
+    top_p,
+    key_data,
+    *,
+    top_k: int = 0,
+    chunks: int = 8,
+    nmax: int = kernels.NMAX,
+    prune: bool = True,
+) -> dict:
+    """The kernels' algorithm in NumPy for one row of logits and many keys.
+
+    Args:
+      logits: f32 [V] one row; thr, alt, t_a, t_b, top_p: its scalars.
+      key_data: uint32 [n, 2] row keys (n independent draws from the same logits).
+      top_k: > 0: top-k (on the tempered logits, ties kept) before top-p.
+      chunks: blocks per row of the statistics pass; nmax: the collected bin's capacity.
+      prune: skip tokens that cannot beat the top-ranked token's score (the kernels do).
+
+    Returns:
+      dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
+      probabilities), "keep" bool [V] (the kept set) and "path" (one of `PATHS`).
+    """
+    z = np.asarray(logits, np.float32)
+    key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
+    k0, k1 = key_data[:, :1], key_data[:, 1:]
+    raw = np.float32(t_a), np.float32(t_b)
+    ta, tb = (np.float32(1.0) if x <= GREEDY_EPS else x for x in raw)
+    m, h, sa, sb = _row_stats(z, chunks, np.float32(1) / ta, np.float32(1) / tb)
+    high = bool(h >= np.float32(thr)) or bool(h > np.float32(alt))
+    t, den = (raw[0], sa) if high else (raw[1], sb)
+    out = {"entropy": h, "temperature": t}
+    if t <= GREEDY_EPS:
+        out.update(tokens=np.full(len(key_data), int(np.argmax(z)), np.int32), path="greedy",
+                   probs=None, keep=None)  # fmt: skip
+        return out
+    zt = (z - m) * (np.float32(1) / t)
+    live = zt > -np.inf
+    tp = np.float32(top_p)
+    if top_k:
+        keep, probs, path = _top_k_keep(zt, live, t, top_k, tp, nmax)
+    else:
+        keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True)
+    out.update(probs=probs, keep=keep, path=path)
+    # Gumbel-max over the kept tokens, ties to the lower id; pruned below FLOOR
+    cand = np.flatnonzero(keep)
+    if prune:
+        cand = cand[zt[cand] >= _FLOOR]
+    score = zt[cand][None, :] + gumbel(k0, k1, cand[None, :])
+    out["tokens"] = cand[np.argmax(score, axis=1)].astype(np.int32)
+    return out
