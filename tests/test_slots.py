@@ -42,17 +42,18 @@ def _prompts(lengths, seed=0):
 PROMPTS = [_prompts([3, 40, 7, 12, 5, 20])[i] for i in (0, 2, 3, 4, 5, 1)]
 
 
-def _reset(t_low=0.3, t_high=1.2, tau_0=0.5):
+def _reset(t_low=0.3, t_high=1.2, tau_0=0.5, nl=(10, 11, 12), dnl=(13, 14)):
     # Greedy rows are ReSET rows at temperature 0 (<= GREEDY_EPS samples the argmax): the
     # same compiled programs serve both, since hyperparameters are traced.
-    nl = np.zeros((V,), bool)
-    nl[[10, 11, 12]] = True
-    dnl = np.zeros((V,), bool)
-    dnl[[13, 14]] = True
+    nl, dnl = np.isin(np.arange(V), nl), np.isin(np.arange(V), dnl)
     return ReSET(t_low=t_low, tau_0=tau_0, t_high=t_high, window=4, nl_mask=nl, dnl_mask=dnl)
 
 
 SAMPLERS = {"greedy": _reset(0.0, 0.0), "reset": _reset()}
+# Step boundaries every few tokens and tau_0 at the rows' typical entropy (~4.4 nats): each
+# step's temperature depends on the carried sampler state, so a row given another row's state
+# samples other tokens.
+BUSY = _reset(tau_0=4.45, nl=range(0, V, 3), dnl=range(1, V, 3))
 
 
 @pytest.fixture(scope="module")
@@ -75,13 +76,13 @@ def static(params):
 
 @pytest.fixture(scope="module")
 def full(params):
-    """PROMPTS x N to M tokens each (no stop token), ReSET, key 2: rows cut at their budgets
+    """PROMPTS x N to M tokens each (no stop token), BUSY, key 2: rows cut at their budgets
     are the reference of forced-length runs."""
     return gen.generate(
         params,
         PROMPTS,
         max_new_tokens=M,
-        sampler=SAMPLERS["reset"],
+        sampler=BUSY,
         key=2,
         n=N,
         stop=[],
@@ -190,7 +191,7 @@ def test_fewer_rows_than_slots(params, static):
 
 def test_per_row_budgets_and_progress(params, full):
     budgets = [4, 11, 1, 7, 16, 2, 9, 3, 12, 5, 6, 8]  # one per row
-    sampler, key = SAMPLERS["reset"], jax.random.key(2)
+    sampler, key = BUSY, jax.random.key(2)
     calls = []
     rows, stats = sl.generate_rows(
         params,
@@ -239,7 +240,7 @@ def _forced(params, budgets, slots, compact, prompts=PROMPTS, key=2, **kw):
         prompts,
         slots=slots,
         max_new_tokens=budgets,
-        sampler=SAMPLERS["reset"],
+        sampler=BUSY,
         key=jax.random.key(key),
         stop_mask=jnp.zeros((V,), bool),
         n=N,
@@ -272,12 +273,15 @@ def test_compaction_many_times_same_tokens(params, full):
     # 4 -> 2 -> 1 (and 4 -> 3 -> 1 given as a list); every row equals the full-length static
     # row cut at its budget, whatever the program sizes it ran in.
     budgets = [16, 1, 2, 12, 1, 3, 8, 2, 1, 5, 14, 16]
+    temps = np.concatenate(full.temperature)
+    assert 0.2 < np.mean(np.isclose(temps, 0.3)) < 0.8  # both drawn: the state matters
     before = dict(gen.TRACE_COUNTS)
     for compact, sizes in ((True, [4, 2, 1]), ([3, 1], [4, 3, 1])):
         rows, s = _forced(params, budgets, 4, compact)
         for r, row in enumerate(rows):
             assert row[0].tolist() == full.tokens[r][: budgets[r]], (compact, r)
-            np.testing.assert_allclose(row[1], full.entropy[r][: budgets[r]], rtol=1e-5, atol=1e-6)
+            for got, want in zip(row[1:3], (full.entropy[r], full.temperature[r])):
+                np.testing.assert_allclose(got, want[: budgets[r]], rtol=1e-5, atol=1e-6)
         assert list(s.steps_by_size) == sizes and s.compactions == len(sizes) - 1, s
         assert s.tokens == sum(budgets) and s.prefills == 12
     # one decode program per size (4, 2, 1, 3 at most) and one gather per step down
