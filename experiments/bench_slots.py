@@ -6,9 +6,10 @@ mean, a few rows near the maximum). Three paths generate every row to its forced
 no stop token, on random weights of a real config (nothing is downloaded):
 
 - static: today's batches of B rows (`rejax.decode.prefill` + `decode_loop` per batch, as
-  `rejax.generate` runs them), each batch stepping until its longest row ends
-  (max_new_tokens = the batch's longest forced length); every batch is compiled ahead of
-  its timed run, so the wall time is execution only;
+  `rejax.generate` runs them with max_new_tokens = the longest forced length M), each batch
+  stepping until its longest row ends (the loop's traced step limit stands in for the stop
+  token that would end it); the loop and prefill are compiled ahead (one per prompt bucket),
+  so the wall time is execution only;
 - refill: `rejax.slots.generate_rows` with B slots and the per-row budgets, compact=False (the
   drain runs in the B-row program);
 - compact: the same with compaction (the default): once nothing is pending, the live rows move
@@ -106,41 +107,50 @@ def make_sampler(name: str, vocab: int):
 
 
 def run_static(params, prompts, n, batch_rows, budgets, key, sampler, log):
-    """Static batches of `batch_rows` rows, compiled ahead; returns (tokens per row, timings)."""
+    """Static batches of `batch_rows` rows, as `rejax.generate` runs them with max_new_tokens =
+    the longest forced length M (a cache of bucket + M per batch); each batch steps until its
+    longest row ends (`decode_loop`'s traced step limit, so one compiled loop per prompt bucket,
+    compiled ahead). Returns (tokens per row, timings)."""
     if batch_rows % n:
         raise SystemExit(f"--slots {batch_rows} must be a multiple of --n {n} (static batches)")
     per_batch = batch_rows // n
     stop = jnp.zeros((params.cfg.vocab_size,), bool)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
+    m = int(budgets.max())
     rows_out: list[np.ndarray] = []
     wall = compile_s = 0.0
     steps = 0
+    compiled = {}
     for j in range(0, len(prompts), per_batch):
         batch = prompts[j : j + per_batch]
         expanded = [p for p in batch for _ in range(n)]
         first = j * n
-        m = int(budgets[first : first + len(expanded)].max())
+        longest = jnp.int32(budgets[first : first + len(expanded)].max())
         bucket = _bucket(max(len(p) for p in expanded))
         tokens, positions, lengths, done = _pad_batch(expanded, batch_rows, bucket)
         args = (jnp.asarray(tokens), jnp.asarray(positions))
         keys = _row_keys(key, first, batch_rows)
-        t0 = time.perf_counter()
         cache = init_cache(params.cfg, batch_rows, bucket + m, dtype)
-        prefill = rdecode.prefill.lower(params, *args, cache).compile()
-        logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), jnp.float32)
-        loop = rdecode.decode_loop.lower(
-            params,
-            logits_shape,
-            cache,
-            jnp.asarray(lengths),
-            sampler,
-            sampler_init(sampler, batch_rows),
-            keys,
-            stop,
-            jnp.asarray(done),
-            max_new_tokens=m,
-        ).compile()
-        compile_s += time.perf_counter() - t0
+        if bucket not in compiled:
+            t0 = time.perf_counter()
+            prefill = rdecode.prefill.lower(params, *args, cache).compile()
+            logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), jnp.float32)
+            loop = rdecode.decode_loop.lower(
+                params,
+                logits_shape,
+                cache,
+                jnp.asarray(lengths),
+                sampler,
+                sampler_init(sampler, batch_rows),
+                keys,
+                stop,
+                jnp.asarray(done),
+                max_new_tokens=m,
+                steps=longest,
+            ).compile()
+            compiled[bucket] = prefill, loop
+            compile_s += time.perf_counter() - t0
+        prefill, loop = compiled[bucket]
         state = sampler_init(sampler, batch_rows)
         jax.block_until_ready((cache, state))
         t0 = time.perf_counter()
@@ -155,13 +165,14 @@ def run_static(params, prompts, n, batch_rows, budgets, key, sampler, log):
             keys,
             stop,
             jnp.asarray(done),
+            steps=longest,
         )
-        toks = np.asarray(jax.device_get(out.tokens))
+        toks, ran = jax.device_get((out.tokens, out.step))
         wall += time.perf_counter() - t0
-        steps += m
+        steps += int(ran)
         for r in range(len(expanded)):
-            rows_out.append(toks[r, : budgets[first + r]])
-        log(f"  static batch {j // per_batch}: {m} steps, {wall:.1f}s so far")
+            rows_out.append(np.asarray(toks[r, : budgets[first + r]]))
+        log(f"  static batch {j // per_batch}: {int(ran)} steps, {wall:.1f}s so far")
         del out, cache
     return rows_out, {"wall_s": wall, "compile_s": compile_s, "steps": steps}
 
@@ -329,11 +340,12 @@ def choose_scale(args, params, prompts, sampler, stop, refill_rows, log) -> tupl
     budgets, _ = _budgets(args, 1.0)
     length = max(_bucket(len(p)) for p in prompts) + int(budgets.max())
     model = step_model(params, args.slots, length, int(budgets.max()), sampler, stop)
-    n_static = -(-args.prompts * args.n // args.slots)
     sizes = len(rslots.compact_sizes(args.slots, True))
-    # compiles: a prefill + decode loop per static batch, a decode step per slot program size
-    # (the probe's compile per program: an upper bound for the gathers and prefills)
-    compile_s = model[args.slots]["compile_s"] * (n_static + sizes)
+    # compiles, at the probe's compile time each (an upper bound for gathers and prefills): a
+    # prefill and a decode loop per prompt bucket of the static batches, and per slot program
+    # size a decode step (+ the memory report's decode step, a gather, the slot prefills)
+    n_buckets = len({_bucket(len(p)) for p in prompts})
+    compile_s = model[args.slots]["compile_s"] * (2 * n_buckets + sizes + 3)
     scale = 1.0
     while True:
         budgets, _ = _budgets(args, scale)
