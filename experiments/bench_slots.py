@@ -336,8 +336,9 @@ def _summary(budgets) -> dict:
 
 
 def choose_scale(args, params, prompts, sampler, stop, refill_rows, log) -> tuple[float, dict]:
-    """The largest length scale (1, or smaller) whose predicted run fits --time-budget."""
-    budgets, _ = _budgets(args, 1.0)
+    """The largest length scale (--len-scale, or smaller) whose predicted run fits
+    --time-budget."""
+    budgets, _ = _budgets(args, args.len_scale)
     length = max(_bucket(len(p)) for p in prompts) + int(budgets.max())
     model = step_model(params, args.slots, length, int(budgets.max()), sampler, stop)
     sizes = len(rslots.compact_sizes(args.slots, True))
@@ -346,14 +347,14 @@ def choose_scale(args, params, prompts, sampler, stop, refill_rows, log) -> tupl
     # size a decode step (+ the memory report's decode step, a gather, the slot prefills)
     n_buckets = len({_bucket(len(p)) for p in prompts})
     compile_s = model[args.slots]["compile_s"] * (2 * n_buckets + sizes + 3)
-    scale = 1.0
+    scale = args.len_scale
     while True:
         budgets, _ = _budgets(args, scale)
         pred = predict(budgets, args.n, args.slots, refill_rows, args.max_steps, model)
         # execution scales with the lengths; each step is assumed to cost what it does on the
         # full-length cache (an upper bound: shorter caches read less)
         total = compile_s + sum(v["exec_s"] for v in pred.values())
-        if total <= args.time_budget or scale <= 1 / 64:
+        if total <= args.time_budget or scale <= args.len_scale / 64:
             break
         scale = round(scale * 0.8, 4)
     log(f"  time budget {args.time_budget}s: length scale {scale}, predicted {total:.0f}s")
@@ -384,8 +385,8 @@ def main(argv=None) -> dict:
         type=float,
         default=None,
         metavar="S",
-        help="scale the lengths down so that one quant's predicted run (compiles included) "
-        "takes at most S seconds",
+        help="scale the lengths down from --len-scale so that one quant's predicted run "
+        "(compiles included) takes at most S seconds",
     )
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"))
     ap.add_argument("--sampler", default="reset", choices=["reset", "greedy"])
