@@ -25,10 +25,13 @@ every row's tokens are identical to static (with the first differing steps other
 compile times and versions. JSON goes to --out (default experiments/results/bench_slots.json),
 rewritten after each quant; the script exits with status 1 if any row differs.
 
---time-budget S bounds one quant's run: a probe times the decode step at B and 1 rows on the
-run's cache, the step model predicts the three paths, and the lengths (--min-len, --max-len)
-are scaled down together (the same long-tailed shape) until the prediction, compiles included,
-fits; the JSON records the scale and the prediction next to the measured times.
+Every path uses the buffer and cache room M = --max-len (x --len-scale), as `rejax.generate`
+with max_new_tokens = M, so all programs compile before any length is drawn. --time-budget S
+bounds one quant's run: after the compiles, the decode step is timed at B and 1 rows, the
+step model predicts the three paths' execution, and the drawn lengths (--min-len, --max-len)
+are scaled down together (the same long-tailed shape, M unchanged) until it fits what is left
+of S; the JSON records the scale and the prediction next to the measured times. The first
+quant fixes the lengths for the others.
 
     PYTHONPATH=. python experiments/bench_slots.py --preset qwen3-8b --layers 4 --quant nvfp4
     PYTHONPATH=. python experiments/bench_slots.py --small --out /tmp/s.json   # CPU smoke
@@ -106,55 +109,66 @@ def make_sampler(name: str, vocab: int):
     )
 
 
-def run_static(params, prompts, n, batch_rows, budgets, key, sampler, log):
-    """Static batches of `batch_rows` rows, as `rejax.generate` runs them with max_new_tokens =
-    the longest forced length M (a cache of bucket + M per batch); each batch steps until its
-    longest row ends (`decode_loop`'s traced step limit, so one compiled loop per prompt bucket,
-    compiled ahead). Returns (tokens per row, timings)."""
+def _static_batches(prompts, n, batch_rows):
+    per_batch = batch_rows // n
+    for j in range(0, len(prompts), per_batch):
+        expanded = [p for p in prompts[j : j + per_batch] for _ in range(n)]
+        yield j * n, expanded, _bucket(max(len(p) for p in expanded))
+
+
+def compile_static(params, prompts, n, batch_rows, m, key, sampler) -> tuple[dict, float]:
+    """Static batches' programs, compiled ahead: {prompt bucket: (prefill, decode loop)} for
+    batches of `batch_rows` rows over a cache of bucket + M (`rejax.generate` with
+    max_new_tokens = M), and the seconds spent. The loop's step limit is traced."""
     if batch_rows % n:
         raise SystemExit(f"--slots {batch_rows} must be a multiple of --n {n} (static batches)")
-    per_batch = batch_rows // n
     stop = jnp.zeros((params.cfg.vocab_size,), bool)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
-    m = int(budgets.max())
-    rows_out: list[np.ndarray] = []
-    wall = compile_s = 0.0
-    steps = 0
     compiled = {}
-    for j in range(0, len(prompts), per_batch):
-        batch = prompts[j : j + per_batch]
-        expanded = [p for p in batch for _ in range(n)]
-        first = j * n
-        longest = jnp.int32(budgets[first : first + len(expanded)].max())
-        bucket = _bucket(max(len(p) for p in expanded))
+    t0 = time.perf_counter()
+    for first, expanded, bucket in _static_batches(prompts, n, batch_rows):
+        if bucket in compiled:
+            continue
         tokens, positions, lengths, done = _pad_batch(expanded, batch_rows, bucket)
-        args = (jnp.asarray(tokens), jnp.asarray(positions))
+        cache = jax.eval_shape(lambda b=bucket: init_cache(params.cfg, batch_rows, b + m, dtype))
+        prefill = rdecode.prefill.lower(params, tokens, positions, cache).compile()
+        logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), jnp.float32)
+        loop = rdecode.decode_loop.lower(
+            params,
+            logits_shape,
+            cache,
+            jnp.asarray(lengths),
+            sampler,
+            sampler_init(sampler, batch_rows),
+            _row_keys(key, first, batch_rows),
+            stop,
+            jnp.asarray(done),
+            max_new_tokens=m,
+            steps=jnp.int32(1),
+        ).compile()
+        compiled[bucket] = prefill, loop
+    return compiled, time.perf_counter() - t0
+
+
+def run_static(params, prompts, n, batch_rows, budgets, m, key, sampler, compiled, log):
+    """Static batches of `batch_rows` rows, as `rejax.generate` runs them with max_new_tokens =
+    M (a cache of bucket + M), each batch stepping until its longest row ends (the loop's
+    traced step limit stands in for the stop token that would end it). Returns (tokens per
+    row, timings)."""
+    stop = jnp.zeros((params.cfg.vocab_size,), bool)
+    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    rows_out: list[np.ndarray] = []
+    wall, steps = 0.0, 0
+    for first, expanded, bucket in _static_batches(prompts, n, batch_rows):
+        longest = jnp.int32(budgets[first : first + len(expanded)].max())
+        tokens, positions, lengths, done = _pad_batch(expanded, batch_rows, bucket)
         keys = _row_keys(key, first, batch_rows)
         cache = init_cache(params.cfg, batch_rows, bucket + m, dtype)
-        if bucket not in compiled:
-            t0 = time.perf_counter()
-            prefill = rdecode.prefill.lower(params, *args, cache).compile()
-            logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), jnp.float32)
-            loop = rdecode.decode_loop.lower(
-                params,
-                logits_shape,
-                cache,
-                jnp.asarray(lengths),
-                sampler,
-                sampler_init(sampler, batch_rows),
-                keys,
-                stop,
-                jnp.asarray(done),
-                max_new_tokens=m,
-                steps=longest,
-            ).compile()
-            compiled[bucket] = prefill, loop
-            compile_s += time.perf_counter() - t0
-        prefill, loop = compiled[bucket]
         state = sampler_init(sampler, batch_rows)
-        jax.block_until_ready((cache, state))
+        prefill, loop = compiled[bucket]
+        jax.block_until_ready((cache, state, keys))
         t0 = time.perf_counter()
-        logits, cache = prefill(params, *args, cache)
+        logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
         out = loop(
             params,
             logits,
@@ -172,9 +186,9 @@ def run_static(params, prompts, n, batch_rows, budgets, key, sampler, log):
         steps += int(ran)
         for r in range(len(expanded)):
             rows_out.append(np.asarray(toks[r, : budgets[first + r]]))
-        log(f"  static batch {j // per_batch}: {int(ran)} steps, {wall:.1f}s so far")
+        log(f"  static batch {first // batch_rows}: {int(ran)} steps, {wall:.1f}s so far")
         del out, cache
-    return rows_out, {"wall_s": wall, "compile_s": compile_s, "steps": steps}
+    return rows_out, {"wall_s": wall, "steps": steps}
 
 
 def warm_up(params, prompts, slots, m, kw, log) -> float:
@@ -240,31 +254,28 @@ def schedule(budgets, slots, refill_rows, max_steps, sizes) -> dict[int, int]:
 
 
 def step_model(params, slots, length, m, sampler, stop, steps=16) -> dict:
-    """Seconds per decode step at B and 1 rows on a cache of `length` slots (the run's
-    `decode_chunk`, so its compiles are reused), and the first call's compile seconds."""
+    """Seconds per decode step at B and 1 rows on the run's cache of `length` slots, timed on
+    the run's own `decode_chunk` programs (compiled by `warm_up`): {rows: seconds}."""
     out = {}
-    for b in (slots, 1) if slots > 1 else (1,):
+    for b in sorted({slots, 1}, reverse=True):
         state = rslots.init_slots(params, b, length, m, sampler)
         state = dataclasses.replace(
             state, done=jnp.zeros((b,), bool), budget=jnp.full((b,), m, jnp.int32)
         )
-        t0 = time.perf_counter()
-        one = jnp.int32(1)  # as the driver passes them: the same compiled program
-        state, _, _ = rslots.decode_chunk(params, state, sampler, stop, jnp.int32(b), one)
+        want = jnp.int32(b)  # jnp scalars, as the driver passes them: the same program
+        state, _, _ = rslots.decode_chunk(params, state, sampler, stop, want, jnp.int32(1))
         jax.block_until_ready(state)
-        first = time.perf_counter() - t0
         t0 = time.perf_counter()
-        k = jnp.int32(steps)
-        state, ran, _ = rslots.decode_chunk(params, state, sampler, stop, jnp.int32(b), k)
+        state, ran, _ = rslots.decode_chunk(params, state, sampler, stop, want, jnp.int32(steps))
         jax.block_until_ready(state)
-        out[b] = {"step_s": (time.perf_counter() - t0) / int(ran), "compile_s": first}
+        out[b] = (time.perf_counter() - t0) / int(ran)
         del state
     return out
 
 
 def _step_s(model: dict, b: int, slots: int) -> float:
     # linear in rows between the probed 1 and B (the weights are read once per step either way)
-    lo, hi = model[1]["step_s"], model[slots]["step_s"]
+    lo, hi = model[1], model[slots]
     return lo + (hi - lo) * (b - 1) / max(1, slots - 1)
 
 
@@ -335,34 +346,27 @@ def _summary(budgets) -> dict:
     }
 
 
-def choose_scale(args, params, prompts, sampler, stop, refill_rows, log) -> tuple[float, dict]:
-    """The largest length scale (--len-scale, or smaller) whose predicted run fits
-    --time-budget."""
-    budgets, _ = _budgets(args, args.len_scale)
-    length = max(_bucket(len(p)) for p in prompts) + int(budgets.max())
-    model = step_model(params, args.slots, length, int(budgets.max()), sampler, stop)
-    sizes = len(rslots.compact_sizes(args.slots, True))
-    # compiles, at the probe's compile time each (an upper bound for gathers and prefills): a
-    # prefill and a decode loop per prompt bucket of the static batches, and per slot program
-    # size a decode step (+ the memory report's decode step, a gather, the slot prefills)
-    n_buckets = len({_bucket(len(p)) for p in prompts})
-    compile_s = model[args.slots]["compile_s"] * (2 * n_buckets + sizes + 3)
-    scale = args.len_scale
+def choose_scale(args, model, refill_rows, spent_s, log) -> tuple[float, dict]:
+    """The largest length scale (--len-scale, or smaller) whose predicted execution fits what
+    --time-budget leaves after `spent_s` (the compiles)."""
+    scale, left = args.len_scale, args.time_budget - spent_s
     while True:
         budgets, _ = _budgets(args, scale)
         pred = predict(budgets, args.n, args.slots, refill_rows, args.max_steps, model)
-        # execution scales with the lengths; each step is assumed to cost what it does on the
-        # full-length cache (an upper bound: shorter caches read less)
-        total = compile_s + sum(v["exec_s"] for v in pred.values())
-        if total <= args.time_budget or scale <= args.len_scale / 64:
+        # plus the slot prefills and host syncs, a few percent (not modelled)
+        exec_s = sum(v["exec_s"] for v in pred.values())
+        if exec_s <= left or scale <= args.len_scale / 256:
             break
-        scale = round(scale * 0.8, 4)
-    log(f"  time budget {args.time_budget}s: length scale {scale}, predicted {total:.0f}s")
+        scale = round(scale * 0.9, 5)
+    log(
+        f"  time budget {args.time_budget}s, {spent_s:.0f}s spent compiling: length scale "
+        f"{scale}, predicted execution {exec_s:.0f}s"
+    )
     info = {
         "time_budget_s": args.time_budget,
-        "step_model": model,
-        "predicted_compile_s": compile_s,
-        "predicted_total_s": total,
+        "compile_s_before_choice": spent_s,
+        "step_s": model,
+        "predicted_exec_s": exec_s,
         "predicted": pred,
     }
     return scale, info
@@ -426,24 +430,19 @@ def main(argv=None) -> dict:
         "rows": rows,
         "runs": [],
     }
+    # M, the buffer and cache room of every path, is fixed by --max-len (and --len-scale)
+    # before --time-budget may shrink the drawn lengths, so every program compiles first.
+    m = max(1, round(args.max_len * args.len_scale))
     scale, budgets = args.len_scale, None
     for quant in args.quant:
         qcfg = dataclasses.replace(cfg, quant=None if quant == "bf16" else quant)
         params = random_params(qcfg, args.seed)
         jax.block_until_ready(params.weights)
         t_quant = time.perf_counter()
-        budget_info = None
-        if budgets is None:  # the first quant fixes the lengths for all
-            if args.time_budget is not None:
-                scale, budget_info = choose_scale(
-                    args, params, prompts, sampler, stop, refill_rows, log
-                )
-            budgets, (lo, hi) = _budgets(args, scale)
-            result.update(length_scale=scale, lengths=[lo, hi], forced_lengths=_summary(budgets))
-            log(f"{rows} rows, forced lengths {result['forced_lengths']}")
-        m = int(budgets.max())
-        log(f"[{quant}] static batches of {args.slots} rows")
-        s_rows, s_t = run_static(params, prompts, args.n, args.slots, budgets, key, sampler, log)
+        compiled, static_compile_s = compile_static(
+            params, prompts, args.n, args.slots, m, key, sampler
+        )
+        log(f"[{quant}] static programs compiled in {static_compile_s:.1f}s")
         kw = {
             "slots": args.slots,
             "sampler": sampler,
@@ -457,6 +456,20 @@ def main(argv=None) -> dict:
         log(f"[{quant}] slot programs compiled in {compile_s:.1f}s")
         length = max(_bucket(len(p)) for p in prompts) + m
         memory = _chunk_memory(params, args.slots, length, m, sampler, stop)
+        budget_info = None
+        if budgets is None:  # the first quant fixes the lengths for all
+            if args.time_budget is not None:
+                model = step_model(params, args.slots, length, m, sampler, stop)
+                spent = time.perf_counter() - t_quant
+                scale, budget_info = choose_scale(args, model, refill_rows, spent, log)
+            budgets, (lo, hi) = _budgets(args, scale)
+            result.update(length_scale=scale, lengths=[lo, hi], forced_lengths=_summary(budgets))
+            log(f"{rows} rows, forced lengths {result['forced_lengths']}, buffer M = {m}")
+        log(f"[{quant}] static batches of {args.slots} rows")
+        s_rows, s_t = run_static(
+            params, prompts, args.n, args.slots, budgets, m, key, sampler, compiled, log
+        )
+        s_t["compile_s"] = static_compile_s
         total = int(budgets.sum())
         run = {
             "quant": quant,
@@ -491,6 +504,8 @@ def main(argv=None) -> dict:
             )
         run["quant_total_s"] = time.perf_counter() - t_quant
         log(f"[{quant}] done in {run['quant_total_s']:.0f}s (compiles included)")
+        if budget_info is not None:
+            log(f"  (--time-budget {args.time_budget}s; measured {run['quant_total_s']:.0f}s)")
         result["runs"].append(run)
         del params
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -500,11 +515,12 @@ def main(argv=None) -> dict:
 
 if __name__ == "__main__":
     res = main()
-    bad = [
-        f"{r['quant']} {name}: {r[name]['vs_static']['rows'] - r[name]['vs_static']['rows_identical']}"
+    diff = {
+        f"{r['quant']} {name}": r[name]["vs_static"]["rows"]
+        - r[name]["vs_static"]["rows_identical"]
         for r in res["runs"]
         for name in ("refill", "compact")
-        if not r[name]["vs_static"]["all_identical"]
-    ]
+    }
+    bad = [f"{k}: {v}" for k, v in diff.items() if v]
     if bad:
         sys.exit(f"rows whose tokens differ from static batches: {', '.join(bad)}")
