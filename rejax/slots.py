@@ -255,8 +255,11 @@ def compact_slots(state: SlotState, idx: jax.Array) -> SlotState:
     """The slots `idx` of `state`, in that order: a state of C = len(idx) slots.
 
     Every per-row array (cache rows, write indices, positions, steps, budgets, keys, sampler
-    state, done flags, output buffers) is gathered, so a row continues exactly as it would have
-    in the larger program. Not donated: the result has other shapes, so no buffer is reused.
+    state, done flags, output buffers) is gathered, so a row continues from the same state; its
+    tokens stay the same where the decode step's per-row arithmetic does not depend on the
+    number of rows (the CPU tests check it; a GPU library may choose another reduction order per
+    size, which experiments/bench_slots.py would show). Not donated: the result has other
+    shapes, so no buffer is reused.
 
     Args:
         state: B slots.
@@ -339,14 +342,12 @@ def compact_sizes(slots: int, compact: bool | Sequence[int] = True) -> tuple[int
     Returns:
         Distinct sizes in decreasing order, starting at B.
     """
-    if compact is True:
-        smaller = [1 << k for k in range(slots.bit_length()) if 1 << k < slots]
-    elif compact is False or compact is None:
-        smaller = []
+    if compact is None or isinstance(compact, (bool, np.bool_)):
+        smaller = [1 << k for k in range(slots.bit_length()) if 1 << k < slots] if compact else []
     else:
-        smaller = list(compact)
+        smaller = list(compact) if isinstance(compact, (list, tuple, range, np.ndarray)) else [None]
         bad = [c for c in smaller if not isinstance(c, (int, np.integer)) or not 0 < c < slots]
-        if bad or isinstance(compact, (str, bytes)):
+        if bad:
             raise ValueError(
                 f"compact must be True, False or sizes in [1, slots={slots}), got {compact!r}"
             )

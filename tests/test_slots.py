@@ -324,7 +324,7 @@ def test_bad_driver_input_raises(params):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, refill_rows=3, **common)
     with pytest.raises(ValueError, match="one per row"):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=[2, 3], n=1, **common)
-    for bad in ([0], [2], [4, 1], "1"):
+    for bad in ([0], [2], [4, 1], "1", 1):
         with pytest.raises(
             ValueError, match=r"compact must be True, False or sizes in \[1, slots=2\)"
         ):
