@@ -678,6 +678,7 @@ def _cmd_eval(args) -> int:
         chat=chat,
         progress=not args.no_progress,
         slots=args.slots,
+        compact=args.slots_compact,
         ci_method=args.ci,
         task=args.task,
         timeout_s=args.timeout,
@@ -702,6 +703,13 @@ def _cmd_eval(args) -> int:
         f"{summary['mean_response_tokens']:.0f} tokens/response, "
         f"{100 * summary['frac_length_capped']:.1f}% hit --max-new-tokens)"
     )
+    if args.slots is not None:
+        sizes = ", ".join(f"{c}: {k}" for c, k in summary["slot_steps_by_size"].items())
+        _err(
+            f"# {args.slots} slots{' (compacting)' if args.slots_compact else ''}: occupancy "
+            f"{summary['slot_occupancy']:.3f}, decode steps by program rows {{{sizes}}}, "
+            f"{summary['tokens_per_s'] or 0:.0f} tok/s"
+        )
     graded = summary["n_problems"] * args.n
     if args.task == "math":
         print(
@@ -1034,6 +1042,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="B",
         help="decode through B row slots, refilling a slot with the next (problem, sample) "
         "as soon as its row ends (same responses as batches; excludes --batch-size)",
+    )
+    e.add_argument(
+        "--slots-compact",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --slots, move the last rows into smaller programs (B/2, B/4, ... 1 rows) "
+        "once no problem is left to refill a slot (default; same responses)",
     )
     e.add_argument(
         "--limit",

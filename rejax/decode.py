@@ -144,6 +144,7 @@ def decode_loop(
     stop_mask: jax.Array,
     done: jax.Array,
     max_new_tokens: int,
+    steps: jax.Array | None = None,
 ) -> DecodeState:
     """Generates up to M tokens per row in one `lax.while_loop`.
 
@@ -161,6 +162,8 @@ def decode_loop(
         stop_mask: [V] bool stop token ids.
         done: [B] bool rows to skip (batch padding).
         max_new_tokens: M (static: the output buffer size).
+        steps: [] int32 steps at most (<= M), or None for M; traced, so loops of different
+            lengths over the same buffers share one compiled program (a benchmark's batches).
 
     Returns:
         The final DecodeState (outputs in .tokens/.entropy/.temperature, .lengths, .stopped).
@@ -181,8 +184,10 @@ def decode_loop(
         temperature=jnp.zeros((b, m), jnp.float32),
     )
 
+    limit = m if steps is None else jnp.minimum(steps, m)
+
     def cond(s: DecodeState):
-        return (s.step < m) & ~jnp.all(s.done)
+        return (s.step < limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState):
         tokens, logits, cache, sampler_state, info = _step(

@@ -124,6 +124,7 @@ def generate(
     on_token: Callable[[int, float, float], Any] | None = None,
     progress: bool | Callable[[int, int], Any] | None = None,
     slots: int | None = None,
+    compact: bool = True,
 ) -> Generation:
     """Generates continuations for one or many prompts.
 
@@ -158,6 +159,9 @@ def generate(
         slots: decode through this many refilled row slots (rejax/slots.py) instead of static
             batches: a slot whose row ends takes the next pending (prompt, sample) row. Same
             tokens as static batches; excludes batch_size and stream.
+        compact: with `slots`, once no row is pending, move the live rows into the next
+            smaller program (B/2, B/4, ... 1 rows) as soon as they fit, so the last long rows
+            do not run in a B-row program; False keeps all B slots. Same tokens either way.
 
     Returns:
         Generation with one row per (prompt, sample).
@@ -206,7 +210,7 @@ def generate(
         raise ValueError("on_token needs stream=True (or a stream callable)")
     if slots is not None:
         return _generate_slots(
-            params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress
+            params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress, compact
         )
 
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -227,7 +231,9 @@ def generate(
     return _to_generation(params, rows)
 
 
-def _generate_slots(params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress):
+def _generate_slots(
+    params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress, compact
+):
     from rejax.slots import RowProgress, generate_rows
 
     def prompts_done(rows, done, tokens):  # the batch path's progress(prompts, tokens)
@@ -251,6 +257,7 @@ def _generate_slots(params, prompts, n, slots, max_new_tokens, sampler, key, sto
             stop_mask=stop_mask,
             n=n,
             progress=report,
+            compact=compact,
         )
     finally:
         if bar is not None:

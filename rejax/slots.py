@@ -8,11 +8,18 @@ row, while the other slots keep their state. The cache has a per-row write index
 prompt left-padded to the prompt's bucket at slots [0, T) and its generated tokens after it,
 the layout of a static batch row, and the slot positions mask whatever a previous occupant left.
 
-Two jitted programs serve a whole run: `decode_chunk` (one `lax.while_loop` of decode steps that
-stops once `want` slots are free, after `max_steps` steps, or when every slot is done) and
+A few jitted programs serve a whole run: `decode_chunk` (one `lax.while_loop` of decode steps
+that stops once `want` slots are free, after `max_steps` steps, or when every slot is done) and
 `slot_prefill` (one per prompt bucket; P rows at a time, padded with dummy rows). The host
 loop between them reads the done mask, collects the finished rows (a jitted gather of P rows
 at a time, so only they cross to the host) and refills their slots.
+
+Once no row is pending, slots drain: without more, the last long rows would run alone in a
+B-row program. With compaction (the default) the host instead gathers the live rows into a
+program of the next smaller size (B/2, B/4, ... 1 by default; `compact_slots`) as soon as they
+fit, and decodes on with that size's `decode_chunk`. So the compiled programs are one
+`decode_chunk`, one `compact_slots` and one row gather per program size, and one `slot_prefill`
+per prompt bucket (refills only happen at B, while rows are pending).
 
 A row's tokens depend only on its prompt, its budget, the key and its row index r: row r samples
 its step i with fold_in(fold_in(key, r), i), the rule of `rejax.generate`, so a refilled run
@@ -243,18 +250,55 @@ def decode_chunk(
     return jax.lax.while_loop(cond, body, (state, zero, zero))
 
 
+@jax.jit
+def compact_slots(state: SlotState, idx: jax.Array) -> SlotState:
+    """The slots `idx` of `state`, in that order: a state of C = len(idx) slots.
+
+    Every per-row array (cache rows, write indices, positions, steps, budgets, keys, sampler
+    state, done flags, output buffers) is gathered, so a row continues from the same state; its
+    tokens stay the same where the decode step's per-row arithmetic does not depend on the
+    number of rows (the CPU tests check it; a GPU library may choose another reduction order per
+    size, which experiments/bench_slots.py would show). Not donated: the result has other
+    shapes, so no buffer is reused.
+
+    Args:
+        state: B slots.
+        idx: [C] int32 slot ids (C <= B); a padding entry names a done slot.
+
+    Returns:
+        SlotState of C slots.
+    """
+    TRACE_COUNTS["compact_slots"] += 1
+    c = state.cache
+    cache = KVCache(k=c.k[:, idx], v=c.v[:, idx], positions=c.positions[idx], index=c.index[idx])
+    rows = jax.tree.map(lambda x: x[idx], dataclasses.replace(state, cache=None))
+    return dataclasses.replace(rows, cache=cache)
+
+
 @dataclasses.dataclass
 class SlotStats:
     """What a slot-refill run did.
 
+    Occupancy is measured per decode step as live rows / rows of the program that ran the step
+    (B, or a smaller size after compaction), then averaged three ways.
+
     Attributes:
         slots: B.
         rows: rows generated.
-        steps: decode steps run (each steps all B slots).
+        steps: decode steps run, at any program size.
         live_row_steps: row-steps that generated a token.
-        occupancy: live_row_steps / (steps * B): the mean fraction of slots doing work.
-        occupancy_while_pending: the same over the decode calls that began with rows still
-            pending (before the drain, where no row is left to refill a slot); None if none.
+        occupancy: the per-step fraction of the program's rows doing work, averaged over
+            steps: sum over sizes C of live_row_steps_C / C, over `steps`.
+        row_occupancy: live_row_steps / the row-steps the programs computed (sum of steps_C * C):
+            each step weighted by its rows.
+        time_weighted_occupancy: the per-size occupancy weighted by the decode seconds spent at
+            that size (each step weighted by its measured cost).
+        occupancy_while_pending: the occupancy over the decode calls that began with rows still
+            pending (all at size B, before the drain, where no row is left to refill a slot);
+            None if none.
+        steps_by_size: {program size C: decode steps run at C}, largest first.
+        decode_s_by_size: {C: host seconds from each `decode_chunk` call at C to its result}.
+        compactions: `compact_slots` calls.
         prefills: `slot_prefill` calls.
         chunks: `decode_chunk` calls (host syncs).
         tokens: tokens generated.
@@ -266,7 +310,12 @@ class SlotStats:
     steps: int
     live_row_steps: int
     occupancy: float
+    row_occupancy: float
+    time_weighted_occupancy: float
     occupancy_while_pending: float | None
+    steps_by_size: dict[int, int]
+    decode_s_by_size: dict[int, float]
+    compactions: int
     prefills: int
     chunks: int
     tokens: int
@@ -280,6 +329,29 @@ def _default_refill_rows(slots: int) -> int:
     # Rows prefilled together: with B / 16 the loop waits for a few free slots (a few percent
     # of occupancy) instead of running one prefill per finished row.
     return max(1, slots // 16)
+
+
+def compact_sizes(slots: int, compact: bool | Sequence[int] = True) -> tuple[int, ...]:
+    """Program sizes a run may use, largest (B) first.
+
+    Args:
+        slots: B.
+        compact: True for B and every power of two below it; False for B alone; or the sizes
+            below B to compact to (ints in [1, B)).
+
+    Returns:
+        Distinct sizes in decreasing order, starting at B.
+    """
+    if compact is None or isinstance(compact, (bool, np.bool_)):
+        smaller = [1 << k for k in range(slots.bit_length()) if 1 << k < slots] if compact else []
+    else:
+        smaller = list(compact) if isinstance(compact, (list, tuple, range, np.ndarray)) else [None]
+        bad = [c for c in smaller if not isinstance(c, (int, np.integer)) or not 0 < c < slots]
+        if bad:
+            raise ValueError(
+                f"compact must be True, False or sizes in [1, slots={slots}), got {compact!r}"
+            )
+    return tuple(sorted({slots, *(int(c) for c in smaller)}, reverse=True))
 
 
 def generate_rows(
@@ -297,6 +369,7 @@ def generate_rows(
     bucket: Callable[[int], int] | None = None,
     progress: Callable[[int, int, int], Any] | None = None,
     buffer_tokens: int | None = None,
+    compact: bool | Sequence[int] = True,
 ) -> tuple[list[tuple], SlotStats]:
     """Generates every (prompt, sample) row through `slots` refilled slots.
 
@@ -319,6 +392,9 @@ def generate_rows(
         buffer_tokens: M, the output buffer width and the cache room past the prompt bucket
             (default: the largest budget); runs with the same M, B and buckets share their
             compiled programs (a benchmark's warm-up).
+        compact: once no row is pending, gather the live rows into the next smaller program
+            size as soon as they fit (True: B/2, B/4, ... 1; or the sizes, see `compact_sizes`);
+            False keeps all B slots to the end. The tokens are the same either way.
 
     Returns:
         (rows in row order as (tokens, entropy, temperature, stopped) numpy tuples, SlotStats).
@@ -332,6 +408,7 @@ def generate_rows(
     refill_rows = _default_refill_rows(slots) if refill_rows is None else refill_rows
     if not isinstance(refill_rows, (int, np.integer)) or not 0 < refill_rows <= slots:
         raise ValueError(f"refill_rows must be an int in [1, slots={slots}], got {refill_rows!r}")
+    sizes = compact_sizes(slots, compact)
     _check_scalar_sampler(sampler)
     n_rows = len(prompts) * n
     if np.ndim(max_new_tokens) not in (0, 1) or (
@@ -354,13 +431,17 @@ def generate_rows(
     t0 = time.perf_counter()
     state = init_slots(params, slots, length, m, sampler)
     pending = list(range(n_rows))[::-1]  # popped from the end: row order
-    occupant = [-1] * slots
+    occupant = [-1] * slots  # row held by each slot of the current program, -1 = none
+    size = slots  # rows of the current program (one of `sizes`)
     left_per_prompt = [n] * len(prompts)
     results: list[tuple | None] = [None] * n_rows
-    steps = used = prefills = chunks = tokens = 0
+    steps_by = dict.fromkeys(sizes, 0)
+    used_by = dict.fromkeys(sizes, 0)
+    secs_by = dict.fromkeys(sizes, 0.0)
+    prefills = chunks = tokens = compactions = 0
     pending_steps = pending_used = 0
     while True:
-        free = [b for b in range(slots) if occupant[b] < 0]
+        free = [b for b in range(size) if occupant[b] < 0]
         take = [pending.pop() for _ in range(min(len(free), len(pending)))]
         by_bucket: dict[int, list[int]] = {}
         for r in take:
@@ -389,17 +470,33 @@ def generate_rows(
                 prefills += 1
         if all(o < 0 for o in occupant):
             break
-        want = slots if not pending else min(refill_rows, len(pending))
+        smaller = [c for c in sizes if c < size]
+        # One size down at a time (so one compiled gather per size), before decoding: fewer rows
+        # than slots may fit a smaller program from the start.
+        while not pending and smaller and sum(o >= 0 for o in occupant) <= smaller[0]:
+            state, occupant = _compact(state, occupant, smaller[0])
+            size, smaller = smaller[0], smaller[1:]
+            compactions += 1
+        if pending:
+            want = min(refill_rows, len(pending))
+        elif smaller:
+            want = size - smaller[0]  # return once the live rows fit the next size
+        else:
+            want = size
+        t1 = time.perf_counter()
         state, ran, live = decode_chunk(
             params, state, sampler, stop_mask, jnp.int32(want), jnp.int32(max_steps)
         )
         chunks += 1
         done, ran, live = jax.device_get((state.done, ran, live))
-        steps, used = steps + int(ran), used + int(live)
+        secs_by[size] += time.perf_counter() - t1
+        steps_by[size] += int(ran)
+        used_by[size] += int(live)
         if pending:
             pending_steps, pending_used = pending_steps + int(ran), pending_used + int(live)
-        ended = [b for b in range(slots) if occupant[b] >= 0 and done[b]]
+        ended = [b for b in range(size) if occupant[b] >= 0 and done[b]]
         if not ended:
+            assert ran > 0, (want, size, occupant)  # else this loop would spin
             continue
         got = _collect(state, ended, refill_rows)
         new_tokens, new_prompts = 0, 0
@@ -413,19 +510,38 @@ def generate_rows(
         tokens += new_tokens
         if progress is not None:
             progress(len(ended), new_prompts, new_tokens)
+    steps = sum(steps_by.values())
+    used = sum(used_by.values())
+    occ_by = {c: used_by[c] / (steps_by[c] * c) for c in sizes if steps_by[c]}
+    secs = sum(secs_by[c] for c in occ_by)
     stats = SlotStats(
         slots=slots,
         rows=n_rows,
         steps=steps,
         live_row_steps=used,
-        occupancy=used / (steps * slots) if steps else 0.0,
+        occupancy=sum(used_by[c] / c for c in sizes) / steps if steps else 0.0,
+        row_occupancy=used / sum(steps_by[c] * c for c in sizes) if steps else 0.0,
+        time_weighted_occupancy=(
+            sum(secs_by[c] * occ_by[c] for c in occ_by) / secs if secs > 0 else 0.0
+        ),
         occupancy_while_pending=pending_used / (pending_steps * slots) if pending_steps else None,
+        steps_by_size={c: steps_by[c] for c in sizes if steps_by[c]},
+        decode_s_by_size={c: secs_by[c] for c in sizes if steps_by[c]},
+        compactions=compactions,
         prefills=prefills,
         chunks=chunks,
         tokens=tokens,
         wall_s=time.perf_counter() - t0,
     )
     return results, stats
+
+
+def _compact(state: SlotState, occupant: list[int], c: int) -> tuple[SlotState, list[int]]:
+    # The live slots first, then done slots as padding (they keep stepping without recording).
+    live = [b for b, o in enumerate(occupant) if o >= 0]
+    idle = [b for b, o in enumerate(occupant) if o < 0]
+    idx = (live + idle)[:c]
+    return compact_slots(state, jnp.asarray(idx, jnp.int32)), [occupant[b] for b in idx]
 
 
 def _prefill(params, state, prompts, n, part, ids, tb, p, slots, key, budgets, sampler, pad):

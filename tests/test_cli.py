@@ -280,6 +280,31 @@ def test_eval_writes_jsonl_and_summary(capsys, ckpt, data, tmp_path, cached_mode
     assert stdout.startswith("avg@1 = ") and "95% CI" in stdout
 
 
+def test_eval_slots_summary_line(capsys, ckpt, data, tmp_path, cached_models):
+    # 3 problems x n=1 through 2 slots: with compaction the third row runs in a 1-row program;
+    # --no-slots-compact keeps every step at 2. Same responses either way.
+    results = {}
+    for flag in ("--slots-compact", "--no-slots-compact"):
+        out, summary = tmp_path / f"{flag}.jsonl", tmp_path / f"{flag}.json"
+        rc, _, err = _run(
+            capsys,
+            *("eval", "--model", ckpt, "--quant", "bf16", "--data", data, "--n", 1),
+            *("--max-new-tokens", 8, "--sampler", "temp:0.7", "--slots", 2, flag),
+            *("--out", out, "--summary", summary, "--no-progress"),
+        )
+        assert rc == 0, err
+        s = json.loads(summary.read_text())
+        line = [x for x in err.splitlines() if x.startswith("# 2 slots")]
+        assert len(line) == 1 and f"occupancy {s['slot_occupancy']:.3f}" in line[0], err
+        assert "tok/s" in line[0] and ("compacting" in line[0]) == (flag == "--slots-compact")
+        assert s["slot_compact"] == (flag == "--slots-compact") and s["slots"] == 2
+        results[flag] = ([json.loads(x)["responses"] for x in out.read_text().splitlines()], s)
+    (a, ca), (b, cb) = results.values()
+    assert a == b
+    assert list(cb["slot_steps_by_size"]) == ["2"] and list(ca["slot_steps_by_size"]) == ["2", "1"]
+    assert ca["slot_occupancy"] > cb["slot_occupancy"]
+
+
 def test_eval_countdown_grades_with_the_exact_checker(capsys, ckpt, tmp_path, cached_models):
     from rejax.data import countdown
     from rejax.eval.grading import grade_detail

@@ -42,17 +42,18 @@ def _prompts(lengths, seed=0):
 PROMPTS = [_prompts([3, 40, 7, 12, 5, 20])[i] for i in (0, 2, 3, 4, 5, 1)]
 
 
-def _reset(t_low=0.3, t_high=1.2, tau_0=0.5):
+def _reset(t_low=0.3, t_high=1.2, tau_0=0.5, nl=(10, 11, 12), dnl=(13, 14)):
     # Greedy rows are ReSET rows at temperature 0 (<= GREEDY_EPS samples the argmax): the
     # same compiled programs serve both, since hyperparameters are traced.
-    nl = np.zeros((V,), bool)
-    nl[[10, 11, 12]] = True
-    dnl = np.zeros((V,), bool)
-    dnl[[13, 14]] = True
+    nl, dnl = np.isin(np.arange(V), nl), np.isin(np.arange(V), dnl)
     return ReSET(t_low=t_low, tau_0=tau_0, t_high=t_high, window=4, nl_mask=nl, dnl_mask=dnl)
 
 
 SAMPLERS = {"greedy": _reset(0.0, 0.0), "reset": _reset()}
+# Step boundaries every few tokens and tau_0 at the rows' typical entropy (~4.4 nats): each
+# step's temperature depends on the carried sampler state, so a row given another row's state
+# samples other tokens.
+BUSY = _reset(tau_0=4.45, nl=range(0, V, 3), dnl=range(1, V, 3))
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,22 @@ def static(params):
     }
 
 
+@pytest.fixture(scope="module")
+def full(params):
+    """PROMPTS x N to M tokens each (no stop token), BUSY, key 2: rows cut at their budgets
+    are the reference of forced-length runs."""
+    return gen.generate(
+        params,
+        PROMPTS,
+        max_new_tokens=M,
+        sampler=BUSY,
+        key=2,
+        n=N,
+        stop=[],
+        progress=False,
+    )
+
+
 def _same(a, b):
     assert a.tokens == b.tokens
     assert a.finish_reason == b.finish_reason
@@ -80,8 +97,8 @@ def _same(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)  # same tokens, same math
 
 
-@pytest.mark.parametrize("name", ["greedy", "reset"])
-def test_refilled_run_equals_static_batches(params, static, name):
+@pytest.mark.parametrize(("name", "compact"), [("greedy", True), ("reset", True), ("reset", False)])
+def test_refilled_run_equals_static_batches(params, static, name, compact):
     before = dict(gen.TRACE_COUNTS)
     out = gen.generate(
         params,
@@ -93,6 +110,7 @@ def test_refilled_run_equals_static_batches(params, static, name):
         stop=STOP,
         slots=3,
         progress=False,
+        compact=compact,
     )
     _same(out, static[name])
     ref = static[name]
@@ -106,10 +124,21 @@ def test_refilled_run_equals_static_batches(params, static, name):
     stats = out.slot_stats
     assert stats["rows"] == 12 and stats["tokens"] == sum(lengths) == stats["live_row_steps"]
     assert stats["prefills"] == 12  # one row per refill (B // 16 -> 1), a slot refilled 4x
-    assert stats["occupancy"] == sum(lengths) / (3 * stats["steps"]) > 0.7
-    assert stats["occupancy_while_pending"] > stats["occupancy"]  # the drain has idle slots
-    # 12 refills over two buckets: one decode program and one prefill per bucket at most.
-    assert gen.TRACE_COUNTS["decode_chunk"] - before.get("decode_chunk", 0) <= 1
+    assert stats["row_occupancy"] == sum(lengths) / sum(
+        c * k for c, k in stats["steps_by_size"].items()
+    )
+    if compact:
+        # Sizes 3, 2, 1 fit every live count: each drained row shrinks the program at once.
+        assert stats["compactions"] == 2 and list(stats["steps_by_size"]) == [3, 2, 1]
+        assert stats["occupancy"] == stats["row_occupancy"] == 1.0
+    else:
+        assert stats["compactions"] == 0 and list(stats["steps_by_size"]) == [3]
+        assert stats["occupancy"] == sum(lengths) / (3 * stats["steps"]) > 0.7
+        assert stats["occupancy_while_pending"] > stats["occupancy"]  # the drain has idle slots
+    # 12 refills over two buckets: one decode program per size, one prefill per bucket at most.
+    sizes = len(stats["steps_by_size"])
+    assert gen.TRACE_COUNTS["decode_chunk"] - before.get("decode_chunk", 0) <= sizes
+    assert gen.TRACE_COUNTS["compact_slots"] - before.get("compact_slots", 0) <= sizes - 1
     assert gen.TRACE_COUNTS["slot_prefill"] - before.get("slot_prefill", 0) <= 2
 
 
@@ -138,26 +167,31 @@ def test_fewer_rows_than_slots(params, static):
     # The bucket-64 prompt alone (greedy, so its rows do not depend on the row index): 2 rows
     # in 3 slots, prefilled together with a dummy row (refill_rows=3) that must be dropped.
     stop_mask = jnp.asarray(np.isin(np.arange(V), STOP))
-    rows, s = sl.generate_rows(
-        params,
-        [PROMPTS[5]],
-        slots=3,
-        max_new_tokens=M,
-        sampler=SAMPLERS["greedy"],
-        key=jax.random.key(0),
-        stop_mask=stop_mask,
-        n=N,
-        refill_rows=3,
-    )
-    assert [r[0].tolist() for r in rows] == static["greedy"].tokens[10:12]
-    assert s.prefills == 1 and s.chunks == 1
-    assert s.live_row_steps == s.tokens == sum(len(r[0]) for r in rows)  # no dummy went live
-    assert s.occupancy <= 2 / 3 and s.occupancy_while_pending is None
+    for compact in (False, True):
+        rows, s = sl.generate_rows(
+            params,
+            [PROMPTS[5]],
+            slots=3,
+            max_new_tokens=M,
+            sampler=SAMPLERS["greedy"],
+            key=jax.random.key(0),
+            stop_mask=stop_mask,
+            n=N,
+            refill_rows=3,
+            compact=compact,
+        )
+        assert [r[0].tolist() for r in rows] == static["greedy"].tokens[10:12]
+        assert s.prefills == 1 and s.occupancy_while_pending is None
+        assert s.live_row_steps == s.tokens == sum(len(r[0]) for r in rows)  # no dummy went live
+        if compact:  # 2 live rows fit a program of 2 before the first step
+            assert 3 not in s.steps_by_size and s.compactions >= 1
+        else:
+            assert s.chunks == 1 and s.occupancy <= 2 / 3
 
 
-def test_per_row_budgets_and_progress(params):
+def test_per_row_budgets_and_progress(params, full):
     budgets = [4, 11, 1, 7, 16, 2, 9, 3, 12, 5, 6, 8]  # one per row
-    sampler, key = SAMPLERS["reset"], jax.random.key(2)
+    sampler, key = BUSY, jax.random.key(2)
     calls = []
     rows, stats = sl.generate_rows(
         params,
@@ -169,16 +203,6 @@ def test_per_row_budgets_and_progress(params):
         stop_mask=jnp.zeros((V,), bool),
         n=N,
         progress=lambda *c: calls.append(c),
-    )
-    full = gen.generate(
-        params,
-        PROMPTS,
-        max_new_tokens=M,
-        sampler=sampler,
-        key=2,
-        n=N,
-        stop=[],
-        progress=False,
     )
     assert [len(r[0]) for r in rows] == budgets
     for r, (row, ref) in enumerate(zip(rows, full.tokens)):
@@ -206,6 +230,67 @@ def test_no_retrace_for_new_prompts_keys_and_hyperparameters(params, static):
     )
     assert dict(gen.TRACE_COUNTS) == seen
     assert len(out.tokens) == 9 and out.slot_stats["prefills"] == 9
+
+
+def _forced(params, budgets, slots, compact, prompts=PROMPTS, key=2, **kw):
+    # Rows of forced lengths (no stop token): the schedule is known step by step. M and the
+    # 64 bucket (PROMPTS[5]) fix the cache length of the runs above, so programs are shared.
+    return sl.generate_rows(
+        params,
+        prompts,
+        slots=slots,
+        max_new_tokens=budgets,
+        sampler=BUSY,
+        key=jax.random.key(key),
+        stop_mask=jnp.zeros((V,), bool),
+        n=N,
+        compact=compact,
+        buffer_tokens=M,
+        **kw,
+    )
+
+
+def test_occupancy_counted_per_program_size(params):
+    # Rows of 1, 2, 3 and 8 tokens in 3 slots, sizes 3 and 1. Step 1 (3 live): row 0 ends,
+    # row 3 takes its slot; steps 2-3 (3, then 2 live) run until one row is left; row 3's
+    # last 6 steps run alone at size 1. Without compaction, row 3 runs to step 9 at size 3.
+    budgets = [1, 2, 3, 8]
+    _, s = _forced(params, budgets, 3, [1], [PROMPTS[5], PROMPTS[0]])
+    assert s.steps_by_size == {3: 3, 1: 6} and s.compactions == 1, s
+    assert s.steps == 9 and s.live_row_steps == s.tokens == 14
+    assert s.occupancy == pytest.approx(((3 + 3 + 2) / 3 + 6 / 1) / 9)  # live / rows, per step
+    assert s.row_occupancy == pytest.approx(14 / (3 * 3 + 1 * 6))
+    assert set(s.decode_s_by_size) == {3, 1} and 0 < s.time_weighted_occupancy <= 1
+    assert s.occupancy_while_pending == 1.0  # step 1
+    _, s = _forced(params, budgets, 3, False, [PROMPTS[5], PROMPTS[0]])
+    assert s.steps_by_size == {3: 9} and s.compactions == 0
+    for occ in (s.occupancy, s.row_occupancy, s.time_weighted_occupancy):
+        assert occ == pytest.approx(14 / 27)
+
+
+def test_compaction_many_times_same_tokens(params, full):
+    # 12 rows of very different budgets through 4 slots: refills, then a drain through sizes
+    # 4 -> 2 -> 1 (and 4 -> 3 -> 1 given as a list); every row equals the full-length static
+    # row cut at its budget, whatever the program sizes it ran in.
+    budgets = [16, 1, 2, 12, 1, 3, 8, 2, 1, 5, 14, 16]
+    temps = np.concatenate(full.temperature)
+    assert 0.2 < np.mean(np.isclose(temps, 0.3)) < 0.8  # both drawn: the state matters
+    before = dict(gen.TRACE_COUNTS)
+    for compact, sizes in ((True, [4, 2, 1]), ([3, 1], [4, 3, 1])):
+        rows, s = _forced(params, budgets, 4, compact)
+        for r, row in enumerate(rows):
+            assert row[0].tolist() == full.tokens[r][: budgets[r]], (compact, r)
+            for got, want in zip(row[1:3], (full.entropy[r], full.temperature[r])):
+                np.testing.assert_allclose(got, want[: budgets[r]], rtol=1e-5, atol=1e-6)
+        assert list(s.steps_by_size) == sizes and s.compactions == len(sizes) - 1, s
+        assert s.tokens == sum(budgets) and s.prefills == 12
+    # one decode program per size (4, 2, 1, 3 at most) and one gather per step down
+    seen = dict(gen.TRACE_COUNTS)
+    assert seen["decode_chunk"] - before.get("decode_chunk", 0) <= 4
+    assert seen["compact_slots"] - before.get("compact_slots", 0) <= 4
+    # another compacting run (other budgets, prompt order and key): nothing retraces
+    rows, s = _forced(params, budgets[::-1], 4, True, PROMPTS[::-1], key=9)
+    assert dict(gen.TRACE_COUNTS) == seen and s.compactions == 2
 
 
 def test_per_row_cache_write_matches_dynamic_update_slice():
@@ -239,3 +324,11 @@ def test_bad_driver_input_raises(params):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, refill_rows=3, **common)
     with pytest.raises(ValueError, match="one per row"):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=[2, 3], n=1, **common)
+    for bad in ([0], [2], [4, 1], "1", 1):
+        with pytest.raises(
+            ValueError, match=r"compact must be True, False or sizes in \[1, slots=2\)"
+        ):
+            sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, compact=bad, **common)
+    assert sl.compact_sizes(64) == (64, 32, 16, 8, 4, 2, 1)
+    assert sl.compact_sizes(48) == (48, 32, 16, 8, 4, 2, 1)
+    assert sl.compact_sizes(8, False) == (8,) and sl.compact_sizes(8, (2, 6, 2)) == (8, 6, 2)

@@ -57,6 +57,7 @@ def evaluate(
     timeout_s: float = 8.0,
     grade_workers: int | None = None,
     slots: int | None = None,
+    compact: bool = True,
 ) -> EvalResult:
     """Samples n responses per problem, grades them and computes avg@n with a 95% CI.
 
@@ -87,7 +88,9 @@ def evaluate(
       grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
       slots: decode the problems x n rows through this many refilled slots (rejax/slots.py)
         instead of batches (excludes batch_size; same responses); the bar then counts rows
-        and the summary adds `slots` and `slot_occupancy`.
+        and the summary adds `slots`, `slot_occupancy` and `slot_steps_by_size`.
+      compact: with `slots`, compact the draining rows into smaller programs (see
+        `rejax.generate`); False keeps all slots to the end.
 
     Returns:
       EvalResult. Records hold `extracted` (math answer / letter / program), `extracted_by`
@@ -138,6 +141,7 @@ def evaluate(
             chat=chat,
             progress=bar.update if bar is not None else bool(progress),
             slots=slots,
+            compact=compact,
         )
     finally:
         if bar is not None:
@@ -202,6 +206,8 @@ def evaluate(
     if slots is not None:
         summary["slots"] = slots
         summary["slot_occupancy"] = gen.slot_stats["occupancy"]
+        summary["slot_compact"] = compact
+        summary["slot_steps_by_size"] = gen.slot_stats["steps_by_size"]
     if task == "math":
         fallback = [g for g in grades if g.rule == "last_number"]
         summary["n_last_number_fallback"] = len(fallback)
