@@ -37,6 +37,10 @@ ATTENTIONS = ("einsum", "live")
 # slower (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because
 # every CTA redoes the prologue for all of x (experiments/DECODE_NOTES.md).
 LINEAR_FUSIONS = ("fused", "unfused")
+# KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
+# slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
+# Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).
+KV_DTYPES = ("bf16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Config:
     layer_loop: str = "auto"
     attention: str = "einsum"
     linear_fusion: str = "unfused"
+    kv_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -80,6 +85,8 @@ class Config:
             raise ValueError(
                 f"unknown linear_fusion {self.linear_fusion!r}; expected one of {LINEAR_FUSIONS}"
             )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; expected one of {KV_DTYPES}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(
                 f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"
