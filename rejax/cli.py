@@ -32,7 +32,7 @@ import numpy as np
 from rejax import bench, compare, sampling
 from rejax import eval as ev
 from rejax.checkpoint import load
-from rejax.config import PRESETS
+from rejax.config import KV_DTYPES, PRESETS
 from rejax.data import tasks
 from rejax.eval.grading import extract_answer
 from rejax.generate import generate
@@ -561,7 +561,7 @@ def _cmd_generate(args) -> int:
     model_dir = resolve_model(args.model)
     sampler, source = _sampler(args, model_dir)
     t0 = time.perf_counter()
-    params = load_model(args.model, args.quant)
+    params = _with_kv_dtype(args, load_model(args.model, args.quant))
     chat = _chat(args, params)
     ids = [encode_prompt(params, p, chat=chat) for p in prompts]
     max_new = _max_new_tokens(args.max_new_tokens, 512, params, ids)
@@ -641,6 +641,22 @@ def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_kv_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--kv-dtype",
+        default="bf16",
+        choices=KV_DTYPES,
+        help="KV-cache storage: bf16, or fp8 (E4M3 codes with a scale per slot and kv head: "
+        "half the cache bytes; Config.kv_dtype) (default: bf16)",
+    )
+
+
+def _with_kv_dtype(args, params):
+    """params with Config.kv_dtype = --kv-dtype."""
+    cfg = dataclasses.replace(params.cfg, kv_dtype=args.kv_dtype)
+    return dataclasses.replace(params, cfg=cfg)
+
+
 def _shard(args, params):
     """params placed on the --mesh (unchanged without one); a bad mesh is a ValueError."""
     if args.mesh is None:
@@ -659,7 +675,7 @@ def _cmd_eval(args) -> int:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
     problems = ev.load_problems(args.data, args.task, limit=args.limit)
     sampler, source = _sampler(args, model_dir)
-    params = _shard(args, load_model(args.model, args.quant))
+    params = _shard(args, _with_kv_dtype(args, load_model(args.model, args.quant)))
     chat = _chat(args, params)
     ids = [encode_prompt(params, p["prompt"], chat=chat) for p in problems]
     max_new = _max_new_tokens(args.max_new_tokens, 1024, params, ids)
@@ -687,6 +703,7 @@ def _cmd_eval(args) -> int:
         res.summary,
         model=args.model,
         quant=args.quant,
+        kv_dtype=args.kv_dtype,
         data=str(args.data),
         versions=bench.versions(),
     )
@@ -951,6 +968,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when done.",
     )
     _add_model_args(g)
+    _add_kv_args(g)
     _add_sampler_args(g)
     g.add_argument(
         "--max-new-tokens",
@@ -1020,6 +1038,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--n", type=_positive_int, default=8, metavar="N", help="samples per problem (default: 8)"
     )
     _add_model_args(e)
+    _add_kv_args(e)
     _add_sampler_args(e)
     e.add_argument(
         "--max-new-tokens",

@@ -43,6 +43,10 @@ ATTENTIONS = ("einsum", "live")
 # batch 8: 6.465 vs 6.218), its one-CTA-per-row quantizer being a serial latency
 # (experiments/results/h200_c/).
 LINEAR_FUSIONS = ("fused", "split", "unfused")
+# KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
+# slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
+# Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).
+KV_DTYPES = ("bf16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,7 @@ class Config:
     layer_loop: str = "auto"
     attention: str = "einsum"
     linear_fusion: str = "unfused"
+    kv_dtype: str = "bf16"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -86,6 +91,8 @@ class Config:
             raise ValueError(
                 f"unknown linear_fusion {self.linear_fusion!r}; expected one of {LINEAR_FUSIONS}"
             )
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; expected one of {KV_DTYPES}")
         if self.layer_loop not in LAYER_LOOPS:
             raise ValueError(
                 f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"

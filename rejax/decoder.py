@@ -11,6 +11,7 @@ module over it: `Model(cfg).apply({"params": weights}, tokens, positions, cache)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ from flax import linen as nn
 
 from rejax import params as rparams
 from rejax import sharding
-from rejax.cache import KVCache, write_kv, write_positions
+from rejax.cache import KVCache, read_layer, write_layer, write_positions
 from rejax.config import Config
 from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
 from rejax.nvfp4 import Nvfp4Tensor
@@ -46,8 +47,9 @@ def decoder_layer(
         lw: the stacked layer weights (params["layers"]).
         i: int32 [] layer index.
         positions: [B, T] int32 positions (-1 = padding).
-        kv: stacked cache (k, v) [L, B, S, K, H] to write this layer's T entries into, or None
-            for cache-free attention over these T tokens.
+        kv: the stacked cache `KVCache.layers` (k, v [L, B, S, K, H], fp8 scales [L, B, S, K] or
+            None) to write this layer's T entries into, or None for cache-free attention over
+            these T tokens.
         index: [] int32 first cache slot written (with kv), or [B] int32 per row.
         k_positions: [B, S] (or [B, T] without a cache) positions held by each key slot.
         cfg: model config.
@@ -99,22 +101,27 @@ def decoder_layer(
         k = rms_norm(k, take(att["k_norm"]["scale"], i), cfg.rms_norm_eps)
     q = rope(q, positions, cfg.rope_theta)
     k = rope(k, positions, cfg.rope_theta)
-    if kv is None:
-        keys, values = k, v
-    else:
-        kv = write_kv(kv[0], kv[1], k, v, index, layer=i)
-        keys, values = take(kv[0], i), take(kv[1], i)  # [B, S, K, H]
+    if kv is not None:
+        kv = write_layer(kv, k, v, index, i)
     if kv is not None and t == 1 and cfg.attention == "live":
         # one new token per row: read only the slots written so far, [0, index + 1) (with a
         # per-row index, up to the furthest row's; the positions mask the rest)
         li = jnp.asarray(i, jnp.int32)
         live = index + 1 if jnp.ndim(index) == 0 else jnp.max(index) + 1
-        out = decode_attention(q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live)
+        out = decode_attention(
+            q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live,
+            k_scale=kv[2], v_scale=kv[3],
+        )  # fmt: skip
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
     elif kv is not None and cfg.attention == "live":
-        # a prompt: flash-style over chunks, never holding [B, N, T, S] scores
-        out = prefill_attention(q, keys, values, positions, k_positions).reshape(b, t, n * h)
+        # a prompt: flash-style over chunks, never holding [B, N, T, S] scores (fp8 chunks
+        # dequantized as they are read)
+        ks, vs = (None, None) if kv[2] is None else (take(kv[2], i), take(kv[3], i))
+        out = prefill_attention(
+            q, take(kv[0], i), take(kv[1], i), positions, k_positions, k_scale=ks, v_scale=vs
+        ).reshape(b, t, n * h)
     else:
+        keys, values = (k, v) if kv is None else read_layer(kv, i, q.dtype)  # [B, S, K, H]
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
@@ -199,7 +206,7 @@ def forward(
                 f"{tokens.shape=} has more tokens than the cache's {cache.length} slots"
             )
         index, k_positions = cache.index, write_positions(cache, positions)
-        kv = (cache.k, cache.v)
+        kv = cache.layers
     lw = weights["layers"]
 
     def body(carry, i):
@@ -225,9 +232,10 @@ def forward(
     head = embedding if cfg.tie_word_embeddings else weights["lm_head"]["weight"]
     logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype)).astype(jnp.float32)
     if cache is not None:
-        cache = KVCache(
-            k=kv[0], v=kv[1], positions=k_positions, index=cache.index + tokens.shape[1]
-        )
+        cache = dataclasses.replace(
+            cache, k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3], positions=k_positions,
+            index=cache.index + tokens.shape[1],
+        )  # fmt: skip
     if with_amax:
         return logits, cache, amax
     return logits, cache

@@ -58,6 +58,7 @@ COLUMN_PARALLEL = ("qkv_proj", "gate_up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 _CACHE_KV = P(None, "data", None, "model", None)  # [L, B, S, K, H]
+_CACHE_SCALE = P(None, "data", None, "model")  # [L, B, S, K] fp8 scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,16 +282,21 @@ def init_cache(params: rparams.Params, batch_size: int, length: int, dtype=jnp.b
     if layout is None:
         return _init_cache(params.cfg, batch_size, length, dtype)
     _check_rows(batch_size, layout)
-    specs = cache_specs()
+    specs = cache_specs(params.cfg.kv_dtype == "fp8")
     out = jax.tree.map(lambda s: NamedSharding(layout.mesh, s), specs)
     # a one-off placement: zeros created where they live, never a full cache on one device
     make = jax.jit(_init_cache, static_argnums=(0, 1, 2, 3), out_shardings=out)
     return make(params.cfg, batch_size, length, dtype)
 
 
-def cache_specs() -> KVCache:
-    """PartitionSpecs of a KVCache: k, v [L, B, S, K, H] over rows and kv heads."""
-    return KVCache(k=_CACHE_KV, v=_CACHE_KV, positions=P("data", None), index=P())
+def cache_specs(quantized: bool = False) -> KVCache:
+    """PartitionSpecs of a KVCache: k, v [L, B, S, K, H] (and an fp8 cache's scales
+    [L, B, S, K]) over rows and kv heads."""
+    scale = _CACHE_SCALE if quantized else None
+    return KVCache(
+        k=_CACHE_KV, v=_CACHE_KV, positions=P("data", None), index=P(), k_scale=scale,
+        v_scale=scale,
+    )  # fmt: skip
 
 
 def _check_rows(rows: int, layout: Layout) -> None:
@@ -383,7 +389,7 @@ def forward(
         return logits, cache
 
     rows = P("data")
-    cache_spec = None if cache is None else cache_specs()
+    cache_spec = None if cache is None else cache_specs(cache.quantized)
     at_spec = None if logits_at is None else rows
     fn = jax.shard_map(
         body,

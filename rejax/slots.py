@@ -143,7 +143,7 @@ def slot_prefill(
     cfg = params.cfg
     p, t = tokens.shape
     s = state.cache.length
-    fresh = init_cache(cfg, p, t, state.cache.k.dtype)
+    fresh = init_cache(cfg, p, t, params.weights["embed_tokens"]["embedding"].dtype)
     logits, fresh = forward(
         params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1)
     )
@@ -155,11 +155,17 @@ def slot_prefill(
 
     c = state.cache
     pos_rows = jnp.full((p, s), -1, jnp.int32).at[:, :t].set(positions)
+
+    def put_rows(stack, rows):  # [L, B, S, ...] <- [L, P, T, ...] (fp8 scales alike)
+        return None if stack is None else stack.at[:, ids, :t].set(rows, mode="drop")
+
     cache = KVCache(
-        k=c.k.at[:, ids, :t].set(fresh.k, mode="drop"),
-        v=c.v.at[:, ids, :t].set(fresh.v, mode="drop"),
+        k=put_rows(c.k, fresh.k),
+        v=put_rows(c.v, fresh.v),
         positions=put(c.positions, pos_rows),
         index=put(c.index, jnp.full((p,), t, jnp.int32)),
+        k_scale=put_rows(c.k_scale, fresh.k_scale),
+        v_scale=put_rows(c.v_scale, fresh.v_scale),
     )
     cleared = sampler_init(sampler, p)
     return SlotState(

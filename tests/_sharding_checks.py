@@ -183,6 +183,22 @@ def main() -> None:
     out["collectives"] = _collectives(p, sharding.make_mesh(4, 2))
     _log("collectives")
 
+    # an fp8 KV cache split over rows and kv heads: the scales travel with their heads
+    p8 = dataclasses.replace(p, cfg=dataclasses.replace(p.cfg, kv_dtype="fp8"))
+    sp8 = sharding.shard(p8, sharding.make_mesh(4, 2))
+    greedy = _reset(TAU_0, True)
+    one = rejax.generate(p8, PROMPTS, max_new_tokens=NEW, sampler=greedy)
+    two = rejax.generate(sp8, PROMPTS, max_new_tokens=NEW, sampler=greedy)
+    c8 = sharding.init_cache(sp8, 8, 4, jnp.float32)
+    out["fp8"] = {
+        "greedy_equal": one.tokens == two.tokens,
+        "differs_from_bf16": one.tokens != ref_greedy.tokens
+        or not np.allclose(one.entropy, ref_greedy.entropy, rtol=1e-6, atol=1e-7),
+        "k_local_shape": list(c8.k.addressable_shards[0].data.shape),
+        "k_scale_local_shape": list(c8.k_scale.addressable_shards[0].data.shape),
+    }
+    _log("fp8")
+
     # NVFP4 (CPU reference path)
     q = init_params(dataclasses.replace(CFG, quant="nvfp4-w4a16"), 0)
     q_ref = np.asarray(rejax.logits(q, tokens))

@@ -2,6 +2,7 @@
 errors for bad input, and generate / eval / calibrate end to end on a tiny random checkpoint."""
 
 import argparse
+import dataclasses
 import io
 import json
 import re
@@ -16,6 +17,7 @@ from rejax import cli, demo, torch_ref
 from rejax import eval as ev
 from rejax.decode import decode_step, prefill
 from rejax.generate import generate
+from rejax.sampling import Greedy
 from rejax.text import encode_prompt, step_spans
 
 REPO = Path(__file__).resolve().parents[1]
@@ -609,3 +611,25 @@ def test_generate_prompts_file_n_and_json(capsys, tmp_path, ckpt, cached_models)
     for r, h, t in zip(rows, ref.entropy, ref.temperature):
         np.testing.assert_allclose(r["entropy"], h, rtol=1e-6)
         assert r["temperature"] == pytest.approx(t)
+
+
+def test_kv_dtype_flag(capsys, tmp_path, ckpt, cached_models):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "Evaluate 5 - 2."}\n')
+    rc, out, err = _run(
+        capsys, "generate", "--model", ckpt, "--quant", "bf16", "--kv-dtype", "fp8",
+        "--sampler", "greedy", "--prompts", f, "--max-new-tokens", 8, "--json",
+    )  # fmt: skip
+    assert rc == 0, err
+    params = cli.load_model(str(ckpt), "bf16")
+    p8 = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, kv_dtype="fp8"))
+    ref = generate(p8, ["Evaluate 5 - 2."], max_new_tokens=8, chat=True, sampler=Greedy())
+    (row,) = [json.loads(line) for line in out.splitlines()]
+    assert [row["tokens"]] == ref.tokens
+    np.testing.assert_allclose(row["entropy"], ref.entropy[0], rtol=1e-6)
+    bf16 = generate(params, ["Evaluate 5 - 2."], max_new_tokens=8, chat=True, sampler=Greedy())
+    assert not np.allclose(bf16.entropy[0], ref.entropy[0], rtol=1e-6)  # the flag mattered
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--kv-dtype", "int8", "hi"])
+    assert e.value.code == 2
+    assert "invalid choice: 'int8'" in capsys.readouterr().err

@@ -74,6 +74,13 @@ def test_kv_cache_split_over_rows_and_kv_heads(results):
     assert results["model=4 x data=2"]["kv_cache_local_shape"] == [2, 4, 4, 1, 16]
 
 
+def test_fp8_cache_on_a_mesh(results):
+    r = results["fp8"]
+    assert r["greedy_equal"] and r["differs_from_bf16"]
+    assert r["k_local_shape"] == [2, 2, 4, 2, 16]  # [L, B / data, S, K / model, H], data=4
+    assert r["k_scale_local_shape"] == [2, 2, 4, 2]
+
+
 def test_decode_step_collectives(results):
     c = results["collectives"]
     # the only all-gather is the vocabulary-split logits of the step: [B / data, 1, V]

@@ -40,6 +40,13 @@ Numerics (both paths): scores q.k in float32 scaled by H**-0.5; a key is visible
 the value dtype before the PV product. The kernel casts the unnormalized exp(s - m) (in (0, 1])
 instead of the normalized probability (the same bf16 rounding, at most 2**-9 relative, per
 weight) and normalizes the float32 sum at the end. A row with no visible key returns zeros on both paths.
+
+An fp8 cache (rejax/cache.py: E4M3 codes, one float32 scale per slot and kv head) passes
+`k_scale` / `v_scale` [L, B, S, K]. The reference dequantizes the layer to q's dtype
+(code * scale, rounded to bf16) and runs the bf16 path. The kernel reads the codes (half the
+bytes), converts them exactly to bf16 and applies the scales outside the dots: each key's scale
+multiplies its float32 score, each value's scale its float32 weight before the bf16 cast, so it
+differs from the reference by the bf16 rounding of the dequantized entries (<= 2**-9 relative).
 `prefill_attention` is the prompt-side op (T new tokens): a chunked online softmax in pure JAX
 that never holds [B, N, T, S] scores.
 Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits).
@@ -59,6 +66,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from rejax.cache import FP8_DTYPE, dequantize_kv, read_layer
 from rejax.layers import attention, attention_mask
 from rejax.ops import _dispatch
 
@@ -93,6 +101,8 @@ def decode_attention_ref(
     q_positions: jax.Array,
     k_positions: jax.Array,
     live: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Pure-JAX decode attention: `rejax.layers.attention` over one layer, slots >= live hidden.
 
@@ -108,12 +118,13 @@ def decode_attention_ref(
         q_positions: [B] int32 absolute position of each row's query.
         k_positions: [B, S] int32 position held by each slot, -1 = empty / padding.
         live: int32 [] slots [0, live) may hold tokens.
+        k_scale, v_scale: [L, B, S, K] float32 scales of an fp8 cache (codes float8_e4m3fn),
+            or None.
 
     Returns:
         [B, N, H] in q's dtype.
     """
-    k = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [B, S, K, H]
-    v = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)  # [B, S, K, H]
+    k, v = read_layer((k_cache, v_cache, k_scale, v_scale), layer, q.dtype)  # [B, S, K, H]
     in_live = jnp.arange(k.shape[1]) < live  # [S]
     k_pos = jnp.where(in_live, k_positions, -1)  # [B, S]
     # Hidden slots get probability 0, but 0 * NaN is NaN: stale slots past `live` may hold
@@ -143,16 +154,17 @@ def _partials_kernel(
     k_ref,
     v_ref,
     kpos_ref,
-    acc_ref,
-    m_ref,
-    l_ref,
-    *,
+    *refs,
     g: int,
     gp: int,
     block_s: int,
     num_splits: int,
     seq: int,
+    scaled: bool,
 ):
+    # refs: (k_scale, v_scale,)? acc, m, l
+    ks_ref, vs_ref = refs[:2] if scaled else (None, None)
+    acc_ref, m_ref, l_ref = refs[2:] if scaled else refs
     b, kvh, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     live = jnp.clip(live_ref[0], 0, seq)
     layer = layer_ref[0]
@@ -173,16 +185,27 @@ def _partials_kernel(
         slots = pl.ds(start, block_s)
         in_live = start + jnp.arange(block_s) < live  # [Bs]
         k_pos = plgpu.load(kpos_ref.at[b, slots], mask=in_live, other=-1)  # [Bs]
-        k = plgpu.load(k_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0)
+        # the fill value is a float: Triton has no int -> fp8 cast
+        k = plgpu.load(k_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0.0)
+        if scaled:  # E4M3 codes are exact in bf16; the scale goes on the float32 score
+            k = k.astype(jnp.float32).astype(q.dtype)
         scores = plgpu.dot(q, k, trans_b=True) * (h**-0.5)  # [gp, Bs] f32
+        if scaled:
+            k_s = plgpu.load(ks_ref.at[layer, b, slots, kvh], mask=in_live, other=0.0)  # [Bs]
+            scores = scores * k_s[None, :]
         visible = ((k_pos >= 0) & (k_pos <= q_pos))[None, :]  # [1, Bs]
         scores = jnp.where(visible, scores, _NEG)
         m_new = jnp.maximum(m, jnp.max(scores, axis=1))
         alpha = jnp.exp(m - m_new)
         # Hidden keys get exactly 0, even while m_new is still _NEG (no visible key yet).
         w = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)  # [gp, Bs] f32
-        v = plgpu.load(v_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0)
-        acc = alpha[:, None] * acc + plgpu.dot(w.astype(v.dtype), v)  # [gp, H] f32
+        v = plgpu.load(v_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0.0)
+        wv = w
+        if scaled:  # sum_s w_s * (scale_s * code_s): the value scale goes on the weight
+            v = v.astype(jnp.float32).astype(q.dtype)
+            v_s = plgpu.load(vs_ref.at[layer, b, slots, kvh], mask=in_live, other=0.0)  # [Bs]
+            wv = w * v_s[None, :]
+        acc = alpha[:, None] * acc + plgpu.dot(wv.astype(v.dtype), v)  # [gp, H] f32
         return acc, m_new, alpha * l + jnp.sum(w, axis=1)
 
     init = (
@@ -258,6 +281,8 @@ def decode_attention_kernel(
     q_positions: jax.Array,
     k_positions: jax.Array,
     live: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     *,
     block_s: int = BLOCK_S,
     num_splits: int,
@@ -268,8 +293,8 @@ def decode_attention_kernel(
     `decode_attention`; this entry point is for kernel tests and benchmarks).
 
     Args:
-        q, k_cache, v_cache, layer, q_positions, k_positions, live: as `decode_attention`,
-            already validated; positions int32.
+        q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale: as
+            `decode_attention`, already validated; positions int32.
         block_s: slots per block.
         num_splits: P.
         interpret: run through the Pallas interpreter (any platform).
@@ -284,14 +309,16 @@ def decode_attention_kernel(
     _, _, s, kh, _ = k_cache.shape
     g = n // kh
     gp = max(16, pl.next_power_of_2(g))
+    scaled = k_scale is not None
     statics = {"g": g, "gp": gp, "block_s": block_s, "num_splits": num_splits, "seq": s}
+    scales = (k_scale, v_scale) if scaled else ()
     # [1] refs rather than 0-d ones: a reshape (free), loaded as ref[0] in the kernels
     live1 = jnp.asarray(live, jnp.int32).reshape(1)
     layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
     common = {"interpret": interpret, "poison": poison}
     acc, m, l = _call(
-        functools.partial(_partials_kernel, **statics),
-        (live1, layer1, q_positions, q, k_cache, v_cache, k_positions),
+        functools.partial(_partials_kernel, **statics, scaled=scaled),
+        (live1, layer1, q_positions, q, k_cache, v_cache, k_positions, *scales),
         (
             jax.ShapeDtypeStruct((b, num_splits, n, h), jnp.float32),
             jax.ShapeDtypeStruct((b, num_splits, n), jnp.float32),
@@ -436,7 +463,7 @@ mlir.register_lowering(_attn_p, _lower_cuda, platform="cuda")
 # ----------------------------------------------------------------------------- public op
 
 
-def _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live) -> None:
+def _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale):
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H], got {q.shape=}")
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
@@ -458,6 +485,27 @@ def _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live) ->
     for name, x in (("q_positions", q_positions), ("k_positions", k_positions)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer, got {x.dtype}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError(
+            "an fp8 cache needs both k_scale and v_scale, got "
+            f"k_scale={None if k_scale is None else k_scale.shape} "
+            f"v_scale={None if v_scale is None else v_scale.shape}"
+        )
+    if k_scale is not None:
+        fp8 = np.dtype(FP8_DTYPE)
+        if np.dtype(k_cache.dtype) != fp8 or np.dtype(v_cache.dtype) != fp8:
+            raise ValueError(
+                f"with scales the cache must hold {fp8.name} codes, got {k_cache.dtype=} "
+                f"{v_cache.dtype=}"
+            )
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if x.shape != k_cache.shape[:-1] or np.dtype(x.dtype) != np.float32:
+                raise ValueError(
+                    f"{name} must be float32 [L, B, S, K]={k_cache.shape[:-1]}, got "
+                    f"{x.shape} {x.dtype}"
+                )
+    elif np.dtype(k_cache.dtype) == np.dtype(FP8_DTYPE):
+        raise ValueError("an fp8 cache (float8_e4m3fn codes) needs k_scale and v_scale")
     for name, x, hi in (("layer", layer, n_layers - 1), ("live", live, s)):
         if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
             raise ValueError(
@@ -476,6 +524,8 @@ def decode_attention(
     k_positions: jax.Array,
     live: jax.Array,
     *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     impl: str = "auto",
     block_s: int = BLOCK_S,
     num_splits: int | None = None,
@@ -493,6 +543,8 @@ def decode_attention(
         q_positions: [B] int32 absolute position of each row's query.
         k_positions: [B, S] int32 position held by each slot, -1 = empty / padding.
         live: int32 [] slots [0, live) may hold tokens; slots >= live are never read.
+        k_scale, v_scale: [L, B, S, K] float32 scales of an fp8 cache (k_cache / v_cache then
+            hold float8_e4m3fn codes, rejax/cache.py), or None for a bf16 cache.
         impl: "auto", "ref", "pallas" or "interpret" (see the module docstring).
         block_s: slots per kernel block (kernel only; a power of two >= 16).
         num_splits: P splits of the live range per row and kv head (kernel only); None ->
@@ -503,10 +555,10 @@ def decode_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}, expected one of {IMPLS}")
-    _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live)
+    _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale)
     dtypes = {np.dtype(q.dtype), np.dtype(k_cache.dtype), np.dtype(v_cache.dtype)}
     ok, reason = kernel_supported(q.shape, k_cache.shape, q.dtype, block_s)
-    if ok and len(dtypes) != 1:
+    if ok and k_scale is None and len(dtypes) != 1:
         ok, reason = False, f"kernel needs one dtype for q, k, v, got {sorted(map(str, dtypes))}"
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[3], k_cache.shape[2], block_s)
@@ -522,6 +574,7 @@ def decode_attention(
         q_positions.astype(jnp.int32),
         k_positions.astype(jnp.int32),
         jnp.asarray(live, jnp.int32),
+        *(() if k_scale is None else (k_scale, v_scale)),
         impl=impl,
         reason=reason,
         block_s=int(block_s),
@@ -539,6 +592,8 @@ def prefill_attention(
     q_positions: jax.Array,
     k_positions: jax.Array,
     *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     q_chunk: int = 256,
     k_chunk: int = 512,
 ) -> jax.Array:
@@ -562,6 +617,8 @@ def prefill_attention(
             the prompt's keys were written; N must be a multiple of K.
         q_positions: [B, T] int32 query positions (-1 = padding).
         k_positions: [B, S] int32 position held by each key slot (-1 = empty or padding).
+        k_scale, v_scale: [B, S, K] float32 scales when k / v are fp8 codes (one layer of an
+            fp8 cache): each key chunk is dequantized to q's dtype as it is read, or None.
         q_chunk: queries per chunk (T is padded up to a multiple; only q is copied).
         k_chunk: keys per chunk.
 
@@ -580,6 +637,14 @@ def prefill_attention(
         raise ValueError(
             f"positions must be q [B, T]=({b}, {t}) and k [B, S]=({b}, {s}), got "
             f"{q_positions.shape=} {k_positions.shape=}"
+        )
+    if (k_scale is None) != (v_scale is None) or (
+        k_scale is not None and (k_scale.shape != k.shape[:-1] or v_scale.shape != k.shape[:-1])
+    ):
+        raise ValueError(
+            f"k_scale and v_scale must both be [B, S, K]={k.shape[:-1]} or both None, got "
+            f"{None if k_scale is None else k_scale.shape} "
+            f"{None if v_scale is None else v_scale.shape}"
         )
     if q_chunk < 1 or k_chunk < 1:
         raise ValueError(f"chunks must be >= 1, got {q_chunk=} {k_chunk=}")
@@ -603,6 +668,10 @@ def prefill_attention(
             start = jnp.minimum(j * sk, s - sk)
             kj = lax.dynamic_slice_in_dim(k, start, sk, axis=1)  # [B, sk, K, H]
             vj = lax.dynamic_slice_in_dim(v, start, sk, axis=1)  # [B, sk, K, H]
+            if k_scale is not None:
+                ksj = lax.dynamic_slice_in_dim(k_scale, start, sk, axis=1)  # [B, sk, K]
+                vsj = lax.dynamic_slice_in_dim(v_scale, start, sk, axis=1)
+                kj, vj = dequantize_kv(kj, ksj, q.dtype), dequantize_kv(vj, vsj, q.dtype)
             kpj = lax.dynamic_slice_in_dim(k_pos, start, sk, axis=1)  # [B, sk]
             kpj = jnp.where(start + jnp.arange(sk) >= j * sk, kpj, -1)
             scores = jnp.einsum("BKGTH,BSKH->BKGTS", qi, kj, preferred_element_type=jnp.float32)
@@ -613,7 +682,7 @@ def prefill_attention(
             alpha = jnp.exp(m - m_new)
             w = jnp.where(vis, jnp.exp(scores - m_new[..., None]), 0.0)
             pv = jnp.einsum(
-                "BKGTS,BSKH->BKGTH", w.astype(v.dtype), vj, preferred_element_type=jnp.float32
+                "BKGTS,BSKH->BKGTH", w.astype(vj.dtype), vj, preferred_element_type=jnp.float32
             )
             return alpha[..., None] * acc + pv, m_new, alpha * l + jnp.sum(w, axis=-1)
 
