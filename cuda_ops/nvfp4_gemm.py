@@ -1,0 +1,342 @@
+"""Host side of the NVFP4 W4A4 tensor-core GEMM (`nvfp4_gemm.cu`): options, plan, build, launch.
+
+GEMM letters: M tokens, N out features, K in features. The kernel serves the M above the GEMV's
+range (decode batches > 8, prefill); which one runs is decided in `rejax.ops.linear`. Nothing here
+imports cuda-python at module import; NVRTC and the driver are reached only by `build` and the
+launch methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+
+from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
+from cuda_ops.nvfp4_gemv import (
+    SMEM_LIMIT,
+    _device_ptr,
+    _drv_check,
+    _escape_mlir,
+    _function,
+    _num_sms,
+)
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "ENTRY",
+    "GemmKernel",
+    "GemmOptions",
+    "GemmPlan",
+    "KernelError",
+    "build",
+    "check_shape",
+    "plan",
+    "prebuild",
+]
+
+SOURCE = "nvfp4_gemm.cu"
+ENTRY = "nvfp4_gemm_w4a4"
+# operands: x_hat fp16 [M, K] (permuted), xg f32 [M], wp, ws, wg (stacked or not), layer int32 [];
+# then the output (bf16 [M, N], or float32 partial sums [SPLITK, M, N])
+N_INPUTS = 6
+KTS = (128, 256)
+MAX_TM = 64
+MAX_SPLITK = 8
+DEFAULT_MIN_M = 9  # the GEMV handles M <= 8
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOptions:
+    """Kernel choices, passed explicitly (never read from the environment). None: the plan's.
+
+    Attributes:
+        min_m: the smallest M (after folding leading dims) that `nvfp4_linear` sends to this
+            GEMM; below it the GEMV runs (the dispatch's crossover, chosen by measurement).
+        tm: tokens per CTA tile (8, 16, ..., 64).
+        wr: 16-row weight tiles per warp.
+        warps: warps per CTA (along N).
+        kt: K elements per pipeline stage (128 or 256).
+        stages: cp.async pipeline depth (>= 2).
+        splitk: K split across CTAs (1..8); > 1 adds the float32 partials in a second, XLA
+            elementwise step, in split order.
+        source: path of another revision of the kernel source (experiments only).
+        defines: extra (name, value) -D constants (experiments only).
+    """
+
+    min_m: int = DEFAULT_MIN_M
+    tm: int | None = None
+    wr: int | None = None
+    warps: int | None = None
+    kt: int | None = None
+    stages: int | None = None
+    splitk: int | None = None
+    source: str | None = None
+    defines: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.min_m, int) or self.min_m < 1:
+            raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
+        checks = {
+            "tm": lambda v: v % 8 == 0 and 8 <= v <= MAX_TM,
+            "wr": lambda v: 1 <= v <= 4,
+            "warps": lambda v: 1 <= v <= 16,
+            "kt": lambda v: v in KTS,
+            "stages": lambda v: 2 <= v <= 8,
+            "splitk": lambda v: 1 <= v <= MAX_SPLITK,
+        }
+        expect = {
+            "tm": f"a multiple of 8 in 8..{MAX_TM}",
+            "wr": "1..4",
+            "warps": "1..16",
+            "kt": f"one of {KTS}",
+            "stages": "2..8",
+            "splitk": f"1..{MAX_SPLITK}",
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not ok(value)):
+                raise KernelError(f"GemmOptions.{name}={value!r}, expected None or {expect[name]}")
+
+
+DEFAULT_OPTIONS = GemmOptions()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Compile-time launch geometry for one (M, N, K)."""
+
+    m: int
+    n: int
+    k: int
+    tm: int
+    wr: int
+    warps: int
+    kt: int
+    stages: int
+    splitk: int
+    gw_rows: bool = False
+
+    @property
+    def tile_n(self) -> int:
+        return 16 * self.wr * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (_cdiv(self.m, self.tm), _cdiv(self.n, self.tile_n), self.splitk)
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.tile_n * (self.kt // 2 + self.kt // 16) + self.tm * (2 * self.kt + 64)
+
+    @property
+    def smem(self) -> int:
+        return self.stages * self.stage_bytes
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (self.m, self.n) if self.splitk == 1 else (self.splitk, self.m, self.n)
+
+    def defines(self) -> dict:
+        return {
+            "M_TOK": self.m,
+            "N_OUT": self.n,
+            "K_IN": self.k,
+            "TM": self.tm,
+            "WR": self.wr,
+            "NWARPS": self.warps,
+            "KT": self.kt,
+            "STAGES": self.stages,
+            "SPLITK": self.splitk,
+            "GW_ROWS": int(self.gw_rows),
+        }
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Split-K writes SPLITK x M x N float32 partials; keep them under this fraction of the weight
+# bytes (0.5625 per weight), so splitting never costs more traffic than it hides latency.
+SPLIT_TRAFFIC = 0.25
+
+
+def plan(
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = 132,
+    options: GemmOptions = DEFAULT_OPTIONS,
+    *,
+    gw_rows: bool = False,
+) -> GemmPlan:
+    """The launch plan: M tiles of <= 64 tokens (grid x), 128-row weight tiles (grid y: 4 warps
+    of 2 x 16 rows), K in 128-element stages through a 3-4 deep cp.async pipeline, and a K split
+    (grid z) when the tiles alone would leave SMs idle (at least two CTAs per SM wanted) and the
+    partial sums stay small next to the weights."""
+    tm = options.tm or min(MAX_TM, _cdiv(m, 8) * 8)
+    wr = options.wr or 2
+    warps = options.warps or 4
+    kt = options.kt or 128
+    stages = options.stages or (4 if tm <= 32 else 3)
+    nkt = max(1, k // kt)
+    if options.splitk is not None:
+        splitk = options.splitk
+    else:
+        tiles = _cdiv(m, tm) * _cdiv(n, 16 * wr * warps)
+        by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))
+        splitk = max(1, min(_cdiv(2 * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
+    splitk = min(splitk, nkt)
+    return GemmPlan(
+        m=m, n=n, k=k, tm=tm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
+        gw_rows=bool(gw_rows),
+    )  # fmt: skip
+
+
+def check_shape(m: int, n: int, k: int, options: GemmOptions = DEFAULT_OPTIONS) -> tuple[bool, str]:
+    """(True, "") if the GEMM supports this W4A4 problem, else (False, why)."""
+    if m < 1:
+        return False, f"M={m} (expected >= 1)"
+    if n < 1:
+        return False, f"N={n} (expected >= 1)"
+    p = plan(m, n, k, options=options)
+    if k < p.kt or k % p.kt:
+        return False, f"K={k} (the GEMM needs a positive multiple of {p.kt})"
+    if p.smem > SMEM_LIMIT:
+        return False, f"the GEMM's tiles need {p.smem} B of shared memory (limit {SMEM_LIMIT})"
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmKernel:
+    """A compiled GEMM specialisation and how to launch it."""
+
+    plan: GemmPlan
+    ptx: str
+    entry: str = ENTRY
+
+    @property
+    def n(self) -> int:
+        return self.plan.n
+
+    def backend_config(self) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
+        p = self.plan
+        gx, gy, gz = p.grid
+        return (
+            "{"
+            f'name = "{self.entry}", kernel_type = "ptx", '
+            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f"grid_x = {gx}, grid_y = {gy}, grid_z = {gz}, "
+            f"block_x = {p.threads}, block_y = 1, block_z = 1, "
+            f"shared_mem_bytes = {p.smem}, output_indices = [{N_INPUTS}]"
+            "}"
+        )
+
+    def launch_callback(self, ctx, out, *args) -> None:
+        """`buffer_callback` target: launch on XLA's stream (no sync, no allocation)."""
+        self.launch(ctx.stream, [_device_ptr(a) for a in args] + [_device_ptr(out)])
+
+    def launch(self, stream: int, pointers: list[int]) -> None:
+        """Launches on `stream` with device pointers (operands, then the output)."""
+        import ctypes
+
+        from cuda.bindings import driver
+
+        if len(pointers) != N_INPUTS + 1:
+            raise KernelError(f"{self.entry} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
+        fn = _function(self)
+        p = self.plan
+        gx, gy, gz = p.grid
+        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
+        _drv_check(
+            driver.cuLaunchKernel(fn, gx, gy, gz, p.threads, 1, 1, p.smem, stream, params, 0),
+            "cuLaunchKernel",
+        )
+
+
+def _job(m, n, k, num_sms, options: GemmOptions, gw_rows: bool):
+    p = plan(m, n, k, num_sms, options, gw_rows=gw_rows)
+    if options.source is not None:  # experiments only: another revision of the source
+        alt = pathlib.Path(options.source)
+        if not alt.is_file():
+            raise KernelError(f"GemmOptions.source={options.source!r}: no such file")
+        source = alt.read_text()
+    else:
+        source = read_source(SOURCE)
+    extra = tuple(f"-D{name}={value}" for name, value in options.defines)
+    return p, source, extra
+
+
+@functools.cache
+def _build_cached(m, n, k, arch, num_sms, options: GemmOptions, gw_rows: bool) -> GemmKernel:
+    p, source, extra = _job(m, n, k, num_sms, options, gw_rows)
+    ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
+    entries = ptx_entries(ptx)
+    if entries.get(ENTRY) != N_INPUTS + 1:
+        raise KernelError(f"PTX entry {ENTRY} missing or with wrong parameters: {entries}")
+    return GemmKernel(plan=p, ptx=ptx)
+
+
+def build(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    arch: str | None = None,
+    num_sms: int | None = None,
+    options: GemmOptions = DEFAULT_OPTIONS,
+    gw_rows: bool = False,
+) -> GemmKernel:
+    """Plans and compiles (NVRTC, disk-cached) the GEMM for one W4A4 problem shape.
+
+    Args:
+        m, n, k: problem size (GEMM letters).
+        arch: `compute_XY` (None: the present GPU's, compute_90 without one).
+        num_sms: SM count the plan targets (None: the present GPU's, 132 without one).
+        options: kernel choices (defaults: the plan's).
+        gw_rows: the weight carries one global scale per output row ([L, N]).
+
+    Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
+    unsupported.
+    """
+    if not isinstance(options, GemmOptions):
+        raise KernelError(f"options must be a GemmOptions, got {type(options).__name__}")
+    ok, why = check_shape(m, n, k, options)
+    if not ok:
+        raise KernelError(f"unsupported shape: {why}")
+    arch = arch or device_arch()
+    return _build_cached(m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows))
+
+
+def prebuild(
+    problems: list[dict], *, arch: str | None = None, workers: int | None = None
+) -> list[GemmKernel]:
+    """Builds many GEMMs at once (NVRTC in threads; it releases the GIL), each as `build` does.
+
+    Args:
+        problems: `build` keyword arguments per kernel: m, n, k and optionally options, gw_rows.
+        arch: as in `build`.
+        workers: threads (None: the CPU count, at most 16).
+    """
+    import concurrent.futures
+    import os
+
+    arch = arch or device_arch()
+    num_sms = _num_sms()
+    keys = []
+    for prob in problems:
+        options = prob.get("options", DEFAULT_OPTIONS)
+        ok, why = check_shape(prob["m"], prob["n"], prob["k"], options)
+        if not ok:
+            raise KernelError(f"unsupported shape {prob}: {why}")
+        keys.append((prob["m"], prob["n"], prob["k"], arch, num_sms, options,
+                     bool(prob.get("gw_rows", False))))  # fmt: skip
+    workers = workers or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda key: _build_cached(*key), dict.fromkeys(keys)))
+    return [_build_cached(*key) for key in keys]
