@@ -16,7 +16,8 @@
 //   KT                   K elements per pipeline stage (128 or 256)
 //   STAGES               cp.async pipeline depth
 //   SPLITK               K split across CTAs (grid z); > 1 writes float32 partials [SPLITK, M, N]
-//                        that the caller adds in split order (deterministic, no atomics)
+//                        that a second kernel, nvfp4_gemm_finish, adds in split order and
+//                        scales (deterministic, no atomics, no counters to reset)
 //   GW_ROWS              the weight global scale is per row ([L, N]) instead of per matrix
 //
 // Numerics (exact until the fp32 accumulation): a weight e2m1 * SFw has at most 6 significant
@@ -312,4 +313,21 @@ extern "C" __global__ void __launch_bounds__(NT)
       }
     }
   }
+}
+
+// Split-K epilogue (SPLITK > 1), one thread per output: the partials added in split order, then
+// the main kernel's epilogue. part: float32 [SPLITK, M, N]; y: bf16 [M, N].
+extern "C" __global__ void __launch_bounds__(256)
+    nvfp4_gemm_finish(const float* __restrict__ part, const float* __restrict__ xg,
+                      const float* __restrict__ wg, const int* __restrict__ layer, u16* y) {
+  constexpr size_t MN = (size_t)M_TOK * N_OUT;
+  const size_t i = (size_t)blockIdx.x * 256 + threadIdx.x;
+  if (i >= MN) return;
+  const int m = (int)(i / N_OUT), n = (int)(i % N_OUT);
+  wg += (size_t)(unsigned)*layer * (GW_ROWS ? N_OUT : 1);
+  float acc = part[i];
+#pragma unroll
+  for (int s = 1; s < SPLITK; ++s) acc += part[s * MN + i];
+  const float alpha = wg[GW_ROWS ? n : 0] * xg[m];
+  y[i] = f32_to_bf16(acc * 16384.f * alpha);
 }

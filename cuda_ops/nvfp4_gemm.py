@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import threading
 
 from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
 from cuda_ops.nvfp4_gemv import (
@@ -18,13 +19,13 @@ from cuda_ops.nvfp4_gemv import (
     _device_ptr,
     _drv_check,
     _escape_mlir,
-    _function,
     _num_sms,
 )
 
 __all__ = [
     "DEFAULT_OPTIONS",
     "ENTRY",
+    "FINISH_ENTRY",
     "GemmKernel",
     "GemmOptions",
     "GemmPlan",
@@ -40,6 +41,10 @@ ENTRY = "nvfp4_gemm_w4a4"
 # operands: x_hat fp16 [M, K] (permuted), xg f32 [M], wp, ws, wg (stacked or not), layer int32 [];
 # then the output (bf16 [M, N], or float32 partial sums [SPLITK, M, N])
 N_INPUTS = 6
+# the split-K epilogue: (partials, xg, wg, layer), then y bf16 [M, N]
+FINISH_ENTRY = "nvfp4_gemm_finish"
+FINISH_INPUTS = 4
+FINISH_THREADS = 256
 KTS = (128, 256)
 MAX_TM = 64
 MAX_SPLITK = 8
@@ -223,40 +228,97 @@ class GemmKernel:
     def n(self) -> int:
         return self.plan.n
 
-    def backend_config(self) -> str:
-        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
+    @property
+    def finish_grid(self) -> int:
+        return _cdiv(self.plan.m * self.plan.n, FINISH_THREADS)
+
+    def backend_config(self, entry: str = ENTRY) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call of `entry`
+        (the GEMM, or with a K split its epilogue FINISH_ENTRY)."""
         p = self.plan
-        gx, gy, gz = p.grid
+        if entry == ENTRY:
+            (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, N_INPUTS
+        elif entry == FINISH_ENTRY:
+            (gx, gy, gz), block, smem, out = (self.finish_grid, 1, 1), FINISH_THREADS, 0, 4
+        else:
+            raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
         return (
             "{"
-            f'name = "{self.entry}", kernel_type = "ptx", '
+            f'name = "{entry}", kernel_type = "ptx", '
             f'kernel_data = "{_escape_mlir(self.ptx)}", '
             f"grid_x = {gx}, grid_y = {gy}, grid_z = {gz}, "
-            f"block_x = {p.threads}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = {p.smem}, output_indices = [{N_INPUTS}]"
+            f"block_x = {block}, block_y = 1, block_z = 1, "
+            f"shared_mem_bytes = {smem}, output_indices = [{out}]"
             "}"
         )
 
-    def launch_callback(self, ctx, out, *args) -> None:
-        """`buffer_callback` target: launch on XLA's stream (no sync, no allocation)."""
-        self.launch(ctx.stream, [_device_ptr(a) for a in args] + [_device_ptr(out)])
+    def callback(self, entry: str = ENTRY):
+        """A `buffer_callback` target launching `entry` on XLA's stream (no sync or allocation)."""
 
-    def launch(self, stream: int, pointers: list[int]) -> None:
-        """Launches on `stream` with device pointers (operands, then the output)."""
+        def launch(ctx, out, *args):
+            ptrs = [_device_ptr(a) for a in args] + [_device_ptr(out)]
+            self._launch(entry, ctx.stream, ptrs)
+
+        return launch
+
+    def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
+        """Launches on `stream`: pointers to the 6 operands, then the bf16 output [M, N]. With a
+        K split, `workspace` points to float32 [SPLITK, M, N] for the partials, and the
+        epilogue kernel follows on the same stream."""
+        if len(pointers) != N_INPUTS + 1:
+            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
+        if self.plan.splitk == 1:
+            self._launch(ENTRY, stream, pointers)
+            return
+        if workspace is None:
+            raise KernelError(
+                f"SPLITK={self.plan.splitk}: pass a float32 workspace {self.plan.out_shape}"
+            )
+        xh, xg, wp, ws, wg, layer, y = pointers
+        self._launch(ENTRY, stream, [xh, xg, wp, ws, wg, layer, workspace])
+        self._launch(FINISH_ENTRY, stream, [workspace, xg, wg, layer, y])
+
+    def _launch(self, entry: str, stream: int, pointers: list[int]) -> None:
         import ctypes
 
         from cuda.bindings import driver
 
-        if len(pointers) != N_INPUTS + 1:
-            raise KernelError(f"{self.entry} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
-        fn = _function(self)
         p = self.plan
-        gx, gy, gz = p.grid
+        if entry == ENTRY:
+            (gx, gy, gz), block, smem = p.grid, p.threads, p.smem
+        else:
+            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
+        fn = _function(self, entry)
         params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
         _drv_check(
-            driver.cuLaunchKernel(fn, gx, gy, gz, p.threads, 1, 1, p.smem, stream, params, 0),
+            driver.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, smem, stream, params, 0),
             "cuLaunchKernel",
         )
+
+
+_FUNCTIONS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _function(kernel: GemmKernel, entry: str):
+    """CUfunction of `entry` of `kernel` in the current CUDA context (module loaded once)."""
+    from cuda.bindings import driver
+
+    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    key = (int(ctx), id(kernel))
+    with _LOCK:
+        if key not in _FUNCTIONS:
+            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+            fns = {}
+            for name in (ENTRY, FINISH_ENTRY):
+                fns[name] = _drv_check(
+                    driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction"
+                )
+            if kernel.plan.smem > 48 * 1024:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _drv_check(driver.cuFuncSetAttribute(fns[ENTRY], attr, kernel.plan.smem), "smem")
+            _FUNCTIONS[key] = (module, fns, kernel)  # the kernel stays alive with its id() key
+        return _FUNCTIONS[key][1][entry]
 
 
 def _job(m, n, k, num_sms, options: GemmOptions, gw_rows: bool):
@@ -277,8 +339,8 @@ def _build_cached(m, n, k, arch, num_sms, options: GemmOptions, gw_rows: bool) -
     p, source, extra = _job(m, n, k, num_sms, options, gw_rows)
     ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
     entries = ptx_entries(ptx)
-    if entries.get(ENTRY) != N_INPUTS + 1:
-        raise KernelError(f"PTX entry {ENTRY} missing or with wrong parameters: {entries}")
+    if entries.get(ENTRY) != N_INPUTS + 1 or entries.get(FINISH_ENTRY) != FINISH_INPUTS + 1:
+        raise KernelError(f"PTX entries {ENTRY} / {FINISH_ENTRY} missing or wrong: {entries}")
     return GemmKernel(plan=p, ptx=ptx)
 
 

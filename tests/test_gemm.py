@@ -215,12 +215,17 @@ def stub_compilers(monkeypatch):
     def fake(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append((name, defines))
         if name == nvfp4_gemm.SOURCE:
-            entry, nparams = nvfp4_gemm.ENTRY, nvfp4_gemm.N_INPUTS + 1
+            entries = {
+                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
+                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+            }
         else:
-            entry = "nvfp4_gemv_w4a4" if defines["ACT_W4A4"] else "nvfp4_gemv_w4a16"
-            nparams = 8 if defines["ACT_W4A4"] else 6
-        params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
-        return f".version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }}\n"
+            entries = {"nvfp4_gemv_w4a4": 8} if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
+        text = ".version 9.0\n.target sm_90\n"
+        for entry, nparams in entries.items():
+            params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
+            text += f".visible .entry {entry}({params})\n{{ ret; }}\n"
+        return text
 
     monkeypatch.setattr(nvfp4_gemm, "compile_ptx", fake)
     monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake)
@@ -237,20 +242,20 @@ def _lower_cuda(f, *args) -> str:
 
 @pytest.mark.parametrize("m", [9, 16, 17, 64, 65, 256, 512])
 def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
-    """M = 9..512 (one matrix or a stack with a traced layer and per-row scales): one PTX call
-    of the GEMM entry with its 6 operands (the fp16 x_hat first), its plan's grid, block and
-    shared memory; split-K plans add their float32 partials in an XLA fusion."""
+    """M = 9..512: one PTX call of the GEMM entry with its 6 operands (the fp16 x_hat first),
+    its plan's grid, block and shared memory; split-K plans write float32 partials that a
+    second PTX call (the epilogue entry) turns into the bf16 result."""
     rng = np.random.default_rng(m)
     n, k = 256, 1024
     w = nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w), x)
+    p = nvfp4_gemm.plan(m, n, k)
     calls = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
-    assert len(calls) == 1, text[:2000]
+    assert len(calls) == (1 if p.splitk == 1 else 2), text[:2000]
     _, operands, attrs, types = calls[0]
     assert len(operands.split(",")) == nvfp4_gemm.N_INPUTS
     assert types.strip().startswith(f"(tensor<{m}x{k}xf16>")
-    p = nvfp4_gemm.plan(m, n, k)
     fields = _fields(attrs)
     assert fields["name"] == nvfp4_gemm.ENTRY
     grid = tuple(int(fields[f"grid_{a}"]) for a in "xyz")
@@ -259,6 +264,12 @@ def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
     out = "x".join(map(str, p.out_shape)) + ("xbf16" if p.splitk == 1 else "xf32")
     assert f"-> tensor<{out}>" in types
     assert re.search(rf"-> tensor<{m}x{n}xbf16>", text)
+    if p.splitk > 1:
+        _, operands, attrs, types = calls[1]
+        fields = _fields(attrs)
+        assert fields["name"] == nvfp4_gemm.FINISH_ENTRY and fields["output_indices"] == "4"
+        assert int(fields["grid_x"]) * int(fields["block_x"]) >= m * n
+        assert types.strip().startswith(f"(tensor<{out}>") and f"-> tensor<{m}x{n}xbf16>" in types
     assert stub_compilers[-1][1]["M_TOK"] == m and stub_compilers[-1][1]["GW_ROWS"] == 0
     assert not any(name == nvfp4_gemv.SOURCE for name, _ in stub_compilers)
 
@@ -278,8 +289,8 @@ def test_cuda_lowering_stacked_split_k_and_gemv_below(stub_compilers):
     text = _lower_cuda(lambda x, i: kernels.nvfp4_linear(x, stack, layer=i), x, jnp.int32(1))
     p = nvfp4_gemm.plan(12, n, k, gw_rows=True)
     assert p.splitk > 1  # 32 tiles: split
-    (call,) = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
-    assert f"tensor<{p.splitk}x12x{n}xf32>" in call[3]
+    gemm, finish = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    assert f"-> tensor<{p.splitk}x12x{n}xf32>" in gemm[3] and "bf16" in finish[3]
     assert stub_compilers[-1][1]["GW_ROWS"] == 1 and stub_compilers[-1][1]["SPLITK"] == p.splitk
     # M = 8 stays on the GEMV; with min_m = 8 it takes the GEMM
     x8 = x[:8]
@@ -328,7 +339,8 @@ GEMM_CONFIGS = [
 def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
     """Every tile configuration the plan or the benchmark uses compiles for sm_90 with the
     GEMM entry and its 7 parameters, no local memory (register arrays stay in registers), and
-    the tensor-core and cp.async instructions it is built on."""
+    the tensor-core and cp.async instructions it is built on; the split-K epilogue entry sits
+    in the same module."""
     monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
     nvfp4_gemm._build_cached.cache_clear()
     shapes = ((17, 1003, False), (64, 4096, True))  # odd N and M; per-row global scales
@@ -340,7 +352,10 @@ def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
     kernels_ = nvfp4_gemm.prebuild(problems, arch="compute_90", workers=2)
     for prob, kern in zip(problems, kernels_, strict=True):
         assert cbuild.ptx_target(kern.ptx) == "sm_90"
-        assert cbuild.ptx_entries(kern.ptx) == {nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1}
+        assert cbuild.ptx_entries(kern.ptx) == {
+            nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
+            nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+        }
         assert ".local" not in kern.ptx, prob
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in kern.ptx
         assert "cp.async.cg.shared.global" in kern.ptx
@@ -369,9 +384,9 @@ def test_reference_matches_float64_at_every_m(m):
     assert np.linalg.norm(y - y64) <= 1.5 * floor + 1e-6 * np.linalg.norm(y64)
 
 
-def test_split_k_epilogue_equals_the_kernel_epilogue():
-    """gemm_finish (the K split's XLA step) adds partials in split order and scales exactly as
-    the kernel's own epilogue: (acc * 2^14) * (global_w[n] * global_x[m]), rounded once."""
+def test_split_k_epilogue_reference():
+    """gemm_finish (the JAX twin of the split-K epilogue kernel) adds partials in split order and
+    scales as the GEMM's own epilogue: (acc * 2^14) * (global_w[n] * global_x[m]), rounded once."""
     rng = np.random.default_rng(8)
     parts = jnp.asarray(rng.standard_normal((3, 5, 7)), jnp.float32) * 2.0**-14
     xg = jnp.asarray(rng.random(5) + 0.5, jnp.float32)

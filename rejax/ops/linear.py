@@ -12,9 +12,10 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   about one kernel, chosen by M (after folding leading dims): below `GemmOptions.min_m` (9) the
   small-M GEMV of `cuda_ops/nvfp4_gemv.cu` (K % 256 == 0, activations fit in shared memory), from
   it on the W4A4 tensor-core GEMM of `cuda_ops/nvfp4_gemm.cu` (K % 128 == 0; its fp16 operand
-  x_hat = e2m1 * SFx, in the kernel's K order, and for a K split the in-order sum of its float32
-  partials are XLA fusions around it). Either is emitted as XLA's PTX custom-kernel call (launch
-  "ptx") or a command-buffer-compatible `buffer_callback` (launch "callback"). When the chosen
+  x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
+  small second kernel that sums the float32 partials in split order). Either is emitted as XLA's
+  PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
+  "callback"). When the chosen
   kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
   on a GPU), the reason logged once.
@@ -169,9 +170,10 @@ def gemm_x_operand(xp: jax.Array, xs: jax.Array) -> jax.Array:
 
 
 def gemm_finish(partials: jax.Array, xg: jax.Array, wg: jax.Array, layer: jax.Array, stacked: bool):
-    """bf16 [M, N] from the GEMM's float32 partial sums [S, M, N] of a K split: the sum in split
-    order, times 2^14 (the kernel's fp16 weight offset) and global_w * global_x, as the kernel's
-    own epilogue computes it. wg: [] / [N], or stacked [L] / [L, N] with `layer` selecting."""
+    """What the GEMM's split-K epilogue kernel (`nvfp4_gemm_finish`) computes, in JAX (its
+    reference twin): bf16 [M, N] from float32 partial sums [S, M, N], added in split order, times
+    2^14 (the kernel's fp16 weight offset) and global_w * global_x, as the main kernel's own
+    epilogue. wg: [] / [N], or stacked [L] / [L, N] with `layer` selecting."""
     acc = partials[0]
     for s in range(1, partials.shape[0]):
         acc = acc + partials[s]
@@ -183,21 +185,25 @@ def gemm_finish(partials: jax.Array, xg: jax.Array, wg: jax.Array, layer: jax.Ar
 def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
     p = kernel.plan
     xh = gemm_x_operand(xp, xs)
-    dtype = jnp.bfloat16 if p.splitk == 1 else jnp.float32
-    out = jax.ShapeDtypeStruct(p.out_shape, dtype)
-    ops = (xh, xg, wp, ws, wg, layer)
-    if launch == "ptx":
-        y = jax.ffi.ffi_call(
-            "__gpu$xla.gpu.ptx",
-            out,
-            custom_call_api_version=2,
-            legacy_backend_config=kernel.backend_config(),
-        )(*ops)
-    else:
+
+    def call(entry, out, *ops):
+        if launch == "ptx":
+            return jax.ffi.ffi_call(
+                "__gpu$xla.gpu.ptx",
+                out,
+                custom_call_api_version=2,
+                legacy_backend_config=kernel.backend_config(entry),
+            )(*ops)
         from jax.experimental.buffer_callback import buffer_callback
 
-        y = buffer_callback(kernel.launch_callback, out, command_buffer_compatible=True)(*ops)
-    return y if p.splitk == 1 else gemm_finish(y, xg, wg, layer, wp.ndim == 3)
+        return buffer_callback(kernel.callback(entry), out, command_buffer_compatible=True)(*ops)
+
+    y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
+    if p.splitk == 1:
+        return call(nvfp4_gemm.ENTRY, y, xh, xg, wp, ws, wg, layer)
+    part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
+    part = call(nvfp4_gemm.ENTRY, part, xh, xg, wp, ws, wg, layer)
+    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, wg, layer)
 
 
 # ----------------------------------------------------------------------------- dispatch
