@@ -10,9 +10,11 @@
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemm.py plans them):
 //   M_TOK, N_OUT, K_IN   problem size (K_IN % KT == 0; any M, N >= 1)
-//   TM                   tokens per CTA tile (multiple of 8, <= 64): grid x = ceil(M / TM)
-//   WR                   16-row weight tiles per warp; a CTA has NWARPS warps along N, so it
-//                        owns TILE_N = 16 * WR * NWARPS rows: grid y = ceil(N / TILE_N)
+//   TM                   tokens per CTA tile (multiple of 8 * WM, <= 64 * WM): grid x = ceil(M / TM)
+//   WM                   warps along M (each takes TM / WM tokens; WM > 1 decodes a weight
+//                        tile once per warp row, for large M where more warps per SM pay)
+//   WR                   16-row weight tiles per warp; a CTA has NWARPS / WM warps along N, so
+//                        it owns TILE_N = 16 * WR * NWARPS / WM rows: grid y = ceil(N / TILE_N)
 //   KT                   K elements per pipeline stage (128 or 256)
 //   STAGES               cp.async pipeline depth
 //   SPLITK               K split across CTAs (grid z); > 1 writes float32 partials [SPLITK, M, N]
@@ -66,10 +68,14 @@ typedef unsigned int u32;
 #ifndef SPLITK
 #define SPLITK 1
 #endif
+#ifndef WM
+#define WM 1
+#endif
 
 constexpr int NT = NWARPS * 32;
-constexpr int TILE_N = 16 * WR * NWARPS;
-constexpr int WT = TM / 8;           // 8-token mma tiles per CTA
+constexpr int WN = NWARPS / WM;      // warps along N
+constexpr int TILE_N = 16 * WR * WN;
+constexpr int WT = TM / (8 * WM);    // 8-token mma tiles per warp
 constexpr int SUB = KT / 128;        // 128-element sub-chunks per stage
 constexpr int NKT = K_IN / KT;       // stages over the whole K
 constexpr int W_PITCH = KT / 2;      // code bytes per row per stage
@@ -82,7 +88,8 @@ constexpr int STAGE_BYTES = W_BYTES + S_BYTES + X_BYTES;
 
 static_assert(KT == 128 || KT == 256, "KT must be 128 or 256");
 static_assert(K_IN % KT == 0, "K must be a multiple of KT");
-static_assert(TM % 8 == 0 && TM >= 8 && TM <= 64, "TM must be 8, 16, ..., 64");
+static_assert(NWARPS % WM == 0, "WM must divide NWARPS");
+static_assert(TM % (8 * WM) == 0 && WT >= 1 && WT <= 8, "TM / WM must be 8, 16, ..., 64");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(SPLITK >= 1 && SPLITK <= NKT, "SPLITK must be in 1..K/KT");
 static_assert(W_BYTES % 16 == 0 && S_BYTES % 16 == 0, "stage parts must stay 16-byte aligned");
@@ -209,7 +216,7 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
   }
 }
 
-__device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], int warp,
+__device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], int wn, int wm,
                                               int lane) {
   const int g = lane >> 2, t = lane & 3;
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
@@ -219,7 +226,7 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], i
     u32 sa[WR], sb[WR];
 #pragma unroll
     for (int r = 0; r < WR; ++r) {
-      const int ra = (warp * WR + r) * 16 + g, rb = ra + 8;
+      const int ra = (wn * WR + r) * 16 + g, rb = ra + 8;
       wa[r] = lds128(sw + ra * W_PITCH + wchunk(ra, 4 * h + t) * 16);
       wb[r] = lds128(sw + rb * W_PITCH + wchunk(rb, 4 * h + t) * 16);
       sa[r] = e4m3x2_to_f16x2(lds16(ss + ra * S_PITCH + 8 * h + 2 * t));
@@ -230,7 +237,7 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], i
       uint4 xb[WT];
 #pragma unroll
       for (int j = 0; j < WT; ++j)
-        xb[j] = lds128(sx + (8 * j + g) * X_PITCH + h * 256 + (4 * u + t) * 16);
+        xb[j] = lds128(sx + ((wm * WT + j) * 8 + g) * X_PITCH + h * 256 + (4 * u + t) * 16);
       const u32 sel = u < 2 ? 0x1010u : 0x3232u;  // this word's block scale in both halves
 #pragma unroll
       for (int r = 0; r < WR; ++r) {
@@ -257,7 +264,7 @@ extern "C" __global__ void __launch_bounds__(NT)
                     const u8* __restrict__ wp, const u8* __restrict__ ws,
                     const float* __restrict__ wg, const int* __restrict__ layer, void* out) {
   extern __shared__ __align__(128) u8 smem[];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31, wn = (tid >> 5) % WN, wm = (tid >> 5) / WN;
   const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TILE_N, z = blockIdx.z;
   const size_t l = (size_t)(unsigned)*layer;
   wp += l * N_OUT * (size_t)(K_IN / 2);
@@ -287,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(NT)
     if (next < nk)
       load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
     cp_commit();
-    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, warp, lane);
+    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wn, wm, lane);
   }
 
   // accumulator e of tile (r, j): row g + 8 * (e / 2), token 2t + (e % 2)
@@ -296,12 +303,12 @@ extern "C" __global__ void __launch_bounds__(NT)
   for (int r = 0; r < WR; ++r) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int n = n0 + (warp * WR + r) * 16 + g + 8 * (e >> 1);
+      const int n = n0 + (wn * WR + r) * 16 + g + 8 * (e >> 1);
       if (n >= N_OUT) continue;
       const float gw = wg[GW_ROWS ? n : 0];
 #pragma unroll
       for (int j = 0; j < WT; ++j) {
-        const int m = m0 + 8 * j + 2 * t + (e & 1);
+        const int m = m0 + (wm * WT + j) * 8 + 2 * t + (e & 1);
         if (m >= M_TOK) continue;
         if constexpr (SPLITK == 1) {
           const float alpha = gw * xg[m];

@@ -46,7 +46,7 @@ FINISH_ENTRY = "nvfp4_gemm_finish"
 FINISH_INPUTS = 4
 FINISH_THREADS = 256
 KTS = (128, 256)
-MAX_TM = 64
+MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
 DEFAULT_MIN_M = 9  # the GEMV handles M <= 8
 
@@ -58,9 +58,10 @@ class GemmOptions:
     Attributes:
         min_m: the smallest M (after folding leading dims) that `nvfp4_linear` sends to this
             GEMM; below it the GEMV runs (the dispatch's crossover, chosen by measurement).
-        tm: tokens per CTA tile (8, 16, ..., 64).
+        tm: tokens per CTA tile (a multiple of 8 * wm, at most 64 * wm).
+        wm: warps along M (splitting the CTA's tokens; each decodes its weight rows).
         wr: 16-row weight tiles per warp.
-        warps: warps per CTA (along N).
+        warps: warps per CTA (warps / wm along N).
         kt: K elements per pipeline stage (128 or 256).
         stages: cp.async pipeline depth (>= 2).
         splitk: K split across CTAs (1..8); > 1 adds the float32 partials in a second, XLA
@@ -71,6 +72,7 @@ class GemmOptions:
 
     min_m: int = DEFAULT_MIN_M
     tm: int | None = None
+    wm: int | None = None
     wr: int | None = None
     warps: int | None = None
     kt: int | None = None
@@ -83,7 +85,8 @@ class GemmOptions:
         if not isinstance(self.min_m, int) or self.min_m < 1:
             raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
         checks = {
-            "tm": lambda v: v % 8 == 0 and 8 <= v <= MAX_TM,
+            "tm": lambda v: v % 8 == 0 and 8 <= v <= 4 * MAX_TM,
+            "wm": lambda v: 1 <= v <= 4,
             "wr": lambda v: 1 <= v <= 4,
             "warps": lambda v: 1 <= v <= 16,
             "kt": lambda v: v in KTS,
@@ -91,7 +94,8 @@ class GemmOptions:
             "splitk": lambda v: 1 <= v <= MAX_SPLITK,
         }
         expect = {
-            "tm": f"a multiple of 8 in 8..{MAX_TM}",
+            "tm": f"a multiple of 8 in 8..{4 * MAX_TM}",
+            "wm": "1..4",
             "wr": "1..4",
             "warps": "1..16",
             "kt": f"one of {KTS}",
@@ -115,6 +119,7 @@ class GemmPlan:
     n: int
     k: int
     tm: int
+    wm: int
     wr: int
     warps: int
     kt: int
@@ -124,7 +129,7 @@ class GemmPlan:
 
     @property
     def tile_n(self) -> int:
-        return 16 * self.wr * self.warps
+        return 16 * self.wr * (self.warps // self.wm)
 
     @property
     def threads(self) -> int:
@@ -152,6 +157,7 @@ class GemmPlan:
             "N_OUT": self.n,
             "K_IN": self.k,
             "TM": self.tm,
+            "WM": self.wm,
             "WR": self.wr,
             "NWARPS": self.warps,
             "KT": self.kt,
@@ -179,25 +185,34 @@ def plan(
     *,
     gw_rows: bool = False,
 ) -> GemmPlan:
-    """The launch plan: M tiles of <= 64 tokens (grid x), 128-row weight tiles (grid y: 4 warps
-    of 2 x 16 rows), K in 128-element stages through a 3-4 deep cp.async pipeline, and a K split
-    (grid z) when the tiles alone would leave SMs idle (at least two CTAs per SM wanted) and the
-    partial sums stay small next to the weights."""
-    tm = options.tm or min(MAX_TM, _cdiv(m, 8) * 8)
-    wr = options.wr or 2
-    warps = options.warps or 4
+    """The launch plan. M <= 64: one M tile of all tokens (rounded up to 8), 4 warps along N of
+    2 x 16 rows each (128-row weight tiles); M > 64: 128-token M tiles over 2 warps along M and
+    4 along N of 16 rows each (64-row weight tiles, 8 warps: more warps per SM where the tensor
+    cores are the limit). K runs in 128-element stages through a 3-4 deep cp.async pipeline,
+    split across CTAs (grid z) when the tiles alone would leave SMs idle (about two CTAs per SM
+    wanted) and the float32 partials stay small next to the weights. 64 < M < 128: one M tile of
+    M rounded up to 16."""
+    big = m > MAX_TM
+    wm = options.wm or (2 if big and options.tm is None else 1)
+    tm = options.tm or (min(2 * MAX_TM, _cdiv(m, 16) * 16) if big else _cdiv(m, 8) * 8)
+    tm = max(tm, 8 * wm)
+    tm = _cdiv(tm, 8 * wm) * 8 * wm
+    wr = options.wr or (1 if big else 2)
+    warps = options.warps or 4 * wm
     kt = options.kt or 128
-    stages = options.stages or (4 if tm <= 32 else 3)
+    tile_n = 16 * wr * max(1, warps // wm)
+    stage = tile_n * (kt // 2 + kt // 16) + tm * (2 * kt + 64)
+    stages = options.stages or max(2, min(4 if tm <= 32 else 3, SMEM_LIMIT // stage))
     nkt = max(1, k // kt)
     if options.splitk is not None:
         splitk = options.splitk
     else:
-        tiles = _cdiv(m, tm) * _cdiv(n, 16 * wr * warps)
+        tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))
         splitk = max(1, min(_cdiv(2 * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
     splitk = min(splitk, nkt)
     return GemmPlan(
-        m=m, n=n, k=k, tm=tm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
+        m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
         gw_rows=bool(gw_rows),
     )  # fmt: skip
 
@@ -209,6 +224,8 @@ def check_shape(m: int, n: int, k: int, options: GemmOptions = DEFAULT_OPTIONS) 
     if n < 1:
         return False, f"N={n} (expected >= 1)"
     p = plan(m, n, k, options=options)
+    if p.warps % p.wm or p.tm > MAX_TM * p.wm:
+        return False, f"warps={p.warps}, wm={p.wm}, tm={p.tm}: wm must divide warps, tm <= 64 * wm"
     if k < p.kt or k % p.kt:
         return False, f"K={k} (the GEMM needs a positive multiple of {p.kt})"
     if p.smem > SMEM_LIMIT:

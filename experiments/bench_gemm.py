@@ -44,7 +44,7 @@ from experiments.kernel_shapes import all_shapes, unique_shapes
 # name -> GemmOptions fields; "gemm" is the plan's default
 VARIANTS = {
     "gemm": {},
-    "gemm_kt256": {"kt": 256, "stages": 3},
+    "gemm_kt256": {"kt": 256},
     "gemm_wr1": {"wr": 1},
     "gemm_w8": {"warps": 8, "wr": 1},
     "gemm_nosplit": {"splitk": 1},

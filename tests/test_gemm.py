@@ -143,8 +143,10 @@ def test_plan_tiles_and_split_k():
     assert (p.tm, p.tile_n, p.threads) == (16, 128, 128)
     # 32 weight tiles on 132 SMs: K split so that about two CTAs per SM have work
     assert p.grid == (1, 32, 8) and p.out_shape == (8, 9, 4096)
-    big = nvfp4_gemm.plan(256, 4096, 4096)
-    assert big.grid == (4, 32, 1) and big.out_shape == (256, 4096)  # partials would cost too much
+    big = nvfp4_gemm.plan(256, 4096, 4096)  # 128-token tiles, 2 x 4 warps, 64-row weight tiles
+    assert (big.tm, big.wm, big.tile_n, big.threads) == (128, 2, 64, 256)
+    assert big.grid == (2, 64, 1) and big.out_shape == (256, 4096)  # partials would cost too much
+    assert nvfp4_gemm.plan(100, 4096, 4096).tm == 112  # one M tile, rounded up to 16
     odd = nvfp4_gemm.plan(17, 1003, 1280)
     assert odd.grid[0] == 1 and odd.grid[1] == 8 and odd.tm == 24
     for m in (9, 16, 33, 64, 65, 256, 512, 4096):
@@ -167,6 +169,9 @@ def test_check_shape_and_options_are_validated():
     )
     assert not nvfp4_gemm.check_shape(0, 64, 256)[0]
     huge = nvfp4_gemm.GemmOptions(tm=64, wr=4, warps=16, stages=8, kt=256)
+    assert (
+        "wm must divide" in nvfp4_gemm.check_shape(256, 64, 256, nvfp4_gemm.GemmOptions(tm=128))[1]
+    )
     assert "shared memory" in nvfp4_gemm.check_shape(64, 4096, 4096, huge)[1]
     for bad in ({"tm": 12}, {"kt": 64}, {"splitk": 9}, {"stages": 1}, {"min_m": 0}, {"wr": 0}):
         with pytest.raises(cbuild.KernelError, match=next(iter(bad))):
@@ -332,6 +337,8 @@ GEMM_CONFIGS = [
     {"kt": 256, "stages": 3},
     {"splitk": 4, "warps": 8},
     {"tm": 32, "wr": 4, "stages": 2},
+    {"tm": 128, "wm": 2, "wr": 1},
+    {"tm": 48, "wm": 2, "warps": 4},
 ]
 
 

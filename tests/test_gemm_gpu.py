@@ -189,6 +189,8 @@ def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
         {"splitk": 5},
         {"tm": 32, "wr": 1, "warps": 8},
         {"tm": 8},
+        {"tm": 48, "wm": 2, "warps": 4},
+        {"tm": 128, "wm": 2, "wr": 2, "warps": 8, "kt": 256},
     ],
 )
 def test_tile_options_match_float64(torch, options):
