@@ -184,7 +184,7 @@ def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
 @pytest.mark.parametrize(
     "options",
     [
-        {"kt": 256, "stages": 3},
+        {"kt": 256},
         {"splitk": 1},
         {"splitk": 5},
         {"tm": 32, "wr": 1, "warps": 8},
