@@ -20,6 +20,9 @@
 //   SPLITK               K split across CTAs (grid z); > 1 writes float32 partials [SPLITK, M, N]
 //                        that a second kernel, nvfp4_gemm_finish, adds in split order and
 //                        scales (deterministic, no atomics, no counters to reset)
+//   CLUSTER_RED          with SPLITK > 1: the SPLITK CTAs of a K split form one thread-block
+//                        cluster (compile-time cluster dims) and add their partials through
+//                        distributed shared memory, in split order: one kernel, bf16 out
 //   GW_ROWS              the weight global scale is per row ([L, N]) instead of per matrix
 //
 // Numerics (exact until the fp32 accumulation): a weight e2m1 * SFw has at most 6 significant
@@ -71,6 +74,10 @@ typedef unsigned int u32;
 #ifndef WM
 #define WM 1
 #endif
+#ifndef CLUSTER_RED
+#define CLUSTER_RED 0
+#endif
+constexpr bool PARTIALS = SPLITK > 1 && !CLUSTER_RED;  // float32 partials for the finish kernel
 
 constexpr int NT = NWARPS * 32;
 constexpr int WN = NWARPS / WM;      // warps along N
@@ -92,6 +99,12 @@ static_assert(NWARPS % WM == 0, "WM must divide NWARPS");
 static_assert(TM % (8 * WM) == 0 && WT >= 1 && WT <= 8, "TM / WM must be 8, 16, ..., 64");
 static_assert(STAGES >= 2, "the pipeline needs two stages");
 static_assert(SPLITK >= 1 && SPLITK <= NKT, "SPLITK must be in 1..K/KT");
+static_assert(!CLUSTER_RED || (SPLITK > 1 && SPLITK <= 8), "a cluster holds 2..8 CTAs");
+constexpr int RED_PITCH = TILE_N + 4;  // float32 partial tile [TM][TILE_N] (+4: no conflicts)
+#ifdef SMEM_BYTES  // the launch's dynamic shared memory (the host plans it)
+static_assert(STAGES * STAGE_BYTES <= SMEM_BYTES, "the pipeline must fit in shared memory");
+static_assert(!CLUSTER_RED || TM * RED_PITCH * 4 <= SMEM_BYTES, "the partial tile must fit");
+#endif
 static_assert(W_BYTES % 16 == 0 && S_BYTES % 16 == 0, "stage parts must stay 16-byte aligned");
 
 // ---------------------------------------------------------------------------- small helpers
@@ -259,7 +272,30 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], i
 // xh: fp16 x_hat [M, K] (permuted, see above); xg: float32 [M] activation global scales;
 // wp / ws / wg: weight codes, scales, global scales (stacked); layer: int32 []; out: bf16 [M, N]
 // (SPLITK == 1) or float32 partial sums [SPLITK, M, N] without the global scales and 2^14.
-extern "C" __global__ void __launch_bounds__(NT)
+#if CLUSTER_RED
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+
+// this shared-memory address in the CTA of cluster rank `rank`
+__device__ __forceinline__ u32 map_rank(u32 addr, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+
+__device__ __forceinline__ float ld_cluster(u32 addr) {
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
+  return v;
+}
+#define CLUSTER_DIMS __cluster_dims__(1, 1, SPLITK)
+#else
+#define CLUSTER_DIMS
+#endif
+
+extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
     nvfp4_gemm_w4a4(const u16* __restrict__ xh, const float* __restrict__ xg,
                     const u8* __restrict__ wp, const u8* __restrict__ ws,
                     const float* __restrict__ wg, const int* __restrict__ layer, void* out) {
@@ -299,6 +335,38 @@ extern "C" __global__ void __launch_bounds__(NT)
 
   // accumulator e of tile (r, j): row g + 8 * (e / 2), token 2t + (e % 2)
   const int g = lane >> 2, t = lane & 3;
+#if CLUSTER_RED
+  // Each CTA parks its partial tile in its own shared memory; after a cluster barrier CTA z
+  // adds slice z of the tile over the cluster's CTAs in rank (= split) order and stores it.
+  cp_wait<0>();
+  __syncthreads();  // every stage consumed: the pipeline's shared memory is free
+  float* red = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int r = 0; r < WR; ++r)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int j = 0; j < WT; ++j) {
+        const int nl = (wn * WR + r) * 16 + g + 8 * (e >> 1);
+        const int ml = (wm * WT + j) * 8 + 2 * t + (e & 1);
+        red[ml * RED_PITCH + nl] = acc[r][j][e];
+      }
+  cluster_sync();
+  constexpr int ELEMS = TM * TILE_N;
+  const int lo = z * ELEMS / SPLITK, hi = (z + 1) * ELEMS / SPLITK;
+  for (int i = lo + tid; i < hi; i += NT) {
+    const int ml = i / TILE_N, nl = i % TILE_N, m = m0 + ml, n = n0 + nl;
+    const u32 addr = s0 + (u32)(ml * RED_PITCH + nl) * 4u;
+    float a = ld_cluster(map_rank(addr, 0));
+#pragma unroll
+    for (int sr = 1; sr < SPLITK; ++sr) a += ld_cluster(map_rank(addr, sr));
+    if (m < M_TOK && n < N_OUT) {
+      const float alpha = wg[GW_ROWS ? n : 0] * xg[m];
+      static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(a * 16384.f * alpha);
+    }
+  }
+  cluster_sync();  // no CTA leaves while others still read its shared memory
+#else
 #pragma unroll
   for (int r = 0; r < WR; ++r) {
 #pragma unroll
@@ -310,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(NT)
       for (int j = 0; j < WT; ++j) {
         const int m = m0 + (wm * WT + j) * 8 + 2 * t + (e & 1);
         if (m >= M_TOK) continue;
-        if constexpr (SPLITK == 1) {
+        if constexpr (!PARTIALS) {
           const float alpha = gw * xg[m];
           const float y = acc[r][j][e] * 16384.f * alpha;
           static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(y);
@@ -320,6 +388,7 @@ extern "C" __global__ void __launch_bounds__(NT)
       }
     }
   }
+#endif
 }
 
 // Split-K epilogue (SPLITK > 1), one thread per output: the partials added in split order, then

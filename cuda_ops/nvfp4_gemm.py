@@ -46,6 +46,7 @@ FINISH_ENTRY = "nvfp4_gemm_finish"
 FINISH_INPUTS = 4
 FINISH_THREADS = 256
 KTS = (128, 256)
+REDUCES = ("finish", "cluster")
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
 DEFAULT_MIN_M = 9  # the GEMV handles M <= 8
@@ -64,8 +65,10 @@ class GemmOptions:
         warps: warps per CTA (warps / wm along N).
         kt: K elements per pipeline stage (128 or 256).
         stages: cp.async pipeline depth (>= 2).
-        splitk: K split across CTAs (1..8); > 1 adds the float32 partials in a second, XLA
-            elementwise step, in split order.
+        splitk: K split across CTAs (1..8).
+        reduce: how a K split meets: "finish" (float32 partials in a workspace, added in split
+            order by a second small kernel) or "cluster" (the split's CTAs form a thread-block
+            cluster and add their partials through distributed shared memory: one kernel).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -78,10 +81,13 @@ class GemmOptions:
     kt: int | None = None
     stages: int | None = None
     splitk: int | None = None
+    reduce: str = "finish"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        if self.reduce not in REDUCES:
+            raise KernelError(f"GemmOptions.reduce={self.reduce!r}, expected one of {REDUCES}")
         if not isinstance(self.min_m, int) or self.min_m < 1:
             raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
         checks = {
@@ -125,7 +131,13 @@ class GemmPlan:
     kt: int
     stages: int
     splitk: int
+    reduce: str = "finish"
     gw_rows: bool = False
+
+    @property
+    def partials(self) -> bool:
+        """The kernel writes float32 partials [splitk, M, N] for the finish kernel."""
+        return self.splitk > 1 and self.reduce == "finish"
 
     @property
     def tile_n(self) -> int:
@@ -145,11 +157,12 @@ class GemmPlan:
 
     @property
     def smem(self) -> int:
-        return self.stages * self.stage_bytes
+        red = self.tm * (self.tile_n + 4) * 4 if self.splitk > 1 and self.reduce == "cluster" else 0
+        return max(self.stages * self.stage_bytes, red)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
-        return (self.m, self.n) if self.splitk == 1 else (self.splitk, self.m, self.n)
+        return (self.splitk, self.m, self.n) if self.partials else (self.m, self.n)
 
     def defines(self) -> dict:
         return {
@@ -163,6 +176,8 @@ class GemmPlan:
             "KT": self.kt,
             "STAGES": self.stages,
             "SPLITK": self.splitk,
+            "CLUSTER_RED": int(self.splitk > 1 and self.reduce == "cluster"),
+            "SMEM_BYTES": self.smem,
             "GW_ROWS": int(self.gw_rows),
         }
 
@@ -185,19 +200,17 @@ def plan(
     *,
     gw_rows: bool = False,
 ) -> GemmPlan:
-    """The launch plan. M <= 64: one M tile of all tokens (rounded up to 8), 4 warps along N of
-    2 x 16 rows each (128-row weight tiles); M > 64: 128-token M tiles over 2 warps along M and
-    4 along N of 16 rows each (64-row weight tiles, 8 warps: more warps per SM where the tensor
-    cores are the limit). K runs in 128-element stages through a 3-4 deep cp.async pipeline,
-    split across CTAs (grid z) when the tiles alone would leave SMs idle (about two CTAs per SM
-    wanted) and the float32 partials stay small next to the weights. 64 < M < 128: one M tile of
-    M rounded up to 16."""
-    big = m > MAX_TM
-    wm = options.wm or (2 if big and options.tm is None else 1)
-    tm = options.tm or (min(2 * MAX_TM, _cdiv(m, 16) * 16) if big else _cdiv(m, 8) * 8)
-    tm = max(tm, 8 * wm)
-    tm = _cdiv(tm, 8 * wm) * 8 * wm
-    wr = options.wr or (1 if big else 2)
+    """The launch plan: M tiles of up to 64 tokens (grid x; M rounded up to 8), 4 warps along N
+    of 2 x 16 weight rows each (128-row weight tiles, grid y): with x_hat at 2 bytes and weights
+    at 0.56 bytes per element, a tall weight tile re-reads x_hat least often per MAC. K runs in
+    128-element stages through a 3-4 deep cp.async pipeline, split across CTAs (grid z) when the
+    tiles alone would leave SMs idle (about two CTAs per SM wanted) and the float32 partials
+    stay small next to the weights. `options.wm` = 2 puts two warps along M (8 warps, 128-token
+    tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic)."""
+    wm = options.wm or 1
+    tm = options.tm or (MAX_TM * wm if m > MAX_TM * wm else _cdiv(m, 8 * wm) * 8 * wm)
+    tm = _cdiv(max(tm, 8 * wm), 8 * wm) * 8 * wm
+    wr = options.wr or (1 if wm > 1 else 2)
     warps = options.warps or 4 * wm
     kt = options.kt or 128
     tile_n = 16 * wr * max(1, warps // wm)
@@ -209,11 +222,13 @@ def plan(
     else:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))
+        if options.reduce == "cluster":  # partials stay on chip
+            by_traffic = MAX_SPLITK
         splitk = max(1, min(_cdiv(2 * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
     splitk = min(splitk, nkt)
     return GemmPlan(
         m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
-        gw_rows=bool(gw_rows),
+        reduce=options.reduce, gw_rows=bool(gw_rows),
     )  # fmt: skip
 
 
@@ -280,11 +295,11 @@ class GemmKernel:
 
     def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
         """Launches on `stream`: pointers to the 6 operands, then the bf16 output [M, N]. With a
-        K split, `workspace` points to float32 [SPLITK, M, N] for the partials, and the
-        epilogue kernel follows on the same stream."""
+        K split through partials (`plan.partials`), `workspace` points to float32
+        [SPLITK, M, N] for them, and the epilogue kernel follows on the same stream."""
         if len(pointers) != N_INPUTS + 1:
             raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
-        if self.plan.splitk == 1:
+        if not self.plan.partials:
             self._launch(ENTRY, stream, pointers)
             return
         if workspace is None:

@@ -48,7 +48,11 @@ VARIANTS = {
     "gemm_wr1": {"wr": 1},
     "gemm_w8": {"warps": 8, "wr": 1},
     "gemm_nosplit": {"splitk": 1},
+    "gemm_wm2": {"wm": 2},
+    "gemm_cluster": {"reduce": "cluster"},
 }
+# variants that only make sense at some M (others skip them there)
+VARIANT_MS = {"gemm_wm2": {128, 256, 512}}
 
 
 def _options(name):
@@ -63,7 +67,7 @@ def time_gemm_graph(torch, kernel, xh, xg, weights, wg, layer0):
     p = kernel.plan
     outs = [torch.empty((p.m, p.n), dtype=torch.bfloat16, device="cuda") for _ in weights]
     work = None
-    if p.splitk > 1:  # one workspace: the launches run in order on one stream
+    if p.partials:  # one workspace: the launches run in order on one stream
         work = torch.empty(p.out_shape, dtype=torch.float32, device="cuda")
     fixed = [xh.unsafe_buffer_pointer(), xg.unsafe_buffer_pointer()]
 
@@ -132,6 +136,8 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
         xh = jax.block_until_ready(jax.jit(kernels.gemm_x_operand)(xq.packed, xs))
         if "gemm_graph" in ops:
             for name in variants:
+                if m not in VARIANT_MS.get(name, {m}):
+                    continue
                 try:
                     kern = nvfp4_gemm.build(m, n, k, options=_options(name))
                     row[f"{name}_plan"] = {
@@ -247,7 +253,7 @@ def main():
     ap.add_argument("--out", default="experiments/results/bench_kernel_gemm.json")
     ap.add_argument("--ms", default="8,16,32,64,128,256")
     ap.add_argument("--shapes", default="all", help="'all' or N:K,N:K,...")
-    ap.add_argument("--variants", default="gemm,gemm_kt256", help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--variants", default="gemm,gemm_kt256,gemm_wm2", help=f"of {sorted(VARIANTS)}")
     ap.add_argument("--ops", default="gemm_graph,gemv_graph,jax_bf16,old_path,gemm_jit,xprep")
     ap.add_argument("--old-ms", default="16,64,256")
     ap.add_argument("--jit-ms", default="64")
@@ -280,6 +286,7 @@ def main():
         for n, k in shapes
         for m in ms
         for v in variants
+        if m in VARIANT_MS.get(v, {m})
     ]
     nvfp4_gemm.prebuild(problems)
     result = {

@@ -143,10 +143,12 @@ def test_plan_tiles_and_split_k():
     assert (p.tm, p.tile_n, p.threads) == (16, 128, 128)
     # 32 weight tiles on 132 SMs: K split so that about two CTAs per SM have work
     assert p.grid == (1, 32, 8) and p.out_shape == (8, 9, 4096)
-    big = nvfp4_gemm.plan(256, 4096, 4096)  # 128-token tiles, 2 x 4 warps, 64-row weight tiles
-    assert (big.tm, big.wm, big.tile_n, big.threads) == (128, 2, 64, 256)
-    assert big.grid == (2, 64, 1) and big.out_shape == (256, 4096)  # partials would cost too much
-    assert nvfp4_gemm.plan(100, 4096, 4096).tm == 112  # one M tile, rounded up to 16
+    big = nvfp4_gemm.plan(256, 4096, 4096)  # 64-token tiles
+    assert (big.tm, big.tile_n, big.threads) == (64, 128, 128)
+    assert big.grid == (4, 32, 1) and big.out_shape == (256, 4096)  # partials would cost too much
+    wm2 = nvfp4_gemm.plan(256, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2))
+    assert (wm2.tm, wm2.wm, wm2.tile_n, wm2.threads, wm2.grid) == (128, 2, 64, 256, (2, 64, 1))
+    assert nvfp4_gemm.plan(100, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2)).tm == 112
     odd = nvfp4_gemm.plan(17, 1003, 1280)
     assert odd.grid[0] == 1 and odd.grid[1] == 8 and odd.tm == 24
     for m in (9, 16, 33, 64, 65, 256, 512, 4096):
@@ -159,6 +161,12 @@ def test_plan_tiles_and_split_k():
             assert q.splitk == 1 or q.splitk * m * 4 <= 0.25 * 0.5625 * k
     forced = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(splitk=3, kt=256))
     assert forced.splitk == 3 and forced.kt == 256 and forced.defines()["KT"] == 256
+    # a cluster split keeps its partials on chip: one bf16 output, no traffic cap on the split
+    cl = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(reduce="cluster"))
+    assert cl.splitk == 8 and not cl.partials and cl.out_shape == (64, 4096)
+    assert cl.defines()["CLUSTER_RED"] == 1 and cl.smem >= cl.tm * (cl.tile_n + 4) * 4
+    with pytest.raises(cbuild.KernelError, match="reduce"):
+        nvfp4_gemm.GemmOptions(reduce="atomic")
 
 
 def test_check_shape_and_options_are_validated():
@@ -306,6 +314,18 @@ def test_cuda_lowering_stacked_split_k_and_gemv_below(stub_compilers):
     assert nvfp4_gemm.ENTRY in text8
 
 
+def test_cluster_reduce_lowers_to_one_call(stub_compilers):
+    rng = np.random.default_rng(9)
+    w = nvfp4.quantize_weight(rng.standard_normal((4096, 2048)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((16, 2048)), jnp.bfloat16)
+    opts = nvfp4_gemm.GemmOptions(reduce="cluster")
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, gemm_options=opts), x)
+    (call,) = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    p = nvfp4_gemm.plan(16, 4096, 2048, options=opts)
+    assert p.splitk > 1 and int(_fields(call[2])["grid_z"]) == p.splitk
+    assert "-> tensor<16x4096xbf16>" in call[3]
+
+
 def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers):
     """W4A16 at M = 16 on CUDA: the one dispatch logs why once and lowers the reference as one
     tensor-core dot, never the sequential block scan the CPU reference uses at this M."""
@@ -339,6 +359,7 @@ GEMM_CONFIGS = [
     {"tm": 32, "wr": 4, "stages": 2},
     {"tm": 128, "wm": 2, "wr": 1},
     {"tm": 48, "wm": 2, "warps": 4},
+    {"splitk": 3, "reduce": "cluster"},
 ]
 
 
@@ -366,6 +387,9 @@ def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
         assert ".local" not in kern.ptx, prob
         assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in kern.ptx
         assert "cp.async.cg.shared.global" in kern.ptx
+        cluster = kern.plan.splitk > 1 and kern.plan.reduce == "cluster"
+        assert (f".reqnctapercluster 1, 1, {kern.plan.splitk}" in kern.ptx) == cluster
+        assert ("mapa.shared::cluster" in kern.ptx) == cluster
     nvfp4_gemm._build_cached.cache_clear()
 
 

@@ -108,7 +108,7 @@ def _run(torch, kernel, ops, m, n):
     whether every output and partial was written)."""
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     work = None
-    if kernel.plan.splitk > 1:
+    if kernel.plan.partials:
         work = torch.full(kernel.plan.out_shape, float("nan"), dtype=torch.float32, device="cuda")
     kernel.launch(
         torch.cuda.current_stream().cuda_stream,
@@ -191,6 +191,8 @@ def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
         {"tm": 8},
         {"tm": 48, "wm": 2, "warps": 4},
         {"tm": 128, "wm": 2, "wr": 2, "warps": 8, "kt": 256},
+        {"reduce": "cluster"},
+        {"reduce": "cluster", "splitk": 3, "wm": 2},
     ],
 )
 def test_tile_options_match_float64(torch, options):
@@ -233,10 +235,12 @@ def test_sanitizer_subset(torch):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("reduce", ["finish", "cluster"])
 @pytest.mark.parametrize(("m", "n", "k"), [(16, 4096, 4096), (300, 1003, 1280), (64, 5120, 25600)])
-def test_xla_paths_equal_the_direct_launch(torch, m, n, k):
-    """The primitive on CUDA (x_hat fusion + PTX custom call or buffer_callback + split-K sum)
-    gives the direct launch's bits; the torch x_hat used above equals gemm_x_operand's."""
+def test_xla_paths_equal_the_direct_launch(torch, m, n, k, reduce):
+    """The primitive on CUDA (x_hat fusion + PTX custom call or buffer_callback, split-K through
+    the finish kernel or a cluster) gives the direct launch's bits; the torch x_hat used above
+    equals gemm_x_operand's."""
     import jax
     import jax.numpy as jnp
 
@@ -249,14 +253,17 @@ def test_xla_paths_equal_the_direct_launch(torch, m, n, k):
     xp, xs, xg = _acts(torch, m, k, gen)
     layer0 = torch.zeros((), dtype=torch.int32, device="cuda")
     xh = _x_hat(torch, xp, xs)
-    direct, _ = _run(torch, nvfp4_gemm.build(m, n, k), [xh, xg, wp, ws, wg, layer0], m, n)
+    opts = nvfp4_gemm.GemmOptions(reduce=reduce)
+    direct, _ = _run(
+        torch, nvfp4_gemm.build(m, n, k, options=opts), [xh, xg, wp, ws, wg, layer0], m, n
+    )
     direct = direct.float().cpu().numpy()
     args = [jax.dlpack.from_dlpack(t) for t in (xp, xs, xg, wp, ws, wg, layer0)]
     xh_jax = jax.jit(kernels.gemm_x_operand)(args[0], args[1])
     np.testing.assert_array_equal(
         np.asarray(xh_jax).view(np.uint16), xh.cpu().numpy().view(np.uint16)
     )
-    kw = {"act": "w4a4", "n": n, "k": k}
+    kw = {"act": "w4a4", "n": n, "k": k, "gemm_options": opts}
     for launch in ("ptx", "callback"):
         y = jax.jit(
             lambda *a, launch=launch: kernels.gemv_call(a, impl="cuda", launch=launch, **kw)

@@ -199,7 +199,7 @@ def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
         return buffer_callback(kernel.callback(entry), out, command_buffer_compatible=True)(*ops)
 
     y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
-    if p.splitk == 1:
+    if not p.partials:
         return call(nvfp4_gemm.ENTRY, y, xh, xg, wp, ws, wg, layer)
     part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
     part = call(nvfp4_gemm.ENTRY, part, xh, xg, wp, ws, wg, layer)
