@@ -194,6 +194,7 @@ def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
         {"reduce": "cluster"},
         {"reduce": "cluster", "splitk": 3, "wm": 2},
     ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )
 def test_tile_options_match_float64(torch, options):
     """The configurations a benchmark may select are correct too (one shape, several M)."""
