@@ -11,7 +11,8 @@ Per unique (N, K) of the paper's models (18) and M in {8, 16, 32, 64, 128, 256}:
     (dequantize every weight to bf16, then one bf16 dot), jitted;
   * gemm jit (`--jit-ms`): our whole jitted path (activation x_hat fusion + kernel(s)) through
     the PTX custom call;
-  * xprep: the jitted activation quantization + x_hat fusion alone (the GEMM's input cost).
+  * xprep (at the `--jit-ms`): the jitted activation quantization + x_hat fusion alone (the
+    GEMM's input cost).
 Median over trials, warm-up excluded; the copy bandwidth is measured in the same run. Geomeans
 per M over the shapes (speedup = bf16 time / ours) go to `targets`. Writes JSON.
 
@@ -161,7 +162,7 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                 )
             except Exception as err:  # noqa: BLE001
                 row["gemv_error"] = f"{type(err).__name__}: {err}"[:300]
-        if "xprep" in ops:
+        if "xprep" in ops and m in jit_ms:
 
             def prep(v):
                 q = nvfp4.quantize_activation(v)
@@ -248,6 +249,12 @@ def summarize(rows, copy_bw, variants):
     return derived, targets
 
 
+def _write(path, result):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="experiments/results/bench_kernel_gemm.json")
@@ -312,15 +319,14 @@ def main():
                 skipped.append({"n": n, "k": k, "ms": pass_ms})
                 continue
             rows += bench_shape(torch, n, k, pass_ms, ops, variants, old_ms, jit_ms)
+            _write(args.out, {**result, "rows": rows, "partial": True})  # survives a timeout
     result["rows"], result["skipped_for_time"] = rows, skipped
     result["derived"], result["targets"] = summarize(rows, result["copy_bw_Bps"], variants)
     result["layer_map"] = [
         {"model": mo, "layer": la, "n": n, "k": k} for mo, la, n, k in all_shapes()
     ]
     result["wall_s"] = time.time() - t_start
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    _write(args.out, result)
     print(json.dumps(result["targets"], indent=1))
     print(f"{'N x K':>13} {'M':>3} {'best':>12} {'us':>7} {'%copy':>6} {'x bf16':>7} {'gemv us':>8}"
           f" {'old x':>6} {'jit us':>7}")  # fmt: skip
