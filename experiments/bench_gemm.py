@@ -260,7 +260,9 @@ def main():
     ap.add_argument("--out", default="experiments/results/bench_kernel_gemm.json")
     ap.add_argument("--ms", default="8,16,32,64,128,256")
     ap.add_argument("--shapes", default="all", help="'all' or N:K,N:K,...")
-    ap.add_argument("--variants", default="gemm,gemm_kt256,gemm_wm2", help=f"of {sorted(VARIANTS)}")
+    ap.add_argument(
+        "--variants", default="gemm,gemm_kt256,gemm_wm2,gemm_cluster", help=f"of {sorted(VARIANTS)}"
+    )
     ap.add_argument("--ops", default="gemm_graph,gemv_graph,jax_bf16,old_path,gemm_jit,xprep")
     ap.add_argument("--old-ms", default="16,64,256")
     ap.add_argument("--jit-ms", default="64")
