@@ -10,7 +10,7 @@
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemm.py plans them):
 //   M_TOK, N_OUT, K_IN   problem size (K_IN % KT == 0; any M, N >= 1)
-//   TM                   tokens per CTA tile (a multiple of 8 * WM, <= 64 * WM): grid x = M / TM
+//   TM                   tokens per CTA tile (a multiple of 8 WM, <= 64 WM); grid x = ceil(M / TM)
 //   WM                   warps along M (each takes TM / WM tokens; WM > 1 decodes a weight
 //                        tile once per warp row, for large M where more warps per SM pay)
 //   WR                   16-row weight tiles per warp; a CTA has NWARPS / WM warps along N, so
