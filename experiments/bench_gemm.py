@@ -7,6 +7,7 @@ Per unique (N, K) of the paper's models (18) and M in {8, 16, 32, 64, 128, 256}:
     operands (x_hat fp16 from NVFP4 activations);
   * gemv (M <= 8): the small-M GEMV the dispatch uses there, timed the same way;
   * jax bf16: `jnp.dot(x, w.T)` over bf16 weight copies in one jit (host clock), the baseline;
+  * torch bf16: `F.linear` over bf16 weight copies in a CUDA graph (cuBLAS), a second baseline;
   * old path (`--old-ms`): what M > 8 ran before the GEMM, the reference lowering on CUDA
     (dequantize every weight to bf16, then one bf16 dot), jitted;
   * gemm jit (`--jit-ms`): our whole jitted path (activation x_hat fusion + kernel(s)) through
@@ -16,7 +17,8 @@ Per unique (N, K) of the paper's models (18) and M in {8, 16, 32, 64, 128, 256}:
 Median over trials, warm-up excluded; the copy bandwidth is measured in the same run. Geomeans
 per M over the shapes (speedup = bf16 time / ours) go to `targets`. Writes JSON.
 
-A run that is cut by `--time-budget` lists what it skipped. M = 16, 64, 256 run first.
+A run that is cut by `--time-budget` lists what it skipped: the kernels and both baselines run
+first at every M over all shapes, the jitted extras (old path, jitted path, xprep) after them.
 
 Correctness is the GPU tests' job (tests/test_gemm_gpu.py); compute-sanitizer:
     compute-sanitizer --tool memcheck python -m pytest tests/test_gemm_gpu.py -q -k sanitizer
@@ -92,6 +94,10 @@ def time_gemm_graph(torch, kernel, xh, xg, weights, wg, layer0):
     return bk.time_torch_graph(torch, [mk(i) for i in range(len(weights))])
 
 
+CORE_OPS = ("gemm_graph", "gemv_graph", "jax_bf16", "torch_bf16")
+EXTRA_OPS = ("old_path", "gemm_jit", "xprep")
+
+
 def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
     import jax
     import jax.numpy as jnp
@@ -126,6 +132,9 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
             jax.random.normal(jax.random.fold_in(kw, 1000 + i), (n, k), jnp.bfloat16) * 0.02
             for i in range(c_bf)
         ]
+    wt = None
+    if "torch_bf16" in ops:
+        wt = [torch.randn((n, k), device="cuda", dtype=torch.bfloat16) for _ in range(c_bf)]
     layer0 = bk.LAYER0
     launch = _dispatch.default_launch()
     for m in ms:
@@ -174,6 +183,17 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
         if "jax_bf16" in ops:
             f = jax.jit(lambda ws, x=x: [jnp.dot(x, w.T) for w in ws])
             row["jax_bf16_s"] = bk.time_jax(f, (wbf,), c_bf, calls=5, trials=5)
+        if "torch_bf16" in ops:
+            xt = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+            outs = [None] * c_bf
+
+            def mk(i, xt=xt, outs=outs, wt=wt):
+                def fn():
+                    outs[i] = torch.nn.functional.linear(xt, wt[i])
+
+                return fn
+
+            row["torch_bf16_s"] = bk.time_torch_graph(torch, [mk(i) for i in range(c_bf)])
         args = (xq.packed, xs, xg)
         if "old_path" in ops and m in old_ms and m > 8:
             # the reference lowering on CUDA: GEMM disabled by a min_m no batch reaches
@@ -206,7 +226,7 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                 row["gemm_jit_error"] = f"{type(err).__name__}: {err}"[:300]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del wps, wss, weights, wbf
+    del wps, wss, weights, wbf, wt
     gc.collect()
     return rows
 
@@ -233,7 +253,7 @@ def summarize(rows, copy_bw, variants):
             d["bf16_us"] = bf * 1e6
             if times:
                 d["best_x_bf16"] = bf / min(times.values())
-        for name in ("gemv_graph", "old_path", "gemm_jit", "xprep"):
+        for name in ("gemv_graph", "old_path", "gemm_jit", "xprep", "torch_bf16"):
             if f"{name}_s" in r:
                 d[f"{name}_us"] = r[f"{name}_s"] * 1e6
                 if bf:
@@ -242,6 +262,10 @@ def summarize(rows, copy_bw, variants):
     for m in sorted({d["m"] for d in derived}):
         ds = [d for d in derived if d["m"] == m]
         for key in ["best", *variants, "gemv_graph", "old_path", "gemm_jit"]:
+            tb = [d[f"{key}_us"] and d["torch_bf16_us"] / d[f"{key}_us"] for d in ds
+                  if f"{key}_us" in d and "torch_bf16_us" in d]  # fmt: skip
+            if tb:
+                targets[f"m{m}_{key}_geomean_x_torch_bf16"] = _geo(tb)
             vals = [d[f"{key}_x_bf16"] for d in ds if f"{key}_x_bf16" in d]
             if vals:
                 targets[f"m{m}_{key}_geomean_x_bf16"] = _geo(vals)
@@ -263,7 +287,7 @@ def main():
     ap.add_argument(
         "--variants", default="gemm,gemm_kt256,gemm_wm2,gemm_cluster", help=f"of {sorted(VARIANTS)}"
     )
-    ap.add_argument("--ops", default="gemm_graph,gemv_graph,jax_bf16,old_path,gemm_jit,xprep")
+    ap.add_argument("--ops", default=",".join(CORE_OPS + EXTRA_OPS))
     ap.add_argument("--old-ms", default="16,64,256")
     ap.add_argument("--jit-ms", default="64")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later work skipped")
@@ -310,18 +334,22 @@ def main():
     print(
         "prebuild", result["prebuild_s"], "s; copy bandwidth", result["copy_bw_Bps"] / 1e12, "TB/s"
     )
-    first = [m for m in ms if m in (16, 64, 256)]
-    passes = [first, [m for m in ms if m not in first]]
-    rows, skipped = [], []
-    for pass_ms in passes:
+    # the kernels and baselines at every M over every shape first, then the jitted extras
+    extra_ms = [m for m in ms if m in old_ms | jit_ms]
+    passes = [(ms, ops & set(CORE_OPS)), (extra_ms, ops & set(EXTRA_OPS))]
+    by_key, skipped = {}, []
+    for pass_ms, pass_ops in passes:
         for n, k in shapes:
-            if not pass_ms:
+            if not pass_ms or not pass_ops:
                 continue
             if time.time() - t_start > args.time_budget:
-                skipped.append({"n": n, "k": k, "ms": pass_ms})
+                skipped.append({"n": n, "k": k, "ms": pass_ms, "ops": sorted(pass_ops)})
                 continue
-            rows += bench_shape(torch, n, k, pass_ms, ops, variants, old_ms, jit_ms)
+            for row in bench_shape(torch, n, k, pass_ms, pass_ops, variants, old_ms, jit_ms):
+                by_key.setdefault((n, k, row["m"]), {}).update(row)
+            rows = list(by_key.values())
             _write(args.out, {**result, "rows": rows, "partial": True})  # survives a timeout
+    rows = list(by_key.values())
     result["rows"], result["skipped_for_time"] = rows, skipped
     result["derived"], result["targets"] = summarize(rows, result["copy_bw_Bps"], variants)
     result["layer_map"] = [
