@@ -326,12 +326,13 @@ def test_cluster_reduce_lowers_to_one_call(stub_compilers):
     assert "-> tensor<16x4096xbf16>" in call[3]
 
 
-def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers):
-    """W4A16 at M = 16 on CUDA: the one dispatch logs why once and lowers the reference as one
+def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers, monkeypatch):
+    """W4A16 at M = 12 on CUDA: the one dispatch logs why once and lowers the reference as one
     tensor-core dot, never the sequential block scan the CPU reference uses at this M."""
+    monkeypatch.setattr(_dispatch, "_NOTED", set())  # this test's note, not other tests'
     rng = np.random.default_rng(6)
     w = nvfp4.quantize_weight(rng.standard_normal((64, 256)).astype(np.float32))
-    x = jnp.asarray(rng.standard_normal((16, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
     with pytest.warns(UserWarning, match="W4A4 only"):
         text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, act="w4a16"), x)
     assert "__gpu$xla.gpu.ptx" not in text and not stub_compilers
