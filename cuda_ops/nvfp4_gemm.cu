@@ -26,11 +26,14 @@
 //   GW_ROWS              the weight global scale is per row ([L, N]) instead of per matrix
 //
 // Numerics (exact until the fp32 accumulation): a weight e2m1 * SFw has at most 6 significant
-// bits and is a multiple of 2^-10, so e2m1 * SFw * 2^-14 is exact in fp16 (normal or subnormal:
-// the smallest nonzero one is 2^-24); x_hat = e2m1 * SFx (2^-10 .. 2688) is exact in fp16; the
-// fp16 x fp16 products are exact in fp32 and the tensor cores add them in fp32. The epilogue
-// multiplies by 2^14 (exact) and then by global_w[n] * global_x[m], and rounds once to bf16,
-// like rejax.nvfp4.nvfp4_matmul_q (only the fp32 summation order differs).
+// bits and is a multiple of 2^-10 (at most 2688), so w' = e2m1 * SFw * 2^(W_SHIFT - 14) is exact
+// in fp16 for W_SHIFT = 0..7 (normal or subnormal; the fp16 bit trick gives e2m1 * 2^-14 and the
+// block scale is multiplied by 2^W_SHIFT first: with the default 7, w' is normal unless
+// e2m1 * SFw < 2^-7, i.e. only with tiny block scales); x_hat = e2m1 * SFx (2^-10 .. 2688) is
+// exact in fp16; the fp16 x fp16 products are exact in fp32 and the tensor cores add them in
+// fp32. The epilogue multiplies by 2^(14 - W_SHIFT) (exact) and then by global_w[n] *
+// global_x[m], and rounds once to bf16, like rejax.nvfp4.nvfp4_matmul_q (only the fp32
+// summation order differs).
 //
 // Design: Y^T = W X^T, so weight rows are the mma's 16-row A operand (decoded in registers) and
 // tokens its 8-wide B operand (m16n8k16, fp16 in, fp32 accumulate).
@@ -77,6 +80,12 @@ typedef unsigned int u32;
 #ifndef CLUSTER_RED
 #define CLUSTER_RED 0
 #endif
+#ifndef W_SHIFT
+#define W_SHIFT 7
+#endif
+static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
+constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
+constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
 constexpr bool PARTIALS = SPLITK > 1 && !CLUSTER_RED;  // float32 partials for the finish kernel
 
 constexpr int NT = NWARPS * 32;
@@ -172,7 +181,7 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
   return r;
 }
 
-// 8 codes (nibble i = element i) -> 4 f16x2 P_i = (e_i, e_{i+4}) * 2^-14 * scale, exact.
+// 8 codes (nibble i = element i) -> 4 f16x2 P_i = (e_i, e_{i+4}) * 2^-14 * scale2, exact.
 // Nibble (s, e1, e0, m) goes to fp16 bits 15 and 11..9: exponent e1e0, mantissa top bit m,
 // which is the E2M1 value times 2^-14 (e = 0 lands on the fp16 subnormal m * 2^-15).
 __device__ __forceinline__ void decode8(u32 v, u32 scale2, u32 (&p)[4]) {
@@ -242,8 +251,8 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], i
       const int ra = (wn * WR + r) * 16 + g, rb = ra + 8;
       wa[r] = lds128(sw + ra * W_PITCH + wchunk(ra, 4 * h + t) * 16);
       wb[r] = lds128(sw + rb * W_PITCH + wchunk(rb, 4 * h + t) * 16);
-      sa[r] = e4m3x2_to_f16x2(lds16(ss + ra * S_PITCH + 8 * h + 2 * t));
-      sb[r] = e4m3x2_to_f16x2(lds16(ss + rb * S_PITCH + 8 * h + 2 * t));
+      sa[r] = hmul2(e4m3x2_to_f16x2(lds16(ss + ra * S_PITCH + 8 * h + 2 * t)), W_SCALE2);
+      sb[r] = hmul2(e4m3x2_to_f16x2(lds16(ss + rb * S_PITCH + 8 * h + 2 * t)), W_SCALE2);
     }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -271,7 +280,8 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], i
 
 // xh: fp16 x_hat [M, K] (permuted, see above); xg: float32 [M] activation global scales;
 // wp / ws / wg: weight codes, scales, global scales (stacked); layer: int32 []; out: bf16 [M, N]
-// (SPLITK == 1) or float32 partial sums [SPLITK, M, N] without the global scales and 2^14.
+// (SPLITK == 1) or float32 partial sums [SPLITK, M, N] without the global scales and
+// 2^(14 - W_SHIFT).
 #if CLUSTER_RED
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
@@ -362,7 +372,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
     for (int sr = 1; sr < SPLITK; ++sr) a += ld_cluster(map_rank(addr, sr));
     if (m < M_TOK && n < N_OUT) {
       const float alpha = wg[GW_ROWS ? n : 0] * xg[m];
-      static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(a * 16384.f * alpha);
+      static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(a * W_UNSCALE * alpha);
     }
   }
   cluster_sync();  // no CTA leaves while others still read its shared memory
@@ -380,7 +390,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
         if (m >= M_TOK) continue;
         if constexpr (!PARTIALS) {
           const float alpha = gw * xg[m];
-          const float y = acc[r][j][e] * 16384.f * alpha;
+          const float y = acc[r][j][e] * W_UNSCALE * alpha;
           static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(y);
         } else {
           static_cast<float*>(out)[((size_t)z * M_TOK + m) * N_OUT + n] = acc[r][j][e];
@@ -405,5 +415,5 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int s = 1; s < SPLITK; ++s) acc += part[s * MN + i];
   const float alpha = wg[GW_ROWS ? n : 0] * xg[m];
-  y[i] = f32_to_bf16(acc * 16384.f * alpha);
+  y[i] = f32_to_bf16(acc * W_UNSCALE * alpha);
 }

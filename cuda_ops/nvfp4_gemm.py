@@ -50,6 +50,7 @@ REDUCES = ("finish", "cluster")
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
 DEFAULT_MIN_M = 9  # the GEMV handles M <= 8
+DEFAULT_W_SHIFT = 7  # decoded weights carry 2^(W_SHIFT - 14): see nvfp4_gemm.cu's numerics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,8 @@ class GemmOptions:
         reduce: how a K split meets: "finish" (float32 partials in a workspace, added in split
             order by a second small kernel) or "cluster" (the split's CTAs form a thread-block
             cluster and add their partials through distributed shared memory: one kernel).
+        w_shift: the decoded fp16 weights are e2m1 x SFw x 2^(w_shift - 14) (0..7, exact for
+            all; larger keeps more of them out of the fp16 subnormal range).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -82,10 +85,13 @@ class GemmOptions:
     stages: int | None = None
     splitk: int | None = None
     reduce: str = "finish"
+    w_shift: int = DEFAULT_W_SHIFT
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self):
+        if not isinstance(self.w_shift, int) or not 0 <= self.w_shift <= 7:
+            raise KernelError(f"GemmOptions.w_shift={self.w_shift!r}, expected an int in 0..7")
         if self.reduce not in REDUCES:
             raise KernelError(f"GemmOptions.reduce={self.reduce!r}, expected one of {REDUCES}")
         if not isinstance(self.min_m, int) or self.min_m < 1:
@@ -132,6 +138,7 @@ class GemmPlan:
     stages: int
     splitk: int
     reduce: str = "finish"
+    w_shift: int = DEFAULT_W_SHIFT
     gw_rows: bool = False
 
     @property
@@ -178,6 +185,7 @@ class GemmPlan:
             "SPLITK": self.splitk,
             "CLUSTER_RED": int(self.splitk > 1 and self.reduce == "cluster"),
             "SMEM_BYTES": self.smem,
+            "W_SHIFT": self.w_shift,
             "GW_ROWS": int(self.gw_rows),
         }
 
@@ -228,7 +236,7 @@ def plan(
     splitk = min(splitk, nkt)
     return GemmPlan(
         m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
-        reduce=options.reduce, gw_rows=bool(gw_rows),
+        reduce=options.reduce, w_shift=options.w_shift, gw_rows=bool(gw_rows),
     )  # fmt: skip
 
 

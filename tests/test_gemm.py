@@ -61,12 +61,12 @@ def _decode8(v: int, scale: float) -> list[np.ndarray]:
     return [_f16_pair(w & 0xFFFFFFFF) * scale for w in words]
 
 
-def _model_tile(wp: np.ndarray, ws: np.ndarray, xh: np.ndarray) -> np.ndarray:
+def _model_tile(wp: np.ndarray, ws: np.ndarray, xh: np.ndarray, w_shift: int) -> np.ndarray:
     """One 16-row x 8-token tile over all of K, lane by lane as nvfp4_gemm.cu's compute_stage
     reads shared memory (code chunk t, word u, scale byte 2t + u / 2, x slot 4u + t), with the
     m16n8k16 fragment layouts of the PTX ISA (A: a0 / a2 row g, a1 / a3 row g + 8, columns
     2t + {0, 1} (+8); B: b0 rows 2t + {0, 1}, b1 rows 2t + 8 + {0, 1}, column g). Returns
-    C [16, 8] * 2^14 in float64."""
+    C [16, 8] * 2^(14 - w_shift) in float64 (the kernel's epilogue factor)."""
     k = 2 * wp.shape[1]
     table = nvfp4._E4M3_TABLE
     c = np.zeros((16, 8))
@@ -82,7 +82,8 @@ def _model_tile(wp: np.ndarray, ws: np.ndarray, xh: np.ndarray) -> np.ndarray:
                     word = int.from_bytes(
                         bytes(codes[r, 16 * t + 4 * u : 16 * t + 4 * u + 4]), "little"
                     )
-                    rows.append(_decode8(word, float(table[scales[r, 2 * t + u // 2]])))
+                    scale = float(table[scales[r, 2 * t + u // 2]]) * 2.0**w_shift
+                    rows.append(_decode8(word, scale))
                 x0 = ch * 128 + (4 * u + t) * 8
                 xs = xh[g, x0 : x0 + 8].astype(np.float64)
                 for mi in range(2):  # mma 2u uses P0, P1 and x pairs 0, 1; mma 2u + 1 the rest
@@ -94,7 +95,7 @@ def _model_tile(wp: np.ndarray, ws: np.ndarray, xh: np.ndarray) -> np.ndarray:
                         b[mi][2 * t + h, g] = xs[4 * mi + h]
                         b[mi][2 * t + 8 + h, g] = xs[4 * mi + 2 + h]
             c += a[0] @ b[0] + a[1] @ b[1]
-    return c * 2.0**14
+    return c * 2.0 ** (14 - w_shift)
 
 
 def test_fragment_model_of_the_kernel_equals_the_exact_product():
@@ -111,12 +112,13 @@ def test_fragment_model_of_the_kernel_equals_the_exact_product():
         kernels.gemm_x_operand(xq.packed, jax.lax.bitcast_convert_type(xq.scales, jnp.uint8))
     )
     assert xh.dtype == np.float16
-    got = _model_tile(np.asarray(w.packed), _u8(w.scales), xh)
     wd = np.asarray(nvfp4._scaled_values(w), np.float64)
     xd = np.asarray(nvfp4._scaled_values(xq), np.float64)
-    np.testing.assert_array_equal(got, wd @ xd.T)
-    small = np.abs(wd[wd != 0]) * 2.0**-14
-    assert (small < 2.0**-14).any(), "no subnormal fp16 weight exercised"
+    for w_shift in (0, nvfp4_gemm.DEFAULT_W_SHIFT):
+        got = _model_tile(np.asarray(w.packed), _u8(w.scales), xh, w_shift)
+        np.testing.assert_array_equal(got, wd @ xd.T)
+        small = np.abs(wd[wd != 0]) * 2.0 ** (w_shift - 14)
+        assert (small < 2.0**-14).any(), "no subnormal fp16 weight exercised"
 
 
 def test_x_operand_is_exact_in_float16():
@@ -181,7 +183,9 @@ def test_check_shape_and_options_are_validated():
         "wm must divide" in nvfp4_gemm.check_shape(256, 64, 256, nvfp4_gemm.GemmOptions(tm=128))[1]
     )
     assert "shared memory" in nvfp4_gemm.check_shape(64, 4096, 4096, huge)[1]
-    for bad in ({"tm": 12}, {"kt": 64}, {"splitk": 9}, {"stages": 1}, {"min_m": 0}, {"wr": 0}):
+    bad_options = ({"tm": 12}, {"kt": 64}, {"splitk": 9}, {"stages": 1}, {"min_m": 0}, {"wr": 0},
+                   {"w_shift": 8})  # fmt: skip
+    for bad in bad_options:
         with pytest.raises(cbuild.KernelError, match=next(iter(bad))):
             nvfp4_gemm.GemmOptions(**bad)
     x = jnp.ones((16, 256), jnp.bfloat16)
@@ -418,15 +422,16 @@ def test_reference_matches_float64_at_every_m(m):
 
 def test_split_k_epilogue_reference():
     """gemm_finish (the JAX twin of the split-K epilogue kernel) adds partials in split order and
-    scales as the GEMM's own epilogue: (acc * 2^14) * (global_w[n] * global_x[m]), rounded once."""
+    scales as the GEMM's own epilogue: (acc * 2^(14 - w_shift)) * (global_w[n] * global_x[m]),
+    rounded once."""
     rng = np.random.default_rng(8)
     parts = jnp.asarray(rng.standard_normal((3, 5, 7)), jnp.float32) * 2.0**-14
     xg = jnp.asarray(rng.random(5) + 0.5, jnp.float32)
     wg = jnp.asarray(rng.random((2, 7)) + 0.5, jnp.float32)
     got = kernels.gemm_finish(parts, xg, wg, jnp.int32(1), stacked=True)
     acc = (parts[0] + parts[1]) + parts[2]
-    want = ((acc * 16384.0) * (wg[1][None, :] * xg[:, None])).astype(jnp.bfloat16)
+    want = ((acc * 128.0) * (wg[1][None, :] * xg[:, None])).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     scalar = kernels.gemm_finish(parts, xg, jnp.float32(2.0), jnp.int32(0), stacked=False)
-    want = ((acc * 16384.0) * (2.0 * xg[:, None])).astype(jnp.bfloat16)
+    want = ((acc * 128.0) * (2.0 * xg[:, None])).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(scalar, np.float32), np.asarray(want, np.float32))

@@ -60,10 +60,11 @@ def torch():
 LUT = [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
 
 
-def _weights(torch, n, k, gen, layers=None, gw_rows=False):
+def _weights(torch, n, k, gen, layers=None, gw_rows=False, scales=(0x20, 0x78)):
+    """Uniform codes; E4M3 scale bytes in [scales[0], scales[1]) (default 0.125 .. 240)."""
     stack = () if layers is None else (layers,)
     wp = torch.randint(0, 256, (*stack, n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-    ws = torch.randint(0x20, 0x78, (*stack, n, k // 16), dtype=torch.uint8, device="cuda",
+    ws = torch.randint(*scales, (*stack, n, k // 16), dtype=torch.uint8, device="cuda",
                        generator=gen)  # fmt: skip
     gshape = (*stack, n) if gw_rows else stack
     wg = (torch.rand(gshape, device="cuda", generator=gen) * 1e-3 + 1e-4).float()
@@ -214,6 +215,31 @@ def test_tile_options_match_float64(torch, options):
         ops = [_x_hat(torch, xp, xs), xg, wp, ws, wg, layer0]
         y64 = _ref64(torch, xp, xs, xg, wd64)
         _check(torch, kernel, ops, m, n, y64, failures, (m, n, k, options))
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("w_shift", [0, 7])
+def test_subnormal_fp16_weights(torch, w_shift):
+    """Tiny block scales (E4M3 subnormals 2^-9 .. and small normals): the decoded weights
+    e2m1 x SFw x 2^(w_shift - 14) are fp16 subnormals for most elements, which the fp16 multiply
+    and the tensor cores must keep (no flush to zero) for the float64 bound to hold."""
+    from cuda_ops import nvfp4_gemm
+
+    opts = nvfp4_gemm.GemmOptions(w_shift=w_shift)
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(_seed("subnormal", w_shift))
+    failures = []
+    n, k = 1024, 2048
+    wp, ws, wg = _weights(torch, n, k, gen, scales=(0x01, 0x18))
+    wg = wg * 1e3  # keep the outputs in bf16's normal range
+    wd64 = _wd64(torch, wp, ws, wg)
+    layer0 = torch.zeros((), dtype=torch.int32, device="cuda")
+    for m in (9, 64):
+        kernel = nvfp4_gemm.build(m, n, k, options=opts)
+        xp, xs, xg = _acts(torch, m, k, gen)
+        ops = [_x_hat(torch, xp, xs), xg, wp, ws, wg, layer0]
+        y64 = _ref64(torch, xp, xs, xg, wd64)
+        _check(torch, kernel, ops, m, n, y64, failures, (m, n, k, w_shift))
     assert not failures, failures
 
 

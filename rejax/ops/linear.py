@@ -169,17 +169,24 @@ def gemm_x_operand(xp: jax.Array, xs: jax.Array) -> jax.Array:
     return xh.reshape(m, k)
 
 
-def gemm_finish(partials: jax.Array, xg: jax.Array, wg: jax.Array, layer: jax.Array, stacked: bool):
+def gemm_finish(
+    partials: jax.Array,
+    xg: jax.Array,
+    wg: jax.Array,
+    layer: jax.Array,
+    stacked: bool,
+    w_shift: int = nvfp4_gemm.DEFAULT_W_SHIFT,
+):
     """What the GEMM's split-K epilogue kernel (`nvfp4_gemm_finish`) computes, in JAX (its
     reference twin): bf16 [M, N] from float32 partial sums [S, M, N], added in split order, times
-    2^14 (the kernel's fp16 weight offset) and global_w * global_x, as the main kernel's own
-    epilogue. wg: [] / [N], or stacked [L] / [L, N] with `layer` selecting."""
+    2^(14 - w_shift) (undoing the kernel's fp16 weight offset) and global_w * global_x, as the
+    main kernel's own epilogue. wg: [] / [N], or stacked [L] / [L, N] with `layer` selecting."""
     acc = partials[0]
     for s in range(1, partials.shape[0]):
         acc = acc + partials[s]
     g = jax.lax.dynamic_index_in_dim(wg, layer, axis=0, keepdims=False) if stacked else wg
     alpha = (g[None, :] if g.ndim == 1 else g) * xg[:, None]
-    return ((acc * jnp.float32(16384.0)) * alpha).astype(jnp.bfloat16)
+    return ((acc * jnp.float32(2.0 ** (14 - w_shift))) * alpha).astype(jnp.bfloat16)
 
 
 def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
