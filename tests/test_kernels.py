@@ -163,12 +163,15 @@ def test_impl_cuda_raises_off_cuda():
 
 @pytest.mark.parametrize(
     ("m", "k", "msg"),
-    [(9, 256, "M=9"), (1, 272, "K=272"), (1, 128, "K=128")],
+    [(9, 272, "K=272"), (1, 272, "K=272"), (1, 128, "K=128")],
 )
 def test_impl_cuda_unsupported_shape_raises(m, k, msg):
     x, w = _problem(m, 16, k)
     with pytest.raises(ValueError, match=msg):
         kernels.nvfp4_linear(x, w, impl="cuda")
+    if m > nvfp4_gemv.MAX_M:  # W4A16 above the GEMV's M: the GEMM is W4A4 only
+        with pytest.raises(ValueError, match=f"M={m}"):
+            kernels.nvfp4_linear(x, w, act="w4a16", impl="cuda")
 
 
 def test_float32_activations_keep_reference_numerics():
@@ -455,19 +458,20 @@ def test_cpu_lowering_never_compiles(stub_compiler):
 
 
 def test_large_m_lowers_to_the_dot_reference_on_cuda(stub_compiler):
-    """M = 16 on CUDA: one dispatch decision (logged once, with the reason), the reference
-    lowered as one tensor-core dot (dot_general on bf16 operands), never the sequential
-    block scan (a while loop) that the CPU reference uses at this M."""
+    """W4A16 at M = 16 on CUDA (W4A4 takes the GEMM there, tests/test_gemm.py): one dispatch
+    decision (logged once, with the reason), the reference lowered as one tensor-core dot
+    (dot_general on bf16 operands), never the sequential block scan (a while loop) that the CPU
+    reference uses at this M."""
     x, w = _problem(16, 64, 256)
-    f = jax.jit(lambda x: kernels.nvfp4_linear(x, w))
+    f = jax.jit(lambda x: kernels.nvfp4_linear(x, w, act="w4a16"))
     with pytest.warns(UserWarning, match="M=16"):
         text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.ptx" not in text and not stub_compiler
     assert "stablehlo.while" not in text and "dot_general" in text and "bf16" in text
-    assert ("nvfp4_linear", "M=16 tokens (the GEMV handles 1..8; larger M is a GEMM)") in (
+    assert ("nvfp4_linear", "act='w4a16' at M=16 (the tensor-core GEMM is W4A4 only)") in (
         _dispatch.noted()
     )
-    cpu = jax.jit(lambda x: kernels.nvfp4_linear(x, w)).trace(x).lower().as_text()
+    cpu = jax.jit(lambda x: kernels.nvfp4_linear(x, w, act="w4a16")).trace(x).lower().as_text()
     assert "stablehlo.while" in cpu  # the CPU reference adds blocks in the kernel's order
 
 

@@ -8,12 +8,17 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
 * Every platform lowers the primitive to the reference (`rejax.nvfp4` numerics), so CPU tracing
   never touches NVRTC or the custom call. CPU uses the block-ordered summation for decode shapes
   (the kernel's order).
-* The `platform="cuda"` lowering asks the one dispatch rule (`rejax.ops._dispatch.use_kernel`):
-  the small-M GEMV of `cuda_ops/nvfp4_gemv.cu` when it supports the shape (M <= 8 after folding
-  leading dims, K % 256 == 0, activations fit in shared memory) and builds, emitted as XLA's PTX
-  custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
-  "callback"); otherwise the reference with one bf16 tensor-core dot over the exactly
-  pre-scaled values (never a sequential scan on a GPU), the reason logged once.
+* The `platform="cuda"` lowering asks the one dispatch rule (`rejax.ops._dispatch.use_kernel`)
+  about one kernel, chosen by M (after folding leading dims): below `GemmOptions.min_m` (9) the
+  small-M GEMV of `cuda_ops/nvfp4_gemv.cu` (K % 256 == 0, activations fit in shared memory), from
+  it on the W4A4 tensor-core GEMM of `cuda_ops/nvfp4_gemm.cu` (K % 128 == 0; its fp16 operand
+  x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
+  small second kernel that sums the float32 partials in split order). Either is emitted as XLA's
+  PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
+  "callback"). When the chosen
+  kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
+  runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
+  on a GPU), the reason logged once.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from cuda_ops import nvfp4_gemv
+from cuda_ops import nvfp4_gemm, nvfp4_gemv
 from rejax import nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
@@ -101,17 +106,27 @@ def _lower_gpu_reference(ctx, *args, **params):
 def _lower_cuda(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     act, n, k = params["act"], params["n"], params["k"]
-    supported = _supported(act, m, n, k, ctx.avals_in[0].dtype)
+    kind, supported = _supported(
+        act, m, n, k, ctx.avals_in[0].dtype, params["gemm_options"], params["gw_rows"]
+    )
     kernel = None
     if supported[0] and params["impl"] != "ref":
         try:
-            kernel = nvfp4_gemv.build(
-                act, m, n, k, options=params["options"], gw_rows=params["gw_rows"]
-            )
+            if kind == "gemm":
+                kernel = nvfp4_gemm.build(
+                    m, n, k, options=params["gemm_options"], gw_rows=params["gw_rows"]
+                )
+            else:
+                kernel = nvfp4_gemv.build(
+                    act, m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+                )
         except nvfp4_gemv.KernelError as err:
-            supported = (False, f"kernel build failed: {err}")
+            supported = (False, f"{kind} build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         return _lower_gpu_reference(ctx, *args, **params)
+    if kind == "gemm":
+        fn = functools.partial(_gemm_impl, kernel=kernel, launch=params["launch"])
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if params["launch"] == "ptx":
         return jax.ffi.ffi_lowering(
             "__gpu$xla.gpu.ptx", api_version=2, backend_config=kernel.backend_config()
@@ -133,20 +148,106 @@ def _callback_impl(*args, kernel):
     return buffer_callback(kernel.launch_callback, out, command_buffer_compatible=True)(*args)
 
 
+# The GEMM's x_hat operand is K-permuted within each 128-element chunk (see nvfp4_gemm.cu):
+#   x_perm[m, 128c + 32u + 8t + j] = x_hat[m, 128c + 32t + 8u + j // 2 + 4 (j % 2)]
+_GEMM_CHUNK = 128
+
+
+def gemm_x_operand(xp: jax.Array, xs: jax.Array) -> jax.Array:
+    """The GEMM's activation operand: x_hat = e2m1(code) * SFx (no global scale) as float16
+    [M, K], exact (<= 6 significant bits, 2^-10 .. 2688), in the kernel's K order.
+
+    Args:
+        xp: uint8 [M, K/2] activation codes; xs: uint8 [M, K/16] E4M3 block scale bytes.
+    """
+    m, k = xp.shape[0], 2 * xp.shape[1]
+    xq = Nvfp4Tensor(packed=xp, scales=_as_e4m3(xs), global_scale=jnp.ones((), jnp.float32),
+                     shape=(m, k))  # fmt: skip
+    xh = nvfp4._scaled_values(xq).astype(jnp.float16)  # [M, K]
+    # [M, C, t, u, jh, jl] -> [M, C, u, t, jl, jh]
+    xh = xh.reshape(m, k // _GEMM_CHUNK, 4, 4, 2, 4).transpose(0, 1, 3, 2, 5, 4)
+    return xh.reshape(m, k)
+
+
+def gemm_finish(
+    partials: jax.Array,
+    xg: jax.Array,
+    wg: jax.Array,
+    layer: jax.Array,
+    stacked: bool,
+    w_shift: int = nvfp4_gemm.DEFAULT_W_SHIFT,
+):
+    """What the GEMM's split-K epilogue kernel (`nvfp4_gemm_finish`) computes, in JAX (its
+    reference twin): bf16 [M, N] from float32 partial sums [S, M, N], added in split order, times
+    2^(14 - w_shift) (undoing the kernel's fp16 weight offset) and global_w * global_x, as the
+    main kernel's own epilogue. wg: [] / [N], or stacked [L] / [L, N] with `layer` selecting."""
+    acc = partials[0]
+    for s in range(1, partials.shape[0]):
+        acc = acc + partials[s]
+    g = jax.lax.dynamic_index_in_dim(wg, layer, axis=0, keepdims=False) if stacked else wg
+    alpha = (g[None, :] if g.ndim == 1 else g) * xg[:, None]
+    return ((acc * jnp.float32(2.0 ** (14 - w_shift))) * alpha).astype(jnp.bfloat16)
+
+
+def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
+    p = kernel.plan
+    xh = gemm_x_operand(xp, xs)
+
+    def call(entry, out, *ops):
+        if launch == "ptx":
+            return jax.ffi.ffi_call(
+                "__gpu$xla.gpu.ptx",
+                out,
+                custom_call_api_version=2,
+                legacy_backend_config=kernel.backend_config(entry),
+            )(*ops)
+        from jax.experimental.buffer_callback import buffer_callback
+
+        return buffer_callback(kernel.callback(entry), out, command_buffer_compatible=True)(*ops)
+
+    y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
+    if not p.partials:
+        return call(nvfp4_gemm.ENTRY, y, xh, xg, wp, ws, wg, layer)
+    part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
+    part = call(nvfp4_gemm.ENTRY, part, xh, xg, wp, ws, wg, layer)
+    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, wg, layer)
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
-def _supported(act: str, m: int, n: int, k: int, x_dtype) -> tuple[bool, str]:
+def _supported(
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    x_dtype,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    gw_rows: bool = False,
+) -> tuple[str, tuple[bool, str]]:
+    """(kernel kind "gemv" / "gemm", (ok, why)): the one kernel that M selects, and whether it
+    handles this problem."""
+    if m >= gemm_options.min_m:
+        if act != "w4a4":
+            return "gemm", (False, f"act={act!r} at M={m} (the tensor-core GEMM is W4A4 only)")
+        return "gemm", nvfp4_gemm.check_shape(m, n, k, gemm_options)
     ok, why = nvfp4_gemv.check_shape(act, m, n, k)
     if ok and act == "w4a16" and np.dtype(x_dtype) != np.dtype(jnp.bfloat16):
         # the kernel reads bf16 activations; the reference keeps float32 inputs exact
-        return False, f"x.dtype={np.dtype(x_dtype)} (the W4A16 kernel reads bfloat16)"
-    return ok, why
+        return "gemv", (False, f"x.dtype={np.dtype(x_dtype)} (the W4A16 kernel reads bfloat16)")
+    return "gemv", (ok, why)
 
 
-def supported(act: str, m: int, n: int, k: int) -> tuple[bool, str]:
-    """Whether the CUDA kernel handles this problem; (False, reason) otherwise."""
-    return nvfp4_gemv.check_shape(act, m, n, k)
+def supported(
+    act: str,
+    m: int,
+    n: int,
+    k: int,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+) -> tuple[bool, str]:
+    """Whether a CUDA kernel (the GEMV or, from `gemm_options.min_m` on, the GEMM) handles this
+    problem; (False, reason) otherwise."""
+    return _supported(act, m, n, k, jnp.bfloat16, gemm_options)[1]
 
 
 def gemv_call(
@@ -159,6 +260,7 @@ def gemv_call(
     launch,
     gw_rows=False,
     options=nvfp4_gemv.DEFAULT_OPTIONS,
+    gemm_options=nvfp4_gemm.DEFAULT_OPTIONS,
     order="auto",
 ):
     """Binds the primitive on flat kernel operands (see `_operands`)."""
@@ -171,6 +273,7 @@ def gemv_call(
         launch=launch,
         gw_rows=gw_rows,
         options=options,
+        gemm_options=gemm_options,
         order=order,
     )
 
@@ -222,6 +325,7 @@ def nvfp4_linear(
     impl: str = "auto",
     layer: Any = None,
     options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
 ) -> jax.Array:
     """NVFP4 linear y = x @ w.T with the reference numerics of `rejax.nvfp4.nvfp4_matmul`.
 
@@ -234,7 +338,9 @@ def nvfp4_linear(
         impl: "auto" (kernel on CUDA when supported, else reference), "ref", or "cuda" (kernel
             or an error saying why not).
         layer: int or int32 [] index into a stacked w (may be traced).
-        options: kernel choices (cuda_ops.nvfp4_gemv.GemvOptions; defaults measured fastest).
+        options: GEMV choices (cuda_ops.nvfp4_gemv.GemvOptions; defaults measured fastest).
+        gemm_options: GEMM choices (cuda_ops.nvfp4_gemm.GemmOptions), including `min_m`, the
+            smallest M that takes the GEMM instead of the GEMV.
 
     Returns:
         bfloat16 [..., N].
@@ -245,14 +351,25 @@ def nvfp4_linear(
     n, k = w.shape
     if m == 0:
         return jnp.zeros((*lead, n), jnp.bfloat16)
+    if not isinstance(gemm_options, nvfp4_gemm.GemmOptions):
+        got = type(gemm_options).__name__
+        raise ValueError(f"gemm_options must be a GemmOptions, got {got}")  # noqa: TRY004
     if impl == "cuda":
-        ok, why = _supported(act, m, n, k, x.dtype)
+        ok, why = _supported(act, m, n, k, x.dtype, gemm_options, w.per_row)[1]
         if not ok:
             raise ValueError(f"nvfp4_linear(impl='cuda'): {why}")
     x2 = jnp.reshape(x, (m, k))  # [M, K]
     args = _operands(x2, w, act, input_scale, layer)
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
     y = gemv_call(
-        args, act=act, n=n, k=k, impl=impl, launch=launch, gw_rows=w.per_row, options=options
+        args,
+        act=act,
+        n=n,
+        k=k,
+        impl=impl,
+        launch=launch,
+        gw_rows=w.per_row,
+        options=options,
+        gemm_options=gemm_options,
     )
     return jnp.reshape(y, (*lead, n))

@@ -1,0 +1,444 @@
+"""Host side of the NVFP4 W4A4 tensor-core GEMM (`nvfp4_gemm.cu`): options, plan, build, launch.
+
+GEMM letters: M tokens, N out features, K in features. The kernel serves the M above the GEMV's
+range (decode batches > 8, prefill); which one runs is decided in `rejax.ops.linear`. Nothing here
+imports cuda-python at module import; NVRTC and the driver are reached only by `build` and the
+launch methods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import threading
+
+from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
+from cuda_ops.nvfp4_gemv import (
+    SMEM_LIMIT,
+    _device_ptr,
+    _drv_check,
+    _escape_mlir,
+    _num_sms,
+)
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "ENTRY",
+    "FINISH_ENTRY",
+    "GemmKernel",
+    "GemmOptions",
+    "GemmPlan",
+    "KernelError",
+    "build",
+    "check_shape",
+    "plan",
+    "prebuild",
+]
+
+SOURCE = "nvfp4_gemm.cu"
+ENTRY = "nvfp4_gemm_w4a4"
+# operands: x_hat fp16 [M, K] (permuted), xg f32 [M], wp, ws, wg (stacked or not), layer int32 [];
+# then the output (bf16 [M, N], or float32 partial sums [SPLITK, M, N])
+N_INPUTS = 6
+# the split-K epilogue: (partials, xg, wg, layer), then y bf16 [M, N]
+FINISH_ENTRY = "nvfp4_gemm_finish"
+FINISH_INPUTS = 4
+FINISH_THREADS = 256
+KTS = (128, 256)
+REDUCES = ("finish", "cluster")
+MAX_TM = 64  # tokens per warp (8 mma tiles)
+MAX_SPLITK = 8
+DEFAULT_MIN_M = 9  # the GEMV handles M <= 8
+DEFAULT_W_SHIFT = 7  # decoded weights carry 2^(W_SHIFT - 14): see nvfp4_gemm.cu's numerics
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOptions:
+    """Kernel choices, passed explicitly (never read from the environment). None: the plan's.
+
+    Attributes:
+        min_m: the smallest M (after folding leading dims) that `nvfp4_linear` sends to this
+            GEMM; below it the GEMV runs (the dispatch's crossover, chosen by measurement).
+        tm: tokens per CTA tile (a multiple of 8 * wm, at most 64 * wm).
+        wm: warps along M (splitting the CTA's tokens; each decodes its weight rows).
+        wr: 16-row weight tiles per warp.
+        warps: warps per CTA (warps / wm along N).
+        kt: K elements per pipeline stage (128 or 256).
+        stages: cp.async pipeline depth (>= 2).
+        splitk: K split across CTAs (1..8).
+        reduce: how a K split meets: "finish" (float32 partials in a workspace, added in split
+            order by a second small kernel) or "cluster" (the split's CTAs form a thread-block
+            cluster and add their partials through distributed shared memory: one kernel).
+        w_shift: the decoded fp16 weights are e2m1 x SFw x 2^(w_shift - 14) (0..7, exact for
+            all; larger keeps more of them out of the fp16 subnormal range).
+        source: path of another revision of the kernel source (experiments only).
+        defines: extra (name, value) -D constants (experiments only).
+    """
+
+    min_m: int = DEFAULT_MIN_M
+    tm: int | None = None
+    wm: int | None = None
+    wr: int | None = None
+    warps: int | None = None
+    kt: int | None = None
+    stages: int | None = None
+    splitk: int | None = None
+    reduce: str = "finish"
+    w_shift: int = DEFAULT_W_SHIFT
+    source: str | None = None
+    defines: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if not isinstance(self.w_shift, int) or not 0 <= self.w_shift <= 7:
+            raise KernelError(f"GemmOptions.w_shift={self.w_shift!r}, expected an int in 0..7")
+        if self.reduce not in REDUCES:
+            raise KernelError(f"GemmOptions.reduce={self.reduce!r}, expected one of {REDUCES}")
+        if not isinstance(self.min_m, int) or self.min_m < 1:
+            raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
+        checks = {
+            "tm": lambda v: v % 8 == 0 and 8 <= v <= 4 * MAX_TM,
+            "wm": lambda v: 1 <= v <= 4,
+            "wr": lambda v: 1 <= v <= 4,
+            "warps": lambda v: 1 <= v <= 16,
+            "kt": lambda v: v in KTS,
+            "stages": lambda v: 2 <= v <= 8,
+            "splitk": lambda v: 1 <= v <= MAX_SPLITK,
+        }
+        expect = {
+            "tm": f"a multiple of 8 in 8..{4 * MAX_TM}",
+            "wm": "1..4",
+            "wr": "1..4",
+            "warps": "1..16",
+            "kt": f"one of {KTS}",
+            "stages": "2..8",
+            "splitk": f"1..{MAX_SPLITK}",
+        }
+        for name, ok in checks.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not ok(value)):
+                raise KernelError(f"GemmOptions.{name}={value!r}, expected None or {expect[name]}")
+
+
+DEFAULT_OPTIONS = GemmOptions()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Compile-time launch geometry for one (M, N, K)."""
+
+    m: int
+    n: int
+    k: int
+    tm: int
+    wm: int
+    wr: int
+    warps: int
+    kt: int
+    stages: int
+    splitk: int
+    reduce: str = "finish"
+    w_shift: int = DEFAULT_W_SHIFT
+    gw_rows: bool = False
+
+    @property
+    def partials(self) -> bool:
+        """The kernel writes float32 partials [splitk, M, N] for the finish kernel."""
+        return self.splitk > 1 and self.reduce == "finish"
+
+    @property
+    def tile_n(self) -> int:
+        return 16 * self.wr * (self.warps // self.wm)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (_cdiv(self.m, self.tm), _cdiv(self.n, self.tile_n), self.splitk)
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.tile_n * (self.kt // 2 + self.kt // 16) + self.tm * (2 * self.kt + 64)
+
+    @property
+    def smem(self) -> int:
+        red = self.tm * (self.tile_n + 4) * 4 if self.splitk > 1 and self.reduce == "cluster" else 0
+        return max(self.stages * self.stage_bytes, red)
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (self.splitk, self.m, self.n) if self.partials else (self.m, self.n)
+
+    def defines(self) -> dict:
+        return {
+            "M_TOK": self.m,
+            "N_OUT": self.n,
+            "K_IN": self.k,
+            "TM": self.tm,
+            "WM": self.wm,
+            "WR": self.wr,
+            "NWARPS": self.warps,
+            "KT": self.kt,
+            "STAGES": self.stages,
+            "SPLITK": self.splitk,
+            "CLUSTER_RED": int(self.splitk > 1 and self.reduce == "cluster"),
+            "SMEM_BYTES": self.smem,
+            "W_SHIFT": self.w_shift,
+            "GW_ROWS": int(self.gw_rows),
+        }
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# Split-K writes SPLITK x M x N float32 partials; keep them under this fraction of the weight
+# bytes (0.5625 per weight), so splitting never costs more traffic than it hides latency.
+SPLIT_TRAFFIC = 0.25
+
+
+def plan(
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = 132,
+    options: GemmOptions = DEFAULT_OPTIONS,
+    *,
+    gw_rows: bool = False,
+) -> GemmPlan:
+    """The launch plan: M tiles of up to 64 tokens (grid x; M rounded up to 8), 4 warps along N
+    of 2 x 16 weight rows each (128-row weight tiles, grid y): with x_hat at 2 bytes and weights
+    at 0.56 bytes per element, a tall weight tile re-reads x_hat least often per MAC. K runs in
+    128-element stages through a 3-4 deep cp.async pipeline, split across CTAs (grid z) when the
+    tiles alone would leave SMs idle (about two CTAs per SM wanted) and the float32 partials
+    stay small next to the weights. `options.wm` = 2 puts two warps along M (8 warps, 128-token
+    tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic)."""
+    wm = options.wm or 1
+    tm = options.tm or (MAX_TM * wm if m > MAX_TM * wm else _cdiv(m, 8 * wm) * 8 * wm)
+    tm = _cdiv(max(tm, 8 * wm), 8 * wm) * 8 * wm
+    wr = options.wr or (1 if wm > 1 else 2)
+    warps = options.warps or 4 * wm
+    kt = options.kt or 128
+    tile_n = 16 * wr * max(1, warps // wm)
+    stage = tile_n * (kt // 2 + kt // 16) + tm * (2 * kt + 64)
+    stages = options.stages or max(2, min(4 if tm <= 32 else 3, SMEM_LIMIT // stage))
+    nkt = max(1, k // kt)
+    if options.splitk is not None:
+        splitk = options.splitk
+    else:
+        tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
+        by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))
+        if options.reduce == "cluster":  # partials stay on chip
+            by_traffic = MAX_SPLITK
+        splitk = max(1, min(_cdiv(2 * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
+    splitk = min(splitk, nkt)
+    return GemmPlan(
+        m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
+        reduce=options.reduce, w_shift=options.w_shift, gw_rows=bool(gw_rows),
+    )  # fmt: skip
+
+
+def check_shape(m: int, n: int, k: int, options: GemmOptions = DEFAULT_OPTIONS) -> tuple[bool, str]:
+    """(True, "") if the GEMM supports this W4A4 problem, else (False, why)."""
+    if m < 1:
+        return False, f"M={m} (expected >= 1)"
+    if n < 1:
+        return False, f"N={n} (expected >= 1)"
+    p = plan(m, n, k, options=options)
+    if p.warps % p.wm or p.tm > MAX_TM * p.wm:
+        return False, f"warps={p.warps}, wm={p.wm}, tm={p.tm}: wm must divide warps, tm <= 64 * wm"
+    if k < p.kt or k % p.kt:
+        return False, f"K={k} (the GEMM needs a positive multiple of {p.kt})"
+    if p.smem > SMEM_LIMIT:
+        return False, f"the GEMM's tiles need {p.smem} B of shared memory (limit {SMEM_LIMIT})"
+    return True, ""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GemmKernel:
+    """A compiled GEMM specialisation and how to launch it."""
+
+    plan: GemmPlan
+    ptx: str
+    entry: str = ENTRY
+
+    @property
+    def n(self) -> int:
+        return self.plan.n
+
+    @property
+    def finish_grid(self) -> int:
+        return _cdiv(self.plan.m * self.plan.n, FINISH_THREADS)
+
+    def backend_config(self, entry: str = ENTRY) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call of `entry`
+        (the GEMM, or with a K split its epilogue FINISH_ENTRY)."""
+        p = self.plan
+        if entry == ENTRY:
+            (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, N_INPUTS
+        elif entry == FINISH_ENTRY:
+            (gx, gy, gz), block, smem, out = (self.finish_grid, 1, 1), FINISH_THREADS, 0, 4
+        else:
+            raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
+        return (
+            "{"
+            f'name = "{entry}", kernel_type = "ptx", '
+            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f"grid_x = {gx}, grid_y = {gy}, grid_z = {gz}, "
+            f"block_x = {block}, block_y = 1, block_z = 1, "
+            f"shared_mem_bytes = {smem}, output_indices = [{out}]"
+            "}"
+        )
+
+    def callback(self, entry: str = ENTRY):
+        """A `buffer_callback` target launching `entry` on XLA's stream (no sync or allocation)."""
+
+        def launch(ctx, out, *args):
+            ptrs = [_device_ptr(a) for a in args] + [_device_ptr(out)]
+            self._launch(entry, ctx.stream, ptrs)
+
+        return launch
+
+    def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
+        """Launches on `stream`: pointers to the 6 operands, then the bf16 output [M, N]. With a
+        K split through partials (`plan.partials`), `workspace` points to float32
+        [SPLITK, M, N] for them, and the epilogue kernel follows on the same stream."""
+        if len(pointers) != N_INPUTS + 1:
+            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
+        if not self.plan.partials:
+            self._launch(ENTRY, stream, pointers)
+            return
+        if workspace is None:
+            raise KernelError(
+                f"SPLITK={self.plan.splitk}: pass a float32 workspace {self.plan.out_shape}"
+            )
+        xh, xg, wp, ws, wg, layer, y = pointers
+        self._launch(ENTRY, stream, [xh, xg, wp, ws, wg, layer, workspace])
+        self._launch(FINISH_ENTRY, stream, [workspace, xg, wg, layer, y])
+
+    def _launch(self, entry: str, stream: int, pointers: list[int]) -> None:
+        import ctypes
+
+        from cuda.bindings import driver
+
+        p = self.plan
+        if entry == ENTRY:
+            (gx, gy, gz), block, smem = p.grid, p.threads, p.smem
+        else:
+            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
+        fn = _function(self, entry)
+        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
+        _drv_check(
+            driver.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, smem, stream, params, 0),
+            "cuLaunchKernel",
+        )
+
+
+_FUNCTIONS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _function(kernel: GemmKernel, entry: str):
+    """CUfunction of `entry` of `kernel` in the current CUDA context (module loaded once)."""
+    from cuda.bindings import driver
+
+    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    key = (int(ctx), id(kernel))
+    with _LOCK:
+        if key not in _FUNCTIONS:
+            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+            fns = {}
+            for name in (ENTRY, FINISH_ENTRY):
+                fns[name] = _drv_check(
+                    driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction"
+                )
+            if kernel.plan.smem > 48 * 1024:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _drv_check(driver.cuFuncSetAttribute(fns[ENTRY], attr, kernel.plan.smem), "smem")
+            _FUNCTIONS[key] = (module, fns, kernel)  # the kernel stays alive with its id() key
+        return _FUNCTIONS[key][1][entry]
+
+
+def _job(m, n, k, num_sms, options: GemmOptions, gw_rows: bool):
+    p = plan(m, n, k, num_sms, options, gw_rows=gw_rows)
+    if options.source is not None:  # experiments only: another revision of the source
+        alt = pathlib.Path(options.source)
+        if not alt.is_file():
+            raise KernelError(f"GemmOptions.source={options.source!r}: no such file")
+        source = alt.read_text()
+    else:
+        source = read_source(SOURCE)
+    extra = tuple(f"-D{name}={value}" for name, value in options.defines)
+    return p, source, extra
+
+
+@functools.cache
+def _build_cached(m, n, k, arch, num_sms, options: GemmOptions, gw_rows: bool) -> GemmKernel:
+    p, source, extra = _job(m, n, k, num_sms, options, gw_rows)
+    ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
+    entries = ptx_entries(ptx)
+    if entries.get(ENTRY) != N_INPUTS + 1 or entries.get(FINISH_ENTRY) != FINISH_INPUTS + 1:
+        raise KernelError(f"PTX entries {ENTRY} / {FINISH_ENTRY} missing or wrong: {entries}")
+    return GemmKernel(plan=p, ptx=ptx)
+
+
+def build(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    arch: str | None = None,
+    num_sms: int | None = None,
+    options: GemmOptions = DEFAULT_OPTIONS,
+    gw_rows: bool = False,
+) -> GemmKernel:
+    """Plans and compiles (NVRTC, disk-cached) the GEMM for one W4A4 problem shape.
+
+    Args:
+        m, n, k: problem size (GEMM letters).
+        arch: `compute_XY` (None: the present GPU's, compute_90 without one).
+        num_sms: SM count the plan targets (None: the present GPU's, 132 without one).
+        options: kernel choices (defaults: the plan's).
+        gw_rows: the weight carries one global scale per output row ([L, N]).
+
+    Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
+    unsupported.
+    """
+    if not isinstance(options, GemmOptions):
+        raise KernelError(f"options must be a GemmOptions, got {type(options).__name__}")
+    ok, why = check_shape(m, n, k, options)
+    if not ok:
+        raise KernelError(f"unsupported shape: {why}")
+    arch = arch or device_arch()
+    return _build_cached(m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows))
+
+
+def prebuild(
+    problems: list[dict], *, arch: str | None = None, workers: int | None = None
+) -> list[GemmKernel]:
+    """Builds many GEMMs at once (NVRTC in threads; it releases the GIL), each as `build` does.
+
+    Args:
+        problems: `build` keyword arguments per kernel: m, n, k and optionally options, gw_rows.
+        arch: as in `build`.
+        workers: threads (None: the CPU count, at most 16).
+    """
+    import concurrent.futures
+    import os
+
+    arch = arch or device_arch()
+    num_sms = _num_sms()
+    keys = []
+    for prob in problems:
+        options = prob.get("options", DEFAULT_OPTIONS)
+        ok, why = check_shape(prob["m"], prob["n"], prob["k"], options)
+        if not ok:
+            raise KernelError(f"unsupported shape {prob}: {why}")
+        keys.append((prob["m"], prob["n"], prob["k"], arch, num_sms, options,
+                     bool(prob.get("gw_rows", False))))  # fmt: skip
+    workers = workers or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(lambda key: _build_cached(*key), dict.fromkeys(keys)))
+    return [_build_cached(*key) for key in keys]

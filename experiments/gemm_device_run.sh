@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device session for the NVFP4 W4A4 tensor-core GEMM: environment, ptxas resource report,
+# GPU tests, benchmark, compute-sanitizer. Usage: experiments/gemm_device_run.sh OUTDIR [phases]
+# phases (default: env ptxas pytest bench); also: sanitize. Knobs: BENCH_ARGS, PYTEST_K.
+set -uo pipefail
+out=${1:?output dir}; shift
+phases=${*:-env ptxas pytest bench}
+export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export REJAX_KERNEL_CACHE=${REJAX_KERNEL_CACHE:-/tmp/rejax-kernels}
+mkdir -p "$out"
+for phase in $phases; do
+  t0=$(date +%s)
+  case $phase in
+    env)
+      { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+        python3 -c "import jax, torch; from cuda_ops.build import nvrtc_version; \
+print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version(), jax.devices())"
+      } > "$out/env.txt" 2>&1; cat "$out/env.txt";;
+    ptxas)
+      # registers / spills / SASS mix of the GEMM at the plan's tile configs
+      for cfg in "16 16 2 4 128 4 8" "64 64 2 4 128 3 1" "64 64 2 4 256 3 1" "32 32 1 4 128 4 4"; do
+        set -- $cfg
+        echo "== M=$1 TM=$2 WR=$3 NWARPS=$4 KT=$5 STAGES=$6 SPLITK=$7 (N=K=4096)"
+        nvcc -arch=sm_90 -cubin -o /tmp/g.cubin -Xptxas -v -DM_TOK=$1 -DN_OUT=4096 -DK_IN=4096 \
+          -DTM=$2 -DWR=$3 -DNWARPS=$4 -DKT=$5 -DSTAGES=$6 -DSPLITK=$7 cuda_ops/nvfp4_gemm.cu 2>&1 \
+          | grep -E "registers|spill|error"
+        cuobjdump -sass /tmp/g.cubin > /tmp/g.sass 2>&1
+        for op in HMMA HMUL2 LDS.128 LDGSTS LOP3 SHF STL LDL; do
+          printf "%s %s  " "$op" "$(grep -c "$op" /tmp/g.sass)"; done; echo
+      done > "$out/ptxas.txt" 2>&1; cat "$out/ptxas.txt";;
+    pytest)
+      timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py \
+        ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider > "$out/pytest.log" 2>&1
+      grep -E "^E  .*(rel err|unwritten|repeat|Error)" "$out/pytest.log" | cut -c1-400 | head -20
+      tail -15 "$out/pytest.log";;
+    bench)
+      timeout ${BENCH_TIMEOUT:-300} python3 experiments/bench_gemm.py ${BENCH_ARGS:-} \
+        --out "$out/bench_kernel_gemm.json" > "$out/bench.log" 2>&1; tail -75 "$out/bench.log";;
+    sanitize)
+      for tool in memcheck racecheck; do
+        timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool python3 -m pytest -q -m gpu \
+          tests/test_gemm_gpu.py -k sanitizer -p no:cacheprovider 2>&1 | tail -8
+      done > "$out/sanitize.txt" 2>&1; cat "$out/sanitize.txt";;
+    *) echo "unknown phase $phase";;
+  esac
+  echo "[$phase: $(( $(date +%s) - t0 )) s]"
+done

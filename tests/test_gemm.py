@@ -1,0 +1,437 @@
+"""CPU tests of the NVFP4 W4A4 tensor-core GEMM (cuda_ops/nvfp4_gemm): its operand layout (a
+lane-by-lane model of the kernel's fragments), plan, dispatch, CUDA lowering, NVRTC builds, and
+the reference at every M.
+
+GEMM letters: M rows of x, N out features, K in features.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuda_ops import build as cbuild
+from cuda_ops import nvfp4_gemm, nvfp4_gemv
+from rejax import nvfp4
+from rejax.ops import _dispatch
+from rejax.ops import linear as kernels
+
+
+def _has_nvrtc() -> bool:
+    try:
+        cbuild.nvrtc_version()
+    except cbuild.KernelError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+
+
+def _u8(a):
+    return np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+
+
+def _wide(rng, shape):
+    """Normal values with a wide spread of magnitudes (many block scales, subnormal ones too)."""
+    return (rng.standard_normal(shape) * np.exp(2 * rng.standard_normal(shape))).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- fragment model
+
+
+def _f16_pair(word: int) -> np.ndarray:
+    return np.array([word & 0xFFFF, word >> 16], np.uint16).view(np.float16).astype(np.float64)
+
+
+def _decode8(v: int, scale: float) -> list[np.ndarray]:
+    """The kernel's decode8: 8 codes -> f16x2 (e_i, e_{i+4}) * 2^-14, times the scale."""
+    mag, sgn = 0x0E000E00, 0x80008000
+    words = [
+        ((v << 9) & mag) | ((v << 12) & sgn),
+        ((v << 5) & mag) | ((v << 8) & sgn),
+        ((v << 1) & mag) | ((v << 4) & sgn),
+        ((v >> 3) & mag) | (v & sgn),
+    ]
+    return [_f16_pair(w & 0xFFFFFFFF) * scale for w in words]
+
+
+def _model_tile(wp: np.ndarray, ws: np.ndarray, xh: np.ndarray, w_shift: int) -> np.ndarray:
+    """One 16-row x 8-token tile over all of K, lane by lane as nvfp4_gemm.cu's compute_stage
+    reads shared memory (code chunk t, word u, scale byte 2t + u / 2, x slot 4u + t), with the
+    m16n8k16 fragment layouts of the PTX ISA (A: a0 / a2 row g, a1 / a3 row g + 8, columns
+    2t + {0, 1} (+8); B: b0 rows 2t + {0, 1}, b1 rows 2t + 8 + {0, 1}, column g). Returns
+    C [16, 8] * 2^(14 - w_shift) in float64 (the kernel's epilogue factor)."""
+    k = 2 * wp.shape[1]
+    table = nvfp4._E4M3_TABLE
+    c = np.zeros((16, 8))
+    for ch in range(k // 128):
+        codes, scales = wp[:, ch * 64 : (ch + 1) * 64], ws[:, ch * 8 : (ch + 1) * 8]
+        for u in range(4):
+            a = [np.zeros((16, 16)), np.zeros((16, 16))]
+            b = [np.zeros((16, 8)), np.zeros((16, 8))]
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                rows = []
+                for r in (g, g + 8):
+                    word = int.from_bytes(
+                        bytes(codes[r, 16 * t + 4 * u : 16 * t + 4 * u + 4]), "little"
+                    )
+                    scale = float(table[scales[r, 2 * t + u // 2]]) * 2.0**w_shift
+                    rows.append(_decode8(word, scale))
+                x0 = ch * 128 + (4 * u + t) * 8
+                xs = xh[g, x0 : x0 + 8].astype(np.float64)
+                for mi in range(2):  # mma 2u uses P0, P1 and x pairs 0, 1; mma 2u + 1 the rest
+                    for h in range(2):
+                        a[mi][g, 2 * t + h] = rows[0][2 * mi][h]
+                        a[mi][g + 8, 2 * t + h] = rows[1][2 * mi][h]
+                        a[mi][g, 2 * t + 8 + h] = rows[0][2 * mi + 1][h]
+                        a[mi][g + 8, 2 * t + 8 + h] = rows[1][2 * mi + 1][h]
+                        b[mi][2 * t + h, g] = xs[4 * mi + h]
+                        b[mi][2 * t + 8 + h, g] = xs[4 * mi + 2 + h]
+            c += a[0] @ b[0] + a[1] @ b[1]
+    return c * 2.0 ** (14 - w_shift)
+
+
+def test_fragment_model_of_the_kernel_equals_the_exact_product():
+    """The kernel's operand contract, checked lane by lane: its weight decode (fp16 bit trick
+    times the block scale) and the host's x_hat layout (`gemm_x_operand`) meet in the mma
+    fragments so that C = W_hat X_hat^T exactly (float64 of the pre-scaled values, no global
+    scales). Values span many binades, so subnormal fp16 weights occur."""
+    rng = np.random.default_rng(0)
+    k = 256
+    rows = 2.0 ** -np.arange(16, dtype=np.float32)[:, None]  # small rows: subnormal fp16
+    w = nvfp4.quantize_weight(_wide(rng, (16, k)) * rows)
+    xq = nvfp4.quantize_activation(jnp.asarray(_wide(rng, (8, k)), jnp.bfloat16))
+    xh = np.asarray(
+        kernels.gemm_x_operand(xq.packed, jax.lax.bitcast_convert_type(xq.scales, jnp.uint8))
+    )
+    assert xh.dtype == np.float16
+    wd = np.asarray(nvfp4._scaled_values(w), np.float64)
+    xd = np.asarray(nvfp4._scaled_values(xq), np.float64)
+    for w_shift in (0, nvfp4_gemm.DEFAULT_W_SHIFT):
+        got = _model_tile(np.asarray(w.packed), _u8(w.scales), xh, w_shift)
+        np.testing.assert_array_equal(got, wd @ xd.T)
+        small = np.abs(wd[wd != 0]) * 2.0 ** (w_shift - 14)
+        assert (small < 2.0**-14).any(), "no subnormal fp16 weight exercised"
+
+
+def test_x_operand_is_exact_in_float16():
+    """x_hat = e2m1 * SFx is exact in fp16 over the whole E4M3 range (2^-10 .. 2688)."""
+    rng = np.random.default_rng(1)
+    xq = nvfp4.quantize_activation(jnp.asarray(_wide(rng, (4, 512)) * 1e3, jnp.bfloat16))
+    xh = np.asarray(kernels.gemm_x_operand(xq.packed, _u8(xq.scales)), np.float64)
+    want = np.asarray(nvfp4._scaled_values(xq), np.float64)
+    # undo the permutation: position 32u + 8t + j holds element 32t + 8u + j // 2 + 4 (j % 2)
+    u, t, j = np.meshgrid(np.arange(4), np.arange(4), np.arange(8), indexing="ij")
+    dst = (32 * u + 8 * t + j).reshape(-1)
+    src = (32 * t + 8 * u + j // 2 + 4 * (j % 2)).reshape(-1)
+    perm = np.concatenate([c * 128 + src for c in range(4)])
+    back = np.empty_like(xh)
+    back[:, perm] = xh[:, np.concatenate([c * 128 + dst for c in range(4)])]
+    np.testing.assert_array_equal(back, want)
+
+
+# ----------------------------------------------------------------------------- plan and options
+
+
+def test_plan_tiles_and_split_k():
+    p = nvfp4_gemm.plan(9, 4096, 4096)
+    assert (p.tm, p.tile_n, p.threads) == (16, 128, 128)
+    # 32 weight tiles on 132 SMs: K split so that about two CTAs per SM have work
+    assert p.grid == (1, 32, 8) and p.out_shape == (8, 9, 4096)
+    big = nvfp4_gemm.plan(256, 4096, 4096)  # 64-token tiles
+    assert (big.tm, big.tile_n, big.threads) == (64, 128, 128)
+    assert big.grid == (4, 32, 1) and big.out_shape == (256, 4096)  # partials would cost too much
+    wm2 = nvfp4_gemm.plan(256, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2))
+    assert (wm2.tm, wm2.wm, wm2.tile_n, wm2.threads, wm2.grid) == (128, 2, 64, 256, (2, 64, 1))
+    assert nvfp4_gemm.plan(100, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2)).tm == 112
+    odd = nvfp4_gemm.plan(17, 1003, 1280)
+    assert odd.grid[0] == 1 and odd.grid[1] == 8 and odd.tm == 24
+    for m in (9, 16, 33, 64, 65, 256, 512, 4096):
+        for n, k in [(6144, 4096), (4096, 12288), (5120, 25600), (1000, 768)]:
+            q = nvfp4_gemm.plan(m, n, k)
+            assert q.grid[0] * q.tm >= m > (q.grid[0] - 1) * q.tm
+            assert q.grid[1] * q.tile_n >= n and 1 <= q.splitk <= k // q.kt
+            assert q.smem <= nvfp4_gemv.SMEM_LIMIT
+            # split-K partials stay below a quarter of the weight bytes
+            assert q.splitk == 1 or q.splitk * m * 4 <= 0.25 * 0.5625 * k
+    forced = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(splitk=3, kt=256))
+    assert forced.splitk == 3 and forced.kt == 256 and forced.defines()["KT"] == 256
+    # a cluster split keeps its partials on chip: one bf16 output, no traffic cap on the split
+    cl = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(reduce="cluster"))
+    assert cl.splitk == 8 and not cl.partials and cl.out_shape == (64, 4096)
+    assert cl.defines()["CLUSTER_RED"] == 1 and cl.smem >= cl.tm * (cl.tile_n + 4) * 4
+    with pytest.raises(cbuild.KernelError, match="reduce"):
+        nvfp4_gemm.GemmOptions(reduce="atomic")
+
+
+def test_check_shape_and_options_are_validated():
+    assert nvfp4_gemm.check_shape(16, 4096, 4096) == (True, "")
+    assert "K=200" in nvfp4_gemm.check_shape(16, 64, 200)[1]
+    assert (
+        "multiple of 256" in nvfp4_gemm.check_shape(16, 64, 384, nvfp4_gemm.GemmOptions(kt=256))[1]
+    )
+    assert not nvfp4_gemm.check_shape(0, 64, 256)[0]
+    huge = nvfp4_gemm.GemmOptions(tm=64, wr=4, warps=16, stages=8, kt=256)
+    assert (
+        "wm must divide" in nvfp4_gemm.check_shape(256, 64, 256, nvfp4_gemm.GemmOptions(tm=128))[1]
+    )
+    assert "shared memory" in nvfp4_gemm.check_shape(64, 4096, 4096, huge)[1]
+    bad_options = ({"tm": 12}, {"kt": 64}, {"splitk": 9}, {"stages": 1}, {"min_m": 0}, {"wr": 0},
+                   {"w_shift": 8})  # fmt: skip
+    for bad in bad_options:
+        with pytest.raises(cbuild.KernelError, match=next(iter(bad))):
+            nvfp4_gemm.GemmOptions(**bad)
+    x = jnp.ones((16, 256), jnp.bfloat16)
+    w = nvfp4.quantize_weight(np.ones((32, 256), np.float32))
+    with pytest.raises(ValueError, match="gemm_options must be a GemmOptions"):
+        kernels.nvfp4_linear(x, w, gemm_options=nvfp4_gemv.DEFAULT_OPTIONS)
+
+
+def test_dispatch_choice_by_m():
+    """One rule: the GEMV below GemmOptions.min_m, the GEMM (W4A4 only) from it on."""
+    assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16)[0] == "gemv"
+    assert kernels._supported("w4a4", 9, 4096, 4096, jnp.bfloat16) == ("gemm", (True, ""))
+    kind, (ok, why) = kernels._supported("w4a16", 16, 4096, 4096, jnp.bfloat16)
+    assert kind == "gemm" and not ok and "W4A4 only" in why
+    at8 = nvfp4_gemm.GemmOptions(min_m=8)
+    assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16, at8)[0] == "gemm"
+    assert kernels.supported("w4a4", 512, 4096, 4096) == (True, "")
+    x = jnp.ones((9, 272), jnp.bfloat16)
+    w = nvfp4.quantize_weight(np.ones((32, 272), np.float32))
+    with pytest.raises(ValueError, match="K=272"):
+        kernels.nvfp4_linear(x, w, impl="cuda")
+
+
+# ----------------------------------------------------------------------------- CUDA lowering
+
+
+def _calls(text: str):
+    return re.findall(r"stablehlo\.custom_call @([\w$.]+)\((.*?)\) \{(.*?)\} :(.*?)\n", text)
+
+
+def _fields(attrs: str) -> dict:
+    cfg = re.sub(r"kernel_data = \\22.*?\\22", "", attrs, flags=re.DOTALL)
+    out = dict(re.findall(r"(\w+) = (\d+)", cfg))
+    out["name"] = re.search(r"name = \\22(\w+)\\22", cfg).group(1)
+    out["output_indices"] = re.search(r"output_indices = \[([\d, ]*)\]", cfg).group(1)
+    return out
+
+
+@pytest.fixture
+def stub_compilers(monkeypatch):
+    """NVRTC replaced by stubs (GEMV and GEMM), so lowering is checked without cuda-python."""
+    seen = []
+
+    def fake(source, *, name, defines, arch, options=(), use_cache=True):
+        seen.append((name, defines))
+        if name == nvfp4_gemm.SOURCE:
+            entries = {
+                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
+                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+            }
+        else:
+            entries = {"nvfp4_gemv_w4a4": 8} if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
+        text = ".version 9.0\n.target sm_90\n"
+        for entry, nparams in entries.items():
+            params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
+            text += f".visible .entry {entry}({params})\n{{ ret; }}\n"
+        return text
+
+    monkeypatch.setattr(nvfp4_gemm, "compile_ptx", fake)
+    monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake)
+    nvfp4_gemm._build_cached.cache_clear()
+    nvfp4_gemv._build_cached.cache_clear()
+    yield seen
+    nvfp4_gemm._build_cached.cache_clear()
+    nvfp4_gemv._build_cached.cache_clear()
+
+
+def _lower_cuda(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("m", [9, 16, 17, 64, 65, 256, 512])
+def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
+    """M = 9..512: one PTX call of the GEMM entry with its 6 operands (the fp16 x_hat first),
+    its plan's grid, block and shared memory; split-K plans write float32 partials that a
+    second PTX call (the epilogue entry) turns into the bf16 result."""
+    rng = np.random.default_rng(m)
+    n, k = 256, 1024
+    w = nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w), x)
+    p = nvfp4_gemm.plan(m, n, k)
+    calls = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    assert len(calls) == (1 if p.splitk == 1 else 2), text[:2000]
+    _, operands, attrs, types = calls[0]
+    assert len(operands.split(",")) == nvfp4_gemm.N_INPUTS
+    assert types.strip().startswith(f"(tensor<{m}x{k}xf16>")
+    fields = _fields(attrs)
+    assert fields["name"] == nvfp4_gemm.ENTRY
+    grid = tuple(int(fields[f"grid_{a}"]) for a in "xyz")
+    assert grid == p.grid and int(fields["block_x"]) == p.threads
+    assert int(fields["shared_mem_bytes"]) == p.smem and fields["output_indices"] == "6"
+    out = "x".join(map(str, p.out_shape)) + ("xbf16" if p.splitk == 1 else "xf32")
+    assert f"-> tensor<{out}>" in types
+    assert re.search(rf"-> tensor<{m}x{n}xbf16>", text)
+    if p.splitk > 1:
+        _, operands, attrs, types = calls[1]
+        fields = _fields(attrs)
+        assert fields["name"] == nvfp4_gemm.FINISH_ENTRY and fields["output_indices"] == "4"
+        assert int(fields["grid_x"]) * int(fields["block_x"]) >= m * n
+        assert types.strip().startswith(f"(tensor<{out}>") and f"-> tensor<{m}x{n}xbf16>" in types
+    assert stub_compilers[-1][1]["M_TOK"] == m and stub_compilers[-1][1]["GW_ROWS"] == 0
+    assert not any(name == nvfp4_gemv.SOURCE for name, _ in stub_compilers)
+
+
+def test_cuda_lowering_stacked_split_k_and_gemv_below(stub_compilers):
+    rng = np.random.default_rng(5)
+    n, k = 4096, 2048
+    layers = [
+        nvfp4.concat_rows([
+            nvfp4.quantize_weight(rng.standard_normal((n // 2, k)).astype(np.float32) * s)
+            for s in (1.0, 3.0)
+        ])
+        for _ in range(2)
+    ]  # fmt: skip
+    stack = nvfp4.stack(layers)
+    x = jnp.asarray(rng.standard_normal((12, k)), jnp.bfloat16)
+    text = _lower_cuda(lambda x, i: kernels.nvfp4_linear(x, stack, layer=i), x, jnp.int32(1))
+    p = nvfp4_gemm.plan(12, n, k, gw_rows=True)
+    assert p.splitk > 1  # 32 tiles: split
+    gemm, finish = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    assert f"-> tensor<{p.splitk}x12x{n}xf32>" in gemm[3] and "bf16" in finish[3]
+    assert stub_compilers[-1][1]["GW_ROWS"] == 1 and stub_compilers[-1][1]["SPLITK"] == p.splitk
+    # M = 8 stays on the GEMV; with min_m = 8 it takes the GEMM
+    x8 = x[:8]
+    text8 = _lower_cuda(lambda x: kernels.nvfp4_linear(x, layers[0]), x8)
+    assert "nvfp4_gemv_w4a4" in text8 and nvfp4_gemm.ENTRY not in text8
+    opts = nvfp4_gemm.GemmOptions(min_m=8)
+    text8 = _lower_cuda(lambda x: kernels.nvfp4_linear(x, layers[0], gemm_options=opts), x8)
+    assert nvfp4_gemm.ENTRY in text8
+
+
+def test_cluster_reduce_lowers_to_one_call(stub_compilers):
+    rng = np.random.default_rng(9)
+    w = nvfp4.quantize_weight(rng.standard_normal((4096, 2048)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((16, 2048)), jnp.bfloat16)
+    opts = nvfp4_gemm.GemmOptions(reduce="cluster")
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, gemm_options=opts), x)
+    (call,) = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    p = nvfp4_gemm.plan(16, 4096, 2048, options=opts)
+    assert p.splitk > 1 and int(_fields(call[2])["grid_z"]) == p.splitk
+    assert "-> tensor<16x4096xbf16>" in call[3]
+
+
+def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers, monkeypatch):
+    """W4A16 at M = 12 on CUDA: the one dispatch logs why once and lowers the reference as one
+    tensor-core dot, never the sequential block scan the CPU reference uses at this M."""
+    monkeypatch.setattr(_dispatch, "_NOTED", set())  # this test's note, not other tests'
+    rng = np.random.default_rng(6)
+    w = nvfp4.quantize_weight(rng.standard_normal((64, 256)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
+    with pytest.warns(UserWarning, match="W4A4 only"):
+        text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, act="w4a16"), x)
+    assert "__gpu$xla.gpu.ptx" not in text and not stub_compilers
+    assert "stablehlo.while" not in text and "dot_general" in text
+    assert any("W4A4 only" in why for op, why in _dispatch.noted() if op == "nvfp4_linear")
+
+
+def test_impl_ref_on_cuda_never_builds(stub_compilers):
+    rng = np.random.default_rng(7)
+    w = nvfp4.quantize_weight(rng.standard_normal((64, 256)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((32, 256)), jnp.bfloat16)
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, impl="ref"), x)
+    assert "__gpu$xla.gpu.ptx" not in text and not stub_compilers
+
+
+# ----------------------------------------------------------------------------- NVRTC
+
+
+GEMM_CONFIGS = [
+    {},
+    {"tm": 8},
+    {"tm": 64, "wr": 1},
+    {"kt": 256, "stages": 3},
+    {"splitk": 4, "warps": 8},
+    {"tm": 32, "wr": 4, "stages": 2},
+    {"tm": 128, "wm": 2, "wr": 1},
+    {"tm": 48, "wm": 2, "warps": 4},
+    {"splitk": 3, "reduce": "cluster"},
+]
+
+
+@needs_nvrtc
+def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
+    """Every tile configuration the plan or the benchmark uses compiles for sm_90 with the
+    GEMM entry and its 7 parameters, no local memory (register arrays stay in registers), and
+    the tensor-core and cp.async instructions it is built on; the split-K epilogue entry sits
+    in the same module."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    nvfp4_gemm._build_cached.cache_clear()
+    shapes = ((17, 1003, False), (64, 4096, True))  # odd N and M; per-row global scales
+    problems = [
+        {"m": m, "n": n, "k": 1024, "options": nvfp4_gemm.GemmOptions(**c), "gw_rows": gr}
+        for i, c in enumerate(GEMM_CONFIGS)
+        for m, n, gr in [shapes[i % 2]]
+    ]
+    kernels_ = nvfp4_gemm.prebuild(problems, arch="compute_90", workers=2)
+    for prob, kern in zip(problems, kernels_, strict=True):
+        assert cbuild.ptx_target(kern.ptx) == "sm_90"
+        assert cbuild.ptx_entries(kern.ptx) == {
+            nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
+            nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+        }
+        assert ".local" not in kern.ptx, prob
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in kern.ptx
+        assert "cp.async.cg.shared.global" in kern.ptx
+        cluster = kern.plan.splitk > 1 and kern.plan.reduce == "cluster"
+        assert (f".reqnctapercluster 1, 1, {kern.plan.splitk}" in kern.ptx) == cluster
+        assert ("mapa.shared::cluster" in kern.ptx) == cluster
+    nvfp4_gemm._build_cached.cache_clear()
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _f64(xq, w):
+    return (
+        np.asarray(nvfp4.dequantize(xq), np.float64) @ np.asarray(nvfp4.dequantize(w), np.float64).T
+    )
+
+
+@pytest.mark.parametrize("m", [9, 16, 17, 65, 256, 512])
+def test_reference_matches_float64_at_every_m(m):
+    """The reference the GPU kernel is compared with stays within 1.5x the bf16 rounding floor
+    of float64 of the same quantized operands at every M (block scan to M = 16, one dot above)."""
+    rng = np.random.default_rng(m)
+    w = nvfp4.quantize_weight(rng.standard_normal((48, 256)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    y = np.asarray(kernels.nvfp4_linear(x, w), np.float64)
+    y64 = _f64(nvfp4.quantize_activation(x), w)
+    floor = np.linalg.norm(y64.astype(ml_dtypes.bfloat16).astype(np.float64) - y64)
+    assert np.linalg.norm(y - y64) <= 1.5 * floor + 1e-6 * np.linalg.norm(y64)
+
+
+def test_split_k_epilogue_reference():
+    """gemm_finish (the JAX twin of the split-K epilogue kernel) adds partials in split order and
+    scales as the GEMM's own epilogue: (acc * 2^(14 - w_shift)) * (global_w[n] * global_x[m]),
+    rounded once."""
+    rng = np.random.default_rng(8)
+    parts = jnp.asarray(rng.standard_normal((3, 5, 7)), jnp.float32) * 2.0**-14
+    xg = jnp.asarray(rng.random(5) + 0.5, jnp.float32)
+    wg = jnp.asarray(rng.random((2, 7)) + 0.5, jnp.float32)
+    got = kernels.gemm_finish(parts, xg, wg, jnp.int32(1), stacked=True)
+    acc = (parts[0] + parts[1]) + parts[2]
+    want = ((acc * 128.0) * (wg[1][None, :] * xg[:, None])).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    scalar = kernels.gemm_finish(parts, xg, jnp.float32(2.0), jnp.int32(0), stacked=False)
+    want = ((acc * 128.0) * (2.0 * xg[:, None])).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(scalar, np.float32), np.asarray(want, np.float32))
