@@ -61,7 +61,7 @@ def _run(sampler, z, keys, state=None, method="kernel"):
 
 
 def test_lowered_on_gpu_as_three_custom_calls():
-    smp = Temperature(t=0.6, top_p=0.95)
+    smp = Temperature(top_p_method="kernel", t=0.6, top_p=0.95)
     z = jnp.zeros((4, V), jnp.float32)
     f = jax.jit(lambda k, z, s: sample(k, z, s, smp)[0])
     hlo = f.lower(jax.random.key(0), z, sampler_init(smp, 4)).as_text()
@@ -79,7 +79,7 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k):
     b = 16
     z = _logits(kind, b, seed=1)
     keys = jax.random.split(jax.random.key(7), b)
-    tok, _, info = _run(Temperature(t=t, top_p=top_p, top_k=top_k), z, keys)
+    tok, _, info = _run(Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k), z, keys)
     data = np.asarray(jax.random.key_data(keys))
     agree, paths = 0, set()
     chunks = op.kernels.plan(b, V).chunks
@@ -109,7 +109,7 @@ def _top_k64(z: np.ndarray, k: int) -> np.ndarray:
 def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
     b, steps = 64, 1600  # 102,400 draws
     z = np.repeat(_logits(kind, 1, seed=3), b, axis=0)
-    smp = Temperature(t=t, top_p=top_p, top_k=top_k)
+    smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
     key = jax.random.key(11)
 
     @jax.jit
@@ -132,7 +132,7 @@ def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
 def test_rows_independent_and_batch_sizes():
     z = _logits("real", 64, seed=5)
     keys = jax.random.split(jax.random.key(3), 64)
-    smp = Temperature(t=1.0, top_p=0.95)
+    smp = Temperature(top_p_method="kernel", t=1.0, top_p=0.95)
     full, _, _ = _run(smp, z, keys)
     z2 = z.copy()
     z2[1:] = _logits("peaked", 63, seed=9)  # other rows change; row 0 must not
@@ -145,7 +145,7 @@ def test_rows_independent_and_batch_sizes():
 
 def test_no_retrace_in_a_decode_loop():
     traces = []
-    smp = ReSET(t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(V, bool),
+    smp = ReSET(top_p_method="kernel", t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(V, bool),
                 dnl_mask=jnp.zeros(V, bool))  # fmt: skip
 
     @jax.jit
@@ -162,7 +162,7 @@ def test_no_retrace_in_a_decode_loop():
 
 def test_reset_decisions_match_reference_on_device():
     b, n = 8, 40
-    smp = ReSET(t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(V, bool),
+    smp = ReSET(top_p_method="kernel", t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(V, bool),
                 dnl_mask=jnp.zeros(V, bool).at[7].set(True))  # fmt: skip
     rng = np.random.default_rng(0)
     sk = sampler_init(smp, b)

@@ -53,9 +53,9 @@ def test_cuda_lowering_emits_the_three_kernels():
     b, v = 3, 1000
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
     for smp in (
-        Temperature(0.6, top_p=0.9),
-        ReSET(top_p=0.95, **masks),
-        Temperature(0.6, top_k=20),
+        Temperature(0.6, top_p=0.9, top_p_method="kernel"),
+        ReSET(top_p=0.95, top_p_method="kernel", **masks),
+        Temperature(0.6, top_k=20, top_p_method="kernel"),
     ):
         hlo = _lower_cuda(smp, b, v)
         assert hlo.count("__gpu$xla.gpu.ptx") == 3
@@ -87,7 +87,7 @@ def test_cuda_lowering_falls_back_where_the_kernel_does_not_serve():
 
 
 def test_default_cpu_path_gives_the_radix_tokens():
-    # the default method is "kernel"; off a GPU it must reproduce "radix" bit for bit
+    # method "kernel" off a GPU must reproduce "radix" bit for bit
     rng = np.random.default_rng(0)
     b, v = 4, 200
     masks = {"nl_mask": jnp.zeros(v, bool).at[3].set(True), "dnl_mask": jnp.zeros(v, bool)}

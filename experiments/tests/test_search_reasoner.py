@@ -64,7 +64,6 @@ def test_smoke_training_writes_a_loadable_model(tmp_path):
     import json
 
     import rejax
-
     from rejax.data import countdown
 
     train_search_reasoner.main(

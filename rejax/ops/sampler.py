@@ -13,7 +13,7 @@ h and the temperature used.
   `cuda_ops/sampler.cu` (statistics; top-p histogram; boundary resolution, each one multi-block
   pass over the row with a last-block combine) as `__gpu$xla.gpu.ptx` custom calls, or else
   the reference. The kernels draw with their own random numbers (a Gumbel-max over the kept
-  tokens with Threefry noise keyed by the row's key and the token id), so tokens differ from the
+  tokens with Philox-4x32-10 noise keyed by the row's key and the token id), so tokens differ from the
   reference's for the same key while the distribution is the same.
 
 `emulate` is a NumPy mirror of the kernels' algorithm (the same bins, boundary search, whole-bin
