@@ -11,9 +11,10 @@ different lengths, share one cache layout.
 With `Config(kv_dtype="fp8")` keys and values are stored as float8 E4M3 codes, each [H] vector
 (one slot, one kv head) with its own float32 scale, amax / 448, in `k_scale` / `v_scale`
 [L, B, S, K] beside the codes (`quantize_kv`). Per slot and head rather than one static scale per
-layer and head: a static scale needs calibration data and either saturates on vectors larger
-than those it saw or wastes the 3-bit mantissa's range on smaller ones, while a per-vector scale
-is computed from the entry being written, in the same step, and costs 4 bytes per 128 codes (Qwen3 H = 128: +3% of the fp8
+layer and head: a static scale needs calibration data, clips any entry past the amax it saw
+to 448, and pushes the entries of vectors far below that amax into E4M3's subnormals (under
+2**-6 of the range), where relative precision drops; a per-vector scale is computed from the
+entry being written, in the same step, and costs 4 bytes per 128 codes (Qwen3 H = 128: +3% of the fp8
 bytes, 52% of the bf16 cache in all). Every read dequantizes (`dequantize_kv`, or inside the
 decode kernel), so prompt and decode attention both see what the cache holds.
 Dimension letters: see rejax/config.py.

@@ -652,7 +652,9 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
 
 
 def _with_kv_dtype(args, params):
-    """params with Config.kv_dtype = --kv-dtype."""
+    """params with Config.kv_dtype = --kv-dtype (a loaded model's default is "bf16")."""
+    if args.kv_dtype == "bf16":
+        return params
     cfg = dataclasses.replace(params.cfg, kv_dtype=args.kv_dtype)
     return dataclasses.replace(params, cfg=cfg)
 
