@@ -215,3 +215,23 @@ def ptx_entries(ptx: str) -> dict[str, int]:
 def ptx_target(ptx: str) -> str:
     m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
     return m.group(1) if m else ""
+
+
+def escape_mlir(text: str) -> str:
+    """`text` as an MLIR string literal body (the PTX in a custom call's backend config):
+    backslash, quote, newline and tab escaped, other non-printable bytes as \\XX."""
+    out = []
+    for ch in text:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch == '"':
+            out.append('\\"')
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif 32 <= ord(ch) < 127:
+            out.append(ch)
+        else:
+            out.extend(f"\\{b:02X}" for b in ch.encode())
+    return "".join(out)

@@ -13,14 +13,15 @@ import functools
 import pathlib
 import threading
 
-from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
-from cuda_ops.nvfp4_gemv import (
-    SMEM_LIMIT,
-    _device_ptr,
-    _drv_check,
-    _escape_mlir,
-    _num_sms,
+from cuda_ops.build import (
+    KernelError,
+    compile_ptx,
+    device_arch,
+    escape_mlir,
+    ptx_entries,
+    read_source,
 )
+from cuda_ops.nvfp4_gemv import SMEM_LIMIT, _device_ptr, _drv_check, _num_sms
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -285,7 +286,7 @@ class GemmKernel:
         return (
             "{"
             f'name = "{entry}", kernel_type = "ptx", '
-            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f'kernel_data = "{escape_mlir(self.ptx)}", '
             f"grid_x = {gx}, grid_y = {gy}, grid_z = {gz}, "
             f"block_x = {block}, block_y = 1, block_z = 1, "
             f"shared_mem_bytes = {smem}, output_indices = [{out}]"

@@ -12,7 +12,14 @@ import functools
 import pathlib
 import threading
 
-from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
+from cuda_ops.build import (
+    KernelError,
+    compile_ptx,
+    device_arch,
+    escape_mlir,
+    ptx_entries,
+    read_source,
+)
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -334,24 +341,6 @@ def plan_persistent(
     )
 
 
-def _escape_mlir(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch == '"':
-            out.append('\\"')
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif 32 <= ord(ch) < 127:
-            out.append(ch)
-        else:
-            out.extend(f"\\{b:02X}" for b in ch.encode())
-    return "".join(out)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class GemvKernel:
     """A compiled GEMV specialisation and how to launch it."""
@@ -371,7 +360,7 @@ class GemvKernel:
         return (
             "{"
             f'name = "{self.entry}", kernel_type = "ptx", '
-            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f'kernel_data = "{escape_mlir(self.ptx)}", '
             f"grid_x = {p.grid}, grid_y = 1, grid_z = 1, "
             f"block_x = {p.threads}, block_y = 1, block_z = 1, "
             f"shared_mem_bytes = {p.smem}, output_indices = [{n_in}]"

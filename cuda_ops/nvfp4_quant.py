@@ -19,8 +19,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cuda_ops.build import KernelError, compile_ptx, device_arch, ptx_entries, read_source
-from cuda_ops.nvfp4_gemv import K_MULTIPLE, MAX_M, SOURCE, Fused, _escape_mlir
+from cuda_ops.build import (
+    KernelError,
+    compile_ptx,
+    device_arch,
+    escape_mlir,
+    ptx_entries,
+    read_source,
+)
+from cuda_ops.nvfp4_gemv import K_MULTIPLE, MAX_M, SOURCE, Fused
 
 __all__ = ["ENTRY", "N_INPUTS", "QuantKernel", "build", "check_shape"]
 
@@ -60,7 +67,7 @@ class QuantKernel:
         return (
             "{"
             f'name = "{ENTRY}", kernel_type = "ptx", '
-            f'kernel_data = "{_escape_mlir(self.ptx)}", '
+            f'kernel_data = "{escape_mlir(self.ptx)}", '
             f"grid_x = {self.m}, grid_y = 1, grid_z = 1, "
             f"block_x = {THREADS}, block_y = 1, block_z = 1, "
             f"shared_mem_bytes = 0, output_indices = [{outs}]"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cuda_ops.build import KernelError, compile_ptx, device_arch, read_source
+from cuda_ops.build import KernelError, compile_ptx, device_arch, escape_mlir, read_source
 
 __all__ = ["ENTRIES", "MAX_BATCH", "MAX_VOCAB", "NMAX", "SamplerKernel", "build", "check_shape"]
 
@@ -79,24 +79,6 @@ def plan(batch: int, vocab: int, top_k: int = 0) -> Plan:
     return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k)
 
 
-def _escape_mlir(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch == "\\":
-            out.append("\\\\")
-        elif ch == '"':
-            out.append('\\"')
-        elif ch == "\n":
-            out.append("\\n")
-        elif ch == "\t":
-            out.append("\\t")
-        elif 32 <= ord(ch) < 127:
-            out.append(ch)
-        else:
-            out.extend(f"\\{b:02X}" for b in ch.encode())
-    return "".join(out)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class SamplerKernel:
     """The compiled kernels for one (batch, vocab) and their launch configs."""
@@ -106,7 +88,7 @@ class SamplerKernel:
 
     @functools.cached_property
     def _escaped(self) -> str:
-        return _escape_mlir(self.ptx)
+        return escape_mlir(self.ptx)
 
     def backend_config(self, entry: str) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` call of one entry."""

@@ -420,10 +420,10 @@ def chain_overhead(n_calls=100):
         " int i = blockIdx.x * blockDim.x + threadIdx.x; y[i] = 0.5f * x[i] + 1.0f; }"
     )
     ptx = compile_ptx(src, name="affine.cu")
-    from cuda_ops.nvfp4_gemv import _escape_mlir
+    from cuda_ops.build import escape_mlir
 
     cfg = (
-        f'{{name = "affine", kernel_type = "ptx", kernel_data = "{_escape_mlir(ptx)}", '
+        f'{{name = "affine", kernel_type = "ptx", kernel_data = "{escape_mlir(ptx)}", '
         f"grid_x = {size // 256}, grid_y = 1, grid_z = 1, block_x = 256, block_y = 1, "
         "block_z = 1, shared_mem_bytes = 0, output_indices = [1]}"
     )
