@@ -276,7 +276,18 @@ def compact_slots(state: SlotState, idx: jax.Array) -> SlotState:
     """
     TRACE_COUNTS["compact_slots"] += 1
     c = state.cache
-    cache = KVCache(k=c.k[:, idx], v=c.v[:, idx], positions=c.positions[idx], index=c.index[idx])
+
+    def rows_of(a):  # [L, B, ...] stacks keep their layer dim; None (no fp8 scales) stays None
+        return None if a is None else a[:, idx]
+
+    cache = KVCache(
+        k=c.k[:, idx],
+        v=c.v[:, idx],
+        positions=c.positions[idx],
+        index=c.index[idx],
+        k_scale=rows_of(c.k_scale),
+        v_scale=rows_of(c.v_scale),
+    )
     rows = jax.tree.map(lambda x: x[idx], dataclasses.replace(state, cache=None))
     return dataclasses.replace(rows, cache=cache)
 
