@@ -61,6 +61,9 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # support the call and the "radix" computation elsewhere (so CPU results are those of "radix").
 # "kernel" is not the default yet: on the H200 one of its seven chi-square tests failed
 # (Temperature 1.0, top_p 1.0, peaked logits: p = 8.7e-5 < 1e-4; experiments/results/h200_c/).
+# Known defect of every method: the Gumbel noise comes from 23-bit float32 uniforms, so tokens
+# about 1e-7 of the top one are drawn less often than their probability ("radix" fails that
+# test with p = 4e-15; experiments/results/sampler_tail_bias_cpu.md).
 SAMPLE_METHODS = ("kernel", *TOP_P_METHODS)
 TOP_P_METHOD = "radix"
 # The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
