@@ -21,7 +21,14 @@ from cuda_ops.build import (
     ptx_entries,
     read_source,
 )
-from cuda_ops.nvfp4_gemv import SMEM_LIMIT, _device_ptr, _drv_check, _num_sms
+from cuda_ops.nvfp4_gemv import (
+    DEFAULT_SMS,
+    SMEM_LIMIT,
+    _cdiv,
+    _device_ptr,
+    _drv_check,
+    _num_sms,
+)
 
 __all__ = [
     "DEFAULT_OPTIONS",
@@ -191,10 +198,6 @@ class GemmPlan:
         }
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # Split-K writes SPLITK x M x N float32 partials; keep them under this fraction of the weight
 # bytes (0.5625 per weight), so splitting never costs more traffic than it hides latency.
 SPLIT_TRAFFIC = 0.25
@@ -204,7 +207,7 @@ def plan(
     m: int,
     n: int,
     k: int,
-    num_sms: int = 132,
+    num_sms: int = DEFAULT_SMS,
     options: GemmOptions = DEFAULT_OPTIONS,
     *,
     gw_rows: bool = False,
