@@ -256,6 +256,12 @@ def main(argv=None) -> dict:
         help="Config.linear_fusion",
     )
     ap.add_argument(
+        "--gemm-min-m",
+        type=int,
+        default=rconfig.Config.gemm_min_m,
+        help="Config.gemm_min_m: NVFP4 W4A4 linears with this many rows or more take the GEMM",
+    )
+    ap.add_argument(
         "--samplers",
         nargs="+",
         default=["greedy"],
@@ -280,6 +286,7 @@ def main(argv=None) -> dict:
         layer_loop=args.layer_loop,
         attention=args.attention,
         linear_fusion=args.linear_fusion,
+        gemm_min_m=args.gemm_min_m,
     )
     if args.tiny:
         cfg = TINY

@@ -24,6 +24,11 @@
 #   split    linear_fusion "split" vs "unfused" ([T2-B]): the quantizer kernel's gpu tests, the
 #            kernel count, then 36-layer NVFP4 decode loops (SPLIT_ARGS) for each
 #   count    kernels per decoder layer of the compiled decode step (experiments/count_kernels.py)
+#   profile  device-kernel timeline of the decode loop per variant (experiments/profile_step.py,
+#            PROFILE_ARGS; traces kept in OUT/traces)
+#   xover    GEMV vs tensor-core GEMM vs bf16 at small M, kernel alone (bench_gemm.py, XOVER_ARGS)
+#   mins     36-layer NVFP4 decode at Config.gemm_min_m in MINS (default "9 2"), MIN_ARGS
+#   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -188,6 +193,28 @@ for phase in $phases; do
           --out "$out/split36_$fu.json" > "$out/split36_$fu.log" 2>&1; echo "$fu rc=$?"
         grep "^\[\|FAIL\|Error" "$out/split36_$fu.log" | tail -8
       done;;
+    profile)
+      args=${PROFILE_ARGS:---layers 8 --variant nvfp4:1 --variant bf16:1 --variant nvfp4:8 --variant bf16:8}
+      timeout ${PROFILE_TIMEOUT:-300} python3 experiments/profile_step.py $args \
+        --trace-dir "$out/traces" --out "$out/profile.json" > "$out/profile.log" 2>&1
+      echo "rc=$?"; grep -v "^WARNING\|^I0000\|^W0000" "$out/profile.log" | tail -60
+      (cd "$out" && tar -czf traces.tgz traces && rm -rf traces);;
+    xover)
+      args=${XOVER_ARGS:---ms 1,2,4,8 --shapes 6144:4096,4096:4096,12288:4096,4096:12288 --ops gemm_graph,gemv_graph,jax_bf16}
+      timeout ${XOVER_TIMEOUT:-200} python3 experiments/bench_gemm.py $args \
+        --out "$out/xover.json" > "$out/xover.log" 2>&1; echo "rc=$?"; tail -30 "$out/xover.log";;
+    mins)
+      args=${MIN_ARGS:---modes nvfp4 --batch 1 8 --gen-len 256 --repeats 3 --no-breakdown}
+      for mm in ${MINS:-9 2}; do
+        JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${MIN_TIMEOUT:-200} \
+          python3 experiments/bench_decode.py $args --gemm-min-m $mm \
+          --out "$out/mins_$mm.json" > "$out/mins_$mm.log" 2>&1; echo "min_m=$mm rc=$?"
+        grep "^\[\|FAIL\|Error" "$out/mins_$mm.log" | tail -8
+      done;;
+    long)
+      args=${LONG_ARGS:---quick}
+      timeout ${LONG_TIMEOUT:-300} python3 experiments/bench_decode_long.py $args \
+        --out "$out/long.json" > "$out/long.log" 2>&1; echo "rc=$?"; tail -40 "$out/long.log";;
     count)
       timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
         --attention einsum live --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1

@@ -79,6 +79,9 @@ class Config:
     attention: str = "einsum"
     linear_fusion: str = "unfused"
     kv_dtype: str = "bf16"
+    # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
+    # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
+    gemm_min_m: int = 9
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -97,6 +100,8 @@ class Config:
             raise ValueError(
                 f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"
             )
+        if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
+            raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

@@ -73,7 +73,8 @@ def decoder_layer(
         if tp_axis is not None and name in sharding.ROW_PARALLEL:
             shards = rparams.shards(cfg, name)
             return sharding.row_parallel_linear(inp, block[name], q_, i, shards, tp_axis)
-        return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name))
+        return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name),
+                      gemm_min_m=cfg.gemm_min_m)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)

@@ -7,12 +7,14 @@ them into a layer. A linear holds `weight` [N_out, K_in] (HF layout), stacked ov
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cuda_ops import nvfp4_gemm
 from rejax import nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
@@ -134,6 +136,7 @@ def linear(
     *,
     layer: Any = None,
     shards: tuple[int, ...] | None = None,
+    gemm_min_m: int | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
 
@@ -154,6 +157,8 @@ def linear(
             The NVFP4 kernel reads its stack in place; float weights are separate per-layer
             arrays (XLA would copy a slice of a stack before its cuBLAS call).
         shards: output rows of each fused shard (needed only for per-shard input scales).
+        gemm_min_m: NVFP4 W4A4 on CUDA: the fewest rows that take the tensor-core GEMM instead
+            of the GEMV (None: the kernel's default, `Config.gemm_min_m`'s default).
 
     Returns:
         [..., N_out] in x's dtype.
@@ -169,17 +174,20 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
+        opts = nvfp4_gemm.DEFAULT_OPTIONS
+        if gemm_min_m is not None and gemm_min_m != opts.min_m:
+            opts = dataclasses.replace(opts, min_m=gemm_min_m)
         if scale is not None and scale.ndim == 1:
-            y = _per_shard_linear(xb, w, scale, layer, shards)
+            y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
-            y = nvfp4_linear(xb, w, input_scale=scale, act=act, layer=layer)
+            y = nvfp4_linear(xb, w, input_scale=scale, act=act, layer=layer, gemm_options=opts)
         y = y.astype(x.dtype)
     if "bias" in params:
         y = y + take(params["bias"], layer).astype(x.dtype)
     return y
 
 
-def _per_shard_linear(x, w, scales, layer, shards):
+def _per_shard_linear(x, w, scales, layer, shards, gemm_options):
     if shards is None or len(shards) != scales.shape[0]:
         raise ValueError(f"per-shard input scales {scales.shape} need shards=, got {shards}")
     _dispatch.note_once(
@@ -194,6 +202,8 @@ def _per_shard_linear(x, w, scales, layer, shards):
             global_scale=wl.global_scale if not wl.per_row else wl.global_scale[start : start + n],
             shape=(n, wl.k),
         )
-        outs.append(nvfp4_linear(x, part, input_scale=scales[i], act="w4a4"))
+        outs.append(
+            nvfp4_linear(x, part, input_scale=scales[i], act="w4a4", gemm_options=gemm_options)
+        )
         start += n
     return jnp.concatenate(outs, axis=-1)

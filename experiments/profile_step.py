@@ -1,0 +1,250 @@
+"""Device-kernel timeline of the jitted decode loop: what each kernel of a decode step costs.
+
+For each variant (quant, batch and Config fields), a random-weight model (`bench_decode.py`'s
+`random_params`) runs `rejax.decode.decode_loop` once to compile, then once more under
+`jax.profiler.trace` (CUPTI: every kernel, including those replayed from XLA command buffers).
+The Perfetto trace is read back and summarised per decode step:
+
+  * busy_us: the sum of kernel durations per step; span_us: first kernel start to last kernel
+    end over the profiled loop, per step (span - busy = the GPU idle between kernels);
+  * per kernel name: launches per step, mean and total microseconds per step, and a class
+    (nvfp4 GEMV / GEMM, attention, cuBLAS, XLA fusion, copy, other);
+  * per class: launches and microseconds per step and per decoder layer.
+
+    PYTHONPATH=. python3 experiments/profile_step.py --out OUT.json \
+        --variant nvfp4:1 --variant nvfp4:8 --variant nvfp4:8:gemm_min_m=8 --variant bf16:8
+    PYTHONPATH=. python3 experiments/profile_step.py --tiny --out OUT.json   # CPU smoke
+
+A variant is QUANT:BATCH[:FIELD=VALUE...] with Config fields (linear_fusion, attention,
+gemm_min_m, kv_dtype, layer_loop). On CPU the trace holds no device kernels; the smoke run only
+checks that the pipeline works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_decode as bd  # noqa: E402
+
+from rejax import bench as rbench  # noqa: E402
+from rejax import config as rconfig  # noqa: E402
+from rejax import sampling  # noqa: E402
+
+_INT_FIELDS = {"gemm_min_m"}
+
+
+def parse_variant(spec: str) -> tuple[str, int, dict]:
+    """'nvfp4:8:gemm_min_m=8' -> ('nvfp4', 8, {'gemm_min_m': 8})."""
+    parts = spec.split(":")
+    if len(parts) < 2:
+        raise SystemExit(f"--variant {spec!r}: expected QUANT:BATCH[:FIELD=VALUE...]")
+    quant, batch = parts[0], int(parts[1])
+    if quant not in ("bf16", "nvfp4"):
+        raise SystemExit(f"--variant {spec!r}: quant must be bf16 or nvfp4")
+    fields = {}
+    names = {f.name for f in dataclasses.fields(rconfig.Config)}
+    for kv in parts[2:]:
+        key, _, val = kv.partition("=")
+        if key not in names:
+            raise SystemExit(f"--variant {spec!r}: {key!r} is not a Config field")
+        fields[key] = int(val) if key in _INT_FIELDS else val
+    return quant, batch, fields
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if "nvfp4_gemv" in n or "nvfp4_quantize" in n:
+        return "nvfp4_gemv"
+    if "nvfp4_gemm" in n:
+        return "nvfp4_gemm"
+    if "sampler" in n or "rejax_sample" in n:
+        return "sampler"
+    if "attention" in n or "flash" in n or "triton" in n or "pallas" in n or "decode_attn" in n:
+        return "attention"
+    if "gemm" in n or "cublas" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:
+        return "cublas"
+    if "fusion" in n or "reduce" in n:
+        return "xla_fusion"
+    if "copy" in n or "memcpy" in n or "memset" in n or "dynamic_update_slice" in n:
+        return "copy"
+    return "other"
+
+
+def load_trace(log_dir: str) -> dict:
+    paths = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
+    paths += glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise RuntimeError(f"no trace file under {log_dir}")
+    with gzip.open(sorted(paths, key=os.path.getmtime)[-1], "rt") as f:
+        return json.load(f)
+
+
+def kernel_events(trace: dict) -> list[dict]:
+    """Complete events on GPU stream threads (the CUPTI kernel records)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            pname[e["pid"]] = str(e.get("args", {}).get("name", ""))
+        if e.get("ph") == "M" and e.get("name") == "thread_name":
+            tname[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    out = []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        p = pname.get(e["pid"], "")
+        t = tname.get((e["pid"], e.get("tid")), "")
+        if "GPU" in p and "Stream" in t:
+            out.append(e)
+    return out
+
+
+def summarise(events: list[dict], steps: int, layers: int) -> dict:
+    if not events:
+        return {"kernels": 0}
+    start = min(e["ts"] for e in events)
+    end = max(e["ts"] + e["dur"] for e in events)
+    by = collections.defaultdict(list)
+    for e in events:
+        by[e["name"]].append(float(e["dur"]))
+    rows = []
+    for name, durs in by.items():
+        rows.append({
+            "name": name[:160],
+            "class": classify(name),
+            "per_step": len(durs) / steps,
+            "mean_us": statistics.fmean(durs),
+            "median_us": statistics.median(durs),
+            "us_per_step": sum(durs) / steps,
+        })  # fmt: skip
+    rows.sort(key=lambda r: -r["us_per_step"])
+    classes = collections.defaultdict(lambda: {"per_step": 0.0, "us_per_step": 0.0})
+    for r in rows:
+        c = classes[r["class"]]
+        c["per_step"] += r["per_step"]
+        c["us_per_step"] += r["us_per_step"]
+    for c in classes.values():
+        c["per_layer"] = c["per_step"] / layers
+        c["us_per_layer"] = c["us_per_step"] / layers
+    busy = sum(r["us_per_step"] for r in rows)
+    return {
+        "kernels": len(events),
+        "launches_per_step": len(events) / steps,
+        "busy_us_per_step": busy,
+        "span_us_per_step": (end - start) / steps,
+        "idle_fraction": 1 - busy * steps / max(end - start, 1e-9),
+        "classes": dict(classes),
+        "top": rows[:60],
+    }
+
+
+def run_variant(spec, cfg0, args):
+    quant, batch, fields = parse_variant(spec)
+    cfg = dataclasses.replace(cfg0, quant=None if quant == "bf16" else "nvfp4", **fields)
+    params = bd.random_params(cfg, seed=0)
+    t0 = time.perf_counter()
+    # the product's timing harness compiles and times the loop; its cache is reused below
+    run, cache = bd._run_generation(params, batch, args.prompt_len, args.steps, 1)
+    compile_s = time.perf_counter() - t0
+    logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+    sampler = sampling.Greedy()
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
+        jax.random.key(0), jnp.arange(batch, dtype=jnp.uint32)
+    )
+    never = jnp.zeros((cfg.vocab_size,), bool)
+    done = jnp.zeros((batch,), bool)
+    lengths = jnp.full((batch,), args.prompt_len, jnp.int32)
+
+    def loop(c):
+        return bd.rgen.decode_loop(
+            params, logits, c, lengths, sampler, sampling.sampler_init(sampler, batch), keys,
+            never, done, max_new_tokens=args.steps,
+        )  # fmt: skip
+
+    c = jax.tree_util.tree_map(jnp.copy, cache)
+    jax.block_until_ready(loop(c).tokens)  # warm (same shapes as the timed run)
+    c = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, cache))
+    log_dir = tempfile.mkdtemp(prefix="rejax_prof_")
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        out = loop(c)
+        jax.block_until_ready(out.tokens)
+    trace = load_trace(log_dir)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        name = spec.replace(":", "_").replace("=", "-")
+        with gzip.open(os.path.join(args.trace_dir, f"{name}.trace.json.gz"), "wt") as f:
+            json.dump(trace, f)
+    summary = summarise(kernel_events(trace), args.steps, cfg.num_layers)
+    res = {
+        "variant": spec,
+        "quant": quant,
+        "batch": batch,
+        "fields": fields,
+        "layers": cfg.num_layers,
+        "steps": args.steps,
+        "ms_per_token_bench": run["ms_per_token"],
+        "harness_s": compile_s,
+        **summary,
+    }
+    print(
+        f"[{spec}] {run['ms_per_token']:.3f} ms/token; kernels/step "
+        f"{summary.get('launches_per_step', 0):.0f}, busy {summary.get('busy_us_per_step', 0):.0f}"
+        f" us, span {summary.get('span_us_per_step', 0):.0f} us",
+        flush=True,
+    )
+    for name, c in sorted(summary.get("classes", {}).items(), key=lambda kv: -kv[1]["us_per_step"]):
+        print(f"   {name:12s} {c['per_layer']:6.2f}/layer {c['us_per_layer']:8.2f} us/layer")
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-8b", choices=sorted(rconfig.PRESETS))
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--tiny", action="store_true", help="tiny config (CPU smoke)")
+    ap.add_argument("--variant", action="append", default=None, help="QUANT:BATCH[:F=V...]")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=32, help="decode steps profiled")
+    ap.add_argument("--trace-dir", default=None, help="also keep each variant's trace here")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    cfg = bd.TINY if args.tiny else rconfig.PRESETS[args.preset]
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    if args.tiny:
+        args.prompt_len = min(args.prompt_len, 16)
+    variants = args.variant or ["nvfp4:1", "bf16:1"]
+    for v in variants:
+        parse_variant(v)  # fail before any work
+    results = []
+    for v in variants:
+        try:
+            results.append(run_variant(v, cfg, args))
+        except Exception as e:  # keep the others
+            print(f"[{v}] failed: {type(e).__name__}: {e}", flush=True)
+            results.append({"variant": v, "error": f"{type(e).__name__}: {e}"})
+        with open(args.out, "w") as f:
+            json.dump({"versions": rbench.versions(), "device": str(jax.devices()[0]),
+                       "config": dataclasses.asdict(cfg), "results": results}, f, indent=1,
+                      default=str)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=3)
+    sys.exit(main())
