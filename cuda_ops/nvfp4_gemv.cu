@@ -8,7 +8,8 @@
 //   W4A4 with X_BF16 (nvfp4_gemv_w4a4_bf16): x bf16, quantized to NVFP4 inside the kernel
 //   (exactly rejax.nvfp4.quantize_activation), after an optional RMSNorm or SwiGLU prologue and
 //   with an optional residual add (see "in-kernel x quant" below);
-//   with QUANT_ONLY, that quantizer alone (nvfp4_quantize_bf16), for the plain W4A4 GEMV.
+//   with QUANT_ONLY, that quantizer alone (nvfp4_quantize_bf16, rows split in QCHUNK-element
+//   chunks over the grid), for the plain W4A4 GEMV.
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
@@ -785,28 +786,37 @@ __device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
 //
 // nvfp4_quantize_bf16: the in-kernel quantizer above as a kernel of its own (the prologue PRO,
 // then rejax.nvfp4.quantize_activation), for a plain W4A4 GEMV to read: one launch that does
-// once what the fused GEMV redoes in every CTA. Compiled with M_TOK = 1, one CTA per row of x
-// (blockIdx.x is the row). Writes the codes xp [M, K/2], the E4M3 block scales xs [M, K/16]
-// and the row's global scale xg_out [M] (the static xg[0], or DYN_XG's per-row scale).
+// once what the fused GEMV redoes in every CTA. Compiled with M_TOK = 1. The grid spreads each
+// row over the whole GPU: blockIdx.x is the row, blockIdx.y one QCHUNK-element chunk of it.
+// Every CTA computes the row's statistics itself (the RMSNorm mean square, the dynamic amax:
+// a read of the row from L2, in the same fixed order in every CTA, so all chunks agree) and
+// quantizes only its chunk, one quant4 per thread per round. Writes the codes xp [M, K/2], the
+// E4M3 block scales xs [M, K/16] and the row's global scale xg_out [M] (the static xg[0], or
+// DYN_XG's per-row scale; chunk 0 writes it).
+#ifndef QCHUNK
+#define QCHUNK K_IN
+#endif
+static_assert(QCHUNK % 128 == 0 && K_IN % QCHUNK == 0,
+              "QCHUNK: a multiple of 128 (full warps of quant4) dividing K");
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
                         const u16* __restrict__ nw_all, const int* __restrict__ layer,
                         u8* __restrict__ xp, u8* __restrict__ xs, float* __restrict__ xg_out) {
-  static_assert(M_TOK == 1, "the quantizer runs one CTA per row");
+  static_assert(M_TOK == 1, "the quantizer runs one row per CTA");
   __shared__ float scratch[RED_SLOTS], s_rs[1], s_g[1], s_ig[1];
   const size_t row = blockIdx.x;
   const XRows xr = {x + row * X_COLS, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0),
                     s_rs, s_g, s_ig};
   row_stats(xr, xg, scratch);
-  // K / 4 is a multiple of 32 (K % 256 == 0): every warp is full in each round, as quant4's
-  // shuffles need
-  for (int i = threadIdx.x; i < K_IN / 4; i += NTHREADS) {
+  // QCHUNK / 4 is a multiple of 32: every warp is full in each round, as quant4's shuffles need
+  const int first = blockIdx.y * (QCHUNK / 4);
+  for (int i = first + threadIdx.x; i < first + QCHUNK / 4; i += NTHREADS) {
     u32 sc;
     const u32 c = quant4(xr, 0, 4 * i, sc);
     *(u16*)(xp + row * (K_IN / 2) + 2 * i) = (u16)c;
     if ((i & 3) == 0) xs[row * (K_IN / 16) + i / 4] = (u8)sc;
   }
-  if (threadIdx.x == 0) xg_out[row] = s_g[0];
+  if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
 }
 #else  // !QUANT_ONLY: the GEMV entries
 

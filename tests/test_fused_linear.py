@@ -300,7 +300,18 @@ def test_quantizer_kernel_compiles_for_sm90(tmp_path, monkeypatch):
                 kern = nvfp4_quant.build(8, 12288, fused, arch="compute_90")
                 entries = cbuild.ptx_entries(kern.ptx)
                 assert entries == {"nvfp4_quantize_bf16": 7}, entries
-                assert "grid_x = 8," in kern.backend_config()
+                cfg = kern.backend_config()
+                # rows split over the grid: 12288 / 512 chunks of 128 threads each
+                assert "grid_x = 8, grid_y = 24," in cfg and "block_x = 128," in cfg, cfg[-300:]
+        one_cta = nvfp4_quant.build(1, 4096, nvfp4_gemv.PLAIN, arch="compute_90", chunk=4096,
+                                    threads=256)  # fmt: skip
+        assert "grid_y = 1," in one_cta.backend_config()
+        assert nvfp4_quant.default_chunk(17 * 256) == 256
+        for bad in (100, 384, 0):  # not a multiple of 128 / does not divide K / not positive
+            with pytest.raises(nvfp4_gemv.KernelError, match=f"chunk={bad}"):
+                nvfp4_quant.build(1, 4096, nvfp4_gemv.PLAIN, arch="compute_90", chunk=bad)
+        with pytest.raises(nvfp4_gemv.KernelError, match="threads=48"):
+            nvfp4_quant.build(1, 4096, nvfp4_gemv.PLAIN, arch="compute_90", threads=48)
         with pytest.raises(nvfp4_gemv.KernelError, match="residual"):
             nvfp4_quant.build(1, 4096, nvfp4_gemv.Fused(residual=True), arch="compute_90")
         with pytest.raises(nvfp4_gemv.KernelError, match="M=9"):

@@ -16,7 +16,7 @@ CUDA, M <= 8 runs `cuda_ops/nvfp4_gemv.cu`'s `nvfp4_gemv_w4a4_bf16` (one launch:
 quantization with the reference's exact divisions, GEMV, residual); the kernel's RMSNorm sums
 the mean square in another order than XLA, so its output may differ from the composition by
 that rounding. With `kernels="two"` the prologue and the quantizer run once, in
-`nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, one CTA per row, the same device code), and the
+`nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, rows split over the grid, the same device code), and the
 plain W4A4 GEMV reads its codes; the residual add is then an XLA op. Everything else (M > 8,
 per-shard input scales, W4A16, the buffer_callback launch) is the composition.
 """
