@@ -81,6 +81,9 @@ typedef unsigned int u32;
 #ifndef X_BF16
 #define X_BF16 0  // W4A4 entry nvfp4_gemv_w4a4_bf16: bf16 x quantized in the kernel (below)
 #endif
+#ifndef XG_STACK
+#define XG_STACK 0  // with X_BF16: the static input scale is stacked [L], read at the layer
+#endif
 #ifndef QUANT_ONLY
 #define QUANT_ONLY 0  // with X_BF16: only the quantizer entry nvfp4_quantize_bf16 (below)
 #endif
@@ -807,7 +810,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   const size_t row = blockIdx.x;
   const XRows xr = {x + row * X_COLS, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0),
                     s_rs, s_g, s_ig};
-  row_stats(xr, xg, scratch);
+  row_stats(xr, xg + (XG_STACK ? (size_t)(unsigned)*layer : 0), scratch);
   // QCHUNK / 4 is a multiple of 32: every warp is full in each round, as quant4's shuffles need
   const int first = blockIdx.y * (QCHUNK / 4);
   for (int i = first + threadIdx.x; i < first + QCHUNK / 4; i += NTHREADS) {
@@ -928,7 +931,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   // Stage x: row statistics, then the quantized codes as signed int8 and their scales in smem
   // (while the first weight loads are in flight).
   auto stage = [&]() {
-    row_stats(xr, xg, scratch);
+    row_stats(xr, xg + (XG_STACK ? (size_t)(unsigned)*layer : 0), scratch);
     for (int i = tid; i < M_TOK * K_IN / 4; i += NTHREADS) {  // full warps: K / 4 % 64 == 0
       const int m = i / (K_IN / 4), e0 = (i % (K_IN / 4)) * 4;
       u32 sc;
@@ -1022,7 +1025,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   uint4 q[CPL][R_ROWS];
   u32 sw[CPL][R_ROWS];
   load_share(q, sw, wp, ws, sh, lane);
-  row_stats(xr, xg, scratch);
+  row_stats(xr, xg + (XG_STACK ? (size_t)(unsigned)*layer : 0), scratch);
   for (int i = tid; i < M_TOK * K_IN / 4; i += NTHREADS) {  // full warps: K / 4 % 64 == 0
     const int m = i / (K_IN / 4), e0 = (i % (K_IN / 4)) * 4;
     u32 sc;

@@ -97,6 +97,8 @@ class Fused:
         dynamic: per-row dynamic activation global scale (else the static xg[0]).
         eps: the RMSNorm epsilon.
         norm_stacked: the norm weight is stacked [L, K] (indexed by the layer operand).
+        scale_stacked: the static input scale is stacked [L] (indexed by the layer operand), so
+            no per-layer slice of it runs as a kernel of its own before the launch.
     """
 
     prologue: str = "none"
@@ -104,6 +106,7 @@ class Fused:
     dynamic: bool = False
     eps: float = 1e-6
     norm_stacked: bool = False
+    scale_stacked: bool = False
 
     def __post_init__(self):
         if self.prologue not in PROLOGUES:
@@ -116,6 +119,7 @@ class Fused:
             "EPI_RES": int(self.residual),
             "DYN_XG": int(self.dynamic),
             "NW_STACK": int(self.norm_stacked),
+            "XG_STACK": int(self.scale_stacked),
             "NORM_EPS": f"{float(self.eps)!r}f",
         }
 

@@ -247,7 +247,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument(
-        "--attention", default="einsum", choices=["einsum", "live"], help="Config.attention"
+        "--attention",
+        default=rconfig.Config.attention,
+        choices=list(rconfig.ATTENTIONS),
+        help="Config.attention",
     )
     ap.add_argument(
         "--linear-fusion",

@@ -28,6 +28,7 @@
 #            PROFILE_ARGS; traces kept in OUT/traces)
 #   xover    GEMV vs tensor-core GEMM vs bf16 at small M, kernel alone (bench_gemm.py, XOVER_ARGS)
 #   mins     36-layer NVFP4 decode at Config.gemm_min_m in MINS (default "9 2"), MIN_ARGS
+#   runs     bench_decode.py once per line of RUNS ("TAG args..."), OUT/run_TAG.json (RUN_TIMEOUT)
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
@@ -211,6 +212,14 @@ for phase in $phases; do
           --out "$out/mins_$mm.json" > "$out/mins_$mm.log" 2>&1; echo "min_m=$mm rc=$?"
         grep "^\[\|FAIL\|Error" "$out/mins_$mm.log" | tail -8
       done;;
+    runs)
+      while read -r tag rargs; do
+        [ -z "$tag" ] && continue
+        JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${RUN_TIMEOUT:-200} \
+          python3 experiments/bench_decode.py $rargs --out "$out/run_$tag.json" \
+          > "$out/run_$tag.log" 2>&1; echo "$tag rc=$?"
+        grep "^\[\|FAIL\|Error" "$out/run_$tag.log" | tail -8
+      done <<< "${RUNS:?RUNS: lines of TAG args}";;
     long)
       args=${LONG_ARGS:---quick}
       timeout ${LONG_TIMEOUT:-300} python3 experiments/bench_decode_long.py $args \

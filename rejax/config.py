@@ -27,21 +27,22 @@ QUANT_MODES = (None, "nvfp4", "nvfp4-w4a16")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 # Attention over the cache: "einsum" (masked attention over every cache slot, the reference) or
 # "live" (rejax.ops.decode_attention: decode steps read only the slots written so far, a Pallas
-# kernel on CUDA; prompts use its flash-style prefill_attention). Opt-in: on the H200 the kernel
-# was 10x faster than "einsum" per layer with a 33K-slot cache; the end-to-end comparison of
-# experiments/results/decode_h200_b/ did not run it (its compile probe failed inside jit, fixed
-# since, experiments/results/h200_c/).
+# kernel on CUDA; prompts use its flash-style prefill_attention). "live" is the default: it reads
+# each layer's cache in place, where "einsum" slices the layer out of the stacked cache (a copy
+# per layer and step). 36-layer Qwen3-8B on the H200, one run: NVFP4 3.018 vs 3.138 ms/token at
+# batch 1 and 5.256 vs 6.063 at batch 8; bf16 at batch 8 4.77 (live) against 5.42 (einsum, an
+# earlier call of the same session) (experiments/results/h200_d/).
 ATTENTIONS = ("einsum", "live")
 # W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
 # SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
 # bitwise the unfused composition elsewhere) or "split" (rejax.ops.fused_linear with two
 # launches on CUDA: the prologue and quantizer once in a kernel of their own, then the plain
-# GEMV; the residual add stays an XLA op). "fused" is opt-in: on the H200 it measured slower
-# (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because every CTA
-# redoes the prologue for all of x (experiments/DECODE_NOTES.md). "split" is opt-in too: 18
-# instead of 30 launches per layer, but slower (36 layers, batch 1: 3.580 vs 3.158 ms/token;
-# batch 8: 6.465 vs 6.218), its one-CTA-per-row quantizer being a serial latency
-# (experiments/results/h200_c/).
+# GEMV or GEMM; the residual add stays an XLA op). "split" is the default: with its quantizer
+# spread over the grid it measured 2.796 vs 3.018 ms/token for "unfused" at batch 1 and 4.883 vs
+# 5.256 at batch 8 (36-layer Qwen3-8B, attention "live", one run; experiments/results/h200_d/).
+# Elsewhere than CUDA all three are the same composition, bitwise. "fused" is opt-in: it measured
+# slower (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because
+# every CTA redoes the prologue for all of x (experiments/DECODE_NOTES.md).
 LINEAR_FUSIONS = ("fused", "split", "unfused")
 # KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
@@ -76,12 +77,12 @@ class Config:
     pad_token_id: int | None = None
     quant: str | None = None
     layer_loop: str = "auto"
-    attention: str = "einsum"
-    linear_fusion: str = "unfused"
+    attention: str = "live"
+    linear_fusion: str = "split"
     kv_dtype: str = "bf16"
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
-    gemm_min_m: int = 9
+    gemm_min_m: int = 8
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():

@@ -55,7 +55,8 @@ def test_reference_is_the_unfused_composition_bitwise(prologue, per_row, static)
     x = x.at[0, :16].set(0).at[1, 16:32].set(3e4)  # a zero block and a saturating one
     norm = _bf16(1 + 0.1 * rng.standard_normal((L, K)))
     res = _bf16(rng.standard_normal((m, N)))
-    scale = jnp.full((L,), 0.01, jnp.float32) if static else None
+    # a static scale per layer, different for each: the kernel operand is the whole stack
+    scale = jnp.asarray(0.01 * (1 + np.arange(L)), jnp.float32) if static else None
     params = {"weight": w} | ({"input_scale": scale} if static else {})
     i = jnp.int32(2)
     got = jax.jit(
@@ -202,10 +203,11 @@ def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
     assert entries.count("nvfp4_quantize_bf16") == 4, entries
     assert entries.count("nvfp4_gemv_w4a4") == 4, entries
     assert "nvfp4_gemv_w4a4_bf16" not in entries
-    quant = sorted((d["PRO"], d["EPI_RES"], d["NW_STACK"]) for d in stub_compiler
+    quant = sorted((d["PRO"], d["EPI_RES"], d["NW_STACK"], d["XG_STACK"]) for d in stub_compiler
                    if d.get("QUANT_ONLY"))  # fmt: skip
-    # qkv and gate_up share one build (same K, same prologue): three distinct quantizers
-    assert quant == [(0, 0, 0), (1, 0, 1), (2, 0, 0)], quant
+    # qkv and gate_up share one build (same K, same prologue): three distinct quantizers, each
+    # reading the stacked input scales at the layer (no slice of them launched before it)
+    assert quant == [(0, 0, 0, 1), (1, 0, 1, 1), (2, 0, 0, 1)], quant
     assert all(d["M_TOK"] == 1 for d in stub_compiler if d.get("QUANT_ONLY"))
 
 

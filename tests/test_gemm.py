@@ -17,6 +17,7 @@ import pytest
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv
+from rejax import config as rconfig
 from rejax import nvfp4
 from rejax.ops import _dispatch
 from rejax.ops import linear as kernels
@@ -196,12 +197,15 @@ def test_check_shape_and_options_are_validated():
 
 def test_dispatch_choice_by_m():
     """One rule: the GEMV below GemmOptions.min_m, the GEMM (W4A4 only) from it on."""
-    assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16)[0] == "gemv"
-    assert kernels._supported("w4a4", 9, 4096, 4096, jnp.bfloat16) == ("gemm", (True, ""))
+    # the default crossover (measured on the H200: M = 8 is faster on the GEMM), and the
+    # decoder's Config field defaults to it
+    assert nvfp4_gemm.DEFAULT_MIN_M == 8 == rconfig.Config().gemm_min_m
+    assert kernels._supported("w4a4", 7, 4096, 4096, jnp.bfloat16)[0] == "gemv"
+    assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16) == ("gemm", (True, ""))
     kind, (ok, why) = kernels._supported("w4a16", 16, 4096, 4096, jnp.bfloat16)
     assert kind == "gemm" and not ok and "W4A4 only" in why
-    at8 = nvfp4_gemm.GemmOptions(min_m=8)
-    assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16, at8)[0] == "gemm"
+    at9 = nvfp4_gemm.GemmOptions(min_m=9)
+    assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16, at9)[0] == "gemv"
     assert kernels.supported("w4a4", 512, 4096, 4096) == (True, "")
     x = jnp.ones((9, 272), jnp.bfloat16)
     w = nvfp4.quantize_weight(np.ones((32, 272), np.float32))
@@ -309,13 +313,14 @@ def test_cuda_lowering_stacked_split_k_and_gemv_below(stub_compilers):
     gemm, finish = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
     assert f"-> tensor<{p.splitk}x12x{n}xf32>" in gemm[3] and "bf16" in finish[3]
     assert stub_compilers[-1][1]["GW_ROWS"] == 1 and stub_compilers[-1][1]["SPLITK"] == p.splitk
-    # M = 8 stays on the GEMV; with min_m = 8 it takes the GEMM
+    # M = 7 stays on the GEMV, M = 8 takes the GEMM; with min_m = 9, M = 8 stays on the GEMV
+    text7 = _lower_cuda(lambda x: kernels.nvfp4_linear(x, layers[0]), x[:7])
+    assert "nvfp4_gemv_w4a4" in text7 and nvfp4_gemm.ENTRY not in text7
     x8 = x[:8]
-    text8 = _lower_cuda(lambda x: kernels.nvfp4_linear(x, layers[0]), x8)
-    assert "nvfp4_gemv_w4a4" in text8 and nvfp4_gemm.ENTRY not in text8
-    opts = nvfp4_gemm.GemmOptions(min_m=8)
+    assert nvfp4_gemm.ENTRY in _lower_cuda(lambda x: kernels.nvfp4_linear(x, layers[0]), x8)
+    opts = nvfp4_gemm.GemmOptions(min_m=9)
     text8 = _lower_cuda(lambda x: kernels.nvfp4_linear(x, layers[0], gemm_options=opts), x8)
-    assert nvfp4_gemm.ENTRY in text8
+    assert "nvfp4_gemv_w4a4" in text8 and nvfp4_gemm.ENTRY not in text8
 
 
 def test_cluster_reduce_lowers_to_one_call(stub_compilers):
@@ -435,3 +440,47 @@ def test_split_k_epilogue_reference():
     scalar = kernels.gemm_finish(parts, xg, jnp.float32(2.0), jnp.int32(0), stacked=False)
     want = ((acc * 128.0) * (2.0 * xg[:, None])).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(scalar, np.float32), np.asarray(want, np.float32))
+
+
+def _decode_step_entries(cfg, batch: int) -> list[str]:
+    """Names of the PTX kernels in the CUDA lowering of one decode step of a random model."""
+    import dataclasses
+
+    from rejax import params as rparams
+    from rejax import sampling
+    from rejax.cache import init_cache
+    from rejax.decode import decode_step
+
+    params = rparams.init_params(cfg, 0, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+    smp = sampling.Greedy()
+    args = (
+        params,
+        jnp.zeros((batch, cfg.vocab_size), jnp.float32),
+        init_cache(cfg, batch, 8, jnp.bfloat16),
+        jnp.zeros((batch,), jnp.int32),
+        smp,
+        sampling.sampler_init(smp, batch),
+        jax.random.split(jax.random.key(0), batch),
+        jnp.int32(0),
+    )
+    text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"name = \\22(\w+)\\22", text)
+
+
+def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
+    """Config.gemm_min_m picks the kernel of the decoder's W4A4 linears: at batch 2 the default
+    (8) keeps the four linears of the scanned layer on the GEMV, gemm_min_m=2 sends them to
+    the GEMM; a bad value is refused."""
+    cfg = rconfig.Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
+        linear_fusion="unfused",
+    )  # fmt: skip
+    default = _decode_step_entries(cfg, 2)
+    assert default.count("nvfp4_gemv_w4a4") == 4 and nvfp4_gemm.ENTRY not in default, default
+    low = _decode_step_entries(rconfig.Config(**{**cfg.__dict__, "gemm_min_m": 2}), 2)
+    assert low.count(nvfp4_gemm.ENTRY) == 4 and "nvfp4_gemv_w4a4" not in low, low
+    with pytest.raises(ValueError, match="gemm_min_m must be an int >= 1, got 0"):
+        rconfig.Config(gemm_min_m=0)

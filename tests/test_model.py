@@ -264,7 +264,7 @@ def _dequant_twin(calls):
     """nvfp4_linear stand-in: dequantize W (and fake-quantize x for W4A4), then a float dot."""
     from rejax.nvfp4 import dequantize, quantize_activation, take
 
-    def fake(x, w, *, input_scale=None, act="w4a4", impl="auto", layer=None):
+    def fake(x, w, *, input_scale=None, act="w4a4", impl="auto", layer=None, gemm_options=None):
         calls.append((act, input_scale is not None))
         if layer is not None:
             w = take(w, layer)

@@ -46,13 +46,19 @@ def _quantize(x, xg, nw, layer, k, fused):
 
 
 @pytest.mark.parametrize("prologue", ["none", "swiglu", "rmsnorm"])
-@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("dynamic", [False, True, "stacked"])
 @pytest.mark.parametrize("k", [4096, 12288])
 def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
-    fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, norm_stacked=True)
+    """"stacked": a static input scale per layer [L], read by the kernel at the layer (the
+    other layer's scale differs, so reading the wrong one changes the codes)."""
+    stacked = dynamic == "stacked"
+    dynamic = dynamic is True
+    fused = nvfp4_gemv.Fused(
+        prologue=prologue, dynamic=dynamic, norm_stacked=True, scale_stacked=stacked
+    )
     width = 2 * k if prologue == "swiglu" else k
     norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
-    xg = jnp.full((1,), 0.01, jnp.float32)
+    xg = jnp.asarray([0.05, 0.01] if stacked else [0.01], jnp.float32)
     layer = jnp.int32(1)
     for m in (1, 3, 8):
         x = _x(m, width, m * 7 + k)
@@ -74,7 +80,8 @@ def test_two_kernels_equal_the_composition(n, k):
     scales = jax.lax.bitcast_convert_type(scales.astype(jnp.uint8), jnp.float8_e4m3fn)
     w = nvfp4.Nvfp4Tensor(packed, scales, jnp.full((2,), 1e-3, jnp.float32), (n, k))
     layer = jnp.int32(1)
-    for params in ({"weight": w}, {"weight": w, "input_scale": jnp.full((2,), 0.02, jnp.float32)}):
+    stacked = jnp.asarray([0.05, 0.02], jnp.float32)  # per layer: reading layer 0's shows
+    for params in ({"weight": w}, {"weight": w, "input_scale": stacked}):
         two = jax.jit(
             lambda x, r, p=params: fl.fused_linear(x, p, layer=layer, residual=r, kernels="two")
         )

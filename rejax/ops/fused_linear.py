@@ -57,10 +57,17 @@ def _prologue(x, nw, layer, *, k, fused):
     return x
 
 
+def _static_scale(xg, layer, fused):
+    """The input scale the kernel reads: None (dynamic), xg[layer] (stacked [L]) or xg[0]."""
+    if fused.dynamic:
+        return None
+    return layers.take(xg, layer) if fused.scale_stacked else xg[0]
+
+
 def _reference(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, order="auto", **_: Any):
     """The unfused composition on the primitive's operands (see `fused_linear`)."""
     h = _prologue(x, nw, layer, k=k, fused=fused)
-    scale = None if fused.dynamic else xg[0]
+    scale = _static_scale(xg, layer, fused)
     w = _weight(wp, ws, wg, layer, n, k)
     y = nvfp4.nvfp4_matmul(h.astype(jnp.bfloat16), w, act="w4a4", input_scale=scale, order=order)
     return res + y if fused.residual else y
@@ -95,7 +102,7 @@ def _quant_reference(x, xg, nw, layer, *, k, fused):
     """(codes uint8 [M, K/2], scales uint8 [M, K/16], global scale f32 [M]) of the prologue's
     output, as `rejax.nvfp4.quantize_activation` gives them."""
     h = _prologue(x, nw, layer, k=k, fused=fused).astype(jnp.bfloat16)
-    q = nvfp4.quantize_activation(h, None if fused.dynamic else xg[0])
+    q = nvfp4.quantize_activation(h, _static_scale(xg, layer, fused))
     xs = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
     return q.packed, xs, jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32), (h.shape[0],))
 
@@ -307,14 +314,16 @@ def fused_linear(
     if m == 0:
         return jnp.zeros((*lead, n), jnp.bfloat16)
     scale = params.get("input_scale")
-    if scale is not None:
-        scale = layers.take(scale, layer) if np.ndim(scale) == 1 else scale
+    # a stacked [L] static scale goes to the kernel whole, read at the layer there: a slice of
+    # it would be a launch of its own in front of every linear
+    stacked_scale = scale is not None and np.ndim(scale) == 1 and layer is not None
     fused = nvfp4_gemv.Fused(
         prologue=prologue,
         residual=residual is not None,
         dynamic=scale is None,
         eps=float(eps),
         norm_stacked=stacked_norm,
+        scale_stacked=stacked_scale,
     )
     if impl == "cuda":
         ok, why = nvfp4_gemv.check_shape("w4a4x", m, n, k)
@@ -325,7 +334,7 @@ def fused_linear(
     one = jnp.zeros((1,), jnp.bfloat16)
     args = (
         jnp.reshape(x, (m, width)),
-        jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (1,)),
+        jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
         one if norm is None else jnp.asarray(norm, jnp.bfloat16),
         jnp.zeros((1, 1), jnp.bfloat16) if residual is None else jnp.reshape(residual, (m, n)),
         w.packed,
