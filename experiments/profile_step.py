@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_decode as bd  # noqa: E402
+import bench_decode as bd
 
-from rejax import bench as rbench  # noqa: E402
-from rejax import config as rconfig  # noqa: E402
-from rejax import sampling  # noqa: E402
+from rejax import bench as rbench
+from rejax import config as rconfig
+from rejax import sampling
 
 _INT_FIELDS = {"gemm_min_m"}
 
@@ -90,7 +90,7 @@ def load_trace(log_dir: str) -> dict:
     paths += glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise RuntimeError(f"no trace file under {log_dir}")
-    with gzip.open(sorted(paths, key=os.path.getmtime)[-1], "rt") as f:
+    with gzip.open(max(paths, key=os.path.getmtime), "rt") as f:
         return json.load(f)
 
 
@@ -235,7 +235,7 @@ def main(argv=None):
     for v in variants:
         try:
             results.append(run_variant(v, cfg, args))
-        except Exception as e:  # keep the others
+        except Exception as e:  # noqa: BLE001 (keep the other variants)
             print(f"[{v}] failed: {type(e).__name__}: {e}", flush=True)
             results.append({"variant": v, "error": f"{type(e).__name__}: {e}"})
         with open(args.out, "w") as f:

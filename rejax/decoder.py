@@ -22,7 +22,16 @@ from rejax import params as rparams
 from rejax import sharding
 from rejax.cache import KVCache, read_layer, write_layer, write_positions
 from rejax.config import Config
-from rejax.layers import attention, attention_mask, linear, rms_norm, rope, swiglu, take
+from rejax.layers import (
+    attention,
+    attention_mask,
+    gemm_options,
+    linear,
+    rms_norm,
+    rope,
+    swiglu,
+    take,
+)
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops.decode_attention import decode_attention, prefill_attention
 from rejax.ops.fused_linear import fusable, fused_linear
@@ -87,10 +96,11 @@ def decoder_layer(
     )
     eps = cfg.rms_norm_eps
     kernels = "two" if cfg.linear_fusion == "split" else "one"
+    gemm = {"gemm_options": gemm_options(cfg.gemm_min_m)}
     if fuse:
         norm = lw["input_layernorm"]["scale"]
         qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps,
-                           kernels=kernels)  # fmt: skip
+                           kernels=kernels, **gemm)  # fmt: skip
     else:
         hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
         qkv = lin(hs, att, "qkv_proj")
@@ -126,12 +136,13 @@ def decoder_layer(
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
-        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x, kernels=kernels)
+        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x, kernels=kernels,
+                         **gemm)  # fmt: skip
         norm = lw["post_attention_layernorm"]["scale"]
         gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
-                               eps=eps, kernels=kernels)  # fmt: skip
+                               eps=eps, kernels=kernels, **gemm)  # fmt: skip
         x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
-                         kernels=kernels)  # fmt: skip
+                         kernels=kernels, **gemm)  # fmt: skip
         return x, kv, amax
     x = x + lin(out, att, "o_proj")
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)

@@ -174,9 +174,7 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
-        opts = nvfp4_gemm.DEFAULT_OPTIONS
-        if gemm_min_m is not None and gemm_min_m != opts.min_m:
-            opts = dataclasses.replace(opts, min_m=gemm_min_m)
+        opts = gemm_options(gemm_min_m)
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
@@ -185,6 +183,14 @@ def linear(
     if "bias" in params:
         y = y + take(params["bias"], layer).astype(x.dtype)
     return y
+
+
+def gemm_options(min_m: int | None) -> nvfp4_gemm.GemmOptions:
+    """The NVFP4 GEMM choices with `min_m` (None: the defaults), e.g. `Config.gemm_min_m`."""
+    opts = nvfp4_gemm.DEFAULT_OPTIONS
+    if min_m is not None and min_m != opts.min_m:
+        opts = dataclasses.replace(opts, min_m=min_m)
+    return opts
 
 
 def _per_shard_linear(x, w, scales, layer, shards, gemm_options):

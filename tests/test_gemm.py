@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cuda_ops import build as cbuild
-from cuda_ops import nvfp4_gemm, nvfp4_gemv
+from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import config as rconfig
 from rejax import nvfp4
 from rejax.ops import _dispatch
@@ -240,6 +240,8 @@ def stub_compilers(monkeypatch):
                 nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
                 nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
             }
+        elif defines.get("QUANT_ONLY"):
+            entries = {nvfp4_quant.ENTRY: 7}
         else:
             entries = {"nvfp4_gemv_w4a4": 8} if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
         text = ".version 9.0\n.target sm_90\n"
@@ -250,11 +252,12 @@ def stub_compilers(monkeypatch):
 
     monkeypatch.setattr(nvfp4_gemm, "compile_ptx", fake)
     monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake)
-    nvfp4_gemm._build_cached.cache_clear()
-    nvfp4_gemv._build_cached.cache_clear()
+    monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake)
+    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
+        mod._build_cached.cache_clear()
     yield seen
-    nvfp4_gemm._build_cached.cache_clear()
-    nvfp4_gemv._build_cached.cache_clear()
+    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
+        mod._build_cached.cache_clear()
 
 
 def _lower_cuda(f, *args) -> str:
@@ -484,3 +487,11 @@ def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
     assert low.count(nvfp4_gemm.ENTRY) == 4 and "nvfp4_gemv_w4a4" not in low, low
     with pytest.raises(ValueError, match="gemm_min_m must be an int >= 1, got 0"):
         rconfig.Config(gemm_min_m=0)
+    # linear_fusion="split" (the default): the quantizer kernel, then the linear M picks
+    split = rconfig.Config(**{**cfg.__dict__, "linear_fusion": "split"})
+    default = _decode_step_entries(split, 2)
+    assert default.count(nvfp4_quant.ENTRY) == 4 and default.count("nvfp4_gemv_w4a4") == 4
+    assert nvfp4_gemm.ENTRY not in default, default
+    low = _decode_step_entries(rconfig.Config(**{**split.__dict__, "gemm_min_m": 2}), 2)
+    assert low.count(nvfp4_quant.ENTRY) == 4 and low.count(nvfp4_gemm.ENTRY) == 4, low
+    assert "nvfp4_gemv_w4a4" not in low, low

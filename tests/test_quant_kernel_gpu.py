@@ -49,7 +49,7 @@ def _quantize(x, xg, nw, layer, k, fused):
 @pytest.mark.parametrize("dynamic", [False, True, "stacked"])
 @pytest.mark.parametrize("k", [4096, 12288])
 def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
-    """"stacked": a static input scale per layer [L], read by the kernel at the layer (the
+    """ "stacked": a static input scale per layer [L], read by the kernel at the layer (the
     other layer's scale differs, so reading the wrong one changes the codes)."""
     stacked = dynamic == "stacked"
     dynamic = dynamic is True

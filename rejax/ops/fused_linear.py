@@ -33,11 +33,11 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from cuda_ops import nvfp4_gemv, nvfp4_quant
+from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
-from rejax.ops.linear import _weight, gemv_call
+from rejax.ops.linear import _supported, _weight, gemv_call
 
 OP = "nvfp4_fused_linear"
 PROLOGUES = nvfp4_gemv.PROLOGUES
@@ -136,7 +136,9 @@ mlir.register_lowering(_quant_p, _lower_quant_reference)
 mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 
 
-def _two_kernels(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gw_rows):
+def _two_kernels(
+    x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows
+):
     """The quantizer kernel, then the plain W4A4 GEMV on its codes, then the residual add."""
     pro = dataclasses.replace(fused, residual=False)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
@@ -149,6 +151,7 @@ def _two_kernels(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, optio
         launch="ptx",
         gw_rows=gw_rows,
         options=options,
+        gemm_options=gemm_options,
     )
     return res + y if fused.residual else y
 
@@ -157,15 +160,24 @@ def _lower_two(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     n, k, fused = params["n"], params["k"], params["fused"]
     supported = nvfp4_quant.check_shape(m, k)
+    # the linear after the quantizer is the one the dispatch picks for M (GEMV or GEMM)
+    kind = "gemv"
     if supported[0]:
-        supported = nvfp4_gemv.check_shape("w4a4", m, n, k)
+        kind, supported = _supported(
+            "w4a4", m, n, k, jnp.bfloat16, params["gemm_options"], params["gw_rows"]
+        )
     if supported[0] and params["launch"] != "ptx":
         supported = (False, f"launch={params['launch']!r} (the two-kernel path needs 'ptx')")
     quant = None
     if supported[0] and params["impl"] != "ref":
         try:
             quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
-            nvfp4_gemv.build("w4a4", m, n, k, options=params["options"], gw_rows=params["gw_rows"])
+            if kind == "gemm":
+                nvfp4_gemm.build(m, n, k, options=params["gemm_options"], gw_rows=params["gw_rows"])
+            else:
+                nvfp4_gemv.build(
+                    "w4a4", m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+                )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
@@ -178,6 +190,7 @@ def _lower_two(ctx, *args, **params):
         fused=fused,
         quant=quant,
         options=params["options"],
+        gemm_options=params["gemm_options"],
         gw_rows=params["gw_rows"],
     )
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
@@ -257,6 +270,7 @@ def fused_linear(
     impl: str = "auto",
     options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
     kernels: str = "one",
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
 ) -> jax.Array:
     """y = [residual +] nvfp4_linear(prologue(x)) as one op (one kernel launch on CUDA, M <= 8,
     or two with `kernels="two"`).
@@ -273,6 +287,8 @@ def fused_linear(
         residual: optional [..., N] bf16 added to the output (bf16 add).
         impl: "auto", "ref" or "cuda" (as `rejax.ops.linear.nvfp4_linear`).
         options: kernel choices.
+        gemm_options: with kernels="two", the GEMM choices of the linear after the quantizer,
+            including `min_m`, the fewest rows that take the GEMM instead of the GEMV.
         kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV;
             both launches in CUDA only, the same reference elsewhere).
 
@@ -311,6 +327,9 @@ def fused_linear(
         want = (*w.stack, k) if stacked_norm else (k,)
         if tuple(np.shape(norm)) != want:
             raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k,)} or {(*w.stack, k)}")
+    if not isinstance(gemm_options, nvfp4_gemm.GemmOptions):
+        got = type(gemm_options).__name__
+        raise ValueError(f"gemm_options must be a GemmOptions, got {got}")  # noqa: TRY004
     if m == 0:
         return jnp.zeros((*lead, n), jnp.bfloat16)
     scale = params.get("input_scale")
@@ -353,5 +372,6 @@ def fused_linear(
         gw_rows=w.per_row,
         options=options,
         kernels=kernels,
+        gemm_options=gemm_options,
     )
     return jnp.reshape(y, (*lead, n))
