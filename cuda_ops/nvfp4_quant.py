@@ -3,18 +3,19 @@ compiled with QUANT_ONLY): build and launch configuration.
 
 The kernel runs the fused GEMV's prologue and quantizer once per row of x, each row split into
 `chunk`-element pieces over the grid (grid [M, K / chunk]; every CTA recomputes the row's
-statistics from L2 and quantizes its piece), and writes what the plain W4A4 GEMV reads (codes [M, K/2], E4M3 scales [M, K/16], global scale [M]). Its
-device code is the fused kernel's (`Fused` in cuda_ops/nvfp4_gemv.py describes the prologue),
-so the codes and scales are `rejax.nvfp4.quantize_activation`'s: bitwise for prologue "none";
-"rmsnorm" sums the mean square in its own order and "swiglu" uses CUDA's expf, so a few bf16
-inputs of the quantizer may round the other way (tests/test_quant_kernel_gpu.py).
+statistics from L2 and quantizes its piece), and writes what the W4A4 GEMV or GEMM reads
+(codes [M, K/2], E4M3 scales [M, K/16], global scale [M]). Its device code is the fused
+kernel's (`Fused` in cuda_ops/nvfp4_gemv.py describes the prologue), so the codes and scales
+are `rejax.nvfp4.quantize_activation`'s: bitwise for prologue "none"; "rmsnorm" sums the mean
+square in its own order and "swiglu" uses CUDA's expf, so a few bf16 inputs of the quantizer
+may round the other way (tests/test_quant_kernel_gpu.py).
 
-Measured on the H200 (36-layer Qwen3-8B NVFP4, experiments/results/h200_c/): with one CTA per
-row (chunk = K, 256 threads) linear_fusion "split" has 18 launches per layer instead of 30 but
-is slower, 3.580 vs 3.158 ms/token at batch 1: the kernel took ~7 us per call (a profile of the
-8-layer step, experiments/results/h200_d/), a row's whole quantization serialised on one SM.
-Hence the chunks: by default 512 elements (K % 512 == 0, else 256) per 128-thread CTA, one
-quant4 round per thread.
+Measured on the H200 (Qwen3-8B NVFP4; experiments/results/h200_c/ and h200_d/): with one CTA
+per row (chunk = K, 256 threads) the kernel took 6.9 us per call in a profile of the 8-layer
+decode step, a row's whole quantization serialised on one SM, and linear_fusion "split" was
+slower than "unfused" (36 layers, batch 1: 3.580 vs 3.158 ms/token). Spread over the grid
+(by default 512 elements per 128-thread CTA where K % 512 == 0, else 256: one quant4 round per
+thread) it takes 2.3 us, and "split" became the faster path (2.796 vs 3.018 ms/token).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _lowering import decode_step_cuda_text
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemv, nvfp4_quant
@@ -167,29 +168,12 @@ def stub_compiler(monkeypatch):
     monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake_compile)
     nvfp4_gemv._build_cached.cache_clear()
     nvfp4_quant._build_cached.cache_clear()
+    # lowerings are cached by JAX: a decode step lowered before (another test) would not call
+    # the lowering rules, so nothing would be built and recorded here
+    jax.clear_caches()
     yield seen
     nvfp4_gemv._build_cached.cache_clear()
     nvfp4_quant._build_cached.cache_clear()
-
-
-def _decode_step_cuda_text(cfg) -> str:
-    params = rparams.init_params(cfg, 0, jnp.bfloat16)
-    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
-    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
-    params = dataclasses.replace(params, weights=weights)
-    b = 2
-    smp = sampling.Greedy()
-    args = (
-        params,
-        jnp.zeros((b, cfg.vocab_size), jnp.float32),
-        init_cache(cfg, b, 8, jnp.bfloat16),
-        jnp.zeros((b,), jnp.int32),
-        smp,
-        sampling.sampler_init(smp, b),
-        jax.random.split(jax.random.key(0), b),
-        jnp.int32(0),
-    )
-    return decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
@@ -199,7 +183,7 @@ def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split"
     )
-    entries = re.findall(r"name = \\22(\w+)\\22", _decode_step_cuda_text(cfg))
+    entries = re.findall(r"name = \\22(\w+)\\22", decode_step_cuda_text(cfg))
     assert entries.count("nvfp4_quantize_bf16") == 4, entries
     assert entries.count("nvfp4_gemv_w4a4") == 4, entries
     assert "nvfp4_gemv_w4a4_bf16" not in entries

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _lowering import decode_step_cuda_text
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
@@ -255,6 +256,9 @@ def stub_compilers(monkeypatch):
     monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake)
     for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
         mod._build_cached.cache_clear()
+    # lowerings are cached by JAX: a decode step lowered before (another test) would not call
+    # the lowering rules, so nothing would be built and recorded here
+    jax.clear_caches()
     yield seen
     for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
         mod._build_cached.cache_clear()
@@ -447,30 +451,7 @@ def test_split_k_epilogue_reference():
 
 def _decode_step_entries(cfg, batch: int) -> list[str]:
     """Names of the PTX kernels in the CUDA lowering of one decode step of a random model."""
-    import dataclasses
-
-    from rejax import params as rparams
-    from rejax import sampling
-    from rejax.cache import init_cache
-    from rejax.decode import decode_step
-
-    params = rparams.init_params(cfg, 0, jnp.bfloat16)
-    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
-    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
-    params = dataclasses.replace(params, weights=weights)
-    smp = sampling.Greedy()
-    args = (
-        params,
-        jnp.zeros((batch, cfg.vocab_size), jnp.float32),
-        init_cache(cfg, batch, 8, jnp.bfloat16),
-        jnp.zeros((batch,), jnp.int32),
-        smp,
-        sampling.sampler_init(smp, batch),
-        jax.random.split(jax.random.key(0), batch),
-        jnp.int32(0),
-    )
-    text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"name = \\22(\w+)\\22", text)
+    return re.findall(r"name = \\22(\w+)\\22", decode_step_cuda_text(cfg, batch))
 
 
 def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
