@@ -3,8 +3,8 @@
 Runs `tests/test_sampling_gpu.py::test_kernel_distribution_chi_square[peaked-1.0-1.0-0]`'s body
 with another top-p method (default "radix"): peaked logits, V = 151,936, Temperature 1.0,
 top_p 1.0, 64 rows x 1,600 steps = 102,400 draws, and prints the share drawn from the tokens
-expected < 5 times each next to its exact share, and the test's chi-square. About 10 minutes
-on 2 CPU cores:
+expected < 5 times each next to its exact share, and the test's chi-square. 7 to 18 minutes
+on 2 CPU cores ("radix"):
 
     PYTHONPATH=.:tests python experiments/sampler_tail_bias.py --method radix
 """

@@ -9,9 +9,10 @@ noise (`rejax.sampling._gumbel`, 40 bits a token) and the CUDA kernels' (their N
 their whole range, the keyed noise's counts over 2**26 draws (the old noise never exceeds 16),
 and the bit layout the draw uses.
 
-A draw-level test of the same defect needs ~1e9 token noises to see it at 6 sigma (a body of
-~4M tokens each ~3e-8 of the row, ~300 draws), minutes on 2 cores: that is
-experiments/sampler_tail_bias.py, not a test.
+A draw-level test of the defect needs ~1e9 token noises to see it at 6 sigma (e.g. a body of
+~4M tokens each ~3e-8 of the row, ~300 draws), minutes on 2 cores, so the draw-level check is
+experiments/sampler_tail_bias.py (the GPU test's far-tail row through "radix", 1.5e10 token
+noises), and its result is in experiments/results/sampler_tail_bias_cpu.md.
 """
 
 from __future__ import annotations
