@@ -245,14 +245,14 @@ def gumbel_of_bits(hi, lo) -> np.ndarray:
 def gumbel(k0, k1, ids) -> np.ndarray:
     """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting): `gumbel_of_bits`
     of word id % 4 of Philox at counters (id / 4, 0, 0, 0) and (id / 4, 1, 0, 0)."""
-    ids, k0, k1 = np.broadcast_arrays(np.asarray(ids, np.uint32), np.asarray(k0, np.uint32),
-                                      np.asarray(k1, np.uint32))  # fmt: skip
+    ids = np.asarray(ids, np.uint32)
     ctr, r = ids >> np.uint32(2), (ids & np.uint32(3)).astype(np.intp)
     hi = np.choose(r, philox(ctr, k0, k1))
     # the low word only where it can matter (min(hi, ~hi) < 2**24), as sampler.cu does
     need = np.minimum(hi, ~hi) < np.uint32(1 << 24)
+    sub = [np.broadcast_to(np.asarray(x, np.uint32), hi.shape)[need] for x in (ctr, k0, k1)]
     lo = np.zeros_like(hi)
-    lo[need] = np.choose(r[need], philox(ctr[need], k0[need], k1[need], 1))
+    lo[need] = np.choose(np.broadcast_to(r, hi.shape)[need], philox(*sub, 1))
     return gumbel_of_bits(hi, lo)
 
 
