@@ -39,9 +39,10 @@ typedef unsigned long long u64;
 #define BIN_BITS 17                  // key bits below the bin index
 #define GREEDY_EPS 1e-6f
 // A token can win the draw only if its tempered logit is >= FLOOR: the top-ranked token (always
-// kept, zt within 2**-24 of 0) scores >= -2.82 (the smallest Gumbel value gumbel() returns) and
-// no token scores above zt + 16.64 (the largest), so FLOOR = -(16.64 + 2.82) less a margin.
-#define FLOOR (-20.5f)
+// kept, zt within 2**-24 of 0) scores >= -3.66 (the smallest Gumbel value gumbel_of() returns,
+// -log(56 log 2)) and no token scores above zt + 38.82 (the largest, 56 log 2), so
+// FLOOR = -(38.82 + 3.66) less a margin.
+#define FLOOR (-43.0f)
 #define MASS_SCALE 1073741824.0f     // 2**30
 #define INT_BIG 0x7fffffff
 #define INFINITY __int_as_float(0x7f800000)
@@ -68,17 +69,34 @@ __device__ __forceinline__ uint4 philox(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, 
     return make_uint4(c0, c1, c2, c3);
 }
 
-// Gumbel noise from one random word: u in [2**-24, 1 - 2**-24] from its top 23 bits.
-__device__ __forceinline__ float gumbel_of(u32 x) {
-    const float u = ((float)(x >> 9) + 0.5f) * (1.0f / 8388608.0f);
-    return -__logf(-logf(u));
+// Gumbel noise from 55 random bits, a word hi and the top 23 bits of a word lo: u = (hi * 2**23
+// + (lo >> 9) + 1/2) / 2**55 and the noise is -log(E) of the exponential E = -log(1 - u). Each
+// end comes from the half of u's range nearer to it, so nothing is lost to rounding u near 1:
+// x = min(u, 1 - u) (the complement is the bitwise one of the 55 bits), E = -log1p(-x) for
+// u < 1/2 and -log(x) otherwise. The noise spans [-3.66, 38.82] and P(noise > t) is right to
+// float rounding (23-bit uniforms stop at 16.6, which draws tokens ~1e-7 of the top one about
+// half as often as they should be). With a >= 2**24 the lo term is below half an ulp of
+// a * 2**-32, so x does not depend on lo: callers may pass lo = 0 then (need_lo()).
+__device__ __forceinline__ float gumbel_of(u32 hi, u32 lo) {
+    const bool upper = hi >= 0x80000000u;
+    const u32 a = upper ? ~hi : hi, b = (upper ? ~lo : lo) >> 9;
+    const float x = (float)a * 2.3283064365386963e-10f               // 2**-32
+                    + ((float)b + 0.5f) * 2.7755575615628914e-17f;  // 2**-55; x in (0, 1/2]
+    const float e = upper ? -logf(x) : -log1pf(-x);
+    return -logf(e);
+}
+__device__ __forceinline__ bool need_lo(u32 hi) {  // whether gumbel_of(hi, lo) depends on lo
+    return (hi >= 0x80000000u ? ~hi : hi) < 0x01000000u;
 }
 __device__ __forceinline__ u32 word(uint4 w, int i) {
     return i == 0 ? w.x : i == 1 ? w.y : i == 2 ? w.z : w.w;
 }
-// Token id's noise under the row key: word id % 4 of Philox at counter (id / 4, 0, 0, 0).
+// Token id's noise under the row key: hi = word id % 4 of Philox at counter (id / 4, 0, 0, 0),
+// lo = word id % 4 of Philox at counter (id / 4, 1, 0, 0) (computed only when it matters).
 __device__ __forceinline__ float gumbel(u32 k0, u32 k1, int id) {
-    return gumbel_of(word(philox((u32)id >> 2, 0u, 0u, 0u, k0, k1), id & 3));
+    const u32 hi = word(philox((u32)id >> 2, 0u, 0u, 0u, k0, k1), id & 3);
+    const u32 lo = need_lo(hi) ? word(philox((u32)id >> 2, 1u, 0u, 0u, k0, k1), id & 3) : 0u;
+    return gumbel_of(hi, lo);
 }
 
 // (score, id) packed so that a larger u64 is a larger score, then the lower id; 0 = none.
@@ -431,6 +449,11 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
             any |= zt[q] >= floor_score;
         }
         const uint4 w = any ? philox((u32)j0 >> 2, 0u, 0u, 0u, k0, k1) : make_uint4(0, 0, 0, 0);
+        // the low words, only if some token's noise depends on them (about 3% of threads)
+        bool lo_needed = false;
+        for (int q = 0; q < 4; ++q) lo_needed |= zt[q] >= floor_score && need_lo(word(w, q));
+        const uint4 wl = lo_needed ? philox((u32)j0 >> 2, 1u, 0u, 0u, k0, k1)
+                                   : make_uint4(0, 0, 0, 0);
         for (int q = 0; q < 4; ++q) {
             if (!(zt[q] > -INFINITY)) continue;  // masked (and NaN) logits are never drawn
             const u32 key = prob_key(zt[q], iden);
@@ -440,7 +463,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
                 atomicAdd(&hc[b], 1u);
             }
             if (zt[q] >= floor_score)
-                atomicMax(&hb[b], pack(zt[q] + gumbel_of(word(w, q)), j0 + q));
+                atomicMax(&hb[b], pack(zt[q] + gumbel_of(word(w, q), word(wl, q)), j0 + q));
         }
 #endif
     }

@@ -32,7 +32,9 @@ side by experiments/bench_sampler.py):
 
 Top-k with k > 16 is found by rounds of 16 (`_kth_largest`), since XLA's GPU top-k kernel stops at
 16 and a larger k becomes a sort of V. The draw is Gumbel-max over the kept tokens, so sampling
-needs no cumulative sum either.
+needs no cumulative sum either. Its noise (`_gumbel`) takes 40 random bits a token and computes
+-log(-log(1 - u)) from whichever of u and 1 - u is the smaller, so its far tail is right: tokens
+~1e-7 of the top one, of which a peaked 152K-token row holds ~1% of the mass, get their share.
 
 The row statistics (max and argmax, the entropy's two sums, the softmax denominators at the
 temperatures the sampler may apply) take a max pass and one fused pass over V ("two_pass", the
@@ -61,9 +63,11 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # support the call and the "radix" computation elsewhere (so CPU results are those of "radix").
 # "kernel" is not the default yet: on the H200 one of its seven chi-square tests failed
 # (Temperature 1.0, top_p 1.0, peaked logits: p = 8.7e-5 < 1e-4; experiments/results/h200_c/).
-# Known defect of every method: the Gumbel noise comes from 23-bit float32 uniforms, so tokens
-# about 1e-7 of the top one are drawn less often than their probability ("radix" fails that
-# test with p = 4e-15; experiments/results/sampler_tail_bias_cpu.md).
+# That was the earlier 23-bit noise, which failed "radix" on the same test too (p = 4e-15 on
+# CPU): a float32 Gumbel from a 23-bit uniform tops out at ~16, so tokens about 1e-7 of the top
+# one were drawn about half as often as they should be. The noise is now `_gumbel` (40 bits a
+# token, right out to 28.4; the kernels 55 bits, to 38.8), and the kernels await a GPU rerun
+# (experiments/results/sampler_tail_bias_cpu.md).
 SAMPLE_METHODS = ("kernel", *TOP_P_METHODS)
 TOP_P_METHOD = "radix"
 # The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
@@ -720,9 +724,43 @@ def _safe_t(t: jax.Array) -> jax.Array:
     return jnp.where(t <= GREEDY_EPS, 1.0, t)  # greedy rows: any finite scale, result unused
 
 
+def _gumbel_of_bits(hi: jax.Array, lo8: jax.Array) -> jax.Array:
+    """f32 Gumbel noise of 40 random bits: a uint32 word `hi` and a byte `lo8` (uint32 < 256).
+
+    u = (hi * 2**8 + lo8 + 1/2) / 2**40 is uniform in (0, 1) and the noise is -log(E) with the
+    exponential E = -log(1 - u). Each end is computed from the half of u's range nearer to it,
+    so nothing is lost to rounding u near 1: x = min(u, 1 - u) (the complement is the bitwise
+    one of the 40 bits) and E = -log1p(-x) for u < 1/2, -log(x) otherwise. The noise spans
+    [-log(41 log 2), 41 log 2] = [-3.35, 28.42], and P(noise > t) is off by float32 rounding
+    (relative ~1e-6) plus at most one step 2**-40 of u's grid.
+    """
+    upper = hi >= jnp.uint32(1 << 31)
+    a = jnp.where(upper, ~hi, hi)  # < 2**31
+    c = jnp.where(upper, jnp.uint32(255) - lo8, lo8)
+    x = a.astype(jnp.float32) * jnp.float32(2.0**-32) + (
+        c.astype(jnp.float32) + jnp.float32(0.5)
+    ) * jnp.float32(2.0**-40)  # in (0, 1/2]
+    e = jnp.where(upper, -jnp.log(x), -jnp.log1p(-x))
+    return -jnp.log(e)
+
+
+def _gumbel(key: jax.Array, n: int) -> jax.Array:
+    """f32 [n] standard Gumbel noise under one key: `_gumbel_of_bits` of token j's own word
+    (word j of `jax.random.bits(key, (n + ceil(n / 4),))`) and byte j % 4 of word n + j // 4.
+
+    float32 noise from 23-bit uniforms (`jax.random.gumbel`'s default) tops out at 15.9, which
+    halves the share of ~1e5 tokens each ~1e-7 of the top one; these 40 bits reach 28.4.
+    """
+    m = -(-n // 4)
+    w = jax.random.bits(key, (n + m,), jnp.uint32)
+    shifts = jnp.arange(0, 32, 8, dtype=jnp.uint32)
+    lo8 = ((w[n:, None] >> shifts) & jnp.uint32(0xFF)).reshape(-1)[:n]
+    return _gumbel_of_bits(w[:n], lo8)
+
+
 def _draw(keys: jax.Array, zt: jax.Array, keep: jax.Array) -> jax.Array:
     # Gumbel-max over the kept tokens: an exact draw from softmax(zt) restricted to `keep`.
-    g = jax.vmap(lambda k: jax.random.gumbel(k, zt.shape[-1:], jnp.float32))(keys)
+    g = jax.vmap(lambda k: _gumbel(k, zt.shape[-1]))(keys)
     return jnp.argmax(jnp.where(keep & (zt > -jnp.inf), zt + g, -jnp.inf), axis=-1)
 
 
@@ -733,7 +771,7 @@ def _draw_topk(keys: jax.Array, zt: jax.Array, probs: jax.Array, top_p: jax.Arra
     b, v = probs.shape
     idx, vals, kept, covered = _top_p_candidates(probs, top_p)
     zk = jnp.take_along_axis(zt, idx, axis=-1)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, idx.shape[-1:], jnp.float32))(keys)
+    g = jax.vmap(lambda k: _gumbel(k, idx.shape[-1]))(keys)
     j = jnp.argmax(jnp.where(kept & (vals > 0.0), zk + g, -jnp.inf), axis=-1)
     fast = jnp.take_along_axis(idx, j[:, None], axis=-1)[:, 0]
 

@@ -4,8 +4,9 @@ The kernels compute their own probabilities (summation order differs from XLA's 
 rounding), so they are checked (1) against their NumPy mirror `rejax.ops.sampler.emulate` token
 for token on the same keys (agreement except where rounding moves a boundary or a near-tie), (2)
 for support: no token outside the float64 nucleus widened by 1e-5 of mass, (3) by chi-square
-over >= 1e5 draws against the exact truncated softmax, on the full 151,936-token vocabulary,
-and (4) for row independence, batch 1..64, ReSET decisions and no retrace.
+over >= 1e5 draws against the exact truncated softmax, on the full 151,936-token vocabulary
+(`_assert_draws_match`: ids expected < 5 times pooled into one bin, pass at p > 1e-4, fixed
+keys), and (4) for row independence, batch 1..64, ReSET decisions and no retrace.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
     p, keep = _nucleus64(_top_k64(z[0], top_k), t, top_p, slack=1e-6)
     assert keep[tok].all(), "a token outside the nucleus"
     q = np.where(keep, p, 0)
+    # chi-square, rare ids pooled, p > 1e-4; [peaked-1.0-1.0-0] is the far-tail case: ~1.1% of
+    # the mass on ~152K tokens each ~1e-7 of the top one, which 23-bit noise drew half as often
     _assert_draws_match(tok, q / q.sum(), f"{kind} t={t} top_p={top_p} top_k={top_k}")
 
 

@@ -133,7 +133,9 @@ def test_refilled_run_equals_static_batches(params, static, name, compact):
         assert stats["occupancy"] == stats["row_occupancy"] == 1.0
     else:
         assert stats["compactions"] == 0 and list(stats["steps_by_size"]) == [3]
-        assert stats["occupancy"] == sum(lengths) / (3 * stats["steps"]) > 0.7
+        # the mean of per-step fractions vs one division: equal up to float rounding
+        assert stats["occupancy"] == pytest.approx(sum(lengths) / (3 * stats["steps"]), rel=1e-12)
+        assert stats["occupancy"] > 0.7
         assert stats["occupancy_while_pending"] > stats["occupancy"]  # the drain has idle slots
     # 12 refills over two buckets: one decode program per size, one prefill per bucket at most.
     sizes = len(stats["steps_by_size"])

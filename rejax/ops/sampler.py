@@ -13,8 +13,9 @@ h and the temperature used.
   `cuda_ops/sampler.cu` (statistics; top-p histogram; boundary resolution, each one multi-block
   pass over the row with a last-block combine) as `__gpu$xla.gpu.ptx` custom calls, or else
   the reference. The kernels draw with their own random numbers (a Gumbel-max over the kept
-  tokens with Philox-4x32-10 noise keyed by the row's key and the token id), so tokens differ from the
-  reference's for the same key while the distribution is the same.
+  tokens with Philox-4x32-10 noise keyed by the row's key and the token id, 55 bits a token as
+  `gumbel_of_bits` maps them), so tokens differ from the reference's for the same key while the
+  distribution is the same.
 
 `emulate` is a NumPy mirror of the kernels' algorithm (the same bins, boundary search, whole-bin
 test, collection and large-bin paths, pruning and noise) that the CPU tests check against the
@@ -205,7 +206,7 @@ def sample_top_p(
 
 _KEY_LO = (127 - 31) << 23
 _BIN_BITS = 17
-_FLOOR = np.float32(-20.5)  # no token below this tempered logit can win (sampler.cu's FLOOR)
+_FLOOR = np.float32(-43.0)  # no token below this tempered logit can win (sampler.cu's FLOOR)
 PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
 
 
@@ -223,14 +224,36 @@ def philox(c0, k0, k1, c1=0, c2=0, c3=0) -> tuple[np.ndarray, ...]:
     return tuple(x.astype(np.uint32) for x in c)
 
 
+def gumbel_of_bits(hi, lo) -> np.ndarray:
+    """sampler.cu's `gumbel_of`: f32 Gumbel noise of 55 random bits, uint32 `hi` and the top 23
+    bits of uint32 `lo`. u = (hi * 2**23 + (lo >> 9) + 1/2) / 2**55, x = min(u, 1 - u) from the
+    bits (the complement is bitwise), E = -log(1 - u) as -log1p(-x) for u < 1/2 and -log(x)
+    otherwise, noise -log(E): it spans [-3.66, 38.82] with the far tail right to float rounding.
+    """
+    hi, lo = np.asarray(hi, np.uint32), np.asarray(lo, np.uint32)
+    upper = hi >= np.uint32(1 << 31)
+    a = np.where(upper, ~hi, hi)
+    b = np.where(upper, ~lo, lo) >> np.uint32(9)
+    x = a.astype(np.float32) * np.float32(2.0**-32) + (
+        b.astype(np.float32) + np.float32(0.5)
+    ) * np.float32(2.0**-55)
+    with np.errstate(divide="ignore"):  # log(0) in the branch not taken
+        e = np.where(upper, -np.log(x), -np.log1p(-x))
+    return -np.log(e)
+
+
 def gumbel(k0, k1, ids) -> np.ndarray:
-    """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting): word id % 4 of
-    Philox at counter (id / 4, 0, 0, 0), 23 bits to u in [2**-24, 1 - 2**-24], -log(-log(u))."""
+    """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting): `gumbel_of_bits`
+    of word id % 4 of Philox at counters (id / 4, 0, 0, 0) and (id / 4, 1, 0, 0)."""
     ids = np.asarray(ids, np.uint32)
-    w = philox(ids >> np.uint32(2), k0, k1)
-    x = np.choose((ids & np.uint32(3)).astype(np.intp), w)
-    u = ((x >> np.uint32(9)).astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-23)
-    return -np.log(-np.log(u))
+    ctr, r = ids >> np.uint32(2), (ids & np.uint32(3)).astype(np.intp)
+    hi = np.choose(r, philox(ctr, k0, k1))
+    # the low word only where it can matter (min(hi, ~hi) < 2**24), as sampler.cu does
+    need = np.minimum(hi, ~hi) < np.uint32(1 << 24)
+    sub = [np.broadcast_to(np.asarray(x, np.uint32), hi.shape)[need] for x in (ctr, k0, k1)]
+    lo = np.zeros_like(hi)
+    lo[need] = np.choose(np.broadcast_to(r, hi.shape)[need], philox(*sub, 1))
+    return gumbel_of_bits(hi, lo)
 
 
 def _masses(keys: np.ndarray) -> np.ndarray:
