@@ -181,9 +181,15 @@ def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
     and gate_up, none for o, swiglu for down; no residual inside) and four plain
     `nvfp4_gemv_w4a4` launches, and no fused GEMV."""
     cfg = Config(
-        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split"
-    )
-    entries = re.findall(r"name = \\22(\w+)\\22", decode_step_cuda_text(cfg))
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split",
+        num_layers=3,
+    )  # fmt: skip
+    text = decode_step_cuda_text(cfg)
+    entries = re.findall(r"name = \\22(\w+)\\22", text)
+    # the quantizer's operands: x, the whole stack of 3 static input scales (not a slice), the
+    # norm weight, the layer index
+    quant_ops = re.findall(r"\} : \((tensor<2x\d+xbf16>, tensor<\d+xf32>),", text)
+    assert quant_ops and all(o.endswith("tensor<3xf32>") for o in quant_ops), quant_ops
     assert entries.count("nvfp4_quantize_bf16") == 4, entries
     assert entries.count("nvfp4_gemv_w4a4") == 4, entries
     assert "nvfp4_gemv_w4a4_bf16" not in entries
