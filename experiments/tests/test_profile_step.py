@@ -1,0 +1,77 @@
+"""The trace reader of experiments/profile_step.py, on a synthetic CUPTI-style trace."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import pathlib
+import sys
+
+import pytest
+
+_DIR = pathlib.Path(__file__).parents[1]
+sys.path.insert(0, str(_DIR))
+_spec = importlib.util.spec_from_file_location("profile_step", _DIR / "profile_step.py")
+ps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ps)
+
+
+def _trace(steps: int) -> dict:
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #7"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Ops"}},
+    ]
+    events, t = [], 0.0
+    for _ in range(steps):  # per step: two layers of (GEMV 10 us, fusion 2 us), lm_head 30 us
+        for name, dur in [("nvfp4_gemv_w4a4", 10), ("loop_add_fusion", 2)] * 2 + [
+            ("gemm_fusion_dot_4", 30)
+        ]:
+            events.append({"ph": "X", "pid": 2, "tid": 7, "ts": t, "dur": dur, "name": name})
+            # an XLA-op row and a host row over the same time: not kernels, must be ignored
+            events.append({"ph": "X", "pid": 2, "tid": 8, "ts": t, "dur": dur, "name": name})
+            events.append({"ph": "X", "pid": 1, "tid": 3, "ts": t, "dur": dur, "name": "host"})
+            t += dur + 1.0  # 1 us idle after every kernel
+    return {"traceEvents": meta + events}
+
+
+def test_summary_per_step_and_per_layer(tmp_path):
+    steps, layers = 4, 2
+    path = tmp_path / "plugins" / "profile" / "run" / "perfetto_trace.json.gz"
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump(_trace(steps), f)
+    events = ps.kernel_events(ps.load_trace(str(tmp_path)))
+    assert len(events) == 5 * steps  # stream kernels only
+    s = ps.summarise(events, steps, layers)
+    assert s["launches_per_step"] == 5
+    assert s["busy_us_per_step"] == pytest.approx(54.0)
+    # 54 us of kernels and 5 idle gaps of 1 us per step; the last gap is past the last kernel
+    assert s["span_us_per_step"] == pytest.approx((steps * 59 - 1) / steps)
+    assert s["classes"]["nvfp4_gemv"]["per_layer"] == 1.0
+    assert s["classes"]["nvfp4_gemv"]["us_per_layer"] == pytest.approx(10.0)
+    assert s["classes"]["xla_fusion"]["us_per_step"] == pytest.approx(4.0)
+    assert s["classes"]["cublas"]["per_step"] == 1.0
+    assert s["top"][0]["name"] == "gemm_fusion_dot_4"  # largest time per step first
+    assert 0 < s["idle_fraction"] < 0.1
+
+
+def test_variant_specs():
+    assert ps.parse_variant("nvfp4:8:gemm_min_m=8:attention=live") == (
+        "nvfp4",
+        8,
+        {"gemm_min_m": 8, "attention": "live"},
+    )
+    for bad in ("nvfp4", "fp16:1", "bf16:1:not_a_field=3"):
+        with pytest.raises(SystemExit):
+            ps.parse_variant(bad)
+    assert ps.classify("nvfp4_quantize_bf16") == "nvfp4_gemv"
+    assert ps.classify("rejax_decode_attention_partials") == "attention"
+    assert ps.classify("nvfp4_gemm_finish") == "nvfp4_gemm"
+
+
+def test_missing_trace_is_an_error(tmp_path):
+    with pytest.raises(RuntimeError, match="no trace file"):
+        ps.load_trace(str(tmp_path))
