@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from test_sampling import _chi2_pvalue
-from test_sampling_gpu import _logits, _nucleus64
+from test_sampling_gpu import _logits, _nucleus64, draw_tokens
 
-from rejax.sampling import SAMPLE_METHODS, Temperature, sample, sampler_init
+from rejax.sampling import SAMPLE_METHODS, Temperature
 
 
 def main() -> None:
@@ -31,18 +29,8 @@ def main() -> None:
     b = 64
     z = np.repeat(_logits("peaked", 1, seed=3), b, axis=0)
     smp = Temperature(t=1.0, top_p=1.0, top_p_method=args.method)
-    key = jax.random.key(11)
-
-    @jax.jit
-    def draws(z):
-        def body(s, i):
-            ks = jax.random.split(jax.random.fold_in(key, i), b)
-            return s, sample(ks, z, sampler_init(smp, b), smp)[0]
-
-        return jax.lax.scan(body, 0, jnp.arange(args.steps))[1]
-
     t0 = time.perf_counter()
-    tok = np.asarray(draws(jnp.asarray(z))).ravel()
+    tok = draw_tokens(z, smp, args.steps)
     p, _ = _nucleus64(z[0], 1.0, 1.0)
     n = tok.size
     counts = np.bincount(tok, minlength=p.size)

@@ -69,6 +69,23 @@ def test_lowered_on_gpu_as_three_custom_calls():
     assert hlo.count("__gpu$xla.gpu.ptx") == 3
 
 
+def draw_tokens(z: np.ndarray, smp, steps: int) -> np.ndarray:
+    """Tokens of `steps` sample calls on the rows of z (keys per row and step from key 11),
+    flattened; also used by experiments/sampler_tail_bias.py."""
+    b = z.shape[0]
+    key = jax.random.key(11)
+
+    @jax.jit
+    def draws(z):
+        def body(s, i):
+            ks = jax.random.split(jax.random.fold_in(key, i), b)
+            return s, sample(ks, z, sampler_init(smp, b), smp)[0]
+
+        return jax.lax.scan(body, 0, jnp.arange(steps))[1]
+
+    return np.asarray(draws(jnp.asarray(z))).ravel()
+
+
 @pytest.mark.parametrize(
     "kind,t,top_p,top_k",
     [("peaked", 0.6, 0.95, 0), ("real", 1.0, 0.95, 0), ("flat", 0.6, 0.95, 0),
@@ -111,17 +128,7 @@ def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
     b, steps = 64, 1600  # 102,400 draws
     z = np.repeat(_logits(kind, 1, seed=3), b, axis=0)
     smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
-    key = jax.random.key(11)
-
-    @jax.jit
-    def draws(z):
-        def body(s, i):
-            ks = jax.random.split(jax.random.fold_in(key, i), b)
-            return s, sample(ks, z, sampler_init(smp, b), smp)[0]
-
-        return jax.lax.scan(body, 0, jnp.arange(steps))[1]
-
-    tok = np.asarray(draws(jnp.asarray(z))).ravel()
+    tok = draw_tokens(z, smp, steps)
     # the kernel's float32 probabilities may move the boundary token across the float64 cut:
     # tokens within 1e-6 of mass of it count as kept (drawn with their tiny expected share)
     p, keep = _nucleus64(_top_k64(z[0], top_k), t, top_p, slack=1e-6)
