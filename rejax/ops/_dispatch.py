@@ -138,3 +138,24 @@ def default_launch() -> str:
     except Exception as err:  # noqa: BLE001 - any failure of the internal target -> fallback
         _LOG.warning("PTX custom call unusable (%s); using buffer_callback", err)
         return "callback"
+
+
+# ----------------------------------------------------------------------------- PTX custom calls
+
+# XLA's custom kernel call: a PTX entry launched on XLA's stream, the launch geometry and the
+# PTX itself in the backend config (`cuda_ops.build.escape_mlir`'s MLIR dictionary text).
+PTX_TARGET = "__gpu$xla.gpu.ptx"
+
+
+def lower_ptx(ctx, *args, backend_config: str):
+    """A lowering rule's body for one PTX kernel call on the primitive's operands."""
+    return jax.ffi.ffi_lowering(PTX_TARGET, api_version=2, backend_config=backend_config)(
+        ctx, *args
+    )
+
+
+def ptx_call(backend_config: str, out, *operands):
+    """The same call from traced code (inside `mlir.lower_fun`), `out` its result shapes."""
+    return jax.ffi.ffi_call(
+        PTX_TARGET, out, custom_call_api_version=2, legacy_backend_config=backend_config
+    )(*operands)

@@ -127,9 +127,7 @@ def _lower_quant_reference(ctx, *args, k, fused, kernel):
 def _lower_quant_cuda(ctx, *args, k, fused, kernel):
     if kernel is None:  # bound only with a built kernel by _lower_two; else the reference
         return _lower_quant_reference(ctx, *args, k=k, fused=fused, kernel=None)
-    return jax.ffi.ffi_lowering(
-        "__gpu$xla.gpu.ptx", api_version=2, backend_config=kernel.backend_config()
-    )(ctx, *args)
+    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
 
 
 mlir.register_lowering(_quant_p, _lower_quant_reference)
@@ -221,9 +219,7 @@ def _lower_cuda(ctx, *args, **params):
         fn = functools.partial(_reference, **{**params, "order": "dot"})
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if params["launch"] == "ptx":
-        return jax.ffi.ffi_lowering(
-            "__gpu$xla.gpu.ptx", api_version=2, backend_config=kernel.backend_config()
-        )(ctx, *args)
+        return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
     fn = functools.partial(_callback_impl, kernel=kernel)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 

@@ -128,9 +128,7 @@ def _lower_cuda(ctx, *args, **params):
         fn = functools.partial(_gemm_impl, kernel=kernel, launch=params["launch"])
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if params["launch"] == "ptx":
-        return jax.ffi.ffi_lowering(
-            "__gpu$xla.gpu.ptx", api_version=2, backend_config=kernel.backend_config()
-        )(ctx, *args)
+        return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
     return mlir.lower_fun(functools.partial(_callback_impl, kernel=kernel), multiple_results=False)(
         ctx, *args
     )
@@ -195,12 +193,7 @@ def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
 
     def call(entry, out, *ops):
         if launch == "ptx":
-            return jax.ffi.ffi_call(
-                "__gpu$xla.gpu.ptx",
-                out,
-                custom_call_api_version=2,
-                legacy_backend_config=kernel.backend_config(entry),
-            )(*ops)
+            return _dispatch.ptx_call(kernel.backend_config(entry), out, *ops)
         from jax.experimental.buffer_callback import buffer_callback
 
         return buffer_callback(kernel.callback(entry), out, command_buffer_compatible=True)(*ops)

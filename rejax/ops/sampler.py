@@ -109,12 +109,7 @@ def _lower_cuda(ctx, *args, **params):
 
 
 def _call(kern, entry: str, out, *operands):
-    return jax.ffi.ffi_call(
-        "__gpu$xla.gpu.ptx",
-        out,
-        custom_call_api_version=2,
-        legacy_backend_config=kern.backend_config(entry),
-    )(*operands)
+    return _dispatch.ptx_call(kern.backend_config(entry), out, *operands)
 
 
 def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
