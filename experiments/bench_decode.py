@@ -259,6 +259,12 @@ def main(argv=None) -> dict:
         help="Config.linear_fusion",
     )
     ap.add_argument(
+        "--rope-fusion",
+        default=rconfig.Config.rope_fusion,
+        choices=list(rconfig.ROPE_FUSIONS),
+        help="Config.rope_fusion",
+    )
+    ap.add_argument(
         "--gemm-min-m",
         type=int,
         default=rconfig.Config.gemm_min_m,
@@ -289,6 +295,7 @@ def main(argv=None) -> dict:
         layer_loop=args.layer_loop,
         attention=args.attention,
         linear_fusion=args.linear_fusion,
+        rope_fusion=args.rope_fusion,
         gemm_min_m=args.gemm_min_m,
     )
     if args.tiny:

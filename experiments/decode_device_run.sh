@@ -2,7 +2,7 @@
 # Device phases for the stacked / fused decoder ([T2-A]) and its comparisons on the H200.
 # Usage: experiments/decode_device_run.sh OUTDIR [phases]
 #   env      versions and GPU
-#   gputest  the gpu-marked tests (tests/test_kernels_gpu.py)
+#   gputest  the gpu-marked tests of GPU_TESTS (default tests/test_kernels_gpu.py)
 #   hlo      optimized-HLO report of the decode step (2 and 36 layers, bf16 and NVFP4)
 #   ab8      8-layer decode, this tree vs the baseline tree in .base/ (BASE), same GPU, one call
 #   abflags  this tree with XLA_FLAGS variants FLAGS_A / FLAGS_B (e.g. dynamic-slice fusion)
@@ -13,7 +13,8 @@
 #   attn     decode-attention benchmark and its gpu tests (tests/test_decode_attention.py)
 #   fused    8-layer NVFP4 fused vs unfused linears (FUSED_ARGS), then the fused-linear gpu tests
 #   fused36  36-layer bf16 / NVFP4 batch-1 speedup with the breakdown (FUSED36_ARGS)
-#   sampler  sampler micro-benchmark, then 36-layer decode loops per sampler (SAMPLER_ARGS)
+#   sampler  sampler micro-benchmark (SAMPLER_MICRO_ARGS), then 36-layer decode loops per sampler
+#            (SAMPLER_ARGS; SAMPLER_LOOP=0 skips them)
 #   train    Countdown search reasoners ([T2-F]), the runs of TRAIN_RUNS ("TAG SIZE [args]" per
 #            line; default sizes s and m) side by side (TRAIN_ARGS, default --time-budget 200),
 #            exported to OUT/countdown_TAG; TRAIN_SIDE (default "count fusedtest", or gpu test
@@ -29,6 +30,7 @@
 #   xover    GEMV vs tensor-core GEMM vs bf16 at small M, kernel alone (bench_gemm.py, XOVER_ARGS)
 #   mins     36-layer NVFP4 decode at Config.gemm_min_m in MINS (default "9 2"), MIN_ARGS
 #   runs     bench_decode.py once per line of RUNS ("TAG args..."), OUT/run_TAG.json (RUN_TIMEOUT)
+#   slots    refilled slots vs static batches ([T2-L], experiments/bench_slots.py, SLOTS_ARGS)
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
@@ -47,7 +49,7 @@ for phase in $phases; do
         python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
       } > "$out/env.txt" 2>&1; cat "$out/env.txt";;
     gputest)
-      timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_kernels_gpu.py -x \
+      timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
         > "$out/gpu_tests.log" 2>&1; echo "rc=$?"; tail -15 "$out/gpu_tests.log";;
     hlo)
       timeout ${HLO_TIMEOUT:-200} python3 experiments/hlo_report.py --layers 2 36 \
@@ -112,9 +114,10 @@ for phase in $phases; do
         python3 experiments/bench_decode.py $args --out "$out/fused36.json" \
         > "$out/fused36.log" 2>&1; echo "36 rc=$?"; grep "^\[\|FAIL\|first" "$out/fused36.log";;
     sampler)
-      timeout ${SAMPLER_TIMEOUT:-120} python3 experiments/bench_sampler.py \
+      timeout ${SAMPLER_TIMEOUT:-120} python3 experiments/bench_sampler.py ${SAMPLER_MICRO_ARGS:-} \
         --out "$out/bench_sampler.json" > "$out/bench_sampler.log" 2>&1; echo "micro rc=$?"
       tail -30 "$out/bench_sampler.log"
+      [ "${SAMPLER_LOOP:-1}" = 0 ] && { echo "[phase $phase took $(( $(date +%s) - t0 )) s]"; continue; }
       args=${SAMPLER_ARGS:---modes nvfp4 --batch 1 64 --gen-len 256 --repeats 3 --no-breakdown}
       JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache_new timeout ${SAMPLER_LOOP_TIMEOUT:-300} \
         python3 experiments/bench_decode.py $args \
@@ -220,6 +223,10 @@ for phase in $phases; do
           > "$out/run_$tag.log" 2>&1; echo "$tag rc=$?"
         grep "^\[\|FAIL\|Error" "$out/run_$tag.log" | tail -8
       done <<< "${RUNS:?RUNS: lines of TAG args}";;
+    slots)
+      args=${SLOTS_ARGS:---layers 1 --sampler greedy}
+      timeout ${SLOTS_TIMEOUT:-300} python3 experiments/bench_slots.py $args \
+        --out "$out/slots.json" > "$out/slots.log" 2>&1; echo "rc=$?"; tail -30 "$out/slots.log";;
     long)
       args=${LONG_ARGS:---quick}
       timeout ${LONG_TIMEOUT:-300} python3 experiments/bench_decode_long.py $args \

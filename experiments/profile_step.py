@@ -74,6 +74,8 @@ def classify(name: str) -> str:
         return "nvfp4_gemm"
     if "sampler" in n or "rejax_sample" in n:
         return "sampler"
+    if "rope_cache" in n:
+        return "rope"
     if "attention" in n or "flash" in n or "triton" in n or "pallas" in n or "decode_attn" in n:
         return "attention"
     if "gemm" in n or "cublas" in n or "cutlass" in n or "sm90_xmma" in n or "nvjet" in n:

@@ -48,6 +48,11 @@ LINEAR_FUSIONS = ("fused", "split", "unfused")
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
 # Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).
 KV_DTYPES = ("bf16", "fp8")
+# A decode step's attention prologue (one new token per row, bf16 cache): "fused"
+# (rejax.ops.rope_cache: Qwen3's q/k norms, RoPE and the cache write as one kernel on CUDA, the
+# cache updated in place) or "unfused" (the same composition as separate XLA ops). Elsewhere
+# than CUDA both are the same composition, bitwise.
+ROPE_FUSIONS = ("fused", "unfused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +85,7 @@ class Config:
     attention: str = "live"
     linear_fusion: str = "split"
     kv_dtype: str = "bf16"
+    rope_fusion: str = "fused"
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
@@ -94,6 +100,10 @@ class Config:
         if self.linear_fusion not in LINEAR_FUSIONS:
             raise ValueError(
                 f"unknown linear_fusion {self.linear_fusion!r}; expected one of {LINEAR_FUSIONS}"
+            )
+        if self.rope_fusion not in ROPE_FUSIONS:
+            raise ValueError(
+                f"unknown rope_fusion {self.rope_fusion!r}; expected one of {ROPE_FUSIONS}"
             )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; expected one of {KV_DTYPES}")

@@ -35,6 +35,7 @@ from rejax.layers import (
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops.decode_attention import decode_attention, prefill_attention
 from rejax.ops.fused_linear import fusable, fused_linear
+from rejax.ops.rope_cache import rope_cache
 
 
 def decoder_layer(
@@ -104,16 +105,28 @@ def decoder_layer(
     else:
         hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
         qkv = lin(hs, att, "qkv_proj")
-    q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
-    k = qkv[..., n * h : (n + kh) * h].reshape(b, t, kh, h)  # [B, T, K, H]
-    v = qkv[..., (n + kh) * h :].reshape(b, t, kh, h)  # [B, T, K, H]
-    if cfg.arch == "qwen3":
-        q = rms_norm(q, take(att["q_norm"]["scale"], i), cfg.rms_norm_eps)
-        k = rms_norm(k, take(att["k_norm"]["scale"], i), cfg.rms_norm_eps)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
-    if kv is not None:
-        kv = write_layer(kv, k, v, index, i)
+    if kv is not None and t == 1 and kv[2] is None and cfg.rope_fusion == "fused":
+        # one new token per row into a bf16 cache: q/k norms, RoPE and the cache write as one
+        # op (one kernel on CUDA, the cache updated in place; the same composition elsewhere)
+        norms = (None, None)
+        if cfg.arch == "qwen3":
+            norms = (att["q_norm"]["scale"], att["k_norm"]["scale"])
+        q, kc, vc = rope_cache(
+            qkv[:, 0], *norms, i, positions[:, 0], index, kv[0], kv[1], heads=n, kv_heads=kh,
+            head_dim=h, eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
+        )  # fmt: skip
+        q, kv = q[:, None], (kc, vc, None, None)  # [B, 1, N, H]
+    else:
+        q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
+        k = qkv[..., n * h : (n + kh) * h].reshape(b, t, kh, h)  # [B, T, K, H]
+        v = qkv[..., (n + kh) * h :].reshape(b, t, kh, h)  # [B, T, K, H]
+        if cfg.arch == "qwen3":
+            q = rms_norm(q, take(att["q_norm"]["scale"], i), cfg.rms_norm_eps)
+            k = rms_norm(k, take(att["k_norm"]["scale"], i), cfg.rms_norm_eps)
+        q = rope(q, positions, cfg.rope_theta)
+        k = rope(k, positions, cfg.rope_theta)
+        if kv is not None:
+            kv = write_layer(kv, k, v, index, i)
     if kv is not None and t == 1 and cfg.attention == "live":
         # one new token per row: read only the slots written so far, [0, index + 1) (with a
         # per-row index, up to the furthest row's; the positions mask the rest)

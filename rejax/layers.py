@@ -41,6 +41,11 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (scale * xf.astype(x.dtype)).astype(x.dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
+    """RoPE's float32 frequencies [H/2]: theta ** -(2i / H)."""
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     """Rotary position embedding with the Hugging Face `rotate_half` convention.
 
@@ -55,8 +60,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
         [B, T, N, H] in x's dtype.
     """
     h = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))  # [H/2]
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    freqs = positions.astype(jnp.float32)[..., None] * rope_inv_freq(h, theta)  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]  # [B, T, 1, H]
     cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
     x1, x2 = x[..., : h // 2], x[..., h // 2 :]

@@ -147,9 +147,14 @@ def default_launch() -> str:
 PTX_TARGET = "__gpu$xla.gpu.ptx"
 
 
-def lower_ptx(ctx, *args, backend_config: str):
-    """A lowering rule's body for one PTX kernel call on the primitive's operands."""
-    return jax.ffi.ffi_lowering(PTX_TARGET, api_version=2, backend_config=backend_config)(
+def lower_ptx(ctx, *args, backend_config: str, aliases: dict[int, int] | None = None):
+    """A lowering rule's body for one PTX kernel call on the primitive's operands.
+
+    `aliases` maps operand positions to the result positions that share their buffer (the
+    kernel then updates that operand in place; its output pointer is the operand's).
+    """
+    extra = {} if not aliases else {"operand_output_aliases": dict(aliases)}
+    return jax.ffi.ffi_lowering(PTX_TARGET, api_version=2, backend_config=backend_config, **extra)(
         ctx, *args
     )
 
