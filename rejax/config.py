@@ -50,8 +50,10 @@ LINEAR_FUSIONS = ("fused", "split", "unfused")
 KV_DTYPES = ("bf16", "fp8")
 # A decode step's attention prologue (one new token per row, bf16 cache): "fused"
 # (rejax.ops.rope_cache: Qwen3's q/k norms, RoPE and the cache write as one kernel on CUDA, the
-# cache updated in place) or "unfused" (the same composition as separate XLA ops). Elsewhere
-# than CUDA both are the same composition, bitwise.
+# cache updated in place) or "unfused" (the same composition as separate XLA ops: about seven
+# launches per layer). Elsewhere than CUDA both are the same composition, bitwise. "fused" is
+# opt-in until it has run on a GPU: it was written in a session without one (its GPU tests are
+# tests/test_rope_cache_gpu.py).
 ROPE_FUSIONS = ("fused", "unfused")
 
 
@@ -85,7 +87,7 @@ class Config:
     attention: str = "live"
     linear_fusion: str = "split"
     kv_dtype: str = "bf16"
-    rope_fusion: str = "fused"
+    rope_fusion: str = "unfused"
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8

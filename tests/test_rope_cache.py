@@ -106,7 +106,8 @@ def test_decode_step_lowers_to_one_aliased_kernel_per_layer():
     """On CUDA the decode step holds one `qk_norm_rope_cache` call (the scanned body once),
     its two cache operands aliased to its outputs, and no cos / sin / rsqrt of the rotation
     and norms left in XLA; "unfused" has no such call."""
-    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=2)
+    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=2,
+                 rope_fusion="fused")  # fmt: skip
     text = decode_step_cuda_text(cfg)
     entries = re.findall(r"name = \\22(\w+)\\22", text)
     assert entries.count("qk_norm_rope_cache") == 1, entries
@@ -123,7 +124,7 @@ def test_decode_step_lowers_to_one_aliased_kernel_per_layer():
 
 def test_fp8_cache_and_prompts_keep_the_composition():
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
-                 num_layers=2, kv_dtype="fp8")  # fmt: skip
+                 num_layers=2, kv_dtype="fp8", rope_fusion="fused")  # fmt: skip
     assert "qk_norm_rope_cache" not in decode_step_cuda_text(cfg)
 
 
