@@ -15,7 +15,7 @@
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
 //   R_ROWS                  weight rows a warp streams together (divides N_OUT)
 //   SPP                     1024-element K steps per work item (split-K inside a CTA)
-//   GRID, NTHREADS          CTAs (<= #SMs, one per SM) and threads per CTA
+//   GRID, NTHREADS          CTAs (persistent: MIN_CTAS per SM, default one) and threads per CTA
 //   GEMV_STREAM             0: the persistent design below; 1: the streaming variant (M <= 4,
 //                           see the end of this comment), which uses KSPLIT (warps per row
 //                           group splitting K) instead of SPP and GRID
@@ -74,6 +74,9 @@ typedef unsigned int u32;
 
 #ifndef GEMV_STREAM
 #define GEMV_STREAM 0
+#endif
+#ifndef MIN_CTAS
+#define MIN_CTAS 1  // persistent: resident CTAs per SM to compile for (GRID = MIN_CTAS x #SMs)
 #endif
 #ifndef RING_D
 #define RING_D 0
@@ -905,7 +908,7 @@ __device__ __forceinline__ void w4a4_step(float (&acc)[VP], const WTile& cur, in
 
 
 #if X_BF16
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     nvfp4_gemv_w4a4_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
                          const u16* __restrict__ nw_all, const u16* __restrict__ res,
                          const u8* __restrict__ wp_all, const u8* __restrict__ ws_all,
@@ -951,7 +954,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   });
 }
 #else  // !X_BF16
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
                     const float* __restrict__ xg, const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
@@ -1171,7 +1174,7 @@ __device__ __forceinline__ void chunk_dot16(float (&acc)[VP], const uint4 (&q)[R
 
 #if !GEMV_STREAM
 
-extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     nvfp4_gemv_w4a16(const u16* __restrict__ x, const u8* __restrict__ wp_all,
                      const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
                      const int* __restrict__ layer, u16* __restrict__ y) {

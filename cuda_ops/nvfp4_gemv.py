@@ -38,6 +38,7 @@ SOURCE = "nvfp4_gemv.cu"
 MAX_M = 8
 K_MULTIPLE = 256
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_90 (sm_89: 99 KiB, checked at build)
+SM_SMEM = 228 * 1024  # shared memory of one sm_90 SM (each resident CTA also reserves 1 KiB)
 DEFAULT_SMS = 132  # H200; used when lowering without a GPU
 # "w4a4x": W4A4 with bf16 activations quantized inside the kernel (plus a `Fused` prologue /
 # epilogue)
@@ -63,6 +64,10 @@ class GemvOptions:
         rows: weight rows per warp step (None: the plan's choice).
         threads: threads per CTA (None: the plan's choice).
         ring: persistent kernel's cp.async slots per warp (None: 4 at M = 8, else 0).
+        ctas: persistent kernel's CTAs per SM (None: 1). With c > 1 the grid is c x #SMs and
+            the kernel is compiled for c resident CTAs (`__launch_bounds__(threads, c)`: at
+            512 threads and c = 2, at most 64 registers per thread); their staged x and
+            partial sums must fit c times in an SM's shared memory.
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only, e.g. cache hints).
     """
@@ -71,6 +76,7 @@ class GemvOptions:
     rows: int | None = None
     threads: int | None = None
     ring: int | None = None
+    ctas: int | None = None
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -81,6 +87,8 @@ class GemvOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise KernelError(f"GemvOptions.{name}={value!r}, expected None or an int >= 0")
+        if self.ctas is not None and (not isinstance(self.ctas, int) or not 1 <= self.ctas <= 8):
+            raise KernelError(f"GemvOptions.ctas={self.ctas!r}, expected None or an int in 1..8")
 
 
 DEFAULT_OPTIONS = GemvOptions()
@@ -143,6 +151,7 @@ class Plan:
     variant: str = "persistent"  # or "stream" (M <= 4)
     ksplit: int = 1  # stream: warps of a row group splitting K
     ring: int = 0  # persistent: cp.async ring slots per warp (0: register double buffer)
+    ctas: int = 1  # persistent: resident CTAs per SM the kernel is compiled for
     gw_rows: bool = False  # one weight global scale per output row instead of per matrix
     fused: Fused | None = None  # act "w4a4x" only
 
@@ -166,6 +175,7 @@ class Plan:
             "KSPLIT": self.ksplit,
             "RING_D": self.ring,
             "GW_ROWS": int(self.gw_rows),
+            "MIN_CTAS": self.ctas,
         }
 
 
@@ -320,8 +330,9 @@ def plan_persistent(
     rmax = min(rmax, max(1, 32 // m))
     rows = next(r for r in (8, 4, 2, 1) if r <= rmax and n % r == 0)
     threads = options.threads or (512 if act != "w4a16" else 256)
+    ctas = options.ctas or 1
     groups = n // rows
-    grid = min(num_sms, groups)
+    grid = min(num_sms * ctas, groups)
     steps = -(-k // 1024)
     gpc = -(-groups // grid)
     warps = threads // 32
@@ -342,6 +353,7 @@ def plan_persistent(
         threads=threads,
         smem=base + ring * warps * rows * SLOT_BYTES_PER_ROW,
         ring=ring,
+        ctas=ctas,
     )
 
 
@@ -468,6 +480,11 @@ def _compile_job(
         p = dataclasses.replace(p, fused=fused or PLAIN)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
+    if p.ctas > 1 and p.ctas * (p.smem + 1024) > SM_SMEM:
+        raise KernelError(
+            f"{act} M={m} N={n} K={k}: {p.ctas} CTAs per SM need {p.ctas} x {p.smem} B of shared "
+            f"memory (an SM has {SM_SMEM} B); use fewer GemvOptions.ctas"
+        )
     if options.source is not None:  # experiments only: another revision of the source
         alt = pathlib.Path(options.source)
         if not alt.is_file():

@@ -60,9 +60,31 @@ _ENV_DEFINES = {
 LAYER0 = None  # int32 [] zero on the device: the layer operand of an unstacked weight
 
 
+GEMV_OPTIONS: dict = {}  # --gemv-options, over the environment's
+
+
+def parse_gemv_options(text: str) -> dict:
+    """'rows=2,ctas=2,variant=persistent' -> GemvOptions keyword arguments."""
+    import dataclasses
+
+    from cuda_ops import nvfp4_gemv
+
+    fields = {f.name for f in dataclasses.fields(nvfp4_gemv.GemvOptions)} - {"defines"}
+    kw = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise SystemExit(
+                f"--gemv-options {item!r}: expected NAME=VALUE, NAME in {sorted(fields)}"
+            )
+        kw[key] = value if key in ("variant", "source") else int(value)
+    return kw
+
+
 def options_from_env():
-    """GemvOptions from the REJAX_GEMV_* variables the device scripts set (experiments only);
-    REJAX_GEMV_DIAG=1 compiles experiments/kernels/nvfp4_gemv_diag.cu with its diagnostics."""
+    """GemvOptions from the REJAX_GEMV_* variables the device scripts set and --gemv-options
+    (experiments only); REJAX_GEMV_DIAG=1 compiles experiments/kernels/nvfp4_gemv_diag.cu with
+    its diagnostics."""
     import os
 
     from cuda_ops import nvfp4_gemv
@@ -81,7 +103,7 @@ def options_from_env():
         if os.environ.get(var):
             defines.append((define, os.environ[var]))
             kw.setdefault("source", "experiments/kernels/nvfp4_gemv_diag.cu")
-    return nvfp4_gemv.GemvOptions(defines=tuple(defines), **kw)
+    return nvfp4_gemv.GemvOptions(defines=tuple(defines), **(kw | GEMV_OPTIONS))
 
 
 # ----------------------------------------------------------------------------- timers
@@ -604,12 +626,18 @@ def main():
     )
     ap.add_argument("--no-chain", action="store_true")
     ap.add_argument(
+        "--gemv-options",
+        default="",
+        help="GemvOptions fields for our kernel, e.g. rows=2,ctas=2 (recorded in the JSON)",
+    )
+    ap.add_argument(
         "--time-budget",
         type=float,
         default=1e9,
         help="seconds; later (shape, M) pairs are skipped once exceeded",
     )
     args = ap.parse_args()
+    GEMV_OPTIONS.update(parse_gemv_options(args.gemv_options))
     ms = [int(v) for v in args.ms.split(",")]
     shapes = (
         unique_shapes()
@@ -632,6 +660,7 @@ def main():
         "versions": _versions(torch),
         "device": str(jax.devices()[0]),
         "launch": _dispatch.default_launch(),
+        "gemv_options": repr(options_from_env()),
         "method": __doc__,
     }
     try:

@@ -509,6 +509,31 @@ def test_nvrtc_compiles_ring_and_register_pipelines(tmp_path, monkeypatch, act, 
     nvfp4_gemv._build_cached.cache_clear()
 
 
+@needs_nvrtc
+def test_ctas_per_sm_option_compiles_for_that_occupancy(tmp_path, monkeypatch):
+    """GemvOptions(ctas=2): a grid of 2 x #SMs CTAs compiled for 2 resident CTAs per SM
+    (`.minnctapersm 2`, which caps ptxas at 64 registers for 512 threads); the default is one;
+    a plan whose shared memory does not fit twice in an SM is refused, bad values are refused."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    nvfp4_gemv._build_cached.cache_clear()
+    try:
+        two = nvfp4_gemv.GemvOptions(variant="persistent", rows=2, ctas=2)
+        kernel = nvfp4_gemv.build("w4a4", 1, 4096, 12288, arch="compute_90", num_sms=132,
+                                  options=two)  # fmt: skip
+        assert kernel.plan.grid == 264 and kernel.plan.ctas == 2
+        assert re.search(r"\.minnctapersm\s+2\b", kernel.ptx)
+        assert "grid_x = 264," in kernel.backend_config()
+        one = nvfp4_gemv.build("w4a4", 1, 4096, 12288, arch="compute_90", num_sms=132,
+                               options=nvfp4_gemv.GemvOptions(variant="persistent"))  # fmt: skip
+        assert one.plan.grid == 132 and re.search(r"\.minnctapersm\s+1\b", one.ptx)
+        with pytest.raises(nvfp4_gemv.KernelError, match="2 CTAs per SM need"):
+            nvfp4_gemv.build("w4a4", 8, 4096, 12288, arch="compute_90", options=two)
+        with pytest.raises(nvfp4_gemv.KernelError, match="ctas=0"):
+            nvfp4_gemv.GemvOptions(ctas=0)
+    finally:
+        nvfp4_gemv._build_cached.cache_clear()
+
+
 def _ptx_by_options(values, m=1, **fixed):
     """PTX of the W4A4 1024 x 4096 kernel at M = m for each GemvOptions(**fixed, **value)."""
     out = {}

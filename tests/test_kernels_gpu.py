@@ -118,15 +118,19 @@ def _rel(torch, a, b):
     return float(torch.linalg.norm(a.double() - b) / torch.linalg.norm(b))
 
 
-@pytest.mark.parametrize("variant", ["persistent", "stream"])
+@pytest.mark.parametrize("variant", ["persistent", "stream", "ctas2"])
 @pytest.mark.parametrize("act", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("shape_set", ["models", "odd", "stacked"])
 def test_kernel_matches_float64_reference(torch, variant, act, shape_set):
     """Every layer shape and odd shapes, M = 1..8; "stacked": a stack of 3 matrices with one
-    global scale per row, layer 2 selected by the device index."""
+    global scale per row, layer 2 selected by the device index. "ctas2": the persistent kernel
+    at two CTAs per SM (rows=2), for the M whose shared memory fits twice in an SM."""
     from cuda_ops import nvfp4_gemv
 
-    options = nvfp4_gemv.GemvOptions(variant=variant)  # stream applies to M <= 4
+    if variant == "ctas2":
+        options = nvfp4_gemv.GemvOptions(variant="persistent", rows=2, ctas=2)
+    else:
+        options = nvfp4_gemv.GemvOptions(variant=variant)  # stream applies to M <= 4
     gen = torch.Generator(device="cuda")
     gen.manual_seed(_seed(act, shape_set, variant))
     failures = []
@@ -136,7 +140,12 @@ def test_kernel_matches_float64_reference(torch, variant, act, shape_set):
         shapes = shapes[:4]
     for n, k in shapes:
         for m in range(1, 9):
-            kernel = nvfp4_gemv.build(act, m, n, k, options=options, gw_rows=stacked)
+            try:
+                kernel = nvfp4_gemv.build(act, m, n, k, options=options, gw_rows=stacked)
+            except nvfp4_gemv.KernelError as err:
+                if variant == "ctas2" and "CTAs per SM need" in str(err):
+                    continue  # this M's staged x does not fit twice in an SM
+                raise
             ops = _operands(
                 torch,
                 act,
