@@ -244,7 +244,8 @@ def stub_compilers(monkeypatch):
         elif defines.get("QUANT_ONLY"):
             entries = {nvfp4_quant.ENTRY: 7}
         else:
-            entries = {"nvfp4_gemv_w4a4": 8} if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
+            w4a4 = {"nvfp4_gemv_w4a4": 8 + defines.get("EPI_RES", 0)}  # + res [M, N]
+            entries = w4a4 if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
         text = ".version 9.0\n.target sm_90\n"
         for entry, nparams in entries.items():
             params = ", ".join(f".param .u64 p{i}" for i in range(nparams))

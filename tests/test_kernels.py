@@ -405,7 +405,7 @@ def stub_compiler(monkeypatch):
     def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append((defines, arch))
         entry = "nvfp4_gemv_w4a4" if defines["ACT_W4A4"] else "nvfp4_gemv_w4a16"
-        nparams = 8 if defines["ACT_W4A4"] else 6
+        nparams = 8 + defines.get("EPI_RES", 0) if defines["ACT_W4A4"] else 6  # + res [M, N]
         params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
         return f'.version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }} // "q" a\\b\t\n'
 

@@ -137,10 +137,11 @@ mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 def _two_kernels(
     x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows
 ):
-    """The quantizer kernel, then the plain W4A4 GEMV on its codes, then the residual add."""
+    """The quantizer kernel, then the plain W4A4 linear on its codes with the residual: the GEMV
+    adds it in its epilogue, after the GEMM it is an XLA add (`rejax.ops.linear.gemv_call`)."""
     pro = dataclasses.replace(fused, residual=False)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
-    y = gemv_call(
+    return gemv_call(
         (xp, xs, xgr, wp, ws, wg, layer),
         act="w4a4",
         n=n,
@@ -150,8 +151,8 @@ def _two_kernels(
         gw_rows=gw_rows,
         options=options,
         gemm_options=gemm_options,
+        residual=res if fused.residual else None,
     )
-    return res + y if fused.residual else y
 
 
 def _lower_two(ctx, *args, **params):
@@ -174,7 +175,13 @@ def _lower_two(ctx, *args, **params):
                 nvfp4_gemm.build(m, n, k, options=params["gemm_options"], gw_rows=params["gw_rows"])
             else:
                 nvfp4_gemv.build(
-                    "w4a4", m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+                    "w4a4",
+                    m,
+                    n,
+                    k,
+                    options=params["options"],
+                    gw_rows=params["gw_rows"],
+                    residual=fused.residual,
                 )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")

@@ -57,8 +57,14 @@ def _weight(wp, ws, wg, layer, n: int, k: int) -> Nvfp4Tensor:
     return nvfp4.take(w, layer) if wp.ndim == 3 else w
 
 
-def _reference(*args, act: str, n: int, k: int, order: str = "auto", **_: Any) -> jax.Array:
-    """Reference numerics on the primitive's operands (see `_operands`)."""
+def _reference(
+    *args, act: str, n: int, k: int, order: str = "auto", residual: bool = False, **_: Any
+) -> jax.Array:
+    """Reference numerics on the primitive's operands (see `_operands`; with `residual`, res
+    [M, N] after xg and the bf16 add res + y)."""
+    if residual:
+        xp, xs, xg, res, *w = args
+        return res + _reference(xp, xs, xg, *w, act=act, n=n, k=k, order=order)
     if act == "w4a4":
         xp, xs, xg, wp, ws, wg, layer = args
         m = xp.shape[0]
@@ -118,7 +124,13 @@ def _lower_cuda(ctx, *args, **params):
                 )
             else:
                 kernel = nvfp4_gemv.build(
-                    act, m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+                    act,
+                    m,
+                    n,
+                    k,
+                    options=params["options"],
+                    gw_rows=params["gw_rows"],
+                    residual=params["residual"],
                 )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"{kind} build failed: {err}")
@@ -126,6 +138,8 @@ def _lower_cuda(ctx, *args, **params):
         return _lower_gpu_reference(ctx, *args, **params)
     if kind == "gemm":
         fn = functools.partial(_gemm_impl, kernel=kernel, launch=params["launch"])
+        if params["residual"]:  # the GEMM has no residual epilogue: an XLA add after it
+            fn = functools.partial(_gemm_residual, fn)
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if params["launch"] == "ptx":
         return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
@@ -185,6 +199,10 @@ def gemm_finish(
     g = jax.lax.dynamic_index_in_dim(wg, layer, axis=0, keepdims=False) if stacked else wg
     alpha = (g[None, :] if g.ndim == 1 else g) * xg[:, None]
     return ((acc * jnp.float32(2.0 ** (14 - w_shift))) * alpha).astype(jnp.bfloat16)
+
+
+def _gemm_residual(gemm, xp, xs, xg, res, wp, ws, wg, layer):
+    return res + gemm(xp, xs, xg, wp, ws, wg, layer)
 
 
 def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
@@ -255,8 +273,23 @@ def gemv_call(
     options=nvfp4_gemv.DEFAULT_OPTIONS,
     gemm_options=nvfp4_gemm.DEFAULT_OPTIONS,
     order="auto",
+    residual=None,
 ):
-    """Binds the primitive on flat kernel operands (see `_operands`)."""
+    """Binds the primitive on flat kernel operands (see `_operands`).
+
+    `residual` (W4A4 only): bf16 [M, N] added to the output, y = residual + linear (XLA's bf16
+    add). The GEMV takes it as an operand after xg and adds it in its epilogue (no launch of its
+    own); after the GEMM (M >= `gemm_options.min_m`) and in the reference it is that XLA add.
+    """
+    if residual is not None:
+        if act != "w4a4":
+            raise ValueError(f"residual= is only for act='w4a4', got act={act!r}")
+        m = args[0].shape[0]
+        if tuple(residual.shape) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16):
+            raise ValueError(
+                f"residual {residual.shape} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
+            )
+        args = (*args[:3], residual, *args[3:])
     return _gemv_p.bind(
         *args,
         act=act,
@@ -268,6 +301,7 @@ def gemv_call(
         options=options,
         gemm_options=gemm_options,
         order=order,
+        residual=residual is not None,
     )
 
 
