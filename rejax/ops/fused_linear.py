@@ -17,8 +17,10 @@ quantization with the reference's exact divisions, GEMV, residual); the kernel's
 the mean square in another order than XLA, so its output may differ from the composition by
 that rounding. With `kernels="two"` the prologue and the quantizer run once, in
 `nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, rows split over the grid, the same device code), and the
-plain W4A4 GEMV reads its codes; the residual add is then an XLA op. Everything else (M > 8,
-per-shard input scales, W4A16, the buffer_callback launch) is the composition.
+plain W4A4 GEMV reads its codes and adds the residual in its epilogue (built with -DEPI_RES=1:
+the composition's bf16 add, tests/test_quant_kernel_gpu.py checks it bitwise); from `gemm_options.min_m` on the GEMM reads them and
+the residual add is an XLA op after it. Everything else (M > 8, per-shard input scales, W4A16,
+the buffer_callback launch) is the composition.
 """
 
 from __future__ import annotations

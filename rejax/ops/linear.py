@@ -15,7 +15,8 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
   small second kernel that sums the float32 partials in split order). Either is emitted as XLA's
   PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
-  "callback"). When the chosen
+  "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: the GEMV adds r in its epilogue
+  (-DEPI_RES=1, res [M, N] operand after xg), after the GEMM it is an XLA add. When the chosen
   kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
   on a GPU), the reason logged once.
