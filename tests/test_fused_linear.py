@@ -154,8 +154,8 @@ def stub_compiler(monkeypatch):
     def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
         if name == nvfp4_gemm.SOURCE:
             entries = {
-                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
-                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
+                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
             }
         else:
             seen.append(defines)
@@ -225,61 +225,67 @@ def _bf16_adds(text: str, shape: str) -> int:
     return len(re.findall(rf"stablehlo\.add %\S+, %\S+ : tensor<{shape}xbf16>", text))
 
 
+GEMM_SPLIT = nvfp4_gemm.GemmOptions(splitk=2)  # a K split: the finish kernel adds the residual
+
+
 @pytest.mark.parametrize("prologue", ["none", "swiglu"])  # o_proj, down_proj
 @pytest.mark.parametrize("m", [1, 4, 8])
-def test_split_residual_is_the_gemv_epilogue(stub_compiler, prologue, m):
-    """kernels="two" with a residual: below the GEMM's min_m (8) the plain GEMV is built with
-    EPI_RES and takes res [M, N] as its 4th operand (xp, xs, xg, res, wp, ws, wg, layer), and no
-    bf16 add of [M, N] is left after it; at M = 8 the GEMM runs and the add stays an XLA op."""
+def test_split_residual_is_the_linear_epilogue(stub_compiler, prologue, m):
+    """kernels="two" with a residual: the linear after the quantizer takes res [M, N] as an
+    operand right after xg and no bf16 add of [M, N] is left after it. Below the GEMM's min_m
+    (8) the plain GEMV built with EPI_RES (xp, xs, xg, res, wp, ws, wg, layer); at M = 8 the
+    GEMM (x_hat, xg, res, wp, ws, wg, layer) and, with a K split, its finish kernel (partials,
+    xg, res, wg, layer)."""
     w = _stacked(False)
     width = 2 * K if prologue == "swiglu" else K
     params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
-    f = jax.jit(
-        lambda x, r: fl.fused_linear(
-            x, params, layer=jnp.int32(1), prologue=prologue, residual=r, kernels="two"
-        )
-    )
+    kw = {"layer": jnp.int32(1), "kernels": "two", "gemm_options": GEMM_SPLIT}
+    f = jax.jit(lambda x, r: fl.fused_linear(x, params, prologue=prologue, residual=r, **kw))
     x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
     text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
     calls = _ptx_calls(text)
     names = [name for name, _ in calls]
     res = f"tensor<{m}x{N}xbf16>"
+    assert _bf16_adds(text, f"{m}x{N}") == 0, "the residual add is still an XLA op"
     if m < nvfp4_gemm.DEFAULT_MIN_M:
         assert names == [nvfp4_quant.ENTRY, "nvfp4_gemv_w4a4"], names
         assert len(calls[1][1]) == 8 and calls[1][1][3] == res, calls[1][1]
-        assert _bf16_adds(text, f"{m}x{N}") == 0, "the residual add is still an XLA op"
         gemv = [d for d in stub_compiler if not d.get("QUANT_ONLY")]
         assert [d.get("EPI_RES") for d in gemv] == [1], gemv
     else:
-        assert nvfp4_gemm.ENTRY in names and "nvfp4_gemv_w4a4" not in names, names
-        assert all(res not in ops for _, ops in calls), calls
-        assert _bf16_adds(text, f"{m}x{N}") == 1
-    # without a residual the plain GEMV keeps its 7 operands and builds without EPI_RES
+        assert names == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, nvfp4_gemm.FINISH_ENTRY], names
+        assert len(calls[1][1]) == 7 and calls[1][1][2] == res, calls[1][1]
+        assert len(calls[2][1]) == 5 and calls[2][1][2] == res, calls[2][1]
+    # without a residual the linear keeps its operands (GEMV 7, GEMM 6) and builds no EPI_RES
     stub_compiler.clear()
-    f = jax.jit(lambda x: fl.fused_linear(x, params, layer=jnp.int32(1), kernels="two"))
+    f = jax.jit(lambda x: fl.fused_linear(x, params, **kw))
     text = f.trace(jnp.zeros((m, K), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    sizes = {name: len(ops) for name, ops in _ptx_calls(text)}
     if m < nvfp4_gemm.DEFAULT_MIN_M:
-        assert [len(ops) for name, ops in _ptx_calls(text) if name == "nvfp4_gemv_w4a4"] == [7]
+        assert sizes["nvfp4_gemv_w4a4"] == 7, sizes
         assert all("EPI_RES" not in d for d in stub_compiler if not d.get("QUANT_ONLY"))
+    else:
+        assert sizes[nvfp4_gemm.ENTRY] == 6 and sizes[nvfp4_gemm.FINISH_ENTRY] == 4, sizes
 
 
-def test_split_decode_step_adds_the_residuals_in_the_gemv(stub_compiler):
-    """linear_fusion="split" at batch 2: the o_proj and down_proj GEMVs take the residual (8
-    operands, res [B, D] 4th) and the scanned layer has no bf16 add of [B, D] left, two fewer
-    than the unfused decoder's; at batch 8 (the GEMM) both adds stay XLA ops."""
+def test_split_decode_step_adds_the_residuals_in_the_linears(stub_compiler):
+    """linear_fusion="split": the o_proj and down_proj linears take the residual (res [B, D]
+    after xg) and the scanned layer has no bf16 add of [B, D] left, two fewer than the unfused
+    decoder's; at batch 2 in the GEMV, at batch 8 in the GEMM."""
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split",
         num_layers=3,
     )  # fmt: skip
-    text = decode_step_cuda_text(cfg, 2)
-    gemvs = [ops for name, ops in _ptx_calls(text) if name == "nvfp4_gemv_w4a4"]
-    assert sorted(len(ops) for ops in gemvs) == [7, 7, 8, 8], gemvs
-    assert all(ops[3] == "tensor<2x256xbf16>" for ops in gemvs if len(ops) == 8), gemvs
     # [B, D] or [B, T, D] (the unfused decoder adds before folding T into M)
-    assert _bf16_adds(text, "2x(1x)?256") == 0
     unfused = dataclasses.replace(cfg, linear_fusion="unfused")
     assert _bf16_adds(decode_step_cuda_text(unfused, 2), "2x(1x)?256") == 2
-    assert _bf16_adds(decode_step_cuda_text(cfg, 8), "8x(1x)?256") == 2
+    for b, entry, at in ((2, "nvfp4_gemv_w4a4", 3), (8, nvfp4_gemm.ENTRY, 2)):
+        text = decode_step_cuda_text(cfg, b)
+        ops = [o for name, o in _ptx_calls(text) if name == entry]
+        n = 7 if entry == nvfp4_gemm.ENTRY else 8  # the operands with the residual
+        assert sorted(len(o) for o in ops) == [n - 1, n - 1, n, n], ops
+        assert all(o[at] == f"tensor<{b}x256xbf16>" for o in ops if len(o) == n), ops
+        assert _bf16_adds(text, f"{b}x(1x)?256") == 0, b
 
 
 def test_split_refuses_unknown_kernels():

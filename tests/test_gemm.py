@@ -238,8 +238,8 @@ def stub_compilers(monkeypatch):
         seen.append((name, defines))
         if name == nvfp4_gemm.SOURCE:
             entries = {
-                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
-                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
+                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
             }
         elif defines.get("QUANT_ONLY"):
             entries = {nvfp4_quant.ENTRY: 7}
@@ -408,6 +408,41 @@ def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
         cluster = kern.plan.splitk > 1 and kern.plan.reduce == "cluster"
         assert (f".reqnctapercluster 1, 1, {kern.plan.splitk}" in kern.ptx) == cluster
         assert ("mapa.shared::cluster" in kern.ptx) == cluster
+    nvfp4_gemm._build_cached.cache_clear()
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(
+    ("m", "k", "options"),
+    [
+        (8, 12288, {}),  # Qwen3-8B down_proj at batch 8: a K split through the finish kernel
+        (8, 12288, {"reduce": "cluster"}),  # the split added in a cluster: one kernel
+        (256, 12288, {}),  # no K split
+        (128, 4096, {"wm": 2}),
+    ],
+)
+def test_nvrtc_compiles_the_residual_epilogue(tmp_path, monkeypatch, m, k, options):
+    """build(residual=True) adds -DEPI_RES=1: both entries take res [M, N] after xg (8 and 6
+    parameters, outputs at 7 and 5), stay in registers and round twice per bf16 store (the
+    GEMM's value, then the sum); without it the module is the one of -DEPI_RES=0."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    nvfp4_gemm._build_cached.cache_clear()
+    opts = nvfp4_gemm.GemmOptions(**options)
+    plain = nvfp4_gemm.build(m, 4096, k, arch="compute_90", options=opts)
+    res = nvfp4_gemm.build(m, 4096, k, arch="compute_90", options=opts, residual=True)
+    zero = nvfp4_gemm.GemmOptions(**options, defines=(("EPI_RES", "0"),))
+    assert nvfp4_gemm.build(m, 4096, k, arch="compute_90", options=zero).ptx == plain.ptx
+    assert "EPI_RES" not in plain.plan.defines() and res.plan.defines()["EPI_RES"] == 1
+    assert cbuild.ptx_entries(res.ptx) == {nvfp4_gemm.ENTRY: 8, nvfp4_gemm.FINISH_ENTRY: 6}
+    assert "output_indices = [7]" in res.backend_config()
+    assert "output_indices = [5]" in res.backend_config(nvfp4_gemm.FINISH_ENTRY)
+    assert ".local" not in res.ptx
+    stores = plain.ptx.count("st.global.u16")
+    assert stores >= 1 and res.ptx.count("st.global.u16") == stores
+    assert plain.ptx.count("cvt.rn.bf16.f32") == stores
+    assert res.ptx.count("cvt.rn.bf16.f32") == 2 * stores
+    with pytest.raises(nvfp4_gemm.KernelError, match="residual=1, expected a bool"):
+        nvfp4_gemm.build(m, 4096, k, arch="compute_90", residual=1)
     nvfp4_gemm._build_cached.cache_clear()
 
 

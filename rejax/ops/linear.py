@@ -15,8 +15,9 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
   small second kernel that sums the float32 partials in split order). Either is emitted as XLA's
   PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
-  "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: the GEMV adds r in its epilogue
-  (-DEPI_RES=1, res [M, N] operand after xg), after the GEMM it is an XLA add. When the chosen
+  "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: either kernel adds r in its
+  epilogue (-DEPI_RES=1, res [M, N] an operand after xg; with the GEMM's K split, the finish
+  kernel's), the bf16 add of the reference. When the chosen
   kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
   on a GPU), the reason logged once.
@@ -121,7 +122,12 @@ def _lower_cuda(ctx, *args, **params):
         try:
             if kind == "gemm":
                 kernel = nvfp4_gemm.build(
-                    m, n, k, options=params["gemm_options"], gw_rows=params["gw_rows"]
+                    m,
+                    n,
+                    k,
+                    options=params["gemm_options"],
+                    gw_rows=params["gw_rows"],
+                    residual=params["residual"],
                 )
             else:
                 kernel = nvfp4_gemv.build(
@@ -139,8 +145,6 @@ def _lower_cuda(ctx, *args, **params):
         return _lower_gpu_reference(ctx, *args, **params)
     if kind == "gemm":
         fn = functools.partial(_gemm_impl, kernel=kernel, launch=params["launch"])
-        if params["residual"]:  # the GEMM has no residual epilogue: an XLA add after it
-            fn = functools.partial(_gemm_residual, fn)
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if params["launch"] == "ptx":
         return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
@@ -202,12 +206,10 @@ def gemm_finish(
     return ((acc * jnp.float32(2.0 ** (14 - w_shift))) * alpha).astype(jnp.bfloat16)
 
 
-def _gemm_residual(gemm, xp, xs, xg, res, wp, ws, wg, layer):
-    return res + gemm(xp, xs, xg, wp, ws, wg, layer)
-
-
-def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
+def _gemm_impl(*args, kernel, launch):
     p = kernel.plan
+    # (xp, xs, xg, wp, ws, wg, layer), res [M, N] after xg with the residual
+    xp, xs, xg, *res, wp, ws, wg, layer = args
     xh = gemm_x_operand(xp, xs)
 
     def call(entry, out, *ops):
@@ -219,10 +221,10 @@ def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
 
     y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
     if not p.partials:
-        return call(nvfp4_gemm.ENTRY, y, xh, xg, wp, ws, wg, layer)
+        return call(nvfp4_gemm.ENTRY, y, xh, xg, *res, wp, ws, wg, layer)
     part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
-    part = call(nvfp4_gemm.ENTRY, part, xh, xg, wp, ws, wg, layer)
-    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, wg, layer)
+    part = call(nvfp4_gemm.ENTRY, part, xh, xg, *res, wp, ws, wg, layer)
+    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, *res, wg, layer)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -279,8 +281,8 @@ def gemv_call(
     """Binds the primitive on flat kernel operands (see `_operands`).
 
     `residual` (W4A4 only): bf16 [M, N] added to the output, y = residual + linear (XLA's bf16
-    add). The GEMV takes it as an operand after xg and adds it in its epilogue (no launch of its
-    own); after the GEMM (M >= `gemm_options.min_m`) and in the reference it is that XLA add.
+    add, as the reference runs it). The GEMV and the GEMM take it as an operand after xg and
+    add it in their epilogue (no launch of its own).
     """
     if residual is not None:
         if act != "w4a4":
