@@ -357,6 +357,23 @@ def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers, monkeypatc
     assert any("W4A4 only" in why for op, why in _dispatch.noted() if op == "nvfp4_linear")
 
 
+def test_launch_passes_the_residual_to_both_entries(stub_compilers, monkeypatch):
+    """With the residual and a K split, the direct launch gives res (right after xg) to the
+    GEMM and to the finish kernel, the workspace between them; a pointer short is refused."""
+    kern = nvfp4_gemm.build(8, 4096, 4096, arch="compute_90", num_sms=132, residual=True)
+    assert kern.plan.partials and kern.plan.n_inputs == 7
+    seen = []
+    monkeypatch.setattr(nvfp4_gemm.GemmKernel, "_launch", lambda _, *a: seen.append(a))
+    xh, xg, res, wp, ws, wg, layer, y, work = range(1, 10)
+    kern.launch(0, [xh, xg, res, wp, ws, wg, layer, y], workspace=work)
+    assert seen == [
+        (nvfp4_gemm.ENTRY, 0, [xh, xg, res, wp, ws, wg, layer, work]),
+        (nvfp4_gemm.FINISH_ENTRY, 0, [work, xg, res, wg, layer, y]),
+    ]
+    with pytest.raises(nvfp4_gemm.KernelError, match="takes 8 pointers, got 7"):
+        kern.launch(0, [xh, xg, wp, ws, wg, layer, y], workspace=work)
+
+
 def test_impl_ref_on_cuda_never_builds(stub_compilers):
     rng = np.random.default_rng(7)
     w = nvfp4.quantize_weight(rng.standard_normal((64, 256)).astype(np.float32))
