@@ -24,6 +24,9 @@
 //                        cluster (compile-time cluster dims) and add their partials through
 //                        distributed shared memory, in split order: one kernel, bf16 out
 //   GW_ROWS              the weight global scale is per row ([L, N]) instead of per matrix
+//   EPI_RES              both entries take a bf16 residual res [M, N] after xg and store
+//                        res + y (the decoder's residual add, XLA's bf16 add: the two bf16
+//                        values added in fp32, rounded once); the partials are unchanged
 //
 // Numerics (exact until the fp32 accumulation): a weight e2m1 * SFw has at most 6 significant
 // bits and is a multiple of 2^-10 (at most 2688), so w' = e2m1 * SFw * 2^(W_SHIFT - 14) is exact
@@ -82,6 +85,9 @@ typedef unsigned int u32;
 #endif
 #ifndef W_SHIFT
 #define W_SHIFT 7
+#endif
+#ifndef EPI_RES
+#define EPI_RES 0
 #endif
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
@@ -179,6 +185,15 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+}
+
+__device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float((u32)h << 16); }
+
+// the value stored at y[m, n]: the GEMM's y, plus the residual with EPI_RES (y rounded to bf16
+// first, as the bf16 output an XLA add would read)
+__device__ __forceinline__ float epi(const u16* res, int m, int n, float y) {
+  if constexpr (EPI_RES) return bf16f(res[(size_t)m * N_OUT + n]) + bf16f(f32_to_bf16(y));
+  return y;
 }
 
 // 8 codes (nibble i = element i) -> 4 f16x2 P_i = (e_i, e_{i+4}) * 2^-14 * scale2, exact.
@@ -279,9 +294,10 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], i
 // ---------------------------------------------------------------------------- kernel
 
 // xh: fp16 x_hat [M, K] (permuted, see above); xg: float32 [M] activation global scales;
-// wp / ws / wg: weight codes, scales, global scales (stacked); layer: int32 []; out: bf16 [M, N]
-// (SPLITK == 1) or float32 partial sums [SPLITK, M, N] without the global scales and
-// 2^(14 - W_SHIFT).
+// res (EPI_RES only): bf16 [M, N]; wp / ws / wg: weight codes, scales, global scales (stacked);
+// layer: int32 []; out: bf16 [M, N] (SPLITK == 1, or the cluster reduction) or float32 partial
+// sums [SPLITK, M, N] without the global scales and 2^(14 - W_SHIFT) (res is then read by
+// nvfp4_gemm_finish only).
 #if CLUSTER_RED
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
@@ -307,8 +323,14 @@ __device__ __forceinline__ float ld_cluster(u32 addr) {
 
 extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
     nvfp4_gemm_w4a4(const u16* __restrict__ xh, const float* __restrict__ xg,
+#if EPI_RES
+                    const u16* __restrict__ res,
+#endif
                     const u8* __restrict__ wp, const u8* __restrict__ ws,
                     const float* __restrict__ wg, const int* __restrict__ layer, void* out) {
+#if !EPI_RES
+  const u16* const res = nullptr;  // no residual operand: epi() is the GEMM's value
+#endif
   extern __shared__ __align__(128) u8 smem[];
   const int tid = threadIdx.x, lane = tid & 31, wn = (tid >> 5) % WN, wm = (tid >> 5) / WN;
   const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TILE_N, z = blockIdx.z;
@@ -372,7 +394,8 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
     for (int sr = 1; sr < SPLITK; ++sr) a += ld_cluster(map_rank(addr, sr));
     if (m < M_TOK && n < N_OUT) {
       const float alpha = wg[GW_ROWS ? n : 0] * xg[m];
-      static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(a * W_UNSCALE * alpha);
+      static_cast<u16*>(out)[(size_t)m * N_OUT + n] =
+          f32_to_bf16(epi(res, m, n, a * W_UNSCALE * alpha));
     }
   }
   cluster_sync();  // no CTA leaves while others still read its shared memory
@@ -391,7 +414,7 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
         if constexpr (!PARTIALS) {
           const float alpha = gw * xg[m];
           const float y = acc[r][j][e] * W_UNSCALE * alpha;
-          static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(y);
+          static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(epi(res, m, n, y));
         } else {
           static_cast<float*>(out)[((size_t)z * M_TOK + m) * N_OUT + n] = acc[r][j][e];
         }
@@ -402,10 +425,17 @@ extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
 }
 
 // Split-K epilogue (SPLITK > 1), one thread per output: the partials added in split order, then
-// the main kernel's epilogue. part: float32 [SPLITK, M, N]; y: bf16 [M, N].
+// the main kernel's epilogue. part: float32 [SPLITK, M, N]; res (EPI_RES): bf16 [M, N];
+// y: bf16 [M, N].
 extern "C" __global__ void __launch_bounds__(256)
     nvfp4_gemm_finish(const float* __restrict__ part, const float* __restrict__ xg,
+#if EPI_RES
+                      const u16* __restrict__ res,
+#endif
                       const float* __restrict__ wg, const int* __restrict__ layer, u16* y) {
+#if !EPI_RES
+  const u16* const res = nullptr;
+#endif
   constexpr size_t MN = (size_t)M_TOK * N_OUT;
   const size_t i = (size_t)blockIdx.x * 256 + threadIdx.x;
   if (i >= MN) return;
@@ -415,5 +445,5 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
   for (int s = 1; s < SPLITK; ++s) acc += part[s * MN + i];
   const float alpha = wg[GW_ROWS ? n : 0] * xg[m];
-  y[i] = f32_to_bf16(acc * W_UNSCALE * alpha);
+  y[i] = f32_to_bf16(epi(res, m, n, acc * W_UNSCALE * alpha));
 }

@@ -52,6 +52,8 @@ N_INPUTS = 6
 # the split-K epilogue: (partials, xg, wg, layer), then y bf16 [M, N]
 FINISH_ENTRY = "nvfp4_gemm_finish"
 FINISH_INPUTS = 4
+# built with `residual=True` (-DEPI_RES=1) both entries take res bf16 [M, N] right after xg and
+# store res + y: (x_hat, xg, res, wp, ws, wg, layer) and (partials, xg, res, wg, layer)
 FINISH_THREADS = 256
 KTS = (128, 256)
 REDUCES = ("finish", "cluster")
@@ -148,6 +150,17 @@ class GemmPlan:
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
     gw_rows: bool = False
+    residual: bool = False  # res [M, N] operand after xg of both entries, y = res + y
+
+    @property
+    def n_inputs(self) -> int:
+        """Operands of the GEMM entry before its output."""
+        return N_INPUTS + int(self.residual)
+
+    @property
+    def finish_inputs(self) -> int:
+        """Operands of the split-K epilogue entry before its output."""
+        return FINISH_INPUTS + int(self.residual)
 
     @property
     def partials(self) -> bool:
@@ -180,7 +193,9 @@ class GemmPlan:
         return (self.splitk, self.m, self.n) if self.partials else (self.m, self.n)
 
     def defines(self) -> dict:
-        return {
+        # EPI_RES only when set: the kernels without it keep their cache keys
+        extra = {"EPI_RES": 1} if self.residual else {}
+        return extra | {
             "M_TOK": self.m,
             "N_OUT": self.n,
             "K_IN": self.k,
@@ -281,9 +296,10 @@ class GemmKernel:
         (the GEMM, or with a K split its epilogue FINISH_ENTRY)."""
         p = self.plan
         if entry == ENTRY:
-            (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, N_INPUTS
+            (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, p.n_inputs
         elif entry == FINISH_ENTRY:
-            (gx, gy, gz), block, smem, out = (self.finish_grid, 1, 1), FINISH_THREADS, 0, 4
+            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
+            out = p.finish_inputs
         else:
             raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
         return (
@@ -306,11 +322,13 @@ class GemmKernel:
         return launch
 
     def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
-        """Launches on `stream`: pointers to the 6 operands, then the bf16 output [M, N]. With a
-        K split through partials (`plan.partials`), `workspace` points to float32
-        [SPLITK, M, N] for them, and the epilogue kernel follows on the same stream."""
-        if len(pointers) != N_INPUTS + 1:
-            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
+        """Launches on `stream`: pointers to the 6 operands (7 with the residual, res after
+        xg), then the bf16 output [M, N]. With a K split through partials (`plan.partials`),
+        `workspace` points to float32 [SPLITK, M, N] for them, and the epilogue kernel follows
+        on the same stream."""
+        n_in = self.plan.n_inputs
+        if len(pointers) != n_in + 1:
+            raise KernelError(f"{ENTRY} takes {n_in + 1} pointers, got {len(pointers)}")
         if not self.plan.partials:
             self._launch(ENTRY, stream, pointers)
             return
@@ -318,9 +336,9 @@ class GemmKernel:
             raise KernelError(
                 f"SPLITK={self.plan.splitk}: pass a float32 workspace {self.plan.out_shape}"
             )
-        xh, xg, wp, ws, wg, layer, y = pointers
-        self._launch(ENTRY, stream, [xh, xg, wp, ws, wg, layer, workspace])
-        self._launch(FINISH_ENTRY, stream, [workspace, xg, wg, layer, y])
+        xh, xg, *res, wp, ws, wg, layer, y = pointers  # res: [] or [residual]
+        self._launch(ENTRY, stream, [xh, xg, *res, wp, ws, wg, layer, workspace])
+        self._launch(FINISH_ENTRY, stream, [workspace, xg, *res, wg, layer, y])
 
     def _launch(self, entry: str, stream: int, pointers: list[int]) -> None:
         import ctypes
@@ -365,8 +383,8 @@ def _function(kernel: GemmKernel, entry: str):
         return _FUNCTIONS[key][1][entry]
 
 
-def _job(m, n, k, num_sms, options: GemmOptions, gw_rows: bool):
-    p = plan(m, n, k, num_sms, options, gw_rows=gw_rows)
+def _job(m, n, k, num_sms, options: GemmOptions, gw_rows: bool, residual: bool = False):
+    p = dataclasses.replace(plan(m, n, k, num_sms, options, gw_rows=gw_rows), residual=residual)
     if options.source is not None:  # experiments only: another revision of the source
         alt = pathlib.Path(options.source)
         if not alt.is_file():
@@ -379,11 +397,13 @@ def _job(m, n, k, num_sms, options: GemmOptions, gw_rows: bool):
 
 
 @functools.cache
-def _build_cached(m, n, k, arch, num_sms, options: GemmOptions, gw_rows: bool) -> GemmKernel:
-    p, source, extra = _job(m, n, k, num_sms, options, gw_rows)
+def _build_cached(
+    m, n, k, arch, num_sms, options: GemmOptions, gw_rows: bool, residual: bool = False
+) -> GemmKernel:
+    p, source, extra = _job(m, n, k, num_sms, options, gw_rows, residual)
     ptx = compile_ptx(source, name=SOURCE, defines=p.defines(), arch=arch, options=extra)
     entries = ptx_entries(ptx)
-    if entries.get(ENTRY) != N_INPUTS + 1 or entries.get(FINISH_ENTRY) != FINISH_INPUTS + 1:
+    if entries.get(ENTRY) != p.n_inputs + 1 or entries.get(FINISH_ENTRY) != p.finish_inputs + 1:
         raise KernelError(f"PTX entries {ENTRY} / {FINISH_ENTRY} missing or wrong: {entries}")
     return GemmKernel(plan=p, ptx=ptx)
 
@@ -397,6 +417,7 @@ def build(
     num_sms: int | None = None,
     options: GemmOptions = DEFAULT_OPTIONS,
     gw_rows: bool = False,
+    residual: bool = False,
 ) -> GemmKernel:
     """Plans and compiles (NVRTC, disk-cached) the GEMM for one W4A4 problem shape.
 
@@ -406,6 +427,8 @@ def build(
         num_sms: SM count the plan targets (None: the present GPU's, 132 without one).
         options: kernel choices (defaults: the plan's).
         gw_rows: the weight carries one global scale per output row ([L, N]).
+        residual: both entries take a bf16 residual res [M, N] after xg and store res + y
+            (-DEPI_RES=1; the bf16 add of XLA, in the epilogue or the split-K finish).
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -415,8 +438,10 @@ def build(
     ok, why = check_shape(m, n, k, options)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
+    if not isinstance(residual, bool):
+        raise KernelError(f"residual={residual!r}, expected a bool")
     arch = arch or device_arch()
-    return _build_cached(m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows))
+    return _build_cached(m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), residual)
 
 
 def prebuild(
@@ -425,7 +450,8 @@ def prebuild(
     """Builds many GEMMs at once (NVRTC in threads; it releases the GIL), each as `build` does.
 
     Args:
-        problems: `build` keyword arguments per kernel: m, n, k and optionally options, gw_rows.
+        problems: `build` keyword arguments per kernel: m, n, k and optionally options, gw_rows,
+            residual.
         arch: as in `build`.
         workers: threads (None: the CPU count, at most 16).
     """
@@ -440,8 +466,8 @@ def prebuild(
         ok, why = check_shape(prob["m"], prob["n"], prob["k"], options)
         if not ok:
             raise KernelError(f"unsupported shape {prob}: {why}")
-        keys.append((prob["m"], prob["n"], prob["k"], arch, num_sms, options,
-                     bool(prob.get("gw_rows", False))))  # fmt: skip
+        flags = (bool(prob.get("gw_rows", False)), bool(prob.get("residual", False)))
+        keys.append((prob["m"], prob["n"], prob["k"], arch, num_sms, options, *flags))
     workers = workers or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         list(pool.map(lambda key: _build_cached(*key), dict.fromkeys(keys)))

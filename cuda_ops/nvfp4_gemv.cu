@@ -4,6 +4,8 @@
 // W is NVFP4 (rejax.nvfp4.Nvfp4Tensor): codes uint8 [N, K/2] (element 2j in the low nibble of
 // byte j), E4M3 block scales uint8 [N, K/16], a float32 global scale. Two activation modes:
 //   W4A4  (nvfp4_gemv_w4a4):  x NVFP4 too (codes [M, K/2], scales [M, K/16], global scale [M]);
+//   with EPI_RES it takes a bf16 residual res [M, N] after the global scale and returns
+//   res + y, the decoder's residual add (the bf16 add XLA would run after it);
 //   W4A16 (nvfp4_gemv_w4a16): x bf16 [M, K];
 //   W4A4 with X_BF16 (nvfp4_gemv_w4a4_bf16): x bf16, quantized to NVFP4 inside the kernel
 //   (exactly rejax.nvfp4.quantize_activation), after an optional RMSNorm or SwiGLU prologue and
@@ -21,6 +23,7 @@
 //                           group splitting K) instead of SPP and GRID
 //   RING_D                  persistent: cp.async ring slots per warp (0: register prefetch)
 //   SIGNED_W                W4A4 at M > 2 (default): weights decoded to signed int8
+//   EPI_RES                 W4A4: add the bf16 residual operand res [M, N] in the epilogue
 // The host plan (nvfp4_gemv.py) picks per shape what measured faster on the H200: streaming for
 // M <= 2 on layers of <= 16 MiB, else persistent; the ring at M = 8.
 //
@@ -89,6 +92,9 @@ typedef unsigned int u32;
 #endif
 #ifndef QUANT_ONLY
 #define QUANT_ONLY 0  // with X_BF16: only the quantizer entry nvfp4_quantize_bf16 (below)
+#endif
+#ifndef EPI_RES
+#define EPI_RES 0  // W4A4 entries: y = res + y, a bf16 residual [M, N] added in the epilogue
 #endif
 
 constexpr int NWARPS = NTHREADS / 32;
@@ -212,6 +218,9 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
 }
+
+__device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float((u32)h << 16); }
+__device__ __forceinline__ float rbf16(float f) { return bf16f(f32_to_bf16(f)); }
 
 // ---------------------------------------------------------------------------- reduction
 
@@ -556,6 +565,13 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_R
   }
 }
 
+// y epilogue value: the GEMV's output, plus the residual with EPI_RES (res [M, N] bf16). XLA's
+// bf16 add of res and the bf16 output: the two bf16 values added in fp32, the sum rounded once
+// to bf16 by the caller's store.
+__device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
+  if constexpr (EPI_RES) return bf16f(res[(size_t)m * N_OUT + n]) + rbf16(out);
+  return out;
+}
 
 #if X_BF16
 // ---------------------------------------------------------------------------- in-kernel x quant
@@ -581,9 +597,6 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_R
 #ifndef DYN_XG
 #define DYN_XG 0
 #endif
-#ifndef EPI_RES
-#define EPI_RES 0
-#endif
 #ifndef NW_STACK
 #define NW_STACK 0
 #endif
@@ -593,9 +606,6 @@ __device__ __forceinline__ void chunk_dot(float (&acc)[VP], const uint4 (&q)[R_R
 constexpr int X_COLS = PRO == 2 ? 2 * K_IN : K_IN;  // elements per row of x
 constexpr float F32_MIN = 1.17549435e-38f;
 constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
-
-__device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float((u32)h << 16); }
-__device__ __forceinline__ float rbf16(float f) { return bf16f(f32_to_bf16(f)); }
 
 // a / b correctly rounded, operands and results below 2^-126 flushed to 0 (nvfp4._div_rn)
 __device__ __forceinline__ float div_rn(float a, float b) {
@@ -779,12 +789,6 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
   }
   return c;
 }
-
-// y epilogue value: the GEMV's output, plus the residual (bf16 add) with EPI_RES
-__device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
-  if constexpr (EPI_RES) return bf16f(res[(size_t)m * N_OUT + n]) + rbf16(out);
-  return out;
-}
 #endif  // X_BF16
 
 #if QUANT_ONLY
@@ -956,9 +960,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #else  // !X_BF16
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                    const float* __restrict__ xg, const u8* __restrict__ wp_all,
+                    const float* __restrict__ xg,
+#if EPI_RES
+                    const u16* __restrict__ res,  // [M, N] bf16, added in the epilogue
+#endif
+                    const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
                     const int* __restrict__ layer, u16* __restrict__ y) {
+#if !EPI_RES
+  const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
+#endif
   const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
   const u8* __restrict__ wp = lw.wp;
   const u8* __restrict__ ws = lw.ws;
@@ -997,9 +1008,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
             });
   __syncthreads();
 
-  // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w)
-  persistent_epilogue(ybuf, y, g0, g1, tid,
-                      [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
+  // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w) [+ res[m, n]]
+  persistent_epilogue(ybuf, y, g0, g1, tid, [&](int m, int n, float t) {
+    return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * xg[m]));
+  });
 }
 
 #endif  // X_BF16
@@ -1064,9 +1076,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_gemv_w4a4(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                    const float* __restrict__ xg, const u8* __restrict__ wp_all,
+                    const float* __restrict__ xg,
+#if EPI_RES
+                    const u16* __restrict__ res,  // [M, N] bf16, added in the epilogue
+#endif
+                    const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
                     const int* __restrict__ layer, u16* __restrict__ y) {
+#if !EPI_RES
+  const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
+#endif
   const Layer lw = layer_of(wp_all, ws_all, wg_all, layer);
   const u8* __restrict__ wp = lw.wp;
   const u8* __restrict__ ws = lw.ws;
@@ -1107,8 +1126,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     chunk_dot(acc, q[i], sw[i], xw, sxf);
   }
 
-  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y,
-                  [&](int m, int n, float t) { return (t * 0.25f) * (gw_of(wg, n) * xg[m]); });
+  stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y, [&](int m, int n, float t) {
+    return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * xg[m]));
+  });
 }
 
 #endif  // X_BF16

@@ -45,7 +45,9 @@ DEFAULT_SMS = 132  # H200; used when lowering without a GPU
 ENTRY = {"w4a4": "nvfp4_gemv_w4a4", "w4a16": "nvfp4_gemv_w4a16", "w4a4x": "nvfp4_gemv_w4a4_bf16"}
 # number of operands per mode (the output pointer comes last):
 # W4A4 (xp, xs, xg, wp, ws, wg, layer), W4A16 (x, wp, ws, wg, layer),
-# W4A4X (x, xg, norm weight, residual, wp, ws, wg, layer); unused ones are 1-element dummies
+# W4A4X (x, xg, norm weight, residual, wp, ws, wg, layer); unused ones are 1-element dummies.
+# W4A4 built with `residual=True` takes one more, res [M, N] bf16 after xg:
+# (xp, xs, xg, res, wp, ws, wg, layer).
 N_INPUTS = {"w4a4": 7, "w4a16": 5, "w4a4x": 8}
 PROLOGUES = ("none", "rmsnorm", "swiglu")
 VARIANTS = ("auto", "persistent", "stream")
@@ -154,6 +156,12 @@ class Plan:
     ctas: int = 1  # persistent: resident CTAs per SM the kernel is compiled for
     gw_rows: bool = False  # one weight global scale per output row instead of per matrix
     fused: Fused | None = None  # act "w4a4x" only
+    residual: bool = False  # act "w4a4" only: res [M, N] operand after xg, y = res + y
+
+    @property
+    def n_inputs(self) -> int:
+        """Operands the entry takes before the output pointer."""
+        return N_INPUTS[self.act] + int(self.residual)
 
     @property
     def kparts(self) -> int:
@@ -162,6 +170,8 @@ class Plan:
 
     def defines(self) -> dict:
         extra = {} if self.fused is None else self.fused.defines()
+        if self.residual:  # only then: the kernels without it keep their cache keys
+            extra = extra | {"EPI_RES": 1}
         return extra | {
             "ACT_W4A4": int(self.act in ("w4a4", "w4a4x")),
             "M_TOK": self.m,
@@ -372,7 +382,7 @@ class GemvKernel:
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
         p = self.plan
-        n_in = N_INPUTS[p.act]
+        n_in = p.n_inputs
         return (
             "{"
             f'name = "{self.entry}", kernel_type = "ptx", '
@@ -393,8 +403,8 @@ class GemvKernel:
         """Launches on `stream` with device pointers (operands, then the bf16 output)."""
         from cuda.bindings import driver
 
-        if len(pointers) != N_INPUTS[self.plan.act] + 1:
-            raise KernelError(f"{self.entry} takes {N_INPUTS[self.plan.act] + 1} pointers")
+        if len(pointers) != self.plan.n_inputs + 1:
+            raise KernelError(f"{self.entry} takes {self.plan.n_inputs + 1} pointers")
         fn = _function(self)
         p = self.plan
         params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
@@ -473,11 +483,13 @@ def _compile_job(
     options: GemvOptions,
     gw_rows: bool,
     fused: Fused | None,
+    residual: bool = False,
 ):
     """(plan, compile_ptx keyword arguments) of one kernel: everything but the compilation."""
     p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
     if act == "w4a4x":
         p = dataclasses.replace(p, fused=fused or PLAIN)
+    p = dataclasses.replace(p, residual=residual)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
     if p.ctas > 1 and p.ctas * (p.smem + 1024) > SM_SMEM:
@@ -515,12 +527,13 @@ def _build_cached(
     options: GemvOptions,
     gw_rows: bool,
     fused: Fused | None,
+    residual: bool = False,
 ):
-    p, kw = _compile_job(act, m, n, k, arch, num_sms, options, gw_rows, fused)
+    p, kw = _compile_job(act, m, n, k, arch, num_sms, options, gw_rows, fused, residual)
     ptx = compile_ptx(kw.pop("source"), **kw)
     entry = ENTRY[act]
     entries = ptx_entries(ptx)
-    if entries.get(entry) != N_INPUTS[act] + 1:
+    if entries.get(entry) != p.n_inputs + 1:
         raise KernelError(f"PTX entry {entry} missing or with wrong parameters: {entries}")
     return GemvKernel(plan=p, entry=entry, ptx=ptx)
 
@@ -540,7 +553,7 @@ def prebuild(
 
     Args:
         problems: `build` keyword arguments per kernel: act, m, n, k and optionally options,
-            gw_rows, fused.
+            gw_rows, fused, residual.
         arch, num_sms: as in `build` (None: the present GPU's).
         workers: threads (None: the CPU count, at most 16).
 
@@ -557,10 +570,12 @@ def prebuild(
         ok, why = check_shape(prob["act"], prob["m"], prob["n"], prob["k"])
         if not ok:
             raise KernelError(f"unsupported shape {prob}: {why}")
+        residual = bool(prob.get("residual", False))
+        _check_residual(prob["act"], residual)
         keys.append((
             prob["act"], prob["m"], prob["n"], prob["k"], arch, num_sms,
             prob.get("options", DEFAULT_OPTIONS), bool(prob.get("gw_rows", False)),
-            prob.get("fused"),
+            prob.get("fused"), residual,
         ))  # fmt: skip
     workers = workers or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -579,6 +594,7 @@ def build(
     options: GemvOptions = DEFAULT_OPTIONS,
     gw_rows: bool = False,
     fused: Fused | None = None,
+    residual: bool = False,
 ) -> GemvKernel:
     """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
 
@@ -590,6 +606,9 @@ def build(
         options: kernel choices (defaults: what measured fastest).
         gw_rows: the weight carries one global scale per output row ([L, N]), not per matrix.
         fused: "w4a4x" only: the prologue / epilogue (default `PLAIN`: none, static scale).
+        residual: "w4a4" only: the entry takes a bf16 residual res [M, N] after xg and returns
+            res + y (-DEPI_RES=1; the bf16 add of XLA, in the epilogue). "w4a4x" has its
+            residual in `fused`.
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -601,8 +620,19 @@ def build(
         raise KernelError(f"options must be a GemvOptions, got {type(options).__name__}")
     if fused is not None and act != "w4a4x":
         raise KernelError(f"fused= is only for act='w4a4x', got act={act!r}")
+    _check_residual(act, residual)
     arch = arch or device_arch()
-    return _build_cached(act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused)
+    return _build_cached(
+        act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused, bool(residual)
+    )
+
+
+def _check_residual(act: str, residual) -> None:
+    if not isinstance(residual, bool):
+        raise KernelError(f"residual={residual!r}, expected a bool")
+    if residual and act != "w4a4":
+        where = "Fused(residual=True)" if act == "w4a4x" else "no residual epilogue"
+        raise KernelError(f"residual=True is only for act='w4a4', got act={act!r} ({where})")
 
 
 def probe_ptx_launch(call) -> None:

@@ -37,7 +37,8 @@ ATTENTIONS = ("einsum", "live")
 # SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
 # bitwise the unfused composition elsewhere) or "split" (rejax.ops.fused_linear with two
 # launches on CUDA: the prologue and quantizer once in a kernel of their own, then the plain
-# GEMV or GEMM; the residual add stays an XLA op). "split" is the default: with its quantizer
+# GEMV or GEMM, which adds the residual in its epilogue). "split" is the default (measured
+# before the residual moved into the epilogue): with its quantizer
 # spread over the grid it measured 2.796 vs 3.018 ms/token for "unfused" at batch 1 and 4.883 vs
 # 5.256 at batch 8 (36-layer Qwen3-8B, attention "live", one run; experiments/results/h200_d/).
 # Elsewhere than CUDA all three are the same composition, bitwise. "fused" is opt-in: it measured

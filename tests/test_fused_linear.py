@@ -14,7 +14,7 @@ import pytest
 from _lowering import decode_step_cuda_text
 
 from cuda_ops import build as cbuild
-from cuda_ops import nvfp4_gemv, nvfp4_quant
+from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4, sampling
 from rejax import params as rparams
 from rejax.cache import init_cache
@@ -147,39 +147,48 @@ def test_config_refuses_unknown_fusion():
 
 @pytest.fixture
 def stub_compiler(monkeypatch):
-    """NVRTC replaced by a stub that returns PTX with the requested entry, so the lowering is
-    checked without cuda-python; records the -D constants of every build."""
+    """NVRTC replaced by a stub that returns PTX with the requested entries, so the lowering is
+    checked without cuda-python; records the -D constants of every GEMV and quantizer build."""
     seen = []
 
     def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
-        seen.append(defines)
-        if defines.get("QUANT_ONLY"):
-            entry, nparams = "nvfp4_quantize_bf16", 7
-        elif defines.get("X_BF16"):
-            entry, nparams = "nvfp4_gemv_w4a4_bf16", 9
-        elif defines["ACT_W4A4"]:
-            entry, nparams = "nvfp4_gemv_w4a4", 8
+        if name == nvfp4_gemm.SOURCE:
+            entries = {
+                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
+                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
+            }
         else:
-            entry, nparams = "nvfp4_gemv_w4a16", 6
-        params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
-        return f".version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }}\n"
+            seen.append(defines)
+            if defines.get("QUANT_ONLY"):
+                entries = {"nvfp4_quantize_bf16": 7}
+            elif defines.get("X_BF16"):
+                entries = {"nvfp4_gemv_w4a4_bf16": 9}
+            elif defines["ACT_W4A4"]:
+                entries = {"nvfp4_gemv_w4a4": 8 + defines.get("EPI_RES", 0)}  # + res [M, N]
+            else:
+                entries = {"nvfp4_gemv_w4a16": 6}
+        text = ".version 9.0\n.target sm_90\n"
+        for entry, nparams in entries.items():
+            params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
+            text += f".visible .entry {entry}({params})\n{{ ret; }}\n"
+        return text
 
-    monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake_compile)
-    monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake_compile)
-    nvfp4_gemv._build_cached.cache_clear()
-    nvfp4_quant._build_cached.cache_clear()
+    mods = (nvfp4_gemv, nvfp4_quant, nvfp4_gemm)
+    for mod in mods:
+        monkeypatch.setattr(mod, "compile_ptx", fake_compile)
+        mod._build_cached.cache_clear()
     # lowerings are cached by JAX: a decode step lowered before (another test) would not call
     # the lowering rules, so nothing would be built and recorded here
     jax.clear_caches()
     yield seen
-    nvfp4_gemv._build_cached.cache_clear()
-    nvfp4_quant._build_cached.cache_clear()
+    for mod in mods:
+        mod._build_cached.cache_clear()
 
 
 def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
     """linear_fusion="split": per layer four `nvfp4_quantize_bf16` launches (rmsnorm for qkv
-    and gate_up, none for o, swiglu for down; no residual inside) and four plain
-    `nvfp4_gemv_w4a4` launches, and no fused GEMV."""
+    and gate_up, none for o, swiglu for down; no residual inside: o and down's GEMVs add it)
+    and four plain `nvfp4_gemv_w4a4` launches, and no fused GEMV."""
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split",
         num_layers=3,
@@ -199,6 +208,84 @@ def test_split_lowers_to_a_quantizer_and_a_gemv_per_linear(stub_compiler):
     # reading the stacked input scales at the layer (no slice of them launched before it)
     assert quant == [(0, 0, 0, 1), (1, 0, 1, 1), (2, 0, 0, 1)], quant
     assert all(d["M_TOK"] == 1 for d in stub_compiler if d.get("QUANT_ONLY"))
+
+
+def _ptx_calls(text: str) -> list[tuple[str, list[str]]]:
+    """(entry, operand types) of every PTX custom call in lowered StableHLO text."""
+    calls = []
+    for line in text.splitlines():
+        if "custom_call @__gpu$xla.gpu.ptx" in line:
+            name = re.search(r"name = \\22(\w+)\\22", line).group(1)
+            calls.append((name, re.search(r"\} : \(([^)]*)\) ->", line).group(1).split(", ")))
+    return calls
+
+
+def _bf16_adds(text: str, shape: str) -> int:
+    """Number of bf16 adds of `shape` ("MxN", a regex) in lowered StableHLO text."""
+    return len(re.findall(rf"stablehlo\.add %\S+, %\S+ : tensor<{shape}xbf16>", text))
+
+
+GEMM_SPLIT = nvfp4_gemm.GemmOptions(splitk=2)  # a K split: the finish kernel adds the residual
+
+
+@pytest.mark.parametrize("prologue", ["none", "swiglu"])  # o_proj, down_proj
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_split_residual_is_the_linear_epilogue(stub_compiler, prologue, m):
+    """kernels="two" with a residual: the linear after the quantizer takes res [M, N] as an
+    operand right after xg and no bf16 add of [M, N] is left after it. Below the GEMM's min_m
+    (8) the plain GEMV built with EPI_RES (xp, xs, xg, res, wp, ws, wg, layer); at M = 8 the
+    GEMM (x_hat, xg, res, wp, ws, wg, layer) and, with a K split, its finish kernel (partials,
+    xg, res, wg, layer)."""
+    w = _stacked(False)
+    width = 2 * K if prologue == "swiglu" else K
+    params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
+    kw = {"layer": jnp.int32(1), "kernels": "two", "gemm_options": GEMM_SPLIT}
+    f = jax.jit(lambda x, r: fl.fused_linear(x, params, prologue=prologue, residual=r, **kw))
+    x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
+    text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _ptx_calls(text)
+    names = [name for name, _ in calls]
+    res = f"tensor<{m}x{N}xbf16>"
+    assert _bf16_adds(text, f"{m}x{N}") == 0, "the residual add is still an XLA op"
+    if m < nvfp4_gemm.DEFAULT_MIN_M:
+        assert names == [nvfp4_quant.ENTRY, "nvfp4_gemv_w4a4"], names
+        assert len(calls[1][1]) == 8 and calls[1][1][3] == res, calls[1][1]
+        gemv = [d for d in stub_compiler if not d.get("QUANT_ONLY")]
+        assert [d.get("EPI_RES") for d in gemv] == [1], gemv
+    else:
+        assert names == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, nvfp4_gemm.FINISH_ENTRY], names
+        assert len(calls[1][1]) == 7 and calls[1][1][2] == res, calls[1][1]
+        assert len(calls[2][1]) == 5 and calls[2][1][2] == res, calls[2][1]
+    # without a residual the linear keeps its operands (GEMV 7, GEMM 6) and builds no EPI_RES
+    stub_compiler.clear()
+    f = jax.jit(lambda x: fl.fused_linear(x, params, **kw))
+    text = f.trace(jnp.zeros((m, K), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+    sizes = {name: len(ops) for name, ops in _ptx_calls(text)}
+    if m < nvfp4_gemm.DEFAULT_MIN_M:
+        assert sizes["nvfp4_gemv_w4a4"] == 7, sizes
+        assert all("EPI_RES" not in d for d in stub_compiler if not d.get("QUANT_ONLY"))
+    else:
+        assert sizes[nvfp4_gemm.ENTRY] == 6 and sizes[nvfp4_gemm.FINISH_ENTRY] == 4, sizes
+
+
+def test_split_decode_step_adds_the_residuals_in_the_linears(stub_compiler):
+    """linear_fusion="split": the o_proj and down_proj linears take the residual (res [B, D]
+    after xg) and the scanned layer has no bf16 add of [B, D] left, two fewer than the unfused
+    decoder's; at batch 2 in the GEMV, at batch 8 in the GEMM."""
+    cfg = Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split",
+        num_layers=3,
+    )  # fmt: skip
+    # [B, D] or [B, T, D] (the unfused decoder adds before folding T into M)
+    unfused = dataclasses.replace(cfg, linear_fusion="unfused")
+    assert _bf16_adds(decode_step_cuda_text(unfused, 2), "2x(1x)?256") == 2
+    for b, entry, at in ((2, "nvfp4_gemv_w4a4", 3), (8, nvfp4_gemm.ENTRY, 2)):
+        text = decode_step_cuda_text(cfg, b)
+        ops = [o for name, o in _ptx_calls(text) if name == entry]
+        n = 7 if entry == nvfp4_gemm.ENTRY else 8  # the operands with the residual
+        assert sorted(len(o) for o in ops) == [n - 1, n - 1, n, n], ops
+        assert all(o[at] == f"tensor<{b}x256xbf16>" for o in ops if len(o) == n), ops
+        assert _bf16_adds(text, f"{b}x(1x)?256") == 0, b
 
 
 def test_split_refuses_unknown_kernels():

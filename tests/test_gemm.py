@@ -238,13 +238,14 @@ def stub_compilers(monkeypatch):
         seen.append((name, defines))
         if name == nvfp4_gemm.SOURCE:
             entries = {
-                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1,
-                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1,
+                nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
+                nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
             }
         elif defines.get("QUANT_ONLY"):
             entries = {nvfp4_quant.ENTRY: 7}
         else:
-            entries = {"nvfp4_gemv_w4a4": 8} if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
+            w4a4 = {"nvfp4_gemv_w4a4": 8 + defines.get("EPI_RES", 0)}  # + res [M, N]
+            entries = w4a4 if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
         text = ".version 9.0\n.target sm_90\n"
         for entry, nparams in entries.items():
             params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
@@ -356,6 +357,23 @@ def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers, monkeypatc
     assert any("W4A4 only" in why for op, why in _dispatch.noted() if op == "nvfp4_linear")
 
 
+def test_launch_passes_the_residual_to_both_entries(stub_compilers, monkeypatch):
+    """With the residual and a K split, the direct launch gives res (right after xg) to the
+    GEMM and to the finish kernel, the workspace between them; a pointer short is refused."""
+    kern = nvfp4_gemm.build(8, 4096, 4096, arch="compute_90", num_sms=132, residual=True)
+    assert kern.plan.partials and kern.plan.n_inputs == 7
+    seen = []
+    monkeypatch.setattr(nvfp4_gemm.GemmKernel, "_launch", lambda _, *a: seen.append(a))
+    xh, xg, res, wp, ws, wg, layer, y, work = range(1, 10)
+    kern.launch(0, [xh, xg, res, wp, ws, wg, layer, y], workspace=work)
+    assert seen == [
+        (nvfp4_gemm.ENTRY, 0, [xh, xg, res, wp, ws, wg, layer, work]),
+        (nvfp4_gemm.FINISH_ENTRY, 0, [work, xg, res, wg, layer, y]),
+    ]
+    with pytest.raises(nvfp4_gemm.KernelError, match="takes 8 pointers, got 7"):
+        kern.launch(0, [xh, xg, wp, ws, wg, layer, y], workspace=work)
+
+
 def test_impl_ref_on_cuda_never_builds(stub_compilers):
     rng = np.random.default_rng(7)
     w = nvfp4.quantize_weight(rng.standard_normal((64, 256)).astype(np.float32))
@@ -407,6 +425,41 @@ def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
         cluster = kern.plan.splitk > 1 and kern.plan.reduce == "cluster"
         assert (f".reqnctapercluster 1, 1, {kern.plan.splitk}" in kern.ptx) == cluster
         assert ("mapa.shared::cluster" in kern.ptx) == cluster
+    nvfp4_gemm._build_cached.cache_clear()
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(
+    ("m", "k", "options"),
+    [
+        (8, 12288, {}),  # Qwen3-8B down_proj at batch 8: a K split through the finish kernel
+        (8, 12288, {"reduce": "cluster"}),  # the split added in a cluster: one kernel
+        (256, 12288, {}),  # no K split
+        (128, 4096, {"wm": 2}),
+    ],
+)
+def test_nvrtc_compiles_the_residual_epilogue(tmp_path, monkeypatch, m, k, options):
+    """build(residual=True) adds -DEPI_RES=1: both entries take res [M, N] after xg (8 and 6
+    parameters, outputs at 7 and 5), stay in registers and round twice per bf16 store (the
+    GEMM's value, then the sum); without it the module is the one of -DEPI_RES=0."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    nvfp4_gemm._build_cached.cache_clear()
+    opts = nvfp4_gemm.GemmOptions(**options)
+    plain = nvfp4_gemm.build(m, 4096, k, arch="compute_90", options=opts)
+    res = nvfp4_gemm.build(m, 4096, k, arch="compute_90", options=opts, residual=True)
+    zero = nvfp4_gemm.GemmOptions(**options, defines=(("EPI_RES", "0"),))
+    assert nvfp4_gemm.build(m, 4096, k, arch="compute_90", options=zero).ptx == plain.ptx
+    assert "EPI_RES" not in plain.plan.defines() and res.plan.defines()["EPI_RES"] == 1
+    assert cbuild.ptx_entries(res.ptx) == {nvfp4_gemm.ENTRY: 8, nvfp4_gemm.FINISH_ENTRY: 6}
+    assert "output_indices = [7]" in res.backend_config()
+    assert "output_indices = [5]" in res.backend_config(nvfp4_gemm.FINISH_ENTRY)
+    assert ".local" not in res.ptx
+    stores = plain.ptx.count("st.global.u16")
+    assert stores >= 1 and res.ptx.count("st.global.u16") == stores
+    assert plain.ptx.count("cvt.rn.bf16.f32") == stores
+    assert res.ptx.count("cvt.rn.bf16.f32") == 2 * stores
+    with pytest.raises(nvfp4_gemm.KernelError, match="residual=1, expected a bool"):
+        nvfp4_gemm.build(m, 4096, k, arch="compute_90", residual=1)
     nvfp4_gemm._build_cached.cache_clear()
 
 

@@ -7,7 +7,9 @@ compares with float64 of the same dequantized operands: relative error (Frobeniu
 error of the float64 result merely rounded to bf16, plus 1e-6 (the GEMV tests' bound). Also:
 stacked weights with a device layer index and per-row global scales, the XLA launch paths
 (PTX custom call and buffer_callback) equal the direct launch, the dispatch takes the GEMM on
-CUDA, and a jitted lax.scan equals eager calls.
+CUDA, and a jitted lax.scan equals eager calls. The residual epilogue (`residual=True`,
+-DEPI_RES=1: in the epilogue, the cluster reduction or the split-K finish) equals r + the GEMM
+without it bitwise, through XLA and launched directly into a NaN-poisoned output.
 
 GEMM letters: M tokens, N out features, K in features.
 """
@@ -296,6 +298,46 @@ def test_xla_paths_equal_the_direct_launch(torch, m, n, k, reduce):
             lambda *a, launch=launch: kernels.gemv_call(a, impl="cuda", launch=launch, **kw)
         )(*args)
         np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), direct, err_msg=launch)
+
+
+@pytest.mark.parametrize("options", [{}, {"reduce": "cluster"}, {"splitk": 1}])
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288)])  # Qwen3-8B o, down_proj
+def test_residual_epilogue_equals_the_xla_add(torch, n, k, options):
+    """gemv_call(residual=r) on the GEMM (built with EPI_RES) == r + gemv_call() bitwise, both
+    jitted; the direct launch of the residual kernel into NaN-poisoned output and workspace
+    writes the same bits. {}: the plan's K split through the finish kernel at these M."""
+    import jax
+    import jax.numpy as jnp
+
+    from cuda_ops import nvfp4_gemm
+    from rejax.ops import linear as kernels
+
+    opts = nvfp4_gemm.GemmOptions(**options)
+    kw = {"act": "w4a4", "n": n, "k": k, "impl": "cuda", "launch": "ptx", "gemm_options": opts}
+    fused = jax.jit(lambda r, *a: kernels.gemv_call(a, residual=r, **kw))
+    plain = jax.jit(lambda r, *a: r + kernels.gemv_call(a, **kw))
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(_seed("residual", n, k, options))
+    wp, ws, wg = _weights(torch, n, k, gen, layers=2)
+    layer = torch.ones((), dtype=torch.int32, device="cuda")
+    for m in (8, 9, 16, 64):
+        xp, xs, xg = _acts(torch, m, k, gen)
+        res = torch.randn((m, n), device="cuda", generator=gen).to(torch.bfloat16)
+        r, *args = [jax.dlpack.from_dlpack(t) for t in (res, xp, xs, xg, wp, ws, wg, layer)]
+        what = f"M={m} N={n} K={k} {options}"
+        text = fused.lower(r, *args).compile().as_text()
+        assert nvfp4_gemm.ENTRY in text and "nvfp4_gemv_w4a4" not in text, what
+        # the add is the kernel's: the residual call has fewer adds than the XLA composition
+        assert text.count(" add(") < plain.lower(r, *args).compile().as_text().count(" add("), what
+        want = np.asarray(plain(r, *args).astype(jnp.float32))
+        got = np.asarray(fused(r, *args).astype(jnp.float32))
+        assert np.isfinite(got).all(), what
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        kernel = nvfp4_gemm.build(m, n, k, options=opts, residual=True)
+        ops = [_x_hat(torch, xp, xs), xg, res, wp, ws, wg, layer]
+        direct, written = _run(torch, kernel, ops, m, n)
+        assert written, f"{what}: outputs or partials left unwritten"
+        np.testing.assert_array_equal(direct.float().cpu().numpy(), want, err_msg=what)
 
 
 def test_nvfp4_linear_takes_the_gemm_on_cuda(torch):

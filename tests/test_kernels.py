@@ -6,6 +6,7 @@ GEMM letters: M rows of x, N out features, K in features.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 
@@ -199,6 +200,33 @@ def test_bad_inputs_raise():
         kernels.nvfp4_linear(x, w, act="w4a16", input_scale=1.0)
     with pytest.raises(ValueError, match="dtype"):
         kernels.nvfp4_linear(x.astype(jnp.int32), w)
+
+
+def test_residual_operand_is_added_after_the_linear():
+    """gemv_call(residual=r) is r + gemv_call() (the bf16 add; on CPU the reference), W4A4 only,
+    with res [M, N] bf16; the GEMV builds with the residual for act "w4a4" only."""
+    x, w = _problem(3, 64, 256, seed=5)
+    args = kernels._operands(x, w, "w4a4", None, None)
+    r = jnp.asarray(np.random.default_rng(6).standard_normal((3, 64)), jnp.bfloat16)
+    kw = {"act": "w4a4", "n": 64, "k": 256, "impl": "auto", "launch": "ptx"}
+    got = jax.jit(lambda r, *a: kernels.gemv_call(a, residual=r, **kw))(r, *args)
+    want = jax.jit(lambda r, *a: r + kernels.gemv_call(a, **kw))(r, *args)
+    np.testing.assert_array_equal(_f32(got), _f32(want))
+    assert not np.array_equal(_f32(got), _f32(kernels.gemv_call(args, **kw)))
+    with pytest.raises(ValueError, match=r"residual \(3, 65\) bfloat16, expected \(3, 64\) bf16"):
+        kernels.gemv_call(args, residual=jnp.zeros((3, 65), jnp.bfloat16), **kw)
+    with pytest.raises(ValueError, match="float32, expected"):
+        kernels.gemv_call(args, residual=r.astype(jnp.float32), **kw)
+    w16 = kernels._operands(x, w, "w4a16", None, None)
+    with pytest.raises(ValueError, match="only for act='w4a4'"):
+        kernels.gemv_call(w16, residual=r, **{**kw, "act": "w4a16"})
+    for act in ("w4a16", "w4a4x"):
+        with pytest.raises(nvfp4_gemv.KernelError, match=f"only for act='w4a4', got act='{act}'"):
+            nvfp4_gemv.build(act, 1, 64, 256, arch="compute_90", residual=True)
+        with pytest.raises(nvfp4_gemv.KernelError, match="only for act='w4a4'"):
+            nvfp4_gemv.prebuild([{"act": act, "m": 1, "n": 64, "k": 256, "residual": True}])
+    with pytest.raises(nvfp4_gemv.KernelError, match="residual=1, expected a bool"):
+        nvfp4_gemv.build("w4a4", 1, 64, 256, arch="compute_90", residual=1)
 
 
 # ----------------------------------------------------------------------------- shape plan
@@ -405,7 +433,7 @@ def stub_compiler(monkeypatch):
     def fake_compile(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append((defines, arch))
         entry = "nvfp4_gemv_w4a4" if defines["ACT_W4A4"] else "nvfp4_gemv_w4a16"
-        nparams = 8 if defines["ACT_W4A4"] else 6
+        nparams = 8 + defines.get("EPI_RES", 0) if defines["ACT_W4A4"] else 6  # + res [M, N]
         params = ", ".join(f".param .u64 p{i}" for i in range(nparams))
         return f'.version 9.0\n.target sm_90\n.visible .entry {entry}({params})\n{{ ret; }} // "q" a\\b\t\n'
 
@@ -532,6 +560,39 @@ def test_ctas_per_sm_option_compiles_for_that_occupancy(tmp_path, monkeypatch):
             nvfp4_gemv.GemvOptions(ctas=0)
     finally:
         nvfp4_gemv._build_cached.cache_clear()
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(
+    ("m", "n", "k", "variant"),
+    [
+        (1, 4096, 4096, "auto"),  # Qwen3-8B o_proj: stream, K split over 2 warps
+        (1, 4096, 12288, "auto"),  # down_proj: persistent
+        (3, 1003, 1280, "stream"),  # stream, no K split
+        (4, 4096, 4096, "stream"),
+        (8, 4096, 12288, "auto"),  # persistent with the cp.async ring
+    ],
+)
+def test_nvrtc_compiles_the_residual_epilogue(tmp_path, monkeypatch, m, n, k, variant):
+    """build("w4a4", residual=True) adds -DEPI_RES=1: the entry takes res [M, N] after xg (9
+    parameters, output index 8), stays in registers, and rounds twice per output store (the
+    GEMV's bf16 value, then the sum); without it the kernel is the one of -DEPI_RES=0."""
+    monkeypatch.setenv(cbuild.CACHE_ENV, str(tmp_path))
+    nvfp4_gemv._build_cached.cache_clear()
+    opts = nvfp4_gemv.GemvOptions(variant=variant)
+    plain = nvfp4_gemv.build("w4a4", m, n, k, arch="compute_90", options=opts)
+    res = nvfp4_gemv.build("w4a4", m, n, k, arch="compute_90", options=opts, residual=True)
+    zero = dataclasses.replace(opts, defines=(("EPI_RES", "0"),))
+    assert nvfp4_gemv.build("w4a4", m, n, k, arch="compute_90", options=zero).ptx == plain.ptx
+    assert "EPI_RES" not in plain.plan.defines() and res.plan.defines()["EPI_RES"] == 1
+    assert res.plan.n_inputs == 8 and "output_indices = [8]" in res.backend_config()
+    assert cbuild.ptx_entries(res.ptx) == {"nvfp4_gemv_w4a4": 9}
+    assert ".local" not in res.ptx
+    stores = plain.ptx.count("st.global.u16")
+    assert stores >= 1 and res.ptx.count("st.global.u16") == stores
+    assert plain.ptx.count("cvt.rn.bf16.f32") == stores
+    assert res.ptx.count("cvt.rn.bf16.f32") == 2 * stores
+    nvfp4_gemv._build_cached.cache_clear()
 
 
 def _ptx_by_options(values, m=1, **fixed):

@@ -8,7 +8,11 @@
   round the other way: >= QUANT_EQUAL of the code bytes equal (measured on the H200: 0.4-0.6%
   of the bytes differ with "swiglu").
 * `fused_linear(kernels="two")` equals the unfused composition bitwise for prologue "none" with a
-  residual (same quantized operands, the same GEMV, the same bf16 add).
+  residual (same quantized operands, the same GEMV; the residual added in the GEMV's epilogue is
+  the same bf16 add).
+* The plain W4A4 GEMV with the residual epilogue (`gemv_call(residual=r)`, -DEPI_RES=1) equals
+  r + the GEMV without it bitwise on the Qwen3-8B o_proj and down_proj shapes, M = 1..8, static
+  and dynamic input scales; launched directly into a NaN-poisoned output it writes the same bits.
 
 GEMM letters: M tokens, N out features, K in features.
 """
@@ -20,9 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cuda_ops import nvfp4_gemv, nvfp4_quant
+from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4
 from rejax.ops import fused_linear as fl
+from rejax.ops import linear as kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -72,13 +77,25 @@ def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
                 np.testing.assert_array_equal(g, w, err_msg=f"{name}: {what}")
 
 
-@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288)])
-def test_two_kernels_equal_the_composition(n, k):
+O_DOWN = [(4096, 4096), (4096, 12288)]  # Qwen3-8B o_proj and down_proj (N, K)
+
+
+def _weight(n, k):
+    """A stack of 2 random NVFP4 matrices (codes and scales made on the device)."""
     key = jax.random.key(n + k)
     packed = jax.random.randint(key, (2, n, k // 2), 0, 256, jnp.int32).astype(jnp.uint8)
     scales = jax.random.randint(jax.random.fold_in(key, 1), (2, n, k // 16), 0x20, 0x48)
     scales = jax.lax.bitcast_convert_type(scales.astype(jnp.uint8), jnp.float8_e4m3fn)
-    w = nvfp4.Nvfp4Tensor(packed, scales, jnp.full((2,), 1e-3, jnp.float32), (n, k))
+    return nvfp4.Nvfp4Tensor(packed, scales, jnp.full((2,), 1e-3, jnp.float32), (n, k))
+
+
+def _res(m, n, seed):
+    return jax.random.normal(jax.random.key(seed), (m, n), jnp.float32).astype(jnp.bfloat16)
+
+
+@pytest.mark.parametrize(("n", "k"), O_DOWN)
+def test_two_kernels_equal_the_composition(n, k):
+    w = _weight(n, k)
     layer = jnp.int32(1)
     stacked = jnp.asarray([0.05, 0.02], jnp.float32)  # per layer: reading layer 0's shows
     for params in ({"weight": w}, {"weight": w, "input_scale": stacked}):
@@ -94,3 +111,69 @@ def test_two_kernels_equal_the_composition(n, k):
             got = np.asarray(two(x, r), np.float32)
             assert np.isfinite(got).all()
             np.testing.assert_array_equal(got, np.asarray(unfused(x, r), np.float32))
+
+
+# every M of the GEMV, M = 8 included (the dispatch sends M >= 8 to the GEMM by default)
+GEMV_TO_8 = nvfp4_gemm.GemmOptions(min_m=9)
+
+
+@pytest.mark.parametrize("static", [True, False])
+@pytest.mark.parametrize(("n", "k"), O_DOWN)
+def test_gemv_residual_epilogue_equals_the_xla_add(n, k, static):
+    """gemv_call(residual=r) (the GEMV built with EPI_RES) == r + gemv_call() bitwise, both
+    jitted on the GPU, on activations quantized with a static or a per-row dynamic scale."""
+    w = _weight(n, k)
+    layer = jnp.int32(1)
+    kw = {"act": "w4a4", "n": n, "k": k, "impl": "cuda", "launch": "ptx", "gemm_options": GEMV_TO_8}
+    fused = jax.jit(lambda r, *a: kernels.gemv_call(a, residual=r, **kw))
+    plain = jax.jit(lambda r, *a: r + kernels.gemv_call(a, **kw))
+    for m in range(1, 9):
+        args = kernels._operands(_x(m, k, m + k, scale=1.0), w, "w4a4", 0.02 if static else None,
+                                 layer)  # fmt: skip
+        r = _res(m, n, m)
+        what = f"M={m} N={n} K={k} static={static}"
+        text = fused.lower(r, *args).compile().as_text()
+        assert "nvfp4_gemv_w4a4" in text and nvfp4_gemm.ENTRY not in text, what
+        # the add is the kernel's: the residual call has fewer adds than the XLA composition
+        assert text.count(" add(") < plain.lower(r, *args).compile().as_text().count(" add("), what
+        got = np.asarray(fused(r, *args), np.float32)
+        assert np.isfinite(got).all(), what
+        np.testing.assert_array_equal(got, np.asarray(plain(r, *args), np.float32), err_msg=what)
+
+
+@pytest.mark.parametrize(("n", "k"), O_DOWN)
+def test_gemv_residual_direct_launch_writes_every_output(n, k):
+    """The residual kernel launched directly (torch operands, per-row global scales) into a
+    NaN-poisoned output gives the bits of r + the GEMV through XLA: every output written."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(n + k)
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen)
+
+    def scales(*shape):  # E4M3 0.125 .. 240
+        return torch.randint(0x20, 0x78, shape, dtype=torch.uint8, device="cuda", generator=gen)
+
+    kw = {"act": "w4a4", "n": n, "k": k, "impl": "cuda", "launch": "ptx", "gemm_options": GEMV_TO_8}
+    plain = jax.jit(lambda r, *a: r + kernels.gemv_call(a, **kw))
+    for m in (1, 3, 8):
+        xg = (torch.rand((m,), device="cuda", generator=gen) * 1e-2 + 1e-3).float()
+        res = torch.randn((m, n), device="cuda", generator=gen).to(torch.bfloat16)
+        wg = (torch.rand((2,), device="cuda", generator=gen) * 1e-3 + 1e-4).float()
+        layer = torch.tensor(1, dtype=torch.int32, device="cuda")
+        ops = [codes(m, k // 2), scales(m, k // 16), xg, res, codes(2, n, k // 2),
+               scales(2, n, k // 16), wg, layer]  # fmt: skip
+        kernel = nvfp4_gemv.build("w4a4", m, n, k, residual=True)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        kernel.launch(
+            torch.cuda.current_stream().cuda_stream, [t.data_ptr() for t in ops] + [out.data_ptr()]
+        )
+        torch.cuda.synchronize()
+        direct = out.float().cpu().numpy()
+        args = [jax.dlpack.from_dlpack(t) for t in ops]
+        want = np.asarray(plain(args[3], *args[:3], *args[4:]), np.float32)
+        assert np.isfinite(direct).all(), f"M={m}: outputs left unwritten"
+        np.testing.assert_array_equal(direct, want, err_msg=f"M={m} N={n} K={k}")

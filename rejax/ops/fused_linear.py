@@ -16,9 +16,12 @@ CUDA, M <= 8 runs `cuda_ops/nvfp4_gemv.cu`'s `nvfp4_gemv_w4a4_bf16` (one launch:
 quantization with the reference's exact divisions, GEMV, residual); the kernel's RMSNorm sums
 the mean square in another order than XLA, so its output may differ from the composition by
 that rounding. With `kernels="two"` the prologue and the quantizer run once, in
-`nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, rows split over the grid, the same device code), and the
-plain W4A4 GEMV reads its codes; the residual add is then an XLA op. Everything else (M > 8,
-per-shard input scales, W4A16, the buffer_callback launch) is the composition.
+`nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, rows split over the grid, the same device
+code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads its codes and adds
+the residual in its epilogue (built with -DEPI_RES=1: the composition's bf16 add, which
+tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as a launch of its own.
+Everything else (M > 8, per-shard input scales, W4A16, the buffer_callback launch) is the
+composition.
 """
 
 from __future__ import annotations
@@ -137,10 +140,11 @@ mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 def _two_kernels(
     x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows
 ):
-    """The quantizer kernel, then the plain W4A4 GEMV on its codes, then the residual add."""
+    """The quantizer kernel, then the plain W4A4 linear (GEMV or GEMM) on its codes, which adds
+    the residual in its epilogue (`rejax.ops.linear.gemv_call`)."""
     pro = dataclasses.replace(fused, residual=False)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
-    y = gemv_call(
+    return gemv_call(
         (xp, xs, xgr, wp, ws, wg, layer),
         act="w4a4",
         n=n,
@@ -150,8 +154,8 @@ def _two_kernels(
         gw_rows=gw_rows,
         options=options,
         gemm_options=gemm_options,
+        residual=res if fused.residual else None,
     )
-    return res + y if fused.residual else y
 
 
 def _lower_two(ctx, *args, **params):
@@ -171,10 +175,23 @@ def _lower_two(ctx, *args, **params):
         try:
             quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
             if kind == "gemm":
-                nvfp4_gemm.build(m, n, k, options=params["gemm_options"], gw_rows=params["gw_rows"])
+                nvfp4_gemm.build(
+                    m,
+                    n,
+                    k,
+                    options=params["gemm_options"],
+                    gw_rows=params["gw_rows"],
+                    residual=fused.residual,
+                )
             else:
                 nvfp4_gemv.build(
-                    "w4a4", m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+                    "w4a4",
+                    m,
+                    n,
+                    k,
+                    options=params["options"],
+                    gw_rows=params["gw_rows"],
+                    residual=fused.residual,
                 )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")

@@ -15,7 +15,9 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
   small second kernel that sums the float32 partials in split order). Either is emitted as XLA's
   PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
-  "callback"). When the chosen
+  "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: either kernel adds r in its
+  epilogue (-DEPI_RES=1, res [M, N] an operand after xg; with the GEMM's K split, the finish
+  kernel's), the bf16 add of the reference. When the chosen
   kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
   on a GPU), the reason logged once.
@@ -57,8 +59,14 @@ def _weight(wp, ws, wg, layer, n: int, k: int) -> Nvfp4Tensor:
     return nvfp4.take(w, layer) if wp.ndim == 3 else w
 
 
-def _reference(*args, act: str, n: int, k: int, order: str = "auto", **_: Any) -> jax.Array:
-    """Reference numerics on the primitive's operands (see `_operands`)."""
+def _reference(
+    *args, act: str, n: int, k: int, order: str = "auto", residual: bool = False, **_: Any
+) -> jax.Array:
+    """Reference numerics on the primitive's operands (see `_operands`; with `residual`, res
+    [M, N] after xg and the bf16 add res + y)."""
+    if residual:
+        xp, xs, xg, res, *w = args
+        return res + _reference(xp, xs, xg, *w, act=act, n=n, k=k, order=order)
     if act == "w4a4":
         xp, xs, xg, wp, ws, wg, layer = args
         m = xp.shape[0]
@@ -114,11 +122,22 @@ def _lower_cuda(ctx, *args, **params):
         try:
             if kind == "gemm":
                 kernel = nvfp4_gemm.build(
-                    m, n, k, options=params["gemm_options"], gw_rows=params["gw_rows"]
+                    m,
+                    n,
+                    k,
+                    options=params["gemm_options"],
+                    gw_rows=params["gw_rows"],
+                    residual=params["residual"],
                 )
             else:
                 kernel = nvfp4_gemv.build(
-                    act, m, n, k, options=params["options"], gw_rows=params["gw_rows"]
+                    act,
+                    m,
+                    n,
+                    k,
+                    options=params["options"],
+                    gw_rows=params["gw_rows"],
+                    residual=params["residual"],
                 )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"{kind} build failed: {err}")
@@ -187,8 +206,10 @@ def gemm_finish(
     return ((acc * jnp.float32(2.0 ** (14 - w_shift))) * alpha).astype(jnp.bfloat16)
 
 
-def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
+def _gemm_impl(*args, kernel, launch):
     p = kernel.plan
+    # (xp, xs, xg, wp, ws, wg, layer), res [M, N] after xg with the residual
+    xp, xs, xg, *res, wp, ws, wg, layer = args
     xh = gemm_x_operand(xp, xs)
 
     def call(entry, out, *ops):
@@ -200,10 +221,10 @@ def _gemm_impl(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch):
 
     y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
     if not p.partials:
-        return call(nvfp4_gemm.ENTRY, y, xh, xg, wp, ws, wg, layer)
+        return call(nvfp4_gemm.ENTRY, y, xh, xg, *res, wp, ws, wg, layer)
     part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
-    part = call(nvfp4_gemm.ENTRY, part, xh, xg, wp, ws, wg, layer)
-    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, wg, layer)
+    part = call(nvfp4_gemm.ENTRY, part, xh, xg, *res, wp, ws, wg, layer)
+    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, *res, wg, layer)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -255,8 +276,23 @@ def gemv_call(
     options=nvfp4_gemv.DEFAULT_OPTIONS,
     gemm_options=nvfp4_gemm.DEFAULT_OPTIONS,
     order="auto",
+    residual=None,
 ):
-    """Binds the primitive on flat kernel operands (see `_operands`)."""
+    """Binds the primitive on flat kernel operands (see `_operands`).
+
+    `residual` (W4A4 only): bf16 [M, N] added to the output, y = residual + linear (XLA's bf16
+    add, as the reference runs it). The GEMV and the GEMM take it as an operand after xg and
+    add it in their epilogue (no launch of its own).
+    """
+    if residual is not None:
+        if act != "w4a4":
+            raise ValueError(f"residual= is only for act='w4a4', got act={act!r}")
+        m = args[0].shape[0]
+        if tuple(residual.shape) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16):
+            raise ValueError(
+                f"residual {residual.shape} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
+            )
+        args = (*args[:3], residual, *args[3:])
     return _gemv_p.bind(
         *args,
         act=act,
@@ -268,6 +304,7 @@ def gemv_call(
         options=options,
         gemm_options=gemm_options,
         order=order,
+        residual=residual is not None,
     )
 
 
