@@ -265,6 +265,12 @@ def main(argv=None) -> dict:
         help="Config.rope_fusion",
     )
     ap.add_argument(
+        "--residual-fusion",
+        default=rconfig.Config.residual_fusion,
+        choices=list(rconfig.RESIDUAL_FUSIONS),
+        help="Config.residual_fusion",
+    )
+    ap.add_argument(
         "--gemm-min-m",
         type=int,
         default=rconfig.Config.gemm_min_m,
@@ -296,6 +302,7 @@ def main(argv=None) -> dict:
         attention=args.attention,
         linear_fusion=args.linear_fusion,
         rope_fusion=args.rope_fusion,
+        residual_fusion=args.residual_fusion,
         gemm_min_m=args.gemm_min_m,
     )
     if args.tiny:

@@ -37,9 +37,9 @@ ATTENTIONS = ("einsum", "live")
 # SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
 # bitwise the unfused composition elsewhere) or "split" (rejax.ops.fused_linear with two
 # launches on CUDA: the prologue and quantizer once in a kernel of their own, then the plain
-# GEMV or GEMM, which adds the residual in its epilogue). "split" is the default (measured
-# before the residual moved into the epilogue): with its quantizer
-# spread over the grid it measured 2.796 vs 3.018 ms/token for "unfused" at batch 1 and 4.883 vs
+# GEMV or GEMM; the residual add after o and down is an XLA op, or with residual_fusion "fused"
+# the linear's epilogue). "split" is the default: with its quantizer spread over the grid it
+# measured 2.796 vs 3.018 ms/token for "unfused" at batch 1 and 4.883 vs
 # 5.256 at batch 8 (36-layer Qwen3-8B, attention "live", one run; experiments/results/h200_d/).
 # Elsewhere than CUDA all three are the same composition, bitwise. "fused" is opt-in: it measured
 # slower (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because
@@ -56,6 +56,12 @@ KV_DTYPES = ("bf16", "fp8")
 # opt-in until it has run on a GPU: it was written in a session without one (its GPU tests are
 # tests/test_rope_cache_gpu.py).
 ROPE_FUSIONS = ("fused", "unfused")
+# The residual adds after o_proj and down_proj on the "split" path: "fused" (the W4A4 GEMV or
+# GEMM adds the residual in its epilogue, -DEPI_RES=1: the same bf16 add, two launches fewer per
+# layer on CUDA) or "unfused" (an XLA add after the linear). Opt-in until it has run on a GPU
+# (written in a session without one; GPU tests in tests/test_quant_kernel_gpu.py and
+# tests/test_gemm_gpu.py). Elsewhere than CUDA both are the same composition, bitwise.
+RESIDUAL_FUSIONS = ("fused", "unfused")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +95,7 @@ class Config:
     linear_fusion: str = "split"
     kv_dtype: str = "bf16"
     rope_fusion: str = "unfused"
+    residual_fusion: str = "unfused"
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
@@ -107,6 +114,11 @@ class Config:
         if self.rope_fusion not in ROPE_FUSIONS:
             raise ValueError(
                 f"unknown rope_fusion {self.rope_fusion!r}; expected one of {ROPE_FUSIONS}"
+            )
+        if self.residual_fusion not in RESIDUAL_FUSIONS:
+            raise ValueError(
+                f"unknown residual_fusion {self.residual_fusion!r}; expected one of "
+                f"{RESIDUAL_FUSIONS}"
             )
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"unknown kv_dtype {self.kv_dtype!r}; expected one of {KV_DTYPES}")

@@ -97,7 +97,10 @@ def decoder_layer(
     )
     eps = cfg.rms_norm_eps
     kernels = "two" if cfg.linear_fusion == "split" else "one"
-    gemm = {"gemm_options": gemm_options(cfg.gemm_min_m)}
+    gemm = {
+        "gemm_options": gemm_options(cfg.gemm_min_m),
+        "residual_epilogue": cfg.residual_fusion == "fused",
+    }
     if fuse:
         norm = lw["input_layernorm"]["scale"]
         qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps,

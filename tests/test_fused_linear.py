@@ -240,8 +240,21 @@ def test_split_residual_is_the_linear_epilogue(stub_compiler, prologue, m):
     width = 2 * K if prologue == "swiglu" else K
     params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
     kw = {"layer": jnp.int32(1), "kernels": "two", "gemm_options": GEMM_SPLIT}
-    f = jax.jit(lambda x, r: fl.fused_linear(x, params, prologue=prologue, residual=r, **kw))
     x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
+    # off by default: the add stays an XLA op after the linear, which builds no EPI_RES
+    f = jax.jit(lambda x, r: fl.fused_linear(x, params, prologue=prologue, residual=r, **kw))
+    text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
+    assert _bf16_adds(text, f"{m}x{N}") == 1
+    linears = [d for d in stub_compiler if not d.get("QUANT_ONLY")]
+    # (the GEMM at M >= 8 compiles outside the stub: its builds are not recorded here)
+    assert all("EPI_RES" not in d for d in linears), linears
+    assert linears or m >= nvfp4_gemm.DEFAULT_MIN_M
+    stub_compiler.clear()
+    f = jax.jit(
+        lambda x, r: fl.fused_linear(
+            x, params, prologue=prologue, residual=r, residual_epilogue=True, **kw
+        )
+    )
     text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
     calls = _ptx_calls(text)
     names = [name for name, _ in calls]
@@ -269,16 +282,20 @@ def test_split_residual_is_the_linear_epilogue(stub_compiler, prologue, m):
 
 
 def test_split_decode_step_adds_the_residuals_in_the_linears(stub_compiler):
-    """linear_fusion="split": the o_proj and down_proj linears take the residual (res [B, D]
+    """linear_fusion="split", residual_fusion="fused": the o_proj and down_proj linears take the
+    residual (res [B, D]
     after xg) and the scanned layer has no bf16 add of [B, D] left, two fewer than the unfused
     decoder's; at batch 2 in the GEMV, at batch 8 in the GEMM."""
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion="split",
-        num_layers=3,
+        num_layers=3, residual_fusion="fused",
     )  # fmt: skip
     # [B, D] or [B, T, D] (the unfused decoder adds before folding T into M)
     unfused = dataclasses.replace(cfg, linear_fusion="unfused")
     assert _bf16_adds(decode_step_cuda_text(unfused, 2), "2x(1x)?256") == 2
+    # residual_fusion "unfused" (the default): the split path keeps its two adds
+    plain = dataclasses.replace(cfg, residual_fusion="unfused")
+    assert _bf16_adds(decode_step_cuda_text(plain, 2), "2x(1x)?256") == 2
     for b, entry, at in ((2, "nvfp4_gemv_w4a4", 3), (8, nvfp4_gemm.ENTRY, 2)):
         text = decode_step_cuda_text(cfg, b)
         ops = [o for name, o in _ptx_calls(text) if name == entry]

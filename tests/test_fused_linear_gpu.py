@@ -9,8 +9,9 @@
   RMSNorm adds its mean square in another order and its sigmoid is CUDA's expf, not XLA's
   logistic, so a few bf16 inputs of the quantizer may round the other way. Bound: relative Frobenius error <= FUSED_RTOL and >= FUSED_EQUAL of the outputs
   bitwise equal.
-* The bundled tiny model's greedy generations on the GPU (fused kernels) equal the CPU reference's
-  in >= 99% of tokens (50 prompts x 128 tokens).
+* The bundled tiny model's greedy generations on the GPU (fused kernels; or the split path with
+  the opt-in residual epilogues and rope_cache kernel) equal the CPU reference's in >= 99% of
+  tokens (50 prompts x 128 tokens).
 
 GEMM letters: M tokens, N out features, K in features.
 """
@@ -129,7 +130,19 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
             np.testing.assert_array_equal(got, want)
 
 
-def test_tiny_model_greedy_tokens_gpu_kernels_vs_cpu_reference():
+# (Config fields, prompts per batch): the fused one-launch linears; the split path with every
+# opt-in decode kernel (the residual in the linears' epilogues, q/k norm + RoPE + cache write as
+# one kernel), in batches of 4 rows (the GEMV) and 8 (the GEMM; the quantizer kernel takes <= 8)
+SPLIT_ALL = {"linear_fusion": "split", "residual_fusion": "fused", "rope_fusion": "fused"}
+TINY_VARIANTS = {
+    "fused": ({"linear_fusion": "fused"}, None),
+    "split+epilogues-b4": (SPLIT_ALL, 4),
+    "split+epilogues-b8": (SPLIT_ALL, 8),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(TINY_VARIANTS))
+def test_tiny_model_greedy_tokens_gpu_kernels_vs_cpu_reference(variant):
     import rejax
     from rejax.data import tasks
 
@@ -138,13 +151,13 @@ def test_tiny_model_greedy_tokens_gpu_kernels_vs_cpu_reference():
         pytest.skip("bundled tiny model missing")
     prompts = [tasks.chat_prompt(p["problem"]) for p in tasks.split("test", 50)]
     params = rejax.load(path, quant="nvfp4")
-    cfg = dataclasses.replace(params.cfg, linear_fusion="fused")
-    params = dataclasses.replace(params, cfg=cfg)
-    gpu = rejax.generate(params, prompts, max_new_tokens=128, stop=[])
+    fields, batch = TINY_VARIANTS[variant]
+    params = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, **fields))
+    gpu = rejax.generate(params, prompts, max_new_tokens=128, stop=[], batch_size=batch)
     cpu_dev = jax.devices("cpu")[0]
     with jax.default_device(cpu_dev):
         cparams = jax.device_put(params, cpu_dev)
-        cpu = rejax.generate(cparams, prompts, max_new_tokens=128, stop=[])
+        cpu = rejax.generate(cparams, prompts, max_new_tokens=128, stop=[], batch_size=batch)
     a = np.array([t for row in gpu.tokens for t in row])
     b = np.array([t for row in cpu.tokens for t in row])
     assert a.shape == b.shape == (50 * 128,)

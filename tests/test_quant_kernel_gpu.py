@@ -100,7 +100,9 @@ def test_two_kernels_equal_the_composition(n, k):
     stacked = jnp.asarray([0.05, 0.02], jnp.float32)  # per layer: reading layer 0's shows
     for params in ({"weight": w}, {"weight": w, "input_scale": stacked}):
         two = jax.jit(
-            lambda x, r, p=params: fl.fused_linear(x, p, layer=layer, residual=r, kernels="two")
+            lambda x, r, p=params: fl.fused_linear(
+                x, p, layer=layer, residual=r, kernels="two", residual_epilogue=True
+            )
         )
         unfused = jax.jit(lambda x, r, p=params: r + layers.linear(x, p, "nvfp4", layer=layer))
         for m in (1, 8):

@@ -17,10 +17,10 @@ quantization with the reference's exact divisions, GEMV, residual); the kernel's
 the mean square in another order than XLA, so its output may differ from the composition by
 that rounding. With `kernels="two"` the prologue and the quantizer run once, in
 `nvfp4_quantize_bf16` (cuda_ops/nvfp4_quant.py, rows split over the grid, the same device
-code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads its codes and adds
-the residual in its epilogue (built with -DEPI_RES=1: the composition's bf16 add, which
-tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as a launch of its own.
-Everything else (M > 8, per-shard input scales, W4A16, the buffer_callback launch) is the
+code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads its codes; with
+`residual_epilogue=True` it also adds the residual in its epilogue (built with -DEPI_RES=1: the
+composition's bf16 add, which tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as
+a launch of its own, else the add is an XLA op. Everything else (M > 8, per-shard input scales, W4A16, the buffer_callback launch) is the
 composition.
 """
 
@@ -138,13 +138,15 @@ mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 
 
 def _two_kernels(
-    x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows
-):
+    x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows,
+    epilogue,
+):  # fmt: skip
     """The quantizer kernel, then the plain W4A4 linear (GEMV or GEMM) on its codes, which adds
-    the residual in its epilogue (`rejax.ops.linear.gemv_call`)."""
+    the residual in its epilogue (`rejax.ops.linear.gemv_call`) with `epilogue`, else after it."""
     pro = dataclasses.replace(fused, residual=False)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
-    return gemv_call(
+    in_kernel = fused.residual and epilogue
+    y = gemv_call(
         (xp, xs, xgr, wp, ws, wg, layer),
         act="w4a4",
         n=n,
@@ -154,8 +156,9 @@ def _two_kernels(
         gw_rows=gw_rows,
         options=options,
         gemm_options=gemm_options,
-        residual=res if fused.residual else None,
+        residual=res if in_kernel else None,
     )
+    return res + y if fused.residual and not in_kernel else y
 
 
 def _lower_two(ctx, *args, **params):
@@ -181,7 +184,7 @@ def _lower_two(ctx, *args, **params):
                     k,
                     options=params["gemm_options"],
                     gw_rows=params["gw_rows"],
-                    residual=fused.residual,
+                    residual=fused.residual and params["residual_epilogue"],
                 )
             else:
                 nvfp4_gemv.build(
@@ -191,7 +194,7 @@ def _lower_two(ctx, *args, **params):
                     k,
                     options=params["options"],
                     gw_rows=params["gw_rows"],
-                    residual=fused.residual,
+                    residual=fused.residual and params["residual_epilogue"],
                 )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
@@ -207,6 +210,7 @@ def _lower_two(ctx, *args, **params):
         options=params["options"],
         gemm_options=params["gemm_options"],
         gw_rows=params["gw_rows"],
+        epilogue=params["residual_epilogue"],
     )
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
@@ -284,6 +288,7 @@ def fused_linear(
     options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
     kernels: str = "one",
     gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    residual_epilogue: bool = False,
 ) -> jax.Array:
     """y = [residual +] nvfp4_linear(prologue(x)) as one op (one kernel launch on CUDA, M <= 8,
     or two with `kernels="two"`).
@@ -304,6 +309,9 @@ def fused_linear(
             including `min_m`, the fewest rows that take the GEMM instead of the GEMV.
         kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV;
             both launches in CUDA only, the same reference elsewhere).
+        residual_epilogue: with kernels="two" and a residual, the GEMV or GEMM adds it in its
+            epilogue (no add of its own on CUDA; the same bf16 add). Off by default until it
+            has run on a GPU (`Config.residual_fusion`).
 
     Returns:
         bf16 [..., N].
@@ -386,5 +394,6 @@ def fused_linear(
         options=options,
         kernels=kernels,
         gemm_options=gemm_options,
+        residual_epilogue=bool(residual_epilogue),
     )
     return jnp.reshape(y, (*lead, n))
