@@ -49,6 +49,7 @@ def decoder_layer(
     cfg: Config,
     with_amax: bool = False,
     tp_axis: str | None = None,
+    live: jax.Array | None = None,
 ) -> tuple[jax.Array, tuple | None, dict]:
     """Pre-norm block x + attn(norm(x)); x + mlp(norm(x)) for layer i of the stack.
 
@@ -67,6 +68,9 @@ def decoder_layer(
         tp_axis: inside `shard_map` (rejax/sharding.py), the mesh axis the heads and the
             feed-forward width are split over: lw and cfg are this device's slice, and o_proj
             and down_proj are row-parallel (`sharding.row_parallel_linear`, one all-reduce each).
+        live: with kv and one new token per row, the cache slots attention reads, [0, live)
+            (`live_slots(index)`; computed here when None). `forward` computes it once for all
+            layers, so the scanned body does not recompute it.
 
     Returns:
         (x [B, T, D], updated kv or None, {linear name: input amax f32 []} or {}).
@@ -134,7 +138,7 @@ def decoder_layer(
         # one new token per row: read only the slots written so far, [0, index + 1) (with a
         # per-row index, up to the furthest row's; the positions mask the rest)
         li = jnp.asarray(i, jnp.int32)
-        live = index + 1 if jnp.ndim(index) == 0 else jnp.max(index) + 1
+        live = live_slots(index) if live is None else live
         out = decode_attention(
             q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live,
             k_scale=kv[2], v_scale=kv[3],
@@ -166,6 +170,13 @@ def decoder_layer(
     f = cfg.intermediate_size
     x = x + lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj")
     return x, kv, amax
+
+
+def live_slots(index: jax.Array) -> jax.Array:
+    """Slots a decode step's attention reads after writing one token per row at `index` ([] or
+    [B] int32): [0, index + 1), with a per-row index up to the furthest row's (the positions
+    mask the rest)."""
+    return index + 1 if jnp.ndim(index) == 0 else jnp.max(index) + 1
 
 
 def layer_loop(weights: dict, cfg: Config) -> str:
@@ -236,11 +247,12 @@ def forward(
         index, k_positions = cache.index, write_positions(cache, positions)
         kv = cache.layers
     lw = weights["layers"]
+    live = live_slots(index) if index is not None and tokens.shape[1] == 1 else None
 
     def body(carry, i):
         x, kv = carry
         x, kv, amax = decoder_layer(
-            x, lw, i, positions, kv, index, k_positions, cfg, with_amax, tp_axis
+            x, lw, i, positions, kv, index, k_positions, cfg, with_amax, tp_axis, live
         )
         return (x, kv), amax
 

@@ -185,3 +185,32 @@ def test_kernel_compiles_for_sm90(tmp_path, monkeypatch):
             kmod.build(kmod.Shape(1, 4, 2, 48, 8, True, 1e-6, False), arch="compute_90")
     finally:
         kmod._build_cached.cache_clear()
+
+
+def _elements(type_text: str) -> int:
+    dims = re.findall(r"(\d+)x", type_text)
+    return int(np.prod([int(d) for d in dims])) if dims else 1
+
+
+def test_layer_body_with_every_decode_fusion_is_only_kernels():
+    """With linear_fusion "split", residual_fusion and rope_fusion "fused", the scanned layer of
+    the CUDA decode step is its kernels (4 quantizers, 4 linears, rope_cache, 2 attention) and
+    no XLA op on an activation-sized tensor: what is left is reshapes, bitcasts and the
+    rotation's constant [H / 2] frequencies. Also the live length is computed once, outside the
+    layer loop."""
+    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=2,
+                 rope_fusion="fused", residual_fusion="fused")  # fmt: skip
+    text = decode_step_cuda_text(cfg, batch=1)
+    body = next(f for f in re.split(r"\n  func\.func ", text) if f.startswith("private @closed"))
+    names = re.findall(r"name = \\22(\w+)\\22", body)
+    assert sorted(set(names)) == ["nvfp4_gemv_w4a4", "nvfp4_quantize_bf16", "qk_norm_rope_cache"]
+    assert len(names) == 9 and body.count("stablehlo.custom_call") == 11, names
+    assert not re.search(r"stablehlo\.(add|maximum) .*: tensor<i32>", body), "live in the layer"
+    free = ("reshape", "constant", "bitcast_convert", "custom_call", "return", "broadcast_in_dim",
+            "output_operand_alias", "tuple", "get_tuple_element")  # fmt: skip
+    for line in body.splitlines():
+        op = re.search(r"= (stablehlo\.(\w+))", line)
+        if not op or op.group(2) in free:
+            continue
+        result = line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
+        assert _elements(result) <= cfg.head_dim // 2, line.strip()
