@@ -30,6 +30,8 @@
 #   xover    GEMV vs tensor-core GEMM vs bf16 at small M, kernel alone (bench_gemm.py, XOVER_ARGS)
 #   mins     36-layer NVFP4 decode at Config.gemm_min_m in MINS (default "9 2"), MIN_ARGS
 #   runs     bench_decode.py once per line of RUNS ("TAG args..."), OUT/run_TAG.json (RUN_TIMEOUT)
+#   verify   the gpu-marked tests of kernels written without a GPU, one pytest per VERIFY line
+#            ("TAG pytest-args", default below), OUT/verify_TAG.log (VERIFY_TIMEOUT each)
 #   slots    refilled slots vs static batches ([T2-L], experiments/bench_slots.py, SLOTS_ARGS)
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
@@ -223,6 +225,18 @@ for phase in $phases; do
           > "$out/run_$tag.log" 2>&1; echo "$tag rc=$?"
         grep "^\[\|FAIL\|Error" "$out/run_$tag.log" | tail -8
       done <<< "${RUNS:?RUNS: lines of TAG args}";;
+    verify)
+      lines=${VERIFY:-$'rope tests/test_rope_cache_gpu.py
+quant tests/test_quant_kernel_gpu.py
+gemm tests/test_gemm_gpu.py
+ctas tests/test_kernels_gpu.py -k ctas2
+sampling tests/test_sampling_gpu.py
+fused tests/test_fused_linear_gpu.py'}
+      while read -r tag targs; do
+        [ -z "$tag" ] && continue
+        timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q -m gpu $targs \
+          > "$out/verify_$tag.log" 2>&1; echo "$tag rc=$?"; tail -4 "$out/verify_$tag.log"
+      done <<< "$lines";;
     slots)
       args=${SLOTS_ARGS:---layers 1 --sampler greedy}
       timeout ${SLOTS_TIMEOUT:-300} python3 experiments/bench_slots.py $args \
