@@ -53,6 +53,13 @@ VARIANTS = {
     "gemm_nosplit": {"splitk": 1},
     "gemm_wm2": {"wm": 2},
     "gemm_cluster": {"reduce": "cluster"},
+    # more CTAs per SM at small M (the default plan aims at about two; the GEMM measured at
+    # 10-24% of the copy bandwidth at M = 16..64, experiments/results/h200_c/)
+    "gemm_sk4": {"splitk": 4},
+    "gemm_sk8": {"splitk": 8},
+    "gemm_wr1_sk4": {"wr": 1, "splitk": 4},
+    "gemm_wr1_sk8": {"wr": 1, "splitk": 8},
+    "gemm_cluster_wr1": {"reduce": "cluster", "wr": 1},
 }
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {"gemm_wm2": {128, 256, 512}}
