@@ -122,82 +122,44 @@ __device__ __forceinline__ int bin_of(u32 key) {
 }
 __device__ __forceinline__ u32 bin_lo(int b) { return KEY_LO + 1u + ((u32)(b - 1) << BIN_BITS); }
 
-__device__ __forceinline__ float warp_sum(float x) {
-    for (int o = 16; o; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-__device__ __forceinline__ float warp_maxf(float x) {
-    for (int o = 16; o; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ int warp_mini(int x) {
-    for (int o = 16; o; o >>= 1) x = min(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ int warp_maxi(int x) {
-    for (int o = 16; o; o >>= 1) x = max(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ u64 warp_maxu64(u64 x) {
-    for (int o = 16; o; o >>= 1) {
-        const u64 y = __shfl_xor_sync(0xffffffffu, x, o);
-        x = y > x ? y : x;
-    }
+// Reductions: an associative operation with its identity, over a warp (butterfly shuffles) or
+// a block (every thread gets the result; `red` is NWARPS words of scratch). The order of the
+// operations is fixed, so every block of a row reduces the same way.
+struct Sum {
+    __device__ static float identity() { return 0.0f; }
+    __device__ static float apply(float a, float b) { return a + b; }
+};
+struct MaxF {
+    __device__ static float identity() { return -INFINITY; }
+    __device__ static float apply(float a, float b) { return fmaxf(a, b); }
+};
+struct MinI {
+    __device__ static int identity() { return INT_BIG; }
+    __device__ static int apply(int a, int b) { return min(a, b); }
+};
+struct MaxI {
+    __device__ static int identity() { return -1; }
+    __device__ static int apply(int a, int b) { return max(a, b); }
+};
+struct MaxU64 {
+    __device__ static u64 identity() { return 0ull; }
+    __device__ static u64 apply(u64 a, u64 b) { return b > a ? b : a; }
+};
+
+template <typename Op, typename T>
+__device__ __forceinline__ T warp_reduce(T x) {
+    for (int o = 16; o; o >>= 1) x = Op::apply(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
 
-// Block-wide reductions (every thread gets the result); `red` is NWARPS words of scratch.
-__device__ float block_sum(float x, float* red) {
-    x = warp_sum(x);
+template <typename Op, typename T>
+__device__ T block_reduce(T x, T* red) {
+    x = warp_reduce<Op>(x);
     __syncthreads();
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
     __syncthreads();
-    x = threadIdx.x < NWARPS ? red[threadIdx.x] : 0.0f;
-    if (threadIdx.x < 32) x = warp_sum(x);
-    if (threadIdx.x == 0) red[0] = x;
-    __syncthreads();
-    return red[0];
-}
-__device__ float block_maxf(float x, float* red) {
-    x = warp_maxf(x);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = threadIdx.x < NWARPS ? red[threadIdx.x] : -INFINITY;
-    if (threadIdx.x < 32) x = warp_maxf(x);
-    if (threadIdx.x == 0) red[0] = x;
-    __syncthreads();
-    return red[0];
-}
-__device__ int block_mini(int x, int* red) {
-    x = warp_mini(x);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = threadIdx.x < NWARPS ? red[threadIdx.x] : INT_BIG;
-    if (threadIdx.x < 32) x = warp_mini(x);
-    if (threadIdx.x == 0) red[0] = x;
-    __syncthreads();
-    return red[0];
-}
-__device__ int block_maxi(int x, int* red) {
-    x = warp_maxi(x);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = threadIdx.x < NWARPS ? red[threadIdx.x] : -1;
-    if (threadIdx.x < 32) x = warp_maxi(x);
-    if (threadIdx.x == 0) red[0] = x;
-    __syncthreads();
-    return red[0];
-}
-__device__ u64 block_maxu64(u64 x, u64* red) {
-    x = warp_maxu64(x);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = threadIdx.x < NWARPS ? red[threadIdx.x] : 0ull;
-    if (threadIdx.x < 32) x = warp_maxu64(x);
+    x = threadIdx.x < NWARPS ? red[threadIdx.x] : Op::identity();
+    if (threadIdx.x < 32) x = warp_reduce<Op>(x);
     if (threadIdx.x == 0) red[0] = x;
     __syncthreads();
     return red[0];
@@ -259,7 +221,7 @@ __device__ void find_boundary(const u32* hm, const u32* hc, u32 base, float limi
         }
         above += hm[i];
     }
-    const int best = block_mini(cand, ired);
+    const int best = block_reduce<MinI>(cand, ired);
     if (cand == best && best != INT_BIG) s_above = cand_above;
     __syncthreads();
     *b = best;
@@ -301,9 +263,9 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
             last = j;
         }
     }
-    const float mc = block_maxf(m, red);
-    first = block_mini(m == mc ? first : INT_BIG, ired);
-    last = block_maxi(m == mc ? last : -1, ired);
+    const float mc = block_reduce<MaxF>(m, red);
+    first = block_reduce<MinI>(m == mc ? first : INT_BIG, ired);
+    last = block_reduce<MaxI>(m == mc ? last : -1, ired);
     float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
     if (mc > -INFINITY) {
         for (int j = lo + tid; j < hi; j += NTHREADS) {
@@ -315,10 +277,10 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
             sb += expf(d * ib);
         }
     }
-    s = block_sum(s, red);
-    u = block_sum(u, red);
-    sa = block_sum(sa, red);
-    sb = block_sum(sb, red);
+    s = block_reduce<Sum>(s, red);
+    u = block_reduce<Sum>(u, red);
+    sa = block_reduce<Sum>(sa, red);
+    sb = block_reduce<Sum>(sb, red);
     if (tid == 0) {
         float* p = g_stats_part + (size_t)(r * CHUNKS + c) * 5;
         p[0] = mc;
@@ -335,7 +297,7 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
     const float* part = g_stats_part + (size_t)r * CHUNKS * 5;
     float mw = -INFINITY;
     for (int i = tid; i < CHUNKS; i += 32) mw = fmaxf(mw, __ldcg(part + i * 5));
-    mw = warp_maxf(mw);
+    mw = warp_reduce<MaxF>(mw);
     float S = 0.0f, U = 0.0f, SA = 0.0f, SB = 0.0f;
     int f = INT_BIG, l = -1;
     for (int i = tid; i < CHUNKS; i += 32) {
@@ -352,12 +314,12 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
             SB += __ldcg(part + i * 5 + 4) * expf(dm * ib);
         }
     }
-    S = warp_sum(S);
-    U = warp_sum(U);
-    SA = warp_sum(SA);
-    SB = warp_sum(SB);
-    f = warp_mini(f);
-    l = warp_maxi(l);
+    S = warp_reduce<Sum>(S);
+    U = warp_reduce<Sum>(U);
+    SA = warp_reduce<Sum>(SA);
+    SB = warp_reduce<Sum>(SB);
+    f = warp_reduce<MinI>(f);
+    l = warp_reduce<MaxI>(l);
     if (tid == 0) {
         const float h = logf(S) - U / S;
         const bool high = (h >= thr[r]) || (h > alt[r]);
@@ -504,7 +466,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
                 cand_s = s;
             }
         }
-        const int b = block_maxi(cand, ired);
+        const int b = block_reduce<MaxI>(cand, ired);
         if (b < 0 && tid == 0) {
             pl[0] = 2;
             pl[2] = 0;
@@ -521,7 +483,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     if (tp >= 1.0f) {  // every token is kept
         u64 best = 0ull;
         for (int i = tid; i < NB; i += NTHREADS) best = hb[i] > best ? hb[i] : best;
-        best = block_maxu64(best, ured);
+        best = block_reduce<MaxU64>(best, ured);
         if (tid == 0) {
             pl[0] = 0;
             pl[1] = unpack_id(best);
@@ -540,7 +502,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     u64 best = 0ull;
     for (int i = tid; i < NB; i += NTHREADS)
         if (i > b && hb[i] > best) best = hb[i];
-    best = block_maxu64(best, ured);
+    best = block_reduce<MaxU64>(best, ured);
     if (tid == 0) {
         const u32 nb = hc[b], mb = hm[b];
         // bin b is kept whole if even its lowest token (mass >= its lower edge's) is kept
@@ -625,7 +587,7 @@ __device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool f
         }
         run += mass_of_key(key);
     }
-    return block_maxu64(best, ured);
+    return block_reduce<MaxU64>(best, ured);
 }
 
 // The kept tokens among those with tempered logit >= zmin whose probability bits lie in
@@ -693,7 +655,7 @@ __device__ u64 resolve_range(const float* z, float m, float it, float iden, floa
             best = p > best ? p : best;
         }
     }
-    return block_maxu64(best, ured);
+    return block_reduce<MaxU64>(best, ured);
 }
 
 #if TOP_K > 0
@@ -738,7 +700,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
                     cand_cnt = hc[i0 + k];
                 }
             }
-            const int b = block_maxi(cand, ired);
+            const int b = block_reduce<MaxI>(cand, ired);
             if (b < 0) {
                 found = false;  // fewer than k live tokens: all of them are kept
             } else {
@@ -774,7 +736,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
                 const float zt = tempered(z[j], m, it);
                 if (zt > -INFINITY && zt >= zmin) s += expf(zt);
             }
-            const float iden = 1.0f / block_sum(s, fred);
+            const float iden = 1.0f / block_reduce<Sum>(s, fred);
             u64* hb = list;  // NB words: the list is not used on this path
             for (int i = tid; i < NB; i += NTHREADS) {
                 hm[i] = 0u;
@@ -797,7 +759,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
             u64 best = 0ull;
             if (tp >= 1.0f) {
                 for (int i = tid; i < NB; i += NTHREADS) best = hb[i] > best ? hb[i] : best;
-                return unpack_id(block_maxu64(best, ured));
+                return unpack_id(block_reduce<MaxU64>(best, ured));
             }
             u32 mine = 0;
             for (int i = tid; i < NB; i += NTHREADS) mine += hm[i];
@@ -811,7 +773,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
             for (int i = tid; i < NB; i += NTHREADS)
                 if (i >= b && hb[i] > best) best = hb[i];  // bin b: cut below if it is split
             if (tid == 0) s_n = hc[b];
-            best = block_maxu64(best, ured);
+            best = block_reduce<MaxU64>(best, ured);
             const u32 nb = s_n;
             const bool whole = nb == 1u ||
                                (float)(above_b + hm[b] - mass_of_key(bin_lo(b))) < limit;
@@ -819,7 +781,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
                 u64 above_best = 0ull;
                 for (int i = tid; i < NB; i += NTHREADS)
                     if (i > b && hb[i] > above_best) above_best = hb[i];
-                above_best = block_maxu64(above_best, ured);
+                above_best = block_reduce<MaxU64>(above_best, ured);
                 const u64 inb = resolve_range(z, m, it, iden, zmin, k0, k1, floor_score, bin_lo(b),
                                               BIN_BITS, above_b, limit, hm, hc, red, ired, ured);
                 best = inb > above_best ? inb : above_best;
@@ -836,10 +798,10 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
     int nk = 0;
     for (int i = tid; i < n; i += NTHREADS)
         if ((u32)(list[i] >> 32) >= vk) nk = max(nk, i + 1);
-    nk = block_maxi(nk, ired);
+    nk = block_reduce<MaxI>(nk, ired);
     float s = 0.0f;
     for (int i = tid; i < nk; i += NTHREADS) s += expf(float_of_ord((u32)(list[i] >> 32)));
-    const float iden = 1.0f / block_sum(s, fred);
+    const float iden = 1.0f / block_reduce<Sum>(s, fred);
     for (int i = tid; i < n2; i += NTHREADS) {
         const u64 e = list[i];
         list[i] = i < nk ? ((u64)prob_key(float_of_ord((u32)(e >> 32)), iden) << 32) |
