@@ -5,6 +5,7 @@ by step, E1..E9). The kernel itself runs in tests/test_decode_attention_cuda_gpu
 
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,8 @@ from rejax.ops.decode_attention import decode_attention, decode_attention_ref
 from rejax.params import init_params
 
 # emulation vs reference, bf16 out: norm(y - ref) / norm(ref) over rows with a visible key; the
-# Pallas kernel's bound (tests/test_decode_attention.py). Measured: <= 3e-3 on these cases.
+# Pallas kernel's bound (tests/test_decode_attention.py). Measured: <= 5.1e-3 on these cases
+# (H = 16), 3.2e-3 at H = 128.
 EMU_REL_TOL = 1e-2
 
 _ref = jax.jit(decode_attention_ref)
@@ -89,8 +91,11 @@ def test_decode_step_lowering_has_one_flash_call_per_layer():
     live = decode_step_cuda_text(dataclasses.replace(cfg, attention="live"))
     assert _flash_calls(live) == 0
     assert "rejax_decode_attention_partials" in live
-    # the fp8 cache keeps the Pallas kernel under "flash"
-    fp8 = decode_step_cuda_text(dataclasses.replace(cfg, kv_dtype="fp8"))
+    # the fp8 cache keeps the Pallas kernel under "flash" (the decoder asks for it: no
+    # fallback warning)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8 = decode_step_cuda_text(dataclasses.replace(cfg, kv_dtype="fp8"))
     assert _flash_calls(fp8) == 0 and "rejax_decode_attention_partials" in fp8
 
 
@@ -218,12 +223,19 @@ def _check_emulation(seed, b, n, kh, h, s, lives, options=None):
     return worst
 
 
-def test_emulation_equals_ref_every_live_length():
-    """H = 16 (KPW = 16 row groups per warp, J = 16 split groups in the combine), P = 3, every
-    live length 0..S."""
+@pytest.mark.parametrize(
+    "h,options",
+    [
+        # KPW = 16 row groups per warp, J = 16 split groups in the combine, P = 3
+        (16, flash.FlashOptions(splits=3, warps=2, unroll=1, min_tiles=1)),
+        (128, None),  # Qwen3-8B's H, G = 4, the default launch choices
+    ],
+)
+def test_emulation_equals_ref_every_live_length(h, options):
+    """Every live length 0..S (S = 160)."""
     s = 160
-    opts = flash.FlashOptions(splits=3, warps=2, unroll=1, min_tiles=1)
-    _check_emulation(1, b=3, n=4, kh=2, h=16, s=s, lives=range(0, s + 1), options=opts)
+    _check_emulation(1, b=3, n=8 if h == 128 else 4, kh=2, h=h, s=s, lives=range(0, s + 1),
+                     options=options)  # fmt: skip
 
 
 @pytest.mark.parametrize(

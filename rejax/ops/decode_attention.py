@@ -509,7 +509,9 @@ def _lower_cuda(
         if impl == "cuda":
             raise ValueError(f"decode_attention(impl='cuda') cannot run: {flash_reason}")
         # kernel="cuda" under impl="auto": the Pallas kernel (or the reference) instead
-        _dispatch.note_once("decode_attention", f"{flash_reason}; taking the Pallas kernel")
+        _dispatch.note_once(
+            "decode_attention", f"kernel='cuda' takes the Pallas kernel instead: {flash_reason}"
+        )
     if impl == "auto" and not reason:
         avals = tuple((a.shape, a.dtype) for a in ctx.avals_in)
         reason = _compile_error(avals, params["block_s"], params["num_splits"])
