@@ -18,8 +18,14 @@ import functools
 
 import numpy as np
 
-from cuda_ops.build import KernelError, compile_ptx, device_arch, escape_mlir, ptx_entries
-from cuda_ops.build import read_source
+from cuda_ops.build import (
+    KernelError,
+    compile_ptx,
+    device_arch,
+    escape_mlir,
+    ptx_entries,
+    read_source,
+)
 
 __all__ = [
     "ENTRY",

@@ -75,7 +75,7 @@ def test_nvrtc_builds_qwen3_8b(batch, tmp_path, monkeypatch):
 
 
 def _flash_calls(text: str) -> int:
-    return len(re.findall(r'name = \\22' + flash.ENTRY, text)) + len(
+    return len(re.findall(r"name = \\22" + flash.ENTRY, text)) + len(
         re.findall(r'name = \\"' + flash.ENTRY, text)
     )
 
@@ -234,8 +234,8 @@ def _check_emulation(seed, b, n, kh, h, s, lives, options=None):
 def test_emulation_equals_ref_every_live_length(h, options):
     """Every live length 0..S (S = 160)."""
     s = 160
-    _check_emulation(1, b=3, n=8 if h == 128 else 4, kh=2, h=h, s=s, lives=range(0, s + 1),
-                     options=options)  # fmt: skip
+    n = 8 if h == 128 else 4
+    _check_emulation(1, b=3, n=n, kh=2, h=h, s=s, lives=range(s + 1), options=options)
 
 
 @pytest.mark.parametrize(
@@ -255,3 +255,20 @@ def test_emulation_equals_ref_split_boundaries(h, n, kh, options):
     lives = {1, 2, t - 1, t, t + 1, 2 * t - 1, 2 * t + 1, 3 * t, 97, 200, s - 1, s}
     lives = sorted(x for x in lives if 0 < x <= s)
     _check_emulation(2, b=3, n=n, kh=kh, h=h, s=s, lives=lives, options=options)
+
+
+@needs_nvrtc
+def test_direct_call_lowers_for_cuda_with_poison_aliases():
+    """`decode_attention_cuda` (GPU tests, bench) lowers to one custom call with 7 operands and
+    3 results; poisoned, 3 more NaN operands aliased to the results."""
+    from rejax.ops.decode_attention import decode_attention_cuda
+
+    q, kc, vc = _problem(3, 2, 8, 2, 64, 128)
+    args = (q, kc, vc, jnp.int32(0), jnp.zeros((2,), jnp.int32), jnp.zeros((2, 128), jnp.int32))
+    for poison, operands in ((False, 7), (True, 10)):
+        f = jax.jit(lambda *a, poison=poison: decode_attention_cuda(*a, poison=poison))
+        text = f.trace(*args, jnp.int32(9)).lower(lowering_platforms=("cuda",)).as_text()
+        call = next(x for x in text.splitlines() if "custom_call @__gpu$xla.gpu.ptx" in x)
+        assert call.split("(", 1)[1].split(")", 1)[0].count("%") == operands
+        assert _flash_calls(text) == 1
+        assert ("output_operand_aliases" in call) == poison

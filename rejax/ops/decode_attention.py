@@ -54,6 +54,7 @@ Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -483,6 +484,46 @@ def flash_call(q, k_cache, v_cache, layer, q_positions, k_positions, live, *, ke
         ops += tuple(jnp.full(o.shape, jnp.nan, o.dtype) for o in out)
         aliases = {flash_mod.N_INPUTS + i: i for i in range(flash_mod.N_OUTPUTS)}
     return _dispatch.ptx_call(kernel.backend_config(), out, *ops, aliases=aliases)[0]
+
+
+def decode_attention_cuda(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+    *,
+    options: flash_mod.FlashOptions | None = None,
+    poison: bool = False,
+) -> jax.Array:
+    """The CUDA kernel's call itself, without dispatch (use `decode_attention(impl="cuda")`;
+    this entry point is for GPU tests and benchmarks, and lowers for CUDA only).
+
+    Args:
+        q, k_cache, v_cache, layer, q_positions, k_positions, live: as `decode_attention`.
+        options: the kernel's launch choices (None -> the defaults).
+        poison: the output and the workspace start as NaN.
+
+    Returns:
+        [B, N, H] bf16.
+    """
+    _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, None, None)
+    shape, why = cuda_problem(q, k_cache, v_cache, None, options)
+    if why:
+        raise ValueError(f"decode_attention_cuda cannot run: {why}")
+    kernel = flash_mod.build(dataclasses.replace(shape, poison=poison))
+    return flash_call(
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        q_positions.astype(jnp.int32),
+        k_positions.astype(jnp.int32),
+        jnp.asarray(live, jnp.int32),
+        kernel=kernel,
+    )
 
 
 def _lower_flash(ctx, *args, kernel):
