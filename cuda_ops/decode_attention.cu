@@ -32,8 +32,9 @@
 //
 // Constants (-D, cuda_ops/decode_attention.py): B_ROWS, N_LAYERS, S_SLOTS, KV_HEADS, GQA (G),
 // HEAD_DIM (a power of two in [16, 256]), SPLITS (P), WARPS, UNROLL, MIN_TILES (a split walks
-// at least this many tiles), SCORE_SCALE (float literal), POISON (1: three more operands, NaN-filled buffers aliased to the
-// outputs, for the GPU tests). Operands: q [B, N, H] bf16, k_cache, v_cache [L, B, S, K, H]
+// at least this many tiles), SCORE_SCALE (float literal), MIN_CTAS (launch bounds), POISON
+// (1: three more operands, NaN-filled buffers aliased to the outputs, for the GPU tests).
+// Operands: q [B, N, H] bf16, k_cache, v_cache [L, B, S, K, H]
 // bf16, layer [] i32, q_positions [B] i32, k_positions [B, S] i32, live [] i32; outputs: out
 // [B, N, H] bf16, ws_acc [B, K, P, G, H] f32, ws_ml [B, K, P, 2, G] f32 (garbage on entry:
 // every partial the last CTA reads was written in the same launch).
@@ -298,19 +299,22 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
   // E8: combine the splits: common max, weights w_p = exp2(m_p - M), total = sum_p w_p l_p in
   // split order; acc summed over the splits p = j, j + J, .. (split order) per group j, then the
   // J group sums added in group order
+  __shared__ float sm_pml[SPLITS * 2 * G];  // the active splits' (m, l), read once, in parallel
   __shared__ float sm_pw[SPLITS][G];
   __shared__ float sm_tot[G];
   __shared__ float4 sm_red[J * C4];
   const float* ml_all = ws_ml + (size_t)bk * SPLITS * 2 * G;
+  for (int i = tid; i < active * 2 * G; i += NT) sm_pml[i] = __ldcg(ml_all + i);
+  __syncthreads();
   if (tid < G) {
     const int g = tid;
     float mx = NEG;
-    for (int pp = 0; pp < active; ++pp) mx = fmaxf(mx, __ldcg(ml_all + pp * 2 * G + g));
+    for (int pp = 0; pp < active; ++pp) mx = fmaxf(mx, sm_pml[pp * 2 * G + g]);
     float tot = 0.f;
     for (int pp = 0; pp < active; ++pp) {
-      const float w = exp2f(__ldcg(ml_all + pp * 2 * G + g) - mx);
+      const float w = exp2f(sm_pml[pp * 2 * G + g] - mx);
       sm_pw[pp][g] = w;
-      tot = fmaf(w, __ldcg(ml_all + pp * 2 * G + G + g), tot);
+      tot = fmaf(w, sm_pml[pp * 2 * G + G + g], tot);
     }
     sm_tot[g] = tot;
   }
@@ -319,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
   for (int item = tid; item < J * C4; item += NT) {
     const int col = item % C4, j = item / C4, g = col / H4;
     float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
+#pragma unroll 8  // independent L2 loads in flight; only the fma chain is serial
     for (int pp = j; pp < active; pp += J) {
       const float w = sm_pw[pp][g];
       const float4 x = __ldcg(acc_all + (size_t)pp * C4 + col);
