@@ -27,13 +27,25 @@ per-row lengths instead of one `live`. Not yet measured on the H200
 (`experiments/bench_attention.py` does it); a CUDA version stays the option if the Triton
 kernel falls short of the copy bandwidth.
 
+That CUDA version is `impl="cuda"` (`cuda_ops/decode_attention.cu`, through the PTX custom
+call): the same split plan idea and partials, but ONE launch per call, for bf16 caches. Its
+CTAs (split, kv head, row) stream K/V rows with 16-byte loads, several rows in flight per warp,
+and write float32 partials to a workspace that XLA allocates as two extra results; the last CTA
+of each (row, kv head) to finish (an atomic ticket in a module-global counter that it resets)
+combines the splits in split order, so the result is deterministic. The kernel's arithmetic is
+written out in NumPy (`cuda_ops.decode_attention.emulate`) and tested against the reference on
+CPU. `decode_attention(..., kernel="cuda")` makes `impl="auto"` prefer it on CUDA (the fp8
+cache and shapes it does not take fall back to the Pallas kernel); `Config(attention="flash")`
+is the decoder's switch for it, opt-in until it has been measured on a GPU.
+
 Dispatch follows rejax.kernels: one primitive whose default lowering is the reference and whose
 `platform="cuda"` lowering is the Pallas kernel, so CPU tracing never builds a Triton kernel.
 `impl="auto"` takes the kernel when lowering for CUDA, the shape is supported and the kernel
 compiles for it on this GPU (checked once per shape; else the reference, with a one-time
 warning); `"ref"` forces the reference; `"pallas"` forces
 the kernel and raises if it cannot run; `"interpret"` runs the kernel body through the Pallas
-interpreter on any platform (tests).
+interpreter on any platform (tests); `"cuda"` forces the one-launch CUDA kernel (raises off CUDA
+or for a problem it does not take). Off CUDA, `kernel="cuda"` changes nothing: the reference.
 
 Numerics (both paths): scores q.k in float32 scaled by H**-0.5; a key is visible iff
 0 <= k_positions[b, s] <= q_positions[b] and s < live; softmax in float32; probabilities cast to
