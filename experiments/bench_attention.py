@@ -6,6 +6,9 @@ i + 1 depends on the output of call i; the layer alternates over a [L=2, B, S, K
 value, so one compile serves every live length (the trace count is recorded). Variants:
 
 * pallas: `decode_attention(impl="pallas")`, reads only slots [0, live);
+* cuda: `decode_attention(impl="cuda")`, the one-launch CUDA kernel (cuda_ops/decode_attention.cu),
+  once per `--cuda-variants` entry (FlashOptions fields, e.g. `default splits=32,warps=8`), so
+  the Pallas kernel and CUDA variants are timed in the same run;
 * ref: `decode_attention(impl="ref")`, the pure-JAX reference (scores over all S slots);
 * full: today's decoder attention, `rejax.layers.attention` over every slot of one layer.
 
@@ -17,6 +20,8 @@ the reference on random data: live lengths incl. 1, block and split boundaries, 
 are no block multiple, left padding, -1 holes, a padded query row, batch 1..64.
 
     PYTHONPATH=. python experiments/bench_attention.py --out OUT.json   # GPU, full sweep
+    PYTHONPATH=. python experiments/bench_attention.py --impls pallas cuda \
+        --cuda-variants default splits=32 min_ctas=4 --out OUT.json     # Pallas vs CUDA
     PYTHONPATH=. python experiments/bench_attention.py --tiny --out /tmp/bench_attention_tiny.json
 
 A prefill phase times `prefill_attention` (chunked, B = 1, T = S) against today's attention
@@ -28,6 +33,7 @@ that holds [B, N, T, S] float32 scores, with XLA's temporary bytes for each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -38,11 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cuda_ops.decode_attention import FlashOptions
 from rejax.bench import versions
 from rejax.layers import attention, attention_mask
 from rejax.ops.decode_attention import (
     BLOCK_S,
+    cuda_problem,
     decode_attention,
+    decode_attention_cuda,
     decode_attention_kernel,
     default_num_splits,
     prefill_attention,
@@ -101,7 +110,25 @@ def _problem(key, live, *, b, s, n, kh, h, layers, poison):
     return q, k_cache, v_cache, q_pos.astype(jnp.int32), k_pos.astype(jnp.int32)
 
 
-def _attention_fn(impl: str, block_s: int, num_splits: int | None):
+def parse_variant(text: str) -> FlashOptions:
+    """ "default" or comma-separated FlashOptions fields, e.g. "splits=32,warps=8"."""
+    if text == "default":
+        return FlashOptions()
+    fields = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        if key not in FlashOptions.__dataclass_fields__ or not value.lstrip("-").isdigit():
+            raise SystemExit(
+                f"--cuda-variants: {item!r}, expected NAME=INT with NAME in "
+                f"{sorted(FlashOptions.__dataclass_fields__)}"
+            )
+        fields[key] = int(value)
+    return FlashOptions(**fields)
+
+
+def _attention_fn(impl: str, block_s: int, num_splits: int | None, cuda: FlashOptions = None):
+    if impl == "cuda":
+        return functools.partial(decode_attention, impl="cuda", cuda_options=cuda)
     if impl == "full":
         # today's decoder: a per-layer cache array (static index) and a mask over every slot
         def full(q, k_cache, v_cache, layer, q_positions, k_positions, live):
@@ -153,12 +180,18 @@ def run_timings(args, kernel_impl: str, ceiling: float) -> list[dict]:
                 poison=False,
             )
             slot = jnp.arange(s)
+            variants = []
             for impl in args.impls:
-                impl_name = kernel_impl if impl == "pallas" else impl
+                if impl == "cuda":
+                    variants += [
+                        (f"cuda[{v}]", "cuda", parse_variant(v)) for v in args.cuda_variants
+                    ]
+                else:
+                    variants.append((impl, kernel_impl if impl == "pallas" else impl, None))
+            for impl, impl_name, cuda in variants:
                 counter = [0]
-                f = _loop(
-                    _attention_fn(impl_name, args.block_s, args.num_splits), args.steps, counter
-                )
+                fn = _attention_fn(impl_name, args.block_s, args.num_splits, cuda)
+                f = _loop(fn, args.steps, counter)
                 for live in lives:
                     k_pos = jnp.broadcast_to(jnp.where(slot < live, slot, -1), (b, s))
                     q_pos = jnp.full((b,), live - 1, jnp.int32)
@@ -192,6 +225,9 @@ def run_timings(args, kernel_impl: str, ceiling: float) -> list[dict]:
                         row["num_splits"] = args.num_splits or default_num_splits(
                             b, kh, s, args.block_s
                         )
+                    if cuda is not None:
+                        shape, _ = cuda_problem(q, kc, vc, None, cuda)
+                        row["cuda_shape"] = dataclasses.asdict(shape)
                     rows.append(row)
                     print(
                         f"S={s:6d} B={b:2d} live={live:6d} {impl:6s} {row['us_per_call']:9.1f} us "
@@ -245,29 +281,40 @@ def run_check(args, kernel_impl: str) -> dict:
                         poison=True,
                     )
                 )(*xs)
-            out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+            outs = {"pallas": out}
+            if "cuda" in args.impls and kernel_impl != "interpret":
+                for v in args.cuda_variants:
+                    fn = functools.partial(
+                        decode_attention_cuda, options=parse_variant(v), poison=True
+                    )
+                    outs[f"cuda[{v}]"] = jax.jit(fn)(*xs)
+            ref = np.asarray(ref, np.float32)
             kp_np, qp_np = np.asarray(kp)[:, :live], np.asarray(qp)
             vis = ((kp_np >= 0) & (kp_np <= qp_np[:, None])).any(axis=1)
-            rel = float(np.linalg.norm(out[vis] - ref[vis]) / np.linalg.norm(ref[vis]))
-            hidden_zero = bool(np.all(out[~vis] == 0))
-            finite = bool(np.isfinite(out).all())
-            ok = rel <= REL_TOL and hidden_zero and finite
-            failures += not ok
-            cases.append(
-                {
-                    "B": b,
-                    "S": s,
-                    "live": live,
-                    "num_splits": splits,
-                    "rel_err": rel,
-                    "hidden_rows_zero": hidden_zero,
-                    "finite": finite,
-                    "ok": ok,
-                }
-            )
-            print(
-                f"check B={b} S={s} live={live}: rel {rel:.2e} {'ok' if ok else 'FAIL'}", flush=True
-            )
+            for name, out in outs.items():
+                out = np.asarray(out, np.float32)
+                rel = float(np.linalg.norm(out[vis] - ref[vis]) / np.linalg.norm(ref[vis]))
+                hidden_zero = bool(np.all(out[~vis] == 0))
+                finite = bool(np.isfinite(out).all())
+                ok = rel <= REL_TOL and hidden_zero and finite
+                failures += not ok
+                cases.append(
+                    {
+                        "B": b,
+                        "S": s,
+                        "live": live,
+                        "kernel": name,
+                        "num_splits": splits,
+                        "rel_err": rel,
+                        "hidden_rows_zero": hidden_zero,
+                        "finite": finite,
+                        "ok": ok,
+                    }
+                )
+                print(
+                    f"check {name} B={b} S={s} live={live}: rel {rel:.2e} {'ok' if ok else 'FAIL'}",
+                    flush=True,
+                )
     return {"tolerance": REL_TOL, "failures": failures, "cases": cases}
 
 
@@ -326,7 +373,17 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--heads", nargs=3, type=int, default=[32, 8, 128], metavar=("N", "K", "H"))
     ap.add_argument(
-        "--impls", nargs="+", default=["pallas", "ref", "full"], choices=["pallas", "ref", "full"]
+        "--impls",
+        nargs="+",
+        default=["pallas", "ref", "full"],
+        choices=["pallas", "cuda", "ref", "full"],
+    )
+    ap.add_argument(
+        "--cuda-variants",
+        nargs="+",
+        default=["default"],
+        help="launch choices of the cuda impl: 'default' or FlashOptions fields, e.g. "
+        "splits=32,warps=8,unroll=2,min_tiles=1,min_ctas=4 (each one a timed variant)",
     )
     ap.add_argument("--steps", type=int, default=64, help="attention calls per timed loop")
     ap.add_argument("--repeats", type=int, default=5, help="timed loops (median)")
@@ -367,7 +424,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--check-shapes takes BxS pairs like 8x8192, got {args.check_shapes}")
     if args.heads[0] % args.heads[1]:
         raise SystemExit(f"--heads: N={args.heads[0]} must be a multiple of K={args.heads[1]}")
+    for v in args.cuda_variants:
+        parse_variant(v)  # bad variants fail before any work
     kernel_impl = "interpret" if args.tiny else "pallas"
+    if args.tiny and "cuda" in args.impls:
+        print("--tiny: the cuda impl needs a GPU; dropped", flush=True)
+        args.impls = [i for i in args.impls if i != "cuda"]
     if kernel_impl == "pallas" and jax.default_backend() != "gpu":
         raise SystemExit("the kernel needs a CUDA GPU; use --tiny for a CPU run")
     result = {

@@ -32,7 +32,12 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 # per layer and step). 36-layer Qwen3-8B on the H200, one run: NVFP4 3.018 vs 3.138 ms/token at
 # batch 1 and 5.256 vs 6.063 at batch 8; bf16 at batch 8 4.77 (live) against 5.42 (einsum, an
 # earlier call of the same session) (experiments/results/h200_d/).
-ATTENTIONS = ("einsum", "live")
+# "flash" is "live" with the one-launch CUDA decode kernel (cuda_ops/decode_attention.cu: the
+# splits combined in the same launch) instead of the two-launch Pallas kernel for decode steps
+# over a bf16 cache; prompts, the fp8 cache and every platform other than CUDA run exactly what
+# "live" runs. Opt-in until it has been measured on a GPU (it was written in a session without
+# one; GPU tests in tests/test_decode_attention_cuda_gpu.py).
+ATTENTIONS = ("einsum", "live", "flash")
 # W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
 # SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
 # bitwise the unfused composition elsewhere) or "split" (rejax.ops.fused_linear with two

@@ -134,17 +134,19 @@ def decoder_layer(
         k = rope(k, positions, cfg.rope_theta)
         if kv is not None:
             kv = write_layer(kv, k, v, index, i)
-    if kv is not None and t == 1 and cfg.attention == "live":
+    if kv is not None and t == 1 and cfg.attention in ("live", "flash"):
         # one new token per row: read only the slots written so far, [0, index + 1) (with a
-        # per-row index, up to the furthest row's; the positions mask the rest)
+        # per-row index, up to the furthest row's; the positions mask the rest). "flash" takes
+        # the one-launch CUDA kernel for a bf16 cache on CUDA; otherwise what "live" runs.
         li = jnp.asarray(i, jnp.int32)
         live = live_slots(index) if live is None else live
+        kernel = "cuda" if cfg.attention == "flash" and kv[2] is None else "pallas"
         out = decode_attention(
             q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live,
-            k_scale=kv[2], v_scale=kv[3],
+            k_scale=kv[2], v_scale=kv[3], kernel=kernel,
         )  # fmt: skip
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
-    elif kv is not None and cfg.attention == "live":
+    elif kv is not None and cfg.attention in ("live", "flash"):
         # a prompt: flash-style over chunks, never holding [B, N, T, S] scores (fp8 chunks
         # dequantized as they are read)
         ks, vs = (None, None) if kv[2] is None else (take(kv[2], i), take(kv[3], i))

@@ -159,8 +159,13 @@ def lower_ptx(ctx, *args, backend_config: str, aliases: dict[int, int] | None = 
     )
 
 
-def ptx_call(backend_config: str, out, *operands):
-    """The same call from traced code (inside `mlir.lower_fun`), `out` its result shapes."""
+def ptx_call(backend_config: str, out, *operands, aliases: dict[int, int] | None = None):
+    """The same call from traced code (inside `mlir.lower_fun`), `out` its result shapes;
+    `aliases` as in `lower_ptx`."""
     return jax.ffi.ffi_call(
-        PTX_TARGET, out, custom_call_api_version=2, legacy_backend_config=backend_config
+        PTX_TARGET,
+        out,
+        custom_call_api_version=2,
+        legacy_backend_config=backend_config,
+        input_output_aliases=dict(aliases) if aliases else None,
     )(*operands)

@@ -27,13 +27,25 @@ per-row lengths instead of one `live`. Not yet measured on the H200
 (`experiments/bench_attention.py` does it); a CUDA version stays the option if the Triton
 kernel falls short of the copy bandwidth.
 
+That CUDA version is `impl="cuda"` (`cuda_ops/decode_attention.cu`, through the PTX custom
+call): the same split plan idea and partials, but ONE launch per call, for bf16 caches. Its
+CTAs (split, kv head, row) stream K/V rows with 16-byte loads, several rows in flight per warp,
+and write float32 partials to a workspace that XLA allocates as two extra results; the last CTA
+of each (row, kv head) to finish (an atomic ticket in a module-global counter that it resets)
+combines the splits in split order, so the result is deterministic. The kernel's arithmetic is
+written out in NumPy (`cuda_ops.decode_attention.emulate`) and tested against the reference on
+CPU. `decode_attention(..., kernel="cuda")` makes `impl="auto"` prefer it on CUDA (the fp8
+cache and shapes it does not take fall back to the Pallas kernel); `Config(attention="flash")`
+is the decoder's switch for it, opt-in until it has been measured on a GPU.
+
 Dispatch follows rejax.kernels: one primitive whose default lowering is the reference and whose
 `platform="cuda"` lowering is the Pallas kernel, so CPU tracing never builds a Triton kernel.
 `impl="auto"` takes the kernel when lowering for CUDA, the shape is supported and the kernel
 compiles for it on this GPU (checked once per shape; else the reference, with a one-time
 warning); `"ref"` forces the reference; `"pallas"` forces
 the kernel and raises if it cannot run; `"interpret"` runs the kernel body through the Pallas
-interpreter on any platform (tests).
+interpreter on any platform (tests); `"cuda"` forces the one-launch CUDA kernel (raises off CUDA
+or for a problem it does not take). Off CUDA, `kernel="cuda"` changes nothing: the reference.
 
 Numerics (both paths): scores q.k in float32 scaled by H**-0.5; a key is visible iff
 0 <= k_positions[b, s] <= q_positions[b] and s < live; softmax in float32; probabilities cast to
@@ -54,6 +66,7 @@ Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -66,11 +79,16 @@ from jax.experimental.pallas import triton as plgpu
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from cuda_ops import decode_attention as flash_mod
+from cuda_ops.build import KernelError
 from rejax.cache import FP8_DTYPE, dequantize_kv, read_layer
 from rejax.layers import attention, attention_mask
 from rejax.ops import _dispatch
 
-IMPLS = ("auto", "ref", "pallas", "interpret")
+IMPLS = ("auto", "ref", "pallas", "interpret", "cuda")
+# Which kernel impl="auto" takes on CUDA: the Pallas kernel (two launches) or the one-launch CUDA
+# kernel of cuda_ops/decode_attention.cu (bf16 caches; the Pallas kernel otherwise).
+KERNELS = ("pallas", "cuda")
 # Slots per kernel block: a [64, 128] bf16 K tile is 16 KiB, two stages of K and V fit in shared
 # memory with room to spare, and Triton's dot needs every dimension >= 16.
 BLOCK_S = 64
@@ -364,6 +382,22 @@ def kernel_supported(q_shape, k_shape, dtype, block_s: int = BLOCK_S) -> tuple[b
     return True, ""
 
 
+def cuda_problem(
+    q, k_cache, v_cache, k_scale=None, options: flash_mod.FlashOptions | None = None
+) -> tuple[flash_mod.FlashShape, str]:
+    """The CUDA kernel's FlashShape for these operands, and "" or why it cannot take them."""
+    b, n, h = q.shape
+    n_layers, _, s, kh, _ = k_cache.shape
+    shape = flash_mod.flash_shape(b, n_layers, s, kh, n // kh, h, options)
+    if k_scale is not None:
+        return shape, "the CUDA kernel reads bf16 caches (an fp8 cache takes the Pallas kernel)"
+    bf16 = np.dtype(jnp.bfloat16)
+    dtypes = tuple(np.dtype(x.dtype) for x in (q, k_cache, v_cache))
+    if any(d != bf16 for d in dtypes):
+        return shape, f"the CUDA kernel takes bfloat16 q, k, v, got {[d.name for d in dtypes]}"
+    return shape, flash_mod.check_shape(shape)[1]
+
+
 def default_num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLOCK_S) -> int:
     """P: enough splits for about TARGET_PROGRAMS programs, at most one per block of the cache."""
     splits = min(pl.cdiv(TARGET_PROGRAMS, batch * kv_heads), pl.cdiv(slots, block_s), MAX_SPLITS)
@@ -399,9 +433,9 @@ def _lower_kernel(ctx, *args, interpret: bool, block_s: int, num_splits: int, **
 def _lower_default(ctx, *args, impl: str, **params):
     if impl == "interpret":
         return _lower_kernel(ctx, *args, interpret=True, **params)
-    if impl == "pallas":
+    if impl in ("pallas", "cuda"):
         raise ValueError(
-            "decode_attention(impl='pallas') needs the CUDA platform, but this computation is "
+            f"decode_attention(impl={impl!r}) needs the CUDA platform, but this computation is "
             f"lowered for {ctx.module_context.platforms}; use impl='auto', 'ref' or 'interpret'"
         )
     return _lower_ref(ctx, *args)
@@ -442,11 +476,95 @@ def _compile_error(avals: tuple, block_s: int, num_splits: int, interpret: bool 
     return ""
 
 
-def _lower_cuda(ctx, *args, impl: str, reason: str, **params):
+def flash_call(q, k_cache, v_cache, layer, q_positions, k_positions, live, *, kernel):
+    """The CUDA kernel's custom call from traced code (inside `mlir.lower_fun` or a jitted
+    function lowered for CUDA): operands as `decode_attention`'s, already validated (positions
+    int32, layer and live int32 scalars), `kernel` a built `cuda_ops.decode_attention`
+    FlashKernel. With `kernel.shape.poison` the output and the workspace start as NaN (aliased
+    NaN-filled operands): a split the combine reads unwritten, or an output element never
+    stored, shows up. Returns [B, N, H] bf16."""
+    sh = kernel.shape
+    b, n, h = q.shape
+    out = (
+        jax.ShapeDtypeStruct((b, n, h), q.dtype),
+        jax.ShapeDtypeStruct((b, sh.kv_heads, sh.splits, sh.gqa, h), jnp.float32),  # ws_acc
+        jax.ShapeDtypeStruct((b, sh.kv_heads, sh.splits, 2, sh.gqa), jnp.float32),  # ws_ml
+    )
+    ops = (q, k_cache, v_cache, layer, q_positions, k_positions, live)
+    aliases = None
+    if sh.poison:
+        ops += tuple(jnp.full(o.shape, jnp.nan, o.dtype) for o in out)
+        aliases = {flash_mod.N_INPUTS + i: i for i in range(flash_mod.N_OUTPUTS)}
+    return _dispatch.ptx_call(kernel.backend_config(), out, *ops, aliases=aliases)[0]
+
+
+def decode_attention_cuda(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+    *,
+    options: flash_mod.FlashOptions | None = None,
+    poison: bool = False,
+) -> jax.Array:
+    """The CUDA kernel's call itself, without dispatch (use `decode_attention(impl="cuda")`;
+    this entry point is for GPU tests and benchmarks, and lowers for CUDA only).
+
+    Args:
+        q, k_cache, v_cache, layer, q_positions, k_positions, live: as `decode_attention`.
+        options: the kernel's launch choices (None -> the defaults).
+        poison: the output and the workspace start as NaN.
+
+    Returns:
+        [B, N, H] bf16.
+    """
+    _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, None, None)
+    shape, why = cuda_problem(q, k_cache, v_cache, None, options)
+    if why:
+        raise ValueError(f"decode_attention_cuda cannot run: {why}")
+    kernel = flash_mod.build(dataclasses.replace(shape, poison=poison))
+    return flash_call(
+        q,
+        k_cache,
+        v_cache,
+        jnp.asarray(layer, jnp.int32),
+        q_positions.astype(jnp.int32),
+        k_positions.astype(jnp.int32),
+        jnp.asarray(live, jnp.int32),
+        kernel=kernel,
+    )
+
+
+def _lower_flash(ctx, *args, kernel):
+    fn = functools.partial(flash_call, kernel=kernel)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
+def _lower_cuda(
+    ctx, *args, impl: str, reason: str, kernel: str, flash, flash_reason: str, **params
+):
     if impl == "interpret":
         return _lower_kernel(ctx, *args, interpret=True, **params)
     if impl == "ref":
         return _lower_ref(ctx, *args)
+    if impl == "cuda" or (impl == "auto" and kernel == "cuda"):
+        built = None
+        if not flash_reason:
+            try:
+                built = flash_mod.build(flash)
+            except KernelError as err:
+                flash_reason = f"the CUDA kernel does not build ({err})"
+        if built is not None:
+            return _lower_flash(ctx, *args, kernel=built)
+        if impl == "cuda":
+            raise ValueError(f"decode_attention(impl='cuda') cannot run: {flash_reason}")
+        # kernel="cuda" under impl="auto": the Pallas kernel (or the reference) instead
+        _dispatch.note_once(
+            "decode_attention", f"kernel='cuda' takes the Pallas kernel instead: {flash_reason}"
+        )
     if impl == "auto" and not reason:
         avals = tuple((a.shape, a.dtype) for a in ctx.avals_in)
         reason = _compile_error(avals, params["block_s"], params["num_splits"])
@@ -456,7 +574,12 @@ def _lower_cuda(ctx, *args, impl: str, reason: str, **params):
     return _lower_kernel(ctx, *args, interpret=False, **params)
 
 
-mlir.register_lowering(_attn_p, _lower_default)
+def _lower_default_all(ctx, *args, kernel, flash, flash_reason, **params):
+    del kernel, flash, flash_reason  # off CUDA every kernel choice is the reference
+    return _lower_default(ctx, *args, **params)
+
+
+mlir.register_lowering(_attn_p, _lower_default_all)
 mlir.register_lowering(_attn_p, _lower_cuda, platform="cuda")
 
 
@@ -529,6 +652,8 @@ def decode_attention(
     impl: str = "auto",
     block_s: int = BLOCK_S,
     num_splits: int | None = None,
+    kernel: str = "pallas",
+    cuda_options: flash_mod.FlashOptions | None = None,
 ) -> jax.Array:
     """Attention of one new token per row over the live slots of one layer of the stacked cache.
 
@@ -545,17 +670,29 @@ def decode_attention(
         live: int32 [] slots [0, live) may hold tokens; slots >= live are never read.
         k_scale, v_scale: [L, B, S, K] float32 scales of an fp8 cache (k_cache / v_cache then
             hold float8_e4m3fn codes, rejax/cache.py), or None for a bf16 cache.
-        impl: "auto", "ref", "pallas" or "interpret" (see the module docstring).
-        block_s: slots per kernel block (kernel only; a power of two >= 16).
-        num_splits: P splits of the live range per row and kv head (kernel only); None ->
-            `default_num_splits`.
+        impl: "auto", "ref", "pallas", "interpret" or "cuda" (see the module docstring).
+        block_s: slots per Pallas kernel block (a power of two >= 16).
+        num_splits: P splits of the live range per row and kv head (Pallas kernel only); None
+            -> `default_num_splits`.
+        kernel: which kernel impl="auto" takes when lowering for CUDA: "pallas" or "cuda"
+            (the one-launch CUDA kernel; for an fp8 cache or a shape it does not take, the
+            Pallas kernel, with a one-time warning).
+        cuda_options: the CUDA kernel's launch choices (`cuda_ops.decode_attention.
+            FlashOptions`: splits, warps, unroll, ...); None -> the defaults.
 
     Returns:
         [B, N, H] in q's dtype; zeros for a row with no visible key.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}, expected one of {IMPLS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}, expected one of {KERNELS}")
+    if cuda_options is not None and not isinstance(cuda_options, flash_mod.FlashOptions):
+        raise ValueError(f"cuda_options={cuda_options!r}, expected a FlashOptions or None")
     _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale)
+    flash, flash_reason = cuda_problem(q, k_cache, v_cache, k_scale, cuda_options)
+    if impl == "cuda" and flash_reason:
+        raise ValueError(f"decode_attention(impl='cuda') cannot run: {flash_reason}")
     dtypes = {np.dtype(q.dtype), np.dtype(k_cache.dtype), np.dtype(v_cache.dtype)}
     ok, reason = kernel_supported(q.shape, k_cache.shape, q.dtype, block_s)
     if ok and k_scale is None and len(dtypes) != 1:
@@ -579,6 +716,9 @@ def decode_attention(
         reason=reason,
         block_s=int(block_s),
         num_splits=int(num_splits),
+        kernel=kernel,
+        flash=flash,
+        flash_reason=flash_reason,
     )
 
 

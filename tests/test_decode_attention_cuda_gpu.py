@@ -1,0 +1,196 @@
+"""The one-launch CUDA decode attention (cuda_ops/decode_attention.cu) on the GPU: against the
+reference over live lengths 1..S (S up to 33,280), split and tile boundaries, batch 1..64,
+padded rows and rows with no visible key, with NaN-poisoned outputs and workspace, identical
+bits on repeated calls (the arrival counters reset), one compile inside a jitted loop that
+advances `live`, and the decoder with Config(attention="flash")."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cuda_ops import decode_attention as flash
+from rejax.ops.decode_attention import decode_attention, decode_attention_cuda
+
+pytestmark = pytest.mark.gpu
+
+# kernel vs reference, bf16 out: norm(y - ref) / norm(ref) over rows with a visible key; the
+# Pallas kernel's GPU bound (tests/test_decode_attention.py KERNEL_REL_TOL)
+KERNEL_REL_TOL = 1e-2
+# kernel vs its NumPy emulation (same operation order; exp2f vs NumPy's exp2 differ by ulps, so
+# some bf16 outputs round the other way): unmeasured, a first bound to tighten on the H200
+EMU_REL_TOL = 4e-3
+
+_ref = jax.jit(lambda *a: decode_attention(*a, impl="ref"))
+_cuda = jax.jit(lambda *a: decode_attention(*a, impl="cuda"))
+
+
+@jax.jit
+def _poison_past_live(x, live):
+    past = jnp.arange(x.shape[2])[None, None, :, None, None] >= live
+    return jnp.where(past, jnp.nan, x)
+
+
+def _rel(y, ref) -> float:
+    y, ref = np.asarray(y, np.float32), np.asarray(ref, np.float32)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def _positions(rng, b, s, live):
+    """Left padding, -1 holes, a padded query row, a row with no visible key (b > 2) and stale
+    positions past live (visible but for the live bound)."""
+    k_pos = np.full((b, s), -1, np.int32)
+    q_pos = np.zeros((b,), np.int32)
+    for r in range(b):
+        pad = int(rng.integers(0, max(1, live // 3))) if live > 1 else 0
+        k_pos[r, pad:live] = np.arange(live - pad)
+        k_pos[r, :live][rng.random(live) < 0.1] = -1
+        q_pos[r] = max(0, live - pad - 1 - int(rng.integers(0, 3)))
+        k_pos[r, min(pad + q_pos[r], live - 1)] = q_pos[r]
+        k_pos[r, live:] = rng.integers(0, 3, s - live)
+    if b > 1:
+        q_pos[b - 1] = -1
+    if b > 2:
+        k_pos[1, :live] = np.where(k_pos[1, :live] >= 0, 1 << 20, -1)
+    return q_pos, k_pos
+
+
+def _lives(s: int, shape: flash.FlashShape) -> list[int]:
+    """1, tile and split boundaries +-1 at a few live lengths, odd lengths, S - 1, S."""
+    t = shape.tile
+    cand = {1, 2, t - 1, t, t + 1, 2 * t + 1, 97, s // 3 + 5, s - 1, s}
+    for live in (s // 4, s // 2, s):
+        per, _ = flash.flash_split_plan(live, t, shape.splits, shape.min_tiles)
+        cand |= {per * t - 1, per * t, per * t + 1, 3 * per * t + 1}
+    return sorted(x for x in cand if 1 <= x <= s)
+
+
+@pytest.mark.parametrize(
+    "b,s,n,kh,h,options",
+    [
+        (1, 33280, 32, 8, 128, None),  # Qwen3-8B, the long cache
+        (3, 4100, 32, 8, 128, None),  # S no multiple of any tile
+        (8, 8192, 32, 8, 128, None),
+        (64, 1536, 32, 8, 128, None),
+        (2, 2048, 32, 4, 64, None),  # H = 64, G = 8
+        (4, 3000, 32, 8, 128, flash.FlashOptions(splits=7, warps=8, unroll=2, min_tiles=1)),
+    ],
+)
+def test_cuda_equals_ref_gpu(b, s, n, kh, h, options):
+    keys = jax.random.split(jax.random.key(b * 131 + s), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    k_full = jax.random.normal(keys[1], (2, b, s, kh, h), jnp.bfloat16)
+    v_full = jax.random.normal(keys[2], (2, b, s, kh, h), jnp.bfloat16)
+    shape = flash.flash_shape(b, 2, s, kh, n // kh, h, options)
+    run = jax.jit(lambda *a: decode_attention_cuda(*a, options=options))
+    run_poison = jax.jit(lambda *a: decode_attention_cuda(*a, options=options, poison=True))
+    rng = np.random.default_rng(s)
+    for live in _lives(s, shape):
+        qp, kp = _positions(rng, b, s, live)
+        qp, kp = jnp.asarray(qp), jnp.asarray(kp)
+        kc, vc = _poison_past_live(k_full, live), _poison_past_live(v_full, live)
+        args = (q, kc, vc, jnp.int32(1), qp, kp, jnp.int32(live))
+        out = np.asarray(run(*args))
+        ref = np.asarray(_ref(*args))
+        kpl = np.asarray(kp)[:, :live]
+        vis = ((kpl >= 0) & (kpl <= np.asarray(qp)[:, None])).any(axis=1)
+        assert _rel(out[vis], ref[vis]) <= KERNEL_REL_TOL, live
+        np.testing.assert_array_equal(out[~vis], 0)
+        # NaN-filled output and workspace: every element read or written is written first
+        np.testing.assert_array_equal(np.asarray(run_poison(*args)), out)
+        # repeated calls: the same bits (the arrival counters were reset by each last CTA)
+        for _ in range(2):
+            np.testing.assert_array_equal(np.asarray(run(*args)), out)
+        if b * live <= 16384:  # the NumPy emulation is slow past that
+            emu = flash.emulate(
+                np.asarray(q, np.float32),
+                np.asarray(kc[1], np.float32),
+                np.asarray(vc[1], np.float32),
+                np.asarray(qp),
+                np.asarray(kp),
+                live,
+                shape,
+            )
+            assert _rel(out[vis], emu[vis]) <= EMU_REL_TOL, live
+
+
+def test_decode_attention_impl_cuda_and_kernel_cuda_gpu():
+    """impl="cuda" and impl="auto" with kernel="cuda" run the kernel: bitwise its direct call."""
+    b, s, n, kh, h = 2, 1024, 32, 8, 128
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    kc = jax.random.normal(keys[1], (2, b, s, kh, h), jnp.bfloat16)
+    vc = jax.random.normal(keys[2], (2, b, s, kh, h), jnp.bfloat16)
+    qp, kp = _positions(np.random.default_rng(0), b, s, 700)
+    args = (q, kc, vc, jnp.int32(0), jnp.asarray(qp), jnp.asarray(kp), jnp.int32(700))
+    direct = np.asarray(jax.jit(decode_attention_cuda)(*args))
+    np.testing.assert_array_equal(np.asarray(_cuda(*args)), direct)
+    auto = jax.jit(lambda *a: decode_attention(*a, kernel="cuda"))
+    np.testing.assert_array_equal(np.asarray(auto(*args)), direct)
+
+
+def test_cuda_compiles_once_in_fori_loop_gpu():
+    """A jitted fori_loop that writes one slot and advances `live` each step compiles once and
+    matches the same loop over the reference."""
+    b, s, n, kh, h, steps = 8, 4096, 32, 8, 128, 8
+    keys = jax.random.split(jax.random.key(7), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    kc = jax.random.normal(keys[1], (2, b, s, kh, h), jnp.bfloat16)
+    vc = jax.random.normal(keys[2], (2, b, s, kh, h), jnp.bfloat16)
+
+    def make(impl, count):
+        def run(q, kc, vc, kp, live0):
+            count[0] += 1
+
+            def body(i, carry):
+                q, kp, acc = carry
+                live = live0 + i
+                kp = kp.at[:, live - 1].set(live - 1)
+                qp = jnp.full((b,), live - 1, jnp.int32)
+                y = decode_attention(q, kc, vc, i % 2, qp, kp, live, impl=impl)
+                return (q + 1e-3 * y).astype(q.dtype), kp, acc + y.astype(jnp.float32)
+
+            init = (q, kp, jnp.zeros((b, n, h), jnp.float32))
+            return jax.lax.fori_loop(0, steps, body, init)[2]
+
+        return jax.jit(run)
+
+    count, count_ref = [0], [0]
+    f, f_ref = make("cuda", count), make("ref", count_ref)
+    for live0 in (1, 100, 1000, 4000):
+        kp0 = jnp.where(jnp.arange(s) < live0 - 1, jnp.arange(s), -1)[None].repeat(b, 0)
+        kp0 = kp0.astype(jnp.int32)
+        out = f(q, kc, vc, kp0, jnp.int32(live0))
+        assert _rel(out, f_ref(q, kc, vc, kp0, jnp.int32(live0))) <= KERNEL_REL_TOL, live0
+    assert count == [1]
+
+
+def test_decoder_flash_gpu():
+    """The bundled-size tiny decoder (H = 16, G = 2) with attention="flash" matches "live"."""
+    from rejax.cache import init_cache
+    from rejax.config import Config
+    from rejax.decoder import Model
+    from rejax.params import init_params
+
+    def steps(cfg):
+        params = init_params(cfg, 6, jnp.bfloat16)
+        b, t, p = 2, 12, 4
+        tokens = np.random.default_rng(7).integers(0, 256, (b, t)).astype(np.int32)
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+        apply = jax.jit(
+            lambda w, tok, pos, c: Model(cfg, jnp.bfloat16).apply({"params": w}, tok, pos, c)
+        )
+        cache = init_cache(cfg, b, t + 5, jnp.bfloat16)
+        out, cache = apply(params.weights, tokens[:, :p], positions[:, :p], cache)
+        logits = []
+        for i in range(p, t):
+            out, cache = apply(params.weights, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
+            logits.append(np.asarray(out, np.float32))
+        return np.concatenate(logits, axis=1)
+
+    cfg = Config(attention="live")
+    live = steps(cfg)
+    fl = steps(dataclasses.replace(cfg, attention="flash"))
+    assert _rel(fl, live) <= KERNEL_REL_TOL
