@@ -192,19 +192,24 @@ def _elements(type_text: str) -> int:
     return int(np.prod([int(d) for d in dims])) if dims else 1
 
 
-def test_layer_body_with_every_decode_fusion_is_only_kernels():
+@pytest.mark.parametrize("attention", ["live", "flash"])
+def test_layer_body_with_every_decode_fusion_is_only_kernels(attention):
     """With linear_fusion "split", residual_fusion and rope_fusion "fused", the scanned layer of
-    the CUDA decode step is its kernels (4 quantizers, 4 linears, rope_cache, 2 attention) and
-    no XLA op on an activation-sized tensor: what is left is reshapes, bitcasts and the
-    rotation's constant [H / 2] frequencies. Also the live length is computed once, outside the
-    layer loop."""
+    the CUDA decode step is its kernels (4 quantizers, 4 linears, rope_cache, and attention:
+    the 2 Pallas kernels of "live" or the one CUDA launch of "flash") and no XLA op on an
+    activation-sized tensor: what is left is reshapes, bitcasts and the rotation's constant
+    [H / 2] frequencies. Also the live length is computed once, outside the layer loop."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=2,
-                 rope_fusion="fused", residual_fusion="fused")  # fmt: skip
+                 rope_fusion="fused", residual_fusion="fused", attention=attention)  # fmt: skip
     text = decode_step_cuda_text(cfg, batch=1)
     body = next(f for f in re.split(r"\n  func\.func ", text) if f.startswith("private @closed"))
     names = re.findall(r"name = \\22(\w+)\\22", body)
-    assert sorted(set(names)) == ["nvfp4_gemv_w4a4", "nvfp4_quantize_bf16", "qk_norm_rope_cache"]
-    assert len(names) == 9 and body.count("stablehlo.custom_call") == 11, names
+    ptx = ["nvfp4_gemv_w4a4", "nvfp4_quantize_bf16", "qk_norm_rope_cache"]
+    if attention == "flash":
+        ptx = sorted([*ptx, "rejax_flash_decode"])
+    assert sorted(set(names)) == ptx, names
+    launches = 11 if attention == "live" else 10
+    assert len(names) == len(ptx) - 3 + 9 and body.count("stablehlo.custom_call") == launches
     assert not re.search(r"stablehlo\.(add|maximum) .*: tensor<i32>", body), "live in the layer"
     free = ("reshape", "constant", "bitcast_convert", "custom_call", "return", "broadcast_in_dim",
             "output_operand_alias", "tuple", "get_tuple_element")  # fmt: skip
