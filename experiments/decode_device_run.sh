@@ -231,7 +231,8 @@ quant tests/test_quant_kernel_gpu.py
 gemm tests/test_gemm_gpu.py
 ctas tests/test_kernels_gpu.py -k ctas2
 sampling tests/test_sampling_gpu.py
-fused tests/test_fused_linear_gpu.py'}
+fused tests/test_fused_linear_gpu.py
+flash tests/test_decode_attention_cuda_gpu.py'}
       while read -r tag targs; do
         [ -z "$tag" ] && continue
         timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q -m gpu $targs \
