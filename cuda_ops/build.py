@@ -57,6 +57,15 @@ def nvrtc_version() -> tuple[int, int]:
         ) from err
 
 
+def nvrtc_available() -> bool:
+    """Whether NVRTC (cuda-bindings and its shared library) can compile here (no GPU needed)."""
+    try:
+        nvrtc_version()
+    except KernelError:
+        return False
+    return True
+
+
 def device_arch(device=None) -> str:
     """`compute_XY` for a JAX CUDA device (default: the first), or `compute_90` with none."""
     if device is None:
@@ -215,6 +224,37 @@ def ptx_entries(ptx: str) -> dict[str, int]:
 def ptx_target(ptx: str) -> str:
     m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
     return m.group(1) if m else ""
+
+
+def ptx_backend_config(
+    entry: str,
+    kernel_data: str,
+    *,
+    grid: tuple[int, int, int],
+    block: int,
+    outputs: tuple[int, ...] | range,
+    smem: int = 0,
+) -> str:
+    """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call of one PTX entry.
+
+    Args:
+        entry: the `.entry` name.
+        kernel_data: the module's PTX, already `escape_mlir`-escaped.
+        grid: (x, y, z) CTAs.
+        block: threads per CTA (1-D).
+        outputs: positions of the results in the kernel's parameter list (operands come first).
+        smem: dynamic shared memory bytes.
+    """
+    gx, gy, gz = grid
+    outs = ", ".join(str(i) for i in outputs)
+    return (
+        "{"
+        f'name = "{entry}", kernel_type = "ptx", kernel_data = "{kernel_data}", '
+        f"grid_x = {gx}, grid_y = {gy}, grid_z = {gz}, "
+        f"block_x = {block}, block_y = 1, block_z = 1, "
+        f"shared_mem_bytes = {smem}, output_indices = [{outs}]"
+        "}"
+    )
 
 
 def escape_mlir(text: str) -> str:

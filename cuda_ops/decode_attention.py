@@ -23,6 +23,7 @@ from cuda_ops.build import (
     compile_ptx,
     device_arch,
     escape_mlir,
+    ptx_backend_config,
     ptx_entries,
     read_source,
 )
@@ -207,15 +208,12 @@ class FlashKernel:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
         s = self.shape
         n_in = N_INPUTS + (N_OUTPUTS if s.poison else 0)
-        outs = ", ".join(str(n_in + i) for i in range(N_OUTPUTS))
-        return (
-            "{"
-            f'name = "{ENTRY}", kernel_type = "ptx", '
-            f'kernel_data = "{escape_mlir(self.ptx)}", '
-            f"grid_x = {s.splits}, grid_y = {s.kv_heads}, grid_z = {s.batch}, "
-            f"block_x = {32 * s.warps}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = 0, output_indices = [{outs}]"
-            "}"
+        return ptx_backend_config(
+            ENTRY,
+            escape_mlir(self.ptx),
+            grid=(s.splits, s.kv_heads, s.batch),
+            block=32 * s.warps,
+            outputs=range(n_in, n_in + N_OUTPUTS),
         )
 
 

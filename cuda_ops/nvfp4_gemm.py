@@ -18,6 +18,7 @@ from cuda_ops.build import (
     compile_ptx,
     device_arch,
     escape_mlir,
+    ptx_backend_config,
     ptx_entries,
     read_source,
 )
@@ -302,14 +303,8 @@ class GemmKernel:
             out = p.finish_inputs
         else:
             raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
-        return (
-            "{"
-            f'name = "{entry}", kernel_type = "ptx", '
-            f'kernel_data = "{escape_mlir(self.ptx)}", '
-            f"grid_x = {gx}, grid_y = {gy}, grid_z = {gz}, "
-            f"block_x = {block}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = {smem}, output_indices = [{out}]"
-            "}"
+        return ptx_backend_config(
+            entry, escape_mlir(self.ptx), grid=(gx, gy, gz), block=block, outputs=(out,), smem=smem
         )
 
     def callback(self, entry: str = ENTRY):

@@ -17,6 +17,7 @@ from cuda_ops.build import (
     compile_ptx,
     device_arch,
     escape_mlir,
+    ptx_backend_config,
     ptx_entries,
     read_source,
 )
@@ -382,15 +383,13 @@ class GemvKernel:
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
         p = self.plan
-        n_in = p.n_inputs
-        return (
-            "{"
-            f'name = "{self.entry}", kernel_type = "ptx", '
-            f'kernel_data = "{escape_mlir(self.ptx)}", '
-            f"grid_x = {p.grid}, grid_y = 1, grid_z = 1, "
-            f"block_x = {p.threads}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = {p.smem}, output_indices = [{n_in}]"
-            "}"
+        return ptx_backend_config(
+            self.entry,
+            escape_mlir(self.ptx),
+            grid=(p.grid, 1, 1),
+            block=p.threads,
+            outputs=(p.n_inputs,),
+            smem=p.smem,
         )
 
     # -- buffer_callback launch path -------------------------------------------------------

@@ -28,6 +28,7 @@ from cuda_ops.build import (
     compile_ptx,
     device_arch,
     escape_mlir,
+    ptx_backend_config,
     ptx_entries,
     read_source,
 )
@@ -74,15 +75,12 @@ class QuantKernel:
 
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
-        outs = ", ".join(str(N_INPUTS + i) for i in range(N_OUTPUTS))
-        return (
-            "{"
-            f'name = "{ENTRY}", kernel_type = "ptx", '
-            f'kernel_data = "{escape_mlir(self.ptx)}", '
-            f"grid_x = {self.m}, grid_y = {self.k // self.chunk}, grid_z = 1, "
-            f"block_x = {self.threads}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = 0, output_indices = [{outs}]"
-            "}"
+        return ptx_backend_config(
+            ENTRY,
+            escape_mlir(self.ptx),
+            grid=(self.m, self.k // self.chunk, 1),
+            block=self.threads,
+            outputs=range(N_INPUTS, N_INPUTS + N_OUTPUTS),
         )
 
 

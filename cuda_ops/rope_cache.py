@@ -17,6 +17,7 @@ from cuda_ops.build import (
     compile_ptx,
     device_arch,
     escape_mlir,
+    ptx_backend_config,
     ptx_entries,
     read_source,
 )
@@ -73,15 +74,12 @@ class RopeCacheKernel:
 
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
-        outs = ", ".join(str(N_INPUTS + i) for i in range(N_OUTPUTS))
-        return (
-            "{"
-            f'name = "{ENTRY}", kernel_type = "ptx", '
-            f'kernel_data = "{escape_mlir(self.ptx)}", '
-            f"grid_x = {self.grid}, grid_y = 1, grid_z = 1, "
-            f"block_x = {32 * self.warps}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = 0, output_indices = [{outs}]"
-            "}"
+        return ptx_backend_config(
+            ENTRY,
+            escape_mlir(self.ptx),
+            grid=(self.grid, 1, 1),
+            block=32 * self.warps,
+            outputs=range(N_INPUTS, N_INPUTS + N_OUTPUTS),
         )
 
 

@@ -10,7 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from cuda_ops.build import KernelError, compile_ptx, device_arch, escape_mlir, read_source
+from cuda_ops.build import (
+    KernelError,
+    compile_ptx,
+    device_arch,
+    escape_mlir,
+    ptx_backend_config,
+    read_source,
+)
 
 __all__ = ["ENTRIES", "MAX_BATCH", "MAX_VOCAB", "NMAX", "SamplerKernel", "build", "check_shape"]
 
@@ -94,14 +101,12 @@ class SamplerKernel:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` call of one entry."""
         n_in, n_out = ENTRIES[entry]
         p = self.plan
-        outs = ", ".join(str(n_in + i) for i in range(n_out))
-        return (
-            "{"
-            f'name = "{entry}", kernel_type = "ptx", kernel_data = "{self._escaped}", '
-            f"grid_x = {p.chunks}, grid_y = {p.batch}, grid_z = 1, "
-            f"block_x = {p.threads}, block_y = 1, block_z = 1, "
-            f"shared_mem_bytes = 0, output_indices = [{outs}]"
-            "}"
+        return ptx_backend_config(
+            entry,
+            self._escaped,
+            grid=(p.chunks, p.batch, 1),
+            block=p.threads,
+            outputs=range(n_in, n_in + n_out),
         )
 
 

@@ -36,15 +36,9 @@ def _poison_past_live(x, live):
     return jnp.where(past, jnp.nan, x)
 
 
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+needs_nvrtc = pytest.mark.skipif(
+    not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
 
 
 def _rel(y, ref) -> float:

@@ -349,15 +349,7 @@ def test_decode_step_lowers_to_one_launch_per_fused_linear(stub_compiler):
     assert re.findall(r"name = \\22(\w+)\\22", text).count("nvfp4_gemv_w4a4") == 4
 
 
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_prebuild_compiles_exactly_what_build_reads(tmp_path, monkeypatch):
     """`prebuild` compiles the kernels in threads into the disk cache: the builds afterwards
     (as the CUDA lowering calls them) find every kernel there and compile nothing new."""
@@ -383,7 +375,7 @@ def test_prebuild_compiles_exactly_what_build_reads(tmp_path, monkeypatch):
     nvfp4_gemv._build_cached.cache_clear()
 
 
-@pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_quantizer_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     """NVRTC compiles `nvfp4_quantize_bf16` for every prologue, static and dynamic scales (the
     build checks the entry's 7 parameters), and the GEMV entries are left out of its PTX."""

@@ -23,16 +23,9 @@ from rejax import nvfp4
 from rejax.ops import _dispatch
 from rejax.ops import linear as kernels
 
-
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+needs_nvrtc = pytest.mark.skipif(
+    not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
 
 
 def _u8(a):

@@ -34,15 +34,9 @@ def _f32(a):
     return np.asarray(a, np.float32)
 
 
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+needs_nvrtc = pytest.mark.skipif(
+    not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
 
 
 # ----------------------------------------------------------------------------- reference path

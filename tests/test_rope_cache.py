@@ -154,15 +154,7 @@ def test_bad_arguments_are_refused():
     assert not ok and "head_dim=16" in why
 
 
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_kernel_compiles_for_sm90(tmp_path, monkeypatch):
     """NVRTC compiles the kernel for Qwen3-8B (norms, one or per-row slots), Qwen2 (no norms)
     and the bundled model's head_dim 32; the build checks the entry's 12 parameters."""

@@ -5,16 +5,9 @@ import pytest
 
 from cuda_ops import build as cbuild
 
-
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-needs_nvrtc = pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+needs_nvrtc = pytest.mark.skipif(
+    not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
 
 
 # ----------------------------------------------------------------------------- benchmark harness

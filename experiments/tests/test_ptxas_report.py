@@ -24,15 +24,7 @@ def test_summary_reads_registers_and_spills():
     }  # fmt: skip
 
 
-def _has_nvrtc() -> bool:
-    try:
-        cbuild.nvrtc_version()
-    except cbuild.KernelError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_nvrtc(), reason="cuda-bindings / NVRTC not installed")
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_two_ctas_per_sm_fit_in_64_registers(tmp_path, capsys):
     out = tmp_path / "r.json"
     ptxas_report.main(["--m", "1", "8", "--shapes", "4096:12288", "--options", "rows=2,ctas=2",
