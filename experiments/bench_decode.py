@@ -54,6 +54,15 @@ TINY = rconfig.Config(
 # ----------------------------------------------------------------------------- random weights
 
 
+# Config fields with a fixed set of values that a run may switch (one flag each)
+CHOICE_FIELDS = {
+    "attention": rconfig.ATTENTIONS,
+    "linear_fusion": rconfig.LINEAR_FUSIONS,
+    "rope_fusion": rconfig.ROPE_FUSIONS,
+    "residual_fusion": rconfig.RESIDUAL_FUSIONS,
+}
+
+
 def random_params(cfg: rconfig.Config, seed: int = 0) -> Params:
     """Random bf16 or NVFP4 weights built on the device (`rejax.params.random_params`); W4A4
     linears get static, calibrated-style activation scales."""
@@ -246,30 +255,13 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
-    ap.add_argument(
-        "--attention",
-        default=rconfig.Config.attention,
-        choices=list(rconfig.ATTENTIONS),
-        help="Config.attention",
-    )
-    ap.add_argument(
-        "--linear-fusion",
-        default=rconfig.Config.linear_fusion,
-        choices=list(rconfig.LINEAR_FUSIONS),
-        help="Config.linear_fusion",
-    )
-    ap.add_argument(
-        "--rope-fusion",
-        default=rconfig.Config.rope_fusion,
-        choices=list(rconfig.ROPE_FUSIONS),
-        help="Config.rope_fusion",
-    )
-    ap.add_argument(
-        "--residual-fusion",
-        default=rconfig.Config.residual_fusion,
-        choices=list(rconfig.RESIDUAL_FUSIONS),
-        help="Config.residual_fusion",
-    )
+    for field, choices in CHOICE_FIELDS.items():  # the decode-kernel choices of Config
+        ap.add_argument(
+            "--" + field.replace("_", "-"),
+            default=getattr(rconfig.Config, field),
+            choices=list(choices),
+            help=f"Config.{field}",
+        )
     ap.add_argument(
         "--gemm-min-m",
         type=int,
@@ -291,7 +283,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--copy-mib", type=int, default=2048, help="copy-ceiling buffer size")
     ap.add_argument("--out", required=True, help="JSON results path")
     args = ap.parse_args(argv)
-    cfg = rconfig.PRESETS[args.preset]
+    cfg = TINY if args.tiny else rconfig.PRESETS[args.preset]
     if args.layers is not None:
         if args.layers <= 0:
             raise SystemExit(f"--layers must be positive, got {args.layers}")
@@ -299,14 +291,10 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(
         cfg,
         layer_loop=args.layer_loop,
-        attention=args.attention,
-        linear_fusion=args.linear_fusion,
-        rope_fusion=args.rope_fusion,
-        residual_fusion=args.residual_fusion,
+        **{field: getattr(args, field) for field in CHOICE_FIELDS},
         gemm_min_m=args.gemm_min_m,
     )
-    if args.tiny:
-        cfg = TINY
+    if args.tiny:  # the kernel choices and --layers apply to the tiny config too
         args.prompt_len, args.gen_len = min(args.prompt_len, 32), min(args.gen_len, 16)
         args.breakdown_steps, args.copy_mib = min(args.breakdown_steps, 8), min(args.copy_mib, 16)
     t_start = time.perf_counter()
