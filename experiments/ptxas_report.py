@@ -6,7 +6,7 @@ cubin with `-Xptxas=-v` and this prints what ptxas reports (no GPU needed).
 
 Each line: shape, M, the plan (rows, threads, CTAs per SM, grid, shared memory) and ptxas's
 registers / spill bytes. A plan whose shared memory does not fit its CTAs per SM is reported as
-refused.
+refused. `--out` writes the rows with the versions and the NVRTC release.
 """
 
 from __future__ import annotations
@@ -94,8 +94,17 @@ def main(argv=None) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if args.out:
+        from rejax.bench import versions
+
+        result = {
+            "versions": versions(),
+            "nvrtc": ".".join(str(v) for v in cbuild.nvrtc_version()),
+            "arch": "sm_90 (cubin by NVRTC, ptxas -v)",
+            "num_sms": args.num_sms,
+            "rows": rows,
+        }
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ def test_two_ctas_per_sm_fit_in_64_registers(tmp_path, capsys):
     out = tmp_path / "r.json"
     ptxas_report.main(["--m", "1", "8", "--shapes", "4096:12288", "--options", "rows=2,ctas=2",
                        "--out", str(out)])  # fmt: skip
-    rows = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["versions"]["git_sha"] and result["nvrtc"]
+    rows = result["rows"]
     one, eight = rows
     assert one["ctas"] == 2 and one["grid"] == 2 * 132 and one["registers"] <= 64
     assert "refused" not in one and "refused" in eight  # M = 8's staged x does not fit twice
