@@ -32,6 +32,9 @@
 #   runs     bench_decode.py once per line of RUNS ("TAG args..."), OUT/run_TAG.json (RUN_TIMEOUT)
 #   verify   the gpu-marked tests of kernels written without a GPU, one pytest per VERIFY line
 #            ("TAG pytest-args", default below), OUT/verify_TAG.log (VERIFY_TIMEOUT each)
+#   occ      GEMV occupancy variants, kernel alone in CUDA graphs: bench_kernel.py once per entry
+#            of OCC_OPTIONS (GemvOptions fields, "" = the plan's), OCC_ARGS; then the GEMM
+#            occupancy variants (bench_gemm.py, OCC_GEMM_ARGS)
 #   slots    refilled slots vs static batches ([T2-L], experiments/bench_slots.py, SLOTS_ARGS)
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
@@ -238,6 +241,18 @@ flash tests/test_decode_attention_cuda_gpu.py'}
         timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q -m gpu $targs \
           > "$out/verify_$tag.log" 2>&1; echo "$tag rc=$?"; tail -4 "$out/verify_$tag.log"
       done <<< "$lines";;
+    occ)
+      args=${OCC_ARGS:---ms 1,2,4 --shapes 6144:4096,4096:4096,24576:4096,4096:12288 --ops nvfp4_w4a4_graph,read_floor_graph,jax_bf16 --no-chain}
+      i=0
+      for opts in ${OCC_OPTIONS:-base rows=2,ctas=2 rows=1,ctas=2 rows=1,ctas=3 rows=2,ctas=4,threads=256}; do
+        [ "$opts" = base ] && o="" || o=$opts
+        timeout ${OCC_TIMEOUT:-150} python3 experiments/bench_kernel.py $args --gemv-options "$o" \
+          --out "$out/occ_$i.json" > "$out/occ_$i.log" 2>&1; echo "gemv $opts rc=$?"
+        tail -8 "$out/occ_$i.log"; i=$((i + 1))
+      done
+      gargs=${OCC_GEMM_ARGS:---ms 8,16,32,64 --ops gemm_graph,jax_bf16 --variants gemm,gemm_wr1,gemm_sk4,gemm_sk8,gemm_wr1_sk4,gemm_wr1_sk8,gemm_cluster,gemm_cluster_wr1}
+      timeout ${OCC_TIMEOUT:-200} python3 experiments/bench_gemm.py $gargs --shapes 6144:4096,4096:4096,24576:4096,4096:12288 \
+        --out "$out/occ_gemm.json" > "$out/occ_gemm.log" 2>&1; echo "gemm rc=$?"; tail -20 "$out/occ_gemm.log";;
     slots)
       args=${SLOTS_ARGS:---layers 1 --sampler greedy}
       timeout ${SLOTS_TIMEOUT:-300} python3 experiments/bench_slots.py $args \
