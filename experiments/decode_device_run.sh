@@ -19,6 +19,8 @@
 #            line; default sizes s and m) side by side (TRAIN_ARGS, default --time-budget 200),
 #            exported to OUT/countdown_TAG; TRAIN_SIDE (default "count fusedtest", or gpu test
 #            files) runs meanwhile: things that time nothing
+#   sens     NVFP4's argmax flips and KL on each trained OUT/countdown_*'s reference traces
+#            (experiments/quant_sensitivity.py; a minute): the cheap proxy for the accuracy gap
 #   peek     a quick BF16 / NVFP4 / ReSET accuracy look at each trained OUT/countdown_* (200
 #            problems x 4, side by side), to pick the model for the full experiment
 #   shard    sharded 1x1 mesh vs plain path ([T2-J]): 36-layer NVFP4 and 8-layer bf16, batch 1 and 8
@@ -167,6 +169,13 @@ for phase in $phases; do
       for tag in "${tags[@]}"; do
         echo "== train $tag"; grep -v "^step\|^ *[0-9]" "$out/train_$tag.log" | tail -8
       done;;
+    sens)
+      for tag in $(cat "$out/train_tags.txt" 2>/dev/null || echo s m); do
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout ${SENS_TIMEOUT:-200} \
+          python3 experiments/quant_sensitivity.py --task countdown --model "$out/countdown_$tag" \
+          --n-problems 500 --out "$out/sens_$tag.json" > "$out/sens_$tag.log" 2>&1
+        echo "== sens $tag rc=$?"; grep -A3 '"low_entropy"\|traces_with' "$out/sens_$tag.log" | head -20
+      done;;
     peek)
       pids=()
       for size in $(cat "$out/train_tags.txt" 2>/dev/null || echo s m); do
@@ -174,6 +183,7 @@ for phase in $phases; do
           python3 experiments/tiny_reasoner_accuracy.py --task countdown \
           --model "$out/countdown_$size" --n-problems 200 --n-samples 4 --n-val-problems 16 \
           --n-val-samples 2 --t-low-grid 0.3 --max-new-tokens 512 --batch-rows 1024 \
+          --input-scales calibrated \
           --time-budget ${PEEK_BUDGET:-120} --out-prefix "$out/peek_$size" \
           --reset-json "$out/peek_${size}_reset.json" > "$out/peek_$size.log" 2>&1 &
         pids+=($!)

@@ -2,9 +2,10 @@
 with `--task countdown --ablations --plots` and this task's budgets.
 
 Configurations (1000 test problems x 8 samples, top-p 0.95, paired keys): BF16 T = 0.6, NVFP4
-W4A4 T = 0.6, NVFP4 + ReSET (tau_0 = 80th percentile on 5 validation problems, T_low from
-{0.1, 0.3, 0.5} on 200 validation problems, T_high 1.0, w 32), and the ablations T_high 0.6,
-0.8 and include_current=True. Writes experiments/results/countdown_accuracy.{json,md},
+W4A4 T = 0.6 (the ModelOpt recipe: static input scales calibrated on the reference traces of 32
+validation problems), NVFP4 + ReSET (tau_0 = 80th percentile on 5 validation problems, T_low
+from {0.1, 0.3, 0.5} on 200 validation problems, T_high 1.0, w 32), and the ablations T_high
+0.6, 0.8 and include_current=True. Writes experiments/results/countdown_accuracy.{json,md},
 calibrate_countdown.*, countdown_accuracy_offargmax.png, countdown_accuracy_step_entropy.png,
 and MODEL/reset.json (the calibrated tau_0 and chosen T_low).
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None or model == "tiny":
         raise SystemExit("--model: give the trained Countdown checkpoint directory")
     defaults = ["--task", "countdown", "--ablations", "--plots", "--max-new-tokens", "512"]
+    defaults += ["--input-scales", "calibrated"]  # the ModelOpt recipe: static input scales
     if "--reset-json" not in argv:
         defaults += ["--reset-json", str(Path(model) / "reset.json")]
     return tiny_reasoner_accuracy.main(defaults + argv)

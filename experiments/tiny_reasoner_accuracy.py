@@ -70,6 +70,15 @@ LABELS = {
 TASKS = ("arithmetic", "countdown")  # rejax.data.tasks / rejax.data.countdown
 
 
+def _training_text(task: str):
+    """The task's training_text(problem, chat=...) (prompt, reference solution, end marker)."""
+    if task == "countdown":
+        from rejax.data import countdown
+
+        return countdown.training_text
+    return tasks.training_text
+
+
 def _problems(task: str, split: str, n: int, seed: int, difficulty=None) -> list[dict]:
     """`n` problems of `split`; countdown ones of `difficulty` (None: the generator's default)."""
     if task == "countdown":
@@ -263,7 +272,8 @@ def _markdown(res: dict) -> str:
         "",
         (
             f"{t['n_problems']} test problems x {s['n_samples']} samples (avg@{s['n_samples']}, %), "
-            f"top-p {s['top_p']}, max {s['max_new_tokens']} new tokens; "
+            f"top-p {s['top_p']}, max {s['max_new_tokens']} new tokens; NVFP4 activation "
+            f"scales {s.get('input_scales', 'dynamic')}; "
             f"tau0 = {res['calibration']['tau0']:.3g} nats (calibrated), "
             f"T_low = {res['t_low_selection']['chosen']} (validation), T_high 1.0, w 32. "
             "95% CIs: normal approximation over per-problem means; differences paired over "
@@ -387,6 +397,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-val-problems", type=int, default=200, help="validation problems for T_low")
     p.add_argument("--n-val-samples", type=int, default=4, help="samples per validation problem")
     p.add_argument("--t-low-grid", type=float, nargs="+", default=[0.1, 0.3, 0.5])
+    p.add_argument(
+        "--input-scales",
+        choices=("dynamic", "calibrated"),
+        default="dynamic",
+        help="NVFP4 activation global scales: per-row dynamic, or static ones calibrated "
+        "(rejax.calibrate_input_scales, the ModelOpt recipe) on --scale-problems reference traces",
+    )
+    p.add_argument(
+        "--scale-problems",
+        type=int,
+        default=32,
+        help="validation problems (after the tau0 and T_low ones) whose reference traces "
+        "calibrate the input scales",
+    )
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument(
@@ -441,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "n_val_samples",
         "max_new_tokens",
         "batch_rows",
+        "scale_problems",
     ):
         if getattr(args, name) <= 0:
             raise SystemExit(f"--{name.replace('_', '-')} must be positive")
@@ -448,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     out_prefix = Path(args.out_prefix)
     out_prefix.parent.mkdir(parents=True, exist_ok=True)
-    _log(f"loading {args.model} as bf16 and nvfp4 (W4A4, dynamic activation scales)")
+    _log(f"loading {args.model} as bf16 and nvfp4 (W4A4, {args.input_scales} activation scales)")
     bf16 = cli.load_model(args.model, "bf16")
     nvfp4 = cli.load_model(args.model, "nvfp4")
     chat = has_chat_template(nvfp4)
@@ -458,7 +483,17 @@ def main(argv: list[str] | None = None) -> int:
     if difficulty is not None:
         _log(f"problems of the checkpoint's training difficulty: {difficulty}")
     n_val = args.calib_problems + args.n_val_problems
-    val = _problems(args.task, "validation", n_val, seed=args.seed, difficulty=difficulty)
+    n_scale = args.scale_problems if args.input_scales == "calibrated" else 0
+    val = _problems(args.task, "validation", n_val + n_scale, seed=args.seed, difficulty=difficulty)
+    val, scale_problems = val[:n_val], val[n_val:]
+    if scale_problems:
+        # Static activation scales from reference traces no tau0 / T_low / test problem uses.
+        from rejax.generate import calibrate_input_scales
+
+        gen = _training_text(args.task)
+        nvfp4 = calibrate_input_scales(nvfp4, [gen(p, chat=chat) for p in scale_problems])
+        params = {name: bf16 if name.startswith("bf16") else nvfp4 for name in configs}
+        _log(f"input scales calibrated on {len(scale_problems)} validation reference traces")
     test = _problems(args.task, "test", args.n_problems, seed=args.seed, difficulty=difficulty)
     res = {
         "settings": dict(

@@ -1,6 +1,7 @@
 """The Countdown experiment scripts' own logic (no training, no decoding): option handling,
 the ablation samplers and the step-entropy summary."""
 
+import numpy as np
 import pytest
 
 from experiments import search_reasoner_accuracy, tiny_reasoner_accuracy, train_search_reasoner
@@ -81,3 +82,68 @@ def test_smoke_training_writes_a_loadable_model(tmp_path):
     test = tiny_reasoner_accuracy._problems("countdown", "test", 20, seed=0, difficulty=d)
     assert test == countdown.split("test", 20, difficulty=want)
     assert all(len(p["numbers"]) == 3 for p in test)
+
+
+def test_the_xs_size_suits_the_kernel():
+    xs = train_search_reasoner.SIZES["xs"]
+    for k in (xs["hidden_size"], xs["intermediate_size"], xs["num_heads"] * xs["head_dim"]):
+        assert k % 256 == 0, xs  # the CUDA NVFP4 GEMV's K
+
+
+def test_sensitivity_counts_flips_by_entropy_hand_computed():
+    from experiments import quant_sensitivity as qs
+
+    big = 30.0
+    # trace 0: 3 solution rows; row 0 confident on token 1, row 1 flat over 0 / 2, row 2
+    # confident on token 3 (a digit). NVFP4 flips row 1 (high entropy) and row 2 (low entropy).
+    zb0 = np.array([[0, 0, 0, 0], [0, big, 0, 0], [5, 0, 4.9, 0], [0, 0, 0, big]], float)
+    zq0 = np.array([[0, 0, 0, 0], [0, big, 0, 0], [4.9, 0, 5, 0], [0, 0, big, big + 0.1]])
+    zq0[3] = [0, 0, big + 0.1, big]  # the low-entropy flip: 3 -> 2
+    # trace 1: one confident row, unchanged
+    zb1 = np.array([[0, 0, 0, 0], [big, 0, 0, 0]], float)
+    res = qs.sensitivity([zb0, zb1], [zq0, zb1.copy()], [(1, 4), (1, 2)], [3], tau=0.1)
+    f = res["argmax_flips"]
+    assert (res["positions"], res["traces"]) == (4, 2)
+    assert f["all"] == {"flips": 2, "positions": 4, "rate": 0.5}
+    assert f["low_entropy"]["flips"] == 1 and f["low_entropy"]["positions"] == 3
+    assert f["low_entropy_symbolic"] == {"flips": 1, "positions": 1, "rate": 1.0}
+    assert f["high_entropy"] == {"flips": 1, "positions": 1, "rate": 1.0}
+    assert res["traces_with_low_entropy_flip"] == 0.5
+    assert res["mean_kl_nats"]["low_entropy"] > 0.1  # the flipped confident row dominates
+    # tau defaults to the 80th percentile of the BF16 entropies
+    assert qs.sensitivity([zb1], [zb1], [(1, 2)], [3])["tau"] == pytest.approx(
+        float(qs._entropy_of(zb1[1:2])[0]), rel=1e-6
+    )
+
+
+def test_accuracy_input_scale_options():
+    with pytest.raises(SystemExit):
+        tiny_reasoner_accuracy.main(["--input-scales", "static"])
+    with pytest.raises(SystemExit, match="--scale-problems must be positive"):
+        tiny_reasoner_accuracy.main(["--input-scales", "calibrated", "--scale-problems", "0"])
+
+
+def test_layers_override_is_checked(tmp_path):
+    args = train_search_reasoner.parse_args(
+        ["--out", str(tmp_path), "--size", "xs", "--layers", "4"]
+    )
+    assert (args.size, args.layers) == ("xs", 4)
+    with pytest.raises(ValueError, match="--layers must be positive, got 0"):
+        train_search_reasoner.parse_args(["--out", str(tmp_path), "--layers", "0"])
+
+
+def test_quant_sensitivity_end_to_end_on_the_tiny_model(tmp_path):
+    import json
+
+    from experiments import quant_sensitivity as qs
+
+    out = tmp_path / "sens.json"
+    res = qs.main(["--n-problems", "4", "--input-scales", "dynamic", "--out", str(out)])
+    assert json.loads(out.read_text())["argmax_flips"] == res["argmax_flips"]
+    f = res["argmax_flips"]
+    assert res["traces"] == 4 and res["positions"] == f["all"]["positions"] > 4 * 10
+    assert f["low_entropy"]["positions"] + f["high_entropy"]["positions"] == res["positions"]
+    assert f["all"]["flips"] == f["low_entropy"]["flips"] + f["high_entropy"]["flips"]
+    assert 0 <= res["mean_kl_nats"]["all"] < 0.1  # NVFP4 is close to BF16 on this model
+    with pytest.raises(SystemExit, match="--n-problems must be positive"):
+        qs.main(["--n-problems", "0"])
