@@ -109,8 +109,6 @@ def generate_train(n: int, seed: int, difficulty, workers: int) -> list[dict]:
 def greedy_validation(model_dir: Path, problems: list[dict], max_new_tokens: int) -> dict:
     """Greedy accuracy of the exported checkpoint on chat-formatted `problems`, decoded by
     rejax.generate with its KV cache and graded exactly (task "countdown"); a few samples kept."""
-    import math
-
     import rejax
     from rejax.eval.grading import grade
 
@@ -120,19 +118,9 @@ def greedy_validation(model_dir: Path, problems: list[dict], max_new_tokens: int
     )
     refs = [{"numbers": p["numbers"], "target": p["target"]} for p in problems]
     correct = [grade(t, r, task="countdown") for t, r in zip(gen.text, refs)]
-    n = len(problems)
-    acc = sum(correct) / max(n, 1)
-    return {
-        "n": n,
-        "correct": int(sum(correct)),
-        "accuracy": acc,
-        "ci95": 1.96 * math.sqrt(acc * (1 - acc) / max(n, 1)),
-        "finished": sum(r == "stop" for r in gen.finish_reason),
-        "samples": [
-            {"problem": p["problem"], "answer": p["answer"], "output": t, "correct": c}
-            for p, t, c in list(zip(problems, gen.text, correct))[:3]
-        ],
-    }
+    acc = tiny.accuracy_summary(problems, gen.text, correct)
+    acc["finished"] = sum(r == "stop" for r in gen.finish_reason)
+    return acc
 
 
 def _difficulty(args) -> countdown.Difficulty:

@@ -347,6 +347,11 @@ def greedy_accuracy(
     gens = greedy_decode(weights, cfg, prompts, max_len, stop_ids)
     texts = [tok.decode(g) for g in gens]
     correct = [grade(t, reference(p), task=task) for t, p in zip(texts, problems)]
+    return accuracy_summary(problems, texts, correct)
+
+
+def accuracy_summary(problems: list[dict], texts: list[str], correct: list[bool]) -> dict:
+    """n, correct, accuracy with its normal-approximation 95% half-width, and three samples."""
     n = len(problems)
     acc = sum(correct) / max(n, 1)
     return {

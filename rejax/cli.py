@@ -87,7 +87,9 @@ def load_model(spec: str, quant: str):
     """Loads `--model` with `--quant` (bf16 | nvfp4 | nvfp4-w4a16) through `rejax.load`."""
 
     path = resolve_model(spec)
-    log = logging.getLogger("rejax.checkpoint")
+    # The filter sits on the logger that emits the record: a parent's filters do not see
+    # records propagated from its children.
+    log = logging.getLogger("rejax.checkpoint.reader")
     # The CLI states the activation-scale mode in its own header line instead.
     quiet = _DropMessage("without calibration data")
     log.addFilter(quiet)

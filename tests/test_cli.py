@@ -633,3 +633,20 @@ def test_kv_dtype_flag(capsys, tmp_path, ckpt, cached_models):
         cli.main(["generate", "--kv-dtype", "int8", "hi"])
     assert e.value.code == 2
     assert "invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_load_model_states_the_scale_mode_once(caplog):
+    """`load_model` drops rejax.load's dynamic-scale warning (the CLI prints its own header
+    line); a direct rejax.load still warns."""
+    import logging
+
+    import rejax.data
+    from rejax import cli as cli_mod
+
+    with caplog.at_level(logging.WARNING):
+        cli_mod.load_model("tiny", "nvfp4")
+    assert not [r for r in caplog.records if "without calibration data" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        rejax.load(rejax.data.TINY_MODEL, quant="nvfp4")
+    assert [r for r in caplog.records if "without calibration data" in r.getMessage()]
