@@ -10,7 +10,10 @@ per-row dynamic ones). Over the solution positions it reports:
     ones (the BF16 argmax contains a digit);
   - the share of traces with at least one low-entropy flip (a greedy NVFP4 decode leaves the
     BF16 path there: an upper bound on what quantization noise can cost);
-  - mean KL(BF16 || NVFP4) and the entropies of both models at low- and high-entropy positions.
+  - mean KL(BF16 || NVFP4) and the entropies of both models at low- and high-entropy positions;
+  - at low-entropy positions, the BF16 argmax's lead over the runner-up (median, 1st percentile)
+    and how much NVFP4 moves it (std, most negative): their ratio says how far a model is from
+    the flips the paper's claim (i) is about, even where none happens.
 tau: `--tau` nats, else the 80th percentile of the BF16 entropies over these positions.
 
     PYTHONPATH=. python experiments/quant_sensitivity.py --model rejax/data/tiny
@@ -47,6 +50,14 @@ def _mean(x: np.ndarray) -> float | None:
     return float(x.mean()) if x.size else None
 
 
+def _margin(logp: np.ndarray, top: np.ndarray) -> np.ndarray:
+    """logp[i, top[i]] minus the largest other entry of row i."""
+    rows = np.arange(len(top))
+    other = logp.copy()
+    other[rows, top] = -np.inf
+    return logp[rows, top] - other.max(-1)
+
+
 def _entropy_of(z: np.ndarray) -> np.ndarray:
     lp = _log_softmax(z)
     return -(np.exp(lp) * lp).sum(-1)
@@ -55,7 +66,7 @@ def _entropy_of(z: np.ndarray) -> np.ndarray:
 def sensitivity(bf16_logits, nvfp4_logits, spans, digit_ids, tau=None) -> dict:
     """The statistics above from per-trace logits [T_i, V] and solution spans (a, b): rows
     a..b-1 predict the solution tokens."""
-    h_b, h_q, kl, flip, sym, tr = [], [], [], [], [], []
+    h_b, h_q, kl, flip, sym, tr, mb, mq = [], [], [], [], [], [], [], []
     for zb, zq, (a, b) in zip(bf16_logits, nvfp4_logits, spans):
         lb, lq = _log_softmax(zb[a:b]), _log_softmax(zq[a:b])
         pb = np.exp(lb)
@@ -64,9 +75,11 @@ def sensitivity(bf16_logits, nvfp4_logits, spans, digit_ids, tau=None) -> dict:
         kl.append((pb * (lb - lq)).sum(-1))
         ab, aq = lb.argmax(-1), lq.argmax(-1)
         flip.append(ab != aq)
+        mb.append(_margin(lb, ab))
+        mq.append(_margin(lq, ab))
         sym.append(np.isin(ab, digit_ids))
         tr.append(np.full(b - a, len(tr)))
-    h_b, h_q, kl, flip, sym, tr = map(np.concatenate, (h_b, h_q, kl, flip, sym, tr))
+    h_b, h_q, kl, flip, sym, tr, mb, mq = map(np.concatenate, (h_b, h_q, kl, flip, sym, tr, mb, mq))
     tau = float(np.percentile(h_b, 80)) if tau is None else float(tau)
     low = h_b < tau
 
@@ -78,6 +91,18 @@ def sensitivity(bf16_logits, nvfp4_logits, spans, digit_ids, tau=None) -> dict:
             "rate": float((flip & sel).sum() / max(n, 1)),
         }
 
+    # How far the forced tokens are from a flip: the BF16 argmax's lead over the runner-up
+    # (nats), and how much NVFP4 moves that lead.
+    shift = mq[low] - mb[low]
+    noise = float(shift.std()) if shift.size else None
+    p1 = float(np.percentile(mb[low], 1)) if shift.size else None
+    margins = {
+        "bf16_median": float(np.median(mb[low])) if shift.size else None,
+        "bf16_p1": p1,
+        "nvfp4_shift_std": noise,
+        "nvfp4_shift_min": float(shift.min()) if shift.size else None,
+        "p1_over_shift_std": p1 / noise if noise else None,
+    }
     n_traces = len(spans)
     low_flip_traces = len(np.unique(tr[flip & low]))
     return {
@@ -91,6 +116,7 @@ def sensitivity(bf16_logits, nvfp4_logits, spans, digit_ids, tau=None) -> dict:
             "high_entropy": rate(~low),
         },
         "traces_with_low_entropy_flip": low_flip_traces / max(n_traces, 1),
+        "low_entropy_margin_nats": margins,
         "mean_kl_nats": {
             "all": _mean(kl),
             "low_entropy": _mean(kl[low]),

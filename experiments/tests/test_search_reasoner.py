@@ -147,3 +147,19 @@ def test_quant_sensitivity_end_to_end_on_the_tiny_model(tmp_path):
     assert 0 <= res["mean_kl_nats"]["all"] < 0.1  # NVFP4 is close to BF16 on this model
     with pytest.raises(SystemExit, match="--n-problems must be positive"):
         qs.main(["--n-problems", "0"])
+
+
+def test_sensitivity_margins_hand_computed():
+    from experiments import quant_sensitivity as qs
+
+    # two confident rows: leads 10 and 6 nats in BF16, 9 and 6.5 under NVFP4 (shifts -1, +0.5)
+    zb = np.array([[0.0, 0, 0], [10, 0, 0], [0, 6, 0]])
+    zq = np.array([[0.0, 0, 0], [9, 0, 0], [0, 6.5, 0]])
+    m = qs.sensitivity([zb], [zq], [(1, 3)], [], tau=1.0)["low_entropy_margin_nats"]
+    lead = qs._margin(qs._log_softmax(zb[1:]), np.array([0, 1]))
+    np.testing.assert_allclose(lead, [10, 6])
+    assert m["bf16_median"] == pytest.approx(8.0)
+    assert m["bf16_p1"] == pytest.approx(6.04)
+    assert m["nvfp4_shift_std"] == pytest.approx(0.75)
+    assert m["nvfp4_shift_min"] == pytest.approx(-1.0)
+    assert m["p1_over_shift_std"] == pytest.approx(6.04 / 0.75)
