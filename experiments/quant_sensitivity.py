@@ -58,11 +58,6 @@ def _margin(logp: np.ndarray, top: np.ndarray) -> np.ndarray:
     return logp[rows, top] - other.max(-1)
 
 
-def _entropy_of(z: np.ndarray) -> np.ndarray:
-    lp = _log_softmax(z)
-    return -(np.exp(lp) * lp).sum(-1)
-
-
 def sensitivity(bf16_logits, nvfp4_logits, spans, digit_ids, tau=None) -> dict:
     """The statistics above from per-trace logits [T_i, V] and solution spans (a, b): rows
     a..b-1 predict the solution tokens."""

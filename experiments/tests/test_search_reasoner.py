@@ -92,6 +92,7 @@ def test_the_xs_size_suits_the_kernel():
 
 def test_sensitivity_counts_flips_by_entropy_hand_computed():
     from experiments import quant_sensitivity as qs
+    from rejax.eval.forcing import entropy_np
 
     big = 30.0
     # trace 0: 3 solution rows; row 0 confident on token 1, row 1 flat over 0 / 2, row 2
@@ -112,7 +113,7 @@ def test_sensitivity_counts_flips_by_entropy_hand_computed():
     assert res["mean_kl_nats"]["low_entropy"] > 0.1  # the flipped confident row dominates
     # tau defaults to the 80th percentile of the BF16 entropies
     assert qs.sensitivity([zb1], [zb1], [(1, 2)], [3])["tau"] == pytest.approx(
-        float(qs._entropy_of(zb1[1:2])[0]), rel=1e-6
+        float(entropy_np(zb1[1:2])[0]), rel=1e-6
     )
 
 
