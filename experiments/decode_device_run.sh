@@ -33,7 +33,8 @@
 #   mins     36-layer NVFP4 decode at Config.gemm_min_m in MINS (default "9 2"), MIN_ARGS
 #   runs     bench_decode.py once per line of RUNS ("TAG args..."), OUT/run_TAG.json (RUN_TIMEOUT)
 #   verify   the gpu-marked tests of kernels written without a GPU, one pytest per VERIFY line
-#            ("TAG pytest-args", default below), OUT/verify_TAG.log (VERIFY_TIMEOUT each)
+#            ("TAG pytest-args", default below), OUT/verify_TAG.log (VERIFY_TIMEOUT each),
+#            VERIFY_JOBS of them at once
 #   occ      GEMV occupancy variants, kernel alone in CUDA graphs: bench_kernel.py once per entry
 #            of OCC_OPTIONS (GemvOptions fields, "" = the plan's), OCC_ARGS; then the GEMM
 #            occupancy variants (bench_gemm.py, OCC_GEMM_ARGS)
@@ -242,15 +243,27 @@ for phase in $phases; do
       lines=${VERIFY:-$'rope tests/test_rope_cache_gpu.py
 quant tests/test_quant_kernel_gpu.py
 gemm tests/test_gemm_gpu.py
-ctas tests/test_kernels_gpu.py -k ctas2
 sampling tests/test_sampling_gpu.py
 fused tests/test_fused_linear_gpu.py
-flash tests/test_decode_attention_cuda_gpu.py'}
+flash tests/test_decode_attention_cuda_gpu.py
+attn tests/test_decode_attention.py
+kernels tests/test_kernels_gpu.py
+probe tests/test_attention_probe.py'}
+      # VERIFY_JOBS > 1 runs that many pytest processes at once (they time nothing; each takes
+      # a slice of GPU memory and the compile work spreads over the CPU cores)
+      jobs=${VERIFY_JOBS:-1}; vtags=()
       while read -r tag targs; do
         [ -z "$tag" ] && continue
-        timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q -m gpu $targs \
-          > "$out/verify_$tag.log" 2>&1; echo "$tag rc=$?"; tail -4 "$out/verify_$tag.log"
-      done <<< "$lines";;
+        vtags+=("$tag")
+        while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
+        ( [ "$jobs" -gt 1 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
+          timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q -m gpu $targs \
+            > "$out/verify_$tag.log" 2>&1; echo "$?" > "$out/verify_$tag.rc" ) &
+      done <<< "$lines"
+      wait
+      for tag in "${vtags[@]}"; do
+        echo "$tag rc=$(cat "$out/verify_$tag.rc")"; tail -4 "$out/verify_$tag.log"
+      done;;
     occ)
       args=${OCC_ARGS:---ms 1,2,4 --shapes 6144:4096,4096:4096,24576:4096,4096:12288 --ops nvfp4_w4a4_graph,read_floor_graph,jax_bf16 --no-chain}
       i=0
