@@ -84,7 +84,10 @@ def test_in_kernel_quantization_equals_quantize_activation(n, k, static):
     params = {"weight": w} | ({"input_scale": jnp.full((2,), 0.01, jnp.float32)} if static else {})
     layer = jnp.int32(1)
     fused = jax.jit(lambda x: fl.fused_linear(x, params, layer=layer, impl="cuda"))
-    plain = jax.jit(lambda x: layers.linear(x, params, "nvfp4", layer=layer))
+    # the plain GEMV on quantize_activation's codes at every M = 1..8 (at M = 8 the plain linear
+    # would take the GEMM by default, whose fp32 sum order is not the GEMV's)
+    gemv_min = nvfp4_gemv.MAX_M + 1
+    plain = jax.jit(lambda x: layers.linear(x, params, "nvfp4", layer=layer, gemm_min_m=gemv_min))
     for m in range(1, 9):
         x = _x(m, k, _seed(n, k, m, static))
         got = np.asarray(fused(x), np.float32)
@@ -108,7 +111,8 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
             h = layers.swiglu(x[:, :k], x[:, k:])
         else:
             h = x
-        return r + layers.linear(h, params, "nvfp4", layer=layer)
+        # the GEMV at M = 8 too, as the one-launch kernel (see the test above)
+        return r + layers.linear(h, params, "nvfp4", layer=layer, gemm_min_m=nvfp4_gemv.MAX_M + 1)
 
     fused = jax.jit(
         lambda x, r: fl.fused_linear(

@@ -198,6 +198,9 @@ def test_dispatch_choice_by_m():
     assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16) == ("gemm", (True, ""))
     kind, (ok, why) = kernels._supported("w4a16", 16, 4096, 4096, jnp.bfloat16)
     assert kind == "gemm" and not ok and "W4A4 only" in why
+    # W4A16 keeps the GEMV up to its M = 8, also at and above min_m (the GEMM is W4A4 only)
+    for m in range(nvfp4_gemm.DEFAULT_MIN_M, nvfp4_gemv.MAX_M + 1):
+        assert kernels._supported("w4a16", m, 4096, 4096, jnp.bfloat16) == ("gemv", (True, ""))
     at9 = nvfp4_gemm.GemmOptions(min_m=9)
     assert kernels._supported("w4a4", 8, 4096, 4096, jnp.bfloat16, at9)[0] == "gemv"
     assert kernels.supported("w4a4", 512, 4096, 4096) == (True, "")

@@ -241,10 +241,11 @@ def _supported(
 ) -> tuple[str, tuple[bool, str]]:
     """(kernel kind "gemv" / "gemm", (ok, why)): the one kernel that M selects, and whether it
     handles this problem."""
-    if m >= gemm_options.min_m:
-        if act != "w4a4":
-            return "gemm", (False, f"act={act!r} at M={m} (the tensor-core GEMM is W4A4 only)")
+    if m >= gemm_options.min_m and act == "w4a4":
         return "gemm", nvfp4_gemm.check_shape(m, n, k, gemm_options)
+    if m > nvfp4_gemv.MAX_M and act != "w4a4":
+        # W4A16 keeps the GEMV up to its M (also from min_m on); above it only the reference
+        return "gemm", (False, f"act={act!r} at M={m} (the tensor-core GEMM is W4A4 only)")
     ok, why = nvfp4_gemv.check_shape(act, m, n, k)
     if ok and act == "w4a16" and np.dtype(x_dtype) != np.dtype(jnp.bfloat16):
         # the kernel reads bf16 activations; the reference keeps float32 inputs exact
