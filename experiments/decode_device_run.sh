@@ -57,7 +57,7 @@ for phase in $phases; do
         python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
       } > "$out/env.txt" 2>&1; cat "$out/env.txt";;
     gputest)
-      timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
+      timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q --failures-now -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
         > "$out/gpu_tests.log" 2>&1; echo "rc=$?"; tail -15 "$out/gpu_tests.log";;
     hlo)
       timeout ${HLO_TIMEOUT:-200} python3 experiments/hlo_report.py --layers 2 36 \
@@ -104,7 +104,7 @@ for phase in $phases; do
       timeout ${ATTN_TIMEOUT:-200} python3 experiments/bench_attention.py \
         --out "$out/bench_attention.json" > "$out/bench_attention.log" 2>&1; echo "bench rc=$?"
       tail -40 "$out/bench_attention.log"
-      timeout ${ATTN_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_decode_attention.py \
+      timeout ${ATTN_TEST_TIMEOUT:-200} python3 -m pytest -q --failures-now -m gpu tests/test_decode_attention.py \
         > "$out/attn_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$out/attn_tests.log";;
     fused)
       args=${FUSED_ARGS:---modes nvfp4 --layers 8 --batch 1 8 --gen-len 256 --repeats 3 --no-breakdown}
@@ -114,7 +114,7 @@ for phase in $phases; do
           --out "$out/fused8_$fu.json" > "$out/fused8_$fu.log" 2>&1; echo "$fu rc=$?"
         grep "^\[\|FAIL" "$out/fused8_$fu.log"
       done
-      timeout ${FUSED_TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
+      timeout ${FUSED_TEST_TIMEOUT:-300} python3 -m pytest -q --failures-now -m gpu tests/test_fused_linear_gpu.py \
         > "$out/fused_tests.log" 2>&1; echo "tests rc=$?"; tail -25 "$out/fused_tests.log";;
     fused36)
       args=${FUSED36_ARGS:---batch 1 --gen-len 1024 --repeats 3}
@@ -157,11 +157,11 @@ for phase in $phases; do
               tail -20 "$out/count_kernels.log";;
             fusedtest)
               XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${FUSED_TEST_TIMEOUT:-240} \
-                python3 -m pytest -q -m gpu tests/test_fused_linear_gpu.py \
+                python3 -m pytest -q --failures-now -m gpu tests/test_fused_linear_gpu.py \
                 > "$out/fused_tests.log" 2>&1; echo "fused tests rc=$?"; tail -15 "$out/fused_tests.log";;
             *)  # a pytest target (gpu-marked tests that time nothing)
               XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${SIDE_TEST_TIMEOUT:-240} \
-                python3 -m pytest -q -m gpu $side > "$out/side_$(basename $side .py).log" 2>&1
+                python3 -m pytest -q --failures-now -m gpu $side > "$out/side_$(basename $side .py).log" 2>&1
               echo "$side rc=$?"; tail -15 "$out/side_$(basename $side .py).log";;
           esac
         done
@@ -201,7 +201,7 @@ for phase in $phases; do
         --out "$out/shard_1x1_bf16_8l.json" > "$out/shard_bf16.log" 2>&1; echo "bf16 rc=$?"
       tail -6 "$out/shard_bf16.log";;
     split)
-      timeout ${SPLIT_TEST_TIMEOUT:-200} python3 -m pytest -q -m gpu tests/test_quant_kernel_gpu.py \
+      timeout ${SPLIT_TEST_TIMEOUT:-200} python3 -m pytest -q --failures-now -m gpu tests/test_quant_kernel_gpu.py \
         > "$out/quant_tests.log" 2>&1; echo "tests rc=$?"; tail -15 "$out/quant_tests.log"
       timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
         --linear-fusion unfused split --attention einsum live --out "$out/count_split.json" \
@@ -257,7 +257,7 @@ probe tests/test_attention_probe.py'}
         vtags+=("$tag")
         while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 1; done
         ( [ "$jobs" -gt 1 ] && export XLA_PYTHON_CLIENT_PREALLOCATE=false
-          timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q -m gpu $targs \
+          timeout ${VERIFY_TIMEOUT:-240} python3 -m pytest -q --failures-now -m gpu $targs \
             > "$out/verify_$tag.log" 2>&1; echo "$?" > "$out/verify_$tag.rc" ) &
       done <<< "$lines"
       wait

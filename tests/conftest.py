@@ -12,6 +12,7 @@ CPU by default; tests marked `gpu` skip unless JAX sees a CUDA GPU. Fixtures:
 
 import json
 import string
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,28 @@ def _has_cuda() -> bool:
         return bool(jax.devices("gpu"))
     except RuntimeError:
         return False
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--failures-now",
+        action="store_true",
+        help="write each failure's traceback to stderr as soon as the test fails (for device "
+        "runs that a time limit may stop before pytest's summary)",
+    )
+
+
+_FAILURES_NOW = {"on": False}
+
+
+def pytest_configure(config):
+    _FAILURES_NOW["on"] = bool(config.getoption("--failures-now", default=False))
+
+
+def pytest_runtest_logreport(report):
+    if _FAILURES_NOW["on"] and report.failed:
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+        sys.stderr.flush()
 
 
 def pytest_collection_modifyitems(config, items):
