@@ -35,8 +35,10 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 # "flash" is "live" with the one-launch CUDA decode kernel (cuda_ops/decode_attention.cu: the
 # splits combined in the same launch) instead of the two-launch Pallas kernel for decode steps
 # over a bf16 cache; prompts, the fp8 cache and every platform other than CUDA run exactly what
-# "live" runs. Opt-in until it has been measured on a GPU (it was written in a session without
-# one; GPU tests in tests/test_decode_attention_cuda_gpu.py).
+# "live" runs. Opt-in: its GPU tests pass (tests/test_decode_attention_cuda_gpu.py), but it
+# measured slower than the Pallas kernel (kernel alone, batch 1, S = 33,280: 34 vs 23 us at 8K
+# live slots, 78 vs 46 us at 32K; 36-layer NVFP4 decode 2.772 vs 2.574 ms/token at batch 1;
+# experiments/results/h200_e/).
 ATTENTIONS = ("einsum", "live", "flash")
 # W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
 # SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
@@ -58,14 +60,16 @@ KV_DTYPES = ("bf16", "fp8")
 # (rejax.ops.rope_cache: Qwen3's q/k norms, RoPE and the cache write as one kernel on CUDA, the
 # cache updated in place) or "unfused" (the same composition as separate XLA ops: about seven
 # launches per layer). Elsewhere than CUDA both are the same composition, bitwise. "fused" is
-# opt-in until it has run on a GPU: it was written in a session without one (its GPU tests are
-# tests/test_rope_cache_gpu.py).
+# the default: its GPU tests pass (tests/test_rope_cache_gpu.py) and, with residual_fusion
+# "fused", it measured 2.574 vs 2.729 ms/token at batch 1 (36-layer Qwen3-8B NVFP4) and 1.371 vs
+# 1.451 at batch 8 (8 layers, the profile), one session (experiments/results/h200_e/).
 ROPE_FUSIONS = ("fused", "unfused")
 # The residual adds after o_proj and down_proj on the "split" path: "fused" (the W4A4 GEMV or
 # GEMM adds the residual in its epilogue, -DEPI_RES=1: the same bf16 add, two launches fewer per
-# layer on CUDA) or "unfused" (an XLA add after the linear). Opt-in until it has run on a GPU
-# (written in a session without one; GPU tests in tests/test_quant_kernel_gpu.py and
-# tests/test_gemm_gpu.py). Elsewhere than CUDA both are the same composition, bitwise.
+# layer on CUDA) or "unfused" (an XLA add after the linear). "fused" is the default: its GPU
+# tests pass, bitwise against the XLA add (tests/test_quant_kernel_gpu.py,
+# tests/test_gemm_gpu.py); measured with rope_fusion above. Elsewhere than CUDA both are the same
+# composition, bitwise.
 RESIDUAL_FUSIONS = ("fused", "unfused")
 
 
@@ -99,8 +103,8 @@ class Config:
     attention: str = "live"
     linear_fusion: str = "split"
     kv_dtype: str = "bf16"
-    rope_fusion: str = "unfused"
-    residual_fusion: str = "unfused"
+    rope_fusion: str = "fused"
+    residual_fusion: str = "fused"
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
