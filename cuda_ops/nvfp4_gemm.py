@@ -58,6 +58,14 @@ FINISH_INPUTS = 4
 FINISH_THREADS = 256
 KTS = (128, 256)
 REDUCES = ("finish", "cluster")
+# How the plan fills the GPU at small M (see `plan`): "base" (about two CTAs per SM, the K split
+# capped by the partials' traffic) or "wide" (for M <= 64: 64-row weight tiles up to M = 16 and
+# a K split aimed at four CTAs per SM, no traffic cap). "wide" picks about the winners of the occupancy
+# sweep on the H200 (experiments/results/h200_e/: geomean x bf16 over the four Qwen3-8B shapes
+# about 1.9 / 1.6 / 1.5 / 1.2 at M = 8 / 16 / 32 / 64, against 1.82 / 1.34 / 1.50 / 1.03 for
+# "base"); it stays opt-in until its GPU tests have run.
+OCCUPANCIES = ("base", "wide")
+WIDE_WR1_MAX_M = 16
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
 DEFAULT_MIN_M = 8  # the GEMV handles M <= 7
@@ -83,6 +91,8 @@ class GemmOptions:
             cluster and add their partials through distributed shared memory: one kernel).
         w_shift: the decoded fp16 weights are e2m1 x SFw x 2^(w_shift - 14) (0..7, exact for
             all; larger keeps more of them out of the fp16 subnormal range).
+        occupancy: how the plan chooses wr and splitk when they are None: "base" or "wide"
+            (`OCCUPANCIES`).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -97,6 +107,7 @@ class GemmOptions:
     splitk: int | None = None
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
+    occupancy: str = "base"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -105,6 +116,10 @@ class GemmOptions:
             raise KernelError(f"GemmOptions.w_shift={self.w_shift!r}, expected an int in 0..7")
         if self.reduce not in REDUCES:
             raise KernelError(f"GemmOptions.reduce={self.reduce!r}, expected one of {REDUCES}")
+        if self.occupancy not in OCCUPANCIES:
+            raise KernelError(
+                f"GemmOptions.occupancy={self.occupancy!r}, expected one of {OCCUPANCIES}"
+            )
         if not isinstance(self.min_m, int) or self.min_m < 1:
             raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
         checks = {
@@ -234,11 +249,14 @@ def plan(
     128-element stages through a 3-4 deep cp.async pipeline, split across CTAs (grid z) when the
     tiles alone would leave SMs idle (about two CTAs per SM wanted) and the float32 partials
     stay small next to the weights. `options.wm` = 2 puts two warps along M (8 warps, 128-token
-    tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic)."""
+    tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic).
+    `options.occupancy` = "wide" (M <= 64) takes 64-row weight tiles up to M = 16 and aims the K
+    split at about four CTAs per SM without the traffic cap."""
+    wide = options.occupancy == "wide" and m <= MAX_TM  # one M tile: the decode batches
     wm = options.wm or 1
     tm = options.tm or (MAX_TM * wm if m > MAX_TM * wm else _cdiv(m, 8 * wm) * 8 * wm)
     tm = _cdiv(max(tm, 8 * wm), 8 * wm) * 8 * wm
-    wr = options.wr or (1 if wm > 1 else 2)
+    wr = options.wr or (1 if wm > 1 or (wide and m <= WIDE_WR1_MAX_M) else 2)
     warps = options.warps or 4 * wm
     kt = options.kt or 128
     tile_n = 16 * wr * max(1, warps // wm)
@@ -250,9 +268,10 @@ def plan(
     else:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))
-        if options.reduce == "cluster":  # partials stay on chip
+        if options.reduce == "cluster" or wide:  # partials on chip, or the traffic accepted
             by_traffic = MAX_SPLITK
-        splitk = max(1, min(_cdiv(2 * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
+        per_sm = 4 if wide else 2
+        splitk = max(1, min(_cdiv(per_sm * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
     splitk = min(splitk, nkt)
     return GemmPlan(
         m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,

@@ -60,6 +60,7 @@ CHOICE_FIELDS = {
     "linear_fusion": rconfig.LINEAR_FUSIONS,
     "rope_fusion": rconfig.ROPE_FUSIONS,
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
+    "gemm_occupancy": rconfig.GEMM_OCCUPANCIES,
 }
 
 

@@ -60,6 +60,8 @@ VARIANTS = {
     "gemm_wr1_sk4": {"wr": 1, "splitk": 4},
     "gemm_wr1_sk8": {"wr": 1, "splitk": 8},
     "gemm_cluster_wr1": {"reduce": "cluster", "wr": 1},
+    # the plan's rule that picks about the winners of the above (experiments/results/h200_e/)
+    "gemm_wide": {"occupancy": "wide"},
 }
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {"gemm_wm2": {128, 256, 512}}

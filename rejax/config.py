@@ -71,6 +71,11 @@ ROPE_FUSIONS = ("fused", "unfused")
 # tests/test_gemm_gpu.py); measured with rope_fusion above. Elsewhere than CUDA both are the same
 # composition, bitwise.
 RESIDUAL_FUSIONS = ("fused", "unfused")
+# How the NVFP4 GEMM's plan fills the GPU at decode batches (M <= 64), GemmOptions.occupancy
+# (cuda_ops.nvfp4_gemm.OCCUPANCIES). "base" (about two CTAs per SM) is the default; "wide" (64-row
+# weight tiles up to M = 16, a K split aimed at four CTAs per SM) measured faster kernel alone
+# (experiments/results/h200_e/) and is opt-in until its GPU tests and an end-to-end run pass.
+GEMM_OCCUPANCIES = ("base", "wide")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,7 @@ class Config:
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
+    gemm_occupancy: str = "base"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -137,6 +143,11 @@ class Config:
             )
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
+        if self.gemm_occupancy not in GEMM_OCCUPANCIES:
+            raise ValueError(
+                f"unknown gemm_occupancy {self.gemm_occupancy!r}; expected one of "
+                f"{GEMM_OCCUPANCIES}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

@@ -141,6 +141,7 @@ def linear(
     layer: Any = None,
     shards: tuple[int, ...] | None = None,
     gemm_min_m: int | None = None,
+    gemm_occupancy: str | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
 
@@ -163,6 +164,8 @@ def linear(
         shards: output rows of each fused shard (needed only for per-shard input scales).
         gemm_min_m: NVFP4 W4A4 on CUDA: the fewest rows that take the tensor-core GEMM instead
             of the GEMV (None: the kernel's default, `Config.gemm_min_m`'s default).
+        gemm_occupancy: the GEMM plan's `GemmOptions.occupancy` (None: "base"; see
+            `Config.gemm_occupancy`).
 
     Returns:
         [..., N_out] in x's dtype.
@@ -178,7 +181,7 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
-        opts = gemm_options(gemm_min_m)
+        opts = gemm_options(gemm_min_m, gemm_occupancy)
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
@@ -189,11 +192,14 @@ def linear(
     return y
 
 
-def gemm_options(min_m: int | None) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m` (None: the defaults), e.g. `Config.gemm_min_m`."""
+def gemm_options(min_m: int | None, occupancy: str | None = None) -> nvfp4_gemm.GemmOptions:
+    """The NVFP4 GEMM choices with `min_m` and `occupancy` (None: the defaults), e.g.
+    `Config.gemm_min_m` and `Config.gemm_occupancy`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if min_m is not None and min_m != opts.min_m:
         opts = dataclasses.replace(opts, min_m=min_m)
+    if occupancy is not None and occupancy != opts.occupancy:
+        opts = dataclasses.replace(opts, occupancy=occupancy)
     return opts
 
 

@@ -166,6 +166,37 @@ def test_plan_tiles_and_split_k():
         nvfp4_gemm.GemmOptions(reduce="atomic")
 
 
+def test_wide_occupancy_plans():
+    """occupancy="wide": the H200 sweep's winners (64-row weight tiles up to M = 16, a K split of
+    up to 8 aimed at four CTAs per SM); the same as "base" above one M tile (M > 64)."""
+    wide = nvfp4_gemm.GemmOptions(occupancy="wide")
+    got = {
+        (m, n, k): (p.wr, p.splitk)
+        for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]
+        for m in (8, 16, 32, 64)
+        for p in [nvfp4_gemm.plan(m, n, k, options=wide)]
+    }
+    # 4096 x 4096 at M = 64: split 8 (the base plan splits 2, capped by the partials' traffic)
+    assert got[(64, 4096, 4096)] == (2, 8) and nvfp4_gemm.plan(64, 4096, 4096).splitk == 2
+    assert got[(16, 4096, 4096)] == (1, 8) and got[(8, 4096, 12288)] == (1, 8)
+    assert got[(8, 6144, 4096)] == (1, 6)  # 96 tiles of 64 rows: 6 x 96 >= 4 x 132
+    assert got[(32, 24576, 4096)] == (2, 3)  # 192 tiles: 3 x 192 >= 4 x 132
+    for (m, n, k), (wr, splitk) in got.items():
+        p = nvfp4_gemm.plan(m, n, k, options=wide)
+        assert wr == (1 if m <= 16 else 2) and 1 <= splitk <= nvfp4_gemm.MAX_SPLITK
+        assert p.smem <= nvfp4_gemv.SMEM_LIMIT and nvfp4_gemm.check_shape(m, n, k, wide)[0]
+        # at least about four CTAs per SM, unless the split is at its cap
+        assert splitk == nvfp4_gemm.MAX_SPLITK or p.grid[1] * splitk >= 4 * 132
+    for m in (65, 256, 4096):
+        assert nvfp4_gemm.plan(m, 4096, 4096, options=wide) == nvfp4_gemm.plan(m, 4096, 4096)
+    # explicit fields still win
+    forced = nvfp4_gemm.GemmOptions(occupancy="wide", wr=2, splitk=3)
+    p = nvfp4_gemm.plan(16, 4096, 4096, options=forced)
+    assert (p.wr, p.splitk) == (2, 3)
+    with pytest.raises(cbuild.KernelError, match="occupancy='full', expected one of"):
+        nvfp4_gemm.GemmOptions(occupancy="full")
+
+
 def test_check_shape_and_options_are_validated():
     assert nvfp4_gemm.check_shape(16, 4096, 4096) == (True, "")
     assert "K=200" in nvfp4_gemm.check_shape(16, 64, 200)[1]
@@ -525,3 +556,32 @@ def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
     low = _decode_step_entries(rconfig.Config(**{**split.__dict__, "gemm_min_m": 2}), 2)
     assert low.count(nvfp4_quant.ENTRY) == 4 and low.count(nvfp4_gemm.ENTRY) == 4, low
     assert "nvfp4_gemv_w4a4" not in low, low
+
+
+def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
+    """Config.gemm_occupancy="wide" builds the decoder's batch-16 GEMMs with the wide plan (64-row
+    weight tiles), for the unfused linears; "base" with the base plan; the field
+    offers what GemmOptions does, and a bad value is refused."""
+    assert rconfig.GEMM_OCCUPANCIES == nvfp4_gemm.OCCUPANCIES
+    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "base"
+    base = rconfig.Config(
+        quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
+        num_kv_heads=4, linear_fusion="unfused",
+    )  # fmt: skip
+    for fusion in ("unfused",):
+        for occupancy in ("base", "wide"):
+            cfg = rconfig.Config(
+                **{**base.__dict__, "linear_fusion": fusion, "gemm_occupancy": occupancy}
+            )
+            stub_compilers.clear()
+            entries = _decode_step_entries(cfg, 16)
+            assert entries.count(nvfp4_gemm.ENTRY) == 4, entries
+            opts = nvfp4_gemm.GemmOptions(occupancy=occupancy)
+            gemms = [d for _, d in stub_compilers if "SPLITK" in d]
+            assert len(gemms) >= 4, stub_compilers
+            for d in gemms:
+                p = nvfp4_gemm.plan(d["M_TOK"], d["N_OUT"], d["K_IN"], options=opts)
+                assert (d["WR"], d["SPLITK"]) == (p.wr, p.splitk), (fusion, occupancy, d)
+                assert d["WR"] == (1 if occupancy == "wide" else 2), d
+    with pytest.raises(ValueError, match="unknown gemm_occupancy 'full'"):
+        rconfig.Config(gemm_occupancy="full")

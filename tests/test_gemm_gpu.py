@@ -164,6 +164,33 @@ def test_gemm_matches_float64_reference(torch, shape_set):
     assert not failures, failures
 
 
+def test_wide_occupancy_on_the_decode_shapes(torch):
+    """GemmOptions(occupancy="wide") (64-row weight tiles, K split up to 8) on Qwen3-8B's four
+    layer shapes at the decode batches M = 8, 16, 32, 64: within 1.5x the bf16 floor of float64
+    (its residual epilogue: test_residual_epilogue_equals_the_xla_add)."""
+    from cuda_ops import nvfp4_gemm
+
+    wide = nvfp4_gemm.GemmOptions(occupancy="wide")
+    shapes, ms = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)], (8, 16, 32, 64)
+    nvfp4_gemm.prebuild([{"m": m, "n": n, "k": k, "options": wide} for n, k in shapes for m in ms])
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(_seed("wide"))
+    failures = []
+    layer0 = torch.zeros((), dtype=torch.int32, device="cuda")
+    for n, k in shapes:
+        wp, ws, wg = _weights(torch, n, k, gen)
+        wd64 = _wd64(torch, wp, ws, wg)
+        for m in ms:
+            kernel = nvfp4_gemm.build(m, n, k, options=wide)
+            xp, xs, xg = _acts(torch, m, k, gen)
+            ops = [_x_hat(torch, xp, xs), xg, wp, ws, wg, layer0]
+            y64 = _ref64(torch, xp, xs, xg, wd64)
+            tag = (m, n, k, kernel.plan.wr, kernel.plan.splitk)
+            _check(torch, kernel, ops, m, n, y64, failures, tag)
+        del wd64
+    assert not failures, failures
+
+
 def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
     """A stack of 3 matrices with one global scale per row; layer 2 chosen by the device index."""
     from cuda_ops import nvfp4_gemm
@@ -196,6 +223,7 @@ def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
         {"tm": 128, "wm": 2, "wr": 2, "warps": 8, "kt": 256},
         {"reduce": "cluster"},
         {"reduce": "cluster", "splitk": 3, "wm": 2},
+        {"occupancy": "wide"},
     ],
     ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )
@@ -300,7 +328,9 @@ def test_xla_paths_equal_the_direct_launch(torch, m, n, k, reduce):
         np.testing.assert_array_equal(np.asarray(y.astype(jnp.float32)), direct, err_msg=launch)
 
 
-@pytest.mark.parametrize("options", [{}, {"reduce": "cluster"}, {"splitk": 1}])
+@pytest.mark.parametrize(
+    "options", [{}, {"reduce": "cluster"}, {"splitk": 1}, {"occupancy": "wide"}]
+)
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 12288)])  # Qwen3-8B o, down_proj
 def test_residual_epilogue_equals_the_xla_add(torch, n, k, options):
     """gemv_call(residual=r) on the GEMM (built with EPI_RES) == r + gemv_call() bitwise, both
