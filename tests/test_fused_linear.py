@@ -5,6 +5,7 @@ kernel launch per fused linear."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -20,6 +21,7 @@ from rejax import params as rparams
 from rejax.cache import init_cache
 from rejax.config import Config
 from rejax.decode import decode_step, prefill
+from rejax.ops import _dispatch
 from rejax.ops import fused_linear as fl
 from rejax.params import init_params
 
@@ -47,10 +49,10 @@ def _bf16(a):
 @pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
-def test_reference_is_the_unfused_composition_bitwise(prologue, per_row, static):
+@pytest.mark.parametrize("m", [3, 16])  # the GEMV's rows and the GEMM's
+def test_reference_is_the_unfused_composition_bitwise(m, prologue, per_row, static):
     rng = np.random.default_rng(1)
     w = _stacked(per_row)
-    m = 3
     width = 2 * K if prologue == "swiglu" else K
     x = _bf16(rng.standard_normal((m, width)) * 2)
     x = x.at[0, :16].set(0).at[1, 16:32].set(3e4)  # a zero block and a saturating one
@@ -303,6 +305,134 @@ def test_split_decode_step_adds_the_residuals_in_the_linears(stub_compiler):
         assert sorted(len(o) for o in ops) == [n - 1, n - 1, n, n], ops
         assert all(o[at] == f"tensor<{b}x256xbf16>" for o in ops if len(o) == n), ops
         assert _bf16_adds(text, f"{b}x(1x)?256") == 0, b
+
+
+# (M, GEMM choices) above the quantizer kernel's 8 rows: decode batches and a prefill, two of
+# them with a K split (the GEMM's finish kernel then stores the output)
+LARGE_M = [
+    (9, nvfp4_gemm.DEFAULT_OPTIONS),
+    (16, GEMM_SPLIT),
+    (64, nvfp4_gemm.DEFAULT_OPTIONS),
+    (512, GEMM_SPLIT),
+]
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("kernels", ["two", "one"])
+@pytest.mark.parametrize(("m", "opts"), LARGE_M, ids=[str(m) for m, _ in LARGE_M])
+def test_above_eight_rows_the_linear_is_the_gemm(stub_compiler, monkeypatch, m, opts, kernels,
+                                                 prologue):  # fmt: skip
+    """Above the quantizer kernel's M (8) kernels "two" and "one" lower to the prologue and the
+    quantizer as XLA ops, then the GEMM (with a K split, and its finish kernel): no quantizer or
+    GEMV launch, no bf16 dot over the dequantized weight (the reference), no reference note.
+    With residual_epilogue the residual is an operand of the GEMM (and of the finish kernel)
+    right after xg and no bf16 [M, N] add is left; without it the add is one XLA op."""
+    monkeypatch.setattr(_dispatch, "_NOTED", set())
+    w = _stacked(False)
+    width = 2 * K if prologue == "swiglu" else K
+    params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
+    norm = jnp.ones((L, K), jnp.bfloat16)
+    kw = {"layer": jnp.int32(1), "prologue": prologue, "norm": norm, "kernels": kernels,
+          "gemm_options": opts}  # fmt: skip
+    x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
+    finish = [nvfp4_gemm.FINISH_ENTRY] if nvfp4_gemm.plan(m, N, K, options=opts).partials else []
+    assert bool(finish) == (opts is GEMM_SPLIT)
+    for residual, epilogue in ((False, False), (True, False), (True, True)):
+        f = jax.jit(
+            lambda x, r, residual=residual, epilogue=epilogue: fl.fused_linear(
+                x, params, residual=r if residual else None, residual_epilogue=epilogue, **kw
+            )
+        )
+        text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
+        what = f"M={m} kernels={kernels} prologue={prologue} res={residual} epi={epilogue}"
+        calls = _ptx_calls(text)
+        assert [name for name, _ in calls] == [nvfp4_gemm.ENTRY, *finish], what
+        assert "dot_general" not in text, what  # the reference's dot over the bf16 weight
+        # the prologue runs in XLA in front of the quantizer (rms_norm's rsqrt, swiglu's silu)
+        assert ("stablehlo.rsqrt" in text) == (prologue == "rmsnorm"), what
+        assert ("call @silu(" in text) == (prologue == "swiglu"), what
+        in_kernel = residual and epilogue
+        # GEMM (x_hat, xg, [res,] wp, ws, wg, layer); finish (partials, xg, [res,] wg, layer)
+        assert [len(ops) for _, ops in calls] == [6 + in_kernel, 4 + in_kernel][: len(calls)]
+        if in_kernel:
+            assert all(ops[2] == f"tensor<{m}x{N}xbf16>" for _, ops in calls), (what, calls)
+        assert _bf16_adds(text, f"{m}x{N}") == (residual and not epilogue), what
+    assert [why for op, why in _dispatch.noted() if op == fl.OP] == []
+    # impl="cuda" takes the same lowering instead of refusing the shape
+    f = jax.jit(lambda x: fl.fused_linear(x, params, impl="cuda", **kw))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert [name for name, _ in _ptx_calls(text)] == [nvfp4_gemm.ENTRY, *finish]
+
+
+@pytest.mark.parametrize("epilogue", [False, True])
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+def test_two_step_body_without_the_quantizer_kernel_is_the_composition(monkeypatch, prologue,
+                                                                       epilogue):  # fmt: skip
+    """The two-step lowering's body at M = 16 (quantizer reference ops, then the linear, the
+    residual in its epilogue or after it), run on CPU with the linear's reference: bitwise the
+    unfused composition, for static (stacked) and dynamic input scales."""
+
+    def linear_on_cpu(args, **kw):  # the body asks for the kernel, which CPU has not
+        return gemv_call(args, **{**kw, "impl": "auto"})
+
+    gemv_call = fl.gemv_call
+    monkeypatch.setattr(fl, "gemv_call", linear_on_cpu)
+    rng = np.random.default_rng(5)
+    m = 16
+    w = _stacked(False)
+    width = 2 * K if prologue == "swiglu" else K
+    x = _bf16(rng.standard_normal((m, width)) * 2).at[3, 16:32].set(3e4)
+    norm = _bf16(1 + 0.1 * rng.standard_normal((L, K)))
+    res = _bf16(rng.standard_normal((m, N)))
+    i = jnp.int32(2)
+    weight = (w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8), w.global_scale)
+    for scale in (jnp.asarray([0.01, 0.02, 0.03], jnp.float32), None):
+        params = {"weight": w} | ({} if scale is None else {"input_scale": scale})
+        fused = nvfp4_gemv.Fused(
+            prologue=prologue, residual=True, dynamic=scale is None, eps=1e-6,
+            norm_stacked=True, scale_stacked=scale is not None,
+        )  # fmt: skip
+        xg = jnp.ones((1,), jnp.float32) if scale is None else scale
+        body = functools.partial(
+            fl._two_kernels, n=N, k=K, fused=fused, quant=None, options=nvfp4_gemv.DEFAULT_OPTIONS,
+            gemm_options=nvfp4_gemm.DEFAULT_OPTIONS, gw_rows=False, epilogue=epilogue,
+        )  # fmt: skip
+        got = jax.jit(body)(x, xg, norm, res, *weight, i)
+
+        def unfused(x, r, i, params=params):
+            if prologue == "rmsnorm":
+                h = layers.rms_norm(x, layers.take(norm, i), 1e-6)
+            elif prologue == "swiglu":
+                h = layers.swiglu(x[:, :K], x[:, K:])
+            else:
+                h = x
+            return r + layers.linear(h, params, "nvfp4", layer=i)
+
+        want = jax.jit(unfused)(x, res, i)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("fusion", ["split", "fused"])
+def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusion):
+    """A decode step at batch 16 lowered for CUDA, linear_fusion "split" or "fused": the four W4A4
+    linears of the scanned layer are four GEMM launches (o and down with the residual operand,
+    residual_fusion "fused"), no quantizer or GEMV launch, no bf16 [B, D] add, and no
+    reference note for the fused linears."""
+    monkeypatch.setattr(_dispatch, "_NOTED", set())
+    cfg = Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion=fusion,
+        num_layers=3, residual_fusion="fused",
+    )  # fmt: skip
+    b = 16
+    text = decode_step_cuda_text(cfg, b)
+    calls = _ptx_calls(text)
+    gemms = [ops for name, ops in calls if name == nvfp4_gemm.ENTRY]
+    names = {name for name, _ in calls}
+    assert not names & {nvfp4_quant.ENTRY, "nvfp4_gemv_w4a4", "nvfp4_gemv_w4a4_bf16"}, names
+    assert sorted(len(o) for o in gemms) == [6, 6, 7, 7], gemms
+    assert all(o[2] == f"tensor<{b}x256xbf16>" for o in gemms if len(o) == 7), gemms
+    assert _bf16_adds(text, f"{b}x(1x)?256") == 0
+    assert [why for op, why in _dispatch.noted() if op == fl.OP] == []
 
 
 def test_split_refuses_unknown_kernels():

@@ -9,7 +9,8 @@
   of the bytes differ with "swiglu").
 * `fused_linear(kernels="two")` equals the unfused composition bitwise for prologue "none" with a
   residual (same quantized operands, the same GEMV; the residual added in the GEMV's epilogue is
-  the same bf16 add).
+  the same bf16 add); at M = 16 and 64, above the quantizer kernel's 8 rows, the quantizer is
+  XLA's and the linear the GEMM (with the residual in its epilogue), as the composition's.
 * The plain W4A4 GEMV with the residual epilogue (`gemv_call(residual=r)`, -DEPI_RES=1) equals
   r + the GEMV without it bitwise on the Qwen3-8B o_proj and down_proj shapes, M = 1..8, static
   and dynamic input scales; launched directly into a NaN-poisoned output it writes the same bits.
@@ -105,11 +106,13 @@ def test_two_kernels_equal_the_composition(n, k):
             )
         )
         unfused = jax.jit(lambda x, r, p=params: r + layers.linear(x, p, "nvfp4", layer=layer))
-        for m in (1, 8):
+        for m in (1, 8, 16, 64):
             x = _x(m, k, m + n, scale=1.0)
             r = jax.random.normal(jax.random.key(m), (m, n), jnp.float32).astype(jnp.bfloat16)
             text = two.lower(x, r).compile().as_text()
-            assert "nvfp4_quantize_bf16" in text, "the two-kernel path fell back"
+            # above 8 rows XLA quantizes and the GEMM follows; no dot reference either way
+            assert (nvfp4_quant.ENTRY in text) == (m <= nvfp4_quant.MAX_M), m
+            assert (nvfp4_gemm.ENTRY in text) == (m >= nvfp4_gemm.DEFAULT_MIN_M), m
             got = np.asarray(two(x, r), np.float32)
             assert np.isfinite(got).all()
             np.testing.assert_array_equal(got, np.asarray(unfused(x, r), np.float32))

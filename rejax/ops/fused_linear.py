@@ -20,8 +20,13 @@ that rounding. With `kernels="two"` the prologue and the quantizer run once, in
 code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads its codes; with
 `residual_epilogue=True` it also adds the residual in its epilogue (built with -DEPI_RES=1: the
 composition's bf16 add, which tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as
-a launch of its own, else the add is an XLA op. Everything else (M > 8, per-shard input scales, W4A16, the buffer_callback launch) is the
-composition.
+a launch of its own, else the add is an XLA op. The quantizer kernel serves M <= 8 only: for
+more rows (batches above 8, prefill) the prologue and quantizer are the reference's XLA ops
+(`quantize_activation` itself) in front of the same linear, the GEMM: the unfused
+composition's own operations. `kernels="one"` takes that two-step lowering too where its one
+launch does not serve the shape (M > 8). Only where the linear itself has no kernel (an
+unsupported shape, a failed build, `impl="ref"`, the buffer_callback launch with two steps) does
+the whole op lower to the composition with one bf16 tensor-core dot, the reason logged once.
 """
 
 from __future__ import annotations
@@ -141,8 +146,9 @@ def _two_kernels(
     x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows,
     epilogue,
 ):  # fmt: skip
-    """The quantizer kernel, then the plain W4A4 linear (GEMV or GEMM) on its codes, which adds
-    the residual in its epilogue (`rejax.ops.linear.gemv_call`) with `epilogue`, else after it."""
+    """The quantizer (its kernel, or with `quant` None its reference as XLA ops), then the plain
+    W4A4 linear (GEMV or GEMM) on its codes, which adds the residual in its epilogue
+    (`rejax.ops.linear.gemv_call`) with `epilogue`, else after it."""
     pro = dataclasses.replace(fused, residual=False)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
     in_kernel = fused.residual and epilogue
@@ -164,19 +170,20 @@ def _two_kernels(
 def _lower_two(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     n, k, fused = params["n"], params["k"], params["fused"]
-    supported = nvfp4_quant.check_shape(m, k)
     # the linear after the quantizer is the one the dispatch picks for M (GEMV or GEMM)
-    kind = "gemv"
-    if supported[0]:
-        kind, supported = _supported(
-            "w4a4", m, n, k, jnp.bfloat16, params["gemm_options"], params["gw_rows"]
-        )
+    kind, supported = _supported(
+        "w4a4", m, n, k, jnp.bfloat16, params["gemm_options"], params["gw_rows"]
+    )
     if supported[0] and params["launch"] != "ptx":
         supported = (False, f"launch={params['launch']!r} (the two-kernel path needs 'ptx')")
+    # the quantizer kernel serves the GEMV's rows (M <= 8); for more (the GEMM's batches and
+    # prefill) the prologue and quantizer are XLA ops, the reference's own (quant None)
+    quant_kernel = nvfp4_quant.check_shape(m, k)[0]
     quant = None
     if supported[0] and params["impl"] != "ref":
         try:
-            quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
+            if quant_kernel:
+                quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
             if kind == "gemm":
                 nvfp4_gemm.build(
                     m,
@@ -199,6 +206,7 @@ def _lower_two(ctx, *args, **params):
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
+        # the composition, its matmul as one bf16 tensor-core dot (rejax/ops/linear.py)
         fn = functools.partial(_reference, **{**params, "order": "dot"})
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     fn = functools.partial(
@@ -216,13 +224,15 @@ def _lower_two(ctx, *args, **params):
 
 
 def _lower_cuda(ctx, *args, **params):
-    if params["kernels"] == "two":
-        return _lower_two(ctx, *args, **params)
     m = ctx.avals_in[0].shape[0]
     n, k = params["n"], params["k"]
     supported = nvfp4_gemv.check_shape("w4a4x", m, n, k)
+    if params["kernels"] == "two" or not supported[0]:
+        # kernels="one" on a shape its one launch does not serve (M > 8, say): the two-step
+        # lowering, the linear M picks after the quantizer, rather than the dot reference
+        return _lower_two(ctx, *args, **params)
     kernel = None
-    if supported[0] and params["impl"] != "ref":
+    if params["impl"] != "ref":
         try:
             kernel = nvfp4_gemv.build(
                 "w4a4x",
@@ -290,8 +300,9 @@ def fused_linear(
     gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
     residual_epilogue: bool = False,
 ) -> jax.Array:
-    """y = [residual +] nvfp4_linear(prologue(x)) as one op (one kernel launch on CUDA, M <= 8,
-    or two with `kernels="two"`).
+    """y = [residual +] nvfp4_linear(prologue(x)) as one op (on CUDA one kernel launch for
+    M <= 8, or two with `kernels="two"`; for more rows XLA's prologue and quantizer, then the
+    GEMM).
 
     Args:
         x: [..., K] bf16 (prologue "none" / "rmsnorm") or [..., 2K] (prologue "swiglu": the
@@ -305,13 +316,16 @@ def fused_linear(
         residual: optional [..., N] bf16 added to the output (bf16 add).
         impl: "auto", "ref" or "cuda" (as `rejax.ops.linear.nvfp4_linear`).
         options: kernel choices.
-        gemm_options: with kernels="two", the GEMM choices of the linear after the quantizer,
-            including `min_m`, the fewest rows that take the GEMM instead of the GEMV.
-        kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV;
-            both launches in CUDA only, the same reference elsewhere).
-        residual_epilogue: with kernels="two" and a residual, the GEMV or GEMM adds it in its
-            epilogue (no add of its own on CUDA; the same bf16 add). Off by default until it
-            has run on a GPU (`Config.residual_fusion`).
+        gemm_options: the GEMM choices of the linear after the quantizer (kernels="two", or an
+            M the fused GEMV does not serve), including `min_m`, the fewest rows that take the
+            GEMM instead of the GEMV.
+        kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV or
+            GEMM); on CUDA only, the same reference elsewhere. Above M = 8 both are the XLA
+            prologue and quantizer, then the linear M picks (the GEMM by default).
+        residual_epilogue: with a residual on the two-step lowering (kernels="two", or an M
+            the fused GEMV does not serve), the GEMV or GEMM adds it in its epilogue (no add
+            of its own on CUDA; the same bf16 add). Off by default until it has run on a GPU
+            (`Config.residual_fusion`).
 
     Returns:
         bf16 [..., N].
@@ -366,9 +380,9 @@ def fused_linear(
         scale_stacked=stacked_scale,
     )
     if impl == "cuda":
-        ok, why = nvfp4_gemv.check_shape("w4a4x", m, n, k)
-        if ok and kernels == "two":
-            ok, why = nvfp4_quant.check_shape(m, k)
+        ok, why = nvfp4_gemv.check_shape("w4a4x", m, n, k) if kernels == "one" else (False, "")
+        if not ok:  # the two-step lowering: what counts is the linear M picks (GEMV or GEMM)
+            ok, why = _supported("w4a4", m, n, k, jnp.bfloat16, gemm_options, w.per_row)[1]
         if not ok:
             raise ValueError(f"fused_linear(impl='cuda'): {why}")
     one = jnp.zeros((1,), jnp.bfloat16)

@@ -9,7 +9,7 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   never touches NVRTC or the custom call. CPU uses the block-ordered summation for decode shapes
   (the kernel's order).
 * The `platform="cuda"` lowering asks the one dispatch rule (`rejax.ops._dispatch.use_kernel`)
-  about one kernel, chosen by M (after folding leading dims): below `GemmOptions.min_m` (9) the
+  about one kernel, chosen by M (after folding leading dims): below `GemmOptions.min_m` (8) the
   small-M GEMV of `cuda_ops/nvfp4_gemv.cu` (K % 256 == 0, activations fit in shared memory), from
   it on the W4A4 tensor-core GEMM of `cuda_ops/nvfp4_gemm.cu` (K % 128 == 0; its fp16 operand
   x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
