@@ -560,7 +560,7 @@ def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
 
 def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
     """Config.gemm_occupancy="wide" builds the decoder's batch-16 GEMMs with the wide plan (64-row
-    weight tiles), for the unfused linears; "base" with the base plan; the field
+    weight tiles), for the unfused and the split linears; "base" with the base plan; the field
     offers what GemmOptions does, and a bad value is refused."""
     assert rconfig.GEMM_OCCUPANCIES == nvfp4_gemm.OCCUPANCIES
     assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "base"
@@ -568,12 +568,13 @@ def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
         quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
         num_kv_heads=4, linear_fusion="unfused",
     )  # fmt: skip
-    for fusion in ("unfused",):
+    for fusion in ("unfused", "split"):
         for occupancy in ("base", "wide"):
             cfg = rconfig.Config(
                 **{**base.__dict__, "linear_fusion": fusion, "gemm_occupancy": occupancy}
             )
             stub_compilers.clear()
+            nvfp4_gemm._build_cached.cache_clear()  # record every GEMM this lowering builds
             entries = _decode_step_entries(cfg, 16)
             assert entries.count(nvfp4_gemm.ENTRY) == 4, entries
             opts = nvfp4_gemm.GemmOptions(occupancy=occupancy)
