@@ -28,6 +28,17 @@ from rejax.params import init_params
 L, N, K = 3, 64, 256
 
 
+def _unfused(x, r, i, *, params, norm, prologue):
+    """The composition a fused linear stands for: prologue, the NVFP4 linear, the residual add."""
+    if prologue == "rmsnorm":
+        h = layers.rms_norm(x, layers.take(norm, i), 1e-6)
+    elif prologue == "swiglu":
+        h = layers.swiglu(x[:, :K], x[:, K:])
+    else:
+        h = x
+    return r + layers.linear(h, params, "nvfp4", layer=i)
+
+
 def _stacked(per_row: bool, key=0):
     rng = np.random.default_rng(key)
     ws = [jnp.asarray(rng.standard_normal((N, K)) * 0.05, jnp.float32) for _ in range(L)]
@@ -68,16 +79,9 @@ def test_reference_is_the_unfused_composition_bitwise(m, prologue, per_row, stat
         )
     )(x, res, i)
 
-    def unfused(x, r, i):
-        if prologue == "rmsnorm":
-            h = layers.rms_norm(x, layers.take(norm, i), 1e-6)
-        elif prologue == "swiglu":
-            h = layers.swiglu(x[:, :K], x[:, K:])
-        else:
-            h = x
-        return r + layers.linear(h, params, "nvfp4", layer=i)
-
-    want = jax.jit(unfused)(x, res, i)
+    want = jax.jit(functools.partial(_unfused, params=params, norm=norm, prologue=prologue))(
+        x, res, i
+    )
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
@@ -399,15 +403,7 @@ def test_two_step_body_without_the_quantizer_kernel_is_the_composition(monkeypat
         )  # fmt: skip
         got = jax.jit(body)(x, xg, norm, res, *weight, i)
 
-        def unfused(x, r, i, params=params):
-            if prologue == "rmsnorm":
-                h = layers.rms_norm(x, layers.take(norm, i), 1e-6)
-            elif prologue == "swiglu":
-                h = layers.swiglu(x[:, :K], x[:, K:])
-            else:
-                h = x
-            return r + layers.linear(h, params, "nvfp4", layer=i)
-
+        unfused = functools.partial(_unfused, params=params, norm=norm, prologue=prologue)
         want = jax.jit(unfused)(x, res, i)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 

@@ -146,20 +146,30 @@ def test_gemm_matches_float64_reference(torch, shape_set):
     from cuda_ops import nvfp4_gemm
 
     shapes, ms = (_shapes(), MS) if shape_set == "models" else (ODD, ODD_MS)
-    nvfp4_gemm.prebuild([{"m": m, "n": n, "k": k} for n, k in shapes for m in ms])
+    _check_shapes(torch, shapes, ms, nvfp4_gemm.DEFAULT_OPTIONS, _seed("gemm", shape_set))
+
+
+def _check_shapes(torch, shapes, ms, options, seed):
+    """Every (N, K) of `shapes` at every M of `ms` with `options`, within the float64 bound."""
+    from cuda_ops import nvfp4_gemm
+
+    nvfp4_gemm.prebuild(
+        [{"m": m, "n": n, "k": k, "options": options} for n, k in shapes for m in ms]
+    )
     gen = torch.Generator(device="cuda")
-    gen.manual_seed(_seed("gemm", shape_set))
+    gen.manual_seed(seed)
     failures = []
     layer0 = torch.zeros((), dtype=torch.int32, device="cuda")
     for n, k in shapes:
         wp, ws, wg = _weights(torch, n, k, gen)
         wd64 = _wd64(torch, wp, ws, wg)
         for m in ms:
-            kernel = nvfp4_gemm.build(m, n, k)
+            kernel = nvfp4_gemm.build(m, n, k, options=options)
             xp, xs, xg = _acts(torch, m, k, gen)
             ops = [_x_hat(torch, xp, xs), xg, wp, ws, wg, layer0]
             y64 = _ref64(torch, xp, xs, xg, wd64)
-            _check(torch, kernel, ops, m, n, y64, failures, (m, n, k, kernel.plan.splitk))
+            tag = (m, n, k, kernel.plan.wr, kernel.plan.splitk)
+            _check(torch, kernel, ops, m, n, y64, failures, tag)
         del wd64
     assert not failures, failures
 
@@ -171,24 +181,8 @@ def test_wide_occupancy_on_the_decode_shapes(torch):
     from cuda_ops import nvfp4_gemm
 
     wide = nvfp4_gemm.GemmOptions(occupancy="wide")
-    shapes, ms = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)], (8, 16, 32, 64)
-    nvfp4_gemm.prebuild([{"m": m, "n": n, "k": k, "options": wide} for n, k in shapes for m in ms])
-    gen = torch.Generator(device="cuda")
-    gen.manual_seed(_seed("wide"))
-    failures = []
-    layer0 = torch.zeros((), dtype=torch.int32, device="cuda")
-    for n, k in shapes:
-        wp, ws, wg = _weights(torch, n, k, gen)
-        wd64 = _wd64(torch, wp, ws, wg)
-        for m in ms:
-            kernel = nvfp4_gemm.build(m, n, k, options=wide)
-            xp, xs, xg = _acts(torch, m, k, gen)
-            ops = [_x_hat(torch, xp, xs), xg, wp, ws, wg, layer0]
-            y64 = _ref64(torch, xp, xs, xg, wd64)
-            tag = (m, n, k, kernel.plan.wr, kernel.plan.splitk)
-            _check(torch, kernel, ops, m, n, y64, failures, tag)
-        del wd64
-    assert not failures, failures
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    _check_shapes(torch, shapes, (8, 16, 32, 64), wide, _seed("wide"))
 
 
 def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
