@@ -324,8 +324,8 @@ def fused_linear(
             prologue and quantizer, then the linear M picks (the GEMM by default).
         residual_epilogue: with a residual on the two-step lowering (kernels="two", or an M
             the fused GEMV does not serve), the GEMV or GEMM adds it in its epilogue (no add
-            of its own on CUDA; the same bf16 add). Off by default until it has run on a GPU
-            (`Config.residual_fusion`).
+            of its own on CUDA; the same bf16 add). Off by default here; the decoder sets it
+            from `Config.residual_fusion` (default "fused").
 
     Returns:
         bf16 [..., N].
