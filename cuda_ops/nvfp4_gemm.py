@@ -60,15 +60,22 @@ KTS = (128, 256)
 REDUCES = ("finish", "cluster")
 # How the plan fills the GPU at small M (see `plan`): "base" (about two CTAs per SM, the K split
 # capped by the partials' traffic) or "wide" (for M <= 64: 64-row weight tiles up to M = 16 and
-# a K split aimed at four CTAs per SM, no traffic cap). "wide" picks about the winners of the occupancy
-# sweep on the H200 (experiments/results/h200_e/: geomean x bf16 over the four Qwen3-8B shapes
-# about 1.9 / 1.6 / 1.5 / 1.2 at M = 8 / 16 / 32 / 64, against 1.82 / 1.34 / 1.50 / 1.03 for
-# "base"); it stays opt-in until its GPU tests have run.
+# a K split aimed at four CTAs per SM, no traffic cap). "wide" picks about the winners of the
+# occupancy sweep on the H200 (experiments/results/h200_e/: geomean x bf16 over the four
+# Qwen3-8B shapes about 1.9 / 1.6 / 1.5 / 1.2 at M = 8 / 16 / 32 / 64, against 1.82 / 1.34 /
+# 1.50 / 1.03 for "base") and is the default: its GPU tests pass and the 36-layer NVFP4 decode
+# measured 4.428 against 4.674 ms/token at batch 8 (experiments/results/h200_f/).
 OCCUPANCIES = ("base", "wide")
 WIDE_WR1_MAX_M = 16
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
 DEFAULT_MIN_M = 8  # the GEMV handles M <= 7
+# Above this M (prefill) `nvfp4_linear`'s "auto" dispatch takes the dot reference (the weight
+# dequantized to bf16, one cuBLAS dot) instead of the GEMM: kernel alone at M = 256 the GEMM is
+# 0.51x bf16 (experiments/results/h200_c/), about the dequantization's cost, and the 512-token
+# prefill of the 36-layer model measured 41.0 / 275 ms (GEMM, batch 1 / 8) against 34.1 / 163 ms
+# (dot) (experiments/results/h200_e/, h200_f/).
+DEFAULT_MAX_M = 256
 DEFAULT_W_SHIFT = 7  # decoded weights carry 2^(W_SHIFT - 14): see nvfp4_gemm.cu's numerics
 
 
@@ -79,6 +86,9 @@ class GemmOptions:
     Attributes:
         min_m: the smallest M (after folding leading dims) that `nvfp4_linear` sends to this
             GEMM; below it the GEMV runs (the dispatch's crossover, chosen by measurement).
+        max_m: the largest M that the "auto" dispatch sends to this GEMM; above it the dot
+            reference runs (faster there, `DEFAULT_MAX_M`). None: no bound. impl="cuda" takes
+            the GEMM at any M it supports.
         tm: tokens per CTA tile (a multiple of 8 * wm, at most 64 * wm).
         wm: warps along M (splitting the CTA's tokens; each decodes its weight rows).
         wr: 16-row weight tiles per warp.
@@ -98,6 +108,7 @@ class GemmOptions:
     """
 
     min_m: int = DEFAULT_MIN_M
+    max_m: int | None = DEFAULT_MAX_M
     tm: int | None = None
     wm: int | None = None
     wr: int | None = None
@@ -107,7 +118,7 @@ class GemmOptions:
     splitk: int | None = None
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
-    occupancy: str = "base"
+    occupancy: str = "wide"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -122,6 +133,10 @@ class GemmOptions:
             )
         if not isinstance(self.min_m, int) or self.min_m < 1:
             raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
+        if self.max_m is not None and (not isinstance(self.max_m, int) or self.max_m < self.min_m):
+            raise KernelError(
+                f"GemmOptions.max_m={self.max_m!r}, expected None or an int >= min_m={self.min_m}"
+            )
         checks = {
             "tm": lambda v: v % 8 == 0 and 8 <= v <= 4 * MAX_TM,
             "wm": lambda v: 1 <= v <= 4,

@@ -246,6 +246,15 @@ def _write(path: str, result: dict) -> None:
         json.dump(result, f, indent=2, default=str)
 
 
+def _max_m(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b", choices=sorted(rconfig.PRESETS))
@@ -268,6 +277,13 @@ def main(argv=None) -> dict:
         type=int,
         default=rconfig.Config.gemm_min_m,
         help="Config.gemm_min_m: NVFP4 W4A4 linears with this many rows or more take the GEMM",
+    )
+    ap.add_argument(
+        "--gemm-max-m",
+        type=_max_m,
+        default=rconfig.Config.gemm_max_m,
+        help="Config.gemm_max_m: ... and at most this many ('none': no bound); more (prefill) "
+        "take the dot reference",
     )
     ap.add_argument(
         "--samplers",
@@ -294,6 +310,7 @@ def main(argv=None) -> dict:
         layer_loop=args.layer_loop,
         **{field: getattr(args, field) for field in CHOICE_FIELDS},
         gemm_min_m=args.gemm_min_m,
+        gemm_max_m=args.gemm_max_m,
     )
     if args.tiny:  # the kernel choices and --layers apply to the tiny config too
         args.prompt_len, args.gen_len = min(args.prompt_len, 32), min(args.gen_len, 16)

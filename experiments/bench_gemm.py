@@ -60,8 +60,10 @@ VARIANTS = {
     "gemm_wr1_sk4": {"wr": 1, "splitk": 4},
     "gemm_wr1_sk8": {"wr": 1, "splitk": 8},
     "gemm_cluster_wr1": {"reduce": "cluster", "wr": 1},
-    # the plan's rule that picks about the winners of the above (experiments/results/h200_e/)
+    # the plan's rule that picks about the winners of the above (experiments/results/h200_e/),
+    # the default since h200_f/; "gemm_base" is the rule before it
     "gemm_wide": {"occupancy": "wide"},
+    "gemm_base": {"occupancy": "base"},
 }
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {"gemm_wm2": {128, 256, 512}}
@@ -206,7 +208,7 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
         args = (xq.packed, xs, xg)
         if "old_path" in ops and m in old_ms and m > 8:
             # the reference lowering on CUDA: GEMM disabled by a min_m no batch reaches
-            never = nvfp4_gemm.GemmOptions(min_m=1 << 30)
+            never = nvfp4_gemm.GemmOptions(min_m=1 << 30, max_m=None)
 
             def old(wps, wss, args=args, never=never):
                 return [

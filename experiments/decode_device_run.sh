@@ -18,7 +18,8 @@
 #   train    Countdown search reasoners ([T2-F]), the runs of TRAIN_RUNS ("TAG SIZE [args]" per
 #            line; default sizes s and m) side by side (TRAIN_ARGS, default --time-budget 200),
 #            exported to OUT/countdown_TAG; TRAIN_SIDE (default "count fusedtest", or gpu test
-#            files) runs meanwhile: things that time nothing
+#            files; "" for none) runs meanwhile: things that time nothing; TRAIN_MEM is each
+#            run's XLA memory fraction (default 0.3)
 #   sens     NVFP4's argmax flips and KL on each trained OUT/countdown_*'s reference traces
 #            (experiments/quant_sensitivity.py; a minute): the cheap proxy for the accuracy gap
 #   peek     a quick BF16 / NVFP4 / ReSET accuracy look at each trained OUT/countdown_* (200
@@ -140,15 +141,15 @@ for phase in $phases; do
       while read -r tag size extra; do
         [ -n "$tag" ] || continue
         tags+=("$tag")
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout ${TRAIN_TIMEOUT:-420} \
+        XLA_PYTHON_CLIENT_MEM_FRACTION=${TRAIN_MEM:-0.3} timeout ${TRAIN_TIMEOUT:-420} \
           python3 experiments/train_search_reasoner.py --size $size --out "$out/train_$tag" \
           --export "$out/countdown_$tag" ${TRAIN_ARGS:---time-budget 200} $extra \
           > "$out/train_$tag.log" 2>&1 &
         pids+=($!)
       done <<< "$runs"
       echo "${tags[@]}" > "$out/train_tags.txt"
-      if [ -n "${TRAIN_SIDE:-count fusedtest}" ]; then
-        for side in ${TRAIN_SIDE:-count fusedtest}; do
+      if [ -n "${TRAIN_SIDE-count fusedtest}" ]; then
+        for side in ${TRAIN_SIDE-count fusedtest}; do
           case $side in
             count)
               XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout ${COUNT_TIMEOUT:-200} \

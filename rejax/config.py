@@ -72,9 +72,10 @@ ROPE_FUSIONS = ("fused", "unfused")
 # composition, bitwise.
 RESIDUAL_FUSIONS = ("fused", "unfused")
 # How the NVFP4 GEMM's plan fills the GPU at decode batches (M <= 64), GemmOptions.occupancy
-# (cuda_ops.nvfp4_gemm.OCCUPANCIES). "base" (about two CTAs per SM) is the default; "wide" (64-row
-# weight tiles up to M = 16, a K split aimed at four CTAs per SM) measured faster kernel alone
-# (experiments/results/h200_e/) and is opt-in until its GPU tests and an end-to-end run pass.
+# (cuda_ops.nvfp4_gemm.OCCUPANCIES): "wide" (64-row weight tiles up to M = 16, a K split aimed at
+# four CTAs per SM) is the default: faster kernel alone (experiments/results/h200_e/), its GPU
+# tests pass, and the 36-layer NVFP4 decode at batch 8 measured 4.428 against 4.674 ms/token for
+# "base" (about two CTAs per SM) (experiments/results/h200_f/).
 GEMM_OCCUPANCIES = ("base", "wide")
 
 
@@ -113,7 +114,10 @@ class Config:
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
-    gemm_occupancy: str = "base"
+    gemm_occupancy: str = "wide"
+    # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
+    # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
+    gemm_max_m: int | None = 256
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -143,6 +147,13 @@ class Config:
             )
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
+        if self.gemm_max_m is not None and not (
+            isinstance(self.gemm_max_m, int) and self.gemm_max_m >= self.gemm_min_m
+        ):
+            raise ValueError(
+                f"gemm_max_m must be None or an int >= gemm_min_m={self.gemm_min_m}, "
+                f"got {self.gemm_max_m!r}"
+            )
         if self.gemm_occupancy not in GEMM_OCCUPANCIES:
             raise ValueError(
                 f"unknown gemm_occupancy {self.gemm_occupancy!r}; expected one of "

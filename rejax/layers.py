@@ -142,6 +142,7 @@ def linear(
     shards: tuple[int, ...] | None = None,
     gemm_min_m: int | None = None,
     gemm_occupancy: str | None = None,
+    gemm_max_m: int | None | str = "default",
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
 
@@ -164,8 +165,10 @@ def linear(
         shards: output rows of each fused shard (needed only for per-shard input scales).
         gemm_min_m: NVFP4 W4A4 on CUDA: the fewest rows that take the tensor-core GEMM instead
             of the GEMV (None: the kernel's default, `Config.gemm_min_m`'s default).
-        gemm_occupancy: the GEMM plan's `GemmOptions.occupancy` (None: "base"; see
+        gemm_occupancy: the GEMM plan's `GemmOptions.occupancy` (None: the default, "wide"; see
             `Config.gemm_occupancy`).
+        gemm_max_m: NVFP4 W4A4 on CUDA: the most rows the "auto" dispatch gives the GEMM; more
+            take the dot reference ("default": `Config.gemm_max_m`'s default; None: no bound).
 
     Returns:
         [..., N_out] in x's dtype.
@@ -181,7 +184,7 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
-        opts = gemm_options(gemm_min_m, gemm_occupancy)
+        opts = gemm_options(gemm_min_m, gemm_occupancy, gemm_max_m)
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
@@ -192,14 +195,18 @@ def linear(
     return y
 
 
-def gemm_options(min_m: int | None, occupancy: str | None = None) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m` and `occupancy` (None: the defaults), e.g.
-    `Config.gemm_min_m` and `Config.gemm_occupancy`."""
+def gemm_options(
+    min_m: int | None, occupancy: str | None = None, max_m: int | None | str = "default"
+) -> nvfp4_gemm.GemmOptions:
+    """The NVFP4 GEMM choices with `min_m`, `occupancy` and `max_m` (None / "default": the
+    defaults; max_m None is no bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if min_m is not None and min_m != opts.min_m:
         opts = dataclasses.replace(opts, min_m=min_m)
     if occupancy is not None and occupancy != opts.occupancy:
         opts = dataclasses.replace(opts, occupancy=occupancy)
+    if max_m != "default" and max_m != opts.max_m:
+        opts = dataclasses.replace(opts, max_m=max_m)
     return opts
 
 

@@ -23,6 +23,8 @@ from rejax import nvfp4
 from rejax.ops import _dispatch
 from rejax.ops import linear as kernels
 
+BASE = nvfp4_gemm.GemmOptions(occupancy="base")
+
 needs_nvrtc = pytest.mark.skipif(
     not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
 )
@@ -136,30 +138,38 @@ def test_x_operand_is_exact_in_float16():
 
 
 def test_plan_tiles_and_split_k():
-    p = nvfp4_gemm.plan(9, 4096, 4096)
+    """The "base" occupancy rule (about two CTAs per SM, the K split capped by its traffic)."""
+    p = nvfp4_gemm.plan(9, 4096, 4096, options=BASE)
     assert (p.tm, p.tile_n, p.threads) == (16, 128, 128)
     # 32 weight tiles on 132 SMs: K split so that about two CTAs per SM have work
     assert p.grid == (1, 32, 8) and p.out_shape == (8, 9, 4096)
-    big = nvfp4_gemm.plan(256, 4096, 4096)  # 64-token tiles
+    big = nvfp4_gemm.plan(256, 4096, 4096, options=BASE)  # 64-token tiles
     assert (big.tm, big.tile_n, big.threads) == (64, 128, 128)
     assert big.grid == (4, 32, 1) and big.out_shape == (256, 4096)  # partials would cost too much
-    wm2 = nvfp4_gemm.plan(256, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2))
+    wm2 = nvfp4_gemm.plan(256, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2, occupancy="base"))
     assert (wm2.tm, wm2.wm, wm2.tile_n, wm2.threads, wm2.grid) == (128, 2, 64, 256, (2, 64, 1))
-    assert nvfp4_gemm.plan(100, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2)).tm == 112
-    odd = nvfp4_gemm.plan(17, 1003, 1280)
+    assert (
+        nvfp4_gemm.plan(100, 4096, 4096, options=nvfp4_gemm.GemmOptions(wm=2, occupancy="base")).tm
+        == 112
+    )
+    odd = nvfp4_gemm.plan(17, 1003, 1280, options=BASE)
     assert odd.grid[0] == 1 and odd.grid[1] == 8 and odd.tm == 24
     for m in (9, 16, 33, 64, 65, 256, 512, 4096):
         for n, k in [(6144, 4096), (4096, 12288), (5120, 25600), (1000, 768)]:
-            q = nvfp4_gemm.plan(m, n, k)
+            q = nvfp4_gemm.plan(m, n, k, options=BASE)
             assert q.grid[0] * q.tm >= m > (q.grid[0] - 1) * q.tm
             assert q.grid[1] * q.tile_n >= n and 1 <= q.splitk <= k // q.kt
             assert q.smem <= nvfp4_gemv.SMEM_LIMIT
             # split-K partials stay below a quarter of the weight bytes
             assert q.splitk == 1 or q.splitk * m * 4 <= 0.25 * 0.5625 * k
-    forced = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(splitk=3, kt=256))
+    forced = nvfp4_gemm.plan(
+        64, 4096, 4096, options=nvfp4_gemm.GemmOptions(splitk=3, kt=256, occupancy="base")
+    )
     assert forced.splitk == 3 and forced.kt == 256 and forced.defines()["KT"] == 256
     # a cluster split keeps its partials on chip: one bf16 output, no traffic cap on the split
-    cl = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(reduce="cluster"))
+    cl = nvfp4_gemm.plan(
+        64, 4096, 4096, options=nvfp4_gemm.GemmOptions(reduce="cluster", occupancy="base")
+    )
     assert cl.splitk == 8 and not cl.partials and cl.out_shape == (64, 4096)
     assert cl.defines()["CLUSTER_RED"] == 1 and cl.smem >= cl.tm * (cl.tile_n + 4) * 4
     with pytest.raises(cbuild.KernelError, match="reduce"):
@@ -177,7 +187,11 @@ def test_wide_occupancy_plans():
         for p in [nvfp4_gemm.plan(m, n, k, options=wide)]
     }
     # 4096 x 4096 at M = 64: split 8 (the base plan splits 2, capped by the partials' traffic)
-    assert got[(64, 4096, 4096)] == (2, 8) and nvfp4_gemm.plan(64, 4096, 4096).splitk == 2
+    base = nvfp4_gemm.GemmOptions(occupancy="base")
+    assert (
+        got[(64, 4096, 4096)] == (2, 8)
+        and nvfp4_gemm.plan(64, 4096, 4096, options=base).splitk == 2
+    )
     assert got[(16, 4096, 4096)] == (1, 8) and got[(8, 4096, 12288)] == (1, 8)
     assert got[(8, 6144, 4096)] == (1, 6)  # 96 tiles of 64 rows: 6 x 96 >= 4 x 132
     assert got[(32, 24576, 4096)] == (2, 3)  # 192 tiles: 3 x 192 >= 4 x 132
@@ -188,7 +202,12 @@ def test_wide_occupancy_plans():
         # at least about four CTAs per SM, unless the split is at its cap
         assert splitk == nvfp4_gemm.MAX_SPLITK or p.grid[1] * splitk >= 4 * 132
     for m in (65, 256, 4096):
-        assert nvfp4_gemm.plan(m, 4096, 4096, options=wide) == nvfp4_gemm.plan(m, 4096, 4096)
+        assert nvfp4_gemm.plan(m, 4096, 4096, options=wide) == nvfp4_gemm.plan(
+            m, 4096, 4096, options=base
+        )
+    # "wide" is the default plan (GemmOptions and Config)
+    assert nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "wide" == rconfig.Config().gemm_occupancy
+    assert nvfp4_gemm.plan(16, 4096, 4096) == nvfp4_gemm.plan(16, 4096, 4096, options=wide)
     # explicit fields still win
     forced = nvfp4_gemm.GemmOptions(occupancy="wide", wr=2, splitk=3)
     p = nvfp4_gemm.plan(16, 4096, 4096, options=forced)
@@ -210,7 +229,7 @@ def test_check_shape_and_options_are_validated():
     )
     assert "shared memory" in nvfp4_gemm.check_shape(64, 4096, 4096, huge)[1]
     bad_options = ({"tm": 12}, {"kt": 64}, {"splitk": 9}, {"stages": 1}, {"min_m": 0}, {"wr": 0},
-                   {"w_shift": 8})  # fmt: skip
+                   {"w_shift": 8}, {"max_m": 4}, {"max_m": 2.5})  # fmt: skip
     for bad in bad_options:
         with pytest.raises(cbuild.KernelError, match=next(iter(bad))):
             nvfp4_gemm.GemmOptions(**bad)
@@ -305,8 +324,10 @@ def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
     n, k = 256, 1024
     w = nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w), x)
-    p = nvfp4_gemm.plan(m, n, k)
+    # no upper bound: above DEFAULT_MAX_M the "auto" dispatch takes the dot reference
+    opts = nvfp4_gemm.GemmOptions(max_m=None)
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, gemm_options=opts), x)
+    p = nvfp4_gemm.plan(m, n, k, options=opts)
     calls = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
     assert len(calls) == (1 if p.splitk == 1 else 2), text[:2000]
     _, operands, attrs, types = calls[0]
@@ -368,6 +389,66 @@ def test_cluster_reduce_lowers_to_one_call(stub_compilers):
     p = nvfp4_gemm.plan(16, 4096, 2048, options=opts)
     assert p.splitk > 1 and int(_fields(call[2])["grid_z"]) == p.splitk
     assert "-> tensor<16x4096xbf16>" in call[3]
+
+
+def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monkeypatch):
+    """W4A4 above GemmOptions.max_m (prefill; default 256, Config.gemm_max_m): impl="auto" lowers
+    the dot reference without building a kernel or noting a fallback; up to max_m, with no
+    bound, or with impl="cuda" the GEMM runs. The split fused linears follow the same rule."""
+    import warnings
+
+    from rejax.ops import fused_linear as fl
+
+    assert nvfp4_gemm.DEFAULT_MAX_M == 256 == rconfig.Config().gemm_max_m
+    assert nvfp4_gemm.DEFAULT_OPTIONS.max_m == nvfp4_gemm.DEFAULT_MAX_M
+    monkeypatch.setattr(_dispatch, "_NOTED", set())
+    rng = np.random.default_rng(7)
+    n, k = 256, 1024
+    w = nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32))
+    params = {"weight": w}
+
+    def entries(m, f):
+        stub_compilers.clear()
+        for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
+            mod._build_cached.cache_clear()
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a reference-path note would fail here
+            text = _lower_cuda(f, x)
+        return re.findall(r"name = \\22(\w+)\\22", text), text
+
+    unbounded = nvfp4_gemm.GemmOptions(max_m=None)
+    for m in (257, 512):
+        got, text = entries(m, lambda x: kernels.nvfp4_linear(x, w))
+        assert got == [] and not stub_compilers and "dot_general" in text, got
+        got, text = entries(m, lambda x: fl.fused_linear(x, params, kernels="two"))
+        assert got == [] and not stub_compilers and "dot_general" in text, got
+        got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w, gemm_options=unbounded))
+        assert got[0] == nvfp4_gemm.ENTRY, got
+        got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w, impl="cuda"))
+        assert got[0] == nvfp4_gemm.ENTRY, got
+        got, _ = entries(
+            m, lambda x: fl.fused_linear(x, params, kernels="two", gemm_options=unbounded)
+        )
+        assert got[0] == nvfp4_gemm.ENTRY and nvfp4_quant.ENTRY not in got, got
+    got, _ = entries(256, lambda x: kernels.nvfp4_linear(x, w))
+    assert got[0] == nvfp4_gemm.ENTRY, got
+    low = nvfp4_gemm.GemmOptions(max_m=16)
+    got, _ = entries(17, lambda x: kernels.nvfp4_linear(x, w, gemm_options=low))
+    assert got == [], got
+    assert _dispatch.noted() == []
+    # the decoder: Config.gemm_max_m=8 sends a batch-16 decode step's linears to the dot
+    cfg = rconfig.Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, gemm_max_m=8,
+    )  # fmt: skip
+    stub_compilers.clear()
+    nvfp4_gemm._build_cached.cache_clear()
+    step = _decode_step_entries(cfg, 16)
+    assert nvfp4_gemm.ENTRY not in step, step
+    step = _decode_step_entries(rconfig.Config(**{**cfg.__dict__, "gemm_max_m": None}), 16)
+    assert step.count(nvfp4_gemm.ENTRY) == 4, step
+    with pytest.raises(ValueError, match="gemm_max_m must be None or an int >= gemm_min_m=8"):
+        rconfig.Config(gemm_max_m=4)
 
 
 def test_w4a16_above_the_gemv_takes_the_dot_reference(stub_compilers, monkeypatch):
@@ -563,7 +644,7 @@ def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
     weight tiles), for the unfused and the split linears; "base" with the base plan; the field
     offers what GemmOptions does, and a bad value is refused."""
     assert rconfig.GEMM_OCCUPANCIES == nvfp4_gemm.OCCUPANCIES
-    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "base"
+    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "wide"
     base = rconfig.Config(
         quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
         num_kv_heads=4, linear_fusion="unfused",

@@ -114,6 +114,8 @@ def _lower_gpu_reference(ctx, *args, **params):
 def _lower_cuda(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     act, n, k = params["act"], params["n"], params["k"]
+    if prefers_dot(act, m, params["impl"], params["gemm_options"]):
+        return _lower_gpu_reference(ctx, *args, **params)  # chosen, not a fallback: no note
     kind, supported = _supported(
         act, m, n, k, ctx.avals_in[0].dtype, params["gemm_options"], params["gw_rows"]
     )
@@ -228,6 +230,14 @@ def _gemm_impl(*args, kernel, launch):
 
 
 # ----------------------------------------------------------------------------- dispatch
+
+
+def prefers_dot(act: str, m: int, impl: str, gemm_options: nvfp4_gemm.GemmOptions) -> bool:
+    """Whether the "auto" dispatch takes the dot reference by choice: W4A4 at M above
+    `gemm_options.max_m` (prefill), where dequantizing the weight for one cuBLAS dot measured
+    faster than the GEMM (`nvfp4_gemm.DEFAULT_MAX_M`)."""
+    limit = gemm_options.max_m
+    return impl == "auto" and act == "w4a4" and limit is not None and m > limit
 
 
 def _supported(
