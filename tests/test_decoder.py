@@ -31,8 +31,12 @@ def _logits(params, tokens):
     return np.asarray(fn(params, tokens, positions))
 
 
-# max |new - old| / max |old| of fp32 logits against the unfused, unstacked decoder (112b486)
-GOLDEN_RTOL = 1e-6
+# max |new - old| / max |old| of fp32 logits against the unfused, unstacked decoder (112b486):
+# fp32 reassociation only (fused projections add in another order). It depends on XLA CPU's
+# code generation for the machine: below 1e-6 where the golden file was made, 1.07-1.10e-6 on
+# a later development machine (jax 0.10.2). 4e-6 is about 34 float32 ulps of the largest logit;
+# a wrong weight slice or norm moves the logits by orders of magnitude more.
+GOLDEN_RTOL = 4e-6
 
 
 @pytest.mark.parametrize(("arch", "tie"), [("qwen3", False), ("qwen3", True), ("qwen2", False)])
