@@ -15,6 +15,9 @@ The model should be weak enough to be unsure where the search branches (BF16 avg
 40% and 85%): size (`--size`), training length (`--steps` / `--time-budget`) and the task's
 difficulty (`--max-number`, `--max-target`, `--guide`, ...) are the knobs.
 
+A run longer than one device call continues from the previous call's export with `--init`
+(the same size, seed and task; the optimizer state and schedule start again).
+
 One H200, about 5 minutes of device time in all:
     PYTHONPATH=. python experiments/train_search_reasoner.py --out experiments/results \\
         --export rejax/data/countdown_m --time-budget 200
@@ -136,6 +139,40 @@ def _difficulty(args) -> countdown.Difficulty:
     )
 
 
+def init_weights(path: str | os.PathLike, cfg: Config, tok) -> dict:
+    """Float32 weights of an exported checkpoint that this run's model and tokenizer match.
+
+    Raises:
+        ValueError: the checkpoint is missing, or its config or tokenizer differ from this
+            run's (another size, seed or task); the message names the first difference.
+    """
+    from rejax.checkpoint.reader import load
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--init {path}: no exported checkpoint there (config.json missing)")
+    theirs = json.loads((path / "tokenizer.json").read_text()).get("model", {})
+    ours = json.loads(tok.to_str()).get("model", {})
+    if (theirs.get("vocab"), theirs.get("merges")) != (ours.get("vocab"), ours.get("merges")):
+        raise ValueError(
+            f"--init {path}: its tokenizer's vocabulary differs from this run's (trained on other "
+            "data: use the --seed, task and --train-examples of the run that exported it)"
+        )
+    params = load(path, dtype=jnp.float32)
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim", "eos_token_ids", "pad_token_id")  # fmt: skip
+    for name in fields:
+        if getattr(params.cfg, name) != getattr(cfg, name):
+            raise ValueError(
+                f"--init {path}: {name}={getattr(params.cfg, name)!r} there, "
+                f"{getattr(cfg, name)!r} in this run (--size / --layers)"
+            )
+    fresh = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0), dtype=jnp.float32).weights)
+    if jax.tree.structure(fresh) != jax.tree.structure(params.weights):
+        raise ValueError(f"--init {path}: its weights do not have this model's structure")
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params.weights)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="results folder (metrics JSON, loss PNG)")
@@ -144,6 +181,13 @@ def parse_args(argv=None):
     ap.add_argument("--size", choices=sorted(SIZES), default="m")
     ap.add_argument("--layers", type=int, default=None, help="override the size's layer count")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--init",
+        default=None,
+        help="continue from this exported checkpoint (its weights; fresh optimizer state and "
+        "schedule): the same --size, --layers, --seed and task, so its tokenizer and config "
+        "equal this run's (checked); chains runs longer than one device call",
+    )
     ap.add_argument("--steps", type=int, default=4000, help="maximum optimizer steps")
     ap.add_argument(
         "--time-budget",
@@ -230,7 +274,11 @@ def main(argv=None) -> dict:
         pad_token_id=pad,
         **{**SIZES[args.size], **({"num_layers": args.layers} if args.layers else {})},
     )
-    weights = init_params(cfg, jax.random.key(args.seed), dtype=jnp.float32).weights
+    if args.init:
+        weights = init_weights(args.init, cfg, tok)
+        print(f"init: weights of {args.init} (fresh optimizer state and schedule)", flush=True)
+    else:
+        weights = init_params(cfg, jax.random.key(args.seed), dtype=jnp.float32).weights
     n_params = sum(int(x.size) for x in jax.tree.leaves(weights))
     print(f"model: {n_params / 1e6:.2f}M params, {cfg}", flush=True)
 

@@ -77,6 +77,21 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # tests pass, and the 36-layer NVFP4 decode at batch 8 measured 4.428 against 4.674 ms/token for
 # "base" (about two CTAs per SM) (experiments/results/h200_f/).
 GEMM_OCCUPANCIES = ("base", "wide")
+# What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
+# (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
+# "default" (XLA's own choice: fusions, cuBLAS, custom calls; the loop's while runs from the
+# host, which reads its condition back every step) or "while" (also the while loops and
+# conditionals, so the loop's steps run as one graph with device-side control flow).
+# The +WHILE flag measured 1.059 -> 1.025 ms/token at 8 layers NVFP4 batch 1 (commit 112b486);
+# "default" stays until "while" is measured on the current decoder.
+COMMAND_BUFFERS = ("default", "while")
+# The command-buffer types XLA gets for each choice (None: no override).
+COMMAND_BUFFER_OPTIONS = {
+    "default": None,
+    "while": {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +133,7 @@ class Config:
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
+    command_buffer: str = "default"
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -153,6 +169,10 @@ class Config:
             raise ValueError(
                 f"gemm_max_m must be None or an int >= gemm_min_m={self.gemm_min_m}, "
                 f"got {self.gemm_max_m!r}"
+            )
+        if self.command_buffer not in COMMAND_BUFFERS:
+            raise ValueError(
+                f"unknown command_buffer {self.command_buffer!r}; expected one of {COMMAND_BUFFERS}"
             )
         if self.gemm_occupancy not in GEMM_OCCUPANCIES:
             raise ValueError(

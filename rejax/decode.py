@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from rejax import compile_cache, sharding
 from rejax.cache import KVCache
+from rejax.config import COMMAND_BUFFER_OPTIONS
 from rejax.decoder import forward
 from rejax.params import Params
 from rejax.sampling import sample
@@ -132,8 +133,7 @@ class DecodeState:
     temperature: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("max_new_tokens",), donate_argnames=("cache",))
-def decode_loop(
+def _decode_loop(
     params: Params,
     logits: jax.Array,
     cache: KVCache,
@@ -214,3 +214,35 @@ def decode_loop(
         )
 
     return jax.lax.while_loop(cond, body, state)
+
+
+class _PerCommandBuffer:
+    """A jitted function compiled once per `Config.command_buffer` of its first argument's
+    `params.cfg`: XLA's command-buffer types are per-executable compiler options
+    (`rejax.config.COMMAND_BUFFER_OPTIONS`), so each choice gets its own `jax.jit`."""
+
+    def __init__(self, fn, options=None, **jit_kwargs):
+        functools.update_wrapper(self, fn)
+        options = COMMAND_BUFFER_OPTIONS if options is None else options
+        self._jits = {
+            name: jax.jit(fn, **jit_kwargs, **({"compiler_options": opts} if opts else {}))
+            for name, opts in options.items()
+        }
+
+    def jitted(self, params: Params):
+        """The `jax.jit` of this function that `params.cfg.command_buffer` selects."""
+        return self._jits[params.cfg.command_buffer]
+
+    def __call__(self, params: Params, *args, **kwargs):
+        return self.jitted(params)(params, *args, **kwargs)
+
+    def lower(self, params: Params, *args, **kwargs):
+        return self.jitted(params).lower(params, *args, **kwargs)
+
+    def trace(self, params: Params, *args, **kwargs):
+        return self.jitted(params).trace(params, *args, **kwargs)
+
+
+decode_loop = _PerCommandBuffer(
+    _decode_loop, static_argnames=("max_new_tokens",), donate_argnames=("cache",)
+)

@@ -58,18 +58,18 @@ from rejax.text import ends_step
 
 GREEDY_EPS = 1e-6  # a temperature <= this samples greedily (argmax of the raw logits)
 TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (module docstring)
-# How `sample` finds the nucleus and draws: a mask method ("radix" by default), or "kernel"
-# (opt-in): the fused op `rejax.ops.sampler.sample_top_p`, the CUDA kernels on a GPU when they
-# support the call and the "radix" computation elsewhere (so CPU results are those of "radix").
-# "kernel" is not the default yet: on the H200 one of its seven chi-square tests failed
-# (Temperature 1.0, top_p 1.0, peaked logits: p = 8.7e-5 < 1e-4; experiments/results/h200_c/).
-# That was the earlier 23-bit noise, which failed "radix" on the same test too (p = 4e-15 on
-# CPU): a float32 Gumbel from a 23-bit uniform tops out at ~16, so tokens about 1e-7 of the top
-# one were drawn about half as often as they should be. The noise is now `_gumbel` (40 bits a
-# token, right out to 28.4; the kernels 55 bits, to 38.8), and the kernels await a GPU rerun
-# (experiments/results/sampler_tail_bias_cpu.md).
+# How `sample` finds the nucleus and draws: "kernel" (the default), the fused op
+# `rejax.ops.sampler.sample_top_p`, the CUDA kernels on a GPU when they support the call and the
+# "radix" computation elsewhere (so CPU results are those of "radix", bit for bit), or a mask
+# method. "kernel" became the default once its GPU tests passed on the H200 with the 55-bit
+# noise (all 24 of tests/test_sampling_gpu.py, the seven chi-square tests included;
+# experiments/results/h200_e/): over greedy it costs 15.3 us against "radix"'s 90.8 us at batch
+# 1 and 117.7 against 948.5 at batch 64 (Temperature(0.6) + top-p 0.95, kernel alone), +24.7
+# against +105.6 us per token in the 36-layer decode loop at batch 1. (An earlier revision drew
+# its Gumbel noise from 23-bit uniforms and failed one far-tail chi-square test there, as
+# "radix" did on CPU; experiments/results/sampler_tail_bias_cpu.md.)
 SAMPLE_METHODS = ("kernel", *TOP_P_METHODS)
-TOP_P_METHOD = "radix"
+TOP_P_METHOD = "kernel"
 # The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
 # cost +80 us per step with "radix" and +415 us with "topk", whose lax.top_k over 152K entries
 # is not XLA's fast TopK path (experiments/results/decode_h200_b/README.md)

@@ -243,3 +243,35 @@ def test_missing_tokenizer_or_template_raises(params):
         gen.generate(no_template, "text", chat=True, max_new_tokens=2)
     out = gen.generate(bare, [[1, 2]], max_new_tokens=2, stop=[])
     assert out.text == [""] and len(out.tokens[0]) == 2
+
+
+def test_command_buffer_while_reaches_xla_and_keeps_the_tokens(params):
+    """Config.command_buffer="while" compiles the decode loop with XLA's command-buffer types as
+    per-executable compiler options (a bad type is refused by XLA, so the options do reach
+    it); its tokens equal "default"'s (CPU ignores GPU command buffers); each choice compiles
+    once; an unknown choice is refused."""
+    from rejax import decode as rdecode
+    from rejax.config import COMMAND_BUFFER_OPTIONS
+
+    assert "WHILE" in COMMAND_BUFFER_OPTIONS["while"]["xla_gpu_enable_command_buffer"]
+    looped = dataclasses.replace(
+        params, cfg=dataclasses.replace(params.cfg, command_buffer="while")
+    )
+    sampler = ReSET(t_low=0.3, t_high=1.0, tau_0=0.5, window=4, top_p=0.9)
+    want = gen.generate(params, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
+    got = gen.generate(looped, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
+    assert got.tokens == want.tokens and got.temperature == want.temperature
+    assert rdecode.decode_loop.jitted(looped) is not rdecode.decode_loop.jitted(params)
+    before = dict(gen.TRACE_COUNTS)
+    gen.generate(looped, ["six", "7"], max_new_tokens=7, sampler=sampler, key=4, n=2)
+    assert dict(gen.TRACE_COUNTS) == before
+
+    bad = rdecode._PerCommandBuffer(
+        lambda p, x: x + 1,
+        options={"default": None, "while": {"xla_gpu_enable_command_buffer": "NOT_A_TYPE"}},
+    )
+    assert float(bad(params, jnp.float32(1))) == 2.0
+    with pytest.raises(Exception, match="xla_gpu_enable_command_buffer"):
+        bad(looped, jnp.float32(1))
+    with pytest.raises(ValueError, match="unknown command_buffer 'graph'"):
+        Config(command_buffer="graph")

@@ -164,3 +164,41 @@ def test_sensitivity_margins_hand_computed():
     assert m["nvfp4_shift_std"] == pytest.approx(0.75)
     assert m["nvfp4_shift_min"] == pytest.approx(-1.0)
     assert m["p1_over_shift_std"] == pytest.approx(6.04 / 0.75)
+
+
+def test_init_continues_from_an_exported_checkpoint_of_the_same_run(tmp_path):
+    """--init: an exported checkpoint's weights come back as float32 (the bf16 values it holds);
+    another model size, another tokenizer or a folder without a checkpoint is refused."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from train_tiny_reasoner import build_tokenizer, export
+
+    from rejax.config import Config
+    from rejax.params import init_params
+
+    texts = [f"{a}+{b}={a + b}\n\n{a}*{b}={a * b}" for a in range(30) for b in range(7)]
+    tok = build_tokenizer(texts)
+    cfg = Config(
+        arch="qwen3", vocab_size=-(-tok.get_vocab_size() // 128) * 128, rope_theta=10_000.0,
+        max_position_embeddings=256, eos_token_ids=(2, 0), pad_token_id=0, bos_token_id=0,
+        **train_search_reasoner.SIZES["smoke"],
+    )  # fmt: skip
+    weights = init_params(cfg, jax.random.key(3), dtype=jnp.float32).weights
+    export(weights, cfg, tok, tmp_path / "ck")
+    got = train_search_reasoner.init_weights(tmp_path / "ck", cfg, tok)
+    want = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), weights)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == jnp.float32 and np.array_equal(np.asarray(a), np.asarray(b))
+    deeper = dataclasses.replace(cfg, num_layers=3)
+    with pytest.raises(ValueError, match="num_layers=2 there, 3 in this run"):
+        train_search_reasoner.init_weights(tmp_path / "ck", deeper, tok)
+    other = build_tokenizer([f"to {w} or not to {w}, that is the question" for w in texts])
+    with pytest.raises(ValueError, match="tokenizer's vocabulary differs"):
+        train_search_reasoner.init_weights(tmp_path / "ck", cfg, other)
+    with pytest.raises(ValueError, match="config.json missing"):
+        train_search_reasoner.init_weights(tmp_path / "none", cfg, tok)
+    args = train_search_reasoner.parse_args(["--out", str(tmp_path), "--init", "x"])
+    assert args.init == "x"
