@@ -61,6 +61,7 @@ CHOICE_FIELDS = {
     "rope_fusion": rconfig.ROPE_FUSIONS,
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
     "gemm_occupancy": rconfig.GEMM_OCCUPANCIES,
+    "gemm_reduce": rconfig.GEMM_REDUCES,
     "command_buffer": rconfig.COMMAND_BUFFERS,
 }
 

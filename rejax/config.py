@@ -77,6 +77,13 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # tests pass, and the 36-layer NVFP4 decode at batch 8 measured 4.428 against 4.674 ms/token for
 # "base" (about two CTAs per SM) (experiments/results/h200_f/).
 GEMM_OCCUPANCIES = ("base", "wide")
+# How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
+# "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
+# "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared
+# memory: one launch per linear). Kernel alone "cluster" measured slower (1.66x against 1.93x
+# bf16 at M = 8, experiments/results/h200_e/); in the decode loop, where every launch costs a
+# gap, it is unmeasured, so "finish" stays the default.
+GEMM_REDUCES = ("finish", "cluster")
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
 # "default" (XLA's own choice: fusions, cuBLAS, custom calls; the loop's while runs from the
@@ -133,6 +140,7 @@ class Config:
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
+    gemm_reduce: str = "finish"
     command_buffer: str = "default"
 
     def __post_init__(self):
@@ -173,6 +181,10 @@ class Config:
         if self.command_buffer not in COMMAND_BUFFERS:
             raise ValueError(
                 f"unknown command_buffer {self.command_buffer!r}; expected one of {COMMAND_BUFFERS}"
+            )
+        if self.gemm_reduce not in GEMM_REDUCES:
+            raise ValueError(
+                f"unknown gemm_reduce {self.gemm_reduce!r}; expected one of {GEMM_REDUCES}"
             )
         if self.gemm_occupancy not in GEMM_OCCUPANCIES:
             raise ValueError(

@@ -89,7 +89,7 @@ def decoder_layer(
             return sharding.row_parallel_linear(inp, block[name], q_, i, shards, tp_axis)
         return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name),
                       gemm_min_m=cfg.gemm_min_m, gemm_occupancy=cfg.gemm_occupancy,
-                      gemm_max_m=cfg.gemm_max_m)  # fmt: skip
+                      gemm_max_m=cfg.gemm_max_m, gemm_reduce=cfg.gemm_reduce)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -103,7 +103,9 @@ def decoder_layer(
     eps = cfg.rms_norm_eps
     kernels = "two" if cfg.linear_fusion == "split" else "one"
     gemm = {
-        "gemm_options": gemm_options(cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m),
+        "gemm_options": gemm_options(
+            cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce
+        ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
     if fuse:

@@ -143,6 +143,7 @@ def linear(
     gemm_min_m: int | None = None,
     gemm_occupancy: str | None = None,
     gemm_max_m: int | None | str = "default",
+    gemm_reduce: str | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
 
@@ -169,6 +170,8 @@ def linear(
             `Config.gemm_occupancy`).
         gemm_max_m: NVFP4 W4A4 on CUDA: the most rows the "auto" dispatch gives the GEMM; more
             take the dot reference ("default": `Config.gemm_max_m`'s default; None: no bound).
+        gemm_reduce: how a K-split GEMM adds its partials (`GemmOptions.reduce`; None: the
+            default, "finish"; see `Config.gemm_reduce`).
 
     Returns:
         [..., N_out] in x's dtype.
@@ -184,7 +187,7 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
-        opts = gemm_options(gemm_min_m, gemm_occupancy, gemm_max_m)
+        opts = gemm_options(gemm_min_m, gemm_occupancy, gemm_max_m, gemm_reduce)
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
@@ -196,10 +199,14 @@ def linear(
 
 
 def gemm_options(
-    min_m: int | None, occupancy: str | None = None, max_m: int | None | str = "default"
+    min_m: int | None,
+    occupancy: str | None = None,
+    max_m: int | None | str = "default",
+    reduce: str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m`, `occupancy` and `max_m` (None / "default": the
-    defaults; max_m None is no bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`."""
+    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m` and `reduce` (None / "default":
+    the defaults; max_m None is no bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`,
+    `gemm_max_m` and `gemm_reduce`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if min_m is not None and min_m != opts.min_m:
         opts = dataclasses.replace(opts, min_m=min_m)
@@ -207,6 +214,8 @@ def gemm_options(
         opts = dataclasses.replace(opts, occupancy=occupancy)
     if max_m != "default" and max_m != opts.max_m:
         opts = dataclasses.replace(opts, max_m=max_m)
+    if reduce is not None and reduce != opts.reduce:
+        opts = dataclasses.replace(opts, reduce=reduce)
     return opts
 
 

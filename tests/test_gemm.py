@@ -667,3 +667,29 @@ def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
                 assert d["WR"] == (1 if occupancy == "wide" else 2), d
     with pytest.raises(ValueError, match="unknown gemm_occupancy 'full'"):
         rconfig.Config(gemm_occupancy="full")
+
+
+def test_config_gemm_reduce_reaches_the_decoder(stub_compilers):
+    """Config.gemm_reduce="cluster" builds the decoder's batch-16 K-split GEMMs with the cluster
+    reduction (no finish kernel: one launch per linear); "finish" (the default) with the finish
+    kernel; the field offers what GemmOptions does, and a bad value is refused."""
+    assert rconfig.GEMM_REDUCES == nvfp4_gemm.REDUCES
+    assert rconfig.Config().gemm_reduce == nvfp4_gemm.DEFAULT_OPTIONS.reduce == "finish"
+    base = rconfig.Config(
+        quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
+        num_kv_heads=4,
+    )  # fmt: skip
+    for reduce in ("finish", "cluster"):
+        cfg = rconfig.Config(**{**base.__dict__, "gemm_reduce": reduce})
+        stub_compilers.clear()
+        nvfp4_gemm._build_cached.cache_clear()
+        entries = _decode_step_entries(cfg, 16)
+        assert entries.count(nvfp4_gemm.ENTRY) == 4, entries
+        gemms = [d for _, d in stub_compilers if "SPLITK" in d]
+        split = [d for d in gemms if d["SPLITK"] > 1]
+        assert split, gemms  # the wide plan splits K at batch 16
+        assert all(d["CLUSTER_RED"] == (reduce == "cluster") for d in split), split
+        finishes = entries.count(nvfp4_gemm.FINISH_ENTRY)
+        assert finishes == (0 if reduce == "cluster" else len(split)), (reduce, entries)
+    with pytest.raises(ValueError, match="unknown gemm_reduce 'atomic'"):
+        rconfig.Config(gemm_reduce="atomic")
