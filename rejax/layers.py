@@ -42,8 +42,13 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
-    """RoPE's float32 frequencies [H/2]: theta ** -(2i / H)."""
-    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    """RoPE's float32 frequencies [H/2]: theta ** -(2i / H), rounded once from float64.
+
+    A trace-time constant (NumPy), not XLA ops: computed in the layer loop's body, the float32
+    power was one more kernel launch per layer on the GPU (the profile's `loop_power_fusion`,
+    experiments/results/h200_e/), which XLA does not hoist out of the while loop."""
+    i = np.arange(0, head_dim, 2, dtype=np.float64)
+    return jnp.asarray((1.0 / np.power(float(theta), i / head_dim)).astype(np.float32))
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:

@@ -476,6 +476,31 @@ def test_decode_step_lowers_to_one_launch_per_fused_linear(stub_compiler):
     assert re.findall(r"name = \\22(\w+)\\22", text).count("nvfp4_gemv_w4a4") == 4
 
 
+def test_the_scanned_layer_holds_kernels_and_layout_ops_only(stub_compiler):
+    """The default NVFP4 decode layer (split linears, rope_cache kernel, residual epilogues) on
+    CUDA: besides its custom calls the scanned layer body holds only layout ops (reshapes,
+    bitcasts, broadcast constants), so XLA has no fusion of its own to launch per layer. RoPE's
+    frequencies are a constant, not a float32 power computed in every layer."""
+    from _lowering import decode_step_cuda_text
+
+    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=4)
+    text = decode_step_cuda_text(cfg, 1)
+    bodies = [f for f in text.split("func.func")[1:] if "qk_norm_rope_cache" in f]
+    assert len(bodies) == 1, len(bodies)  # the scan's body, once for all layers
+    ops = {
+        op
+        for line in bodies[0].splitlines()
+        if "custom_call" not in line
+        for op in re.findall(r"= (?:\"?)(stablehlo\.[a-z_]+)", line)
+    }
+    layout = {"stablehlo.reshape", "stablehlo.bitcast_convert", "stablehlo.broadcast_in_dim",
+              "stablehlo.constant"}  # fmt: skip
+    assert ops <= layout, ops - layout
+    entries = re.findall(r"name = \\22(\w+)\\22", bodies[0])
+    assert entries.count("nvfp4_quantize_bf16") == 4 and entries.count("nvfp4_gemv_w4a4") == 4
+    assert entries.count("qk_norm_rope_cache") == 1, entries
+
+
 @pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_prebuild_compiles_exactly_what_build_reads(tmp_path, monkeypatch):
     """`prebuild` compiles the kernels in threads into the disk cache: the builds afterwards
