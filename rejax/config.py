@@ -92,7 +92,9 @@ GEMM_REDUCES = ("finish", "cluster")
 # The +WHILE flag measured 1.059 -> 1.025 ms/token at 8 layers NVFP4 batch 1 (commit 112b486);
 # "default" stays until "while" is measured on the current decoder.
 COMMAND_BUFFERS = ("default", "while")
-# The command-buffer types XLA gets for each choice (None: no override).
+# The command-buffer types XLA gets for each choice (None: no override). A list replaces XLA's
+# default list rather than adding to it (compiler options take no "+WHILE" form), so "while"
+# names the common types explicitly; types a newer XLA adds to its default are not in it.
 COMMAND_BUFFER_OPTIONS = {
     "default": None,
     "while": {
