@@ -41,6 +41,8 @@
 #            occupancy variants (bench_gemm.py, OCC_GEMM_ARGS)
 #   slots    refilled slots vs static batches ([T2-L], experiments/bench_slots.py, SLOTS_ARGS)
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
+#   cbcheck  tokens under Config.command_buffer "while" vs "default" (check_command_buffer.py,
+#            CB_ARGS); times nothing
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -285,6 +287,9 @@ probe tests/test_attention_probe.py'}
       args=${LONG_ARGS:---quick}
       timeout ${LONG_TIMEOUT:-300} python3 experiments/bench_decode_long.py $args \
         --out "$out/long.json" > "$out/long.log" 2>&1; echo "rc=$?"; tail -40 "$out/long.log";;
+    cbcheck)
+      timeout ${CB_TIMEOUT:-300} python3 experiments/check_command_buffer.py ${CB_ARGS:---layers 2} \
+        --out "$out/cbcheck.json" > "$out/cbcheck.log" 2>&1; echo "rc=$?"; tail -12 "$out/cbcheck.log";;
     count)
       timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
         --attention einsum live --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1

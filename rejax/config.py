@@ -81,8 +81,9 @@ GEMM_OCCUPANCIES = ("base", "wide")
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared
 # memory: one launch per linear). Kernel alone "cluster" measured slower (1.66x against 1.93x
-# bf16 at M = 8, experiments/results/h200_e/); in the decode loop, where every launch costs a
-# gap, it is unmeasured, so "finish" stays the default.
+# bf16 at M = 8, experiments/results/h200_e/), and in the 36-layer decode loop too (4.449 /
+# 5.890 / 11.223 vs 4.410 / 5.783 / 9.573 ms/token at batch 8 / 16 / 64, h200_g/), so "finish"
+# stays the default.
 GEMM_REDUCES = ("finish", "cluster")
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
@@ -90,7 +91,8 @@ GEMM_REDUCES = ("finish", "cluster")
 # host, which reads its condition back every step) or "while" (also the while loops and
 # conditionals, so the loop's steps run as one graph with device-side control flow).
 # The +WHILE flag measured 1.059 -> 1.025 ms/token at 8 layers NVFP4 batch 1 (commit 112b486);
-# "default" stays until "while" is measured on the current decoder.
+# On the current decoder "while" lost (36 layers NVFP4: 2.671 vs 2.559 ms/token at batch 1,
+# 4.769 vs 4.422 at batch 8, one call, ninth session), so "default" stays.
 COMMAND_BUFFERS = ("default", "while")
 # The command-buffer types XLA gets for each choice (None: no override). A list replaces XLA's
 # default list rather than adding to it (compiler options take no "+WHILE" form), so "while"
