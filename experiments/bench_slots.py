@@ -5,8 +5,10 @@ lengths drawn log-uniformly from [--min-len, --max-len] (a long tail: median ~ t
 mean, a few rows near the maximum). Three paths generate every row to its forced length with
 no stop token, on random weights of a real config (nothing is downloaded):
 
-- static: today's batches of B rows (`rejax.decode.prefill` + `decode_loop` per batch, as
-  `rejax.generate` runs them with max_new_tokens = the longest forced length M), each batch
+- static: today's batches of B rows (a prefill + `decode_loop` per batch, as `rejax.generate`
+  runs them with max_new_tokens = the longest forced length M, and with
+  `prefill_rows=--refill-rows` unless `--static-prefill one`: the prompts prefilled in chunks
+  with the slot refills' shapes, which a GPU needs for the same tokens), each batch
   stepping until its longest row ends (the loop's traced step limit stands in for the stop
   token that would end it); the loop and prefill are compiled ahead (one per prompt bucket),
   so the wall time is execution only;
@@ -56,7 +58,7 @@ from rejax import decode as rdecode
 from rejax import params as rparams
 from rejax import slots as rslots
 from rejax.cache import init_cache
-from rejax.generate import _bucket, _pad_batch, _row_keys
+from rejax.generate import _bucket, _pad_batch, _row_keys, prefill_chunked
 from rejax.sampling import Greedy, ReSET, sampler_init
 
 SMALL = rconfig.Config(
@@ -116,22 +118,48 @@ def _static_batches(prompts, n, batch_rows):
         yield j * n, expanded, _bucket(max(len(p) for p in expanded))
 
 
-def compile_static(params, prompts, n, batch_rows, m, key, sampler) -> tuple[dict, float]:
+def _static_cache(params, batch_rows, length, chunked):
+    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    cache = init_cache(params.cfg, batch_rows, length, dtype)
+    # the chunked prefill leaves a per-row write index (each row at its own bucket)
+    return (
+        dataclasses.replace(cache, index=jnp.zeros((batch_rows,), jnp.int32)) if chunked else cache
+    )
+
+
+def compile_static(
+    params, prompts, n, batch_rows, m, key, sampler, prefill_rows=None
+) -> tuple[dict, float]:
     """Static batches' programs, compiled ahead: {prompt bucket: (prefill, decode loop)} for
     batches of `batch_rows` rows over a cache of bucket + M (`rejax.generate` with
-    max_new_tokens = M), and the seconds spent. The loop's step limit is traced."""
+    max_new_tokens = M), and the seconds spent. The loop's step limit is traced. With
+    `prefill_rows` the prefill is `prefill_chunked` (its chunk programs compile on a first
+    run of each bucket's first batch here)."""
     if batch_rows % n:
         raise SystemExit(f"--slots {batch_rows} must be a multiple of --n {n} (static batches)")
     stop = jnp.zeros((params.cfg.vocab_size,), bool)
-    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    chunked = prefill_rows is not None
     compiled = {}
     t0 = time.perf_counter()
     for first, expanded, bucket in _static_batches(prompts, n, batch_rows):
         if bucket in compiled:
             continue
         tokens, positions, lengths, done = _pad_batch(expanded, batch_rows, bucket)
-        cache = jax.eval_shape(lambda b=bucket: init_cache(params.cfg, batch_rows, b + m, dtype))
-        prefill = rdecode.prefill.lower(params, tokens, positions, cache).compile()
+        cache = jax.eval_shape(lambda b=bucket: _static_cache(params, batch_rows, b + m, chunked))
+        if chunked:
+            fresh = _static_cache(params, batch_rows, bucket + m, False)
+            jax.block_until_ready(prefill_chunked(params, expanded, fresh, prefill_rows))
+            del fresh
+
+            def prefill(params_, expanded_, cache_):
+                return prefill_chunked(params_, expanded_, cache_, prefill_rows)
+        else:
+            one = rdecode.prefill.lower(params, tokens, positions, cache).compile()
+
+            def prefill(params_, expanded_, cache_, one=one, b=bucket):
+                t, q, _, _ = _pad_batch(expanded_, batch_rows, b)
+                return one(params_, jnp.asarray(t), jnp.asarray(q), cache_)
+
         logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), jnp.float32)
         loop = rdecode.decode_loop.lower(
             params,
@@ -161,14 +189,14 @@ def run_static(params, prompts, n, batch_rows, budgets, m, key, sampler, compile
     wall, steps = 0.0, 0
     for first, expanded, bucket in _static_batches(prompts, n, batch_rows):
         longest = jnp.int32(budgets[first : first + len(expanded)].max())
-        tokens, positions, lengths, done = _pad_batch(expanded, batch_rows, bucket)
+        _, _, lengths, done = _pad_batch(expanded, batch_rows, bucket)
         keys = _row_keys(key, first, batch_rows)
         cache = init_cache(params.cfg, batch_rows, bucket + m, dtype)
         state = sampler_init(sampler, batch_rows)
         prefill, loop = compiled[bucket]
         jax.block_until_ready((cache, state, keys))
         t0 = time.perf_counter()
-        logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+        logits, cache = prefill(params, expanded, cache)
         out = loop(
             params,
             logits,
@@ -395,6 +423,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[16, 64], metavar=("LO", "HI"))
     ap.add_argument("--sampler", default="reset", choices=["reset", "greedy"])
     ap.add_argument("--refill-rows", type=int, default=None, help="rows per slot prefill")
+    ap.add_argument(
+        "--static-prefill",
+        default="chunked",
+        choices=["chunked", "one"],
+        help="static batches' prefill: in chunks of --refill-rows prompts, the slot refills' "
+        "shapes (default), or one prefill per batch",
+    )
     ap.add_argument("--max-steps", type=int, default=256, help="decode steps per host sync")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny config and rows (CPU smoke)")
@@ -440,7 +475,14 @@ def main(argv=None) -> dict:
         jax.block_until_ready(params.weights)
         t_quant = time.perf_counter()
         compiled, static_compile_s = compile_static(
-            params, prompts, args.n, args.slots, m, key, sampler
+            params,
+            prompts,
+            args.n,
+            args.slots,
+            m,
+            key,
+            sampler,
+            refill_rows if args.static_prefill == "chunked" else None,
         )
         log(f"[{quant}] static programs compiled in {static_compile_s:.1f}s")
         kw = {

@@ -9,6 +9,7 @@ rejax/config.py (B rows, T tokens, S cache slots, V vocab, M max new tokens).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -125,6 +126,7 @@ def generate(
     progress: bool | Callable[[int, int], Any] | None = None,
     slots: int | None = None,
     compact: bool = True,
+    prefill_rows: int | None = None,
 ) -> Generation:
     """Generates continuations for one or many prompts.
 
@@ -162,6 +164,13 @@ def generate(
         compact: with `slots`, once no row is pending, move the live rows into the next
             smaller program (B/2, B/4, ... 1 rows) as soon as they fit, so the last long rows
             do not run in a B-row program; False keeps all B slots. Same tokens either way.
+        prefill_rows: P rows prefilled together. Static batches (default None: each batch in
+            one prefill) then prefill their rows in chunks of P prompts of one bucket, each
+            chunk as a slot refill does (`rejax.slots.prefill_rows`). With `slots`, P rows per
+            refill (default max(1, slots // 16)). On a GPU a linear's rounding can depend on
+            its row count, so a row's tokens can depend on the rows prefilled beside it; with
+            the same P in both the prefills have the same shapes and the two paths give the
+            same tokens there too. On the CPU the tokens do not depend on P.
 
     Returns:
         Generation with one row per (prompt, sample).
@@ -174,6 +183,13 @@ def generate(
         raise ValueError(f"n must be a positive int, got {n!r}")
     sampler = _prepare_sampler(params, sampler)
     prompts = prompt_ids(params, prompt, chat)
+    if prefill_rows is not None and (
+        not isinstance(prefill_rows, (int, np.integer)) or prefill_rows <= 0 or stream
+    ):
+        raise ValueError(
+            f"prefill_rows must be a positive int or None (and excludes stream), got "
+            f"{prefill_rows!r}"
+        )
     if slots is not None and (batch_size is not None or stream):
         raise ValueError(f"slots={slots!r} excludes batch_size and stream (got {batch_size=})")
     if batch_size is None:
@@ -210,7 +226,17 @@ def generate(
         raise ValueError("on_token needs stream=True (or a stream callable)")
     if slots is not None:
         return _generate_slots(
-            params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress, compact
+            params,
+            prompts,
+            n,
+            slots,
+            max_new_tokens,
+            sampler,
+            key,
+            stop_mask,
+            progress,
+            compact,
+            prefill_rows,
         )
 
     batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
@@ -223,7 +249,7 @@ def generate(
     for j, batch in it:
         keys = _row_keys(key, j * batch_size * n, batch_size * n)
         done = _generate_batch(
-            params, batch, n, batch_size * n, max_new_tokens, sampler, keys, stop_mask
+            params, batch, n, batch_size * n, max_new_tokens, sampler, keys, stop_mask, prefill_rows
         )
         rows.extend(done)
         if report is not None:
@@ -232,7 +258,7 @@ def generate(
 
 
 def _generate_slots(
-    params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress, compact
+    params, prompts, n, slots, max_new_tokens, sampler, key, stop_mask, progress, compact, p=None
 ):
     from rejax.slots import RowProgress, generate_rows
 
@@ -258,6 +284,7 @@ def _generate_slots(
             n=n,
             progress=report,
             compact=compact,
+            refill_rows=p,
         )
     finally:
         if bar is not None:
@@ -272,13 +299,18 @@ def _row_keys(key, first: int, rows: int) -> jax.Array:
     )
 
 
-def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop_mask):
+def _generate_batch(
+    params, prompts, n, rows, max_new_tokens, sampler, key, stop_mask, prefill_rows=None
+):
     expanded = [p for p in prompts for _ in range(n)]
     bucket = _bucket(max(len(p) for p in expanded))
     tokens, positions, lengths, done = _pad_batch(expanded, rows, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
     cache = sharding.init_cache(params, rows, bucket + max_new_tokens, dtype)
-    logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    if prefill_rows is None:
+        logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    else:
+        logits, cache = prefill_chunked(params, expanded, cache, prefill_rows)
     out = decode_loop(
         params,
         logits,
@@ -298,6 +330,48 @@ def _generate_batch(params, prompts, n, rows, max_new_tokens, sampler, key, stop
         (toks[r, : lens[r]], ent[r, : lens[r]], temp[r, : lens[r]], bool(stopped[r]))
         for r in range(len(expanded))
     ]
+
+
+def prefill_chunked(params: Params, prompts, cache, p: int):
+    """Prefills a static batch's rows in chunks of P prompts of one bucket, as slot refills do.
+
+    Args:
+        params: the model.
+        prompts: token ids per row (at most B = cache rows); the rows past them are dummies
+            holding one token at position 0, as `_pad_batch` makes them.
+        cache: a fresh [B]-row cache with room for the longest prompt's bucket.
+        p: P rows per chunk (the last chunk of a bucket padded with dropped dummy rows).
+
+    Returns:
+        (float32 logits [B, V] at each row's last prompt token, the cache with a per-row
+        write index [B]: each row's prompt at slots [0, its bucket)).
+    """
+    rows = cache.batch_size
+    cache = dataclasses.replace(cache, index=jnp.zeros((rows,), jnp.int32))
+    logits = jnp.zeros((rows, params.cfg.vocab_size), jnp.float32)
+    full = [list(q) for q in prompts] + [[0]] * (rows - len(prompts))
+    groups: dict[int, list[int]] = {}
+    for r, q in enumerate(full):
+        groups.setdefault(_bucket(len(q)), []).append(r)
+    for tb, group in groups.items():
+        for i in range(0, len(group), p):
+            part = group[i : i + p]
+            tokens, positions, _, _ = _pad_batch([full[r] for r in part], p, tb)
+            ids = np.full((p,), rows, np.int32)  # dummies: out of range, dropped
+            ids[: len(part)] = part
+            logits, cache = _prefill_put(
+                params, logits, cache, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(ids)
+            )
+    return logits, cache
+
+
+@functools.partial(jax.jit, donate_argnames=("logits", "cache"))
+def _prefill_put(params, logits, cache, tokens, positions, ids):
+    from rejax.slots import prefill_rows
+
+    TRACE_COUNTS["prefill_rows"] += 1
+    part, cache = prefill_rows(params, cache, tokens, positions, ids)
+    return logits.at[ids].set(part, mode="drop"), cache
 
 
 def _print_piece(piece: str) -> None:

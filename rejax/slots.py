@@ -111,6 +111,52 @@ def init_slots(params: Params, slots: int, length: int, max_new_tokens: int, sam
     return jax.tree.map(jnp.copy, state)
 
 
+def prefill_rows(
+    params: Params, cache: KVCache, tokens: jax.Array, positions: jax.Array, ids: jax.Array
+) -> tuple[jax.Array, KVCache]:
+    """Prefills P prompts into a fresh [P, T] cache and copies it into rows `ids` of `cache`.
+
+    The one prefill of a slot refill and of a static batch's chunked prefill
+    (`rejax.generate(..., prefill_rows=P)`): a row's prefill arithmetic depends on its prompt
+    and the shape [P, T] alone, not on the rows beside it or the cache it lands in.
+
+    Args:
+        params: the model.
+        cache: the [B]-row cache with a per-row write index [B] (traced; not donated here).
+        tokens: [P, T] int32 prompts left-padded to their bucket T.
+        positions: [P, T] int32 positions (-1 = padding).
+        ids: [P] int32 cache row of each prompt; B (out of range) for a dummy row, dropped.
+
+    Returns:
+        (float32 logits [P, V] at each prompt's last token, the cache with each row's slots
+        [0, T) from the prompt, its slot positions, and its write index T).
+    """
+    cfg = params.cfg
+    p, t = tokens.shape
+    s = cache.length
+    fresh = init_cache(cfg, p, t, params.weights["embed_tokens"]["embedding"].dtype)
+    logits, fresh = forward(
+        params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1)
+    )
+
+    def put(buf, rows):  # rows past B (dummies) are dropped
+        return buf.at[ids].set(rows.astype(buf.dtype), mode="drop")
+
+    def put_rows(stack, rows):  # [L, B, S, ...] <- [L, P, T, ...] (fp8 scales alike)
+        return None if stack is None else stack.at[:, ids, :t].set(rows, mode="drop")
+
+    pos_rows = jnp.full((p, s), -1, jnp.int32).at[:, :t].set(positions)
+    cache = KVCache(
+        k=put_rows(cache.k, fresh.k),
+        v=put_rows(cache.v, fresh.v),
+        positions=put(cache.positions, pos_rows),
+        index=put(cache.index, jnp.full((p,), t, jnp.int32)),
+        k_scale=put_rows(cache.k_scale, fresh.k_scale),
+        v_scale=put_rows(cache.v_scale, fresh.v_scale),
+    )
+    return logits, cache
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def slot_prefill(
     params: Params,
@@ -140,33 +186,14 @@ def slot_prefill(
         The SlotState with the P rows live at step 0.
     """
     TRACE_COUNTS["slot_prefill"] += 1
-    cfg = params.cfg
-    p, t = tokens.shape
-    s = state.cache.length
-    fresh = init_cache(cfg, p, t, params.weights["embed_tokens"]["embedding"].dtype)
-    logits, fresh = forward(
-        params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1)
-    )
+    p = tokens.shape[0]
     ids = slot_ids.astype(jnp.int32)
+    logits, cache = prefill_rows(params, state.cache, tokens, positions, ids)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, rows)
 
     def put(buf, rows):  # rows past B (dummies) are dropped
         return buf.at[ids].set(rows.astype(buf.dtype), mode="drop")
 
-    c = state.cache
-    pos_rows = jnp.full((p, s), -1, jnp.int32).at[:, :t].set(positions)
-
-    def put_rows(stack, rows):  # [L, B, S, ...] <- [L, P, T, ...] (fp8 scales alike)
-        return None if stack is None else stack.at[:, ids, :t].set(rows, mode="drop")
-
-    cache = KVCache(
-        k=put_rows(c.k, fresh.k),
-        v=put_rows(c.v, fresh.v),
-        positions=put(c.positions, pos_rows),
-        index=put(c.index, jnp.full((p,), t, jnp.int32)),
-        k_scale=put_rows(c.k_scale, fresh.k_scale),
-        v_scale=put_rows(c.v_scale, fresh.v_scale),
-    )
     cleared = sampler_init(sampler, p)
     return SlotState(
         logits=put(state.logits, logits),

@@ -307,9 +307,57 @@ def test_per_row_cache_write_matches_dynamic_update_slice():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize(("name", "p", "batch_size"), [("greedy", 1, None), ("reset", 5, 4)])
+def test_chunked_static_prefill_keeps_the_tokens(params, static, name, p, batch_size):
+    """Static batches prefilled in chunks of P prompts of one bucket (prefill_rows=P, the slot
+    refill's prefill) give the one-prefill tokens; batches of 4 prompts x 2 leave the last chunk
+    of a bucket short (dummy rows dropped)."""
+    before = dict(gen.TRACE_COUNTS)
+    out = gen.generate(
+        params,
+        PROMPTS,
+        max_new_tokens=M,
+        sampler=SAMPLERS[name],
+        key=3,
+        n=N,
+        stop=STOP,
+        progress=False,
+        batch_size=batch_size,
+        prefill_rows=p,
+    )
+    _same(out, static[name])
+    # one compiled chunk prefill per (bucket, batch rows): two buckets, batches of 12 or 8 and 4
+    assert gen.TRACE_COUNTS["prefill_rows"] - before.get("prefill_rows", 0) <= 4
+    assert gen.TRACE_COUNTS["prefill"] == before.get("prefill", 0)  # no one-shot prefill
+
+
+def test_chunked_static_prefill_has_the_slot_refills_shapes(params, monkeypatch):
+    """With the same P, every prefill of the static path has a shape [P, T] that the slot run's
+    refills have too: on a GPU, where a linear's rounding may depend on its row count, that
+    is what makes a row's prefill the same in both. (M = 13: shapes traced fresh here.)"""
+    seen = {"static": set(), "slots": set()}
+    path = ["static"]
+    real = sl.prefill_rows
+
+    def spy(params_, cache, tokens, positions, ids):
+        seen[path[0]].add(tuple(tokens.shape))
+        return real(params_, cache, tokens, positions, ids)
+
+    monkeypatch.setattr(sl, "prefill_rows", spy)
+    kw = {"max_new_tokens": 13, "sampler": Greedy(), "n": N, "stop": STOP, "progress": False}
+    static_out = gen.generate(params, PROMPTS, prefill_rows=2, **kw)
+    path[0] = "slots"
+    slot_out = gen.generate(params, PROMPTS, prefill_rows=2, slots=4, **kw)
+    assert static_out.tokens == slot_out.tokens
+    assert seen["static"] == {(2, 32), (2, 64)} and seen["static"] <= seen["slots"], seen
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
+        ({"prefill_rows": 0}, "prefill_rows must be a positive int or None"),
+        ({"prefill_rows": 2.0}, "prefill_rows must be a positive int or None"),
+        ({"slots": 2, "prefill_rows": 3}, r"refill_rows must be an int in \[1, slots=2\]"),
         ({"slots": 0}, "slots must be a positive int"),
         ({"slots": 2, "batch_size": 2}, "excludes batch_size"),
         ({"slots": 2, "sampler": Temperature(jnp.ones((2,)))}, "scalar sampler"),
