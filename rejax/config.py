@@ -92,8 +92,10 @@ GEMM_REDUCES = ("finish", "cluster")
 # conditionals, so the loop's steps run as one graph with device-side control flow).
 # The +WHILE flag measured 1.059 -> 1.025 ms/token at 8 layers NVFP4 batch 1 (commit 112b486);
 # On the current decoder "while" lost (36 layers NVFP4: 2.671 vs 2.559 ms/token at batch 1,
-# 4.769 vs 4.422 at batch 8, one call, ninth session), so "default" stays.
-COMMAND_BUFFERS = ("default", "while")
+# 4.769 vs 4.422 at batch 8, one call, ninth session), so "default" stays. "listed" is its
+# control: the same explicit list without WHILE and CONDITIONAL, which tells whether "while"
+# loses to the loop capture or to a type its list lacks.
+COMMAND_BUFFERS = ("default", "while", "listed")
 # The command-buffer types XLA gets for each choice (None: no override). A list replaces XLA's
 # default list rather than adding to it (compiler options take no "+WHILE" form), so "while"
 # names the common types explicitly; types a newer XLA adds to its default are not in it.
@@ -102,6 +104,7 @@ COMMAND_BUFFER_OPTIONS = {
     "while": {
         "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
     },
+    "listed": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
 }
 
 

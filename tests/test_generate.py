@@ -262,6 +262,13 @@ def test_command_buffer_while_reaches_xla_and_keeps_the_tokens(params):
     got = gen.generate(looped, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
     assert got.tokens == want.tokens and got.temperature == want.temperature
     assert rdecode.decode_loop.jitted(looped) is not rdecode.decode_loop.jitted(params)
+    # "listed", the control without WHILE / CONDITIONAL, compiles and keeps the tokens too
+    assert "WHILE" not in COMMAND_BUFFER_OPTIONS["listed"]["xla_gpu_enable_command_buffer"]
+    listed = dataclasses.replace(
+        params, cfg=dataclasses.replace(params.cfg, command_buffer="listed")
+    )
+    got = gen.generate(listed, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
+    assert got.tokens == want.tokens
     before = dict(gen.TRACE_COUNTS)
     gen.generate(looped, ["six", "7"], max_new_tokens=7, sampler=sampler, key=4, n=2)
     assert dict(gen.TRACE_COUNTS) == before
