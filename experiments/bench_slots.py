@@ -15,7 +15,7 @@ no stop token, on random weights of a real config (nothing is downloaded):
 - refill: `rejax.slots.generate_rows` with B slots and the per-row budgets, compact=False (the
   drain runs in the B-row program);
 - compact: the same with compaction (the default): once nothing is pending, the live rows move
-  into programs of B/2, B/4, ... 1 rows.
+  into programs of B/2, B/4, ... 1 rows (or the sizes of --compact-sizes).
 Both slot paths run after one warm-up of the same shapes (B rows of budgets 1..B, so the
 drain compiles every program size), so compilation is excluded there too.
 
@@ -307,16 +307,17 @@ def _step_s(model: dict, b: int, slots: int) -> float:
     return lo + (hi - lo) * (b - 1) / max(1, slots - 1)
 
 
-def predict(budgets, n, slots, refill_rows, max_steps, model) -> dict:
-    """Predicted execution seconds of the three paths, and their step counts."""
+def predict(budgets, n, slots, refill_rows, max_steps, model, compact=True) -> dict:
+    """Predicted execution seconds of the three paths, and their step counts (`compact`: the
+    compact path's sizes, as `rejax.slots.compact_sizes` takes them)."""
     per_batch = slots // n
     static_steps = sum(
         int(budgets[j * n : (j + per_batch) * n].max())
         for j in range(0, len(budgets) // n, per_batch)
     )
     out = {"static": {"steps_by_size": {slots: static_steps}}}
-    for name, compact in (("refill", False), ("compact", True)):
-        sizes = rslots.compact_sizes(slots, compact)
+    for name, how in (("refill", False), ("compact", compact)):
+        sizes = rslots.compact_sizes(slots, how)
         out[name] = {"steps_by_size": schedule(budgets, slots, refill_rows, max_steps, sizes)}
     for v in out.values():
         v["exec_s"] = sum(k * _step_s(model, c, slots) for c, k in v["steps_by_size"].items())
@@ -374,13 +375,19 @@ def _summary(budgets) -> dict:
     }
 
 
+def _compact(args):
+    return list(args.compact_sizes) if args.compact_sizes else True
+
+
 def choose_scale(args, model, refill_rows, spent_s, log) -> tuple[float, dict]:
     """The largest length scale (--len-scale, or smaller) whose predicted execution fits what
     --time-budget leaves after `spent_s` (the compiles)."""
     scale, left = args.len_scale, args.time_budget - spent_s
     while True:
         budgets, _ = _budgets(args, scale)
-        pred = predict(budgets, args.n, args.slots, refill_rows, args.max_steps, model)
+        pred = predict(
+            budgets, args.n, args.slots, refill_rows, args.max_steps, model, _compact(args)
+        )
         # plus the slot prefills and host syncs, a few percent (not modelled)
         exec_s = sum(v["exec_s"] for v in pred.values())
         if exec_s <= left or scale <= args.len_scale / 256:
@@ -430,6 +437,14 @@ def main(argv=None) -> dict:
         help="static batches' prefill: in chunks of --refill-rows prompts, the slot refills' "
         "shapes (default), or one prefill per batch",
     )
+    ap.add_argument(
+        "--compact-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="program sizes below --slots for the compact path (default: every power of two); "
+        "e.g. 32 16 keeps the drain at row counts whose kernels may round as B rows do",
+    )
     ap.add_argument("--max-steps", type=int, default=256, help="decode steps per host sync")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny config and rows (CPU smoke)")
@@ -448,6 +463,10 @@ def main(argv=None) -> dict:
         raise SystemExit(
             f"--slots {args.slots} must be a multiple of --n {args.n} (static batches)"
         )
+    try:
+        rslots.compact_sizes(args.slots, _compact(args))
+    except ValueError as err:
+        raise SystemExit(f"--compact-sizes: {err}") from None
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -523,7 +542,7 @@ def main(argv=None) -> dict:
         }
         if budget_info is not None:
             run["time_budget"] = budget_info
-        for name, compact in (("refill", False), ("compact", True)):
+        for name, compact in (("refill", False), ("compact", _compact(args))):
             log(f"[{quant}] {args.slots} slots, {name}")
             r_rows, r_t = run_slots(params, prompts, args.n, budgets, kw, compact, log)
             sizes = rslots.compact_sizes(args.slots, compact)

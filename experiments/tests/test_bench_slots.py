@@ -41,3 +41,24 @@ def test_schedule_model_hand_case():
     assert schedule(np.array([1, 2, 3, 8]), 3, 1, 256, (3, 1)) == {3: 3, 1: 6}
     assert schedule(np.array([1, 2, 3, 8]), 3, 1, 256, (3,)) == {3: 9}
     assert schedule(np.array([5, 5]), 4, 1, 2, (4, 2, 1)) == {2: 5}  # compacted before a step
+
+
+def test_bench_slots_compact_sizes_and_one_prefill(tmp_path):
+    """--compact-sizes 2 drains through 4 and 2 rows only (the model agrees); --static-prefill
+    one (a prefill per static batch) keeps every row's tokens on the CPU; a size outside
+    [1, slots) is refused before anything compiles."""
+    import pytest
+
+    from experiments import bench_slots
+
+    base = ["--small", "--quant", "bf16", "--time-budget", "1000"]
+    result = bench_slots.main(
+        [*base, "--compact-sizes", "2", "--static-prefill", "one", "--out", str(tmp_path / "a")]
+    )
+    (run,) = result["runs"]
+    assert list(run["compact"]["steps_by_size"]) == [4, 2]
+    assert run["compact"]["steps_by_size"] == run["compact"]["modelled_steps_by_size"]
+    assert run["refill"]["vs_static"]["all_identical"]
+    assert run["compact"]["vs_static"]["all_identical"]
+    with pytest.raises(SystemExit, match="--compact-sizes"):
+        bench_slots.main([*base, "--compact-sizes", "4", "--out", str(tmp_path / "b")])
