@@ -699,6 +699,7 @@ def _cmd_eval(args) -> int:
         progress=not args.no_progress,
         slots=args.slots,
         compact=args.slots_compact,
+        prefill_rows=args.prefill_rows,
         ci_method=args.ci,
         task=args.task,
         timeout_s=args.timeout,
@@ -1072,6 +1073,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="with --slots, move the last rows into smaller programs (B/2, B/4, ... 1 rows) "
         "once no problem is left to refill a slot (default; same responses)",
+    )
+    e.add_argument(
+        "--prefill-rows",
+        type=_positive_int,
+        default=None,
+        metavar="P",
+        help="rows prefilled together: batches in chunks of P prompts, --slots refills of P "
+        "rows (default: a batch at once, refills of max(1, B // 16)); the same P gives "
+        "batches and slots the same prefill shapes, and so the same responses on a GPU",
     )
     e.add_argument(
         "--limit",

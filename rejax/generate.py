@@ -192,6 +192,11 @@ def generate(
         )
     if slots is not None and (batch_size is not None or stream):
         raise ValueError(f"slots={slots!r} excludes batch_size and stream (got {batch_size=})")
+    if slots is not None and prefill_rows is not None and prefill_rows > slots:
+        raise ValueError(
+            f"prefill_rows={prefill_rows} exceeds slots={slots!r}: a refill fills at most "
+            "every slot"
+        )
     if batch_size is None:
         batch_size = len(prompts)
     if not isinstance(batch_size, (int, np.integer)) or batch_size <= 0:

@@ -307,6 +307,30 @@ def test_eval_slots_summary_line(capsys, ckpt, data, tmp_path, cached_models):
     assert ca["slot_occupancy"] > cb["slot_occupancy"]
 
 
+def test_eval_prefill_rows_reaches_generate(capsys, ckpt, data, tmp_path, cached_models):
+    # --prefill-rows 2: batches prefill in chunks of 2 prompts (a chunk program traced), with
+    # the responses of one prefill per batch; 0 is refused by the parser
+    import importlib
+
+    gen = importlib.import_module("rejax.generate")
+    responses = []
+    for extra in ((), ("--prefill-rows", 2)):
+        out = tmp_path / f"p{len(extra)}.jsonl"
+        before = gen.TRACE_COUNTS["prefill_rows"]
+        rc, _, err = _run(
+            capsys,
+            *("eval", "--model", ckpt, "--quant", "bf16", "--data", data, "--n", 2),
+            *("--max-new-tokens", 8, "--sampler", "temp:0.7", *extra),
+            *("--out", out, "--no-progress"),
+        )
+        assert rc == 0, err
+        assert (gen.TRACE_COUNTS["prefill_rows"] > before) == bool(extra)
+        responses.append([json.loads(x)["responses"] for x in out.read_text().splitlines()])
+    assert responses[0] == responses[1]
+    with pytest.raises(SystemExit):
+        _run(capsys, "eval", "--model", ckpt, "--data", data, "--prefill-rows", 0)
+
+
 def test_eval_countdown_grades_with_the_exact_checker(capsys, ckpt, tmp_path, cached_models):
     from rejax.data import countdown
     from rejax.eval.grading import grade_detail

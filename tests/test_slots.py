@@ -357,7 +357,7 @@ def test_chunked_static_prefill_has_the_slot_refills_shapes(params, monkeypatch)
     [
         ({"prefill_rows": 0}, "prefill_rows must be a positive int or None"),
         ({"prefill_rows": 2.0}, "prefill_rows must be a positive int or None"),
-        ({"slots": 2, "prefill_rows": 3}, r"refill_rows must be an int in \[1, slots=2\]"),
+        ({"slots": 2, "prefill_rows": 3}, "prefill_rows=3 exceeds slots=2"),
         ({"slots": 0}, "slots must be a positive int"),
         ({"slots": 2, "batch_size": 2}, "excludes batch_size"),
         ({"slots": 2, "sampler": Temperature(jnp.ones((2,)))}, "scalar sampler"),

@@ -58,6 +58,7 @@ def evaluate(
     grade_workers: int | None = None,
     slots: int | None = None,
     compact: bool = True,
+    prefill_rows: int | None = None,
 ) -> EvalResult:
     """Samples n responses per problem, grades them and computes avg@n with a 95% CI.
 
@@ -91,6 +92,8 @@ def evaluate(
         and the summary adds `slots`, `slot_occupancy` and `slot_steps_by_size`.
       compact: with `slots`, compact the draining rows into smaller programs (see
         `rejax.generate`); False keeps all slots to the end.
+      prefill_rows: rows prefilled together, batches and slot refills alike (see
+        `rejax.generate`; the same value gives both the same prefill shapes on a GPU).
 
     Returns:
       EvalResult. Records hold `extracted` (math answer / letter / program), `extracted_by`
@@ -142,6 +145,7 @@ def evaluate(
             progress=bar.update if bar is not None else bool(progress),
             slots=slots,
             compact=compact,
+            prefill_rows=prefill_rows,
         )
     finally:
         if bar is not None:
