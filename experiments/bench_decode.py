@@ -33,6 +33,7 @@ from rejax import config as rconfig
 from rejax import layers, sampling
 from rejax import params as rparams
 from rejax.cache import init_cache
+from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
 from rejax.ops import linear as rlinear
 from rejax.params import Params
@@ -75,6 +76,10 @@ def random_params(cfg: rconfig.Config, seed: int = 0) -> Params:
         weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
         params = dataclasses.replace(params, weights=weights)
     return params
+
+
+def _quantized(w) -> bool:
+    return isinstance(w, Nvfp4Tensor)
 
 
 def _weight_bytes(params: Params) -> int:
@@ -173,7 +178,7 @@ def _breakdown(params, cache, batch, steps, repeats):
         else:
             x = jax.lax.fori_loop(0, cfg.num_layers, one, x)
         head = w["embed_tokens"]["embedding"] if cfg.tie_word_embeddings else w["lm_head"]["weight"]
-        logits = layers.linear(x, {"weight": head}, None)
+        logits = layers.linear(x, {"weight": head}, "nvfp4-w4a16" if _quantized(head) else None)
         return (x + 1e-6 * logits[:, :d]).astype(x.dtype)
 
     f = _loop(linears, steps)
@@ -288,6 +293,13 @@ def main(argv=None) -> dict:
         "take the dot reference",
     )
     ap.add_argument(
+        "--head",
+        default="bf16",
+        choices=["bf16", "nvfp4-w4a16"],
+        help="the lm_head of the NVFP4 modes: bf16 (the paper's recipe) or random NVFP4 codes "
+        "read as a W4A16 linear (rejax.params.quantize_head; bf16 mode keeps bf16)",
+    )
+    ap.add_argument(
         "--samplers",
         nargs="+",
         default=["greedy"],
@@ -338,6 +350,8 @@ def main(argv=None) -> dict:
         quant = None if mode == "bf16" else mode
         t0 = time.perf_counter()
         params = random_params(dataclasses.replace(cfg, quant=quant))
+        if quant is not None and args.head != "bf16":
+            params = rparams.quantize_head(params, random_key=1)
         jax.block_until_ready(params.weights)
         wbytes = _weight_bytes(params)
         print(

@@ -114,7 +114,8 @@ class Config:
 
     `quant` selects the linear format: None (bf16), "nvfp4" (W4A4: NVFP4 weights and
     activations) or "nvfp4-w4a16" (NVFP4 weights, bf16 activations). Embeddings, norms and
-    lm_head stay bf16 in every mode.
+    lm_head stay bf16 in every mode (`rejax.params.quantize_head` makes the head NVFP4 W4A16,
+    opt-in: the decoder reads the head by its weight's type).
     """
 
     arch: str = "qwen3"

@@ -275,7 +275,10 @@ def forward(
     # The head runs in the activation dtype and is cast to float32 afterwards, as
     # transformers and vLLM do, so entropies see the same logits.
     head = embedding if cfg.tie_word_embeddings else weights["lm_head"]["weight"]
-    logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype)).astype(jnp.float32)
+    if isinstance(head, Nvfp4Tensor):  # rejax.params.quantize_head: NVFP4 W4A16 (opt-in)
+        logits = linear(x, {"weight": head}, "nvfp4-w4a16").astype(jnp.float32)
+    else:
+        logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype)).astype(jnp.float32)
     if cache is not None:
         cache = dataclasses.replace(
             cache, k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3], positions=k_positions,

@@ -237,6 +237,44 @@ def _random_nvfp4(packed_shape, scales_shape, shape):
     return jax.jit(make)
 
 
+def quantize_head(params: Params, *, random_key: jax.Array | int | None = None) -> Params:
+    """The same model with its lm_head as an NVFP4 matrix, read as a W4A16 linear (opt-in).
+
+    The paper's recipe and ModelOpt keep the lm_head bf16, so this changes the logits: each
+    weight is rounded to NVFP4 (`nvfp4.quantize_weight`, the ModelOpt weight recipe) and the
+    head runs as `layers.linear(..., "nvfp4-w4a16")`, the bf16 activations unquantized. On
+    CUDA the GEMV reads a quarter of the bf16 bytes at up to 8 rows; more rows (a larger
+    batch, prefill with every position's logits) take the dot reference, which dequantizes
+    the table first.
+
+    Args:
+        params: a model with an untied lm_head (returned as is when already NVFP4).
+        random_key: build random NVFP4 codes on the device instead of quantizing (benchmarks
+            on random weights, as `random_params`).
+
+    Raises:
+        ValueError: tied embeddings (the head is the embedding table) or sharded params.
+    """
+    if params.cfg.tie_word_embeddings or "lm_head" not in params.weights:
+        raise ValueError(
+            "quantize_head needs an untied lm_head; this model ties it to the embeddings"
+        )
+    if params.sharding is not None:
+        raise ValueError("quantize_head takes unsharded params (quantize before sharding)")
+    w = params.weights["lm_head"]["weight"]
+    if isinstance(w, Nvfp4Tensor):
+        return params
+    v, d = w.shape
+    if random_key is not None:
+        key = jax.random.key(random_key) if isinstance(random_key, int) else random_key
+        t = _random_nvfp4((v, d // 2), (v, d // 16), (v, d))(key)
+    else:
+        t = nvfp4.quantize_weight(np.asarray(jnp.asarray(w, jnp.float32)))
+    weights = copy_dicts(params.weights)
+    weights["lm_head"] = {**weights["lm_head"], "weight": t}
+    return dataclasses.replace(params, weights=weights)
+
+
 # ----------------------------------------------------------------------------- linears
 
 

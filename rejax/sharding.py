@@ -250,6 +250,10 @@ def shard(params: rparams.Params, mesh: Mesh, *, vocab: str = "split") -> rparam
             return p
         return _reorder_rows(p, _column_order(params.cfg, path[1], m))
 
+    if isinstance(params.weights.get("lm_head", {}).get("weight"), rparams.Nvfp4Tensor):
+        raise ValueError(  # noqa: TRY004 (bad input is a ValueError in rejax)
+            "an NVFP4 lm_head (rejax.params.quantize_head) is not sharded; shard the bf16 model"
+        )
     weights = rparams.map_linears(params.weights, reorder)
     specs = weight_specs(weights, vocab)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)

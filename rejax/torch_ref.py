@@ -298,6 +298,8 @@ def forward(params, tokens, weights: dict | None = None):
             x = x + lin(act, mlp["down_proj"], i, "down_proj")
         x = _rms_norm(x, w["norm"]["scale"], cfg.rms_norm_eps)
         head = embedding if cfg.tie_word_embeddings else w["lm_head"]["weight"]
+        if isinstance(head, dict):  # an NVFP4 head (rejax.params.quantize_head), W4A16
+            head = dequantize_weight(head)
         return (x @ head.to(x.dtype).T).float()
 
 
