@@ -14,6 +14,7 @@ import json
 import time
 
 import rejax
+from rejax import params as rparams
 from rejax.cli import load_model
 from rejax.data import tasks
 
@@ -24,13 +25,15 @@ VARIANTS = {
         "nvfp4",
         {"linear_fusion": "unfused", "rope_fusion": "unfused", "residual_fusion": "unfused"},
     ),
+    # the opt-in NVFP4 W4A16 lm_head (rejax.params.quantize_head) on the W4A4 model
+    "nvfp4-head": ("nvfp4", {}),
 }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON path")
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=sorted(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=["bf16", "nvfp4"], choices=sorted(VARIANTS))
     ap.add_argument("--prompts", type=int, default=50)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--stop", choices=["default", "none"], default="none")
@@ -41,6 +44,8 @@ def main(argv=None) -> dict:
         quant, fields = VARIANTS[tag]
         params = load_model("tiny", quant)
         params = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, **fields))
+        if tag.endswith("-head"):
+            params = rparams.quantize_head(params)
         t0 = time.perf_counter()
         gen = rejax.generate(
             params,
