@@ -96,6 +96,11 @@ class GemmOptions:
         kt: K elements per pipeline stage (128 or 256).
         stages: cp.async pipeline depth (>= 2).
         splitk: K split across CTAs (1..8).
+        split_m: plan the K split (when `splitk` is None) as for this many rows instead of M:
+            every M that runs with the same split_m then adds each output's K in the same
+            split order, so a row's result does not depend on how many rows run with it
+            (the K order inside a split never depends on the tiles along M). Slot decoding
+            that moves rows into smaller programs sets it to its slot count.
         reduce: how a K split meets: "finish" (float32 partials in a workspace, added in split
             order by a second small kernel) or "cluster" (the split's CTAs form a thread-block
             cluster and add their partials through distributed shared memory: one kernel).
@@ -116,6 +121,7 @@ class GemmOptions:
     kt: int | None = None
     stages: int | None = None
     splitk: int | None = None
+    split_m: int | None = None
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
     occupancy: str = "wide"
@@ -133,6 +139,8 @@ class GemmOptions:
             )
         if not isinstance(self.min_m, int) or self.min_m < 1:
             raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
+        if self.split_m is not None and (not isinstance(self.split_m, int) or self.split_m < 1):
+            raise KernelError(f"GemmOptions.split_m={self.split_m!r}, expected None or an int >= 1")
         if self.max_m is not None and (not isinstance(self.max_m, int) or self.max_m < self.min_m):
             raise KernelError(
                 f"GemmOptions.max_m={self.max_m!r}, expected None or an int >= min_m={self.min_m}"
@@ -280,6 +288,10 @@ def plan(
     nkt = max(1, k // kt)
     if options.splitk is not None:
         splitk = options.splitk
+    elif options.split_m is not None and options.split_m != m:
+        # the split that split_m rows would take (same n, k and choices)
+        plain = dataclasses.replace(options, split_m=None)
+        splitk = plan(options.split_m, n, k, num_sms, plain, gw_rows=gw_rows).splitk
     else:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))

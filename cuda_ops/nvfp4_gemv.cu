@@ -150,19 +150,149 @@ __device__ __forceinline__ float gw_of(const float* wg, int n) { return GW_ROWS 
 
 // ---------------------------------------------------------------------------- loads
 
+#ifndef LDW_EF
+#define LDW_EF 0  // 1: weight loads carry an L2 evict_first policy (see "L2 prefetch" below)
+#endif
+
+#if LDW_EF
+// An L2 cache policy that marks the lines a load brings in as first to evict. Not volatile: the
+// compiler may compute it once per thread.
+__device__ __forceinline__ unsigned long long evict_first_policy() {
+  unsigned long long pol;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+#endif
+
 __device__ __forceinline__ uint4 ld_weights(const void* p) {
   uint4 v;
+#if LDW_EF
+  asm volatile("ld.global.nc" LDW_HINT ".L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p), "l"(evict_first_policy()));
+#else
   asm volatile("ld.global.nc" LDW_HINT ".v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
+#endif
   return v;
 }
 
 __device__ __forceinline__ u32 ld_scales16(const void* p) {
   u16 v;
+#if LDW_EF
+  asm volatile("ld.global.nc" LDW_HINT ".L2::cache_hint.u16 %0, [%1], %2;"
+               : "=h"(v)
+               : "l"(p), "l"(evict_first_policy()));
+#else
   asm volatile("ld.global.nc" LDW_HINT ".u16 %0, [%1];" : "=h"(v) : "l"(p));
+#endif
   return v;
 }
+
+// ---------------------------------------------------------------------------- L2 prefetch
+//
+// A decode step reads every weight once, and between two GEMVs run kernels that barely touch
+// HBM (the quantizer, RoPE and the cache write, attention over a short live range) plus the
+// launch gaps. With PF_TARGETS = 1 or 2 the W4A4 GEMV also prefetches into L2 the weights of
+// the linears that run next (the decoder passes their stacks: qkv -> o, o -> gate_up,
+// gate_up -> down, down -> the next layer's qkv), so HBM keeps streaming through those gaps and
+// the next GEMV finds (part of) its bytes in L2. Prefetches are hints: they change no result.
+// Per target j (compile-time): PFj_N, PFj_K (its shape), PFj_L (layers in its stack), PFj_DL
+// (its layer = this GEMV's layer + PFj_DL; nothing past the stack's end), PFj_CB / PFj_SB (the
+// leading bytes of each row's codes / block scales to prefetch: a fraction of K, so every CTA
+// of the next GEMV, which walks K in order, finds its first steps in L2).
+//   PF_AT    0: issued at the kernel's start, 1: after the CTA's main loop (fills the tail)
+//   PF_MODE  0: prefetch.global.L2 per 128-byte line; 1: the same with .L2::evict_last;
+//            2: cp.async.bulk.prefetch.L2 (the copy engine) per row, or 16 KiB pieces
+// LDW_EF (above) makes this GEMV's own streamed lines the first to go, so its 9-57 MB pass does
+// not evict what an earlier kernel prefetched.
+#ifndef PF_TARGETS
+#define PF_TARGETS 0
+#endif
+#ifndef PF_AT
+#define PF_AT 1
+#endif
+#ifndef PF_MODE
+#define PF_MODE 0
+#endif
+
+__device__ __forceinline__ void pf_line(const u8* p) {
+#if PF_MODE == 1
+  asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(p));
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+__device__ __forceinline__ void pf_bulk(const u8* p, u32 bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// The first ROWB bytes of each of ROWS rows of STRIDE bytes at `base`, spread over the
+// nt threads of the grid (this one is t).
+template <int ROWS, int STRIDE, int ROWB>
+__device__ __forceinline__ void pf_rows(const u8* base, int t, int nt) {
+  if constexpr (ROWB > 0) {
+    constexpr size_t TOTAL = (size_t)ROWS * STRIDE;
+    if constexpr (PF_MODE == 2) {
+      if constexpr (ROWB >= STRIDE) {
+        constexpr size_t PIECE = 16384;
+        for (size_t c = t; c * PIECE < TOTAL; c += nt) {
+          const size_t left = TOTAL - c * PIECE;
+          pf_bulk(base + c * PIECE, (u32)(left < PIECE ? left : PIECE));
+        }
+      } else {
+        for (int r = t; r < ROWS; r += nt) pf_bulk(base + (size_t)r * STRIDE, ROWB);
+      }
+    } else if constexpr (ROWB >= STRIDE) {
+      for (size_t i = t; i * 128 < TOTAL; i += nt) pf_line(base + i * 128);
+    } else {
+      constexpr int LPR = (ROWB + 127) / 128;  // lines per row
+      for (int i = t; i < ROWS * LPR; i += nt) {
+        pf_line(base + (size_t)(i / LPR) * STRIDE + (size_t)(i % LPR) * 128);
+      }
+    }
+  }
+}
+
+// One target's codes and scales at layer `l` (skipped past the end of its stack).
+template <int N, int K, int L, int CB, int SB>
+__device__ __forceinline__ void pf_target(const u8* wp_all, const u8* ws_all, int l) {
+  if (l >= L) return;
+  const int t = blockIdx.x * NTHREADS + threadIdx.x, nt = gridDim.x * NTHREADS;
+  pf_rows<N, K / 2, CB>(wp_all + (size_t)l * N * (K / 2), t, nt);
+  pf_rows<N, K / 16, SB>(ws_all + (size_t)l * N * (K / 16), t, nt);
+}
+
+// The prefetch operands of the W4A4 GEMV entries, after `layer`.
+#if PF_TARGETS >= 1
+#define PF_OPS0 , const u8* __restrict__ pf0_wp, const u8* __restrict__ pf0_ws
+#else
+#define PF_OPS0
+#endif
+#if PF_TARGETS >= 2
+#define PF_OPS1 , const u8* __restrict__ pf1_wp, const u8* __restrict__ pf1_ws
+#else
+#define PF_OPS1
+#endif
+#define PF_OPERANDS PF_OPS0 PF_OPS1
+#if PF_TARGETS >= 1
+#define PF_ISSUE0(li) pf_target<PF0_N, PF0_K, PF0_L, PF0_CB, PF0_SB>(pf0_wp, pf0_ws, (li) + PF0_DL)
+#else
+#define PF_ISSUE0(li)
+#endif
+#if PF_TARGETS >= 2
+#define PF_ISSUE1(li) pf_target<PF1_N, PF1_K, PF1_L, PF1_CB, PF1_SB>(pf1_wp, pf1_ws, (li) + PF1_DL)
+#else
+#define PF_ISSUE1(li)
+#endif
+// issue every target's prefetches for this GEMV at layer li
+#define PF_ISSUE(li) \
+  do {               \
+    PF_ISSUE0(li);   \
+    PF_ISSUE1(li);   \
+  } while (0)
 
 __device__ __forceinline__ uint4 ld_act(const void* p) {
   uint4 v;
@@ -966,7 +1096,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
                     const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
-                    const int* __restrict__ layer, u16* __restrict__ y) {
+                    const int* __restrict__ layer PF_OPERANDS, u16* __restrict__ y) {
 #if !EPI_RES
   const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
 #endif
@@ -1002,10 +1132,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     }
     __syncthreads();
   };
+#if PF_TARGETS && PF_AT == 0
+  PF_ISSUE(*layer);
+#endif
   run_units(ybuf, ring, wp, ws, g0, items, warp, lane, stage,
             [&](float (&acc)[VP], const WTile& cur, int elem) {
               w4a4_step(acc, cur, elem, sx, ssf);
             });
+#if PF_TARGETS && PF_AT == 1
+  PF_ISSUE(*layer);
+#endif
   __syncthreads();
 
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w) [+ res[m, n]]
@@ -1082,7 +1218,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 #endif
                     const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
-                    const int* __restrict__ layer, u16* __restrict__ y) {
+                    const int* __restrict__ layer PF_OPERANDS, u16* __restrict__ y) {
 #if !EPI_RES
   const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
 #endif
@@ -1098,6 +1234,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   uint4 q[CPL][R_ROWS];
   u32 sw[CPL][R_ROWS];
   load_share(q, sw, wp, ws, sh, lane);
+#if PF_TARGETS && PF_AT == 0
+  PF_ISSUE(*layer);
+#endif
   uint4 xq[CPL][M_TOK];
   u32 sx[CPL][M_TOK];
 #pragma unroll
@@ -1125,6 +1264,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     }
     chunk_dot(acc, q[i], sw[i], xw, sxf);
   }
+#if PF_TARGETS && PF_AT == 1
+  PF_ISSUE(*layer);
+#endif
 
   stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y, [&](int m, int n, float t) {
     return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * xg[m]));

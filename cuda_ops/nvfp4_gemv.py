@@ -12,6 +12,8 @@ import functools
 import pathlib
 import threading
 
+import numpy as np
+
 from cuda_ops.build import (
     KernelError,
     compile_ptx,
@@ -28,6 +30,8 @@ __all__ = [
     "GemvKernel",
     "GemvOptions",
     "KernelError",
+    "Prefetch",
+    "PrefetchTarget",
     "build",
     "check_shape",
     "plan",
@@ -137,6 +141,114 @@ class Fused:
 
 PLAIN = Fused()
 
+PREFETCH_AT = ("start", "end")
+PREFETCH_MODES = ("line", "last", "bulk")
+MAX_PREFETCH_TARGETS = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchTarget:
+    """A weight stack whose layer the W4A4 GEMV prefetches into L2 (see `Prefetch`).
+
+    Attributes:
+        n, k: its matrices' shape (GEMM letters).
+        layers: matrices in its stack (L of codes [L, N, K/2]).
+        delta: its layer is the GEMV's layer + delta (0: the same layer; 1: the next one,
+            nothing past the stack's end).
+        fraction: the leading fraction of each row's K to prefetch, in (0, 1] (codes rounded
+            up to 128-byte lines, block scales to 16 bytes).
+    """
+
+    n: int
+    k: int
+    layers: int
+    delta: int = 0
+    fraction: float = 1.0
+
+    def __post_init__(self):
+        for name in ("n", "k", "layers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise KernelError(f"PrefetchTarget.{name}={value!r}, expected an int >= 1")
+        if self.k % K_MULTIPLE:
+            raise KernelError(f"PrefetchTarget.k={self.k}, expected a multiple of {K_MULTIPLE}")
+        if not isinstance(self.delta, int) or self.delta < 0:
+            raise KernelError(f"PrefetchTarget.delta={self.delta!r}, expected an int >= 0")
+        if not 0.0 < self.fraction <= 1.0:
+            raise KernelError(f"PrefetchTarget.fraction={self.fraction!r}, expected (0, 1]")
+
+    def row_bytes(self) -> tuple[int, int]:
+        """(code bytes, scale bytes) prefetched per row."""
+        codes, scales = self.k // 2, self.k // 16
+        cb = min(codes, -(-int(np.ceil(self.fraction * codes)) // 128) * 128)
+        sb = min(scales, -(-int(np.ceil(self.fraction * scales)) // 16) * 16)
+        return cb, sb
+
+    def bytes(self) -> int:
+        """Bytes one GEMV prefetches for this target (one layer)."""
+        cb, sb = self.row_bytes()
+        return self.n * (cb + sb)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """L2 prefetch of the weights that run next, issued by the plain W4A4 GEMV (compile-time
+    constants; nvfp4_gemv.cu, "L2 prefetch"). Prefetches are hints: results are unchanged.
+
+    Attributes:
+        targets: up to two `PrefetchTarget`s; the entry takes (codes, scales) of each stack as
+            two more operands after `layer`.
+        at: "start" (issued before the GEMV's own loads are consumed) or "end" (after its
+            CTA's main loop, filling the launch's tail).
+        mode: "line" (prefetch.global.L2 per 128-byte line), "last" (the same with
+            .L2::evict_last) or "bulk" (cp.async.bulk.prefetch.L2, the copy engine).
+        evict_first: the GEMV's own weight loads carry an L2 evict_first policy, so its
+            stream does not evict what was prefetched before it (also without targets).
+    """
+
+    targets: tuple[PrefetchTarget, ...] = ()
+    at: str = "end"
+    mode: str = "line"
+    evict_first: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.targets, tuple) or not all(
+            isinstance(t, PrefetchTarget) for t in self.targets
+        ):
+            raise KernelError(f"Prefetch.targets={self.targets!r}, expected PrefetchTargets")
+        if len(self.targets) > MAX_PREFETCH_TARGETS:
+            raise KernelError(
+                f"Prefetch.targets has {len(self.targets)} entries, at most {MAX_PREFETCH_TARGETS}"
+            )
+        if self.at not in PREFETCH_AT:
+            raise KernelError(f"Prefetch.at={self.at!r}, expected one of {PREFETCH_AT}")
+        if self.mode not in PREFETCH_MODES:
+            raise KernelError(f"Prefetch.mode={self.mode!r}, expected one of {PREFETCH_MODES}")
+
+    @property
+    def operands(self) -> int:
+        """Operands the targets add to the entry (codes and scales of each stack)."""
+        return 2 * len(self.targets)
+
+    def defines(self) -> dict:
+        out = {
+            "PF_TARGETS": len(self.targets),
+            "PF_AT": PREFETCH_AT.index(self.at),
+            "PF_MODE": PREFETCH_MODES.index(self.mode),
+            "LDW_EF": int(self.evict_first),
+        }
+        for j, t in enumerate(self.targets):
+            cb, sb = t.row_bytes()
+            out |= {
+                f"PF{j}_N": t.n,
+                f"PF{j}_K": t.k,
+                f"PF{j}_L": t.layers,
+                f"PF{j}_DL": t.delta,
+                f"PF{j}_CB": cb,
+                f"PF{j}_SB": sb,
+            }
+        return out
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -158,11 +270,13 @@ class Plan:
     gw_rows: bool = False  # one weight global scale per output row instead of per matrix
     fused: Fused | None = None  # act "w4a4x" only
     residual: bool = False  # act "w4a4" only: res [M, N] operand after xg, y = res + y
+    prefetch: Prefetch | None = None  # act "w4a4" only: L2 prefetch, operands after layer
 
     @property
     def n_inputs(self) -> int:
         """Operands the entry takes before the output pointer."""
-        return N_INPUTS[self.act] + int(self.residual)
+        pf = 0 if self.prefetch is None else self.prefetch.operands
+        return N_INPUTS[self.act] + int(self.residual) + pf
 
     @property
     def kparts(self) -> int:
@@ -173,6 +287,8 @@ class Plan:
         extra = {} if self.fused is None else self.fused.defines()
         if self.residual:  # only then: the kernels without it keep their cache keys
             extra = extra | {"EPI_RES": 1}
+        if self.prefetch is not None:  # likewise
+            extra = extra | self.prefetch.defines()
         return extra | {
             "ACT_W4A4": int(self.act in ("w4a4", "w4a4x")),
             "M_TOK": self.m,
@@ -483,12 +599,13 @@ def _compile_job(
     gw_rows: bool,
     fused: Fused | None,
     residual: bool = False,
+    prefetch: Prefetch | None = None,
 ):
     """(plan, compile_ptx keyword arguments) of one kernel: everything but the compilation."""
     p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
     if act == "w4a4x":
         p = dataclasses.replace(p, fused=fused or PLAIN)
-    p = dataclasses.replace(p, residual=residual)
+    p = dataclasses.replace(p, residual=residual, prefetch=prefetch)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
     if p.ctas > 1 and p.ctas * (p.smem + 1024) > SM_SMEM:
@@ -527,8 +644,9 @@ def _build_cached(
     gw_rows: bool,
     fused: Fused | None,
     residual: bool = False,
+    prefetch: Prefetch | None = None,
 ):
-    p, kw = _compile_job(act, m, n, k, arch, num_sms, options, gw_rows, fused, residual)
+    p, kw = _compile_job(act, m, n, k, arch, num_sms, options, gw_rows, fused, residual, prefetch)
     ptx = compile_ptx(kw.pop("source"), **kw)
     entry = ENTRY[act]
     entries = ptx_entries(ptx)
@@ -552,7 +670,7 @@ def prebuild(
 
     Args:
         problems: `build` keyword arguments per kernel: act, m, n, k and optionally options,
-            gw_rows, fused, residual.
+            gw_rows, fused, residual, prefetch.
         arch, num_sms: as in `build` (None: the present GPU's).
         workers: threads (None: the CPU count, at most 16).
 
@@ -571,10 +689,11 @@ def prebuild(
             raise KernelError(f"unsupported shape {prob}: {why}")
         residual = bool(prob.get("residual", False))
         _check_residual(prob["act"], residual)
+        _check_prefetch(prob["act"], prob.get("prefetch"))
         keys.append((
             prob["act"], prob["m"], prob["n"], prob["k"], arch, num_sms,
             prob.get("options", DEFAULT_OPTIONS), bool(prob.get("gw_rows", False)),
-            prob.get("fused"), residual,
+            prob.get("fused"), residual, prob.get("prefetch"),
         ))  # fmt: skip
     workers = workers or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -594,6 +713,7 @@ def build(
     gw_rows: bool = False,
     fused: Fused | None = None,
     residual: bool = False,
+    prefetch: Prefetch | None = None,
 ) -> GemvKernel:
     """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
 
@@ -608,6 +728,9 @@ def build(
         residual: "w4a4" only: the entry takes a bf16 residual res [M, N] after xg and returns
             res + y (-DEPI_RES=1; the bf16 add of XLA, in the epilogue). "w4a4x" has its
             residual in `fused`.
+        prefetch: "w4a4" only: L2 prefetch of the weights that run next (`Prefetch`; its
+            targets' codes and scales are operands after `layer`). None: none (the kernel
+            without it, bit for bit the same PTX as before the option existed).
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -620,10 +743,21 @@ def build(
     if fused is not None and act != "w4a4x":
         raise KernelError(f"fused= is only for act='w4a4x', got act={act!r}")
     _check_residual(act, residual)
+    _check_prefetch(act, prefetch)
     arch = arch or device_arch()
     return _build_cached(
-        act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused, bool(residual)
-    )
+        act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused, bool(residual),
+        prefetch,
+    )  # fmt: skip
+
+
+def _check_prefetch(act: str, prefetch) -> None:
+    if prefetch is None:
+        return
+    if not isinstance(prefetch, Prefetch):
+        raise KernelError(f"prefetch={prefetch!r}, expected None or a Prefetch")
+    if act != "w4a4":
+        raise KernelError(f"prefetch is only for act='w4a4' (the plain W4A4 GEMV), got {act!r}")
 
 
 def _check_residual(act: str, residual) -> None:

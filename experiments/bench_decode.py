@@ -294,10 +294,19 @@ def main(argv=None) -> dict:
     )
     ap.add_argument(
         "--head",
-        default="bf16",
+        nargs="+",
+        default=["bf16"],
         choices=["bf16", "nvfp4-w4a16"],
         help="the lm_head of the NVFP4 modes: bf16 (the paper's recipe) or random NVFP4 codes "
-        "read as a W4A16 linear (rejax.params.quantize_head; bf16 mode keeps bf16)",
+        "read as a W4A16 linear (rejax.params.quantize_head; bf16 mode keeps bf16); several "
+        "values run one variant each, on the same weights",
+    )
+    ap.add_argument(
+        "--weight-prefetch",
+        nargs="+",
+        default=[rconfig.Config.weight_prefetch],
+        help="Config.weight_prefetch specs ('none', 'next[:key=value,...]'); several run one "
+        "NVFP4 variant each on the same weights (x each --head), in the order given",
     )
     ap.add_argument(
         "--samplers",
@@ -315,6 +324,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True, help="JSON results path")
     args = ap.parse_args(argv)
     cfg = TINY if args.tiny else rconfig.PRESETS[args.preset]
+    for spec in args.weight_prefetch:
+        try:
+            rconfig.weight_prefetch_policy(spec)
+        except ValueError as err:
+            raise SystemExit(f"--weight-prefetch: {err}") from None
     if args.layers is not None:
         if args.layers <= 0:
             raise SystemExit(f"--layers must be positive, got {args.layers}")
@@ -349,99 +363,126 @@ def main(argv=None) -> dict:
     for mode in args.modes:
         quant = None if mode == "bf16" else mode
         t0 = time.perf_counter()
-        params = random_params(dataclasses.replace(cfg, quant=quant))
-        if quant is not None and args.head != "bf16":
-            params = rparams.quantize_head(params, random_key=1)
-        jax.block_until_ready(params.weights)
-        wbytes = _weight_bytes(params)
-        print(
-            f"[{mode}] weights {wbytes / 1e9:.2f} GB built in {time.perf_counter() - t0:.1f}s",
-            flush=True,
-        )
-        for batch, sampler in [(b, s) for b in args.batch for s in args.samplers]:
-            t0 = time.perf_counter()
-            try:
-                run, cache = _run_generation(
-                    params, batch, bucket, args.gen_len, args.repeats, sampler
-                )
-            except Exception as err:  # noqa: BLE001 - record the failure, keep benchmarking
-                result["runs"].append(
-                    {
-                        "mode": mode,
-                        "batch": batch,
-                        "sampler": sampler,
-                        "error": f"{type(err).__name__}: {err}",
-                    }
-                )
-                print(f"[{mode} b{batch} {sampler}] FAILED {err}", flush=True)
-                continue
-            slots = bucket + args.gen_len
-            kv_full = _kv_bytes(cfg, batch, slots)
-            kv_live = _kv_bytes(cfg, batch, bucket + args.gen_len / 2)  # mean valid slots
-            step_s = run["ms_per_token"] / 1e3
-            run.update(
-                mode=mode,
-                batch=batch,
-                sampler=sampler,
-                prompt_len=bucket,
-                gen_len=args.gen_len,
-                weight_bytes=wbytes,
-                kv_bytes_read_per_step=kv_full,
-                kv_bytes_valid_mean=kv_live,
-                bandwidth_GBps=(wbytes + kv_full) / step_s / 1e9,
-                weight_bandwidth_GBps=wbytes / step_s / 1e9,
-            )
-            run["fraction_of_copy_ceiling"] = run["bandwidth_GBps"] / result["copy_ceiling_GBps"]
-            if not args.no_breakdown and sampler == args.samplers[0]:
-                bd = _breakdown(params, cache, batch, args.breakdown_steps, args.repeats)
-                parts = (
-                    bd["linears_and_head"]
-                    + bd["attention_full_cache"]
-                    + bd["sampling_greedy"]
-                    + bd["empty_loop"]
-                )
-                bd["remainder_norms_rope_cache_launch"] = step_s - parts
-                run["breakdown_ms_per_step"] = {k: 1e3 * v for k, v in bd.items()}
-                run["dominant"] = max(
-                    (
-                        "linears_and_head",
-                        "attention_full_cache",
-                        "sampling_greedy",
-                        "remainder_norms_rope_cache_launch",
-                    ),
-                    key=lambda k: bd[k],
-                )
-            del cache
-            run["wall_s"] = time.perf_counter() - t0
-            result["runs"].append(run)
-            _write(args.out, result)  # partial results survive a timeout
-            print(
-                f"  first calls: prefill {run['prefill_first_call_s']:.1f} s, decode loop "
-                f"{run['decode_first_call_s']:.1f} s (compiled + ran)",
-                flush=True,
-            )
-            print(
-                f"[{mode} b{batch} {sampler}] {run['ms_per_token']:.3f} ms/token, "
-                f"{run['tokens_per_s']:.1f} tok/s, {run['bandwidth_GBps']:.0f} GB/s, "
-                f"prefill {run['prefill_ms']:.1f} ms"
-                + (f", dominant: {run.get('dominant')}" if "dominant" in run else ""),
-                flush=True,
-            )
-        del params
+        base = random_params(dataclasses.replace(cfg, quant=quant))
+        jax.block_until_ready(base.weights)
+        print(f"[{mode}] weights built in {time.perf_counter() - t0:.1f}s", flush=True)
+        for head, spec, variant, params in _variants(base, args, quant):
+            _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params)
+            del params
+        del base
     speed = {}
     for batch in args.batch:
-        by = {
-            r["mode"]: r
+        runs = [
+            r
             for r in result["runs"]
             if r["batch"] == batch and r["sampler"] == args.samplers[0] and "error" not in r
-        }
-        if "bf16" in by and "nvfp4" in by:
-            speed[f"b{batch}"] = by["bf16"]["ms_per_token"] / by["nvfp4"]["ms_per_token"]
+        ]
+        bf16 = next((r for r in runs if r["mode"] == "bf16"), None)
+        nv = [r for r in runs if r["mode"] == "nvfp4"]
+        if bf16 and nv:
+            speed[f"b{batch}"] = bf16["ms_per_token"] / nv[0]["ms_per_token"]
+            for r in nv:
+                speed.setdefault("variants", {})[f"b{batch} {r['variant']}"] = (
+                    bf16["ms_per_token"] / r["ms_per_token"]
+                )
     result["nvfp4_speedup_over_bf16"] = speed
     result["total_wall_s"] = time.perf_counter() - t_start
     _write(args.out, result)
     print(f"wrote {args.out} ({result['total_wall_s']:.0f}s)", flush=True)
     return result
+
+
+def _variants(base: Params, args, quant):
+    """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
+    once per --head x --weight-prefetch, on the same weights."""
+    if quant is None:
+        yield "bf16", "none", "bf16", base
+        return
+    for head in args.head:
+        params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
+        for spec in args.weight_prefetch:
+            cfg = dataclasses.replace(params.cfg, weight_prefetch=spec)
+            label = f"head={head} prefetch={spec}"
+            yield head, spec, label, dataclasses.replace(params, cfg=cfg)
+
+
+def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
+    """Times one variant at every --batch and --samplers, appending its runs to `result`."""
+    wbytes = _weight_bytes(params)
+    print(f"[{mode}] {variant}: weights {wbytes / 1e9:.2f} GB", flush=True)
+    for batch, sampler in [(b, s) for b in args.batch for s in args.samplers]:
+        t0 = time.perf_counter()
+        try:
+            run, cache = _run_generation(params, batch, bucket, args.gen_len, args.repeats, sampler)
+        except Exception as err:  # noqa: BLE001 - record the failure, keep benchmarking
+            result["runs"].append(
+                {
+                    "mode": mode,
+                    "variant": variant,
+                    "head": head,
+                    "weight_prefetch": spec,
+                    "batch": batch,
+                    "sampler": sampler,
+                    "error": f"{type(err).__name__}: {err}",
+                }
+            )
+            print(f"[{mode} b{batch} {sampler}] FAILED {err}", flush=True)
+            continue
+        slots = bucket + args.gen_len
+        kv_full = _kv_bytes(cfg, batch, slots)
+        kv_live = _kv_bytes(cfg, batch, bucket + args.gen_len / 2)  # mean valid slots
+        step_s = run["ms_per_token"] / 1e3
+        run.update(
+            mode=mode,
+            variant=variant,
+            head=head,
+            weight_prefetch=spec,
+            batch=batch,
+            sampler=sampler,
+            prompt_len=bucket,
+            gen_len=args.gen_len,
+            weight_bytes=wbytes,
+            kv_bytes_read_per_step=kv_full,
+            kv_bytes_valid_mean=kv_live,
+            bandwidth_GBps=(wbytes + kv_full) / step_s / 1e9,
+            weight_bandwidth_GBps=wbytes / step_s / 1e9,
+        )
+        run["fraction_of_copy_ceiling"] = run["bandwidth_GBps"] / result["copy_ceiling_GBps"]
+        if not args.no_breakdown and sampler == args.samplers[0]:
+            bd = _breakdown(params, cache, batch, args.breakdown_steps, args.repeats)
+            parts = (
+                bd["linears_and_head"]
+                + bd["attention_full_cache"]
+                + bd["sampling_greedy"]
+                + bd["empty_loop"]
+            )
+            bd["remainder_norms_rope_cache_launch"] = step_s - parts
+            run["breakdown_ms_per_step"] = {k: 1e3 * v for k, v in bd.items()}
+            run["dominant"] = max(
+                (
+                    "linears_and_head",
+                    "attention_full_cache",
+                    "sampling_greedy",
+                    "remainder_norms_rope_cache_launch",
+                ),
+                key=lambda k: bd[k],
+            )
+        del cache
+        run["wall_s"] = time.perf_counter() - t0
+        result["runs"].append(run)
+        _write(args.out, result)  # partial results survive a timeout
+        print(
+            f"  first calls: prefill {run['prefill_first_call_s']:.1f} s, decode loop "
+            f"{run['decode_first_call_s']:.1f} s (compiled + ran)",
+            flush=True,
+        )
+        print(
+            f"[{variant} b{batch} {sampler}] {run['ms_per_token']:.3f} ms/token, "
+            f"{run['tokens_per_s']:.1f} tok/s, {run['bandwidth_GBps']:.0f} GB/s, "
+            f"prefill {run['prefill_ms']:.1f} ms"
+            + (f", dominant: {run.get('dominant')}" if "dominant" in run else ""),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

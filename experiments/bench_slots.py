@@ -376,7 +376,7 @@ def _summary(budgets) -> dict:
 
 
 def _compact(args):
-    return list(args.compact_sizes) if args.compact_sizes else True
+    return list(args.compact_sizes) if args.compact_sizes else "auto"
 
 
 def choose_scale(args, model, refill_rows, spent_s, log) -> tuple[float, dict]:
@@ -442,8 +442,16 @@ def main(argv=None) -> dict:
         type=int,
         nargs="+",
         default=None,
-        help="program sizes below --slots for the compact path (default: every power of two); "
+        help="program sizes below --slots for the compact path (default: 'auto', the powers of two "
+        "down to 16); "
         "e.g. 32 16 keeps the drain at row counts whose kernels may round as B rows do",
+    )
+    ap.add_argument(
+        "--invariant-rows",
+        type=int,
+        default=None,
+        help="Config.invariant_rows for every path (e.g. --slots: the NVFP4 GEMM splits K as "
+        "for that many rows at any row count)",
     )
     ap.add_argument("--max-steps", type=int, default=256, help="decode steps per host sync")
     ap.add_argument("--seed", type=int, default=0)
@@ -458,7 +466,7 @@ def main(argv=None) -> dict:
         args.prompt_len = [3, 20]
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cfg = dataclasses.replace(cfg, attention=args.attention)
+    cfg = dataclasses.replace(cfg, attention=args.attention, invariant_rows=args.invariant_rows)
     if args.slots % args.n:
         raise SystemExit(
             f"--slots {args.slots} must be a multiple of --n {args.n} (static batches)"

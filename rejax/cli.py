@@ -728,8 +728,10 @@ def _cmd_eval(args) -> int:
     if args.slots is not None:
         sizes = ", ".join(f"{c}: {k}" for c, k in summary["slot_steps_by_size"].items())
         _err(
-            f"# {args.slots} slots{' (compacting)' if args.slots_compact else ''}: occupancy "
-            f"{summary['slot_occupancy']:.3f}, decode steps by program rows {{{sizes}}}, "
+            f"# {args.slots} slots{' (compacting)' if args.slots_compact is not False else ''}: "
+            f"occupancy {summary['slot_occupancy']:.3f} per step, "
+            f"{summary['slot_row_occupancy']:.3f} of row-steps, decode steps by program rows "
+            f"{{{sizes}}}, "
             f"{summary['tokens_per_s'] or 0:.0f} tok/s"
         )
     graded = summary["n_problems"] * args.n
@@ -1070,9 +1072,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--slots-compact",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="with --slots, move the last rows into smaller programs (B/2, B/4, ... 1 rows) "
-        "once no problem is left to refill a slot (default; same responses)",
+        default="auto",
+        help="with --slots, move the last rows into smaller programs once no problem is left "
+        "to refill a slot: by default B/2, B/4, ... down to 16 rows (the same responses on a "
+        "GPU too); --slots-compact down to 1 row (below 16 a GPU's rounding may change a "
+        "token); --no-slots-compact keeps all B",
     )
     e.add_argument(
         "--prefill-rows",

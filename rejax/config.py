@@ -108,6 +108,64 @@ COMMAND_BUFFER_OPTIONS = {
 }
 
 
+# L2 prefetch of the weights that run next, issued by the W4A4 GEMV of the "split" linears
+# (cuda_ops.nvfp4_gemv.Prefetch; decode batches below gemm_min_m rows): "none" (the default), or
+# "next" optionally followed by ":key=value,..." choices:
+#   at=end|start       when each CTA issues them (after its main loop, or at its start)
+#   mode=line|last|bulk  prefetch.global.L2 per line, the same with evict_last, or the copy
+#                      engine's cp.async.bulk.prefetch.L2
+#   ef=0|1             the GEMV's own weight loads as L2 evict_first
+#   o=F  gu=F  down=F  qkv=F  qkv_gu=F   the leading fraction of each row (0 = none, 1 = all) of
+#                      o_proj (prefetched by qkv's GEMV), gate_up (by o's), down (by gate_up's),
+#                      the next layer's qkv (by down's) and gate_up (by qkv's, a second target)
+# Prefetches are hints: the numbers are unchanged on every path. Opt-in: on the H200 every
+# variant measured slower (36 layers NVFP4, batch 1: 2.692 ms/token at the end of each CTA's
+# loop, 2.905 at its start, 6.078 with bulk prefetches, against 2.553 without;
+# experiments/results/h200_h/).
+WEIGHT_PREFETCH_DEFAULTS = {
+    "at": "end", "mode": "line", "ef": 0, "o": 1.0, "gu": 0.5, "down": 1.0, "qkv": 1.0,
+    "qkv_gu": 0.0,
+}  # fmt: skip
+_PREFETCH_CHOICES = {"at": ("end", "start"), "mode": ("line", "last", "bulk"), "ef": (0, 1)}
+
+
+def weight_prefetch_policy(spec: str) -> dict | None:
+    """The choices of a `Config.weight_prefetch` spec ("none" -> None), with defaults filled in;
+    raises ValueError naming the bad part of the spec."""
+    if not isinstance(spec, str):
+        raise ValueError(f"weight_prefetch must be a str, got {spec!r}")  # noqa: TRY004
+    if spec == "none":
+        return None
+    head, _, rest = spec.partition(":")
+    if head != "next":
+        raise ValueError(
+            f"weight_prefetch={spec!r}: expected 'none' or 'next[:key=value,...]' with keys "
+            f"{sorted(WEIGHT_PREFETCH_DEFAULTS)}"
+        )
+    policy = dict(WEIGHT_PREFETCH_DEFAULTS)
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in policy:
+            raise ValueError(
+                f"weight_prefetch={spec!r}: bad item {item!r}, expected key=value with keys "
+                f"{sorted(WEIGHT_PREFETCH_DEFAULTS)}"
+            )
+        if key in ("at", "mode"):
+            parsed: Any = value
+        else:
+            try:
+                parsed = int(value) if key == "ef" else float(value)
+            except ValueError:
+                parsed = None
+        choices = _PREFETCH_CHOICES.get(key)
+        ok = parsed in choices if choices else parsed is not None and 0.0 <= parsed <= 1.0
+        if not ok:
+            want = choices if choices else "a fraction in [0, 1]"
+            raise ValueError(f"weight_prefetch={spec!r}: {key}={value!r}, expected {want}")
+        policy[key] = parsed
+    return policy
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Static description of a Qwen2/Qwen3 decoder.
@@ -150,6 +208,17 @@ class Config:
     gemm_max_m: int | None = 256
     gemm_reduce: str = "finish"
     command_buffer: str = "default"
+    weight_prefetch: str = "none"
+    # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows
+    # computes its linears as one with this many would, so a row's numbers do not depend on
+    # how many rows run with it. The NVFP4 GEMM plans its K split for this many rows
+    # (GemmOptions.split_m; the K order inside a split never depends on M), and float matmuls
+    # (bf16 linears, the bf16 lm_head) run on rows zero-padded to it, so cuBLAS picks the
+    # algorithm of the full batch (decode is weight-bandwidth bound: about the same time).
+    # Slot decoding with compaction (rejax.slots) sets it to its slot count. The GEMV (fewer
+    # than gemm_min_m rows) and the quantizer kernel (at most 8 rows) are other arithmetic
+    # than the GEMM and XLA's quantizer, so row counts below 9 are not covered.
+    invariant_rows: int | None = None
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -198,6 +267,13 @@ class Config:
             raise ValueError(
                 f"unknown gemm_occupancy {self.gemm_occupancy!r}; expected one of "
                 f"{GEMM_OCCUPANCIES}"
+            )
+        weight_prefetch_policy(self.weight_prefetch)  # raises on a bad spec
+        if self.invariant_rows is not None and not (
+            isinstance(self.invariant_rows, int) and self.invariant_rows >= 1
+        ):
+            raise ValueError(
+                f"invariant_rows must be None or an int >= 1, got {self.invariant_rows!r}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -18,15 +18,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from cuda_ops.nvfp4_gemv import Prefetch
 from rejax import params as rparams
 from rejax import sharding
 from rejax.cache import KVCache, read_layer, write_layer, write_positions
-from rejax.config import Config
+from rejax.config import Config, weight_prefetch_policy
 from rejax.layers import (
     attention,
     attention_mask,
     gemm_options,
     linear,
+    padded_rows,
     rms_norm,
     rope,
     swiglu,
@@ -89,7 +91,8 @@ def decoder_layer(
             return sharding.row_parallel_linear(inp, block[name], q_, i, shards, tp_axis)
         return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name),
                       gemm_min_m=cfg.gemm_min_m, gemm_occupancy=cfg.gemm_occupancy,
-                      gemm_max_m=cfg.gemm_max_m, gemm_reduce=cfg.gemm_reduce)  # fmt: skip
+                      gemm_max_m=cfg.gemm_max_m, gemm_reduce=cfg.gemm_reduce,
+                      invariant_rows=cfg.invariant_rows)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -104,14 +107,29 @@ def decoder_layer(
     kernels = "two" if cfg.linear_fusion == "split" else "one"
     gemm = {
         "gemm_options": gemm_options(
-            cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce
+            cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce, cfg.invariant_rows
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
+    pf = weight_prefetch_policy(cfg.weight_prefetch) if fuse and kernels == "two" else None
+
+    def prefetch(*targets):
+        # L2 prefetch hints for a linear's GEMV: (block, linear, layer delta, policy key)
+        if pf is None:
+            return {}
+        picked = tuple(
+            (block[name]["weight"], delta, pf[key])
+            for block, name, delta, key in targets
+            if pf[key] > 0
+        )
+        options = Prefetch(at=pf["at"], mode=pf["mode"], evict_first=bool(pf["ef"]))
+        return {"prefetch": picked, "prefetch_options": options}
+
     if fuse:
         norm = lw["input_layernorm"]["scale"]
         qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps,
-                           kernels=kernels, **gemm)  # fmt: skip
+                           kernels=kernels, **gemm,
+                           **prefetch((att, "o_proj", 0, "o"), (mlp, "gate_up_proj", 0, "qkv_gu")))  # fmt: skip
     else:
         hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
         qkv = lin(hs, att, "qkv_proj")
@@ -162,12 +180,13 @@ def decoder_layer(
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
         x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x, kernels=kernels,
-                         **gemm)  # fmt: skip
+                         **gemm, **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip
         norm = lw["post_attention_layernorm"]["scale"]
         gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
-                               eps=eps, kernels=kernels, **gemm)  # fmt: skip
+                               eps=eps, kernels=kernels, **gemm,
+                               **prefetch((mlp, "down_proj", 0, "down")))  # fmt: skip
         x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
-                         kernels=kernels, **gemm)  # fmt: skip
+                         kernels=kernels, **gemm, **prefetch((att, "qkv_proj", 1, "qkv")))  # fmt: skip
         return x, kv, amax
     x = x + lin(out, att, "o_proj")
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
@@ -278,7 +297,9 @@ def forward(
     if isinstance(head, Nvfp4Tensor):  # rejax.params.quantize_head: NVFP4 W4A16 (opt-in)
         logits = linear(x, {"weight": head}, "nvfp4-w4a16").astype(jnp.float32)
     else:
-        logits = jnp.einsum("...d,vd->...v", x, head.astype(x.dtype)).astype(jnp.float32)
+        logits = padded_rows(
+            lambda a: jnp.einsum("...d,vd->...v", a, head.astype(x.dtype)), x, cfg.invariant_rows
+        ).astype(jnp.float32)
     if cache is not None:
         cache = dataclasses.replace(
             cache, k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3], positions=k_positions,

@@ -125,7 +125,7 @@ def generate(
     on_token: Callable[[int, float, float], Any] | None = None,
     progress: bool | Callable[[int, int], Any] | None = None,
     slots: int | None = None,
-    compact: bool = True,
+    compact: bool | str = "auto",
     prefill_rows: int | None = None,
 ) -> Generation:
     """Generates continuations for one or many prompts.
@@ -162,8 +162,10 @@ def generate(
             batches: a slot whose row ends takes the next pending (prompt, sample) row. Same
             tokens as static batches; excludes batch_size and stream.
         compact: with `slots`, once no row is pending, move the live rows into the next
-            smaller program (B/2, B/4, ... 1 rows) as soon as they fit, so the last long rows
-            do not run in a B-row program; False keeps all B slots. Same tokens either way.
+            smaller program as soon as they fit, so the last long rows do not run in a B-row
+            program: "auto" B/2, B/4, ... down to 16 rows (on a GPU the same tokens as B-row
+            programs), True down to 1 row (below 16 rows a GPU's rounding may change a
+            token), False keeps all B slots (`rejax.slots.compact_sizes`).
         prefill_rows: P rows prefilled together. Static batches (default None: each batch in
             one prefill) then prefill their rows in chunks of P prompts of one bucket, each
             chunk as a slot refill does (`rejax.slots.prefill_rows`). With `slots`, P rows per

@@ -8,6 +8,7 @@ them into a layer. A linear holds `weight` [N_out, K_in] (HF layout), stacked ov
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -149,6 +150,7 @@ def linear(
     gemm_occupancy: str | None = None,
     gemm_max_m: int | None | str = "default",
     gemm_reduce: str | None = None,
+    invariant_rows: int | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
 
@@ -177,13 +179,20 @@ def linear(
             take the dot reference ("default": `Config.gemm_max_m`'s default; None: no bound).
         gemm_reduce: how a K-split GEMM adds its partials (`GemmOptions.reduce`; None: the
             default, "finish"; see `Config.gemm_reduce`).
+        invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
+            None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
+            float weight's matmul runs on rows zero-padded to it (when fewer).
 
     Returns:
         [..., N_out] in x's dtype.
     """
     w = params["weight"]
     if not isinstance(w, Nvfp4Tensor):
-        y = jnp.einsum("...k,nk->...n", x, take(w, layer).astype(x.dtype))
+        y = padded_rows(
+            lambda a: jnp.einsum("...k,nk->...n", a, take(w, layer).astype(x.dtype)),
+            x,
+            invariant_rows,
+        )
     else:
         if quant not in _ACT:
             raise ValueError(f"NVFP4 weight needs quant 'nvfp4' or 'nvfp4-w4a16', got {quant!r}")
@@ -192,7 +201,7 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
-        opts = gemm_options(gemm_min_m, gemm_occupancy, gemm_max_m, gemm_reduce)
+        opts = gemm_options(gemm_min_m, gemm_occupancy, gemm_max_m, gemm_reduce, invariant_rows)
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
@@ -203,16 +212,32 @@ def linear(
     return y
 
 
+def padded_rows(fn, x: jax.Array, rows: int | None) -> jax.Array:
+    """fn(x) for a row-wise fn ([..., K] -> [..., N]), computed on x's rows zero-padded to
+    `rows` when it has fewer (None: fn(x)): a float matmul then runs with the algorithm of a
+    `rows`-row batch, so each row's result does not depend on how many rows came with it."""
+    lead = x.shape[:-1]
+    m = math.prod(lead)
+    if rows is None or m >= rows or m == 0:
+        return fn(x)
+    flat = jnp.pad(jnp.reshape(x, (m, x.shape[-1])), ((0, rows - m), (0, 0)))
+    y = fn(flat)[:m]
+    return jnp.reshape(y, (*lead, y.shape[-1]))
+
+
 def gemm_options(
     min_m: int | None,
     occupancy: str | None = None,
     max_m: int | None | str = "default",
     reduce: str | None = None,
+    split_m: int | None = None,
 ) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m` and `reduce` (None / "default":
-    the defaults; max_m None is no bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`,
-    `gemm_max_m` and `gemm_reduce`."""
+    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce` and `split_m` (None /
+    "default": the defaults; max_m None is no bound), e.g. `Config.gemm_min_m`,
+    `gemm_occupancy`, `gemm_max_m`, `gemm_reduce` and `invariant_rows`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
+    if split_m is not None:
+        opts = dataclasses.replace(opts, split_m=split_m)
     if min_m is not None and min_m != opts.min_m:
         opts = dataclasses.replace(opts, min_m=min_m)
     if occupancy is not None and occupancy != opts.occupancy:

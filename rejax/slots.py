@@ -375,25 +375,43 @@ def _default_refill_rows(slots: int) -> int:
     return max(1, slots // 16)
 
 
-def compact_sizes(slots: int, compact: bool | Sequence[int] = True) -> tuple[int, ...]:
+# The smallest program "auto" compaction uses. Below it a decode step's arithmetic on a GPU is
+# not the B-row program's: at 8 rows and fewer the activation quantizer is a kernel of its own
+# (its RMSNorm sums in another order than XLA's) and below Config.gemm_min_m the linears are the
+# GEMV, not the GEMM. From 16 rows up, with Config.invariant_rows = B (the NVFP4 GEMM's K split
+# and the float matmuls planned at B rows), a row's tokens do not depend on the program size.
+AUTO_MIN_ROWS = 16
+
+
+def compact_sizes(slots: int, compact: bool | str | Sequence[int] = "auto") -> tuple[int, ...]:
     """Program sizes a run may use, largest (B) first.
 
     Args:
         slots: B.
-        compact: True for B and every power of two below it; False for B alone; or the sizes
-            below B to compact to (ints in [1, B)).
+        compact: "auto" for B and the powers of two below it down to `AUTO_MIN_ROWS` (row
+            counts whose decode step rounds as B rows do on a GPU); True for B and every power
+            of two below it; False for B alone; or the sizes below B to compact to (ints in
+            [1, B)).
 
     Returns:
         Distinct sizes in decreasing order, starting at B.
     """
-    if compact is None or isinstance(compact, (bool, np.bool_)):
+    if isinstance(compact, str):
+        if compact != "auto":
+            raise ValueError(
+                f"compact must be 'auto', True, False or sizes in [1, slots={slots}), "
+                f"got {compact!r}"
+            )
+        smaller = [1 << k for k in range(slots.bit_length()) if AUTO_MIN_ROWS <= 1 << k < slots]
+    elif compact is None or isinstance(compact, (bool, np.bool_)):
         smaller = [1 << k for k in range(slots.bit_length()) if 1 << k < slots] if compact else []
     else:
         smaller = list(compact) if isinstance(compact, (list, tuple, range, np.ndarray)) else [None]
         bad = [c for c in smaller if not isinstance(c, (int, np.integer)) or not 0 < c < slots]
         if bad:
             raise ValueError(
-                f"compact must be True, False or sizes in [1, slots={slots}), got {compact!r}"
+                f"compact must be 'auto', True, False or sizes in [1, slots={slots}), "
+                f"got {compact!r}"
             )
     return tuple(sorted({slots, *(int(c) for c in smaller)}, reverse=True))
 
@@ -413,7 +431,7 @@ def generate_rows(
     bucket: Callable[[int], int] | None = None,
     progress: Callable[[int, int, int], Any] | None = None,
     buffer_tokens: int | None = None,
-    compact: bool | Sequence[int] = True,
+    compact: bool | str | Sequence[int] = "auto",
 ) -> tuple[list[tuple], SlotStats]:
     """Generates every (prompt, sample) row through `slots` refilled slots.
 
@@ -437,8 +455,13 @@ def generate_rows(
             (default: the largest budget); runs with the same M, B and buckets share their
             compiled programs (a benchmark's warm-up).
         compact: once no row is pending, gather the live rows into the next smaller program
-            size as soon as they fit (True: B/2, B/4, ... 1; or the sizes, see `compact_sizes`);
-            False keeps all B slots to the end. The tokens are the same either way.
+            size as soon as they fit ("auto": B/2, B/4, ... down to 16 rows; True: down to 1;
+            or the sizes, see `compact_sizes`); False keeps all B slots to the end. The
+            decode programs then run with `Config.invariant_rows` = B (unless the config sets
+            it), so their matmuls round as B rows do: on a GPU the tokens are those of B-row
+            programs at every size of "auto" (measured on the H200: 512 of 512 rows equal to
+            static batches, NVFP4); below 16 rows they can differ by rounding. On the CPU the
+            tokens are the same at every size.
 
     Returns:
         (rows in row order as (tokens, entropy, temperature, stopped) numpy tuples, SlotStats).
@@ -453,6 +476,12 @@ def generate_rows(
     if not isinstance(refill_rows, (int, np.integer)) or not 0 < refill_rows <= slots:
         raise ValueError(f"refill_rows must be an int in [1, slots={slots}], got {refill_rows!r}")
     sizes = compact_sizes(slots, compact)
+    decode_params = params
+    if len(sizes) > 1 and params.cfg.invariant_rows is None:
+        # the decode programs of every size compute their matmuls as the B-row program does
+        # (the prefills keep the plain config: the static path's prefills are the same shapes)
+        cfg = dataclasses.replace(params.cfg, invariant_rows=slots)
+        decode_params = dataclasses.replace(params, cfg=cfg)
     _check_scalar_sampler(sampler)
     n_rows = len(prompts) * n
     if np.ndim(max_new_tokens) not in (0, 1) or (
@@ -529,7 +558,7 @@ def generate_rows(
             want = size
         t1 = time.perf_counter()
         state, ran, live = decode_chunk(
-            params, state, sampler, stop_mask, jnp.int32(want), jnp.int32(max_steps)
+            decode_params, state, sampler, stop_mask, jnp.int32(want), jnp.int32(max_steps)
         )
         chunks += 1
         done, ran, live = jax.device_get((state.done, ran, live))

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 from _lowering import decode_step_cuda_text
 
+import rejax
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4, sampling
 from rejax import params as rparams
 from rejax.cache import init_cache
-from rejax.config import Config
+from rejax.config import WEIGHT_PREFETCH_DEFAULTS, Config, weight_prefetch_policy
+from rejax.data import TINY_MODEL
 from rejax.decode import decode_step, prefill
 from rejax.ops import _dispatch
 from rejax.ops import fused_linear as fl
@@ -170,7 +172,11 @@ def stub_compiler(monkeypatch):
             elif defines.get("X_BF16"):
                 entries = {"nvfp4_gemv_w4a4_bf16": 9}
             elif defines["ACT_W4A4"]:
-                entries = {"nvfp4_gemv_w4a4": 8 + defines.get("EPI_RES", 0)}  # + res [M, N]
+                entries = {  # + res [M, N], + (codes, scales) per prefetch target
+                    "nvfp4_gemv_w4a4": 8
+                    + defines.get("EPI_RES", 0)
+                    + 2 * defines.get("PF_TARGETS", 0)
+                }
             else:
                 entries = {"nvfp4_gemv_w4a16": 6}
         text = ".version 9.0\n.target sm_90\n"
@@ -558,3 +564,112 @@ def test_quantizer_kernel_compiles_for_sm90(tmp_path, monkeypatch):
             nvfp4_quant.build(9, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
     finally:
         nvfp4_quant._build_cached.cache_clear()
+
+
+# ----------------------------------------------------------------------------- L2 prefetch
+
+PREFETCH = "next:qkv_gu=0.5,at=start,mode=bulk,ef=1"
+
+
+def test_prefetch_spec_parses_and_refuses_bad_items():
+    """Config.weight_prefetch: "none", "next" with defaults, choices that override them; a bad
+    spec is refused when the Config is built, naming the item."""
+    assert weight_prefetch_policy("none") is None
+    assert weight_prefetch_policy("next") == WEIGHT_PREFETCH_DEFAULTS
+    got = weight_prefetch_policy(PREFETCH)
+    assert (got["qkv_gu"], got["at"], got["mode"], got["ef"]) == (0.5, "start", "bulk", 1)
+    for bad, what in [
+        ("next:gu=1.5", "gu='1.5'"),
+        ("next:mode=fast", "mode='fast'"),
+        ("next:o", "bad item 'o'"),
+        ("next:speed=1", "bad item 'speed=1'"),
+        ("later", "expected 'none' or 'next"),
+        ("next:ef=2", "ef='2'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(what)):
+            Config(weight_prefetch=bad)
+
+
+def test_prefetch_changes_no_number_on_cpu():
+    """The prefetch hints take no part in the reference: a decode step of the bundled model
+    gives the same logits bit for bit with and without them."""
+    params = rejax.load(TINY_MODEL, quant="nvfp4")
+    tokens = jnp.asarray([[3, 17, 29, 4, 11]])
+    base = rejax.logits(params, tokens)
+    cfg = dataclasses.replace(params.cfg, weight_prefetch=PREFETCH)
+    hinted = rejax.logits(dataclasses.replace(params, cfg=cfg), tokens)
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(hinted))
+
+
+def test_prefetch_lowers_to_gemv_operands_and_defines(stub_compiler):
+    """With weight_prefetch on, each decode GEMV at batch 2 takes the next linear's stacks as
+    operands after `layer` (qkv two targets: o and gate_up; o: gate_up; gate_up: down; down:
+    the next layer's qkv) and is built with their shapes, layer deltas and row bytes; at batch
+    16 (the GEMM) the hints are dropped and nothing is built with them."""
+    cfg = Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=3,
+        weight_prefetch=PREFETCH,
+    )  # fmt: skip
+    text = decode_step_cuda_text(cfg, 2)
+    gemvs = [ops for name, ops in _ptx_calls(text) if name == "nvfp4_gemv_w4a4"]
+    # qkv [3, 512, 128] codes (q 4x64 + k, v 2x64 = 512 rows of K 256), o [3, 256, 128],
+    # gate_up [3, 1024, 128], down [3, 256, 256]
+    stacks = sorted(tuple(o[-4::2]) if len(o) >= 11 else tuple(o[-2:-1]) for o in gemvs)
+    want_ops = sorted([
+        ("tensor<3x256x128xui8>", "tensor<3x1024x128xui8>"),  # qkv -> o, gate_up
+        ("tensor<3x1024x128xui8>",),  # o -> gate_up
+        ("tensor<3x256x256xui8>",),  # gate_up -> down
+        ("tensor<3x512x128xui8>",),  # down -> next qkv
+    ])  # fmt: skip
+    assert stacks == want_ops, stacks
+    builds = [d for d in stub_compiler if d.get("PF_TARGETS")]
+    by_n = {d["N_OUT"]: d for d in builds}
+    assert sorted(by_n) == [256, 512, 1024] and len(builds) == 4  # o and down share N = 256
+    qkv = by_n[512]
+    assert (qkv["PF_TARGETS"], qkv["PF0_N"], qkv["PF1_N"], qkv["PF1_CB"]) == (2, 256, 1024, 128)
+    assert (qkv["PF_AT"], qkv["PF_MODE"], qkv["LDW_EF"]) == (0, 2, 1)
+    down = next(d for d in builds if d["K_IN"] == 512)
+    assert (down["PF0_N"], down["PF0_DL"], down["PF0_L"], down["PF0_CB"]) == (512, 1, 3, 128)
+    stub_compiler.clear()
+    text = decode_step_cuda_text(cfg, 16)
+    assert not [d for d in stub_compiler if d.get("PF_TARGETS")]
+    gemms = [ops for name, ops in _ptx_calls(text) if name == nvfp4_gemm.ENTRY]
+    assert sorted(len(o) for o in gemms) == [6, 6, 7, 7], gemms
+
+
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+@pytest.mark.parametrize("mode", nvfp4_gemv.PREFETCH_MODES)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 4096, 4096), (2, 24576, 4096), (4, 4096, 12288)])
+def test_prefetch_kernels_compile_for_sm90(tmp_path, monkeypatch, m, n, k, mode):
+    """NVRTC compiles the W4A4 GEMV with one and two prefetch targets (streaming and persistent
+    variants, each mode, evict_first loads) and the entry takes two operands per target more
+    (`build` checks the parameter count)."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_gemv._build_cached.cache_clear()
+    try:
+        targets = (
+            nvfp4_gemv.PrefetchTarget(6144, 4096, 36, 1, 1.0),
+            nvfp4_gemv.PrefetchTarget(24576, 4096, 36, 0, 0.3),
+        )
+        for count, at in ((1, "end"), (2, "start")):
+            pf = nvfp4_gemv.Prefetch(targets=targets[:count], at=at, mode=mode, evict_first=True)
+            kernel = nvfp4_gemv.build(
+                "w4a4", m, n, k, arch="compute_90", num_sms=132, prefetch=pf, residual=True
+            )
+            assert kernel.plan.n_inputs == 8 + 2 * count
+            assert "prefetch" in kernel.ptx and ("L2::cache_hint" in kernel.ptx)
+    finally:
+        nvfp4_gemv._build_cached.cache_clear()
+
+
+def test_prefetch_options_are_checked():
+    """Bad prefetch choices are refused by name before anything compiles."""
+    with pytest.raises(nvfp4_gemv.KernelError, match="fraction"):
+        nvfp4_gemv.PrefetchTarget(64, 256, 2, 0, 0.0)
+    with pytest.raises(nvfp4_gemv.KernelError, match="Prefetch.mode"):
+        nvfp4_gemv.Prefetch(mode="fast")
+    with pytest.raises(nvfp4_gemv.KernelError, match="at most 2"):
+        nvfp4_gemv.Prefetch(targets=(nvfp4_gemv.PrefetchTarget(64, 256, 2),) * 3)
+    with pytest.raises(nvfp4_gemv.KernelError, match="only for act='w4a4'"):
+        nvfp4_gemv.build("w4a16", 1, 64, 256, arch="compute_90", prefetch=nvfp4_gemv.Prefetch())
+    assert nvfp4_gemv.PrefetchTarget(64, 4096, 2, 0, 0.3).row_bytes() == (640, 80)

@@ -7,6 +7,7 @@ GEMM letters: M rows of x, N out features, K in features.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -19,6 +20,7 @@ from _lowering import decode_step_cuda_text
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import config as rconfig
+from rejax import layers as rlayers
 from rejax import nvfp4
 from rejax.ops import _dispatch
 from rejax.ops import linear as kernels
@@ -693,3 +695,55 @@ def test_config_gemm_reduce_reaches_the_decoder(stub_compilers):
         assert finishes == (0 if reduce == "cluster" else len(split)), (reduce, entries)
     with pytest.raises(ValueError, match="unknown gemm_reduce 'atomic'"):
         rconfig.Config(gemm_reduce="atomic")
+
+
+def test_split_m_gives_every_row_count_the_same_k_split():
+    """GemmOptions.split_m: the K split is planned as for split_m rows at every M, so a row adds
+    its K in the same split order whatever batch it runs in (the default plan changes the split
+    with M on the qkv and gate_up shapes); explicit splitk still wins; bad values are refused;
+    Config.invariant_rows reaches the decoder's GEMM options."""
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    varies = False
+    for n, k in shapes:
+        plain = {nvfp4_gemm.plan(m, n, k).splitk for m in (8, 16, 32, 64)}
+        varies |= len(plain) > 1
+        opts = nvfp4_gemm.GemmOptions(split_m=64)
+        fixed = {nvfp4_gemm.plan(m, n, k, options=opts).splitk for m in (8, 16, 32, 64)}
+        assert fixed == {nvfp4_gemm.plan(64, n, k).splitk}, (n, k, fixed)
+    assert varies  # otherwise this test shows nothing
+    both = nvfp4_gemm.GemmOptions(split_m=64, splitk=2)
+    assert nvfp4_gemm.plan(16, 6144, 4096, options=both).splitk == 2
+    with pytest.raises(nvfp4_gemm.KernelError, match="split_m"):
+        nvfp4_gemm.GemmOptions(split_m=0)
+    with pytest.raises(ValueError, match="invariant_rows"):
+        rconfig.Config(invariant_rows=-1)
+    assert rlayers.gemm_options(None, split_m=64).split_m == 64
+
+
+def test_invariant_rows_pads_float_matmuls_and_plans_the_gemm_split(stub_compilers):
+    """Config.invariant_rows: a bf16 decode step at 2 rows runs its linears and the lm_head as
+    16-row matmuls (zero-padded rows, sliced back); an NVFP4 step at 16 rows builds its GEMMs
+    with the K split of 64 rows."""
+    cfg = rconfig.Config(hidden_size=256, intermediate_size=512, head_dim=64, num_layers=2)
+    plain = decode_step_cuda_text(cfg, 2)
+    padded = decode_step_cuda_text(dataclasses.replace(cfg, invariant_rows=16), 2)
+    rows = lambda text: sorted(
+        set(re.findall(r"stablehlo\.dot_general[^\n]*: \(tensor<(\d+)x", text))
+    )
+    assert rows(plain) == ["2"] and rows(padded) == ["16"], (rows(plain), rows(padded))
+    # qkv 6144 x 4096: the default plan splits K 6 ways at 16 rows, 8 at 64
+    nv = rconfig.Config(quant="nvfp4", hidden_size=4096, intermediate_size=256, head_dim=128,
+                        num_heads=32, num_kv_heads=8, num_layers=1)  # fmt: skip
+    assert nvfp4_gemm.plan(16, 6144, 4096).splitk != nvfp4_gemm.plan(64, 6144, 4096).splitk
+    split = {}
+    for invariant in (None, 64):
+        stub_compilers.clear()
+        decode_step_cuda_text(dataclasses.replace(nv, invariant_rows=invariant), 16)
+        split[invariant] = {
+            d["SPLITK"] for name, d in stub_compilers
+            if name == nvfp4_gemm.SOURCE and d["N_OUT"] == 6144
+        }  # fmt: skip
+    assert split == {
+        None: {nvfp4_gemm.plan(16, 6144, 4096).splitk},
+        64: {nvfp4_gemm.plan(64, 6144, 4096).splitk},
+    }, split

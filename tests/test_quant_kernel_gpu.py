@@ -20,6 +20,8 @@ GEMM letters: M tokens, N out features, K in features.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,3 +184,44 @@ def test_gemv_residual_direct_launch_writes_every_output(n, k):
         want = np.asarray(plain(args[3], *args[:3], *args[4:]), np.float32)
         assert np.isfinite(direct).all(), f"M={m}: outputs left unwritten"
         np.testing.assert_array_equal(direct, want, err_msg=f"M={m} N={n} K={k}")
+
+
+PREFETCH_CASES = [
+    nvfp4_gemv.Prefetch(at="end", mode="line"),
+    nvfp4_gemv.Prefetch(at="start", mode="bulk", evict_first=True),
+    nvfp4_gemv.Prefetch(at="end", mode="last", evict_first=True),
+]
+
+
+@pytest.mark.parametrize(
+    "options", PREFETCH_CASES, ids=["end-line", "start-bulk-ef", "end-last-ef"]
+)
+@pytest.mark.parametrize(("n", "k"), O_DOWN)
+def test_gemv_prefetch_changes_no_bits(n, k, options):
+    """The W4A4 GEMV with L2 prefetch hints (two targets: the next layer's stack, which at the
+    last layer points past the stack and must be skipped, and a partial one) equals the GEMV
+    without them bitwise, with the residual epilogue, M = 1, 2, 4, 7 (the streaming and persistent
+    variants), at layer 0 and at the last layer."""
+    w = _weight(n, k)
+    other = _weight(3 * n, k)  # any stacks will do: prefetches read nothing into the result
+    kw = {"act": "w4a4", "n": n, "k": k, "impl": "cuda", "launch": "ptx"}
+    targets = (
+        nvfp4_gemv.PrefetchTarget(n, k, w.stack[0], 1, 1.0),
+        nvfp4_gemv.PrefetchTarget(3 * n, k, other.stack[0], 0, 0.3),
+    )
+    spec = dataclasses.replace(options, targets=targets)
+    stacks = [(t.packed, jax.lax.bitcast_convert_type(t.scales, jnp.uint8)) for t in (w, other)]
+    hinted = jax.jit(lambda r, *a: kernels.gemv_call(a, residual=r, prefetch=(spec, stacks), **kw))
+    plain = jax.jit(lambda r, *a: kernels.gemv_call(a, residual=r, **kw))
+    for layer in (0, w.stack[0] - 1):
+        for m in (1, 2, 4, 7):
+            args = kernels._operands(_x(m, k, m + k, scale=1.0), w, "w4a4", 0.02,
+                                     jnp.int32(layer))  # fmt: skip
+            r = _res(m, n, m)
+            what = f"M={m} N={n} K={k} layer={layer} {options}"
+            text = hinted.lower(r, *args).compile().as_text()
+            assert "nvfp4_gemv_w4a4" in text, what
+            got = np.asarray(hinted(r, *args), np.float32)
+            assert np.isfinite(got).all(), what
+            want = np.asarray(plain(r, *args), np.float32)
+            np.testing.assert_array_equal(got, want, err_msg=what)

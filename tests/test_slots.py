@@ -374,11 +374,44 @@ def test_bad_driver_input_raises(params):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, refill_rows=3, **common)
     with pytest.raises(ValueError, match="one per row"):
         sl.generate_rows(params, [[1]], slots=2, max_new_tokens=[2, 3], n=1, **common)
-    for bad in ([0], [2], [4, 1], "1", 1):
+    for bad in ([0], [2], [4, 1], "1", 1, "all"):
         with pytest.raises(
-            ValueError, match=r"compact must be True, False or sizes in \[1, slots=2\)"
+            ValueError, match=r"compact must be 'auto', True, False or sizes in \[1, slots=2\)"
         ):
             sl.generate_rows(params, [[1]], slots=2, max_new_tokens=2, compact=bad, **common)
-    assert sl.compact_sizes(64) == (64, 32, 16, 8, 4, 2, 1)
-    assert sl.compact_sizes(48) == (48, 32, 16, 8, 4, 2, 1)
+    # "auto" (the default) stops at 16 rows, where a GPU's decode step still rounds as at B
+    assert sl.compact_sizes(64) == (64, 32, 16) and sl.compact_sizes(16) == (16,)
+    assert sl.compact_sizes(48) == (48, 32, 16) and sl.compact_sizes(8) == (8,)
+    assert sl.compact_sizes(64, True) == (64, 32, 16, 8, 4, 2, 1)
+    assert sl.compact_sizes(48, True) == (48, 32, 16, 8, 4, 2, 1)
     assert sl.compact_sizes(8, False) == (8,) and sl.compact_sizes(8, (2, 6, 2)) == (8, 6, 2)
+
+
+def test_compacting_runs_decode_with_invariant_rows(params, monkeypatch):
+    """With compaction the decode programs of every size run with Config.invariant_rows = B
+    (their matmuls planned as B rows, so a GPU rounds each row as the B-row program does); the
+    slot prefills keep the plain config (the static path's prefill shapes); without
+    compaction, or with invariant_rows already set, the config is left alone."""
+    seen = {"decode": set(), "prefill": set()}
+    decode, prefill = sl.decode_chunk, sl._prefill
+
+    def spy_decode(p, *a, **k):
+        seen["decode"].add(p.cfg.invariant_rows)
+        return decode(p, *a, **k)
+
+    def spy_prefill(p, *a, **k):
+        seen["prefill"].add(p.cfg.invariant_rows)
+        return prefill(p, *a, **k)
+
+    monkeypatch.setattr(sl, "decode_chunk", spy_decode)
+    monkeypatch.setattr(sl, "_prefill", spy_prefill)
+    budgets = [9, 2, 2, 2, 2, 2] * N
+    _forced(params, budgets[: len(PROMPTS) * N], 4, [2])
+    assert seen == {"decode": {4}, "prefill": {None}}, seen
+    for compact, cfg_rows, want in ((False, None, {None}), ([2], 8, {8})):
+        seen = {"decode": set(), "prefill": set()}
+        p = dataclasses.replace(
+            params, cfg=dataclasses.replace(params.cfg, invariant_rows=cfg_rows)
+        )
+        _forced(p, budgets[: len(PROMPTS) * N], 4, compact)
+        assert seen["decode"] == want, (compact, seen)

@@ -57,7 +57,7 @@ def evaluate(
     timeout_s: float = 8.0,
     grade_workers: int | None = None,
     slots: int | None = None,
-    compact: bool = True,
+    compact: bool | str = "auto",
     prefill_rows: int | None = None,
 ) -> EvalResult:
     """Samples n responses per problem, grades them and computes avg@n with a 95% CI.
@@ -89,9 +89,11 @@ def evaluate(
       grade_workers: code: sandboxed runs at a time (default: min(4, CPU count)).
       slots: decode the problems x n rows through this many refilled slots (rejax/slots.py)
         instead of batches (excludes batch_size; same responses); the bar then counts rows
-        and the summary adds `slots`, `slot_occupancy` and `slot_steps_by_size`.
-      compact: with `slots`, compact the draining rows into smaller programs (see
-        `rejax.generate`); False keeps all slots to the end.
+        and the summary adds `slots`, `slot_occupancy` (mean over decode steps of live rows /
+        program rows), `slot_row_occupancy` (live row-steps / program row-steps) and
+        `slot_steps_by_size`.
+      compact: with `slots`, compact the draining rows into smaller programs ("auto": down
+        to 16 rows, True: down to 1; see `rejax.generate`); False keeps all slots to the end.
       prefill_rows: rows prefilled together, batches and slot refills alike (see
         `rejax.generate`; the same value gives both the same prefill shapes on a GPU).
 
@@ -210,6 +212,7 @@ def evaluate(
     if slots is not None:
         summary["slots"] = slots
         summary["slot_occupancy"] = gen.slot_stats["occupancy"]
+        summary["slot_row_occupancy"] = gen.slot_stats["row_occupancy"]
         summary["slot_compact"] = compact
         summary["slot_steps_by_size"] = gen.slot_stats["steps_by_size"]
     if task == "math":

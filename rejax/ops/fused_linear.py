@@ -72,8 +72,9 @@ def _static_scale(xg, layer, fused):
     return layers.take(xg, layer) if fused.scale_stacked else xg[0]
 
 
-def _reference(x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, order="auto", **_: Any):
-    """The unfused composition on the primitive's operands (see `fused_linear`)."""
+def _reference(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, order="auto", **_: Any):
+    """The unfused composition on the primitive's operands (see `fused_linear`; the prefetch
+    operands after `layer` are hints and take no part)."""
     h = _prologue(x, nw, layer, k=k, fused=fused)
     scale = _static_scale(xg, layer, fused)
     w = _weight(wp, ws, wg, layer, n, k)
@@ -143,13 +144,18 @@ mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 
 
 def _two_kernels(
-    x, xg, nw, res, wp, ws, wg, layer, *, n, k, fused, quant, options, gemm_options, gw_rows,
-    epilogue,
+    x, xg, nw, res, wp, ws, wg, layer, *pf_stacks, n, k, fused, quant, options, gemm_options,
+    gw_rows, epilogue, prefetch=None,
 ):  # fmt: skip
     """The quantizer (its kernel, or with `quant` None its reference as XLA ops), then the plain
     W4A4 linear (GEMV or GEMM) on its codes, which adds the residual in its epilogue
-    (`rejax.ops.linear.gemv_call`) with `epilogue`, else after it."""
+    (`rejax.ops.linear.gemv_call`) with `epilogue`, else after it; the GEMV issues the
+    `prefetch` hints (the GEMM drops them)."""
     pro = dataclasses.replace(fused, residual=False)
+    pf = None
+    if prefetch is not None:
+        pairs = tuple(zip(pf_stacks[0::2], pf_stacks[1::2], strict=True))
+        pf = (prefetch, pairs)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
     in_kernel = fused.residual and epilogue
     y = gemv_call(
@@ -163,6 +169,7 @@ def _two_kernels(
         options=options,
         gemm_options=gemm_options,
         residual=res if in_kernel else None,
+        prefetch=pf,
     )
     return res + y if fused.residual and not in_kernel else y
 
@@ -224,6 +231,7 @@ def _lower_two(ctx, *args, **params):
         gemm_options=params["gemm_options"],
         gw_rows=params["gw_rows"],
         epilogue=params["residual_epilogue"],
+        prefetch=params["prefetch"],
     )
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
@@ -254,10 +262,20 @@ def _lower_cuda(ctx, *args, **params):
         # the composition, its matmul as one bf16 tensor-core dot (rejax/ops/linear.py)
         fn = functools.partial(_reference, **{**params, "order": "dot"})
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
-    if params["launch"] == "ptx":
+    drop = params["prefetch"].operands if params["prefetch"] is not None else 0
+    if params["launch"] == "ptx" and not drop:
         return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
-    fn = functools.partial(_callback_impl, kernel=kernel)
+    # the one-launch kernel takes no prefetch operands (hints only): dropped
+    fn = functools.partial(_one_kernel, kernel=kernel, launch=params["launch"], drop=drop)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
+def _one_kernel(*args, kernel, launch, drop):
+    args = args[: len(args) - drop]
+    if launch == "ptx":
+        out = jax.ShapeDtypeStruct((args[0].shape[0], kernel.n), jnp.bfloat16)
+        return _dispatch.ptx_call(kernel.backend_config(), out, *args)
+    return _callback_impl(*args, kernel=kernel)
 
 
 mlir.register_lowering(_fused_p, _lower_reference)
@@ -304,6 +322,8 @@ def fused_linear(
     kernels: str = "one",
     gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
     residual_epilogue: bool = False,
+    prefetch: tuple = (),
+    prefetch_options: nvfp4_gemv.Prefetch | None = None,
 ) -> jax.Array:
     """y = [residual +] nvfp4_linear(prologue(x)) as one op (on CUDA one kernel launch for
     M <= 8, or two with `kernels="two"`; for more rows XLA's prologue and quantizer, then the
@@ -331,6 +351,13 @@ def fused_linear(
             the fused GEMV does not serve), the GEMV or GEMM adds it in its epilogue (no add
             of its own on CUDA; the same bf16 add). Off by default here; the decoder sets it
             from `Config.residual_fusion` (default "fused").
+        prefetch: weights the plain W4A4 GEMV of the two-step lowering prefetches into L2
+            while it runs (`cuda_ops.nvfp4_gemv.Prefetch`): up to two (stacked Nvfp4Tensor,
+            layer delta, fraction of each row) entries, the stack's layer being `layer` +
+            delta. Hints only: the result is unchanged, and the GEMM, the one-launch kernel
+            and the reference ignore them. Used only with `prefetch_options`.
+        prefetch_options: a `Prefetch` whose at / mode / evict_first apply (its targets are
+            replaced by `prefetch`'s); None: no prefetch.
 
     Returns:
         bf16 [..., N].
@@ -390,6 +417,7 @@ def fused_linear(
             ok, why = _supported("w4a4", m, n, k, jnp.bfloat16, gemm_options, w.per_row)[1]
         if not ok:
             raise ValueError(f"fused_linear(impl='cuda'): {why}")
+    spec, stacks = _prefetch_spec(prefetch, prefetch_options, layer)
     one = jnp.zeros((1,), jnp.bfloat16)
     args = (
         jnp.reshape(x, (m, width)),
@@ -400,6 +428,7 @@ def fused_linear(
         jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
         jnp.asarray(w.global_scale, jnp.float32),
         jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+        *stacks,
     )
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
     y = _fused_p.bind(
@@ -414,5 +443,32 @@ def fused_linear(
         kernels=kernels,
         gemm_options=gemm_options,
         residual_epilogue=bool(residual_epilogue),
+        prefetch=spec,
     )
     return jnp.reshape(y, (*lead, n))
+
+
+def _prefetch_spec(prefetch, options, layer) -> tuple[nvfp4_gemv.Prefetch | None, tuple]:
+    """(the static `Prefetch` with its targets, their (codes, scales) operands) for
+    `fused_linear`'s prefetch arguments; (None, ()) without `options`."""
+    if options is None:
+        if prefetch:
+            raise ValueError("prefetch= targets need prefetch_options= (a nvfp4_gemv.Prefetch)")
+        return None, ()
+    if not isinstance(options, nvfp4_gemv.Prefetch):
+        got = type(options).__name__
+        raise ValueError(f"prefetch_options must be a nvfp4_gemv.Prefetch, got {got}")  # noqa: TRY004
+    if prefetch and layer is None:
+        raise ValueError("prefetch= targets are layer stacks: pass layer=")
+    targets, stacks = [], []
+    for entry in prefetch:
+        if not (isinstance(entry, tuple) and len(entry) == 3):
+            raise ValueError(f"prefetch entry {entry!r}: expected (Nvfp4Tensor, delta, fraction)")
+        w, delta, fraction = entry
+        if not isinstance(w, Nvfp4Tensor) or len(w.stack) != 1:
+            raise ValueError("prefetch targets must be Nvfp4Tensor stacks [L, N, K/2]")
+        n, k = w.shape
+        targets.append(nvfp4_gemv.PrefetchTarget(n, k, w.stack[0], int(delta), float(fraction)))
+        stacks += [w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8)]
+    spec = dataclasses.replace(options, targets=tuple(targets))
+    return spec, tuple(stacks)

@@ -60,10 +60,19 @@ def _weight(wp, ws, wg, layer, n: int, k: int) -> Nvfp4Tensor:
 
 
 def _reference(
-    *args, act: str, n: int, k: int, order: str = "auto", residual: bool = False, **_: Any
+    *args,
+    act: str,
+    n: int,
+    k: int,
+    order: str = "auto",
+    residual: bool = False,
+    prefetch: nvfp4_gemv.Prefetch | None = None,
+    **_: Any,
 ) -> jax.Array:
     """Reference numerics on the primitive's operands (see `_operands`; with `residual`, res
-    [M, N] after xg and the bf16 add res + y)."""
+    [M, N] after xg and the bf16 add res + y; `prefetch` operands, last, are only hints)."""
+    if prefetch is not None and prefetch.operands:
+        args = args[: -prefetch.operands]
     if residual:
         xp, xs, xg, res, *w = args
         return res + _reference(xp, xs, xg, *w, act=act, n=n, k=k, order=order)
@@ -140,13 +149,18 @@ def _lower_cuda(ctx, *args, **params):
                     options=params["options"],
                     gw_rows=params["gw_rows"],
                     residual=params["residual"],
+                    prefetch=params["prefetch"],
                 )
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"{kind} build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         return _lower_gpu_reference(ctx, *args, **params)
     if kind == "gemm":
-        fn = functools.partial(_gemm_impl, kernel=kernel, launch=params["launch"])
+        # the GEMM takes no prefetch operands (hints only): dropped
+        pf = params["prefetch"]
+        fn = functools.partial(
+            _gemm_impl, kernel=kernel, launch=params["launch"], drop=pf.operands if pf else 0
+        )
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if params["launch"] == "ptx":
         return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
@@ -208,8 +222,9 @@ def gemm_finish(
     return ((acc * jnp.float32(2.0 ** (14 - w_shift))) * alpha).astype(jnp.bfloat16)
 
 
-def _gemm_impl(*args, kernel, launch):
+def _gemm_impl(*args, kernel, launch, drop=0):
     p = kernel.plan
+    args = args[: len(args) - drop]
     # (xp, xs, xg, wp, ws, wg, layer), res [M, N] after xg with the residual
     xp, xs, xg, *res, wp, ws, wg, layer = args
     xh = gemm_x_operand(xp, xs)
@@ -288,12 +303,17 @@ def gemv_call(
     gemm_options=nvfp4_gemm.DEFAULT_OPTIONS,
     order="auto",
     residual=None,
+    prefetch=None,
 ):
     """Binds the primitive on flat kernel operands (see `_operands`).
 
     `residual` (W4A4 only): bf16 [M, N] added to the output, y = residual + linear (XLA's bf16
     add, as the reference runs it). The GEMV and the GEMM take it as an operand after xg and
     add it in their epilogue (no launch of its own).
+
+    `prefetch` (W4A4 only): (`nvfp4_gemv.Prefetch`, [(codes, scales) of each target's stack])
+    for the GEMV to prefetch into L2 (hints: the result is unchanged; the GEMM, the reference
+    and the W4A16 GEMV ignore it).
     """
     if residual is not None:
         if act != "w4a4":
@@ -304,6 +324,22 @@ def gemv_call(
                 f"residual {residual.shape} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
             )
         args = (*args[:3], residual, *args[3:])
+    spec = None
+    if prefetch is not None:
+        spec, stacks = prefetch
+        if act != "w4a4":
+            raise ValueError(f"prefetch= is only for act='w4a4', got act={act!r}")
+        if not isinstance(spec, nvfp4_gemv.Prefetch) or len(stacks) != len(spec.targets):
+            raise ValueError(
+                f"prefetch=(spec, stacks) needs a Prefetch and one (codes, scales) per target, "
+                f"got {type(spec).__name__} with {len(stacks)} stacks"
+            )
+        for (codes, scales), t in zip(stacks, spec.targets, strict=True):
+            want = ((t.layers, t.n, t.k // 2), (t.layers, t.n, t.k // 16))
+            got = (tuple(codes.shape), tuple(scales.shape))
+            if got != want or codes.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
+                raise ValueError(f"prefetch stack shapes {got}, expected uint8 {want}")
+            args = (*args, codes, scales)
     return _gemv_p.bind(
         *args,
         act=act,
@@ -316,6 +352,7 @@ def gemv_call(
         gemm_options=gemm_options,
         order=order,
         residual=residual is not None,
+        prefetch=spec,
     )
 
 
