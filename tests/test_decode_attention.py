@@ -12,6 +12,8 @@ import pytest
 from rejax.cache import dequantize_kv, quantize_kv
 from rejax.layers import attention, attention_mask
 from rejax.ops.decode_attention import (
+    NUM_STAGES,
+    NUM_WARPS,
     decode_attention,
     decode_attention_kernel,
     decode_attention_ref,
@@ -126,6 +128,11 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("b,n,kh,h,s,live,block_s,splits,poison", KERNEL_CASES)
 def test_kernel_interpret_equals_ref(b, n, kh, h, s, live, block_s, splits, poison):
+    _check_interpret(b, n, kh, h, s, live, block_s, splits, poison)
+
+
+def _check_interpret(b, n, kh, h, s, live, block_s, splits, poison, **launch):
+    """The interpreted kernel (with launch choices `launch`) against the reference."""
     q, kc, vc, qp, kp = _problem(s + live, b=b, n=n, kh=kh, h=h, s=s, live=live)
     if b > 1:
         qp = qp.at[b - 1].set(-1)  # a padded row
@@ -135,11 +142,15 @@ def test_kernel_interpret_equals_ref(b, n, kh, h, s, live, block_s, splits, pois
     args = (q, kc, vc, jnp.int32(1), qp, kp, jnp.int32(live))
     ref = decode_attention(*args, impl="ref")
     if poison:
+        if splits is None:
+            splits = default_num_splits(b, kh, s, block_s)
         out = decode_attention_kernel(
-            *args, block_s=block_s, num_splits=splits, interpret=True, poison=True
+            *args, block_s=block_s, num_splits=splits, interpret=True, poison=True, **launch
         )
     else:
-        out = decode_attention(*args, impl="interpret", block_s=block_s, num_splits=splits)
+        out = decode_attention(
+            *args, impl="interpret", block_s=block_s, num_splits=splits, **launch
+        )
     assert out.shape == q.shape and out.dtype == q.dtype
     vis = _visible_rows(qp, kp, live)
     assert vis.any()
@@ -283,6 +294,120 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         f32 = [x.astype(jnp.float32) for x in (q, kc, vc)]
         decode_attention(*f32, one, qp, kp, live, impl="interpret")
+
+
+# ----------------------------------------------------------------------------- launch choices
+
+# The partials kernel's launch choices. num_warps / num_stages leave the interpreted kernel as it
+# is (the interpreter ignores them; test_launch_choices_reach_the_cuda_lowering checks that they
+# reach the Triton call); blocks_per_iter and prefetch change the block loop itself.
+LAUNCH_VARIANTS = [
+    {"num_warps": 8, "num_stages": 3},
+    {"num_warps": 2, "num_stages": 1},
+    {"blocks_per_iter": 2},
+    {"blocks_per_iter": 3},
+    {"prefetch": True},
+    {"prefetch": True, "blocks_per_iter": 2, "num_stages": 1},
+]
+# KERNEL_CASES with several blocks per split, plus a long one (18 blocks, 9 per split): groups
+# of u blocks that do and do not divide a split, the fully masked prefetch after a split's last
+# block, splits with no block (live 1 of 4 splits).
+LAUNCH_CASES = [
+    KERNEL_CASES[0],
+    KERNEL_CASES[2],
+    KERNEL_CASES[3],
+    (2, 8, 2, 32, 300, 283, 16, 2, True),
+    (2, 8, 2, 32, 300, 290, 16, 2, False),
+]
+
+
+def _launch_id(launch: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in launch.items())
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS, ids=_launch_id)
+@pytest.mark.parametrize("b,n,kh,h,s,live,block_s,splits,poison", LAUNCH_CASES)
+def test_launch_variants_interpret_equal_ref(launch, b, n, kh, h, s, live, block_s, splits, poison):
+    _check_interpret(b, n, kh, h, s, live, block_s, splits, poison, **launch)
+
+
+def _triton_calls(f, *args) -> list[tuple[str, int, int]]:
+    """(name, num_warps, num_stages) of each Pallas Triton call in f lowered for CUDA."""
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    found = re.findall(
+        r'name = "(rejax_decode_attention_[a-z]+)", num_stages = (\d+) : i32, '
+        r"num_warps = (\d+) : i32",
+        text,
+    )
+    return [(name, int(w), int(st)) for name, st, w in found]
+
+
+def test_launch_choices_reach_the_cuda_lowering():
+    # Lowering for CUDA builds each variant's Triton IR (no GPU needed): every variant must
+    # lower, and num_warps / num_stages must land on the partials call only.
+    q, kc, vc, qp, kp = _problem(15, b=2, n=8, kh=2, h=64, s=64, live=20)
+    k8, v8, ks, vs = _fp8(kc, vc)
+    args = (jnp.int32(0), qp, kp, jnp.int32(20))
+    combine = ("rejax_decode_attention_combine", NUM_WARPS, NUM_STAGES)
+    for launch in [{}, *LAUNCH_VARIANTS]:
+        f = jax.jit(lambda *a, launch=launch: decode_attention(*a, impl="pallas", **launch))
+        warps, stages = launch.get("num_warps", NUM_WARPS), launch.get("num_stages", NUM_STAGES)
+        partials = ("rejax_decode_attention_partials", warps, stages)
+        assert _triton_calls(f, q, kc, vc, *args) == [partials, combine], launch
+        f8 = jax.jit(
+            lambda *a, launch=launch: decode_attention(
+                *a[:7], k_scale=a[7], v_scale=a[8], impl="pallas", **launch
+            )
+        )
+        assert _triton_calls(f8, q, k8, v8, *args, ks, vs) == [partials, combine], launch
+
+
+@pytest.mark.parametrize("launch", LAUNCH_VARIANTS[2:], ids=_launch_id)
+def test_fp8_launch_variants_interpret_equal_ref(launch):
+    b, n, kh, h, s, live, block_s, splits, poison = LAUNCH_CASES[3]
+    _check_fp8_interpret(b, n, kh, h, s, live, block_s, splits, poison, **launch)
+
+
+@pytest.mark.parametrize(
+    "launch,message",
+    [
+        ({"num_warps": 3}, r"num_warps must be a power of two in \[1, 32\], got 3$"),
+        ({"num_warps": 0}, r"num_warps must be .* got 0$"),
+        ({"num_warps": 64}, r"num_warps must be .* got 64$"),
+        ({"num_warps": True}, r"num_warps must be .* got True$"),
+        ({"num_stages": 0}, r"num_stages must be an integer in \[1, 8\], got 0$"),
+        ({"num_stages": 2.0}, r"num_stages must be .* got 2.0$"),
+        ({"blocks_per_iter": 9}, r"blocks_per_iter must be an integer in \[1, 8\], got 9$"),
+        ({"blocks_per_iter": 0}, r"blocks_per_iter must be .* got 0$"),
+        ({"prefetch": 2}, r"prefetch must be a bool, got 2$"),
+        ({"prefetch": "yes"}, r"prefetch must be a bool, got 'yes'$"),
+        ({"num_splits": 0}, r"num_splits must be in \[1, 128\], got 0$"),
+        ({"num_splits": 129}, r"num_splits must be in \[1, 128\], got 129$"),
+    ],
+)
+def test_bad_launch_choices_raise(launch, message):
+    q, kc, vc, qp, kp = _problem(16, b=2, n=4, kh=2, h=16, s=32, live=20)
+    args = (q, kc, vc, jnp.int32(1), qp, kp, jnp.int32(20))
+    # refused whatever the impl (the reference too), before any lowering
+    for impl in ("auto", "ref", "interpret"):
+        with pytest.raises(ValueError, match=message):
+            decode_attention(*args, impl=impl, **launch)
+    kernel_launch = {"block_s": 16, "num_splits": 2, **launch}
+    with pytest.raises(ValueError, match=message):
+        decode_attention_kernel(*args, interpret=True, **kernel_launch)
+
+
+def test_kernel_entry_refuses_bad_block_s():
+    q, kc, vc, qp, kp = _problem(17, b=1, n=4, kh=2, h=16, s=32, live=20)
+    args = (q, kc, vc, jnp.int32(1), qp, kp, jnp.int32(20))
+    for bad in (24, 8, 0):
+        with pytest.raises(ValueError, match=rf"block_s must be a power of two >= 16, got {bad}$"):
+            decode_attention_kernel(*args, block_s=bad, num_splits=2, interpret=True)
+    # decode_attention keeps its old rule: impl="auto" takes the reference, "interpret" raises
+    ref = decode_attention(*args, impl="ref")
+    np.testing.assert_array_equal(np.asarray(decode_attention(*args, block_s=24)), ref)
+    with pytest.raises(ValueError, match="block_s must be a power of two >= 16, got 24"):
+        decode_attention(*args, impl="interpret", block_s=24)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -466,6 +591,11 @@ def test_fp8_ref_near_bf16_ref(live):
 
 @pytest.mark.parametrize("b,n,kh,h,s,live,block_s,splits,poison", KERNEL_CASES[1:4])
 def test_fp8_kernel_interpret_equals_ref(b, n, kh, h, s, live, block_s, splits, poison):
+    _check_fp8_interpret(b, n, kh, h, s, live, block_s, splits, poison)
+
+
+def _check_fp8_interpret(b, n, kh, h, s, live, block_s, splits, poison, **launch):
+    """The interpreted kernel over an fp8 cache (launch choices `launch`) against the reference."""
     q, kc, vc, qp, kp = _problem(s + live + 1, b=b, n=n, kh=kh, h=h, s=s, live=live)
     if b > 1:
         qp = qp.at[b - 1].set(-1)  # a padded row
@@ -477,12 +607,14 @@ def test_fp8_kernel_interpret_equals_ref(b, n, kh, h, s, live, block_s, splits, 
     ref = decode_attention(*args, k_scale=ks, v_scale=vs, impl="ref")
     if poison:
         out = decode_attention_kernel(
-            *args, ks, vs, block_s=block_s, num_splits=splits, interpret=True, poison=True
-        )
+            *args, ks, vs, block_s=block_s, num_splits=splits, interpret=True, poison=True,
+            **launch,
+        )  # fmt: skip
     else:
         out = decode_attention(
-            *args, k_scale=ks, v_scale=vs, impl="interpret", block_s=block_s, num_splits=splits
-        )
+            *args, k_scale=ks, v_scale=vs, impl="interpret", block_s=block_s, num_splits=splits,
+            **launch,
+        )  # fmt: skip
     assert out.shape == q.shape and out.dtype == q.dtype
     vis = _visible_rows(qp, kp, live)
     assert vis.any()

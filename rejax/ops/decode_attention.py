@@ -14,6 +14,13 @@ backend):
   kernel, one program per (row, query head), reads the partials of all active splits at once,
   combines and normalizes them.
 
+The partials kernel's launch choices are arguments of `decode_attention` (static params of the
+primitive, never environment variables): `block_s`, `num_splits`, Triton's `num_warps` and
+`num_stages`, and two loop shapes, `blocks_per_iter` (u blocks per iteration, all their loads
+issued before the math, one softmax rescale per iteration) and `prefetch` (the next iteration's
+K / V carried in registers). The defaults (BLOCK_S, NUM_WARPS, NUM_STAGES, 1, False) are the
+kernel as first measured; `experiments/bench_attention.py --pallas-variants` times the others.
+
 Why Pallas rather than a CUDA kernel through cuda_ops: decode attention is two small matmuls
 per block ([G, H] x [H, Bs] and [G, Bs] x [Bs, H]) plus an online softmax, which Triton maps
 onto tensor cores and pipelines (cp.async, num_stages) without hand-written layouts; the
@@ -101,8 +108,16 @@ MAX_SPLITS = 128
 # A split walks at least this many blocks, so short live ranges do not spread over programs
 # that would each pay the fixed cost (q load, partial write) for one block of keys.
 MIN_BLOCKS_PER_SPLIT = 2
+# The partials kernel's Triton launch choices (the combine always runs with these defaults):
+# warps per program, and pipeline stages of the block loop (Triton's shared-memory multi-buffering
+# of the K / V loads; a [64, 128] bf16 tile is 16 KiB per stage and operand).
 NUM_WARPS = 4
 NUM_STAGES = 2
+# Allowed values: warps a power of two (Triton), at most 1024 threads; stages and blocks per loop
+# iteration small enough that the unrolled loads and tiles still fit a program.
+MAX_WARPS = 32
+MAX_STAGES = 8
+MAX_BLOCKS_PER_ITER = 8
 _KERNEL_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 # Score of a hidden key and the initial running max: finite, so exp(m_old - m_new) is never
 # exp(-inf + inf) = NaN while a row has seen no visible key yet.
@@ -180,6 +195,8 @@ def _partials_kernel(
     num_splits: int,
     seq: int,
     scaled: bool,
+    blocks_per_iter: int = 1,
+    prefetch: bool = False,
 ):
     # refs: (k_scale, v_scale,)? acc, m, l
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
@@ -197,42 +214,91 @@ def _partials_kernel(
     row_ok = jnp.arange(gp) < g
     q = plgpu.load(q_ref.at[b, rows, :], mask=row_ok[:, None], other=0)  # [gp, H]
     q_pos = qpos_ref[b]
+    u = blocks_per_iter
 
-    def body(i, carry):
-        acc, m, l = carry
-        start = i * block_s
+    # With one block per iteration and no prefetch (the default) V is loaded after the scores,
+    # as the kernel always did; grouped and prefetching variants issue every load up front.
+    late_v = u == 1 and not prefetch
+
+    def load_k(blk):
+        # A block at or past `last` belongs to the next split or lies past `live` (the tail of a
+        # group of u blocks, or the prefetch after the last block): fully masked, it reads no
+        # memory and every key in it is hidden.
+        start = blk * block_s
+        ok = start + jnp.arange(block_s) < live  # [Bs]
+        if not late_v:  # the default loop never reaches `last`
+            ok = ok & (blk < last)
         slots = pl.ds(start, block_s)
-        in_live = start + jnp.arange(block_s) < live  # [Bs]
-        k_pos = plgpu.load(kpos_ref.at[b, slots], mask=in_live, other=-1)  # [Bs]
+        t = {"start": start, "ok": ok}
+        t["k_pos"] = plgpu.load(kpos_ref.at[b, slots], mask=ok, other=-1)  # [Bs]
         # the fill value is a float: Triton has no int -> fp8 cast
-        k = plgpu.load(k_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0.0)
-        if scaled:  # E4M3 codes are exact in bf16; the scale goes on the float32 score
-            k = k.astype(jnp.float32).astype(q.dtype)
-        scores = plgpu.dot(q, k, trans_b=True) * (h**-0.5)  # [gp, Bs] f32
+        t["k"] = plgpu.load(k_ref.at[layer, b, slots, kvh, :], mask=ok[:, None], other=0.0)
         if scaled:
-            k_s = plgpu.load(ks_ref.at[layer, b, slots, kvh], mask=in_live, other=0.0)  # [Bs]
-            scores = scores * k_s[None, :]
-        visible = ((k_pos >= 0) & (k_pos <= q_pos))[None, :]  # [1, Bs]
-        scores = jnp.where(visible, scores, _NEG)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+            t["k_s"] = plgpu.load(ks_ref.at[layer, b, slots, kvh], mask=ok, other=0.0)  # [Bs]
+        return t
+
+    def load_v(t):
+        t = dict(t)  # start and ok are dropped: what a prefetch carries is tiles only
+        slots, ok = pl.ds(t.pop("start"), block_s), t.pop("ok")
+        t["v"] = plgpu.load(v_ref.at[layer, b, slots, kvh, :], mask=ok[:, None], other=0.0)
+        if scaled:
+            t["v_s"] = plgpu.load(vs_ref.at[layer, b, slots, kvh], mask=ok, other=0.0)  # [Bs]
+        return t
+
+    def load_group(it):
+        return [load_v(load_k(first + it * u + j)) for j in range(u)]
+
+    def update(carry, group):
+        # One online-softmax step over the u blocks of a group: one max, one rescale of acc.
+        acc, m, l = carry
+        scores, visible = [], []
+        for t in group:
+            k = t["k"]
+            if scaled:  # E4M3 codes are exact in bf16; the scale goes on the float32 score
+                k = k.astype(jnp.float32).astype(q.dtype)
+            s = plgpu.dot(q, k, trans_b=True) * (h**-0.5)  # [gp, Bs] f32
+            if scaled:
+                s = s * t["k_s"][None, :]
+            vis = ((t["k_pos"] >= 0) & (t["k_pos"] <= q_pos))[None, :]  # [1, Bs]
+            scores.append(jnp.where(vis, s, _NEG))
+            visible.append(vis)
+        m_new = m
+        for s in scores:
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
-        # Hidden keys get exactly 0, even while m_new is still _NEG (no visible key yet).
-        w = jnp.where(visible, jnp.exp(scores - m_new[:, None]), 0.0)  # [gp, Bs] f32
-        v = plgpu.load(v_ref.at[layer, b, slots, kvh, :], mask=in_live[:, None], other=0.0)
-        wv = w
-        if scaled:  # sum_s w_s * (scale_s * code_s): the value scale goes on the weight
-            v = v.astype(jnp.float32).astype(q.dtype)
-            v_s = plgpu.load(vs_ref.at[layer, b, slots, kvh], mask=in_live, other=0.0)  # [Bs]
-            wv = w * v_s[None, :]
-        acc = alpha[:, None] * acc + plgpu.dot(wv.astype(v.dtype), v)  # [gp, H] f32
-        return acc, m_new, alpha * l + jnp.sum(w, axis=1)
+        acc, l = alpha[:, None] * acc, alpha * l
+        for t, s, vis in zip(group, scores, visible):
+            # Hidden keys get exactly 0, even while m_new is still _NEG (no visible key yet).
+            w = jnp.where(vis, jnp.exp(s - m_new[:, None]), 0.0)  # [gp, Bs] f32
+            t = load_v(t) if late_v else t
+            v, wv = t["v"], w
+            if scaled:  # sum_s w_s * (scale_s * code_s): the value scale goes on the weight
+                v = v.astype(jnp.float32).astype(q.dtype)
+                wv = w * t["v_s"][None, :]
+            acc = acc + plgpu.dot(wv.astype(v.dtype), v)  # [gp, H] f32
+            l = l + jnp.sum(w, axis=1)
+        return acc, m_new, l
 
     init = (
         jnp.zeros((gp, h), jnp.float32),
         jnp.full((gp,), _NEG, jnp.float32),
         jnp.zeros((gp,), jnp.float32),
     )
-    acc, m, l = lax.fori_loop(first, last, body, init)
+    n_iter = pl.cdiv(jnp.maximum(last - first, 0), u)
+    if late_v:
+        acc, m, l = lax.fori_loop(first, last, lambda i, c: update(c, [load_k(i)]), init)
+    elif prefetch:
+        # Register double buffer: the loads of group it + 1 are issued before group it's math,
+        # so they are in flight while it runs (Triton's num_stages pipelining does the same
+        # through shared memory, when it applies to the loop).
+        def body(it, carry):
+            state, group = carry
+            upcoming = load_group(it + 1)
+            return update(state, group), upcoming
+
+        (acc, m, l), _ = lax.fori_loop(0, n_iter, body, (init, load_group(0)))
+    else:
+        acc, m, l = lax.fori_loop(0, n_iter, lambda it, c: update(c, load_group(it)), init)
 
     # Splits past the active ones hold nothing and the combine never reads them.
     @pl.when(p < active)
@@ -273,7 +339,18 @@ def _poisoned(kernel, n_in: int, n_out: int):
     return run
 
 
-def _call(kernel, args, out_shape, *, grid, interpret, poison, name):
+def _call(
+    kernel,
+    args,
+    out_shape,
+    *,
+    grid,
+    interpret,
+    poison,
+    name,
+    num_warps=NUM_WARPS,
+    num_stages=NUM_STAGES,
+):
     if poison:  # start every output as NaN (the interpreter does so for unaliased outputs too)
         outs = [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape]
         aliases = {len(args) + i: i for i in range(len(outs))}
@@ -286,7 +363,7 @@ def _call(kernel, args, out_shape, *, grid, interpret, poison, name):
         grid=grid,
         out_shape=out_shape,
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(*args)
@@ -305,17 +382,24 @@ def decode_attention_kernel(
     *,
     block_s: int = BLOCK_S,
     num_splits: int,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    blocks_per_iter: int = 1,
+    prefetch: bool = False,
     interpret: bool = False,
     poison: bool = False,
 ) -> jax.Array:
     """The two Pallas calls themselves, without dispatch or input checks (use
-    `decode_attention`; this entry point is for kernel tests and benchmarks).
+    `decode_attention`; this entry point is for kernel tests and benchmarks). Only the launch
+    choices are checked (`check_launch`).
 
     Args:
         q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale: as
             `decode_attention`, already validated; positions int32.
         block_s: slots per block.
         num_splits: P.
+        num_warps, num_stages, blocks_per_iter, prefetch: the partials kernel's launch
+            choices, as `decode_attention`.
         interpret: run through the Pallas interpreter (any platform).
         poison: start the partial and final outputs as NaN, so a split that the combine reads
             without the partials kernel having written it, or an output row left unwritten,
@@ -324,19 +408,28 @@ def decode_attention_kernel(
     Returns:
         [B, N, H] in q's dtype.
     """
+    check_launch(
+        num_warps=num_warps,
+        num_stages=num_stages,
+        blocks_per_iter=blocks_per_iter,
+        prefetch=prefetch,
+        block_s=block_s,
+        num_splits=num_splits,
+    )
     b, n, h = q.shape
     _, _, s, kh, _ = k_cache.shape
     g = n // kh
     gp = max(16, pl.next_power_of_2(g))
     scaled = k_scale is not None
     statics = {"g": g, "gp": gp, "block_s": block_s, "num_splits": num_splits, "seq": s}
+    loop = {"blocks_per_iter": blocks_per_iter, "prefetch": bool(prefetch)}
     scales = (k_scale, v_scale) if scaled else ()
     # [1] refs rather than 0-d ones: a reshape (free), loaded as ref[0] in the kernels
     live1 = jnp.asarray(live, jnp.int32).reshape(1)
     layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
     common = {"interpret": interpret, "poison": poison}
     acc, m, l = _call(
-        functools.partial(_partials_kernel, **statics, scaled=scaled),
+        functools.partial(_partials_kernel, **statics, **loop, scaled=scaled),
         (live1, layer1, q_positions, q, k_cache, v_cache, k_positions, *scales),
         (
             jax.ShapeDtypeStruct((b, num_splits, n, h), jnp.float32),
@@ -345,6 +438,8 @@ def decode_attention_kernel(
         ),
         grid=(b, kh, num_splits),
         name="rejax_decode_attention_partials",
+        num_warps=num_warps,
+        num_stages=num_stages,
         **common,
     )
     (out,) = _call(
@@ -405,6 +500,47 @@ def default_num_splits(batch: int, kv_heads: int, slots: int, block_s: int = BLO
     return int(max(1, splits))
 
 
+def _is_int(x, lo: int, hi: float) -> bool:
+    ok = isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+    return ok and lo <= x <= hi
+
+
+def _is_pow2(x, lo: int, hi: float) -> bool:
+    return _is_int(x, lo, hi) and not x & (x - 1)
+
+
+def check_launch(
+    *,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    blocks_per_iter: int = 1,
+    prefetch: bool = False,
+    block_s: int | None = None,
+    num_splits: int | None = None,
+) -> None:
+    """Raise ValueError, naming the value, for a Pallas launch choice the kernel cannot take.
+
+    Args:
+        num_warps, num_stages, blocks_per_iter, prefetch: as `decode_attention`.
+        block_s, num_splits: also checked when given (not None).
+    """
+    if not _is_pow2(num_warps, 1, MAX_WARPS):
+        raise ValueError(f"num_warps must be a power of two in [1, {MAX_WARPS}], got {num_warps!r}")
+    if not _is_int(num_stages, 1, MAX_STAGES):
+        raise ValueError(f"num_stages must be an integer in [1, {MAX_STAGES}], got {num_stages!r}")
+    if not _is_int(blocks_per_iter, 1, MAX_BLOCKS_PER_ITER):
+        raise ValueError(
+            f"blocks_per_iter must be an integer in [1, {MAX_BLOCKS_PER_ITER}], got "
+            f"{blocks_per_iter!r}"
+        )
+    if prefetch not in (False, True):  # 0 and 1 are taken as bools
+        raise ValueError(f"prefetch must be a bool, got {prefetch!r}")
+    if block_s is not None and not _is_pow2(block_s, 16, float("inf")):
+        raise ValueError(f"block_s must be a power of two >= 16, got {block_s!r}")
+    if num_splits is not None and not _is_int(num_splits, 1, MAX_SPLITS):
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits!r}")
+
+
 # ----------------------------------------------------------------------------- primitive
 
 _attn_p = Primitive("rejax_decode_attention")
@@ -424,10 +560,13 @@ def _lower_ref(ctx, *args, **params):
     return mlir.lower_fun(decode_attention_ref, multiple_results=False)(ctx, *args)
 
 
-def _lower_kernel(ctx, *args, interpret: bool, block_s: int, num_splits: int, **_: Any):
-    fn = functools.partial(
-        decode_attention_kernel, block_s=block_s, num_splits=num_splits, interpret=interpret
-    )
+# The primitive's params that are the Pallas kernel's launch choices.
+_LAUNCH = ("block_s", "num_splits", "num_warps", "num_stages", "blocks_per_iter", "prefetch")
+
+
+def _lower_kernel(ctx, *args, interpret: bool, **params: Any):
+    launch = {k: params[k] for k in _LAUNCH}
+    fn = functools.partial(decode_attention_kernel, **launch, interpret=interpret)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
 
 
@@ -447,7 +586,16 @@ def _on_cuda() -> bool:
 
 
 @functools.cache
-def _compile_error(avals: tuple, block_s: int, num_splits: int, interpret: bool = False) -> str:
+def _compile_error(
+    avals: tuple,
+    block_s: int,
+    num_splits: int,
+    interpret: bool = False,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    blocks_per_iter: int = 1,
+    prefetch: bool = False,
+) -> str:
     """ "" if the kernel compiles (Triton to cubin) for these operands on this GPU, else why.
 
     `impl="auto"` asks once per shape before emitting the kernel, so a Triton failure on some
@@ -459,7 +607,14 @@ def _compile_error(avals: tuple, block_s: int, num_splits: int, interpret: bool 
     if not interpret and not _on_cuda():
         return ""
     fn = functools.partial(
-        decode_attention_kernel, block_s=block_s, num_splits=num_splits, interpret=interpret
+        decode_attention_kernel,
+        block_s=block_s,
+        num_splits=num_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        blocks_per_iter=blocks_per_iter,
+        prefetch=prefetch,
+        interpret=interpret,
     )
 
     def probe():
@@ -568,7 +723,7 @@ def _lower_cuda(
         )
     if impl == "auto" and not reason:
         avals = tuple((a.shape, a.dtype) for a in ctx.avals_in)
-        reason = _compile_error(avals, params["block_s"], params["num_splits"])
+        reason = _compile_error(avals, **{k: params[k] for k in _LAUNCH})
     if reason:  # impl == "auto": "pallas" with a reason was refused in decode_attention
         _dispatch.note_once("decode_attention", reason)
         return _lower_ref(ctx, *args)
@@ -653,6 +808,10 @@ def decode_attention(
     impl: str = "auto",
     block_s: int = BLOCK_S,
     num_splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    blocks_per_iter: int = 1,
+    prefetch: bool = False,
     kernel: str = "pallas",
     cuda_options: flash_mod.FlashOptions | None = None,
 ) -> jax.Array:
@@ -675,6 +834,13 @@ def decode_attention(
         block_s: slots per Pallas kernel block (a power of two >= 16).
         num_splits: P splits of the live range per row and kv head (Pallas kernel only); None
             -> `default_num_splits`.
+        num_warps: warps per program of the Pallas partials kernel (a power of two).
+        num_stages: Triton pipeline stages of its block loop (shared-memory buffers of K / V).
+        blocks_per_iter: blocks of `block_s` slots per loop iteration of the partials kernel:
+            all their K / V loads are issued before the math, with one softmax rescale per
+            iteration (1: the default loop, V loaded after the scores).
+        prefetch: carry the next iteration's K / V tiles in registers, loaded before this
+            iteration's math (a register double buffer next to Triton's num_stages).
         kernel: which kernel impl="auto" takes when lowering for CUDA: "pallas" or "cuda"
             (the one-launch CUDA kernel; for an fp8 cache or a shape it does not take, the
             Pallas kernel, with a one-time warning).
@@ -700,8 +866,14 @@ def decode_attention(
         ok, reason = False, f"kernel needs one dtype for q, k, v, got {sorted(map(str, dtypes))}"
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], k_cache.shape[3], k_cache.shape[2], block_s)
-    elif not 1 <= num_splits <= MAX_SPLITS:
-        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    # block_s is not checked here: a bad one takes the reference under impl="auto" (as always)
+    check_launch(
+        num_warps=num_warps,
+        num_stages=num_stages,
+        blocks_per_iter=blocks_per_iter,
+        prefetch=prefetch,
+        num_splits=num_splits,
+    )
     if impl in ("pallas", "interpret") and not ok:
         raise ValueError(f"decode_attention(impl={impl!r}) cannot run: {reason}")
     return _attn_p.bind(
@@ -717,6 +889,10 @@ def decode_attention(
         reason=reason,
         block_s=int(block_s),
         num_splits=int(num_splits),
+        num_warps=int(num_warps),
+        num_stages=int(num_stages),
+        blocks_per_iter=int(blocks_per_iter),
+        prefetch=bool(prefetch),
         kernel=kernel,
         flash=flash,
         flash_reason=flash_reason,
