@@ -275,3 +275,30 @@ def escape_mlir(text: str) -> str:
         else:
             out.extend(f"\\{b:02X}" for b in ch.encode())
     return "".join(out)
+
+
+def ptxas_log(source: str, defines: dict, arch: str = "sm_90", name: str = "kernel.cu") -> str:
+    """ptxas's -v report (registers, spills, shared memory) of `source` compiled by NVRTC to a
+    cubin for `arch`, offline (no GPU needed); raises KernelError with NVRTC's log on failure."""
+    nvrtc = _nvrtc()
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "-Xptxas=-v"]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    headers = local_headers(source)
+    names = sorted(headers)
+    err, prog = nvrtc.nvrtcCreateProgram(
+        source.encode(), name.encode(), len(names),
+        [headers[n].encode() for n in names], [n.encode() for n in names],
+    )  # fmt: skip
+    if int(err) != 0:
+        raise KernelError(f"nvrtcCreateProgram: {err}")
+    try:
+        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    text = log.decode(errors="replace")
+    if int(status) != 0:
+        raise KernelError(f"NVRTC failed:\n{text}")
+    return text

@@ -27,10 +27,16 @@
 // The keep rule is rejax.sampling's: a token is kept iff f32(mass ranked above it) < f32(top_p) *
 // f32(total mass), ranked by p with ties ordered by id (the higher id ranks above). Scratch
 // lives in module globals that each row's last block clears again, so every launch starts clean.
-// Compile-time constants (-D): B_ROWS, V_SIZE, CHUNKS, CH (chunk length), NTHREADS, NMAX, TOP_K.
+// Compile-time constants (-D): B_ROWS, V_SIZE, CHUNKS, CH (chunk length), NTHREADS, NMAX, TOP_K,
+// and CLUSTER: 0 builds the three kernels above ("split"); > 0 builds rejax_sample_cluster
+// instead (the "cluster" variant, at the end of this file: the same sampler in one launch).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
+
+#ifndef CLUSTER
+#define CLUSTER 0
+#endif
 
 #define NB 2048                      // bins of the top-p histogram (and of the finer levels)
 #define BPT (NB / NTHREADS)          // bins per thread in the last block
@@ -231,6 +237,7 @@ __device__ void find_boundary(const u32* hm, const u32* hc, u32 base, float limi
 
 // ----------------------------------------------------------------------------- 1: statistics
 
+#if !CLUSTER  // the split variant's kernels and scratch (the cluster kernel is at the end)
 __device__ u32 g_stats_done[B_ROWS];
 __device__ float g_stats_part[B_ROWS * CHUNKS * 5];
 __device__ int g_stats_arg[B_ROWS * CHUNKS * 2];
@@ -332,15 +339,16 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
         g_stats_done[r] = 0u;
     }
 }
+#endif  // !CLUSTER
 
 // ----------------------------------------------------------------------------- 2: histogram
 
-// ----------------------------------------------------------------------------- 2: histogram
-
+#if !CLUSTER
 __device__ u32 g_hist_done[B_ROWS];
 __device__ u32 g_hist_mass[B_ROWS * NB];
 __device__ u32 g_hist_cnt[B_ROWS * NB];
 __device__ u64 g_hist_best[B_ROWS * NB];
+#endif
 
 // plan [B, 8] ints: 0 mode (0: token final in slot 1; 1: resolve top-p bin b; 2: top-k), 1 token,
 // 2 bin b (top-k: the bin of the k-th largest), 3 mass above b, 4 tokens in b (top-k: in bins
@@ -354,6 +362,7 @@ __device__ __forceinline__ int topk_bin(float zt, float t) {
     return NB - 1 - (x < (float)(NB - 1) ? (int)x : NB - 1);
 }
 
+#if !CLUSTER
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ stats,
                   const int* __restrict__ arg, const float* __restrict__ top_p,
@@ -521,12 +530,15 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
         }
     }
 }
+#endif  // !CLUSTER
 
 // ----------------------------------------------------------------------------- 3: resolve
 
+#if !CLUSTER
 __device__ u32 g_res_done[B_ROWS];
 __device__ u32 g_res_n[B_ROWS];
 __device__ u64 g_res_list[B_ROWS * NMAX];
+#endif
 
 __device__ __forceinline__ u32 ord_of(float f) {  // order-preserving bits of a float
     const u32 b = __float_as_uint(f);
@@ -821,6 +833,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
 }
 #endif
 
+#if !CLUSTER
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__ stats,
                      const int* __restrict__ arg, const float* __restrict__ top_p,
@@ -898,3 +911,658 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
         g_res_done[r] = 0u;
     }
 }
+#endif  // !CLUSTER
+
+#if CLUSTER > 0
+// ============================================================================= cluster variant
+//
+// rejax_sample_cluster computes what the three kernels above compute, in one launch: a
+// thread-block cluster of CLUSTER CTAs per row (grid CLUSTER x B, cluster dims CLUSTER x 1 x 1;
+// CTA c owns chunk c of the row). A cluster's CTAs are co-scheduled, so the hardware cluster
+// barrier orders the phases, and each CTA reads the others' partials where they lie, in their
+// shared memory (DSMEM): no global scratch, no atomics across CTAs, no last-arrival tickets, and
+// each combine is split over the cluster (CTA c combines bins [c SLICE, (c + 1) SLICE)).
+//
+//   1. the chunk's statistics as rejax_sample_stats computes them (a max sweep, a sums sweep);
+//      after a barrier every CTA combines the CLUSTER partials the same way, so all of them hold
+//      the same row max, temperature, denominator and entropy.
+//   2. top-p < 1: one sweep builds the chunk's histogram of the positive-mass tokens (the others
+//      are never kept: the mass ranked above them is the row's total) and the best Gumbel score
+//      per bin; the combined slices give the boundary bin b and the best score above it. A whole
+//      bin b ends the row. Otherwise a collect sweep gathers bin b's tokens into CTA 0, which
+//      resolves them (one warp for <= 32 tokens, else sort_desc + draw_sorted); a bin of more than
+//      NMAX tokens CTA 0 resolves over V alone (resolve_range), as the split kernels do.
+//      top-p = 1: one sweep, the Gumbel-max over every live token.
+//      top-k: the sweep counts topk_bin; the combined slices give the bin of the k-th largest; a
+//      collect sweep gathers the tokens at or above it into CTA 0 (one warp, or topk_draw).
+//
+// Sweeps over a chunk: top-p 3 (4 when bin b is collected), top-k 4; the first reads HBM, the
+// others mostly L2.
+// The noise (Philox by token id), the bins, the keep rule and the draw are the split kernels', so
+// the tokens are theirs for the same key, up to the float rounding of the statistics (summed
+// here over CLUSTER chunks). What the split kernels spend on tokens that cannot win is skipped:
+// the expf of tokens too far below to have mass (zt < zt_cut), and the logarithms of the noise
+// unless gumbel_bound, from the Philox word alone, lets the token reach PRUNE_SCORE.
+
+#define SLICE (NB / CLUSTER)  // bins of the combined histogram that each CTA owns
+#define FULL_MASK 0xffffffffu
+static_assert(NB % CLUSTER == 0 && CLUSTER <= 8, "a portable cluster holds at most 8 CTAs");
+static_assert(SLICE <= NTHREADS && NMAX <= NB, "one bin per thread; the list reuses hb");
+// The top-ranked token is always kept; its tempered logit is within 2.5e-7 of 0 and its noise is
+// >= -log(56 log 2) = -3.65883 (gumbel_of's least value), so the best kept score is >= -3.6589:
+// a token whose score cannot reach PRUNE_SCORE (0.011 lower, for rounding) never wins.
+#define PRUNE_SCORE (-3.67f)
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+                 ::: "memory");
+}
+// The shared-memory word at `p` (this CTA's address of it) in the CTA of cluster rank `rank`.
+__device__ __forceinline__ u32 peer_addr(const void* p, int rank) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    return a;
+}
+__device__ __forceinline__ u32 ld_peer32(const void* p, int rank) {
+    u32 v;
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(peer_addr(p, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ u64 ld_peer64(const void* p, int rank) {
+    u64 v;
+    asm volatile("ld.shared::cluster.u64 %0, [%1];" : "=l"(v) : "r"(peer_addr(p, rank)) : "memory");
+    return v;
+}
+__device__ __forceinline__ float ld_peerf(const void* p, int rank) {
+    return __uint_as_float(ld_peer32(p, rank));
+}
+
+// An upper bound of gumbel_of(hi, lo) over every lo, from the word hi alone: u >= 1/2 gives
+// E >= log 2; below it E = -log1p(-x) >= x >= hi 2**-32. The 1e-4 covers __logf's error (~1e-6).
+__device__ __forceinline__ float gumbel_bound(u32 hi) {
+    if (hi >= 0x80000000u) return 0.36652f;  // -log(log 2) = 0.366513
+    if (hi == 0u) return INFINITY;
+    return 22.18071f + 1e-4f - __logf((float)hi);  // 32 log 2 - log(hi)
+}
+
+// The packed scores of tokens j0 + q (j0 % 4 == 0) where cand[q], 0 where a token cannot win: one
+// Philox call for the four words, the low words only where they matter (need_lo), and the
+// logarithms only where gumbel_bound lets the token reach PRUNE_SCORE.
+__device__ __forceinline__ void scores4(const float (&zt)[4], const bool (&cand)[4], int j0,
+                                        u32 k0, u32 k1, u64 (&out)[4]) {
+    const uint4 w = philox((u32)j0 >> 2, 0u, 0u, 0u, k0, k1);
+    bool go[4], lo_needed = false;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        go[q] = cand[q] && zt[q] + gumbel_bound(word(w, q)) >= PRUNE_SCORE;
+        lo_needed |= go[q] && need_lo(word(w, q));
+    }
+    const uint4 wl = lo_needed ? philox((u32)j0 >> 2, 1u, 0u, 0u, k0, k1) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        out[q] = go[q] ? pack(zt[q] + gumbel_of(word(w, q), word(wl, q)), j0 + q) : 0ull;
+}
+
+// The four logits z[j0, j0 + 4) of a chunk that ends at hi (-inf past it).
+__device__ __forceinline__ void load4(const float* z, int j0, int hi, float (&x)[4]) {
+#if V_SIZE % 4 == 0
+    const float4 v = __ldg(reinterpret_cast<const float4*>(z + j0));  // CH % 4 == 0: aligned
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+#else
+#pragma unroll
+    for (int q = 0; q < 4; ++q) x[q] = j0 + q < hi ? z[j0 + q] : -INFINITY;
+#endif
+}
+
+// Bitonic sort of one u64 per lane over the warp, descending (sort_desc's network on 32 entries).
+__device__ __forceinline__ u64 warp_sort_desc(u64 v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 2; k <= 32; k <<= 1)
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            const u64 o = __shfl_xor_sync(FULL_MASK, v, j);
+            const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
+            v = keep_max ? (o > v ? o : v) : (o < v ? o : v);
+        }
+    return v;
+}
+__device__ __forceinline__ u32 warp_excl_scan(u32 x) {
+    const int lane = threadIdx.x & 31;
+    u32 s = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, s, o);
+        if (lane >= o) s += y;
+    }
+    return s - x;
+}
+struct SumU {
+    __device__ static u32 identity() { return 0u; }
+    __device__ static u32 apply(u32 a, u32 b) { return a + b; }
+};
+
+// draw_sorted over list[0, n), n <= 32, in one warp: sorted in-warp, the same keep rule, the same
+// scores. Returns the best packed score (every lane).
+__device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool full, const float* z,
+                         float m, float it, u32 k0, u32 k1) {
+    const int lane = threadIdx.x & 31;
+    const u64 v = warp_sort_desc(lane < n ? list[lane] : 0ull);
+    const u32 q = lane < n ? mass_of_key((u32)(v >> 32)) : 0u;
+    const u32 run = base + warp_excl_scan(q);
+    u64 best = 0ull;
+    if (lane < n && (full || (float)run < limit)) {
+        const int id = (int)(u32)(v & 0xFFFFFFFFull);
+        const float zt = tempered(z[id], m, it);
+        if (zt >= FLOOR) best = pack(zt + gumbel(k0, k1, id), id);
+    }
+    return warp_reduce<MaxU64>(best);
+}
+
+#if TOP_K > 0
+// topk_draw's list path for n <= 32 in one warp (the same sums in the same order, so the same
+// denominator, kept set and token).
+__device__ int warp_topk_draw(const u64* list, int n, float tp, const float* z, float m, float it,
+                              u32 k0, u32 k1) {
+    const int lane = threadIdx.x & 31;
+    u64 v = warp_sort_desc(lane < n ? list[lane] : 0ull);  // tempered logit, then id
+    u32 vk = 0u;  // the k-th largest (ties at it kept); 0: fewer than k entries, all of them
+    if (TOP_K <= 32 && n >= TOP_K) vk = (u32)(__shfl_sync(FULL_MASK, v, (TOP_K - 1) & 31) >> 32);
+    const u32 o = (u32)(v >> 32);
+    const bool in = lane < n && o >= vk;  // a prefix: the first nk lanes
+    const float e = in ? expf(float_of_ord(o)) : 0.0f;
+    const float iden = 1.0f / warp_reduce<Sum>(e);
+    v = in ? ((u64)prob_key(float_of_ord(o), iden) << 32) | (v & 0xFFFFFFFFull) : 0ull;
+    v = warp_sort_desc(v);  // rank order: probability, then id
+    const u32 q = v ? mass_of_key((u32)(v >> 32)) : 0u;
+    const float limit = tp * (float)warp_reduce<SumU>(q);
+    const u32 run = warp_excl_scan(q);
+    u64 best = 0ull;
+    if (v && (tp >= 1.0f || (float)run < limit)) {
+        const int id = (int)(u32)(v & 0xFFFFFFFFull);
+        const float zt = tempered(z[id], m, it);
+        if (zt >= FLOOR) best = pack(zt + gumbel(k0, k1, id), id);
+    }
+    return unpack_id(warp_reduce<MaxU64>(best));
+}
+#endif
+
+// What a CTA publishes for the others to read (through DSMEM, after a cluster barrier).
+struct Pub {
+    float st[5];     // the chunk's max, s, u, sa, sb (rejax_sample_stats' partials)
+    int arg[2];      // the chunk's first / last argmax
+    u32 total;       // the slice's mass (top-k: count)
+    int cand;        // the slice's candidate bin (top-p: lowest kept non-empty; top-k: highest
+                     // whose count from the top reaches k), INT_BIG / -1 for none
+    u32 cand_above;  // top-p: mass above the candidate; top-k: count at or above it
+    u32 cand_n;      // tokens in the candidate bin
+    u32 cand_mass;   // their mass
+    u32 n_list;      // tokens this CTA collected
+    u64 cand_best;   // best score in the candidate bin
+    u64 above_best;  // best score in the slice's bins above the candidate
+    u64 slice_best;  // best score in the slice (top-p = 1: in the chunk)
+};
+
+// CTA 0 appends the other CTAs' lists (list[0, n_list) in each) to its own n0 entries, up to
+// NMAX; returns the count (called by CTA 0 after a barrier that follows every n_list).
+__device__ int gather_lists(u64* list, u32 n0, const Pub* pub) {
+    u32 off = n0;
+    for (int q = 1; q < CLUSTER; ++q) {
+        const u32 nq = ld_peer32(&pub->n_list, q);
+        for (u32 i = threadIdx.x; i < nq && off + i < (u32)NMAX; i += NTHREADS)
+            list[off + i] = ld_peer64(&list[i], q);
+        off += nq;
+    }
+    __syncthreads();
+    return (int)off;
+}
+
+extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NTHREADS, MIN_CTAS)
+rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__ thr,
+                     const float* __restrict__ alt, const float* __restrict__ t_a,
+                     const float* __restrict__ t_b, const float* __restrict__ top_p,
+                     const u32* __restrict__ keys, int* __restrict__ tokens,
+                     float* __restrict__ entropy, float* __restrict__ temperature) {
+    __shared__ union {
+        u64 packed[NB];  // top-p histogram: count << 32 | mass (both < 2**32 over a row)
+        u32 w[2 * NB];   // hm = w, hc = w + NB (top-k counts; resolve_range and topk_draw)
+    } hist;
+    __shared__ u64 hb[NB];  // best packed score per bin; then the collected list
+    __shared__ Pub pub;
+    __shared__ u32 red[NWARPS];
+    __shared__ int ired[NWARPS];
+    __shared__ u64 ured[NWARPS];
+    __shared__ float fred[NWARPS];
+    __shared__ float rowf[3];  // the row's max, temperature, denominator
+    __shared__ int rowi[2];    // the row's first / last argmax
+    __shared__ u32 tot[CLUSTER];
+    __shared__ u32 s_n, s_cnt;
+    __shared__ int s_b;
+    u32* const hm = hist.w;
+    u32* const hc = hist.w + NB;
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+    const float* z = logits + (size_t)r * V_SIZE;
+    const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
+
+    // ---- 1. the chunk's statistics (rejax_sample_stats), combined in every CTA
+    const float ta_raw = t_a[r], tb_raw = t_b[r];
+    const float ia = 1.0f / (ta_raw <= GREEDY_EPS ? 1.0f : ta_raw);
+    const float ib = 1.0f / (tb_raw <= GREEDY_EPS ? 1.0f : tb_raw);
+    {
+        float m = -INFINITY;
+        int first = INT_BIG, last = -1;
+#pragma unroll 4
+        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+            float x[4];
+            load4(z, j0, hi, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (x[q] > m) {
+                    m = x[q];
+                    first = j0 + q;
+                    last = j0 + q;
+                } else if (x[q] == m && j0 + q < hi) {
+                    first = min(first, j0 + q);
+                    last = j0 + q;
+                }
+            }
+        }
+        const float mc = block_reduce<MaxF>(m, fred);
+        first = block_reduce<MinI>(m == mc ? first : INT_BIG, ired);
+        last = block_reduce<MaxI>(m == mc ? last : -1, ired);
+        float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
+        // t_a == t_b (Temperature): one denominator; top-k sums its own over the top k
+        const bool two = TOP_K == 0 && ib != ia;
+        if (mc > -INFINITY) {
+#pragma unroll 2
+            for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+                float x[4];
+                load4(z, j0, hi, x);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float d = x[q] - mc;
+                    const float e = expf(d);
+                    s += e;
+                    if (e > 0.0f) u += e * d;
+                    if (TOP_K == 0) sa += expf(d * ia);
+                    if (two) sb += expf(d * ib);
+                }
+            }
+        }
+        s = block_reduce<Sum>(s, fred);
+        u = block_reduce<Sum>(u, fred);
+        if (TOP_K == 0) sa = block_reduce<Sum>(sa, fred);
+        sb = two ? block_reduce<Sum>(sb, fred) : sa;
+        if (tid == 0) {
+            pub.st[0] = mc;
+            pub.st[1] = s;
+            pub.st[2] = u;
+            pub.st[3] = sa;
+            pub.st[4] = sb;
+            pub.arg[0] = first;
+            pub.arg[1] = last;
+        }
+    }
+    cluster_sync();
+    if (tid < 32) {  // rejax_sample_stats' last-block combine, one chunk per lane
+        float mi = -INFINITY, si = 0.0f, ui = 0.0f, sai = 0.0f, sbi = 0.0f;
+        int fi = INT_BIG, li = -1;
+        if (tid < CLUSTER) {
+            mi = ld_peerf(&pub.st[0], tid);
+            si = ld_peerf(&pub.st[1], tid);
+            ui = ld_peerf(&pub.st[2], tid);
+            sai = ld_peerf(&pub.st[3], tid);
+            sbi = ld_peerf(&pub.st[4], tid);
+            fi = (int)ld_peer32(&pub.arg[0], tid);
+            li = (int)ld_peer32(&pub.arg[1], tid);
+        }
+        const float mw = warp_reduce<MaxF>(mi);
+        float S = 0.0f, U = 0.0f, SA = 0.0f, SB = 0.0f;
+        int f = INT_BIG, l = -1;
+        if (tid < CLUSTER) {
+            if (mi == mw) {
+                f = fi;
+                l = li;
+            }
+            if (si > 0.0f) {
+                const float dm = mi - mw, w = expf(dm);
+                S = si * w;
+                U = w * (ui + si * dm);
+                SA = sai * expf(dm * ia);
+                SB = sbi * expf(dm * ib);
+            }
+        }
+        S = warp_reduce<Sum>(S);
+        U = warp_reduce<Sum>(U);
+        SA = warp_reduce<Sum>(SA);
+        SB = warp_reduce<Sum>(SB);
+        f = warp_reduce<MinI>(f);
+        l = warp_reduce<MaxI>(l);
+        if (tid == 0) {
+            const float h = logf(S) - U / S;
+            const bool high = (h >= thr[r]) || (h > alt[r]);
+            rowf[0] = mw;
+            rowf[1] = high ? ta_raw : tb_raw;
+            rowf[2] = high ? SA : SB;
+            rowi[0] = f == INT_BIG ? 0 : f;
+            rowi[1] = l < 0 ? 0 : l;
+            if (c == 0) {
+                entropy[r] = h;
+                temperature[r] = rowf[1];
+            }
+        }
+    }
+    __syncthreads();
+    const float m = rowf[0], t = rowf[1], den = rowf[2];
+    if (t <= GREEDY_EPS) {  // greedy row: the first argmax of the raw logits
+        if (c == 0 && tid == 0) tokens[r] = rowi[0];
+        cluster_sync();  // no CTA leaves while another still reads its partials
+        return;
+    }
+    const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
+    const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+    const int base = c * SLICE;
+    int token = 0;
+
+#if TOP_K == 0
+    __shared__ u32 s_above, s_mass;
+    __shared__ u64 s_bin_best, s_above_best;
+    if (tp >= 1.0f) {  // ---- 2. every live token is kept: the Gumbel-max over them
+        u64 best = 0ull;
+        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+            float x[4], zt[4];
+            bool cand[4], any = false;
+            load4(z, j0, hi, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                zt[q] = tempered(x[q], m, it);
+                cand[q] = zt[q] >= FLOOR;
+                any |= cand[q];
+            }
+            if (any) {
+                u64 sc[4];
+                scores4(zt, cand, j0, k0, k1, sc);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
+            }
+        }
+        best = block_reduce<MaxU64>(best, ured);
+        if (tid == 0) pub.slice_best = best;
+        cluster_sync();
+        if (c == 0 && tid < 32) {
+            u64 b = tid < CLUSTER ? ld_peer64(&pub.slice_best, tid) : 0ull;
+            b = warp_reduce<MaxU64>(b);
+            if (tid == 0) tokens[r] = unpack_id(b);
+        }
+        cluster_sync();
+        return;
+    }
+
+    // ---- 2. the chunk's histogram of positive-mass tokens and best score per bin
+    // zt < zt_cut: p = expf(zt) / den < 2**-31 by a 1% margin, no mass (no expf needed)
+    const float zt_cut = logf(den) - 21.487563f - 0.01f;  // log(den 2**-31) - 0.01
+    for (int i = tid; i < NB; i += NTHREADS) {
+        hist.packed[i] = 0ull;
+        hb[i] = 0ull;
+    }
+    __syncthreads();
+    for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        float x[4], zt[4];
+        int bin[4];
+        bool cand[4], any = false;
+        load4(z, j0, hi, x);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            zt[q] = tempered(x[q], m, it);
+            bin[q] = 0;
+            if (zt[q] >= zt_cut) {  // NaN and masked logits fail this too
+                const u32 key = prob_key(zt[q], iden);
+                bin[q] = bin_of(key);
+                if (bin[q] > 0)
+                    atomicAdd(&hist.packed[bin[q]], (1ull << 32) | (u64)mass_of_key(key));
+            }
+            cand[q] = bin[q] > 0 && zt[q] >= FLOOR;
+            any |= cand[q];
+        }
+        if (any) {
+            u64 sc[4];
+            scores4(zt, cand, j0, k0, k1, sc);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (sc[q]) atomicMax(&hb[bin[q]], sc[q]);
+        }
+    }
+    __syncthreads();
+    cluster_sync();
+    // CTA c combines bins [base, base + SLICE) over the cluster, in place (the others read only
+    // their own slices of this CTA's arrays)
+    for (int k = tid; k < 2 * SLICE; k += NTHREADS) {
+        const int i = base + (k < SLICE ? k : k - SLICE);
+        u64 a = 0ull;
+        if (k < SLICE) {
+#pragma unroll
+            for (int q = 0; q < CLUSTER; ++q) a += ld_peer64(&hist.packed[i], q);
+            hist.packed[i] = a;
+        } else {
+#pragma unroll
+            for (int q = 0; q < CLUSTER; ++q) {
+                const u64 x = ld_peer64(&hb[i], q);
+                a = x > a ? x : a;
+            }
+            hb[i] = a;
+        }
+    }
+    __syncthreads();
+    {  // the slice's candidate: bins rank high to low, so the kept non-empty bins are those
+       // whose mass above is < limit, a top range of the bins; b is the lowest of them
+        const int i = base + tid;
+        const u64 mine = tid < SLICE ? hist.packed[i] : 0ull;
+        u32 slice_mass;
+        const u32 incl = block_scan((u32)mine, red, &slice_mass);
+        if (tid == 0) pub.total = slice_mass;
+        cluster_sync();
+        if (tid < CLUSTER) tot[tid] = ld_peer32(&pub.total, tid);
+        __syncthreads();
+        u32 total = 0u, above_slice = 0u;
+        for (int q = 0; q < CLUSTER; ++q) {
+            total += tot[q];
+            if (q > c) above_slice += tot[q];
+        }
+        const float limit = tp * (float)total;
+        const u32 above = above_slice + (slice_mass - incl);
+        const int cand = tid < SLICE && (mine >> 32) && (float)above < limit ? i : INT_BIG;
+        const int cb = block_reduce<MinI>(cand, ired);
+        if (cand == cb && cb != INT_BIG) {
+            pub.cand_above = above;
+            pub.cand_n = (u32)(mine >> 32);
+            pub.cand_mass = (u32)mine;
+            pub.cand_best = hb[i];
+        }
+        const u64 above_best = block_reduce<MaxU64>(tid < SLICE && i > cb ? hb[i] : 0ull, ured);
+        const u64 slice_best = block_reduce<MaxU64>(tid < SLICE ? hb[i] : 0ull, ured);
+        if (tid == 0) {
+            pub.cand = cb;
+            pub.above_best = above_best;
+            pub.slice_best = slice_best;
+        }
+        cluster_sync();
+        if (tid < 32) {  // b: the lowest candidate; the best score above it
+            const int cq = tid < CLUSTER ? (int)ld_peer32(&pub.cand, tid) : INT_BIG;
+            const int b = warp_reduce<MinI>(cq);
+            const int owner = b == INT_BIG ? CLUSTER : b / SLICE;
+            u64 sb = tid < CLUSTER && tid > owner ? ld_peer64(&pub.slice_best, tid) : 0ull;
+            sb = warp_reduce<MaxU64>(sb);
+            if (tid == 0) {
+                s_b = b;
+                if (b != INT_BIG) {
+                    s_above = ld_peer32(&pub.cand_above, owner);
+                    s_cnt = ld_peer32(&pub.cand_n, owner);
+                    s_mass = ld_peer32(&pub.cand_mass, owner);
+                    s_bin_best = ld_peer64(&pub.cand_best, owner);
+                    const u64 ab = ld_peer64(&pub.above_best, owner);
+                    s_above_best = ab > sb ? ab : sb;
+                }
+            }
+        }
+        __syncthreads();
+        const int b = s_b;
+        if (b == INT_BIG) {  // limit <= 0 (top_p <= 0 or NaN) keeps nothing: the top token
+            if (c == 0 && tid == 0) tokens[r] = rowi[1];
+            cluster_sync();
+            return;
+        }
+        const u32 nb = s_cnt, above_b = s_above;
+        const u64 best = s_above_best;
+        // bin b is kept whole if even its lowest token (mass >= its lower edge's) is kept
+        if (nb == 1u || (float)(above_b + s_mass - mass_of_key(bin_lo(b))) < limit) {
+            if (c == 0 && tid == 0) tokens[r] = unpack_id(s_bin_best > best ? s_bin_best : best);
+            cluster_sync();
+            return;
+        }
+        const u32 klo = bin_lo(b);
+        u64 inb = 0ull;
+        bool resolved = false;
+        if (nb <= (u32)NMAX) {  // collect bin b's tokens: a zt window (1e-3 wide margins) first
+            const float zlo = logf(__uint_as_float(klo) * den) - 1e-3f;
+            const float zhi = logf(__uint_as_float(klo + (1u << BIN_BITS)) * den) + 1e-3f;
+            if (tid == 0) s_n = 0u;
+            __syncthreads();
+            for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+                float x[4];
+                load4(z, j0, hi, x);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float zt = tempered(x[q], m, it);
+                    if (!(zt >= zlo && zt <= zhi)) continue;
+                    const u32 key = prob_key(zt, iden);
+                    if (key >= klo && key - klo < (1u << BIN_BITS)) {
+                        const u32 slot = atomicAdd(&s_n, 1u);
+                        if (slot < (u32)NMAX) hb[slot] = ((u64)key << 32) | (u32)(j0 + q);
+                    }
+                }
+            }
+            __syncthreads();
+            if (tid == 0) pub.n_list = s_n;
+            cluster_sync();
+            int n = 0;
+            if (c == 0) n = gather_lists(hb, min(s_n, (u32)NMAX), &pub);
+            cluster_sync();  // the others' lists are read: they may leave
+            if (c != 0) return;
+            if (n == (int)nb) {  // else (never, by the window's margins): over V below
+                resolved = true;
+                if (n <= 32) {
+                    if (tid < 32) inb = warp_draw(hb, n, above_b, limit, false, z, m, it, k0, k1);
+                } else {
+                    const int n2 = pow2_at_least(n);
+                    for (int i = n + tid; i < n2; i += NTHREADS) hb[i] = 0ull;
+                    __syncthreads();
+                    sort_desc(hb, n2);  // rank order: probability, then id
+                    inb = draw_sorted(hb, n, above_b, limit, false, z, m, it, k0, k1, FLOOR, red,
+                                      ured);
+                }
+            }
+        } else {
+            cluster_sync();  // every read of the others' shared memory is done
+            if (c != 0) return;
+        }
+        if (!resolved)  // CTA 0 alone, over V (the split kernels' large-bin path)
+            inb = resolve_range(z, m, it, iden, -INFINITY, k0, k1, FLOOR, klo, BIN_BITS, above_b,
+                                limit, hm, hc, red, ired, ured);
+        token = unpack_id(inb > best ? inb : best);
+    }
+#else  // TOP_K > 0
+    (void)iden;
+    // ---- 2. counts per topk_bin (the bin of the tempered logit), combined per slice
+    for (int i = tid; i < NB; i += NTHREADS) hc[i] = 0u;
+    __syncthreads();
+    for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        float x[4];
+        load4(z, j0, hi, x);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const float zt = tempered(x[q], m, it);
+            if (zt > -INFINITY) atomicAdd(&hc[topk_bin(zt, t)], 1u);
+        }
+    }
+    __syncthreads();
+    cluster_sync();
+    for (int k = tid; k < SLICE; k += NTHREADS) {
+        u32 a = 0u;
+#pragma unroll
+        for (int q = 0; q < CLUSTER; ++q) a += ld_peer32(&hc[base + k], q);
+        hc[base + k] = a;
+    }
+    __syncthreads();
+    u32 n_ge, total = 0u;
+    int beta;
+    {  // the bin of the k-th largest: the highest bin whose count from the top reaches k
+        const u32 mine = tid < SLICE ? hc[base + tid] : 0u;
+        u32 slice_cnt;
+        const u32 incl = block_scan(mine, red, &slice_cnt);
+        if (tid == 0) pub.total = slice_cnt;
+        cluster_sync();
+        if (tid < CLUSTER) tot[tid] = ld_peer32(&pub.total, tid);
+        __syncthreads();
+        u32 above_slice = 0u;
+        for (int q = 0; q < CLUSTER; ++q) {
+            total += tot[q];
+            if (q > c) above_slice += tot[q];
+        }
+        const u32 at_or_above = above_slice + (slice_cnt - incl) + mine;
+        const int cand = tid < SLICE && at_or_above >= (u32)TOP_K ? base + tid : -1;
+        const int cb = block_reduce<MaxI>(cand, ired);
+        if (cand == cb && cb >= 0) pub.cand_above = at_or_above;
+        if (tid == 0) pub.cand = cb;
+        cluster_sync();
+        if (tid == 0) {
+            int b = -1;
+            for (int q = 0; q < CLUSTER; ++q) b = max(b, (int)ld_peer32(&pub.cand, q));
+            s_b = b;
+            s_cnt = b < 0 ? total : ld_peer32(&pub.cand_above, b / SLICE);
+        }
+        __syncthreads();
+        beta = max(s_b, 0);  // none: fewer than k live tokens, all of them
+        n_ge = s_cnt;
+    }
+    bool listed = false;
+    int n = 0;
+    if (n_ge <= (u32)NMAX) {  // collect every token at or above bin beta
+        if (tid == 0) s_n = 0u;
+        __syncthreads();
+        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+            float x[4];
+            load4(z, j0, hi, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float zt = tempered(x[q], m, it);
+                if (zt > -INFINITY && topk_bin(zt, t) >= beta) {
+                    const u32 slot = atomicAdd(&s_n, 1u);
+                    if (slot < (u32)NMAX) hb[slot] = ((u64)ord_of(zt) << 32) | (u32)(j0 + q);
+                }
+            }
+        }
+        __syncthreads();
+        if (tid == 0) pub.n_list = s_n;
+        cluster_sync();
+        if (c == 0) n = gather_lists(hb, min(s_n, (u32)NMAX), &pub);
+        cluster_sync();  // the others' lists are read: they may leave
+        if (c != 0) return;
+        listed = n == (int)n_ge;
+    } else {
+        cluster_sync();  // every read of the others' shared memory is done
+        if (c != 0) return;
+    }
+    if (listed && n <= 32) {
+        if (tid < 32) token = warp_topk_draw(hb, n, tp, z, m, it, k0, k1);
+    } else {  // topk_draw's list path, or (n > NMAX) its selection over V by CTA 0 alone
+        token = topk_draw(hb, listed ? n : NMAX + 1, tp, z, m, it, k0, k1, FLOOR, hm, hc, red,
+                          ired, ured, fred);
+    }
+#endif
+    if (tid == 0) tokens[r] = token;
+}
+#endif  // CLUSTER

@@ -1,8 +1,14 @@
 """Host side of the fused sampler (`sampler.cu`): launch plan, build, backend configs.
 
-The three kernels (statistics, top-p histogram, boundary resolution) run one after another on
-XLA's stream as `__gpu$xla.gpu.ptx` custom calls; `rejax.ops.sampler` binds them. Nothing here
-imports cuda-python at module import; NVRTC is reached only by `build`.
+Two variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
+`__gpu$xla.gpu.ptx` custom calls on XLA's stream:
+
+- "split" (the default): three kernels (statistics, top-p histogram, boundary resolution), each
+  a grid of chunks x B blocks whose last block per row combines through global scratch.
+- "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
+  distributed shared memory between cluster barriers (sampler.cu's last section).
+
+Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,18 @@ from cuda_ops.build import (
     read_source,
 )
 
-__all__ = ["ENTRIES", "MAX_BATCH", "MAX_VOCAB", "NMAX", "SamplerKernel", "build", "check_shape"]
+__all__ = [
+    "CLUSTER_ENTRIES",
+    "ENTRIES",
+    "MAX_BATCH",
+    "MAX_VOCAB",
+    "NMAX",
+    "VARIANTS",
+    "SamplerKernel",
+    "build",
+    "check_shape",
+    "entries",
+]
 
 SOURCE = "sampler.cu"
 # entry -> (number of operands, number of results); parameters are operands then results
@@ -28,6 +45,17 @@ ENTRIES = {
     "rejax_sample_hist": (5, 1),  # logits, stats, arg, top_p, keys -> plan [B, 8]
     "rejax_sample_resolve": (6, 1),  # logits, stats, arg, top_p, keys, plan -> tokens [B]
 }
+# the cluster variant's one kernel: logits, thr, alt, t_a, t_b, top_p, keys -> tokens [B],
+# entropy [B], temperature [B]
+CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
+VARIANTS = ("split", "cluster")
+CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
+SMS = 132  # the H200's SMs
+# The cluster kernel is built for 64 registers a thread, so 1024 / threads CTAs fit an SM (its
+# 33 KB of shared memory allows 6): 1024 threads while every CTA can have an SM of its own
+# (B <= 16), 512 while all rows fit one wave at 2 CTAs per SM (B <= 33), else 256 (4 per SM,
+# one wave up to B = 66).
+CLUSTER_REGS = 64
 PLAN_WORDS = 8
 THREADS = 512
 NB = 2048  # histogram bins (sampler.cu); NB / THREADS bins per thread
@@ -36,6 +64,17 @@ MAX_BATCH = 1024  # module-global scratch is sized by the batch: 16 KiB + 16 B *
 MAX_VOCAB = 1 << 24
 RESIDENT_BLOCKS = 528  # 132 SMs x 4 blocks of 512 threads (the H200); the grid targets one wave
 MAX_CHUNKS = 128
+
+
+def entries(variant: str = "split") -> dict:
+    """The variant's kernel entries: name -> (number of operands, number of results)."""
+    _check_variant(variant)
+    return ENTRIES if variant == "split" else CLUSTER_ENTRIES
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
 
 
 def check_shape(batch: int, vocab: int, top_k: int = 0) -> tuple[bool, str]:
@@ -51,7 +90,8 @@ def check_shape(batch: int, vocab: int, top_k: int = 0) -> tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """Launch geometry: a grid of `chunks` x `batch` blocks of `threads` threads."""
+    """Launch geometry: a grid of `chunks` x `batch` blocks of `threads` threads (the cluster
+    variant: `cluster` = chunks CTAs per row form one cluster)."""
 
     batch: int
     vocab: int
@@ -60,9 +100,14 @@ class Plan:
     top_k: int = 0
     threads: int = THREADS
     nmax: int = NMAX
+    variant: str = "split"
+
+    @property
+    def cluster(self) -> int:
+        return self.chunks if self.variant == "cluster" else 0
 
     def defines(self) -> dict:
-        return {
+        d = {
             "TOP_K": self.top_k,
             "B_ROWS": self.batch,
             "V_SIZE": self.vocab,
@@ -71,19 +116,39 @@ class Plan:
             "NTHREADS": self.threads,
             "NMAX": self.nmax,
         }
+        if self.variant == "cluster":
+            d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
+        return d
+
+    @property
+    def ctas_per_sm(self) -> int:
+        """CTAs per SM the cluster kernel is built for (launch bounds: CLUSTER_REGS registers)."""
+        return 65536 // (self.threads * CLUSTER_REGS)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan(batch: int, vocab: int, top_k: int = 0) -> Plan:
-    """About one wave of blocks over the whole batch, at least 4 chunks per row."""
+def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan:
+    """ "split": about one wave of blocks over the whole batch, at least 4 chunks per row.
+    "cluster": `CLUSTER` chunks per row (trailing ones may be empty when V < 4 CLUSTER)."""
+    _check_variant(variant)
+    if variant == "cluster":
+        chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
+        return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
+                    threads=cluster_threads(batch), variant=variant)  # fmt: skip
     chunks = max(4, min(MAX_CHUNKS, RESIDENT_BLOCKS // batch))
     chunks = min(chunks, vocab)
     chunk = _cdiv(_cdiv(vocab, chunks), 4) * 4  # a multiple of 4 (the histogram's float4 loads)
     chunks = _cdiv(vocab, chunk)  # no empty trailing chunk
     return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k)
+
+
+def cluster_threads(batch: int) -> int:
+    """Threads per CTA of the cluster kernel for B rows (CLUSTER_REGS' comment)."""
+    ctas = batch * CLUSTER
+    return 1024 if ctas <= SMS else 512 if ctas <= 2 * SMS else 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,7 +164,7 @@ class SamplerKernel:
 
     def backend_config(self, entry: str) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` call of one entry."""
-        n_in, n_out = ENTRIES[entry]
+        n_in, n_out = entries(self.plan.variant)[entry]
         p = self.plan
         return ptx_backend_config(
             entry,
@@ -111,19 +176,23 @@ class SamplerKernel:
 
 
 @functools.cache
-def _build_cached(batch: int, vocab: int, top_k: int, arch: str) -> SamplerKernel:
-    p = plan(batch, vocab, top_k)
+def _build_cached(batch: int, vocab: int, top_k: int, variant: str, arch: str) -> SamplerKernel:
+    p = plan(batch, vocab, top_k, variant)
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=p.defines(), arch=arch)
     return SamplerKernel(plan=p, ptx=ptx)
 
 
-def build(batch: int, vocab: int, top_k: int = 0, *, arch: str | None = None) -> SamplerKernel:
+def build(
+    batch: int, vocab: int, top_k: int = 0, *, variant: str = "split", arch: str | None = None
+) -> SamplerKernel:
     """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits
-    (top_k > 0: top-k before top-p).
+    (top_k > 0: top-k before top-p) of one of `VARIANTS`.
 
-    Raises KernelError when NVRTC is missing or the shape is unsupported.
+    Raises KernelError when NVRTC is missing or the shape is unsupported, ValueError for an
+    unknown variant.
     """
+    _check_variant(variant)
     ok, why = check_shape(batch, vocab, top_k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
-    return _build_cached(batch, vocab, top_k, arch or device_arch())
+    return _build_cached(batch, vocab, top_k, variant, arch or device_arch())

@@ -11,9 +11,11 @@ here (its 16-candidate path), "flat" rows keep thousands (its radix fallback). T
 the fraction of rows that take the 16-candidate path, and each variant's cost over greedy.
 
 The default method "kernel" is the fused CUDA sampler (`rejax.ops.sampler`) on a GPU; "radix"
-is the previous default (pure XLA). `--decode-layers N` also times the decode loop of a
-random-weight Qwen3-8B NVFP4 with N layers (`rejax.bench.bench_decode`) per sampler and method,
-next to greedy ("decode" in the JSON).
+is the previous default (pure XLA). `--variants` times the kernel's variants side by side
+(`rejax.ops.sampler.VARIANTS`; "split" is the default, labelled "kernel"; another variant v is
+labelled "kernel:v" and runs through `rejax.ops.sampler.sample_kernel`). `--decode-layers N` also
+times the decode loop of a random-weight Qwen3-8B NVFP4 with N layers (`rejax.bench.bench_decode`)
+per sampler and method, next to greedy ("decode" in the JSON; the default variant only).
 
 Usage (H200, the issue-15 measurement):
   PYTHONPATH=. python experiments/bench_sampler.py --batch 1 64 --logits peaked lm \\
@@ -22,6 +24,9 @@ All methods: PYTHONPATH=. python experiments/bench_sampler.py \\
     --out experiments/results/bench_sampler_gpu.json
 (about 140 timed scans by default; to keep one call short, run `--logits peaked` and
 `--logits flat` into two files.)
+Split vs cluster kernel ([T2-E], H200, about a minute):
+  PYTHONPATH=. python experiments/bench_sampler.py --batch 1 64 --logits lm --methods kernel \\
+    --variants split cluster --samplers temperature_top_p top_k20 reset_top_p --stats two_pass
 Quick CPU check: PYTHONPATH=. python experiments/bench_sampler.py --vocab 4096 --batch 1 8 \\
     --steps 2 --repeats 2 --out /tmp/bench_sampler_cpu.json
 """
@@ -42,6 +47,7 @@ from jax import lax
 
 from rejax import sampling
 from rejax.bench import versions
+from rejax.ops import sampler as sampler_op
 from rejax.sampling import Greedy, ReSET, Temperature, sample, sampler_init, top_p_mask
 
 T_LOW, T_HIGH, TAU_0, TOP_P = 0.3, 1.0, 0.6349, 0.95
@@ -58,15 +64,25 @@ def _median_time(fn, args, repeats: int) -> float:
     return float(np.median(times))
 
 
-def _scan_sampler(sampler, steps: int, method: str, stats: str = sampling.STATS_METHOD):
+def _label(method: str, variant: str) -> str:
+    return method if variant == sampler_op.VARIANT or method != "kernel" else f"{method}:{variant}"
+
+
+def _scan_sampler(
+    sampler, steps: int, method: str, stats: str = sampling.STATS_METHOD, variant: str = ""
+):
+    def step(ks, z, state):
+        if method == "kernel" and variant and variant != sampler_op.VARIANT:
+            return sampler_op.sample_kernel(ks, z, state, sampler, variant=variant,
+                                            stats_method=stats)  # fmt: skip
+        return sample(ks, z, state, sampler, top_p_method=method, stats_method=stats)
+
     def run(keys, logits, state):
         def body(carry, i):
             state, acc = carry
             z = logits + i.astype(jnp.float32) * 1e-3  # a fresh array every step
             ks = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
-            tokens, state, info = sample(
-                ks, z, state, sampler, top_p_method=method, stats_method=stats
-            )
+            tokens, state, info = step(ks, z, state)
             # the entropy stays live, as in a decode loop that reports it
             acc = acc + tokens + (info["entropy"] > 0).astype(jnp.int32)
             return (state, acc), None
@@ -172,6 +188,18 @@ def main(argv=None) -> None:
         "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat", "lm"]
     )
     parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=[sampler_op.VARIANT],
+        choices=sampler_op.VARIANTS,
+        help="kernel variants timed for method 'kernel' (non-default ones labelled kernel:NAME)",
+    )
+    samplers_all = ["temperature_top_p", "top_k20", "top_k20_top_p", "reset_top_p"]
+    parser.add_argument(
+        "--samplers", nargs="+", default=samplers_all, choices=samplers_all,
+        help="samplers timed per method (greedy is always timed)",
+    )  # fmt: skip
+    parser.add_argument(
         "--decode-layers",
         type=int,
         default=0,
@@ -227,16 +255,22 @@ def main(argv=None) -> None:
             greedy = _scan_sampler(Greedy(), steps, sampling.TOP_P_METHOD)
             row["greedy_us"] = _median_time(greedy, (keys, logits, sampler_init(Greedy(), b)),
                                             repeats) / steps * 1e6  # fmt: skip
-            runs = [(name, smp, m, sampling.STATS_METHOD) for name, smp in samplers.items()
-                    for m in args.methods]  # fmt: skip
+            mv = [
+                (m, v)
+                for m in args.methods
+                for v in (args.variants if m == "kernel" else [sampler_op.VARIANT])
+            ]
+            runs = [(name, samplers[name], m, sampling.STATS_METHOD, v) for name in args.samplers
+                    for m, v in mv]  # fmt: skip
             extra = [st for st in args.stats if st != sampling.STATS_METHOD]
-            runs += [("greedy", Greedy(), sampling.TOP_P_METHOD, st) for st in extra]
-            runs += [(name, samplers[name], m, st) for st in extra for m in args.methods
-                     for name in ("temperature_top_p", "reset_top_p")]  # fmt: skip
-            for name, smp, method, stats in runs:
-                fn = _scan_sampler(smp, steps, method, stats)
+            runs += [("greedy", Greedy(), sampling.TOP_P_METHOD, st, "") for st in extra]
+            runs += [(name, samplers[name], m, st, v) for st in extra for m, v in mv
+                     for name in ("temperature_top_p", "reset_top_p")
+                     if name in args.samplers]  # fmt: skip
+            for name, smp, method, stats, variant in runs:
+                fn = _scan_sampler(smp, steps, method, stats, variant)
                 t = _median_time(fn, (keys, logits, sampler_init(smp, b)), repeats)
-                label = name if name == "greedy" else f"{name}/{method}"
+                label = name if name == "greedy" else f"{name}/{_label(method, variant)}"
                 label += "" if stats == sampling.STATS_METHOD else f"+{stats}"
                 row[f"{label}_us"] = t / steps * 1e6
                 row[f"{label}_over_greedy_us"] = row[f"{label}_us"] - row["greedy_us"]
@@ -253,11 +287,12 @@ def main(argv=None) -> None:
             print(json.dumps(row), flush=True)
             labels = [k[: -len("_us")] for k in row if k.startswith("reset_top_p/")
                       and k.endswith("_us") and not k.endswith("over_greedy_us")]  # fmt: skip
-            best = min(labels, key=lambda k: row[f"{k}_us"])
-            summary.append(
-                {"logits": kind, "batch": b, "fastest_reset": best,
-                 "reset_top_p_over_greedy_us": row[f"{best}_over_greedy_us"]}
-            )  # fmt: skip
+            if labels:
+                best = min(labels, key=lambda k: row[f"{k}_us"])
+                summary.append(
+                    {"logits": kind, "batch": b, "fastest_reset": best,
+                     "reset_top_p_over_greedy_us": row[f"{best}_over_greedy_us"]}
+                )  # fmt: skip
 
     decode = _decode_loop(args, samplers) if args.decode_layers else None
     record = {
@@ -274,6 +309,8 @@ def main(argv=None) -> None:
         "default_stats_method": sampling.STATS_METHOD,
         "stats_methods": args.stats,
         "methods": args.methods,
+        "variants": args.variants,
+        "default_variant": sampler_op.VARIANT,
         "samplers": {
             "temperature_top_p": f"Temperature(0.6, top_p={TOP_P})",
             "top_k20": "Temperature(0.6, top_k=20)",
@@ -295,6 +332,20 @@ def main(argv=None) -> None:
         json.dump(record, f, indent=2)
     print(json.dumps(summary))
     print(f"wrote {out}")
+    _print_table(results)
+
+
+def _print_table(results) -> None:
+    """us over greedy per (logits, batch) row and sampler/method column."""
+    cols = sorted({k[: -len("_over_greedy_us")] for row in results for k in row
+                   if k.endswith("_over_greedy_us")})  # fmt: skip
+    print("us over greedy (greedy us in the first column)")
+    print(f"{'logits/B':>10} {'greedy':>8} " + " ".join(f"{c:>{max(9, len(c))}}" for c in cols))
+    for row in results:
+        cells = [f"{row.get(f'{c}_over_greedy_us', float('nan')):>{max(9, len(c))}.1f}"
+                 for c in cols]  # fmt: skip
+        print(f"{row['logits'] + '/' + str(row['batch']):>10} {row['greedy_us']:>8.1f} "
+              + " ".join(cells))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,29 +23,7 @@ from cuda_ops import nvfp4_gemv
 
 def ptxas_verbose(source: str, defines: dict, arch: str = "sm_90") -> str:
     """ptxas's -v report of `source` compiled by NVRTC to a cubin for `arch`."""
-    from cuda.bindings import nvrtc
-
-    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "-Xptxas=-v"]
-    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    headers = cbuild.local_headers(source)
-    names = sorted(headers)
-    err, prog = nvrtc.nvrtcCreateProgram(
-        source.encode(), b"kernel.cu", len(names),
-        [headers[n].encode() for n in names], [n.encode() for n in names],
-    )  # fmt: skip
-    if int(err) != 0:
-        raise cbuild.KernelError(f"nvrtcCreateProgram: {err}")
-    try:
-        status = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])[0]
-        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    text = log.decode(errors="replace")
-    if int(status) != 0:
-        raise cbuild.KernelError(f"NVRTC failed:\n{text}")
-    return text
+    return cbuild.ptxas_log(source, defines, arch)
 
 
 def summary(log: str) -> dict:

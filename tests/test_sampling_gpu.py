@@ -6,7 +6,10 @@ for token on the same keys (agreement except where rounding moves a boundary or 
 for support: no token outside the float64 nucleus widened by 1e-5 of mass, (3) by chi-square
 over >= 1e5 draws against the exact truncated softmax, on the full 151,936-token vocabulary
 (`_assert_draws_match`: ids expected < 5 times pooled into one bin, pass at p > 1e-4, fixed
-keys), and (4) for row independence, batch 1..64, ReSET decisions and no retrace.
+keys), and (4) for row independence, batch 1..64, ReSET decisions and no retrace. Every test
+runs for each kernel variant (`rejax.ops.sampler.VARIANTS`: "split", the default three kernels
+through `sample`; "cluster", one launch, through `op.sample_kernel`); `-k cluster` selects the
+new one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from rejax.sampling import ReSET, Temperature, sample, sampler_init
 pytestmark = pytest.mark.gpu
 
 V = 151936
+VARIANTS = pytest.mark.parametrize("variant", op.VARIANTS)
 
 
 def _logits(kind: str, b: int, seed: int = 0) -> np.ndarray:
@@ -53,33 +57,47 @@ def _nucleus64(z: np.ndarray, t: float, top_p: float, slack: float = 1e-5) -> np
     return p, keep
 
 
-def _run(sampler, z, keys, state=None, method="kernel"):
+def _sample_fn(variant: str | None):
+    """`sample` (the default kernel, or the sampler's method) or the op's path with `variant`."""
+    if variant in (None, "split"):
+        return sample
+    return lambda k, z, s, smp, **kw: op.sample_kernel(k, z, s, smp, variant=variant)
+
+
+def _run(sampler, z, keys, state=None, method="kernel", variant=None):
     b = z.shape[0]
     state = sampler_init(sampler, b) if state is None else state
-    fn = jax.jit(sample, static_argnames="top_p_method")
-    tok, st, info = fn(keys, jnp.asarray(z), state, sampler, top_p_method=method)
+    if method == "kernel" and variant not in (None, "split"):
+        fn = jax.jit(op.sample_kernel, static_argnames="variant")
+        tok, st, info = fn(keys, jnp.asarray(z), state, sampler, variant=variant)
+    else:
+        fn = jax.jit(sample, static_argnames="top_p_method")
+        tok, st, info = fn(keys, jnp.asarray(z), state, sampler, top_p_method=method)
     return np.asarray(tok), st, info
 
 
-def test_lowered_on_gpu_as_three_custom_calls():
+@VARIANTS
+def test_lowered_on_gpu_as_custom_calls(variant):
     smp = Temperature(top_p_method="kernel", t=0.6, top_p=0.95)
     z = jnp.zeros((4, V), jnp.float32)
-    f = jax.jit(lambda k, z, s: sample(k, z, s, smp)[0])
+    run = _sample_fn(variant)
+    f = jax.jit(lambda k, z, s: run(k, z, s, smp)[0])
     hlo = f.lower(jax.random.key(0), z, sampler_init(smp, 4)).as_text()
-    assert hlo.count("__gpu$xla.gpu.ptx") == 3
+    assert hlo.count("__gpu$xla.gpu.ptx") == len(op.kernels.entries(variant))
 
 
-def draw_tokens(z: np.ndarray, smp, steps: int) -> np.ndarray:
+def draw_tokens(z: np.ndarray, smp, steps: int, variant: str | None = None) -> np.ndarray:
     """Tokens of `steps` sample calls on the rows of z (keys per row and step from key 11),
     flattened; also used by experiments/sampler_tail_bias.py."""
     b = z.shape[0]
     key = jax.random.key(11)
+    run = _sample_fn(variant)
 
     @jax.jit
     def draws(z):
         def body(s, i):
             ks = jax.random.split(jax.random.fold_in(key, i), b)
-            return s, sample(ks, z, sampler_init(smp, b), smp)[0]
+            return s, run(ks, z, sampler_init(smp, b), smp)[0]
 
         return jax.lax.scan(body, 0, jnp.arange(steps))[1]
 
@@ -93,16 +111,20 @@ def draw_tokens(z: np.ndarray, smp, steps: int) -> np.ndarray:
      ("peaked", 1e-7, 0.95, 0), ("real", 0.6, 0.95, 20), ("real", 1.0, 1.0, 20),
      ("equal", 1.0, 0.5, 20), ("flat", 1.0, 0.9, 3000), ("ties", 1.0, 0.9, 30)],
 )  # fmt: skip
-def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k):
+@VARIANTS
+def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k, variant):
     b = 16
     z = _logits(kind, b, seed=1)
     keys = jax.random.split(jax.random.key(7), b)
-    tok, _, info = _run(Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k), z, keys)
+    smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
+    tok, _, info = _run(smp, z, keys, variant=variant)
     data = np.asarray(jax.random.key_data(keys))
     agree, paths = 0, set()
-    chunks = op.kernels.plan(b, V).chunks
+    chunks = op.kernels.plan(b, V, variant=variant).chunks
+    prune = "bound" if variant == "cluster" else True
     for i in range(b):
-        em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k, chunks=chunks)
+        em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k, chunks=chunks,
+                        prune=prune, variant=variant)  # fmt: skip
         paths.add(em["path"])
         agree += int(em["tokens"][0] == tok[i])
         if t > 1e-6:  # smaller temperatures are greedy (Temperature's rule)
@@ -124,11 +146,12 @@ def _top_k64(z: np.ndarray, k: int) -> np.ndarray:
      ("equal", 1.0, 1e-4, 0), ("peaked", 1.0, 1.0, 0), ("real", 0.6, 0.95, 20),
      ("ties", 1.0, 1.0, 30)],
 )  # fmt: skip
-def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
+@VARIANTS
+def test_kernel_distribution_chi_square(kind, t, top_p, top_k, variant):
     b, steps = 64, 1600  # 102,400 draws
     z = np.repeat(_logits(kind, 1, seed=3), b, axis=0)
     smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
-    tok = draw_tokens(z, smp, steps)
+    tok = draw_tokens(z, smp, steps, variant)
     # the kernel's float32 probabilities may move the boundary token across the float64 cut:
     # tokens within 1e-6 of mass of it count as kept (drawn with their tiny expected share)
     p, keep = _nucleus64(_top_k64(z[0], top_k), t, top_p, slack=1e-6)
@@ -139,29 +162,73 @@ def test_kernel_distribution_chi_square(kind, t, top_p, top_k):
     _assert_draws_match(tok, q / q.sum(), f"{kind} t={t} top_p={top_p} top_k={top_k}")
 
 
-def test_rows_independent_and_batch_sizes():
+@VARIANTS
+def test_rows_independent_and_batch_sizes(variant):
     z = _logits("real", 64, seed=5)
     keys = jax.random.split(jax.random.key(3), 64)
     smp = Temperature(top_p_method="kernel", t=1.0, top_p=0.95)
-    full, _, _ = _run(smp, z, keys)
+    full, _, _ = _run(smp, z, keys, variant=variant)
     z2 = z.copy()
     z2[1:] = _logits("peaked", 63, seed=9)  # other rows change; row 0 must not
-    other, _, _ = _run(smp, z2, keys)
+    other, _, _ = _run(smp, z2, keys, variant=variant)
     assert other[0] == full[0]
     for b in (1, 2, 7, 33):
-        sub, _, _ = _run(smp, z[:b], keys[:b])
-        assert np.mean(sub == full[:b]) >= 0.9, b  # per-chunk rounding may move a boundary
+        sub, _, _ = _run(smp, z[:b], keys[:b], variant=variant)
+        # per-chunk rounding may move a boundary (the cluster kernel's chunks do not depend on B)
+        assert np.mean(sub == full[:b]) >= (1.0 if variant == "cluster" else 0.9), b
 
 
-def test_no_retrace_in_a_decode_loop():
+def test_cluster_variant_draws_the_split_tokens():
+    # the same noise, bins, keep rule and draw: the same tokens up to the statistics' rounding
+    # (8 chunks against the split plan's), on every path the kernels have
+    b = 32
+    keys = jax.random.split(jax.random.key(5), b)
+    for kind, t, top_p, top_k in [("real", 0.6, 0.95, 0), ("flat", 0.6, 0.95, 0),
+                                  ("ties", 1.0, 0.5, 0), ("real", 1.0, 1.0, 0),
+                                  ("real", 0.6, 1.0, 20), ("flat", 1.0, 0.9, 3000)]:  # fmt: skip
+        z = _logits(kind, b, seed=2)
+        smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
+        a, _, ia = _run(smp, z, keys, variant="split")
+        c, _, ic = _run(smp, z, keys, variant="cluster")
+        assert np.sum(a == c) >= b - 1, (kind, t, top_p, top_k, np.flatnonzero(a != c))
+        np.testing.assert_allclose(np.asarray(ic["entropy"]), np.asarray(ia["entropy"]),
+                                   rtol=2e-5, atol=2e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("v", [10, 1001, 4099])
+def test_cluster_variant_small_and_odd_vocabularies(v):
+    # scalar loads (V % 4 != 0), and empty chunks (V < 4 x 8): kept tokens only, and the
+    # emulation's tokens
+    b = 5
+    rng = np.random.default_rng(v)
+    z = (rng.standard_normal((b, v)) * 2).astype(np.float32)
+    keys = jax.random.split(jax.random.key(v), b)
+    data = np.asarray(jax.random.key_data(keys))
+    differ = []
+    for t, top_p, top_k in [(1.0, 0.9, 0), (0.6, 1.0, 0), (1.0, 0.8, 3)]:
+        smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
+        tok, _, _ = _run(smp, z, keys, variant="cluster")
+        for i in range(b):
+            em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k,
+                            prune="bound", variant="cluster")  # fmt: skip
+            _, keep = _nucleus64(_top_k64(z[i], top_k), t, top_p)
+            assert keep[tok[i]], (v, t, top_p, top_k, i)
+            if em["tokens"][0] != tok[i]:  # float rounding may move a boundary, rarely
+                differ.append((t, top_p, top_k, i))
+    assert len(differ) <= 1, differ
+
+
+@VARIANTS
+def test_no_retrace_in_a_decode_loop(variant):
     traces = []
     smp = ReSET(top_p_method="kernel", t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(V, bool),
                 dnl_mask=jnp.zeros(V, bool))  # fmt: skip
+    run = _sample_fn(variant)
 
     @jax.jit
     def step(key, z, state, i):
         traces.append(1)
-        return sample(jax.random.split(jax.random.fold_in(key, i), 4), z, state, smp)
+        return run(jax.random.split(jax.random.fold_in(key, i), 4), z, state, smp)
 
     state = sampler_init(smp, 4)
     z = jnp.asarray(_logits("real", 4))
@@ -170,18 +237,20 @@ def test_no_retrace_in_a_decode_loop():
     assert len(traces) == 1
 
 
-def test_reset_decisions_match_reference_on_device():
+@VARIANTS
+def test_reset_decisions_match_reference_on_device(variant):
     b, n = 8, 40
     smp = ReSET(top_p_method="kernel", t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(V, bool),
                 dnl_mask=jnp.zeros(V, bool).at[7].set(True))  # fmt: skip
     rng = np.random.default_rng(0)
     sk = sampler_init(smp, b)
     fn = jax.jit(sample, static_argnames="top_p_method")
+    fk = jax.jit(_sample_fn(variant))
     for i in range(n):
         scale = rng.uniform(0.5, 4.0, size=(b, 1)).astype(np.float32)
         z = jnp.asarray(_logits("real", b, seed=i) * scale)
         keys = jax.random.split(jax.random.key(i), b)
-        _, sk_new, ik = fn(keys, z, sk, smp, top_p_method="kernel")
+        _, sk_new, ik = fk(keys, z, sk, smp)
         _, _, ir = fn(keys, z, sk, smp, top_p_method="radix")  # the same state in
         hk, hr = np.asarray(ik["entropy"]), np.asarray(ir["entropy"])
         np.testing.assert_allclose(hk, hr, rtol=2e-5, atol=2e-5)

@@ -1,14 +1,17 @@
 """CPU tests of the fused sampler op (`rejax.ops.sampler`, kernels in `cuda_ops/sampler.cu`).
 
 No GPU here, so: the CUDA lowering is checked to emit the three PTX custom calls with their
-launch configs (NVRTC compiles the kernels for sm_90); the kernels' algorithm is checked through
-its NumPy mirror `emulate` (kept set == the definition on every path, chi-square over 10^5 draws,
-pruning exact); the op's reference (the CPU path of the default method) is checked to give the
-tokens of the "radix" method; and ReSET's (thr, alt) encoding is checked against `_policy`.
+launch configs (NVRTC compiles the kernels for sm_90), and the "cluster" variant its one call
+(a cluster of 8 CTAs per row; ptxas reports no spills); the kernels' algorithm is checked
+through its NumPy mirror `emulate` (kept set == the definition on every path, for the cluster
+kernel's filters too, chi-square over 10^5 draws, pruning exact); the op's reference (the CPU
+path of the default method) is checked to give the tokens of the "radix" method, through
+`sample_kernel` for every variant; and ReSET's (thr, alt) encoding is checked against `_policy`.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -73,6 +76,58 @@ def test_cuda_lowering_emits_the_three_kernels():
     assert entries == {name: sum(io) for name, io in kernels.ENTRIES.items()}
 
 
+def _lower_cuda_variant(sampler, b, v, variant):
+    f = jax.jit(lambda k, z, s: op.sample_kernel(k, z, s, sampler, variant=variant)[0])
+    z = jnp.zeros((b, v), jnp.float32)
+    traced = f.trace(jax.random.key(0), z, sampler_init(sampler, b))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("b", [1, 3, 64])
+def test_cuda_lowering_cluster_variant_is_one_call(b):
+    pytest.importorskip("cuda.bindings.nvrtc")
+    v = 1000
+    masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
+    for smp in (Temperature(0.6, top_p=0.9), ReSET(top_p=0.95, **masks),
+                Temperature(0.6, top_k=20)):  # fmt: skip
+        assert _lower_cuda_variant(smp, b, v, "split").count("__gpu$xla.gpu.ptx") == 3
+        hlo = _lower_cuda_variant(smp, b, v, "cluster")
+        assert hlo.count("__gpu$xla.gpu.ptx") == 1
+        (cfg,) = _backend_configs(hlo)
+        assert cfg["name"] == "rejax_sample_cluster"
+        n_in, n_out = kernels.CLUSTER_ENTRIES[cfg["name"]]
+        assert (cfg["grid_x"], cfg["grid_y"], cfg["block_x"]) == (
+            kernels.CLUSTER,
+            b,
+            kernels.cluster_threads(b),
+        )
+        assert cfg["outputs"] == list(range(n_in, n_in + n_out))
+        assert cfg["shared_mem_bytes"] == 0  # static shared memory only (< 48 KiB)
+    for k in (0, 20):  # the PTX: one entry, 10 parameters, a compile-time cluster of 8 CTAs
+        kern = kernels.build(b, v, k, variant="cluster", arch="compute_90")
+        assert ptx_entries(kern.ptx) == {"rejax_sample_cluster": 10}
+        assert re.search(r"\.reqnctapercluster\s+8,\s*1,\s*1", kern.ptx)
+        assert kern.plan.chunks * kern.plan.chunk >= v > (kern.plan.chunks - 1) * kern.plan.chunk
+
+
+@pytest.mark.parametrize("b,top_k", [(1, 0), (1, 20), (24, 0), (24, 20), (64, 0), (64, 20)])
+def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k):
+    # 1024 / 512 / 256 threads for 1 / 2 / 4 CTAs per SM: <= 64 registers, no spills, static
+    # shared memory under 48 KiB (and room for the CTAs per SM)
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from cuda_ops.build import ptxas_log, read_source
+
+    p = kernels.plan(b, 151936, top_k, variant="cluster")
+    assert p.threads == {1: 1024, 24: 512, 64: 256}[b] and p.ctas_per_sm * p.threads == 1024
+    log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
+    assert len(regs) == 1 and regs[0] <= kernels.CLUSTER_REGS, log
+    assert spills == [("0", "0")], log
+    assert smem[0] < 48 * 1024 and p.ctas_per_sm * (smem[0] + 1024) <= 228 * 1024, log
+
+
 def test_cuda_lowering_falls_back_where_the_kernel_does_not_serve():
     v = 300
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
@@ -86,23 +141,48 @@ def test_cuda_lowering_falls_back_where_the_kernel_does_not_serve():
 # ----------------------------------------------------------------------------- CPU path
 
 
-def test_default_cpu_path_gives_the_radix_tokens():
-    # method "kernel" off a GPU must reproduce "radix" bit for bit
-    rng = np.random.default_rng(0)
+def _same_steps(step_a, step_b, seed: int) -> None:
+    """step_a and step_b, each (key, logits, state, sampler) -> (tokens, state, info), give the
+    same tokens, states and infos bit for bit over 3 steps of Temperature + top-k and ReSET."""
+    rng = np.random.default_rng(seed)
     b, v = 4, 200
     masks = {"nl_mask": jnp.zeros(v, bool).at[3].set(True), "dnl_mask": jnp.zeros(v, bool)}
-    run = jax.jit(sample, static_argnames="top_p_method")
     for smp in (Temperature(jnp.array([0.6, 1.0, 1e-7, 2.0]), top_p=0.9, top_k=7),
                 ReSET(t_high=1.0, t_low=0.1, top_p=0.95, **masks)):  # fmt: skip
         sa = sb = sampler_init(smp, b)
         for step in range(3):
             z = jnp.asarray(rng.normal(size=(b, v)) * rng.uniform(0.5, 4), jnp.float32)
             key = jax.random.fold_in(jax.random.key(1), step)
-            ta, sa, ia = run(key, z, sa, smp, top_p_method="kernel")
-            tb, sb, ib = run(key, z, sb, smp, top_p_method="radix")
+            ta, sa, ia = step_a(key, z, sa, smp)
+            tb, sb, ib = step_b(key, z, sb, smp)
             np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb))
             for x, y in zip(jax.tree.leaves((sa, ia)), jax.tree.leaves((sb, ib))):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_default_cpu_path_gives_the_radix_tokens():
+    # method "kernel" off a GPU must reproduce "radix" bit for bit
+    run = jax.jit(sample, static_argnames="top_p_method")
+    _same_steps(
+        functools.partial(run, top_p_method="kernel"),
+        functools.partial(run, top_p_method="radix"),
+        seed=0,
+    )
+
+
+@pytest.mark.parametrize("variant", op.VARIANTS)
+def test_sample_kernel_is_the_kernel_method_on_cpu(variant):
+    # op.sample_kernel(variant=...) off a GPU: sample(top_p_method="kernel") bit for bit
+    run = jax.jit(sample, static_argnames="top_p_method")
+    run_op = jax.jit(op.sample_kernel, static_argnames="variant")
+    _same_steps(
+        functools.partial(run_op, variant=variant),
+        functools.partial(run, top_p_method="kernel"),
+        seed=2,
+    )
+    with pytest.raises(ValueError, match="not served by the fused kernel"):
+        op.sample_kernel(jax.random.key(0), jnp.zeros((2, 200)), sampler_init(sampling.Greedy(), 2),
+                         sampling.Greedy(), variant=variant)  # fmt: skip
 
 
 def test_policy_threshold_encodes_the_policy():
@@ -174,13 +254,17 @@ def _topk_cases():
     }
 
 
+@pytest.mark.parametrize("variant", op.VARIANTS)
 @pytest.mark.parametrize("name", list(_em_cases()) + [f"topk:{n}" for n in _topk_cases()])
-def test_emulation_keeps_the_definition(name):
+def test_emulation_keeps_the_definition(name, variant):
     if name.startswith("topk:"):
         z, t, top_p, k, nmax, path = _topk_cases()[name[5:]]
     else:
         (z, t, top_p, nmax, path), k = _em_cases()[name], 0
-    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=5)
+    chunks = 5 if variant == "split" else kernels.CLUSTER
+    prune = "bound" if variant == "cluster" else True
+    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=chunks,
+                    prune=prune, variant=variant)  # fmt: skip
     if path is not None:
         assert em["path"] == path
     zt = np.asarray(z, np.float32) / np.float32(t)
@@ -228,6 +312,74 @@ def test_pruning_never_changes_the_winner():
             np.testing.assert_array_equal(a, b, err_msg=f"{name} t={tt}")
 
 
+def test_bound_pruning_never_changes_the_winner():
+    # the cluster kernel computes a token's noise only where gumbel_bound lets it reach the top
+    # token's least score: the winners of 3000 keys equal those without pruning
+    rng = np.random.default_rng(8)
+    cases = {n: _em_cases()[n] for n in ("peaked", "flat", "tiny_top_p", "masked", "top_p_1")}
+    cases["near_ties"] = (np.r_[[5.0] * 3, 5.0 - rng.exponential(0.02, 40), rng.normal(size=200)],
+                          1.0, 0.99, 2048, None)  # fmt: skip
+    for name, (z, t, top_p, nmax, _) in cases.items():
+        for tt in (t, 0.05, 3.0):  # low temperatures prune nearly everything
+            args = (z, -np.inf, np.inf, tt, tt, top_p, _keys(3000, seed=4))
+            a = op.emulate(*args, nmax=nmax, prune="bound", variant="cluster")["tokens"]
+            b = op.emulate(*args, nmax=nmax, prune=False)["tokens"]
+            np.testing.assert_array_equal(a, b, err_msg=f"{name} t={tt}")
+
+
+def test_gumbel_bound_bounds_the_noise():
+    # every lo: gumbel_of_bits(hi, lo) <= gumbel_bound(hi), near the branch point and the ends too
+    rng = np.random.default_rng(10)
+    edges = [0, 1, 2, 3, (1 << 24) - 1, 1 << 24, (1 << 31) - 2, (1 << 31) - 1, 1 << 31,
+             (1 << 31) + 1, (1 << 32) - 2, (1 << 32) - 1]  # fmt: skip
+    hi = np.r_[np.array(edges, np.uint64), rng.integers(0, 1 << 32, 200_000, dtype=np.uint64),
+               rng.integers(0, 1 << 20, 50_000, dtype=np.uint64)].astype(np.uint32)  # fmt: skip
+    bound = op.gumbel_bound(hi)
+    for lo in (0, 1 << 9, 0x7FFFFFFF, 0xFFFFFFFF):
+        g = op.gumbel_of_bits(hi, np.full_like(hi, lo))
+        assert (g <= bound).all(), hi[g > bound][:5]
+    g = op.gumbel_of_bits(hi, rng.integers(0, 1 << 32, hi.size, dtype=np.uint64).astype(np.uint32))
+    assert (g <= bound).all()
+    # and it prunes: within log(-log(3/4) / (1/4)) = 0.14 of the noise where the noise is large
+    # (u < 1/4, noise > 1.25), which is where tokens far below the top need it
+    small = (hi >= (1 << 20)) & (hi < (1 << 30))  # (below 2**20 the low word adds > 1e-6)
+    assert (bound[small] - g[small]).max() < 0.15
+
+
+def test_cluster_constants_match_the_kernel_source():
+    # the bounds checked above are the NumPy mirror's; these are the kernel's own numbers
+    from cuda_ops.build import read_source
+
+    src = read_source("sampler.cu")
+    assert re.search(r"#define PRUNE_SCORE \((-[\d.]+)f\)", src).group(1) == str(op._PRUNE_SCORE)
+    body = src[src.index("float gumbel_bound(u32 hi)") :]
+    body = body[: body.index("}")]
+    assert "return 0.36652f;" in body and "22.18071f + 1e-4f - __logf((float)hi)" in body
+    assert "logf(den) - 21.487563f - 0.01f" in src  # zt_cut
+    assert "klo) * den) - 1e-3f" in src and "BIN_BITS)) * den) + 1e-3f" in src  # bin_window
+
+
+@pytest.mark.parametrize("t", [0.05, 0.3, 0.6, 1.0, 2.0])
+def test_cluster_filters_keep_every_binned_token(t):
+    # zt_cut passes every token with mass; bin_window(b) holds every token of top-p bin b
+    rng = np.random.default_rng(int(t * 100))
+    for kind in ("normal", "gumbel", "peaked"):
+        z = rng.normal(size=20000) if kind == "normal" else 2 * rng.gumbel(size=20000)
+        z = z.astype(np.float32)
+        if kind == "peaked":
+            z[:5] += 15.0
+        zt = (z - z.max()) * (np.float32(1) / np.float32(t))
+        den = np.sum(np.exp(zt), dtype=np.float32)
+        _, keys, q = op._probs(zt, zt > -np.inf, den)
+        bins = op._bins(keys)
+        assert (zt[q > 0] >= op.zt_cut(den)).all(), kind
+        assert (zt[q == 0] < op.zt_cut(den) + 1).any() or (q > 0).all()
+        for b in np.unique(bins[bins > 0]):
+            zlo, zhi = op.bin_window(int(b), den)
+            inb = zt[bins == b]
+            assert (inb >= zlo).all() and (inb <= zhi).all(), (kind, b)
+
+
 def test_emulation_reset_choice_and_greedy():
     z = np.random.default_rng(1).normal(size=700).astype(np.float32)
     h = float(sampling.entropy(jnp.asarray(z)[None])[0])
@@ -264,5 +416,9 @@ def test_op_rejects_bad_arguments():
         op.sample_top_p(z, v, v, v, v, v, keys, kind="temperature", top_k=11)
     with pytest.raises(ValueError, match="impl='gpu'"):
         op.sample_top_p(z, v, v, v, v, v, keys, kind="temperature", impl="gpu")
+    with pytest.raises(ValueError, match="variant='fused'"):
+        op.sample_top_p(z, v, v, v, v, v, keys, kind="temperature", variant="fused")
+    with pytest.raises(ValueError, match="variant='fused'"):
+        kernels.plan(2, 10, variant="fused")
     with pytest.raises(ValueError, match="top-p method='kernel' is invalid"):
         sampling.top_p_mask(jax.nn.softmax(z), 0.9, method="kernel")  # a sampler path, not a mask

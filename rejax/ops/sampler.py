@@ -9,17 +9,23 @@ h and the temperature used.
 
 * Every platform lowers the primitive to its reference: rejax.sampling's "radix" path
   (`rejax.sampling._reference_tempered`), so CPU results are those of that method.
-* The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the three kernels of
-  `cuda_ops/sampler.cu` (statistics; top-p histogram; boundary resolution, each one multi-block
-  pass over the row with a last-block combine) as `__gpu$xla.gpu.ptx` custom calls, or else
-  the reference. The kernels draw with their own random numbers (a Gumbel-max over the kept
-  tokens with Philox-4x32-10 noise keyed by the row's key and the token id, 55 bits a token as
-  `gumbel_of_bits` maps them), so tokens differ from the reference's for the same key while the
-  distribution is the same.
+* The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the kernels of
+  `cuda_ops/sampler.cu` as `__gpu$xla.gpu.ptx` custom calls, or else the reference. `variant`
+  picks them (`VARIANTS`): "split" (the default), three kernels (statistics; top-p histogram;
+  boundary resolution, each one multi-block pass over the row with a last-block combine);
+  "cluster", one kernel in which a cluster of 8 CTAs per row combines through distributed
+  shared memory (one launch, no global scratch). Both draw with their own random numbers (a
+  Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
+  id, 55 bits a token as `gumbel_of_bits` maps them), the same for both variants, so tokens
+  differ from the reference's for the same key while the distribution is the same.
+
+`sample_kernel` is `rejax.sampling.sample`'s kernel path with the variant as an argument (the
+GPU tests and experiments/bench_sampler.py reach the "cluster" variant through it).
 
 `emulate` is a NumPy mirror of the kernels' algorithm (the same bins, boundary search, whole-bin
 test, collection and large-bin paths, pruning and noise) that the CPU tests check against the
-definition.
+definition; both variants run that algorithm (the cluster kernel with `chunks=8` statistics and
+its own, tighter, pruning: `prune="bound"`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,10 @@ from rejax.ops import _dispatch
 OP = "sample_top_p"
 KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
+VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster" (one; module docstring)
+# "split" stays the default until "cluster" has passed the GPU tests and measured faster on the
+# H200 (experiments/bench_sampler.py --variants split cluster)
+VARIANT = "split"
 
 # ----------------------------------------------------------------------------- primitive
 
@@ -97,15 +107,14 @@ def _lower_cuda(ctx, *args, **params):
     kern = None
     if supported[0] and params["impl"] != "ref":
         try:
-            kern = kernels.build(b, v, params["top_k"])
+            kern = kernels.build(b, v, params["top_k"], variant=params["variant"])
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         fn = functools.partial(_reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-    return mlir.lower_fun(functools.partial(_cuda_impl, kern=kern), multiple_results=True)(
-        ctx, *args
-    )
+    impl = _cuda_impl if params["variant"] == "split" else _cuda_impl_cluster
+    return mlir.lower_fun(functools.partial(impl, kern=kern), multiple_results=True)(ctx, *args)
 
 
 def _call(kern, entry: str, out, *operands):
@@ -134,6 +143,16 @@ def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
         logits, stats, arg, top_p, keys, plan,
     )  # fmt: skip
     return tokens, stats[:, 3], stats[:, 1]
+
+
+def _cuda_impl_cluster(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
+    b = logits.shape[0]
+    outs = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.float32))  # fmt: skip
+    tokens, h, t = _call(
+        kern, "rejax_sample_cluster", outs, logits, thr, alt, t_a, t_b, top_p, keys
+    )
+    return tokens, h, t
 
 
 def _batch(args, dims, **params):
@@ -165,6 +184,7 @@ def sample_top_p(
     top_k: int = 0,
     impl: str = "auto",
     stats_method: str = "two_pass",
+    variant: str = VARIANT,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token per row (module docstring).
 
@@ -179,6 +199,7 @@ def sample_top_p(
         (`rejax.sampling.Temperature`'s rule). Static.
       impl: "auto" (kernel on CUDA when supported), "ref", or "cuda" (kernel or an error).
       stats_method: the reference's statistics ("two_pass" / "online"). Static.
+      variant: which CUDA kernels, one of `VARIANTS` (the same algorithm and noise). Static.
 
     Returns:
       (tokens i32 [B], entropy f32 [B], temperature f32 [B]).
@@ -186,15 +207,73 @@ def sample_top_p(
     _dispatch.check_impl(impl)
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}, expected one of {KINDS}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
     key_impl = str(jax.random.key_impl(keys))
     data = jax.random.key_data(keys)
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
     if not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= logits.shape[-1]:
         raise ValueError(f"top_k={top_k!r}, expected an int in [0, V={logits.shape[-1]}]")
     params = {"kind": kind, "top_k": int(top_k), "key_impl": key_impl}
-    params |= {"stats_method": stats_method, "impl": impl}
+    params |= {"stats_method": stats_method, "impl": impl, "variant": variant}
     outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, launch=launch, **params)
     return tuple(outs)
+
+
+def sample_kernel(
+    key: jax.Array,
+    logits: jax.Array,
+    state: Any,
+    sampler: Any,
+    *,
+    variant: str = VARIANT,
+    impl: str = "auto",
+    stats_method: str = "two_pass",
+) -> tuple[jax.Array, Any, dict]:
+    """`rejax.sampling.sample(..., top_p_method="kernel")` with the kernel variant explicit.
+
+    The same checks, per-row keys, op call and ReSET state update as `sample`'s kernel path
+    (`rejax.sampling._sample_kernel`), for Temperature and ReSET in reference semantics.
+
+    Args:
+      key, logits, state, sampler, stats_method: as `rejax.sampling.sample`.
+      variant: one of `VARIANTS`. Static.
+      impl: as `sample_top_p`.
+
+    Returns:
+      (tokens i32 [B], state, info) as `rejax.sampling.sample`.
+    """
+    from rejax import sampling  # sampling imports this module
+
+    sampling._check_sampler(sampler)
+    if not sampling._kernel_serves(sampler):
+        raise ValueError(f"{type(sampler).__name__} is not served by the fused kernel: {sampler}")
+    logits = sampling._check_logits(logits)
+    b, v = logits.shape
+    window = sampler.window if isinstance(sampler, sampling.ReSET) else None
+    sampling._check_state(state, b, window)
+    if isinstance(sampler, sampling.ReSET):
+        sampling._check_masks(sampler, v)
+    elif sampler.top_k > v:
+        raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
+    keys = sampling._row_keys(key, b)
+    opts = {"stats_method": stats_method, "impl": impl, "variant": variant}
+    if isinstance(sampler, sampling.Temperature):
+        t = sampling._row_param("Temperature.t", sampler.t, b)
+        top_p = sampling._row_param("Temperature.top_p", sampler.top_p, b)
+        thr, alt = jnp.full((b,), -jnp.inf), jnp.full((b,), jnp.inf)
+        tokens, h, t = sample_top_p(
+            logits, thr, alt, t, t, top_p, keys, kind="temperature", top_k=sampler.top_k, **opts
+        )
+        return tokens, state, {"entropy": h, "temperature": t}
+    thr, alt = sampling._policy_threshold(state, sampler)
+    t_high = sampling._row_param("ReSET.t_high", sampler.t_high, b)
+    t_low = sampling._row_param("ReSET.t_low", sampler.t_low, b)
+    top_p = sampling._row_param("ReSET.top_p", sampler.top_p, b)
+    tokens, h, t = sample_top_p(logits, thr, alt, t_high, t_low, top_p, keys, kind="reset", **opts)
+    _, _, state = sampling._policy(h, state, sampler)
+    state = sampling.reset_observe(state, tokens, sampler)
+    return tokens, state, {"entropy": h, "temperature": t}
 
 
 # ----------------------------------------------------------------------------- emulation
@@ -202,6 +281,7 @@ def sample_top_p(
 _KEY_LO = (127 - 31) << 23
 _BIN_BITS = 17
 _FLOOR = np.float32(-43.0)  # no token below this tempered logit can win (sampler.cu's FLOOR)
+_PRUNE_SCORE = np.float32(-3.67)  # below the top-ranked token's least score (sampler.cu)
 PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
 
 
@@ -237,12 +317,32 @@ def gumbel_of_bits(hi, lo) -> np.ndarray:
     return -np.log(e)
 
 
+def gumbel_bound(hi) -> np.ndarray:
+    """sampler.cu's `gumbel_bound`: f32 upper bound of `gumbel_of_bits(hi, lo)` over every lo.
+
+    u >= 1/2 (hi >= 2**31) gives E >= log 2, so noise <= -log(log 2); below, E = -log1p(-x) >= x
+    >= hi 2**-32, so noise <= 32 log 2 - log(hi), plus 1e-4 for the kernel's fast logarithm.
+    """
+    hi = np.asarray(hi, np.uint32)
+    with np.errstate(divide="ignore"):
+        low = np.float32(22.18071) + np.float32(1e-4) - np.log(hi.astype(np.float32))
+    return np.where(hi >= np.uint32(1 << 31), np.float32(0.36652),
+                    np.where(hi == 0, np.float32(np.inf), low)).astype(np.float32)  # fmt: skip
+
+
+def _hi_words(k0, k1, ids) -> np.ndarray:
+    # word id % 4 of Philox at counter (id / 4, 0, 0, 0): the noise's high word
+    ids = np.asarray(ids, np.uint32)
+    ctr, r = ids >> np.uint32(2), (ids & np.uint32(3)).astype(np.intp)
+    return np.choose(r, philox(ctr, k0, k1))
+
+
 def gumbel(k0, k1, ids) -> np.ndarray:
     """The kernels' Gumbel noise of token ids under key (k0, k1) (broadcasting): `gumbel_of_bits`
     of word id % 4 of Philox at counters (id / 4, 0, 0, 0) and (id / 4, 1, 0, 0)."""
     ids = np.asarray(ids, np.uint32)
     ctr, r = ids >> np.uint32(2), (ids & np.uint32(3)).astype(np.intp)
-    hi = np.choose(r, philox(ctr, k0, k1))
+    hi = _hi_words(k0, k1, ids)
     # the low word only where it can matter (min(hi, ~hi) < 2**24), as sampler.cu does
     need = np.minimum(hi, ~hi) < np.uint32(1 << 24)
     sub = [np.broadcast_to(np.asarray(x, np.uint32), hi.shape)[need] for x in (ctr, k0, k1)]
@@ -303,22 +403,42 @@ def _probs(zt, live, den):
     return probs, keys, np.where(live, _masses(keys), 0)
 
 
-def _top_p_keep(zt, live, den, tp, nmax, collect):
-    # the histogram kernel's boundary bin, then resolve's collect (or large-bin) path
+def zt_cut(den) -> np.float32:
+    """The cluster kernel's zt_cut: tokens below it have p <= 2**-31 (no mass; its expf skipped)."""
+    return np.float32(np.log(np.float32(den))) - np.float32(21.487563) - np.float32(0.01)
+
+
+def bin_window(b: int, den) -> tuple[np.float32, np.float32]:
+    """The cluster kernel's zt window around top-p bin b: its tokens' tempered logits lie in it."""
+    lo = _KEY_LO + 1 + ((b - 1) << _BIN_BITS)
+    p = np.array([lo, lo + (1 << _BIN_BITS)], np.uint32).view(np.float32)
+    with np.errstate(divide="ignore"):
+        zw = np.log(p * np.float32(den)).astype(np.float32)
+    return zw[0] - np.float32(1e-3), zw[1] + np.float32(1e-3)
+
+
+def _top_p_keep(zt, live, den, tp, nmax, collect, cluster=False):
+    # the histogram kernel's boundary bin, then resolve's collect (or large-bin) path; the cluster
+    # kernel bins only tokens at or above zt_cut and collects within bin_window
     probs, keys, q = _probs(zt, live, den)
     if tp >= 1:
         return live, probs, "full"
     nb = kernels.NB
     bins = np.where(live, _bins(keys), -1)
+    if cluster:
+        bins = np.where(live & (zt < zt_cut(den)), 0, bins)
     mass = np.bincount(bins[bins > 0], weights=q[bins > 0], minlength=nb).astype(np.int64)
     cnt = np.bincount(bins[bins > 0], minlength=nb)
-    limit = tp * np.float32(q.sum())
+    limit = tp * np.float32(mass.sum())  # the histogram's total (bin 0 has no mass)
     b, above_b = _boundary(mass, cnt, 0, limit)
     lo = _KEY_LO + 1 + ((b - 1) << _BIN_BITS)
     keep = live & (bins > b)
     edge = int(_masses(np.array([lo]))[0])
     if cnt[b] == 1 or np.float32(above_b + mass[b] - edge) < limit:
         return keep | (bins == b), probs, "whole"
+    if cluster and cnt[b] <= nmax:  # the cluster kernel collects within the zt window
+        zlo, zhi = bin_window(b, den)
+        collect = np.sum((bins == b) & (zt >= zlo) & (zt <= zhi)) == cnt[b]
     if collect and cnt[b] <= nmax:  # collect, sort by (p, id) descending, exact prefix
         sel = np.flatnonzero(bins == b)
         order = sel[np.lexsort((-sel, -keys[sel]))]
@@ -390,7 +510,8 @@ def emulate(
     top_k: int = 0,
     chunks: int = 8,
     nmax: int = kernels.NMAX,
-    prune: bool = True,
+    prune: bool | str = True,
+    variant: str = "split",
 ) -> dict:
     """The kernels' algorithm in NumPy for one row of logits and many keys.
 
@@ -398,13 +519,19 @@ def emulate(
       logits: f32 [V] one row; thr, alt, t_a, t_b, top_p: its scalars.
       key_data: uint32 [n, 2] row keys (n independent draws from the same logits).
       top_k: > 0: top-k (on the tempered logits, ties kept) before top-p.
-      chunks: blocks per row of the statistics pass; nmax: the collected bin's capacity.
-      prune: skip tokens that cannot beat the top-ranked token's score (the kernels do).
+      chunks: blocks per row of the statistics pass (the cluster kernel: 8); nmax: the collected
+        bin's capacity.
+      prune: skip tokens that cannot beat the top-ranked token's score as the kernels do: True
+        or "floor" (tempered logit below FLOOR: the split kernels), "bound" (also a score bound
+        of gumbel_bound below PRUNE_SCORE: the cluster kernel), False (none).
+      variant: "cluster" also mirrors that kernel's zt_cut and collect window (`VARIANTS`).
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
       probabilities), "keep" bool [V] (the kept set) and "path" (one of `PATHS`).
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
     z = np.asarray(logits, np.float32)
     key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
     k0, k1 = key_data[:, :1], key_data[:, 1:]
@@ -424,12 +551,16 @@ def emulate(
     if top_k:
         keep, probs, path = _top_k_keep(zt, live, t, top_k, tp, nmax)
     else:
-        keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True)
+        cluster = variant == "cluster"
+        keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True, cluster=cluster)
     out.update(probs=probs, keep=keep, path=path)
-    # Gumbel-max over the kept tokens, ties to the lower id; pruned below FLOOR
+    # Gumbel-max over the kept tokens, ties to the lower id; pruned below FLOOR (and the bound)
     cand = np.flatnonzero(keep)
     if prune:
         cand = cand[zt[cand] >= _FLOOR]
     score = zt[cand][None, :] + gumbel(k0, k1, cand[None, :])
+    if prune == "bound":
+        reach = zt[cand][None, :] + gumbel_bound(_hi_words(k0, k1, cand[None, :])) >= _PRUNE_SCORE
+        score = np.where(reach, score, -np.inf)
     out["tokens"] = cand[np.argmax(score, axis=1)].astype(np.int32)
     return out
