@@ -12,10 +12,10 @@ It dequantizes as `e2m1(code) * (float(scale) * global_scale)`. A decoder stacks
 its layers: leading stack dims on every array (packed [L, rows, K/2], scales [L, rows, K/16],
 global_scale [L] or [L, rows]); `take(t, i)` reads one matrix of a stack.
 
-Weights follow NVIDIA ModelOpt's `NVFP4QTensor.quantize` bit for bit (computed host-side in numpy
-float32, the same IEEE operations in the same order). Activations follow the vLLM / TensorRT-LLM
-recipe with the division order of torchao's `nvfp4_quantize` (static global scale, dynamic block
-scales) and are jittable. `nvfp4_matmul` is the reference the CUDA kernel is checked against.
+Weights follow NVIDIA ModelOpt's `NVFP4QTensor.quantize` bit for bit (the same IEEE float32
+operations in the same order, run jitted on the default device; `_quantize_weight_numpy` is the
+numpy twin). Activations follow the vLLM / TensorRT-LLM recipe with the division order of
+torchao's `nvfp4_quantize` (static global scale, dynamic block scales) and are jittable. `nvfp4_matmul` is the reference the CUDA kernel is checked against.
 
 Numerics notes:
   * Activation divisions use `_div_rn` (an exactly rounded division checked in integers),
@@ -24,7 +24,8 @@ Numerics notes:
     are read back by table, because XLA drops float32 -> float8 -> float32 round trips.
   * XLA flushes float32 subnormals, so the jitted paths (activations, dequantize, matmul) treat
     values below 2**-126 as 0; real weights and activations are far above that. quantize_weight
-    runs in numpy and matches ModelOpt on subnormal inputs too.
+    computes on float32 bit patterns in integer arithmetic (`_div_bits`, an IEEE division with
+    subnormals) and matches ModelOpt on subnormal inputs too.
   * The default activation recipe has no lower clamp on block scales (TensorRT-LLM / vLLM);
     torchao clamps them to 2**-6, reproduced with `min_block_scale=TORCHAO_MIN_BLOCK_SCALE`.
 """
@@ -299,11 +300,13 @@ def e4m3_to_f32(s: jax.Array) -> jax.Array:
 def quantize_weight(w: Any) -> Nvfp4Tensor:
     """Quantizes a weight matrix to NVFP4 exactly as ModelOpt's `NVFP4QTensor.quantize`.
 
-    Computed in numpy float32 on the host (offline), mirroring ModelOpt op for op:
+    Mirrors ModelOpt op for op, with IEEE float32 rounding at every step:
     global = amax(|w|) / 2688; block scale = E4M3(clamp(amax_blk / (6 * global), 2**-9, 448)),
-    1.0 for an all-zero block; code = E2M1_rn_sat(w / (float(scale) * global)) with IEEE
-    division; the sign bit is set for scaled values < 0 (so -0.0 gives code 0).
+    1.0 for an all-zero block; code = E2M1_rn_sat(w / (float(scale) * global)); the sign bit is
+    set for scaled values < 0 (so -0.0 gives code 0).
     An all-zero matrix (where ModelOpt produces NaN) gives codes 0, scales 1.0, global 0.0.
+    Runs jitted on the default device (the GPU when there is one); its bytes equal the numpy
+    reference `_quantize_weight_numpy`, subnormal inputs and quotients included.
 
     Args:
         w: [N, K] bfloat16 / float16 / float32 (numpy or jax array), finite, K % 16 == 0.
@@ -312,18 +315,52 @@ def quantize_weight(w: Any) -> Nvfp4Tensor:
         Nvfp4Tensor with shape (N, K) and a scalar global scale.
     """
     _check_matrix("w", w)
+    n, k = np.shape(w)
+    w = jnp.asarray(w)
+    block_amax, amax_bits = _weight_block_amax(w)
+    amax_bits = np.asarray(amax_bits, np.uint32)  # the one value read back to the host
+    if amax_bits >= _F32_INF_BITS:
+        _check_finite("w", w)  # raises, naming the first non-finite value
+    # The scalar steps run in numpy float32 on the host, exactly as in the reference.
+    amax = amax_bits.view(np.float32)[()]
+    global_scale = amax / np.float32(E2M1_MAX * E4M3_MAX)
+    if amax == 0:
+        return _zero_weight(n, k)
+    if global_scale == 0:
+        raise ValueError(f"w amax {amax!r} is too small: amax / 2688 underflows float32 to 0")
+    scale_denom = np.float32(E2M1_MAX) * global_scale
+    # Every possible code denominator float(scale) * global, one per E4M3 byte.
+    code_denoms = _E4M3_TABLE * global_scale
+    packed, scales = _quantize_weight_arrays(
+        w, block_amax, scale_denom.view(np.uint32), code_denoms.view(np.uint32)
+    )
+    return Nvfp4Tensor(
+        packed=packed,
+        scales=scales,
+        global_scale=jnp.asarray(global_scale, jnp.float32),
+        shape=(n, k),
+    )
+
+
+def _zero_weight(n: int, k: int) -> Nvfp4Tensor:
+    return Nvfp4Tensor(
+        packed=jnp.zeros((n, k // 2), jnp.uint8),
+        scales=jnp.ones((n, k // BLOCK), jnp.float8_e4m3fn),
+        global_scale=jnp.zeros((), jnp.float32),
+        shape=(n, k),
+    )
+
+
+def _quantize_weight_numpy(w: Any) -> Nvfp4Tensor:
+    """The reference for `quantize_weight`: the same recipe in numpy float32 on the host."""
+    _check_matrix("w", w)
     _check_finite("w", w)
     n, k = np.shape(w)
     x = np.asarray(w).astype(np.float32)
     amax = np.float32(np.max(np.abs(x)))
     global_scale = amax / np.float32(E2M1_MAX * E4M3_MAX)
     if amax == 0:
-        return Nvfp4Tensor(
-            packed=jnp.zeros((n, k // 2), jnp.uint8),
-            scales=jnp.ones((n, k // BLOCK), jnp.float8_e4m3fn),
-            global_scale=jnp.zeros((), jnp.float32),
-            shape=(n, k),
-        )
+        return _zero_weight(n, k)
     if global_scale == 0:
         raise ValueError(f"w amax {amax!r} is too small: amax / 2688 underflows float32 to 0")
     blocks = x.reshape(n, k // BLOCK, BLOCK)
@@ -333,7 +370,8 @@ def quantize_weight(w: Any) -> Nvfp4Tensor:
     scale = np.clip(scale, np.float32(_WEIGHT_MIN_BLOCK_SCALE), np.float32(E4M3_MAX))
     scale_e4m3 = scale.astype(ml_dtypes.float8_e4m3fn)
     denom = scale_e4m3.astype(np.float32) * global_scale  # [N, K/16]
-    scaled = (blocks / denom[..., None]).reshape(n, k)
+    with np.errstate(divide="ignore", invalid="ignore"):  # denom underflows to 0 for a tiny
+        scaled = (blocks / denom[..., None]).reshape(n, k)  # global: +-inf (code +-6) or NaN (0)
     codes = _e2m1_magnitude(np.abs(scaled), np) | ((scaled < 0).astype(np.uint8) << 3)
     return Nvfp4Tensor(
         packed=jnp.asarray(_pack_np(codes)),
@@ -341,6 +379,142 @@ def quantize_weight(w: Any) -> Nvfp4Tensor:
         global_scale=jnp.asarray(global_scale, jnp.float32),
         shape=(n, k),
     )
+
+
+# The jitted weight quantizer works on float32 bit patterns in integer arithmetic, so that no
+# float op can flush a subnormal (XLA does, on CPU and GPU) or round differently from numpy.
+_F32_INF_BITS = 0x7F800000
+_E4M3_ONE_BYTE = 0x38  # 1.0: ModelOpt's scale for an all-zero block
+# uint32 bits of the E2M1 rounding thresholds (scaled > t for the ties that round down, >= t for
+# those that round up), compared with the bits of non-negative quotients.
+_DOWN_TIE_BITS = tuple(int(np.float32(t).view(np.uint32)) for t in _ROUND_DOWN_TIES)
+_UP_TIE_BITS = tuple(int(np.float32(t).view(np.uint32)) for t in _ROUND_UP_TIES)
+_F16_TO_F32_BITS = np.arange(1 << 15, dtype=np.uint16).view(np.float16).astype(np.float32)
+_F16_TO_F32_BITS = _F16_TO_F32_BITS.view(np.uint32)  # float16 bits 0..0x7FFF -> float32 bits
+
+
+def _abs_and_sign_bits(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Bits of |w| in w's own width (uint16 for bf16 / f16, uint32 for f32) and w's sign bit.
+
+    Non-negative floats order like their bits, so maxima can be taken on these directly.
+    """
+    bits = jax.lax.bitcast_convert_type(w, jnp.uint32 if w.dtype == jnp.float32 else jnp.uint16)
+    sign = bits.dtype.type(1 << (8 * bits.dtype.itemsize - 1))
+    return bits & (sign - 1), bits >= sign
+
+
+def _f32_bits(abs_bits: jax.Array, dtype: Any) -> jax.Array:
+    """Exact float32 bits (uint32) of `_abs_and_sign_bits` magnitudes, without a float convert."""
+    if dtype == jnp.bfloat16:
+        return abs_bits.astype(jnp.uint32) << 16
+    if dtype == jnp.float16:
+        return jnp.asarray(_F16_TO_F32_BITS)[abs_bits.astype(jnp.int32)]
+    return abs_bits
+
+
+# Jitted (here and below): a one-off offline computation, compiled once per weight shape and run
+# on the default device instead of op by op.
+@jax.jit
+def _weight_block_amax(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Bits of amax(|w|) per block [N, K/16] and over all of w []; uint32.
+
+    Non-negative floats order like their bits; a non-finite value gives bits >= _F32_INF_BITS.
+    """
+    n, k = w.shape
+    mag, _ = _abs_and_sign_bits(w.reshape(n, k // BLOCK, BLOCK))
+    block_amax = _f32_bits(jnp.max(mag, axis=-1), w.dtype)  # the max before widening: cheaper
+    return block_amax, jnp.max(block_amax)
+
+
+def _unpack_f32_bits(bits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Bits of a finite float32 > 0 -> (significand in [2^23, 2^24), e): value sig * 2^(e - 150).
+
+    Subnormals are normalized (their e goes below 1)."""
+    field = (bits >> 23).astype(jnp.int32)
+    sig = jnp.where(field > 0, (bits & jnp.uint32(0x7FFFFF)) | jnp.uint32(0x800000), bits)
+    shift = jax.lax.clz(sig).astype(jnp.int32) - 8  # 0 for normals
+    return sig << shift.astype(jnp.uint32), jnp.maximum(field, 1) - shift
+
+
+def _div_bits(a: jax.Array, b: jax.Array) -> jax.Array:
+    """IEEE float32 a / b (round to nearest even) on bit patterns, as numpy divides.
+
+    a, b: uint32 bits of finite floats, a >= 0, b >= 0 (0 / b = 0, a / 0 = inf for a > 0).
+    Unlike `_div_rn`, subnormal operands and quotients are exact: both significands are
+    normalized, the 24-bit significand quotient Q and remainder R come from the same corrected
+    float estimate, and a subnormal quotient rounds Q with R as sticky bit. Overflow gives inf.
+    """
+    a, b = jnp.broadcast_arrays(a, b)
+    u32 = jnp.uint32
+    ma, ea = _unpack_f32_bits(a)
+    mb, eb = _unpack_f32_bits(jnp.where(b == 0, u32(0x3F800000), b))
+    small = ma < mb
+    ma = jnp.where(small, ma << 1, ma)  # Ma / Mb in [1, 2)
+    exp = ea - eb + 127 - small.astype(jnp.int32)  # biased exponent of the quotient
+    q = _quotient_estimate(ma, mb)
+    rem = jax.lax.bitcast_convert_type((ma << 23) - q * mb, jnp.int32)  # exact, mod 2^32
+    mbi = mb.astype(jnp.int32)
+    for _ in range(4):  # the estimate is within 4 units of the true quotient
+        low = rem < 0
+        q = jnp.where(low, q - 1, q)
+        rem = jnp.where(low, rem + mbi, rem)
+        high = rem >= mbi
+        q = jnp.where(high, q + 1, q)
+        rem = jnp.where(high, rem - mbi, rem)
+    # Q in [2^23, 2^24), 0 <= R < Mb. One more quotient bit, then drop 1 bit for a normal
+    # quotient and 2 - exp bits for a subnormal one (26 drop everything: the result is 0).
+    guard = 2 * rem >= mbi
+    sticky = (2 * rem - jnp.where(guard, mbi, 0)) != 0
+    q2 = (q << 1) | guard.astype(u32)  # < 2^25
+    drop = jnp.clip(2 - exp, 1, 26).astype(u32)
+    kept = q2 >> drop
+    dropped = q2 & ((u32(1) << drop) - 1)
+    half = u32(1) << (drop - 1)
+    up = (dropped > half) | ((dropped == half) & (sticky | ((kept & 1) == 1)))
+    kept = kept + up.astype(u32)
+    # A carry out of the significand moves into the exponent field on its own.
+    bits = ((jnp.clip(exp, 1, 255) - 1).astype(u32) << 23) + kept
+    bits = jnp.minimum(bits, u32(_F32_INF_BITS))
+    bits = jnp.where(b == 0, u32(_F32_INF_BITS), bits)
+    return jnp.where(a == 0, u32(0), bits)
+
+
+def _e4m3_weight_scale(q: jax.Array) -> jax.Array:
+    """ModelOpt's E4M3 block scale bytes (uint8) from the bits q of amax_blk / (6 * global):
+    1.0 where q == 0, else round-to-nearest-even of clamp(q, 2**-9, 448)."""
+    lo, hi = (int(np.float32(v).view(np.uint32)) for v in (_WEIGHT_MIN_BLOCK_SCALE, E4M3_MAX))
+    qc = jnp.clip(q, jnp.uint32(lo), jnp.uint32(hi))
+    e = (qc >> 23).astype(jnp.int32) - 127  # [-9, 8]
+    sig = (qc & jnp.uint32(0x7FFFFF)) | jnp.uint32(0x800000)
+    # Keep 3 fraction bits; below 2**-6 (E4M3 subnormals) keep multiples of 2**-9.
+    drop = (20 + jnp.maximum(-6 - e, 0)).astype(jnp.uint32)
+    kept = sig >> drop
+    dropped = sig & ((jnp.uint32(1) << drop) - 1)
+    half = jnp.uint32(1) << (drop - 1)
+    up = (dropped > half) | ((dropped == half) & ((kept & 1) == 1))
+    kept = (kept + up.astype(jnp.uint32)).astype(jnp.int32)
+    # Normal: byte = (e + 7) << 3 | (kept - 8), a carry (kept = 16) bumping the exponent;
+    # subnormal: byte = kept (kept = 8 is the smallest normal, byte 8).
+    byte = 8 * jnp.maximum(e + 6, 0) + kept
+    return jnp.where(q == 0, _E4M3_ONE_BYTE, byte).astype(jnp.uint8)
+
+
+@jax.jit
+def _quantize_weight_arrays(w, block_amax, scale_denom_bits, code_denom_bits):
+    n, k = w.shape
+    mag, negative = _abs_and_sign_bits(w.reshape(n, k // BLOCK, BLOCK))  # [N, K/16, 16]
+    mag = _f32_bits(mag, w.dtype)
+    scale_bytes = _e4m3_weight_scale(_div_bits(block_amax, scale_denom_bits))
+    denom = code_denom_bits[scale_bytes.astype(jnp.int32)]  # [N, K/16]
+    scaled = _div_bits(mag, denom[..., None])  # |w| / denom, [N, K/16, 16]
+    code = sum((scaled > jnp.uint32(t)).astype(jnp.uint8) for t in _DOWN_TIE_BITS)
+    code = code + sum((scaled >= jnp.uint32(t)).astype(jnp.uint8) for t in _UP_TIE_BITS)
+    negative = negative & (scaled != 0)  # scaled < 0: -0.0 and underflows to -0.0 are not
+    code = (code | (negative.astype(jnp.uint8) << 3)).reshape(n, k // 2, 2)
+    # Packed as a sum over the pair axis: on CPU ~6x faster than code[..., 0] | code[..., 1] << 4,
+    # whose strided reads keep XLA from vectorizing the division above.
+    packed = jnp.sum(code << jnp.array([0, 4], jnp.uint8), axis=-1, dtype=jnp.uint8)
+    return packed, jax.lax.bitcast_convert_type(scale_bytes, jnp.float8_e4m3fn)
 
 
 def _input_precision(x: jax.Array) -> jax.Array:

@@ -27,10 +27,11 @@ except ImportError:
 
 import rejax
 import rejax.checkpoint.reader as ckpt
+from rejax import nvfp4
 from rejax.checkpoint import CheckpointFileNotFoundError, load, save
 from rejax.config import Config
 from rejax.generate import logits
-from rejax.nvfp4 import Nvfp4Tensor, dequantize, quantize_weight
+from rejax.nvfp4 import Nvfp4Tensor, dequantize
 from rejax.params import init_params
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -288,7 +289,8 @@ def test_quant_nvfp4_quantizes_every_linear(qwen3_dir, caplog):
             w = entry["weight"]
             assert isinstance(w, Nvfp4Tensor)
             hf = state[f"model.layers.{i}.{block}.{name}.weight"]
-            ref = quantize_weight(jnp.asarray(hf.numpy()).astype(jnp.bfloat16))
+            # the numpy twin of quantize_weight: the bytes the loader gave before it went jitted
+            ref = nvfp4._quantize_weight_numpy(jnp.asarray(hf.numpy()).astype(jnp.bfloat16))
             assert w.shape == tuple(hf.shape)
             np.testing.assert_array_equal(_np(w.packed), _np(ref.packed))
             np.testing.assert_array_equal(
@@ -309,7 +311,7 @@ def test_quant_w4a16_same_weights_no_notice(qwen2_dir, caplog):
     assert params.cfg.quant == "nvfp4-w4a16"
     entry = _entry(params, "model.layers.0.self_attn.k_proj")
     assert set(entry) == {"weight", "bias"}  # qwen2 bias stays float
-    ref = quantize_weight(
+    ref = nvfp4._quantize_weight_numpy(
         jnp.asarray(state["model.layers.0.self_attn.k_proj.weight"].numpy()).astype(jnp.bfloat16)
     )
     np.testing.assert_array_equal(_np(entry["weight"].packed), _np(ref.packed))
@@ -317,6 +319,21 @@ def test_quant_w4a16_same_weights_no_notice(qwen2_dir, caplog):
         _np(entry["bias"]).astype(np.float32),
         state["model.layers.0.self_attn.k_proj.bias"].to(torch.bfloat16).float().numpy(),
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_quant_nvfp4_quantizes_the_weight_cast_to_dtype(qwen3_dir, dtype):
+    """Each float32 linear is cast to `dtype` (on the device) and quantized from that."""
+    directory, state = qwen3_dir
+    params = load(directory, quant="nvfp4", dtype=dtype)
+    for name in ("model.layers.0.self_attn.v_proj", "model.layers.1.mlp.up_proj"):
+        w = _entry(params, name)["weight"]
+        ref = nvfp4._quantize_weight_numpy(state[f"{name}.weight"].numpy().astype(dtype))
+        np.testing.assert_array_equal(_np(w.packed), _np(ref.packed), err_msg=name)
+        np.testing.assert_array_equal(
+            _np(w.scales).view(np.uint8), _np(ref.scales).view(np.uint8), err_msg=name
+        )
+        assert _np(w.global_scale).tobytes() == _np(ref.global_scale).tobytes(), name
 
 
 # ----------------------------------------------------------------------------- ModelOpt NVFP4

@@ -191,11 +191,13 @@ def _check_quantized_properties(x: np.ndarray, t: Nvfp4Tensor, *, g: np.ndarray)
 @settings(max_examples=150, deadline=None)
 @given(_matrices(), st.booleans(), st.integers(0, 3))
 def test_quantize_weight_properties(w, zero_block, row):
-    assume(not np.any(w) or np.max(np.abs(w)) >= 1e-30)
     w = w.copy()
     if zero_block:
         w[row % w.shape[0], :16] = 0.0
+    # After the zero block: zeroing the only large value can leave a subnormal global scale.
+    assume(not np.any(w) or np.max(np.abs(w)) >= 1e-30)
     t = quantize_weight(w)
+    _assert_same_quantization(t, nvfp4._quantize_weight_numpy(w), "drawn")
     assert t.shape == w.shape
     if not np.any(w):
         assert float(t.global_scale) == 0.0
@@ -307,6 +309,205 @@ def test_quantize_weight_ties_by_hand():
     expect = [0, 2, 2, 4, 4, 6, 6, 7]  # 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4
     np.testing.assert_array_equal(_codes(t)[0, :16], expect + [c | 8 for c in expect])
     np.testing.assert_array_equal(_codes(t)[1, :16], expect + [c | 8 for c in expect])
+
+
+# --------------------------------------------------------------------------- jitted weight quantizer
+
+
+def _float_bits(rng, n, exp_range) -> np.ndarray:
+    """float32 bit patterns (uint32), random mantissas, biased exponents in [lo, hi)."""
+    man = rng.integers(0, 1 << 23, size=n, dtype=np.uint32)
+    exp = rng.integers(exp_range[0], exp_range[1], size=n).astype(np.uint32)
+    return man | (exp << 23)
+
+
+def test_div_bits_is_numpy_division():
+    """`_div_bits` is numpy's float32 division bit for bit: subnormal operands and quotients
+    (which `_div_rn` flushes), overflow to inf, a / 0 = inf; 0 / b = 0 (numpy: NaN for 0 / 0)."""
+    rng = np.random.default_rng(RNG_SEED + 30)
+    div = jax.jit(nvfp4._div_bits)
+    ranges = [
+        ((1, 255), (1, 255)),  # every normal: quotients overflow and underflow
+        ((0, 1), (1, 255)),  # subnormal dividends
+        ((1, 255), (0, 1)),  # subnormal divisors
+        ((0, 1), (0, 1)),
+        ((0, 30), (100, 160)),  # quotients at the subnormal boundary and rounding to 0 / 2**-149
+        ((100, 160), (0, 30)),
+    ]
+    for (alo, ahi), (blo, bhi) in ranges:
+        a, b = _float_bits(rng, 100_000, (alo, ahi)), _float_bits(rng, 100_000, (blo, bhi))
+        b[::97] &= 0xFF800000  # powers of two: exact quotients, exact ties when subnormal
+        a[::89] = 0
+        b[::83] = 0
+        with np.errstate(all="ignore"):
+            expect = a.view(np.float32) / b.view(np.float32)
+        expect[a == 0] = 0
+        got = np.asarray(div(a, b))
+        bad = np.flatnonzero(got != expect.view(np.uint32))
+        assert bad.size == 0, (
+            f"{bad.size} quotients differ, e.g. {a.view(np.float32)[bad[0]]!r} / "
+            f"{b.view(np.float32)[bad[0]]!r}: {got[bad[0]]:#x} != {expect.view(np.uint32)[bad[0]]:#x}"
+        )
+
+
+@pytest.mark.parametrize("skew", [-4, -1, 1, 3])
+def test_div_bits_corrects_a_wrong_estimate(monkeypatch, skew):
+    """A significand quotient estimate off by up to 4 units (the skew plus the float estimate's
+    own rounding up, which `_div_rn` tolerates but `_div_bits`'s sticky bit does not) still
+    gives numpy's quotient, subnormal ones included."""
+    estimate = nvfp4._quotient_estimate
+    monkeypatch.setattr(
+        nvfp4,
+        "_quotient_estimate",
+        lambda ma, mb: (estimate(ma, mb).astype(jnp.int32) + skew).astype(jnp.uint32),
+    )
+    rng = np.random.default_rng(RNG_SEED + 31)
+    a, b = _float_bits(rng, 50_000, (0, 40)), _float_bits(rng, 50_000, (90, 170))
+    got = np.asarray(jax.jit(lambda a, b: nvfp4._div_bits(a, b))(a, b))  # fresh trace
+    np.testing.assert_array_equal(got, (a.view(np.float32) / b.view(np.float32)).view(np.uint32))
+
+
+def test_e4m3_weight_scale_matches_ml_dtypes():
+    """ModelOpt's scale byte: 1.0 for 0, else clamp to [2**-9, 448] and round to E4M3 (RNE), on
+    every exponent from 2**-12 to 2**10 with the mantissa bits at and around every tie."""
+    exp = np.arange(127 - 12, 127 + 10, dtype=np.uint32)
+    top = np.arange(1 << 11, dtype=np.uint32) << 12
+    low = np.array([0, 1, 0x7FF, 0x800, 0x801, 0xFFF], np.uint32)
+    bits = (exp[:, None, None] << 23) | top[None, :, None] | low[None, None, :]
+    extra = np.array([0, 1, 0x7FFFFF, 0x7F7FFFFF, 0x7F800000], np.uint32)  # 0, subnormals, max
+    bits = np.concatenate([bits.ravel(), extra])
+    q = bits.view(np.float32)
+    expect = np.clip(np.where(q == 0, np.float32(1), q), np.float32(2.0**-9), np.float32(448))
+    got = np.asarray(jax.jit(nvfp4._e4m3_weight_scale)(bits))
+    np.testing.assert_array_equal(got, expect.astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+
+
+def _f16_bits(rng, shape) -> np.ndarray:
+    a = rng.integers(0, 1 << 16, size=shape, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    a = a.copy()
+    a[~np.isfinite(a)] = 0
+    return a
+
+
+def _f32_bit_matrix(rng, shape, exp_range) -> np.ndarray:
+    bits = _float_bits(rng, int(np.prod(shape)), exp_range).reshape(shape)
+    sign = rng.integers(0, 2, size=shape, dtype=np.uint32) << 31
+    return (bits | sign).view(np.float32)
+
+
+def _twin_cases():
+    """(name, w) for the jitted quantizer against its numpy twin: every input dtype, random and
+    raw bit patterns (subnormals, huge values, signed zeros), zero blocks and matrices, E2M1 ties,
+    block scales clamped at 2**-9 and 448, and ModelOpt's quirks on tiny global scales."""
+    rng = np.random.default_rng(RNG_SEED + 32)
+    shapes = [(1, 16), (4, 64), (7, 96), (16, 256)]
+    dtypes = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+    cases = []
+    for i in range(24):
+        n, k = shapes[i % len(shapes)]
+        for dname, dtype in dtypes.items():
+            top = 4.0 if dname == "f16" else 30.0
+            w = rng.standard_normal((n, k)) * 10 ** rng.uniform(-6, top)
+            if i % 3 == 0:
+                w[int(rng.integers(n)), :16] = 0  # an all-zero block
+            if i % 3 == 1:
+                w[:, ::5] = -0.0
+            if i % 4 == 0:  # an outlier: the other blocks' scales clamp at 2**-9 or underflow
+                w[int(rng.integers(n)), int(rng.integers(k))] *= 10 ** rng.uniform(2, 5)
+            w = np.clip(w, -60000, 60000) if dname == "f16" else w
+            cases.append((f"gauss{i}-{dname}", w.astype(dtype)))
+    for i in range(30):
+        n, k = shapes[i % len(shapes)]
+        lo = int(rng.integers(0, 240)) if i % 3 else 0  # every third: subnormal / tiny values
+        window = (lo, lo + int(rng.integers(1, 16)))
+        cases.append((f"bits{i}-bf16", _random_bf16_bits(rng, (n, k), None if i < 5 else window)))
+        cases.append((f"bits{i}-f16", _f16_bits(rng, (n, k))))
+        cases.append((f"bits{i}-f32", _f32_bit_matrix(rng, (n, k), window if i else (0, 255))))
+    for dname, dtype in dtypes.items():
+        cases.append((f"zeros-{dname}", np.zeros((3, 32), dtype)))
+        cases.append((f"negzeros-{dname}", np.full((3, 32), -0.0, dtype)))
+    # Exact E2M1 ties and saturation (global scale 2**k), at several powers of two.
+    for k in (-100, -60, 0, 60, 100):
+        cases.append((f"ties*2^{k}", _bf16(_tie_weight().astype(np.float32) * np.float32(2.0**k))))
+    cases.append(("ties-f16", _tie_weight().astype(np.float16)))
+    # Global scale exactly 1 (amax 2688): block amax / 6 at, between and around E4M3 steps of
+    # the 2**-9 floor and the subnormal range, and just above 448 * 6.
+    steps = np.float32(6 * 2.0**-9) * np.float32([0.25, 0.5, 0.75, 1, 1.5, 2.5, 3.5, 7.5, 8.5])
+    row = np.zeros((len(steps) + 1, 16), np.float32)
+    row[:-1, 0] = steps
+    row[:-1, 1:] = steps[:, None] * rng.uniform(-1, 1, (len(steps), 15)).astype(np.float32)
+    row[-1, 0] = 2688
+    near = np.nextafter(row, np.float32(np.inf))
+    cases.append(("floor-steps", row.reshape(-1, 32)))
+    cases.append(("floor-steps-next", near.reshape(-1, 32)))
+    # Top block clamped at 448: amax / (6 * RN(amax / 2688)) > 448 whenever RN rounds down.
+    for i in range(10):
+        w = rng.standard_normal((2, 32)).astype(np.float32)
+        w[0, 0] = np.float32(rng.uniform(1, 2)) * np.float32(2.0 ** int(rng.integers(-20, 20)))
+        cases.append((f"ceiling{i}", w))
+    # amax / (6 * global) underflows to 0 for a tiny block: scale 1.0, as for an all-zero block.
+    w = np.zeros((2, 32), np.float32)
+    w[0, 0], w[1, :16], w[1, 16:] = 3e38, 1e-38, 1e-44
+    cases.append(("scale-underflow", w))
+    # Subnormal global scale: float(scale) * global underflows to 0 and ModelOpt divides by it.
+    w = np.zeros((2, 32), np.float32)
+    w[0, 0], w[1, :3], w[1, 16:19] = 2.0**-130, [2.0**-149, -(2.0**-149), 0], [2.0**-140, 0, -0.0]
+    cases.append(("denominator-zero", w))
+    cases.append(("huge", np.float32([[3.4e38, -3.4e38] * 8 + [1e30, -1e-30] * 8])))
+    return cases
+
+
+def _assert_same_quantization(t: Nvfp4Tensor, ref: Nvfp4Tensor, name: str) -> None:
+    assert t.shape == ref.shape, name
+    np.testing.assert_array_equal(
+        np.asarray(t.packed), np.asarray(ref.packed), err_msg=f"codes of {name}"
+    )
+    np.testing.assert_array_equal(_scale_bytes(t), _scale_bytes(ref), err_msg=f"scales of {name}")
+    got, want = np.asarray(t.global_scale), np.asarray(ref.global_scale)
+    assert got.dtype == want.dtype == np.float32 and got.shape == want.shape == (), name
+    assert got.tobytes() == want.tobytes(), name
+
+
+def test_quantize_weight_equals_numpy_twin():
+    """The jitted quantizer gives the bytes of the numpy float32 recipe it replaced, on numpy
+    and jax inputs of every dtype."""
+    cases = _twin_cases()
+    for name, w in cases:
+        ref = nvfp4._quantize_weight_numpy(w)
+        _assert_same_quantization(quantize_weight(w), ref, name)
+        _assert_same_quantization(quantize_weight(jnp.asarray(w)), ref, f"{name} (jax)")
+    assert sum(w.size for _, w in cases) > 150_000
+
+
+def test_quantize_weight_modelopt_quirks():
+    """The edge cases of the recipe appear in the twin cases as intended (so that the test above
+    covers them): scales clamped at both ends, a scale of 1.0 for a block whose amax / (6 * global)
+    underflows, and a code of +-6 where float(scale) * global underflows to 0."""
+    cases = dict(_twin_cases())
+    floor = quantize_weight(cases["floor-steps"])
+    sf = _scale_bytes(floor).reshape(-1)[:-1]  # the blocks in order, less the 2688 one
+    # 6 * 2**-9 * [0.25 .. 8.5] / 6 in units of 2**-9, clamped up to 1, RNE: 1.5 -> 2, 2.5 -> 2
+    np.testing.assert_array_equal(sf, [1, 1, 1, 1, 2, 2, 4, 8, 8])
+    ceilings = [_scale_bytes(quantize_weight(w)).max() for n, w in cases.items() if "ceil" in n]
+    assert max(ceilings) == 0x7E  # 448
+    under = quantize_weight(cases["scale-underflow"])
+    np.testing.assert_array_equal(_scale_bytes(under)[1], [0x38, 0x38])  # 1.0
+    np.testing.assert_array_equal(_codes(under)[1], 0)
+    zero_denom = quantize_weight(cases["denominator-zero"])
+    assert _scale_bytes(zero_denom)[1, 0] == 1  # 2**-9, and 2**-9 * global rounds to 0
+    np.testing.assert_array_equal(_codes(zero_denom)[1, :3], [7, 15, 0])  # +-inf; 0 / 0 = NaN
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_quantize_weight_non_finite_message(dtype, bad):
+    w = np.ones((3, 32), np.float32)
+    w[2, 17] = bad
+    w = jnp.asarray(w).astype(dtype)
+    with pytest.raises(ValueError, match=r"non-finite values, first at \(2, 17\)"):
+        quantize_weight(w)
+    with pytest.raises(ValueError, match=r"non-finite values, first at \(2, 17\)"):
+        nvfp4._quantize_weight_numpy(w)
 
 
 # --------------------------------------------------------------------------- torchao exactness

@@ -193,18 +193,16 @@ def _load_float_linears(source, cfg, weights, used, dtype, *, quantize: bool) ->
         for shard_lins in per_layer:
             parts = []
             for lin in shard_lins:
-                w = np.asarray(
-                    jnp.asarray(source.get(f"{lin.hf}.weight", lin.shape, FLOAT_TAGS)).astype(dtype)
-                )
+                # Copied to the device once, then cast and quantized there: no host round trip.
+                w = jnp.asarray(source.get(f"{lin.hf}.weight", lin.shape, FLOAT_TAGS))
+                w = w.astype(dtype)
                 used.add(f"{lin.hf}.weight")
                 parts.append(nvfp4.quantize_weight(w) if quantize else w)
                 bar.update(1 if quantize else 0)
-            layers_w.append(nvfp4.concat_rows(parts) if quantize else np.concatenate(parts))
+            layers_w.append(nvfp4.concat_rows(parts) if quantize else jnp.concatenate(parts))
             if shard_lins[0].bias:
                 layers_b.append(fused_bias(source, shard_lins, used))
-        weight = (
-            rparams.stack_layers(layers_w) if quantize else tuple(jnp.asarray(w) for w in layers_w)
-        )
+        weight = rparams.stack_layers(layers_w) if quantize else tuple(layers_w)
         entry = {"weight": weight}
         if layers_b:
             entry["bias"] = jnp.asarray(np.stack(layers_b)).astype(dtype)
