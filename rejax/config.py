@@ -51,7 +51,10 @@ ATTENTIONS = ("einsum", "live", "flash")
 # Elsewhere than CUDA all three are the same composition, bitwise. "fused" is opt-in: it measured
 # slower (8-layer Qwen3-8B, batch 1: 0.992 vs 0.957 ms/token; batch 8: 2.29 vs 1.66), because
 # every CTA redoes the prologue for all of x (experiments/DECODE_NOTES.md).
-LINEAR_FUSIONS = ("fused", "split", "unfused")
+# "mixed" is "split" with o_proj as "fused" (its input has no norm in front, so each CTA only
+# quantizes the 4096 attention outputs: one quantizer launch fewer per layer; opt-in, not yet
+# measured).
+LINEAR_FUSIONS = ("fused", "split", "unfused", "mixed")
 # KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
 # Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).

@@ -97,14 +97,17 @@ def decoder_layer(
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
     fuse = (
-        cfg.linear_fusion in ("fused", "split")
+        cfg.linear_fusion in ("fused", "split", "mixed")
         and tp_axis is None  # row-parallel linears need their all-reduce before the residual
         and not with_amax
         and x.dtype == jnp.bfloat16
         and all(fusable(lw[blk][name], q_) for blk, name in rparams.LINEARS)
     )
     eps = cfg.rms_norm_eps
-    kernels = "two" if cfg.linear_fusion == "split" else "one"
+    kernels = "two" if cfg.linear_fusion in ("split", "mixed") else "one"
+    # "mixed": o_proj, whose input needs no row statistic (no norm in front), quantizes it in
+    # its own GEMV launch; the others keep the quantizer kernel in front
+    o_kernels = "one" if cfg.linear_fusion == "mixed" else kernels
     gemm = {
         "gemm_options": gemm_options(
             cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce, cfg.invariant_rows
@@ -179,8 +182,9 @@ def decoder_layer(
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
-        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x, kernels=kernels,
-                         **gemm, **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip
+        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
+                         kernels=o_kernels, **gemm,
+                         **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip
         norm = lw["post_attention_layernorm"]["scale"]
         gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
                                eps=eps, kernels=kernels, **gemm,

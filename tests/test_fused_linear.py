@@ -128,11 +128,12 @@ def _decode_logits(params, steps=3):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("fusion", ["fused", "split"])
+@pytest.mark.parametrize("fusion", ["fused", "split", "mixed"])
 @pytest.mark.parametrize("static", [True, False])
 def test_fused_decoder_equals_unfused_bitwise(static, fusion):
-    """W4A4 decoder in bf16: prefill and decode-step logits with linear_fusion="fused" or
-    "split" equal "unfused" exactly on CPU (the fused reference is the composition)."""
+    """W4A4 decoder in bf16: prefill and decode-step logits with linear_fusion="fused",
+    "split" or "mixed" equal "unfused" exactly on CPU (the fused reference is the
+    composition)."""
     params = init_params(Config(quant="nvfp4", linear_fusion=fusion), 7, jnp.bfloat16)
     if static:
         scale = jnp.full((params.cfg.num_layers,), 0.02, jnp.float32)
@@ -673,3 +674,18 @@ def test_prefetch_options_are_checked():
     with pytest.raises(nvfp4_gemv.KernelError, match="only for act='w4a4'"):
         nvfp4_gemv.build("w4a16", 1, 64, 256, arch="compute_90", prefetch=nvfp4_gemv.Prefetch())
     assert nvfp4_gemv.PrefetchTarget(64, 4096, 2, 0, 0.3).row_bytes() == (640, 80)
+
+
+def test_mixed_fuses_o_proj_only(stub_compiler):
+    """linear_fusion="mixed": per layer o_proj is one `nvfp4_gemv_w4a4_bf16` launch (no norm
+    prologue, the residual inside), the other three linears a quantizer and a plain GEMV."""
+    cfg = Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_layers=3,
+        linear_fusion="mixed",
+    )  # fmt: skip
+    entries = re.findall(r"name = \\22(\w+)\\22", decode_step_cuda_text(cfg, 1))
+    assert entries.count("nvfp4_quantize_bf16") == 3, entries
+    assert entries.count("nvfp4_gemv_w4a4") == 3, entries
+    assert entries.count("nvfp4_gemv_w4a4_bf16") == 1, entries
+    fused = [d for d in stub_compiler if d.get("X_BF16") and not d.get("QUANT_ONLY")]
+    assert [(d["PRO"], d["EPI_RES"], d["K_IN"]) for d in fused] == [(0, 1, 256)], fused
