@@ -230,6 +230,27 @@ def _pack_np(codes: np.ndarray) -> np.ndarray:
 # ----------------------------------------------------------------------------- exact division
 
 
+def _significand_quotient(ma, mb, ea, eb):
+    """Exact integer division of significands Ma, Mb in [2^23, 2^24) (uint32) with biased
+    exponents ea, eb: (Q in [2^23, 2^24), remainder 0 <= R < Mb as int32, Mb as int32, the
+    biased exponent of the quotient). Ma is doubled when it is the smaller significand, so
+    Ma / Mb lies in [1, 2); the float estimate is corrected in integers."""
+    small = ma < mb
+    ma = jnp.where(small, ma << 1, ma)  # < 2^25, even: exact in float32
+    exp = ea - eb + 127 - small.astype(jnp.int32)
+    q = _quotient_estimate(ma, mb)
+    rem = jax.lax.bitcast_convert_type((ma << 23) - q * mb, jnp.int32)  # exact, mod 2^32
+    mbi = mb.astype(jnp.int32)
+    for _ in range(4):  # the estimate is within 4 units of the true quotient
+        low = rem < 0
+        q = jnp.where(low, q - 1, q)
+        rem = jnp.where(low, rem + mbi, rem)
+        high = rem >= mbi
+        q = jnp.where(high, q + 1, q)
+        rem = jnp.where(high, rem - mbi, rem)
+    return q, rem, mbi, exp
+
+
 def _quotient_estimate(ma: jax.Array, mb: jax.Array) -> jax.Array:
     """floor(ma * 2^23 / mb) to within a few units, from a float divide (any rounding)."""
     est = ma.astype(jnp.float32) / mb.astype(jnp.float32)
@@ -258,19 +279,7 @@ def _div_rn(a: jax.Array, b: jax.Array) -> jax.Array:
     ma = (abits & u32(0x7FFFFF)) | u32(0x800000)  # [2^23, 2^24)
     mb = (bbits & u32(0x7FFFFF)) | u32(0x800000)
     # Ma / Mb in [1, 2): double Ma when it is the smaller significand.
-    small = ma < mb
-    ma = jnp.where(small, ma << 1, ma)  # < 2^25, even: exact in float32
-    exp = ea - eb + 127 - small.astype(jnp.int32)
-    q = _quotient_estimate(ma, mb)
-    rem = jax.lax.bitcast_convert_type((ma << 23) - q * mb, jnp.int32)  # exact, mod 2^32
-    mbi = mb.astype(jnp.int32)
-    for _ in range(4):  # the estimate is within 4 units of the true quotient
-        low = rem < 0
-        q = jnp.where(low, q - 1, q)
-        rem = jnp.where(low, rem + mbi, rem)
-        high = rem >= mbi
-        q = jnp.where(high, q + 1, q)
-        rem = jnp.where(high, rem - mbi, rem)
+    q, rem, mbi, exp = _significand_quotient(ma, mb, ea, eb)
     up = (2 * rem > mbi) | ((2 * rem == mbi) & ((q & 1) == 1))
     q = q + up.astype(u32)
     carry = q >= u32(1 << 24)
@@ -448,19 +457,7 @@ def _div_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     u32 = jnp.uint32
     ma, ea = _unpack_f32_bits(a)
     mb, eb = _unpack_f32_bits(jnp.where(b == 0, u32(0x3F800000), b))
-    small = ma < mb
-    ma = jnp.where(small, ma << 1, ma)  # Ma / Mb in [1, 2)
-    exp = ea - eb + 127 - small.astype(jnp.int32)  # biased exponent of the quotient
-    q = _quotient_estimate(ma, mb)
-    rem = jax.lax.bitcast_convert_type((ma << 23) - q * mb, jnp.int32)  # exact, mod 2^32
-    mbi = mb.astype(jnp.int32)
-    for _ in range(4):  # the estimate is within 4 units of the true quotient
-        low = rem < 0
-        q = jnp.where(low, q - 1, q)
-        rem = jnp.where(low, rem + mbi, rem)
-        high = rem >= mbi
-        q = jnp.where(high, q + 1, q)
-        rem = jnp.where(high, rem - mbi, rem)
+    q, rem, mbi, exp = _significand_quotient(ma, mb, ea, eb)
     # Q in [2^23, 2^24), 0 <= R < Mb. One more quotient bit, then drop 1 bit for a normal
     # quotient and 2 - exp bits for a subnormal one (26 drop everything: the result is 0).
     guard = 2 * rem >= mbi
