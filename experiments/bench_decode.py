@@ -118,6 +118,18 @@ SAMPLERS = {
     "temp": lambda: sampling.Temperature(t=0.6, top_p=0.95),
     "temp-topk": lambda: sampling.Temperature(t=0.6, top_p=0.95, top_p_method="topk"),
     "topk20": lambda: sampling.Temperature(t=0.6, top_p=0.95, top_k=20),
+    # the fused sampler's CUDA kernels by variant (`rejax.ops.sampler.VARIANTS`)
+    **{
+        f"{name}-{v}": (
+            lambda make=make, v=v: dataclasses.replace(make(), top_p_method=f"kernel-{v}")
+        )
+        for name, make in [
+            ("reset", lambda: sampling.ReSET(t_high=1.0, t_low=0.1, top_p=0.95)),
+            ("temp", lambda: sampling.Temperature(t=0.6, top_p=0.95)),
+            ("topk20", lambda: sampling.Temperature(t=0.6, top_p=0.95, top_k=20)),
+        ]
+        for v in ("split", "cluster")
+    },
 }
 
 

@@ -181,8 +181,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=list(sampling.SAMPLE_METHODS),
+        default=["kernel", *sampling.TOP_P_METHODS],
         choices=sampling.SAMPLE_METHODS,
+        help="'kernel' runs each --variants; 'kernel-split' / 'kernel-cluster' name one",
     )
     parser.add_argument(
         "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat", "lm"]

@@ -411,7 +411,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b", choices=sorted(rconfig.PRESETS))
     ap.add_argument("--layers", type=int, default=None, help="override num_layers")
-    ap.add_argument("--attention", default="einsum", choices=rconfig.ATTENTIONS)
+    ap.add_argument("--attention", default="live", choices=rconfig.ATTENTIONS)
     ap.add_argument("--quant", nargs="+", default=["nvfp4", "bf16"], choices=["bf16", "nvfp4"])
     ap.add_argument("--prompts", type=int, default=64, help="P prompts (rows = P x n)")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")

@@ -217,8 +217,11 @@ class Config:
     # how many rows run with it. The NVFP4 GEMM plans its K split for this many rows
     # (GemmOptions.split_m; the K order inside a split never depends on M), and float matmuls
     # (bf16 linears, the bf16 lm_head) run on rows zero-padded to it, so cuBLAS picks the
-    # algorithm of the full batch (decode is weight-bandwidth bound: about the same time).
-    # Slot decoding with compaction (rejax.slots) sets it to its slot count. The GEMV (fewer
+    # algorithm of the full batch (decode is weight-bandwidth bound: about the same time);
+    # "live" decode attention
+    # splits each row's range as a program of this many rows would. The einsum attention is
+    # not covered: cuBLAS's batched matmul measured row-count dependent in bf16 on the H200
+    # (experiments/row_invariance_check.py). Slot decoding with compaction (rejax.slots) sets it to its slot count. The GEMV (fewer
     # than gemm_min_m rows) and the quantizer kernel (at most 8 rows) are other arithmetic
     # than the GEMM and XLA's quantizer, so row counts below 9 are not covered.
     invariant_rows: int | None = None

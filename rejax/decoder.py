@@ -35,7 +35,7 @@ from rejax.layers import (
     take,
 )
 from rejax.nvfp4 import Nvfp4Tensor
-from rejax.ops.decode_attention import decode_attention, prefill_attention
+from rejax.ops.decode_attention import decode_attention, default_num_splits, prefill_attention
 from rejax.ops.fused_linear import fusable, fused_linear
 from rejax.ops.rope_cache import rope_cache
 
@@ -165,9 +165,14 @@ def decoder_layer(
         li = jnp.asarray(i, jnp.int32)
         live = live_slots(index) if live is None else live
         kernel = "cuda" if cfg.attention == "flash" and kv[2] is None else "pallas"
+        # invariant_rows: the split count of a program of that many rows, so a row's splits
+        # (and its rounding) are the same in a compacted program as in the B-row one
+        splits = None
+        if cfg.invariant_rows is not None:
+            splits = default_num_splits(max(b, cfg.invariant_rows), kh, kv[0].shape[2])
         out = decode_attention(
             q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live,
-            k_scale=kv[2], v_scale=kv[3], kernel=kernel,
+            k_scale=kv[2], v_scale=kv[3], kernel=kernel, num_splits=splits,
         )  # fmt: skip
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
     elif kv is not None and cfg.attention in ("live", "flash"):
@@ -202,9 +207,9 @@ def decoder_layer(
 
 def live_slots(index: jax.Array) -> jax.Array:
     """Slots a decode step's attention reads after writing one token per row at `index` ([] or
-    [B] int32): [0, index + 1), with a per-row index up to the furthest row's (the positions
-    mask the rest)."""
-    return index + 1 if jnp.ndim(index) == 0 else jnp.max(index) + 1
+    [B] int32): [0, index + 1), per row with a per-row index (each row's attention then reads,
+    and splits, only its own range, whatever the other rows hold)."""
+    return index + 1
 
 
 def layer_loop(weights: dict, cfg: Config) -> str:

@@ -220,6 +220,11 @@ def padded_rows(fn, x: jax.Array, rows: int | None) -> jax.Array:
     m = math.prod(lead)
     if rows is None or m >= rows or m == 0:
         return fn(x)
+    # No optimization barriers around the matmul: the B-row program must stay the one that
+    # static batches run (no padding there). With barriers only the smaller programs would
+    # change; with them at B rows too, 214 of 512 bf16 rows differed from static batches on the
+    # H200 (experiments/results/h200_i/), and one decode step measured the same bits with
+    # and without them (experiments/row_invariance_check.py).
     flat = jnp.pad(jnp.reshape(x, (m, x.shape[-1])), ((0, rows - m), (0, 0)))
     y = fn(flat)[:m]
     return jnp.reshape(y, (*lead, y.shape[-1]))

@@ -68,7 +68,11 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # against +105.6 us per token in the 36-layer decode loop at batch 1. (An earlier revision drew
 # its Gumbel noise from 23-bit uniforms and failed one far-tail chi-square test there, as
 # "radix" did on CPU; experiments/results/sampler_tail_bias_cpu.md.)
-SAMPLE_METHODS = ("kernel", *TOP_P_METHODS)
+# "kernel-split" / "kernel-cluster" are "kernel" with the CUDA kernels' variant named
+# (`rejax.ops.sampler.VARIANTS`; "kernel" takes `rejax.ops.sampler.VARIANT`), for A/B timings in
+# one decode loop
+KERNEL_METHODS = {"kernel": None, **{f"kernel-{v}": v for v in sampler_op.VARIANTS}}
+SAMPLE_METHODS = (*KERNEL_METHODS, *TOP_P_METHODS)
 TOP_P_METHOD = "kernel"
 # The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
 # cost +80 us per step with "radix" and +415 us with "topk", whose lax.top_k over 152K entries
@@ -847,24 +851,24 @@ def _reference_tempered(
     return tokens, h, t
 
 
-def _sample_kernel(keys, logits, state, sampler, stats_method):
+def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None):
     # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics
     b = logits.shape[0]
+    opts = {"stats_method": stats_method, "variant": variant or sampler_op.VARIANT}
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)
         top_p = _row_param("Temperature.top_p", sampler.top_p, b)
         thr, alt = jnp.full((b,), -jnp.inf), jnp.full((b,), jnp.inf)
         tokens, h, t = sampler_op.sample_top_p(
-            logits, thr, alt, t, t, top_p, keys, kind="temperature", top_k=sampler.top_k,
-            stats_method=stats_method,
-        )  # fmt: skip
+            logits, thr, alt, t, t, top_p, keys, kind="temperature", top_k=sampler.top_k, **opts
+        )
         return tokens, state, {"entropy": h, "temperature": t}
     thr, alt = _policy_threshold(state, sampler)
     t_high = _row_param("ReSET.t_high", sampler.t_high, b)
     t_low = _row_param("ReSET.t_low", sampler.t_low, b)
     top_p = _row_param("ReSET.top_p", sampler.top_p, b)
     tokens, h, t = sampler_op.sample_top_p(
-        logits, thr, alt, t_high, t_low, top_p, keys, kind="reset", stats_method=stats_method
+        logits, thr, alt, t_high, t_low, top_p, keys, kind="reset", **opts
     )
     _, _, state = _policy(h, state, sampler)
     state = reset_observe(state, tokens, sampler)
@@ -897,7 +901,8 @@ def sample(
         (None: the sampler's). (The same kept set; "topk" draws with other random
         numbers than "radix" and "sort" do, and so does "kernel" on a GPU, so tokens differ
         for the same key; "kernel" off a GPU, or for ReSET with include_current=True, is
-        "radix"). Static.
+        "radix"; "kernel-split" and "kernel-cluster" name the kernels' variant, the same
+        distribution and random numbers). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.
@@ -922,9 +927,10 @@ def sample(
     if isinstance(sampler, ReSET):
         _check_masks(sampler, v)
     keys = _row_keys(key, b)
-    if top_p_method == "kernel":
+    if top_p_method in KERNEL_METHODS:
         if _kernel_serves(sampler):
-            return _sample_kernel(keys, logits, state, sampler, stats_method)
+            variant = KERNEL_METHODS[top_p_method]
+            return _sample_kernel(keys, logits, state, sampler, stats_method, variant)
         top_p_method = "radix"  # what the op's reference computes
     # the temperatures whose softmax denominators the statistics pass can provide
     if isinstance(sampler, Temperature):

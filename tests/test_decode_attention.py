@@ -158,6 +158,63 @@ def _check_interpret(b, n, kh, h, s, live, block_s, splits, poison, **launch):
     np.testing.assert_array_equal(np.asarray(out)[~vis], 0)
 
 
+def _per_row_problem(seed, lives, s=96, block_s=16):
+    """Rows of different lengths: row r's keys in [0, lives[r]), stale NaN slots past it."""
+    b = len(lives)
+    q, kc, vc, _, _ = _problem(seed, b=b, n=8, kh=2, h=32, s=s, live=max(lives))
+    rng = np.random.default_rng(seed)
+    kp = np.full((b, s), -1, np.int32)
+    qp = np.zeros((b,), np.int32)
+    for r, n in enumerate(lives):
+        pad = int(rng.integers(0, max(1, n // 3)))
+        kp[r, pad:n] = np.arange(n - pad)
+        qp[r] = n - pad - 1
+        kc = kc.at[:, r, n:].set(jnp.nan)
+        vc = vc.at[:, r, n:].set(jnp.nan)
+    # stale positions past a row's live length that its query would see: only `live` hides them
+    kp_stale = np.where(np.arange(s)[None, :] >= np.asarray(lives)[:, None], 0, kp)
+    return q, kc, vc, jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(kp_stale)
+
+
+def test_per_row_live_reference_and_kernel():
+    lives = [5, 77, 33, 96]
+    q, kc, vc, qp, kp, kp_stale = _per_row_problem(21, lives)
+    live = jnp.asarray(lives, jnp.int32)
+    clean = _ref(q, kc.at[:, :].set(jnp.nan_to_num(kc)), vc.at[:, :].set(jnp.nan_to_num(vc)),
+                 jnp.int32(1), qp, kp, jnp.int32(max(lives)))  # fmt: skip
+    ref = _ref(q, kc, vc, jnp.int32(1), qp, kp_stale, live)
+    # with per-row lengths nothing past a row's own length is read (NaN) or seen (stale
+    # positions), and the result is the scalar-live one over clean slots
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(clean))
+    out = decode_attention(
+        q, kc, vc, jnp.int32(1), qp, kp_stale, live, impl="interpret", block_s=16, num_splits=3
+    )
+    assert _rel(out, ref) <= KERNEL_REL_TOL
+
+
+def test_per_row_live_row_does_not_depend_on_other_rows():
+    # A row's splits come from its own length: its result is bitwise the same next to rows of
+    # other lengths, and in a batch of fewer rows with the same split count (slot compaction)
+    lives = [40, 90, 17, 64]
+    q, kc, vc, qp, _, kp = _per_row_problem(22, lives)
+    live = jnp.asarray(lives, jnp.int32)
+    run = jax.jit(
+        lambda q, kc, vc, qp, kp, live: decode_attention(
+            q, kc, vc, jnp.int32(0), qp, kp, live, impl="interpret", block_s=16, num_splits=4
+        )
+    )
+    full = np.asarray(run(q, kc, vc, qp, kp, live))
+    idx = jnp.asarray([3, 0])
+    sub = np.asarray(run(q[idx], kc[:, idx], vc[:, idx], qp[idx], kp[idx], live[idx]))
+    np.testing.assert_array_equal(sub, full[np.asarray(idx)])
+    # the longest row changed: the others keep their bits
+    longer = live.at[1].set(96)
+    kp2 = kp.at[1].set(jnp.where(jnp.arange(96) < 96, jnp.arange(96), -1))
+    again = np.asarray(run(q, kc.at[:, 1].set(0.5), vc.at[:, 1].set(0.5), qp.at[1].set(95), kp2,
+                           longer))  # fmt: skip
+    np.testing.assert_array_equal(again[[0, 2, 3]], full[[0, 2, 3]])
+
+
 def _fill_loop(impl, n_steps, counter):
     """A jitted while_loop that writes one token per step into a 2-layer stacked cache and runs
     decode attention over every layer with `lax.scan` (layer and live are traced)."""
@@ -287,6 +344,10 @@ def test_bad_inputs_raise():
         decode_attention(q, kc, vc, 2, qp, kp, live)
     with pytest.raises(ValueError, match="integer scalar"):
         decode_attention(q, kc, vc, one, qp, kp, jnp.float32(3.0))
+    with pytest.raises(ValueError, match=r"live must be an integer scalar or \[B\]=\(2,\)"):
+        decode_attention(q, kc, vc, one, qp, kp, jnp.asarray([20, 20, 20], jnp.int32))
+    with pytest.raises(ValueError, match="live=33 out of range"):
+        decode_attention(q, kc, vc, one, qp, kp, jnp.asarray([20, 33], jnp.int32))
     with pytest.raises(ValueError, match="power-of-two head dim"):
         decode_attention(
             q[..., :12], kc[..., :12], vc[..., :12], one, qp, kp, live, impl="interpret"
@@ -446,6 +507,45 @@ def test_kernel_equals_ref_gpu(b, s, lives):
         vis = _visible_rows(qp, kp, live)
         assert _rel(np.asarray(out)[vis], np.asarray(ref)[vis]) <= KERNEL_REL_TOL, live
         np.testing.assert_array_equal(np.asarray(out)[~vis], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,s", [(8, 8192), (64, 1536)])
+def test_per_row_live_kernel_gpu(b, s):
+    # per-row live lengths: the kernel equals the reference, reads nothing past a row's own
+    # length (NaN there), and a row's bits do not depend on the other rows (a gathered half of
+    # the batch with the full batch's split count, as slot compaction runs it)
+    n, kh, h = 32, 8, 128
+    keys = jax.random.split(jax.random.key(b + 1), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    kc = jax.random.normal(keys[1], (2, b, s, kh, h), jnp.bfloat16)
+    vc = jax.random.normal(keys[2], (2, b, s, kh, h), jnp.bfloat16)
+    rng = np.random.default_rng(b)
+    lives = rng.integers(1, s + 1, b).astype(np.int32)
+    lives[0] = s
+    kp = np.full((b, s), -1, np.int32)
+    qp = np.zeros((b,), np.int32)
+    for r, ln in enumerate(lives):
+        pad = int(rng.integers(0, max(1, ln // 3)))
+        kp[r, pad:ln] = np.arange(ln - pad)
+        qp[r] = ln - pad - 1
+    mask = jnp.arange(s)[None, :, None, None] >= jnp.asarray(lives)[:, None, None, None]
+    kc = jnp.where(mask[None], jnp.nan, kc).astype(jnp.bfloat16)
+    vc = jnp.where(mask[None], jnp.nan, vc).astype(jnp.bfloat16)
+    qp, kp, live = jnp.asarray(qp), jnp.asarray(kp), jnp.asarray(lives)
+    splits = default_num_splits(b, kh, s)
+    run = jax.jit(
+        lambda q, kc, vc, qp, kp, live: decode_attention(
+            q, kc, vc, jnp.int32(1), qp, kp, live, impl="pallas", num_splits=splits
+        )
+    )
+    out = np.asarray(run(q, kc, vc, qp, kp, live))
+    ref = np.asarray(decode_attention(q, kc, vc, jnp.int32(1), qp, kp, live, impl="ref"))
+    assert np.isfinite(out).all()
+    assert _rel(out, ref) <= KERNEL_REL_TOL
+    idx = jnp.asarray(np.sort(rng.choice(b, b // 2, replace=False)))
+    sub = run(q[idx], kc[:, idx], vc[:, idx], qp[idx], kp[idx], live[idx])
+    np.testing.assert_array_equal(np.asarray(sub), out[np.asarray(idx)])
 
 
 @pytest.mark.gpu

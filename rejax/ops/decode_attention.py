@@ -151,7 +151,7 @@ def decode_attention_ref(
         layer: int32 [] layer to read.
         q_positions: [B] int32 absolute position of each row's query.
         k_positions: [B, S] int32 position held by each slot, -1 = empty / padding.
-        live: int32 [] slots [0, live) may hold tokens.
+        live: int32 [] slots [0, live) may hold tokens, or [B] one live length per row.
         k_scale, v_scale: [L, B, S, K] float32 scales of an fp8 cache (codes float8_e4m3fn),
             or None.
 
@@ -159,11 +159,12 @@ def decode_attention_ref(
         [B, N, H] in q's dtype.
     """
     k, v = read_layer((k_cache, v_cache, k_scale, v_scale), layer, q.dtype)  # [B, S, K, H]
-    in_live = jnp.arange(k.shape[1]) < live  # [S]
+    live = jnp.reshape(jnp.asarray(live), (-1, 1))  # [1 or B, 1]
+    in_live = jnp.arange(k.shape[1])[None, :] < live  # [1 or B, S]
     k_pos = jnp.where(in_live, k_positions, -1)  # [B, S]
     # Hidden slots get probability 0, but 0 * NaN is NaN: stale slots past `live` may hold
     # anything, so their values are zeroed too (a no-op for finite values).
-    v = jnp.where(in_live[None, :, None, None], v, jnp.zeros((), v.dtype))
+    v = jnp.where(in_live[:, :, None, None], v, jnp.zeros((), v.dtype))
     mask = attention_mask(q_positions[:, None], k_pos)  # [B, 1, S]
     out = attention(q[:, None], k, v, mask)[:, 0]  # [B, N, H]
     visible = jnp.any(mask, axis=(1, 2))  # [B]
@@ -202,7 +203,7 @@ def _partials_kernel(
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
     acc_ref, m_ref, l_ref = refs[2:] if scaled else refs
     b, kvh, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    live = jnp.clip(live_ref[0], 0, seq)
+    live = jnp.clip(live_ref[b], 0, seq)  # this row's live length: its own split plan
     layer = layer_ref[0]
     per_split, active = _split_plan(live, block_s, num_splits)
     first = p * per_split
@@ -314,7 +315,7 @@ def _combine_kernel(
     # One program per (row, query head) reads the partials of all active splits at once: a
     # serial loop over P splits would put P dependent global loads on the critical path.
     b, head = pl.program_id(0), pl.program_id(1)
-    live = jnp.clip(live_ref[0], 0, seq)
+    live = jnp.clip(live_ref[b], 0, seq)
     _, active = _split_plan(live, block_s, num_splits)
     pp = pl.next_power_of_2(num_splits)
     split_ok = jnp.arange(pp) < active  # splits past `active` were never written
@@ -424,8 +425,9 @@ def decode_attention_kernel(
     statics = {"g": g, "gp": gp, "block_s": block_s, "num_splits": num_splits, "seq": s}
     loop = {"blocks_per_iter": blocks_per_iter, "prefetch": bool(prefetch)}
     scales = (k_scale, v_scale) if scaled else ()
-    # [1] refs rather than 0-d ones: a reshape (free), loaded as ref[0] in the kernels
-    live1 = jnp.asarray(live, jnp.int32).reshape(1)
+    # [1] / [B] refs rather than 0-d ones, loaded as ref[0] / ref[b] in the kernels; one live
+    # length for all rows is broadcast, so every row plans its splits from its own length
+    live1 = jnp.broadcast_to(jnp.asarray(live, jnp.int32).reshape(-1), (b,))
     layer1 = jnp.asarray(layer, jnp.int32).reshape(1)
     common = {"interpret": interpret, "poison": poison}
     acc, m, l = _call(
@@ -646,6 +648,9 @@ def flash_call(q, k_cache, v_cache, layer, q_positions, k_positions, live, *, ke
         jax.ShapeDtypeStruct((b, sh.kv_heads, sh.splits, sh.gqa, h), jnp.float32),  # ws_acc
         jax.ShapeDtypeStruct((b, sh.kv_heads, sh.splits, 2, sh.gqa), jnp.float32),  # ws_ml
     )
+    # the CUDA kernel plans its splits from one live length: the furthest row's (the positions
+    # mask the rest of a shorter row's range)
+    live = jnp.max(live) if jnp.ndim(live) else live
     ops = (q, k_cache, v_cache, layer, q_positions, k_positions, live)
     aliases = None
     if sh.poison:
@@ -786,12 +791,14 @@ def _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, k_
     elif np.dtype(k_cache.dtype) == np.dtype(FP8_DTYPE):
         raise ValueError("an fp8 cache (float8_e4m3fn codes) needs k_scale and v_scale")
     for name, x, hi in (("layer", layer, n_layers - 1), ("live", live, s)):
-        if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(
-                f"{name} must be an integer scalar, got {jnp.shape(x)} {jnp.result_type(x)}"
-            )
-        if not isinstance(x, jax.core.Tracer) and not 0 <= int(x) <= hi:
-            raise ValueError(f"{name}={int(x)} out of range [0, {hi}]")
+        shapes = [()] if name == "layer" else [(), (b,)]
+        if jnp.shape(x) not in shapes or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            what = "an integer scalar" if name == "layer" else f"an integer scalar or [B]=({b},)"
+            raise ValueError(f"{name} must be {what}, got {jnp.shape(x)} {jnp.result_type(x)}")
+        if not isinstance(x, jax.core.Tracer):
+            bad = np.asarray(x)[(np.asarray(x) < 0) | (np.asarray(x) > hi)]
+            if bad.size:
+                raise ValueError(f"{name}={int(bad.flat[0])} out of range [0, {hi}]")
 
 
 def decode_attention(
@@ -827,7 +834,10 @@ def decode_attention(
         layer: int32 [] which layer to read.
         q_positions: [B] int32 absolute position of each row's query.
         k_positions: [B, S] int32 position held by each slot, -1 = empty / padding.
-        live: int32 [] slots [0, live) may hold tokens; slots >= live are never read.
+        live: int32 [] slots [0, live) may hold tokens; slots >= live are never read. Or [B],
+            one live length per row: the Pallas kernel and the reference then read row b's
+            slots [0, live[b]) and plan its splits from that length alone, so a row's result
+            does not depend on the other rows (the CUDA kernel reads up to the longest).
         k_scale, v_scale: [L, B, S, K] float32 scales of an fp8 cache (k_cache / v_cache then
             hold float8_e4m3fn codes, rejax/cache.py), or None for a bf16 cache.
         impl: "auto", "ref", "pallas", "interpret" or "cuda" (see the module docstring).

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# [T2-L] on the H200: per-row live decode attention and row-count invariance of the decode step.
+# Usage: experiments/invariance_device_run.sh OUT [phases]; phases (default: tests rowinv slots):
+#   tests   the per-row live attention GPU tests (tests/test_decode_attention.py -k per_row)
+#   rowinv  experiments/row_invariance_check.py: one decode step at 64 rows against 32 and 16
+#           gathered rows, bf16 and NVFP4, "live" attention, prompts of ROWINV_PROMPT (1024)
+#   slots   experiments/bench_slots.py: 512 rows through 64 slots against static batches, 1
+#           layer, greedy, NVFP4 and bf16, default compaction ("auto"), SLOTS_BUDGET s each
+set -uo pipefail
+out=${1:?output dir}; shift
+phases=${*:-tests rowinv slots}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+export REJAX_KERNEL_CACHE=${REJAX_KERNEL_CACHE:-/tmp/rejax-kernels}
+mkdir -p "$out"
+for phase in $phases; do
+  t0=$(date +%s)
+  case $phase in
+    tests)
+      timeout "${TESTS_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_decode_attention.py \
+        -k "${PYTEST_K:-per_row}" -v --tb=short -rfE -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+      echo "pytest exit $?"; grep -E " PASSED| FAILED|^E  " "$out/gpu_tests.log" | cut -c1-200 | head -20;;
+    rowinv)
+      timeout "${ROWINV_TIMEOUT:-150}" python3 experiments/row_invariance_check.py \
+        --quant bf16 nvfp4 --attention live --barrier on --prompt-len "${ROWINV_PROMPT:-1024}" \
+        --out "$out/rowinv.json" > "$out/rowinv.log" 2>&1
+      echo "rowinv exit $?"; grep -E "\] C=|FAILED" "$out/rowinv.log";;
+    slots)
+      timeout "${SLOTS_TIMEOUT:-400}" python3 experiments/bench_slots.py --layers 1 \
+        --sampler greedy --quant nvfp4 bf16 --prompt-len 33 64 \
+        --time-budget "${SLOTS_BUDGET:-160}" --out "$out/bench_slots.json" > "$out/slots.log" 2>&1
+      echo "bench_slots exit $?"; grep -vi "warning" "$out/slots.log" | tail -30;;
+    *) echo "unknown phase $phase";;
+  esac
+  echo "[phase $phase: $(( $(date +%s) - t0 )) s]"
+done
