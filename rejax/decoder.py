@@ -160,7 +160,7 @@ def decoder_layer(
             kv = write_layer(kv, k, v, index, i)
     if kv is not None and t == 1 and cfg.attention in ("live", "flash"):
         # one new token per row: read only the slots written so far, [0, index + 1) (with a
-        # per-row index, up to the furthest row's; the positions mask the rest). "flash" takes
+        # per-row index, each row its own range and split plan). "flash" takes
         # the one-launch CUDA kernel for a bf16 cache on CUDA; otherwise what "live" runs.
         li = jnp.asarray(i, jnp.int32)
         live = live_slots(index) if live is None else live
