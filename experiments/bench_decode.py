@@ -321,6 +321,14 @@ def main(argv=None) -> dict:
         "NVFP4 variant each on the same weights (x each --head), in the order given",
     )
     ap.add_argument(
+        "--xla-autotune",
+        nargs="+",
+        default=["on"],
+        choices=["on", "off"],
+        help="Config.xla_autotune: several values run every variant once per value, in the "
+        "same process",
+    )
+    ap.add_argument(
         "--samplers",
         nargs="+",
         default=["greedy"],
@@ -406,16 +414,22 @@ def main(argv=None) -> dict:
 
 def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
-    once per --head x --weight-prefetch, on the same weights."""
-    if quant is None:
-        yield "bf16", "none", "bf16", base
-        return
-    for head in args.head:
-        params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
-        for spec in args.weight_prefetch:
-            cfg = dataclasses.replace(params.cfg, weight_prefetch=spec)
-            label = f"head={head} prefetch={spec}"
-            yield head, spec, label, dataclasses.replace(params, cfg=cfg)
+    once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
+    (labelled " autotune=off" when off)."""
+    for tune in args.xla_autotune:
+        tag = "" if tune == "on" else " autotune=off"
+        if quant is None:
+            cfg = dataclasses.replace(base.cfg, xla_autotune=tune == "on")
+            yield "bf16", "none", "bf16" + tag, dataclasses.replace(base, cfg=cfg)
+            continue
+        for head in args.head:
+            params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
+            for spec in args.weight_prefetch:
+                cfg = dataclasses.replace(
+                    params.cfg, weight_prefetch=spec, xla_autotune=tune == "on"
+                )
+                label = f"head={head} prefetch={spec}{tag}"
+                yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 
 
 def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):

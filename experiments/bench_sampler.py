@@ -122,6 +122,37 @@ def _covered_fraction(logits: jax.Array, t: float, top_p: float) -> float:
     return float(jnp.mean(sampling._top_p_candidates(probs, tp)[3]))
 
 
+def _model_logit_stats(params, batch: int = 4, prompt_len: int = 128) -> dict:
+    """The decode loop's logits as the sampler sees them: the last prompt position's logits of a
+    prefill of random prompts (as rejax.bench.bench_decode draws them), their spread and the
+    nucleus that Temperature 0.6 + top-p 0.95 keeps (the fraction of the vocabulary)."""
+    from rejax import bench as rbench
+    from rejax import sharding
+
+    cfg = params.cfg
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, prompt_len)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+    cache = sharding.init_cache(params, batch, prompt_len + 1, jnp.bfloat16)
+    logits, _ = rbench._gen().prefill(params, tokens, positions, cache)
+    z = jnp.asarray(logits, jnp.float32).reshape(batch, -1)
+    return {
+        "rows": batch,
+        "std": float(jnp.mean(jnp.std(z, axis=-1))),
+        "max_minus_median": float(jnp.mean(jnp.max(z, -1) - jnp.median(z, -1))),
+        "max_minus_min": float(jnp.mean(jnp.max(z, -1) - jnp.min(z, -1))),
+        "nucleus_fraction_t0.6_p0.95": _nucleus_fraction(z, 0.6, 0.95),
+    }
+
+
+def _nucleus_fraction(logits: jax.Array, t: float, top_p: float) -> float:
+    """Mean fraction of the vocabulary that top-p keeps at temperature t (mass ranked above a
+    kept token < top_p)."""
+    p = -jnp.sort(-jax.nn.softmax(logits / t, axis=-1), axis=-1)
+    kept = (jnp.cumsum(p, axis=-1) - p) < top_p
+    return float(jnp.mean(jnp.sum(kept, axis=-1) / logits.shape[-1]))
+
+
 def _decode_loop(args, samplers) -> dict:
     """ms/token of the decode loop per (batch, sampler, method), and each one's cost over greedy."""
     import dataclasses
@@ -142,6 +173,8 @@ def _decode_loop(args, samplers) -> dict:
     v = cfg.vocab_size
     nl = jnp.zeros((v,), jnp.bool_).at[198].set(True)
     dnl = jnp.zeros((v,), jnp.bool_).at[271].set(True)
+    logit_stats = _model_logit_stats(params)
+    print(json.dumps({"model_logits": logit_stats}), flush=True)
     runs = []
     for b in args.batch:
 
@@ -166,7 +199,8 @@ def _decode_loop(args, samplers) -> dict:
     return {"layers": args.decode_layers, "model": "qwen3-8b nvfp4, random weights",
             "new_tokens": args.decode_tokens, "prompt_len": 128, "repeats": args.decode_repeats,
             "method": "rejax.bench.bench_decode median ms/token; *_over_greedy_us = sampler "
-            "variant - greedy in the same process", "runs": runs}  # fmt: skip
+            "variant - greedy in the same process", "model_logits": logit_stats,
+            "runs": runs}  # fmt: skip
 
 
 def main(argv=None) -> None:

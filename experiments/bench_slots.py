@@ -454,6 +454,20 @@ def main(argv=None) -> dict:
         "for that many rows at any row count)",
     )
     ap.add_argument("--max-steps", type=int, default=256, help="decode steps per host sync")
+    ap.add_argument(
+        "--xla-autotune",
+        choices=["on", "off"],
+        default="off",
+        help="Config.xla_autotune for every path (default off: on a GPU 'auto' compaction "
+        "needs it off, see rejax.slots.auto_compacts)",
+    )
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        default=["refill", "compact"],
+        choices=["refill", "compact"],
+        help="slot paths to run against the static batches (default: both)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small", action="store_true", help="tiny config and rows (CPU smoke)")
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results path")
@@ -466,7 +480,12 @@ def main(argv=None) -> dict:
         args.prompt_len = [3, 20]
     if args.layers is not None:
         cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    cfg = dataclasses.replace(cfg, attention=args.attention, invariant_rows=args.invariant_rows)
+    cfg = dataclasses.replace(
+        cfg,
+        attention=args.attention,
+        invariant_rows=args.invariant_rows,
+        xla_autotune=args.xla_autotune == "on",
+    )
     if args.slots % args.n:
         raise SystemExit(
             f"--slots {args.slots} must be a multiple of --n {args.n} (static batches)"
@@ -551,6 +570,8 @@ def main(argv=None) -> dict:
         if budget_info is not None:
             run["time_budget"] = budget_info
         for name, compact in (("refill", False), ("compact", _compact(args))):
+            if name not in args.paths:
+                continue
             log(f"[{quant}] {args.slots} slots, {name}")
             r_rows, r_t = run_slots(params, prompts, args.n, budgets, kw, compact, log)
             sizes = rslots.compact_sizes(args.slots, compact)
@@ -589,6 +610,7 @@ if __name__ == "__main__":
         - r[name]["vs_static"]["rows_identical"]
         for r in res["runs"]
         for name in ("refill", "compact")
+        if name in r
     }
     bad = [f"{k}: {v}" for k, v in diff.items() if v]
     if bad:

@@ -6,6 +6,9 @@
 #           gathered rows, bf16 and NVFP4, "live" attention, prompts of ROWINV_PROMPT (1024)
 #   slots   experiments/bench_slots.py: 512 rows through 64 slots against static batches, 1
 #           layer, greedy, NVFP4 and bf16, default compaction ("auto"), SLOTS_BUDGET s each
+#   flags   bench_slots.py bf16, static batches against "auto" compaction only, full length
+#           (scale 1.0), once per XLA flag set in FLAG_SETS (";"-separated; "none" = no
+#           flags), each in its own process: OUT/flags_<i>.json and .log
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-tests rowinv slots}
@@ -29,6 +32,19 @@ for phase in $phases; do
         --sampler greedy --quant nvfp4 bf16 --prompt-len 33 64 \
         --time-budget "${SLOTS_BUDGET:-160}" --out "$out/bench_slots.json" > "$out/slots.log" 2>&1
       echo "bench_slots exit $?"; grep -vi "warning" "$out/slots.log" | tail -30;;
+    flags)
+      i=0
+      IFS=';' read -ra sets <<< "${FLAG_SETS:-none;--xla_gpu_autotune_level=0;--xla_allow_excess_precision=false}"
+      for fs in "${sets[@]}"; do
+        [ "$fs" = none ] && fs=""
+        t1=$(date +%s)
+        XLA_FLAGS="$fs" timeout "${FLAGS_TIMEOUT:-170}" python3 experiments/bench_slots.py \
+          --layers 1 --sampler greedy --quant bf16 --prompt-len 33 64 --paths compact \
+          --out "$out/flags_$i.json" > "$out/flags_$i.log" 2>&1
+        echo "flags [$fs] exit $? in $(( $(date +%s) - t1 )) s"
+        grep -E "compact:|static batches|compiled" "$out/flags_$i.log" | cut -c1-400
+        i=$((i + 1))
+      done;;
     *) echo "unknown phase $phase";;
   esac
   echo "[phase $phase: $(( $(date +%s) - t0 )) s]"

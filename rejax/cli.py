@@ -651,13 +651,24 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
         help="KV-cache storage: bf16, or fp8 (E4M3 codes with a scale per slot and kv head: "
         "half the cache bytes; Config.kv_dtype) (default: bf16)",
     )
+    p.add_argument(
+        "--xla-autotune",
+        default="on",
+        choices=["on", "off"],
+        help="on a GPU, whether XLA times matmul algorithms per program (Config.xla_autotune; "
+        "default: on). off: its default algorithm per shape, so float matmuls round alike in "
+        "every program; --slots compaction on a GPU needs it",
+    )
 
 
 def _with_kv_dtype(args, params):
-    """params with Config.kv_dtype = --kv-dtype (a loaded model's default is "bf16")."""
-    if args.kv_dtype == "bf16":
+    """params with Config.kv_dtype = --kv-dtype and Config.xla_autotune = --xla-autotune (a
+    loaded model's defaults are "bf16" and on)."""
+    if args.kv_dtype == "bf16" and args.xla_autotune == "on":
         return params
-    cfg = dataclasses.replace(params.cfg, kv_dtype=args.kv_dtype)
+    cfg = dataclasses.replace(
+        params.cfg, kv_dtype=args.kv_dtype, xla_autotune=args.xla_autotune == "on"
+    )
     return dataclasses.replace(params, cfg=cfg)
 
 
@@ -1074,9 +1085,10 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default="auto",
         help="with --slots, move the last rows into smaller programs once no problem is left "
-        "to refill a slot: by default B/2, B/4, ... down to 16 rows (the same responses on a "
-        "GPU too); --slots-compact down to 1 row (below 16 a GPU's rounding may change a "
-        "token); --no-slots-compact keeps all B",
+        "to refill a slot: by default B/2, B/4, ... down to 16 rows (the same responses; on a "
+        "GPU only with --xla-autotune off, else all B slots are kept); --slots-compact down "
+        "to 1 row (below 16 a GPU's rounding may change a token); --no-slots-compact keeps "
+        "all B",
     )
     e.add_argument(
         "--prefill-rows",

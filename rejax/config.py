@@ -109,6 +109,20 @@ COMMAND_BUFFER_OPTIONS = {
     },
     "listed": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
 }
+# What Config.xla_autotune=False adds to every program's compiler options: no timed choice of
+# matmul algorithms (XLA's default one per shape instead).
+NO_AUTOTUNE_OPTIONS = {"xla_gpu_autotune_level": 0}
+
+
+def compiler_options(cfg: Config, command_buffers: dict | None = None) -> dict | None:
+    """The per-program XLA compiler options a config asks for (None: none): its
+    `command_buffer`'s types (from `command_buffers`, default COMMAND_BUFFER_OPTIONS) and, with
+    `xla_autotune=False`, NO_AUTOTUNE_OPTIONS."""
+    table = COMMAND_BUFFER_OPTIONS if command_buffers is None else command_buffers
+    opts = dict(table[cfg.command_buffer] or {})
+    if not cfg.xla_autotune:
+        opts.update(NO_AUTOTUNE_OPTIONS)
+    return opts or None
 
 
 # L2 prefetch of the weights that run next, issued by the W4A4 GEMV of the "split" linears
@@ -216,8 +230,9 @@ class Config:
     # computes its linears as one with this many would, so a row's numbers do not depend on
     # how many rows run with it. The NVFP4 GEMM plans its K split for this many rows
     # (GemmOptions.split_m; the K order inside a split never depends on M), and float matmuls
-    # (bf16 linears, the bf16 lm_head) run on rows zero-padded to it, so cuBLAS picks the
-    # algorithm of the full batch (decode is weight-bandwidth bound: about the same time);
+    # (bf16 linears, the bf16 lm_head) run on rows zero-padded to it, so they have the full
+    # batch's shape (decode is weight-bandwidth bound: about the same time; the same algorithm
+    # needs xla_autotune=False on a GPU);
     # "live" decode attention
     # splits each row's range as a program of this many rows would. The einsum attention is
     # not covered: cuBLAS's batched matmul measured row-count dependent in bf16 on the H200
@@ -225,6 +240,14 @@ class Config:
     # than gemm_min_m rows) and the quantizer kernel (at most 8 rows) are other arithmetic
     # than the GEMM and XLA's quantizer, so row counts below 9 are not covered.
     invariant_rows: int | None = None
+    # Whether XLA autotunes the float matmuls on a GPU (True, XLA's default: it times candidate
+    # algorithms for each matmul fusion of each program and keeps the fastest). The pick can
+    # differ between two programs with the same matmul shape (a padded fusion, timing noise),
+    # and so can the rounding: bf16 slot compaction changed 28 of 512 rows on the H200 until
+    # this was off. False compiles every program with XLA's default algorithm per shape
+    # (NO_AUTOTUNE_OPTIONS), so a float matmul rounds the same in every program and process;
+    # rejax.slots' "auto" compaction needs it on a GPU.
+    xla_autotune: bool = True
 
     def __post_init__(self):
         if self.arch not in ARCHITECTURES.values():
@@ -281,6 +304,8 @@ class Config:
             raise ValueError(
                 f"invariant_rows must be None or an int >= 1, got {self.invariant_rows!r}"
             )
+        if not isinstance(self.xla_autotune, bool):
+            raise TypeError(f"xla_autotune must be True or False, got {self.xla_autotune!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"

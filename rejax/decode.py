@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from rejax import compile_cache, sharding
 from rejax.cache import KVCache
-from rejax.config import COMMAND_BUFFER_OPTIONS
+from rejax.config import compiler_options
 from rejax.decoder import forward
 from rejax.params import Params
 from rejax.sampling import sample
@@ -30,13 +30,52 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 compile_cache.enable_default()
 
 
+class _PerCompilerOptions:
+    """A jitted function compiled once per compiler-option set of its first argument's
+    `params.cfg` (`rejax.config.compiler_options`: `Config.command_buffer`'s command-buffer
+    types, `Config.xla_autotune`): XLA takes them per executable, so each set gets its own
+    `jax.jit`. `options` replaces the command-buffer table (tests)."""
+
+    def __init__(self, fn, options=None, **jit_kwargs):
+        functools.update_wrapper(self, fn)
+        self._fn, self._table, self._jit_kwargs = fn, options, jit_kwargs
+        self._jits: dict = {}
+
+    def jitted(self, params: Params):
+        """The `jax.jit` of this function that `params.cfg`'s compiler options select."""
+        cfg = params.cfg
+        key = (cfg.command_buffer, cfg.xla_autotune)
+        if key not in self._jits:
+            opts = compiler_options(cfg, self._table)
+            self._jits[key] = jax.jit(
+                self._fn, **self._jit_kwargs, **({"compiler_options": opts} if opts else {})
+            )
+        return self._jits[key]
+
+    def __call__(self, params: Params, *args, **kwargs):
+        return self.jitted(params)(params, *args, **kwargs)
+
+    def lower(self, params: Params, *args, **kwargs):
+        return self.jitted(params).lower(params, *args, **kwargs)
+
+    def trace(self, params: Params, *args, **kwargs):
+        return self.jitted(params).trace(params, *args, **kwargs)
+
+
+def per_compiler_options(fn=None, **jit_kwargs):
+    """Decorator form of `_PerCompilerOptions` (jit keyword arguments as `jax.jit` takes them)."""
+    if fn is None:
+        return functools.partial(per_compiler_options, **jit_kwargs)
+    return _PerCompilerOptions(fn, **jit_kwargs)
+
+
 def _forward(params: Params, tokens, positions, cache, logits_at=None):
     if params.sharding is not None:  # placed on a mesh by rejax.shard
         return sharding.forward(params, tokens, positions, cache, logits_at)
     return forward(params.weights, tokens, positions, cache, params.cfg, logits_at)
 
 
-@functools.partial(jax.jit, static_argnames=("all_logits",), donate_argnames=("cache",))
+@per_compiler_options(static_argnames=("all_logits",), donate_argnames=("cache",))
 def prefill(
     params: Params,
     tokens: jax.Array,
@@ -70,7 +109,7 @@ def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
     return tokens, next_logits[:, 0], cache, sampler_state, info
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
+@per_compiler_options(donate_argnames=("cache",))
 def decode_step(
     params: Params,
     logits: jax.Array,
@@ -216,33 +255,6 @@ def _decode_loop(
     return jax.lax.while_loop(cond, body, state)
 
 
-class _PerCommandBuffer:
-    """A jitted function compiled once per `Config.command_buffer` of its first argument's
-    `params.cfg`: XLA's command-buffer types are per-executable compiler options
-    (`rejax.config.COMMAND_BUFFER_OPTIONS`), so each choice gets its own `jax.jit`."""
-
-    def __init__(self, fn, options=None, **jit_kwargs):
-        functools.update_wrapper(self, fn)
-        options = COMMAND_BUFFER_OPTIONS if options is None else options
-        self._jits = {
-            name: jax.jit(fn, **jit_kwargs, **({"compiler_options": opts} if opts else {}))
-            for name, opts in options.items()
-        }
-
-    def jitted(self, params: Params):
-        """The `jax.jit` of this function that `params.cfg.command_buffer` selects."""
-        return self._jits[params.cfg.command_buffer]
-
-    def __call__(self, params: Params, *args, **kwargs):
-        return self.jitted(params)(params, *args, **kwargs)
-
-    def lower(self, params: Params, *args, **kwargs):
-        return self.jitted(params).lower(params, *args, **kwargs)
-
-    def trace(self, params: Params, *args, **kwargs):
-        return self.jitted(params).trace(params, *args, **kwargs)
-
-
-decode_loop = _PerCommandBuffer(
+decode_loop = _PerCompilerOptions(
     _decode_loop, static_argnames=("max_new_tokens",), donate_argnames=("cache",)
 )

@@ -9,7 +9,6 @@ rejax/config.py (B rows, T tokens, S cache slots, V vocab, M max new tokens).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 
 from rejax import sampling, sharding
 from rejax.cache import init_cache  # noqa: F401 (callers use rejax.generate's init_cache)
-from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, prefill
+from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, per_compiler_options, prefill
 from rejax.decoder import forward
 from rejax.params import Params, map_linears
 from rejax.text import newline_masks, prompt_ids, require_tokenizer
@@ -163,9 +162,10 @@ def generate(
             tokens as static batches; excludes batch_size and stream.
         compact: with `slots`, once no row is pending, move the live rows into the next
             smaller program as soon as they fit, so the last long rows do not run in a B-row
-            program: "auto" B/2, B/4, ... down to 16 rows (on a GPU the same tokens as B-row
-            programs), True down to 1 row (below 16 rows a GPU's rounding may change a
-            token), False keeps all B slots (`rejax.slots.compact_sizes`).
+            program: "auto" B/2, B/4, ... down to 16 rows (the same tokens as B-row programs;
+            on a GPU only with `Config.xla_autotune=False`, else it keeps all B slots:
+            `rejax.slots.auto_compacts`), True down to 1 row (below 16 rows a GPU's rounding
+            may change a token), False keeps all B slots (`rejax.slots.compact_sizes`).
         prefill_rows: P rows prefilled together. Static batches (default None: each batch in
             one prefill) then prefill their rows in chunks of P prompts of one bucket, each
             chunk as a slot refill does (`rejax.slots.prefill_rows`). With `slots`, P rows per
@@ -372,7 +372,7 @@ def prefill_chunked(params: Params, prompts, cache, p: int):
     return logits, cache
 
 
-@functools.partial(jax.jit, donate_argnames=("logits", "cache"))
+@per_compiler_options(donate_argnames=("logits", "cache"))
 def _prefill_put(params, logits, cache, tokens, positions, ids):
     from rejax.slots import prefill_rows
 

@@ -30,8 +30,8 @@ prefilled together, T prompt bucket, S cache slots, V vocab, M the largest budge
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rejax.cache import KVCache, init_cache
-from rejax.decode import TRACE_COUNTS
+from rejax.decode import TRACE_COUNTS, per_compiler_options
 from rejax.decoder import forward
 from rejax.params import Params
 from rejax.sampling import sample, sampler_init
@@ -157,7 +157,7 @@ def prefill_rows(
     return logits, cache
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@per_compiler_options(donate_argnames=("state",))
 def slot_prefill(
     params: Params,
     state: SlotState,
@@ -211,7 +211,7 @@ def slot_prefill(
     )
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
+@per_compiler_options(donate_argnames=("state",))
 def decode_chunk(
     params: Params,
     state: SlotState,
@@ -383,6 +383,31 @@ def _default_refill_rows(slots: int) -> int:
 AUTO_MIN_ROWS = 16
 
 
+def auto_compacts(cfg, backend: str | None = None) -> bool:
+    """Whether `compact="auto"` compacts for this config on `backend` (default: JAX's): only
+    where every program's float matmuls round alike at equal shapes. On a GPU that needs
+    `Config.xla_autotune=False`: XLA otherwise times algorithms per matmul fusion and program,
+    and a padded small program may get another one than the B-row program (bf16 compaction
+    changed 28 of 512 rows on the H200 with autotuning, none without)."""
+    backend = jax.default_backend() if backend is None else backend
+    return backend != "gpu" or not cfg.xla_autotune
+
+
+_AUTO_OFF_NOTED: list[bool] = []
+
+
+def _note_auto_off() -> None:
+    if _AUTO_OFF_NOTED:
+        return
+    _AUTO_OFF_NOTED.append(True)
+    warnings.warn(
+        'slot decoding: compact="auto" keeps all slots to the end on this GPU because '
+        "Config.xla_autotune is True (XLA's timed matmul picks may round a smaller program "
+        "differently); set xla_autotune=False to compact with tokens equal to static batches",
+        stacklevel=3,
+    )
+
+
 def compact_sizes(slots: int, compact: bool | str | Sequence[int] = "auto") -> tuple[int, ...]:
     """Program sizes a run may use, largest (B) first.
 
@@ -460,8 +485,10 @@ def generate_rows(
             decode programs then run with `Config.invariant_rows` = B (unless the config sets
             it), so their matmuls round as B rows do: on a GPU the tokens are those of B-row
             programs at every size of "auto" (measured on the H200: 512 of 512 rows equal to
-            static batches, NVFP4); below 16 rows they can differ by rounding. On the CPU the
-            tokens are the same at every size.
+            static batches, NVFP4 and bf16); below 16 rows they can differ by rounding. On a
+            GPU "auto" compacts only with `Config.xla_autotune=False` (`auto_compacts`; else
+            it warns once and keeps B slots). On the CPU the tokens are the same at every
+            size.
 
     Returns:
         (rows in row order as (tokens, entropy, temperature, stopped) numpy tuples, SlotStats).
@@ -475,6 +502,9 @@ def generate_rows(
     refill_rows = _default_refill_rows(slots) if refill_rows is None else refill_rows
     if not isinstance(refill_rows, (int, np.integer)) or not 0 < refill_rows <= slots:
         raise ValueError(f"refill_rows must be an int in [1, slots={slots}], got {refill_rows!r}")
+    if isinstance(compact, str) and compact == "auto" and not auto_compacts(params.cfg):
+        _note_auto_off()
+        compact = False
     sizes = compact_sizes(slots, compact)
     decode_params = params
     if len(sizes) > 1 and params.cfg.invariant_rows is None:

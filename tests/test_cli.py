@@ -659,6 +659,32 @@ def test_kv_dtype_flag(capsys, tmp_path, ckpt, cached_models):
     assert "invalid choice: 'int8'" in capsys.readouterr().err
 
 
+def test_xla_autotune_flag(capsys, tmp_path, ckpt, cached_models, monkeypatch):
+    """--xla-autotune off reaches Config.xla_autotune of the decoded params (the default keeps
+    it on); on the CPU the tokens are the same; a bad value is refused."""
+    seen = []
+    real = cli.generate
+
+    def spy(params, *a, **k):
+        seen.append(params.cfg.xla_autotune)
+        return real(params, *a, **k)
+
+    monkeypatch.setattr(cli, "generate", spy)
+    outs = []
+    for flag in (["--xla-autotune", "off"], []):
+        rc, out, err = _run(
+            capsys, "generate", "--model", ckpt, "--quant", "bf16", *flag,
+            "--sampler", "greedy", "--max-new-tokens", 6, "--json", "Evaluate 5 - 2.",
+        )  # fmt: skip
+        assert rc == 0, err
+        outs.append(json.loads(out.splitlines()[0])["tokens"])
+    assert seen == [False, True] and outs[0] == outs[1]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["generate", "--xla-autotune", "maybe", "hi"])
+    assert e.value.code == 2
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
+
+
 def test_load_model_states_the_scale_mode_once(caplog):
     """`load_model` drops rejax.load's dynamic-scale warning (the CLI prints its own header
     line); a direct rejax.load still warns."""

@@ -273,7 +273,7 @@ def test_command_buffer_while_reaches_xla_and_keeps_the_tokens(params):
     gen.generate(looped, ["six", "7"], max_new_tokens=7, sampler=sampler, key=4, n=2)
     assert dict(gen.TRACE_COUNTS) == before
 
-    bad = rdecode._PerCommandBuffer(
+    bad = rdecode._PerCompilerOptions(
         lambda p, x: x + 1,
         options={"default": None, "while": {"xla_gpu_enable_command_buffer": "NOT_A_TYPE"}},
     )
@@ -282,3 +282,35 @@ def test_command_buffer_while_reaches_xla_and_keeps_the_tokens(params):
         bad(looped, jnp.float32(1))
     with pytest.raises(ValueError, match="unknown command_buffer 'graph'"):
         Config(command_buffer="graph")
+
+
+def test_xla_autotune_off_reaches_xla_and_keeps_the_tokens(params, monkeypatch):
+    """Config.xla_autotune=False compiles every decode program with NO_AUTOTUNE_OPTIONS (XLA's
+    default matmul algorithm per shape) as per-executable compiler options, alongside the
+    command-buffer ones; the tokens are the same on the CPU (no autotuning there); a non-bool
+    is refused."""
+    from rejax import config as rconfig
+    from rejax import decode as rdecode
+
+    off = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, xla_autotune=False))
+    assert rconfig.compiler_options(params.cfg) is None
+    assert rconfig.compiler_options(off.cfg) == {"xla_gpu_autotune_level": 0}
+    both = dataclasses.replace(off.cfg, command_buffer="while")
+    assert rconfig.compiler_options(both) == {
+        **rconfig.COMMAND_BUFFER_OPTIONS["while"],
+        "xla_gpu_autotune_level": 0,
+    }
+    sampler = ReSET(t_low=0.3, t_high=1.0, tau_0=0.5, window=4, top_p=0.9)
+    want = gen.generate(params, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
+    got = gen.generate(off, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
+    assert got.tokens == want.tokens and got.temperature == want.temperature
+    for fn in (rdecode.decode_loop, rdecode.prefill, rdecode.decode_step):
+        assert fn.jitted(off) is not fn.jitted(params) and fn.jitted(off) is fn.jitted(off)
+    # the options do reach XLA: a bad value in their place is refused by it
+    monkeypatch.setattr(rconfig, "NO_AUTOTUNE_OPTIONS", {"xla_gpu_autotune_level": "NOT_A_LEVEL"})
+    fresh = rdecode._PerCompilerOptions(lambda p, x: x + 1)
+    assert float(fresh(params, jnp.float32(1))) == 2.0
+    with pytest.raises(Exception, match="xla_gpu_autotune_level"):
+        fresh(off, jnp.float32(1))
+    with pytest.raises(TypeError, match="xla_autotune must be True or False, got 'off'"):
+        Config(xla_autotune="off")

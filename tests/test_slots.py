@@ -415,3 +415,27 @@ def test_compacting_runs_decode_with_invariant_rows(params, monkeypatch):
         )
         _forced(p, budgets[: len(PROMPTS) * N], 4, compact)
         assert seen["decode"] == want, (compact, seen)
+
+
+def test_auto_compaction_needs_xla_autotune_off_on_gpu(params, full, monkeypatch):
+    """compact="auto" compacts only where every program's float matmuls round alike: always
+    off the GPU, on a GPU only with Config.xla_autotune=False (XLA's timed algorithm picks
+    may differ between a padded small program and the B-row one). Otherwise it warns once and
+    keeps all B slots; the tokens are the static rows either way."""
+    off = dataclasses.replace(params.cfg, xla_autotune=False)
+    assert sl.auto_compacts(params.cfg, "cpu") and sl.auto_compacts(off, "gpu")
+    assert not sl.auto_compacts(params.cfg, "gpu")
+    # 12 rows through 32 slots: "auto" moves them into 16 rows at once where it compacts
+    budgets = [16, 1, 2, 12, 1, 3, 8, 2, 1, 5, 14, 16]
+    rows, s = _forced(params, budgets, 32, "auto")
+    assert list(s.steps_by_size) == [16] and s.compactions == 1, s
+    monkeypatch.setattr(sl, "_AUTO_OFF_NOTED", [])
+    monkeypatch.setattr(sl, "auto_compacts", lambda cfg: False)  # as on a GPU, autotuning
+    with pytest.warns(UserWarning, match="xla_autotune=False"):
+        kept, s = _forced(params, budgets, 32, "auto")
+    assert list(s.steps_by_size) == [32] and s.compactions == 0, s
+    for r, (a, b) in enumerate(zip(rows, kept)):
+        assert a[0].tolist() == b[0].tolist() == full.tokens[r][: budgets[r]], r
+    # an explicit compaction request is honoured whatever the backend
+    _, s = _forced(params, budgets, 32, [16])
+    assert list(s.steps_by_size) == [16] and s.compactions == 1, s
