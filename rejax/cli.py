@@ -1086,7 +1086,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="with --slots, move the last rows into smaller programs once no problem is left "
         "to refill a slot: by default B/2, B/4, ... down to 16 rows (the same responses; on a "
-        "GPU only with --xla-autotune off, else all B slots are kept); --slots-compact down "
+        "GPU only with --xla-autotune off, on the CPU for float32 weights only, else all B "
+        "slots are kept); --slots-compact down "
         "to 1 row (below 16 a GPU's rounding may change a token); --no-slots-compact keeps "
         "all B",
     )

@@ -163,9 +163,10 @@ def generate(
         compact: with `slots`, once no row is pending, move the live rows into the next
             smaller program as soon as they fit, so the last long rows do not run in a B-row
             program: "auto" B/2, B/4, ... down to 16 rows (the same tokens as B-row programs;
-            on a GPU only with `Config.xla_autotune=False`, else it keeps all B slots:
-            `rejax.slots.auto_compacts`), True down to 1 row (below 16 rows a GPU's rounding
-            may change a token), False keeps all B slots (`rejax.slots.compact_sizes`).
+            on a GPU only with `Config.xla_autotune=False`, on the CPU for float32 weights
+            only, else it keeps all B slots: `rejax.slots.auto_compacts`), True down to 1 row
+            (below 16 rows a GPU's rounding, or bf16 on the CPU, may change a token), False
+            keeps all B slots (`rejax.slots.compact_sizes`).
         prefill_rows: P rows prefilled together. Static batches (default None: each batch in
             one prefill) then prefill their rows in chunks of P prompts of one bucket, each
             chunk as a slot refill does (`rejax.slots.prefill_rows`). With `slots`, P rows per

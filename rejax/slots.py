@@ -383,14 +383,23 @@ def _default_refill_rows(slots: int) -> int:
 AUTO_MIN_ROWS = 16
 
 
-def auto_compacts(cfg, backend: str | None = None) -> bool:
-    """Whether `compact="auto"` compacts for this config on `backend` (default: JAX's): only
-    where every program's float matmuls round alike at equal shapes. On a GPU that needs
-    `Config.xla_autotune=False`: XLA otherwise times algorithms per matmul fusion and program,
-    and a padded small program may get another one than the B-row program (bf16 compaction
-    changed 28 of 512 rows on the H200 with autotuning, none without)."""
+def auto_compacts(params: Params, backend: str | None = None) -> bool:
+    """Whether `compact="auto"` compacts for these params on `backend` (default: JAX's): only
+    where a smaller program is known to round every row as the B-row program does.
+
+    - GPU: with `Config.xla_autotune=False`. XLA otherwise times algorithms per matmul fusion
+      and program, and a padded small program may get another one than the B-row program
+      (bf16 compaction changed 28 of 512 rows on the H200 with autotuning, none without).
+    - CPU: with float32 weights (the tests). With bf16 weights XLA:CPU's decode loop at 16
+      rows came out a bf16 ulp off the 32-row one on some rows (a 2-layer model; a plain
+      forward at the two sizes agreed), so bf16 keeps all B slots there.
+    - Other backends: not measured, no compaction.
+    """
     backend = jax.default_backend() if backend is None else backend
-    return backend != "gpu" or not cfg.xla_autotune
+    if backend == "gpu":
+        return not params.cfg.xla_autotune
+    dtype = params.weights["embed_tokens"]["embedding"].dtype
+    return backend == "cpu" and dtype == jnp.float32
 
 
 _AUTO_OFF_NOTED: list[bool] = []
@@ -401,9 +410,10 @@ def _note_auto_off() -> None:
         return
     _AUTO_OFF_NOTED.append(True)
     warnings.warn(
-        'slot decoding: compact="auto" keeps all slots to the end on this GPU because '
-        "Config.xla_autotune is True (XLA's timed matmul picks may round a smaller program "
-        "differently); set xla_autotune=False to compact with tokens equal to static batches",
+        'slot decoding: compact="auto" keeps all slots to the end here: a smaller program '
+        "may round some rows differently (on a GPU while Config.xla_autotune is True, set "
+        "xla_autotune=False to compact; on the CPU with bf16 weights); see "
+        "rejax.slots.auto_compacts",
         stacklevel=3,
     )
 
@@ -485,10 +495,11 @@ def generate_rows(
             decode programs then run with `Config.invariant_rows` = B (unless the config sets
             it), so their matmuls round as B rows do: on a GPU the tokens are those of B-row
             programs at every size of "auto" (measured on the H200: 512 of 512 rows equal to
-            static batches, NVFP4 and bf16); below 16 rows they can differ by rounding. On a
-            GPU "auto" compacts only with `Config.xla_autotune=False` (`auto_compacts`; else
-            it warns once and keeps B slots). On the CPU the tokens are the same at every
-            size.
+            static batches, NVFP4 and bf16); below 16 rows they can differ by rounding. "auto"
+            compacts only where that is known to hold (`auto_compacts`: on a GPU with
+            `Config.xla_autotune=False`, on the CPU with float32 weights); elsewhere it warns
+            once and keeps B slots. On the CPU with float32 weights the tokens are the same
+            at every size.
 
     Returns:
         (rows in row order as (tokens, entropy, temperature, stopped) numpy tuples, SlotStats).
@@ -502,7 +513,8 @@ def generate_rows(
     refill_rows = _default_refill_rows(slots) if refill_rows is None else refill_rows
     if not isinstance(refill_rows, (int, np.integer)) or not 0 < refill_rows <= slots:
         raise ValueError(f"refill_rows must be an int in [1, slots={slots}], got {refill_rows!r}")
-    if isinstance(compact, str) and compact == "auto" and not auto_compacts(params.cfg):
+    auto = isinstance(compact, str) and compact == "auto"
+    if auto and len(compact_sizes(slots, "auto")) > 1 and not auto_compacts(params):
         _note_auto_off()
         compact = False
     sizes = compact_sizes(slots, compact)

@@ -418,19 +418,21 @@ def test_compacting_runs_decode_with_invariant_rows(params, monkeypatch):
 
 
 def test_auto_compaction_needs_xla_autotune_off_on_gpu(params, full, monkeypatch):
-    """compact="auto" compacts only where every program's float matmuls round alike: always
-    off the GPU, on a GPU only with Config.xla_autotune=False (XLA's timed algorithm picks
-    may differ between a padded small program and the B-row one). Otherwise it warns once and
-    keeps all B slots; the tokens are the static rows either way."""
-    off = dataclasses.replace(params.cfg, xla_autotune=False)
-    assert sl.auto_compacts(params.cfg, "cpu") and sl.auto_compacts(off, "gpu")
-    assert not sl.auto_compacts(params.cfg, "gpu")
+    """compact="auto" compacts only where every program rounds a row alike: on a GPU only
+    with Config.xla_autotune=False (XLA's timed algorithm picks may differ between a padded
+    small program and the B-row one), on the CPU only with float32 weights. Otherwise it
+    warns once and keeps all B slots; the tokens are the static rows either way."""
+    off = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, xla_autotune=False))
+    assert sl.auto_compacts(params, "cpu") and sl.auto_compacts(off, "gpu")
+    assert not sl.auto_compacts(params, "gpu") and not sl.auto_compacts(params, "tpu")
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params.weights)
+    assert not sl.auto_compacts(dataclasses.replace(params, weights=bf16), "cpu")
     # 12 rows through 32 slots: "auto" moves them into 16 rows at once where it compacts
     budgets = [16, 1, 2, 12, 1, 3, 8, 2, 1, 5, 14, 16]
     rows, s = _forced(params, budgets, 32, "auto")
     assert list(s.steps_by_size) == [16] and s.compactions == 1, s
     monkeypatch.setattr(sl, "_AUTO_OFF_NOTED", [])
-    monkeypatch.setattr(sl, "auto_compacts", lambda cfg: False)  # as on a GPU, autotuning
+    monkeypatch.setattr(sl, "auto_compacts", lambda p: False)  # as on a GPU, autotuning
     with pytest.warns(UserWarning, match="xla_autotune=False"):
         kept, s = _forced(params, budgets, 32, "auto")
     assert list(s.steps_by_size) == [32] and s.compactions == 0, s
@@ -439,3 +441,35 @@ def test_auto_compaction_needs_xla_autotune_off_on_gpu(params, full, monkeypatch
     # an explicit compaction request is honoured whatever the backend
     _, s = _forced(params, budgets, 32, [16])
     assert list(s.steps_by_size) == [16] and s.compactions == 1, s
+
+
+@pytest.mark.gpu
+def test_auto_compaction_equals_static_batches_gpu():
+    """On a GPU with Config.xla_autotune=False, "auto" compaction (32 slots, then 16 rows)
+    gives the tokens of static batches of 32 rows with the same chunked prefill, for a bf16
+    model (its matmuls are what XLA would autotune per program); with autotuning on, "auto"
+    warns and keeps all 32 slots, with the same tokens as well."""
+    v, n, m = 4096, 8, 96
+    cfg = Config(
+        vocab_size=v, hidden_size=512, intermediate_size=1536, num_layers=2, num_heads=8,
+        num_kv_heads=4, head_dim=64, max_position_embeddings=1024, xla_autotune=False,
+    )  # fmt: skip
+    off = init_params(cfg, 11, jnp.bfloat16)
+    prompts = _prompts([5, 9, 17, 30, 12, 7, 22, 3], seed=4)
+    rng = np.random.default_rng(1)
+    budgets = np.minimum(m, 1 + rng.pareto(1.2, len(prompts) * n) * 12).astype(int)
+    none = np.zeros((v,), bool)
+    greedy = ReSET(t_low=0.0, t_high=0.0, tau_0=0.5, window=4, nl_mask=none, dnl_mask=none)
+    for params in (off, dataclasses.replace(off, cfg=dataclasses.replace(cfg, xla_autotune=True))):
+        static = gen.generate(
+            params, prompts, max_new_tokens=m, sampler=greedy, key=5, n=n, stop=[],
+            progress=False, batch_size=32 // n, prefill_rows=2,
+        )  # fmt: skip
+        rows, s = sl.generate_rows(
+            params, prompts, slots=32, max_new_tokens=budgets, sampler=greedy,
+            key=jax.random.key(5), stop_mask=jnp.zeros((v,), bool), n=n, refill_rows=2,
+            buffer_tokens=m,
+        )  # fmt: skip
+        assert (16 in s.steps_by_size) == (not params.cfg.xla_autotune), s
+        same = [rows[r][0].tolist() == static.tokens[r][: budgets[r]] for r in range(len(rows))]
+        assert all(same), (params.cfg.xla_autotune, same.count(False))
