@@ -350,7 +350,8 @@ __device__ u32 g_hist_cnt[B_ROWS * NB];
 __device__ u64 g_hist_best[B_ROWS * NB];
 #endif
 
-// plan [B, 8] ints: 0 mode (0: token final in slot 1; 1: resolve top-p bin b; 2: top-k), 1 token,
+// plan [B, 8] ints: 0 mode (0: token final in slot 1; 1: resolve top-p bin b; 2: top-k; 3:
+// top-k from the chunks' candidates, TOPK_MERGE), 1 token,
 // 2 bin b (top-k: the bin of the k-th largest), 3 mass above b, 4 tokens in b (top-k: in bins
 // >= b), 5 limit (float bits), 6 / 7 best score above b (lo / hi word)
 #define PLAN 8
@@ -361,6 +362,53 @@ __device__ __forceinline__ int topk_bin(float zt, float t) {
     const float x = -zt * (t * 64.0f);
     return NB - 1 - (x < (float)(NB - 1) ? (int)x : NB - 1);
 }
+
+// TOPK_MERGE (the "merge" variant, top-k <= 32): each hist block also lists its chunk's top-k
+// candidates, every token in a bin at or above the chunk's own k-th largest (CAND at most).
+// The row's k-th largest is at least any chunk's, so the candidates in bins >= the row's bin b
+// are exactly the tokens resolve would collect. Hist's last block finds b (plan mode 3), and
+// resolve's block 0 gathers the candidates in bins >= b and draws (topk_draw) without a sweep
+// over V or a last-block ticket; its other blocks exit at once. A chunk with more than CAND
+// candidates (ties), or more than NMAX of them in all, sends the row down the split path.
+#ifndef TOPK_MERGE
+#define TOPK_MERGE 0
+#endif
+#if TOP_K > 0 && TOPK_MERGE && !CLUSTER
+#define CAND 64
+static_assert(TOP_K <= CAND / 2 && NMAX <= NB, "merge: k <= 32, and the list fits hb");
+__device__ u32 g_cand_over[B_ROWS];
+__device__ u32 g_cand_n[B_ROWS * CHUNKS];
+__device__ u64 g_cand[B_ROWS * CHUNKS * CAND];
+__device__ __forceinline__ u32 ord_of(float f);
+
+// The highest bin b of a top-k histogram whose count from the top reaches TOP_K, and the count
+// in bins >= b; with fewer than TOP_K counted tokens, b = 0 and the whole count. Every thread
+// gets both.
+__device__ void topk_boundary(const u32* hc, u32* red, int* ired, int* b_out, u32* n_ge) {
+    __shared__ u32 s_ge;
+    const int i0 = threadIdx.x * BPT;
+    u32 mine = 0;
+    for (int k = 0; k < BPT; ++k) mine += hc[i0 + k];
+    u32 total;
+    const u32 incl = block_scan(mine, red, &total);
+    u32 s = total - incl;
+    int cand = -1;
+    u32 cand_s = 0;
+    for (int k = BPT - 1; k >= 0; --k) {
+        s += hc[i0 + k];
+        if (cand < 0 && s >= (u32)TOP_K) {
+            cand = i0 + k;
+            cand_s = s;
+        }
+    }
+    const int b = block_reduce<MaxI>(cand, ired);
+    if (b >= 0 && cand == b) s_ge = cand_s;
+    __syncthreads();
+    *b_out = b < 0 ? 0 : b;
+    *n_ge = b < 0 ? total : s_ge;
+    __syncthreads();
+}
+#endif
 
 #if !CLUSTER
 extern "C" __global__ void __launch_bounds__(NTHREADS)
@@ -439,6 +487,30 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
 #endif
     }
     __syncthreads();
+#if TOP_K > 0 && TOPK_MERGE
+    {  // this chunk's candidates: its tokens in bins at or above its own k-th largest's
+        int bl;
+        u32 nl;
+        topk_boundary(hc, red, ired, &bl, &nl);
+        if (nl <= (u32)CAND) {
+            __shared__ u32 s_cnt;
+            if (tid == 0) s_cnt = 0u;
+            __syncthreads();
+            u64* cand = g_cand + (size_t)(r * CHUNKS + c) * CAND;
+            for (int j = lo + tid; j < hi; j += NTHREADS) {
+                const float zt = tempered(z[j], m, it);
+                if (zt > -INFINITY && topk_bin(zt, t) >= bl) {
+                    const u32 slot = atomicAdd(&s_cnt, 1u);
+                    if (slot < (u32)CAND) cand[slot] = ((u64)ord_of(zt) << 32) | (u32)j;
+                }
+            }
+            __syncthreads();
+            if (tid == 0) g_cand_n[r * CHUNKS + c] = min(s_cnt, (u32)CAND);
+        } else if (tid == 0) {
+            atomicOr(&g_cand_over[r], 1u);
+        }
+    }
+#endif
     for (int i = tid; i < NB; i += NTHREADS) {
         if (hc[i]) {
             atomicAdd(&g_hist_mass[r * NB + i], hm[i]);
@@ -458,7 +530,21 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     }
     __syncthreads();
     if (tid == 0) g_hist_done[r] = 0u;
-#if TOP_K > 0
+#if TOP_K > 0 && TOPK_MERGE
+    {  // the row's b; resolve's first block then draws from the chunks' candidates (mode 3)
+        int b;
+        u32 n_ge;
+        topk_boundary(hc, red, ired, &b, &n_ge);
+        if (tid == 0) {
+            const bool over = __ldcg(&g_cand_over[r]) != 0u;
+            g_cand_over[r] = 0u;
+            pl[0] = over || n_ge > (u32)NMAX ? 2 : 3;  // 2: the split path (resolve sweeps)
+            pl[2] = b;
+            pl[4] = (int)n_ge;
+        }
+        return;
+    }
+#elif TOP_K > 0
     {  // b = the highest bin whose count from the top reaches k (0: fewer than k live tokens)
         const int i0 = tid * BPT;
         u32 mine = 0;
@@ -858,7 +944,14 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     const u32 nb = (u32)pl[4];
     const float* z = logits + (size_t)r * V_SIZE;
     const u32 klo = bin_lo(b);
-    if (nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of the bins >= b
+#if TOP_K > 0 && TOPK_MERGE
+    const bool merged = pl[0] == 3;  // block 0 alone: the chunks' candidates in bins >= b
+    if (merged && c != 0) return;
+#else
+    const bool merged = false;
+#endif
+    u32 n_list = nb;
+    if (!merged && nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of bins >= b
         const int lo = c * CH, hi = min(lo + CH, V_SIZE);
         for (int j = lo + tid; j < hi; j += NTHREADS) {
             const float zt = tempered(z[j], m, it);
@@ -876,16 +969,34 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
             }
         }
     }
-    if (!last_arrival(&g_res_done[r], &is_last)) return;
+    if (!merged && !last_arrival(&g_res_done[r], &is_last)) return;
     const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
     const float floor_score = FLOOR;
-    if (nb <= (u32)NMAX) {
+#if TOP_K > 0 && TOPK_MERGE
+    if (merged) {
+        __shared__ u32 s_m;
+        if (tid == 0) s_m = 0u;
+        __syncthreads();
+        for (int i = tid; i < CHUNKS * CAND; i += NTHREADS) {
+            const int cc = i / CAND, q = i - cc * CAND;
+            if ((u32)q >= __ldcg(&g_cand_n[r * CHUNKS + cc])) continue;
+            const u64 e = __ldcg(&g_cand[(size_t)(r * CHUNKS + cc) * CAND + q]);
+            if (topk_bin(float_of_ord((u32)(e >> 32)), t) >= b) {
+                const u32 slot = atomicAdd(&s_m, 1u);
+                if (slot < (u32)NMAX) list[slot] = e;
+            }
+        }
+        __syncthreads();
+        n_list = min(s_m, (u32)NMAX);
+    }
+#endif
+    if (!merged && nb <= (u32)NMAX) {
         for (int i = tid; i < (int)nb; i += NTHREADS) list[i] = __ldcg(&g_res_list[r * NMAX + i]);
         __syncthreads();
     }
 #if TOP_K > 0
-    const int token = topk_draw(list, (int)nb, top_p[r], z, m, it, k0, k1, floor_score, hm, hc,
-                                red, ired, ured, fred);
+    const int token = topk_draw(list, (int)n_list, top_p[r], z, m, it, k0, k1, floor_score, hm,
+                                hc, red, ired, ured, fred);
 #else
     const u32 above_b = (u32)pl[3];
     const float limit = __int_as_float(pl[5]);
@@ -904,6 +1015,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     }
     const int token = unpack_id(inb > best ? inb : best);
     (void)fred;
+    (void)n_list;
 #endif
     if (tid == 0) {
         tokens[r] = token;

@@ -1,10 +1,13 @@
 """Host side of the fused sampler (`sampler.cu`): launch plan, build, backend configs.
 
-Two variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
+Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
 `__gpu$xla.gpu.ptx` custom calls on XLA's stream:
 
 - "split" (the default): three kernels (statistics, top-p histogram, boundary resolution), each
   a grid of chunks x B blocks whose last block per row combines through global scratch.
+- "merge": "split" where top-k (k <= `MERGE_MAX_K`) draws in the histogram kernel: each block
+  lists its chunk's top-k candidates and the last block merges them (`TOPK_MERGE` in
+  sampler.cu), so the resolve kernel has no sweep left; top-p alone is "split" unchanged.
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
 
@@ -48,7 +51,8 @@ ENTRIES = {
 # the cluster variant's one kernel: logits, thr, alt, t_a, t_b, top_p, keys -> tokens [B],
 # entropy [B], temperature [B]
 CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
-VARIANTS = ("split", "cluster")
+VARIANTS = ("split", "cluster", "merge")
+MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
 CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
 SMS = 132  # the H200's SMs
 # The cluster kernel is built for 64 registers a thread, so 1024 / threads CTAs fit an SM (its
@@ -69,7 +73,7 @@ MAX_CHUNKS = 128
 def entries(variant: str = "split") -> dict:
     """The variant's kernel entries: name -> (number of operands, number of results)."""
     _check_variant(variant)
-    return ENTRIES if variant == "split" else CLUSTER_ENTRIES
+    return CLUSTER_ENTRIES if variant == "cluster" else ENTRIES
 
 
 def _check_variant(variant: str) -> None:
@@ -118,6 +122,8 @@ class Plan:
         }
         if self.variant == "cluster":
             d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
+        if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
+            d |= {"TOPK_MERGE": 1}
         return d
 
     @property
@@ -131,7 +137,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan:
-    """ "split": about one wave of blocks over the whole batch, at least 4 chunks per row.
+    """ "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
+    per row.
     "cluster": `CLUSTER` chunks per row (trailing ones may be empty when V < 4 CLUSTER)."""
     _check_variant(variant)
     if variant == "cluster":
@@ -142,7 +149,7 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan
     chunks = min(chunks, vocab)
     chunk = _cdiv(_cdiv(vocab, chunks), 4) * 4  # a multiple of 4 (the histogram's float4 loads)
     chunks = _cdiv(vocab, chunk)  # no empty trailing chunk
-    return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k)
+    return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k, variant=variant)
 
 
 def cluster_threads(batch: int) -> int:

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# [T2-E] on the H200: the "cluster" sampler kernel (one launch, a cluster of 8 CTAs per row)
-# against the default "split" one (three kernels). Usage: experiments/sampler_device_run.sh OUT
-# [phases]; phases (default: env pytest bench table):
+# [T2-E] on the H200: the sampler kernel's variants, "split" (the default, three kernels),
+# "cluster" (one launch, a cluster of 8 CTAs per row) and "merge" (split with top-k drawn from
+# per-block candidates). Usage: experiments/sampler_device_run.sh OUT [phases]; phases
+# (default: env pytest bench table):
 #   env     GPU, driver, clocks, versions, tree
-#   pytest  the cluster variant's GPU tests (tests/test_sampling_gpu.py -k "$PYTEST_K", default
-#           "cluster": 28 tests), PYTEST_TIMEOUT (default 95 s); OUT/gpu_tests.log (-v, so a
-#           timeout still shows which ran)
-#   bench   kernel alone in a jitted scan (bench_sampler.py), lm logits, split vs cluster for
-#           Temperature + top-p, top-k 20 and ReSET + top-p, one process per batch in BATCHES
-#           (default "1 64", BENCH_TIMEOUT each, default 45 s); OUT/bench_sampler_b{B}.json
+#   pytest  GPU tests of tests/test_sampling_gpu.py -k "$PYTEST_K" (default "cluster"; "merge"
+#           for the merge variant's), PYTEST_TIMEOUT (default 95 s); OUT/gpu_tests.log (-v, so
+#           a timeout still shows which ran)
+#   bench   kernel alone in a jitted scan (bench_sampler.py), LOGITS (default lm; one kind, the
+#           table keys on batch and variant) logits, VARIANTS (default "split cluster merge")
+#           for Temperature + top-p, top-k 20 and ReSET + top-p, one process per batch in
+#           BATCHES (default "1 64", BENCH_TIMEOUT each, default 45 s);
+#           OUT/bench_sampler_b{B}.json
 #   table   us over greedy per sampler, batch and variant from the bench JSONs, next to the
 #           issue's targets (15 us at batch 1, 60 us at batch 64)
 # The whole default run takes about 3 minutes.
@@ -39,7 +42,8 @@ print('jax', jax.__version__, 'nvrtc', nvrtc_version(), jax.devices())"
     bench)
       for b in ${BATCHES:-1 64}; do
         timeout "${BENCH_TIMEOUT:-45}" python3 experiments/bench_sampler.py --batch "$b" \
-          --logits lm --methods kernel --variants split cluster --stats two_pass \
+          --logits ${LOGITS:-lm} --methods kernel --variants ${VARIANTS:-split cluster merge} \
+          --stats two_pass \
           --samplers temperature_top_p top_k20 reset_top_p \
           --out "$out/bench_sampler_b$b.json" > "$out/bench_b$b.log" 2>&1
         rc=$?

@@ -68,9 +68,9 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # against +105.6 us per token in the 36-layer decode loop at batch 1. (An earlier revision drew
 # its Gumbel noise from 23-bit uniforms and failed one far-tail chi-square test there, as
 # "radix" did on CPU; experiments/results/sampler_tail_bias_cpu.md.)
-# "kernel-split" / "kernel-cluster" are "kernel" with the CUDA kernels' variant named
-# (`rejax.ops.sampler.VARIANTS`; "kernel" takes `rejax.ops.sampler.VARIANT`), for A/B timings in
-# one decode loop
+# "kernel-split" / "kernel-cluster" / "kernel-merge" are "kernel" with the CUDA kernels'
+# variant named (`rejax.ops.sampler.VARIANTS`; "kernel" takes `rejax.ops.sampler.VARIANT`), for
+# A/B timings in one decode loop
 KERNEL_METHODS = {"kernel": None, **{f"kernel-{v}": v for v in sampler_op.VARIANTS}}
 SAMPLE_METHODS = (*KERNEL_METHODS, *TOP_P_METHODS)
 TOP_P_METHOD = "kernel"
@@ -901,8 +901,8 @@ def sample(
         (None: the sampler's). (The same kept set; "topk" draws with other random
         numbers than "radix" and "sort" do, and so does "kernel" on a GPU, so tokens differ
         for the same key; "kernel" off a GPU, or for ReSET with include_current=True, is
-        "radix"; "kernel-split" and "kernel-cluster" name the kernels' variant, the same
-        distribution and random numbers). Static.
+        "radix"; "kernel-split", "kernel-cluster" and "kernel-merge" name the kernels'
+        variant, the same distribution and random numbers). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.

@@ -8,8 +8,8 @@ over >= 1e5 draws against the exact truncated softmax, on the full 151,936-token
 (`_assert_draws_match`: ids expected < 5 times pooled into one bin, pass at p > 1e-4, fixed
 keys), and (4) for row independence, batch 1..64, ReSET decisions and no retrace. Every test
 runs for each kernel variant (`rejax.ops.sampler.VARIANTS`: "split", the default three kernels
-through `sample`; "cluster", one launch, through `op.sample_kernel`); `-k cluster` selects the
-new one.
+through `sample`; "cluster", one launch, and "merge", split with top-k drawn from per-block
+candidates, through `op.sample_kernel`); `-k cluster` or `-k merge` selects one of those.
 """
 
 from __future__ import annotations
@@ -193,6 +193,27 @@ def test_cluster_variant_draws_the_split_tokens():
         assert np.sum(a == c) >= b - 1, (kind, t, top_p, top_k, np.flatnonzero(a != c))
         np.testing.assert_allclose(np.asarray(ic["entropy"]), np.asarray(ia["entropy"]),
                                    rtol=2e-5, atol=2e-5)  # fmt: skip
+
+
+def test_merge_variant_draws_the_split_tokens():
+    # the same top-k set and draw (topk_draw over the same list), so the same tokens bit for bit:
+    # top-k from the chunks' candidates (k <= 32), the fallbacks (a chunk with more than 64
+    # candidates: "equal" logits; k > 32), and top-p alone (the split kernels unchanged); at a
+    # batch of 1 (128 chunks a row) and of 32
+    for b in (1, 32):
+        keys = jax.random.split(jax.random.key(7), b)
+        for kind, t, top_p, top_k in [("real", 0.6, 1.0, 20), ("flat", 0.6, 0.95, 20),
+                                      ("ties", 1.0, 0.5, 20), ("ties", 1.0, 1.0, 30),
+                                      ("equal", 1.0, 0.9, 20), ("real", 1.0, 0.9, 1),
+                                      ("real", 0.6, 0.95, 40), ("real", 0.6, 0.95, 0),
+                                      ("front", 1.0, 0.9, 20)]:  # fmt: skip
+            z = _logits("real" if kind == "front" else kind, b, seed=3)
+            if kind == "front":  # the top 25 in the first chunk: its k-th largest is the row's
+                z[:, :25] = 30.0 + np.arange(25, dtype=np.float32) * 0.05
+            smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
+            a, _, _ = _run(smp, z, keys, variant="split")
+            m, _, _ = _run(smp, z, keys, variant="merge")
+            assert np.array_equal(a, m), (b, kind, t, top_p, top_k, np.flatnonzero(a != m))
 
 
 @pytest.mark.parametrize("v", [10, 1001, 4099])

@@ -251,7 +251,32 @@ def _topk_cases():
         "ties_at_k": (steps, 1.0, 0.9, 50, 2048, "topk_list"),  # 80 tokens >= the 50th
         "equal": (np.zeros(3000, np.float32), 1.0, 0.5, 20, 512, "topk_large"),
         "few_live": (np.r_[normal[:5], [-np.inf] * 40], 1.0, 0.8, 20, 64, "topk_list"),
+        # the top 25 all in the first chunk: its own k-th largest is the row's
+        "one_chunk": (
+            np.r_[10.0 + np.arange(25, dtype=np.float32) * 0.05, normal[25:]],
+            1.0,
+            0.9,
+            20,
+            2048,
+            "topk_list",
+        ),
+        # 100 tokens tied at the top in the first chunk: more than a chunk lists ("merge"
+        # falls back to the split list)
+        "chunk_ties": (
+            np.r_[np.full(100, 5.0, np.float32), normal[100:]],
+            1.0,
+            0.9,
+            20,
+            2048,
+            "topk_list",
+        ),
     }
+
+
+def _merged_path(path, k):
+    # the "merge" variant draws from the chunks' candidates where the split one lists (k <= 32,
+    # no chunk over its capacity: every case but chunk_ties)
+    return "topk_merge" if path == "topk_list" and k <= kernels.MERGE_MAX_K else path
 
 
 @pytest.mark.parametrize("variant", op.VARIANTS)
@@ -261,17 +286,19 @@ def test_emulation_keeps_the_definition(name, variant):
         z, t, top_p, k, nmax, path = _topk_cases()[name[5:]]
     else:
         (z, t, top_p, nmax, path), k = _em_cases()[name], 0
-    chunks = 5 if variant == "split" else kernels.CLUSTER
+    chunks = kernels.CLUSTER if variant == "cluster" else 5
     prune = "bound" if variant == "cluster" else True
     em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=chunks,
                     prune=prune, variant=variant)  # fmt: skip
+    if variant == "merge" and name != "topk:chunk_ties":
+        path = _merged_path(path, k)
     if path is not None:
         assert em["path"] == path
     zt = np.asarray(z, np.float32) / np.float32(t)
     live = zt > -np.inf
     if k:  # the top-k rule on the tempered logits (ties at the k-th kept)
         live &= zt >= np.sort(zt)[::-1][min(k, live.sum()) - 1]
-        assert (em["probs"][~live] == 0).all()
+        np.testing.assert_array_equal(em["probs"] > 0, live)  # the whole top-k set, no more
     want = _top_p_numpy(em["probs"][None], np.array([top_p], np.float32))[0] & live
     np.testing.assert_array_equal(em["keep"], want)
     assert want[em["tokens"]].all()

@@ -14,7 +14,9 @@ h and the temperature used.
   picks them (`VARIANTS`): "split" (the default), three kernels (statistics; top-p histogram;
   boundary resolution, each one multi-block pass over the row with a last-block combine);
   "cluster", one kernel in which a cluster of 8 CTAs per row combines through distributed
-  shared memory (one launch, no global scratch). Both draw with their own random numbers (a
+  shared memory (one launch, no global scratch); "merge", "split" where top-k (k <= 32)
+  draws in the histogram kernel from candidates each block lists (the same tokens as "split").
+  All draw with their own random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
   id, 55 bits a token as `gumbel_of_bits` maps them), the same for both variants, so tokens
   differ from the reference's for the same key while the distribution is the same.
@@ -45,7 +47,7 @@ from rejax.ops import _dispatch
 OP = "sample_top_p"
 KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
-VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster" (one; module docstring)
+VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster" (one), "merge" (docstring)
 # "split" stays the default until "cluster" has passed the GPU tests and measured faster on the
 # H200 (experiments/bench_sampler.py --variants split cluster)
 VARIANT = "split"
@@ -113,7 +115,7 @@ def _lower_cuda(ctx, *args, **params):
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         fn = functools.partial(_reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-    impl = _cuda_impl if params["variant"] == "split" else _cuda_impl_cluster
+    impl = _cuda_impl_cluster if params["variant"] == "cluster" else _cuda_impl
     return mlir.lower_fun(functools.partial(impl, kern=kern), multiple_results=True)(ctx, *args)
 
 
@@ -282,7 +284,11 @@ _KEY_LO = (127 - 31) << 23
 _BIN_BITS = 17
 _FLOOR = np.float32(-43.0)  # no token below this tempered logit can win (sampler.cu's FLOOR)
 _PRUNE_SCORE = np.float32(-3.67)  # below the top-ranked token's least score (sampler.cu)
-PATHS = ("greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large")
+PATHS = (
+    "greedy", "full", "whole", "collect", "large", "topk_list", "topk_select", "topk_large",
+    "topk_merge",
+)  # fmt: skip
+MERGE_CAND = 64  # sampler.cu's CAND: the most top-k candidates a chunk lists ("merge")
 
 
 def philox(c0, k0, k1, c1=0, c2=0, c3=0) -> tuple[np.ndarray, ...]:
@@ -464,22 +470,55 @@ def _top_p_keep(zt, live, den, tp, nmax, collect, cluster=False):
     return keep, probs, "large"
 
 
-def _top_k_keep(zt, live, t, k, tp, nmax):
+def _top_k_boundary(cnt, k):
+    # sampler.cu's topk_boundary: the highest bin whose count from the top reaches k and the
+    # count at or above it (bin 0 and the whole count when fewer than k are counted)
+    suffix = np.cumsum(cnt[::-1])[::-1]
+    hits = np.flatnonzero(suffix >= k)
+    return (int(hits[-1]), int(suffix[hits[-1]])) if hits.size else (0, int(cnt.sum()))
+
+
+def _merged_candidates(tbin, live, k, chunks, b):
+    # the "merge" variant (TOPK_MERGE): each chunk lists its live tokens in bins at or above its
+    # own k-th largest's (None when a chunk has more than MERGE_CAND: the row takes the split
+    # path); the draw's list is those in bins >= the row's b
+    v = len(live)
+    chunk = kernels._cdiv(kernels._cdiv(v, chunks), 4) * 4  # kernels.plan's chunk length
+    lists = []
+    for lo in range(0, v, chunk):
+        cb, cl = tbin[lo : lo + chunk], live[lo : lo + chunk]
+        b_loc, n_loc = _top_k_boundary(np.bincount(cb[cl], minlength=kernels.NB), k)
+        if n_loc > MERGE_CAND:
+            return None
+        lists.append(lo + np.flatnonzero(cl & (cb >= b_loc)))
+    cand = np.concatenate(lists)
+    return cand[tbin[cand] >= b]
+
+
+def _top_k_keep(zt, live, t, k, tp, nmax, merge_chunks=0):
     # top-k bins of the tempered logit, the bin of the k-th largest, then the list (or the last
-    # block's selection over V, or its top-p over the top-k set for a huge tie group)
+    # block's selection over V, or its top-p over the top-k set for a huge tie group); with
+    # merge_chunks (the "merge" variant, k <= MERGE_MAX_K) the list is the chunks' candidates
     nb = kernels.NB
     x = -zt * (np.float32(t) * np.float32(64.0))
     with np.errstate(invalid="ignore"):
         tbin = nb - 1 - np.where(x < nb - 1, np.floor(np.where(live, x, 0)), nb - 1).astype(int)
-    cnt = np.bincount(tbin[live], minlength=nb)
-    suffix = np.cumsum(cnt[::-1])[::-1]
-    hits = np.flatnonzero(suffix >= k)
-    c = int(suffix[hits[-1]]) if hits.size else int(live.sum())
+    b, c = _top_k_boundary(np.bincount(tbin[live], minlength=nb), k)
     n_live = int(live.sum())
     vk = np.sort(zt[live])[::-1][k - 1] if n_live >= k else -np.inf
     in_k = live & (zt >= vk)
+    merged = None
+    if merge_chunks and k <= kernels.MERGE_MAX_K and c <= nmax:
+        merged = _merged_candidates(tbin, live, k, merge_chunks, b)
+    if merged is not None:  # the top-k set as the kernel finds it in the merged list
+        vals = np.sort(zt[merged])[::-1]
+        vk = vals[k - 1] if len(vals) >= k else -np.inf
+        in_k = np.zeros_like(live)
+        in_k[merged[zt[merged] >= vk]] = True
     den = np.sum(np.exp(zt[in_k]), dtype=np.float32)
-    if c <= nmax:
+    if merged is not None:
+        path = "topk_merge"
+    elif c <= nmax:
         path = "topk_list"
     elif n_live >= k and int(in_k.sum()) <= nmax:
         path = "topk_select"
@@ -519,12 +558,13 @@ def emulate(
       logits: f32 [V] one row; thr, alt, t_a, t_b, top_p: its scalars.
       key_data: uint32 [n, 2] row keys (n independent draws from the same logits).
       top_k: > 0: top-k (on the tempered logits, ties kept) before top-p.
-      chunks: blocks per row of the statistics pass (the cluster kernel: 8); nmax: the collected
-        bin's capacity.
+      chunks: blocks per row of the statistics pass (the cluster kernel: 8), and of the top-k
+        candidate lists of the "merge" variant; nmax: the collected bin's capacity.
       prune: skip tokens that cannot beat the top-ranked token's score as the kernels do: True
         or "floor" (tempered logit below FLOOR: the split kernels), "bound" (also a score bound
         of gumbel_bound below PRUNE_SCORE: the cluster kernel), False (none).
-      variant: "cluster" also mirrors that kernel's zt_cut and collect window (`VARIANTS`).
+      variant: "cluster" also mirrors that kernel's zt_cut and collect window; "merge" its
+        top-k list from per-chunk candidates (path "topk_merge") (`VARIANTS`).
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
@@ -549,7 +589,8 @@ def emulate(
     live = zt > -np.inf
     tp = np.float32(top_p)
     if top_k:
-        keep, probs, path = _top_k_keep(zt, live, t, top_k, tp, nmax)
+        merge = chunks if variant == "merge" else 0
+        keep, probs, path = _top_k_keep(zt, live, t, top_k, tp, nmax, merge)
     else:
         cluster = variant == "cluster"
         keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True, cluster=cluster)
