@@ -688,6 +688,107 @@ __device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool f
     return block_reduce<MaxU64>(best, ured);
 }
 
+#define FULL_MASK 0xffffffffu
+
+// Bitonic sort of one u64 per lane over the warp, descending (sort_desc's network on 32 entries).
+__device__ __forceinline__ u64 warp_sort_desc(u64 v) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int k = 2; k <= 32; k <<= 1)
+#pragma unroll
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            const u64 o = __shfl_xor_sync(FULL_MASK, v, j);
+            const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
+            v = keep_max ? (o > v ? o : v) : (o < v ? o : v);
+        }
+    return v;
+}
+__device__ __forceinline__ u32 warp_excl_scan(u32 x) {
+    const int lane = threadIdx.x & 31;
+    u32 s = x;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, s, o);
+        if (lane >= o) s += y;
+    }
+    return s - x;
+}
+// draw_sorted over list[0, n), n <= 32, in one warp: sorted in-warp, the same keep rule, the same
+// scores. Returns the best packed score (every lane).
+__device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool full, const float* z,
+                         float m, float it, u32 k0, u32 k1) {
+    const int lane = threadIdx.x & 31;
+    const u64 v = warp_sort_desc(lane < n ? list[lane] : 0ull);
+    const u32 q = lane < n ? mass_of_key((u32)(v >> 32)) : 0u;
+    const u32 run = base + warp_excl_scan(q);
+    u64 best = 0ull;
+    if (lane < n && (full || (float)run < limit)) {
+        const int id = (int)(u32)(v & 0xFFFFFFFFull);
+        const float zt = tempered(z[id], m, it);
+        if (zt >= FLOOR) best = pack(zt + gumbel(k0, k1, id), id);
+    }
+    return warp_reduce<MaxU64>(best);
+}
+
+#ifndef TOPP_SUBHIST
+#define TOPP_SUBHIST 0
+#endif
+#if TOPP_SUBHIST && TOP_K == 0
+// TOPP_SUBHIST (the "merge" variant): resolve's collected bin b without the block-wide sort.
+// list[0, n) holds (probability bits << 32 | id) of bin b's tokens, keys in [klo, klo +
+// 2**BIN_BITS), all below `above` mass. A histogram of NB sub-bins of 64 key units gives the
+// lowest sub-bin s whose top-ranked token is kept: every token of the sub-bins above it is
+// kept, none below it, and only s's tokens are ranked, in one warp (warp_draw), when they are
+// at most 32. Returns the best packed score among the kept tokens, the one draw_sorted finds
+// over the sorted list; *ok = false (every thread) when s holds more than 32 tokens.
+__device__ u64 draw_subhist(const u64* list, int n, u32 klo, u32 above, float limit,
+                            const float* z, float m, float it, u32 k0, u32 k1, float floor_score,
+                            u32* hm, u32* hc, u32* red, int* ired, u64* ured, bool* ok) {
+    __shared__ u64 s_tie[32];
+    __shared__ u32 s_cnt;
+    const int tid = threadIdx.x, shift = BIN_BITS - 11;  // NB = 2**11 sub-bins
+    for (int i = tid; i < NB; i += NTHREADS) {
+        hm[i] = 0u;
+        hc[i] = 0u;
+    }
+    if (tid == 0) s_cnt = 0u;
+    __syncthreads();
+    for (int i = tid; i < n; i += NTHREADS) {
+        const u32 key = (u32)(list[i] >> 32);
+        const int sb = (int)((key - klo) >> shift);
+        atomicAdd(&hm[sb], mass_of_key(key));
+        atomicAdd(&hc[sb], 1u);
+    }
+    __syncthreads();
+    int sb_cut;
+    u32 above_s;
+    find_boundary(hm, hc, above, limit, red, ired, &sb_cut, &above_s);
+    *ok = sb_cut != INT_BIG && hc[sb_cut] <= 32u;
+    if (!*ok) return 0ull;
+    u64 best = 0ull;
+    for (int i = tid; i < n; i += NTHREADS) {
+        const u64 e = list[i];
+        const int sb = (int)(((u32)(e >> 32) - klo) >> shift);
+        if (sb > sb_cut) {  // kept whole
+            const int id = (int)(u32)(e & 0xFFFFFFFFull);
+            const float zt = tempered(z[id], m, it);
+            if (zt >= floor_score) {
+                const u64 p = pack(zt + gumbel(k0, k1, id), id);
+                best = p > best ? p : best;
+            }
+        } else if (sb == sb_cut) {
+            s_tie[atomicAdd(&s_cnt, 1u)] = e;
+        }
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const u64 w = warp_draw(s_tie, (int)s_cnt, above_s, limit, false, z, m, it, k0, k1);
+        best = w > best ? w : best;
+    }
+    return block_reduce<MaxU64>(best, ured);
+}
+#endif
+
 // The kept tokens among those with tempered logit >= zmin whose probability bits lie in
 // [lo, lo + 2**bits), ranked below `above` mass, by the last block alone: histograms of up to 11
 // bits a level over V until one bit pattern remains, then that tie group cut by id (contiguous
@@ -1001,15 +1102,21 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     const u32 above_b = (u32)pl[3];
     const float limit = __int_as_float(pl[5]);
     u64 best = ((u64)(u32)pl[7] << 32) | (u64)(u32)pl[6];
-    u64 inb;
-    if (nb <= (u32)NMAX) {
+    u64 inb = 0ull;
+    bool drawn = false;
+#if TOPP_SUBHIST
+    if (nb <= (u32)NMAX)
+        inb = draw_subhist(list, (int)nb, klo, above_b, limit, z, m, it, k0, k1, floor_score, hm,
+                           hc, red, ired, ured, &drawn);
+#endif
+    if (!drawn && nb <= (u32)NMAX) {
         const int n2 = pow2_at_least((int)nb);
         for (int i = (int)nb + tid; i < n2; i += NTHREADS) list[i] = 0ull;
         __syncthreads();
         sort_desc(list, n2);  // rank order: probability, then id
         inb = draw_sorted(list, (int)nb, above_b, limit, false, z, m, it, k0, k1, floor_score, red,
                           ured);
-    } else {
+    } else if (!drawn) {
         inb = resolve_range(z, m, it, iden, -INFINITY, k0, k1, floor_score, klo, BIN_BITS, above_b,
                             limit, hm, hc, red, ired, ured);
     }
@@ -1057,7 +1164,6 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
 // unless gumbel_bound, from the Philox word alone, lets the token reach PRUNE_SCORE.
 
 #define SLICE (NB / CLUSTER)  // bins of the combined histogram that each CTA owns
-#define FULL_MASK 0xffffffffu
 static_assert(NB % CLUSTER == 0 && CLUSTER <= 8, "a portable cluster holds at most 8 CTAs");
 static_assert(SLICE <= NTHREADS && NMAX <= NB, "one bin per thread; the list reuses hb");
 // The top-ranked token is always kept; its tempered logit is within 2.5e-7 of 0 and its noise is
@@ -1130,50 +1236,10 @@ __device__ __forceinline__ void load4(const float* z, int j0, int hi, float (&x)
 #endif
 }
 
-// Bitonic sort of one u64 per lane over the warp, descending (sort_desc's network on 32 entries).
-__device__ __forceinline__ u64 warp_sort_desc(u64 v) {
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int k = 2; k <= 32; k <<= 1)
-#pragma unroll
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            const u64 o = __shfl_xor_sync(FULL_MASK, v, j);
-            const bool keep_max = ((lane & j) == 0) == ((lane & k) == 0);
-            v = keep_max ? (o > v ? o : v) : (o < v ? o : v);
-        }
-    return v;
-}
-__device__ __forceinline__ u32 warp_excl_scan(u32 x) {
-    const int lane = threadIdx.x & 31;
-    u32 s = x;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(FULL_MASK, s, o);
-        if (lane >= o) s += y;
-    }
-    return s - x;
-}
 struct SumU {
     __device__ static u32 identity() { return 0u; }
     __device__ static u32 apply(u32 a, u32 b) { return a + b; }
 };
-
-// draw_sorted over list[0, n), n <= 32, in one warp: sorted in-warp, the same keep rule, the same
-// scores. Returns the best packed score (every lane).
-__device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool full, const float* z,
-                         float m, float it, u32 k0, u32 k1) {
-    const int lane = threadIdx.x & 31;
-    const u64 v = warp_sort_desc(lane < n ? list[lane] : 0ull);
-    const u32 q = lane < n ? mass_of_key((u32)(v >> 32)) : 0u;
-    const u32 run = base + warp_excl_scan(q);
-    u64 best = 0ull;
-    if (lane < n && (full || (float)run < limit)) {
-        const int id = (int)(u32)(v & 0xFFFFFFFFull);
-        const float zt = tempered(z[id], m, it);
-        if (zt >= FLOOR) best = pack(zt + gumbel(k0, k1, id), id);
-    }
-    return warp_reduce<MaxU64>(best);
-}
 
 #if TOP_K > 0
 // topk_draw's list path for n <= 32 in one warp (the same sums in the same order, so the same

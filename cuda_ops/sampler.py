@@ -5,9 +5,11 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
 
 - "split" (the default): three kernels (statistics, top-p histogram, boundary resolution), each
   a grid of chunks x B blocks whose last block per row combines through global scratch.
-- "merge": "split" where top-k (k <= `MERGE_MAX_K`) draws in the histogram kernel: each block
-  lists its chunk's top-k candidates and the last block merges them (`TOPK_MERGE` in
-  sampler.cu), so the resolve kernel has no sweep left; top-p alone is "split" unchanged.
+- "merge": "split" where top-k (k <= `MERGE_MAX_K`) needs no resolve sweep: each histogram
+  block lists its chunk's top-k candidates and resolve's first block draws from them
+  (`TOPK_MERGE` in sampler.cu); and where top-p ranks a collected boundary bin by a
+  histogram of sub-bins instead of a block-wide sort (`TOPP_SUBHIST`). The same tokens as
+  "split".
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
 
@@ -124,6 +126,8 @@ class Plan:
             d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
             d |= {"TOPK_MERGE": 1}
+        elif self.variant == "merge" and self.top_k == 0:
+            d |= {"TOPP_SUBHIST": 1}
         return d
 
     @property

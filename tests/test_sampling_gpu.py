@@ -196,20 +196,26 @@ def test_cluster_variant_draws_the_split_tokens():
 
 
 def test_merge_variant_draws_the_split_tokens():
-    # the same top-k set and draw (topk_draw over the same list), so the same tokens bit for bit:
-    # top-k from the chunks' candidates (k <= 32), the fallbacks (a chunk with more than 64
-    # candidates: "equal" logits; k > 32), and top-p alone (the split kernels unchanged); at a
-    # batch of 1 (128 chunks a row) and of 32
+    # the same kept sets and draws, so the same tokens bit for bit. Top-k from the chunks'
+    # candidates (k <= 32), and its fallbacks (a chunk with more than 64 candidates: "equal"
+    # logits; k > 32). Top-p with a split boundary bin ranked by sub-bins ("flat", "real",
+    # "ties"), the sort again when the boundary sub-bin holds more than 32 tokens ("tie40": 40
+    # equal tokens), and the large-bin path ("equal"). At a batch of 1 (128 chunks a row) and
+    # of 32.
     for b in (1, 32):
         keys = jax.random.split(jax.random.key(7), b)
         for kind, t, top_p, top_k in [("real", 0.6, 1.0, 20), ("flat", 0.6, 0.95, 20),
                                       ("ties", 1.0, 0.5, 20), ("ties", 1.0, 1.0, 30),
                                       ("equal", 1.0, 0.9, 20), ("real", 1.0, 0.9, 1),
                                       ("real", 0.6, 0.95, 40), ("real", 0.6, 0.95, 0),
-                                      ("front", 1.0, 0.9, 20)]:  # fmt: skip
-            z = _logits("real" if kind == "front" else kind, b, seed=3)
+                                      ("front", 1.0, 0.9, 20), ("flat", 0.6, 0.95, 0),
+                                      ("ties", 1.0, 0.5, 0), ("tie40", 1.0, 0.5, 0),
+                                      ("equal", 1.0, 0.9, 0), ("real", 1.0, 0.9, 0)]:  # fmt: skip
+            z = _logits({"front": "real", "tie40": "ties"}.get(kind, kind), b, seed=3)
             if kind == "front":  # the top 25 in the first chunk: its k-th largest is the row's
                 z[:, :25] = 30.0 + np.arange(25, dtype=np.float32) * 0.05
+            if kind == "tie40":  # 40 tokens share the top logit (one key, one sub-bin)
+                z[:, 100:140] = 3.0
             smp = Temperature(top_p_method="kernel", t=t, top_p=top_p, top_k=top_k)
             a, _, _ = _run(smp, z, keys, variant="split")
             m, _, _ = _run(smp, z, keys, variant="merge")
