@@ -37,6 +37,9 @@ typedef unsigned long long u64;
 #ifndef CLUSTER
 #define CLUSTER 0
 #endif
+#ifndef TOPP_SUBHIST  // the "merge" variant's top-p (draw_subhist; the histogram's pruning)
+#define TOPP_SUBHIST 0
+#endif
 
 #define NB 2048                      // bins of the top-p histogram (and of the finer levels)
 #define BPT (NB / NTHREADS)          // bins per thread in the last block
@@ -103,6 +106,18 @@ __device__ __forceinline__ float gumbel(u32 k0, u32 k1, int id) {
     const u32 hi = word(philox((u32)id >> 2, 0u, 0u, 0u, k0, k1), id & 3);
     const u32 lo = need_lo(hi) ? word(philox((u32)id >> 2, 1u, 0u, 0u, k0, k1), id & 3) : 0u;
     return gumbel_of(hi, lo);
+}
+
+// The top-ranked token is always kept; its tempered logit is within 2.5e-7 of 0 and its noise is
+// >= -log(56 log 2) = -3.65883 (gumbel_of's least value), so the best kept score is >= -3.6589:
+// a token whose score cannot reach PRUNE_SCORE (0.011 lower, for rounding) never wins.
+#define PRUNE_SCORE (-3.67f)
+// An upper bound of gumbel_of(hi, lo) over every lo, from the word hi alone: u >= 1/2 gives
+// E >= log 2; below it E = -log1p(-x) >= x >= hi 2**-32. The 1e-4 covers __logf's error (~1e-6).
+__device__ __forceinline__ float gumbel_bound(u32 hi) {
+    if (hi >= 0x80000000u) return 0.36652f;  // -log(log 2) = 0.366513
+    if (hi == 0u) return INFINITY;
+    return 22.18071f + 1e-4f - __logf((float)hi);  // 32 log 2 - log(hi)
 }
 
 // (score, id) packed so that a larger u64 is a larger score, then the lower id; 0 = none.
@@ -481,7 +496,11 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
                 atomicAdd(&hm[b], mass_of_key(key));
                 atomicAdd(&hc[b], 1u);
             }
+#if TOPP_SUBHIST  // "merge": no noise for a token that cannot win (the cluster kernel's bound)
+            if (zt[q] >= floor_score && zt[q] + gumbel_bound(word(w, q)) >= PRUNE_SCORE)
+#else
             if (zt[q] >= floor_score)
+#endif
                 atomicMax(&hb[b], pack(zt[q] + gumbel_of(word(w, q), word(wl, q)), j0 + q));
         }
 #endif
@@ -730,9 +749,6 @@ __device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool ful
     return warp_reduce<MaxU64>(best);
 }
 
-#ifndef TOPP_SUBHIST
-#define TOPP_SUBHIST 0
-#endif
 #if TOPP_SUBHIST && TOP_K == 0
 // TOPP_SUBHIST (the "merge" variant): resolve's collected bin b without the block-wide sort.
 // list[0, n) holds (probability bits << 32 | id) of bin b's tokens, keys in [klo, klo +
@@ -1166,10 +1182,6 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
 #define SLICE (NB / CLUSTER)  // bins of the combined histogram that each CTA owns
 static_assert(NB % CLUSTER == 0 && CLUSTER <= 8, "a portable cluster holds at most 8 CTAs");
 static_assert(SLICE <= NTHREADS && NMAX <= NB, "one bin per thread; the list reuses hb");
-// The top-ranked token is always kept; its tempered logit is within 2.5e-7 of 0 and its noise is
-// >= -log(56 log 2) = -3.65883 (gumbel_of's least value), so the best kept score is >= -3.6589:
-// a token whose score cannot reach PRUNE_SCORE (0.011 lower, for rounding) never wins.
-#define PRUNE_SCORE (-3.67f)
 
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
@@ -1196,13 +1208,6 @@ __device__ __forceinline__ float ld_peerf(const void* p, int rank) {
     return __uint_as_float(ld_peer32(p, rank));
 }
 
-// An upper bound of gumbel_of(hi, lo) over every lo, from the word hi alone: u >= 1/2 gives
-// E >= log 2; below it E = -log1p(-x) >= x >= hi 2**-32. The 1e-4 covers __logf's error (~1e-6).
-__device__ __forceinline__ float gumbel_bound(u32 hi) {
-    if (hi >= 0x80000000u) return 0.36652f;  // -log(log 2) = 0.366513
-    if (hi == 0u) return INFINITY;
-    return 22.18071f + 1e-4f - __logf((float)hi);  // 32 log 2 - log(hi)
-}
 
 // The packed scores of tokens j0 + q (j0 % 4 == 0) where cand[q], 0 where a token cannot win: one
 // Philox call for the four words, the low words only where they matter (need_lo), and the

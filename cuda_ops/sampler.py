@@ -8,7 +8,8 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
 - "merge": "split" where top-k (k <= `MERGE_MAX_K`) needs no resolve sweep: each histogram
   block lists its chunk's top-k candidates and resolve's first block draws from them
   (`TOPK_MERGE` in sampler.cu); and where top-p ranks a collected boundary bin by a
-  histogram of sub-bins instead of a block-wide sort (`TOPP_SUBHIST`). The same tokens as
+  histogram of sub-bins instead of a block-wide sort, and the histogram skips the noise of
+  tokens that cannot win (the cluster kernel's bound; `TOPP_SUBHIST`). The same tokens as
   "split".
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
