@@ -40,6 +40,9 @@ typedef unsigned long long u64;
 #ifndef TOPP_SUBHIST  // the "merge" variant's top-p (draw_subhist; the histogram's pruning)
 #define TOPP_SUBHIST 0
 #endif
+#ifndef TOPK_MERGE  // the "merge" variant's top-k (per-block candidate lists)
+#define TOPK_MERGE 0
+#endif
 
 #define NB 2048                      // bins of the top-p histogram (and of the finer levels)
 #define BPT (NB / NTHREADS)          // bins per thread in the last block
@@ -289,6 +292,11 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
     first = block_reduce<MinI>(m == mc ? first : INT_BIG, ired);
     last = block_reduce<MaxI>(m == mc ? last : -1, ired);
     float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
+#if TOPK_MERGE || TOPP_SUBHIST  // "merge": one tempered sum when both temperatures are one
+    const bool two = ib != ia;
+#else
+    const bool two = true;
+#endif
     if (mc > -INFINITY) {
         for (int j = lo + tid; j < hi; j += NTHREADS) {
             const float d = z[j] - mc;
@@ -296,9 +304,10 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
             s += e;
             if (e > 0.0f) u += e * d;
             sa += expf(d * ia);
-            sb += expf(d * ib);
+            if (two) sb += expf(d * ib);
         }
     }
+    if (!two) sb = sa;  // the same terms in the same order: the same sum
     s = block_reduce<Sum>(s, red);
     u = block_reduce<Sum>(u, red);
     sa = block_reduce<Sum>(sa, red);
@@ -385,9 +394,6 @@ __device__ __forceinline__ int topk_bin(float zt, float t) {
 // resolve's block 0 gathers the candidates in bins >= b and draws (topk_draw) without a sweep
 // over V or a last-block ticket; its other blocks exit at once. A chunk with more than CAND
 // candidates (ties), or more than NMAX of them in all, sends the row down the split path.
-#ifndef TOPK_MERGE
-#define TOPK_MERGE 0
-#endif
 #if TOP_K > 0 && TOPK_MERGE && !CLUSTER
 #define CAND 64
 static_assert(TOP_K <= CAND / 2 && NMAX <= NB, "merge: k <= 32, and the list fits hb");

@@ -9,8 +9,8 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   block lists its chunk's top-k candidates and resolve's first block draws from them
   (`TOPK_MERGE` in sampler.cu); and where top-p ranks a collected boundary bin by a
   histogram of sub-bins instead of a block-wide sort, and the histogram skips the noise of
-  tokens that cannot win (the cluster kernel's bound; `TOPP_SUBHIST`). The same tokens as
-  "split".
+  tokens that cannot win (the cluster kernel's bound; `TOPP_SUBHIST`); its statistics sum
+  one tempered softmax when both temperatures are equal. The same tokens as "split".
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
 
