@@ -36,6 +36,7 @@ from rejax.cache import init_cache
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
 from rejax.ops import linear as rlinear
+from rejax.ops import sampler as sampler_op
 from rejax.params import Params
 
 # The module (the package's `rejax.generate` attribute is the function).
@@ -128,7 +129,7 @@ SAMPLERS = {
             ("temp", lambda: sampling.Temperature(t=0.6, top_p=0.95)),
             ("topk20", lambda: sampling.Temperature(t=0.6, top_p=0.95, top_k=20)),
         ]
-        for v in ("split", "cluster")
+        for v in sampler_op.VARIANTS
     },
 }
 
