@@ -404,7 +404,8 @@ __device__ __forceinline__ u32 ord_of(float f);
 
 // The highest bin b of a top-k histogram whose count from the top reaches TOP_K, and the count
 // in bins >= b; with fewer than TOP_K counted tokens, b = 0 and the whole count. Every thread
-// gets both.
+// gets both. (The split variant's last block keeps its own inline copy of this search, so
+// that its code stays the one measured on the H200 until "merge" replaces it.)
 __device__ void topk_boundary(const u32* hc, u32* red, int* ired, int* b_out, u32* n_ge) {
     __shared__ u32 s_ge;
     const int i0 = threadIdx.x * BPT;
