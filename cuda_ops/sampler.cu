@@ -374,8 +374,7 @@ __device__ u32 g_hist_cnt[B_ROWS * NB];
 __device__ u64 g_hist_best[B_ROWS * NB];
 #endif
 
-// plan [B, 8] ints: 0 mode (0: token final in slot 1; 1: resolve top-p bin b; 2: top-k; 3:
-// top-k from the chunks' candidates, TOPK_MERGE), 1 token,
+// plan [B, 8] ints: 0 mode (0: token final in slot 1; 1: resolve top-p bin b; 2: top-k), 1 token,
 // 2 bin b (top-k: the bin of the k-th largest), 3 mass above b, 4 tokens in b (top-k: in bins
 // >= b), 5 limit (float bits), 6 / 7 best score above b (lo / hi word)
 #define PLAN 8
@@ -390,10 +389,12 @@ __device__ __forceinline__ int topk_bin(float zt, float t) {
 // TOPK_MERGE (the "merge" variant, top-k <= 32): each hist block also lists its chunk's top-k
 // candidates, every token in a bin at or above the chunk's own k-th largest (CAND at most).
 // The row's k-th largest is at least any chunk's, so the candidates in bins >= the row's bin b
-// are exactly the tokens resolve would collect. Hist's last block finds b (plan mode 3), and
-// resolve's block 0 gathers the candidates in bins >= b and draws (topk_draw) without a sweep
-// over V or a last-block ticket; its other blocks exit at once. A chunk with more than CAND
-// candidates (ties), or more than NMAX of them in all, sends the row down the split path.
+// are exactly the tokens resolve would collect. Hist's last block finds b, gathers the
+// candidates in bins >= b and draws (topk_draw) itself, so the plan holds the token (mode 0)
+// and resolve exits at once: no sweep over V and no second last-block ticket. (The draw stays
+// in this kernel because each custom call loads its own copy of the module, so resolve would
+// see other g_cand globals.) A chunk with more than CAND candidates (ties), or more than NMAX
+// of them in all, sends the row down the split path (mode 2).
 #if TOP_K > 0 && TOPK_MERGE && !CLUSTER
 #define CAND 64
 static_assert(TOP_K <= CAND / 2 && NMAX <= NB, "merge: k <= 32, and the list fits hb");
@@ -401,6 +402,10 @@ __device__ u32 g_cand_over[B_ROWS];
 __device__ u32 g_cand_n[B_ROWS * CHUNKS];
 __device__ u64 g_cand[B_ROWS * CHUNKS * CAND];
 __device__ __forceinline__ u32 ord_of(float f);
+__device__ __forceinline__ float float_of_ord(u32 o);
+__device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, float it, u32 k0,
+                         u32 k1, float floor_score, u32* hm, u32* hc, u32* red, int* ired,
+                         u64* ured, float* fred);
 
 // The highest bin b of a top-k histogram whose count from the top reaches TOP_K, and the count
 // in bins >= b; with fewer than TOP_K counted tokens, b = 0 and the whole count. Every thread
@@ -442,6 +447,9 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     __shared__ u32 red[NWARPS];
     __shared__ int ired[NWARPS];
     __shared__ u64 ured[NWARPS];
+#if TOP_K > 0 && TOPK_MERGE
+    __shared__ float fred[NWARPS];
+#endif
     __shared__ int is_last;
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     const float m = stats[r * 4], t = stats[r * 4 + 1], den = stats[r * 4 + 2];
@@ -557,16 +565,43 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
     __syncthreads();
     if (tid == 0) g_hist_done[r] = 0u;
 #if TOP_K > 0 && TOPK_MERGE
-    {  // the row's b; resolve's first block then draws from the chunks' candidates (mode 3)
+    {  // the row's b, then the draw from the chunks' candidates in bins >= b, here (mode 0)
         int b;
         u32 n_ge;
         topk_boundary(hc, red, ired, &b, &n_ge);
+        __shared__ int s_split;
+        __shared__ u32 s_m;
         if (tid == 0) {
-            const bool over = __ldcg(&g_cand_over[r]) != 0u;
+            s_split = __ldcg(&g_cand_over[r]) != 0u || n_ge > (u32)NMAX;
             g_cand_over[r] = 0u;
-            pl[0] = over || n_ge > (u32)NMAX ? 2 : 3;  // 2: the split path (resolve sweeps)
-            pl[2] = b;
-            pl[4] = (int)n_ge;
+            s_m = 0u;
+        }
+        __syncthreads();
+        if (s_split) {  // the split path: resolve sweeps V for the tokens in bins >= b
+            if (tid == 0) {
+                pl[0] = 2;
+                pl[2] = b;
+                pl[4] = (int)n_ge;
+            }
+            return;
+        }
+        u64* list = hb;  // NMAX <= NB; the top-k histogram kernel leaves hb unused
+        for (int i = tid; i < CHUNKS * CAND; i += NTHREADS) {
+            const int cc = i / CAND, q = i - cc * CAND;
+            if ((u32)q >= __ldcg(&g_cand_n[r * CHUNKS + cc])) continue;
+            const u64 e = __ldcg(&g_cand[(size_t)(r * CHUNKS + cc) * CAND + q]);
+            if (topk_bin(float_of_ord((u32)(e >> 32)), t) >= b) {
+                const u32 slot = atomicAdd(&s_m, 1u);
+                if (slot < (u32)NMAX) list[slot] = e;
+            }
+        }
+        __syncthreads();
+        // s_m == n_ge <= NMAX: the candidates in bins >= b are the tokens counted there
+        const int token = topk_draw(list, (int)min(s_m, (u32)NMAX), tp, z, m, it, k0, k1, floor_score, hm, hc,
+                                    red, ired, ured, fred);
+        if (tid == 0) {
+            pl[0] = 0;
+            pl[1] = token;
         }
         return;
     }
@@ -1068,14 +1103,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     const u32 nb = (u32)pl[4];
     const float* z = logits + (size_t)r * V_SIZE;
     const u32 klo = bin_lo(b);
-#if TOP_K > 0 && TOPK_MERGE
-    const bool merged = pl[0] == 3;  // block 0 alone: the chunks' candidates in bins >= b
-    if (merged && c != 0) return;
-#else
-    const bool merged = false;
-#endif
-    u32 n_list = nb;
-    if (!merged && nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of bins >= b
+    if (nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of bins >= b
         const int lo = c * CH, hi = min(lo + CH, V_SIZE);
         for (int j = lo + tid; j < hi; j += NTHREADS) {
             const float zt = tempered(z[j], m, it);
@@ -1093,33 +1121,15 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
             }
         }
     }
-    if (!merged && !last_arrival(&g_res_done[r], &is_last)) return;
+    if (!last_arrival(&g_res_done[r], &is_last)) return;
     const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
     const float floor_score = FLOOR;
-#if TOP_K > 0 && TOPK_MERGE
-    if (merged) {
-        __shared__ u32 s_m;
-        if (tid == 0) s_m = 0u;
-        __syncthreads();
-        for (int i = tid; i < CHUNKS * CAND; i += NTHREADS) {
-            const int cc = i / CAND, q = i - cc * CAND;
-            if ((u32)q >= __ldcg(&g_cand_n[r * CHUNKS + cc])) continue;
-            const u64 e = __ldcg(&g_cand[(size_t)(r * CHUNKS + cc) * CAND + q]);
-            if (topk_bin(float_of_ord((u32)(e >> 32)), t) >= b) {
-                const u32 slot = atomicAdd(&s_m, 1u);
-                if (slot < (u32)NMAX) list[slot] = e;
-            }
-        }
-        __syncthreads();
-        n_list = min(s_m, (u32)NMAX);
-    }
-#endif
-    if (!merged && nb <= (u32)NMAX) {
+    if (nb <= (u32)NMAX) {
         for (int i = tid; i < (int)nb; i += NTHREADS) list[i] = __ldcg(&g_res_list[r * NMAX + i]);
         __syncthreads();
     }
 #if TOP_K > 0
-    const int token = topk_draw(list, (int)n_list, top_p[r], z, m, it, k0, k1, floor_score, hm,
+    const int token = topk_draw(list, (int)nb, top_p[r], z, m, it, k0, k1, floor_score, hm,
                                 hc, red, ired, ured, fred);
 #else
     const u32 above_b = (u32)pl[3];
@@ -1145,7 +1155,6 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     }
     const int token = unpack_id(inb > best ? inb : best);
     (void)fred;
-    (void)n_list;
 #endif
     if (tid == 0) {
         tokens[r] = token;

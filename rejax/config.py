@@ -110,8 +110,13 @@ COMMAND_BUFFER_OPTIONS = {
     "listed": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
 }
 # What Config.xla_autotune=False adds to every program's compiler options: no timed choice of
-# matmul algorithms (XLA's default one per shape instead).
-NO_AUTOTUNE_OPTIONS = {"xla_gpu_autotune_level": 0}
+# matmul algorithms, and cuBLAS for every float matmul (cuBLAS's heuristic picks one algorithm
+# per shape without timing). Autotuning off alone leaves XLA's Triton GEMM fusions on their
+# default tiling: on the H200 the bf16 lm_head ([64, 4096] x [4096, 151936]) took 4.80 ms
+# instead of 0.49 ms, and those fusions rounded rows differently at 32 rows than at 64. cuBLAS
+# without autotuning took 0.51 ms and gave every row the same bits at 8, 16, 32 and 64 rows
+# (experiments/xla_autotune_probe.py).
+NO_AUTOTUNE_OPTIONS = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
 
 
 def compiler_options(cfg: Config, command_buffers: dict | None = None) -> dict | None:
@@ -244,9 +249,11 @@ class Config:
     # algorithms for each matmul fusion of each program and keeps the fastest). The pick can
     # differ between two programs with the same matmul shape (a padded fusion, timing noise),
     # and so can the rounding: bf16 slot compaction changed 28 of 512 rows on the H200 until
-    # this was off. False compiles every program with XLA's default algorithm per shape
+    # this was off. False compiles every program with cuBLAS's untimed pick per shape
     # (NO_AUTOTUNE_OPTIONS), so a float matmul rounds the same in every program and process;
-    # rejax.slots' "auto" compaction needs it on a GPU.
+    # rejax.slots' "auto" compaction needs it on a GPU. (XLA keeps its timed picks per process:
+    # a program compiled with it False may reuse one made for the same matmul by a program
+    # compiled with it True in the same process.)
     xla_autotune: bool = True
 
     def __post_init__(self):
