@@ -656,8 +656,8 @@ def _add_kv_args(p: argparse.ArgumentParser) -> None:
         default="on",
         choices=["on", "off"],
         help="on a GPU, whether XLA times matmul algorithms per program (Config.xla_autotune; "
-        "default: on). off: its default algorithm per shape, so float matmuls round alike in "
-        "every program; --slots compaction on a GPU needs it",
+        "default: on). off: cuBLAS's untimed pick per shape (no Triton GEMMs), so float matmuls "
+        "round alike in every program; --slots compaction on a GPU needs it",
     )
 
 
