@@ -221,6 +221,48 @@ def ptx_entries(ptx: str) -> dict[str, int]:
     return out
 
 
+def ptx_globals_by_entry(ptx: str) -> dict[str, set[str]]:
+    """`.entry` name -> the module-scope `.global` variables its body refers to, through the
+    `.func`s it calls. Each custom call loads its own copy of a PTX module, so two entries
+    launched as two calls never see one global: a global that two entries refer to is a
+    value one kernel leaves that the next cannot read."""
+    names = set(
+        re.findall(
+            r"^\s*(?:\.visible\s+|\.extern\s+)?\.global\s+[^;]*?(\w+)\s*(?:\[[^;]*)?(?:=[^;]*)?;",
+            ptx,
+            re.MULTILINE,
+        )
+    )
+    heads = list(
+        re.finditer(
+            r"^\s*(?:\.visible\s+|\.weak\s+)?\.(entry|func)\s+(?:\([^)]*\)\s*)?(\w+)",
+            ptx,
+            re.MULTILINE,
+        )
+    )
+    refs, calls, kinds = {}, {}, {}
+    for i, h in enumerate(heads):
+        body = ptx[h.end() : heads[i + 1].start() if i + 1 < len(heads) else len(ptx)]
+        words = set(re.findall(r"\b\w+\b", body))
+        refs[h.group(2)] = words & names
+        calls[h.group(2)] = set(re.findall(r"\bcall(?:\.uni)?\s+(?:\([^)]*\),\s*)?(\w+)", body))
+        kinds[h.group(2)] = h.group(1)
+    out = {}
+    for name, kind in kinds.items():
+        if kind != "entry":
+            continue
+        seen, todo, found = set(), [name], set()
+        while todo:
+            f = todo.pop()
+            if f in seen or f not in refs:
+                continue
+            seen.add(f)
+            found |= refs[f]
+            todo.extend(calls[f])
+        out[name] = found
+    return out
+
+
 def ptx_target(ptx: str) -> str:
     m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
     return m.group(1) if m else ""

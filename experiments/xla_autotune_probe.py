@@ -29,9 +29,15 @@ SETTINGS = {
     "opt_level0": ("", {"xla_gpu_autotune_level": 0}, False),
     "opt_level0_after_tuned": ("", {"xla_gpu_autotune_level": 0}, True),
     "opt_level0_no_triton": (
-        "", {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}, False),
+        "",
+        {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False},
+        False,
+    ),
     "env_level0_no_triton": (
-        "--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false", {}, False),
+        "--xla_gpu_autotune_level=0 --xla_gpu_enable_triton_gemm=false",
+        {},
+        False,
+    ),
     "opt_no_triton": ("", {"xla_gpu_enable_triton_gemm": False}, False),
     "opt_level1": ("", {"xla_gpu_autotune_level": 1}, False),
 }
@@ -54,7 +60,8 @@ def _run_setting(name: str, d: int, repeats: int) -> dict:
 
     for shape, v in SHAPES.items():
         w = (jax.random.normal(jax.random.fold_in(key, v), (v, d), jnp.float32) * 0.02).astype(
-            jnp.bfloat16)
+            jnp.bfloat16
+        )
         if tuned_first:  # an autotuned compile of the same fusions first, same process
             jax.jit(mm).lower(x, w).compile()(x, w).block_until_ready()
         res, info = {}, {}
@@ -75,9 +82,13 @@ def _run_setting(name: str, d: int, repeats: int) -> dict:
                 compiled(xm, w).block_until_ready()
                 times.append(time.perf_counter() - t0)
             res[m] = np.asarray(y)
-            info[m] = {"us": round(float(np.median(times)) * 1e6, 1),
-                       "compile_s": round(compile_s, 2), "custom_calls": calls,
-                       "fusion_kinds": kinds, "triton_configs": configs[:2]}
+            info[m] = {
+                "us": round(float(np.median(times)) * 1e6, 1),
+                "compile_s": round(compile_s, 2),
+                "custom_calls": calls,
+                "fusion_kinds": kinds,
+                "triton_configs": configs[:2],
+            }
         for m in ROWS[1:]:
             same = np.all(res[m] == res[ROWS[0]][:m], axis=1)
             info[m]["rows_equal_to_64"] = f"{int(same.sum())}/{m}"
@@ -102,9 +113,22 @@ def main(argv=None):
         flags = SETTINGS[name][0]
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flags).strip()
         t0 = time.time()
-        p = subprocess.run([sys.executable, __file__, "--setting", name, "--d", str(args.d),
-                            "--repeats", str(args.repeats)], env=env, capture_output=True,
-                           text=True)
+        p = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--setting",
+                name,
+                "--d",
+                str(args.d),
+                "--repeats",
+                str(args.repeats),
+            ],
+            check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         if p.returncode:
             print(f"[{name}] exit {p.returncode}: {p.stderr[-1500:]}")
             results.append({"setting": name, "error": p.stderr[-1500:]})
@@ -113,16 +137,23 @@ def main(argv=None):
         results.append(r)
         for shape, info in r["shapes"].items():
             row = ", ".join(
-                f"M{m} {i['us']}us" + (f" eq {i['rows_equal_to_64']}" if "rows_equal_to_64" in i
-                                       else "") for m, i in info.items())
-            print(f"[{name}] {shape}: {row} | calls {info['64']['custom_calls']} "
-                  f"kinds {info['64']['fusion_kinds']} ({time.time() - t0:.0f}s)")
+                f"M{m} {i['us']}us"
+                + (f" eq {i['rows_equal_to_64']}" if "rows_equal_to_64" in i else "")
+                for m, i in info.items()
+            )
+            print(
+                f"[{name}] {shape}: {row} | calls {info['64']['custom_calls']} "
+                f"kinds {info['64']['fusion_kinds']} ({time.time() - t0:.0f}s)"
+            )
     if args.out:
         import jax
 
         with open(args.out, "w") as f:
-            json.dump({"jax": jax.__version__, "device": str(jax.devices()[0]),
-                       "results": results}, f, indent=1)
+            json.dump(
+                {"jax": jax.__version__, "device": str(jax.devices()[0]), "results": results},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
