@@ -83,16 +83,17 @@ def decoder_layer(
     att, mlp = lw["self_attn"], lw["mlp"]
     amax = {}
 
-    def lin(inp, block, name):
+    def lin(inp, block, name, residual=None):
         if with_amax:
             amax[name] = jnp.max(jnp.abs(inp.astype(jnp.float32)))
         if tp_axis is not None and name in sharding.ROW_PARALLEL:
             shards = rparams.shards(cfg, name)
-            return sharding.row_parallel_linear(inp, block[name], q_, i, shards, tp_axis)
+            y = sharding.row_parallel_linear(inp, block[name], q_, i, shards, tp_axis)
+            return y if residual is None else residual + y
         return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name),
                       gemm_min_m=cfg.gemm_min_m, gemm_occupancy=cfg.gemm_occupancy,
                       gemm_max_m=cfg.gemm_max_m, gemm_reduce=cfg.gemm_reduce,
-                      invariant_rows=cfg.invariant_rows)  # fmt: skip
+                      invariant_rows=cfg.invariant_rows, residual=residual)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -197,11 +198,11 @@ def decoder_layer(
         x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
                          kernels=kernels, **gemm, **prefetch((att, "qkv_proj", 1, "qkv")))  # fmt: skip
         return x, kv, amax
-    x = x + lin(out, att, "o_proj")
+    x = lin(out, att, "o_proj", residual=x)
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
     gate_up = lin(hs, mlp, "gate_up_proj")
     f = cfg.intermediate_size
-    x = x + lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj")
+    x = lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj", residual=x)
     return x, kv, amax
 
 

@@ -151,8 +151,10 @@ def linear(
     gemm_max_m: int | None | str = "default",
     gemm_reduce: str | None = None,
     invariant_rows: int | None = None,
+    residual: jax.Array | None = None,
 ) -> jax.Array:
-    """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`.
+    """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
+    `residual`, residual + y.
 
     NVFP4 linears (quant "nvfp4" = W4A4, "nvfp4-w4a16" = W4A16) take bf16 activations; W4A4 uses
     the static `input_scale` when the params hold one, else a per-row dynamic global scale, and
@@ -181,18 +183,26 @@ def linear(
             default, "finish"; see `Config.gemm_reduce`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
-            float weight's matmul runs on rows zero-padded to it (when fewer).
+            float weight's matmul runs on rows zero-padded to it (when fewer), and so does
+            the residual add.
+        residual: [..., N_out] added to the result (a decoder's residual stream), or None.
 
     Returns:
-        [..., N_out] in x's dtype.
+        [..., N_out] in x's dtype (residual + y with a residual).
     """
     w = params["weight"]
     if not isinstance(w, Nvfp4Tensor):
-        y = padded_rows(
-            lambda a: jnp.einsum("...k,nk->...n", a, take(w, layer).astype(x.dtype)),
-            x,
-            invariant_rows,
-        )
+
+        def matmul(a):
+            y = jnp.einsum("...k,nk->...n", a, take(w, layer).astype(x.dtype))
+            if "bias" in params:
+                y = y + take(params["bias"], layer).astype(x.dtype)
+            return y
+
+        # The residual add is inside the padded rows: XLA may fuse it into the matmul's
+        # epilogue (one rounding of x @ W.T + residual), and a padded program must fuse it
+        # as the unpadded one does.
+        return padded_rows(matmul, x, invariant_rows, residual)
     else:
         if quant not in _ACT:
             raise ValueError(f"NVFP4 weight needs quant 'nvfp4' or 'nvfp4-w4a16', got {quant!r}")
@@ -209,24 +219,32 @@ def linear(
         y = y.astype(x.dtype)
     if "bias" in params:
         y = y + take(params["bias"], layer).astype(x.dtype)
-    return y
+    return y if residual is None else residual + y
 
 
-def padded_rows(fn, x: jax.Array, rows: int | None) -> jax.Array:
-    """fn(x) for a row-wise fn ([..., K] -> [..., N]), computed on x's rows zero-padded to
-    `rows` when it has fewer (None: fn(x)): a float matmul then runs with the algorithm of a
-    `rows`-row batch, so each row's result does not depend on how many rows came with it."""
+def padded_rows(fn, x: jax.Array, rows: int | None, residual: jax.Array | None = None) -> jax.Array:
+    """fn(x) (residual + fn(x) with a `residual` [..., N]) for a row-wise fn ([..., K] ->
+    [..., N]), computed on x's (and the residual's) rows zero-padded to `rows` when it has fewer
+    (None: unpadded): a float matmul then runs with the algorithm of a `rows`-row batch, and
+    whatever XLA fuses into it (the residual add) is fused alike, so each row's result does not
+    depend on how many rows came with it."""
     lead = x.shape[:-1]
     m = math.prod(lead)
     if rows is None or m >= rows or m == 0:
-        return fn(x)
+        return fn(x) if residual is None else residual + fn(x)
+
     # No optimization barriers around the matmul: the B-row program must stay the one that
     # static batches run (no padding there). With barriers only the smaller programs would
     # change; with them at B rows too, 214 of 512 bf16 rows differed from static batches on the
     # H200 (experiments/results/h200_i/), and one decode step measured the same bits with
     # and without them (experiments/row_invariance_check.py).
-    flat = jnp.pad(jnp.reshape(x, (m, x.shape[-1])), ((0, rows - m), (0, 0)))
-    y = fn(flat)[:m]
+    def pad(a):
+        return jnp.pad(jnp.reshape(a, (m, a.shape[-1])), ((0, rows - m), (0, 0)))
+
+    y = fn(pad(x))
+    if residual is not None:
+        y = pad(residual) + y
+    y = y[:m]
     return jnp.reshape(y, (*lead, y.shape[-1]))
 
 

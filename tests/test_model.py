@@ -355,3 +355,41 @@ def test_calibrate_input_scales_sets_amax_over_6x448():
         )
     with pytest.raises(ValueError, match="empty"):
         gen.calibrate_input_scales(params, [[]])
+
+
+def _adds_by_shape(jaxpr) -> set:
+    """Output shapes of every `add` in a jaxpr (its sub-jaxprs included)."""
+    shapes = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("add", "add_any"):
+            shapes.add(tuple(eqn.outvars[0].aval.shape))
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            shapes |= _adds_by_shape(sub)
+    return shapes
+
+
+@pytest.mark.parametrize("rows", [5, 8, 11])
+def test_linear_residual_add_runs_on_the_padded_rows(rows):
+    """`linear(..., residual=r, invariant_rows=8)`: residual + x @ W.T + b for any row count,
+    and with fewer than 8 rows the residual add runs on the 8 zero-padded rows, in front of the
+    slice (XLA may fuse the add into the matmul's epilogue, as it does in the unpadded 8-row
+    program, so a padded program must have the same add)."""
+    from rejax.layers import linear
+
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((6, 4)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(6), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, 1, 4)), jnp.float32)
+    r = jnp.asarray(rng.standard_normal((rows, 1, 6)), jnp.float32)
+    p = {"weight": w, "bias": b}
+    got = linear(x, p, invariant_rows=8, residual=r)
+    want = np.asarray(r) + (np.asarray(x) @ np.asarray(w).T + np.asarray(b))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    assert got.shape == (rows, 1, 6)
+    adds = _adds_by_shape(
+        jax.make_jaxpr(lambda a, c: linear(a, p, invariant_rows=8, residual=c))(x, r).jaxpr
+    )
+    if rows < 8:
+        assert adds == {(8, 6)}, adds  # bias and residual on the padded rows, none after
+    else:
+        assert adds == {(rows, 1, 6)}, adds
