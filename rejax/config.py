@@ -237,7 +237,8 @@ class Config:
     # (GemmOptions.split_m; the K order inside a split never depends on M), and float matmuls
     # (bf16 linears, the bf16 lm_head) run on rows zero-padded to it, so they have the full
     # batch's shape (decode is weight-bandwidth bound: about the same time; the same algorithm
-    # needs xla_autotune=False on a GPU);
+    # needs xla_autotune=False on a GPU), and so does a linear's residual add (cuBLAS folds
+    # it into the matmul, one rounding of x @ W.T + residual);
     # "live" decode attention
     # splits each row's range as a program of this many rows would. The einsum attention is
     # not covered: cuBLAS's batched matmul measured row-count dependent in bf16 on the H200

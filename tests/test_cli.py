@@ -660,8 +660,8 @@ def test_kv_dtype_flag(capsys, tmp_path, ckpt, cached_models):
 
 
 def test_xla_autotune_flag(capsys, tmp_path, ckpt, cached_models, monkeypatch):
-    """--xla-autotune off reaches Config.xla_autotune of the decoded params (the default keeps
-    it on); on the CPU the tokens are the same; a bad value is refused."""
+    """--xla-autotune on / off reaches Config.xla_autotune of the decoded params (the CLI's
+    default is off); on the CPU the tokens are the same; a bad value is refused."""
     seen = []
     real = cli.generate
 
@@ -671,14 +671,14 @@ def test_xla_autotune_flag(capsys, tmp_path, ckpt, cached_models, monkeypatch):
 
     monkeypatch.setattr(cli, "generate", spy)
     outs = []
-    for flag in (["--xla-autotune", "off"], []):
+    for flag in (["--xla-autotune", "on"], []):
         rc, out, err = _run(
             capsys, "generate", "--model", ckpt, "--quant", "bf16", *flag,
             "--sampler", "greedy", "--max-new-tokens", 6, "--json", "Evaluate 5 - 2.",
         )  # fmt: skip
         assert rc == 0, err
         outs.append(json.loads(out.splitlines()[0])["tokens"])
-    assert seen == [False, True] and outs[0] == outs[1]
+    assert seen == [True, False] and outs[0] == outs[1]
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--xla-autotune", "maybe", "hi"])
     assert e.value.code == 2

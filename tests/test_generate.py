@@ -297,7 +297,10 @@ def test_xla_autotune_off_reaches_xla_and_keeps_the_tokens(params, monkeypatch):
     no_tuning = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
     assert rconfig.compiler_options(off.cfg) == no_tuning
     both = dataclasses.replace(off.cfg, command_buffer="while")
-    assert rconfig.compiler_options(both) == {**rconfig.COMMAND_BUFFER_OPTIONS["while"], **no_tuning}
+    assert rconfig.compiler_options(both) == {
+        **rconfig.COMMAND_BUFFER_OPTIONS["while"],
+        **no_tuning,
+    }
     sampler = ReSET(t_low=0.3, t_high=1.0, tau_0=0.5, window=4, top_p=0.9)
     want = gen.generate(params, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
     got = gen.generate(off, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
