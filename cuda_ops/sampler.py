@@ -3,7 +3,7 @@
 Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
 `__gpu$xla.gpu.ptx` custom calls on XLA's stream:
 
-- "split" (the default): three kernels (statistics, top-p histogram, boundary resolution), each
+- "split": three kernels (statistics, top-p histogram, boundary resolution), each
   a grid of chunks x B blocks whose last block per row combines through global scratch.
 - "merge": "split" where top-k (k <= `MERGE_MAX_K`) needs no resolve sweep: each histogram
   block lists its chunk's top-k candidates and resolve's first block draws from them
@@ -11,6 +11,7 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   histogram of sub-bins instead of a block-wide sort, and the histogram skips the noise of
   tokens that cannot win (the cluster kernel's bound; `TOPP_SUBHIST`); its statistics sum
   one tempered softmax when both temperatures are equal. The same tokens as "split".
+  (`rejax.ops.sampler`'s default, "auto", takes "merge" or "split" by batch rows and top-k.)
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
 

@@ -12,7 +12,7 @@ the fraction of rows that take the 16-candidate path, and each variant's cost ov
 
 The default method "kernel" is the fused CUDA sampler (`rejax.ops.sampler`) on a GPU; "radix"
 is the previous default (pure XLA). `--variants` times the kernel's variants side by side
-(`rejax.ops.sampler.VARIANTS`; "split" is the default, labelled "kernel"; another variant v is
+(`rejax.ops.sampler.VARIANTS`; the default, "auto", is labelled "kernel"; another variant v is
 labelled "kernel:v" and runs through `rejax.ops.sampler.sample_kernel`). `--decode-layers N` also
 times the decode loop of a random-weight Qwen3-8B NVFP4 with N layers (`rejax.bench.bench_decode`)
 per sampler and method, next to greedy ("decode" in the JSON; the default variant only).
@@ -226,7 +226,7 @@ def main(argv=None) -> None:
         "--variants",
         nargs="+",
         default=[sampler_op.VARIANT],
-        choices=sampler_op.VARIANTS,
+        choices=sampler_op.VARIANT_CHOICES,
         help="kernel variants timed for method 'kernel' (non-default ones labelled kernel:NAME)",
     )
     samplers_all = ["temperature_top_p", "top_k20", "top_k20_top_p", "reset_top_p"]

@@ -61,7 +61,7 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/bench_sampler_b*.json")):
                 rows.setdefault(name, {})[(r["batch"], label)] = v
                 rows.setdefault("(greedy us)", {})[(r["batch"], label)] = r["greedy_us"]
                 cols += [(r["batch"], label)] if (r["batch"], label) not in cols else []
-print("us over greedy; targets 15 at B=1, 60 at B=64 (kernel = split, the default)")
+print("us over greedy; targets 15 at B=1, 60 at B=64 (kernel = the default, "auto")")
 print(f"{'sampler':>18} " + " ".join(f"{f'B={b} {m}':>18}" for b, m in cols))
 for name, v in rows.items():
     print(f"{name:>18} " + " ".join(f"{v.get(c, float('nan')):>18.1f}" for c in cols))

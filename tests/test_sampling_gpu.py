@@ -7,9 +7,10 @@ for support: no token outside the float64 nucleus widened by 1e-5 of mass, (3) b
 over >= 1e5 draws against the exact truncated softmax, on the full 151,936-token vocabulary
 (`_assert_draws_match`: ids expected < 5 times pooled into one bin, pass at p > 1e-4, fixed
 keys), and (4) for row independence, batch 1..64, ReSET decisions and no retrace. Every test
-runs for each kernel variant (`rejax.ops.sampler.VARIANTS`: "split", the default three kernels
-through `sample`; "cluster", one launch, and "merge", split with top-k drawn from per-block
-candidates, through `op.sample_kernel`); `-k cluster` or `-k merge` selects one of those.
+runs for each kernel variant (`rejax.ops.sampler.VARIANTS`: "split", three kernels; "cluster",
+one launch, and "merge", split with top-k drawn from per-block candidates), each through
+`op.sample_kernel`; `-k cluster` or `-k merge` selects one of those. The default, "auto", runs
+"split" or "merge" by the batch rows and top-k (`op.choose_variant`, checked on the CPU).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def _nucleus64(z: np.ndarray, t: float, top_p: float, slack: float = 1e-5) -> np
 
 
 def _sample_fn(variant: str | None):
-    """`sample` (the default kernel, or the sampler's method) or the op's path with `variant`."""
-    if variant in (None, "split"):
+    """`sample` (the default, "auto", or the sampler's method) or the op's path with `variant`."""
+    if variant is None:
         return sample
     return lambda k, z, s, smp, **kw: op.sample_kernel(k, z, s, smp, variant=variant)
 
@@ -67,7 +68,7 @@ def _sample_fn(variant: str | None):
 def _run(sampler, z, keys, state=None, method="kernel", variant=None):
     b = z.shape[0]
     state = sampler_init(sampler, b) if state is None else state
-    if method == "kernel" and variant not in (None, "split"):
+    if method == "kernel" and variant is not None:
         fn = jax.jit(op.sample_kernel, static_argnames="variant")
         tok, st, info = fn(keys, jnp.asarray(z), state, sampler, variant=variant)
     else:

@@ -471,3 +471,37 @@ def test_op_rejects_bad_arguments():
         kernels.plan(2, 10, variant="fused")
     with pytest.raises(ValueError, match="top-p method='kernel' is invalid"):
         sampling.top_p_mask(jax.nn.softmax(z), 0.9, method="kernel")  # a sampler path, not a mask
+
+
+def _bound_variants(fn, *args) -> list:
+    """The `variant` parameter of every sampler primitive in fn's jaxpr."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    return [e.params["variant"] for e in jaxpr.eqns if e.primitive.name == "rejax_sample_top_p"]
+
+
+@pytest.mark.parametrize(
+    "rows,top_k,want",
+    [(1, 0, "split"), (7, 0, "split"), (8, 0, "merge"), (64, 0, "merge"), (1, 20, "split"),
+     (31, 20, "split"), (32, 20, "merge"), (64, 32, "merge"), (64, 33, "split")],
+)  # fmt: skip
+def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
+    """The default variant "auto" binds "merge" where the H200 measured it faster (top-p alone
+    from 8 rows, top-k <= 32 from 32 rows) and "split" elsewhere; `sample` binds the same pick,
+    ReSET as top-p alone; a named variant is kept."""
+    assert op.VARIANT == "auto"
+    assert op.choose_variant("auto", rows, top_k) == want
+    assert op.choose_variant("cluster", rows, top_k) == "cluster"
+    vocab = 64
+    z = jnp.zeros((rows, vocab), jnp.float32)
+    smp = sampling.Temperature(t=0.6, top_p=0.95, top_k=top_k if top_k <= vocab else 0)
+    key = jax.random.key(0)
+    if top_k <= vocab:
+        got = _bound_variants(lambda k, x: sample(k, x, sampler_init(smp, rows), smp), key, z)
+        assert got == [want]
+    if top_k == 0:
+        reset = sampling.ReSET(t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(vocab, bool),
+                               dnl_mask=jnp.zeros(vocab, bool))  # fmt: skip
+        got = _bound_variants(lambda k, x: sample(k, x, sampler_init(reset, rows), reset), key, z)
+        assert got == [want]
+    with pytest.raises(ValueError, match="variant='fused'"):
+        op.choose_variant("fused", rows, top_k)

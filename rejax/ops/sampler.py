@@ -11,8 +11,10 @@ h and the temperature used.
   (`rejax.sampling._reference_tempered`), so CPU results are those of that method.
 * The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the kernels of
   `cuda_ops/sampler.cu` as `__gpu$xla.gpu.ptx` custom calls, or else the reference. `variant`
-  picks them (`VARIANTS`): "split" (the default), three kernels (statistics; top-p histogram;
-  boundary resolution, each one multi-block pass over the row with a last-block combine);
+  picks them (`VARIANTS`, or "auto", the default: `choose_variant` takes "merge" where it
+  measured faster, by rows and top-k, else "split"): "split", three kernels (statistics;
+  top-p histogram; boundary resolution, each one multi-block pass over the row with a
+  last-block combine);
   "cluster", one kernel in which a cluster of 8 CTAs per row combines through distributed
   shared memory (one launch, no global scratch); "merge", "split" where top-k (k <= 32)
   draws in the histogram kernel from candidates each block lists (the same tokens as "split").
@@ -48,9 +50,34 @@ OP = "sample_top_p"
 KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
 VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster" (one), "merge" (docstring)
-# "split" stays the default until "cluster" has passed the GPU tests and measured faster on the
-# H200 (experiments/bench_sampler.py --variants split cluster)
-VARIANT = "split"
+# "auto" (the default) picks "split" or "merge" per call by the batch rows and top-k
+# (`choose_variant`); both draw the same tokens. "cluster" is opt-in.
+VARIANT = "auto"
+VARIANT_CHOICES = ("auto", *VARIANTS)
+# Kernel alone on the H200 (experiments/bench_sampler.py --logits lm, us over greedy, split /
+# merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
+# 8, 114.2 / 90.4 at 64; ReSET + top-p 30.7 / 31.6, 39.8 / 32.4, 135.0 / 105.2; top-k 20
+# 27.1 / 31.4, 46.7 / 50.4 at 16, 62.0 / 54.0 at 32, 112.2 / 95.6 at 64. So "auto" takes
+# "merge" from MERGE_MIN_ROWS rows for top-p alone and from MERGE_MIN_ROWS_TOPK rows for a
+# merged top-k (k <= kernels.MERGE_MAX_K; a larger k runs "split"'s kernels either way).
+MERGE_MIN_ROWS = 8
+MERGE_MIN_ROWS_TOPK = 32
+
+
+def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
+    """The kernel variant a call runs: `variant` itself, or for "auto" "merge" where it measured
+    faster (top-p alone from `MERGE_MIN_ROWS` rows, top-k <= `kernels.MERGE_MAX_K` from
+    `MERGE_MIN_ROWS_TOPK`) and "split" elsewhere."""
+    if variant not in VARIANT_CHOICES:
+        raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
+    if variant != "auto":
+        return variant
+    if top_k == 0:
+        return "merge" if batch >= MERGE_MIN_ROWS else "split"
+    if top_k <= kernels.MERGE_MAX_K:
+        return "merge" if batch >= MERGE_MIN_ROWS_TOPK else "split"
+    return "split"
+
 
 # ----------------------------------------------------------------------------- primitive
 
@@ -201,7 +228,8 @@ def sample_top_p(
         (`rejax.sampling.Temperature`'s rule). Static.
       impl: "auto" (kernel on CUDA when supported), "ref", or "cuda" (kernel or an error).
       stats_method: the reference's statistics ("two_pass" / "online"). Static.
-      variant: which CUDA kernels, one of `VARIANTS` (the same algorithm and noise). Static.
+      variant: which CUDA kernels: one of `VARIANTS` (the same algorithm and noise), or "auto"
+        (`choose_variant`: by the rows and top_k). Static.
 
     Returns:
       (tokens i32 [B], entropy f32 [B], temperature f32 [B]).
@@ -209,13 +237,14 @@ def sample_top_p(
     _dispatch.check_impl(impl)
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}, expected one of {KINDS}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
+    if variant not in VARIANT_CHOICES:
+        raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
     key_impl = str(jax.random.key_impl(keys))
     data = jax.random.key_data(keys)
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
     if not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= logits.shape[-1]:
         raise ValueError(f"top_k={top_k!r}, expected an int in [0, V={logits.shape[-1]}]")
+    variant = choose_variant(variant, logits.shape[0], int(top_k))
     params = {"kind": kind, "top_k": int(top_k), "key_impl": key_impl}
     params |= {"stats_method": stats_method, "impl": impl, "variant": variant}
     outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, launch=launch, **params)
@@ -239,7 +268,7 @@ def sample_kernel(
 
     Args:
       key, logits, state, sampler, stats_method: as `rejax.sampling.sample`.
-      variant: one of `VARIANTS`. Static.
+      variant: one of `VARIANTS` or "auto", as `sample_top_p`. Static.
       impl: as `sample_top_p`.
 
     Returns:
