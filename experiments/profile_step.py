@@ -46,10 +46,13 @@ from rejax import config as rconfig
 from rejax import sampling
 
 _INT_FIELDS = {"gemm_min_m"}
+_BOOLS = {"on": True, "off": False, "true": True, "false": False}
 
 
 def parse_variant(spec: str) -> tuple[str, int, dict]:
-    """'nvfp4:8:gemm_min_m=8' -> ('nvfp4', 8, {'gemm_min_m': 8})."""
+    """'nvfp4:8:gemm_min_m=8' -> ('nvfp4', 8, {'gemm_min_m': 8}). Besides Config fields,
+    `sampler=NAME` picks the decode loop's sampler from bench_decode's SAMPLERS (default
+    greedy)."""
     parts = spec.split(":")
     if len(parts) < 2:
         raise SystemExit(f"--variant {spec!r}: expected QUANT:BATCH[:FIELD=VALUE...]")
@@ -57,12 +60,25 @@ def parse_variant(spec: str) -> tuple[str, int, dict]:
     if quant not in ("bf16", "nvfp4"):
         raise SystemExit(f"--variant {spec!r}: quant must be bf16 or nvfp4")
     fields = {}
-    names = {f.name for f in dataclasses.fields(rconfig.Config)}
+    defaults = {f.name: f.default for f in dataclasses.fields(rconfig.Config)}
+    names = set(defaults)
     for kv in parts[2:]:
         key, _, val = kv.partition("=")
+        if key == "sampler":
+            if val not in bd.SAMPLERS:
+                raise SystemExit(
+                    f"--variant {spec!r}: sampler {val!r} is not one of {sorted(bd.SAMPLERS)}"
+                )
+            fields[key] = val
+            continue
         if key not in names:
             raise SystemExit(f"--variant {spec!r}: {key!r} is not a Config field")
-        fields[key] = int(val) if key in _INT_FIELDS else val
+        if isinstance(defaults[key], bool):
+            if val not in _BOOLS:
+                raise SystemExit(f"--variant {spec!r}: {key} takes one of {sorted(_BOOLS)}")
+            fields[key] = _BOOLS[val]
+        else:
+            fields[key] = int(val) if key in _INT_FIELDS else val
     return quant, batch, fields
 
 
@@ -157,14 +173,18 @@ def summarise(events: list[dict], steps: int, layers: int) -> dict:
 
 def run_variant(spec, cfg0, args):
     quant, batch, fields = parse_variant(spec)
+    fields = dict(fields)
+    sampler_name = fields.pop("sampler", "greedy")
     cfg = dataclasses.replace(cfg0, quant=None if quant == "bf16" else "nvfp4", **fields)
     params = bd.random_params(cfg, seed=0)
     t0 = time.perf_counter()
     # the product's timing harness compiles and times the loop; its cache is reused below
-    run, cache = bd._run_generation(params, batch, args.prompt_len, args.steps, 1)
+    run, cache = bd._run_generation(
+        params, batch, args.prompt_len, args.steps, 1, sampler=sampler_name
+    )
     compile_s = time.perf_counter() - t0
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
-    sampler = sampling.Greedy()
+    sampler = bd.SAMPLERS[sampler_name]()
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         jax.random.key(0), jnp.arange(batch, dtype=jnp.uint32)
     )
@@ -197,6 +217,7 @@ def run_variant(spec, cfg0, args):
         "quant": quant,
         "batch": batch,
         "fields": fields,
+        "sampler": sampler_name,
         "layers": cfg.num_layers,
         "steps": args.steps,
         "ms_per_token_bench": run["ms_per_token"],

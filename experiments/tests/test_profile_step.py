@@ -75,3 +75,17 @@ def test_variant_specs():
 def test_missing_trace_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="no trace file"):
         ps.load_trace(str(tmp_path))
+
+
+def test_parse_variant_takes_a_sampler():
+    """`sampler=NAME` picks the loop's sampler from bench_decode's SAMPLERS; other keys must be
+    Config fields; an unknown sampler is refused with the names it could be."""
+    assert ps.parse_variant("nvfp4:1:sampler=temp") == ("nvfp4", 1, {"sampler": "temp"})
+    assert ps.parse_variant("bf16:64:gemm_min_m=8") == ("bf16", 64, {"gemm_min_m": 8})
+    assert ps.parse_variant("bf16:64:xla_autotune=off") == ("bf16", 64, {"xla_autotune": False})
+    with pytest.raises(SystemExit, match="xla_autotune takes one of"):
+        ps.parse_variant("bf16:64:xla_autotune=maybe")
+    with pytest.raises(SystemExit, match="sampler 'hot'"):
+        ps.parse_variant("nvfp4:1:sampler=hot")
+    with pytest.raises(SystemExit, match="not a Config field"):
+        ps.parse_variant("nvfp4:1:samplr=temp")
