@@ -16,7 +16,9 @@ import pytest
 
 from rejax import cli
 from rejax import eval as ev
+from rejax.config import Config
 from rejax.eval import harness
+from rejax.params import Params
 from rejax.sampling import Greedy
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -310,7 +312,7 @@ def test_eval_reports_the_math_last_number_fallback(monkeypatch, capsys, tmp_pat
         "What is 12 * 12?": ["maybe 143", "no idea"],
     }
     monkeypatch.setattr(harness, "generate", _fake_generate(responses))
-    fake = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=4096))
+    fake = Params(weights={}, cfg=Config(max_position_embeddings=4096))  # never decoded
     monkeypatch.setattr(cli, "load_model", lambda spec, quant: fake)
     monkeypatch.setattr(cli, "_model_line", lambda args, params: "fake model")
     monkeypatch.setattr(cli, "encode_prompt", lambda params, problem, chat: [0] * 8)
