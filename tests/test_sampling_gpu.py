@@ -223,6 +223,27 @@ def test_merge_variant_draws_the_split_tokens():
             assert np.array_equal(a, m), (b, kind, t, top_p, top_k, np.flatnonzero(a != m))
 
 
+def test_default_auto_runs_the_variant_it_chooses():
+    # `sample` with the default variant ("auto") lowers to the kernels of the variant
+    # `choose_variant` names for the batch rows and top-k, and draws that variant's tokens:
+    # split below MERGE_MIN_ROWS (top-p) / MERGE_MIN_ROWS_TOPK (top-k), merge from there on.
+    assert op.VARIANT == "auto"
+    for b in (1, op.MERGE_MIN_ROWS, op.MERGE_MIN_ROWS_TOPK, 64):
+        keys = jax.random.split(jax.random.key(5), b)
+        z = _logits("real", b, seed=4)
+        for smp in (Temperature(top_p_method="kernel", t=0.6, top_p=0.95),
+                    Temperature(top_p_method="kernel", t=0.6, top_p=0.95, top_k=20),
+                    ReSET(top_p_method="kernel", top_p=0.95, nl_mask=jnp.zeros(V, bool),
+                          dnl_mask=jnp.zeros(V, bool).at[7].set(True))):  # fmt: skip
+            chosen = op.choose_variant("auto", b, getattr(smp, "top_k", 0))
+            f = jax.jit(lambda k, z, s, smp=smp: sample(k, z, s, smp)[0])
+            hlo = f.lower(keys, jnp.asarray(z), sampler_init(smp, b)).as_text()
+            assert hlo.count("__gpu$xla.gpu.ptx") == len(op.kernels.entries(chosen)), (b, smp)
+            auto, _, _ = _run(smp, z, keys)
+            ref, _, _ = _run(smp, z, keys, variant=chosen)
+            assert np.array_equal(auto, ref), (b, smp, chosen, np.flatnonzero(auto != ref))
+
+
 @pytest.mark.parametrize("v", [10, 1001, 4099])
 def test_cluster_variant_small_and_odd_vocabularies(v):
     # scalar loads (V % 4 != 0), and empty chunks (V < 4 x 8): kept tokens only, and the
