@@ -245,12 +245,19 @@ def train_loop(weights, cfg: Config, ids, mask, val_ids, val_mask, args):
         if step == timed_from:
             jax.block_until_ready(loss)
             t_timed = time.perf_counter()
-        if args.time_budget and step == timed_from + 40:
+        if args.time_budget and step >= timed_from + 40 and (step - timed_from) % 200 == 40:
+            # fit the steps to the budget from the mean step time so far, again every 200
+            # steps: the first 40 timed steps can run faster than the rest (a hard cap below)
             jax.block_until_ready(loss)
-            per_step = (time.perf_counter() - t_timed) / 40
+            per_step = (time.perf_counter() - t_timed) / (step - timed_from)
             fit = int((args.time_budget - (time.perf_counter() - t_train)) / per_step) + step
-            total = max(step, min(args.steps, fit))
-            print(f"step time {per_step * 1e3:.1f} ms -> {total} steps", flush=True)
+            if fit != total:
+                total = max(step, min(args.steps, fit))
+                print(f"step time {per_step * 1e3:.1f} ms -> {total} steps", flush=True)
+        if args.time_budget and step < total and step % 20 == 0:
+            if time.perf_counter() - t_train > args.time_budget:  # the budget is a hard cap
+                print(f"time budget {args.time_budget:.0f}s spent at step {step}", flush=True)
+                total = step
         if step % 50 == 0 or step % args.eval_every == 0 or step == total:
             for s, v in jax.device_get(pending):
                 history["step"].append(int(s))

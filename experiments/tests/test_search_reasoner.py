@@ -202,3 +202,43 @@ def test_init_continues_from_an_exported_checkpoint_of_the_same_run(tmp_path):
         train_search_reasoner.init_weights(tmp_path / "none", cfg, tok)
     args = train_search_reasoner.parse_args(["--out", str(tmp_path), "--init", "x"])
     assert args.init == "x"
+
+
+def test_the_time_budget_is_a_hard_cap():
+    # steps that slow down after the first timed ones (as on the H200, where the first fit
+    # undercounted by a fifth) must still stop within the budget, not run to the first fit
+    import argparse
+    import time
+
+    import jax
+
+    from experiments import train_tiny_reasoner as tiny
+    from rejax.config import Config
+    from rejax.params import init_params
+
+    cfg = Config(arch="qwen3", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
+                 num_heads=2, num_kv_heads=1, head_dim=8, max_position_embeddings=64)  # fmt: skip
+    w = init_params(cfg, jax.random.key(0), dtype=np.float32).weights
+    ids = np.random.default_rng(0).integers(1, 32, size=(64, 16)).astype(np.int32)
+    mask = np.ones((64, 15), np.float32)  # the loss mask of the 15 next-token targets
+    args = argparse.Namespace(seed=0, steps=100_000, time_budget=3.0, batch=4, lr=1e-3,
+                              warmup=2, weight_decay=0.0, eval_every=10_000)  # fmt: skip
+    real = tiny.lr_at
+    calls = []
+
+    def slower(step, *a, **k):  # each step slower than the last, past the first fit
+        calls.append(step)
+        if step > 60:
+            time.sleep(0.002 * (step - 60))
+        return real(step, *a, **k)
+
+    tiny.lr_at = slower
+    try:
+        t0 = time.perf_counter()
+        _, hist, total, seconds, _ = tiny.train_loop(w, cfg, ids, mask, ids[:4], mask[:4], args)
+        wall = time.perf_counter() - t0
+    finally:
+        tiny.lr_at = real
+    assert total == len(calls) < 100_000
+    assert seconds < args.time_budget + 1.0 and wall < args.time_budget + 2.0, (seconds, total)
+    assert hist["val_step"][-1] == total
