@@ -161,6 +161,7 @@ def summarise(events: list[dict], steps: int, layers: int) -> dict:
         c["us_per_layer"] = c["us_per_step"] / layers
     busy = sum(r["us_per_step"] for r in rows)
     return {
+        "gaps": gaps(events, steps),
         "kernels": len(events),
         "launches_per_step": len(events) / steps,
         "busy_us_per_step": busy,
@@ -169,6 +170,32 @@ def summarise(events: list[dict], steps: int, layers: int) -> dict:
         "classes": dict(classes),
         "top": rows[:60],
     }
+
+
+def gaps(events: list[dict], steps: int, top: int = 12) -> list[dict]:
+    """GPU idle time between consecutive kernels (on any stream, in start order), summed per
+    (kernel before, kernel after) pair: per step, the pairs with the most idle, each with its
+    count per step and its largest single gap. Where the idle of a step goes."""
+    ev = sorted(events, key=lambda e: e["ts"])
+    pairs = collections.defaultdict(lambda: [0, 0.0, 0.0])  # count, total us, max us
+    end = ev[0]["ts"] + ev[0]["dur"] if ev else 0.0
+    prev = ev[0]["name"] if ev else ""
+    for e in ev[1:]:
+        idle = e["ts"] - end
+        if idle > 0:
+            p = pairs[(prev[:80], e["name"][:80])]
+            p[0] += 1
+            p[1] += idle
+            p[2] = max(p[2], idle)
+        if e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e["name"]
+    rows = [
+        {"before": a, "after": b, "per_step": c / steps, "idle_us_per_step": t / steps,
+         "max_us": m}
+        for (a, b), (c, t, m) in pairs.items()
+    ]  # fmt: skip
+    rows.sort(key=lambda r: -r["idle_us_per_step"])
+    return rows[:top]
 
 
 def run_variant(spec, cfg0, args):
@@ -185,6 +212,10 @@ def run_variant(spec, cfg0, args):
     compile_s = time.perf_counter() - t0
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     sampler = bd.SAMPLERS[sampler_name]()
+    if isinstance(sampler, sampling.ReSET) and sampler.nl_mask is None:
+        # random weights have no tokenizer: empty newline sets, as rejax.bench times it
+        none = jnp.zeros((cfg.vocab_size,), bool)
+        sampler = dataclasses.replace(sampler, nl_mask=none, dnl_mask=none)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(
         jax.random.key(0), jnp.arange(batch, dtype=jnp.uint32)
     )
@@ -232,6 +263,11 @@ def run_variant(spec, cfg0, args):
     )
     for name, c in sorted(summary.get("classes", {}).items(), key=lambda kv: -kv[1]["us_per_step"]):
         print(f"   {name:12s} {c['per_layer']:6.2f}/layer {c['us_per_layer']:8.2f} us/layer")
+    for g in summary.get("gaps", [])[:6]:
+        print(
+            f"   idle {g['idle_us_per_step']:7.1f} us/step ({g['per_step']:.2f}x, max "
+            f"{g['max_us']:.1f}) {g['before'][:40]} -> {g['after'][:40]}"
+        )
     return res
 
 

@@ -56,6 +56,16 @@ def test_summary_per_step_and_per_layer(tmp_path):
     assert s["classes"]["cublas"]["per_step"] == 1.0
     assert s["top"][0]["name"] == "gemm_fusion_dot_4"  # largest time per step first
     assert 0 < s["idle_fraction"] < 0.1
+    # the gaps: per step 4 in-step gaps of 1 us, one per (before, after) pair, plus the gap
+    # into the next step's first kernel (steps - 1 of them over the run)
+    g = {(r["before"], r["after"]): r for r in s["gaps"]}
+    assert g[("nvfp4_gemv_w4a4", "loop_add_fusion")]["per_step"] == 2.0
+    assert g[("nvfp4_gemv_w4a4", "loop_add_fusion")]["idle_us_per_step"] == pytest.approx(2.0)
+    assert g[("loop_add_fusion", "gemm_fusion_dot_4")]["idle_us_per_step"] == pytest.approx(1.0)
+    assert g[("gemm_fusion_dot_4", "nvfp4_gemv_w4a4")]["per_step"] == pytest.approx(0.75)
+    assert sum(r["idle_us_per_step"] for r in s["gaps"]) == pytest.approx(
+        s["span_us_per_step"] - s["busy_us_per_step"]
+    )
 
 
 def test_variant_specs():
