@@ -64,6 +64,15 @@ VARIANTS = {
     # the default since h200_f/; "gemm_base" is the rule before it
     "gemm_wide": {"occupancy": "wide"},
     "gemm_base": {"occupancy": "base"},
+    # more warps per SM at M = 16..64 (the default plan has 8 warps of 169 registers per SM):
+    # two or four warps along M split the tokens (each decodes its weight rows), or eight
+    # warps along N of one 16-row tile each (ptxas, sm_90, M = 64: 76 / 66 / 105 registers)
+    "gemm_wm2_any": {"wm": 2},
+    "gemm_wm4": {"wm": 4, "warps": 8},
+    "gemm_wm2_w16": {"wm": 2, "warps": 16, "wr": 1},
+    "gemm_wm4_w16": {"wm": 4, "warps": 16},
+    "gemm_w8_s2": {"warps": 8, "wr": 1, "stages": 2},
+    "gemm_w8_sk4": {"warps": 8, "wr": 1, "splitk": 4},
 }
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {"gemm_wm2": {128, 256, 512}}
