@@ -216,6 +216,11 @@ class Config:
     pad_token_id: int | None = None
     quant: str | None = None
     layer_loop: str = "auto"
+    # Layers per iteration of the "scan" layer loop (lax.scan's unroll): each iteration of the
+    # scan costs the GPU a few microseconds between layers (the loop's counter and copies, and
+    # the launch of the next iteration's command buffer), which k layers per iteration pay
+    # L / k times instead of L; the body is compiled k times. 1: one layer per iteration.
+    scan_unroll: int = 1
     attention: str = "live"
     linear_fusion: str = "split"
     kv_dtype: str = "bf16"
@@ -283,6 +288,8 @@ class Config:
             raise ValueError(
                 f"unknown layer_loop {self.layer_loop!r}; expected one of {LAYER_LOOPS}"
             )
+        if not (isinstance(self.scan_unroll, int) and self.scan_unroll >= 1):
+            raise ValueError(f"scan_unroll must be an int >= 1, got {self.scan_unroll!r}")
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
         if self.gemm_max_m is not None and not (

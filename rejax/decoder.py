@@ -291,7 +291,9 @@ def forward(
         return (x, kv), amax
 
     if layer_loop(weights, cfg) == "scan":
-        (x, kv), amax = jax.lax.scan(body, (x, kv), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        unroll = min(cfg.scan_unroll, cfg.num_layers)
+        (x, kv), amax = jax.lax.scan(body, (x, kv), layers, unroll=unroll)
     else:
         per_layer = []
         for i in range(cfg.num_layers):

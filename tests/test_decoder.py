@@ -91,6 +91,35 @@ def test_nvfp4_scan_equals_unrolled_loop():
     np.testing.assert_array_equal(scanned, _logits(unrolled, tokens))
 
 
+def test_scan_unroll_equals_one_layer_per_iteration():
+    # k layers per scan iteration (3 layers: k = 2 leaves a remainder, 3 and 8 unroll fully)
+    params = init_params(Config(quant="nvfp4", num_layers=3), 3, jnp.float32)
+    tokens = np.random.default_rng(1).integers(0, 256, (2, 5))
+    base = _logits(params, tokens)
+    for k in (2, 3, 8):
+        cfg = dataclasses.replace(params.cfg, scan_unroll=k)
+        np.testing.assert_array_equal(base, _logits(dataclasses.replace(params, cfg=cfg), tokens))
+    with pytest.raises(ValueError, match="scan_unroll must be an int >= 1, got 0"):
+        Config(scan_unroll=0)
+
+
+def test_scan_unroll_runs_fewer_loop_iterations():
+    # the layer scan's while loop runs L / k iterations of k layer bodies: its known trip
+    # count in the compiled program (a 4-layer stack: 4 at k = 1, 2 at k = 2)
+    import re
+
+    params = init_params(Config(quant="nvfp4", num_layers=4), 3, jnp.float32)
+    tokens = jnp.zeros((1, 3), jnp.int32)
+    pos = jnp.arange(3, dtype=jnp.int32)[None]
+
+    def trips(k):
+        p = dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, scan_unroll=k))
+        fn = jax.jit(lambda t: Model(p.cfg, jnp.float32).apply({"params": p.weights}, t, pos)[0])
+        return re.findall(r'known_trip_count":\{"n":"(\d+)"', fn.lower(tokens).compile().as_text())
+
+    assert trips(1) == ["4"] and trips(2) == ["2"]
+
+
 # NVFP4 W4A4 logits, decode steps through the cache vs one full-sequence pass: the two add the
 # same exact block dots in different float32 orders (on a GPU: the kernel vs the reference), so
 # rare bf16 flips move activation codes downstream. Measured 0 (bit-equal) on this tiny model.
