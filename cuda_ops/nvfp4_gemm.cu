@@ -5,8 +5,9 @@
 // byte j), E4M3 block scales uint8 [N, K/16], float32 global scale [] or per row [N], optionally
 // stacked [L, ...] with a device int32 layer index (pointers are offset by the layer, nothing is
 // copied). x arrives already dequantized without its global scale, x_hat = e2m1(code) * SFx, as
-// fp16 [M, K] in the permuted K order described below (rejax.ops.linear builds it in one XLA
-// fusion from rejax.nvfp4.quantize_activation's codes and scales).
+// fp16 [M, K] in the permuted K order described below: written by the quantizer kernel's x_hat
+// form (nvfp4_quantize_bf16 with XHAT_OUT, in front of a fused linear), or built by XLA ops from
+// rejax.nvfp4.quantize_activation's codes and scales (rejax.ops.linear.gemm_x_operand).
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemm.py plans them):
 //   M_TOK, N_OUT, K_IN   problem size (K_IN % KT == 0; any M, N >= 1)

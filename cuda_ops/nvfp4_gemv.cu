@@ -10,8 +10,9 @@
 //   W4A4 with X_BF16 (nvfp4_gemv_w4a4_bf16): x bf16, quantized to NVFP4 inside the kernel
 //   (exactly rejax.nvfp4.quantize_activation), after an optional RMSNorm or SwiGLU prologue and
 //   with an optional residual add (see "in-kernel x quant" below);
-//   with QUANT_ONLY, that quantizer alone (nvfp4_quantize_bf16, rows split in QCHUNK-element
-//   chunks over the grid), for the plain W4A4 GEMV.
+//   with QUANT_ONLY, that quantizer alone (nvfp4_quantize_bf16, any number of rows, each split
+//   in QCHUNK-element chunks over the grid), for the plain W4A4 GEMV (codes and scales) or,
+//   with XHAT_OUT, for the tensor-core GEMM (its fp16 x_hat operand).
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
@@ -925,17 +926,122 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
 // ---------------------------------------------------------------------------- quantizer alone
 //
 // nvfp4_quantize_bf16: the in-kernel quantizer above as a kernel of its own (the prologue PRO,
-// then rejax.nvfp4.quantize_activation), for a plain W4A4 GEMV to read: one launch that does
-// once what the fused GEMV redoes in every CTA. Compiled with M_TOK = 1. The grid spreads each
-// row over the whole GPU: blockIdx.x is the row, blockIdx.y one QCHUNK-element chunk of it.
-// Every CTA computes the row's statistics itself (the RMSNorm mean square, the dynamic amax:
-// a read of the row from L2, in the same fixed order in every CTA, so all chunks agree) and
-// quantizes only its chunk, one quant4 per thread per round. Writes the codes xp [M, K/2], the
-// E4M3 block scales xs [M, K/16] and the row's global scale xg_out [M] (the static xg[0], or
-// DYN_XG's per-row scale; chunk 0 writes it).
+// then rejax.nvfp4.quantize_activation), for a plain W4A4 GEMV or the GEMM to read: one launch
+// that does once what the fused GEMV redoes in every CTA. Compiled with M_TOK = 1 and launched
+// with any number of rows M (grid x, up to 2^31 - 1): nothing here depends on M. The grid
+// spreads each row over the whole GPU: blockIdx.x is the row, blockIdx.y one QCHUNK-element
+// chunk of it. Every CTA computes the row's statistics itself (the RMSNorm mean square, the
+// dynamic amax: a read of the row from L2, in the same fixed order in every CTA, so all chunks
+// agree) and quantizes only its chunk. Two output forms (compile time):
+//   XHAT_OUT = 0: one quant4 per thread per round; writes the codes xp [M, K/2], the E4M3
+//     block scales xs [M, K/16] and the row's global scale xg_out [M] (the static xg[0], or
+//     DYN_XG's per-row scale; chunk 0 writes it), what the W4A4 GEMV reads;
+//   XHAT_OUT = 1: one quant8 per thread per round (the same codes and scales) turned into the
+//     GEMM's fp16 operand x_hat = e2m1(code) * SFx [M, K] in its K order (nvfp4_gemm.cu):
+//       x_perm[m, 128c + 32u + 8t + j] = x_hat[m, 128c + 32t + 8u + j / 2 + 4 (j % 2)],
+//     so the 8 elements 128c + 32t + 8u .. + 7 of a thread are one 16-byte run at
+//     128c + 32u + 8t, in the order (e0, e4, e1, e5, e2, e6, e3, e7); writes x_hat and
+//     xg_out [M] (rejax.ops.linear.gemm_x_operand of the codes and scales, bit for bit).
 #ifndef QCHUNK
 #define QCHUNK K_IN
 #endif
+#ifndef XHAT_OUT
+#define XHAT_OUT 0
+#endif
+
+#if XHAT_OUT
+// two E4M3 bytes (low, high) -> f16x2 (low, high), exact
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
+  u32 h;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
+  return h;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Quantizes 8 elements [e0, e0 + 8) of the CTA's row (e0 % 8 == 0): quant4's operations on
+// each element, with the two consecutive lanes holding one 16-element block (e0 % 16 = 8 *
+// (lane % 2)) finding its amax together with one shuffle (every lane of the warp must call
+// it). Returns the 8 codes (element e0 in the lowest nibble); `scale` gets the block's E4M3
+// byte.
+__device__ __forceinline__ u32 quant8(const XRows& xr, int e0, u32& scale) {
+  float v[8];
+  pro_values8(v, xr, 0, e0);  // the prologue of quant4, 16-byte loads
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  const float sf = fminf(div_rn(div_rn(amax, 6.0f), xr.g[0]), 448.0f);  // >= 0: no lower clamp
+  u16 s16;  // E4M3 RNE in the low byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(0.0f), "f"(sf));
+  scale = s16 & 0xFFu;
+  const float sd = e4m3x2_to_float2(scale).x;
+  const float os = sd > 0.f ? div_rn(xr.ig[0], sd) : 0.f;
+  u32 c = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float t = fminf(fmaxf(v[j] * os, -6.0f), 6.0f);
+    c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
+  }
+  return c;
+}
+
+// fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (TH_LO) and 2, 3, 4, 6 (TH_HI); the
+// low bytes are 0
+#define TH_LO 0x3E3C3800u
+#define TH_HI 0x46444240u
+
+// 8 codes c (nibble j = element j) of one block with E4M3 scale byte `scale` -> the 16-byte
+// x_hat run (e0, e4, e1, e5, e2, e6, e3, e7) as 4 f16x2 words (e_i, e_{i+4}). Exact: the
+// magnitude in fp16 times SFx in fp16 (<= 6 significant bits, 2^-10 .. 2688: no rounding),
+// then the code's sign bit, so code 8 (-0) and negative codes of a zero block give -0, as
+// e2m1(code) * SFx in float32 does.
+__device__ __forceinline__ uint4 xhat8(u32 c, u32 scale) {
+  const u32 mag = c & 0x77777777u;
+  const u32 lo = prmt(TH_LO, TH_HI, mag);        // high bytes of elements 0..3
+  const u32 hi = prmt(TH_LO, TH_HI, mag >> 16);  // and of elements 4..7
+  const u32 sf2 = e4m3x2_to_f16x2(scale * 0x101u);  // (SFx, SFx)
+  const u32 sgn = c & 0x88888888u;               // sign of element j at bit 4j + 3
+  u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // bytes 1 and 3: lo byte i and hi byte i; bytes 0 and 2 masked off
+    const u32 h = prmt(lo, hi, (u32)(i << 4) | (u32)((4 + i) << 12)) & 0xFF00FF00u;
+    // element i's sign (bit 4i + 3) -> 15, element i + 4's (bit 4i + 19) -> 31
+    w[i] = hmul2(h, sf2) | ((sgn << (12 - 4 * i)) & 0x80008000u);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+static_assert(QCHUNK % 256 == 0 && K_IN % QCHUNK == 0,
+              "QCHUNK: a multiple of 256 (full warps of quant8) dividing K");
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
+                        const u16* __restrict__ nw_all, const int* __restrict__ layer,
+                        u16* __restrict__ xh, float* __restrict__ xg_out) {
+  static_assert(M_TOK == 1, "the quantizer runs one row per CTA");
+  __shared__ float scratch[RED_SLOTS], s_rs[1], s_g[1], s_ig[1];
+  const size_t row = blockIdx.x;
+  const XRows xr = {x + row * X_COLS, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0),
+                    s_rs, s_g, s_ig};
+  row_stats(xr, xg + (XG_STACK ? (size_t)(unsigned)*layer : 0), scratch);
+  // QCHUNK / 8 is a multiple of 32: every warp is full in each round, as quant8's shuffle needs
+  const int first = blockIdx.y * (QCHUNK / 8);
+  for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
+    u32 sc;
+    const int e0 = 8 * i;  // = 128c + 32t + 8u
+    const u32 c = quant8(xr, e0, sc);
+    const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
+    *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
+  }
+  if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
+}
+
+#else  // !XHAT_OUT: codes and scales
 static_assert(QCHUNK % 128 == 0 && K_IN % QCHUNK == 0,
               "QCHUNK: a multiple of 128 (full warps of quant4) dividing K");
 extern "C" __global__ void __launch_bounds__(NTHREADS)
@@ -958,6 +1064,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   }
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
 }
+#endif  // XHAT_OUT
 #else  // !QUANT_ONLY: the GEMV entries
 
 

@@ -168,8 +168,8 @@ def stub_compiler(monkeypatch):
             }
         else:
             seen.append(defines)
-            if defines.get("QUANT_ONLY"):
-                entries = {"nvfp4_quantize_bf16": 7}
+            if defines.get("QUANT_ONLY"):  # outputs: codes, scales, xg; or x_hat, xg
+                entries = {"nvfp4_quantize_bf16": 7 - defines.get("XHAT_OUT", 0)}
             elif defines.get("X_BF16"):
                 entries = {"nvfp4_gemv_w4a4_bf16": 9}
             elif defines["ACT_W4A4"]:
@@ -319,8 +319,8 @@ def test_split_decode_step_adds_the_residuals_in_the_linears(stub_compiler):
         assert _bf16_adds(text, f"{b}x(1x)?256") == 0, b
 
 
-# (M, GEMM choices) above the quantizer kernel's 8 rows: decode batches and a prefill, two of
-# them with a K split (the GEMM's finish kernel then stores the output)
+# (M, GEMM choices) above the GEMV's 8 rows: decode batches and a prefill, two of them with a K
+# split (the GEMM's finish kernel then stores the output)
 LARGE_M = [
     (9, nvfp4_gemm.DEFAULT_OPTIONS),
     (16, GEMM_SPLIT),
@@ -329,16 +329,24 @@ LARGE_M = [
 ]
 
 
+def _ssa(line: str) -> tuple[str, list[str]]:
+    """(result name, operand names) of one custom call line of lowered StableHLO text."""
+    result = re.match(r"\s*(%[\w#]+)", line).group(1)
+    return result, re.search(r"@__gpu\$xla\.gpu\.ptx\(([^)]*)\)", line).group(1).split(", ")
+
+
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
 @pytest.mark.parametrize("kernels", ["two", "one"])
 @pytest.mark.parametrize(("m", "opts"), LARGE_M, ids=[str(m) for m, _ in LARGE_M])
-def test_above_eight_rows_the_linear_is_the_gemm(stub_compiler, monkeypatch, m, opts, kernels,
-                                                 prologue):  # fmt: skip
-    """Above the quantizer kernel's M (8) kernels "two" and "one" lower to the prologue and the
-    quantizer as XLA ops, then the GEMM (with a K split, and its finish kernel): no quantizer or
-    GEMV launch, no bf16 dot over the dequantized weight (the reference), no reference note.
-    With residual_epilogue the residual is an operand of the GEMM (and of the finish kernel)
-    right after xg and no bf16 [M, N] add is left; without it the add is one XLA op."""
+def test_above_eight_rows_the_quantizer_kernel_feeds_the_gemm(stub_compiler, monkeypatch, m,
+                                                               opts, kernels, prologue):  # fmt: skip
+    """Above the GEMV's M (8) kernels "two" and "one" lower to the quantizer kernel in its x_hat
+    form (prologue inside, grid [M, K / chunk]), then the GEMM (with a K split, and its finish
+    kernel) on the quantizer's x_hat and global scale: no GEMV launch, no XLA op on the
+    activations (no prologue, quantizer or x_hat transpose: layout ops only), no bf16 dot over
+    the dequantized weight (the reference), no reference note. With residual_epilogue the
+    residual is an operand of the GEMM (and of the finish kernel) right after xg and no bf16
+    [M, N] add is left; without it the add is one XLA op."""
     monkeypatch.setattr(_dispatch, "_NOTED", set())
     w = _stacked(False)
     width = 2 * K if prologue == "swiglu" else K
@@ -358,22 +366,91 @@ def test_above_eight_rows_the_linear_is_the_gemm(stub_compiler, monkeypatch, m, 
         text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
         what = f"M={m} kernels={kernels} prologue={prologue} res={residual} epi={epilogue}"
         calls = _ptx_calls(text)
-        assert [name for name, _ in calls] == [nvfp4_gemm.ENTRY, *finish], what
+        assert [name for name, _ in calls] == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, *finish], what
         assert "dot_general" not in text, what  # the reference's dot over the bf16 weight
-        # the prologue runs in XLA in front of the quantizer (rms_norm's rsqrt, swiglu's silu)
-        assert ("stablehlo.rsqrt" in text) == (prologue == "rmsnorm"), what
-        assert ("call @silu(" in text) == (prologue == "swiglu"), what
+        # the prologue and the x_hat layout run in the quantizer, not in XLA: besides the
+        # kernels, layout ops only (and the residual's add when it is not in the epilogue)
+        assert "stablehlo.rsqrt" not in text and "call @silu(" not in text, what
+        assert "stablehlo.transpose" not in text and "stablehlo.gather" not in text, what
+        ops = set(re.findall(r"= (?:\"?)(stablehlo\.[a-z_]+)", text)) - {"stablehlo.add"}
+        layout = {"stablehlo.reshape", "stablehlo.bitcast_convert", "stablehlo.broadcast_in_dim",
+                  "stablehlo.constant", "stablehlo.custom_call"}  # fmt: skip
+        assert ops <= layout, (what, ops - layout)
         in_kernel = residual and epilogue
-        # GEMM (x_hat, xg, [res,] wp, ws, wg, layer); finish (partials, xg, [res,] wg, layer)
-        assert [len(ops) for _, ops in calls] == [6 + in_kernel, 4 + in_kernel][: len(calls)]
+        # quantizer (x, xg, norm, layer); GEMM (x_hat, xg, [res,] wp, ws, wg, layer); finish
+        # (partials, xg, [res,] wg, layer)
+        sizes = [4, 6 + in_kernel, 4 + in_kernel][: len(calls)]
+        assert [len(ops) for _, ops in calls] == sizes, what
+        assert calls[1][1][0] == f"tensor<{m}x{K}xf16>" and calls[1][1][1] == f"tensor<{m}xf32>"
+        lines = [ln for ln in text.splitlines() if "custom_call @__gpu$xla.gpu.ptx" in ln]
+        quant, _ = _ssa(lines[0])
+        assert _ssa(lines[1])[1][:2] == [f"{quant}#0", f"{quant}#1"], what  # its x_hat, xg
+        assert f"-> (tensor<{m}x{K}xf16>, tensor<{m}xf32>)" in lines[0], what
+        chunk = nvfp4_quant.default_chunk(K, "xhat")
+        assert f"grid_x = {m}, grid_y = {K // chunk}," in lines[0], what
         if in_kernel:
-            assert all(ops[2] == f"tensor<{m}x{N}xbf16>" for _, ops in calls), (what, calls)
+            assert all(ops[2] == f"tensor<{m}x{N}xbf16>" for _, ops in calls[1:]), (what, calls)
         assert _bf16_adds(text, f"{m}x{N}") == (residual and not epilogue), what
+    built = [d for d in stub_compiler if d.get("QUANT_ONLY")]
+    assert built and all(d["XHAT_OUT"] == 1 for d in built), built
+    assert {d["PRO"] for d in built} == {nvfp4_gemv.PROLOGUES.index(prologue)}
     assert [why for op, why in _dispatch.noted() if op == fl.OP] == []
     # impl="cuda" takes the same lowering instead of refusing the shape
     f = jax.jit(lambda x: fl.fused_linear(x, params, impl="cuda", **kw))
     text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    assert [name for name, _ in _ptx_calls(text)] == [nvfp4_gemm.ENTRY, *finish]
+    names = [name for name, _ in _ptx_calls(text)]
+    assert names == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, *finish]
+
+
+GEMM_M = [(8, nvfp4_gemm.DEFAULT_OPTIONS), *LARGE_M]  # the GEMM's rows, from its min_m (8)
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize(("m", "opts"), GEMM_M, ids=[str(m) for m, _ in GEMM_M])
+def test_without_the_xhat_quantizer_the_gemm_path_is_the_former_one(stub_compiler, monkeypatch,
+                                                                    caplog, m, opts,
+                                                                    prologue):  # fmt: skip
+    """Where the quantizer's x_hat form does not build, the two-step lowering in front of the
+    GEMM is the one from before that form: up to 8 rows the quantizer kernel's codes form
+    (prologue inside), above them the prologue and quantizer as XLA ops (the composition's
+    own); then gemm_x_operand's K permutation as an XLA op and the GEMM (and its finish kernel),
+    the residual in its epilogue. Logged, not a reference-path note (the GEMM still runs)."""
+    monkeypatch.setattr(_dispatch, "_NOTED", set())
+    fl._note_no_xhat.cache_clear()  # logged once per reason: this test's log
+    build = nvfp4_quant.build
+
+    def no_xhat(*args, out="codes", **kw):
+        if out == "xhat":
+            raise nvfp4_gemv.KernelError("no xhat here")
+        return build(*args, out=out, **kw)
+
+    monkeypatch.setattr(nvfp4_quant, "build", no_xhat)
+    w = _stacked(False)
+    width = 2 * K if prologue == "swiglu" else K
+    params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
+    norm = jnp.ones((L, K), jnp.bfloat16)
+    x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
+    finish = [nvfp4_gemm.FINISH_ENTRY] if nvfp4_gemm.plan(m, N, K, options=opts).partials else []
+    f = jax.jit(
+        lambda x, r: fl.fused_linear(
+            x, params, layer=jnp.int32(1), prologue=prologue, norm=norm, residual=r,
+            residual_epilogue=True, kernels="two", gemm_options=opts,
+        )
+    )  # fmt: skip
+    with caplog.at_level("WARNING", logger="rejax.ops"):
+        text = f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
+    calls = _ptx_calls(text)
+    codes = m <= nvfp4_gemv.MAX_M  # the codes form of the quantizer kernel
+    assert [name for name, _ in calls] == [nvfp4_quant.ENTRY] * codes + [nvfp4_gemm.ENTRY, *finish]
+    assert "dot_general" not in text
+    assert ("stablehlo.rsqrt" in text) == (prologue == "rmsnorm" and not codes)
+    assert ("call @silu(" in text) == (prologue == "swiglu" and not codes)
+    assert "stablehlo.transpose" in text  # gemm_x_operand's K permutation
+    assert [len(ops) for _, ops in calls] == ([4] * codes + [7, 5])[: len(calls)]
+    assert all("XHAT_OUT" not in d for d in stub_compiler), stub_compiler
+    assert _bf16_adds(text, f"{m}x{N}") == 0
+    assert "no xhat here" in caplog.text
+    assert [why for op, why in _dispatch.noted() if op == fl.OP] == []
 
 
 @pytest.mark.parametrize("epilogue", [False, True])
@@ -419,9 +496,10 @@ def test_two_step_body_without_the_quantizer_kernel_is_the_composition(monkeypat
 @pytest.mark.parametrize("fusion", ["split", "fused"])
 def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusion):
     """A decode step at batch 16 lowered for CUDA, linear_fusion "split" or "fused": the four W4A4
-    linears of the scanned layer are four GEMM launches (o and down with the residual operand,
-    residual_fusion "fused"), no quantizer or GEMV launch, no bf16 [B, D] add, and no
-    reference note for the fused linears."""
+    linears of the scanned layer are four quantizer launches in the x_hat form (rmsnorm for
+    qkv and gate_up, none for o, swiglu for down) and four GEMM launches on their x_hat (o and
+    down with the residual operand, residual_fusion "fused"), no GEMV launch, no bf16 [B, D]
+    add, and no reference note for the fused linears."""
     monkeypatch.setattr(_dispatch, "_NOTED", set())
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion=fusion,
@@ -431,9 +509,13 @@ def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusi
     text = decode_step_cuda_text(cfg, b)
     calls = _ptx_calls(text)
     gemms = [ops for name, ops in calls if name == nvfp4_gemm.ENTRY]
-    names = {name for name, _ in calls}
-    assert not names & {nvfp4_quant.ENTRY, "nvfp4_gemv_w4a4", "nvfp4_gemv_w4a4_bf16"}, names
+    names = [name for name, _ in calls]
+    assert not set(names) & {"nvfp4_gemv_w4a4", "nvfp4_gemv_w4a4_bf16"}, names
+    assert names.count(nvfp4_quant.ENTRY) == 4, names
+    quant = sorted(d["PRO"] for d in stub_compiler if d.get("QUANT_ONLY") and d.get("XHAT_OUT"))
+    assert quant == [0, 1, 2], quant  # qkv and gate_up share one build (same K, rmsnorm)
     assert sorted(len(o) for o in gemms) == [6, 6, 7, 7], gemms
+    assert all(o[0].endswith("xf16>") and o[1] == f"tensor<{b}xf32>" for o in gemms), gemms
     assert all(o[2] == f"tensor<{b}x256xbf16>" for o in gemms if len(o) == 7), gemms
     assert _bf16_adds(text, f"{b}x(1x)?256") == 0
     assert [why for op, why in _dispatch.noted() if op == fl.OP] == []
@@ -561,8 +643,11 @@ def test_quantizer_kernel_compiles_for_sm90(tmp_path, monkeypatch):
             nvfp4_quant.build(1, 4096, nvfp4_gemv.PLAIN, arch="compute_90", threads=48)
         with pytest.raises(nvfp4_gemv.KernelError, match="residual"):
             nvfp4_quant.build(1, 4096, nvfp4_gemv.Fused(residual=True), arch="compute_90")
-        with pytest.raises(nvfp4_gemv.KernelError, match="M=9"):
-            nvfp4_quant.build(9, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
+        with pytest.raises(nvfp4_gemv.KernelError, match="M=0"):
+            nvfp4_quant.build(0, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
+        # any number of rows (the GEMM's decode batches): one grid row of CTAs each
+        many = nvfp4_quant.build(512, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
+        assert "grid_x = 512, grid_y = 8," in many.backend_config()
     finally:
         nvfp4_quant._build_cached.cache_clear()
 

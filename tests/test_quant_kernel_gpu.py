@@ -1,16 +1,24 @@
 """GPU tests of the stand-alone activation quantizer `nvfp4_quantize_bf16` (marker `gpu`) and of
-`fused_linear(kernels="two")` (quantizer kernel, then the plain W4A4 GEMV).
+`fused_linear(kernels="two")` (quantizer kernel, then the plain W4A4 GEMV or the GEMM).
 
 * Its codes, E4M3 scales and global scales equal `rejax.nvfp4.quantize_activation` of the
   prologue's output bitwise for prologue "none", static and dynamic global scales, zero and
-  saturating blocks. "rmsnorm" sums the mean square in the kernel's own order and "swiglu" takes
-  CUDA's expf for the sigmoid (not XLA's logistic), so a few of the prologue's bf16 outputs may
-  round the other way: >= QUANT_EQUAL of the code bytes equal (measured on the H200: 0.4-0.6%
-  of the bytes differ with "swiglu").
+  saturating blocks, at the GEMV's rows and above them. "rmsnorm" sums the mean square in the
+  kernel's own order and "swiglu" takes CUDA's expf for the sigmoid (not XLA's logistic), so a
+  few of the prologue's bf16 outputs may round the other way: >= QUANT_EQUAL of the code bytes
+  equal (measured on the H200: 0.4-0.6% of the bytes differ with "swiglu").
+* Its "xhat" form (-DXHAT_OUT=1, the GEMM's fp16 operand) equals
+  `rejax.ops.linear.gemm_x_operand` of quantize_activation's codes and scales bitwise for
+  prologue "none" (M = 9..256, K = 4096 and 12288, static and dynamic scales, zero rows, -0 and
+  saturating blocks), and gemm_x_operand of the "codes" form's outputs bitwise for every
+  prologue (the same device code).
 * `fused_linear(kernels="two")` equals the unfused composition bitwise for prologue "none" with a
-  residual (same quantized operands, the same GEMV; the residual added in the GEMV's epilogue is
-  the same bf16 add); at M = 16 and 64, above the quantizer kernel's 8 rows, the quantizer is
-  XLA's and the linear the GEMM (with the residual in its epilogue), as the composition's.
+  residual (same quantized operands, the same GEMV or GEMM; the residual added in the linear's
+  epilogue is the same bf16 add); from M = 8 on the linear is the GEMM, reading the quantizer's
+  x_hat. At M = 64 that path equals the one without the x_hat form (XLA's quantizer and
+  gemm_x_operand, then the same GEMM) bitwise for "none", and up to the quantizer's rounding for
+  "rmsnorm" and "swiglu" (relative Frobenius error <= FUSED_RTOL, >= FUSED_EQUAL of the outputs
+  equal).
 * The plain W4A4 GEMV with the residual epilogue (`gemv_call(residual=r)`, -DEPI_RES=1) equals
   r + the GEMV without it bitwise on the Qwen3-8B o_proj and down_proj shapes, M = 1..8, static
   and dynamic input scales; launched directly into a NaN-poisoned output it writes the same bits.
@@ -35,6 +43,8 @@ from rejax.ops import linear as kernels
 pytestmark = pytest.mark.gpu
 
 QUANT_EQUAL = 0.97
+FUSED_RTOL = 1e-2
+FUSED_EQUAL = 0.97
 
 
 def _x(m, width, seed, scale=2.0):
@@ -68,7 +78,7 @@ def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
     norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
     xg = jnp.asarray([0.05, 0.01] if stacked else [0.01], jnp.float32)
     layer = jnp.int32(1)
-    for m in (1, 3, 8):
+    for m in (1, 3, 8, 64):  # the GEMV's rows, and a GEMM batch
         x = _x(m, width, m * 7 + k)
         got, want = _quantize(x, xg, norm, layer, k, fused)
         what = f"M={m} K={k} dynamic={dynamic} prologue={prologue}"
@@ -112,8 +122,9 @@ def test_two_kernels_equal_the_composition(n, k):
             x = _x(m, k, m + n, scale=1.0)
             r = jax.random.normal(jax.random.key(m), (m, n), jnp.float32).astype(jnp.bfloat16)
             text = two.lower(x, r).compile().as_text()
-            # above 8 rows XLA quantizes and the GEMM follows; no dot reference either way
-            assert (nvfp4_quant.ENTRY in text) == (m <= nvfp4_quant.MAX_M), m
+            # the quantizer kernel at every M; from 8 rows on the GEMM follows, reading its
+            # x_hat; no dot reference either way
+            assert nvfp4_quant.ENTRY in text, m
             assert (nvfp4_gemm.ENTRY in text) == (m >= nvfp4_gemm.DEFAULT_MIN_M), m
             got = np.asarray(two(x, r), np.float32)
             assert np.isfinite(got).all()
@@ -225,3 +236,127 @@ def test_gemv_prefetch_changes_no_bits(n, k, options):
             assert np.isfinite(got).all(), what
             want = np.asarray(plain(r, *args), np.float32)
             np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+# ----------------------------------------------------------------------------- the x_hat form
+
+XHAT_M = (9, 16, 64, 256)
+
+
+def _x_edges(m, width, seed, scale=2.0):
+    """`_x` with an all-zero row and a block of -0 (codes 8: x_hat -0) besides the zero and
+    saturating blocks."""
+    x = _x(m, width, seed, scale)
+    x = x.at[1].set(0.0)
+    return x.at[2, 64:80].set(-0.0)
+
+
+def _xhat(x, xg, nw, layer, k, fused):
+    """(the kernel's (x_hat, global scale), gemm_x_operand of quantize_activation's codes and
+    scales with its global scale) as NumPy arrays, x_hat as its fp16 bits."""
+    kern = nvfp4_quant.build(x.shape[0], k, fused, out="xhat")
+    f = jax.jit(lambda *a: fl._quant_xhat_p.bind(*a, k=k, fused=fused, kernel=kern))
+    ref = jax.jit(lambda *a: fl._xhat_reference(*a, k=k, fused=fused))
+    got, want = f(x, xg, nw, layer), ref(x, xg, nw, layer)
+    bits = [np.asarray(a[0]).view(np.uint16) for a in (got, want)]
+    return (bits[0], np.asarray(got[1])), (bits[1], np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("dynamic", [False, True, "stacked"])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_xhat_form_equals_gemm_x_operand(k, dynamic):
+    """Prologue "none": the kernel's x_hat == gemm_x_operand(quantize_activation codes, scales)
+    bit for bit (the GEMM's K order, -0 kept), and its global scale per row the reference's;
+    the static scale stacked per layer is read at the layer."""
+    stacked = dynamic == "stacked"
+    dynamic = dynamic is True
+    fused = nvfp4_gemv.Fused(dynamic=dynamic, scale_stacked=stacked)
+    xg = jnp.asarray([0.05, 0.01] if stacked else [0.01], jnp.float32)
+    nw = jnp.zeros((1,), jnp.bfloat16)
+    layer = jnp.int32(1)
+    for m in XHAT_M:
+        x = _x_edges(m, k, m * 11 + k)
+        (got, got_g), (want, want_g) = _xhat(x, xg, nw, layer, k, fused)
+        what = f"M={m} K={k} dynamic={dynamic} stacked={stacked}"
+        assert (want == 0x8000).any(), what  # the -0 block is there to check
+        np.testing.assert_array_equal(got, want, err_msg=f"x_hat: {what}")
+        np.testing.assert_array_equal(got_g, want_g, err_msg=f"global scale: {what}")
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_xhat_form_is_the_codes_form_in_the_gemm_order(k, prologue):
+    """Every prologue, dynamic global scale: the "xhat" kernel == gemm_x_operand of the "codes"
+    kernel's outputs bit for bit (quant8 and quant4 run the same operations per element); against
+    the XLA reference "rmsnorm" and "swiglu" may round a few of the quantizer's inputs the other
+    way (>= QUANT_EQUAL of the x_hat elements equal)."""
+    fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=True, norm_stacked=True)
+    width = 2 * k if prologue == "swiglu" else k
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
+    xg = jnp.ones((1,), jnp.float32)
+    layer = jnp.int32(1)
+    for m in (9, 64):
+        x = _x_edges(m, width, m * 13 + k)
+        (got, got_g), (want, want_g) = _xhat(x, xg, norm, layer, k, fused)
+        codes = nvfp4_quant.build(m, k, fused)
+        qf = jax.jit(lambda *a, c=codes: fl._quant_p.bind(*a, k=k, fused=fused, kernel=c))
+        xp, xs, xgr = qf(x, xg, norm, layer)
+        via_codes = np.asarray(jax.jit(kernels.gemm_x_operand)(xp, xs)).view(np.uint16)
+        what = f"M={m} K={k} prologue={prologue}"
+        np.testing.assert_array_equal(got, via_codes, err_msg=what)
+        np.testing.assert_array_equal(got_g, np.asarray(xgr), err_msg=what)
+        if prologue == "none":
+            np.testing.assert_array_equal(got, want, err_msg=what)
+        else:
+            assert np.mean(got == want) >= QUANT_EQUAL, what
+            np.testing.assert_allclose(got_g, want_g, rtol=1e-2, err_msg=what)
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize(("n", "k"), O_DOWN)
+def test_gemm_on_the_kernels_xhat_equals_the_xla_xhat_path(monkeypatch, n, k, prologue):
+    """fused_linear at M = 64 (the GEMM, residual in its epilogue, static stacked input scale):
+    the quantizer kernel's x_hat fed to the GEMM equals the path without the x_hat form (XLA's
+    prologue, quantizer and gemm_x_operand, then the same GEMM) bitwise for prologue "none",
+    and within the quantizer's rounding for "rmsnorm" and "swiglu"."""
+    w = _weight(n, k)
+    layer = jnp.int32(1)
+    params = {"weight": w, "input_scale": jnp.asarray([0.05, 0.02], jnp.float32)}
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(5), (2, k))).astype(jnp.bfloat16)
+    width = 2 * k if prologue == "swiglu" else k
+    m = 64
+    x = _x_edges(m, width, n + k, scale=1.0)
+    r = _res(m, n, n)
+
+    def fused(x, r):
+        return fl.fused_linear(x, params, layer=layer, prologue=prologue, norm=norm, residual=r,
+                               kernels="two", residual_epilogue=True)  # fmt: skip
+
+    new = jax.jit(fused)
+    text = new.lower(x, r).compile().as_text()
+    assert nvfp4_quant.ENTRY in text and nvfp4_gemm.ENTRY in text
+    got = np.asarray(new(x, r), np.float64)
+    build = nvfp4_quant.build
+
+    def no_xhat(*args, out="codes", **kw):
+        if out == "xhat":
+            raise nvfp4_gemv.KernelError("the test's path without the x_hat form")
+        return build(*args, out=out, **kw)
+
+    monkeypatch.setattr(nvfp4_quant, "build", no_xhat)
+    jax.clear_caches()  # lower again, without the x_hat form
+    try:
+        old = jax.jit(fused)
+        text = old.lower(x, r).compile().as_text()
+        assert nvfp4_quant.ENTRY not in text and nvfp4_gemm.ENTRY in text
+        want = np.asarray(old(x, r), np.float64)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # nothing lowered without the x_hat form outlives this test
+    assert np.isfinite(got).all()
+    what = f"N={n} K={k} prologue={prologue}"
+    if prologue == "none":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+    else:
+        rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert rel <= FUSED_RTOL and np.mean(got == want) >= FUSED_EQUAL, (what, rel)

@@ -20,10 +20,18 @@ that rounding. With `kernels="two"` the prologue and the quantizer run once, in
 code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads its codes; with
 `residual_epilogue=True` it also adds the residual in its epilogue (built with -DEPI_RES=1: the
 composition's bf16 add, which tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as
-a launch of its own, else the add is an XLA op. The quantizer kernel serves M <= 8 only: for
-more rows (batches above 8, prefill) the prologue and quantizer are the reference's XLA ops
-(`quantize_activation` itself) in front of the same linear, the GEMM: the unfused
-composition's own operations. `kernels="one"` takes that two-step lowering too where its one
+a launch of its own, else the add is an XLA op. The quantizer kernel takes any number of rows;
+for the GEMM (from `gemm_options.min_m` on: decode batches, prefill up to `max_m`) it is built
+in its "xhat" form and writes the GEMM's fp16 operand x_hat (e2m1 * SFx in the GEMM's K order,
+`rejax.ops.linear.gemm_x_operand` of its codes and scales, bit for bit) and the global scale,
+which the GEMM reads directly (`rejax.ops.linear.gemm_call_xhat`): no XLA op builds the
+operand. So for prologue "none" the output is bitwise the composition's; "rmsnorm" sums the
+mean square in the kernel's order and "swiglu" takes CUDA's expf, so a few bf16 inputs of the
+quantizer may round the other way, as at M <= 8. Where that form does not build (K % 256 != 0,
+a failed build; logged once) the lowering is the one from before it: `gemm_x_operand` as an XLA
+op after the quantizer kernel's codes form up to 8 rows, and above them after the reference's
+XLA prologue and quantizer (`quantize_activation` itself, the unfused composition's own
+operations), then the same GEMM. `kernels="one"` takes that two-step lowering too where its one
 launch does not serve the shape (M > 8). Only where the linear itself has no kernel (an
 unsupported shape, a failed build, `impl="ref"`, the buffer_callback launch with two steps) does
 the whole op lower to the composition with one bf16 tensor-core dot, the reason logged once.
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import jax
@@ -45,9 +54,17 @@ from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
-from rejax.ops.linear import _supported, _weight, gemv_call, prefers_dot
+from rejax.ops.linear import (
+    _supported,
+    _weight,
+    gemm_call_xhat,
+    gemm_x_operand,
+    gemv_call,
+    prefers_dot,
+)
 
 OP = "nvfp4_fused_linear"
+_LOG = logging.getLogger("rejax.ops")
 PROLOGUES = nvfp4_gemv.PROLOGUES
 KERNELS = ("one", "two")  # CUDA launches per fused linear (see the module docstring)
 
@@ -143,6 +160,47 @@ mlir.register_lowering(_quant_p, _lower_quant_reference)
 mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 
 
+def _xhat_reference(x, xg, nw, layer, *, k, fused):
+    """(x_hat float16 [M, K] in the GEMM's K order, global scale f32 [M]): `gemm_x_operand` of
+    `_quant_reference`'s codes and scales, what the quantizer kernel's "xhat" form writes."""
+    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=fused)
+    return gemm_x_operand(xp, xs), xgr
+
+
+# the quantizer in its "xhat" form (the GEMM's operand); bound only by _two_kernels with a kernel
+_quant_xhat_p = Primitive("rejax_nvfp4_quantize_xhat")
+_quant_xhat_p.multiple_results = True
+_quant_xhat_p.def_abstract_eval(
+    lambda x, *_, k, **__: (
+        jax.core.ShapedArray((x.shape[0], k), jnp.float16),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+)
+
+
+def _lower_xhat_reference(ctx, *args, k, fused, kernel):
+    del kernel
+    fn = functools.partial(_xhat_reference, k=k, fused=fused)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lower_xhat_cuda(ctx, *args, k, fused, kernel):
+    if kernel is None:
+        return _lower_xhat_reference(ctx, *args, k=k, fused=fused, kernel=None)
+    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
+
+
+mlir.register_lowering(_quant_xhat_p, _lower_xhat_reference)
+mlir.register_lowering(_quant_xhat_p, _lower_xhat_cuda, platform="cuda")
+
+
+@functools.cache
+def _note_no_xhat(why: str) -> None:
+    """Logs once per reason that the GEMM's x_hat is built by XLA ops (`gemm_x_operand`), not by
+    the quantizer kernel: not a reference path, the GEMM still runs."""
+    _LOG.warning("%s: XLA builds the GEMM's x_hat: %s", OP, why)
+
+
 def _two_kernels(
     x, xg, nw, res, wp, ws, wg, layer, *pf_stacks, n, k, fused, quant, options, gemm_options,
     gw_rows, epilogue, prefetch=None,
@@ -150,14 +208,30 @@ def _two_kernels(
     """The quantizer (its kernel, or with `quant` None its reference as XLA ops), then the plain
     W4A4 linear (GEMV or GEMM) on its codes, which adds the residual in its epilogue
     (`rejax.ops.linear.gemv_call`) with `epilogue`, else after it; the GEMV issues the
-    `prefetch` hints (the GEMM drops them)."""
+    `prefetch` hints (the GEMM drops them). A `quant` kernel of the "xhat" form writes the
+    GEMM's x_hat, and the GEMM reads it (`rejax.ops.linear.gemm_call_xhat`, CUDA only)."""
     pro = dataclasses.replace(fused, residual=False)
+    in_kernel = fused.residual and epilogue
+    if quant is not None and quant.out == "xhat":
+        xh, xgr = _quant_xhat_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
+        y = gemm_call_xhat(
+            xh,
+            xgr,
+            wp,
+            ws,
+            wg,
+            layer,
+            n=n,
+            gw_rows=gw_rows,
+            gemm_options=gemm_options,
+            residual=res if in_kernel else None,
+        )
+        return res + y if fused.residual and not in_kernel else y
     pf = None
     if prefetch is not None:
         pairs = tuple(zip(pf_stacks[0::2], pf_stacks[1::2], strict=True))
         pf = (prefetch, pairs)
     xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
-    in_kernel = fused.residual and epilogue
     y = gemv_call(
         (xp, xs, xgr, wp, ws, wg, layer),
         act="w4a4",
@@ -188,14 +262,23 @@ def _lower_two(ctx, *args, **params):
     )
     if supported[0] and params["launch"] != "ptx":
         supported = (False, f"launch={params['launch']!r} (the two-kernel path needs 'ptx')")
-    # the quantizer kernel serves the GEMV's rows (M <= 8); for more (the GEMM's batches and
-    # prefill) the prologue and quantizer are XLA ops, the reference's own (quant None)
+    # the quantizer kernel takes any M: in front of the GEMM its x_hat form; without that form
+    # (a failed build) the GEMM reads gemm_x_operand of the codes form up to the GEMV's rows and
+    # above them of XLA's quantizer (the reference's own ops), the lowering from before the x_hat
+    # form; in front of the GEMV the codes form. A failed build of the codes form or of the
+    # linear fails the op: the dot reference.
     quant_kernel = nvfp4_quant.check_shape(m, k)[0]
+    pro = dataclasses.replace(fused, residual=False)
     quant = None
     if supported[0] and params["impl"] != "ref":
+        if kind == "gemm" and quant_kernel:
+            try:
+                quant = nvfp4_quant.build(m, k, pro, out="xhat")
+            except nvfp4_gemv.KernelError as err:
+                _note_no_xhat(f"quantizer (xhat) build failed: {err}")
         try:
-            if quant_kernel:
-                quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
+            if quant is None and quant_kernel and m <= nvfp4_gemv.MAX_M:
+                quant = nvfp4_quant.build(m, k, pro)
             if kind == "gemm":
                 nvfp4_gemm.build(
                     m,
@@ -326,8 +409,8 @@ def fused_linear(
     prefetch_options: nvfp4_gemv.Prefetch | None = None,
 ) -> jax.Array:
     """y = [residual +] nvfp4_linear(prologue(x)) as one op (on CUDA one kernel launch for
-    M <= 8, or two with `kernels="two"`; for more rows XLA's prologue and quantizer, then the
-    GEMM).
+    M <= 8, or two with `kernels="two"`; for more rows the quantizer kernel writing the GEMM's
+    x_hat, then the GEMM).
 
     Args:
         x: [..., K] bf16 (prologue "none" / "rmsnorm") or [..., 2K] (prologue "swiglu": the
@@ -345,8 +428,11 @@ def fused_linear(
             M the fused GEMV does not serve), including `min_m`, the fewest rows that take the
             GEMM instead of the GEMV.
         kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV or
-            GEMM); on CUDA only, the same reference elsewhere. Above M = 8 both are the XLA
-            prologue and quantizer, then the linear M picks (the GEMM by default).
+            GEMM); on CUDA only, the same reference elsewhere. Above M = 8 both are the
+            quantizer kernel, then the linear M picks (the GEMM by default, reading the
+            kernel's x_hat; prologue "none" bitwise the composition, "rmsnorm" / "swiglu" up
+            to the rounding of a few of the quantizer's bf16 inputs, see the module
+            docstring).
         residual_epilogue: with a residual on the two-step lowering (kernels="two", or an M
             the fused GEMV does not serve), the GEMV or GEMM adds it in its epilogue (no add
             of its own on CUDA; the same bf16 add). Off by default here; the decoder sets it

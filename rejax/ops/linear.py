@@ -12,8 +12,10 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   about one kernel, chosen by M (after folding leading dims): below `GemmOptions.min_m` (8) the
   small-M GEMV of `cuda_ops/nvfp4_gemv.cu` (K % 256 == 0, activations fit in shared memory), from
   it on the W4A4 tensor-core GEMM of `cuda_ops/nvfp4_gemm.cu` (K % 128 == 0; its fp16 operand
-  x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it; a K split adds a
-  small second kernel that sums the float32 partials in split order). Either is emitted as XLA's
+  x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it, `gemm_x_operand`;
+  a K split adds a small second kernel that sums the float32 partials in split order; the
+  fused linears of rejax/ops/fused_linear.py hand it an x_hat that their quantizer kernel
+  wrote instead, through `gemm_call_xhat`: the same launches, no XLA fusion). Either is emitted as XLA's
   PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
   "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: either kernel adds r in its
   epilogue (-DEPI_RES=1, res [M, N] an operand after xg; with the GEMM's K split, the finish
@@ -223,11 +225,17 @@ def gemm_finish(
 
 
 def _gemm_impl(*args, kernel, launch, drop=0):
-    p = kernel.plan
     args = args[: len(args) - drop]
     # (xp, xs, xg, wp, ws, wg, layer), res [M, N] after xg with the residual
     xp, xs, xg, *res, wp, ws, wg, layer = args
     xh = gemm_x_operand(xp, xs)
+    return _gemm_on_xhat(xh, xg, res, wp, ws, wg, layer, kernel=kernel, launch=launch)
+
+
+def _gemm_on_xhat(xh, xg, res, wp, ws, wg, layer, *, kernel, launch):
+    """The GEMM's launches on its x_hat operand: the GEMM entry, then with a K split through
+    partials the finish entry; `res` is [] or [the residual operand]."""
+    p = kernel.plan
 
     def call(entry, out, *ops):
         if launch == "ptx":
@@ -242,6 +250,57 @@ def _gemm_impl(*args, kernel, launch, drop=0):
     part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
     part = call(nvfp4_gemm.ENTRY, part, xh, xg, *res, wp, ws, wg, layer)
     return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, *res, wg, layer)
+
+
+def gemm_call_xhat(
+    xh: jax.Array,
+    xg: jax.Array,
+    wp: jax.Array,
+    ws: jax.Array,
+    wg: jax.Array,
+    layer: jax.Array,
+    *,
+    n: int,
+    gw_rows: bool = False,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    residual: jax.Array | None = None,
+    launch: str = "ptx",
+) -> jax.Array:
+    """The W4A4 GEMM on an x_hat operand that is already built (as `gemm_x_operand` gives it,
+    e.g. by the quantizer kernel's "xhat" form, `cuda_ops.nvfp4_quant`): the launches of the
+    GEMM path of `gemv_call` without the XLA fusion that builds x_hat from codes and scales;
+    the same kernels, so the same bits. For CUDA lowering rules only (called inside one's
+    `mlir.lower_fun`): it emits the kernel calls and has no reference.
+
+    Args:
+        xh: float16 [M, K], x_hat = e2m1 * SFx in the GEMM's K order.
+        xg: float32 [M], the activation global scale per row.
+        wp, ws, wg, layer: the weight operands as in `gemv_call` (stack dims kept).
+        n: out features.
+        gw_rows: the weight's global scale is per row.
+        gemm_options: the GEMM choices (`nvfp4_gemm.GemmOptions`).
+        residual: bf16 [M, N] added in the GEMM's (or its split-K finish's) epilogue, y =
+            residual + linear (XLA's bf16 add); None: no residual.
+        launch: "ptx" or "callback" (as `gemv_call`).
+
+    Raises KernelError when the GEMM cannot be built for this shape, ValueError on operands of
+    the wrong shape or dtype.
+    """
+    m, k = xh.shape
+    if np.dtype(xh.dtype) != np.dtype(np.float16) or tuple(xg.shape) != (m,):
+        got = f"xh {xh.shape} {np.dtype(xh.dtype)}, xg {xg.shape}"
+        raise ValueError(f"{got}: expected float16 [M, K] and float32 [M]")
+    res = []
+    if residual is not None:
+        if tuple(residual.shape) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16):
+            raise ValueError(
+                f"residual {residual.shape} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
+            )
+        res = [residual]
+    kernel = nvfp4_gemm.build(
+        m, n, k, options=gemm_options, gw_rows=gw_rows, residual=residual is not None
+    )
+    return _gemm_on_xhat(xh, xg, res, wp, ws, wg, layer, kernel=kernel, launch=launch)
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -1,0 +1,197 @@
+"""The quantizer kernel's "xhat" form (cuda_ops/nvfp4_quant.py, -DXHAT_OUT=1 in nvfp4_gemv.cu),
+checked on CPU: a NumPy model of what each thread of `nvfp4_quantize_bf16` writes (quant8's codes
+and block scale through xhat8's byte permutes and fp16 multiply, stored at the kernel's index)
+equals `rejax.ops.linear.gemm_x_operand` bit for bit; the kernel takes any number of rows; NVRTC
+compiles both output forms for sm_90. The GPU runs of the kernel are in
+tests/test_quant_kernel_gpu.py.
+
+GEMM letters: M rows (tokens), K in features.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuda_ops import build as cbuild
+from cuda_ops import nvfp4_gemv, nvfp4_quant
+from rejax.ops import linear as kernels
+
+# the kernel's byte tables and masks (nvfp4_gemv.cu, XHAT_OUT section)
+TH_LO, TH_HI = 0x3E3C3800, 0x46444240
+U32 = np.uint32
+
+
+def _prmt(lo, hi, sel):
+    """PTX prmt.b32 (default mode) on uint32 arrays: byte k of the result is byte (nibble k of
+    sel) & 7 of {hi, lo}, or its msb replicated when the nibble's bit 3 is set."""
+    lo, hi, sel = (np.asarray(a, np.uint64) for a in (lo, hi, sel))
+    both = lo | (hi << np.uint64(32))
+    out = np.zeros(np.broadcast(lo, hi, sel).shape, np.uint64)
+    for k in range(4):
+        nib = (sel >> np.uint64(4 * k)) & np.uint64(0xF)
+        byte = (both >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        sign = (nib & np.uint64(8)) != 0
+        byte = np.where(sign, np.where(byte & np.uint64(0x80), np.uint64(0xFF), 0), byte)
+        out |= byte.astype(np.uint64) << np.uint64(8 * k)
+    return out.astype(U32)
+
+
+def _hmul2(a, b):
+    """mul.rn.f16x2 on uint32 arrays of two fp16 halves."""
+    out = np.zeros(np.broadcast(a, b).shape, U32)
+    for shift in (0, 16):
+        ha = ((a >> U32(shift)) & U32(0xFFFF)).astype(np.uint16).view(np.float16)
+        hb = ((b >> U32(shift)) & U32(0xFFFF)).astype(np.uint16).view(np.float16)
+        prod = (ha * hb).astype(np.float16).view(np.uint16).astype(U32)
+        out |= prod << U32(shift)
+    return out
+
+
+def _e4m3x2_to_f16x2(v):
+    """cvt.rn.f16x2.e4m3x2 of the low 16 bits of uint32 v: (low byte, high byte) -> f16x2."""
+    out = np.zeros(np.shape(v), U32)
+    for half in (0, 1):
+        byte = ((v >> U32(8 * half)) & U32(0xFF)).astype(np.uint8)
+        f16 = byte.view(ml_dtypes.float8_e4m3fn).astype(np.float16).view(np.uint16)
+        out |= f16.astype(U32) << U32(16 * half)
+    return out
+
+
+def _xhat8(c, scale):
+    """The kernel's xhat8 on uint32 arrays: 8 codes c (nibble j = element j) and the block's
+    E4M3 byte -> 4 f16x2 words (e_i, e_{i+4}), [..., 4]."""
+    mag = c & U32(0x77777777)
+    lo = _prmt(TH_LO, TH_HI, mag)
+    hi = _prmt(TH_LO, TH_HI, mag >> U32(16))
+    sf2 = _e4m3x2_to_f16x2(scale * U32(0x101))
+    sgn = c & U32(0x88888888)
+    words = []
+    for i in range(4):
+        h = _prmt(lo, hi, U32((i << 4) | ((4 + i) << 12))) & U32(0xFF00FF00)
+        words.append(_hmul2(h, sf2) | ((sgn << U32(12 - 4 * i)) & U32(0x80008000)))
+    return np.stack(words, axis=-1)
+
+
+def kernel_xhat(xp: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    """What `nvfp4_quantize_bf16` built with XHAT_OUT writes for the codes xp uint8 [M, K/2] and
+    scale bytes xs uint8 [M, K/16] that its quant8 computes: thread item i (elements e0 = 8i ..
+    e0 + 7) stores xhat8's 16 bytes at 128c + 32u + 8t (e0 = 128c + 32t + 8u). float16 [M, K]."""
+    m, k = xp.shape[0], 2 * xp.shape[1]
+    codes = np.ascontiguousarray(xp).view("<u4")  # [M, K/8]: 8 codes per item, little-endian
+    e0 = 8 * np.arange(k // 8)
+    scale = xs[:, e0 // 16].astype(U32)
+    runs = _xhat8(codes, scale)  # [M, K/8, 4] words
+    at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3)
+    out = np.zeros((m, k // 2), U32)  # f16x2 words
+    for w in range(4):
+        out[:, at // 2 + w] = runs[..., w]
+    return out.view(np.float16)
+
+
+def _codes_and_scales(m, k, seed):
+    """Random codes (every nibble value) and E4M3 scale bytes 0x00 .. 0x7E (zero, subnormal,
+    the largest finite 448): every (code, scale) pair the quantizer can write, and a zero row
+    and a row of zero blocks with signed codes."""
+    rng = np.random.default_rng(seed)
+    xp = rng.integers(0, 256, (m, k // 2), dtype=np.uint8)
+    xs = rng.integers(0, 0x7F, (m, k // 16), dtype=np.uint8)
+    xs[:, :3] = [0x00, 0x01, 0x7E]
+    xp[0], xs[0] = 0, 0  # an all-zero row
+    xs[1 % m, 4:8] = 0  # zero blocks under nonzero codes: +0 / -0 by the code's sign
+    xp[2 % m, :8] = 0x88  # -0 codes
+    return xp, xs
+
+
+@pytest.mark.parametrize("k", [256, 4096, 12288])
+def test_kernel_xhat_model_equals_gemm_x_operand_bitwise(k):
+    m = 9
+    xp, xs = _codes_and_scales(m, k, k)
+    got = kernel_xhat(xp, xs).view(np.uint16)
+    want = np.asarray(kernels.gemm_x_operand(jnp.asarray(xp), jnp.asarray(xs)))
+    assert want.dtype == np.float16
+    np.testing.assert_array_equal(got, want.view(np.uint16))
+    # the exact values, not only equal bits: e2m1 * SFx, -0 where the code is negative
+    assert np.signbit(want[0]).sum() == 0 and (want[0] == 0).all()
+
+
+def test_kernel_xhat_model_covers_every_code_and_scale():
+    """Each of the 16 codes times each of the 127 finite non-negative E4M3 scales: the value
+    e2m1(code) * SFx as gemm_x_operand gives it (the product is exact in fp16)."""
+    codes = np.arange(16, dtype=np.uint8)
+    # row r holds scale r in all of its blocks; each block holds codes 0..15
+    xs = np.repeat(np.arange(0x7F, dtype=np.uint8)[:, None], 256 // 16, axis=1)
+    block = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)  # 16 codes in 8 bytes
+    xp = np.tile(block, (0x7F, 256 // 16))
+    got = kernel_xhat(xp, xs).view(np.uint16)
+    want = np.asarray(kernels.gemm_x_operand(jnp.asarray(xp), jnp.asarray(xs))).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_quantizer_takes_any_number_of_rows():
+    """check_shape: any M >= 1 (the GEMM's decode batches and prefill too), K a multiple of 256;
+    the "xhat" form's default chunking: one quant8 round per thread."""
+    for m in (1, 8, 9, 64, 256, 512, 4096):
+        assert nvfp4_quant.check_shape(m, 4096) == (True, ""), m
+    assert not nvfp4_quant.check_shape(0, 4096)[0]
+    assert not nvfp4_quant.check_shape(64, 4096 + 128)[0]
+    assert [nvfp4_quant.default_chunk(k, "xhat") for k in (4096, 12288, 2560, 2304)] == [
+        1024,
+        1024,
+        512,
+        256,
+    ]
+    assert [nvfp4_quant.default_threads(c, "xhat") for c in (1024, 512, 256)] == [128, 64, 32]
+    assert nvfp4_quant.default_chunk(4096) == 512 and nvfp4_quant.default_threads(512) == 128
+
+
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+def test_build_refuses_bad_xhat_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(nvfp4_gemv.KernelError, match="out='fp8'"):
+        nvfp4_quant.build(16, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out="fp8")
+    with pytest.raises(nvfp4_gemv.KernelError, match="chunk=128"):  # quant8: 256-element warps
+        nvfp4_quant.build(16, 4096, nvfp4_gemv.PLAIN, arch="compute_90", chunk=128, out="xhat")
+    with pytest.raises(nvfp4_gemv.KernelError, match="M=0"):
+        nvfp4_quant.build(0, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat")
+
+
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_both_forms_compile_for_sm90(tmp_path, monkeypatch, k):
+    """NVRTC compiles `nvfp4_quantize_bf16` with XHAT_OUT on and off (every prologue, static and
+    dynamic scales) to PTX whose entry takes 6 / 7 parameters, launched over [M, K / chunk] for
+    M = 16, 64; ptxas builds it for sm_90 without spills; the "codes" form is built without the
+    XHAT_OUT define (its PTX and cache keys are those of the GEMV's quantizer)."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_quant._build_cached.cache_clear()
+    seen = []
+    compile_ptx = nvfp4_quant.compile_ptx
+
+    def recording(source, *, defines, **kw):
+        seen.append(dict(defines))
+        return compile_ptx(source, defines=defines, **kw)
+
+    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
+    source = cbuild.read_source(nvfp4_gemv.SOURCE)
+    try:
+        for prologue in nvfp4_gemv.PROLOGUES:
+            for dynamic in (False, True):
+                fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, norm_stacked=True)
+                for out, params in (("codes", 7), ("xhat", 6)):
+                    for m in (16, 64):
+                        kern = nvfp4_quant.build(m, k, fused, arch="compute_90", out=out)
+                        assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.ENTRY: params}
+                        cfg = kern.backend_config()
+                        grid = f"grid_x = {m}, grid_y = {k // kern.chunk},"
+                        assert grid in cfg and f"block_x = {kern.threads}," in cfg, cfg[-300:]
+                    assert ("XHAT_OUT" in seen[-1]) == (out == "xhat"), seen[-1]
+                    log = cbuild.ptxas_log(source, seen[-1], "sm_90", name=nvfp4_gemv.SOURCE)
+                    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+        xhat = nvfp4_quant.build(64, k, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat")
+        assert (xhat.chunk, xhat.threads, xhat.n_outputs) == (1024, 128, 2)
+        assert "st.global.v4" in xhat.ptx  # x_hat leaves in 16-byte runs
+    finally:
+        nvfp4_quant._build_cached.cache_clear()
