@@ -66,6 +66,14 @@ REDUCES = ("finish", "cluster")
 # 1.50 / 1.03 for "base") and is the default: its GPU tests pass and the 36-layer NVFP4 decode
 # measured 4.428 against 4.674 ms/token at batch 8 (experiments/results/h200_f/).
 OCCUPANCIES = ("base", "wide")
+# How a fused linear (rejax.ops.fused_linear, kernels "two") quantizes its activations for this
+# GEMM: "xla" (up to the GEMV's 8 rows the quantizer kernel's codes, above them XLA's prologue
+# and quantize_activation; then gemm_x_operand's fp16 x_hat as XLA ops) or "kernel" (the
+# quantizer kernel's x_hat form writes the GEMM's operand itself: one launch, no XLA op on the
+# activations). "kernel" measured faster on the H200 (8-layer Qwen3-8B decode at batch 64:
+# 2.112 against 2.346 ms/token, the 24 XLA fusions per layer gone; experiments/results/h200_m/)
+# but its GPU tests have not all passed yet, so "xla" stays the default.
+X_QUANTS = ("xla", "kernel")
 WIDE_WR1_MAX_M = 16
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
@@ -108,6 +116,8 @@ class GemmOptions:
             all; larger keeps more of them out of the fp16 subnormal range).
         occupancy: how the plan chooses wr and splitk when they are None: "base" or "wide"
             (`OCCUPANCIES`).
+        x_quant: how a fused linear in front of this GEMM quantizes its activations: "xla" or
+            "kernel" (`X_QUANTS`); the GEMM itself is the same.
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -125,6 +135,7 @@ class GemmOptions:
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
     occupancy: str = "wide"
+    x_quant: str = "xla"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -133,6 +144,8 @@ class GemmOptions:
             raise KernelError(f"GemmOptions.w_shift={self.w_shift!r}, expected an int in 0..7")
         if self.reduce not in REDUCES:
             raise KernelError(f"GemmOptions.reduce={self.reduce!r}, expected one of {REDUCES}")
+        if self.x_quant not in X_QUANTS:
+            raise KernelError(f"GemmOptions.x_quant={self.x_quant!r}, expected one of {X_QUANTS}")
         if self.occupancy not in OCCUPANCIES:
             raise KernelError(
                 f"GemmOptions.occupancy={self.occupancy!r}, expected one of {OCCUPANCIES}"

@@ -88,6 +88,10 @@ GEMM_OCCUPANCIES = ("base", "wide")
 # 5.890 / 11.223 vs 4.410 / 5.783 / 9.573 ms/token at batch 8 / 16 / 64, h200_g/), so "finish"
 # stays the default.
 GEMM_REDUCES = ("finish", "cluster")
+# How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
+# rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
+# faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.
+GEMM_X_QUANTS = ("xla", "kernel")
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
 # "default" (XLA's own choice: fusions, cuBLAS, custom calls; the loop's while runs from the
@@ -234,6 +238,7 @@ class Config:
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
     gemm_reduce: str = "finish"
+    gemm_x_quant: str = "xla"
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows
@@ -306,6 +311,10 @@ class Config:
         if self.gemm_reduce not in GEMM_REDUCES:
             raise ValueError(
                 f"unknown gemm_reduce {self.gemm_reduce!r}; expected one of {GEMM_REDUCES}"
+            )
+        if self.gemm_x_quant not in GEMM_X_QUANTS:
+            raise ValueError(
+                f"unknown gemm_x_quant {self.gemm_x_quant!r}; expected one of {GEMM_X_QUANTS}"
             )
         if self.gemm_occupancy not in GEMM_OCCUPANCIES:
             raise ValueError(

@@ -111,7 +111,12 @@ def decoder_layer(
     o_kernels = "one" if cfg.linear_fusion == "mixed" else kernels
     gemm = {
         "gemm_options": gemm_options(
-            cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce, cfg.invariant_rows
+            cfg.gemm_min_m,
+            cfg.gemm_occupancy,
+            cfg.gemm_max_m,
+            cfg.gemm_reduce,
+            cfg.invariant_rows,
+            cfg.gemm_x_quant,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }

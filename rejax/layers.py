@@ -254,11 +254,14 @@ def gemm_options(
     max_m: int | None | str = "default",
     reduce: str | None = None,
     split_m: int | None = None,
+    x_quant: str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce` and `split_m` (None /
-    "default": the defaults; max_m None is no bound), e.g. `Config.gemm_min_m`,
-    `gemm_occupancy`, `gemm_max_m`, `gemm_reduce` and `invariant_rows`."""
+    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m` and
+    `x_quant` (None / "default": the defaults; max_m None is no bound), e.g. `Config.gemm_min_m`,
+    `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`, `invariant_rows` and `gemm_x_quant`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
+    if x_quant is not None and x_quant != opts.x_quant:
+        opts = dataclasses.replace(opts, x_quant=x_quant)
     if split_m is not None:
         opts = dataclasses.replace(opts, split_m=split_m)
     if min_m is not None and min_m != opts.min_m:

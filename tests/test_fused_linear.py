@@ -340,8 +340,9 @@ def _ssa(line: str) -> tuple[str, list[str]]:
 @pytest.mark.parametrize(("m", "opts"), LARGE_M, ids=[str(m) for m, _ in LARGE_M])
 def test_above_eight_rows_the_quantizer_kernel_feeds_the_gemm(stub_compiler, monkeypatch, m,
                                                                opts, kernels, prologue):  # fmt: skip
-    """Above the GEMV's M (8) kernels "two" and "one" lower to the quantizer kernel in its x_hat
-    form (prologue inside, grid [M, K / chunk]), then the GEMM (with a K split, and its finish
+    """With GemmOptions.x_quant "kernel", above the GEMV's M (8) kernels "two" and "one" lower
+    to the quantizer kernel in its x_hat form (prologue inside, grid [M, K / chunk]), then the
+    GEMM (with a K split, and its finish
     kernel) on the quantizer's x_hat and global scale: no GEMV launch, no XLA op on the
     activations (no prologue, quantizer or x_hat transpose: layout ops only), no bf16 dot over
     the dequantized weight (the reference), no reference note. With residual_epilogue the
@@ -352,11 +353,13 @@ def test_above_eight_rows_the_quantizer_kernel_feeds_the_gemm(stub_compiler, mon
     width = 2 * K if prologue == "swiglu" else K
     params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
     norm = jnp.ones((L, K), jnp.bfloat16)
+    split = opts is GEMM_SPLIT
+    opts = dataclasses.replace(opts, x_quant="kernel")  # the opt-in x_hat quantizer
     kw = {"layer": jnp.int32(1), "prologue": prologue, "norm": norm, "kernels": kernels,
           "gemm_options": opts}  # fmt: skip
     x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
     finish = [nvfp4_gemm.FINISH_ENTRY] if nvfp4_gemm.plan(m, N, K, options=opts).partials else []
-    assert bool(finish) == (opts is GEMM_SPLIT)
+    assert bool(finish) == split
     for residual, epilogue in ((False, False), (True, False), (True, True)):
         f = jax.jit(
             lambda x, r, residual=residual, epilogue=epilogue: fl.fused_linear(
@@ -405,17 +408,21 @@ def test_above_eight_rows_the_quantizer_kernel_feeds_the_gemm(stub_compiler, mon
 GEMM_M = [(8, nvfp4_gemm.DEFAULT_OPTIONS), *LARGE_M]  # the GEMM's rows, from its min_m (8)
 
 
+@pytest.mark.parametrize("x_quant", ["xla", "kernel"])
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
 @pytest.mark.parametrize(("m", "opts"), GEMM_M, ids=[str(m) for m, _ in GEMM_M])
 def test_without_the_xhat_quantizer_the_gemm_path_is_the_former_one(stub_compiler, monkeypatch,
-                                                                    caplog, m, opts,
-                                                                    prologue):  # fmt: skip
-    """Where the quantizer's x_hat form does not build, the two-step lowering in front of the
-    GEMM is the one from before that form: up to 8 rows the quantizer kernel's codes form
-    (prologue inside), above them the prologue and quantizer as XLA ops (the composition's
-    own); then gemm_x_operand's K permutation as an XLA op and the GEMM (and its finish kernel),
-    the residual in its epilogue. Logged, not a reference-path note (the GEMM still runs)."""
+                                                                    caplog, m, opts, prologue,
+                                                                    x_quant):  # fmt: skip
+    """With GemmOptions.x_quant "xla" (the default), or "kernel" where the quantizer's x_hat
+    form does not build, the two-step lowering in front of the GEMM is the one from before that
+    form: up to 8 rows the quantizer kernel's codes form (prologue inside), above them the
+    prologue and quantizer as XLA ops (the composition's own); then gemm_x_operand's K
+    permutation as an XLA op and the GEMM (and its finish kernel), the residual in its
+    epilogue. A failed x_hat build is logged, not a reference-path note (the GEMM still runs);
+    "xla" does not try it."""
     monkeypatch.setattr(_dispatch, "_NOTED", set())
+    opts = dataclasses.replace(opts, x_quant=x_quant)
     fl._note_no_xhat.cache_clear()  # logged once per reason: this test's log
     build = nvfp4_quant.build
 
@@ -449,7 +456,7 @@ def test_without_the_xhat_quantizer_the_gemm_path_is_the_former_one(stub_compile
     assert [len(ops) for _, ops in calls] == ([4] * codes + [7, 5])[: len(calls)]
     assert all("XHAT_OUT" not in d for d in stub_compiler), stub_compiler
     assert _bf16_adds(text, f"{m}x{N}") == 0
-    assert "no xhat here" in caplog.text
+    assert ("no xhat here" in caplog.text) == (x_quant == "kernel")
     assert [why for op, why in _dispatch.noted() if op == fl.OP] == []
 
 
@@ -493,17 +500,19 @@ def test_two_step_body_without_the_quantizer_kernel_is_the_composition(monkeypat
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("x_quant", ["xla", "kernel"])
 @pytest.mark.parametrize("fusion", ["split", "fused"])
-def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusion):
+def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusion, x_quant):
     """A decode step at batch 16 lowered for CUDA, linear_fusion "split" or "fused": the four W4A4
-    linears of the scanned layer are four quantizer launches in the x_hat form (rmsnorm for
-    qkv and gate_up, none for o, swiglu for down) and four GEMM launches on their x_hat (o and
-    down with the residual operand, residual_fusion "fused"), no GEMV launch, no bf16 [B, D]
-    add, and no reference note for the fused linears."""
+    linears of the scanned layer are four GEMM launches (o and down with the residual operand,
+    residual_fusion "fused"), no GEMV launch, no bf16 [B, D] add, and no reference note for the
+    fused linears. With Config.gemm_x_quant "kernel" four quantizer launches in the x_hat form
+    (rmsnorm for qkv and gate_up, none for o, swiglu for down) write the GEMMs' x_hat; with
+    "xla" (the default) no quantizer kernel runs (XLA quantizes)."""
     monkeypatch.setattr(_dispatch, "_NOTED", set())
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion=fusion,
-        num_layers=3, residual_fusion="fused",
+        num_layers=3, residual_fusion="fused", gemm_x_quant=x_quant,
     )  # fmt: skip
     b = 16
     text = decode_step_cuda_text(cfg, b)
@@ -511,9 +520,10 @@ def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusi
     gemms = [ops for name, ops in calls if name == nvfp4_gemm.ENTRY]
     names = [name for name, _ in calls]
     assert not set(names) & {"nvfp4_gemv_w4a4", "nvfp4_gemv_w4a4_bf16"}, names
-    assert names.count(nvfp4_quant.ENTRY) == 4, names
+    kernel = x_quant == "kernel"
+    assert names.count(nvfp4_quant.ENTRY) == 4 * kernel, names
     quant = sorted(d["PRO"] for d in stub_compiler if d.get("QUANT_ONLY") and d.get("XHAT_OUT"))
-    assert quant == [0, 1, 2], quant  # qkv and gate_up share one build (same K, rmsnorm)
+    assert quant == [0, 1, 2] * kernel, quant  # qkv and gate_up share one build (same K, rmsnorm)
     assert sorted(len(o) for o in gemms) == [6, 6, 7, 7], gemms
     assert all(o[0].endswith("xf16>") and o[1] == f"tensor<{b}xf32>" for o in gemms), gemms
     assert all(o[2] == f"tensor<{b}x256xbf16>" for o in gemms if len(o) == 7), gemms

@@ -176,6 +176,15 @@ def test_plan_tiles_and_split_k():
     assert cl.defines()["CLUSTER_RED"] == 1 and cl.smem >= cl.tm * (cl.tile_n + 4) * 4
     with pytest.raises(cbuild.KernelError, match="reduce"):
         nvfp4_gemm.GemmOptions(reduce="atomic")
+    # how a fused linear quantizes for the GEMM: not part of the GEMM's plan
+    assert nvfp4_gemm.GemmOptions().x_quant == "xla"
+    xk = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(x_quant="kernel"))
+    assert xk == nvfp4_gemm.plan(64, 4096, 4096)
+    with pytest.raises(cbuild.KernelError, match="x_quant='fast'"):
+        nvfp4_gemm.GemmOptions(x_quant="fast")
+    with pytest.raises(ValueError, match="unknown gemm_x_quant 'fast'"):
+        rconfig.Config(gemm_x_quant="fast")
+    assert rlayers.gemm_options(None, x_quant="kernel").x_quant == "kernel"
 
 
 def test_wide_occupancy_plans():
@@ -432,7 +441,12 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
         got, _ = entries(
             m, lambda x: fl.fused_linear(x, params, kernels="two", gemm_options=unbounded)
         )
-        # the quantizer kernel (its x_hat form) feeds the GEMM at any M
+        assert got[0] == nvfp4_gemm.ENTRY and nvfp4_quant.ENTRY not in got, got
+        # with x_quant "kernel" the quantizer kernel (its x_hat form) feeds the GEMM at any M
+        xk = dataclasses.replace(unbounded, x_quant="kernel")
+        got, _ = entries(
+            m, lambda x, xk=xk: fl.fused_linear(x, params, kernels="two", gemm_options=xk)
+        )
         assert got[:2] == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY], got
     got, _ = entries(256, lambda x: kernels.nvfp4_linear(x, w))
     assert got[0] == nvfp4_gemm.ENTRY, got

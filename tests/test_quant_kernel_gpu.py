@@ -14,11 +14,12 @@
   prologue (the same device code).
 * `fused_linear(kernels="two")` equals the unfused composition bitwise for prologue "none" with a
   residual (same quantized operands, the same GEMV or GEMM; the residual added in the linear's
-  epilogue is the same bf16 add); from M = 8 on the linear is the GEMM, reading the quantizer's
-  x_hat. At M = 64 that path equals the one without the x_hat form (XLA's quantizer and
-  gemm_x_operand, then the same GEMM) bitwise for "none", and up to the quantizer's rounding for
-  "rmsnorm" and "swiglu" (relative Frobenius error <= FUSED_RTOL, >= FUSED_EQUAL of the outputs
-  equal).
+  epilogue is the same bf16 add); from M = 8 on the linear is the GEMM, above 8 rows after XLA's
+  quantizer (GemmOptions.x_quant "xla", the default). With x_quant "kernel" the GEMM reads the
+  quantizer kernel's x_hat: at M = 64 that path equals the one without the x_hat form (XLA's
+  quantizer and gemm_x_operand, then the same GEMM) bitwise for "none", and up to the
+  quantizer's rounding for "rmsnorm" and "swiglu" (relative Frobenius error <= FUSED_RTOL,
+  >= FUSED_EQUAL of the outputs equal).
 * The plain W4A4 GEMV with the residual epilogue (`gemv_call(residual=r)`, -DEPI_RES=1) equals
   r + the GEMV without it bitwise on the Qwen3-8B o_proj and down_proj shapes, M = 1..8, static
   and dynamic input scales; launched directly into a NaN-poisoned output it writes the same bits.
@@ -122,9 +123,9 @@ def test_two_kernels_equal_the_composition(n, k):
             x = _x(m, k, m + n, scale=1.0)
             r = jax.random.normal(jax.random.key(m), (m, n), jnp.float32).astype(jnp.bfloat16)
             text = two.lower(x, r).compile().as_text()
-            # the quantizer kernel at every M; from 8 rows on the GEMM follows, reading its
-            # x_hat; no dot reference either way
-            assert nvfp4_quant.ENTRY in text, m
+            # up to 8 rows the quantizer kernel, above them XLA's quantizer (GemmOptions.x_quant
+            # "xla", the default); from 8 rows on the GEMM; no dot reference either way
+            assert (nvfp4_quant.ENTRY in text) == (m <= nvfp4_gemv.MAX_M), m
             assert (nvfp4_gemm.ENTRY in text) == (m >= nvfp4_gemm.DEFAULT_MIN_M), m
             got = np.asarray(two(x, r), np.float32)
             assert np.isfinite(got).all()
@@ -241,6 +242,7 @@ def test_gemv_prefetch_changes_no_bits(n, k, options):
 # ----------------------------------------------------------------------------- the x_hat form
 
 XHAT_M = (9, 16, 64, 256)
+XHAT_OPTIONS = nvfp4_gemm.GemmOptions(x_quant="kernel")  # the opt-in x_hat quantizer
 
 
 def _x_edges(m, width, seed, scale=2.0):
@@ -330,7 +332,8 @@ def test_gemm_on_the_kernels_xhat_equals_the_xla_xhat_path(monkeypatch, n, k, pr
 
     def fused(x, r):
         return fl.fused_linear(x, params, layer=layer, prologue=prologue, norm=norm, residual=r,
-                               kernels="two", residual_epilogue=True)  # fmt: skip
+                               kernels="two", residual_epilogue=True,
+                               gemm_options=XHAT_OPTIONS)  # fmt: skip
 
     new = jax.jit(fused)
     text = new.lower(x, r).compile().as_text()

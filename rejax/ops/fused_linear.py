@@ -262,8 +262,9 @@ def _lower_two(ctx, *args, **params):
     )
     if supported[0] and params["launch"] != "ptx":
         supported = (False, f"launch={params['launch']!r} (the two-kernel path needs 'ptx')")
-    # the quantizer kernel takes any M: in front of the GEMM its x_hat form; without that form
-    # (a failed build) the GEMM reads gemm_x_operand of the codes form up to the GEMV's rows and
+    # the quantizer kernel takes any M: in front of the GEMM its x_hat form with
+    # GemmOptions.x_quant "kernel"; with "xla" (the default) or without that form (a failed
+    # build) the GEMM reads gemm_x_operand of the codes form up to the GEMV's rows and
     # above them of XLA's quantizer (the reference's own ops), the lowering from before the x_hat
     # form; in front of the GEMV the codes form. A failed build of the codes form or of the
     # linear fails the op: the dot reference.
@@ -271,7 +272,7 @@ def _lower_two(ctx, *args, **params):
     pro = dataclasses.replace(fused, residual=False)
     quant = None
     if supported[0] and params["impl"] != "ref":
-        if kind == "gemm" and quant_kernel:
+        if kind == "gemm" and quant_kernel and params["gemm_options"].x_quant == "kernel":
             try:
                 quant = nvfp4_quant.build(m, k, pro, out="xhat")
             except nvfp4_gemv.KernelError as err:
