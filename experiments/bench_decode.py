@@ -64,6 +64,7 @@ CHOICE_FIELDS = {
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
     "gemm_occupancy": rconfig.GEMM_OCCUPANCIES,
     "gemm_reduce": rconfig.GEMM_REDUCES,
+    "gemm_x_quant": rconfig.GEMM_X_QUANTS,
     "command_buffer": rconfig.COMMAND_BUFFERS,
 }
 
@@ -285,6 +286,12 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
+    ap.add_argument(
+        "--scan-unroll",
+        type=int,
+        default=rconfig.Config.scan_unroll,
+        help="Config.scan_unroll: layer bodies per iteration of the NVFP4 layer scan",
+    )
     for field, choices in CHOICE_FIELDS.items():  # the decode-kernel choices of Config
         ap.add_argument(
             "--" + field.replace("_", "-"),
@@ -357,6 +364,7 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(
         cfg,
         layer_loop=args.layer_loop,
+        scan_unroll=args.scan_unroll,
         **{field: getattr(args, field) for field in CHOICE_FIELDS},
         gemm_min_m=args.gemm_min_m,
         gemm_max_m=args.gemm_max_m,

@@ -66,12 +66,16 @@ def _hlo_instructions(cfg: Config, batch=2, slots=64) -> int:
 
 
 def test_compiled_decode_step_does_not_grow_with_depth():
-    """The NVFP4 decode step (layers scanned) of a 36-layer config has at most 1.3x the HLO
-    instructions of the 2-layer config (abstract shapes, no weights)."""
+    """The NVFP4 decode step (layers scanned, scan_unroll layer bodies per iteration) of a
+    36-layer config has at most 1.3x the HLO instructions of a config with as many layers as
+    one iteration holds (abstract shapes, no weights): 2 layers at scan_unroll 1, 8 at the
+    default 4 (36 = 9 x 4; 8 = 2 x 4)."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64)
-    small = _hlo_instructions(dataclasses.replace(cfg, num_layers=2))
-    deep = _hlo_instructions(dataclasses.replace(cfg, num_layers=36))
-    assert deep <= 1.3 * small, (small, deep)
+    for unroll, shallow in ((1, 2), (cfg.scan_unroll, 2 * cfg.scan_unroll)):
+        c = dataclasses.replace(cfg, scan_unroll=unroll)
+        small = _hlo_instructions(dataclasses.replace(c, num_layers=shallow))
+        deep = _hlo_instructions(dataclasses.replace(c, num_layers=36))
+        assert deep <= 1.3 * small, (unroll, small, deep)
     assert layer_loop(rparams.random_params(cfg, 0).weights, cfg) == "scan"
 
 

@@ -6,7 +6,9 @@
   saturating blocks, at the GEMV's rows and above them. "rmsnorm" sums the mean square in the
   kernel's own order and "swiglu" takes CUDA's expf for the sigmoid (not XLA's logistic), so a
   few of the prologue's bf16 outputs may round the other way: >= QUANT_EQUAL of the code bytes
-  equal (measured on the H200: 0.4-0.6% of the bytes differ with "swiglu").
+  equal (measured on the H200: 0.4-0.6% of the bytes differ with "swiglu") on the rows whose
+  dynamic global scale agrees (a row's largest value rounded the other way changes its scale
+  and so its codes: >= 90% of the rows agree, every scale within 1e-2).
 * Its "xhat" form (-DXHAT_OUT=1, the GEMM's fp16 operand) equals
   `rejax.ops.linear.gemm_x_operand` of quantize_activation's codes and scales bitwise for
   prologue "none" (M = 9..256, K = 4096 and 12288, static and dynamic scales, zero rows, -0 and
@@ -84,7 +86,12 @@ def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
         got, want = _quantize(x, xg, norm, layer, k, fused)
         what = f"M={m} K={k} dynamic={dynamic} prologue={prologue}"
         if prologue != "none":
-            assert np.mean(got[0] == want[0]) >= QUANT_EQUAL, what
+            # a row whose prologue rounds its largest value the other way gets another dynamic
+            # global scale, and with it other codes: the codes are compared on the rows whose
+            # global scale agrees (all of them with a static scale), the scales on every row
+            same = got[2] == want[2]
+            assert np.mean(same) >= 0.9, what
+            assert np.mean(got[0][same] == want[0][same]) >= QUANT_EQUAL, what
             np.testing.assert_allclose(got[2], want[2], rtol=1e-2, err_msg=what)
         else:
             for g, w, name in zip(got, want, ("codes", "scales", "global scale")):
