@@ -21,14 +21,15 @@ code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads it
 `residual_epilogue=True` it also adds the residual in its epilogue (built with -DEPI_RES=1: the
 composition's bf16 add, which tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as
 a launch of its own, else the add is an XLA op. The quantizer kernel takes any number of rows;
-for the GEMM (from `gemm_options.min_m` on: decode batches, prefill up to `max_m`) it is built
-in its "xhat" form and writes the GEMM's fp16 operand x_hat (e2m1 * SFx in the GEMM's K order,
+with `gemm_options.x_quant` "kernel" (opt-in; "xla" is the default) for the GEMM (from
+`gemm_options.min_m` on: decode batches, prefill up to `max_m`) it is built in its "xhat" form
+and writes the GEMM's fp16 operand x_hat (e2m1 * SFx in the GEMM's K order,
 `rejax.ops.linear.gemm_x_operand` of its codes and scales, bit for bit) and the global scale,
 which the GEMM reads directly (`rejax.ops.linear.gemm_call_xhat`): no XLA op builds the
 operand. So for prologue "none" the output is bitwise the composition's; "rmsnorm" sums the
 mean square in the kernel's order and "swiglu" takes CUDA's expf, so a few bf16 inputs of the
-quantizer may round the other way, as at M <= 8. Where that form does not build (K % 256 != 0,
-a failed build; logged once) the lowering is the one from before it: `gemm_x_operand` as an XLA
+quantizer may round the other way, as at M <= 8. With "xla", or where that form does not build
+(K % 256 != 0, a failed build; logged once), the lowering is the one from before it: `gemm_x_operand` as an XLA
 op after the quantizer kernel's codes form up to 8 rows, and above them after the reference's
 XLA prologue and quantizer (`quantize_activation` itself, the unfused composition's own
 operations), then the same GEMM. `kernels="one"` takes that two-step lowering too where its one

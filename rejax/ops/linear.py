@@ -13,11 +13,11 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   small-M GEMV of `cuda_ops/nvfp4_gemv.cu` (K % 256 == 0, activations fit in shared memory), from
   it on the W4A4 tensor-core GEMM of `cuda_ops/nvfp4_gemm.cu` (K % 128 == 0; its fp16 operand
   x_hat = e2m1 * SFx, in the kernel's K order, is an XLA fusion before it, `gemm_x_operand`;
-  a K split adds a small second kernel that sums the float32 partials in split order; the
-  fused linears of rejax/ops/fused_linear.py hand it an x_hat that their quantizer kernel
-  wrote instead, through `gemm_call_xhat`: the same launches, no XLA fusion). Either is emitted as XLA's
-  PTX custom-kernel call (launch "ptx") or a command-buffer-compatible `buffer_callback` (launch
-  "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: either kernel adds r in its
+  a K split adds a small second kernel that sums the float32 partials in split order; with
+  `GemmOptions.x_quant` "kernel" the fused linears of rejax/ops/fused_linear.py hand it an
+  x_hat that their quantizer kernel wrote instead, through `gemm_call_xhat`: the same
+  launches, no XLA fusion). Either is emitted as XLA's PTX custom-kernel call (launch "ptx")
+  or a command-buffer-compatible `buffer_callback` (launch "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: either kernel adds r in its
   epilogue (-DEPI_RES=1, res [M, N] an operand after xg; with the GEMM's K split, the finish
   kernel's), the bf16 add of the reference. When the chosen
   kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
