@@ -1,8 +1,8 @@
 """Device kernels one decoder layer launches per decode step, counted from the compiled program.
 
 Source: the optimized HLO of `rejax.decode.decode_step` (the compiled thunks, not a profile).
-The layers run under one `lax.scan` whose while loop XLA annotates with its trip count
-(`known_trip_count` = L); every instruction of that loop's body computation that runs on the
+The layers run under one `lax.scan` (here one layer body per iteration, `Config.scan_unroll`
+= 1) whose while loop XLA annotates with its trip count (`known_trip_count` = L); every instruction of that loop's body computation that runs on the
 device is one launch on a GPU: a fusion, a custom call (our GEMV, cuBLAS, a Pallas kernel), or
 an unfused op (copy, dynamic-update-slice, ...). Parameters, tuples, get-tuple-element,
 constants and bitcasts launch nothing. With XLA command buffers the launches are replayed from a
@@ -129,9 +129,12 @@ def compiled_decode_step(cfg: rconfig.Config, batch: int, slots: int) -> str:
     return decode_step.trace(*args).lower().compile().as_text()
 
 
+# One layer body per scan iteration (Config.scan_unroll = 1), so the loop body is one layer's
+# launches; the default runs scan_unroll bodies per iteration, the same launches per layer and
+# the loop's own machinery once per iteration instead of once per layer.
 TINY = rconfig.Config(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=4,
-    num_kv_heads=2, head_dim=64, quant="nvfp4",
+    num_kv_heads=2, head_dim=64, quant="nvfp4", scan_unroll=1,
 )  # fmt: skip
 
 
@@ -150,7 +153,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     base = TINY if args.tiny else dataclasses.replace(
-        rconfig.PRESETS[args.preset], num_layers=args.layers, quant="nvfp4"
+        rconfig.PRESETS[args.preset], num_layers=args.layers, quant="nvfp4", scan_unroll=1
     )  # fmt: skip
     rows = []
     for fusion in args.linear_fusion:
