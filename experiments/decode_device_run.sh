@@ -43,6 +43,8 @@
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 #   cbcheck  tokens under Config.command_buffer "while" vs "default" (check_command_buffer.py,
 #            CB_ARGS); times nothing
+#   bundle   OUTDIR as one OUTDIR-name.tgz in BUNDLE_TO (the device returns few files): e.g.
+#            OUTDIR=/tmp/t, phases "train sens peek bundle", BUNDLE_TO=$OUT
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -290,6 +292,13 @@ probe tests/test_attention_probe.py'}
     cbcheck)
       timeout ${CB_TIMEOUT:-300} python3 experiments/check_command_buffer.py ${CB_ARGS:---layers 2} \
         --out "$out/cbcheck.json" > "$out/cbcheck.log" 2>&1; echo "rc=$?"; tail -12 "$out/cbcheck.log";;
+    bundle)
+      # BUNDLE_TO (a folder, e.g. $OUT) gets OUTDIR as one gzipped tar (the device returns at
+      # most 8 files, two folders deep): checkpoints, logs and JSON of the phases before it
+      to=${BUNDLE_TO:?BUNDLE_TO: the folder that gets the tar}
+      mkdir -p "$to"
+      tar czf "$to/$(basename "$out").tgz" -C "$(dirname "$out")" "$(basename "$out")"
+      echo "bundled $(du -sh "$to/$(basename "$out").tgz" | cut -f1)";;
     count)
       timeout ${COUNT_TIMEOUT:-200} python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
         --attention einsum live --out "$out/count_kernels.json" > "$out/count_kernels.log" 2>&1
