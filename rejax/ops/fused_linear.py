@@ -29,10 +29,10 @@ which the GEMM reads directly (`rejax.ops.linear.gemm_call_xhat`): no XLA op bui
 operand. So for prologue "none" the output is bitwise the composition's; "rmsnorm" sums the
 mean square in the kernel's order and "swiglu" takes CUDA's expf, so a few bf16 inputs of the
 quantizer may round the other way, as at M <= 8. With "xla", or where that form does not build
-(K % 256 != 0, a failed build; logged once), the lowering is the one from before it: `gemm_x_operand` as an XLA
-op after the quantizer kernel's codes form up to 8 rows, and above them after the reference's
-XLA prologue and quantizer (`quantize_activation` itself, the unfused composition's own
-operations), then the same GEMM. `kernels="one"` takes that two-step lowering too where its one
+(K % 256 != 0, a failed build; logged once), the lowering is the one from before it:
+`gemm_x_operand` as an XLA op after the quantizer kernel's codes form up to 8 rows, and above
+them after the reference's XLA prologue and quantizer (`quantize_activation` itself, the
+unfused composition's own operations), then the same GEMM. `kernels="one"` takes that two-step lowering too where its one
 launch does not serve the shape (M > 8). Only where the linear itself has no kernel (an
 unsupported shape, a failed build, `impl="ref"`, the buffer_callback launch with two steps) does
 the whole op lower to the composition with one bf16 tensor-core dot, the reason logged once.
@@ -411,8 +411,9 @@ def fused_linear(
     prefetch_options: nvfp4_gemv.Prefetch | None = None,
 ) -> jax.Array:
     """y = [residual +] nvfp4_linear(prologue(x)) as one op (on CUDA one kernel launch for
-    M <= 8, or two with `kernels="two"`; for more rows the quantizer kernel writing the GEMM's
-    x_hat, then the GEMM).
+    M <= 8, or two with `kernels="two"`; for more rows XLA's prologue and quantizer, or with
+    `gemm_options.x_quant` "kernel" the quantizer kernel writing the GEMM's x_hat, then the
+    GEMM).
 
     Args:
         x: [..., K] bf16 (prologue "none" / "rmsnorm") or [..., 2K] (prologue "swiglu": the
@@ -430,9 +431,10 @@ def fused_linear(
             M the fused GEMV does not serve), including `min_m`, the fewest rows that take the
             GEMM instead of the GEMV.
         kernels: "one" (the fused GEMV) or "two" (the quantizer kernel, then the plain GEMV or
-            GEMM); on CUDA only, the same reference elsewhere. Above M = 8 both are the
-            quantizer kernel, then the linear M picks (the GEMM by default, reading the
-            kernel's x_hat; prologue "none" bitwise the composition, "rmsnorm" / "swiglu" up
+            GEMM); on CUDA only, the same reference elsewhere. Above M = 8 both are XLA's
+            prologue and quantizer (or with `gemm_options.x_quant` "kernel" the quantizer
+            kernel), then the linear M picks (the GEMM by default; with "kernel" reading the
+            kernel's x_hat: prologue "none" bitwise the composition, "rmsnorm" / "swiglu" up
             to the rounding of a few of the quantizer's bf16 inputs, see the module
             docstring).
         residual_epilogue: with a residual on the two-step lowering (kernels="two", or an M
