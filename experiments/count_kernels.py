@@ -2,9 +2,9 @@
 
 Source: the optimized HLO of `rejax.decode.decode_step` (the compiled thunks, not a profile).
 The layers run under one `lax.scan` (here one layer body per iteration, `Config.scan_unroll`
-= 1) whose while loop XLA annotates with its trip count (`known_trip_count` = L); every instruction of that loop's body computation that runs on the
-device is one launch on a GPU: a fusion, a custom call (our GEMV, cuBLAS, a Pallas kernel), or
-an unfused op (copy, dynamic-update-slice, ...). Parameters, tuples, get-tuple-element,
+= 1) whose while loop XLA annotates with its trip count (`known_trip_count` = L); every
+instruction of that loop's body computation that runs on the device is one launch on a GPU: a
+fusion, a custom call (our GEMV, cuBLAS, a Pallas kernel), or an unfused op (copy, dynamic-update-slice, ...). Parameters, tuples, get-tuple-element,
 constants and bitcasts launch nothing. With XLA command buffers the launches are replayed from a
 CUDA graph, but each is still a kernel. On CPU the same count describes the CPU program (for
 the tool's tests); the numbers that matter come from a CUDA build.

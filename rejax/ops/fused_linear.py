@@ -32,8 +32,8 @@ quantizer may round the other way, as at M <= 8. With "xla", or where that form 
 (K % 256 != 0, a failed build; logged once), the lowering is the one from before it:
 `gemm_x_operand` as an XLA op after the quantizer kernel's codes form up to 8 rows, and above
 them after the reference's XLA prologue and quantizer (`quantize_activation` itself, the
-unfused composition's own operations), then the same GEMM. `kernels="one"` takes that two-step lowering too where its one
-launch does not serve the shape (M > 8). Only where the linear itself has no kernel (an
+unfused composition's own operations), then the same GEMM. `kernels="one"` takes that two-step
+lowering too where its one launch does not serve the shape (M > 8). Only where the linear itself has no kernel (an
 unsupported shape, a failed build, `impl="ref"`, the buffer_callback launch with two steps) does
 the whole op lower to the composition with one bf16 tensor-core dot, the reason logged once.
 """

@@ -17,9 +17,10 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   `GemmOptions.x_quant` "kernel" the fused linears of rejax/ops/fused_linear.py hand it an
   x_hat that their quantizer kernel wrote instead, through `gemm_call_xhat`: the same
   launches, no XLA fusion). Either is emitted as XLA's PTX custom-kernel call (launch "ptx")
-  or a command-buffer-compatible `buffer_callback` (launch "callback"). `gemv_call(residual=r)` (W4A4) returns r + y: either kernel adds r in its
-  epilogue (-DEPI_RES=1, res [M, N] an operand after xg; with the GEMM's K split, the finish
-  kernel's), the bf16 add of the reference. When the chosen
+  or a command-buffer-compatible `buffer_callback` (launch "callback"). `gemv_call(residual=r)`
+  (W4A4) returns r + y: either kernel adds r in its epilogue (-DEPI_RES=1, res [M, N] an
+  operand after xg; with the GEMM's K split, the finish kernel's), the bf16 add of the
+  reference. When the chosen
   kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build), the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
   on a GPU), the reason logged once.
