@@ -116,8 +116,9 @@ class GemmOptions:
             all; larger keeps more of them out of the fp16 subnormal range).
         occupancy: how the plan chooses wr and splitk when they are None: "base" or "wide"
             (`OCCUPANCIES`).
-        x_quant: how a fused linear in front of this GEMM quantizes its activations: "xla" or
-            "kernel" (`X_QUANTS`); the GEMM itself is the same.
+        x_quant: how a fused linear in front of this GEMM quantizes its activations: "kernel"
+            (the default: the quantizer kernel writes the GEMM's x_hat operand) or "xla" (XLA's
+            quantizer and `gemm_x_operand` fusions) (`X_QUANTS`); the GEMM itself is the same.
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -135,7 +136,7 @@ class GemmOptions:
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
     occupancy: str = "wide"
-    x_quant: str = "xla"
+    x_quant: str = "kernel"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 

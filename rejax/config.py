@@ -240,7 +240,7 @@ class Config:
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
     gemm_reduce: str = "finish"
-    gemm_x_quant: str = "xla"
+    gemm_x_quant: str = "kernel"
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows

@@ -340,7 +340,7 @@ def _ssa(line: str) -> tuple[str, list[str]]:
 @pytest.mark.parametrize(("m", "opts"), LARGE_M, ids=[str(m) for m, _ in LARGE_M])
 def test_above_eight_rows_the_quantizer_kernel_feeds_the_gemm(stub_compiler, monkeypatch, m,
                                                                opts, kernels, prologue):  # fmt: skip
-    """With GemmOptions.x_quant "kernel", above the GEMV's M (8) kernels "two" and "one" lower
+    """With GemmOptions.x_quant "kernel" (the default), above the GEMV's M (8) kernels "two" and "one" lower
     to the quantizer kernel in its x_hat form (prologue inside, grid [M, K / chunk]), then the
     GEMM (with a K split, and its finish
     kernel) on the quantizer's x_hat and global scale: no GEMV launch, no XLA op on the
@@ -354,7 +354,7 @@ def test_above_eight_rows_the_quantizer_kernel_feeds_the_gemm(stub_compiler, mon
     params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
     norm = jnp.ones((L, K), jnp.bfloat16)
     split = opts is GEMM_SPLIT
-    opts = dataclasses.replace(opts, x_quant="kernel")  # the opt-in x_hat quantizer
+    opts = dataclasses.replace(opts, x_quant="kernel")  # the x_hat quantizer
     kw = {"layer": jnp.int32(1), "prologue": prologue, "norm": norm, "kernels": kernels,
           "gemm_options": opts}  # fmt: skip
     x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
@@ -414,7 +414,7 @@ GEMM_M = [(8, nvfp4_gemm.DEFAULT_OPTIONS), *LARGE_M]  # the GEMM's rows, from it
 def test_without_the_xhat_quantizer_the_gemm_path_is_the_former_one(stub_compiler, monkeypatch,
                                                                     caplog, m, opts, prologue,
                                                                     x_quant):  # fmt: skip
-    """With GemmOptions.x_quant "xla" (the default), or "kernel" where the quantizer's x_hat
+    """With GemmOptions.x_quant "xla", or "kernel" (the default) where the quantizer's x_hat
     form does not build, the two-step lowering in front of the GEMM is the one from before that
     form: up to 8 rows the quantizer kernel's codes form (prologue inside), above them the
     prologue and quantizer as XLA ops (the composition's own); then gemm_x_operand's K
@@ -506,9 +506,9 @@ def test_decode_step_at_batch_16_takes_the_gemm(stub_compiler, monkeypatch, fusi
     """A decode step at batch 16 lowered for CUDA, linear_fusion "split" or "fused": the four W4A4
     linears of the scanned layer are four GEMM launches (o and down with the residual operand,
     residual_fusion "fused"), no GEMV launch, no bf16 [B, D] add, and no reference note for the
-    fused linears. With Config.gemm_x_quant "kernel" four quantizer launches in the x_hat form
-    (rmsnorm for qkv and gate_up, none for o, swiglu for down) write the GEMMs' x_hat; with
-    "xla" (the default) no quantizer kernel runs (XLA quantizes)."""
+    fused linears. With Config.gemm_x_quant "kernel" (the default) four quantizer launches in
+    the x_hat form (rmsnorm for qkv and gate_up, none for o, swiglu for down) write the GEMMs'
+    x_hat; with "xla" no quantizer kernel runs (XLA quantizes)."""
     monkeypatch.setattr(_dispatch, "_NOTED", set())
     cfg = Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, linear_fusion=fusion,

@@ -177,14 +177,15 @@ def test_plan_tiles_and_split_k():
     with pytest.raises(cbuild.KernelError, match="reduce"):
         nvfp4_gemm.GemmOptions(reduce="atomic")
     # how a fused linear quantizes for the GEMM: not part of the GEMM's plan
-    assert nvfp4_gemm.GemmOptions().x_quant == "xla"
-    xk = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(x_quant="kernel"))
+    assert nvfp4_gemm.GemmOptions().x_quant == "kernel"
+    assert rconfig.Config().gemm_x_quant == "kernel"
+    xk = nvfp4_gemm.plan(64, 4096, 4096, options=nvfp4_gemm.GemmOptions(x_quant="xla"))
     assert xk == nvfp4_gemm.plan(64, 4096, 4096)
     with pytest.raises(cbuild.KernelError, match="x_quant='fast'"):
         nvfp4_gemm.GemmOptions(x_quant="fast")
     with pytest.raises(ValueError, match="unknown gemm_x_quant 'fast'"):
         rconfig.Config(gemm_x_quant="fast")
-    assert rlayers.gemm_options(None, x_quant="kernel").x_quant == "kernel"
+    assert rlayers.gemm_options(None, x_quant="xla").x_quant == "xla"
 
 
 def test_wide_occupancy_plans():
@@ -428,7 +429,7 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
             text = _lower_cuda(f, x)
         return re.findall(r"name = \\22(\w+)\\22", text), text
 
-    unbounded = nvfp4_gemm.GemmOptions(max_m=None)
+    unbounded = nvfp4_gemm.GemmOptions(max_m=None, x_quant="xla")
     for m in (257, 512):
         got, text = entries(m, lambda x: kernels.nvfp4_linear(x, w))
         assert got == [] and not stub_compilers and "dot_general" in text, got
@@ -442,7 +443,8 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
             m, lambda x: fl.fused_linear(x, params, kernels="two", gemm_options=unbounded)
         )
         assert got[0] == nvfp4_gemm.ENTRY and nvfp4_quant.ENTRY not in got, got
-        # with x_quant "kernel" the quantizer kernel (its x_hat form) feeds the GEMM at any M
+        # with x_quant "kernel" (the default) the quantizer kernel (its x_hat form) feeds the
+        # GEMM at any M; "xla" (above) keeps XLA's quantizer
         xk = dataclasses.replace(unbounded, x_quant="kernel")
         got, _ = entries(
             m, lambda x, xk=xk: fl.fused_linear(x, params, kernels="two", gemm_options=xk)

@@ -21,7 +21,7 @@ code), and the plain W4A4 GEMV (from `gemm_options.min_m` on, the GEMM) reads it
 `residual_epilogue=True` it also adds the residual in its epilogue (built with -DEPI_RES=1: the
 composition's bf16 add, which tests/test_quant_kernel_gpu.py checks bitwise), so no add runs as
 a launch of its own, else the add is an XLA op. The quantizer kernel takes any number of rows;
-with `gemm_options.x_quant` "kernel" (opt-in; "xla" is the default) for the GEMM (from
+with `gemm_options.x_quant` "kernel" (the default; "xla" keeps XLA's quantizer) for the GEMM (from
 `gemm_options.min_m` on: decode batches, prefill up to `max_m`) it is built in its "xhat" form
 and writes the GEMM's fp16 operand x_hat (e2m1 * SFx in the GEMM's K order,
 `rejax.ops.linear.gemm_x_operand` of its codes and scales, bit for bit) and the global scale,
@@ -264,7 +264,7 @@ def _lower_two(ctx, *args, **params):
     if supported[0] and params["launch"] != "ptx":
         supported = (False, f"launch={params['launch']!r} (the two-kernel path needs 'ptx')")
     # the quantizer kernel takes any M: in front of the GEMM its x_hat form with
-    # GemmOptions.x_quant "kernel"; with "xla" (the default) or without that form (a failed
+    # GemmOptions.x_quant "kernel" (the default); with "xla" or without that form (a failed
     # build) the GEMM reads gemm_x_operand of the codes form up to the GEMV's rows and
     # above them of XLA's quantizer (the reference's own ops), the lowering from before the x_hat
     # form; in front of the GEMV the codes form. A failed build of the codes form or of the

@@ -1,0 +1,461 @@
+// EXPERIMENT: NVFP4 W4A4 GEMM on Hopper warpgroup tensor cores (sm_90a, wgmma.mma_async):
+// y[M, N] = x[M, K] . W[N, K]^T, bf16. A variant of cuda_ops/nvfp4_gemm.cu (read its header
+// first: the operands, the numerics and the decode are the same); only the MMA, the x_hat order
+// and the shared-memory layout of the x_hat tile differ. Host side: nvfp4_gemm_wgmma.py.
+//
+// GEMM letters: M tokens (rows of x), N out features (rows of W), K in features. W is NVFP4
+// (codes uint8 [N, K/2], E4M3 block scales uint8 [N, K/16], float32 global scale [] or per row
+// [N], optionally stacked [L, ...] with a device int32 layer index). x arrives as fp16 x_hat =
+// e2m1(code) * SFx [M, K], exact, in the WGMMA K ORDER below (not the production kernel's).
+//
+// Shape constants (-D, planned by nvfp4_gemm_wgmma.py):
+//   M_TOK, N_OUT, K_IN   problem size (K_IN % KT == 0; any M, N >= 1)
+//   TM                   tokens per CTA tile = the wgmma N (8, 16, 32 or 64); grid x = ceil(M / TM)
+//   WR                   64-row weight tiles per warpgroup (one m64nTMk16 wgmma each per k16 step)
+//   NWG                  warpgroups per CTA (4 warps each): TILE_N = 64 * WR * NWG rows,
+//                        grid y = ceil(N / TILE_N)
+//   KT                   K elements per pipeline stage (128 or 256)
+//   STAGES               shared-memory ring depth (>= 3): STAGES - 2 stages are loaded ahead of
+//                        the one computed, one slot is slack for the wgmmas still reading it
+//   SPLITK               K split across CTAs (grid z); > 1 writes float32 partials [SPLITK, M, N]
+//                        that nvfp4_gemm_finish adds in split order and scales (as production)
+//   GW_ROWS, W_SHIFT     as in production
+//   DESC_SWAP            diagnostic only: swap the descriptor's two byte offsets (see below)
+//   MIN_BLOCKS           __launch_bounds__ minimum CTAs per SM (register cap), default 1
+//
+// Numerics: identical to production. w' = e2m1 * SFw * 2^(W_SHIFT - 14) and x_hat are exact in
+// fp16, every product is exact in fp32, the tensor cores add in fp32 (only the order of the
+// fp32 additions differs from mma.sync), the epilogue multiplies by 2^(14 - W_SHIFT) then by
+// global_w[n] * global_x[m] and rounds once to bf16.
+//
+// Design: Y^T = W X^T. A warpgroup (warps q = 0..3) owns WR tiles of 64 weight rows; warp q
+// decodes rows 16q .. 16q + 15 of each tile into registers exactly as a production warp decodes
+// its 16-row tile, and the four warps' m16n8k16-style A fragments stacked ARE the register A
+// fragment of wgmma.m64nNk16 (thread (g = lane / 4, t = lane % 4) of warp q holds A[16q + g]
+// [2t, 2t+1], A[16q + g + 8][2t, 2t+1], A[16q + g][2t+8, 2t+9], A[16q + g + 8][2t+8, 2t+9]).
+// The tokens are the wgmma's N (B, from shared memory through a matrix descriptor).
+// * The K order. Lane (g, t) reads the 16-byte code chunk t (32 elements) of its rows per
+//   128-element sub-chunk c; word u (u = 0..3, elements 32t + 8u .. + 7) decodes to the f16x2
+//   pairs P_i = (e_i, e_{i+4}), i = 0..3 (decode8, as production). k16 step s = 2u + v (v = 0, 1)
+//   of sub-chunk c takes (P_{2v}, P_{2v+1}) of rows g, g + 8 as its four A registers, so its
+//   logical k = 8h + 2t + j (h, j in {0, 1}) is the physical element
+//     p(c, s, k) = 128c + 32t + 8u + 2v + h + 4j.
+//   The B operand must hold x_hat in that logical order, and a wgmma core matrix row is 8
+//   consecutive logical k (16 bytes) of one token, so the host stores
+//     x_w[m, 128c + 16s + 8h + 2t + j] = x_hat[m, 128c + 32t + 8u + 2v + h + 4j]
+//   (a permutation inside each 128-element chunk: nvfp4_gemm_wgmma.to_wgmma_order; the
+//   production order interleaves the 4 lanes' pairs differently and cannot serve as B).
+// * The x_hat tile in shared memory: K-major, NO swizzle ("interleave"): 8 x 16-byte core
+//   matrices (8 tokens x 8 logical k, rows of 16 bytes, 128 contiguous bytes). Column q (8
+//   logical k, q = 0 .. KT/8 - 1) of token m sits at
+//     off(m, q) = q * (16 TM) + (m / 8) * 128 + (m % 8) * 16
+//   so a k16 step sigma (q = 2 sigma, 2 sigma + 1) is one contiguous 32 TM-byte block. In the
+//   PTX ISA's canonical K-major no-swizzle layout ((8,n),(8,2)):((8 el, SBO),(1 el, LBO)) that is
+//     LBO (leading dimension byte offset: between the two core matrices along K) = 16 TM bytes
+//     SBO (stride dimension byte offset: between 8-token groups along N)           = 128 bytes
+//   descriptor: bits 0-13 start address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset
+//   0, 62-63 swizzle 0 (none). Step sigma's descriptor = the stage's x tile + 32 TM sigma bytes.
+//   cp.async fills it with 16-byte chunks, 8 consecutive threads taking the 8 tokens of one core
+//   matrix row set (128 contiguous bytes per 8 lanes: no bank conflicts; the wgmma reads whole
+//   128-byte core matrices).
+// * Weight codes and scales: the production stage layout (64-byte code rows per sub-chunk,
+//   KT = 256 swaps odd rows' halves), read with the production lanes' pattern (conflict free).
+// * Per stage, per 128-element sub-chunk, per word u (two k16 steps):
+//     decode word u of all WR tiles into register buffer (u % 2);
+//     wgmma.fence;                       (orders the new A registers before the wgmmas read them)
+//     2 x WR wgmma.mma_async (v = 0, 1; same-shape accumulator chains need no fence in between);
+//     wgmma.commit_group; wgmma.wait_group 1;
+//   so the wgmmas of word u run while word u + 1 is decoded, and wait_group 1 before decoding
+//   word u + 2 into the same buffer guarantees the wgmmas that read it are done.
+// * Stage ring: at iteration i, cp.async.wait_group (stage i landed), fence.proxy.async (the
+//   generic-proxy cp.async writes become visible to the async proxy that wgmma reads through),
+//   __syncthreads, then stage i + STAGES - 2 is loaded into the slot that stage i - 2 used: every
+//   warpgroup's wgmmas of stage i - 2 completed at its last wait_group 1 of stage i - 1, before
+//   this barrier. After the loop wait_group 0, then the accumulators are pinned after the wait
+//   (empty volatile asm) before the epilogue reads them.
+// * Accumulators: wgmma m64nTMk16 f32 D fragment, TM / 2 floats per thread per tile: d[4j + e] is
+//   row 16q + g + 8 (e / 2), token 8j + 2t + (e % 2) (j < TM / 8), i.e. production's acc[r][j][e].
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef GW_ROWS
+#define GW_ROWS 0
+#endif
+#ifndef KT
+#define KT 128
+#endif
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef SPLITK
+#define SPLITK 1
+#endif
+#ifndef WR
+#define WR 1
+#endif
+#ifndef NWG
+#define NWG 1
+#endif
+#ifndef W_SHIFT
+#define W_SHIFT 7
+#endif
+#ifndef DESC_SWAP
+#define DESC_SWAP 0
+#endif
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 1
+#endif
+static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
+constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
+constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
+constexpr bool PARTIALS = SPLITK > 1;  // float32 partials for the finish kernel
+
+constexpr int NT = 128 * NWG;
+constexpr int TILE_N = 64 * WR * NWG;
+constexpr int NACC = TM / 2;         // accumulator floats per thread per 64-row tile
+constexpr int SUB = KT / 128;        // 128-element sub-chunks per stage
+constexpr int NKT = K_IN / KT;       // stages over the whole K
+constexpr int W_PITCH = KT / 2;      // code bytes per row per stage
+constexpr int S_PITCH = KT / 16;     // scale bytes per row per stage
+constexpr int W_BYTES = TILE_N * W_PITCH;
+constexpr int S_BYTES = TILE_N * S_PITCH;
+constexpr int X_COL = TM * 16;       // one 8-k column of the x tile (all tokens): the LBO
+constexpr int X_STEP = 2 * X_COL;    // one k16 step of the x tile
+constexpr int X_BYTES = TM * KT * 2;
+constexpr int STAGE_BYTES = W_BYTES + S_BYTES + X_BYTES;
+constexpr u32 DESC_LBO = DESC_SWAP ? 128u : (u32)X_COL;
+constexpr u32 DESC_SBO = DESC_SWAP ? (u32)X_COL : 128u;
+
+static_assert(TM == 8 || TM == 16 || TM == 32 || TM == 64, "TM (the wgmma N) must be 8/16/32/64");
+static_assert(KT == 128 || KT == 256, "KT must be 128 or 256");
+static_assert(K_IN % KT == 0, "K must be a multiple of KT");
+static_assert(WR >= 1 && WR <= 2 && NWG >= 1 && NWG <= 2, "WR and NWG must be 1 or 2");
+static_assert(STAGES >= 3, "the ring needs a slack slot for the wgmmas in flight");
+static_assert(SPLITK >= 1 && SPLITK <= NKT, "SPLITK must be in 1..K/KT");
+static_assert((W_BYTES + S_BYTES) % 128 == 0 && STAGE_BYTES % 128 == 0,
+              "the x tile must stay 128-byte aligned");
+static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses have 18 bits");
+#ifdef SMEM_BYTES  // the launch's dynamic shared memory (the host plans it)
+static_assert(STAGES * STAGE_BYTES <= SMEM_BYTES, "the pipeline must fit in shared memory");
+#endif
+
+// ---------------------------------------------------------------------------- small helpers
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// 16-byte copy global -> shared, bypassing L1; `ok` false zero-fills the destination
+__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+               "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ void cp8(u32 dst, const void* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
+               "r"(ok ? 8 : 0));
+}
+
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int PENDING>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// this thread's completed generic-proxy writes to shared memory become visible to the async
+// proxy (the wgmma operand reads)
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ u32 lds16(u32 addr) {
+  u16 v;
+  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
+  return v;
+}
+
+__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+  return d;
+}
+
+// two E4M3 bytes (low, high) -> f16x2 (low, high), exact
+__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
+  u32 h;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
+  return h;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// 8 codes (nibble i = element i) -> 4 f16x2 P_i = (e_i, e_{i+4}) * 2^-14 * scale2, exact
+// (production's decode8)
+__device__ __forceinline__ void decode8(u32 v, u32 scale2, u32 (&p)[4]) {
+  const u32 mag = 0x0E000E00u, sgn = 0x80008000u;
+  p[0] = hmul2(((v << 9) & mag) | ((v << 12) & sgn), scale2);
+  p[1] = hmul2(((v << 5) & mag) | ((v << 8) & sgn), scale2);
+  p[2] = hmul2(((v << 1) & mag) | ((v << 4) & sgn), scale2);
+  p[3] = hmul2(((v >> 3) & mag) | (v & sgn), scale2);
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int u) {
+  return u == 0 ? v.x : u == 1 ? v.y : u == 2 ? v.z : v.w;
+}
+
+// 16-byte chunk c of code row r inside a stage (production's layout)
+__device__ __forceinline__ int wchunk(int r, int c) { return SUB == 2 ? c ^ ((r & 1) << 2) : c; }
+
+// ---------------------------------------------------------------------------- wgmma
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// the matrix descriptor of the x tile at shared address `addr` (K-major, no swizzle)
+__device__ __forceinline__ u64 x_desc(u32 addr) {
+  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(DESC_LBO >> 4) << 16) |
+         ((u64)(DESC_SBO >> 4) << 32);
+}
+
+// keeps the compiler from moving reads of an accumulator above the wgmma wait before it
+__device__ __forceinline__ void pin(float& f) { asm volatile("" : "+f"(f)::"memory"); }
+
+// D[64 x TM] += A[64 x 16] (registers, fp16) . B[16 x TM] (shared memory, fp16, descriptor),
+// fp32 accumulators d (the "+f" outputs %0 .. %(TM/2 - 1)), then a0..a3, desc and scale-d
+#define ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define ACC8(i) ACC4(i), ACC4(i + 4)
+#define ACC16(i) ACC8(i), ACC8(i + 8)
+__device__ __forceinline__ void wgmma_rs(float (&d)[NACC], u32 a0, u32 a1, u32 a2, u32 a3,
+                                         u64 desc) {
+  if constexpr (TM == 8) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}"
+                 : ACC4(0)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  } else if constexpr (TM == 16) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7}, "
+                 "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+                 : ACC8(0)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  } else if constexpr (TM == 32) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15}, "
+                 "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+                 : ACC16(0)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, "
+                 "%8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, "
+                 "%24, %25, %26, %27, %28, %29, %30, %31}, "
+                 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
+                 : ACC16(0), ACC16(16)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  }
+}
+
+// ---------------------------------------------------------------------------- pipeline
+
+__device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
+                                           const u8* xh, int n0, int m0, int tid) {
+  const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
+  constexpr int WCH = W_PITCH / 16;  // 16-byte code chunks per row
+#pragma unroll
+  for (int i = tid; i < TILE_N * WCH; i += NT) {
+    const int r = i / WCH, c = i % WCH, n = n0 + r;
+    const bool ok = n < N_OUT;
+    const u8* src = wp + (size_t)(ok ? n : 0) * (K_IN / 2) + (size_t)kt * W_PITCH + c * 16;
+    cp16(sw + r * W_PITCH + wchunk(r, c) * 16, src, ok);
+  }
+#pragma unroll
+  for (int i = tid; i < TILE_N * (S_PITCH / 8); i += NT) {
+    const int r = i / (S_PITCH / 8), c = i % (S_PITCH / 8), n = n0 + r;
+    const bool ok = n < N_OUT;
+    const u8* src = ws + (size_t)(ok ? n : 0) * (K_IN / 16) + (size_t)kt * S_PITCH + c * 8;
+    cp8(ss + r * S_PITCH + c * 8, src, ok);
+  }
+  // x tile: chunk i is token 8 * mg + (i % 8), column q (8 logical k): 8 consecutive threads
+  // write one 128-byte run of a core-matrix column
+  constexpr int XCH = KT / 8;  // 16-byte x_hat chunks per token
+#pragma unroll
+  for (int i = tid; i < TM * XCH; i += NT) {
+    const int mr = i & 7, q = (i >> 3) % XCH, mg = (i >> 3) / XCH, m = m0 + 8 * mg + mr;
+    const bool ok = m < M_TOK;
+    const u8* src = xh + (size_t)(ok ? m : 0) * (K_IN * 2) + (size_t)kt * (KT * 2) + q * 16;
+    cp16(sx + q * X_COL + mg * 128 + mr * 16, src, ok);
+  }
+}
+
+// One stage: per 128-element sub-chunk h and code word u, decode, then two k16 steps of WR
+// wgmmas as one commit group; wait_group 1 keeps one group in flight during the next decode.
+__device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], int wgi, int wq,
+                                              int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
+  const u64 desc0 = x_desc(sx);
+#pragma unroll
+  for (int h = 0; h < SUB; ++h) {
+    uint4 wa[WR], wb[WR];
+    u32 sa[WR], sb[WR];
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      const int ra = (wgi * WR + r) * 64 + wq * 16 + g, rb = ra + 8;
+      wa[r] = lds128(sw + ra * W_PITCH + wchunk(ra, 4 * h + t) * 16);
+      wb[r] = lds128(sw + rb * W_PITCH + wchunk(rb, 4 * h + t) * 16);
+      sa[r] = hmul2(e4m3x2_to_f16x2(lds16(ss + ra * S_PITCH + 8 * h + 2 * t)), W_SCALE2);
+      sb[r] = hmul2(e4m3x2_to_f16x2(lds16(ss + rb * S_PITCH + 8 * h + 2 * t)), W_SCALE2);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const u32 sel = u < 2 ? 0x1010u : 0x3232u;  // this word's block scale in both halves
+      u32 p[WR][4], q[WR][4];
+#pragma unroll
+      for (int r = 0; r < WR; ++r) {
+        decode8(word(wa[r], u), prmt(sa[r], 0u, sel), p[r]);
+        decode8(word(wb[r], u), prmt(sb[r], 0u, sel), q[r]);
+      }
+      wg_fence();
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const u64 desc = desc0 + (u64)(((8 * h + 2 * u + v) * X_STEP) >> 4);
+#pragma unroll
+        for (int r = 0; r < WR; ++r)
+          wgmma_rs(acc[r], p[r][2 * v], q[r][2 * v], p[r][2 * v + 1], q[r][2 * v + 1], desc);
+      }
+      wg_commit();
+      wg_wait<1>();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- kernel
+
+// xh: fp16 x_hat [M, K] in the wgmma K order (see above); xg: float32 [M] activation global
+// scales; wp / ws / wg: weight codes, scales, global scales (stacked); layer: int32 [];
+// out: bf16 [M, N] (SPLITK == 1) or float32 partial sums [SPLITK, M, N] without the global
+// scales and 2^(14 - W_SHIFT).
+extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
+    nvfp4_gemm_w4a4_wgmma(const u16* __restrict__ xh, const float* __restrict__ xg,
+                          const u8* __restrict__ wp, const u8* __restrict__ ws,
+                          const float* __restrict__ wg, const int* __restrict__ layer,
+                          void* out) {
+  extern __shared__ __align__(128) u8 smem[];
+  const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3, wgi = tid >> 7;
+  const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TILE_N, z = blockIdx.z;
+  const size_t l = (size_t)(unsigned)*layer;
+  wp += l * N_OUT * (size_t)(K_IN / 2);
+  ws += l * N_OUT * (size_t)(K_IN / 16);
+  wg += l * (GW_ROWS ? N_OUT : 1);
+  const u8* x8 = reinterpret_cast<const u8*>(xh);
+  const int kt0 = z * NKT / SPLITK, nk = (z + 1) * NKT / SPLITK - kt0;
+  const u32 s0 = smem_u32(smem);
+
+  float acc[WR][NACC];
+#pragma unroll
+  for (int r = 0; r < WR; ++r)
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) acc[r][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {
+    if (s < nk) load_stage(s0 + s * STAGE_BYTES, kt0 + s, wp, ws, x8, n0, m0, tid);
+    cp_commit();
+  }
+  // a do-while: every split has nk >= 1 stages (SPLITK <= NKT), and no path may skip the loop
+  // into the epilogue (ptxas serializes the wgmmas when the zero accumulators of such a path
+  // meet the in-flight ones)
+  int i = 0;
+  do {
+    cp_wait<STAGES - 3>();  // this thread's copies of stage i landed
+    fence_async_shared();   // ... and are visible to the async proxy (wgmma's B reads)
+    __syncthreads();        // every thread's; the wgmmas of stage i - 2 are complete
+    const int next = i + STAGES - 2;
+    if (next < nk)
+      load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
+    cp_commit();
+    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
+  } while (++i < nk);
+  wg_wait<0>();
+#pragma unroll
+  for (int r = 0; r < WR; ++r)
+#pragma unroll
+    for (int e = 0; e < NACC; ++e) pin(acc[r][e]);
+
+  // accumulator 4j + e of tile r: row 16 wq + g + 8 (e / 2), token 8j + 2t + (e % 2)
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int r = 0; r < WR; ++r) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int n = n0 + (wgi * WR + r) * 64 + wq * 16 + g + 8 * (e >> 1);
+      if (n >= N_OUT) continue;
+      const float gw = wg[GW_ROWS ? n : 0];
+#pragma unroll
+      for (int j = 0; j < TM / 8; ++j) {
+        const int m = m0 + 8 * j + 2 * t + (e & 1);
+        if (m >= M_TOK) continue;
+        const float a = acc[r][4 * j + e];
+        if constexpr (!PARTIALS) {
+          static_cast<u16*>(out)[(size_t)m * N_OUT + n] = f32_to_bf16(a * W_UNSCALE * (gw * xg[m]));
+        } else {
+          static_cast<float*>(out)[((size_t)z * M_TOK + m) * N_OUT + n] = a;
+        }
+      }
+    }
+  }
+}
+
+// Split-K epilogue (SPLITK > 1), one thread per output: the partials added in split order, then
+// the main kernel's epilogue (production's nvfp4_gemm_finish without the residual).
+// part: float32 [SPLITK, M, N]; y: bf16 [M, N].
+extern "C" __global__ void __launch_bounds__(256)
+    nvfp4_gemm_finish(const float* __restrict__ part, const float* __restrict__ xg,
+                      const float* __restrict__ wg, const int* __restrict__ layer, u16* y) {
+  constexpr size_t MN = (size_t)M_TOK * N_OUT;
+  const size_t i = (size_t)blockIdx.x * 256 + threadIdx.x;
+  if (i >= MN) return;
+  const int m = (int)(i / N_OUT), n = (int)(i % N_OUT);
+  wg += (size_t)(unsigned)*layer * (GW_ROWS ? N_OUT : 1);
+  float acc = part[i];
+#pragma unroll
+  for (int s = 1; s < SPLITK; ++s) acc += part[s * MN + i];
+  y[i] = f32_to_bf16(acc * W_UNSCALE * (wg[GW_ROWS ? n : 0] * xg[m]));
+}

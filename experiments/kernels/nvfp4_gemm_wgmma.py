@@ -1,0 +1,396 @@
+"""EXPERIMENT: host side of the Hopper wgmma variant of the NVFP4 W4A4 GEMM
+(`nvfp4_gemm_wgmma.cu`, next to this file): plan, x_hat order, NVRTC build, ptxas report, launch.
+
+The kernel is production's `cuda_ops/nvfp4_gemm.cu` with `mma.sync.m16n8k16` replaced by
+`wgmma.mma_async.m64nNk16` (sm_90a): the decoded weights are the register A operand, the tokens
+the shared-memory B operand (N = the token tile TM). Its activation operand is x_hat in another
+K order than production's (`to_wgmma_order`), built by XLA ops here (`wgmma_x_operand`). Split K
+goes through float32 partials and the finish kernel, as production's "finish" reduce; no
+residual epilogue, no cluster reduction.
+
+Nothing here imports cuda-python or JAX at module import: NVRTC is reached by `build` and
+`ptxas_report`, the driver by the launch methods, JAX by `wgmma_x_operand`.
+
+GEMM letters: M tokens, N out features, K in features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+import threading
+
+from cuda_ops.build import KernelError, compile_ptx, ptx_entries, ptxas_log
+
+SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemm_wgmma.cu")
+ENTRY = "nvfp4_gemm_w4a4_wgmma"
+FINISH_ENTRY = "nvfp4_gemm_finish"
+N_INPUTS = 6  # (x_hat, xg, wp, ws, wg, layer), then the output
+FINISH_INPUTS = 4  # (partials, xg, wg, layer), then y
+FINISH_THREADS = 256
+ARCH = "compute_90a"  # PTX target sm_90a: wgmma needs the arch-specific features
+CUBIN_ARCH = "sm_90a"
+TMS = (8, 16, 32, 64)  # token tiles = the wgmma N
+KTS = (128, 256)
+CHUNK = 128  # the K order permutes inside 128-element chunks
+MAX_SPLITK = 8
+DEFAULT_SMS = 132
+SMEM_LIMIT = 227 * 1024
+DEFAULT_W_SHIFT = 7
+# the shapes the device check runs (Qwen3-8B: qkv, o, gate_up, down) and its M
+QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+CHECK_MS = (16, 32, 64)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaPlan:
+    """Compile-time launch geometry for one (M, N, K) (see the kernel's header)."""
+
+    m: int
+    n: int
+    k: int
+    tm: int
+    wr: int
+    nwg: int
+    kt: int
+    stages: int
+    splitk: int
+    w_shift: int = DEFAULT_W_SHIFT
+    gw_rows: bool = False
+    desc_swap: bool = False  # diagnostic: the descriptor's LBO and SBO swapped
+    min_blocks: int = 1
+
+    n_inputs = N_INPUTS
+    finish_inputs = FINISH_INPUTS
+
+    @property
+    def tile_n(self) -> int:
+        return 64 * self.wr * self.nwg
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.nwg
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (_cdiv(self.m, self.tm), _cdiv(self.n, self.tile_n), self.splitk)
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.tile_n * (self.kt // 2 + self.kt // 16) + self.tm * self.kt * 2
+
+    @property
+    def smem(self) -> int:
+        return self.stages * self.stage_bytes
+
+    @property
+    def partials(self) -> bool:
+        return self.splitk > 1
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return (self.splitk, self.m, self.n) if self.partials else (self.m, self.n)
+
+    def defines(self) -> dict:
+        return {
+            "M_TOK": self.m,
+            "N_OUT": self.n,
+            "K_IN": self.k,
+            "TM": self.tm,
+            "WR": self.wr,
+            "NWG": self.nwg,
+            "KT": self.kt,
+            "STAGES": self.stages,
+            "SPLITK": self.splitk,
+            "SMEM_BYTES": self.smem,
+            "W_SHIFT": self.w_shift,
+            "GW_ROWS": int(self.gw_rows),
+            "DESC_SWAP": int(self.desc_swap),
+            "MIN_BLOCKS": self.min_blocks,
+        }
+
+
+def plan(
+    m: int,
+    n: int,
+    k: int,
+    num_sms: int = DEFAULT_SMS,
+    *,
+    tm: int | None = None,
+    wr: int | None = None,
+    nwg: int | None = None,
+    kt: int | None = None,
+    stages: int | None = None,
+    splitk: int | None = None,
+    w_shift: int = DEFAULT_W_SHIFT,
+    gw_rows: bool = False,
+    desc_swap: bool = False,
+    min_blocks: int = 1,
+) -> WgmmaPlan:
+    """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
+    smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M); one warpgroup of one
+    64-row weight tile up to M = 16, two tiles (128 rows) above; KT = 128; STAGES - 2 stages
+    loaded ahead (3 up to TM = 32, 2 at TM = 64, as production's 4 / 3 stage rings); the K split
+    aimed at about four CTAs per SM (at most 8, at least 4 stages per split)."""
+    tm = tm or next(v for v in TMS if v >= min(m, TMS[-1]))
+    wr = wr or (1 if m <= 16 else 2)
+    nwg = nwg or 1
+    kt = kt or 128
+    tile_n = 64 * wr * nwg
+    stage = tile_n * (kt // 2 + kt // 16) + tm * kt * 2
+    stages = stages or max(3, min(5 if tm <= 32 else 4, SMEM_LIMIT // stage))
+    nkt = max(1, k // kt)
+    if splitk is None:
+        tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
+        splitk = max(1, min(_cdiv(4 * num_sms, tiles), nkt // 4, MAX_SPLITK))
+    splitk = min(splitk, nkt)
+    return WgmmaPlan(m=m, n=n, k=k, tm=tm, wr=wr, nwg=nwg, kt=kt, stages=stages, splitk=splitk,
+                     w_shift=w_shift, gw_rows=bool(gw_rows), desc_swap=bool(desc_swap),
+                     min_blocks=min_blocks)  # fmt: skip
+
+
+def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
+    """(True, "") if the kernel supports the plan, else (False, why)."""
+    if p.m < 1 or p.n < 1:
+        return False, f"M={p.m}, N={p.n} (expected >= 1)"
+    if p.tm not in TMS:
+        return False, f"tm={p.tm} (expected one of {TMS})"
+    if p.kt not in KTS or p.k < p.kt or p.k % p.kt:
+        return False, f"K={p.k}, kt={p.kt} (K must be a positive multiple of kt in {KTS})"
+    if p.wr not in (1, 2) or p.nwg not in (1, 2):
+        return False, f"wr={p.wr}, nwg={p.nwg} (expected 1 or 2)"
+    if p.stages < 3:
+        return False, f"stages={p.stages} (the ring needs >= 3)"
+    if not 1 <= p.splitk <= min(MAX_SPLITK, p.k // p.kt):
+        return False, f"splitk={p.splitk} (expected 1..min({MAX_SPLITK}, K / kt))"
+    if p.smem > SMEM_LIMIT:
+        return False, f"the tiles need {p.smem} B of shared memory (limit {SMEM_LIMIT})"
+    if not 0 <= p.w_shift <= 7:
+        return False, f"w_shift={p.w_shift} (expected 0..7)"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- x_hat K order
+
+
+def to_wgmma_order(x):
+    """x_hat [..., K] in natural K order -> the kernel's order (a numpy or JAX array, any dtype;
+    K a multiple of 128). Inside each 128-element chunk c, with the natural element
+    p = 32t + 8u + 4j + 2v + h (t, u < 4; j, v, h < 2) going to 16(2u + v) + 8h + 2t + j:
+        x_w[..., 128c + 16s + 8h + 2t + j] = x[..., 128c + 32t + 8u + 2v + h + 4j], s = 2u + v.
+    Each k16 wgmma step s is then 16 consecutive elements, its logical k = 8h + 2t + j being what
+    lane t's decoded pair (P_{2v}, P_{2v+1}) of code word u holds (the kernel's header)."""
+    *lead, k = x.shape
+    if k % CHUNK:
+        raise ValueError(f"K={k} is not a multiple of {CHUNK}")
+    n = len(lead)
+    # natural chunk axes (t, u, j, v, h) -> (u, v, h, t, j)
+    y = x.reshape(*lead, k // CHUNK, 4, 4, 2, 2, 2)
+    y = y.transpose(*range(n), n, n + 2, n + 4, n + 5, n + 1, n + 3)
+    return y.reshape(*lead, k)
+
+
+def from_wgmma_order(x):
+    """The inverse of `to_wgmma_order`."""
+    *lead, k = x.shape
+    if k % CHUNK:
+        raise ValueError(f"K={k} is not a multiple of {CHUNK}")
+    n = len(lead)
+    # chunk axes (u, v, h, t, j) -> (t, u, j, v, h)
+    y = x.reshape(*lead, k // CHUNK, 4, 2, 2, 4, 2)
+    y = y.transpose(*range(n), n, n + 4, n + 1, n + 5, n + 2, n + 3)
+    return y.reshape(*lead, k)
+
+
+def wgmma_x_operand(xp, xs):
+    """The kernel's activation operand in JAX (XLA ops): x_hat = e2m1(code) * SFx as float16
+    [M, K], exact, in `to_wgmma_order` (the twin of rejax.ops.linear.gemm_x_operand, which
+    builds production's order). xp: uint8 [M, K/2] codes; xs: uint8 [M, K/16] E4M3 bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    from rejax import nvfp4
+
+    m, k = xp.shape[0], 2 * xp.shape[1]
+    xq = nvfp4.Nvfp4Tensor(
+        packed=xp,
+        scales=jax.lax.bitcast_convert_type(xs, jnp.float8_e4m3fn),
+        global_scale=jnp.ones((), jnp.float32),
+        shape=(m, k),
+    )
+    return to_wgmma_order(nvfp4._scaled_values(xq).astype(jnp.float16))
+
+
+# ----------------------------------------------------------------------------- build
+
+
+def read_source() -> str:
+    return SOURCE.read_text()
+
+
+@functools.cache
+def _build_cached(p: WgmmaPlan) -> WgmmaKernel:
+    ptx = compile_ptx(read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH)
+    entries = ptx_entries(ptx)
+    if entries.get(ENTRY) != N_INPUTS + 1 or entries.get(FINISH_ENTRY) != FINISH_INPUTS + 1:
+        raise KernelError(f"PTX entries {ENTRY} / {FINISH_ENTRY} missing or wrong: {entries}")
+    return WgmmaKernel(plan=p, ptx=ptx)
+
+
+def build(m: int, n: int, k: int, **options) -> WgmmaKernel:
+    """Plans (`plan` keyword options) and compiles (NVRTC, PTX for sm_90a, disk-cached) the
+    kernel for one problem. Raises KernelError without NVRTC or for an unsupported plan."""
+    return build_plan(plan(m, n, k, **options))
+
+
+def build_plan(p: WgmmaPlan) -> WgmmaKernel:
+    ok, why = check_plan(p)
+    if not ok:
+        raise KernelError(f"unsupported plan: {why}")
+    return _build_cached(p)
+
+
+def prebuild(plans: list[WgmmaPlan], workers: int | None = None) -> list[WgmmaKernel]:
+    """Builds many plans at once (NVRTC in threads; it releases the GIL)."""
+    import concurrent.futures
+    import os
+
+    for p in plans:
+        ok, why = check_plan(p)
+        if not ok:
+            raise KernelError(f"unsupported plan {p}: {why}")
+    workers = workers or min(16, os.cpu_count() or 1)
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(_build_cached, dict.fromkeys(plans)))
+    return [_build_cached(p) for p in plans]
+
+
+_SERIALIZED = re.compile(r"[^\n]*wgmma[^\n]*serialized[^\n]*")
+
+
+def ptxas_report(p: WgmmaPlan) -> dict:
+    """ptxas -v of the main entry, offline (NVRTC to an sm_90a cubin, no GPU): registers, spill
+    bytes, and ptxas's "wgmma ... serialized" performance warnings (C7515 and kin: the async
+    pipeline broken into waits), which must be empty."""
+    log = ptxas_log(read_source(), p.defines(), arch=CUBIN_ARCH, name=SOURCE.name)
+    log = log.replace("\0", "")
+    out = {"registers": None, "spill_stores": None, "spill_loads": None, "stack": None}
+    part = log.split(f"Compiling entry function '{ENTRY}'", 1)
+    if len(part) == 2:
+        body = part[1].split("Compiling entry function", 1)[0]
+        regs = re.search(r"Used (\d+) registers", body)
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", body)
+        stack = re.search(r"(\d+) bytes stack frame", body)
+        out["registers"] = int(regs.group(1)) if regs else None
+        if spills:
+            out["spill_stores"], out["spill_loads"] = int(spills.group(1)), int(spills.group(2))
+        out["stack"] = int(stack.group(1)) if stack else None
+    out["serialized"] = [m.group(0).strip() for m in _SERIALIZED.finditer(log)]
+    return out
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WgmmaKernel:
+    """A compiled specialisation and how to launch it (the launch interface of
+    cuda_ops.nvfp4_gemm.GemmKernel, so experiments/bench_gemm.time_gemm_graph times it)."""
+
+    plan: WgmmaPlan
+    ptx: str
+    entry: str = ENTRY
+
+    @property
+    def n(self) -> int:
+        return self.plan.n
+
+    @property
+    def finish_grid(self) -> int:
+        return _cdiv(self.plan.m * self.plan.n, FINISH_THREADS)
+
+    def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
+        """Launches on `stream`: pointers to (x_hat, xg, wp, ws, wg, layer, y bf16 [M, N]).
+        With a K split, `workspace` points to float32 [SPLITK, M, N] for the partials and the
+        finish kernel follows on the same stream."""
+        if len(pointers) != N_INPUTS + 1:
+            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
+        if not self.plan.partials:
+            self._launch(ENTRY, stream, pointers)
+            return
+        if workspace is None:
+            raise KernelError(f"SPLITK={self.plan.splitk}: pass a float32 workspace")
+        xh, xg, wp, ws, wg, layer, y = pointers
+        self._launch(ENTRY, stream, [xh, xg, wp, ws, wg, layer, workspace])
+        self._launch(FINISH_ENTRY, stream, [workspace, xg, wg, layer, y])
+
+    def attributes(self) -> dict:
+        """What the driver's JIT made of the PTX on this GPU: registers per thread, local
+        (spill) bytes per thread, static shared bytes, max threads per CTA."""
+        from cuda.bindings import driver
+
+        fn = _function(self, ENTRY)
+        a = driver.CUfunction_attribute
+        get = driver.cuFuncGetAttribute
+        return {
+            "registers": _drv_check(get(a.CU_FUNC_ATTRIBUTE_NUM_REGS, fn), "attr"),
+            "local_bytes": _drv_check(get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn), "attr"),
+            "max_threads": _drv_check(get(a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn), "attr"),
+        }
+
+    def _launch(self, entry: str, stream: int, pointers: list[int]) -> None:
+        import ctypes
+
+        from cuda.bindings import driver
+
+        p = self.plan
+        if entry == ENTRY:
+            (gx, gy, gz), block, smem = p.grid, p.threads, p.smem
+        else:
+            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
+        fn = _function(self, entry)
+        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
+        _drv_check(
+            driver.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, smem, stream, params, 0),
+            "cuLaunchKernel",
+        )
+
+
+def _drv_check(result, what: str):
+    status, *values = result
+    if int(status) != 0:
+        raise KernelError(f"{what} failed: {status!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_FUNCTIONS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _function(kernel: WgmmaKernel, entry: str):
+    """CUfunction of `entry` in the current CUDA context (the module JIT-loaded once)."""
+    from cuda.bindings import driver
+
+    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    key = (int(ctx), id(kernel))
+    with _LOCK:
+        if key not in _FUNCTIONS:
+            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+            fns = {
+                name: _drv_check(driver.cuModuleGetFunction(module, name.encode()), name)
+                for name in (ENTRY, FINISH_ENTRY)
+            }
+            if kernel.plan.smem > 48 * 1024:
+                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                _drv_check(driver.cuFuncSetAttribute(fns[ENTRY], attr, kernel.plan.smem), "smem")
+            _FUNCTIONS[key] = (module, fns, kernel)  # the kernel stays alive with its id() key
+        return _FUNCTIONS[key][1][entry]
