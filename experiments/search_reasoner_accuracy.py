@@ -10,7 +10,7 @@ calibrate_countdown.*, countdown_accuracy_offargmax.png, countdown_accuracy_step
 and MODEL/reset.json (the calibrated tau_0 and chosen T_low).
 
 On the H200 (after experiments/train_search_reasoner.py):
-    PYTHONPATH=. python experiments/search_reasoner_accuracy.py --model rejax/data/countdown_m
+    PYTHONPATH=. python experiments/search_reasoner_accuracy.py --model rejax/data/countdown
 Any option of tiny_reasoner_accuracy.py may follow and overrides these defaults, e.g. a quick
 look with `--n-problems 64 --n-samples 2 --n-val-problems 16 --out-prefix /tmp/cd`.
 """

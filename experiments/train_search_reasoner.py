@@ -18,9 +18,10 @@ difficulty (`--max-number`, `--max-target`, `--guide`, ...) are the knobs.
 A run longer than one device call continues from the previous call's export with `--init`
 (the same size, seed and task; the optimizer state and schedule start again).
 
-One H200, about 5 minutes of device time in all:
-    PYTHONPATH=. python experiments/train_search_reasoner.py --out experiments/results \\
-        --export rejax/data/countdown_m --time-budget 200
+One H200, about 5 minutes of device time a call (the bundled rejax/data/countdown is size s:
+320 s from scratch, then 270 s more with --init):
+    PYTHONPATH=. python experiments/train_search_reasoner.py --size s --out experiments/results \\
+        --export /tmp/countdown_s --time-budget 320
 On two CPU cores `--size xs` (1.4M parameters) at `--batch 32` takes ~1.4 s a step; with
 `--n-numbers 3 --max-number 30` (traces <= 176 tokens; >= 1000 distinct test problems) 1055
 steps reached 35.9% greedy validation accuracy (experiments/results/countdown_cpu_pilot).

@@ -39,6 +39,7 @@ from rejax.generate import generate
 from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks
 
 TINY = "tiny"
+COUNTDOWN = "countdown"  # the bundled Countdown search reasoner (rejax/data/countdown)
 QUANTS = {"bf16": "bf16", "nvfp4": "nvfp4", "nvfp4-w4a16": "nvfp4-w4a16"}
 
 
@@ -52,29 +53,29 @@ def bundled_model_dir() -> Path:
 
 
 def resolve_model(spec: str) -> Path:
-    """`tiny` -> the bundled model; anything else is a checkpoint directory.
+    """`tiny` / `countdown` -> a bundled model; anything else is a checkpoint directory.
 
     Raises:
       ValueError: the directory or its config.json is missing.
     """
-    if spec == TINY:
-        path = bundled_model_dir()
+    if spec in (TINY, COUNTDOWN):
+        path = bundled_model_dir() if spec == TINY else bundled_model_dir().parent / COUNTDOWN
         if not (path / "config.json").is_file():
             raise ValueError(
-                "the bundled tiny model is missing from this installation (expected "
-                "rejax/data/tiny/config.json); pass --model PATH to a Hugging Face checkpoint"
+                f"the bundled {spec} model is missing from this installation (expected "
+                f"rejax/data/{spec}/config.json); pass --model PATH to a Hugging Face checkpoint"
             )
         return path
     path = Path(spec).expanduser()
     if path.exists() and not path.is_dir():
         raise ValueError(
             f"model path {spec!r} is a file; expected a checkpoint directory (with config.json "
-            "and *.safetensors) or 'tiny'"
+            "and *.safetensors), 'tiny' or 'countdown'"
         )
     if not path.is_dir():
         raise ValueError(
             f"model path {spec!r} does not exist (expected a checkpoint directory "
-            "with config.json and *.safetensors, or 'tiny')"
+            "with config.json and *.safetensors, 'tiny' or 'countdown')"
         )
     if not (path / "config.json").is_file():
         raise ValueError(
@@ -133,9 +134,9 @@ def _add_model_args(p: argparse.ArgumentParser, *, quant_default: str = "nvfp4")
     p.add_argument(
         "--model",
         default=TINY,
-        metavar="PATH|tiny",
-        help="Hugging Face Qwen3/Qwen2 checkpoint directory, or 'tiny' for the "
-        "bundled tiny reasoning model (default: tiny)",
+        metavar="PATH|tiny|countdown",
+        help="Hugging Face Qwen3/Qwen2 checkpoint directory, or a bundled model: 'tiny' (the "
+        "arithmetic reasoner) or 'countdown' (the Countdown search reasoner) (default: tiny)",
     )
     p.add_argument(
         "--quant",
@@ -1213,8 +1214,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument(
         "--model",
         default=None,  # None, not "tiny": argparse sees a conflict only for a non-default value
-        metavar="PATH|tiny",
-        help="checkpoint directory, or 'tiny' for the bundled model (default: tiny)",
+        metavar="PATH|tiny|countdown",
+        help="checkpoint directory, or a bundled model, 'tiny' or 'countdown' (default: tiny)",
     )
     src.add_argument(
         "--preset",

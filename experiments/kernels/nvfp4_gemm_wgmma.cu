@@ -38,11 +38,11 @@
 //   128-element sub-chunk c; word u (u = 0..3, elements 32t + 8u .. + 7) decodes to the f16x2
 //   pairs P_i = (e_i, e_{i+4}), i = 0..3 (decode8, as production). k16 step s = 2u + v (v = 0, 1)
 //   of sub-chunk c takes (P_{2v}, P_{2v+1}) of rows g, g + 8 as its four A registers, so its
-//   logical k = 8h + 2t + j (h, j in {0, 1}) is the physical element
-//     p(c, s, k) = 128c + 32t + 8u + 2v + h + 4j.
+//   logical k = 8b + 2t + j (b, j in {0, 1}) is the physical element
+//     p(c, s, k) = 128c + 32t + 8u + 2v + b + 4j.
 //   The B operand must hold x_hat in that logical order, and a wgmma core matrix row is 8
 //   consecutive logical k (16 bytes) of one token, so the host stores
-//     x_w[m, 128c + 16s + 8h + 2t + j] = x_hat[m, 128c + 32t + 8u + 2v + h + 4j]
+//     x_w[m, 128c + 16s + 8b + 2t + j] = x_hat[m, 128c + 32t + 8u + 2v + b + 4j]
 //   (a permutation inside each 128-element chunk: nvfp4_gemm_wgmma.to_wgmma_order; the
 //   production order interleaves the 4 lanes' pairs differently and cannot serve as B).
 // * The x_hat tile in shared memory: K-major, NO swizzle ("interleave"): 8 x 16-byte core
@@ -55,18 +55,23 @@
 //     SBO (stride dimension byte offset: between 8-token groups along N)           = 128 bytes
 //   descriptor: bits 0-13 start address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 49-51 base offset
 //   0, 62-63 swizzle 0 (none). Step sigma's descriptor = the stage's x tile + 32 TM sigma bytes.
-//   cp.async fills it with 16-byte chunks, 8 consecutive threads taking the 8 tokens of one core
-//   matrix row set (128 contiguous bytes per 8 lanes: no bank conflicts; the wgmma reads whole
-//   128-byte core matrices).
+//   cp.async fills it with 16-byte chunks, 8 consecutive threads taking the 8 tokens of one
+//   core matrix (column q of one 8-token group: 128 contiguous bytes per 8 lanes, no bank
+//   conflicts; the wgmma reads whole 128-byte core matrices).
+//   A global x_w row is the stage's KT logical k in steps: columns q of a stage are the 16-byte
+//   chunks KT/8 * kt + q of the row, so the copy is a plain 16-byte gather (no repacking).
 // * Weight codes and scales: the production stage layout (64-byte code rows per sub-chunk,
 //   KT = 256 swaps odd rows' halves), read with the production lanes' pattern (conflict free).
 // * Per stage, per 128-element sub-chunk, per word u (two k16 steps):
-//     decode word u of all WR tiles into register buffer (u % 2);
+//     decode word u of all WR tiles (8 A registers per tile);
 //     wgmma.fence;                       (orders the new A registers before the wgmmas read them)
 //     2 x WR wgmma.mma_async (v = 0, 1; same-shape accumulator chains need no fence in between);
 //     wgmma.commit_group; wgmma.wait_group 1;
-//   so the wgmmas of word u run while word u + 1 is decoded, and wait_group 1 before decoding
-//   word u + 2 into the same buffer guarantees the wgmmas that read it are done.
+//   so at most one group is in flight while the next word is decoded. The A registers of an
+//   in-flight wgmma must not be rewritten before a wait_group covering it; they are fresh
+//   values in the PTX and ptxas keeps their physical registers until that wait (where it
+//   cannot, it serializes the wgmmas and says so: warning C7515, which the CPU test forbids).
+//   The SASS (sm_90a) shows ptxas hoisting most of a sub-chunk's decode ahead of its HGMMAs.
 // * Stage ring: at iteration i, cp.async.wait_group (stage i landed), fence.proxy.async (the
 //   generic-proxy cp.async writes become visible to the async proxy that wgmma reads through),
 //   __syncthreads, then stage i + STAGES - 2 is loaded into the slot that stage i - 2 used: every
@@ -232,7 +237,9 @@ __device__ __forceinline__ int wchunk(int r, int c) { return SUB == 2 ? c ^ ((r 
 
 // ---------------------------------------------------------------------------- wgmma
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }

@@ -139,23 +139,38 @@ def plan(
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M); one warpgroup of one
     64-row weight tile up to M = 16, two tiles (128 rows) above; KT = 128; STAGES - 2 stages
-    loaded ahead (3 up to TM = 32, 2 at TM = 64, as production's 4 / 3 stage rings); the K split
-    aimed at about four CTAs per SM (at most 8, at least 4 stages per split)."""
+    loaded ahead (3 up to TM = 32, 2 at TM = 64, as production's 4 / 3 stage rings; half as
+    many stages of KT = 256, at least one); the K split aimed at about four CTAs per SM (at most
+    8, at least 4 stages per split). At M <= 64 with the defaults that is production's "wide"
+    plan's CTAs: the same weight tiles and K split (experiments/tests/test_gemm_wgmma.py)."""
     tm = tm or next(v for v in TMS if v >= min(m, TMS[-1]))
     wr = wr or (1 if m <= 16 else 2)
     nwg = nwg or 1
     kt = kt or 128
     tile_n = 64 * wr * nwg
     stage = tile_n * (kt // 2 + kt // 16) + tm * kt * 2
-    stages = stages or max(3, min(5 if tm <= 32 else 4, SMEM_LIMIT // stage))
+    ahead = max(1, (3 if tm <= 32 else 2) * 128 // kt)  # the bytes in flight of KT = 128
+    stages = stages or max(3, min(ahead + 2, SMEM_LIMIT // stage))
     nkt = max(1, k // kt)
     if splitk is None:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         splitk = max(1, min(_cdiv(4 * num_sms, tiles), nkt // 4, MAX_SPLITK))
     splitk = min(splitk, nkt)
-    return WgmmaPlan(m=m, n=n, k=k, tm=tm, wr=wr, nwg=nwg, kt=kt, stages=stages, splitk=splitk,
-                     w_shift=w_shift, gw_rows=bool(gw_rows), desc_swap=bool(desc_swap),
-                     min_blocks=min_blocks)  # fmt: skip
+    return WgmmaPlan(
+        m=m,
+        n=n,
+        k=k,
+        tm=tm,
+        wr=wr,
+        nwg=nwg,
+        kt=kt,
+        stages=stages,
+        splitk=splitk,
+        w_shift=w_shift,
+        gw_rows=bool(gw_rows),
+        desc_swap=bool(desc_swap),
+        min_blocks=min_blocks,
+    )
 
 
 def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
@@ -185,15 +200,15 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
 def to_wgmma_order(x):
     """x_hat [..., K] in natural K order -> the kernel's order (a numpy or JAX array, any dtype;
     K a multiple of 128). Inside each 128-element chunk c, with the natural element
-    p = 32t + 8u + 4j + 2v + h (t, u < 4; j, v, h < 2) going to 16(2u + v) + 8h + 2t + j:
-        x_w[..., 128c + 16s + 8h + 2t + j] = x[..., 128c + 32t + 8u + 2v + h + 4j], s = 2u + v.
-    Each k16 wgmma step s is then 16 consecutive elements, its logical k = 8h + 2t + j being what
+    p = 32t + 8u + 4j + 2v + b (t, u < 4; j, v, b < 2) going to 16(2u + v) + 8b + 2t + j:
+        x_w[..., 128c + 16s + 8b + 2t + j] = x[..., 128c + 32t + 8u + 2v + b + 4j], s = 2u + v.
+    Each k16 wgmma step s is then 16 consecutive elements, its logical k = 8b + 2t + j being what
     lane t's decoded pair (P_{2v}, P_{2v+1}) of code word u holds (the kernel's header)."""
     *lead, k = x.shape
     if k % CHUNK:
         raise ValueError(f"K={k} is not a multiple of {CHUNK}")
     n = len(lead)
-    # natural chunk axes (t, u, j, v, h) -> (u, v, h, t, j)
+    # natural chunk axes (t, u, j, v, b) -> (u, v, b, t, j)
     y = x.reshape(*lead, k // CHUNK, 4, 4, 2, 2, 2)
     y = y.transpose(*range(n), n, n + 2, n + 4, n + 5, n + 1, n + 3)
     return y.reshape(*lead, k)
@@ -205,7 +220,7 @@ def from_wgmma_order(x):
     if k % CHUNK:
         raise ValueError(f"K={k} is not a multiple of {CHUNK}")
     n = len(lead)
-    # chunk axes (u, v, h, t, j) -> (t, u, j, v, h)
+    # chunk axes (u, v, b, t, j) -> (t, u, j, v, b)
     y = x.reshape(*lead, k // CHUNK, 4, 2, 2, 4, 2)
     y = y.transpose(*range(n), n, n + 4, n + 1, n + 5, n + 2, n + 3)
     return y.reshape(*lead, k)

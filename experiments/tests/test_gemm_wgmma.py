@@ -1,0 +1,205 @@
+"""Tests of the wgmma GEMM experiment (experiments/kernels/nvfp4_gemm_wgmma.*), CPU only: the x_hat
+K order, a numpy emulation of one warpgroup's data flow (register A fragments from the decode,
+the shared-memory x tile through the matrix descriptor), the plans of the device check, and
+NVRTC builds of every planned kernel (registers, no spills, no wgmma serialization)."""
+
+import numpy as np
+import pytest
+
+from cuda_ops import build as cbuild
+from experiments.kernels import nvfp4_gemm_wgmma as wgm
+
+needs_nvrtc = pytest.mark.skipif(
+    not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
+
+
+# ----------------------------------------------------------------------------- K order
+
+
+@pytest.mark.parametrize("shape", [(256,), (3, 512), (2, 2, 128)])
+def test_wgmma_order_is_a_permutation_that_round_trips(shape):
+    x = np.arange(np.prod(shape)).reshape(shape)
+    y = wgm.to_wgmma_order(x)
+    assert y.shape == x.shape
+    assert np.array_equal(np.sort(y, axis=-1), np.sort(x, axis=-1))  # a permutation per row
+    assert np.array_equal(wgm.from_wgmma_order(y), x)
+    assert np.array_equal(wgm.to_wgmma_order(wgm.from_wgmma_order(x)), x)
+    # permutes inside 128-element chunks only
+    k = shape[-1]
+    assert np.array_equal(y.reshape(-1, k // 128, 128) // 128, x.reshape(-1, k // 128, 128) // 128)
+
+
+def test_wgmma_order_matches_the_kernel_formula():
+    """x_w[128c + 16s + 8b + 2t + j] = x[128c + 32t + 8u + 2v + b + 4j], s = 2u + v."""
+    x = np.arange(256)
+    y = wgm.to_wgmma_order(x)
+    for c in range(2):
+        for t in range(4):
+            for u in range(4):
+                for v in range(2):
+                    for b in range(2):
+                        for j in range(2):
+                            dst = 128 * c + 16 * (2 * u + v) + 8 * b + 2 * t + j
+                            assert y[dst] == 128 * c + 32 * t + 8 * u + 2 * v + b + 4 * j
+
+
+def test_wgmma_order_rejects_partial_chunks():
+    with pytest.raises(ValueError):
+        wgm.to_wgmma_order(np.zeros((2, 192)))
+    with pytest.raises(ValueError):
+        wgm.from_wgmma_order(np.zeros((2, 64)))
+
+
+def test_x_operand_holds_the_production_values_in_wgmma_order():
+    """wgmma_x_operand (XLA) = to_wgmma_order of the natural x_hat, and the same values as the
+    production operand (rejax.ops.linear.gemm_x_operand) up to the two permutations."""
+    import jax.numpy as jnp
+
+    from rejax.ops import linear
+
+    rng = np.random.default_rng(0)
+    m, k = 3, 512
+    xp = jnp.asarray(rng.integers(0, 256, (m, k // 2), dtype=np.uint8))
+    xs = jnp.asarray(rng.integers(0x20, 0x78, (m, k // 16), dtype=np.uint8))
+    ours = np.asarray(wgm.wgmma_x_operand(xp, xs))
+    prod = np.asarray(linear.gemm_x_operand(xp, xs))
+    assert ours.dtype == np.float16 and ours.shape == (m, k)
+    # production: x_perm[m, 128c + 32u + 8t + jj] = x[m, 128c + 32t + 8u + jj // 2 + 4 (jj % 2)]
+    natural = prod.reshape(m, k // 128, 4, 4, 4, 2).transpose(0, 1, 3, 2, 5, 4).reshape(m, k)
+    assert np.array_equal(ours, wgm.to_wgmma_order(natural))
+    assert np.array_equal(wgm.from_wgmma_order(ours), natural)
+
+
+# ----------------------------------------------------------------------------- emulation
+
+
+def _emulate_warpgroup(wd, xn, tm, kt, desc_swap=False):
+    """One warpgroup, one stage, as the kernel moves data: wd [64, KT] decoded weights (natural
+    K), xn [TM, KT] x_hat (natural K). Returns D [64, TM] = sum over k16 steps of A . B, with
+    A assembled from the lanes' decoded pairs per the wgmma register fragment and B read from
+    the cp.async image of the x tile at the canonical K-major no-swizzle addresses of the
+    step's descriptor."""
+    x_col = 16 * tm
+    lbo, sbo = (128, x_col) if desc_swap else (x_col, 128)
+    xw = wgm.to_wgmma_order(xn)  # the global operand's stage
+    smem = np.full(tm * kt, np.nan)  # in fp16 elements
+    xch = kt // 8
+    for i in range(tm * xch):  # load_stage's x chunk mapping
+        mr, q, mg = i % 8, (i // 8) % xch, (i // 8) // xch
+        m = 8 * mg + mr
+        off = (q * x_col + mg * 128 + mr * 16) // 2
+        assert np.isnan(smem[off : off + 8]).all()
+        smem[off : off + 8] = xw[m, 8 * q : 8 * q + 8]
+    assert not np.isnan(smem).any()
+    d = np.zeros((64, tm))
+    for h in range(kt // 128):
+        for u in range(4):
+            for v in range(2):
+                a = np.full((64, 16), np.nan)
+                for wq in range(4):
+                    for lane in range(32):
+                        g, t = lane // 4, lane % 4
+                        ra, rb = 16 * wq + g, 16 * wq + g + 8
+                        base = 128 * h + 32 * t + 8 * u  # code word u of chunk t
+
+                        def pair(row, i, base=base):  # decode8's P_i = (e_i, e_{i+4})
+                            return wd[row, base + i], wd[row, base + i + 4]
+
+                        regs = [pair(ra, 2 * v), pair(rb, 2 * v), pair(ra, 2 * v + 1)]
+                        regs.append(pair(rb, 2 * v + 1))
+                        for r, (lo, hi) in enumerate(regs):  # wgmma A fragment of m64nNk16
+                            row, col = 16 * wq + g + 8 * (r % 2), 2 * t + 8 * (r // 2)
+                            assert np.isnan(a[row, col : col + 2]).all()
+                            a[row, col], a[row, col + 1] = lo, hi
+                assert not np.isnan(a).any()
+                start = (8 * h + 2 * u + v) * 2 * x_col  # the step's descriptor start
+                b = np.empty((16, tm))
+                for kk in range(16):
+                    for n in range(tm):
+                        addr = (
+                            start + (n % 8) * 16 + (n // 8) * sbo + (kk % 8) * 2 + (kk // 8) * lbo
+                        )
+                        b[kk, n] = smem[addr // 2]
+                d += a @ b
+    return d
+
+
+@pytest.mark.parametrize("tm,kt", [(8, 128), (16, 128), (32, 256), (64, 128)])
+def test_emulated_warpgroup_equals_the_dot(tm, kt):
+    rng = np.random.default_rng(tm + kt)
+    wd = rng.integers(-6, 7, (64, kt)).astype(np.float64)
+    xn = rng.integers(-6, 7, (tm, kt)).astype(np.float64)
+    assert np.array_equal(_emulate_warpgroup(wd, xn, tm, kt), wd @ xn.T)
+
+
+def test_emulation_sees_a_swapped_descriptor():
+    """The emulation is sensitive to the descriptor: LBO and SBO exchanged give another sum."""
+    rng = np.random.default_rng(1)
+    wd = rng.integers(-6, 7, (64, 128)).astype(np.float64)
+    xn = rng.integers(-6, 7, (16, 128)).astype(np.float64)
+    assert not np.array_equal(_emulate_warpgroup(wd, xn, 16, 128, desc_swap=True), wd @ xn.T)
+
+
+# ----------------------------------------------------------------------------- plans, builds
+
+
+def _check_problems():
+    from experiments.kernels import check_gemm_wgmma
+
+    return check_gemm_wgmma.problems()
+
+
+def test_every_checked_problem_has_a_supported_plan():
+    probs = _check_problems()
+    assert len({(p.n, p.k) for tag, _, p in probs if tag == "model"}) == 4
+    for _, _, p in probs:
+        assert wgm.check_plan(p) == (True, ""), p
+        assert p.tm >= min(p.m, 64) and p.smem <= wgm.SMEM_LIMIT
+        assert 1 <= p.splitk <= p.k // p.kt // 4 or p.splitk == 1
+    # the default variant has production's "wide" tiles and K split (the same CTAs): 64 rows
+    # up to M = 16, 128 above
+    from cuda_ops import nvfp4_gemm
+
+    for tag, v, p in probs:
+        if v == "wgmma":
+            prod = nvfp4_gemm.plan(p.m, p.n, p.k)
+            assert (p.tile_n, p.splitk, p.grid[1:]) == (prod.tile_n, prod.splitk, prod.grid[1:])
+    assert wgm.plan(64, 24576, 4096).grid == (1, 192, 3)
+    # two CTAs per SM fit in shared memory at the decode shapes (228 KiB per SM, 1 KiB each)
+    for m in (16, 32, 64):
+        for opts in ({}, {"nwg": 2, "wr": 1}, {"kt": 256}):
+            p = wgm.plan(m, 4096, 4096, **opts)
+            assert 2 * (p.smem + 1024) <= 228 * 1024 or (m, opts.get("kt")) == (64, 256), (m, opts)
+
+
+def test_plan_refusals():
+    assert not wgm.check_plan(wgm.plan(16, 4096, 4000))[0]  # K not a multiple of 128
+    assert not wgm.check_plan(wgm.plan(16, 4096, 4096, tm=24))[0]
+    assert not wgm.check_plan(wgm.plan(16, 4096, 4096, stages=2))[0]
+
+
+@needs_nvrtc
+def test_every_planned_kernel_compiles_without_spills_or_serialization():
+    """Each distinct plan of the device check: NVRTC PTX for sm_90a with both entries, and the
+    sm_90a cubin's ptxas -v: no spills, registers for two CTAs per SM, and no
+    "wgmma ... serialized" warning (ptxas breaking the async pipeline into waits)."""
+    plans = list(dict.fromkeys(p for _, _, p in _check_problems()))
+    kernels = wgm.prebuild(plans)
+    for p, kern in zip(plans, kernels, strict=True):
+        assert cbuild.ptx_target(kern.ptx) == "sm_90a"
+        assert "wgmma.mma_async.sync.aligned.m64n" in kern.ptx
+        rep = wgm.ptxas_report(p)
+        assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, (p, rep)
+        regs = -(-rep["registers"] // 8) * 8  # allocated per thread in units of 8
+        assert 2 * regs * p.threads <= 65536, (p, rep)  # two CTAs per SM by registers
+        assert rep["serialized"] == [], (p, rep)
+
+
+@needs_nvrtc
+def test_descriptor_diagnostic_build_compiles():
+    import dataclasses
+
+    p = dataclasses.replace(wgm.plan(32, 4096, 4096), desc_swap=True)
+    assert wgm.ptxas_report(p)["spill_stores"] == 0
+    assert wgm.build_plan(p).plan.desc_swap
