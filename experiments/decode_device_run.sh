@@ -43,6 +43,12 @@
 #   long     long outputs ([T2-D], experiments/bench_decode_long.py, LONG_ARGS)
 #   cbcheck  tokens under Config.command_buffer "while" vs "default" (check_command_buffer.py,
 #            CB_ARGS); times nothing
+#   wgmma    the wgmma (sm_90a) GEMM variant: correctness against the production GEMM and the
+#            reference, then kernel-alone times (experiments/kernels/check_gemm_wgmma.py,
+#            WGMMA_ARGS), OUT/wgmma.json
+#   cdexp    [T2-F] the paper's experiment on the bundled Countdown reasoner
+#            (experiments/search_reasoner_accuracy.py --model rejax/data/countdown, CDEXP_ARGS,
+#            default --time-budget 420 --batch-rows 4096), OUT/countdown_accuracy.{json,md} and plots
 #   bundle   OUTDIR as one OUTDIR-name.tgz in BUNDLE_TO (the device returns few files): e.g.
 #            OUTDIR=/tmp/t, phases "train sens peek bundle", BUNDLE_TO=$OUT
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
@@ -292,6 +298,18 @@ probe tests/test_attention_probe.py'}
     cbcheck)
       timeout ${CB_TIMEOUT:-300} python3 experiments/check_command_buffer.py ${CB_ARGS:---layers 2} \
         --out "$out/cbcheck.json" > "$out/cbcheck.log" 2>&1; echo "rc=$?"; tail -12 "$out/cbcheck.log";;
+    wgmma)
+      timeout ${WGMMA_TIMEOUT:-170} python3 experiments/kernels/check_gemm_wgmma.py \
+        --out "$out/wgmma.json" ${WGMMA_ARGS:-} > "$out/wgmma.log" 2>&1
+      echo "wgmma rc=$?"; tail -30 "$out/wgmma.log";;
+    cdexp)
+      mkdir -p "$out/cdexp_model"
+      cp rejax/data/countdown/* "$out/cdexp_model/"  # reset.json is written beside the weights
+      timeout ${CDEXP_TIMEOUT:-560} python3 experiments/search_reasoner_accuracy.py \
+        --model "$out/cdexp_model" --out-prefix "$out/countdown_accuracy" \
+        ${CDEXP_ARGS:---time-budget 420 --batch-rows 4096} \
+        > "$out/cdexp.log" 2>&1
+      echo "cdexp rc=$?"; tail -40 "$out/cdexp.log";;
     bundle)
       # BUNDLE_TO (a folder, e.g. $OUT) gets OUTDIR as one gzipped tar (the device returns at
       # most 8 files, two folders deep): checkpoints, logs and JSON of the phases before it
