@@ -48,7 +48,9 @@
 #            WGMMA_ARGS), OUT/wgmma.json
 #   cdexp    [T2-F] the paper's experiment on the bundled Countdown reasoner
 #            (experiments/search_reasoner_accuracy.py --model rejax/data/countdown, CDEXP_ARGS,
-#            default --time-budget 420 --batch-rows 4096), OUT/countdown_accuracy.{json,md} and plots
+#            default --time-budget 420 --batch-rows 4096), OUT/countdown_accuracy.{json,md} and plots;
+#            CDEXP_STATE (a carried OUT/countdown_accuracy_state.json of an earlier call that
+#            stopped at its budget) continues that run with --resume
 #   bundle   OUTDIR as one OUTDIR-name.tgz in BUNDLE_TO (the device returns few files): e.g.
 #            OUTDIR=/tmp/t, phases "train sens peek bundle", BUNDLE_TO=$OUT
 # Extra arguments: AB_ARGS (bench_decode.py for ab8), BASE (baseline tree, default .base).
@@ -305,8 +307,12 @@ probe tests/test_attention_probe.py'}
     cdexp)
       mkdir -p "$out/cdexp_model"
       cp rejax/data/countdown/* "$out/cdexp_model/"  # reset.json is written beside the weights
+      resume=()
+      if [ -n "${CDEXP_STATE:-}" ]; then  # an earlier call's state: go on from its chunks
+        cp "$CDEXP_STATE" "$out/countdown_accuracy_state.json"; resume=(--resume)
+      fi
       timeout ${CDEXP_TIMEOUT:-560} python3 experiments/search_reasoner_accuracy.py \
-        --model "$out/cdexp_model" --out-prefix "$out/countdown_accuracy" \
+        --model "$out/cdexp_model" --out-prefix "$out/countdown_accuracy" "${resume[@]}" \
         ${CDEXP_ARGS:---time-budget 420 --batch-rows 4096} \
         > "$out/cdexp.log" 2>&1
       echo "cdexp rc=$?"; tail -40 "$out/cdexp.log";;

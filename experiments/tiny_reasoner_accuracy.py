@@ -19,7 +19,8 @@ Protocol (the paper's recipe, §5, scaled to the tiny task):
      the same PRNG key
      (paired comparison), and a chunk's results are written as soon as it finishes. With
      `--time-budget` the test stops after the chunk that exhausts it, and the results say how
-     many problems were evaluated.
+     many problems were evaluated; `--resume` (the same settings) continues such a run from
+     OUT_PREFIX_state.json, written after every chunk, without calibrating again.
   4. Observation statistics: every test response teacher-forced through the BF16 model;
      off-argmax rates at low-entropy positions (BF16 entropy < tau0), overall and at symbolic
      (digit) positions, with bootstrap CIs over responses. With --plots, the BF16 samples of
@@ -430,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an earlier run of the same settings that stopped at its --time-budget: "
+        "its tau0, T_low and finished test chunks come from OUT_PREFIX_state.json (written "
+        "after every chunk), the test goes on from the next chunk",
+    )
+    p.add_argument(
         "--out-prefix",
         default=None,
         help="default: results/tiny_reasoner_accuracy (arithmetic), results/countdown_accuracy",
@@ -507,6 +515,41 @@ def main(argv: list[str] | None = None) -> int:
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
 
+    chunk = args.chunk_problems or max(1, args.batch_rows // args.n_samples)
+    state_path = Path(f"{out_prefix}_state.json")
+    state = _load_state(state_path, res, args, chunk) if args.resume else None
+    if state is not None:
+        res.update(state["res"])
+        tau0, t_low = res["calibration"]["tau0"], res["t_low_selection"]["chosen"]
+        _log(
+            f"resuming {state_path}: tau0 {tau0:.4g}, T_low {t_low}, "
+            f"{state['done']} test problems done"
+        )
+    else:
+        tau0, t_low = _calibrate_and_choose(
+            args, res, bf16, nvfp4, val, chat, grading_task, out_prefix
+        )
+    steps = {"bf16": [], "nvfp4": [], "responses": 0}
+    correct = {c: [] for c in configs}
+    summaries = {c: [] for c in configs}
+    observations = {c: [] for c in configs}
+    done = 0
+    if state is not None:
+        correct, summaries, observations = (
+            state["correct"],
+            state["summaries"],
+            state["observations"],
+        )
+        steps, done = state["steps"], state["done"]
+    _test(args, res, configs, params, bf16, nvfp4, test, chunk, chat, grading_task, tau0, t_low,
+          t_start, out_prefix, state_path, correct, summaries, observations, steps, done)  # fmt: skip
+    return 0
+
+
+def _calibrate_and_choose(args, res, bf16, nvfp4, val, chat, grading_task, out_prefix):
+    """Steps 1 and 2: tau0 on the first validation problems, T_low on the next ones; fills
+    res["calibration"] and res["t_low_selection"], writes --reset-json. Returns (tau0, t_low)."""
+    countdown = args.task == "countdown"
     # 1. tau0 -----------------------------------------------------------------------------
     _log(f"calibrating tau0 on {args.calib_problems} validation problems (NVFP4, T=0.6)")
     cal = ev.calibrate_tau0(
@@ -609,16 +652,45 @@ def main(argv: list[str] | None = None) -> int:
             + "\n"
         )
         _log(f"wrote {args.reset_json}")
+    return tau0, t_low
 
-    # 3 + 4. test, in chunks -------------------------------------------------------------
-    chunk = args.chunk_problems or max(1, args.batch_rows // args.n_samples)
-    correct = {c: [] for c in configs}
-    summaries = {c: [] for c in configs}
-    observations = {c: [] for c in configs}
-    steps = {"bf16": [], "nvfp4": [], "responses": 0}
+
+# settings a resumed run must share with the run it continues
+_RESUME_KEYS = (
+    "task", "n_problems", "n_samples", "calib_problems", "n_val_problems", "n_val_samples",
+    "t_low_grid", "input_scales", "scale_problems", "top_p", "max_new_tokens", "seed",
+    "ablations", "plots", "step_chunks",
+)  # fmt: skip
+
+
+def _load_state(path: Path, res: dict, args, chunk: int) -> dict:
+    """The saved state of an earlier run with these settings (SystemExit with the reason when
+    there is none or it does not match)."""
+    if not path.is_file():
+        raise SystemExit(f"--resume: no {path} (it is written after each test chunk)")
+    state = json.loads(path.read_text())
+    old = state["res"]["settings"]
+    diff = [k for k in _RESUME_KEYS if old.get(k) != res["settings"].get(k)]
+    if state["chunk"] != chunk:
+        diff.append(f"chunk ({state['chunk']} problems, now {chunk})")
+    if state["res"].get("model_sha256") != res["model_sha256"]:
+        diff.append("model weights")
+    if diff:
+        raise SystemExit(f"--resume: {path} was written with other settings: {diff}")
+    keep = ("settings", "calibration", "t_low_selection", "started")
+    state["res"] = {k: state["res"][k] for k in keep if k in state["res"]}
+    state["res"]["resumed"] = state["res"].pop("started", None)
+    return state
+
+
+def _test(args, res, configs, params, bf16, nvfp4, test, chunk, chat, grading_task, tau0, t_low,
+          t_start, out_prefix, state_path, correct, summaries, observations, steps, done):  # fmt: skip
+    """Steps 3 and 4: the test in chunks from problem `done` on (a multiple of `chunk`)."""
     t_test = time.perf_counter()
-    done, stopped_early = 0, False
+    first, stopped_early = done, False
     for k, start in enumerate(range(0, len(test), chunk)):
+        if start < first:
+            continue
         problems = test[start : start + chunk]
         key = args.seed * 1_000_003 + 17 + k  # same key for every configuration of a chunk
         for name in configs:
@@ -656,6 +728,9 @@ def main(argv: list[str] | None = None) -> int:
             res["step_entropy"] = _step_summary(steps, tau0)
         res["wall_s"] = time.perf_counter() - t_start
         _write(out_prefix, res)
+        state = {"res": res, "chunk": chunk, "done": done, "correct": correct,
+                 "summaries": summaries, "observations": observations, "steps": steps}  # fmt: skip
+        state_path.write_text(json.dumps(state, default=_json_default) + "\n")
         if args.time_budget is not None and time.perf_counter() - t_start > args.time_budget:
             stopped_early = done < len(test)
             break
@@ -670,7 +745,6 @@ def main(argv: list[str] | None = None) -> int:
     _write(out_prefix, res)
     _log(f"wrote {out_prefix}.json and {out_prefix}.md")
     print(_markdown(res))
-    return 0
 
 
 def _test_summary(correct, summaries, observations, tau0, done, *, stopped_early) -> dict:
@@ -708,8 +782,10 @@ def _write(prefix: Path, res: dict) -> None:
 
 
 def _json_default(x):
-    if isinstance(x, (np.floating, np.integer)):
+    if isinstance(x, (np.floating, np.integer, np.bool_)):
         return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
     if dataclasses.is_dataclass(x):
         return dataclasses.asdict(x)
     raise TypeError(f"not JSON serializable: {type(x).__name__}")

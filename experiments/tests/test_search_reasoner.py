@@ -1,5 +1,8 @@
-"""The Countdown experiment scripts' own logic (no training, no decoding): option handling,
-the ablation samplers and the step-entropy summary."""
+"""The Countdown experiment scripts' own logic: option handling, the ablation samplers, the
+step-entropy summary, and (decoding a few tokens of the bundled tiny model) resuming a stopped
+accuracy run."""
+
+import json
 
 import numpy as np
 import pytest
@@ -243,3 +246,35 @@ def test_the_time_budget_is_a_hard_cap():
     late = [(i, round(t - t0, 2)) for i, t in starts[1:] if t - t0 > args.time_budget + 1.0]
     assert late == [], late
     assert hist["val_step"][-1] == total
+
+
+def test_a_stopped_run_resumes_from_its_state(tmp_path, monkeypatch):
+    """A run cut by --time-budget after its first test chunk goes on with --resume: tau0 and
+    T_low are not computed again, the second chunk runs with its own key, and the results
+    cover every problem; other settings are refused."""
+    prefix = str(tmp_path / "acc")
+    args = ["--model", "tiny", "--n-problems", "2", "--n-samples", "1", "--chunk-problems", "1",
+            "--calib-problems", "1", "--n-val-problems", "1", "--n-val-samples", "1",
+            "--t-low-grid", "0.3", "--scale-problems", "1", "--max-new-tokens", "8",
+            "--input-scales", "calibrated", "--out-prefix", prefix]  # fmt: skip
+    assert tiny_reasoner_accuracy.main([*args, "--time-budget", "0"]) == 0
+    first = json.loads((tmp_path / "acc.json").read_text())
+    assert first["test"]["n_problems"] == 1 and first["test"]["stopped_early"]
+    state = json.loads((tmp_path / "acc_state.json").read_text())
+    assert state["done"] == 1 and all(len(c) == 1 for c in state["correct"].values())
+
+    def again(*_a, **_k):
+        raise AssertionError("a resumed run calibrated again")
+
+    monkeypatch.setattr(tiny_reasoner_accuracy, "_calibrate_and_choose", again)
+    with pytest.raises(SystemExit, match="n_samples"):
+        tiny_reasoner_accuracy.main([*args, "--n-samples", "2", "--resume"])
+    assert tiny_reasoner_accuracy.main([*args, "--resume"]) == 0
+    res = json.loads((tmp_path / "acc.json").read_text())
+    assert res["test"]["n_problems"] == 2 and not res["test"]["stopped_early"]
+    assert res["calibration"] == first["calibration"]
+    assert res["t_low_selection"] == first["t_low_selection"]
+    for name, c in res["test"]["configs"].items():
+        assert c["tokens_generated"] > first["test"]["configs"][name]["tokens_generated"], name
+    with pytest.raises(SystemExit, match="no .*acc2_state.json"):
+        tiny_reasoner_accuracy.main([*args[:-1], prefix + "2", "--resume"])
