@@ -63,9 +63,13 @@ def test_it_records_the_task_it_was_trained_on():
     assert countdown.load_difficulty(COUNTDOWN_MODEL) == countdown.DEFAULT
 
 
-def test_the_cli_names_it():
+def test_the_cli_names_it_and_reads_its_reset_settings():
     assert cli.resolve_model("countdown") == COUNTDOWN_MODEL
     assert cli.resolve_model("tiny") == TINY_MODEL
+    saved = cli.read_reset_settings(COUNTDOWN_MODEL)
+    # tau_0 near the model's own entropy scale (its forced tokens sit near 1e-4 nats), not the
+    # paper's default for large models
+    assert 1e-5 < saved["tau_0"] < 1e-2 and saved["t_low"] == 0.3, saved
 
 
 def test_tokenizer_round_trips_a_trace(params_f32):
