@@ -129,17 +129,19 @@ def _ci_text(c: dict) -> str:
 
 
 def _diff_text(d: dict) -> str:
-    return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]"
+    mark = "†" if d.get("method") == "newcombe" else ""  # footnoted under the table
+    return f"{100 * d['diff']:+.1f} [{100 * d['lo']:+.1f}, {100 * d['hi']:+.1f}]{mark}"
 
 
 def _rate_text(stats: dict, key: str) -> str:
     rate, ci = stats.get(f"rate_{key}"), stats.get(f"ci_{key}")
     if rate is None:
         return "n/a"
-    return (
-        f"{100 * rate:.2f}% [{100 * ci[0]:.2f}, {100 * ci[1]:.2f}] "
-        f"({stats[f'off_{key}']}/{stats[f'n_{key}']})"
-    )
+    if 0 < 100 * rate < 0.01 or 0 < 100 * ci[1] < 0.01:  # a few per million: keep the digits
+        text = f"{100 * rate:.2g}% [{100 * ci[0]:.2g}, {100 * ci[1]:.2g}]"
+    else:
+        text = f"{100 * rate:.2f}% [{100 * ci[0]:.2f}, {100 * ci[1]:.2f}]"
+    return f"{text} ({stats[f'off_{key}']}/{stats[f'n_{key}']})"
 
 
 def _sampler(name: str, tau0: float, t_low: float, top_p: float):
@@ -310,6 +312,22 @@ def _markdown(res: dict) -> str:
             f"| {LABELS[name]} | {_ci_text(c['avg_at_n'])} | {vs} | "
             f"{c['mean_response_tokens']:.0f} | {100 * c['frac_no_answer']:.1f}% |"
         )
+    newcombe = {
+        LABELS[n]: t["paired"][f"{n}_vs_nvfp4_t0.6"]
+        for n in configs
+        if n != "nvfp4_t0.6" and t["paired"][f"{n}_vs_nvfp4_t0.6"].get("method") == "newcombe"
+    }
+    if newcombe:
+        which = "; ".join(f"{k}: {100 * d['diff']:+.1f}" for k, d in newcombe.items())
+        lines += [
+            "",
+            (
+                f"† Every problem has the same paired difference against NVFP4 T = 0.6 ({which} "
+                "points on every problem; +0.0 means the same number of correct samples on "
+                "every problem), so the paired spread is zero; the interval shown is Newcombe's "
+                "unpaired one, which is conservative."
+            ),
+        ]
     lines += [
         "",
         (

@@ -278,3 +278,21 @@ def test_a_stopped_run_resumes_from_its_state(tmp_path, monkeypatch):
         assert c["tokens_generated"] > first["test"]["configs"][name]["tokens_generated"], name
     with pytest.raises(SystemExit, match="no .*acc2_state.json"):
         tiny_reasoner_accuracy.main([*args[:-1], prefix + "2", "--resume"])
+
+
+def test_the_shipped_countdown_results_render_and_mark_the_unpaired_interval(tmp_path):
+    # The H200 run's JSON renders to its markdown; the T_high = 0.6 ablation sampled exactly
+    # NVFP4's tokens (every paired difference 0), so its interval is the footnoted Newcombe one.
+    src = tiny_reasoner_accuracy.RESULTS / "countdown_accuracy.json"
+    res = json.loads(src.read_text())
+    (tmp_path / "r.json").write_text(json.dumps(res))
+    argv = ["--task", "countdown", "--ablations", "--render-only"]
+    assert tiny_reasoner_accuracy.main([*argv, "--out-prefix", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r.md").read_text()
+    assert md == (tiny_reasoner_accuracy.RESULTS / "countdown_accuracy.md").read_text()
+    paired = res["test"]["paired"]
+    marked = [k for k, d in paired.items() if d["method"] == "newcombe"]
+    assert marked == ["nvfp4_reset_thigh0.6_vs_nvfp4_t0.6"]
+    row = next(x for x in md.splitlines() if x.startswith("| NVFP4 + ReSET, T_high = 0.6"))
+    assert "†" in row and md.count("†") == 2  # the mark and its footnote
+    assert res["test"]["n_problems"] >= 1000 and res["settings"]["n_samples"] >= 8
