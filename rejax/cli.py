@@ -2,7 +2,7 @@
 
     rejax generate [--model PATH|tiny] [--quant Q] [--sampler S] ... PROMPT | - | --prompts FILE
     rejax eval [--task math|mcq|code|countdown] --data FILE [--n 8] ... [--out results.jsonl] [--summary FILE]
-    rejax calibrate [--data problems.jsonl] [--n-problems 5] [--quant nvfp4] [--out DIR]
+    rejax calibrate [--data problems.jsonl] [--n-problems 5] [--quant nvfp4] [--scale-texts FILE] [--out DIR]
     rejax bench [--model PATH|tiny | --preset NAME] [--quant Q] [--batch 1 8] [--out FILE]
     rejax compare [--model PATH|tiny] [--quant Q] [--steps N] [--out FILE]
 
@@ -35,8 +35,8 @@ from rejax.checkpoint import load
 from rejax.config import KV_DTYPES, PRESETS
 from rejax.data import tasks
 from rejax.eval.grading import extract_answer
-from rejax.generate import generate
-from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks
+from rejax.generate import calibrate_input_scales, generate
+from rejax.text import encode_prompt, ends_step, has_chat_template, newline_masks, prompt_ids
 
 TINY = "tiny"
 COUNTDOWN = "countdown"  # the bundled Countdown search reasoner (rejax/data/countdown)
@@ -339,6 +339,98 @@ def _add_prompt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="S", help="PRNG seed (default: 0)")
 
 
+def _add_scale_texts_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--scale-texts",
+        default=None,
+        metavar="FILE",
+        help='JSONL, one {"text": ...} object per line: before running, set every NVFP4 '
+        "linear's static activation scale from these texts (rejax.calibrate_input_scales, the "
+        "ModelOpt recipe: each linear's input amax over all texts, run with NVFP4 weights and "
+        "bf16 activations, gives input_scale = amax / (6 * 448)), replacing the dynamic "
+        "per-row scales (or the checkpoint's own input_scale). The texts are tokenized as "
+        "written, with no chat template: write them in the model's prompt format, e.g. "
+        "reference solutions from rejax.data.countdown.write_trace_jsonl. Needs --quant nvfp4",
+    )
+
+
+def _read_scale_texts(args) -> list[tuple[int, str]] | None:
+    """--scale-texts FILE as (line number, text) pairs; None without the option.
+
+    Checked before any work: --quant must be nvfp4 (W4A4), the file readable, every non-blank
+    line a JSON object with a non-empty string `text`, and at least one text.
+
+    Raises:
+      ValueError: naming the option, the file (and line) and what was expected.
+    """
+    if args.scale_texts is None:
+        return None
+    if args.quant != "nvfp4":
+        raise ValueError(
+            f"--scale-texts calibrates the static activation scales of NVFP4 W4A4; it needs "
+            f"--quant nvfp4, got --quant {args.quant}"
+        )
+    path = Path(args.scale_texts).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"--scale-texts {str(path)!r} does not exist or is not a file (expected JSONL "
+            "with a 'text' field per line)"
+        )
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--scale-texts {str(path)!r} cannot be read: {e}") from None
+    texts = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--scale-texts {path}:{lineno}: malformed JSON ({e.msg})") from None
+        text = row.get("text") if isinstance(row, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(
+                f"--scale-texts {path}:{lineno}: expected a JSON object with a non-empty "
+                f"string field 'text', got {line.strip()!r:.80}"
+            )
+        texts.append((lineno, text))
+    if not texts:
+        raise ValueError(
+            f"--scale-texts {str(path)!r} holds no texts; expected at least one JSON line "
+            "with a 'text' field"
+        )
+    return texts
+
+
+def _with_scale_texts(args, params, texts: list[tuple[int, str]] | None):
+    """params with static activation scales calibrated on `texts` (`_read_scale_texts`);
+    unchanged for None. Takes one-device params: call it before `_shard`."""
+    if texts is None:
+        return params
+    limit = params.cfg.max_position_embeddings
+    ids = prompt_ids(params, [t for _, t in texts], chat=False)
+    for (lineno, _), row in zip(texts, ids):
+        if len(row) > limit:
+            raise ValueError(
+                f"--scale-texts {args.scale_texts}:{lineno}: the text has {len(row)} tokens, "
+                f"more than the model's context of {limit} (max_position_embeddings); shorten it"
+            )
+    t0 = time.perf_counter()
+    params = calibrate_input_scales(params, [t for _, t in texts])
+    _err(
+        f"# static activation scales calibrated on {len(texts)} texts "
+        f"({sum(map(len, ids))} tokens) from --scale-texts {args.scale_texts} in "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+    return params
+
+
+def _scale_texts_note(args, texts) -> dict | None:
+    """--scale-texts for a JSON summary: the file and its text count (None without it)."""
+    return None if texts is None else {"file": str(args.scale_texts), "n_texts": len(texts)}
+
+
 def _chat(args, params) -> bool:
     if args.chat is None:
         return has_chat_template(params)
@@ -563,8 +655,10 @@ def _cmd_generate(args) -> int:
     prompts = _read_prompts(args)
     model_dir = resolve_model(args.model)
     sampler, source = _sampler(args, model_dir)
+    scale_texts = _read_scale_texts(args)
     t0 = time.perf_counter()
-    params = _with_kv_dtype(args, load_model(args.model, args.quant))
+    params = load_model(args.model, args.quant)
+    params = _with_kv_dtype(args, _with_scale_texts(args, params, scale_texts))
     chat = _chat(args, params)
     ids = [encode_prompt(params, p, chat=chat) for p in prompts]
     max_new = _max_new_tokens(args.max_new_tokens, 512, params, ids)
@@ -691,9 +785,11 @@ def _cmd_eval(args) -> int:
             check_output_path(getattr(args, flag), f"--{flag}")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout:g}")
+    scale_texts = _read_scale_texts(args)
     problems = ev.load_problems(args.data, args.task, limit=args.limit)
     sampler, source = _sampler(args, model_dir)
-    params = _shard(args, _with_kv_dtype(args, load_model(args.model, args.quant)))
+    params = _with_scale_texts(args, load_model(args.model, args.quant), scale_texts)
+    params = _shard(args, _with_kv_dtype(args, params))
     chat = _chat(args, params)
     ids = [encode_prompt(params, p["prompt"], chat=chat) for p in problems]
     max_new = _max_new_tokens(args.max_new_tokens, 1024, params, ids)
@@ -723,6 +819,7 @@ def _cmd_eval(args) -> int:
         model=args.model,
         quant=args.quant,
         kv_dtype=args.kv_dtype,
+        scale_texts=_scale_texts_note(args, scale_texts),
         data=str(args.data),
         versions=bench.versions(),
     )
@@ -769,8 +866,17 @@ def _cmd_eval(args) -> int:
 # calibrate
 
 
-def _default_calibration_problems(n: int) -> list[dict]:
-    return tasks.split("validation", n)
+def _validation_problems(model_dir, n: int, seed: int = 0) -> tuple[list[dict], str]:
+    """`n` validation problems of the task MODEL_DIR was trained on, and their source's name:
+    Countdown for a model that records its Countdown difficulty (the bundled `countdown`),
+    else the bundled arithmetic task."""
+    from rejax.data import countdown
+
+    difficulty = countdown.load_difficulty(model_dir)
+    if difficulty is not None:
+        problems = countdown.split("validation", n, seed=seed, difficulty=difficulty)
+        return problems, "rejax.data.countdown validation split (the model's difficulty)"
+    return tasks.split("validation", n, seed=seed), "rejax.data.tasks validation split"
 
 
 def _cmd_calibrate(args) -> int:
@@ -778,15 +884,15 @@ def _cmd_calibrate(args) -> int:
     check_output_path(args.out, "--out", directory=True)
     if args.reset_json:
         check_output_path(args.reset_json, "--reset-json")
+    scale_texts = _read_scale_texts(args)
     if args.data is not None:
         problems = ev.load_jsonl(args.data)
         source = str(args.data)
     else:
-        problems = _default_calibration_problems(args.n_problems)
-        source = "rejax.data.tasks validation split"
+        problems, source = _validation_problems(model_dir, args.n_problems)
     if len(problems) < args.n_problems:
         raise ValueError(f"--n-problems {args.n_problems} but {source} holds {len(problems)}")
-    params = load_model(args.model, args.quant)
+    params = _with_scale_texts(args, load_model(args.model, args.quant), scale_texts)
     chat = _chat(args, params)
     ids = [encode_prompt(params, p["problem"], chat=chat) for p in problems[: args.n_problems]]
     max_new = _max_new_tokens(args.max_new_tokens, 4096, params, ids)
@@ -815,7 +921,12 @@ def _cmd_calibrate(args) -> int:
             key=args.seed,
             chat=chat,
         )
-    meta = {"model": args.model, "data": source, "versions": bench.versions()}
+    meta = {
+        "model": args.model,
+        "data": source,
+        "scale_texts": _scale_texts_note(args, scale_texts),
+        "versions": bench.versions(),
+    }
     files = ev.write_calibration(
         args.out, res, ref, quant=args.quant, meta=meta, prefix=args.prefix
     )
@@ -839,17 +950,18 @@ def _cmd_calibrate(args) -> int:
     saved = read_reset_settings(model_dir) or {}
     t_low = saved.get("t_low", ev.DEFAULT_T_LOW)
     tau0 = float(f"{res['tau0']:.4g}")
+    scales = "" if scale_texts is None else f" --scale-texts {args.scale_texts}"
     print(
-        f"use it: rejax generate --model {args.model} --quant {args.quant} --sampler reset "
-        f"--tau0 {tau0:g} --t-low {t_low:g} ..."
+        f"use it: rejax generate --model {args.model} --quant {args.quant}{scales} --sampler "
+        f"reset --tau0 {tau0:g} --t-low {t_low:g} ..."
     )
     if args.reset_json:
         settings = dict(
             saved,
             tau_0=tau0,
             t_low=t_low,
-            source=f"rejax calibrate: p{args.percentile:g} of {res['n_tokens']} {args.quant} "
-            f"token entropies on {args.n_problems} problems from {source}",
+            source=f"rejax calibrate{scales}: p{args.percentile:g} of {res['n_tokens']} "
+            f"{args.quant} token entropies on {args.n_problems} problems from {source}",
         )
         path = Path(args.reset_json).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -951,7 +1063,7 @@ def _cmd_compare(args) -> int:
     if params.tokenizer is None or params.tokenizer.tokenizer is None:
         raise ValueError(f"{args.model!r} has no tokenizer.json; `rejax compare` needs one")
     if args.prompt is None:
-        args.prompt = tasks.split("validation", 1, seed=args.seed)[0]["problem"]
+        args.prompt = _validation_problems(model_dir, 1, seed=args.seed)[0][0]["problem"]
     chat = _chat(args, params)
     ids = encode_prompt(params, args.prompt, chat=chat)
     nl, dnl = newline_masks(params.tokenizer.tokenizer, params.cfg.vocab_size)
@@ -989,6 +1101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "when done.",
     )
     _add_model_args(g)
+    _add_scale_texts_arg(g)
     _add_kv_args(g)
     _add_sampler_args(g)
     g.add_argument(
@@ -1059,6 +1172,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--n", type=_positive_int, default=8, metavar="N", help="samples per problem (default: 8)"
     )
     _add_model_args(e)
+    _add_scale_texts_arg(e)
     _add_kv_args(e)
     _add_sampler_args(e)
     e.add_argument(
@@ -1146,11 +1260,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"(--reset-json writes them as the model's {RESET_FILE}).",
     )
     _add_model_args(c)
+    _add_scale_texts_arg(c)
     c.add_argument(
         "--data",
         default=None,
         metavar="FILE",
-        help="JSONL calibration problems (default: the bundled task's validation split)",
+        help=(
+            "JSONL calibration problems (default: validation problems of the bundled task the "
+            "model was trained on: Countdown for --model countdown, else arithmetic)"
+        ),
     )
     c.add_argument(
         "--n-problems",
@@ -1297,7 +1415,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         default=None,
         metavar="TEXT",
-        help="prompt text (default: a validation problem of the bundled task)",
+        help="prompt text (default: a validation problem of the bundled task the model was trained on)",
     )
     k.add_argument(
         "--steps",

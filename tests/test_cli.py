@@ -700,3 +700,167 @@ def test_load_model_states_the_scale_mode_once(caplog):
     with caplog.at_level(logging.WARNING):
         rejax.load(rejax.data.TINY_MODEL, quant="nvfp4")
     assert [r for r in caplog.records if "without calibration data" in r.getMessage()]
+
+
+# ----------------------------------------------------------------------------- --scale-texts
+
+# Two calibration texts in the checkpoint's chat format, of equal length (one token per
+# character and special token): one compiled calibration forward per call.
+_SCALE_TEXTS = [
+    "<|im_start|>user\nEvaluate 1 + 2.<|im_end|>\n<|im_start|>assistant\n3<|im_end|>",
+    "<|im_start|>user\nEvaluate 4 * 5.<|im_end|>\n<|im_start|>assistant\n9<|im_end|>",
+]
+_CALIBRATED: dict = {}
+
+
+def _scale_file(tmp_path, texts=tuple(_SCALE_TEXTS), name="scales.jsonl"):
+    f = tmp_path / name
+    f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return f
+
+
+def _input_scales(params) -> dict:
+    import jax
+
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params.weights)
+        if "input_scale" in jax.tree_util.keystr(path)
+    }
+
+
+def _calibrated_scales(ckpt) -> dict:
+    """The library's scales for _SCALE_TEXTS (computed once per module)."""
+    from rejax.generate import calibrate_input_scales
+
+    if not _CALIBRATED:
+        params = calibrate_input_scales(cli.load_model(str(ckpt), "nvfp4"), _SCALE_TEXTS)
+        _CALIBRATED.update(_input_scales(params))
+    return _CALIBRATED
+
+
+def test_eval_scale_texts_sets_static_activation_scales(
+    capsys, monkeypatch, ckpt, data, tmp_path, cached_models
+):
+    """`rejax eval --scale-texts` runs the model with the input scales that
+    rejax.calibrate_input_scales gives on the file's texts (the loaded model has none)."""
+    assert not _input_scales(cli.load_model(str(ckpt), "nvfp4"))  # dynamic without the option
+    seen = []
+    real = ev.evaluate
+
+    def spy(params, *a, **k):
+        seen.append(params)
+        return real(params, *a, **k)
+
+    monkeypatch.setattr(ev, "evaluate", spy)
+    f, summary = _scale_file(tmp_path), tmp_path / "summary.json"
+    rc, stdout, err = _run(
+        capsys, "eval", "--model", ckpt, "--quant", "nvfp4", "--scale-texts", f,
+        "--data", data, "--limit", 1, "--n", 1, "--max-new-tokens", 4, "--sampler", "greedy",
+        "--summary", summary, "--no-progress",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert stdout.startswith("avg@1 = ")
+    assert f"# static activation scales calibrated on 2 texts ({2 * 36} tokens)" in err, err
+    assert "NVFP4 W4A4 (static activation scales)" in err
+    (params,) = seen
+    got, want = _input_scales(params), _calibrated_scales(ckpt)
+    # Every linear (layers stacked: qkv, o, gate_up, down), one scale per layer.
+    assert len(got) == 4 and got.keys() == want.keys()
+    assert all(x.shape == (2,) and np.all(x > 0) for x in got.values())
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert json.loads(summary.read_text())["scale_texts"] == {"file": str(f), "n_texts": 2}
+
+
+@pytest.mark.parametrize("command", ["calibrate", "generate"])
+def test_calibrate_and_generate_scale_texts(capsys, monkeypatch, ckpt, tmp_path, command):
+    """The same option on `rejax calibrate` and `rejax generate`: the params that reach tau0
+    calibration / generation carry the calibrated scales, and the header line says so."""
+    monkeypatch.setattr(cli, "load_model", lambda spec, quant: _load_model(spec, quant))
+    calls: list = []
+    target = (ev, "calibrate_tau0") if command == "calibrate" else (cli, "generate")
+    monkeypatch.setattr(*target, _spy(calls))
+    f = _scale_file(tmp_path)
+    argv = [command, "--model", ckpt, "--scale-texts", f, "--max-new-tokens", 4]
+    argv += ["--out", tmp_path / "cal"] if command == "calibrate" else ["Evaluate 2 + 2."]
+    with pytest.raises(_Stop):
+        cli.main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert "static activation scales calibrated on 2 texts" in err
+    assert "NVFP4 W4A4 (static activation scales)" in err
+    ((args, _),) = calls
+    got, want = _input_scales(args[0]), _calibrated_scales(ckpt)
+    assert got.keys() == want.keys()
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("command", ["eval", "calibrate", "generate"])
+def test_bad_scale_texts_are_refused_before_loading(capsys, monkeypatch, tmp_path, data, command):
+    monkeypatch.setattr(cli, "load_model", lambda *a: pytest.fail("loaded the model"))
+    good = _scale_file(tmp_path)
+    no_text = tmp_path / "no_text.jsonl"
+    no_text.write_text('{"text": "a"}\n\n{"prompt": "b"}\n')
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": "a"}\n{"text": "  "}\n')
+    malformed = tmp_path / "malformed.jsonl"
+    malformed.write_text('{"text": "a"\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    missing = tmp_path / "none.jsonl"
+    expected = "expected a JSON object with a non-empty string field 'text'"
+    cases = [
+        ([missing], f"--scale-texts '{missing}' does not exist or is not a file"),
+        ([no_text], f'--scale-texts {no_text}:3: {expected}, got \'{{"prompt": "b"}}\''),
+        ([blank], f"--scale-texts {blank}:2: {expected}"),
+        ([malformed], f"--scale-texts {malformed}:1: malformed JSON"),
+        ([empty], f"--scale-texts '{empty}' holds no texts"),
+        ([good, "--quant", "bf16"], "it needs --quant nvfp4, got --quant bf16"),
+        ([good, "--quant", "nvfp4-w4a16"], "it needs --quant nvfp4, got --quant nvfp4-w4a16"),
+    ]
+    extra = {
+        "eval": ["--data", data],
+        "calibrate": ["--data", data, "--out", tmp_path / "cal"],
+        "generate": ["hi"],
+    }[command]
+    for flag_args, message in cases:
+        rc, _, err = _run(capsys, command, *extra, "--scale-texts", *flag_args)
+        assert rc == 2 and err.startswith(f"rejax {command}: error: "), (flag_args, err)
+        assert message in err, (flag_args, err)
+
+
+def test_scale_texts_longer_than_the_context_are_refused(capsys, monkeypatch, ckpt, tmp_path):
+    monkeypatch.setattr(cli, "load_model", lambda spec, quant: _load_model(spec, quant))
+    monkeypatch.setattr(cli, "calibrate_input_scales", lambda *a: pytest.fail("calibrated"))
+    f = _scale_file(tmp_path, ["Evaluate 1 + 2.", "x" * 600])
+    rc, _, err = _run(capsys, "generate", "--model", ckpt, "--scale-texts", f, "hi")
+    assert rc == 2, err
+    assert (
+        f"--scale-texts {f}:2: the text has 600 tokens, more than the model's context of 512"
+    ) in err
+
+
+@pytest.mark.parametrize("model", ["countdown", "tiny"])
+def test_calibrate_draws_its_default_problems_from_the_models_own_task(
+    capsys, monkeypatch, tmp_path, model
+):
+    """Without --data, tau0 is calibrated on validation problems of the task the model was
+    trained on: Countdown problems of its recorded difficulty for the bundled Countdown
+    reasoner, arithmetic ones for the tiny model."""
+    from rejax.data import COUNTDOWN_MODEL, countdown, tasks
+
+    calls: list = []
+    monkeypatch.setattr(ev, "calibrate_tau0", _spy(calls))
+    argv = ["calibrate", "--model", model, "--n-problems", "3", "--out", str(tmp_path / "c")]
+    with pytest.raises(_Stop):
+        cli.main(argv)
+    ((args, _),) = calls
+    problems = args[1]
+    if model == "countdown":
+        d = countdown.load_difficulty(COUNTDOWN_MODEL)
+        assert problems == countdown.split("validation", 3, difficulty=d)
+        assert "rejax.data.countdown validation split" in capsys.readouterr().err
+    else:
+        assert problems == tasks.split("validation", 3)
+        assert "rejax.data.tasks validation split" in capsys.readouterr().err

@@ -275,6 +275,23 @@ def test_jsonl_round_trip_through_load_problems(tmp_path):
         ev.load_problems(bad, "countdown")
 
 
+def test_trace_jsonl_round_trip_through_scale_texts(tmp_path):
+    from rejax import cli
+
+    problems = countdown.split("validation", 3)
+    path = tmp_path / "traces.jsonl"
+    args = cli.build_parser().parse_args(["eval", "--data", "x", "--scale-texts", str(path)])
+    for chat, end in ((None, "<|im_end|>"), (True, "<|im_end|>"), (False, "<|endoftext|>")):
+        kwargs = {} if chat is None else {"chat": chat}
+        countdown.write_trace_jsonl(problems, path, **kwargs)
+        texts = [countdown.training_text(p, chat=chat is not False) for p in problems]
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        assert rows == [{"text": t} for t in texts]
+        assert all(t.endswith(end) and p["solution"] in t for t, p in zip(texts, problems))
+        # What `--scale-texts` reads back: the same texts, numbered by line.
+        assert cli._read_scale_texts(args) == list(enumerate(texts, start=1))
+
+
 def test_difficulty_file_round_trip_and_errors(tmp_path):
     assert countdown.load_difficulty(tmp_path) is None  # no file: the caller's default
     d = countdown.Difficulty(n_numbers=3, max_number=25, max_target=199, guide=0.7)

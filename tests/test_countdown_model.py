@@ -7,6 +7,7 @@ CPU, rejax.generate in bf16 solved 18 of the first 32 validation problems.
 """
 
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +17,8 @@ import rejax
 from rejax import cli
 from rejax.data import COUNTDOWN_MODEL, TINY_MODEL, countdown, tasks
 from rejax.eval.grading import grade
+
+REPO = Path(__file__).resolve().parents[1]
 
 MAX_CHECKPOINT_BYTES = 20 * 2**20
 MAX_BUNDLED_BYTES = 60 * 2**20  # all bundled models together
@@ -69,7 +72,11 @@ def test_the_cli_names_it_and_reads_its_reset_settings():
     saved = cli.read_reset_settings(COUNTDOWN_MODEL)
     # tau_0 near the model's own entropy scale (its forced tokens sit near 1e-4 nats), not the
     # paper's default for large models
-    assert 1e-5 < saved["tau_0"] < 1e-2 and saved["t_low"] == 0.3, saved
+    assert 1e-5 < saved["tau_0"] < 1e-2 and saved["t_low"] == 0.1, saved
+    # ... and they are the ones the shipped accuracy experiment calibrated and chose
+    res = json.loads((REPO / "experiments/results/countdown_accuracy.json").read_text())
+    assert saved["tau_0"] == pytest.approx(res["calibration"]["tau0"], rel=1e-3), saved
+    assert saved["t_low"] == res["t_low_selection"]["chosen"], saved
 
 
 def test_tokenizer_round_trips_a_trace(params_f32):

@@ -434,6 +434,16 @@ def write_jsonl(problems: Iterable[dict], path: str | os.PathLike) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def write_trace_jsonl(problems: Iterable[dict], path: str | os.PathLike, chat: bool = True) -> None:
+    """Writes one {"text": training_text(p, chat=chat)} object per line: each problem's
+    reference search trace in the model's prompt format (prompt, solution, end marker), the
+    layout `--scale-texts` of `rejax eval` / `rejax calibrate` / `rejax generate` reads to
+    calibrate static NVFP4 activation scales (`rejax.calibrate_input_scales`). Use problems
+    that are not evaluated (e.g. validation ones) and the chat setting the model runs with."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": training_text(p, chat=chat)}) + "\n" for p in problems)
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """Reads a file written by `write_jsonl` (every line needs problem, numbers, target)."""
     out = []
