@@ -2,7 +2,8 @@
 # Device phases for the stacked / fused decoder ([T2-A]) and its comparisons on the H200.
 # Usage: experiments/decode_device_run.sh OUTDIR [phases]
 #   env      versions and GPU
-#   gputest  the gpu-marked tests of GPU_TESTS (default tests/test_kernels_gpu.py)
+#   gputest  the gpu-marked tests of GPU_TESTS (default tests/test_kernels_gpu.py); GPUTEST_JOBS
+#            (default 1) runs their ids in that many concurrent shards (GPUTEST_TIMEOUT each)
 #   hlo      optimized-HLO report of the decode step (2 and 36 layers, bf16 and NVFP4)
 #   ab8      8-layer decode, this tree vs the baseline tree in .base/ (BASE), same GPU, one call
 #   abflags  this tree with XLA_FLAGS variants FLAGS_A / FLAGS_B (e.g. dynamic-slice fusion)
@@ -70,8 +71,32 @@ for phase in $phases; do
         python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())"
       } > "$out/env.txt" 2>&1; cat "$out/env.txt";;
     gputest)
-      timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q --failures-now -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
-        > "$out/gpu_tests.log" 2>&1; echo "rc=$?"; tail -15 "$out/gpu_tests.log";;
+      jobs=${GPUTEST_JOBS:-1}
+      if [ "$jobs" -le 1 ]; then
+        timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q --failures-now -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
+          > "$out/gpu_tests.log" 2>&1; echo "rc=$?"; tail -15 "$out/gpu_tests.log"
+      else
+        # GPUTEST_JOBS shards of the test ids, round robin, run at once: the cases are mostly
+        # NVRTC / XLA compiles (CPU) on a cold kernel cache, so shards overlap well; each
+        # allocates GPU memory on demand. Logs OUT/gpu_tests_J.log, exit codes OUT/gpu_tests_J.rc.
+        python3 -m pytest -o addopts="" --collect-only -q -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
+          2>/dev/null | grep "::" > "$out/gpu_test_ids.txt"
+        echo "$(wc -l < "$out/gpu_test_ids.txt") test ids in $jobs shards"
+        for j in $(seq 0 $((jobs - 1))); do
+          mapfile -t ids < <(awk -v j="$j" -v n="$jobs" '(NR - 1) % n == j' "$out/gpu_test_ids.txt")
+          [ "${#ids[@]}" -gt 0 ] || continue
+          ( export XLA_PYTHON_CLIENT_PREALLOCATE=false
+            timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q --failures-now -m gpu "${ids[@]}" \
+              > "$out/gpu_tests_$j.log" 2>&1; echo "$?" > "$out/gpu_tests_$j.rc" ) &
+        done
+        wait
+        for j in $(seq 0 $((jobs - 1))); do
+          [ -f "$out/gpu_tests_$j.rc" ] || continue
+          echo "== shard $j rc=$(cat "$out/gpu_tests_$j.rc")"
+          grep -E "^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped)" "$out/gpu_tests_$j.log" | tail -8
+          tail -c 300 "$out/gpu_tests_$j.log"; echo
+        done
+      fi;;
     hlo)
       timeout ${HLO_TIMEOUT:-200} python3 experiments/hlo_report.py --layers 2 36 \
         --out "$out/hlo_report.json" > "$out/hlo_report.log" 2>&1; echo "rc=$?"
