@@ -187,6 +187,15 @@ def _add_sampler_args(p: argparse.ArgumentParser, *, sampler_default: str = "res
         help=f"nucleus mass for temp:T and reset (default: {ev.DEFAULT_TOP_P}, the paper's; "
         "rejax.Temperature's API default is 1.0)",
     )
+    p.add_argument(
+        "--include-current",
+        action="store_const",
+        const=True,
+        default=None,
+        help="ReSET: count the token being sampled in the step-entropy estimates "
+        "(ReSET(include_current=True), the paper's figure semantics; default: the reference "
+        "semantics, which exclude it)",
+    )
 
 
 # ReSET settings a model directory may carry (written by `rejax calibrate --reset-json`).
@@ -247,6 +256,12 @@ def _sampler(args, model_dir: Path | None = None):
     """
     kind = args.sampler.strip().partition(":")[0].lower()
     kind = "temp" if kind == "temperature" else kind
+    include_current = getattr(args, "include_current", None)
+    if include_current and kind in _SAMPLER_OPTIONS and kind != "reset":
+        raise ValueError(
+            f"--include-current does not apply to --sampler {args.sampler!r} (only to reset); "
+            "drop it or change --sampler"
+        )
     for name in ("t_low", "tau0", "t_high", "top_p"):
         # An unknown kind is left to parse_sampler, whose message lists the valid specs.
         if kind not in _SAMPLER_OPTIONS:
@@ -274,7 +289,10 @@ def _sampler(args, model_dir: Path | None = None):
         if getattr(args, name) is not None:
             values[name] = getattr(args, name)
     top_p = ev.DEFAULT_TOP_P if args.top_p is None else args.top_p
-    return ev.parse_sampler(args.sampler, top_p=top_p, **values), source
+    sampler = ev.parse_sampler(args.sampler, top_p=top_p, **values)
+    if include_current:
+        sampler = dataclasses.replace(sampler, include_current=True)
+    return sampler, source
 
 
 def check_output_path(path: str | Path, flag: str, *, directory: bool = False) -> Path:
@@ -467,6 +485,7 @@ def sampler_label(sampler) -> str:
     return (
         f"ReSET T_low={float(sampler.t_low):g} tau0={float(sampler.tau_0):g} "
         f"T_high={float(sampler.t_high):g} w={sampler.window} top-p {float(sampler.top_p):g}"
+        + (" include_current" if sampler.include_current else "")
     )
 
 

@@ -582,6 +582,7 @@ def test_step_printer_shows_small_entropies():
         (["--sampler", "greedy", "--tau0", "0.1"], "--tau0 0.1 does not apply to --sampler 'gre"),
         (["--sampler", "greedy", "--top-p", "0.9"], "--top-p 0.9 does not apply"),
         (["--sampler", "temp:0.6", "--t-low", "0.2"], "--t-low 0.2 does not apply"),
+        (["--sampler", "temp:0.6", "--include-current"], "--include-current does not apply"),
     ],
 )
 def test_options_the_sampler_does_not_read_are_refused(capsys, monkeypatch, ckpt, argv, message):
@@ -864,3 +865,15 @@ def test_calibrate_draws_its_default_problems_from_the_models_own_task(
     else:
         assert problems == tasks.split("validation", 3)
         assert "rejax.data.tasks validation split" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["eval", "generate"])
+def test_include_current_reaches_the_reset_sampler(command, tmp_path):
+    """--include-current (the ablation) builds ReSET(include_current=True); without it the
+    reference semantics; the label says which."""
+    base = ["--data", str(tmp_path / "d.jsonl")] if command == "eval" else ["hi"]
+    for flag, want in (([], False), (["--include-current"], True)):
+        args = cli.build_parser().parse_args([command, *flag, *base])
+        sampler, _ = cli._sampler(args)
+        assert isinstance(sampler, rejax.ReSET) and sampler.include_current is want
+        assert ("include_current" in cli.sampler_label(sampler)) is want
