@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device session for the NVFP4 W4A4 tensor-core GEMM: environment, ptxas resource report,
 # GPU tests, benchmark, compute-sanitizer. Usage: experiments/gemm_device_run.sh OUTDIR [phases]
-# phases (default: env ptxas pytest bench); also: sanitize. Knobs: BENCH_ARGS, PYTEST_K.
+# phases (default: env ptxas pytest bench); also: sanitize, ncu (the GEMM's limiter at M = 64:
+# NCU_MS, NCU_SHAPES, NCU_LAUNCHES). Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas pytest bench}
@@ -41,6 +42,18 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
         timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool python3 -m pytest -q -m gpu \
           tests/test_gemm_gpu.py -k sanitizer -p no:cacheprovider 2>&1 | tail -8
       done > "$out/sanitize.txt" 2>&1; cat "$out/sanitize.txt";;
+    ncu)
+      # Where the production GEMM's time goes at M = 64 ([T2-C]): Nsight Compute on its launches
+      # in bench_gemm.py's CUDA graph (NCU_SHAPES, NCU_MS), the main kernel and the split-K
+      # finish; full sections in OUT/ncu_gemm_full.txt, the limiter lines in OUT/ncu_gemm.txt
+      timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k regex:nvfp4_gemm --launch-count ${NCU_LAUNCHES:-4} \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section SchedulerStats --section WarpStateStats \
+        --section InstructionStats \
+        python3 experiments/bench_gemm.py --ms ${NCU_MS:-64} --shapes ${NCU_SHAPES:-24576:4096,4096:12288} \
+        --ops gemm_graph --variants gemm --out "$out/ncu_bench.json" > "$out/ncu_gemm_full.txt" 2>&1; echo "ncu rc=$?"
+      grep -E "nvfp4_gemm|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc|Issue Slots|Achieved Occupancy|Registers|Theoretical Occ|Block Limit|No Eligible|Eligible Warps|Active Warps|Warp Cycles|Stall|Pipe|est\. " \
+        "$out/ncu_gemm_full.txt" | head -160 | tee "$out/ncu_gemm.txt";;
     *) echo "unknown phase $phase";;
   esac
   echo "[$phase: $(( $(date +%s) - t0 )) s]"
