@@ -76,8 +76,8 @@ for phase in $phases; do
         timeout ${GPUTEST_TIMEOUT:-300} python3 -m pytest -q --failures-now -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
           > "$out/gpu_tests.log" 2>&1; echo "rc=$?"; tail -15 "$out/gpu_tests.log"
       else
-        # GPUTEST_JOBS shards of the test ids, round robin, run at once: the cases are mostly
-        # NVRTC / XLA compiles (CPU) on a cold kernel cache, so shards overlap well; each
+        # GPUTEST_JOBS shards of the test ids, round robin, run at once: most of a case's time
+        # is probably compiling (XLA, ptxas), CPU work that shards spread over the cores; each
         # allocates GPU memory on demand. Logs OUT/gpu_tests_J.log, exit codes OUT/gpu_tests_J.rc.
         python3 -m pytest -o addopts="" --collect-only -q -m gpu ${GPU_TESTS:-tests/test_kernels_gpu.py} \
           2>/dev/null | grep "::" > "$out/gpu_test_ids.txt"
