@@ -65,7 +65,6 @@ CHOICE_FIELDS = {
     "gemm_occupancy": rconfig.GEMM_OCCUPANCIES,
     "gemm_reduce": rconfig.GEMM_REDUCES,
     "gemm_x_quant": rconfig.GEMM_X_QUANTS,
-    "command_buffer": rconfig.COMMAND_BUFFERS,
 }
 
 
@@ -300,6 +299,14 @@ def main(argv=None) -> dict:
             help=f"Config.{field}",
         )
     ap.add_argument(
+        "--command-buffer",
+        nargs="+",
+        default=[rconfig.Config.command_buffer],
+        choices=list(rconfig.COMMAND_BUFFERS),
+        help="Config.command_buffer: several values run every variant once per value, in the "
+        "same process (each its own executable)",
+    )
+    ap.add_argument(
         "--gemm-min-m",
         type=int,
         default=rconfig.Config.gemm_min_m,
@@ -424,18 +431,19 @@ def main(argv=None) -> dict:
 def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
-    (labelled " autotune=off" when off)."""
-    for tune in args.xla_autotune:
-        tag = "" if tune == "on" else " autotune=off"
+    (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
+    "default")."""
+    for tune, cb in [(t, c) for t in args.xla_autotune for c in args.command_buffer]:
+        tag = ("" if tune == "on" else " autotune=off") + ("" if cb == "default" else f" cb={cb}")
         if quant is None:
-            cfg = dataclasses.replace(base.cfg, xla_autotune=tune == "on")
+            cfg = dataclasses.replace(base.cfg, xla_autotune=tune == "on", command_buffer=cb)
             yield "bf16", "none", "bf16" + tag, dataclasses.replace(base, cfg=cfg)
             continue
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             for spec in args.weight_prefetch:
                 cfg = dataclasses.replace(
-                    params.cfg, weight_prefetch=spec, xla_autotune=tune == "on"
+                    params.cfg, weight_prefetch=spec, xla_autotune=tune == "on", command_buffer=cb
                 )
                 label = f"head={head} prefetch={spec}{tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)

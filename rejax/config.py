@@ -94,24 +94,30 @@ GEMM_REDUCES = ("finish", "cluster")
 GEMM_X_QUANTS = ("xla", "kernel")
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
-# "default" (XLA's own choice: fusions, cuBLAS, custom calls; the loop's while runs from the
-# host, which reads its condition back every step) or "while" (also the while loops and
-# conditionals, so the loop's steps run as one graph with device-side control flow).
-# The +WHILE flag measured 1.059 -> 1.025 ms/token at 8 layers NVFP4 batch 1 (commit 112b486);
-# On the current decoder "while" lost (36 layers NVFP4: 2.671 vs 2.559 ms/token at batch 1,
-# 4.769 vs 4.422 at batch 8, one call, ninth session), so "default" stays. "listed" is its
-# control: the same explicit list without WHILE and CONDITIONAL, which tells whether "while"
-# loses to the loop capture or to a type its list lacks.
-COMMAND_BUFFERS = ("default", "while", "listed")
-# The command-buffer types XLA gets for each choice (None: no override). A list replaces XLA's
-# default list rather than adding to it (compiler options take no "+WHILE" form), so "while"
-# names the common types explicitly; types a newer XLA adds to its default are not in it.
+# "default" (XLA's own choice: fusions, cuBLAS, custom calls, dynamic-slice fusions,
+# conditionals; the loop's while runs from the host, which reads its condition back every step),
+# "while" (the same types and WHILE, so the decode loop and the layer scan inside it can run as
+# one graph with device-side control flow; XLA converts a while loop only if every thunk in its
+# body converts), "while_unroll" ("while", and XLA unrolls loops of known trip count, the layer
+# scan, inside the graph: `xla_gpu_command_buffer_unroll_loops`) and "listed" (the control: the
+# default types as an explicit list, without WHILE).
+# The +WHILE flag measured 1.059 -> 1.025 ms/token at 8 layers NVFP4 batch 1 (commit 112b486).
+# A "while" whose list lacked DYNAMIC_SLICE_FUSION lost on the ninth session's decoder (36 layers
+# NVFP4: 2.671 vs 2.559 ms/token at batch 1, 4.769 vs 4.422 at batch 8): without that type no
+# while loop whose body holds such a fusion can convert. The list now has it.
+COMMAND_BUFFERS = ("default", "while", "while_unroll", "listed")
+# XLA's default command-buffer types in jax 0.10-0.12 (a list replaces XLA's default list rather
+# than adding to it: compiler options take no "+WHILE" form).
+_DEFAULT_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"
+# The compiler options each choice sets (None: none).
 COMMAND_BUFFER_OPTIONS = {
     "default": None,
-    "while": {
-        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+    "while": {"xla_gpu_enable_command_buffer": _DEFAULT_TYPES + ",WHILE"},
+    "while_unroll": {
+        "xla_gpu_enable_command_buffer": _DEFAULT_TYPES + ",WHILE",
+        "xla_gpu_command_buffer_unroll_loops": True,
     },
-    "listed": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN"},
+    "listed": {"xla_gpu_enable_command_buffer": _DEFAULT_TYPES},
 }
 # What Config.xla_autotune=False adds to every program's compiler options: no timed choice of
 # matmul algorithms, and cuBLAS for every float matmul (cuBLAS's heuristic picks one algorithm

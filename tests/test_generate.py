@@ -262,13 +262,26 @@ def test_command_buffer_while_reaches_xla_and_keeps_the_tokens(params):
     got = gen.generate(looped, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
     assert got.tokens == want.tokens and got.temperature == want.temperature
     assert rdecode.decode_loop.jitted(looped) is not rdecode.decode_loop.jitted(params)
-    # "listed", the control without WHILE / CONDITIONAL, compiles and keeps the tokens too
-    assert "WHILE" not in COMMAND_BUFFER_OPTIONS["listed"]["xla_gpu_enable_command_buffer"]
-    listed = dataclasses.replace(
-        params, cfg=dataclasses.replace(params.cfg, command_buffer="listed")
-    )
-    got = gen.generate(listed, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
-    assert got.tokens == want.tokens
+    # "listed" (the control: XLA's default types, no WHILE) and "while_unroll" (WHILE, and
+    # known-trip-count loops unrolled in the graph: an option XLA must accept) compile and keep
+    # the tokens too; every choice but "default" names the dynamic-slice fusions, without which
+    # no while loop around them converts
+    listed_types = COMMAND_BUFFER_OPTIONS["listed"]["xla_gpu_enable_command_buffer"].split(",")
+    assert "WHILE" not in listed_types
+    assert COMMAND_BUFFER_OPTIONS["while"]["xla_gpu_enable_command_buffer"].split(",") == [
+        *listed_types,
+        "WHILE",
+    ]
+    assert COMMAND_BUFFER_OPTIONS["while_unroll"]["xla_gpu_command_buffer_unroll_loops"] is True
+    for choice in ("while", "while_unroll", "listed"):
+        types = COMMAND_BUFFER_OPTIONS[choice]["xla_gpu_enable_command_buffer"].split(",")
+        assert "DYNAMIC_SLICE_FUSION" in types and "CONDITIONAL" in types, choice
+    for choice in ("listed", "while_unroll"):
+        other = dataclasses.replace(
+            params, cfg=dataclasses.replace(params.cfg, command_buffer=choice)
+        )
+        got = gen.generate(other, ["one", "two!"], max_new_tokens=7, sampler=sampler, key=3, n=2)
+        assert got.tokens == want.tokens, choice
     before = dict(gen.TRACE_COUNTS)
     gen.generate(looped, ["six", "7"], max_new_tokens=7, sampler=sampler, key=4, n=2)
     assert dict(gen.TRACE_COUNTS) == before
