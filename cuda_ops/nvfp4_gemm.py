@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import math
 import pathlib
 import threading
 
@@ -65,7 +67,19 @@ REDUCES = ("finish", "cluster")
 # Qwen3-8B shapes about 1.9 / 1.6 / 1.5 / 1.2 at M = 8 / 16 / 32 / 64, against 1.82 / 1.34 /
 # 1.50 / 1.03 for "base") and is the default: its GPU tests pass and the 36-layer NVFP4 decode
 # measured 4.428 against 4.674 ms/token at batch 8 (experiments/results/h200_f/).
-OCCUPANCIES = ("base", "wide")
+# "fill" (M <= 64) sizes the plan by the CTAs an SM can hold: Nsight Compute on the H200
+# (experiments/results/h200_p/) found the "wide" plan of the M = 64 gate_up GEMM at 2 resident
+# CTAs per SM, held there by its 89 KB of pipeline stages (registers allow 3), with a grid of
+# 2.18 waves: 12.5% occupancy, 0.58 eligible warps per scheduler, DRAM 23% busy. "fill" takes
+# the deepest pipeline (2..4 stages) that keeps the most CTAs resident (`ctas_per_sm`), then the
+# K split that minimises a wave model of the time (`fill_splitk`).
+OCCUPANCIES = ("base", "wide", "fill")
+# Hopper per-SM limits the "fill" plan counts resident CTAs with (sm_90: 228 KB of shared
+# memory, 1 KB of it reserved per CTA; 64K registers, allocated per warp in units of 256)
+SM_SMEM = 228 * 1024
+CTA_SMEM_RESERVED = 1024
+SM_REGS = 65536
+SM_THREADS = 2048
 # How a fused linear (rejax.ops.fused_linear, kernels "two") quantizes its activations for this
 # GEMM: "xla" (up to the GEMV's 8 rows the quantizer kernel's codes, above them XLA's prologue
 # and quantize_activation; then gemm_x_operand's fp16 x_hat as XLA ops) or "kernel" (the
@@ -271,6 +285,64 @@ class GemmPlan:
 SPLIT_TRAFFIC = 0.25
 
 
+# ptxas's registers per thread of the main kernel (sm_90, NVRTC 13.0-13.5) by its accumulator
+# floats per thread (wr * tm / 2): (tm, wr) = (8, 1), (16, 1), (32, 2), (64, 2)
+_REGISTERS_BY_ACC = ((4, 80), (8, 82), (32, 128), (64, 168))
+
+
+def est_registers(tm: int, wr: int) -> int:
+    """Registers per thread the GEMM's main kernel takes, estimated from its accumulators
+    (wr * tm / 2 floats per thread) by interpolating ptxas's reports (`_REGISTERS_BY_ACC`;
+    beyond the table the last slope), rounded up to the allocation unit of 8."""
+    acc = wr * tm / 2
+    pts = _REGISTERS_BY_ACC
+    if acc <= pts[0][0]:
+        est = pts[0][1]
+    else:
+        (a0, r0), (a1, r1) = next(
+            ((p, q) for p, q in itertools.pairwise(pts) if acc <= q[0]), (pts[-2], pts[-1])
+        )
+        est = r0 + (r1 - r0) * (acc - a0) / (a1 - a0)
+    return min(255, _cdiv(math.ceil(est), 8) * 8)
+
+
+def ctas_per_sm(smem: int, threads: int, registers: int) -> int:
+    """Resident CTAs per SM of a kernel with this shared memory, block size and registers per
+    thread on sm_90 (the smallest of the shared-memory, register-file and thread limits)."""
+    by_smem = SM_SMEM // (smem + CTA_SMEM_RESERVED)
+    per_warp = _cdiv(registers * 32, 256) * 256
+    by_regs = SM_REGS // (per_warp * _cdiv(threads, 32))
+    return max(1, min(by_smem, by_regs, SM_THREADS // threads, 32))
+
+
+# The wave model of `fill_splitk`, fitted to the "wide" M = 64 gate_up GEMM on the H200 (576
+# CTAs at 2 per SM, 3 rounds: 61 us for the main kernel, 7.8 us for the finish kernel): one
+# resident CTA reads its weights at about FILL_CTA_RATE bytes/s (latency bound), the whole GPU
+# at most FILL_BANDWIDTH, and the finish kernel adds FILL_FINISH_S.
+FILL_CTA_RATE = 5e9
+FILL_BANDWIDTH = 3.5e12
+FILL_FINISH_S = 2e-6
+
+
+def fill_splitk(m: int, n: int, k: int, tiles: int, slots: int, max_split: int) -> int:
+    """The K split that minimises a wave model of the GEMM's time. With s splits the grid is
+    tiles * s CTAs over `slots` resident CTAs: ceil(tiles * s / slots) rounds, each as long as
+    one CTA takes for its 1/(tiles * s) of the weight bytes (0.5625 per weight) at
+    FILL_CTA_RATE, but never faster than all bytes at FILL_BANDWIDTH; a split (s > 1) adds the
+    float32 partials (8 * M * N bytes per split: written, then read by the finish kernel) and
+    the finish kernel's FILL_FINISH_S. Ties go to the smaller split."""
+    weights = 0.5625 * n * k
+
+    def cost(s: int) -> float:
+        rounds = _cdiv(tiles * s, slots)
+        t = max(rounds * weights / (tiles * s) / FILL_CTA_RATE, weights / FILL_BANDWIDTH)
+        if s > 1:
+            t += 8.0 * m * n * s / FILL_BANDWIDTH + FILL_FINISH_S
+        return t
+
+    return min(range(1, max(1, max_split) + 1), key=lambda s: (cost(s), s))
+
+
 def plan(
     m: int,
     n: int,
@@ -289,7 +361,8 @@ def plan(
     tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic).
     `options.occupancy` = "wide" (M <= 64) takes 64-row weight tiles up to M = 16 and aims the K
     split at about four CTAs per SM without the traffic cap."""
-    wide = options.occupancy == "wide" and m <= MAX_TM  # one M tile: the decode batches
+    fill = options.occupancy == "fill" and m <= MAX_TM
+    wide = (options.occupancy == "wide" or fill) and m <= MAX_TM  # one M tile: decode batches
     wm = options.wm or 1
     tm = options.tm or (MAX_TM * wm if m > MAX_TM * wm else _cdiv(m, 8 * wm) * 8 * wm)
     tm = _cdiv(max(tm, 8 * wm), 8 * wm) * 8 * wm
@@ -300,12 +373,24 @@ def plan(
     stage = tile_n * (kt // 2 + kt // 16) + tm * (2 * kt + 64)
     stages = options.stages or max(2, min(4 if tm <= 32 else 3, SMEM_LIMIT // stage))
     nkt = max(1, k // kt)
+    threads = 32 * warps
+    if fill and options.stages is None:
+        # the deepest pipeline (up to 4) that keeps the CTAs per SM of the shallowest one
+        regs = est_registers(tm, wr)
+        most = ctas_per_sm(2 * stage, threads, regs)
+        stages = max(
+            d for d in range(2, 5) if d * stage <= SMEM_LIMIT and ctas_per_sm(d * stage, threads, regs) == most
+        )  # fmt: skip
     if options.splitk is not None:
         splitk = options.splitk
     elif options.split_m is not None and options.split_m != m:
         # the split that split_m rows would take (same n, k and choices)
         plain = dataclasses.replace(options, split_m=None)
         splitk = plan(options.split_m, n, k, num_sms, plain, gw_rows=gw_rows).splitk
+    elif fill and options.reduce == "finish":
+        tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
+        resident = ctas_per_sm(stages * stage, threads, est_registers(tm, wr))
+        splitk = fill_splitk(m, n, k, tiles, resident * num_sms, min(MAX_SPLITK, max(1, nkt // 4)))
     else:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))

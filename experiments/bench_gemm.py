@@ -73,6 +73,11 @@ VARIANTS = {
     "gemm_wm4_w16": {"wm": 4, "warps": 16},
     "gemm_w8_s2": {"warps": 8, "wr": 1, "stages": 2},
     "gemm_w8_sk4": {"warps": 8, "wr": 1, "splitk": 4},
+    # the pipeline depth and K split sized by the CTAs an SM holds (ncu: the "wide" M = 64 plan
+    # sits at 2 CTAs per SM, held there by its shared memory, over 2.18 waves); "_s3" keeps 3
+    # stages and sizes only the split
+    "gemm_fill": {"occupancy": "fill"},
+    "gemm_fill_s3": {"occupancy": "fill", "stages": 3},
 }
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {"gemm_wm2": {128, 256, 512}}

@@ -79,7 +79,9 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # four CTAs per SM) is the default: faster kernel alone (experiments/results/h200_e/), its GPU
 # tests pass, and the 36-layer NVFP4 decode at batch 8 measured 4.428 against 4.674 ms/token for
 # "base" (about two CTAs per SM) (experiments/results/h200_f/).
-GEMM_OCCUPANCIES = ("base", "wide")
+# "fill" (opt-in, not yet measured end to end) sizes the pipeline depth and the K split by the
+# CTAs an SM can hold (cuda_ops.nvfp4_gemm.plan).
+GEMM_OCCUPANCIES = ("base", "wide", "fill")
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared

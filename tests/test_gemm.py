@@ -228,6 +228,57 @@ def test_wide_occupancy_plans():
         nvfp4_gemm.GemmOptions(occupancy="full")
 
 
+def test_fill_occupancy_plans():
+    """occupancy="fill": resident CTAs per SM from shared memory, registers and threads; the
+    deepest pipeline that keeps the most CTAs resident; the K split of the wave model."""
+    # Hopper's limits: a 4-warp CTA of 168 registers fits 3 times (ncu: "Block Limit Registers
+    # 3"), 89 KB of shared memory twice ("Block Limit Shared Mem 2"), 59 KB three times
+    assert nvfp4_gemm.ctas_per_sm(89088, 128, 168) == 2
+    assert nvfp4_gemm.ctas_per_sm(59392, 128, 168) == 3
+    assert nvfp4_gemm.ctas_per_sm(1024, 128, 176) == 2  # 176 x 32 x 4 > 65536 / 3
+    assert nvfp4_gemm.ctas_per_sm(0, 1024, 32) == 2  # the thread limit
+    # the register estimate against ptxas (sm_90): within one allocation unit
+    for (tm, wr), regs in {(8, 1): 80, (16, 1): 82, (32, 2): 128, (64, 2): 168}.items():
+        est = nvfp4_gemm.est_registers(tm, wr)
+        assert est % 8 == 0 and regs <= est <= regs + 8, (tm, wr, est)
+    fill = nvfp4_gemm.GemmOptions(occupancy="fill")
+    wide = nvfp4_gemm.GemmOptions(occupancy="wide")
+    # the M = 64 gate_up GEMM: 2 stages (3 CTAs per SM instead of 2), 2 splits: 384 CTAs in one
+    # round of 396 slots instead of 576 in three rounds of 264
+    p = nvfp4_gemm.plan(64, 24576, 4096, num_sms=132, options=fill)
+    w = nvfp4_gemm.plan(64, 24576, 4096, num_sms=132, options=wide)
+    assert (w.stages, w.splitk, p.stages, p.splitk) == (3, 3, 2, 2)
+    assert nvfp4_gemm.ctas_per_sm(p.smem, p.threads, nvfp4_gemm.est_registers(p.tm, p.wr)) == 3
+    assert (p.wr, p.tm, p.grid) == (w.wr, w.tm, (1, 192, 2))
+    for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
+        for m in (8, 9, 16, 32, 63, 64):
+            p = nvfp4_gemm.plan(m, n, k, options=fill)
+            w = nvfp4_gemm.plan(m, n, k, options=wide)
+            assert (p.tm, p.wr, p.warps) == (w.tm, w.wr, w.warps)
+            assert p.smem <= nvfp4_gemv.SMEM_LIMIT and nvfp4_gemm.check_shape(m, n, k, fill)[0]
+            assert 1 <= p.splitk <= min(nvfp4_gemm.MAX_SPLITK, k // p.kt // 4)
+            regs = nvfp4_gemm.est_registers(p.tm, p.wr)
+            resident = nvfp4_gemm.ctas_per_sm(p.smem, p.threads, regs)
+            # no shallower pipeline holds more CTAs, and no deeper one (<= 4) as many
+            assert resident >= nvfp4_gemm.ctas_per_sm(2 * p.smem // p.stages, p.threads, regs)
+            if p.stages < 4 and (p.stages + 1) * p.stage_bytes <= nvfp4_gemv.SMEM_LIMIT:
+                deeper = (p.stages + 1) * p.stage_bytes
+                assert nvfp4_gemm.ctas_per_sm(deeper, p.threads, regs) < resident
+    # the split minimises the wave model; explicit fields still win; above one M tile "fill"
+    # is the base plan
+    assert nvfp4_gemm.fill_splitk(64, 24576, 4096, 192, 396, 8) == 2
+    assert nvfp4_gemm.fill_splitk(64, 24576, 4096, 192, 396, 1) == 1
+    forced = nvfp4_gemm.plan(
+        64, 24576, 4096, options=nvfp4_gemm.GemmOptions(occupancy="fill", stages=3, splitk=5)
+    )
+    assert (forced.stages, forced.splitk) == (3, 5)
+    base = nvfp4_gemm.GemmOptions(occupancy="base")
+    assert nvfp4_gemm.plan(256, 4096, 4096, options=fill) == nvfp4_gemm.plan(
+        256, 4096, 4096, options=base
+    )
+    assert rconfig.Config(gemm_occupancy="fill").gemm_occupancy == "fill"
+
+
 def test_check_shape_and_options_are_validated():
     assert nvfp4_gemm.check_shape(16, 4096, 4096) == (True, "")
     assert "K=200" in nvfp4_gemm.check_shape(16, 64, 200)[1]

@@ -174,15 +174,17 @@ def _check_shapes(torch, shapes, ms, options, seed):
     assert not failures, failures
 
 
-def test_wide_occupancy_on_the_decode_shapes(torch):
-    """GemmOptions(occupancy="wide") (64-row weight tiles, K split up to 8) on Qwen3-8B's four
-    layer shapes at the decode batches M = 8, 16, 32, 64: within 1.5x the bf16 floor of float64
-    (its residual epilogue: test_residual_epilogue_equals_the_xla_add)."""
+@pytest.mark.parametrize("occupancy", ["wide", "fill"])
+def test_wide_occupancy_on_the_decode_shapes(torch, occupancy):
+    """GemmOptions(occupancy="wide") (64-row weight tiles, K split up to 8) and "fill" (2-stage
+    pipelines, other splits) on Qwen3-8B's four layer shapes at the decode batches M = 8, 16,
+    32, 64: within 1.5x the bf16 floor of float64 (the residual epilogue:
+    test_residual_epilogue_equals_the_xla_add)."""
     from cuda_ops import nvfp4_gemm
 
-    wide = nvfp4_gemm.GemmOptions(occupancy="wide")
+    options = nvfp4_gemm.GemmOptions(occupancy=occupancy)
     shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
-    _check_shapes(torch, shapes, (8, 16, 32, 64), wide, _seed("wide"))
+    _check_shapes(torch, shapes, (8, 16, 32, 64), options, _seed(occupancy))
 
 
 def test_stacked_weights_with_layer_index_and_per_row_scales(torch):
