@@ -67,12 +67,12 @@ REDUCES = ("finish", "cluster")
 # Qwen3-8B shapes about 1.9 / 1.6 / 1.5 / 1.2 at M = 8 / 16 / 32 / 64, against 1.82 / 1.34 /
 # 1.50 / 1.03 for "base") and is the default: its GPU tests pass and the 36-layer NVFP4 decode
 # measured 4.428 against 4.674 ms/token at batch 8 (experiments/results/h200_f/).
-# "fill" (M <= 64) sizes the plan by the CTAs an SM can hold: Nsight Compute on the H200
+# "fill" (M <= 64) balances the grid over the SMs: Nsight Compute on the H200
 # (experiments/results/h200_p/) found the "wide" plan of the M = 64 gate_up GEMM at 2 resident
 # CTAs per SM, held there by its 89 KB of pipeline stages (registers allow 3), with a grid of
 # 2.18 waves: 12.5% occupancy, 0.58 eligible warps per scheduler, DRAM 23% busy. "fill" takes
-# the deepest pipeline (2..4 stages) that keeps the most CTAs resident (`ctas_per_sm`), then the
-# K split that minimises a wave model of the time (`fill_splitk`).
+# the K split that minimises a balance model of the time (`fill_splitk`), then the deepest
+# pipeline (2..4 stages) that keeps each SM's CTAs resident at once (`ctas_per_sm`).
 OCCUPANCIES = ("base", "wide", "fill")
 # Hopper per-SM limits the "fill" plan counts resident CTAs with (sm_90: 228 KB of shared
 # memory, 1 KB of it reserved per CTA; 64K registers, allocated per warp in units of 256)
@@ -315,27 +315,29 @@ def ctas_per_sm(smem: int, threads: int, registers: int) -> int:
     return max(1, min(by_smem, by_regs, SM_THREADS // threads, 32))
 
 
-# The wave model of `fill_splitk`, fitted to the "wide" M = 64 gate_up GEMM on the H200 (576
-# CTAs at 2 per SM, 3 rounds: 61 us for the main kernel, 7.8 us for the finish kernel): one
-# resident CTA reads its weights at about FILL_CTA_RATE bytes/s (latency bound), the whole GPU
-# at most FILL_BANDWIDTH, and the finish kernel adds FILL_FINISH_S.
-FILL_CTA_RATE = 5e9
+# The balance model of `fill_splitk`, fitted on the H200 (experiments/results/h200_p/): the
+# GEMM is bound by each SM's instruction stream (weight decode and mma.sync), so its time is
+# that of the SM with the most CTAs, ceil(CTAs / SMs), each CTA's share of the weight bytes
+# (0.5625 per weight) taking 1 / FILL_SM_RATE seconds per byte; an SM with a single CTA runs it
+# no faster than two (one CTA's 4 warps cannot hide their latencies). Against the measured M =
+# 64 gate_up GEMM (24576 x 4096, main kernel 58.5 / 50.0 / 65.5 us at K splits 3 / 2 / 1) the
+# model's ratios are 0.87 : 0.78 : 1.04, the measured 0.89 : 0.76 : 1.00. A split (s > 1) adds
+# the float32 partials (8 * M * N bytes per split: written, then read by the finish kernel) at
+# FILL_BANDWIDTH and the finish kernel's FILL_FINISH_S.
+FILL_SM_RATE = 9e9
 FILL_BANDWIDTH = 3.5e12
 FILL_FINISH_S = 2e-6
 
 
-def fill_splitk(m: int, n: int, k: int, tiles: int, slots: int, max_split: int) -> int:
-    """The K split that minimises a wave model of the GEMM's time. With s splits the grid is
-    tiles * s CTAs over `slots` resident CTAs: ceil(tiles * s / slots) rounds, each as long as
-    one CTA takes for its 1/(tiles * s) of the weight bytes (0.5625 per weight) at
-    FILL_CTA_RATE, but never faster than all bytes at FILL_BANDWIDTH; a split (s > 1) adds the
-    float32 partials (8 * M * N bytes per split: written, then read by the finish kernel) and
-    the finish kernel's FILL_FINISH_S. Ties go to the smaller split."""
+def fill_splitk(m: int, n: int, k: int, tiles: int, num_sms: int, max_split: int) -> int:
+    """The K split (1..max_split) that minimises the balance model (see FILL_SM_RATE) of the
+    GEMM's time: with s splits, tiles * s CTAs over `num_sms` SMs. Ties go to the smaller
+    split."""
     weights = 0.5625 * n * k
 
     def cost(s: int) -> float:
-        rounds = _cdiv(tiles * s, slots)
-        t = max(rounds * weights / (tiles * s) / FILL_CTA_RATE, weights / FILL_BANDWIDTH)
+        ctas = tiles * s
+        t = max(_cdiv(ctas, num_sms), 2) * weights / ctas / FILL_SM_RATE
         if s > 1:
             t += 8.0 * m * n * s / FILL_BANDWIDTH + FILL_FINISH_S
         return t
@@ -374,13 +376,6 @@ def plan(
     stages = options.stages or max(2, min(4 if tm <= 32 else 3, SMEM_LIMIT // stage))
     nkt = max(1, k // kt)
     threads = 32 * warps
-    if fill and options.stages is None:
-        # the deepest pipeline (up to 4) that keeps the CTAs per SM of the shallowest one
-        regs = est_registers(tm, wr)
-        most = ctas_per_sm(2 * stage, threads, regs)
-        stages = max(
-            d for d in range(2, 5) if d * stage <= SMEM_LIMIT and ctas_per_sm(d * stage, threads, regs) == most
-        )  # fmt: skip
     if options.splitk is not None:
         splitk = options.splitk
     elif options.split_m is not None and options.split_m != m:
@@ -389,8 +384,7 @@ def plan(
         splitk = plan(options.split_m, n, k, num_sms, plain, gw_rows=gw_rows).splitk
     elif fill and options.reduce == "finish":
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
-        resident = ctas_per_sm(stages * stage, threads, est_registers(tm, wr))
-        splitk = fill_splitk(m, n, k, tiles, resident * num_sms, min(MAX_SPLITK, max(1, nkt // 4)))
+        splitk = fill_splitk(m, n, k, tiles, num_sms, min(MAX_SPLITK, max(1, nkt // 4)))
     else:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
         by_traffic = int(SPLIT_TRAFFIC * 0.5625 * k / (4 * m))
@@ -399,6 +393,15 @@ def plan(
         per_sm = 4 if wide else 2
         splitk = max(1, min(_cdiv(per_sm * num_sms, tiles), by_traffic, nkt // 4, MAX_SPLITK))
     splitk = min(splitk, nkt)
+    if fill and options.stages is None:
+        # the deepest pipeline (up to 4) that keeps an SM's share of the grid resident at once
+        # (or as much of it as the shallowest pipeline can)
+        regs = est_registers(tm, wr)
+        tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
+        need = min(_cdiv(tiles * splitk, num_sms), ctas_per_sm(2 * stage, threads, regs))
+        stages = max(
+            [2] + [d for d in range(3, 5) if d * stage <= SMEM_LIMIT and ctas_per_sm(d * stage, threads, regs) >= need]
+        )  # fmt: skip
     return GemmPlan(
         m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
         reduce=options.reduce, w_shift=options.w_shift, gw_rows=bool(gw_rows),

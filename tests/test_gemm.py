@@ -229,8 +229,8 @@ def test_wide_occupancy_plans():
 
 
 def test_fill_occupancy_plans():
-    """occupancy="fill": resident CTAs per SM from shared memory, registers and threads; the
-    deepest pipeline that keeps the most CTAs resident; the K split of the wave model."""
+    """occupancy="fill": resident CTAs per SM from shared memory, registers and threads; the K
+    split of the balance model; the deepest pipeline that keeps each SM's CTAs resident."""
     # Hopper's limits: a 4-warp CTA of 168 registers fits 3 times (ncu: "Block Limit Registers
     # 3"), 89 KB of shared memory twice ("Block Limit Shared Mem 2"), 59 KB three times
     assert nvfp4_gemm.ctas_per_sm(89088, 128, 168) == 2
@@ -243,31 +243,38 @@ def test_fill_occupancy_plans():
         assert est % 8 == 0 and regs <= est <= regs + 8, (tm, wr, est)
     fill = nvfp4_gemm.GemmOptions(occupancy="fill")
     wide = nvfp4_gemm.GemmOptions(occupancy="wide")
-    # the M = 64 gate_up GEMM: 2 stages (3 CTAs per SM instead of 2), 2 splits: 384 CTAs in one
-    # round of 396 slots instead of 576 in three rounds of 264
+    # the M = 64 gate_up GEMM: 2 splits (384 CTAs: 3 on every SM; "wide"'s 3 splits leave 5 on
+    # some SMs), resident at once with 2 stages (3 CTAs per SM instead of 2)
     p = nvfp4_gemm.plan(64, 24576, 4096, num_sms=132, options=fill)
     w = nvfp4_gemm.plan(64, 24576, 4096, num_sms=132, options=wide)
     assert (w.stages, w.splitk, p.stages, p.splitk) == (3, 3, 2, 2)
     assert nvfp4_gemm.ctas_per_sm(p.smem, p.threads, nvfp4_gemm.est_registers(p.tm, p.wr)) == 3
     assert (p.wr, p.tm, p.grid) == (w.wr, w.tm, (1, 192, 2))
+    # at M = 32 the same split, resident at 3 stages
+    p32 = nvfp4_gemm.plan(32, 24576, 4096, num_sms=132, options=fill)
+    assert (p32.stages, p32.splitk) == (3, 2)
     for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
         for m in (8, 9, 16, 32, 63, 64):
-            p = nvfp4_gemm.plan(m, n, k, options=fill)
-            w = nvfp4_gemm.plan(m, n, k, options=wide)
+            p = nvfp4_gemm.plan(m, n, k, num_sms=132, options=fill)
+            w = nvfp4_gemm.plan(m, n, k, num_sms=132, options=wide)
             assert (p.tm, p.wr, p.warps) == (w.tm, w.wr, w.warps)
             assert p.smem <= nvfp4_gemv.SMEM_LIMIT and nvfp4_gemm.check_shape(m, n, k, fill)[0]
             assert 1 <= p.splitk <= min(nvfp4_gemm.MAX_SPLITK, k // p.kt // 4)
+            # each SM's share of the grid is resident at once (as far as 2 stages allow), and
+            # no deeper pipeline (<= 4 stages) would keep it so
             regs = nvfp4_gemm.est_registers(p.tm, p.wr)
-            resident = nvfp4_gemm.ctas_per_sm(p.smem, p.threads, regs)
-            # no shallower pipeline holds more CTAs, and no deeper one (<= 4) as many
-            assert resident >= nvfp4_gemm.ctas_per_sm(2 * p.smem // p.stages, p.threads, regs)
+            share = -(-p.grid[1] * p.splitk // 132)
+            most = nvfp4_gemm.ctas_per_sm(2 * p.stage_bytes, p.threads, regs)
+            assert nvfp4_gemm.ctas_per_sm(p.smem, p.threads, regs) >= min(share, most)
             if p.stages < 4 and (p.stages + 1) * p.stage_bytes <= nvfp4_gemv.SMEM_LIMIT:
                 deeper = (p.stages + 1) * p.stage_bytes
-                assert nvfp4_gemm.ctas_per_sm(deeper, p.threads, regs) < resident
-    # the split minimises the wave model; explicit fields still win; above one M tile "fill"
-    # is the base plan
-    assert nvfp4_gemm.fill_splitk(64, 24576, 4096, 192, 396, 8) == 2
-    assert nvfp4_gemm.fill_splitk(64, 24576, 4096, 192, 396, 1) == 1
+                assert nvfp4_gemm.ctas_per_sm(deeper, p.threads, regs) < min(share, most)
+    # the balance model: a single CTA per SM counts as two (4096 x 4096 at M = 64 keeps 8
+    # splits, 256 CTAs, rather than 4); explicit fields still win; above one M tile "fill" is
+    # the base plan
+    assert nvfp4_gemm.fill_splitk(64, 24576, 4096, 192, 132, 8) == 2
+    assert nvfp4_gemm.fill_splitk(64, 24576, 4096, 192, 132, 1) == 1
+    assert nvfp4_gemm.fill_splitk(64, 4096, 4096, 32, 132, 8) == 8
     forced = nvfp4_gemm.plan(
         64, 24576, 4096, options=nvfp4_gemm.GemmOptions(occupancy="fill", stages=3, splitk=5)
     )
