@@ -65,14 +65,18 @@ REDUCES = ("finish", "cluster")
 # a K split aimed at four CTAs per SM, no traffic cap). "wide" picks about the winners of the
 # occupancy sweep on the H200 (experiments/results/h200_e/: geomean x bf16 over the four
 # Qwen3-8B shapes about 1.9 / 1.6 / 1.5 / 1.2 at M = 8 / 16 / 32 / 64, against 1.82 / 1.34 /
-# 1.50 / 1.03 for "base") and is the default: its GPU tests pass and the 36-layer NVFP4 decode
-# measured 4.428 against 4.674 ms/token at batch 8 (experiments/results/h200_f/).
+# 1.50 / 1.03 for "base"); the 36-layer NVFP4 decode measured 4.428 against 4.674 ms/token at
+# batch 8 (experiments/results/h200_f/).
 # "fill" (M <= 64) balances the grid over the SMs: Nsight Compute on the H200
 # (experiments/results/h200_p/) found the "wide" plan of the M = 64 gate_up GEMM at 2 resident
 # CTAs per SM, held there by its 89 KB of pipeline stages (registers allow 3), with a grid of
 # 2.18 waves: 12.5% occupancy, 0.58 eligible warps per scheduler, DRAM 23% busy. "fill" takes
 # the K split that minimises a balance model of the time (`fill_splitk`), then the deepest
-# pipeline (2..4 stages) that keeps each SM's CTAs resident at once (`ctas_per_sm`).
+# pipeline (2..4 stages) that keeps each SM's CTAs resident at once (`ctas_per_sm`); below
+# FILL_MIN_M rows it plans as "wide". It is the default: kernel alone, geomean x bf16 over the
+# four Qwen3-8B shapes 1.65 / 1.66 / 1.27 at M = 16 / 32 / 64 ("wide" 1.70 / 1.51 / 1.19), and
+# the 36-layer NVFP4 decode 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520 for
+# "wide" (one call, experiments/results/h200_p/); its GPU tests pass.
 OCCUPANCIES = ("base", "wide", "fill")
 # Hopper per-SM limits the "fill" plan counts resident CTAs with (sm_90: 228 KB of shared
 # memory, 1 KB of it reserved per CTA; 64K registers, allocated per warp in units of 256)
@@ -128,8 +132,8 @@ class GemmOptions:
             cluster and add their partials through distributed shared memory: one kernel).
         w_shift: the decoded fp16 weights are e2m1 x SFw x 2^(w_shift - 14) (0..7, exact for
             all; larger keeps more of them out of the fp16 subnormal range).
-        occupancy: how the plan chooses wr and splitk when they are None: "base" or "wide"
-            (`OCCUPANCIES`).
+        occupancy: how the plan chooses wr, stages and splitk when they are None: "base",
+            "wide" or "fill" (the default) (`OCCUPANCIES`).
         x_quant: how a fused linear in front of this GEMM quantizes its activations: "kernel"
             (the default: the quantizer kernel writes the GEMM's x_hat operand) or "xla" (XLA's
             quantizer and `gemm_x_operand` fusions) (`X_QUANTS`); the GEMM itself is the same.
@@ -149,7 +153,7 @@ class GemmOptions:
     split_m: int | None = None
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
-    occupancy: str = "wide"
+    occupancy: str = "fill"
     x_quant: str = "kernel"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
@@ -319,12 +323,15 @@ def ctas_per_sm(smem: int, threads: int, registers: int) -> int:
 # GEMM is bound by each SM's instruction stream (weight decode and mma.sync), so its time is
 # that of the SM with the most CTAs, ceil(CTAs / SMs), each CTA's share of the weight bytes
 # (0.5625 per weight) taking 1 / FILL_SM_RATE seconds per byte; an SM with a single CTA runs it
-# no faster than two (one CTA's 4 warps cannot hide their latencies). Against the measured M =
-# 64 gate_up GEMM (24576 x 4096, main kernel 58.5 / 50.0 / 65.5 us at K splits 3 / 2 / 1) the
-# model's ratios are 0.87 : 0.78 : 1.04, the measured 0.89 : 0.76 : 1.00. A split (s > 1) adds
-# the float32 partials (8 * M * N bytes per split: written, then read by the finish kernel) at
-# FILL_BANDWIDTH and the finish kernel's FILL_FINISH_S.
+# no faster than two (one CTA's 4 warps cannot hide their latencies). A split (s > 1) adds the
+# float32 partials (8 * M * N bytes per split: written, then read by the finish kernel) at
+# FILL_BANDWIDTH and the finish kernel's FILL_FINISH_S. For the M = 64 gate_up GEMM (24576 x
+# 4096) at K splits 3 / 2 / 1 the model gives 67.4 / 58.3 / 65.5 us, and the kernels (with their
+# finish kernel) measured 66.9 / 55.7 / 65.5 us.
 FILL_SM_RATE = 9e9
+# Below this M "fill" plans as "wide": at M = 8 the kernel is latency bound, not SM bound, and the
+# balance model's smaller splits measured slower (4096 x 12288: 20.2 against 16.4 us).
+FILL_MIN_M = 9
 FILL_BANDWIDTH = 3.5e12
 FILL_FINISH_S = 2e-6
 
@@ -362,9 +369,11 @@ def plan(
     stay small next to the weights. `options.wm` = 2 puts two warps along M (8 warps, 128-token
     tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic).
     `options.occupancy` = "wide" (M <= 64) takes 64-row weight tiles up to M = 16 and aims the K
-    split at about four CTAs per SM without the traffic cap."""
-    fill = options.occupancy == "fill" and m <= MAX_TM
-    wide = (options.occupancy == "wide" or fill) and m <= MAX_TM  # one M tile: decode batches
+    split at about four CTAs per SM without the traffic cap. "fill" (the default; 9 <= M <= 64,
+    "wide" below) keeps "wide"'s tiles, takes the K split of `fill_splitk`'s balance model and
+    then the deepest pipeline (2..4 stages) that keeps each SM's share of the grid resident."""
+    fill = options.occupancy == "fill" and FILL_MIN_M <= m <= MAX_TM
+    wide = options.occupancy in ("wide", "fill") and m <= MAX_TM  # one M tile: decode batches
     wm = options.wm or 1
     tm = options.tm or (MAX_TM * wm if m > MAX_TM * wm else _cdiv(m, 8 * wm) * 8 * wm)
     tm = _cdiv(max(tm, 8 * wm), 8 * wm) * 8 * wm

@@ -76,11 +76,13 @@ ROPE_FUSIONS = ("fused", "unfused")
 RESIDUAL_FUSIONS = ("fused", "unfused")
 # How the NVFP4 GEMM's plan fills the GPU at decode batches (M <= 64), GemmOptions.occupancy
 # (cuda_ops.nvfp4_gemm.OCCUPANCIES): "wide" (64-row weight tiles up to M = 16, a K split aimed at
-# four CTAs per SM) is the default: faster kernel alone (experiments/results/h200_e/), its GPU
-# tests pass, and the 36-layer NVFP4 decode at batch 8 measured 4.428 against 4.674 ms/token for
-# "base" (about two CTAs per SM) (experiments/results/h200_f/).
-# "fill" (opt-in, not yet measured end to end) sizes the pipeline depth and the K split by the
-# CTAs an SM can hold (cuda_ops.nvfp4_gemm.plan).
+# four CTAs per SM) was the default from the eighth session: faster kernel alone
+# (experiments/results/h200_e/), and the 36-layer NVFP4 decode at batch 8 measured 4.428 against
+# 4.674 ms/token for "base" (about two CTAs per SM) (experiments/results/h200_f/).
+# "fill", the default since the eighteenth session, balances the grid over the SMs: the K split
+# of a balance model, then the deepest pipeline that keeps each SM's CTAs resident (9-64 rows;
+# "wide" below): 36 layers NVFP4, 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520
+# for "wide" (experiments/results/h200_p/).
 GEMM_OCCUPANCIES = ("base", "wide", "fill")
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
@@ -243,7 +245,7 @@ class Config:
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
-    gemm_occupancy: str = "wide"
+    gemm_occupancy: str = "fill"
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256

@@ -217,9 +217,13 @@ def test_wide_occupancy_plans():
         assert nvfp4_gemm.plan(m, 4096, 4096, options=wide) == nvfp4_gemm.plan(
             m, 4096, 4096, options=base
         )
-    # "wide" is the default plan (GemmOptions and Config)
-    assert nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "wide" == rconfig.Config().gemm_occupancy
-    assert nvfp4_gemm.plan(16, 4096, 4096) == nvfp4_gemm.plan(16, 4096, 4096, options=wide)
+    # "fill" is the default plan (GemmOptions and Config); it plans as "wide" below 9 rows
+    assert nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill" == rconfig.Config().gemm_occupancy
+    fill = nvfp4_gemm.GemmOptions(occupancy="fill")
+    assert nvfp4_gemm.plan(16, 4096, 4096) == nvfp4_gemm.plan(16, 4096, 4096, options=fill)
+    for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
+        for m in range(1, 9):
+            assert nvfp4_gemm.plan(m, n, k, options=fill) == nvfp4_gemm.plan(m, n, k, options=wide)
     # explicit fields still win
     forced = nvfp4_gemm.GemmOptions(occupancy="wide", wr=2, splitk=3)
     p = nvfp4_gemm.plan(16, 4096, 4096, options=forced)
@@ -717,17 +721,18 @@ def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
 
 
 def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
-    """Config.gemm_occupancy="wide" builds the decoder's batch-16 GEMMs with the wide plan (64-row
-    weight tiles), for the unfused and the split linears; "base" with the base plan; the field
-    offers what GemmOptions does, and a bad value is refused."""
+    """Config.gemm_occupancy="fill" (the default) and "wide" build the decoder's batch-16 GEMMs
+    with their plans (64-row weight tiles; fill's splits and pipeline depths), for the unfused
+    and the split linears; "base" with the base plan; the field offers what GemmOptions does,
+    and a bad value is refused."""
     assert rconfig.GEMM_OCCUPANCIES == nvfp4_gemm.OCCUPANCIES
-    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "wide"
+    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill"
     base = rconfig.Config(
         quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
         num_kv_heads=4, linear_fusion="unfused",
     )  # fmt: skip
     for fusion in ("unfused", "split"):
-        for occupancy in ("base", "wide"):
+        for occupancy in ("base", "wide", "fill"):
             cfg = rconfig.Config(
                 **{**base.__dict__, "linear_fusion": fusion, "gemm_occupancy": occupancy}
             )
@@ -740,8 +745,9 @@ def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
             assert len(gemms) >= 4, stub_compilers
             for d in gemms:
                 p = nvfp4_gemm.plan(d["M_TOK"], d["N_OUT"], d["K_IN"], options=opts)
-                assert (d["WR"], d["SPLITK"]) == (p.wr, p.splitk), (fusion, occupancy, d)
-                assert d["WR"] == (1 if occupancy == "wide" else 2), d
+                got = (d["WR"], d["SPLITK"], d["STAGES"])
+                assert got == (p.wr, p.splitk, p.stages), (fusion, occupancy, d)
+                assert d["WR"] == (2 if occupancy == "base" else 1), d
     with pytest.raises(ValueError, match="unknown gemm_occupancy 'full'"):
         rconfig.Config(gemm_occupancy="full")
 
