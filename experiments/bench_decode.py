@@ -62,7 +62,6 @@ CHOICE_FIELDS = {
     "linear_fusion": rconfig.LINEAR_FUSIONS,
     "rope_fusion": rconfig.ROPE_FUSIONS,
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
-    "gemm_occupancy": rconfig.GEMM_OCCUPANCIES,
     "gemm_reduce": rconfig.GEMM_REDUCES,
     "gemm_x_quant": rconfig.GEMM_X_QUANTS,
 }
@@ -307,6 +306,14 @@ def main(argv=None) -> dict:
         "same process (each its own executable)",
     )
     ap.add_argument(
+        "--gemm-occupancy",
+        nargs="+",
+        default=[rconfig.Config.gemm_occupancy],
+        choices=list(rconfig.GEMM_OCCUPANCIES),
+        help="Config.gemm_occupancy: several values run every NVFP4 variant once per value, in "
+        "the same process, on the same weights (labelled ' occ=CHOICE' unless the default)",
+    )
+    ap.add_argument(
         "--gemm-min-m",
         type=int,
         default=rconfig.Config.gemm_min_m,
@@ -373,6 +380,7 @@ def main(argv=None) -> dict:
         layer_loop=args.layer_loop,
         scan_unroll=args.scan_unroll,
         **{field: getattr(args, field) for field in CHOICE_FIELDS},
+        gemm_occupancy=args.gemm_occupancy[0],
         gemm_min_m=args.gemm_min_m,
         gemm_max_m=args.gemm_max_m,
     )
@@ -432,7 +440,8 @@ def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
     (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
-    "default")."""
+    "default"); NVFP4 modes also once per --gemm-occupancy (labelled " occ=CHOICE" unless
+    Config's default)."""
     for tune, cb in [(t, c) for t in args.xla_autotune for c in args.command_buffer]:
         tag = ("" if tune == "on" else " autotune=off") + ("" if cb == "default" else f" cb={cb}")
         if quant is None:
@@ -441,11 +450,16 @@ def _variants(base: Params, args, quant):
             continue
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
-            for spec in args.weight_prefetch:
+            for spec, occ in [(p, o) for p in args.weight_prefetch for o in args.gemm_occupancy]:
                 cfg = dataclasses.replace(
-                    params.cfg, weight_prefetch=spec, xla_autotune=tune == "on", command_buffer=cb
+                    params.cfg,
+                    weight_prefetch=spec,
+                    xla_autotune=tune == "on",
+                    command_buffer=cb,
+                    gemm_occupancy=occ,
                 )
-                label = f"head={head} prefetch={spec}{tag}"
+                occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
+                label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 
 
