@@ -32,7 +32,8 @@
 //
 // Constants (-D, cuda_ops/decode_attention.py): B_ROWS, N_LAYERS, S_SLOTS, KV_HEADS, GQA (G),
 // HEAD_DIM (a power of two in [16, 256]), SPLITS (P), WARPS, UNROLL, MIN_TILES (a split walks
-// at least this many tiles), SCORE_SCALE (float literal), MIN_CTAS (launch bounds), POISON
+// at least this many tiles), SCORE_SCALE (float literal), MIN_CTAS (launch bounds), PREFETCH
+// (1: a warp's next step of K / V loads is issued before its current step's math), POISON
 // (1: three more operands, NaN-filled buffers aliased to the outputs, for the GPU tests).
 // Operands: q [B, N, H] bf16, k_cache, v_cache [L, B, S, K, H]
 // bf16, layer [] i32, q_positions [B] i32, k_positions [B, S] i32, live [] i32; outputs: out
@@ -47,6 +48,9 @@ typedef unsigned int u32;
 #endif
 #ifndef MIN_CTAS  // resident CTAs per SM asked of ptxas (a register cap)
 #define MIN_CTAS 1
+#endif
+#ifndef PREFETCH  // 1: each warp loads its next step's K / V while it computes this one
+#define PREFETCH 0
 #endif
 
 constexpr int H = HEAD_DIM;
@@ -93,6 +97,25 @@ __device__ __forceinline__ void unpack8(const uint4 w, float (&f)[8]) {
 }
 
 __device__ __forceinline__ int clampi(int x, int lo, int hi) { return min(max(x, lo), hi); }
+
+// One warp step's loads (E3): unroll u of row group r reads slot t0 + u * KPW + r; slots >= end
+// (= the live range's end for this split) are never read: zeros and position -1 instead.
+__device__ __forceinline__ void load_step(int t0, int end, int r, const u16* kb, const u16* vb,
+                                          const int* kp, size_t slot_stride, uint4 (&kr)[UNROLL],
+                                          uint4 (&vr)[UNROLL], int (&kpv)[UNROLL]) {
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    const int s = t0 + u * KPW + r;
+    if (s < end) {
+      kr[u] = ld_stream(kb + (size_t)s * slot_stride);
+      vr[u] = ld_stream(vb + (size_t)s * slot_stride);
+      kpv[u] = __ldg(kp + s);
+    } else {
+      kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
+      kpv[u] = -1;
+    }
+  }
+}
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
     rejax_flash_decode(const u16* __restrict__ q, const u16* __restrict__ k_cache,
@@ -150,21 +173,28 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
   const int* kp = k_positions + (size_t)b * S_SLOTS;
 
   // E3: warp `warp`, step t0, unroll u, row group r reads slot t0 + u * KPW + r
+#if PREFETCH
+  // software pipeline: the next step's K, V and positions are loaded before this step's math,
+  // so a warp keeps its loads in flight while it computes (the same values, the same order)
+  uint4 kn[UNROLL], vn[UNROLL];
+  int kpn[UNROLL];
+  load_step(start + warp * UNROLL * KPW, end, r, kb, vb, kp, slot_stride, kn, vn, kpn);
+#endif
   for (int t0 = start + warp * UNROLL * KPW; t0 < end; t0 += TILE) {
     uint4 kr[UNROLL], vr[UNROLL];
     int kpv[UNROLL];
+#if PREFETCH
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int s = t0 + u * KPW + r;
-      if (s < end) {  // slots >= live are never read
-        kr[u] = ld_stream(kb + (size_t)s * slot_stride);
-        vr[u] = ld_stream(vb + (size_t)s * slot_stride);
-        kpv[u] = __ldg(kp + s);
-      } else {
-        kr[u] = vr[u] = make_uint4(0u, 0u, 0u, 0u);
-        kpv[u] = -1;
-      }
+      kr[u] = kn[u];
+      vr[u] = vn[u];
+      kpv[u] = kpn[u];
     }
+    if (t0 + TILE < end)
+      load_step(t0 + TILE, end, r, kb, vb, kp, slot_stride, kn, vn, kpn);
+#else
+    load_step(t0, end, r, kb, vb, kp, slot_stride, kr, vr, kpv);
+#endif
     // E4: score partials over this lane's 8 elements (a product, then fmas in element order),
     // then a butterfly over the row group's LPR lanes (offsets 1, 2, .., LPR / 2; a + b is
     // commutative, so every lane of the group holds the same sum)

@@ -75,6 +75,7 @@ class FlashShape:
     unroll: int = 0  # 0 -> default_unroll(head_dim)
     min_tiles: int = MIN_TILES
     min_ctas: int = 1
+    prefetch: int = 0
     poison: bool = False
 
     @property
@@ -108,7 +109,9 @@ class FlashOptions:
     splits: P splits of the live range per (row, kv head); None -> `default_splits`.
     warps: warps per CTA. unroll: K/V loads per lane and step (0 -> `default_unroll`).
     min_tiles: tiles a split walks at least. min_ctas: CTAs per SM asked of ptxas (1 = no
-    register cap; 4 caps the registers at 128, with spills).
+    register cap; 4 caps the registers at 128, with spills). prefetch: 1 issues each warp's
+    next step of K / V loads before its current step's math (a software pipeline: the same
+    values in the same order, more registers); 0 (the default) loads a step, then computes it.
     """
 
     splits: int | None = None
@@ -116,6 +119,7 @@ class FlashOptions:
     unroll: int = 0
     min_tiles: int = MIN_TILES
     min_ctas: int = 1
+    prefetch: int = 0
 
 
 def flash_shape(
@@ -142,6 +146,7 @@ def flash_shape(
         unroll=o.unroll,
         min_tiles=o.min_tiles,
         min_ctas=o.min_ctas,
+        prefetch=o.prefetch,
         poison=poison,
     )
     splits = o.splits
@@ -176,6 +181,8 @@ def check_shape(shape: FlashShape) -> tuple[bool, str]:
         return False, f"warps={shape.warps} unroll={shape.unroll_} min_tiles={shape.min_tiles}"
     if not 1 <= shape.min_ctas <= 8:
         return False, f"min_ctas={shape.min_ctas} (expected 1..8)"
+    if shape.prefetch not in (0, 1):
+        return False, f"prefetch={shape.prefetch} (expected 0 or 1)"
     if shape.smem_bytes + 256 > SMEM_LIMIT:  # the estimate, less alignment padding
         return False, f"{shape.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT})"
     return True, ""
@@ -233,6 +240,8 @@ def defines(shape: FlashShape) -> dict:
         "MIN_CTAS": shape.min_ctas,
         "SCORE_SCALE": float(flash_score_scale(shape.head_dim)).hex() + "f",
         "POISON": int(shape.poison),
+        # only when set: the default build keeps its cache key and its PTX
+        **({"PREFETCH": 1} if shape.prefetch else {}),
     }
 
 

@@ -68,6 +68,23 @@ def test_nvrtc_builds_qwen3_8b(batch, tmp_path, monkeypatch):
         assert f"output_indices = {outs}" in cfg and "block_x = 128" in cfg
 
 
+@needs_nvrtc
+def test_prefetch_option_builds_and_leaves_the_default_ptx_alone(tmp_path, monkeypatch):
+    """FlashOptions(prefetch=1) compiles (sm_90, no local memory) to another kernel than the
+    default, whose defines, and so cache key and PTX, carry no PREFETCH; a bad value is
+    refused."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    plain = flash.flash_shape(1, 36, 33280, 8, 4, 128)
+    piped = flash.flash_shape(1, 36, 33280, 8, 4, 128, flash.FlashOptions(prefetch=1))
+    assert "PREFETCH" not in flash.defines(plain) and flash.defines(piped)["PREFETCH"] == 1
+    assert piped.splits == plain.splits and piped.tile == plain.tile
+    a, b = flash.build(plain, arch="compute_90"), flash.build(piped, arch="compute_90")
+    assert ".local" not in b.ptx and cbuild.ptx_entries(b.ptx) == {flash.ENTRY: 10}
+    assert a.ptx != b.ptx
+    ok, why = flash.check_shape(dataclasses.replace(piped, prefetch=2))
+    assert not ok and "prefetch=2" in why
+
+
 def _flash_calls(text: str) -> int:
     return len(re.findall(r"name = \\22" + flash.ENTRY, text)) + len(
         re.findall(r'name = \\"' + flash.ENTRY, text)

@@ -76,6 +76,9 @@ def _lives(s: int, shape: flash.FlashShape) -> list[int]:
         (64, 1536, 32, 8, 128, None),
         (2, 2048, 32, 4, 64, None),  # H = 64, G = 8
         (4, 3000, 32, 8, 128, flash.FlashOptions(splits=7, warps=8, unroll=2, min_tiles=1)),
+        # the software-pipelined loads: the long cache, and an S no multiple of the tile
+        (1, 33280, 32, 8, 128, flash.FlashOptions(prefetch=1)),
+        (3, 4100, 32, 8, 128, flash.FlashOptions(prefetch=1, splits=32, unroll=2)),
     ],
 )
 def test_cuda_equals_ref_gpu(b, s, n, kh, h, options):
