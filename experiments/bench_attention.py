@@ -570,7 +570,8 @@ def main(argv=None) -> dict:
         nargs="+",
         default=["default"],
         help="launch choices of the cuda impl: 'default' or FlashOptions fields, e.g. "
-        "splits=32,warps=8,unroll=2,min_tiles=1,min_ctas=4 (each one a timed variant)",
+        "splits=32,warps=8,unroll=2,min_tiles=1,min_ctas=4,prefetch=1 (each one a timed "
+        "variant)",
     )
     ap.add_argument(
         "--pallas-variants",
