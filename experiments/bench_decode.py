@@ -67,6 +67,13 @@ CHOICE_FIELDS = {
 }
 
 
+# Config fields that take several values, one variant each (`_variants`), and what they vary
+MULTI_FIELDS = (
+    ("command_buffer", rconfig.COMMAND_BUFFERS, "every variant (labelled ' cb=CHOICE')"),
+    ("gemm_occupancy", rconfig.GEMM_OCCUPANCIES, "every NVFP4 variant (labelled ' occ=CHOICE')"),
+)
+
+
 def random_params(cfg: rconfig.Config, seed: int = 0) -> Params:
     """Random bf16 or NVFP4 weights built on the device (`rejax.params.random_params`); W4A4
     linears get static, calibrated-style activation scales."""
@@ -297,22 +304,15 @@ def main(argv=None) -> dict:
             choices=list(choices),
             help=f"Config.{field}",
         )
-    ap.add_argument(
-        "--command-buffer",
-        nargs="+",
-        default=[rconfig.Config.command_buffer],
-        choices=list(rconfig.COMMAND_BUFFERS),
-        help="Config.command_buffer: several values run every variant once per value, in the "
-        "same process (each its own executable)",
-    )
-    ap.add_argument(
-        "--gemm-occupancy",
-        nargs="+",
-        default=[rconfig.Config.gemm_occupancy],
-        choices=list(rconfig.GEMM_OCCUPANCIES),
-        help="Config.gemm_occupancy: several values run every NVFP4 variant once per value, in "
-        "the same process, on the same weights (labelled ' occ=CHOICE' unless the default)",
-    )
+    for field, choices, what in MULTI_FIELDS:  # several values: one variant per value
+        ap.add_argument(
+            "--" + field.replace("_", "-"),
+            nargs="+",
+            default=[getattr(rconfig.Config, field)],
+            choices=list(choices),
+            help=f"Config.{field}: several values run {what} once per value, in the same "
+            "process, on the same weights",
+        )
     ap.add_argument(
         "--gemm-min-m",
         type=int,
