@@ -163,7 +163,8 @@ def test_every_checked_problem_has_a_supported_plan():
 
     for tag, v, p in probs:
         if v == "wgmma":
-            prod = nvfp4_gemm.plan(p.m, p.n, p.k)
+            wide = nvfp4_gemm.GemmOptions(occupancy="wide")
+            prod = nvfp4_gemm.plan(p.m, p.n, p.k, options=wide)
             assert (p.tile_n, p.splitk, p.grid[1:]) == (prod.tile_n, prod.splitk, prod.grid[1:])
     assert wgm.plan(64, 24576, 4096).grid == (1, 192, 3)
     # two CTAs per SM fit in shared memory at the decode shapes (228 KiB per SM, 1 KiB each)
