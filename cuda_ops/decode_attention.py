@@ -57,6 +57,8 @@ MAX_SPLITS = 64
 MIN_TILES = 2
 MAX_GQA = 8
 SMEM_LIMIT = 48 * 1024  # static shared memory per CTA
+SM_SMEM_LIMIT = 227 * 1024  # static + dynamic shared memory per CTA (sm_90)
+MMA_CHUNK = 16  # the MMA path's slots per warp step (the .cu's CH)
 NEG = np.float32(-1e30)
 
 
@@ -76,6 +78,8 @@ class FlashShape:
     min_tiles: int = MIN_TILES
     min_ctas: int = 1
     prefetch: int = 0
+    mma: int = 0
+    stages: int = 3
     poison: bool = False
 
     @property
@@ -92,7 +96,17 @@ class FlashShape:
 
     @property
     def tile(self) -> int:
+        if self.mma:
+            return self.warps * MMA_CHUNK
         return self.warps * self.unroll_ * self.rows_per_load
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """The MMA path's cp.async rings: per warp STAGES x (K and V rows of a chunk, and its
+        positions); 0 for the default path."""
+        if not self.mma:
+            return 0
+        return self.warps * self.stages * (2 * MMA_CHUNK * self.head_dim * 2 + MMA_CHUNK * 4)
 
     @property
     def smem_bytes(self) -> int:
@@ -112,6 +126,10 @@ class FlashOptions:
     register cap; 4 caps the registers at 128, with spills). prefetch: 1 issues each warp's
     next step of K / V loads before its current step's math (a software pipeline: the same
     values in the same order, more registers); 0 (the default) loads a step, then computes it.
+    mma: 1 runs the tensor-core main loop (bf16 mma.sync for Q K^T and P V over chunks of 16
+    slots a warp streams through `stages` cp.async stages of shared memory; unroll and prefetch
+    do not apply; within rounding of the default path, not bitwise); 0 (the default) the CUDA
+    cores' loop. stages: the MMA path's stages per warp (2..8).
     """
 
     splits: int | None = None
@@ -120,6 +138,8 @@ class FlashOptions:
     min_tiles: int = MIN_TILES
     min_ctas: int = 1
     prefetch: int = 0
+    mma: int = 0
+    stages: int = 3
 
 
 def flash_shape(
@@ -147,6 +167,8 @@ def flash_shape(
         min_tiles=o.min_tiles,
         min_ctas=o.min_ctas,
         prefetch=o.prefetch,
+        mma=o.mma,
+        stages=o.stages,
         poison=poison,
     )
     splits = o.splits
@@ -183,8 +205,22 @@ def check_shape(shape: FlashShape) -> tuple[bool, str]:
         return False, f"min_ctas={shape.min_ctas} (expected 1..8)"
     if shape.prefetch not in (0, 1):
         return False, f"prefetch={shape.prefetch} (expected 0 or 1)"
+    if shape.mma not in (0, 1):
+        return False, f"mma={shape.mma} (expected 0 or 1)"
+    if shape.mma and not 2 <= shape.stages <= 8:
+        return False, f"stages={shape.stages} (expected 2..8 with mma=1)"
+    if shape.mma and shape.head_dim < 32:
+        return False, f"head_dim={h} (mma=1 needs at least 32)"
+    if shape.mma and shape.prefetch:
+        return False, "prefetch=1 does not apply to mma=1 (its cp.async stages prefetch)"
     if shape.smem_bytes + 256 > SMEM_LIMIT:  # the estimate, less alignment padding
         return False, f"{shape.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT})"
+    total = shape.smem_bytes + 256 + shape.dynamic_smem_bytes
+    if total > SM_SMEM_LIMIT:
+        return False, (
+            f"{total} bytes of shared memory with warps={shape.warps} stages={shape.stages} "
+            f"(limit {SM_SMEM_LIMIT} per CTA)"
+        )
     return True, ""
 
 
@@ -221,6 +257,7 @@ class FlashKernel:
             grid=(s.splits, s.kv_heads, s.batch),
             block=32 * s.warps,
             outputs=range(n_in, n_in + N_OUTPUTS),
+            smem=s.dynamic_smem_bytes,
         )
 
 
@@ -242,6 +279,7 @@ def defines(shape: FlashShape) -> dict:
         "POISON": int(shape.poison),
         # only when set: the default build keeps its cache key and its PTX
         **({"PREFETCH": 1} if shape.prefetch else {}),
+        **({"MMA": 1, "STAGES": shape.stages} if shape.mma else {}),
     }
 
 
@@ -307,6 +345,8 @@ def emulate(q, k, v, q_positions, k_positions, live: int, shape: FlashShape) -> 
     Returns:
         [B, N, H] float32 holding the bf16 values the kernel writes. Not bitwise the kernel's:
         exp2 is NumPy's, not CUDA's exp2f (a few ulps), and the fma emulation double-rounds.
+        For an `mma=1` shape it follows that shape's split plan in the CUDA cores' order; the
+        tensor-core kernel sums in another order (within rounding of this, not step for step).
     """
     q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
     qp, kp = np.asarray(q_positions), np.asarray(k_positions)

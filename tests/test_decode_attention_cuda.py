@@ -85,6 +85,37 @@ def test_prefetch_option_builds_and_leaves_the_default_ptx_alone(tmp_path, monke
     assert not ok and "prefetch=2" in why
 
 
+@needs_nvrtc
+def test_mma_option_builds_with_its_rings_in_dynamic_shared_memory(tmp_path, monkeypatch):
+    """FlashOptions(mma=1) compiles (sm_90: mma.sync, ldmatrix, cp.async; no local memory) to
+    another kernel, its tile is WARPS x 16 slots, the launch asks for its rings' dynamic shared
+    memory, the default build's defines carry no MMA, and bad combinations are refused."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    plain = flash.flash_shape(1, 36, 33280, 8, 4, 128)
+    mma = flash.flash_shape(1, 36, 33280, 8, 4, 128, flash.FlashOptions(mma=1, stages=3))
+    assert "MMA" not in flash.defines(plain) and "STAGES" not in flash.defines(plain)
+    assert flash.defines(mma)["MMA"] == 1 and flash.defines(mma)["STAGES"] == 3
+    assert mma.tile == 4 * 16 and plain.tile == 4 * 4 * 2
+    # per warp: 3 stages of 16 K rows + 16 V rows of 256 bytes + 16 positions
+    assert mma.dynamic_smem_bytes == 4 * 3 * (2 * 16 * 128 * 2 + 16 * 4) == 99072
+    assert plain.dynamic_smem_bytes == 0
+    kern = flash.build(mma, arch="compute_90")
+    assert ".local" not in kern.ptx and cbuild.ptx_entries(kern.ptx) == {flash.ENTRY: 10}
+    for op in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix", "cp.async"):
+        assert op in kern.ptx, op
+    assert "shared_mem_bytes = 99072" in kern.backend_config()
+    assert "shared_mem_bytes = 0" in flash.build(plain, arch="compute_90").backend_config()
+    for bad, word in (
+        (dataclasses.replace(mma, stages=1), "stages=1"),
+        (dataclasses.replace(mma, mma=2), "mma=2"),
+        (dataclasses.replace(mma, prefetch=1), "prefetch=1"),
+        (dataclasses.replace(mma, head_dim=16), "head_dim=16"),
+        (dataclasses.replace(mma, warps=16, stages=8), "shared memory"),
+    ):
+        ok, why = flash.check_shape(bad)
+        assert not ok and word in why, (bad, why)
+
+
 def _flash_calls(text: str) -> int:
     return len(re.findall(r"name = \\22" + flash.ENTRY, text)) + len(
         re.findall(r'name = \\"' + flash.ENTRY, text)
