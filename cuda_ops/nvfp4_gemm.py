@@ -59,6 +59,12 @@ FINISH_INPUTS = 4
 # store res + y: (x_hat, xg, res, wp, ws, wg, layer) and (partials, xg, res, wg, layer)
 FINISH_THREADS = 256
 KTS = (128, 256)
+# The default KT where "fill" plans is 256 for tiles of at most this many tokens (K a multiple
+# of 256): on the H200
+# (`bench_gemm.py --variants gemm,gemm_kt256`, experiments/results/h200_r/) KT 256 took 9.5%,
+# 9.1%, 12.6% and 12.6% off the four Qwen3-8B shapes at M = 16 (geomean x bf16 1.91 against
+# 1.70) and lost at M = 32 and 64, where its larger stages leave fewer of them.
+KT256_MAX_TM = 16
 REDUCES = ("finish", "cluster")
 # How the plan fills the GPU at small M (see `plan`): "base" (about two CTAs per SM, the K split
 # capped by the partials' traffic) or "wide" (for M <= 64: 64-row weight tiles up to M = 16 and
@@ -119,7 +125,8 @@ class GemmOptions:
         wm: warps along M (splitting the CTA's tokens; each decodes its weight rows).
         wr: 16-row weight tiles per warp.
         warps: warps per CTA (warps / wm along N).
-        kt: K elements per pipeline stage (128 or 256).
+        kt: K elements per pipeline stage (128 or 256; None: where "fill" plans (9 <= M), 256
+            for tiles of <= 16 tokens when K is a multiple of 256, else 128, `KT256_MAX_TM`).
         stages: cp.async pipeline depth (>= 2).
         splitk: K split across CTAs (1..8).
         split_m: plan the K split (when `splitk` is None) as for this many rows instead of M:
@@ -379,7 +386,7 @@ def plan(
     tm = _cdiv(max(tm, 8 * wm), 8 * wm) * 8 * wm
     wr = options.wr or (1 if wm > 1 or (wide and m <= WIDE_WR1_MAX_M) else 2)
     warps = options.warps or 4 * wm
-    kt = options.kt or 128
+    kt = options.kt or (256 if fill and tm <= KT256_MAX_TM and k % 256 == 0 else 128)
     tile_n = 16 * wr * max(1, warps // wm)
     stage = tile_n * (kt // 2 + kt // 16) + tm * (2 * kt + 64)
     stages = options.stages or max(2, min(4 if tm <= 32 else 3, SMEM_LIMIT // stage))

@@ -43,6 +43,9 @@ typedef unsigned long long u64;
 #ifndef TOPK_MERGE  // the "merge" variant's top-k (per-block candidate lists)
 #define TOPK_MERGE 0
 #endif
+#ifndef REJECT  // the "reject" variant: the cluster kernel with a first draw over every token
+#define REJECT 0
+#endif
 
 #define NB 2048                      // bins of the top-p histogram (and of the finer levels)
 #define BPT (NB / NTHREADS)          // bins per thread in the last block
@@ -1304,6 +1307,8 @@ struct Pub {
     u64 cand_best;   // best score in the candidate bin
     u64 above_best;  // best score in the slice's bins above the candidate
     u64 slice_best;  // best score in the slice (top-p = 1: in the chunk)
+    u32 rej_mass;    // REJECT: the chunk's mass, and the part of it ranked above the first draw
+    u32 rej_above;
 };
 
 // CTA 0 appends the other CTAs' lists (list[0, n_list) in each) to its own n0 entries, up to
@@ -1501,9 +1506,86 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
         return;
     }
 
-    // ---- 2. the chunk's histogram of positive-mass tokens and best score per bin
     // zt < zt_cut: p = expf(zt) / den < 2**-31 by a 1% margin, no mass (no expf needed)
     const float zt_cut = logf(den) - 21.487563f - 0.01f;  // log(den 2**-31) - 0.01
+#if REJECT
+    {  // ---- 2a. rejection: the Gumbel-max x over every live token (the tp = 1 sweep), kept if
+       // the keep rule keeps it. Then x is also the best score over the kept tokens, i.e. the
+       // token the histogram path below draws with the same noise. Else that path runs.
+        __shared__ u64 s_x;
+        __shared__ u32 s_keep;
+        u64 best = 0ull;
+        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+            float x[4], zt[4];
+            bool cand[4], any = false;
+            load4(z, j0, hi, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                zt[q] = tempered(x[q], m, it);
+                cand[q] = zt[q] >= FLOOR;
+                any |= cand[q];
+            }
+            if (any) {
+                u64 sc[4];
+                scores4(zt, cand, j0, k0, k1, sc);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
+            }
+        }
+        best = block_reduce<MaxU64>(best, ured);
+        if (tid == 0) pub.slice_best = best;
+        cluster_sync();
+        if (tid < 32) {
+            u64 b = tid < CLUSTER ? ld_peer64(&pub.slice_best, tid) : 0ull;
+            b = warp_reduce<MaxU64>(b);
+            if (tid == 0) s_x = b;
+        }
+        __syncthreads();
+        const u64 xb = s_x;  // every CTA holds the same x (0: no live token reaches FLOOR)
+        const int xid = xb ? unpack_id(xb) : -1;
+        // x's probability key (0: none); a token ranks above x iff its key is larger, or equal
+        // with a higher id; the mass sums are the histogram's (positive-mass tokens only)
+        const u32 kx = xb ? prob_key(tempered(z[xid], m, it), iden) : 0u;
+        u32 mass = 0u, above = 0u;
+        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+            float x[4];
+            load4(z, j0, hi, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float zt = tempered(x[q], m, it);
+                if (zt >= zt_cut) {  // NaN and masked logits fail this too
+                    const u32 key = prob_key(zt, iden);
+                    const u32 w = key > KEY_LO ? mass_of_key(key) : 0u;
+                    mass += w;
+                    if (key > kx || (key == kx && j0 + q > xid)) above += w;
+                }
+            }
+        }
+        mass = block_reduce<SumU>(mass, red);
+        above = block_reduce<SumU>(above, red);
+        if (tid == 0) {
+            pub.rej_mass = mass;
+            pub.rej_above = above;
+        }
+        cluster_sync();
+        if (tid == 0) {  // integer sums: every CTA gets the same totals, hence the same verdict
+            u32 total = 0u, ab = 0u;
+            for (int q = 0; q < CLUSTER; ++q) {
+                total += ld_peer32(&pub.rej_mass, q);
+                ab += ld_peer32(&pub.rej_above, q);
+            }
+            s_keep = xb && kx > KEY_LO && (float)ab < tp * (float)total;
+        }
+        __syncthreads();
+        if (s_keep) {
+            if (c == 0 && tid == 0) tokens[r] = xid;
+            cluster_sync();  // no CTA leaves while another still reads its partials
+            return;
+        }
+        // rejected: the path below; its barriers order these reads before any later write
+    }
+#endif
+    // ---- 2. the chunk's histogram of positive-mass tokens and best score per bin
     for (int i = tid; i < NB; i += NTHREADS) {
         hist.packed[i] = 0ull;
         hb[i] = 0ull;

@@ -14,6 +14,9 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   (`rejax.ops.sampler`'s default, "auto", takes "merge" or "split" by batch rows and top-k.)
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
+- "reject": the cluster kernel that first draws over every token with the same noise and keeps
+  that draw when the top-p keep rule keeps it (then it is the Gumbel-max over the kept tokens,
+  the token every variant draws); only a rejected draw runs the histogram path (`REJECT`).
 
 Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """
@@ -34,6 +37,7 @@ from cuda_ops.build import (
 
 __all__ = [
     "CLUSTER_ENTRIES",
+    "CLUSTER_VARIANTS",
     "ENTRIES",
     "MAX_BATCH",
     "MAX_VOCAB",
@@ -55,7 +59,8 @@ ENTRIES = {
 # the cluster variant's one kernel: logits, thr, alt, t_a, t_b, top_p, keys -> tokens [B],
 # entropy [B], temperature [B]
 CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
-VARIANTS = ("split", "cluster", "merge")
+VARIANTS = ("split", "cluster", "merge", "reject")
+CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
 CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
 SMS = 132  # the H200's SMs
@@ -77,7 +82,7 @@ MAX_CHUNKS = 128
 def entries(variant: str = "split") -> dict:
     """The variant's kernel entries: name -> (number of operands, number of results)."""
     _check_variant(variant)
-    return CLUSTER_ENTRIES if variant == "cluster" else ENTRIES
+    return CLUSTER_ENTRIES if variant in CLUSTER_VARIANTS else ENTRIES
 
 
 def _check_variant(variant: str) -> None:
@@ -112,7 +117,7 @@ class Plan:
 
     @property
     def cluster(self) -> int:
-        return self.chunks if self.variant == "cluster" else 0
+        return self.chunks if self.variant in CLUSTER_VARIANTS else 0
 
     def defines(self) -> dict:
         d = {
@@ -124,8 +129,10 @@ class Plan:
             "NTHREADS": self.threads,
             "NMAX": self.nmax,
         }
-        if self.variant == "cluster":
+        if self.variant in CLUSTER_VARIANTS:
             d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
+        if self.variant == "reject" and self.top_k == 0:
+            d |= {"REJECT": 1}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
             d |= {"TOPK_MERGE": 1}
         elif self.variant == "merge" and self.top_k == 0:
@@ -145,9 +152,10 @@ def _cdiv(a: int, b: int) -> int:
 def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan:
     """ "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
     per row.
-    "cluster": `CLUSTER` chunks per row (trailing ones may be empty when V < 4 CLUSTER)."""
+    "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
+    CLUSTER)."""
     _check_variant(variant)
-    if variant == "cluster":
+    if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
                     threads=cluster_threads(batch), variant=variant)  # fmt: skip

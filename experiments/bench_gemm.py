@@ -48,6 +48,7 @@ from experiments.kernel_shapes import all_shapes, unique_shapes
 VARIANTS = {
     "gemm": {},
     "gemm_kt256": {"kt": 256},
+    "gemm_kt128": {"kt": 128},
     "gemm_wr1": {"wr": 1},
     "gemm_w8": {"warps": 8, "wr": 1},
     "gemm_nosplit": {"splitk": 1},

@@ -116,6 +116,64 @@ def _logits(kind: str, b: int, v: int) -> jax.Array:
     return z.at[:, :8].set(jnp.arange(8, 0, -1, dtype=jnp.float32) * 0.5 + 20.0)
 
 
+def _random_model(layers: int):
+    """A random-weight Qwen3-8B NVFP4 with `layers` layers, as experiments/bench_decode.py
+    builds it (static activation scales)."""
+    import dataclasses
+
+    from rejax import config as rconfig
+    from rejax import params as rparams
+
+    cfg = dataclasses.replace(rconfig.PRESETS["qwen3-8b"], num_layers=layers, quant="nvfp4")
+    params = rparams.random_params(cfg, 0)
+    scale = jnp.full((cfg.num_layers,), 4.0 / (6 * 448), jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+    jax.block_until_ready(params.weights)
+    return params
+
+
+def _decode_logits(params, rows: int = 4, prompt_len: int = 128, steps: int = 32) -> jax.Array:
+    """[rows, V] float32 logits the decode loop samples from after `steps` greedy steps of
+    random prompts (as rejax.bench.bench_decode runs it)."""
+    from rejax import bench as rbench
+    from rejax import sharding
+
+    cfg = params.cfg
+    gen = rbench._gen()
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (rows, prompt_len)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (rows, prompt_len))
+    cache = sharding.init_cache(params, rows, prompt_len + steps, jnp.bfloat16)
+    logits, cache = gen.prefill(params, tokens, positions, cache)
+    keys = jax.random.split(jax.random.key(0), rows)
+    out = gen.decode_loop(
+        params, logits, cache, jnp.full((rows,), prompt_len, jnp.int32), Greedy(),
+        sampler_init(Greedy(), rows), keys, jnp.zeros((cfg.vocab_size,), bool),
+        jnp.zeros((rows,), bool), max_new_tokens=steps,
+    )  # fmt: skip
+    return jnp.asarray(out.logits, jnp.float32)
+
+
+def _logit_profile(z: np.ndarray, t: float = 0.6, top_p: float = TOP_P) -> dict:
+    """What decides the kernels' paths on one row: spread, distinct values, nucleus size, the
+    emulated path and how often the "reject" variant's first draw is kept (64 keys)."""
+    z = np.asarray(z, np.float32)
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), 64)))
+    em = sampler_op.emulate(z, -np.inf, np.inf, t, t, top_p, keys, chunks=8, prune="bound",
+                            variant="reject")  # fmt: skip
+    return {
+        "std": float(z.std()),
+        "max_minus_median": float(z.max() - np.median(z)),
+        "distinct_values": int(np.unique(z).size),
+        "t": t,
+        "kept_tokens": int(em["keep"].sum()),
+        "path": em["path"],
+        "reject_first_draw_kept": float(np.mean(em["accepted"])),
+        "entropy": float(em["entropy"]),
+    }
+
+
 def _covered_fraction(logits: jax.Array, t: float, top_p: float) -> float:
     probs = jax.nn.softmax(logits / t, axis=-1)
     tp = jnp.full((logits.shape[0],), top_p, jnp.float32)
@@ -220,8 +278,15 @@ def main(argv=None) -> None:
         help="'kernel' runs each --variants; 'kernel-split' / 'kernel-cluster' name one",
     )
     parser.add_argument(
-        "--logits", nargs="+", default=["peaked", "flat"], choices=["peaked", "flat", "lm"]
+        "--logits",
+        nargs="+",
+        default=["peaked", "flat"],
+        choices=["peaked", "flat", "lm", "model"],
+        help="'model': the logits of a random Qwen3-8B NVFP4 decode loop (--model-layers "
+        "layers) after 32 greedy steps, 4 rows repeated to the batch",
     )
+    parser.add_argument("--model-layers", type=int, default=36, help="layers of --logits model")
+    parser.add_argument("--save-logits", default=None, help="npz path for --logits model's rows")
     parser.add_argument(
         "--variants",
         nargs="+",
@@ -259,6 +324,8 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--git-sha", default=None, help="sha to record (default: git rev-parse)")
     args = parser.parse_args(argv)
+    if "model" in args.logits and args.vocab != 151936:
+        raise ValueError(f"--logits model needs --vocab 151936 (Qwen3-8B's), got {args.vocab}")
     if args.vocab < sampling._TOPK_FAST + 8 or min(args.batch) < 1:
         raise ValueError(f"--vocab {args.vocab} / --batch {args.batch}: need V >= 24 and B >= 1")
 
@@ -282,9 +349,20 @@ def main(argv=None) -> None:
     }
     results, summary = [], []
     t_start = time.perf_counter()
+    model_rows, profiles = None, []
+    if "model" in args.logits:
+        model_rows = _decode_logits(_random_model(args.model_layers))
+        for z in np.asarray(model_rows):
+            profiles += [_logit_profile(z, t) for t in (0.6, 1.0)]
+        print(json.dumps({"model_logit_profiles": profiles}), flush=True)
+        if args.save_logits:
+            np.savez_compressed(args.save_logits, logits=np.asarray(model_rows))
     for kind in args.logits:
         for b in args.batch:
-            logits = _logits(kind, b, v)
+            if kind == "model":  # the decode loop's rows, repeated to b rows
+                logits = jnp.tile(model_rows, (-(-b // model_rows.shape[0]), 1))[:b]
+            else:
+                logits = _logits(kind, b, v)
             keys = jax.random.split(jax.random.key(0), b)
             row = {"logits": kind, "batch": b}
             greedy = _scan_sampler(Greedy(), steps, sampling.TOP_P_METHOD)
@@ -360,6 +438,7 @@ def main(argv=None) -> None:
         # issue 15 targets (H200): ReSET + top-p 0.95 over greedy <= 15 us at B=1, <= 60 us at B=64
         "summary": summary,
         "decode": decode,
+        "model_logit_profiles": profiles,
         "total_seconds": time.perf_counter() - t_start,
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

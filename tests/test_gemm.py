@@ -828,3 +828,17 @@ def test_invariant_rows_pads_float_matmuls_and_plans_the_gemm_split(stub_compile
         None: {nvfp4_gemm.plan(16, 6144, 4096).splitk},
         64: {nvfp4_gemm.plan(64, 6144, 4096).splitk},
     }, split
+
+
+def test_fill_plan_takes_kt256_for_tiles_of_up_to_16_tokens():
+    """The "fill" default stages K in 256-element steps for M = 9..16 when K allows it (the
+    H200 measured KT 256 faster there and slower at M = 32 and 64); other plans keep 128."""
+    for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
+        for m, kt in [(9, 256), (16, 256), (17, 128), (32, 128), (64, 128), (8, 128)]:
+            p = nvfp4_gemm.plan(m, n, k)
+            assert p.kt == kt and p.defines()["KT"] == kt, (m, n, k, p.kt)
+            assert nvfp4_gemm.check_shape(m, n, k)[0] and p.splitk <= k // p.kt
+    assert nvfp4_gemm.plan(16, 4096, 4224).kt == 128  # K = 33 x 128: not a multiple of 256
+    assert nvfp4_gemm.plan(16, 4096, 4096, options=nvfp4_gemm.GemmOptions(kt=128)).kt == 128
+    wide = nvfp4_gemm.GemmOptions(occupancy="wide")
+    assert nvfp4_gemm.plan(16, 4096, 4096, options=wide).kt == 128

@@ -122,7 +122,7 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k, variant):
     data = np.asarray(jax.random.key_data(keys))
     agree, paths = 0, set()
     chunks = op.kernels.plan(b, V, variant=variant).chunks
-    prune = "bound" if variant == "cluster" else True
+    prune = "bound" if variant in op.kernels.CLUSTER_VARIANTS else True
     for i in range(b):
         em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k, chunks=chunks,
                         prune=prune, variant=variant)  # fmt: skip
@@ -176,7 +176,8 @@ def test_rows_independent_and_batch_sizes(variant):
     for b in (1, 2, 7, 33):
         sub, _, _ = _run(smp, z[:b], keys[:b], variant=variant)
         # per-chunk rounding may move a boundary (the cluster kernel's chunks do not depend on B)
-        assert np.mean(sub == full[:b]) >= (1.0 if variant == "cluster" else 0.9), b
+        exact = variant in op.kernels.CLUSTER_VARIANTS
+        assert np.mean(sub == full[:b]) >= (1.0 if exact else 0.9), b
 
 
 def test_cluster_variant_draws_the_split_tokens():
@@ -194,6 +195,31 @@ def test_cluster_variant_draws_the_split_tokens():
         assert np.sum(a == c) >= b - 1, (kind, t, top_p, top_k, np.flatnonzero(a != c))
         np.testing.assert_allclose(np.asarray(ic["entropy"]), np.asarray(ia["entropy"]),
                                    rtol=2e-5, atol=2e-5)  # fmt: skip
+
+
+def test_reject_variant_draws_the_cluster_tokens():
+    # the same kernel with the shortcut: a first draw that passes the keep test is the cluster
+    # kernel's token, a rejected one takes that kernel's path, so every token is the same
+    masks = {"nl_mask": jnp.zeros(V, bool), "dnl_mask": jnp.zeros(V, bool)}
+    for b in (1, 33, 64):
+        keys = jax.random.split(jax.random.key(b), b)
+        for kind, t, top_p in [
+            ("real", 0.6, 0.95),
+            ("flat", 0.6, 0.95),
+            ("flat", 1.0, 0.5),
+            ("ties", 1.0, 0.5),
+            ("real", 0.05, 0.9),
+            ("real", 1.0, 1.0),
+        ]:
+            z = _logits(kind, b, seed=3)
+            for smp in (
+                Temperature(top_p_method="kernel", t=t, top_p=top_p),
+                ReSET(top_p_method="kernel", t_high=t, t_low=0.1, top_p=top_p, **masks),
+            ):
+                c, _, ic = _run(smp, z, keys, variant="cluster")
+                r, _, ir = _run(smp, z, keys, variant="reject")
+                np.testing.assert_array_equal(r, c, err_msg=f"{b} {kind} {smp}")
+                np.testing.assert_array_equal(np.asarray(ir["entropy"]), np.asarray(ic["entropy"]))
 
 
 def test_merge_variant_draws_the_split_tokens():

@@ -110,14 +110,15 @@ def test_cuda_lowering_cluster_variant_is_one_call(b):
         assert kern.plan.chunks * kern.plan.chunk >= v > (kern.plan.chunks - 1) * kern.plan.chunk
 
 
+@pytest.mark.parametrize("variant", kernels.CLUSTER_VARIANTS)
 @pytest.mark.parametrize("b,top_k", [(1, 0), (1, 20), (24, 0), (24, 20), (64, 0), (64, 20)])
-def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k):
+def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k, variant):
     # 1024 / 512 / 256 threads for 1 / 2 / 4 CTAs per SM: <= 64 registers, no spills, static
     # shared memory under 48 KiB (and room for the CTAs per SM)
     pytest.importorskip("cuda.bindings.nvrtc")
     from cuda_ops.build import ptxas_log, read_source
 
-    p = kernels.plan(b, 151936, top_k, variant="cluster")
+    p = kernels.plan(b, 151936, top_k, variant=variant)
     assert p.threads == {1: 1024, 24: 512, 64: 256}[b] and p.ctas_per_sm * p.threads == 1024
     log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
@@ -142,7 +143,9 @@ def test_no_module_global_is_shared_between_kernels(variant, top_k):
         compile_ptx(read_source("sampler.cu"), defines=d, arch="compute_90")
     )
     assert set(by_entry) == set(kernels.entries(variant))
-    assert by_entry[min(by_entry)] or variant == "cluster"  # the parser finds globals
+    assert (
+        by_entry[min(by_entry)] or variant in kernels.CLUSTER_VARIANTS
+    )  # the parser finds globals
     seen: dict[str, str] = {}
     for entry, names in sorted(by_entry.items()):
         for g in names:
@@ -308,8 +311,8 @@ def test_emulation_keeps_the_definition(name, variant):
         z, t, top_p, k, nmax, path = _topk_cases()[name[5:]]
     else:
         (z, t, top_p, nmax, path), k = _em_cases()[name], 0
-    chunks = kernels.CLUSTER if variant == "cluster" else 5
-    prune = "bound" if variant == "cluster" else True
+    chunks = kernels.CLUSTER if variant in kernels.CLUSTER_VARIANTS else 5
+    prune = "bound" if variant in kernels.CLUSTER_VARIANTS else True
     em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=chunks,
                     prune=prune, variant=variant)  # fmt: skip
     if variant == "merge" and name != "topk:chunk_ties":
@@ -393,6 +396,52 @@ def test_gumbel_bound_bounds_the_noise():
     # (u < 1/4, noise > 1.25), which is where tokens far below the top need it
     small = (hi >= (1 << 20)) & (hi < (1 << 30))  # (below 2**20 the low word adds > 1e-6)
     assert (bound[small] - g[small]).max() < 0.15
+
+
+def _reject_cases():
+    rng = np.random.default_rng(12)
+    cases = {n: _em_cases()[n][:4] for n in ("peaked", "flat", "ties", "tiny_top_p", "half",
+                                             "masked")}  # fmt: skip
+    # the first draw often lands just outside the nucleus: a flat head, top-p 0.5
+    cases["flat_head"] = (np.r_[np.zeros(40), rng.normal(size=400) - 4.0], 1.0, 0.5, 2048)
+    # one token holds nearly all mass: the draw is kept unless it lands in the tail
+    cases["one_top"] = (np.r_[[12.0], rng.normal(size=2000)], 1.0, 0.9, 2048)
+    # many equal keys at the boundary: the id order decides the keep test
+    cases["tie_cut"] = (np.r_[np.full(64, 2.0), rng.normal(size=300)], 1.0, 0.37, 2048)
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_reject_cases()))
+def test_reject_first_draw_is_kept_only_when_the_kept_draw_equals_it(name):
+    # the "reject" kernel's shortcut: its draw over every token passes its integer-mass test
+    # exactly when that token is in the kept set, and then it is the cluster kernel's token
+    z, t, top_p, nmax = _reject_cases()[name]
+    args = (z, -np.inf, np.inf, t, t, top_p, _keys(1500, seed=13))
+    kw = {"nmax": nmax, "chunks": kernels.CLUSTER, "prune": "bound"}
+    rej = op.emulate(*args, variant="reject", **kw)
+    clu = op.emulate(*args, variant="cluster", **kw)
+    first, acc = rej["first"], rej["accepted"]
+    np.testing.assert_array_equal(acc, clu["keep"][first])
+    np.testing.assert_array_equal(first[acc], clu["tokens"][acc])
+    np.testing.assert_array_equal(rej["tokens"], clu["tokens"])
+    if name in ("flat_head", "tie_cut", "one_top"):  # both outcomes happen
+        assert 0 < acc.mean() < 1, acc.mean()
+    if name == "tie_cut":  # the boundary cuts the tie group of 64: draws on both sides of it
+        tied = first < 64
+        assert acc[tied].any() and not acc[tied].all()
+
+
+def test_reject_variant_adds_the_shortcut_to_the_cluster_kernel():
+    # the "reject" plan is the cluster kernel's plus REJECT=1 for top-p without top-k
+    for k in (0, 20):
+        p, c = kernels.plan(4, 151936, k, "reject"), kernels.plan(4, 151936, k, "cluster")
+        extra = {"REJECT": 1} if k == 0 else {}
+        assert p.defines() == c.defines() | extra and p.cluster == kernels.CLUSTER
+    assert kernels.entries("reject") == kernels.CLUSTER_ENTRIES
+    src = kernels.read_source(kernels.SOURCE)
+    assert (
+        "#if REJECT" in src and "s_keep = xb && kx > KEY_LO && (float)ab < tp * (float)total" in src
+    )
 
 
 def test_cluster_constants_match_the_kernel_source():

@@ -17,14 +17,17 @@ h and the temperature used.
   last-block combine);
   "cluster", one kernel in which a cluster of 8 CTAs per row combines through distributed
   shared memory (one launch, no global scratch); "merge", "split" where top-k (k <= 32)
-  draws in the histogram kernel from candidates each block lists (the same tokens as "split").
+  draws in the histogram kernel from candidates each block lists (the same tokens as "split");
+  "reject", "cluster" that first takes the Gumbel-max over every token and keeps it when the
+  keep rule does (then it is the Gumbel-max over the kept tokens: "cluster"'s token), running
+  the histogram path only for a rejected draw (top-p < 1 without top-k).
   All draw with their own random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
   id, 55 bits a token as `gumbel_of_bits` maps them), the same for both variants, so tokens
   differ from the reference's for the same key while the distribution is the same.
 
 `sample_kernel` is `rejax.sampling.sample`'s kernel path with the variant as an argument (the
-GPU tests and experiments/bench_sampler.py reach the "cluster" variant through it).
+GPU tests and experiments/bench_sampler.py reach every variant through it).
 
 `emulate` is a NumPy mirror of the kernels' algorithm (the same bins, boundary search, whole-bin
 test, collection and large-bin paths, pruning and noise) that the CPU tests check against the
@@ -49,7 +52,7 @@ from rejax.ops import _dispatch
 OP = "sample_top_p"
 KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
-VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster" (one), "merge" (docstring)
+VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject" (one), "merge"
 # "auto" (the default) picks "split" or "merge" per call by the batch rows and top-k
 # (`choose_variant`); both draw the same tokens. "cluster" is opt-in.
 VARIANT = "auto"
@@ -142,7 +145,7 @@ def _lower_cuda(ctx, *args, **params):
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         fn = functools.partial(_reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-    impl = _cuda_impl_cluster if params["variant"] == "cluster" else _cuda_impl
+    impl = _cuda_impl_cluster if params["variant"] in kernels.CLUSTER_VARIANTS else _cuda_impl
     return mlir.lower_fun(functools.partial(impl, kern=kern), multiple_results=True)(ctx, *args)
 
 
@@ -593,11 +596,15 @@ def emulate(
         or "floor" (tempered logit below FLOOR: the split kernels), "bound" (also a score bound
         of gumbel_bound below PRUNE_SCORE: the cluster kernel), False (none).
       variant: "cluster" also mirrors that kernel's zt_cut and collect window; "merge" its
-        top-k list from per-chunk candidates (path "topk_merge") (`VARIANTS`).
+        top-k list from per-chunk candidates (path "topk_merge"); "reject" is "cluster" plus
+        its first draw over every token and that draw's keep test (`VARIANTS`).
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
-      probabilities), "keep" bool [V] (the kept set) and "path" (one of `PATHS`).
+      probabilities), "keep" bool [V] (the kept set) and "path" (one of `PATHS`); for
+      "reject" with top-p < 1 and no top-k also "first" i32 [n] (the draw over every token)
+      and "accepted" bool [n] (the kernel's keep test of it, from the integer masses alone:
+      where True the kernel returns "first" and skips the histogram path).
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
@@ -621,16 +628,40 @@ def emulate(
         merge = chunks if variant == "merge" else 0
         keep, probs, path = _top_k_keep(zt, live, t, top_k, tp, nmax, merge)
     else:
-        cluster = variant == "cluster"
+        cluster = variant in kernels.CLUSTER_VARIANTS
         keep, probs, path = _top_p_keep(zt, live, den, tp, nmax, collect=True, cluster=cluster)
     out.update(probs=probs, keep=keep, path=path)
-    # Gumbel-max over the kept tokens, ties to the lower id; pruned below FLOOR (and the bound)
-    cand = np.flatnonzero(keep)
+    out["tokens"] = _gumbel_max(zt, np.flatnonzero(keep), k0, k1, prune)
+    if variant == "reject" and not top_k and tp < 1:
+        first = _gumbel_max(zt, np.flatnonzero(live), k0, k1, prune)
+        accepted = _reject_test(zt, live, den, tp, first)
+        out.update(first=first, accepted=accepted)
+        out["tokens"] = np.where(accepted, first, out["tokens"]).astype(np.int32)
+    return out
+
+
+def _gumbel_max(zt, cand, k0, k1, prune) -> np.ndarray:
+    # Gumbel-max over tokens `cand` per key, ties to the lower id; pruned below FLOOR (and the
+    # bound) as the kernels prune
     if prune:
         cand = cand[zt[cand] >= _FLOOR]
     score = zt[cand][None, :] + gumbel(k0, k1, cand[None, :])
     if prune == "bound":
         reach = zt[cand][None, :] + gumbel_bound(_hi_words(k0, k1, cand[None, :])) >= _PRUNE_SCORE
         score = np.where(reach, score, -np.inf)
-    out["tokens"] = cand[np.argmax(score, axis=1)].astype(np.int32)
-    return out
+    return cand[np.argmax(score, axis=1)].astype(np.int32)
+
+
+def _reject_test(zt, live, den, tp, first) -> np.ndarray:
+    # the "reject" kernel's test of its first draw x, from integer masses only (no kept set):
+    # the mass ranked above x (larger key, or the same key and a higher id) < tp * total, and
+    # x has mass; the cluster kernel's zt_cut filter as in its sums
+    _, keys, q = _probs(zt, live, den)
+    q = np.where(live & (zt >= zt_cut(den)), q, 0)
+    total = np.float32(q.sum())
+    ids = np.arange(zt.shape[0])
+    kx = keys[first]
+    above = np.array(
+        [q[(keys > k) | ((keys == k) & (ids > x))].sum() for k, x in zip(kx, first)], np.int64
+    )
+    return (keys[first] > _KEY_LO) & (above.astype(np.float32) < np.float32(tp) * total)
