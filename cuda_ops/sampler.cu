@@ -1325,6 +1325,32 @@ __device__ int gather_lists(u64* list, u32 n0, const Pub* pub) {
     return (int)off;
 }
 
+// The best packed score (Gumbel-max) over the live tokens of chunk [lo, hi) whose tempered
+// logit is >= FLOOR, reduced over the block (every thread gets it; `ured`: NWARPS words).
+__device__ u64 chunk_best(const float* z, int lo, int hi, float m, float it, u32 k0, u32 k1,
+                          u64* ured) {
+    const int tid = threadIdx.x;
+    u64 best = 0ull;
+    for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        float x[4], zt[4];
+        bool cand[4], any = false;
+        load4(z, j0, hi, x);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            zt[q] = tempered(x[q], m, it);
+            cand[q] = zt[q] >= FLOOR;
+            any |= cand[q];
+        }
+        if (any) {
+            u64 sc[4];
+            scores4(zt, cand, j0, k0, k1, sc);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
+        }
+    }
+    return block_reduce<MaxU64>(best, ured);
+}
+
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NTHREADS, MIN_CTAS)
 rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__ thr,
                      const float* __restrict__ alt, const float* __restrict__ t_a,
@@ -1476,25 +1502,7 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
     __shared__ u32 s_above, s_mass;
     __shared__ u64 s_bin_best, s_above_best;
     if (tp >= 1.0f) {  // ---- 2. every live token is kept: the Gumbel-max over them
-        u64 best = 0ull;
-        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
-            float x[4], zt[4];
-            bool cand[4], any = false;
-            load4(z, j0, hi, x);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                zt[q] = tempered(x[q], m, it);
-                cand[q] = zt[q] >= FLOOR;
-                any |= cand[q];
-            }
-            if (any) {
-                u64 sc[4];
-                scores4(zt, cand, j0, k0, k1, sc);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
-            }
-        }
-        best = block_reduce<MaxU64>(best, ured);
+        const u64 best = chunk_best(z, lo, hi, m, it, k0, k1, ured);
         if (tid == 0) pub.slice_best = best;
         cluster_sync();
         if (c == 0 && tid < 32) {
@@ -1514,25 +1522,7 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
        // token the histogram path below draws with the same noise. Else that path runs.
         __shared__ u64 s_x;
         __shared__ u32 s_keep;
-        u64 best = 0ull;
-        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
-            float x[4], zt[4];
-            bool cand[4], any = false;
-            load4(z, j0, hi, x);
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                zt[q] = tempered(x[q], m, it);
-                cand[q] = zt[q] >= FLOOR;
-                any |= cand[q];
-            }
-            if (any) {
-                u64 sc[4];
-                scores4(zt, cand, j0, k0, k1, sc);
-#pragma unroll
-                for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
-            }
-        }
-        best = block_reduce<MaxU64>(best, ured);
+        const u64 best = chunk_best(z, lo, hi, m, it, k0, k1, ured);
         if (tid == 0) pub.slice_best = best;
         cluster_sync();
         if (tid < 32) {
