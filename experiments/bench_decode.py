@@ -281,6 +281,16 @@ def _max_m(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {value}")
+    return value
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-8b", choices=sorted(rconfig.PRESETS))
@@ -313,6 +323,14 @@ def main(argv=None) -> dict:
             help=f"Config.{field}: several values run {what} once per value, in the same "
             "process, on the same weights",
         )
+    ap.add_argument(
+        "--decode-unroll",
+        nargs="+",
+        type=_positive,
+        default=[rconfig.Config.decode_unroll],
+        help="Config.decode_unroll: decode steps per check of the loop's predicate; several "
+        "values run every variant once per value (labelled ' du=K' unless Config's default)",
+    )
     ap.add_argument(
         "--gemm-min-m",
         type=int,
@@ -440,12 +458,21 @@ def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
     (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
-    "default"); NVFP4 modes also once per --gemm-occupancy (labelled " occ=CHOICE" unless
+    "default") x --decode-unroll (labelled " du=K" unless Config's default); NVFP4 modes also once per --gemm-occupancy (labelled " occ=CHOICE" unless
     Config's default)."""
-    for tune, cb in [(t, c) for t in args.xla_autotune for c in args.command_buffer]:
+    runs = [
+        (t, c, u)
+        for t in args.xla_autotune
+        for c in args.command_buffer
+        for u in args.decode_unroll
+    ]
+    for tune, cb, unroll in runs:
         tag = ("" if tune == "on" else " autotune=off") + ("" if cb == "default" else f" cb={cb}")
+        tag += "" if unroll == rconfig.Config.decode_unroll else f" du={unroll}"
         if quant is None:
-            cfg = dataclasses.replace(base.cfg, xla_autotune=tune == "on", command_buffer=cb)
+            cfg = dataclasses.replace(
+                base.cfg, xla_autotune=tune == "on", command_buffer=cb, decode_unroll=unroll
+            )
             yield "bf16", "none", "bf16" + tag, dataclasses.replace(base, cfg=cfg)
             continue
         for head in args.head:
@@ -457,6 +484,7 @@ def _variants(base: Params, args, quant):
                     xla_autotune=tune == "on",
                     command_buffer=cb,
                     gemm_occupancy=occ,
+                    decode_unroll=unroll,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"

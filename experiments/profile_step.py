@@ -45,7 +45,7 @@ from rejax import bench as rbench
 from rejax import config as rconfig
 from rejax import sampling
 
-_INT_FIELDS = {"gemm_min_m", "scan_unroll"}
+_INT_FIELDS = {"gemm_min_m", "scan_unroll", "decode_unroll"}
 _BOOLS = {"on": True, "off": False, "true": True, "false": False}
 
 

@@ -237,6 +237,13 @@ class Config:
     # times. 36-layer Qwen3-8B NVFP4 at batch 1, one process: 2.583 / 2.559 / 2.517 ms/token at
     # k = 1 / 2 / 4 (experiments/results/h200_m/), so 4 is the default. The same numbers at any k.
     scan_unroll: int = 4
+    # Decode steps per check of the decode loop's predicate (rejax.decode.decode_loop): the
+    # loop's while loop is driven by the host, which copies the predicate back and waits for it
+    # once per iteration (about 40 us of GPU idle per check on the H200 at batch 1,
+    # experiments/results/h200_r/). k steps per iteration run as an inner loop of known trip
+    # count (no copy) and check once; up to k - 1 steps past the last row's stop run masked.
+    # The same tokens at any k. The largest k' <= k that divides max_new_tokens is used.
+    decode_unroll: int = 1
     attention: str = "live"
     linear_fusion: str = "split"
     kv_dtype: str = "bf16"
@@ -310,6 +317,8 @@ class Config:
             )
         if not (isinstance(self.scan_unroll, int) and self.scan_unroll >= 1):
             raise ValueError(f"scan_unroll must be an int >= 1, got {self.scan_unroll!r}")
+        if not (isinstance(self.decode_unroll, int) and self.decode_unroll >= 1):
+            raise ValueError(f"decode_unroll must be an int >= 1, got {self.decode_unroll!r}")
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
         if self.gemm_max_m is not None and not (

@@ -172,6 +172,12 @@ class DecodeState:
     temperature: jax.Array
 
 
+def _steps_per_check(unroll: int, m: int) -> int:
+    """Decode steps per check of the loop's predicate: the largest k <= `unroll` dividing M,
+    so k-step chunks never run past the M cache slots the caller allotted."""
+    return next(k for k in range(max(1, min(unroll, m)), 0, -1) if m % k == 0)
+
+
 def _decode_loop(
     params: Params,
     logits: jax.Array,
@@ -189,7 +195,10 @@ def _decode_loop(
 
     Rows stop independently when they sample a token in `stop_mask`; the loop ends when every
     row is done or M tokens were generated. Finished rows keep stepping (fixed shapes) but
-    their outputs are ignored.
+    their outputs are ignored. An iteration runs `params.cfg.decode_unroll` steps (the largest
+    count up to it that divides M) as an inner loop of known trip count, so the host reads the
+    loop's predicate once per that many steps; a row that stops inside an iteration is masked
+    from there on, as a done row always is.
 
     Args:
         params: the model.
@@ -224,22 +233,27 @@ def _decode_loop(
     )
 
     limit = m if steps is None else jnp.minimum(steps, m)
+    k = _steps_per_check(params.cfg.decode_unroll, m)
 
     def cond(s: DecodeState):
         return (s.step < limit) & ~jnp.all(s.done)
 
-    def body(s: DecodeState):
+    def one_step(s: DecodeState):
+        # With k > 1 steps per check, a step at or past `limit` changes nothing the caller reads
+        # (its token, length and done bits are masked, the step count stays); it still runs the
+        # model on a cache slot within the M the caller allotted (k divides M).
+        valid = s.step < limit
         tokens, logits, cache, sampler_state, info = _step(
             params, s.logits, s.cache, s.positions, sampler, s.sampler_state, key, s.step
         )
-        live = ~s.done
+        live = ~s.done & valid
         hit = live & stop_mask[tokens]
 
         def put(buf, col):
             return jax.lax.dynamic_update_slice(buf, col.astype(buf.dtype)[:, None], (0, s.step))
 
         return DecodeState(
-            step=s.step + 1,
+            step=s.step + valid.astype(jnp.int32),
             logits=logits,
             cache=cache,
             positions=s.positions + 1,
@@ -251,6 +265,13 @@ def _decode_loop(
             entropy=put(s.entropy, info["entropy"]),
             temperature=put(s.temperature, info["temperature"]),
         )
+
+    if k == 1:
+        body = one_step
+    else:
+
+        def body(s: DecodeState):  # k steps, a loop of known trip count: no predicate copy
+            return jax.lax.fori_loop(0, k, lambda _, c: one_step(c), s)
 
     return jax.lax.while_loop(cond, body, state)
 

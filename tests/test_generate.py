@@ -328,3 +328,69 @@ def test_xla_autotune_off_reaches_xla_and_keeps_the_tokens(params, monkeypatch):
         fresh(off, jnp.float32(1))
     with pytest.raises(TypeError, match="xla_autotune must be True or False, got 'off'"):
         Config(xla_autotune="off")
+
+
+def _unrolled(params, k):
+    return dataclasses.replace(params, cfg=dataclasses.replace(params.cfg, decode_unroll=k))
+
+
+def test_decode_unroll_keeps_tokens_stops_and_lengths(params):
+    """Config.decode_unroll runs k steps per check of the loop's predicate: the same tokens,
+    entropies, temperatures, stops and lengths as one step per check, with a row that stops
+    inside a k-step chunk, batch padding, and M that k does not divide (the largest divisor
+    up to k is taken)."""
+    sampler = ReSET(t_low=0.3, t_high=1.0, tau_0=0.5, window=4, top_p=0.9)
+    prompts = ["abc", "zz", "q"]
+    full = gen.generate(params, prompts, max_new_tokens=12, sampler=sampler, key=5, stop=[])
+    stop_tok = full.tokens[0][4]  # row 0 stops at step 4 at the latest: inside a 4-step chunk
+    want = gen.generate(params, prompts, max_new_tokens=12, sampler=sampler, key=5, stop=[stop_tok])
+    assert "stop" in want.finish_reason and "length" in want.finish_reason, want.finish_reason
+    for k in (2, 4, 5):  # 5: 12 % 5 != 0, so 4 steps per check
+        got = gen.generate(
+            _unrolled(params, k), prompts, max_new_tokens=12, sampler=sampler, key=5,
+            stop=[stop_tok],
+        )  # fmt: skip
+        assert got.tokens == want.tokens, k
+        assert got.finish_reason == want.finish_reason, k
+        for a, b in zip(got.entropy, want.entropy, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+        assert got.temperature == want.temperature, k
+    with pytest.raises(ValueError, match="decode_unroll must be an int >= 1, got 0"):
+        Config(decode_unroll=0)
+
+
+def test_decode_unroll_masks_steps_past_the_limit_and_checks_less_often(params):
+    """A `steps` limit inside a chunk: the outputs, lengths and step count stop at the limit,
+    equal to one step per check; the k-step loop is a while loop of known trip count (the
+    fori_loop) inside the predicate's loop, and `_steps_per_check` takes k's largest divisor."""
+    from rejax import decode as rdecode
+    from rejax.cache import init_cache
+
+    assert [rdecode._steps_per_check(4, m) for m in (12, 10, 9, 7, 2, 1)] == [4, 2, 3, 1, 2, 1]
+    b, t, m = 2, 5, 8
+    tokens = jnp.asarray(np.arange(b * t).reshape(b, t) % 200, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def run(p, steps):
+        cache = init_cache(p.cfg, b, t + m, jnp.float32)
+        logits, cache = rdecode.prefill(p, tokens, positions, cache)
+        smp = Temperature(0.9)
+        return rdecode.decode_loop(
+            p, logits, cache, jnp.full((b,), t, jnp.int32), smp, sampler_init(smp, b),
+            jax.random.split(jax.random.key(2), b), jnp.zeros((params.cfg.vocab_size,), bool),
+            jnp.zeros((b,), bool), max_new_tokens=m, steps=jnp.int32(steps),
+        )  # fmt: skip
+
+    for steps in (3, 8):
+        want, got = run(params, steps), run(_unrolled(params, 4), steps)
+        assert int(got.step) == int(want.step) == steps
+        np.testing.assert_array_equal(got.lengths, want.lengths)
+        np.testing.assert_array_equal(got.tokens[:, :steps], want.tokens[:, :steps])
+        np.testing.assert_array_equal(got.tokens[:, steps:], 0)
+    jaxpr = str(jax.make_jaxpr(rdecode._decode_loop, static_argnums=(9,))(
+        _unrolled(params, 4), jnp.zeros((b, params.cfg.vocab_size)),
+        init_cache(params.cfg, b, t + m, jnp.float32), jnp.full((b,), t, jnp.int32), Greedy(),
+        sampler_init(Greedy(), b), jax.random.split(jax.random.key(0), b),
+        jnp.zeros((params.cfg.vocab_size,), bool), jnp.zeros((b,), bool), m,
+    ))  # fmt: skip
+    assert "while[" in jaxpr and ("scan[" in jaxpr or jaxpr.count("while[") >= 2), jaxpr[:400]
