@@ -341,11 +341,12 @@ def test_decode_unroll_keeps_tokens_stops_and_lengths(params):
     up to k is taken)."""
     sampler = ReSET(t_low=0.3, t_high=1.0, tau_0=0.5, window=4, top_p=0.9)
     prompts = ["abc", "zz", "q"]
-    full = gen.generate(params, prompts, max_new_tokens=12, sampler=sampler, key=5, stop=[])
+    one = _unrolled(params, 1)
+    full = gen.generate(one, prompts, max_new_tokens=12, sampler=sampler, key=5, stop=[])
     stop_tok = full.tokens[0][4]  # row 0 stops at step 4 at the latest: inside a 4-step chunk
-    want = gen.generate(params, prompts, max_new_tokens=12, sampler=sampler, key=5, stop=[stop_tok])
+    want = gen.generate(one, prompts, max_new_tokens=12, sampler=sampler, key=5, stop=[stop_tok])
     assert "stop" in want.finish_reason and "length" in want.finish_reason, want.finish_reason
-    for k in (2, 4, 5):  # 5: 12 % 5 != 0, so 4 steps per check
+    for k in (2, 4, 5, Config.decode_unroll):  # 5: 12 % 5 != 0, so 4 steps per check
         got = gen.generate(
             _unrolled(params, k), prompts, max_new_tokens=12, sampler=sampler, key=5,
             stop=[stop_tok],
@@ -382,7 +383,7 @@ def test_decode_unroll_masks_steps_past_the_limit_and_checks_less_often(params):
         )  # fmt: skip
 
     for steps in (3, 8):
-        want, got = run(params, steps), run(_unrolled(params, 4), steps)
+        want, got = run(_unrolled(params, 1), steps), run(_unrolled(params, 4), steps)
         assert int(got.step) == int(want.step) == steps
         np.testing.assert_array_equal(got.lengths, want.lengths)
         np.testing.assert_array_equal(got.tokens[:, :steps], want.tokens[:, :steps])
