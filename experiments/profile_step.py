@@ -40,6 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_decode as bd
+import trace_timeline
 
 from rejax import bench as rbench
 from rejax import config as rconfig
@@ -115,12 +116,7 @@ def load_trace(log_dir: str) -> dict:
 def kernel_events(trace: dict) -> list[dict]:
     """Complete events on GPU stream threads (the CUPTI kernel records)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    pname, tname = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            pname[e["pid"]] = str(e.get("args", {}).get("name", ""))
-        if e.get("ph") == "M" and e.get("name") == "thread_name":
-            tname[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    pname, tname = trace_timeline.names(events)
     out = []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:

@@ -22,18 +22,24 @@ import gzip
 import json
 
 
-def load(path: str) -> tuple[list[dict], list[dict]]:
-    """(host events of the Python thread, GPU events), each sorted by start time."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+def names(events: list[dict]) -> tuple[dict, dict]:
+    """The trace's process names {pid: name} and thread names {(pid, tid): name}."""
     pname, tname = {}, {}
     for e in events:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             pname[e["pid"]] = str(e.get("args", {}).get("name", ""))
         if e.get("ph") == "M" and e.get("name") == "thread_name":
             tname[(e["pid"], e.get("tid"))] = str(e.get("args", {}).get("name", ""))
+    return pname, tname
+
+
+def load(path: str) -> tuple[list[dict], list[dict]]:
+    """(host events of the Python thread, GPU events), each sorted by start time."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    pname, tname = names(events)
     host, gpu = [], []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
