@@ -15,6 +15,9 @@ The Perfetto trace is read back and summarised per decode step:
         --variant nvfp4:1 --variant nvfp4:8 --variant nvfp4:8:gemm_min_m=8 --variant bf16:8
     PYTHONPATH=. python3 experiments/profile_step.py --tiny --out OUT.json   # CPU smoke
 
+`--trace-dir DIR` keeps each variant's trace; `experiments/trace_timeline.py` reads one back
+with the host's side (graph launches and updates, the loop's predicate copies) beside the GPU's.
+
 A variant is QUANT:BATCH[:FIELD=VALUE...] with Config fields (linear_fusion, attention,
 gemm_min_m, kv_dtype, layer_loop). On CPU the trace holds no device kernels; the smoke run only
 checks that the pipeline works.
