@@ -458,8 +458,8 @@ def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
     (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
-    "default") x --decode-unroll (labelled " du=K" unless Config's default); NVFP4 modes also once per --gemm-occupancy (labelled " occ=CHOICE" unless
-    Config's default)."""
+    "default") x --decode-unroll (labelled " du=K" unless Config's default); NVFP4 modes also
+    once per --gemm-occupancy (labelled " occ=CHOICE" unless Config's default)."""
     runs = [
         (t, c, u)
         for t in args.xla_autotune
