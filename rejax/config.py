@@ -242,8 +242,8 @@ class Config:
     # and waits, so the GPU drains and then idles while the host launches the next iteration's
     # graphs. k steps per iteration run as an inner loop of known trip count (no copy) and
     # check once. 36-layer Qwen3-8B NVFP4, batch 1, kernel timeline: 99 against 238 us of GPU
-    # idle per step for k = 8 / 1; timed without the profiler in one process, k = 8 was never
-    # slower (greedy -21 .. +3 us a step, Temperature + top-p -103 .. -2, batch 64 ReSET -46;
+    # idle per step for k = 8 / 1; timed without the profiler in one process, k = 8 was at most
+    # 3 us slower (greedy -21 .. +3 us a step, Temperature + top-p -103 .. -2, batch 64 ReSET -46;
     # experiments/results/h200_s/). Up to k - 1 steps past the last row's stop run masked (their
     # tokens are dropped): a batch that ends on stop tokens pays (k - 1) / 2 steps on average, a
     # cost that only short generations notice (0.35% of a 1000-step loop at k = 8). The same
