@@ -303,9 +303,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
     ap.add_argument(
         "--scan-unroll",
-        type=int,
-        default=rconfig.Config.scan_unroll,
-        help="Config.scan_unroll: layer bodies per iteration of the NVFP4 layer scan",
+        nargs="+",
+        type=_positive,
+        default=[rconfig.Config.scan_unroll],
+        help="Config.scan_unroll: layer bodies per iteration of the NVFP4 layer scan; several "
+        "values run every variant once per value (labelled ' su=K' unless Config's default)",
     )
     for field, choices in CHOICE_FIELDS.items():  # the decode-kernel choices of Config
         ap.add_argument(
@@ -396,7 +398,7 @@ def main(argv=None) -> dict:
     cfg = dataclasses.replace(
         cfg,
         layer_loop=args.layer_loop,
-        scan_unroll=args.scan_unroll,
+        scan_unroll=args.scan_unroll[0],
         **{field: getattr(args, field) for field in CHOICE_FIELDS},
         gemm_occupancy=args.gemm_occupancy[0],
         gemm_min_m=args.gemm_min_m,
@@ -458,20 +460,24 @@ def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
     (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
-    "default") x --decode-unroll (labelled " du=K" unless Config's default); NVFP4 modes also
-    once per --gemm-occupancy (labelled " occ=CHOICE" unless Config's default)."""
+    "default") x --decode-unroll x --scan-unroll (labelled " du=K" / " su=K" unless Config's
+    default); NVFP4 modes also once per --gemm-occupancy (labelled " occ=CHOICE" unless
+    Config's default)."""
     runs = [
-        (t, c, u)
+        (t, c, u, k)
         for t in args.xla_autotune
         for c in args.command_buffer
         for u in args.decode_unroll
+        for k in args.scan_unroll
     ]
-    for tune, cb, unroll in runs:
+    for tune, cb, unroll, scan in runs:
         tag = ("" if tune == "on" else " autotune=off") + ("" if cb == "default" else f" cb={cb}")
         tag += "" if unroll == rconfig.Config.decode_unroll else f" du={unroll}"
+        tag += "" if scan == rconfig.Config.scan_unroll else f" su={scan}"
+        loop = {"decode_unroll": unroll, "scan_unroll": scan}
         if quant is None:
             cfg = dataclasses.replace(
-                base.cfg, xla_autotune=tune == "on", command_buffer=cb, decode_unroll=unroll
+                base.cfg, xla_autotune=tune == "on", command_buffer=cb, **loop
             )
             yield "bf16", "none", "bf16" + tag, dataclasses.replace(base, cfg=cfg)
             continue
@@ -484,7 +490,7 @@ def _variants(base: Params, args, quant):
                     xla_autotune=tune == "on",
                     command_buffer=cb,
                     gemm_occupancy=occ,
-                    decode_unroll=unroll,
+                    **loop,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"

@@ -17,6 +17,8 @@ def _args(**kw):
         "head": ["bf16"],
         "weight_prefetch": ["none"],
         "gemm_occupancy": [rconfig.Config.gemm_occupancy],
+        "decode_unroll": [rconfig.Config.decode_unroll],
+        "scan_unroll": [rconfig.Config.scan_unroll],
     }
     return argparse.Namespace(**{**base, **kw})
 
@@ -42,8 +44,31 @@ def test_variants_cross_command_buffers_and_gemm_occupancies(base):
     assert bf16 == [("bf16", "default"), ("bf16 cb=while", "while")]
 
 
+def test_variants_cross_decode_and_scan_unrolls(base):
+    """--decode-unroll and --scan-unroll: one variant per value (labelled unless Config's
+    default), for bf16 and NVFP4 alike, on the same weights."""
+    du, su = rconfig.Config.decode_unroll, rconfig.Config.scan_unroll
+    args = _args(decode_unroll=[du, 1], scan_unroll=[su, 9])
+    got = [(label, p.cfg.decode_unroll, p.cfg.scan_unroll) for _, _, label, p in
+           bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [
+        ("head=bf16 prefetch=none", du, su),
+        ("head=bf16 prefetch=none su=9", du, 9),
+        ("head=bf16 prefetch=none du=1", 1, su),
+        ("head=bf16 prefetch=none du=1 su=9", 1, 9),
+    ]
+    assert all(p.weights is base.weights for *_, p in bd._variants(base, args, "nvfp4"))
+    bf16 = [label for _, _, label, _ in bd._variants(base, args, None)]
+    assert bf16 == ["bf16", "bf16 su=9", "bf16 du=1", "bf16 du=1 su=9"]
+
+
 def test_bad_choices_are_refused_before_any_work(tmp_path):
-    for flag, value in (("--gemm-occupancy", "full"), ("--command-buffer", "graph")):
+    for flag, value in (
+        ("--gemm-occupancy", "full"),
+        ("--command-buffer", "graph"),
+        ("--decode-unroll", "0"),
+        ("--scan-unroll", "x"),
+    ):
         with pytest.raises(SystemExit):
             bd.main(["--tiny", flag, value, "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
