@@ -388,10 +388,16 @@ def test_decode_unroll_masks_steps_past_the_limit_and_checks_less_often(params):
         np.testing.assert_array_equal(got.lengths, want.lengths)
         np.testing.assert_array_equal(got.tokens[:, :steps], want.tokens[:, :steps])
         np.testing.assert_array_equal(got.tokens[:, steps:], 0)
-    jaxpr = str(jax.make_jaxpr(rdecode._decode_loop, static_argnums=(9,))(
-        _unrolled(params, 4), jnp.zeros((b, params.cfg.vocab_size)),
-        init_cache(params.cfg, b, t + m, jnp.float32), jnp.full((b,), t, jnp.int32), Greedy(),
-        sampler_init(Greedy(), b), jax.random.split(jax.random.key(0), b),
-        jnp.zeros((params.cfg.vocab_size,), bool), jnp.zeros((b,), bool), m,
-    ))  # fmt: skip
-    assert "while[" in jaxpr and ("scan[" in jaxpr or jaxpr.count("while[") >= 2), jaxpr[:400]
+
+    def loops(k):  # while and scan loops in the decode loop's program at k steps per check
+        jaxpr = str(jax.make_jaxpr(rdecode._decode_loop, static_argnums=(9,))(
+            _unrolled(params, k), jnp.zeros((b, params.cfg.vocab_size)),
+            init_cache(params.cfg, b, t + m, jnp.float32), jnp.full((b,), t, jnp.int32),
+            Greedy(), sampler_init(Greedy(), b), jax.random.split(jax.random.key(0), b),
+            jnp.zeros((params.cfg.vocab_size,), bool), jnp.zeros((b,), bool), m,
+        ))  # fmt: skip
+        return jaxpr.count("while["), jaxpr.count("scan[")
+
+    # k > 1 adds one loop of static length (fori_loop: a scan) inside the predicate's loop
+    (w1, s1), (w4, s4) = loops(1), loops(4)
+    assert w1 >= 1 and (w4, s4) == (w1, s1 + 1), ((w1, s1), (w4, s4))
