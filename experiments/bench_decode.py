@@ -74,6 +74,13 @@ MULTI_FIELDS = (
 )
 
 
+# The loop's int Config fields that take several values: (field, label tag, what it sets)
+LOOP_FIELDS = (
+    ("scan_unroll", "su", "layer bodies per iteration of the NVFP4 layer scan"),
+    ("decode_unroll", "du", "decode steps per check of the decode loop's predicate"),
+)
+
+
 def random_params(cfg: rconfig.Config, seed: int = 0) -> Params:
     """Random bf16 or NVFP4 weights built on the device (`rejax.params.random_params`); W4A4
     linears get static, calibrated-style activation scales."""
@@ -301,14 +308,6 @@ def main(argv=None) -> dict:
     )
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--layer-loop", default="auto", choices=["auto", "scan", "unroll"])
-    ap.add_argument(
-        "--scan-unroll",
-        nargs="+",
-        type=_positive,
-        default=[rconfig.Config.scan_unroll],
-        help="Config.scan_unroll: layer bodies per iteration of the NVFP4 layer scan; several "
-        "values run every variant once per value (labelled ' su=K' unless Config's default)",
-    )
     for field, choices in CHOICE_FIELDS.items():  # the decode-kernel choices of Config
         ap.add_argument(
             "--" + field.replace("_", "-"),
@@ -325,14 +324,15 @@ def main(argv=None) -> dict:
             help=f"Config.{field}: several values run {what} once per value, in the same "
             "process, on the same weights",
         )
-    ap.add_argument(
-        "--decode-unroll",
-        nargs="+",
-        type=_positive,
-        default=[rconfig.Config.decode_unroll],
-        help="Config.decode_unroll: decode steps per check of the loop's predicate; several "
-        "values run every variant once per value (labelled ' du=K' unless Config's default)",
-    )
+    for field, tag, what in LOOP_FIELDS:  # several values: every variant once per value
+        ap.add_argument(
+            "--" + field.replace("_", "-"),
+            nargs="+",
+            type=_positive,
+            default=[getattr(rconfig.Config, field)],
+            help=f"Config.{field}: {what}; several values run every variant once per value "
+            f"(labelled ' {tag}=K' unless Config's default)",
+        )
     ap.add_argument(
         "--gemm-min-m",
         type=int,
