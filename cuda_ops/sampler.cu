@@ -43,6 +43,9 @@ typedef unsigned long long u64;
 #ifndef TOPK_MERGE  // the "merge" variant's top-k (per-block candidate lists)
 #define TOPK_MERGE 0
 #endif
+#ifndef GRIDSYNC  // the "grid" variant: one launch, a grid of CTAs per row (end of this file)
+#define GRIDSYNC 0
+#endif
 #ifndef REJECT  // the "reject" variant: the cluster kernel with a first draw over every token
 #define REJECT 0
 #endif
@@ -258,7 +261,8 @@ __device__ void find_boundary(const u32* hm, const u32* hc, u32 base, float limi
 
 // ----------------------------------------------------------------------------- 1: statistics
 
-#if !CLUSTER  // the split variant's kernels and scratch (the cluster kernel is at the end)
+#if !CLUSTER && !GRIDSYNC  // the split variant's kernels and scratch (the one-launch kernels
+                           // are at the end)
 __device__ u32 g_stats_done[B_ROWS];
 __device__ float g_stats_part[B_ROWS * CHUNKS * 5];
 __device__ int g_stats_arg[B_ROWS * CHUNKS * 2];
@@ -370,7 +374,7 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
 
 // ----------------------------------------------------------------------------- 2: histogram
 
-#if !CLUSTER
+#if !CLUSTER && !GRIDSYNC
 __device__ u32 g_hist_done[B_ROWS];
 __device__ u32 g_hist_mass[B_ROWS * NB];
 __device__ u32 g_hist_cnt[B_ROWS * NB];
@@ -398,7 +402,7 @@ __device__ __forceinline__ int topk_bin(float zt, float t) {
 // in this kernel because each custom call loads its own copy of the module, so resolve would
 // see other g_cand globals.) A chunk with more than CAND candidates (ties), or more than NMAX
 // of them in all, sends the row down the split path (mode 2).
-#if TOP_K > 0 && TOPK_MERGE && !CLUSTER
+#if TOP_K > 0 && TOPK_MERGE && !CLUSTER && !GRIDSYNC
 #define CAND 64
 static_assert(TOP_K <= CAND / 2 && NMAX <= NB, "merge: k <= 32, and the list fits hb");
 __device__ u32 g_cand_over[B_ROWS];
@@ -440,7 +444,7 @@ __device__ void topk_boundary(const u32* hc, u32* red, int* ired, int* b_out, u3
 }
 #endif
 
-#if !CLUSTER
+#if !CLUSTER && !GRIDSYNC
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ stats,
                   const int* __restrict__ arg, const float* __restrict__ top_p,
@@ -684,7 +688,7 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
 
 // ----------------------------------------------------------------------------- 3: resolve
 
-#if !CLUSTER
+#if !CLUSTER && !GRIDSYNC
 __device__ u32 g_res_done[B_ROWS];
 __device__ u32 g_res_n[B_ROWS];
 __device__ u64 g_res_list[B_ROWS * NMAX];
@@ -1081,7 +1085,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
 }
 #endif
 
-#if !CLUSTER
+#if !CLUSTER && !GRIDSYNC
 extern "C" __global__ void __launch_bounds__(NTHREADS)
 rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__ stats,
                      const int* __restrict__ arg, const float* __restrict__ top_p,
@@ -1167,7 +1171,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
 }
 #endif  // !CLUSTER
 
-#if CLUSTER > 0
+#if CLUSTER > 0 || GRIDSYNC
 // ============================================================================= cluster variant
 //
 // rejax_sample_cluster computes what the three kernels above compute, in one launch: a
@@ -1198,6 +1202,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
 // the expf of tokens too far below to have mass (zt < zt_cut), and the logarithms of the noise
 // unless gumbel_bound, from the Philox word alone, lets the token reach PRUNE_SCORE.
 
+#if CLUSTER > 0
 #define SLICE (NB / CLUSTER)  // bins of the combined histogram that each CTA owns
 static_assert(NB % CLUSTER == 0 && CLUSTER <= 8, "a portable cluster holds at most 8 CTAs");
 static_assert(SLICE <= NTHREADS && NMAX <= NB, "one bin per thread; the list reuses hb");
@@ -1226,6 +1231,7 @@ __device__ __forceinline__ u64 ld_peer64(const void* p, int rank) {
 __device__ __forceinline__ float ld_peerf(const void* p, int rank) {
     return __uint_as_float(ld_peer32(p, rank));
 }
+#endif  // CLUSTER > 0
 
 
 // The packed scores of tokens j0 + q (j0 % 4 == 0) where cand[q], 0 where a token cannot win: one
@@ -1293,6 +1299,7 @@ __device__ int warp_topk_draw(const u64* list, int n, float tp, const float* z, 
 }
 #endif
 
+#if CLUSTER > 0
 // What a CTA publishes for the others to read (through DSMEM, after a cluster barrier).
 struct Pub {
     float st[5];     // the chunk's max, s, u, sa, sb (rejax_sample_stats' partials)
@@ -1324,6 +1331,7 @@ __device__ int gather_lists(u64* list, u32 n0, const Pub* pub) {
     __syncthreads();
     return (int)off;
 }
+#endif  // CLUSTER > 0
 
 // The best packed score (Gumbel-max) over the live tokens of chunk [lo, hi) whose tempered
 // logit is >= FLOOR, reduced over the block (every thread gets it; `ured`: NWARPS words).
@@ -1351,6 +1359,7 @@ __device__ u64 chunk_best(const float* z, int lo, int hi, float m, float it, u32
     return block_reduce<MaxU64>(best, ured);
 }
 
+#if CLUSTER > 0
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NTHREADS, MIN_CTAS)
 rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__ thr,
                      const float* __restrict__ alt, const float* __restrict__ t_a,
@@ -1836,4 +1845,293 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
 #endif
     if (tid == 0) tokens[r] = token;
 }
-#endif  // CLUSTER
+#endif  // CLUSTER > 0
+#if GRIDSYNC
+// ============================================================================= grid variant
+//
+// rejax_sample_grid: the "reject" variant's sampler (top-p without top-k) in one launch over a
+// grid of GRID CTAs per row (grid GRID x B; CTA c owns chunk c of the row), so a batch of one row
+// runs on every SM instead of one cluster of 8. The CTAs of a row meet at grid barriers: each
+// publishes its partials in global scratch, arrives on the row's counter and waits until every
+// CTA of the row has arrived; then each CTA reads all GRID partials and combines them the same
+// way (a fixed reduction tree), so all of them hold the same row statistics and verdicts. The
+// plan keeps B x GRID CTAs resident at once (launch bounds NTHREADS x MIN_CTAS), which a barrier
+// among co-running CTAs needs; the last CTA of a row to leave clears the row's counters.
+//
+//   1. the chunk's statistics as the cluster kernel computes them (a max sweep, a sums sweep),
+//      combined after barrier 1: max, first / last argmax, entropy, temperature, denominator.
+//   2. the Gumbel-max x over every live token (chunk_best: the cluster kernel's noise and
+//      pruning), combined after barrier 2. top-p = 1 ends here.
+//   3. x's keep test from integer masses (order-free sums, so every CTA gets the same verdict):
+//      the mass ranked above x against top_p x the total, after barrier 3. Kept: x is the
+//      Gumbel-max over the kept tokens, the token every variant draws.
+//   4. rejected: the kept tokens are a prefix of the rank order that ends above x, so the draw
+//      is the best score among the tokens ranked above x; that token x' is tested as in 3, and
+//      so on. Each round climbs the rank order and the top-ranked token is always kept (when
+//      top_p x total > 0; else the row's top token, as the other variants), so it ends.
+// Every CTA of a row takes the same branches (they read the same combined values), so all pass
+// the same barriers.
+
+static_assert(GRID >= 1 && GRID <= NTHREADS, "one partial per thread in the combines");
+
+__device__ float g_gst[B_ROWS * GRID * 5];  // per CTA: max, s, u, sa, sb
+__device__ int g_garg[B_ROWS * GRID * 2];   // per CTA: first / last argmax
+__device__ u64 g_gbest[B_ROWS * GRID];      // per CTA: best packed score of the round
+__device__ u32 g_gmass[B_ROWS * GRID * 2];  // per CTA: mass, and the part ranked above x
+__device__ u32 g_gbar[B_ROWS];              // arrivals at the row's barriers (GRID per round)
+__device__ u32 g_gexit[B_ROWS];             // CTAs of the row that have left
+
+__device__ __forceinline__ u32 ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The row's barrier `round` (1, 2, ...): every write of this CTA before it is visible to every
+// CTA of the row after it.
+__device__ __forceinline__ void grid_barrier(u32* bar, u32 round) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(bar, 1u);
+        const u32 target = round * (u32)GRID;
+        while (ld_acquire(bar) < target) __nanosleep(20);
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The best packed score over the tokens of chunk [lo, hi) ranked above (kx, xid) (a larger
+// probability key, or the same key and a higher id) whose tempered logit is >= FLOOR, with
+// chunk_best's noise and pruning; reduced over the block.
+__device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float it, float iden,
+                                u32 kx, int xid, u32 k0, u32 k1, u64* ured) {
+    const int tid = threadIdx.x;
+    u64 best = 0ull;
+    for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        float x[4], zt[4];
+        bool cand[4], any = false;
+        load4(z, j0, hi, x);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            zt[q] = tempered(x[q], m, it);
+            cand[q] = false;
+            if (zt[q] >= FLOOR) {
+                const u32 key = prob_key(zt[q], iden);
+                cand[q] = key > kx || (key == kx && j0 + q > xid);
+            }
+            any |= cand[q];
+        }
+        if (any) {
+            u64 sc[4];
+            scores4(zt, cand, j0, k0, k1, sc);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
+        }
+    }
+    return block_reduce<MaxU64>(best, ured);
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
+rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ thr,
+                  const float* __restrict__ alt, const float* __restrict__ t_a,
+                  const float* __restrict__ t_b, const float* __restrict__ top_p,
+                  const u32* __restrict__ keys, int* __restrict__ tokens,
+                  float* __restrict__ entropy, float* __restrict__ temperature) {
+    __shared__ u32 red[NWARPS];
+    __shared__ int ired[NWARPS];
+    __shared__ u64 ured[NWARPS];
+    __shared__ float fred[NWARPS];
+    __shared__ float rowf[3];  // the row's max, temperature, denominator
+    __shared__ int rowi[2];    // the row's first / last argmax
+    const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
+    const float* z = logits + (size_t)r * V_SIZE;
+    const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
+    float* const gst = g_gst + (size_t)r * GRID * 5;
+    int* const garg = g_garg + (size_t)r * GRID * 2;
+    u64* const gbest = g_gbest + (size_t)r * GRID;
+    u32* const gmass = g_gmass + (size_t)r * GRID * 2;
+    u32* const bar = g_gbar + r;
+    u32 round = 0;
+
+    // ---- 1. the chunk's statistics, combined in every CTA
+    const float ta_raw = t_a[r], tb_raw = t_b[r];
+    const float ia = 1.0f / (ta_raw <= GREEDY_EPS ? 1.0f : ta_raw);
+    const float ib = 1.0f / (tb_raw <= GREEDY_EPS ? 1.0f : tb_raw);
+    {
+        float m = -INFINITY;
+        int first = INT_BIG, last = -1;
+        for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+            float x[4];
+            load4(z, j0, hi, x);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                if (x[q] > m) {
+                    m = x[q];
+                    first = j0 + q;
+                    last = j0 + q;
+                } else if (x[q] == m && j0 + q < hi) {
+                    first = min(first, j0 + q);
+                    last = j0 + q;
+                }
+            }
+        }
+        const float mc = block_reduce<MaxF>(m, fred);
+        first = block_reduce<MinI>(m == mc ? first : INT_BIG, ired);
+        last = block_reduce<MaxI>(m == mc ? last : -1, ired);
+        float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
+        const bool two = ib != ia;  // Temperature: one tempered sum
+        if (mc > -INFINITY) {
+            for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+                float x[4];
+                load4(z, j0, hi, x);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float d = x[q] - mc;
+                    const float e = expf(d);
+                    s += e;
+                    if (e > 0.0f) u += e * d;
+                    sa += expf(d * ia);
+                    if (two) sb += expf(d * ib);
+                }
+            }
+        }
+        s = block_reduce<Sum>(s, fred);
+        u = block_reduce<Sum>(u, fred);
+        sa = block_reduce<Sum>(sa, fred);
+        sb = two ? block_reduce<Sum>(sb, fred) : sa;
+        if (tid == 0) {
+            gst[c * 5 + 0] = mc;
+            gst[c * 5 + 1] = s;
+            gst[c * 5 + 2] = u;
+            gst[c * 5 + 3] = sa;
+            gst[c * 5 + 4] = sb;
+            garg[c * 2 + 0] = first;
+            garg[c * 2 + 1] = last;
+        }
+    }
+    grid_barrier(bar, ++round);
+    {  // the cluster kernel's combine over GRID partials, one per thread (a block tree)
+        float mi = -INFINITY, si = 0.0f, ui = 0.0f, sai = 0.0f, sbi = 0.0f;
+        int fi = INT_BIG, li = -1;
+        for (int q = tid; q < GRID; q += NTHREADS) {  // GRID <= NTHREADS (the plan's)
+            mi = __ldcg(gst + q * 5 + 0);
+            si = __ldcg(gst + q * 5 + 1);
+            ui = __ldcg(gst + q * 5 + 2);
+            sai = __ldcg(gst + q * 5 + 3);
+            sbi = __ldcg(gst + q * 5 + 4);
+            fi = __ldcg(garg + q * 2 + 0);
+            li = __ldcg(garg + q * 2 + 1);
+        }
+        const float mw = block_reduce<MaxF>(mi, fred);
+        float S = 0.0f, U = 0.0f, SA = 0.0f, SB = 0.0f;
+        int f = INT_BIG, l = -1;
+        if (tid < GRID) {
+            if (mi == mw) {
+                f = fi;
+                l = li;
+            }
+            if (si > 0.0f) {
+                const float dm = mi - mw, w = expf(dm);
+                S = si * w;
+                U = w * (ui + si * dm);
+                SA = sai * expf(dm * ia);
+                SB = sbi * expf(dm * ib);
+            }
+        }
+        S = block_reduce<Sum>(S, fred);
+        U = block_reduce<Sum>(U, fred);
+        SA = block_reduce<Sum>(SA, fred);
+        SB = block_reduce<Sum>(SB, fred);
+        f = block_reduce<MinI>(f, ired);
+        l = block_reduce<MaxI>(l, ired);
+        if (tid == 0) {
+            const float h = logf(S) - U / S;
+            const bool high = (h >= thr[r]) || (h > alt[r]);
+            rowf[0] = mw;
+            rowf[1] = high ? ta_raw : tb_raw;
+            rowf[2] = high ? SA : SB;
+            rowi[0] = f == INT_BIG ? 0 : f;
+            rowi[1] = l < 0 ? 0 : l;
+            if (c == 0) {
+                entropy[r] = h;
+                temperature[r] = rowf[1];
+            }
+        }
+        __syncthreads();
+    }
+    const float m = rowf[0], t = rowf[1], den = rowf[2];
+    if (t <= GREEDY_EPS) {  // greedy row: the first argmax of the raw logits
+        if (c == 0 && tid == 0) tokens[r] = rowi[0];
+    } else {
+        const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
+        const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+        // ---- 2. the Gumbel-max over every live token
+        u64 best = chunk_best(z, lo, hi, m, it, k0, k1, ured);
+        for (;;) {
+            if (tid == 0) gbest[c] = best;
+            grid_barrier(bar, ++round);
+            u64 xb = 0ull;
+            for (int q = tid; q < GRID; q += NTHREADS) xb = __ldcg(gbest + q);
+            xb = block_reduce<MaxU64>(xb, ured);
+            if (tp >= 1.0f) {  // every live token is kept
+                if (c == 0 && tid == 0) tokens[r] = unpack_id(xb);
+                break;
+            }
+            // ---- 3. x's keep test (the cluster kernel's REJECT sums: positive-mass tokens)
+            const float zt_cut = logf(den) - 21.487563f - 0.01f;  // log(den 2**-31) - 0.01
+            const int xid = xb ? unpack_id(xb) : -1;
+            const u32 kx = xb ? prob_key(tempered(z[xid], m, it), iden) : 0u;
+            u32 mass = 0u, above = 0u;
+            for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+                float x[4];
+                load4(z, j0, hi, x);
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float zt = tempered(x[q], m, it);
+                    if (zt >= zt_cut) {  // NaN and masked logits fail this too
+                        const u32 key = prob_key(zt, iden);
+                        const u32 w = key > KEY_LO ? mass_of_key(key) : 0u;
+                        mass += w;
+                        if (key > kx || (key == kx && j0 + q > xid)) above += w;
+                    }
+                }
+            }
+            mass = block_reduce<SumU>(mass, red);
+            above = block_reduce<SumU>(above, red);
+            if (tid == 0) {
+                gmass[c * 2 + 0] = mass;
+                gmass[c * 2 + 1] = above;
+            }
+            grid_barrier(bar, ++round);
+            u32 mq = 0u, aq = 0u;
+            for (int q = tid; q < GRID; q += NTHREADS) {
+                mq = __ldcg(gmass + q * 2 + 0);
+                aq = __ldcg(gmass + q * 2 + 1);
+            }
+            const u32 total = block_reduce<SumU>(mq, red);  // integers: order-free, exact
+            const u32 ab = block_reduce<SumU>(aq, red);
+            const float limit = tp * (float)total;
+            if (xb && kx > KEY_LO && (float)ab < limit) {
+                if (c == 0 && tid == 0) tokens[r] = xid;
+                break;
+            }
+            if (!(limit > 0.0f) || !xb) {  // nothing is kept (top_p <= 0 or NaN): the top token
+                if (c == 0 && tid == 0) tokens[r] = rowi[1];
+                break;
+            }
+            // ---- 4. rejected: the best score among the tokens ranked above x
+            best = chunk_best_above(z, lo, hi, m, it, iden, kx, xid, k0, k1, ured);
+        }
+    }
+    // the last CTA of the row to leave clears its counters for the next launch (every CTA has
+    // passed its last barrier before it counts itself out)
+    __syncthreads();
+    if (tid == 0 && atomicAdd(g_gexit + r, 1u) == (u32)(GRID - 1)) {
+        g_gbar[r] = 0u;
+        g_gexit[r] = 0u;
+        __threadfence();
+    }
+}
+#endif  // GRIDSYNC
+#endif  // CLUSTER > 0 || GRIDSYNC

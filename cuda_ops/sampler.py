@@ -11,12 +11,18 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   histogram of sub-bins instead of a block-wide sort, and the histogram skips the noise of
   tokens that cannot win (the cluster kernel's bound; `TOPP_SUBHIST`); its statistics sum
   one tempered softmax when both temperatures are equal. The same tokens as "split".
-  (`rejax.ops.sampler`'s default, "auto", takes "merge" or "split" by batch rows and top-k.)
+  (`rejax.ops.sampler`'s default, "auto", takes "grid" for top-p alone, and "merge" or
+  "split" by batch rows for top-k.)
 - "cluster": one kernel, a thread-block cluster of `CLUSTER` CTAs per row that combine through
   distributed shared memory between cluster barriers (sampler.cu's last section).
 - "reject": the cluster kernel that first draws over every token with the same noise and keeps
   that draw when the top-p keep rule keeps it (then it is the Gumbel-max over the kept tokens,
   the token every variant draws); only a rejected draw runs the histogram path (`REJECT`).
+- "grid": "reject"'s first draw and keep test in one launch over a grid of `GRID` CTAs per row
+  (up to `GRID_THREADS`; all of them resident, `grid_plan`) that meet at barriers in global
+  scratch, so one row runs on every SM; a rejected draw is followed by the best score among
+  the tokens ranked above it, tested again, until one is kept (`GRIDSYNC`). Top-p without
+  top-k only: with top-k it runs "merge"'s kernels.
 
 Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """
@@ -39,6 +45,7 @@ __all__ = [
     "CLUSTER_ENTRIES",
     "CLUSTER_VARIANTS",
     "ENTRIES",
+    "GRID_ENTRIES",
     "MAX_BATCH",
     "MAX_VOCAB",
     "NMAX",
@@ -59,7 +66,9 @@ ENTRIES = {
 # the cluster variant's one kernel: logits, thr, alt, t_a, t_b, top_p, keys -> tokens [B],
 # entropy [B], temperature [B]
 CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
-VARIANTS = ("split", "cluster", "merge", "reject")
+# the grid variant's one kernel: the same operands and results as the cluster kernel
+GRID_ENTRIES = {"rejax_sample_grid": (7, 3)}
+VARIANTS = ("split", "cluster", "merge", "reject", "grid")
 CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
 CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
@@ -75,13 +84,21 @@ NB = 2048  # histogram bins (sampler.cu); NB / THREADS bins per thread
 NMAX = 2048  # the boundary bin is collected and sorted when it holds <= NMAX tokens
 MAX_BATCH = 1024  # module-global scratch is sized by the batch: 16 KiB + 16 B * NMAX per row
 MAX_VOCAB = 1 << 24
+# The grid kernel: GRID_THREADS threads and at most 64 registers a thread (launch bounds), so
+# GRID_CTAS_PER_SM CTAs fit an SM; a row's CTAs wait for each other at barriers, so the plan keeps
+# every CTA of the launch resident whenever a row has more than one (B x GRID <= SMS x that).
+GRID_THREADS = 256
+GRID_CTAS_PER_SM = 4
 RESIDENT_BLOCKS = 528  # 132 SMs x 4 blocks of 512 threads (the H200); the grid targets one wave
 MAX_CHUNKS = 128
 
 
-def entries(variant: str = "split") -> dict:
-    """The variant's kernel entries: name -> (number of operands, number of results)."""
+def entries(variant: str = "split", top_k: int = 0) -> dict:
+    """The variant's kernel entries: name -> (number of operands, number of results) ("grid"
+    with top-k: "merge"'s)."""
     _check_variant(variant)
+    if variant == "grid":
+        return GRID_ENTRIES if top_k == 0 else ENTRIES
     return CLUSTER_ENTRIES if variant in CLUSTER_VARIANTS else ENTRIES
 
 
@@ -133,6 +150,8 @@ class Plan:
             d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
         if self.variant == "reject" and self.top_k == 0:
             d |= {"REJECT": 1}
+        if self.variant == "grid":
+            d |= {"GRIDSYNC": 1, "GRID": self.chunks, "MIN_CTAS": GRID_CTAS_PER_SM}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
             d |= {"TOPK_MERGE": 1}
         elif self.variant == "merge" and self.top_k == 0:
@@ -153,8 +172,15 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan
     """ "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
     per row.
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
-    CLUSTER)."""
+    CLUSTER).
+    "grid": `grid_plan`'s chunks per row (with top-k: "merge"'s plan)."""
     _check_variant(variant)
+    if variant == "grid":
+        if top_k:
+            return plan(batch, vocab, top_k, "merge")
+        chunks, chunk = grid_plan(batch, vocab)
+        return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, threads=GRID_THREADS,
+                    variant=variant)  # fmt: skip
     if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
@@ -164,6 +190,17 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan
     chunk = _cdiv(_cdiv(vocab, chunks), 4) * 4  # a multiple of 4 (the histogram's float4 loads)
     chunks = _cdiv(vocab, chunk)  # no empty trailing chunk
     return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k, variant=variant)
+
+
+def grid_plan(batch: int, vocab: int, sms: int = SMS) -> tuple[int, int]:
+    """(CTAs per row, chunk length) of the grid kernel: a chunk of at least 4 tokens a thread,
+    at most `GRID_THREADS` CTAs a row (one partial per thread in the combines), and all B x CTAs
+    resident at once (`GRID_CTAS_PER_SM` per SM) whenever a row has more than one CTA."""
+    per_row = min(
+        _cdiv(vocab, 4 * GRID_THREADS), GRID_THREADS, max(1, sms * GRID_CTAS_PER_SM // batch)
+    )
+    chunk = _cdiv(_cdiv(vocab, per_row), 4) * 4  # a multiple of 4 (float4 loads)
+    return _cdiv(vocab, chunk), chunk  # no empty trailing chunk
 
 
 def cluster_threads(batch: int) -> int:
@@ -185,7 +222,7 @@ class SamplerKernel:
 
     def backend_config(self, entry: str) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` call of one entry."""
-        n_in, n_out = entries(self.plan.variant)[entry]
+        n_in, n_out = entries(self.plan.variant, self.plan.top_k)[entry]
         p = self.plan
         return ptx_backend_config(
             entry,

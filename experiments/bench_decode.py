@@ -59,7 +59,6 @@ TINY = rconfig.Config(
 # Config fields with a fixed set of values that a run may switch (one flag each)
 CHOICE_FIELDS = {
     "attention": rconfig.ATTENTIONS,
-    "linear_fusion": rconfig.LINEAR_FUSIONS,
     "rope_fusion": rconfig.ROPE_FUSIONS,
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
     "gemm_reduce": rconfig.GEMM_REDUCES,
@@ -71,6 +70,7 @@ CHOICE_FIELDS = {
 MULTI_FIELDS = (
     ("command_buffer", rconfig.COMMAND_BUFFERS, "every variant (labelled ' cb=CHOICE')"),
     ("gemm_occupancy", rconfig.GEMM_OCCUPANCIES, "every NVFP4 variant (labelled ' occ=CHOICE')"),
+    ("linear_fusion", rconfig.LINEAR_FUSIONS, "every NVFP4 variant (labelled ' lf=CHOICE')"),
 )
 
 
@@ -401,6 +401,7 @@ def main(argv=None) -> dict:
         scan_unroll=args.scan_unroll[0],
         **{field: getattr(args, field) for field in CHOICE_FIELDS},
         gemm_occupancy=args.gemm_occupancy[0],
+        linear_fusion=args.linear_fusion[0],
         gemm_min_m=args.gemm_min_m,
         gemm_max_m=args.gemm_max_m,
     )
@@ -461,8 +462,8 @@ def _variants(base: Params, args, quant):
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
     (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
     "default") x --decode-unroll x --scan-unroll (labelled " du=K" / " su=K" unless Config's
-    default); NVFP4 modes also once per --gemm-occupancy (labelled " occ=CHOICE" unless
-    Config's default)."""
+    default); NVFP4 modes also once per --gemm-occupancy x --linear-fusion (labelled
+    " occ=CHOICE" / " lf=CHOICE" unless Config's default)."""
     runs = [
         (t, c, u, k)
         for t in args.xla_autotune
@@ -483,16 +484,24 @@ def _variants(base: Params, args, quant):
             continue
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
-            for spec, occ in [(p, o) for p in args.weight_prefetch for o in args.gemm_occupancy]:
+            kernels = [
+                (p, o, f)
+                for p in args.weight_prefetch
+                for o in args.gemm_occupancy
+                for f in args.linear_fusion
+            ]
+            for spec, occ, fusion in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
                     command_buffer=cb,
                     gemm_occupancy=occ,
+                    linear_fusion=fusion,
                     **loop,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
+                occ_tag += "" if fusion == rconfig.Config.linear_fusion else f" lf={fusion}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

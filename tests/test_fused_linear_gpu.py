@@ -146,13 +146,16 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
             np.testing.assert_array_equal(got, want)
 
 
-# (Config fields, prompts per batch): the fused one-launch linears; the split path with every
-# opt-in decode kernel (the residual in the linears' epilogues, q/k norm + RoPE + cache write as
-# one kernel), in batches of 4 rows (the GEMV), 8 and 16 (the quantizer kernel's x_hat form, then
-# the GEMM)
+# (Config fields, prompts per batch): the fused one-launch linears (all prompts in one batch, and
+# batches of 4 rows: the GEMV); "mixed" (o_proj fused, the rest split) in batches of 4; the split
+# path with every opt-in decode kernel (the residual in the linears' epilogues, q/k norm + RoPE +
+# cache write as one kernel), in batches of 4 rows (the GEMV), 8 and 16 (the quantizer kernel's
+# x_hat form, then the GEMM)
 SPLIT_ALL = {"linear_fusion": "split", "residual_fusion": "fused", "rope_fusion": "fused"}
 TINY_VARIANTS = {
     "fused": ({"linear_fusion": "fused"}, None),
+    "fused-b4": ({"linear_fusion": "fused"}, 4),
+    "mixed-b4": ({"linear_fusion": "mixed"}, 4),
     "split+epilogues-b4": (SPLIT_ALL, 4),
     "split+epilogues-b8": (SPLIT_ALL, 8),
     "split+epilogues-b16": (SPLIT_ALL, 16),

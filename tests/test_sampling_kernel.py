@@ -52,12 +52,13 @@ def _lower_cuda(sampler, b, v):
 
 
 def test_cuda_lowering_emits_the_three_kernels():
+    # the "split" variant (the default's pick for top-k at 3 rows; top-p alone named)
     pytest.importorskip("cuda.bindings.nvrtc")
     b, v = 3, 1000
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
     for smp in (
-        Temperature(0.6, top_p=0.9, top_p_method="kernel"),
-        ReSET(top_p=0.95, top_p_method="kernel", **masks),
+        Temperature(0.6, top_p=0.9, top_p_method="kernel-split"),
+        ReSET(top_p=0.95, top_p_method="kernel-split", **masks),
         Temperature(0.6, top_k=20, top_p_method="kernel"),
     ):
         hlo = _lower_cuda(smp, b, v)
@@ -110,6 +111,53 @@ def test_cuda_lowering_cluster_variant_is_one_call(b):
         assert kern.plan.chunks * kern.plan.chunk >= v > (kern.plan.chunks - 1) * kern.plan.chunk
 
 
+@pytest.mark.parametrize("b", [1, 3, 64, 600])
+def test_cuda_lowering_grid_variant(b):
+    # top-p: one call of the grid kernel, GRID x B CTAs of GRID_THREADS; top-k: "merge"'s three
+    pytest.importorskip("cuda.bindings.nvrtc")
+    v = 151936
+    masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
+    for smp in (Temperature(0.6, top_p=0.9), ReSET(top_p=0.95, **masks)):
+        hlo = _lower_cuda_variant(smp, b, v, "grid")
+        (cfg,) = _backend_configs(hlo)
+        assert cfg["name"] == "rejax_sample_grid"
+        grid, _ = kernels.grid_plan(b, v)
+        assert (cfg["grid_x"], cfg["grid_y"], cfg["block_x"]) == (grid, b, kernels.GRID_THREADS)
+        n_in, n_out = kernels.GRID_ENTRIES[cfg["name"]]
+        assert cfg["outputs"] == list(range(n_in, n_in + n_out))
+    hlo = _lower_cuda_variant(Temperature(0.6, top_k=20), b, v, "grid")
+    assert hlo.count("__gpu$xla.gpu.ptx") == 3 and "rejax_sample_hist" in hlo
+
+
+@pytest.mark.parametrize("b", [1, 2, 7, 8, 33, 64, 65, 132, 528, 529, 1024])
+@pytest.mark.parametrize("v", [10, 4099, 151936])
+def test_grid_plan_covers_the_row_and_keeps_every_cta_resident(b, v):
+    # a row's CTAs wait for each other at barriers: with more than one a row, all B x GRID CTAs
+    # must be resident at once (GRID_CTAS_PER_SM per SM); one partial per thread in the combines
+    grid, chunk = kernels.grid_plan(b, v)
+    assert 1 <= grid <= kernels.GRID_THREADS and chunk % 4 == 0
+    assert grid * chunk >= v > (grid - 1) * chunk  # every token, no empty chunk
+    if grid > 1:
+        assert b * grid <= kernels.SMS * kernels.GRID_CTAS_PER_SM
+    d = kernels.plan(b, v, 0, "grid").defines()
+    assert (d["GRIDSYNC"], d["GRID"], d["MIN_CTAS"], d["CH"], d["NTHREADS"]) == (
+        1, grid, kernels.GRID_CTAS_PER_SM, chunk, kernels.GRID_THREADS)  # fmt: skip
+
+
+def test_grid_kernel_fits_its_occupancy():
+    # the plan's residency assumes GRID_CTAS_PER_SM CTAs of GRID_THREADS per SM: registers
+    # (launch bounds) and static shared memory must allow it
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from cuda_ops.build import ptxas_log, read_source
+
+    p = kernels.plan(1, 151936, 0, variant="grid")
+    log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
+    assert len(regs) == 1 and regs[0] * kernels.GRID_THREADS * kernels.GRID_CTAS_PER_SM <= 65536
+    assert kernels.GRID_CTAS_PER_SM * (smem[0] + 1024) <= 228 * 1024, log
+
+
 @pytest.mark.parametrize("variant", kernels.CLUSTER_VARIANTS)
 @pytest.mark.parametrize("b,top_k", [(1, 0), (1, 20), (24, 0), (24, 20), (64, 0), (64, 20)])
 def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k, variant):
@@ -142,7 +190,7 @@ def test_no_module_global_is_shared_between_kernels(variant, top_k):
     by_entry = ptx_globals_by_entry(
         compile_ptx(read_source("sampler.cu"), defines=d, arch="compute_90")
     )
-    assert set(by_entry) == set(kernels.entries(variant))
+    assert set(by_entry) == set(kernels.entries(variant, top_k))
     assert (
         by_entry[min(by_entry)] or variant in kernels.CLUSTER_VARIANTS
     )  # the parser finds globals
@@ -315,8 +363,8 @@ def test_emulation_keeps_the_definition(name, variant):
     prune = "bound" if variant in kernels.CLUSTER_VARIANTS else True
     em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=chunks,
                     prune=prune, variant=variant)  # fmt: skip
-    if variant == "merge" and name != "topk:chunk_ties":
-        path = _merged_path(path, k)
+    if (variant == "merge" or (variant == "grid" and k)) and name != "topk:chunk_ties":
+        path = _merged_path(path, k)  # "grid" runs "merge"'s kernels for top-k
     if path is not None:
         assert em["path"] == path
     zt = np.asarray(z, np.float32) / np.float32(t)
@@ -530,13 +578,13 @@ def _bound_variants(fn, *args) -> list:
 
 @pytest.mark.parametrize(
     "rows,top_k,want",
-    [(1, 0, "split"), (7, 0, "split"), (8, 0, "merge"), (64, 0, "merge"), (1, 20, "split"),
+    [(1, 0, "grid"), (7, 0, "grid"), (8, 0, "grid"), (64, 0, "grid"), (1, 20, "split"),
      (31, 20, "split"), (32, 20, "merge"), (64, 32, "merge"), (64, 33, "split")],
 )  # fmt: skip
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
-    """The default variant "auto" binds "merge" where the H200 measured it faster (top-p alone
-    from 8 rows, top-k <= 32 from 32 rows) and "split" elsewhere; `sample` binds the same pick,
-    ReSET as top-p alone; a named variant is kept."""
+    """The default variant "auto" binds "grid" for top-p alone, and for top-k "merge" where the
+    H200 measured it faster (k <= 32 from 32 rows) and "split" elsewhere; `sample` binds the same
+    pick, ReSET as top-p alone; a named variant is kept."""
     assert op.VARIANT == "auto"
     assert op.choose_variant("auto", rows, top_k) == want
     assert op.choose_variant("cluster", rows, top_k) == "cluster"

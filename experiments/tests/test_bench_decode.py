@@ -17,6 +17,7 @@ def _args(**kw):
         "head": ["bf16"],
         "weight_prefetch": ["none"],
         "gemm_occupancy": [rconfig.Config.gemm_occupancy],
+        "linear_fusion": [rconfig.Config.linear_fusion],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -62,8 +63,24 @@ def test_variants_cross_decode_and_scan_unrolls(base):
     assert bf16 == ["bf16", "bf16 su=9", "bf16 du=1", "bf16 du=1 su=9"]
 
 
+def test_variants_cross_linear_fusions(base):
+    """--linear-fusion: one NVFP4 variant per value (labelled unless Config's default), in the
+    order given, repeats kept (adjacent A/B pairs); bf16 runs once."""
+    lf = rconfig.Config.linear_fusion
+    args = _args(linear_fusion=[lf, "mixed", lf, "fused"])
+    got = [(label, p.cfg.linear_fusion) for _, _, label, p in bd._variants(base, args, "nvfp4")]
+    assert got == [
+        ("head=bf16 prefetch=none", lf),
+        ("head=bf16 prefetch=none lf=mixed", "mixed"),
+        ("head=bf16 prefetch=none", lf),
+        ("head=bf16 prefetch=none lf=fused", "fused"),
+    ]
+    assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
+
+
 def test_bad_choices_are_refused_before_any_work(tmp_path):
     for flag, value in (
+        ("--linear-fusion", "all"),
         ("--gemm-occupancy", "full"),
         ("--command-buffer", "graph"),
         ("--decode-unroll", "0"),

@@ -11,8 +11,8 @@ h and the temperature used.
   (`rejax.sampling._reference_tempered`), so CPU results are those of that method.
 * The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the kernels of
   `cuda_ops/sampler.cu` as `__gpu$xla.gpu.ptx` custom calls, or else the reference. `variant`
-  picks them (`VARIANTS`, or "auto", the default: `choose_variant` takes "merge" where it
-  measured faster, by rows and top-k, else "split"): "split", three kernels (statistics;
+  picks them (`VARIANTS`, or "auto", the default: `choose_variant` takes "grid" for top-p
+  alone, and for top-k "merge" where it measured faster, else "split"): "split", three kernels (statistics;
   top-p histogram; boundary resolution, each one multi-block pass over the row with a
   last-block combine);
   "cluster", one kernel in which a cluster of 8 CTAs per row combines through distributed
@@ -20,7 +20,11 @@ h and the temperature used.
   draws in the histogram kernel from candidates each block lists (the same tokens as "split");
   "reject", "cluster" that first takes the Gumbel-max over every token and keeps it when the
   keep rule does (then it is the Gumbel-max over the kept tokens: "cluster"'s token), running
-  the histogram path only for a rejected draw (top-p < 1 without top-k).
+  the histogram path only for a rejected draw (top-p < 1 without top-k);
+  "grid", "reject"'s first draw and keep test in one launch over a grid of CTAs per row that
+  meet at barriers in global scratch (every SM at one row); a rejected draw is followed by the
+  best score among the tokens ranked above it, tested again, until one is kept (top-p without
+  top-k; with top-k it runs "merge").
   All draw with their own random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
   id, 55 bits a token as `gumbel_of_bits` maps them), the same for both variants, so tokens
@@ -52,31 +56,36 @@ from rejax.ops import _dispatch
 OP = "sample_top_p"
 KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
-VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject" (one), "merge"
-# "auto" (the default) picks "split" or "merge" per call by the batch rows and top-k
-# (`choose_variant`); both draw the same tokens. "cluster" is opt-in.
+VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "grid" (one), "merge"
+# "auto" (the default) picks a variant per call by the batch rows and top-k (`choose_variant`):
+# "grid" for top-p alone (Temperature, ReSET), "split" or "merge" for top-k. Every variant draws
+# the same tokens up to the float rounding of the row statistics. "cluster" and "reject" are
+# opt-in.
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # Kernel alone on the H200 (experiments/bench_sampler.py --logits lm, us over greedy, split /
 # merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
 # 8, 114.2 / 90.4 at 64; ReSET + top-p 30.7 / 31.6, 39.8 / 32.4, 135.0 / 105.2; top-k 20
 # 27.1 / 31.4, 46.7 / 50.4 at 16, 62.0 / 54.0 at 32, 112.2 / 95.6 at 64. So "auto" takes
-# "merge" from MERGE_MIN_ROWS rows for top-p alone and from MERGE_MIN_ROWS_TOPK rows for a
-# merged top-k (k <= kernels.MERGE_MAX_K; a larger k runs "split"'s kernels either way).
-MERGE_MIN_ROWS = 8
+# "merge" from MERGE_MIN_ROWS_TOPK rows for a merged top-k (k <= kernels.MERGE_MAX_K; a larger k
+# runs "split"'s kernels either way).
+# "grid" (one launch over a grid of CTAs per row), same run against "reject" / "merge"
+# (experiments/results/h200_t/, us over greedy): Temperature + top-p 10.7 / 20.7 / 15.3 at 1
+# row, 24.0 / 22.2 / 28.6 at 8, 79.6 / 96.5 / 90.6 at 64; ReSET + top-p 22.0 / 27.9 / 33.1,
+# 26.4 / 31.1 / 32.3, 98.1 / 109.8 / 103.3. So "auto" takes "grid" for top-p alone.
 MERGE_MIN_ROWS_TOPK = 32
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
-    """The kernel variant a call runs: `variant` itself, or for "auto" "merge" where it measured
-    faster (top-p alone from `MERGE_MIN_ROWS` rows, top-k <= `kernels.MERGE_MAX_K` from
-    `MERGE_MIN_ROWS_TOPK`) and "split" elsewhere."""
+    """The kernel variant a call runs: `variant` itself, or for "auto" "grid" for top-p alone,
+    and for top-k "merge" where it measured faster (k <= `kernels.MERGE_MAX_K` from
+    `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
     if variant not in VARIANT_CHOICES:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
     if variant != "auto":
         return variant
     if top_k == 0:
-        return "merge" if batch >= MERGE_MIN_ROWS else "split"
+        return "grid"
     if top_k <= kernels.MERGE_MAX_K:
         return "merge" if batch >= MERGE_MIN_ROWS_TOPK else "split"
     return "split"
@@ -145,7 +154,12 @@ def _lower_cuda(ctx, *args, **params):
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         fn = functools.partial(_reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-    impl = _cuda_impl_cluster if params["variant"] in kernels.CLUSTER_VARIANTS else _cuda_impl
+    if kern.plan.variant == "grid":
+        impl = _cuda_impl_grid
+    elif kern.plan.variant in kernels.CLUSTER_VARIANTS:
+        impl = _cuda_impl_cluster
+    else:  # "split" and "merge" ("grid" with top-k plans as "merge")
+        impl = _cuda_impl
     return mlir.lower_fun(functools.partial(impl, kern=kern), multiple_results=True)(ctx, *args)
 
 
@@ -185,6 +199,13 @@ def _cuda_impl_cluster(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
         kern, "rejax_sample_cluster", outs, logits, thr, alt, t_a, t_b, top_p, keys
     )
     return tokens, h, t
+
+
+def _cuda_impl_grid(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
+    b = logits.shape[0]
+    outs = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.float32))  # fmt: skip
+    return _call(kern, "rejax_sample_grid", outs, logits, thr, alt, t_a, t_b, top_p, keys)
 
 
 def _batch(args, dims, **params):
@@ -597,7 +618,9 @@ def emulate(
         of gumbel_bound below PRUNE_SCORE: the cluster kernel), False (none).
       variant: "cluster" also mirrors that kernel's zt_cut and collect window; "merge" its
         top-k list from per-chunk candidates (path "topk_merge"); "reject" is "cluster" plus
-        its first draw over every token and that draw's keep test (`VARIANTS`).
+        its first draw over every token and that draw's keep test (`VARIANTS`); "grid" draws
+        from "cluster"'s kept set (its kernel climbs the rank order from the first draw to the
+        best kept score: the same token) and with top-k is "merge".
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
@@ -608,6 +631,8 @@ def emulate(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
+    if variant == "grid":  # its top-k runs "merge"'s kernels; its top-p keeps "cluster"'s set
+        variant = "merge" if top_k else "cluster"
     z = np.asarray(logits, np.float32)
     key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
     k0, k1 = key_data[:, :1], key_data[:, 1:]
