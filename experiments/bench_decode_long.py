@@ -139,7 +139,8 @@ class StepTimer:
 
 
 def _attention_loop(num_layers: int, steps: int):
-    """Jitted: `steps` dependent rounds of decode attention over every layer (layer traced)."""
+    """Jitted: `steps` dependent rounds of decode attention over every layer (layer traced); a
+    layer's output is the next layer's query, so the loop holds no other op per call."""
 
     def run(q0, cache, q_positions, live):
         def one_round(_, q):
@@ -148,7 +149,7 @@ def _attention_loop(num_layers: int, steps: int):
                     x, cache.k, cache.v, i, q_positions, cache.positions, live,
                     k_scale=cache.k_scale, v_scale=cache.v_scale,
                 )  # fmt: skip
-                return (x + 1e-3 * y).astype(x.dtype), None
+                return y.astype(x.dtype), None
 
             return jax.lax.scan(layer, q, jnp.arange(num_layers, dtype=jnp.int32))[0]
 
@@ -277,6 +278,10 @@ def run(args) -> dict:
     result["copy_ceiling_GBps"] = ceiling
     _log(f"copy ceiling {ceiling:.0f} GB/s ({args.copy_mib} MiB, read + write)")
     steps_rows, attn_rows, curves = [], [], {}
+    if args.attention_only:
+        result["attention_alone"] = attention_only(base, plan, args, ceiling)
+        result["total_wall_s"] = time.perf_counter() - t_start
+        return result
 
     def timed(params, batch, slots, indices, what, cache=None):
         t0 = time.perf_counter()
@@ -339,6 +344,26 @@ def run(args) -> dict:
         result["full_generation"] = full_generation(base, plan, args.full_new_tokens)
     result["total_wall_s"] = time.perf_counter() - t_start
     return result
+
+
+def attention_only(base, plan, args, ceiling: float) -> list[dict]:
+    """(b) alone: attention over a cache of the long size, per KV dtype and batch."""
+    rows = []
+    for kv in ("bf16",) if args.no_fp8 else ("bf16", "fp8"):
+        cfg = dataclasses.replace(base, quant=rbench.QUANTS["nvfp4"], kv_dtype=kv, attention="live")
+        for b in args.batch:
+            cache = init_cache(cfg, b, plan["long_slots"])
+            got = attention_alone(
+                cfg, cache, plan["attention_lives"], args.steps, args.repeats, ceiling
+            )
+            for r in got:
+                _log(
+                    f"  attention {kv}-kv b{b} live {r['live']}: {r['us_per_layer']:.1f} us "
+                    f"per layer, {r['GBps']:.0f} GB/s = {100 * r['fraction_of_copy']:.0f}% of copy"
+                )
+            rows += got
+            del cache
+    return rows
 
 
 def _ms_at(steps_rows, attention: str, batch: int, slots: int, index: int) -> float | None:
@@ -424,6 +449,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-einsum", action="store_true", help="skip the einsum comparison")
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8-KV rows")
     ap.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="only (b), attention alone over a cache of the long size (no decode loops, no "
+        "table, no acceptance)",
+    )
+    ap.add_argument(
         "--full-32k", action="store_true", help="also one real NVFP4 generation, batch 1"
     )
     ap.add_argument("--full-new-tokens", type=int, default=32768)
@@ -448,6 +479,9 @@ def main(argv=None) -> dict:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2, default=str))
+    if args.attention_only:
+        _log(f"wrote {out} ({result['total_wall_s']:.0f} s)")
+        return result
     for r in result["table"]:
         _log(
             f"b{r['batch']} {r['output_len']:>6} tokens: "

@@ -128,3 +128,13 @@ def test_source_digest_names_the_code(tmp_path):
     assert second != first
     (root / "a.py").rename(root / "b.py")
     assert bench.source_digest([root]) != second
+
+
+def test_copy_ceiling_counts_every_pass(monkeypatch):
+    # bytes = read + write of the buffer per pass, over the median call time; a call runs
+    monkeypatch.setattr(bench, "_time", lambda run, repeats: (0.0, 0.5, [0.5]))
+    assert bench.copy_ceiling(1 << 20, repeats=1, passes=3) == 2 * (1 << 20) * 3 / 0.5
+    monkeypatch.undo()
+    assert bench.copy_ceiling(1 << 20, repeats=1, passes=2) > 0
+    with pytest.raises(ValueError, match="passes must be >= 1"):
+        bench.copy_ceiling(1 << 20, passes=0)

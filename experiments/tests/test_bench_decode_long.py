@@ -46,3 +46,16 @@ def test_tiny_smoke(tmp_path):
     assert [r["live"] for r in result["attention_alone"]] == [24, 64]
     assert all(r["kv_bytes_per_layer"] > 0 for r in result["attention_alone"])
     assert "versions" in on_disk and "method" in on_disk
+
+
+def test_attention_only_measures_b_alone(tmp_path):
+    # --attention-only: (b) for every KV dtype and batch over a long-size cache, nothing else
+    out = tmp_path / "attn.json"
+    result = bdl.main(["--tiny", "--attention-only", "--out", str(out)])
+    rows = json.loads(out.read_text())["attention_alone"]
+    assert [(r["kv_dtype"], r["batch"], r["live"]) for r in rows] == [
+        (kv, b, live) for kv in ("bf16", "fp8") for b in (1, 2) for live in (24, 64)
+    ]
+    assert all(r["us_per_layer"] > 0 and r["fraction_of_copy"] > 0 for r in rows)
+    assert "table" not in result and "acceptance" not in result
+    assert result["copy_ceiling_GBps"] > 0
