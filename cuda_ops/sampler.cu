@@ -1860,24 +1860,33 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
 //
 //   1. the chunk's statistics as the cluster kernel computes them (a max sweep, a sums sweep),
 //      combined after barrier 1: max, first / last argmax, entropy, temperature, denominator.
-//   2. the Gumbel-max x over every live token (chunk_best: the cluster kernel's noise and
-//      pruning), combined after barrier 2. top-p = 1 ends here.
-//   3. x's keep test from integer masses (order-free sums, so every CTA gets the same verdict):
-//      the mass ranked above x against top_p x the total, after barrier 3. Kept: x is the
-//      Gumbel-max over the kept tokens, the token every variant draws.
-//   4. rejected: the kept tokens are a prefix of the rank order that ends above x, so the draw
-//      is the best score among the tokens ranked above x; that token x' is tested as in 3, and
-//      so on. Each round climbs the rank order and the top-ranked token is always kept (when
-//      top_p x total > 0; else the row's top token, as the other variants), so it ends.
+//   2. the NC best Gumbel scores over every live token (chunk_best's noise and pruning; each CTA
+//      keeps its NC best, the combine takes the row's NC best), after barrier 2. The best one is
+//      the draw for top-p = 1, which ends there.
+//   3. the NC candidates' keep tests from integer masses in one sweep (order-free sums, so every
+//      CTA gets the same verdicts): the mass ranked above each against top_p x the total, after
+//      barrier 3. The best-scoring kept candidate is the Gumbel-max over the kept tokens (a kept
+//      token with a higher score would be a candidate before it), the token every variant draws.
+//      The first draw alone is rejected about 1 - top_p of the time; all NC of them far less
+//      often, which matters at many rows, where one rejected row holds the whole launch.
+//   4. every candidate rejected: the kept tokens are a prefix of the rank order that ends above
+//      all of them, so the draw is the best score among the tokens ranked above the
+//      highest-ranked candidate; that token is tested as in 3, and so on. Each round climbs the
+//      rank order and the top-ranked token is always kept (when top_p x total > 0; else the
+//      row's top token, as the other variants), so it ends.
 // Every CTA of a row takes the same branches (they read the same combined values), so all pass
 // the same barriers.
+
+#ifndef NC  // the first draw's candidates, whose keep tests run in one sweep
+#define NC 4
+#endif
 
 static_assert(GRID >= 1 && GRID <= NTHREADS, "one partial per thread in the combines");
 
 __device__ float g_gst[B_ROWS * GRID * 5];  // per CTA: max, s, u, sa, sb
 __device__ int g_garg[B_ROWS * GRID * 2];   // per CTA: first / last argmax
-__device__ u64 g_gbest[B_ROWS * GRID];      // per CTA: best packed score of the round
-__device__ u32 g_gmass[B_ROWS * GRID * 2];  // per CTA: mass, and the part ranked above x
+__device__ u64 g_gbest[B_ROWS * GRID * NC];  // per CTA: its NC best packed scores of the round
+__device__ u32 g_gmass[B_ROWS * GRID * (NC + 1)];  // per CTA: mass, the parts above each x
 __device__ u32 g_gbar[B_ROWS];              // arrivals at the row's barriers (GRID per round)
 __device__ u32 g_gexit[B_ROWS];             // CTAs of the row that have left
 
@@ -1899,6 +1908,61 @@ __device__ __forceinline__ void grid_barrier(u32* bar, u32 round) {
         __threadfence();
     }
     __syncthreads();
+}
+
+// Inserts packed score v into the descending list l[0, NC) if it belongs there.
+__device__ __forceinline__ void top_insert(u64 (&l)[NC], u64 v) {
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+        const u64 a = l[k];
+        const bool take = v > a;
+        l[k] = take ? v : a;
+        v = take ? a : v;
+    }
+}
+
+// The NC largest of the block's per-thread descending lists `mine` (every thread gets them, in
+// `out`, descending; 0 where fewer): NC rounds of a block max, each popping the winner (packed
+// scores are distinct by id) from its owner's list.
+__device__ void block_top(u64 (&mine)[NC], u64* ured, u64 (&out)[NC]) {
+#pragma unroll
+    for (int k = 0; k < NC; ++k) {
+        const u64 v = block_reduce<MaxU64>(mine[0], ured);
+        out[k] = v;
+        if (v && mine[0] == v) {
+#pragma unroll
+            for (int j = 0; j + 1 < NC; ++j) mine[j] = mine[j + 1];
+            mine[NC - 1] = 0ull;
+        }
+    }
+}
+
+// chunk_best's sweep keeping the NC best packed scores; the block's NC best in `out`.
+__device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32 k0, u32 k1,
+                          u64* ured, u64 (&out)[NC]) {
+    const int tid = threadIdx.x;
+    u64 l[NC];
+#pragma unroll
+    for (int k = 0; k < NC; ++k) l[k] = 0ull;
+    for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        float x[4], zt[4];
+        bool cand[4], any = false;
+        load4(z, j0, hi, x);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            zt[q] = tempered(x[q], m, it);
+            cand[q] = zt[q] >= FLOOR;
+            any |= cand[q];
+        }
+        if (any) {
+            u64 sc[4];
+            scores4(zt, cand, j0, k0, k1, sc);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (sc[q] > l[NC - 1]) top_insert(l, sc[q]);
+        }
+    }
+    block_top(l, ured, out);
 }
 
 // The best packed score over the tokens of chunk [lo, hi) ranked above (kx, xid) (a larger
@@ -1949,8 +2013,8 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
     float* const gst = g_gst + (size_t)r * GRID * 5;
     int* const garg = g_garg + (size_t)r * GRID * 2;
-    u64* const gbest = g_gbest + (size_t)r * GRID;
-    u32* const gmass = g_gmass + (size_t)r * GRID * 2;
+    u64* const gbest = g_gbest + (size_t)r * GRID * NC;
+    u32* const gmass = g_gmass + (size_t)r * GRID * (NC + 1);
     u32* const bar = g_gbar + r;
     u32 round = 0;
 
@@ -2066,23 +2130,39 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     } else {
         const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
         const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
-        // ---- 2. the Gumbel-max over every live token
-        u64 best = chunk_best(z, lo, hi, m, it, k0, k1, ured);
+        // ---- 2. the NC best scores over every live token (top list, best first)
+        u64 cand[NC];
+        chunk_top(z, lo, hi, m, it, k0, k1, ured, cand);
         for (;;) {
-            if (tid == 0) gbest[c] = best;
+            if (tid == 0)
+#pragma unroll
+                for (int k = 0; k < NC; ++k) gbest[c * NC + k] = cand[k];
             grid_barrier(bar, ++round);
-            u64 xb = 0ull;
-            for (int q = tid; q < GRID; q += NTHREADS) xb = __ldcg(gbest + q);
-            xb = block_reduce<MaxU64>(xb, ured);
+            u64 xs[NC];  // the row's NC best scores, best first (0: none)
+            {
+                u64 mine[NC];
+#pragma unroll
+                for (int k = 0; k < NC; ++k)
+                    mine[k] = tid < GRID ? __ldcg(gbest + tid * NC + k) : 0ull;  // sorted lists
+                block_top(mine, ured, xs);
+            }
             if (tp >= 1.0f) {  // every live token is kept
-                if (c == 0 && tid == 0) tokens[r] = unpack_id(xb);
+                if (c == 0 && tid == 0) tokens[r] = unpack_id(xs[0]);
                 break;
             }
-            // ---- 3. x's keep test (the cluster kernel's REJECT sums: positive-mass tokens)
+            // ---- 3. the candidates' keep tests (the cluster kernel's REJECT sums over the
+            // positive-mass tokens; a token ranks above x iff its key is larger, or equal with a
+            // higher id)
             const float zt_cut = logf(den) - 21.487563f - 0.01f;  // log(den 2**-31) - 0.01
-            const int xid = xb ? unpack_id(xb) : -1;
-            const u32 kx = xb ? prob_key(tempered(z[xid], m, it), iden) : 0u;
-            u32 mass = 0u, above = 0u;
+            int xid[NC];
+            u32 kx[NC], above[NC];
+#pragma unroll
+            for (int k = 0; k < NC; ++k) {
+                xid[k] = xs[k] ? unpack_id(xs[k]) : -1;
+                kx[k] = xs[k] ? prob_key(tempered(z[xid[k]], m, it), iden) : 0u;
+                above[k] = 0u;
+            }
+            u32 mass = 0u;
             for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
                 float x[4];
                 load4(z, j0, hi, x);
@@ -2093,35 +2173,59 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                         const u32 key = prob_key(zt, iden);
                         const u32 w = key > KEY_LO ? mass_of_key(key) : 0u;
                         mass += w;
-                        if (key > kx || (key == kx && j0 + q > xid)) above += w;
+#pragma unroll
+                        for (int k = 0; k < NC; ++k)
+                            if (key > kx[k] || (key == kx[k] && j0 + q > xid[k])) above[k] += w;
                     }
                 }
             }
             mass = block_reduce<SumU>(mass, red);
-            above = block_reduce<SumU>(above, red);
+#pragma unroll
+            for (int k = 0; k < NC; ++k) above[k] = block_reduce<SumU>(above[k], red);
             if (tid == 0) {
-                gmass[c * 2 + 0] = mass;
-                gmass[c * 2 + 1] = above;
+                gmass[c * (NC + 1)] = mass;
+#pragma unroll
+                for (int k = 0; k < NC; ++k) gmass[c * (NC + 1) + 1 + k] = above[k];
             }
             grid_barrier(bar, ++round);
-            u32 mq = 0u, aq = 0u;
-            for (int q = tid; q < GRID; q += NTHREADS) {
-                mq = __ldcg(gmass + q * 2 + 0);
-                aq = __ldcg(gmass + q * 2 + 1);
+            u32 total = 0u;
+            {  // integers: order-free, exact, the same in every CTA
+                const u32 mq = tid < GRID ? __ldcg(gmass + tid * (NC + 1)) : 0u;
+                total = block_reduce<SumU>(mq, red);
+#pragma unroll
+                for (int k = 0; k < NC; ++k) {
+                    const u32 aq = tid < GRID ? __ldcg(gmass + tid * (NC + 1) + 1 + k) : 0u;
+                    above[k] = block_reduce<SumU>(aq, red);
+                }
             }
-            const u32 total = block_reduce<SumU>(mq, red);  // integers: order-free, exact
-            const u32 ab = block_reduce<SumU>(aq, red);
             const float limit = tp * (float)total;
-            if (xb && kx > KEY_LO && (float)ab < limit) {
-                if (c == 0 && tid == 0) tokens[r] = xid;
+            // the best-scoring kept candidate is the Gumbel-max over the kept tokens: a kept
+            // token of a higher score would be a candidate before it
+            int found = -1;  // (scalar selects: no local array indexed at run time)
+#pragma unroll
+            for (int k = NC - 1; k >= 0; --k)
+                if (xs[k] && kx[k] > KEY_LO && (float)above[k] < limit) found = xid[k];
+            if (found >= 0) {
+                if (c == 0 && tid == 0) tokens[r] = found;
                 break;
             }
-            if (!(limit > 0.0f) || !xb) {  // nothing is kept (top_p <= 0 or NaN): the top token
+            if (!(limit > 0.0f) || !xs[0]) {  // nothing is kept (top_p <= 0 or NaN): the top token
                 if (c == 0 && tid == 0) tokens[r] = rowi[1];
                 break;
             }
-            // ---- 4. rejected: the best score among the tokens ranked above x
-            best = chunk_best_above(z, lo, hi, m, it, iden, kx, xid, k0, k1, ured);
+            // ---- 4. every candidate rejected: the kept tokens rank above all of them, so the
+            // draw is the best score among the tokens ranked above the highest-ranked one
+            u32 hk = kx[0];
+            int hid = xid[0];
+#pragma unroll
+            for (int k = 1; k < NC; ++k)
+                if (xs[k] && (kx[k] > hk || (kx[k] == hk && xid[k] > hid))) {
+                    hk = kx[k];
+                    hid = xid[k];
+                }
+            cand[0] = chunk_best_above(z, lo, hi, m, it, iden, hk, hid, k0, k1, ured);
+#pragma unroll
+            for (int k = 1; k < NC; ++k) cand[k] = 0ull;
         }
     }
     // the last CTA of the row to leave clears its counters for the next launch (every CTA has

@@ -20,9 +20,10 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   the token every variant draws); only a rejected draw runs the histogram path (`REJECT`).
 - "grid": "reject"'s first draw and keep test in one launch over a grid of `GRID` CTAs per row
   (up to `GRID_THREADS`; all of them resident, `grid_plan`) that meet at barriers in global
-  scratch, so one row runs on every SM; a rejected draw is followed by the best score among
-  the tokens ranked above it, tested again, until one is kept (`GRIDSYNC`). Top-p without
-  top-k only: with top-k it runs "merge"'s kernels.
+  scratch, so one row runs on every SM. It tests the 4 best-scoring draws in one sweep and
+  takes the best kept one; if all are rejected, the best score among the tokens ranked above
+  them, tested again, until one is kept (`GRIDSYNC`). Top-p without top-k only: with top-k it
+  runs "merge"'s kernels.
 
 Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """

@@ -22,8 +22,9 @@ h and the temperature used.
   keep rule does (then it is the Gumbel-max over the kept tokens: "cluster"'s token), running
   the histogram path only for a rejected draw (top-p < 1 without top-k);
   "grid", "reject"'s first draw and keep test in one launch over a grid of CTAs per row that
-  meet at barriers in global scratch (every SM at one row); a rejected draw is followed by the
-  best score among the tokens ranked above it, tested again, until one is kept (top-p without
+  meet at barriers in global scratch (every SM at one row); it tests the 4 best-scoring draws
+  together and takes the best kept one, and if all are rejected climbs the rank order (the best
+  score among the tokens ranked above them, tested again) until one is kept (top-p without
   top-k; with top-k it runs "merge").
   All draw with their own random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
