@@ -1910,6 +1910,32 @@ __device__ __forceinline__ void grid_barrier(u32* bar, u32 round) {
     __syncthreads();
 }
 
+// The score of a packed (score, id) (the inverse of pack's float map).
+__device__ __forceinline__ float score_of(u64 p) {
+    const u32 b = (u32)(p >> 32);
+    return __uint_as_float((b & 0x80000000u) ? (b & 0x7fffffffu) : ~b);
+}
+
+// scores4 against a floor: a token is scored only if its score can reach `floor` (the logarithms
+// of the noise only where gumbel_bound allows it). The sweeps below raise the floor to the
+// thread's own k-th best score so far: a token that cannot reach it cannot enter the thread's
+// list, so the lists (and the row's best scores) are those of scoring every token.
+__device__ __forceinline__ void scores4_floor(const float (&zt)[4], const bool (&cand)[4], int j0,
+                                              u32 k0, u32 k1, float floor, u64 (&out)[4]) {
+    const uint4 w = philox((u32)j0 >> 2, 0u, 0u, 0u, k0, k1);
+    bool go[4], lo_needed = false;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        go[q] = cand[q] && zt[q] + gumbel_bound(word(w, q)) >= floor;
+        lo_needed |= go[q] && need_lo(word(w, q));
+    }
+    const uint4 wl = lo_needed ? philox((u32)j0 >> 2, 1u, 0u, 0u, k0, k1) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        out[q] = go[q] ? pack(zt[q] + gumbel_of(word(w, q), word(wl, q)), j0 + q) : 0ull;
+}
+#define NOISE_MAX 38.83f  // above gumbel_of's largest value, 56 log 2 = 38.816
+
 // Inserts packed score v into the descending list l[0, NC) if it belongs there.
 __device__ __forceinline__ void top_insert(u64 (&l)[NC], u64 v) {
 #pragma unroll
@@ -1944,6 +1970,7 @@ __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32
     u64 l[NC];
 #pragma unroll
     for (int k = 0; k < NC; ++k) l[k] = 0ull;
+    float floor = PRUNE_SCORE;  // the thread's NC-th best score once it has NC
     for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
         float x[4], zt[4];
         bool cand[4], any = false;
@@ -1951,15 +1978,16 @@ __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             zt[q] = tempered(x[q], m, it);
-            cand[q] = zt[q] >= FLOOR;
+            cand[q] = zt[q] >= FLOOR && zt[q] + NOISE_MAX >= floor;
             any |= cand[q];
         }
         if (any) {
             u64 sc[4];
-            scores4(zt, cand, j0, k0, k1, sc);
+            scores4_floor(zt, cand, j0, k0, k1, floor, sc);
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 if (sc[q] > l[NC - 1]) top_insert(l, sc[q]);
+            if (l[NC - 1]) floor = fmaxf(PRUNE_SCORE, score_of(l[NC - 1]));
         }
     }
     block_top(l, ured, out);
@@ -1972,6 +2000,7 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
                                 u32 kx, int xid, u32 k0, u32 k1, u64* ured) {
     const int tid = threadIdx.x;
     u64 best = 0ull;
+    float floor = PRUNE_SCORE;  // the thread's best score so far
     for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
         float x[4], zt[4];
         bool cand[4], any = false;
@@ -1980,7 +2009,7 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
         for (int q = 0; q < 4; ++q) {
             zt[q] = tempered(x[q], m, it);
             cand[q] = false;
-            if (zt[q] >= FLOOR) {
+            if (zt[q] >= FLOOR && zt[q] + NOISE_MAX >= floor) {
                 const u32 key = prob_key(zt[q], iden);
                 cand[q] = key > kx || (key == kx && j0 + q > xid);
             }
@@ -1988,9 +2017,10 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
         }
         if (any) {
             u64 sc[4];
-            scores4(zt, cand, j0, k0, k1, sc);
+            scores4_floor(zt, cand, j0, k0, k1, floor, sc);
 #pragma unroll
             for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
+            if (best) floor = fmaxf(PRUNE_SCORE, score_of(best));
         }
     }
     return block_reduce<MaxU64>(best, ured);
