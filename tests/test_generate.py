@@ -200,7 +200,10 @@ def test_reset_inside_generate_equals_sampling_step_by_step(params):
             np.testing.assert_allclose(
                 out.temperature[r][i], float(info["temperature"][0]), rtol=1e-6
             )
-            np.testing.assert_allclose(out.entropy[r][i], float(info["entropy"][0]), rtol=1e-4)
+            # the logits of the full-sequence forward and of the decode steps are two programs;
+            # on a GPU their bf16 rounding differs (entropies 1.02e-4 apart on the H200)
+            rtol = 1e-4 if jax.default_backend() == "cpu" else 5e-4
+            np.testing.assert_allclose(out.entropy[r][i], float(info["entropy"][0]), rtol=rtol)
             temps.add(round(out.temperature[r][i], 4))
     assert temps == {1.0, 0.3}
 

@@ -332,6 +332,32 @@ def test_default_auto_runs_the_variant_it_chooses():
             assert np.array_equal(auto, ref), (b, smp, chosen, np.flatnonzero(auto != ref))
 
 
+@pytest.mark.parametrize("v", [10, 1001, 4099, 151937])
+def test_grid_variant_small_and_odd_vocabularies_and_masked_rows(v):
+    # scalar loads (V % 4 != 0), one CTA a row (V <= 1024) or several; rows of -inf logits but
+    # a few (a masked vocabulary); kept tokens only, and the emulation's tokens with the grid's
+    # own chunks
+    b = 5
+    rng = np.random.default_rng(v)
+    z = (rng.standard_normal((b, v)) * 2).astype(np.float32)
+    z[1, : v - 3] = -np.inf  # three live tokens
+    keys = jax.random.split(jax.random.key(v), b)
+    data = np.asarray(jax.random.key_data(keys))
+    chunks = op.kernels.plan(b, v, 0, variant="grid").chunks
+    differ = []
+    for t, top_p in [(1.0, 0.9), (0.6, 1.0), (1.0, 0.3)]:
+        smp = Temperature(top_p_method="kernel", t=t, top_p=top_p)
+        tok, _, _ = _run(smp, z, keys, variant="grid")
+        for i in range(b):
+            em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], chunks=chunks,
+                            prune="bound", variant="grid")  # fmt: skip
+            _, keep = _nucleus64(z[i], t, top_p)
+            assert keep[tok[i]], (v, t, top_p, i)
+            if em["tokens"][0] != tok[i]:  # float rounding may move a boundary, rarely
+                differ.append((t, top_p, i))
+    assert len(differ) <= 1, differ
+
+
 @pytest.mark.parametrize("v", [10, 1001, 4099])
 def test_cluster_variant_small_and_odd_vocabularies(v):
     # scalar loads (V % 4 != 0), and empty chunks (V < 4 x 8): kept tokens only, and the
