@@ -2026,17 +2026,68 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
     return block_reduce<MaxU64>(best, ured);
 }
 
+#ifndef RESET_STATE  // ReSET's state update in the kernel (the "grid-state" method)
+#define RESET_STATE 0
+#endif
+#if RESET_STATE
+// rejax.sampling's ReSET state after a token: the entropy h pushed into the ring of W_RING
+// entropies and the step / response sums (_push), then the token observed (_observe: a
+// double-newline token, or a newline after a newline, ends the step and clears the step's
+// sums). Exact integer and float32 operations, as XLA runs them, so the state is bitwise the
+// state of the XLA path. Run by one CTA of the row.
+#define RESET_STATE_IN                                                                          \
+    const float *__restrict__ ring, const int *__restrict__ n_ring,                             \
+        const int *__restrict__ ring_pos, const float *__restrict__ s_sum,                      \
+        const int *__restrict__ s_n, const float *__restrict__ g_sum, const int *__restrict__ g_n, \
+        const int *__restrict__ y1, const int *__restrict__ y2, const u8 *__restrict__ nl,       \
+        const u8 *__restrict__ dnl,
+#define RESET_STATE_OUT                                                                         \
+    , float *__restrict__ ring_o, int *__restrict__ n_ring_o, int *__restrict__ ring_pos_o,     \
+        float *__restrict__ s_sum_o, int *__restrict__ s_n_o, float *__restrict__ g_sum_o,      \
+        int *__restrict__ g_n_o, int *__restrict__ y1_o, int *__restrict__ y2_o
+typedef unsigned char u8;
+__device__ __forceinline__ bool in_mask(const u8* mask, int id) {
+    return id >= 0 && id < V_SIZE && mask[id] != 0;
+}
+__device__ void reset_record(int r, int token, float h, const float* ring, const int* n_ring,
+                             const int* ring_pos, const float* s_sum, const int* s_n,
+                             const float* g_sum, const int* g_n, const int* y1, const u8* nl,
+                             const u8* dnl, float* ring_o, int* n_ring_o, int* ring_pos_o,
+                             float* s_sum_o, int* s_n_o, float* g_sum_o, int* g_n_o, int* y1_o,
+                             int* y2_o) {
+    const int pos = ring_pos[r];
+    for (int i = threadIdx.x; i < W_RING; i += NTHREADS)
+        ring_o[(size_t)r * W_RING + i] = i == pos ? h : ring[(size_t)r * W_RING + i];
+    if (threadIdx.x == 0) {
+        n_ring_o[r] = min(n_ring[r] + 1, W_RING);
+        ring_pos_o[r] = (pos + 1) % W_RING;
+        g_sum_o[r] = g_sum[r] + h;
+        g_n_o[r] = g_n[r] + 1;
+        const int before = y1[r];
+        const bool boundary = in_mask(dnl, token) || (in_mask(nl, token) && in_mask(nl, before));
+        const float s = s_sum[r] + h;
+        s_sum_o[r] = boundary ? 0.0f : s;
+        s_n_o[r] = boundary ? 0 : s_n[r] + 1;
+        y1_o[r] = token;
+        y2_o[r] = before;
+    }
+}
+#else
+#define RESET_STATE_IN
+#define RESET_STATE_OUT
+#endif
+
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ thr,
                   const float* __restrict__ alt, const float* __restrict__ t_a,
                   const float* __restrict__ t_b, const float* __restrict__ top_p,
-                  const u32* __restrict__ keys, int* __restrict__ tokens,
-                  float* __restrict__ entropy, float* __restrict__ temperature) {
+                  const u32* __restrict__ keys, RESET_STATE_IN int* __restrict__ tokens,
+                  float* __restrict__ entropy, float* __restrict__ temperature RESET_STATE_OUT) {
     __shared__ u32 red[NWARPS];
     __shared__ int ired[NWARPS];
     __shared__ u64 ured[NWARPS];
     __shared__ float fred[NWARPS];
-    __shared__ float rowf[3];  // the row's max, temperature, denominator
+    __shared__ float rowf[3 + RESET_STATE];  // the row's max, temperature, denominator (entropy)
     __shared__ int rowi[2];    // the row's first / last argmax
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     const float* z = logits + (size_t)r * V_SIZE;
@@ -2142,6 +2193,9 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         if (tid == 0) {
             const float h = logf(S) - U / S;
             const bool high = (h >= thr[r]) || (h > alt[r]);
+#if RESET_STATE
+            rowf[3] = h;
+#endif
             rowf[0] = mw;
             rowf[1] = high ? ta_raw : tb_raw;
             rowf[2] = high ? SA : SB;
@@ -2155,8 +2209,14 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         __syncthreads();
     }
     const float m = rowf[0], t = rowf[1], den = rowf[2];
+#if RESET_STATE
+    int token = 0;  // the row's draw (every thread of every CTA of the row gets it)
+#define DRAWN(tok) token = (tok)
+#else
+#define DRAWN(tok) if (c == 0 && tid == 0) tokens[r] = (tok)
+#endif
     if (t <= GREEDY_EPS) {  // greedy row: the first argmax of the raw logits
-        if (c == 0 && tid == 0) tokens[r] = rowi[0];
+        DRAWN(rowi[0]);
     } else {
         const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
         const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
@@ -2177,7 +2237,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 block_top(mine, ured, xs);
             }
             if (tp >= 1.0f) {  // every live token is kept
-                if (c == 0 && tid == 0) tokens[r] = unpack_id(xs[0]);
+                DRAWN(unpack_id(xs[0]));
                 break;
             }
             // ---- 3. the candidates' keep tests (the cluster kernel's REJECT sums over the
@@ -2236,11 +2296,11 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
             for (int k = NC - 1; k >= 0; --k)
                 if (xs[k] && kx[k] > KEY_LO && (float)above[k] < limit) found = xid[k];
             if (found >= 0) {
-                if (c == 0 && tid == 0) tokens[r] = found;
+                DRAWN(found);
                 break;
             }
             if (!(limit > 0.0f) || !xs[0]) {  // nothing is kept (top_p <= 0 or NaN): the top token
-                if (c == 0 && tid == 0) tokens[r] = rowi[1];
+                DRAWN(rowi[1]);
                 break;
             }
             // ---- 4. every candidate rejected: the kept tokens rank above all of them, so the
@@ -2258,6 +2318,15 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
             for (int k = 1; k < NC; ++k) cand[k] = 0ull;
         }
     }
+#undef DRAWN
+#if RESET_STATE
+    if (c == 0) {
+        if (tid == 0) tokens[r] = token;
+        reset_record(r, token, rowf[3], ring, n_ring, ring_pos, s_sum, s_n, g_sum, g_n, y1, nl,
+                     dnl, ring_o, n_ring_o, ring_pos_o, s_sum_o, s_n_o, g_sum_o, g_n_o, y1_o,
+                     y2_o);
+    }
+#endif
     // the last CTA of the row to leave clears its counters for the next launch (every CTA has
     // passed its last barrier before it counts itself out)
     __syncthreads();

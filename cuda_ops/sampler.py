@@ -47,6 +47,7 @@ __all__ = [
     "CLUSTER_VARIANTS",
     "ENTRIES",
     "GRID_ENTRIES",
+    "GRID_STATE_ENTRIES",
     "MAX_BATCH",
     "MAX_VOCAB",
     "NMAX",
@@ -67,8 +68,12 @@ ENTRIES = {
 # the cluster variant's one kernel: logits, thr, alt, t_a, t_b, top_p, keys -> tokens [B],
 # entropy [B], temperature [B]
 CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
-# the grid variant's one kernel: the same operands and results as the cluster kernel
+# the grid variant's one kernel: the same operands and results as the cluster kernel; built with
+# ReSET's state (`window` > 0, RESET_STATE), also the state's 9 arrays and the two newline masks
+# in (ring, n_ring, ring_pos, s_sum, s_n, g_sum, g_n, y1, y2, nl_mask, dnl_mask) and the new
+# state's 9 arrays out
 GRID_ENTRIES = {"rejax_sample_grid": (7, 3)}
+GRID_STATE_ENTRIES = {"rejax_sample_grid": (18, 12)}
 VARIANTS = ("split", "cluster", "merge", "reject", "grid")
 CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
@@ -94,12 +99,14 @@ RESIDENT_BLOCKS = 528  # 132 SMs x 4 blocks of 512 threads (the H200); the grid 
 MAX_CHUNKS = 128
 
 
-def entries(variant: str = "split", top_k: int = 0) -> dict:
+def entries(variant: str = "split", top_k: int = 0, window: int = 0) -> dict:
     """The variant's kernel entries: name -> (number of operands, number of results) ("grid"
-    with top-k: "merge"'s)."""
+    with top-k: "merge"'s; with ReSET's state of `window` entropies: GRID_STATE_ENTRIES)."""
     _check_variant(variant)
     if variant == "grid":
-        return GRID_ENTRIES if top_k == 0 else ENTRIES
+        if top_k:
+            return ENTRIES
+        return GRID_STATE_ENTRIES if window else GRID_ENTRIES
     return CLUSTER_ENTRIES if variant in CLUSTER_VARIANTS else ENTRIES
 
 
@@ -132,6 +139,7 @@ class Plan:
     threads: int = THREADS
     nmax: int = NMAX
     variant: str = "split"
+    window: int = 0  # "grid": ReSET's state update in the kernel, a ring of `window` entropies
 
     @property
     def cluster(self) -> int:
@@ -153,6 +161,8 @@ class Plan:
             d |= {"REJECT": 1}
         if self.variant == "grid":
             d |= {"GRIDSYNC": 1, "GRID": self.chunks, "MIN_CTAS": GRID_CTAS_PER_SM}
+            if self.window:
+                d |= {"RESET_STATE": 1, "W_RING": self.window}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
             d |= {"TOPK_MERGE": 1}
         elif self.variant == "merge" and self.top_k == 0:
@@ -169,19 +179,23 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split") -> Plan:
+def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split", window: int = 0) -> Plan:
     """ "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
     per row.
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
     CLUSTER).
-    "grid": `grid_plan`'s chunks per row (with top-k: "merge"'s plan)."""
+    "grid": `grid_plan`'s chunks per row (with top-k: "merge"'s plan); `window` > 0 builds it
+    with ReSET's state update (a ring of `window` entropies; top-p alone)."""
     _check_variant(variant)
+    if window and (variant != "grid" or top_k):
+        raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
+                         f"without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
     if variant == "grid":
         if top_k:
             return plan(batch, vocab, top_k, "merge")
         chunks, chunk = grid_plan(batch, vocab)
         return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, threads=GRID_THREADS,
-                    variant=variant)  # fmt: skip
+                    variant=variant, window=window)  # fmt: skip
     if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
@@ -223,7 +237,7 @@ class SamplerKernel:
 
     def backend_config(self, entry: str) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` call of one entry."""
-        n_in, n_out = entries(self.plan.variant, self.plan.top_k)[entry]
+        n_in, n_out = entries(self.plan.variant, self.plan.top_k, self.plan.window)[entry]
         p = self.plan
         return ptx_backend_config(
             entry,
@@ -235,17 +249,26 @@ class SamplerKernel:
 
 
 @functools.cache
-def _build_cached(batch: int, vocab: int, top_k: int, variant: str, arch: str) -> SamplerKernel:
-    p = plan(batch, vocab, top_k, variant)
+def _build_cached(
+    batch: int, vocab: int, top_k: int, variant: str, arch: str, window: int = 0
+) -> SamplerKernel:
+    p = plan(batch, vocab, top_k, variant, window)
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=p.defines(), arch=arch)
     return SamplerKernel(plan=p, ptx=ptx)
 
 
 def build(
-    batch: int, vocab: int, top_k: int = 0, *, variant: str = "split", arch: str | None = None
+    batch: int,
+    vocab: int,
+    top_k: int = 0,
+    *,
+    variant: str = "split",
+    arch: str | None = None,
+    window: int = 0,
 ) -> SamplerKernel:
     """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits
-    (top_k > 0: top-k before top-p) of one of `VARIANTS`.
+    (top_k > 0: top-k before top-p) of one of `VARIANTS` ("grid" with `window` > 0: with
+    ReSET's state update for a ring of `window` entropies).
 
     Raises KernelError when NVRTC is missing or the shape is unsupported, ValueError for an
     unknown variant.
@@ -254,4 +277,6 @@ def build(
     ok, why = check_shape(batch, vocab, top_k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
-    return _build_cached(batch, vocab, top_k, variant, arch or device_arch())
+    if not isinstance(window, int) or window < 0:
+        raise ValueError(f"window={window!r}, expected an int >= 0")
+    return _build_cached(batch, vocab, top_k, variant, arch or device_arch(), int(window))

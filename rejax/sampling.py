@@ -68,10 +68,12 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # against +105.6 us per token in the 36-layer decode loop at batch 1. (An earlier revision drew
 # its Gumbel noise from 23-bit uniforms and failed one far-tail chi-square test there, as
 # "radix" did on CPU; experiments/results/sampler_tail_bias_cpu.md.)
-# "kernel-split" / "kernel-cluster" / "kernel-merge" are "kernel" with the CUDA kernels'
+# "kernel-split" / "kernel-cluster" / "kernel-merge" / ... are "kernel" with the CUDA kernels'
 # variant named (`rejax.ops.sampler.VARIANTS`; "kernel" takes `rejax.ops.sampler.VARIANT`), for
-# A/B timings in one decode loop
+# A/B timings in one decode loop; "kernel-grid-state" (`rejax.ops.sampler.STATE_VARIANT`) is
+# "kernel-grid" with ReSET's state update in the kernel (opt-in)
 KERNEL_METHODS = {"kernel": None, **{f"kernel-{v}": v for v in sampler_op.VARIANTS}}
+KERNEL_METHODS[f"kernel-{sampler_op.STATE_VARIANT}"] = sampler_op.STATE_VARIANT
 SAMPLE_METHODS = (*KERNEL_METHODS, *TOP_P_METHODS)
 TOP_P_METHOD = "kernel"
 # The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
@@ -378,14 +380,11 @@ def _ring_mean(state: SamplerState) -> jax.Array:
     return jnp.where(state.n_ring == state.g_n, state.g_sum / jnp.maximum(state.g_n, 1), ring)
 
 
-def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
-    """Temperature for entropies h [B] and the state with h recorded (the official implementation's reference semantics)."""
-    b, w = state.ring.shape
-    tau_0 = _row_param("ReSET.tau_0", cfg.tau_0, b)
-    t_high = _row_param("ReSET.t_high", cfg.t_high, b)
-    t_low = _row_param("ReSET.t_low", cfg.t_low, b)
+def _push(h: jax.Array, state: SamplerState) -> SamplerState:
+    """The state with entropies h [B] recorded: the ring, the step's and the response's sums."""
+    w = state.ring.shape[1]
     slot = jnp.arange(w, dtype=jnp.int32)[None, :] == state.ring_pos[:, None]
-    new = dataclasses.replace(
+    return dataclasses.replace(
         state,
         ring=jnp.where(slot, h[:, None], state.ring),
         n_ring=jnp.minimum(state.n_ring + 1, w),
@@ -395,6 +394,28 @@ def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
         g_sum=state.g_sum + h,
         g_n=state.g_n + 1,
     )
+
+
+def _observe(state: SamplerState, tokens: jax.Array, nl: jax.Array, dnl: jax.Array):
+    """The state with tokens i32 [B] observed: a step boundary clears the step's sums."""
+    y1, y2 = tokens.astype(jnp.int32), state.y1
+    boundary = ends_step(_lookup(nl, y1), _lookup(dnl, y1), _lookup(nl, y2))
+    return dataclasses.replace(
+        state,
+        s_sum=jnp.where(boundary, 0.0, state.s_sum),
+        s_n=jnp.where(boundary, 0, state.s_n),
+        y1=y1,
+        y2=y2,
+    )
+
+
+def _policy(h: jax.Array, state: SamplerState, cfg: ReSET):
+    """Temperature for entropies h [B] and the state with h recorded (the official implementation's reference semantics)."""
+    b, w = state.ring.shape
+    tau_0 = _row_param("ReSET.tau_0", cfg.tau_0, b)
+    t_high = _row_param("ReSET.t_high", cfg.t_high, b)
+    t_low = _row_param("ReSET.t_low", cfg.t_low, b)
+    new = _push(h, state)
     if cfg.include_current:
         # Figure semantics: the window ends at t and both means cover t (H-bar including H_t is
         # our reading; the paper does not say). The step mean takes over at the step's
@@ -480,16 +501,7 @@ def reset_observe(state: SamplerState, tokens: jax.Array, cfg: ReSET) -> Sampler
     tokens = jnp.asarray(tokens)
     if tokens.shape != (b,) or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an int [{b}] vector, got {tokens.dtype}{tokens.shape}")
-    y1, y2 = tokens.astype(jnp.int32), state.y1
-    nl, dnl = jnp.asarray(cfg.nl_mask), jnp.asarray(cfg.dnl_mask)
-    boundary = ends_step(_lookup(nl, y1), _lookup(dnl, y1), _lookup(nl, y2))
-    return dataclasses.replace(
-        state,
-        s_sum=jnp.where(boundary, 0.0, state.s_sum),
-        s_n=jnp.where(boundary, 0, state.s_n),
-        y1=y1,
-        y2=y2,
-    )
+    return _observe(state, tokens, jnp.asarray(cfg.nl_mask), jnp.asarray(cfg.dnl_mask))
 
 
 # ----------------------------------------------------------------------------- top-p
@@ -851,10 +863,15 @@ def _reference_tempered(
     return tokens, h, t
 
 
-def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None):
-    # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics
+def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, impl="auto"):
+    # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics;
+    # variant sampler_op.STATE_VARIANT: "grid", with ReSET's state update in the same op
     b = logits.shape[0]
-    opts = {"stats_method": stats_method, "variant": variant or sampler_op.VARIANT}
+    variant = variant or sampler_op.VARIANT
+    state_in_op = variant == sampler_op.STATE_VARIANT
+    if state_in_op:
+        variant = "grid"
+    opts = {"stats_method": stats_method, "variant": variant, "impl": impl}
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)
         top_p = _row_param("Temperature.top_p", sampler.top_p, b)
@@ -867,6 +884,13 @@ def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None):
     t_high = _row_param("ReSET.t_high", sampler.t_high, b)
     t_low = _row_param("ReSET.t_low", sampler.t_low, b)
     top_p = _row_param("ReSET.top_p", sampler.top_p, b)
+    if state_in_op:
+        nl, dnl = jnp.asarray(sampler.nl_mask), jnp.asarray(sampler.dnl_mask)
+        tokens, h, t, state = sampler_op.sample_reset_step(
+            logits, thr, alt, t_high, t_low, top_p, keys, state, nl, dnl, impl=impl,
+            stats_method=stats_method,
+        )  # fmt: skip
+        return tokens, state, {"entropy": h, "temperature": t}
     tokens, h, t = sampler_op.sample_top_p(
         logits, thr, alt, t_high, t_low, top_p, keys, kind="reset", **opts
     )
@@ -901,8 +925,10 @@ def sample(
         (None: the sampler's). (The same kept set; "topk" draws with other random
         numbers than "radix" and "sort" do, and so does "kernel" on a GPU, so tokens differ
         for the same key; "kernel" off a GPU, or for ReSET with include_current=True, is
-        "radix"; "kernel-split", "kernel-cluster" and "kernel-merge" name the kernels'
-        variant, the same distribution and random numbers). Static.
+        "radix"; "kernel-split", "kernel-cluster", "kernel-merge", "kernel-reject" and
+        "kernel-grid" name the kernels' variant, the same distribution and random numbers;
+        "kernel-grid-state" is "kernel-grid" with ReSET's state update in the kernel's launch,
+        the same tokens and state). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.

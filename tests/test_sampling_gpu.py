@@ -262,6 +262,38 @@ def test_grid_variant_draws_the_reject_tokens():
                                               np.asarray(ir["temperature"]))  # fmt: skip
 
 
+def test_grid_state_kernel_updates_reset_state_as_xla_does():
+    # "kernel-grid-state": the grid kernel also writes ReSET's new state (ring, counts, sums,
+    # the step boundary from the newline masks, y1 / y2). Tokens, entropies and every state
+    # array equal "kernel-grid"'s (the same draw, the update in XLA) bit for bit, step by step;
+    # the logits favour newline tokens so that steps end
+    import dataclasses
+
+    from rejax.sampling import SamplerState
+
+    nl = jnp.zeros(V, bool).at[:10].set(True)
+    dnl = jnp.zeros(V, bool).at[10:15].set(True)
+    for b in (1, 8, 64):
+        z = _logits("real", b, seed=6)
+        z[:, :15] += 6.0
+        smp = ReSET(top_p_method="kernel-grid-state", t_high=1.0, t_low=0.3, tau_0=3.0,
+                    window=8, top_p=0.9, nl_mask=nl, dnl_mask=dnl)  # fmt: skip
+        ref = dataclasses.replace(smp, top_p_method="kernel-grid")
+        step = jax.jit(sample)
+        sa, sb, ends = sampler_init(smp, b), sampler_init(ref, b), 0
+        for i in range(24):
+            zi = jnp.asarray(np.roll(z, i, axis=0))
+            ta, sa, ia = step(jax.random.key(i), zi, sa, smp)
+            tb, sb, ib = step(jax.random.key(i), zi, sb, ref)
+            np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb), f"b={b} step {i}")
+            np.testing.assert_array_equal(np.asarray(ia["entropy"]), np.asarray(ib["entropy"]))
+            for f in dataclasses.fields(SamplerState):
+                np.testing.assert_array_equal(np.asarray(getattr(sa, f.name)),
+                                              np.asarray(getattr(sb, f.name)), f.name)  # fmt: skip
+            ends += int((np.asarray(sa.s_n) == 0).sum())
+        assert ends > 0  # steps ended
+
+
 def test_grid_variant_repeats_its_bits_launch_after_launch():
     # the barrier counters are cleared by each row's last CTA: many launches in one jitted loop
     # (a stale counter would let a CTA pass a barrier early, or hang) give the same tokens

@@ -11,6 +11,7 @@ path of the default method) is checked to give the tokens of the "radix" method,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -602,3 +603,99 @@ def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
         assert got == [want]
     with pytest.raises(ValueError, match="variant='fused'"):
         op.choose_variant("fused", rows, top_k)
+
+
+# ----------------------------------------------------------------------------- grid-state
+
+
+def _reset_trace(v=64, b=3, steps=12):
+    """ReSET with newline masks that the draws hit (tokens 0-9 single, 10-14 double newlines)
+    and logits that favour them, so step boundaries occur."""
+    nl = jnp.zeros(v, bool).at[:10].set(True)
+    dnl = jnp.zeros(v, bool).at[10:15].set(True)
+    smp = ReSET(t_high=1.0, t_low=0.3, tau_0=3.0, window=4, top_p=0.9, nl_mask=nl, dnl_mask=dnl)
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((steps, b, v)).astype(np.float32)
+    z[:, :, :15] += 2.0
+    return smp, jnp.asarray(z)
+
+
+@pytest.mark.parametrize("method", ["kernel-grid-state", "kernel-grid"])
+def test_grid_state_method_is_the_grid_path_on_cpu(method):
+    # "kernel-grid-state" (ReSET's update inside the op) gives the tokens, entropies and every
+    # state array of "kernel-grid" (the update in XLA after the op), bit for bit, step by step
+    smp, z = _reset_trace()
+    b = z.shape[1]
+    runs = {}
+    for m in (method, "kernel-grid"):
+        s = dataclasses.replace(smp, top_p_method=m)
+        state, out = sampler_init(s, b), []
+        for i in range(z.shape[0]):
+            tok, state, info = jax.jit(sample)(jax.random.key(i), z[i], state, s)
+            out.append((np.asarray(tok), np.asarray(info["entropy"]), state))
+        runs[m] = out
+    for (ta, ha, sa), (tb, hb, sb) in zip(runs[method], runs["kernel-grid"], strict=True):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(ha, hb)
+        for f in dataclasses.fields(SamplerState):
+            np.testing.assert_array_equal(getattr(sa, f.name), getattr(sb, f.name), f.name)
+    # the trace crossed step boundaries (s_n went back to 0 after the first token)
+    assert any((np.asarray(st.s_n) == 0).any() for _, _, st in runs[method][1:])
+
+
+def test_sample_reset_step_vmaps_over_rows():
+    # vmap over a leading dim folds it into the rows (the masks stay shared)
+    smp, z = _reset_trace(b=2)
+    state = sampler_init(smp, 2)
+    thr, alt = sampling._policy_threshold(state, smp)
+    ones = jnp.ones((2,), jnp.float32)
+    keys = jax.random.split(jax.random.key(3), 2)
+
+    def step(zz, kk):
+        return op.sample_reset_step(zz, thr, alt, ones, 0.3 * ones, 0.9 * ones, kk, state,
+                                    smp.nl_mask, smp.dnl_mask)  # fmt: skip
+
+    zs = jnp.stack([z[0], z[1], z[2]])
+    ks = jnp.stack([keys, keys, keys])
+    got = jax.vmap(step)(zs, ks)
+    for i in range(3):
+        want = step(zs[i], ks[i])
+        np.testing.assert_array_equal(np.asarray(got[0][i]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[3].ring[i]), np.asarray(want[3].ring))
+        np.testing.assert_array_equal(np.asarray(got[3].y2[i]), np.asarray(want[3].y2))
+    with pytest.raises(ValueError, match="nl_mask must be bool"):
+        op.sample_reset_step(z[0], thr, alt, ones, ones, ones, keys, state,
+                             smp.nl_mask[:-1], smp.dnl_mask)  # fmt: skip
+
+
+def test_cuda_lowering_grid_state_is_one_call():
+    # ReSET under "grid-state": one grid kernel with the state in and out (18 operands, 12
+    # results), built with RESET_STATE and the ring's width; Temperature runs plain "grid"
+    pytest.importorskip("cuda.bindings.nvrtc")
+    b, v, w = 4, 151936, 32
+    masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
+    reset = ReSET(top_p=0.95, window=w, **masks)
+    hlo = _lower_cuda_variant(reset, b, v, op.STATE_VARIANT)
+    (cfg,) = _backend_configs(hlo)
+    assert cfg["name"] == "rejax_sample_grid" and cfg["outputs"] == list(range(18, 30))
+    assert (cfg["grid_x"], cfg["grid_y"]) == (kernels.grid_plan(b, v)[0], b)
+    kern = kernels.build(b, v, 0, variant="grid", window=w, arch="compute_90")
+    assert ptx_entries(kern.ptx) == {"rejax_sample_grid": 30}
+    assert kern.plan.defines()["RESET_STATE"] == 1 and kern.plan.defines()["W_RING"] == w
+    (cfg,) = _backend_configs(_lower_cuda_variant(Temperature(0.6, top_p=0.9), b, v, "grid-state"))
+    assert cfg["outputs"] == [7, 8, 9]
+    with pytest.raises(ValueError, match="needs variant 'grid'"):
+        kernels.plan(b, v, 20, "grid", window=w)
+    with pytest.raises(ValueError, match="variant='fused'"):
+        op.sample_kernel(jax.random.key(0), jnp.zeros((b, v)), sampler_init(reset, b), reset,
+                         variant="fused")  # fmt: skip
+
+
+def test_grid_state_kernel_fits_its_occupancy():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from cuda_ops.build import ptxas_log, read_source
+
+    p = kernels.plan(1, 151936, 0, variant="grid", window=32)
+    log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    assert len(regs) == 1 and regs[0] * kernels.GRID_THREADS * kernels.GRID_CTAS_PER_SM <= 65536

@@ -64,6 +64,11 @@ VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "gr
 # opt-in.
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
+# "grid" with ReSET's state update in the same launch (`sample_reset_step`; Temperature runs
+# "grid"): the ReSET policy's ~10 small XLA fusions per decode step after the draw become part
+# of the kernel. Opt-in (`sample_kernel(..., variant=STATE_VARIANT)`, or the sampling method
+# "kernel-grid-state") until its GPU tests have run.
+STATE_VARIANT = "grid-state"
 # Kernel alone on the H200 (experiments/bench_sampler.py --logits lm, us over greedy, split /
 # merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
 # 8, 114.2 / 90.4 at 64; ReSET + top-p 30.7 / 31.6, 39.8 / 32.4, 135.0 / 105.2; top-k 20
@@ -224,6 +229,137 @@ batching.primitive_batchers[_sample_p] = _batch
 mlir.register_lowering(_sample_p, _lower_reference)
 mlir.register_lowering(_sample_p, _lower_cuda, platform="cuda")
 
+# ReSET's step: the draw and the state update (operands: _sample_p's seven, then the state's
+# ring, n_ring, ring_pos, s_sum, s_n, g_sum, g_n, y1, y2 and the nl / dnl masks; results:
+# tokens, entropy, temperature and the new state's nine arrays).
+_reset_p = Primitive("rejax_sample_reset")
+_reset_p.multiple_results = True
+_STATE_FIELDS = ("ring", "n_ring", "ring_pos", "s_sum", "s_n", "g_sum", "g_n", "y1", "y2")
+
+
+def _abstract_reset(logits, *args, **_: Any):
+    b, w = logits.shape[0], args[6].shape[1]
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = [((b,), i32), ((b,), f32), ((b,), f32), ((b, w), f32)]
+    shapes += [((b,), d) for d in (i32, i32, f32, i32, f32, i32, i32, i32)]
+    return tuple(jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes)
+
+
+_reset_p.def_abstract_eval(_abstract_reset)
+
+
+@functools.cache
+def _jitted_bind_reset(**params):
+    return jax.jit(functools.partial(_reset_p.bind, **params))
+
+
+_reset_p.def_impl(lambda *args, **params: _jitted_bind_reset(**params)(*args))
+
+
+def _composed_reset(logits, thr, alt, t_a, t_b, top_p, keys, *rest, launch, key_impl,
+                    stats_method, impl):  # fmt: skip
+    # the draw (the "grid" op, or its reference), then rejax.sampling's state update in XLA:
+    # exactly the non-fused path
+    from rejax import sampling  # sampling imports this module
+
+    tokens, h, t = _sample_p.bind(
+        logits, thr, alt, t_a, t_b, top_p, keys, launch=launch, kind="reset", top_k=0,
+        key_impl=key_impl, stats_method=stats_method, impl=impl, variant="grid",
+    )  # fmt: skip
+    state = sampling.SamplerState(*rest[:9])
+    state = sampling._observe(sampling._push(h, state), tokens, rest[9], rest[10])
+    return (tokens, h, t, *(getattr(state, f) for f in _STATE_FIELDS))
+
+
+def _lower_reset(ctx, *args, **params):
+    return mlir.lower_fun(functools.partial(_composed_reset, **params), multiple_results=True)(
+        ctx, *args
+    )
+
+
+def _lower_cuda_reset(ctx, *args, **params):
+    b, v = ctx.avals_in[0].shape
+    w = ctx.avals_in[7].shape[1]
+    supported = _supported(b, v, 0, ctx.avals_in[6].shape, params["launch"])
+    kern = None
+    if supported[0] and params["impl"] != "ref":
+        try:
+            kern = kernels.build(b, v, 0, variant="grid", window=w)
+        except kernels.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(OP, params["impl"], supported):
+        return _lower_reset(ctx, *args, **params)
+
+    def fused(*xs):
+        outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _abstract_reset(*xs)]
+        return _call(kern, "rejax_sample_grid", tuple(outs), *xs)
+
+    return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
+
+
+def _batch_reset(args, dims, **params):
+    # vmap over a leading dim n of the rows' arguments: fold it into B; the masks stay shared
+    if dims[-1] is not None or dims[-2] is not None:
+        raise NotImplementedError("ReSET's newline masks cannot be batched: one vocabulary")
+    rows = list(zip(args[:-2], dims[:-2], strict=True))
+    n = next(a.shape[d] for a, d in rows if d is not None)
+    flat = []
+    for a, d in rows:
+        a = jnp.broadcast_to(a, (n, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        flat.append(a.reshape(n * a.shape[1], *a.shape[2:]))
+    outs = _reset_p.bind(*flat, *args[-2:], **params)
+    return [o.reshape(n, o.shape[0] // n, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+
+batching.primitive_batchers[_reset_p] = _batch_reset
+mlir.register_lowering(_reset_p, _lower_reset)
+mlir.register_lowering(_reset_p, _lower_cuda_reset, platform="cuda")
+
+
+def sample_reset_step(
+    logits: jax.Array,
+    thr: jax.Array,
+    alt: jax.Array,
+    t_a: jax.Array,
+    t_b: jax.Array,
+    top_p: jax.Array,
+    keys: jax.Array,
+    state: Any,
+    nl_mask: jax.Array,
+    dnl_mask: jax.Array,
+    *,
+    impl: str = "auto",
+    stats_method: str = "two_pass",
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """`sample_top_p(..., kind="reset", variant="grid")` and ReSET's state update after it
+    (`rejax.sampling._push` the entropies, `_observe` the tokens) as one op: on CUDA one launch
+    of the grid kernel built with the state (`STATE_VARIANT`), elsewhere (or where the kernel
+    does not serve) the draw and then the update in XLA, the non-fused path exactly.
+
+    Args:
+      logits, thr, alt, t_a, t_b, top_p, keys, impl, stats_method: as `sample_top_p`.
+      state: the rows' `rejax.sampling.SamplerState` (ring of w entropies).
+      nl_mask, dnl_mask: bool [V], ReSET's newline masks.
+
+    Returns:
+      (tokens i32 [B], entropy f32 [B], temperature f32 [B], the new state).
+    """
+    from rejax import sampling  # sampling imports this module
+
+    _dispatch.check_impl(impl)
+    v = logits.shape[-1]
+    for name, mask in (("nl_mask", nl_mask), ("dnl_mask", dnl_mask)):
+        if mask.shape != (v,) or mask.dtype != jnp.bool_:
+            raise ValueError(f"{name} must be bool [{v}], got {mask.dtype}{mask.shape}")
+    launch = _dispatch.default_launch() if impl != "ref" else "ptx"
+    params = {"key_impl": str(jax.random.key_impl(keys)), "stats_method": stats_method}
+    params |= {"impl": impl, "launch": launch}
+    outs = _reset_p.bind(
+        logits, thr, alt, t_a, t_b, top_p, jax.random.key_data(keys),
+        *(getattr(state, f) for f in _STATE_FIELDS), nl_mask, dnl_mask, **params,
+    )  # fmt: skip
+    return outs[0], outs[1], outs[2], sampling.SamplerState(*outs[3:])
+
 
 def sample_top_p(
     logits: jax.Array,
@@ -293,12 +429,17 @@ def sample_kernel(
 
     Args:
       key, logits, state, sampler, stats_method: as `rejax.sampling.sample`.
-      variant: one of `VARIANTS` or "auto", as `sample_top_p`. Static.
+      variant: one of `VARIANTS` or "auto", as `sample_top_p`, or `STATE_VARIANT` ("grid"
+        with ReSET's state update in the kernel, `sample_reset_step`). Static.
       impl: as `sample_top_p`.
 
     Returns:
       (tokens i32 [B], state, info) as `rejax.sampling.sample`.
     """
+    if variant not in (*VARIANT_CHOICES, STATE_VARIANT):
+        raise ValueError(
+            f"variant={variant!r}, expected one of {(*VARIANT_CHOICES, STATE_VARIANT)}"
+        )
     from rejax import sampling  # sampling imports this module
 
     sampling._check_sampler(sampler)
@@ -313,23 +454,7 @@ def sample_kernel(
     elif sampler.top_k > v:
         raise ValueError(f"Temperature.top_k={sampler.top_k} exceeds the vocabulary V={v}")
     keys = sampling._row_keys(key, b)
-    opts = {"stats_method": stats_method, "impl": impl, "variant": variant}
-    if isinstance(sampler, sampling.Temperature):
-        t = sampling._row_param("Temperature.t", sampler.t, b)
-        top_p = sampling._row_param("Temperature.top_p", sampler.top_p, b)
-        thr, alt = jnp.full((b,), -jnp.inf), jnp.full((b,), jnp.inf)
-        tokens, h, t = sample_top_p(
-            logits, thr, alt, t, t, top_p, keys, kind="temperature", top_k=sampler.top_k, **opts
-        )
-        return tokens, state, {"entropy": h, "temperature": t}
-    thr, alt = sampling._policy_threshold(state, sampler)
-    t_high = sampling._row_param("ReSET.t_high", sampler.t_high, b)
-    t_low = sampling._row_param("ReSET.t_low", sampler.t_low, b)
-    top_p = sampling._row_param("ReSET.top_p", sampler.top_p, b)
-    tokens, h, t = sample_top_p(logits, thr, alt, t_high, t_low, top_p, keys, kind="reset", **opts)
-    _, _, state = sampling._policy(h, state, sampler)
-    state = sampling.reset_observe(state, tokens, sampler)
-    return tokens, state, {"entropy": h, "temperature": t}
+    return sampling._sample_kernel(keys, logits, state, sampler, stats_method, variant, impl)
 
 
 # ----------------------------------------------------------------------------- emulation
