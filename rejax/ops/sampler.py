@@ -197,30 +197,32 @@ def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
     return tokens, stats[:, 3], stats[:, 1]
 
 
-def _cuda_impl_cluster(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
-    b = logits.shape[0]
-    outs = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
-            jax.ShapeDtypeStruct((b,), jnp.float32))  # fmt: skip
-    tokens, h, t = _call(
-        kern, "rejax_sample_cluster", outs, logits, thr, alt, t_a, t_b, top_p, keys
-    )
-    return tokens, h, t
+def _one_launch(entry: str):
+    # the cluster and grid kernels: one call, the op's seven operands and three results
+    def impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
+        avals = _abstract(logits, thr, alt, t_a, t_b, top_p, keys)
+        outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
+        return _call(kern, entry, outs, logits, thr, alt, t_a, t_b, top_p, keys)
+
+    return impl
 
 
-def _cuda_impl_grid(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
-    b = logits.shape[0]
-    outs = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
-            jax.ShapeDtypeStruct((b,), jnp.float32))  # fmt: skip
-    return _call(kern, "rejax_sample_grid", outs, logits, thr, alt, t_a, t_b, top_p, keys)
+_cuda_impl_cluster = _one_launch("rejax_sample_cluster")
+_cuda_impl_grid = _one_launch("rejax_sample_grid")
+
+
+def _fold_rows(args, dims) -> tuple[int, list]:
+    # vmap adds a leading dim n over rows: fold it into B (rows are independent)
+    n = next(a.shape[d] for a, d in zip(args, dims, strict=True) if d is not None)
+    flat = []
+    for a, d in zip(args, dims, strict=True):
+        a = jnp.broadcast_to(a, (n, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        flat.append(a.reshape(n * a.shape[1], *a.shape[2:]))
+    return n, flat
 
 
 def _batch(args, dims, **params):
-    # vmap adds a leading dim n over rows: fold it into B (rows are independent)
-    n = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    flat = []
-    for a, d in zip(args, dims):
-        a = jnp.broadcast_to(a, (n, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        flat.append(a.reshape(n * a.shape[1], *a.shape[2:]))
+    n, flat = _fold_rows(args, dims)
     outs = _sample_p.bind(*flat, **params)
     return [o.reshape(n, -1) for o in outs], [0, 0, 0]
 
@@ -301,12 +303,7 @@ def _batch_reset(args, dims, **params):
     # vmap over a leading dim n of the rows' arguments: fold it into B; the masks stay shared
     if dims[-1] is not None or dims[-2] is not None:
         raise NotImplementedError("ReSET's newline masks cannot be batched: one vocabulary")
-    rows = list(zip(args[:-2], dims[:-2], strict=True))
-    n = next(a.shape[d] for a, d in rows if d is not None)
-    flat = []
-    for a, d in rows:
-        a = jnp.broadcast_to(a, (n, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        flat.append(a.reshape(n * a.shape[1], *a.shape[2:]))
+    n, flat = _fold_rows(args[:-2], dims[:-2])
     outs = _reset_p.bind(*flat, *args[-2:], **params)
     return [o.reshape(n, o.shape[0] // n, *o.shape[1:]) for o in outs], [0] * len(outs)
 
