@@ -1963,15 +1963,28 @@ __device__ void block_top(u64 (&mine)[NC], u64* ured, u64 (&out)[NC]) {
     }
 }
 
-// chunk_best's sweep keeping the NC best packed scores; the block's NC best in `out`.
+// chunk_best's sweep keeping the NC best packed scores; the block's NC best in `out`. The floor
+// is the block's: NC slots in shared memory (ord_of bits, raised with atomicMax), slot s the
+// best score seen by the threads tid % NC == s, hold the scores of NC distinct tokens, so the
+// block's NC-th best score is at least their least; so is it at least any thread's own NC-th
+// best. A token below the larger of the two cannot be among the block's NC best; a thread's
+// list may then miss tokens of its own, but never one of those. Warps skip the noise's
+// logarithms far more often than with the thread's own floor (flat logits: a warp computes
+// them when any lane needs them).
 __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32 k0, u32 k1,
-                          u64* ured, u64 (&out)[NC]) {
+                          u64* ured, u32 (&slot)[NC], u64 (&out)[NC]) {
     const int tid = threadIdx.x;
     u64 l[NC];
 #pragma unroll
     for (int k = 0; k < NC; ++k) l[k] = 0ull;
-    float floor = PRUNE_SCORE;  // the thread's NC-th best score once it has NC
+    if (tid < NC) slot[tid] = ord_of(PRUNE_SCORE);
+    __syncthreads();
+    float own = PRUNE_SCORE, best = PRUNE_SCORE;  // this thread's NC-th best and best scores
     for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
+        u32 least = *(volatile u32*)&slot[0];
+#pragma unroll
+        for (int k = 1; k < NC; ++k) least = min(least, *(volatile u32*)&slot[k]);
+        const float floor = fmaxf(own, float_of_ord(least));
         float x[4], zt[4];
         bool cand[4], any = false;
         load4(z, j0, hi, x);
@@ -1987,7 +2000,11 @@ __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 if (sc[q] > l[NC - 1]) top_insert(l, sc[q]);
-            if (l[NC - 1]) floor = fmaxf(PRUNE_SCORE, score_of(l[NC - 1]));
+            if (l[NC - 1]) own = fmaxf(own, score_of(l[NC - 1]));
+            if (l[0] && score_of(l[0]) > best) {
+                best = score_of(l[0]);
+                atomicMax(&slot[tid % NC], ord_of(best));
+            }
         }
     }
     block_top(l, ured, out);
@@ -2034,7 +2051,8 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
 // entropies and the step / response sums (_push), then the token observed (_observe: a
 // double-newline token, or a newline after a newline, ends the step and clears the step's
 // sums). Exact integer and float32 operations, as XLA runs them, so the state is bitwise the
-// state of the XLA path. Run by one CTA of the row.
+// state of the XLA path. Run by every thread of one CTA of the row. The outputs may be the
+// inputs' buffers (the op aliases them): each element is read before it is written.
 #define RESET_STATE_IN                                                                          \
     const float *__restrict__ ring, const int *__restrict__ n_ring,                             \
         const int *__restrict__ ring_pos, const float *__restrict__ s_sum,                      \
@@ -2058,6 +2076,7 @@ __device__ void reset_record(int r, int token, float h, const float* ring, const
     const int pos = ring_pos[r];
     for (int i = threadIdx.x; i < W_RING; i += NTHREADS)
         ring_o[(size_t)r * W_RING + i] = i == pos ? h : ring[(size_t)r * W_RING + i];
+    __syncthreads();  // every thread has read ring_pos before thread 0 writes it (in place)
     if (threadIdx.x == 0) {
         n_ring_o[r] = min(n_ring[r] + 1, W_RING);
         ring_pos_o[r] = (pos + 1) % W_RING;
@@ -2089,6 +2108,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     __shared__ float fred[NWARPS];
     __shared__ float rowf[3 + RESET_STATE];  // the row's max, temperature, denominator (entropy)
     __shared__ int rowi[2];    // the row's first / last argmax
+    __shared__ u32 slot[NC];   // chunk_top's floor
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     const float* z = logits + (size_t)r * V_SIZE;
     const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
@@ -2222,7 +2242,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
         // ---- 2. the NC best scores over every live token (top list, best first)
         u64 cand[NC];
-        chunk_top(z, lo, hi, m, it, k0, k1, ured, cand);
+        chunk_top(z, lo, hi, m, it, k0, k1, ured, slot, cand);
         for (;;) {
             if (tid == 0)
 #pragma unroll
@@ -2246,10 +2266,12 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
             const float zt_cut = logf(den) - 21.487563f - 0.01f;  // log(den 2**-31) - 0.01
             int xid[NC];
             u32 kx[NC], above[NC];
+            u64 rank[NC];
 #pragma unroll
             for (int k = 0; k < NC; ++k) {
                 xid[k] = xs[k] ? unpack_id(xs[k]) : -1;
                 kx[k] = xs[k] ? prob_key(tempered(z[xid[k]], m, it), iden) : 0u;
+                rank[k] = ((u64)kx[k] << 32) | (u32)xid[k];  // (key, id): one 64-bit compare
                 above[k] = 0u;
             }
             u32 mass = 0u;
@@ -2263,9 +2285,9 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                         const u32 key = prob_key(zt, iden);
                         const u32 w = key > KEY_LO ? mass_of_key(key) : 0u;
                         mass += w;
+                        const u64 rq = ((u64)key << 32) | (u32)(j0 + q);
 #pragma unroll
-                        for (int k = 0; k < NC; ++k)
-                            if (key > kx[k] || (key == kx[k] && j0 + q > xid[k])) above[k] += w;
+                        for (int k = 0; k < NC; ++k) above[k] += rq > rank[k] ? w : 0u;
                     }
                 }
             }

@@ -868,7 +868,13 @@ def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, imp
     # variant sampler_op.STATE_VARIANT: "grid", with ReSET's state update in the same op
     b = logits.shape[0]
     variant = variant or sampler_op.VARIANT
-    state_in_op = variant == sampler_op.STATE_VARIANT
+    # "auto" runs ReSET's state update in the launch wherever it picks "grid" (the same tokens
+    # and state; see sampler_op.STATE_VARIANT)
+    state_in_op = variant == sampler_op.STATE_VARIANT or (
+        variant == "auto"
+        and isinstance(sampler, ReSET)
+        and sampler_op.choose_variant(variant, b) == "grid"
+    )
     if state_in_op:
         variant = "grid"
     opts = {"stats_method": stats_method, "variant": variant, "impl": impl}
@@ -928,7 +934,7 @@ def sample(
         "radix"; "kernel-split", "kernel-cluster", "kernel-merge", "kernel-reject" and
         "kernel-grid" name the kernels' variant, the same distribution and random numbers;
         "kernel-grid-state" is "kernel-grid" with ReSET's state update in the kernel's launch,
-        the same tokens and state). Static.
+        the same tokens and state, and what "kernel" runs for ReSET). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.

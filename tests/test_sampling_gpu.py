@@ -266,7 +266,7 @@ def test_grid_state_kernel_updates_reset_state_as_xla_does():
     # "kernel-grid-state": the grid kernel also writes ReSET's new state (ring, counts, sums,
     # the step boundary from the newline masks, y1 / y2). Tokens, entropies and every state
     # array equal "kernel-grid"'s (the same draw, the update in XLA) bit for bit, step by step;
-    # the logits favour newline tokens so that steps end
+    # the newline tokens are near the top, so that some steps end and others go on
     import dataclasses
 
     from rejax.sampling import SamplerState
@@ -275,13 +275,14 @@ def test_grid_state_kernel_updates_reset_state_as_xla_does():
     dnl = jnp.zeros(V, bool).at[10:15].set(True)
     for b in (1, 8, 64):
         z = _logits("real", b, seed=6)
-        z[:, :15] += 6.0
+        z[:, :15] = z.max(axis=1, keepdims=True) + np.linspace(0.0, -1.0, 15, dtype=np.float32)
         smp = ReSET(top_p_method="kernel-grid-state", t_high=1.0, t_low=0.3, tau_0=3.0,
                     window=8, top_p=0.9, nl_mask=nl, dnl_mask=dnl)  # fmt: skip
         ref = dataclasses.replace(smp, top_p_method="kernel-grid")
         step = jax.jit(sample)
         sa, sb, ends = sampler_init(smp, b), sampler_init(ref, b), 0
-        for i in range(24):
+        steps = 24
+        for i in range(steps):
             zi = jnp.asarray(np.roll(z, i, axis=0))
             ta, sa, ia = step(jax.random.key(i), zi, sa, smp)
             tb, sb, ib = step(jax.random.key(i), zi, sb, ref)
@@ -291,7 +292,40 @@ def test_grid_state_kernel_updates_reset_state_as_xla_does():
                 np.testing.assert_array_equal(np.asarray(getattr(sa, f.name)),
                                               np.asarray(getattr(sb, f.name)), f.name)  # fmt: skip
             ends += int((np.asarray(sa.s_n) == 0).sum())
-        assert ends > 0  # steps ended
+        assert 0 < ends < steps * b, ends  # steps ended, and steps went on
+
+
+def test_grid_state_kernel_in_a_scan_matches_the_xla_update():
+    # inside a jitted scan the state is a loop carry, which the op updates in place (its state
+    # operands alias its results): the tokens and the final state equal "kernel-grid"'s
+    import dataclasses
+
+    from rejax.sampling import SamplerState
+
+    b, steps = 8, 32
+    nl = jnp.zeros(V, bool).at[:10].set(True)
+    dnl = jnp.zeros(V, bool).at[10:15].set(True)
+    z = _logits("real", b, seed=7)
+    z[:, :15] = z.max(axis=1, keepdims=True) + np.linspace(0.0, -1.0, 15, dtype=np.float32)
+    z = jnp.asarray(z)
+    smp = ReSET(top_p_method="kernel-grid-state", t_high=1.0, t_low=0.3, tau_0=3.0,
+                window=8, top_p=0.9, nl_mask=nl, dnl_mask=dnl)  # fmt: skip
+
+    def run(s):
+        def body(state, i):
+            tok, state, _ = sample(jax.random.fold_in(jax.random.key(0), i),
+                                   jnp.roll(z, i, axis=0), state, s)  # fmt: skip
+            return state, tok
+
+        return jax.jit(lambda: jax.lax.scan(body, sampler_init(s, b), jnp.arange(steps)))()
+
+    sa, ta = run(smp)
+    sb, tb = run(dataclasses.replace(smp, top_p_method="kernel-grid"))
+    np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb))
+    for f in dataclasses.fields(SamplerState):
+        np.testing.assert_array_equal(np.asarray(getattr(sa, f.name)),
+                                      np.asarray(getattr(sb, f.name)), f.name)  # fmt: skip
+    assert int(np.asarray(sa.g_n).min()) == steps
 
 
 def test_grid_variant_repeats_its_bits_launch_after_launch():

@@ -572,9 +572,15 @@ def test_op_rejects_bad_arguments():
 
 
 def _bound_variants(fn, *args) -> list:
-    """The `variant` parameter of every sampler primitive in fn's jaxpr."""
+    """The `variant` parameter of every sampler primitive in fn's jaxpr ("grid-state" for
+    ReSET's draw-and-update primitive)."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    return [e.params["variant"] for e in jaxpr.eqns if e.primitive.name == "rejax_sample_top_p"]
+    names = {"rejax_sample_top_p": None, "rejax_sample_reset": op.STATE_VARIANT}
+    return [
+        names[e.primitive.name] or e.params["variant"]
+        for e in jaxpr.eqns
+        if e.primitive.name in names
+    ]
 
 
 @pytest.mark.parametrize(
@@ -585,7 +591,8 @@ def _bound_variants(fn, *args) -> list:
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
     """The default variant "auto" binds "grid" for top-p alone, and for top-k "merge" where the
     H200 measured it faster (k <= 32 from 32 rows) and "split" elsewhere; `sample` binds the same
-    pick, ReSET as top-p alone; a named variant is kept."""
+    pick, ReSET as top-p alone with its state update in the launch ("grid-state"); a named
+    variant is kept."""
     assert op.VARIANT == "auto"
     assert op.choose_variant("auto", rows, top_k) == want
     assert op.choose_variant("cluster", rows, top_k) == "cluster"
@@ -600,7 +607,10 @@ def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
         reset = sampling.ReSET(t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(vocab, bool),
                                dnl_mask=jnp.zeros(vocab, bool))  # fmt: skip
         got = _bound_variants(lambda k, x: sample(k, x, sampler_init(reset, rows), reset), key, z)
-        assert got == [want]
+        assert got == [op.STATE_VARIANT]
+        named = dataclasses.replace(reset, top_p_method="kernel-grid")
+        got = _bound_variants(lambda k, x: sample(k, x, sampler_init(named, rows), named), key, z)
+        assert got == ["grid"]
     with pytest.raises(ValueError, match="variant='fused'"):
         op.choose_variant("fused", rows, top_k)
 
@@ -670,7 +680,8 @@ def test_sample_reset_step_vmaps_over_rows():
 
 def test_cuda_lowering_grid_state_is_one_call():
     # ReSET under "grid-state": one grid kernel with the state in and out (18 operands, 12
-    # results), built with RESET_STATE and the ring's width; Temperature runs plain "grid"
+    # results, the state's in place), built with RESET_STATE and the ring's width; Temperature
+    # runs plain "grid"
     pytest.importorskip("cuda.bindings.nvrtc")
     b, v, w = 4, 151936, 32
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
@@ -678,6 +689,9 @@ def test_cuda_lowering_grid_state_is_one_call():
     hlo = _lower_cuda_variant(reset, b, v, op.STATE_VARIANT)
     (cfg,) = _backend_configs(hlo)
     assert cfg["name"] == "rejax_sample_grid" and cfg["outputs"] == list(range(18, 30))
+    # the state is updated in place: operands 7..15 alias results 3..11 (no copies in a loop)
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", hlo)
+    assert sorted((int(o), int(i)) for i, o in aliases) == [(7 + k, 3 + k) for k in range(9)]
     assert (cfg["grid_x"], cfg["grid_y"]) == (kernels.grid_plan(b, v)[0], b)
     kern = kernels.build(b, v, 0, variant="grid", window=w, arch="compute_90")
     assert ptx_entries(kern.ptx) == {"rejax_sample_grid": 30}

@@ -65,9 +65,11 @@ VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "gr
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # "grid" with ReSET's state update in the same launch (`sample_reset_step`; Temperature runs
-# "grid"): the ReSET policy's ~10 small XLA fusions per decode step after the draw become part
-# of the kernel. Opt-in (`sample_kernel(..., variant=STATE_VARIANT)`, or the sampling method
-# "kernel-grid-state") until its GPU tests have run.
+# "grid"): the ReSET policy's state update after the draw (about 8 small XLA kernels a step)
+# becomes part of the kernel, which updates the state in place (`STATE_ALIASES`). "auto" runs
+# it for ReSET wherever it picks "grid". H200, 2-layer decode step at 1 row (profile_step,
+# experiments/results/h200_u/): busy 446.0 us against 453.7 for ReSET on "grid" and 439.9 for
+# Temperature; 36-layer decode loop at 64 rows: +136 against +151 us over greedy.
 STATE_VARIANT = "grid-state"
 # Kernel alone on the H200 (experiments/bench_sampler.py --logits lm, us over greedy, split /
 # merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
@@ -279,6 +281,12 @@ def _lower_reset(ctx, *args, **params):
     )
 
 
+# The state's nine operands (7..15) share their buffers with the nine new-state results (3..11):
+# the kernel updates the state in place, so a decode loop carries it without copies (each
+# element is read before it is written, by the thread that writes it; `reset_record`).
+STATE_ALIASES = {7 + i: 3 + i for i in range(9)}
+
+
 def _lower_cuda_reset(ctx, *args, **params):
     b, v = ctx.avals_in[0].shape
     w = ctx.avals_in[7].shape[1]
@@ -294,7 +302,8 @@ def _lower_cuda_reset(ctx, *args, **params):
 
     def fused(*xs):
         outs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in _abstract_reset(*xs)]
-        return _call(kern, "rejax_sample_grid", tuple(outs), *xs)
+        config = kern.backend_config("rejax_sample_grid")
+        return _dispatch.ptx_call(config, tuple(outs), *xs, aliases=STATE_ALIASES)
 
     return mlir.lower_fun(fused, multiple_results=True)(ctx, *args)
 
