@@ -71,7 +71,8 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # "kernel-split" / "kernel-cluster" / "kernel-merge" / ... are "kernel" with the CUDA kernels'
 # variant named (`rejax.ops.sampler.VARIANTS`; "kernel" takes `rejax.ops.sampler.VARIANT`), for
 # A/B timings in one decode loop; "kernel-grid-state" (`rejax.ops.sampler.STATE_VARIANT`) is
-# "kernel-grid" with ReSET's state update in the kernel (opt-in)
+# "kernel-grid" with ReSET's state update in the kernel (what "kernel" runs for ReSET wherever
+# "auto" picks "grid")
 KERNEL_METHODS = {"kernel": None, **{f"kernel-{v}": v for v in sampler_op.VARIANTS}}
 KERNEL_METHODS[f"kernel-{sampler_op.STATE_VARIANT}"] = sampler_op.STATE_VARIANT
 SAMPLE_METHODS = (*KERNEL_METHODS, *TOP_P_METHODS)

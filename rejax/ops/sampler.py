@@ -436,7 +436,8 @@ def sample_kernel(
     Args:
       key, logits, state, sampler, stats_method: as `rejax.sampling.sample`.
       variant: one of `VARIANTS` or "auto", as `sample_top_p`, or `STATE_VARIANT` ("grid"
-        with ReSET's state update in the kernel, `sample_reset_step`). Static.
+        with ReSET's state update in the kernel, `sample_reset_step`; "auto" runs it for ReSET
+        wherever it picks "grid"). Static.
       impl: as `sample_top_p`.
 
     Returns:
