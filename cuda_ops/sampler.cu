@@ -1234,16 +1234,17 @@ __device__ __forceinline__ float ld_peerf(const void* p, int rank) {
 #endif  // CLUSTER > 0
 
 
-// The packed scores of tokens j0 + q (j0 % 4 == 0) where cand[q], 0 where a token cannot win: one
-// Philox call for the four words, the low words only where they matter (need_lo), and the
-// logarithms only where gumbel_bound lets the token reach PRUNE_SCORE.
+// The packed scores of tokens j0 + q (j0 % 4 == 0) where cand[q], 0 where a token cannot reach
+// `floor` (PRUNE_SCORE: cannot win): one Philox call for the four words, the low words only
+// where they matter (need_lo), and the logarithms only where gumbel_bound lets the token reach
+// the floor.
 __device__ __forceinline__ void scores4(const float (&zt)[4], const bool (&cand)[4], int j0,
-                                        u32 k0, u32 k1, u64 (&out)[4]) {
+                                        u32 k0, u32 k1, float floor, u64 (&out)[4]) {
     const uint4 w = philox((u32)j0 >> 2, 0u, 0u, 0u, k0, k1);
     bool go[4], lo_needed = false;
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        go[q] = cand[q] && zt[q] + gumbel_bound(word(w, q)) >= PRUNE_SCORE;
+        go[q] = cand[q] && zt[q] + gumbel_bound(word(w, q)) >= floor;
         lo_needed |= go[q] && need_lo(word(w, q));
     }
     const uint4 wl = lo_needed ? philox((u32)j0 >> 2, 1u, 0u, 0u, k0, k1) : make_uint4(0, 0, 0, 0);
@@ -1351,7 +1352,7 @@ __device__ u64 chunk_best(const float* z, int lo, int hi, float m, float it, u32
         }
         if (any) {
             u64 sc[4];
-            scores4(zt, cand, j0, k0, k1, sc);
+            scores4(zt, cand, j0, k0, k1, PRUNE_SCORE, sc);
 #pragma unroll
             for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
         }
@@ -1610,7 +1611,7 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
         }
         if (any) {
             u64 sc[4];
-            scores4(zt, cand, j0, k0, k1, sc);
+            scores4(zt, cand, j0, k0, k1, PRUNE_SCORE, sc);
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 if (sc[q]) atomicMax(&hb[bin[q]], sc[q]);
@@ -1916,24 +1917,9 @@ __device__ __forceinline__ float score_of(u64 p) {
     return __uint_as_float((b & 0x80000000u) ? (b & 0x7fffffffu) : ~b);
 }
 
-// scores4 against a floor: a token is scored only if its score can reach `floor` (the logarithms
-// of the noise only where gumbel_bound allows it). The sweeps below raise the floor to the
-// thread's own k-th best score so far: a token that cannot reach it cannot enter the thread's
-// list, so the lists (and the row's best scores) are those of scoring every token.
-__device__ __forceinline__ void scores4_floor(const float (&zt)[4], const bool (&cand)[4], int j0,
-                                              u32 k0, u32 k1, float floor, u64 (&out)[4]) {
-    const uint4 w = philox((u32)j0 >> 2, 0u, 0u, 0u, k0, k1);
-    bool go[4], lo_needed = false;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        go[q] = cand[q] && zt[q] + gumbel_bound(word(w, q)) >= floor;
-        lo_needed |= go[q] && need_lo(word(w, q));
-    }
-    const uint4 wl = lo_needed ? philox((u32)j0 >> 2, 1u, 0u, 0u, k0, k1) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-        out[q] = go[q] ? pack(zt[q] + gumbel_of(word(w, q), word(wl, q)), j0 + q) : 0ull;
-}
+// The sweeps below call scores4 with a floor raised to a score the block already holds: a token
+// that cannot reach it cannot enter the block's best scores, so those are the ones of scoring
+// every token.
 #define NOISE_MAX 38.83f  // above gumbel_of's largest value, 56 log 2 = 38.816
 
 // Inserts packed score v into the descending list l[0, NC) if it belongs there.
@@ -1996,7 +1982,7 @@ __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32
         }
         if (any) {
             u64 sc[4];
-            scores4_floor(zt, cand, j0, k0, k1, floor, sc);
+            scores4(zt, cand, j0, k0, k1, floor, sc);
 #pragma unroll
             for (int q = 0; q < 4; ++q)
                 if (sc[q] > l[NC - 1]) top_insert(l, sc[q]);
@@ -2034,7 +2020,7 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
         }
         if (any) {
             u64 sc[4];
-            scores4_floor(zt, cand, j0, k0, k1, floor, sc);
+            scores4(zt, cand, j0, k0, k1, floor, sc);
 #pragma unroll
             for (int q = 0; q < 4; ++q) best = sc[q] > best ? sc[q] : best;
             if (best) floor = fmaxf(PRUNE_SCORE, score_of(best));
