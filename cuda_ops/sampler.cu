@@ -1890,6 +1890,16 @@ __device__ u64 g_gbest[B_ROWS * GRID * NC];  // per CTA: its NC best packed scor
 __device__ u32 g_gmass[B_ROWS * GRID * (NC + 1)];  // per CTA: mass, the parts above each x
 __device__ u32 g_gbar[B_ROWS];              // arrivals at the row's barriers (GRID per round)
 __device__ u32 g_gexit[B_ROWS];             // CTAs of the row that have left
+#if TOP_K > 0
+// Top-k: each CTA publishes the TK_PUB largest of its threads' maxima (distinct tokens, packed
+// ord_of(logit) << 32 | id); tau, the k-th largest of the published values, has k distinct
+// tokens at or above it, so the tokens >= tau hold the top-k set (a superset, for topk_draw).
+#define TK_PUB 8
+#define TAU_K_MAX 64  // a larger k skips tau: every live token is listed (topk_draw's V path)
+__device__ u64 g_gtop[B_ROWS * GRID * TK_PUB];
+__device__ u64 g_glist[B_ROWS * NMAX];  // the row's tokens >= tau (in arrival order)
+__device__ u32 g_gln[B_ROWS];           // how many arrived (may pass NMAX)
+#endif
 
 __device__ __forceinline__ u32 ld_acquire(const u32* p) {
     u32 v;
@@ -1933,20 +1943,68 @@ __device__ __forceinline__ void top_insert(u64 (&l)[NC], u64 v) {
     }
 }
 
+// N values reduced at once over the block, each in block_reduce's order (so each result is
+// bitwise block_reduce's), with one round of barriers for all of them; `red` holds N x NWARPS.
+template <typename Op, int N, typename T>
+__device__ __forceinline__ void block_reduce_n(T (&x)[N], T* red) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = warp_reduce<Op>(x[k]);
+    __syncthreads();
+    if (lane == 0)
+#pragma unroll
+        for (int k = 0; k < N; ++k) red[k * NWARPS + w] = x[k];
+    __syncthreads();
+    if (threadIdx.x < 32) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+            T y = lane < NWARPS ? red[k * NWARPS + lane] : Op::identity();
+            y = warp_reduce<Op>(y);
+            if (lane == 0) red[k * NWARPS] = y;  // this lane has read its slot k already
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = red[k * NWARPS];
+}
+
 // The NC largest of the block's per-thread descending lists `mine` (every thread gets them, in
-// `out`, descending; 0 where fewer): NC rounds of a block max, each popping the winner (packed
-// scores are distinct by id) from its owner's list.
-__device__ void block_top(u64 (&mine)[NC], u64* ured, u64 (&out)[NC]) {
+// `out`, descending; 0 where fewer): each warp takes its NC largest in NC rounds of a warp max,
+// each popping the winner (packed scores are distinct by id) from its owner's list, then warp 0
+// takes the NC largest of the warps' lists the same way. `wl` holds NWARPS x NC.
+__device__ void block_top(u64 (&mine)[NC], u64* wl, u64 (&out)[NC]) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __syncthreads();  // the last call's readers of wl are done
 #pragma unroll
     for (int k = 0; k < NC; ++k) {
-        const u64 v = block_reduce<MaxU64>(mine[0], ured);
-        out[k] = v;
+        const u64 v = warp_reduce<MaxU64>(mine[0]);
+        if (lane == 0) wl[w * NC + k] = v;
         if (v && mine[0] == v) {
 #pragma unroll
             for (int j = 0; j + 1 < NC; ++j) mine[j] = mine[j + 1];
             mine[NC - 1] = 0ull;
         }
     }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        u64 l[NC];
+#pragma unroll
+        for (int k = 0; k < NC; ++k) l[k] = lane < NWARPS ? wl[lane * NC + k] : 0ull;
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < NC; ++k) {
+            const u64 v = warp_reduce<MaxU64>(l[0]);
+            if (lane == 0) wl[k] = v;  // every lane has read its list above
+            if (v && l[0] == v) {
+#pragma unroll
+                for (int j = 0; j + 1 < NC; ++j) l[j] = l[j + 1];
+                l[NC - 1] = 0ull;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < NC; ++k) out[k] = wl[k];
 }
 
 // chunk_best's sweep keeping the NC best packed scores; the block's NC best in `out`. The floor
@@ -1958,7 +2016,7 @@ __device__ void block_top(u64 (&mine)[NC], u64* ured, u64 (&out)[NC]) {
 // logarithms far more often than with the thread's own floor (flat logits: a warp computes
 // them when any lane needs them).
 __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32 k0, u32 k1,
-                          u64* ured, u32 (&slot)[NC], u64 (&out)[NC]) {
+                          u64* wl, u32 (&slot)[NC], u64 (&out)[NC]) {
     const int tid = threadIdx.x;
     u64 l[NC];
 #pragma unroll
@@ -1993,7 +2051,7 @@ __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32
             }
         }
     }
-    block_top(l, ured, out);
+    block_top(l, wl, out);
 }
 
 // The best packed score over the tokens of chunk [lo, hi) ranked above (kx, xid) (a larger
@@ -2028,6 +2086,71 @@ __device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float i
     }
     return block_reduce<MaxU64>(best, ured);
 }
+
+#if TOP_K > 0
+// Publishes the block's TK_PUB largest of the threads' values v (0: none) to out[0, TK_PUB),
+// descending: each warp sorts its 32, then warp 0 merges the warps' TK_PUB best in TK_PUB
+// rounds of a warp max. `sh` holds NWARPS x TK_PUB.
+__device__ void publish_top(u64 v, u64* sh, u64* out) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    v = warp_sort_desc(v);
+    __syncthreads();  // earlier readers of sh are done
+    if (lane < TK_PUB) sh[w * TK_PUB + lane] = v;
+    __syncthreads();
+    if (w == 0) {
+        u64 l[TK_PUB];
+#pragma unroll
+        for (int k = 0; k < TK_PUB; ++k) l[k] = lane < NWARPS ? sh[lane * TK_PUB + k] : 0ull;
+        u64 mine = 0ull;
+#pragma unroll
+        for (int k = 0; k < TK_PUB; ++k) {
+            const u64 x = warp_reduce<MaxU64>(l[0]);
+            if (lane == k) mine = x;
+            if (x && l[0] == x) {
+#pragma unroll
+                for (int j = 0; j + 1 < TK_PUB; ++j) l[j] = l[j + 1];
+                l[TK_PUB - 1] = 0ull;
+            }
+        }
+        if (lane < TK_PUB) out[lane] = mine;
+    }
+}
+
+// The TOP_K-th largest of the row's published values g[0, GRID x TK_PUB) (descending lists of
+// TK_PUB per CTA; 0 entries are none), or 0 when fewer than TOP_K are published or TOP_K >
+// TAU_K_MAX. Every thread gets it. Each warp takes its lanes' lists' TOP_K largest in TOP_K
+// rounds of a warp max (into sh, NWARPS x TOP_K), then warp 0 merges those lists the same way.
+__device__ u64 kth_published(const u64* g, u64* sh, u64* result) {
+    if (TOP_K > TAU_K_MAX || GRID * TK_PUB < TOP_K) return 0ull;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, tid = threadIdx.x;
+    u64 l[TK_PUB];
+#pragma unroll
+    for (int k = 0; k < TK_PUB; ++k) l[k] = tid < GRID ? __ldcg(g + tid * TK_PUB + k) : 0ull;
+    __syncthreads();  // earlier readers of sh are done
+    for (int k = 0; k < TOP_K; ++k) {
+        const u64 x = warp_reduce<MaxU64>(l[0]);
+        if (lane == 0) sh[w * TOP_K + k] = x;
+        if (x && l[0] == x) {
+#pragma unroll
+            for (int j = 0; j + 1 < TK_PUB; ++j) l[j] = l[j + 1];
+            l[TK_PUB - 1] = 0ull;
+        }
+    }
+    __syncthreads();
+    if (w == 0) {
+        int at = 0;  // lane j < NWARPS walks warp j's list
+        u64 x = 0ull;
+        for (int k = 0; k < TOP_K; ++k) {
+            const u64 head = lane < NWARPS && at < TOP_K ? sh[lane * TOP_K + at] : 0ull;
+            x = warp_reduce<MaxU64>(head);
+            if (x && head == x) ++at;
+        }
+        if (lane == 0) *result = x;  // 0 if fewer than TOP_K were published
+    }
+    __syncthreads();
+    return *result;
+}
+#endif
 
 #ifndef RESET_STATE  // ReSET's state update in the kernel (the "grid-state" method)
 #define RESET_STATE 0
@@ -2095,12 +2218,25 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     __shared__ float rowf[3 + RESET_STATE];  // the row's max, temperature, denominator (entropy)
     __shared__ int rowi[2];    // the row's first / last argmax
     __shared__ u32 slot[NC];   // chunk_top's floor
+    __shared__ float fred4[4 * NWARPS];  // batched reductions' scratch
+    __shared__ int ired2[2 * NWARPS];
+    __shared__ u32 ured5[(NC + 1) * NWARPS];
+    __shared__ u64 wl[NWARPS * NC];      // block_top's lists
+#if TOP_K > 0
+    __shared__ u64 hb[NMAX];            // CTA 0's list of the row's tokens >= tau; scratch before
+    __shared__ u32 hm[NB], hc[NB];      // topk_draw's histograms
+    __shared__ u64 tau_s;
+    static_assert(NWARPS * TAU_K_MAX <= NMAX && NWARPS * TK_PUB <= NMAX, "hb as scratch");
+#endif
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     const float* z = logits + (size_t)r * V_SIZE;
     const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
     float* const gst = g_gst + (size_t)r * GRID * 5;
     int* const garg = g_garg + (size_t)r * GRID * 2;
     u64* const gbest = g_gbest + (size_t)r * GRID * NC;
+#if TOP_K > 0
+    u64* const gtop = g_gtop + (size_t)r * GRID * TK_PUB;
+#endif
     u32* const gmass = g_gmass + (size_t)r * GRID * (NC + 1);
     u32* const bar = g_gbar + r;
     u32 round = 0;
@@ -2127,9 +2263,12 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 }
             }
         }
+#if TOP_K > 0
+        // the thread's max token (first of its ties), one of the CTA's published maxima
+        publish_top(m > -INFINITY ? ((u64)ord_of(m) << 32) | (u32)first : 0ull, hb,
+                    gtop + c * TK_PUB);
+#endif
         const float mc = block_reduce<MaxF>(m, fred);
-        first = block_reduce<MinI>(m == mc ? first : INT_BIG, ired);
-        last = block_reduce<MaxI>(m == mc ? last : -1, ired);
         float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
         const bool two = ib != ia;  // Temperature: one tempered sum
         if (mc > -INFINITY) {
@@ -2147,10 +2286,18 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 }
             }
         }
-        s = block_reduce<Sum>(s, fred);
-        u = block_reduce<Sum>(u, fred);
-        sa = block_reduce<Sum>(sa, fred);
-        sb = two ? block_reduce<Sum>(sb, fred) : sa;
+        // the first / last argmax (max as the min of its negation: exact) and the sums, each
+        // in block_reduce's order
+        int fl[2] = {m == mc ? first : INT_BIG, m == mc ? -last : 1};
+        float sums[4] = {s, u, sa, sb};
+        block_reduce_n<MinI>(fl, ired2);
+        block_reduce_n<Sum>(sums, fred4);
+        first = fl[0];
+        last = -fl[1];
+        s = sums[0];
+        u = sums[1];
+        sa = sums[2];
+        sb = two ? sums[3] : sa;
         if (tid == 0) {
             gst[c * 5 + 0] = mc;
             gst[c * 5 + 1] = s;
@@ -2190,12 +2337,16 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 SB = sbi * expf(dm * ib);
             }
         }
-        S = block_reduce<Sum>(S, fred);
-        U = block_reduce<Sum>(U, fred);
-        SA = block_reduce<Sum>(SA, fred);
-        SB = block_reduce<Sum>(SB, fred);
-        f = block_reduce<MinI>(f, ired);
-        l = block_reduce<MaxI>(l, ired);
+        float sums[4] = {S, U, SA, SB};
+        int fl[2] = {f, -l};
+        block_reduce_n<Sum>(sums, fred4);
+        block_reduce_n<MinI>(fl, ired2);
+        S = sums[0];
+        U = sums[1];
+        SA = sums[2];
+        SB = sums[3];
+        f = fl[0];
+        l = -fl[1];
         if (tid == 0) {
             const float h = logf(S) - U / S;
             const bool high = (h >= thr[r]) || (h > alt[r]);
@@ -2224,11 +2375,64 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     if (t <= GREEDY_EPS) {  // greedy row: the first argmax of the raw logits
         DRAWN(rowi[0]);
     } else {
+#if TOP_K > 0
+        // ---- top-k: the tokens >= tau (a superset of the top-k set) listed, then CTA 0 draws
+        // from the list as the split kernels' last block does (topk_draw: the k-th largest,
+        // top-p over the kept tokens, the noise of the listed tokens only)
+        const float it = 1.0f / t, tp = top_p[r];
+        const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+        const u64 tau = kth_published(gtop, hb, &tau_s);
+        const float zt_tau = tau ? tempered(float_of_ord((u32)(tau >> 32)), m, it) : -INFINITY;
+        const int lane = tid & 31;
+        // every lane of a warp runs the same iterations (the ballots): j0 past hi reads nothing
+        for (int w0 = lo + 4 * (tid & ~31); w0 < hi; w0 += 4 * NTHREADS) {
+            const int j0 = w0 + 4 * lane;
+            float x[4];
+            if (j0 < hi) {
+                load4(z, j0, hi, x);
+            } else {
+#pragma unroll
+                for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
+            }
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float zt = tempered(x[q], m, it);
+                const bool in = zt > -INFINITY && zt >= zt_tau;
+                const u32 ballot = __ballot_sync(FULL_MASK, in);
+                if (!ballot) continue;
+                u32 base = 0u;  // one atomic a warp for its listed tokens
+                if (lane == 0) base = atomicAdd(g_gln + r, (u32)__popc(ballot));
+                base = __shfl_sync(FULL_MASK, base, 0);
+                const u32 at = base + __popc(ballot & ((1u << lane) - 1u));
+                if (in && at < (u32)NMAX)
+                    g_glist[(size_t)r * NMAX + at] = ((u64)ord_of(zt) << 32) | (u32)(j0 + q);
+            }
+        }
+        grid_barrier(bar, ++round);
+        if (c == 0) {
+            const u32 n = __ldcg(g_gln + r);
+            const int listed = (int)min(n, (u32)NMAX);
+            for (int i = tid; i < listed; i += NTHREADS)
+                hb[i] = __ldcg(g_glist + (size_t)r * NMAX + i);
+            __syncthreads();
+            int token = 0;
+            if (n <= 32u) {
+                if (tid < 32) token = warp_topk_draw(hb, (int)n, tp, z, m, it, k0, k1);
+            } else {  // topk_draw's list path, or (n > NMAX) its selection over V
+                token = topk_draw(hb, n <= (u32)NMAX ? (int)n : NMAX + 1, tp, z, m, it, k0, k1,
+                                  FLOOR, hm, hc, red, ired, ured, fred);
+            }
+            DRAWN(token);
+        }
+    }
+    if (false) {  // top-k: the top-p path below is dead code
+#endif
         const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
+
         const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
         // ---- 2. the NC best scores over every live token (top list, best first)
         u64 cand[NC];
-        chunk_top(z, lo, hi, m, it, k0, k1, ured, slot, cand);
+        chunk_top(z, lo, hi, m, it, k0, k1, wl, slot, cand);
         for (;;) {
             if (tid == 0)
 #pragma unroll
@@ -2240,7 +2444,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
 #pragma unroll
                 for (int k = 0; k < NC; ++k)
                     mine[k] = tid < GRID ? __ldcg(gbest + tid * NC + k) : 0ull;  // sorted lists
-                block_top(mine, ured, xs);
+                block_top(mine, wl, xs);
             }
             if (tp >= 1.0f) {  // every live token is kept
                 DRAWN(unpack_id(xs[0]));
@@ -2277,9 +2481,16 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                     }
                 }
             }
-            mass = block_reduce<SumU>(mass, red);
+            {
+                u32 v[NC + 1];
+                v[0] = mass;
 #pragma unroll
-            for (int k = 0; k < NC; ++k) above[k] = block_reduce<SumU>(above[k], red);
+                for (int k = 0; k < NC; ++k) v[1 + k] = above[k];
+                block_reduce_n<SumU>(v, ured5);
+                mass = v[0];
+#pragma unroll
+                for (int k = 0; k < NC; ++k) above[k] = v[1 + k];
+            }
             if (tid == 0) {
                 gmass[c * (NC + 1)] = mass;
 #pragma unroll
@@ -2288,13 +2499,13 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
             grid_barrier(bar, ++round);
             u32 total = 0u;
             {  // integers: order-free, exact, the same in every CTA
-                const u32 mq = tid < GRID ? __ldcg(gmass + tid * (NC + 1)) : 0u;
-                total = block_reduce<SumU>(mq, red);
+                u32 v[NC + 1];
 #pragma unroll
-                for (int k = 0; k < NC; ++k) {
-                    const u32 aq = tid < GRID ? __ldcg(gmass + tid * (NC + 1) + 1 + k) : 0u;
-                    above[k] = block_reduce<SumU>(aq, red);
-                }
+                for (int k = 0; k <= NC; ++k) v[k] = tid < GRID ? __ldcg(gmass + tid * (NC + 1) + k) : 0u;
+                block_reduce_n<SumU>(v, ured5);
+                total = v[0];
+#pragma unroll
+                for (int k = 0; k < NC; ++k) above[k] = v[1 + k];
             }
             const float limit = tp * (float)total;
             // the best-scoring kept candidate is the Gumbel-max over the kept tokens: a kept
@@ -2341,6 +2552,9 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     if (tid == 0 && atomicAdd(g_gexit + r, 1u) == (u32)(GRID - 1)) {
         g_gbar[r] = 0u;
         g_gexit[r] = 0u;
+#if TOP_K > 0
+        g_gln[r] = 0u;
+#endif
         __threadfence();
     }
 }

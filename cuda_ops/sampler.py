@@ -22,8 +22,10 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   (up to `GRID_THREADS`; all of them resident, `grid_plan`) that meet at barriers in global
   scratch, so one row runs on every SM. It tests the 4 best-scoring draws in one sweep and
   takes the best kept one; if all are rejected, the best score among the tokens ranked above
-  them, tested again, until one is kept (`GRIDSYNC`). Top-p without top-k only: with top-k it
-  runs "merge"'s kernels.
+  them, tested again, until one is kept (`GRIDSYNC`). With top-k: each CTA publishes its
+  threads' 8 largest maxima; the k-th largest published value has k distinct tokens at or above
+  it, so the tokens at or above it (listed in one sweep) hold the top-k set, and CTA 0 draws
+  from that list as the split kernels' last block does (`GRID_TOPK_CTAS_PER_SM` CTAs an SM).
 
 Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """
@@ -95,17 +97,18 @@ MAX_VOCAB = 1 << 24
 # every CTA of the launch resident whenever a row has more than one (B x GRID <= SMS x that).
 GRID_THREADS = 256
 GRID_CTAS_PER_SM = 4
+GRID_TOPK_CTAS_PER_SM = 2  # with top-k: 33 KB of shared memory a CTA (the list, topk_draw's)
+GRID_MIN_TOKENS = 4  # tokens a thread at least (one float4): the CTAs of a row at small batch
+GRID_TAU_MAX_K = 64  # sampler.cu TAU_K_MAX: a larger top-k selects over every live token
 RESIDENT_BLOCKS = 528  # 132 SMs x 4 blocks of 512 threads (the H200); the grid targets one wave
 MAX_CHUNKS = 128
 
 
 def entries(variant: str = "split", top_k: int = 0, window: int = 0) -> dict:
     """The variant's kernel entries: name -> (number of operands, number of results) ("grid"
-    with top-k: "merge"'s; with ReSET's state of `window` entropies: GRID_STATE_ENTRIES)."""
+    with ReSET's state of `window` entropies: GRID_STATE_ENTRIES)."""
     _check_variant(variant)
     if variant == "grid":
-        if top_k:
-            return ENTRIES
         return GRID_STATE_ENTRIES if window else GRID_ENTRIES
     return CLUSTER_ENTRIES if variant in CLUSTER_VARIANTS else ENTRIES
 
@@ -160,7 +163,8 @@ class Plan:
         if self.variant == "reject" and self.top_k == 0:
             d |= {"REJECT": 1}
         if self.variant == "grid":
-            d |= {"GRIDSYNC": 1, "GRID": self.chunks, "MIN_CTAS": GRID_CTAS_PER_SM}
+            ctas = GRID_TOPK_CTAS_PER_SM if self.top_k else GRID_CTAS_PER_SM
+            d |= {"GRIDSYNC": 1, "GRID": self.chunks, "MIN_CTAS": ctas}
             if self.window:
                 d |= {"RESET_STATE": 1, "W_RING": self.window}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
@@ -184,18 +188,18 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split", window:
     per row.
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
     CLUSTER).
-    "grid": `grid_plan`'s chunks per row (with top-k: "merge"'s plan); `window` > 0 builds it
-    with ReSET's state update (a ring of `window` entropies; top-p alone)."""
+    "grid": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
+    `window` > 0 builds it with ReSET's state update (a ring of `window` entropies; top-p
+    alone)."""
     _check_variant(variant)
     if window and (variant != "grid" or top_k):
         raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
                          f"without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
     if variant == "grid":
-        if top_k:
-            return plan(batch, vocab, top_k, "merge")
-        chunks, chunk = grid_plan(batch, vocab)
-        return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, threads=GRID_THREADS,
-                    variant=variant, window=window)  # fmt: skip
+        ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
+        chunks, chunk = grid_plan(batch, vocab, ctas_per_sm=ctas)
+        return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k,
+                    threads=GRID_THREADS, variant=variant, window=window)  # fmt: skip
     if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
@@ -207,13 +211,15 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split", window:
     return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k, variant=variant)
 
 
-def grid_plan(batch: int, vocab: int, sms: int = SMS) -> tuple[int, int]:
-    """(CTAs per row, chunk length) of the grid kernel: a chunk of at least 4 tokens a thread,
-    at most `GRID_THREADS` CTAs a row (one partial per thread in the combines), and all B x CTAs
-    resident at once (`GRID_CTAS_PER_SM` per SM) whenever a row has more than one CTA."""
-    per_row = min(
-        _cdiv(vocab, 4 * GRID_THREADS), GRID_THREADS, max(1, sms * GRID_CTAS_PER_SM // batch)
-    )
+def grid_plan(
+    batch: int, vocab: int, sms: int = SMS, ctas_per_sm: int = GRID_CTAS_PER_SM
+) -> tuple[int, int]:
+    """(CTAs per row, chunk length) of the grid kernel: a chunk of at least `GRID_MIN_TOKENS`
+    tokens a thread, at most `GRID_THREADS` CTAs a row (one partial per thread in the
+    combines), and all B x CTAs resident at once (`ctas_per_sm` per SM) whenever a row has more
+    than one CTA."""
+    most = _cdiv(vocab, GRID_MIN_TOKENS * GRID_THREADS)
+    per_row = min(most, GRID_THREADS, max(1, sms * ctas_per_sm // batch))
     chunk = _cdiv(_cdiv(vocab, per_row), 4) * 4  # a multiple of 4 (float4 loads)
     return _cdiv(vocab, chunk), chunk  # no empty trailing chunk
 

@@ -294,7 +294,7 @@ def main(argv=None) -> None:
         choices=sampler_op.VARIANT_CHOICES,
         help="kernel variants timed for method 'kernel' (non-default ones labelled kernel:NAME)",
     )
-    samplers_all = ["temperature_top_p", "top_k20", "top_k20_top_p", "reset_top_p"]
+    samplers_all = ["temperature_top_p", "top_k20", "top_k20_top_p", "top_k64_top_p", "reset_top_p"]
     parser.add_argument(
         "--samplers", nargs="+", default=samplers_all, choices=samplers_all,
         help="samplers timed per method (greedy is always timed)",
@@ -343,6 +343,7 @@ def main(argv=None) -> None:
         "temperature_top_p": Temperature(0.6, top_p=TOP_P),
         "top_k20": Temperature(0.6, top_k=20),
         "top_k20_top_p": Temperature(0.6, top_p=TOP_P, top_k=20),
+        "top_k64_top_p": Temperature(0.6, top_p=TOP_P, top_k=64),
         "reset_top_p": ReSET(
             t_high=T_HIGH, t_low=T_LOW, tau_0=TAU_0, nl_mask=nl, dnl_mask=dnl, top_p=TOP_P
         ),
@@ -428,6 +429,7 @@ def main(argv=None) -> None:
             "temperature_top_p": f"Temperature(0.6, top_p={TOP_P})",
             "top_k20": "Temperature(0.6, top_k=20)",
             "top_k20_top_p": f"Temperature(0.6, top_p={TOP_P}, top_k=20)",
+            "top_k64_top_p": f"Temperature(0.6, top_p={TOP_P}, top_k=64)",
             "reset_top_p": f"ReSET(t_high={T_HIGH}, t_low={T_LOW}, tau_0={TAU_0}, top_p={TOP_P})",
         },
         "method": "jitted lax.scan of `steps` sample() calls (entropy kept live); median wall "

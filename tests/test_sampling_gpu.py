@@ -121,7 +121,7 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k, variant):
     tok, _, info = _run(smp, z, keys, variant=variant)
     data = np.asarray(jax.random.key_data(keys))
     agree, paths = 0, set()
-    plan = op.kernels.plan(b, V, top_k, variant=variant)  # "grid" with top-k: "merge"'s
+    plan = op.kernels.plan(b, V, top_k, variant=variant)
     chunks = plan.chunks
     prune = "bound" if plan.variant in (*op.kernels.CLUSTER_VARIANTS, "grid") else True
     for i in range(b):
@@ -328,13 +328,15 @@ def test_grid_state_kernel_in_a_scan_matches_the_xla_update():
     assert int(np.asarray(sa.g_n).min()) == steps
 
 
-def test_grid_variant_repeats_its_bits_launch_after_launch():
-    # the barrier counters are cleared by each row's last CTA: many launches in one jitted loop
-    # (a stale counter would let a CTA pass a barrier early, or hang) give the same tokens
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_grid_variant_repeats_its_bits_launch_after_launch(top_k):
+    # the barrier counters (and top-k's list length) are cleared by each row's last CTA: many
+    # launches in one jitted loop (a stale counter would let a CTA pass a barrier early, or
+    # hang, or list past the row's tokens) give the same tokens
     b = 8
     z = jnp.asarray(_logits("flat", b, seed=4))
     keys = jax.random.split(jax.random.key(9), b)
-    smp = Temperature(top_p_method="kernel", t=1.0, top_p=0.5)
+    smp = Temperature(top_p_method="kernel", t=1.0, top_p=0.5, top_k=top_k)
     state = sampler_init(smp, b)
 
     @jax.jit
@@ -351,8 +353,10 @@ def test_grid_variant_repeats_its_bits_launch_after_launch():
 
 
 def test_merge_variant_draws_the_split_tokens():
-    # the same kept sets and draws, so the same tokens bit for bit. Top-k from the chunks'
-    # candidates (k <= 32), and its fallbacks (a chunk with more than 64 candidates: "equal"
+    # the same kept sets and draws, so the same tokens bit for bit ("grid" with top-k too: its
+    # list of the tokens at or above the k-th largest published thread max, "front" putting
+    # 25 of the top tokens in one CTA; the "equal" logits overflow the list). Top-k from the
+    # chunks' candidates (k <= 32), and its fallbacks (a chunk with more than 64 candidates: "equal"
     # logits; k > 32). Top-p with a split boundary bin ranked by sub-bins ("flat", "real",
     # "ties"), the sort again when the boundary sub-bin holds more than 32 tokens ("tie40": 40
     # equal tokens), and the large-bin path ("equal"). At a batch of 1 (128 chunks a row) and
@@ -375,18 +379,24 @@ def test_merge_variant_draws_the_split_tokens():
             a, _, _ = _run(smp, z, keys, variant="split")
             m, _, _ = _run(smp, z, keys, variant="merge")
             assert np.array_equal(a, m), (b, kind, t, top_p, top_k, np.flatnonzero(a != m))
+            if top_k:  # "grid" lists a superset of the top-k set and cuts it as "split" does
+                g, _, _ = _run(smp, z, keys, variant="grid")
+                assert np.array_equal(a, g), (b, kind, t, top_p, top_k, np.flatnonzero(a != g))
 
 
 def test_default_auto_runs_the_variant_it_chooses():
     # `sample` with the default variant ("auto") lowers to the kernels of the variant
     # `choose_variant` names for the batch rows and top-k, and draws that variant's tokens:
-    # grid for top-p alone; for top-k split below MERGE_MIN_ROWS_TOPK, merge from there on.
+    # grid for top-p alone and top-k up to GRID_TOPK_MAX_K; above it split below
+    # MERGE_MIN_ROWS_TOPK rows, merge from there on (k <= MERGE_MAX_K), split for a larger k.
     assert op.VARIANT == "auto"
     for b in (1, 8, op.MERGE_MIN_ROWS_TOPK, 64):
         keys = jax.random.split(jax.random.key(5), b)
         z = _logits("real", b, seed=4)
         for smp in (Temperature(top_p_method="kernel", t=0.6, top_p=0.95),
                     Temperature(top_p_method="kernel", t=0.6, top_p=0.95, top_k=20),
+                    Temperature(top_p_method="kernel", t=0.6, top_p=0.95, top_k=32),
+                    Temperature(top_p_method="kernel", t=0.6, top_p=0.95, top_k=65),
                     ReSET(top_p_method="kernel", top_p=0.95, nl_mask=jnp.zeros(V, bool),
                           dnl_mask=jnp.zeros(V, bool).at[7].set(True))):  # fmt: skip
             chosen = op.choose_variant("auto", b, getattr(smp, "top_k", 0))

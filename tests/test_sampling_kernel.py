@@ -53,14 +53,14 @@ def _lower_cuda(sampler, b, v):
 
 
 def test_cuda_lowering_emits_the_three_kernels():
-    # the "split" variant (the default's pick for top-k at 3 rows; top-p alone named)
+    # the "split" variant (the default's pick for top-k above 20 at 3 rows; named here)
     pytest.importorskip("cuda.bindings.nvrtc")
     b, v = 3, 1000
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
     for smp in (
         Temperature(0.6, top_p=0.9, top_p_method="kernel-split"),
         ReSET(top_p=0.95, top_p_method="kernel-split", **masks),
-        Temperature(0.6, top_k=20, top_p_method="kernel"),
+        Temperature(0.6, top_k=40, top_p_method="kernel"),
     ):
         hlo = _lower_cuda(smp, b, v)
         assert hlo.count("__gpu$xla.gpu.ptx") == 3
@@ -114,7 +114,7 @@ def test_cuda_lowering_cluster_variant_is_one_call(b):
 
 @pytest.mark.parametrize("b", [1, 3, 64, 600])
 def test_cuda_lowering_grid_variant(b):
-    # top-p: one call of the grid kernel, GRID x B CTAs of GRID_THREADS; top-k: "merge"'s three
+    # one call of the grid kernel, GRID x B CTAs of GRID_THREADS (with top-k: fewer CTAs an SM)
     pytest.importorskip("cuda.bindings.nvrtc")
     v = 151936
     masks = {"nl_mask": jnp.zeros(v, bool), "dnl_mask": jnp.zeros(v, bool)}
@@ -127,36 +127,46 @@ def test_cuda_lowering_grid_variant(b):
         n_in, n_out = kernels.GRID_ENTRIES[cfg["name"]]
         assert cfg["outputs"] == list(range(n_in, n_in + n_out))
     hlo = _lower_cuda_variant(Temperature(0.6, top_k=20), b, v, "grid")
-    assert hlo.count("__gpu$xla.gpu.ptx") == 3 and "rejax_sample_hist" in hlo
+    (cfg,) = _backend_configs(hlo)
+    grid, _ = kernels.grid_plan(b, v, ctas_per_sm=kernels.GRID_TOPK_CTAS_PER_SM)
+    assert cfg["name"] == "rejax_sample_grid" and (cfg["grid_x"], cfg["grid_y"]) == (grid, b)
+    d = kernels.plan(b, v, 20, "grid").defines()
+    assert (d["TOP_K"], d["MIN_CTAS"]) == (20, kernels.GRID_TOPK_CTAS_PER_SM)
 
 
 @pytest.mark.parametrize("b", [1, 2, 7, 8, 33, 64, 65, 132, 528, 529, 1024])
 @pytest.mark.parametrize("v", [10, 4099, 151936])
 def test_grid_plan_covers_the_row_and_keeps_every_cta_resident(b, v):
     # a row's CTAs wait for each other at barriers: with more than one a row, all B x GRID CTAs
-    # must be resident at once (GRID_CTAS_PER_SM per SM); one partial per thread in the combines
-    grid, chunk = kernels.grid_plan(b, v)
-    assert 1 <= grid <= kernels.GRID_THREADS and chunk % 4 == 0
-    assert grid * chunk >= v > (grid - 1) * chunk  # every token, no empty chunk
-    if grid > 1:
-        assert b * grid <= kernels.SMS * kernels.GRID_CTAS_PER_SM
-    d = kernels.plan(b, v, 0, "grid").defines()
-    assert (d["GRIDSYNC"], d["GRID"], d["MIN_CTAS"], d["CH"], d["NTHREADS"]) == (
-        1, grid, kernels.GRID_CTAS_PER_SM, chunk, kernels.GRID_THREADS)  # fmt: skip
+    # must be resident at once (GRID_CTAS_PER_SM per SM; with top-k GRID_TOPK_CTAS_PER_SM); one
+    # partial per thread in the combines
+    for top_k, ctas in [(0, kernels.GRID_CTAS_PER_SM), (20, kernels.GRID_TOPK_CTAS_PER_SM)]:
+        grid, chunk = kernels.grid_plan(b, v, ctas_per_sm=ctas)
+        assert 1 <= grid <= kernels.GRID_THREADS and chunk % 4 == 0
+        assert grid * chunk >= v > (grid - 1) * chunk  # every token, no empty chunk
+        if grid > 1:
+            assert b * grid <= kernels.SMS * ctas
+        d = kernels.plan(b, v, min(top_k, v), "grid").defines()
+        assert (d["GRIDSYNC"], d["GRID"], d["MIN_CTAS"], d["CH"], d["NTHREADS"]) == (
+            1, grid, ctas, chunk, kernels.GRID_THREADS)  # fmt: skip
 
 
-def test_grid_kernel_fits_its_occupancy():
-    # the plan's residency assumes GRID_CTAS_PER_SM CTAs of GRID_THREADS per SM: registers
-    # (launch bounds) and static shared memory must allow it
+@pytest.mark.parametrize("top_k", [0, 20])
+def test_grid_kernel_fits_its_occupancy(top_k):
+    # the plan's residency assumes GRID_CTAS_PER_SM (with top-k GRID_TOPK_CTAS_PER_SM) CTAs of
+    # GRID_THREADS per SM: registers (launch bounds) and static shared memory must allow it
     pytest.importorskip("cuda.bindings.nvrtc")
     from cuda_ops.build import ptxas_log, read_source
 
-    p = kernels.plan(1, 151936, 0, variant="grid")
+    p = kernels.plan(1, 151936, top_k, variant="grid")
+    ctas = kernels.GRID_TOPK_CTAS_PER_SM if top_k else kernels.GRID_CTAS_PER_SM
     log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
-    assert len(regs) == 1 and regs[0] * kernels.GRID_THREADS * kernels.GRID_CTAS_PER_SM <= 65536
-    assert kernels.GRID_CTAS_PER_SM * (smem[0] + 1024) <= 228 * 1024, log
+    assert len(regs) == 1 and regs[0] * kernels.GRID_THREADS * ctas <= 65536
+    assert smem[0] <= 48 * 1024 and ctas * (smem[0] + 1024) <= 228 * 1024, log
+    if top_k:  # 128 registers: no spills
+        assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
 
 
 @pytest.mark.parametrize("variant", kernels.CLUSTER_VARIANTS)
@@ -364,8 +374,8 @@ def test_emulation_keeps_the_definition(name, variant):
     prune = "bound" if variant in kernels.CLUSTER_VARIANTS else True
     em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(4), top_k=k, nmax=nmax, chunks=chunks,
                     prune=prune, variant=variant)  # fmt: skip
-    if (variant == "merge" or (variant == "grid" and k)) and name != "topk:chunk_ties":
-        path = _merged_path(path, k)  # "grid" runs "merge"'s kernels for top-k
+    if variant == "merge" and name != "topk:chunk_ties":
+        path = _merged_path(path, k)
     if path is not None:
         assert em["path"] == path
     zt = np.asarray(z, np.float32) / np.float32(t)
@@ -503,6 +513,8 @@ def test_cluster_constants_match_the_kernel_source():
     body = body[: body.index("}")]
     assert "return 0.36652f;" in body and "22.18071f + 1e-4f - __logf((float)hi)" in body
     assert "logf(den) - 21.487563f - 0.01f" in src  # zt_cut
+    # the largest top-k the grid kernel cuts at tau
+    assert int(re.search(r"#define TAU_K_MAX (\d+)", src).group(1)) == kernels.GRID_TAU_MAX_K
     assert "klo) * den) - 1e-3f" in src and "BIN_BITS)) * den) + 1e-3f" in src  # bin_window
 
 
@@ -585,14 +597,15 @@ def _bound_variants(fn, *args) -> list:
 
 @pytest.mark.parametrize(
     "rows,top_k,want",
-    [(1, 0, "grid"), (7, 0, "grid"), (8, 0, "grid"), (64, 0, "grid"), (1, 20, "split"),
-     (31, 20, "split"), (32, 20, "merge"), (64, 32, "merge"), (64, 33, "split")],
+    [(1, 0, "grid"), (7, 0, "grid"), (64, 0, "grid"), (1, 20, "grid"), (64, 20, "grid"),
+     (1, 21, "split"), (31, 21, "split"), (32, 21, "merge"), (64, 32, "merge"), (64, 33, "split"),
+     (64, 64, "split")],
 )  # fmt: skip
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
-    """The default variant "auto" binds "grid" for top-p alone, and for top-k "merge" where the
-    H200 measured it faster (k <= 32 from 32 rows) and "split" elsewhere; `sample` binds the same
-    pick, ReSET as top-p alone with its state update in the launch ("grid-state"); a named
-    variant is kept."""
+    """The default variant "auto" binds "grid" for top-p alone and top-k up to 20, and for a
+    larger k "merge" where the H200 measured it faster (k <= 32 from 32 rows) and "split"
+    elsewhere; `sample` binds the same pick, ReSET as top-p alone with its state update in the
+    launch ("grid-state"); a named variant is kept."""
     assert op.VARIANT == "auto"
     assert op.choose_variant("auto", rows, top_k) == want
     assert op.choose_variant("cluster", rows, top_k) == "cluster"

@@ -24,8 +24,9 @@ h and the temperature used.
   "grid", "reject"'s first draw and keep test in one launch over a grid of CTAs per row that
   meet at barriers in global scratch (every SM at one row); it tests the 4 best-scoring draws
   together and takes the best kept one, and if all are rejected climbs the rank order (the best
-  score among the tokens ranked above them, tested again) until one is kept (top-p without
-  top-k; with top-k it runs "merge").
+  score among the tokens ranked above them, tested again) until one is kept; with top-k it lists
+  the tokens at or above the k-th largest of the CTAs' published thread maxima (a superset of
+  the top-k set) and draws from that list in one CTA.
   All draw with their own random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
   id, 55 bits a token as `gumbel_of_bits` maps them), the same for both variants, so tokens
@@ -59,9 +60,9 @@ KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
 VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "grid" (one), "merge"
 # "auto" (the default) picks a variant per call by the batch rows and top-k (`choose_variant`):
-# "grid" for top-p alone (Temperature, ReSET), "split" or "merge" for top-k. Every variant draws
-# the same tokens up to the float rounding of the row statistics. "cluster" and "reject" are
-# opt-in.
+# "grid" for top-p alone (Temperature, ReSET) and top-k up to GRID_TOPK_MAX_K, "merge" or
+# "split" for a larger k. Every variant draws the same tokens up to the float rounding of the row
+# statistics. "cluster" and "reject" are opt-in.
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # "grid" with ReSET's state update in the same launch (`sample_reset_step`; Temperature runs
@@ -75,24 +76,32 @@ STATE_VARIANT = "grid-state"
 # merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
 # 8, 114.2 / 90.4 at 64; ReSET + top-p 30.7 / 31.6, 39.8 / 32.4, 135.0 / 105.2; top-k 20
 # 27.1 / 31.4, 46.7 / 50.4 at 16, 62.0 / 54.0 at 32, 112.2 / 95.6 at 64. So "auto" takes
-# "merge" from MERGE_MIN_ROWS_TOPK rows for a merged top-k (k <= kernels.MERGE_MAX_K; a larger k
-# runs "split"'s kernels either way).
+# "merge" from MERGE_MIN_ROWS_TOPK rows for a merged top-k (k <= kernels.MERGE_MAX_K) above
+# GRID_TOPK_MAX_K.
 # "grid" (one launch over a grid of CTAs per row), same run against "reject" / "merge"
 # (experiments/results/h200_t/, us over greedy): Temperature + top-p 10.7 / 20.7 / 15.3 at 1
 # row, 24.0 / 22.2 / 28.6 at 8, 79.6 / 96.5 / 90.6 at 64; ReSET + top-p 22.0 / 27.9 / 33.1,
 # 26.4 / 31.1 / 32.3, 98.1 / 109.8 / 103.3. So "auto" takes "grid" for top-p alone.
+# "grid" with its own top-k (the k-th largest of the CTAs' published maxima, a listed superset
+# of the top-k set), against "merge" / "split", same run, lm logits, top-p 0.95
+# (experiments/results/h200_v/, us over greedy): top-k 20: 19.2 / 29.6 / 24.1 at 1 row, 23.7 /
+# 45.2 / 40.0 at 8, 66.5 / 92.6 / 109.7 at 64. Top-k 64, grid / split: 43.8 / 26.7 at 1 row,
+# 45.0 / 41.8 at 8, 482.6 / 115.7 at 64 (4 CTAs a row publish 32 maxima < k, so CTA 0 selects
+# over the whole vocabulary). So "auto" takes "grid" up to GRID_TOPK_MAX_K (Qwen3's
+# recommended 20) and the earlier choice above it.
+GRID_TOPK_MAX_K = 20
 MERGE_MIN_ROWS_TOPK = 32
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
-    """The kernel variant a call runs: `variant` itself, or for "auto" "grid" for top-p alone,
-    and for top-k "merge" where it measured faster (k <= `kernels.MERGE_MAX_K` from
-    `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
+    """The kernel variant a call runs: `variant` itself, or for "auto" "grid" for top-p alone
+    and top-k up to `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster
+    (k <= `kernels.MERGE_MAX_K` from `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
     if variant not in VARIANT_CHOICES:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
     if variant != "auto":
         return variant
-    if top_k == 0:
+    if top_k <= GRID_TOPK_MAX_K:
         return "grid"
     if top_k <= kernels.MERGE_MAX_K:
         return "merge" if batch >= MERGE_MIN_ROWS_TOPK else "split"
@@ -166,7 +175,7 @@ def _lower_cuda(ctx, *args, **params):
         impl = _cuda_impl_grid
     elif kern.plan.variant in kernels.CLUSTER_VARIANTS:
         impl = _cuda_impl_cluster
-    else:  # "split" and "merge" ("grid" with top-k plans as "merge")
+    else:  # "split" and "merge"
         impl = _cuda_impl
     return mlir.lower_fun(functools.partial(impl, kern=kern), multiple_results=True)(ctx, *args)
 
@@ -753,7 +762,8 @@ def emulate(
         top-k list from per-chunk candidates (path "topk_merge"); "reject" is "cluster" plus
         its first draw over every token and that draw's keep test (`VARIANTS`); "grid" draws
         from "cluster"'s kept set (its kernel climbs the rank order from the first draw to the
-        best kept score: the same token) and with top-k is "merge".
+        best kept score: the same token) and with top-k is "split" (a listed superset of the
+        top-k set, cut at the k-th largest as "split"'s last block does).
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
@@ -764,8 +774,8 @@ def emulate(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
-    if variant == "grid":  # its top-k runs "merge"'s kernels; its top-p keeps "cluster"'s set
-        variant = "merge" if top_k else "cluster"
+    if variant == "grid":  # its top-k lists a superset of the top-k set as "split" does (the
+        variant = "split" if top_k else "cluster"  # same kept set); its top-p keeps "cluster"'s
     z = np.asarray(logits, np.float32)
     key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
     k0, k1 = key_data[:, :1], key_data[:, 1:]
