@@ -1968,6 +1968,17 @@ __device__ __forceinline__ void block_reduce_n(T (&x)[N], T* red) {
     for (int k = 0; k < N; ++k) x[k] = red[k * NWARPS];
 }
 
+// Pops v, a warp's largest head (warp_reduce<MaxU64> of l[0]), from its owner's descending list
+// l (packed scores, distinct by id; 0 = none): one round of a warp's merge of its lanes' lists.
+template <int N>
+__device__ __forceinline__ void pop_head(u64 (&l)[N], u64 v) {
+    if (v && l[0] == v) {
+#pragma unroll
+        for (int j = 0; j + 1 < N; ++j) l[j] = l[j + 1];
+        l[N - 1] = 0ull;
+    }
+}
+
 // The NC largest of the block's per-thread descending lists `mine` (every thread gets them, in
 // `out`, descending; 0 where fewer): each warp takes its NC largest in NC rounds of a warp max,
 // each popping the winner (packed scores are distinct by id) from its owner's list, then warp 0
@@ -1979,11 +1990,7 @@ __device__ void block_top(u64 (&mine)[NC], u64* wl, u64 (&out)[NC]) {
     for (int k = 0; k < NC; ++k) {
         const u64 v = warp_reduce<MaxU64>(mine[0]);
         if (lane == 0) wl[w * NC + k] = v;
-        if (v && mine[0] == v) {
-#pragma unroll
-            for (int j = 0; j + 1 < NC; ++j) mine[j] = mine[j + 1];
-            mine[NC - 1] = 0ull;
-        }
+        pop_head(mine, v);
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -1995,11 +2002,7 @@ __device__ void block_top(u64 (&mine)[NC], u64* wl, u64 (&out)[NC]) {
         for (int k = 0; k < NC; ++k) {
             const u64 v = warp_reduce<MaxU64>(l[0]);
             if (lane == 0) wl[k] = v;  // every lane has read its list above
-            if (v && l[0] == v) {
-#pragma unroll
-                for (int j = 0; j + 1 < NC; ++j) l[j] = l[j + 1];
-                l[NC - 1] = 0ull;
-            }
+            pop_head(l, v);
         }
     }
     __syncthreads();
@@ -2106,11 +2109,7 @@ __device__ void publish_top(u64 v, u64* sh, u64* out) {
         for (int k = 0; k < TK_PUB; ++k) {
             const u64 x = warp_reduce<MaxU64>(l[0]);
             if (lane == k) mine = x;
-            if (x && l[0] == x) {
-#pragma unroll
-                for (int j = 0; j + 1 < TK_PUB; ++j) l[j] = l[j + 1];
-                l[TK_PUB - 1] = 0ull;
-            }
+            pop_head(l, x);
         }
         if (lane < TK_PUB) out[lane] = mine;
     }
@@ -2130,11 +2129,7 @@ __device__ u64 kth_published(const u64* g, u64* sh, u64* result) {
     for (int k = 0; k < TOP_K; ++k) {
         const u64 x = warp_reduce<MaxU64>(l[0]);
         if (lane == 0) sh[w * TOP_K + k] = x;
-        if (x && l[0] == x) {
-#pragma unroll
-            for (int j = 0; j + 1 < TK_PUB; ++j) l[j] = l[j + 1];
-            l[TK_PUB - 1] = 0ull;
-        }
+        pop_head(l, x);
     }
     __syncthreads();
     if (w == 0) {

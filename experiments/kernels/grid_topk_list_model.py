@@ -1,6 +1,7 @@
-"""How long the grid kernel's top-k list gets (`sampler_grid_topk.patch`), modelled in NumPy.
+"""How long the grid kernel's top-k list gets (`cuda_ops/sampler.cu`, `rejax_sample_grid` with
+TOP_K > 0), modelled in NumPy.
 
-The patch lists every token at or above tau, the k-th largest of the values the CTAs publish
+The kernel lists every token at or above tau, the k-th largest of the values the CTAs publish
 (each CTA its threads' 8 largest maxima; thread t of CTA c reads tokens c*chunk + 4t + 4*256*i +
 q). This replays that layout on random rows and prints the list length by batch (the grid plan
 at 2 CTAs an SM), checking that the list always holds the top-k set. A list of <= 32 tokens is
