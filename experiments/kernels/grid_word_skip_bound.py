@@ -92,6 +92,8 @@ def main(argv=None) -> None:
     ap.add_argument("--floors", type=int, default=200_000, help="evenly spaced floors")
     ap.add_argument("--margin", type=float, default=1e-3, help="hi_max's exponent margin")
     args = ap.parse_args(argv)
+    if args.floors < 1:
+        ap.error(f"--floors={args.floors}: expected at least 1")
     print(check(floor_grid(args.floors), args.margin))
 
 

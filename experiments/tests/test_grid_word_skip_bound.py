@@ -26,6 +26,8 @@ def test_without_the_margin_words_above_the_bound_pass():
 def test_floors_at_or_below_the_no_bound_threshold_are_refused():
     with pytest.raises(ValueError, match="floors must exceed"):
         bound.check(np.array([0.36652, 1.0], np.float32))
+    with pytest.raises(SystemExit):
+        bound.main(["--floors", "0"])
 
 
 def test_the_model_uses_the_patchs_constants():
