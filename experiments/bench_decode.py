@@ -5,8 +5,9 @@ weights with a real config (default Qwen3-8B; nothing is downloaded) built on th
 (`rejax.params.random_params`, with static W4A4 activation scales), the product's timing of the
 jitted prefill and decode loop (`rejax.bench.bench_decode`: greedy, no early stop, first call
 recorded, median of repeated runs), the product's copy ceiling and versions, plus what the
-command line does not offer: `--layer-loop` / `--attention` (Config fields) and a breakdown. Bandwidth = (weight bytes + KV-cache bytes read) per step / step
-time, next to a measured device copy ceiling. A breakdown estimates what dominates one decode
+command line does not offer: `--layer-loop` / `--attention` (Config fields; several
+`--attention` values run every variant once per value) and a breakdown. Bandwidth = (weight
+bytes + KV-cache bytes read) per step / step time, next to a measured device copy ceiling. A breakdown estimates what dominates one decode
 step by timing variants in jitted loops: the linears alone (+ lm_head), attention over the cache
 alone, the sampler alone (greedy and ReSET), and an empty loop iteration; the remainder (norms,
 RoPE, cache writes, launches) is the full step minus their sum.
@@ -58,7 +59,6 @@ TINY = rconfig.Config(
 
 # Config fields with a fixed set of values that a run may switch (one flag each)
 CHOICE_FIELDS = {
-    "attention": rconfig.ATTENTIONS,
     "rope_fusion": rconfig.ROPE_FUSIONS,
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
     "gemm_reduce": rconfig.GEMM_REDUCES,
@@ -68,6 +68,7 @@ CHOICE_FIELDS = {
 
 # Config fields that take several values, one variant each (`_variants`), and what they vary
 MULTI_FIELDS = (
+    ("attention", rconfig.ATTENTIONS, "every variant (labelled ' attn=CHOICE')"),
     ("command_buffer", rconfig.COMMAND_BUFFERS, "every variant (labelled ' cb=CHOICE')"),
     ("gemm_occupancy", rconfig.GEMM_OCCUPANCIES, "every NVFP4 variant (labelled ' occ=CHOICE')"),
     ("linear_fusion", rconfig.LINEAR_FUSIONS, "every NVFP4 variant (labelled ' lf=CHOICE')"),
@@ -401,6 +402,7 @@ def main(argv=None) -> dict:
         layer_loop=args.layer_loop,
         scan_unroll=args.scan_unroll[0],
         **{field: getattr(args, field) for field in CHOICE_FIELDS},
+        attention=args.attention[0],
         gemm_occupancy=args.gemm_occupancy[0],
         linear_fusion=args.linear_fusion[0],
         gemm_min_m=args.gemm_min_m,
@@ -461,22 +463,25 @@ def main(argv=None) -> dict:
 def _variants(base: Params, args, quant):
     """(head, prefetch spec, label, params) per variant of a mode: bf16 runs once; NVFP4 modes
     once per --head x --weight-prefetch, on the same weights; each once per --xla-autotune
-    (labelled " autotune=off" when off) x --command-buffer (labelled " cb=CHOICE" unless
-    "default") x --decode-unroll x --scan-unroll (labelled " du=K" / " su=K" unless Config's
-    default); NVFP4 modes also once per --gemm-occupancy x --linear-fusion (labelled
-    " occ=CHOICE" / " lf=CHOICE" unless Config's default)."""
+    (labelled " autotune=off" when off) x --attention (labelled " attn=CHOICE" unless Config's
+    default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
+    --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
+    per --gemm-occupancy x --linear-fusion (labelled " occ=CHOICE" / " lf=CHOICE" unless
+    Config's default)."""
     runs = [
-        (t, c, u, k)
+        (t, a, c, u, k)
         for t in args.xla_autotune
+        for a in args.attention
         for c in args.command_buffer
         for u in args.decode_unroll
         for k in args.scan_unroll
     ]
-    for tune, cb, unroll, scan in runs:
+    for tune, attn, cb, unroll, scan in runs:
         tag = ("" if tune == "on" else " autotune=off") + ("" if cb == "default" else f" cb={cb}")
+        tag += "" if attn == rconfig.Config.attention else f" attn={attn}"
         tag += "" if unroll == rconfig.Config.decode_unroll else f" du={unroll}"
         tag += "" if scan == rconfig.Config.scan_unroll else f" su={scan}"
-        loop = {"decode_unroll": unroll, "scan_unroll": scan}
+        loop = {"decode_unroll": unroll, "scan_unroll": scan, "attention": attn}
         if quant is None:
             cfg = dataclasses.replace(
                 base.cfg, xla_autotune=tune == "on", command_buffer=cb, **loop

@@ -15,11 +15,15 @@ is the previous default (pure XLA). `--variants` times the kernel's variants sid
 (`rejax.ops.sampler.VARIANTS`; the default, "auto", is labelled "kernel"; another variant v is
 labelled "kernel:v" and runs through `rejax.ops.sampler.sample_kernel`). `--decode-layers N` also
 times the decode loop of a random-weight Qwen3-8B NVFP4 with N layers (`rejax.bench.bench_decode`)
-per sampler and method, next to greedy ("decode" in the JSON; the default variant only).
+per sampler and method ("decode" in the JSON; the default variant only), in `--decode-rounds`
+rounds of greedy then every sampler: a sampler's cost over greedy is the median over rounds of
+its difference to that round's greedy (one executable's runs drift by about 10 us at batch 1).
 
-Usage (H200, the issue-15 measurement):
-  PYTHONPATH=. python experiments/bench_sampler.py --batch 1 64 --logits peaked lm \\
-    --methods kernel radix --decode-layers 36 --out experiments/results/bench_sampler_gpu.json
+Usage (H200, the issue-15 measurement; about 7 minutes):
+  PYTHONPATH=. python experiments/bench_sampler.py --batch 1 64 --logits lm --methods kernel \\
+    --samplers temperature_top_p --steps 20 --repeats 5 --decode-layers 36 \\
+    --decode-tokens 256 --decode-rounds 3 --git-sha SHA \\
+    --out experiments/results/bench_sampler_gpu.json
 All methods: PYTHONPATH=. python experiments/bench_sampler.py \\
     --out experiments/results/bench_sampler_gpu.json
 (about 140 timed scans by default; to keep one call short, run `--logits peaked` and
@@ -211,8 +215,26 @@ def _nucleus_fraction(logits: jax.Array, t: float, top_p: float) -> float:
     return float(jnp.mean(jnp.sum(kept, axis=-1) / logits.shape[-1]))
 
 
+def over_greedy(rounds: list[dict]) -> dict:
+    """Each label's cost over greedy from rounds of decode-loop timings ({"greedy": us, label:
+    us, ...} per round, timed in that order): per round the label minus that round's greedy,
+    then the median over rounds (runs of one executable drift by about 10 us at batch 1, so a
+    difference is only taken within a round)."""
+    if not rounds or any("greedy" not in r for r in rounds):
+        raise ValueError(f"rounds={rounds!r}: expected one or more dicts with a 'greedy' time")
+    labels = [k for k in rounds[0] if k != "greedy"]
+    out = {"greedy_us_per_token": float(np.median([r["greedy"] for r in rounds]))}
+    for k in labels:
+        diffs = [r[k] - r["greedy"] for r in rounds]
+        out[f"{k}_us_per_token"] = float(np.median([r[k] for r in rounds]))
+        out[f"{k}_over_greedy_us"] = float(np.median(diffs))
+        out[f"{k}_over_greedy_us_rounds"] = diffs
+    return out
+
+
 def _decode_loop(args, samplers) -> dict:
-    """ms/token of the decode loop per (batch, sampler, method), and each one's cost over greedy."""
+    """ms/token of the decode loop per (batch, sampler, method), and each one's cost over greedy
+    (`over_greedy`: --decode-rounds rounds of greedy, then every sampler)."""
     import dataclasses
 
     from rejax import bench as rbench
@@ -242,22 +264,25 @@ def _decode_loop(args, samplers) -> dict:
                                     sampler=smp)  # fmt: skip
             return r["ms_per_token"] * 1e3
 
-        greedy = timed(Greedy())
-        row = {"batch": b, "greedy_us_per_token": greedy}
-        for name in args.decode_samplers:
-            smp = samplers[name]
-            if isinstance(smp, ReSET):
-                smp = dataclasses.replace(smp, nl_mask=nl, dnl_mask=dnl)
-            for method in args.methods:
-                us = timed(dataclasses.replace(smp, top_p_method=method))
-                row[f"{name}/{method}_us_per_token"] = us
-                row[f"{name}/{method}_over_greedy_us"] = us - greedy
+        rounds = []
+        for _ in range(args.decode_rounds):
+            times = {"greedy": timed(Greedy())}
+            for name in args.decode_samplers:
+                smp = samplers[name]
+                if isinstance(smp, ReSET):
+                    smp = dataclasses.replace(smp, nl_mask=nl, dnl_mask=dnl)
+                for method in args.methods:
+                    times[f"{name}/{method}"] = timed(dataclasses.replace(smp, top_p_method=method))
+            rounds.append(times)
+        row = {"batch": b, **over_greedy(rounds)}
         runs.append(row)
         print(json.dumps(row), flush=True)
     return {"layers": args.decode_layers, "model": "qwen3-8b nvfp4, random weights",
             "new_tokens": args.decode_tokens, "prompt_len": 128, "repeats": args.decode_repeats,
-            "method": "rejax.bench.bench_decode median ms/token; *_over_greedy_us = sampler "
-            "variant - greedy in the same process", "model_logits": logit_stats,
+            "rounds": args.decode_rounds,
+            "method": "rejax.bench.bench_decode median ms/token; rounds of greedy then every "
+            "sampler in one process; *_over_greedy_us = median over rounds of (sampler - that "
+            "round's greedy), *_us_per_token = median over rounds", "model_logits": logit_stats,
             "runs": runs}  # fmt: skip
 
 
@@ -308,6 +333,11 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-tokens", type=int, default=512, help="decode-loop tokens")
     parser.add_argument("--decode-repeats", type=int, default=5, help="timed decode-loop runs")
     parser.add_argument(
+        "--decode-rounds", type=int, default=3,
+        help="rounds of greedy then every decode sampler; costs over greedy are medians of the "
+        "rounds' differences",
+    )  # fmt: skip
+    parser.add_argument(
         "--decode-samplers",
         nargs="+",
         default=["temperature_top_p", "top_k20_top_p", "reset_top_p"],
@@ -326,6 +356,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if "model" in args.logits and args.vocab != 151936:
         raise ValueError(f"--logits model needs --vocab 151936 (Qwen3-8B's), got {args.vocab}")
+    if args.decode_rounds < 1:
+        raise ValueError(f"--decode-rounds {args.decode_rounds}: expected >= 1")
     if args.vocab < sampling._TOPK_FAST + 8 or min(args.batch) < 1:
         raise ValueError(f"--vocab {args.vocab} / --batch {args.batch}: need V >= 24 and B >= 1")
 

@@ -39,7 +39,13 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 # measured slower than the Pallas kernel (kernel alone, batch 1, S = 33,280: 34 vs 23 us at 8K
 # live slots, 78 vs 46 us at 32K; 36-layer NVFP4 decode 2.772 vs 2.574 ms/token at batch 1;
 # experiments/results/h200_e/).
-ATTENTIONS = ("einsum", "live", "flash")
+# "flash-mma" is "flash" with the kernel's tensor-core main loop (FlashOptions(mma=1, warps=8):
+# bf16 mma.sync over cp.async stages; within rounding of "flash", not bitwise). Kernel alone on
+# the H200 it streamed at the copy rate from 8K to 32K and ties Pallas at 8K (15.2-15.5 us at
+# batch 1; experiments/results/h200_q/); end to end not yet measured. Opt-in.
+ATTENTIONS = ("einsum", "live", "flash", "flash-mma")
+# the CUDA decode kernel's launch choices under each attention that takes it
+FLASH_ATTENTIONS = {"flash": {}, "flash-mma": {"mma": 1, "warps": 8}}
 # W4A4 decoder linears: "unfused" (rejax.layers.linear after separate XLA norm / quantize /
 # SwiGLU / add ops), "fused" (rejax.ops.fused_linear: those in the GEMV's launch on CUDA;
 # bitwise the unfused composition elsewhere) or "split" (rejax.ops.fused_linear with two

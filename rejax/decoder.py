@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from cuda_ops.decode_attention import FlashOptions
 from cuda_ops.nvfp4_gemv import Prefetch
 from rejax import params as rparams
 from rejax import sharding
 from rejax.cache import KVCache, read_layer, write_layer, write_positions
-from rejax.config import Config, weight_prefetch_policy
+from rejax.config import FLASH_ATTENTIONS, Config, weight_prefetch_policy
 from rejax.layers import (
     attention,
     attention_mask,
@@ -164,13 +165,16 @@ def decoder_layer(
         k = rope(k, positions, cfg.rope_theta)
         if kv is not None:
             kv = write_layer(kv, k, v, index, i)
-    if kv is not None and t == 1 and cfg.attention in ("live", "flash"):
+    if kv is not None and t == 1 and cfg.attention != "einsum":
         # one new token per row: read only the slots written so far, [0, index + 1) (with a
-        # per-row index, each row its own range and split plan). "flash" takes
-        # the one-launch CUDA kernel for a bf16 cache on CUDA; otherwise what "live" runs.
+        # per-row index, each row its own range and split plan). "flash" / "flash-mma" take
+        # the one-launch CUDA kernel (FLASH_ATTENTIONS' options) for a bf16 cache on CUDA;
+        # otherwise what "live" runs.
         li = jnp.asarray(i, jnp.int32)
         live = live_slots(index) if live is None else live
-        kernel = "cuda" if cfg.attention == "flash" and kv[2] is None else "pallas"
+        flash = cfg.attention in FLASH_ATTENTIONS and kv[2] is None
+        kernel = "cuda" if flash else "pallas"
+        options = FlashOptions(**FLASH_ATTENTIONS[cfg.attention]) if flash else None
         # invariant_rows: the split count of a program of that many rows, so a row's splits
         # (and its rounding) are the same in a compacted program as in the B-row one
         splits = None
@@ -179,9 +183,10 @@ def decoder_layer(
         out = decode_attention(
             q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live,
             k_scale=kv[2], v_scale=kv[3], kernel=kernel, num_splits=splits,
+            cuda_options=options,
         )  # fmt: skip
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
-    elif kv is not None and cfg.attention in ("live", "flash"):
+    elif kv is not None and cfg.attention != "einsum":
         # a prompt: flash-style over chunks, never holding [B, N, T, S] scores (fp8 chunks
         # dequantized as they are read)
         ks, vs = (None, None) if kv[2] is None else (take(kv[2], i), take(kv[3], i))

@@ -123,13 +123,16 @@ def _flash_calls(text: str) -> int:
 
 
 @needs_nvrtc
-def test_decode_step_lowering_has_one_flash_call_per_layer():
-    """attention="flash": the CUDA lowering of a decode step holds one call of the CUDA entry
-    per layer (unrolled layers) and no Pallas attention; "live" keeps the Pallas kernels."""
-    cfg = Config(attention="flash", num_layers=3, layer_loop="unroll")
+@pytest.mark.parametrize("attention", ["flash", "flash-mma"])
+def test_decode_step_lowering_has_one_flash_call_per_layer(attention):
+    """attention="flash" / "flash-mma": the CUDA lowering of a decode step holds one call of the
+    CUDA entry per layer (unrolled layers) and no Pallas attention, built with the tensor-core
+    loop (its mma.sync) exactly under "flash-mma"; "live" keeps the Pallas kernels."""
+    cfg = Config(attention=attention, num_layers=3, layer_loop="unroll", head_dim=32)
     text = decode_step_cuda_text(cfg)
     assert _flash_calls(text) == 3
     assert "rejax_decode_attention_partials" not in text
+    assert ("mma.sync" in text) == (attention == "flash-mma")
     live = decode_step_cuda_text(dataclasses.replace(cfg, attention="live"))
     assert _flash_calls(live) == 0
     assert "rejax_decode_attention_partials" in live
@@ -156,12 +159,14 @@ def _model_steps(cfg, dtype=jnp.bfloat16):
     return np.concatenate(logits, axis=1)
 
 
-def test_flash_equals_live_off_cuda():
-    """Off CUDA attention="flash" runs what "live" runs: the logits of prompt and decode steps
-    are bitwise equal (the fp8 cache's routing is checked on the CUDA lowering above)."""
-    cfg = Config(attention="live")
+@pytest.mark.parametrize("attention", ["flash", "flash-mma"])
+def test_flash_equals_live_off_cuda(attention):
+    """Off CUDA attention="flash" / "flash-mma" runs what "live" runs: the logits of prompt and
+    decode steps are bitwise equal (the fp8 cache's routing is checked on the CUDA lowering
+    above)."""
+    cfg = Config(attention="live", head_dim=32)
     live = _model_steps(cfg)
-    fl = _model_steps(dataclasses.replace(cfg, attention="flash"))
+    fl = _model_steps(dataclasses.replace(cfg, attention=attention))
     np.testing.assert_array_equal(fl, live)
 
 

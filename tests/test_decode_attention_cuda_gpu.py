@@ -5,6 +5,7 @@ bits on repeated calls (the arrival counters reset), one compile inside a jitted
 advances `live`, and the decoder with Config(attention="flash")."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -178,8 +179,10 @@ def test_cuda_compiles_once_in_fori_loop_gpu():
     assert count == [1]
 
 
-def test_decoder_flash_gpu():
-    """The bundled-size tiny decoder (H = 16, G = 2) with attention="flash" matches "live"."""
+@pytest.mark.parametrize("attention,head_dim", [("flash", 16), ("flash-mma", 64)])
+def test_decoder_flash_gpu(attention, head_dim):
+    """A tiny decoder (G = 2; H = 16 as the bundled model's, 64 for the tensor-core loop, which
+    needs H >= 32) with attention="flash" / "flash-mma" matches "live"."""
     from rejax.cache import init_cache
     from rejax.config import Config
     from rejax.decoder import Model
@@ -201,7 +204,9 @@ def test_decoder_flash_gpu():
             logits.append(np.asarray(out, np.float32))
         return np.concatenate(logits, axis=1)
 
-    cfg = Config(attention="live")
+    cfg = Config(attention="live", head_dim=head_dim)
     live = steps(cfg)
-    fl = steps(dataclasses.replace(cfg, attention="flash"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the Pallas kernel
+        fl = steps(dataclasses.replace(cfg, attention=attention))
     assert _rel(fl, live) <= KERNEL_REL_TOL

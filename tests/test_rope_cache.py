@@ -184,7 +184,7 @@ def _elements(type_text: str) -> int:
     return int(np.prod([int(d) for d in dims])) if dims else 1
 
 
-@pytest.mark.parametrize("attention", ["live", "flash"])
+@pytest.mark.parametrize("attention", ["live", "flash", "flash-mma"])
 def test_layer_body_with_every_decode_fusion_is_only_kernels(attention):
     """With linear_fusion "split", residual_fusion and rope_fusion "fused", the scanned layer of
     the CUDA decode step is its kernels (4 quantizers, 4 linears, rope_cache, and attention:
@@ -197,7 +197,7 @@ def test_layer_body_with_every_decode_fusion_is_only_kernels(attention):
     body = next(f for f in re.split(r"\n  func\.func ", text) if f.startswith("private @closed"))
     names = re.findall(r"name = \\22(\w+)\\22", body)
     ptx = ["nvfp4_gemv_w4a4", "nvfp4_quantize_bf16", "qk_norm_rope_cache"]
-    if attention == "flash":
+    if attention != "live":
         ptx = sorted([*ptx, "rejax_flash_decode"])
     assert sorted(set(names)) == ptx, names
     launches = 11 if attention == "live" else 10

@@ -13,6 +13,7 @@ from rejax import config as rconfig
 def _args(**kw):
     base = {
         "xla_autotune": ["on"],
+        "attention": [rconfig.Config.attention],
         "command_buffer": ["default"],
         "head": ["bf16"],
         "weight_prefetch": ["none"],
@@ -78,9 +79,26 @@ def test_variants_cross_linear_fusions(base):
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
 
 
+def test_variants_cross_attentions(base):
+    """--attention: one variant per value (labelled unless Config's default), for bf16 and
+    NVFP4 alike, on the same weights, in the order given."""
+    at = rconfig.Config.attention
+    args = _args(attention=[at, "flash-mma", at])
+    got = [(label, p.cfg.attention) for _, _, label, p in bd._variants(base, args, "nvfp4")]
+    assert got == [
+        ("head=bf16 prefetch=none", at),
+        ("head=bf16 prefetch=none attn=flash-mma", "flash-mma"),
+        ("head=bf16 prefetch=none", at),
+    ]
+    assert all(p.weights is base.weights for *_, p in bd._variants(base, args, "nvfp4"))
+    bf16 = [(label, p.cfg.attention) for _, _, label, p in bd._variants(base, args, None)]
+    assert bf16 == [("bf16", at), ("bf16 attn=flash-mma", "flash-mma"), ("bf16", at)]
+
+
 def test_bad_choices_are_refused_before_any_work(tmp_path):
     for flag, value in (
         ("--linear-fusion", "all"),
+        ("--attention", "flash-fast"),
         ("--gemm-occupancy", "full"),
         ("--command-buffer", "graph"),
         ("--decode-unroll", "0"),
