@@ -7,7 +7,8 @@
 #   bash experiments/kernels/grid_patches_run.sh [-n N] OUT STEP...    (from the repository root)
 #
 # -n N applies the first N patches only (1-3, default 3), to tell the patches' effects apart.
-# STEP (each a few minutes on the H200; they run in the order given, logs and JSON under OUT):
+# STEP (they run in the order given, logs and JSON under OUT; the timeouts keep "tests abab",
+# "ncu sanitize" and "decode" each within one 600 s device call):
 #   tests   test_sampling_gpu.py -k "grid or default_auto or reset" on the patched source
 #   abab    the kernel alone, tree vs patched, alternated twice (tree, new, tree, new) at 1, 8
 #           and 64 rows on lm and flat logits, Temperature and ReSET + top-p (bench_sampler.py)
@@ -65,7 +66,7 @@ for step in "$@"; do
   case $step in
   tests)
     use new
-    timeout 420 python3 -m pytest tests/test_sampling_gpu.py -k "grid or default_auto or reset" \
+    timeout 300 python3 -m pytest tests/test_sampling_gpu.py -k "grid or default_auto or reset" \
       -p no:cacheprovider -q -rf > "$out/tests.log" 2>&1
     stamp tests $? $t0
     grep -E "passed|failed|FAILED|Error" "$out/tests.log" | tail -15 | tee -a "$log"
@@ -74,7 +75,7 @@ for step in "$@"; do
     for run in tree new tree new; do
       use $run
       t0=$(date +%s)
-      timeout 90 python3 experiments/bench_sampler.py --batch 1 8 64 --logits lm flat \
+      timeout 70 python3 experiments/bench_sampler.py --batch 1 8 64 --logits lm flat \
         --methods kernel-grid --samplers temperature_top_p reset_top_p --stats two_pass \
         --out "$out/abab_${run}_$t0.json" > "$out/abab_${run}_$t0.log" 2>&1
       stamp "abab $run" $? $t0
@@ -97,7 +98,7 @@ for step in "$@"; do
     use new
     for tool in memcheck racecheck; do
       t0=$(date +%s)
-      timeout 120 compute-sanitizer --tool $tool --kernel-name kns=rejax_sample --print-limit 20 \
+      timeout 150 compute-sanitizer --tool $tool --kernel-name kns=rejax_sample --print-limit 20 \
         python3 experiments/bench_sampler.py --batch 1 8 64 --logits flat --methods kernel-grid \
         --samplers temperature_top_p reset_top_p --steps 2 --repeats 1 \
         --out /tmp/grid_patches/san.json > "$out/sanitize_$tool.log" 2>&1
@@ -110,7 +111,8 @@ for step in "$@"; do
     for b in 64 1; do
       t0=$(date +%s)
       len=$([ $b = 64 ] && echo 128 || echo 256)
-      timeout 240 python3 experiments/bench_decode.py --modes nvfp4 --batch $b --gen-len $len \
+      limit=$([ $b = 64 ] && echo 220 || echo 140)
+      timeout $limit python3 experiments/bench_decode.py --modes nvfp4 --batch $b --gen-len $len \
         --repeats 3 --no-breakdown \
         --samplers greedy temp reset greedy temp reset greedy temp reset \
         --out "$out/decode_b$b.json" > "$out/decode_b$b.log" 2>&1
