@@ -7,10 +7,11 @@ jitted prefill and decode loop (`rejax.bench.bench_decode`: greedy, no early sto
 recorded, median of repeated runs), the product's copy ceiling and versions, plus what the
 command line does not offer: `--layer-loop` / `--attention` (Config fields; several
 `--attention` values run every variant once per value) and a breakdown. Bandwidth = (weight
-bytes + KV-cache bytes read) per step / step time, next to a measured device copy ceiling. A breakdown estimates what dominates one decode
-step by timing variants in jitted loops: the linears alone (+ lm_head), attention over the cache
-alone, the sampler alone (greedy and ReSET), and an empty loop iteration; the remainder (norms,
-RoPE, cache writes, launches) is the full step minus their sum.
+bytes + KV-cache bytes read) per step / step time, next to a measured device copy ceiling. A
+breakdown estimates what dominates one decode step by timing variants in jitted loops: the
+linears alone (+ lm_head), attention over the cache alone, the sampler alone (greedy and ReSET),
+and an empty loop iteration; the remainder (norms, RoPE, cache writes, launches) is the full
+step minus their sum.
 
     PYTHONPATH=. python3 experiments/bench_decode.py --out OUT.json          # H200, Qwen3-8B
     PYTHONPATH=. python3 experiments/bench_decode.py --tiny --out OUT.json   # CPU, seconds
