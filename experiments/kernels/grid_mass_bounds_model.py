@@ -150,10 +150,17 @@ def row_verdicts(
     return {"exact": exact_draw, "ranges": range_draw, "opened": opened, "wrong": wrong}
 
 
-def rows(kind: str, count: int, vocab: int, seed: int = 0):
+def rows(kind: str, count: int, vocab: int, seed: int = 0, npz: str | None = None):
     """Rows of `kind`: "flat" N(0, 1), "lm" 2 x Gumbel (bench_sampler.py's), "ties" (every
-    logit equal but a few)."""
+    logit equal but a few), or "npz": the rows of the first array in file `npz` ([R, vocab]),
+    in turn (each call of row_verdicts draws new candidates)."""
     rng = np.random.default_rng(seed)
+    if kind == "npz":
+        with np.load(npz) as f:
+            saved = np.asarray(f[f.files[0]], F32).reshape(-1, vocab)
+        for i in range(count):
+            yield saved[i % len(saved)]
+        return
     for _ in range(count):
         if kind == "flat":
             yield rng.standard_normal(vocab).astype(F32)
@@ -173,8 +180,14 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.6, 1.0, 0.1])
-    ap.add_argument("--kinds", nargs="+", default=["flat", "lm", "ties"])
+    ap.add_argument("--kinds", nargs="+", default=["flat", "lm", "ties"],
+                    choices=["flat", "lm", "ties", "npz"])  # fmt: skip
+    ap.add_argument("--npz", default=None,
+                    help="kind npz: saved logits rows, e.g. experiments/results/h200_r/"
+                    "call2_model_logits.npz (the 36-layer random model's decode-loop rows)")  # fmt: skip
     args = ap.parse_args(argv)
+    if "npz" in args.kinds and not args.npz:
+        ap.error("--kinds npz needs --npz PATH")
     if args.rows < 1:
         ap.error(f"--rows={args.rows}: expected >= 1")
     if not 0.0 < args.top_p < 1.0:
@@ -186,7 +199,8 @@ def main(argv=None) -> None:
             if not t > 0:
                 ap.error(f"--temperatures: {t} is not > 0")
             rng = np.random.default_rng(1)
-            res = [row_verdicts(z, t, args.top_p, rng) for z in rows(kind, args.rows, args.vocab)]
+            zs = rows(kind, args.rows, args.vocab, npz=args.npz)
+            res = [row_verdicts(z, t, args.top_p, rng) for z in zs]
             assert all(r["exact"] == r["ranges"] for r in res), "the ranges changed a draw"
             assert not any(r["wrong"] for r in res), "a range verdict differs from the exact one"
             p = sum(r["opened"] > 0 for r in res) / len(res)

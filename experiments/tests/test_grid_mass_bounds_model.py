@@ -96,7 +96,13 @@ def test_mass_bin_is_monotone_and_covers_the_range():
 
 
 def test_the_cli_refuses_bad_arguments():
-    for argv in (["--rows", "0"], ["--top-p", "1"], ["--vocab", "8"], ["--temperatures", "0"]):
+    for argv in (
+        ["--rows", "0"],
+        ["--top-p", "1"],
+        ["--vocab", "8"],
+        ["--temperatures", "0"],
+        ["--kinds", "normal"],
+    ):
         with pytest.raises(SystemExit):
             model.main(argv)
 
@@ -110,3 +116,15 @@ def test_the_model_uses_the_patchs_constants():
     assert "__fmaf_rn(zt, 1.44269504f, mass_log2)" in text
     assert "const float mass_log2 = 30.0f - log2f(den);" in text
     assert int(model.mass_err(0, V)) == V + 2 and model.BAND == np.float32(1e-4)
+
+
+def test_npz_rows_are_read_in_turn(tmp_path):
+    saved = np.random.default_rng(2).standard_normal((2, V)).astype(np.float32)
+    np.savez(tmp_path / "rows.npz", logits=saved)
+    got = list(model.rows("npz", 5, V, npz=str(tmp_path / "rows.npz")))
+    assert len(got) == 5 and all((g == saved[i % 2]).all() for i, g in enumerate(got))
+    rng = np.random.default_rng(0)
+    r = model.row_verdicts(got[0], 0.6, 0.95, rng)
+    assert r["wrong"] == 0 and r["exact"] == r["ranges"]
+    with pytest.raises(SystemExit):
+        model.main(["--kinds", "npz"])  # no --npz
