@@ -18,8 +18,9 @@
 #   sanitize  compute-sanitizer memcheck and racecheck of the patched grid kernel, top-p
 #   decode  the 36-layer NVFP4 decode loop, patched, batch 64 then 1: greedy / Temperature /
 #           ReSET alternated three times (bench_decode.py); before: +78 / +85 us at batch 64
-# The patched source stays in place when the script ends (`git checkout cuda_ops/sampler.cu`
-# restores the tree's).
+# OUT gets the summary log (grid_patches.log) and one tarball of every step's logs, JSON and ncu
+# CSV (grid_patches_STEPS.tgz: a device call brings back at most 8 files). The patched source
+# stays in place when the script ends (`git checkout cuda_ops/sampler.cu` restores the tree's).
 set -uo pipefail
 npatch=3
 if [ "${1:-}" = "-n" ]; then
@@ -43,7 +44,8 @@ done
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export REJAX_KERNEL_CACHE=${REJAX_KERNEL_CACHE:-/tmp/rk}
 work=/tmp/grid_patches/n$npatch
-mkdir -p "$out" $work
+x=$out/x  # every step's files; tarred at the end
+mkdir -p "$out" "$x" $work
 log=$out/grid_patches.log
 src=cuda_ops/sampler.cu
 kdir=experiments/kernels
@@ -67,9 +69,9 @@ for step in "$@"; do
   tests)
     use new
     timeout 300 python3 -m pytest tests/test_sampling_gpu.py -k "grid or default_auto or reset" \
-      -p no:cacheprovider -q -rf > "$out/tests.log" 2>&1
+      -p no:cacheprovider -q -rf > "$x/tests.log" 2>&1
     stamp tests $? $t0
-    grep -E "passed|failed|FAILED|Error" "$out/tests.log" | tail -15 | tee -a "$log"
+    grep -E "passed|failed|FAILED|Error" "$x/tests.log" | tail -15 | tee -a "$log"
     ;;
   abab)
     for run in tree new tree new; do
@@ -77,9 +79,9 @@ for step in "$@"; do
       t0=$(date +%s)
       timeout 70 python3 experiments/bench_sampler.py --batch 1 8 64 --logits lm flat \
         --methods kernel-grid --samplers temperature_top_p reset_top_p --stats two_pass \
-        --out "$out/abab_${run}_$t0.json" > "$out/abab_${run}_$t0.log" 2>&1
+        --out "$x/abab_${run}_$t0.json" > "$x/abab_${run}_$t0.log" 2>&1
       stamp "abab $run" $? $t0
-      grep -A7 "us over greedy" "$out/abab_${run}_$t0.log" | tee -a "$log"
+      grep -A7 "us over greedy" "$x/abab_${run}_$t0.log" | tee -a "$log"
     done
     use new
     ;;
@@ -89,10 +91,10 @@ for step in "$@"; do
       --section SourceCounters --section InstructionStats --page source --csv --print-source sass \
       python3 experiments/bench_sampler.py --batch 64 --logits flat --methods kernel-grid \
       --samplers temperature_top_p --steps 2 --repeats 1 --out /tmp/grid_patches/ncu.json \
-      > "$out/ncu_grid64_flat_temp_sass.csv" 2> "$out/ncu.err"
+      > "$x/ncu_grid64_flat_temp_sass.csv" 2> "$x/ncu.err"
     stamp ncu $? $t0
-    python3 experiments/ncu_sass_segments.py "$out/ncu_grid64_flat_temp_sass.csv" 2>&1 | tail -25 | tee -a "$log"
-    gzip -9f "$out/ncu_grid64_flat_temp_sass.csv"
+    python3 experiments/ncu_sass_segments.py "$x/ncu_grid64_flat_temp_sass.csv" 2>&1 | tail -25 | tee -a "$log"
+    gzip -9f "$x/ncu_grid64_flat_temp_sass.csv"
     ;;
   sanitize)
     use new
@@ -101,9 +103,9 @@ for step in "$@"; do
       timeout 150 compute-sanitizer --tool $tool --kernel-name kns=rejax_sample --print-limit 20 \
         python3 experiments/bench_sampler.py --batch 1 8 64 --logits flat --methods kernel-grid \
         --samplers temperature_top_p reset_top_p --steps 2 --repeats 1 \
-        --out /tmp/grid_patches/san.json > "$out/sanitize_$tool.log" 2>&1
+        --out /tmp/grid_patches/san.json > "$x/sanitize_$tool.log" 2>&1
       stamp "sanitize $tool" $? $t0
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$out/sanitize_$tool.log" | head -4 | tee -a "$log"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard" "$x/sanitize_$tool.log" | head -4 | tee -a "$log"
     done
     ;;
   decode)
@@ -115,10 +117,11 @@ for step in "$@"; do
       timeout $limit python3 experiments/bench_decode.py --modes nvfp4 --batch $b --gen-len $len \
         --repeats 3 --no-breakdown \
         --samplers greedy temp reset greedy temp reset greedy temp reset \
-        --out "$out/decode_b$b.json" > "$out/decode_b$b.log" 2>&1
+        --out "$x/decode_b$b.json" > "$x/decode_b$b.log" 2>&1
       stamp "decode b$b" $? $t0
-      grep -E "ms/token|rror" "$out/decode_b$b.log" | tee -a "$log"
+      grep -E "ms/token|rror" "$x/decode_b$b.log" | tee -a "$log"
     done
     ;;
   esac
 done
+tar czf "$out/grid_patches_$(echo "$@" | tr ' ' _).tgz" -C "$out" x && rm -rf "$x"
