@@ -36,8 +36,20 @@
 // HEAD_DIM (a power of two in [16, 256]), SPLITS (P), WARPS, UNROLL, MIN_TILES (a split walks
 // at least this many tiles), SCORE_SCALE (float literal), MIN_CTAS (launch bounds), PREFETCH
 // (1: a warp's next step of K / V loads is issued before its current step's math), MMA (1: the
-// tensor-core main loop below, with STAGES cp.async stages per warp), POISON (1: three more
-// operands, NaN-filled buffers aliased to the outputs, for the GPU tests).
+// tensor-core main loop below, with STAGES cp.async stages per warp), POISON (1: one more
+// operand per output, NaN-filled buffers aliased to the outputs, for the GPU tests), QUANT_OUT
+// (1: the output is o_proj's NVFP4 input, below), XG_STACK (QUANT_OUT: the static input scale
+// is stacked [L], read at the layer; 0: xg[0]).
+//
+// QUANT_OUT = 1 writes, instead of the bf16 out, the W4A4 GEMV's operands for o_proj: the row's
+// N*H outputs quantized with a static global scale g (an operand after live): codes uint8 [B,
+// N*H/2], E4M3 block scales uint8 [B, N*H/16] and g per row float32 [B], the bytes of
+// rejax.nvfp4.quantize_activation(out as bf16, g) (nvfp4_act.cuh). With a static g a 16-element
+// block needs only its own values, and the CTA that stores a (row, kv head) holds its G heads'
+// G*H contiguous outputs: a block is 4 float4 columns, held by 4 consecutive lanes of the store
+// loop (col % 4 == tid % 4), which find its amax with two shuffles in their group. The values
+// quantized are the bf16 outputs the QUANT_OUT = 0 build stores, so its bytes are
+// quantize_activation of that build's output. The o_proj quantizer launch goes away.
 //
 // MMA = 1 replaces the main loop (E3-E6) and keeps the rest. Each warp streams chunks of CH = 16
 // slots (K, V and positions) of its kv head through a private ring of STAGES shared-memory
@@ -55,8 +67,9 @@
 // (row, kv head) copies the partials' acc into those idle rings (cp.async) in the same round
 // trip as their (m, l), when they fit.
 // Operands: q [B, N, H] bf16, k_cache, v_cache [L, B, S, K, H]
-// bf16, layer [] i32, q_positions [B] i32, k_positions [B, S] i32, live [] i32; outputs: out
-// [B, N, H] bf16, ws_acc [B, K, P, G, H] f32, ws_ml [B, K, P, 2, G] f32 (garbage on entry:
+// bf16, layer [] i32, q_positions [B] i32, k_positions [B, S] i32, live [] i32 (QUANT_OUT: then
+// xg [L] or [1] f32); outputs: out [B, N, H] bf16 (QUANT_OUT: xp [B, N*H/2] u8, xs [B, N*H/16]
+// u8, xg_out [B] f32), ws_acc [B, K, P, G, H] f32, ws_ml [B, K, P, 2, G] f32 (garbage on entry:
 // every partial the last CTA reads was written in the same launch).
 
 typedef unsigned short u16;
@@ -76,6 +89,12 @@ typedef unsigned int u32;
 #endif
 #ifndef STAGES  // cp.async stages per warp (MMA only)
 #define STAGES 3
+#endif
+#ifndef QUANT_OUT  // 1: o_proj's NVFP4 input (codes, scales, global scale) instead of bf16 out
+#define QUANT_OUT 0
+#endif
+#ifndef XG_STACK  // QUANT_OUT: the static input scale is stacked [L] (read at the layer)
+#define XG_STACK 0
 #endif
 
 constexpr int H = HEAD_DIM;
@@ -107,6 +126,11 @@ __device__ __forceinline__ u32 f32_to_bf16(float f) {
   return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 __device__ __forceinline__ float rbf16(float f) { return __uint_as_float(f32_to_bf16(f) << 16); }
+
+#if QUANT_OUT
+typedef unsigned char u8;
+#include "nvfp4_act.cuh"
+#endif
 
 // K/V rows are read once: stream them past L1.
 __device__ __forceinline__ uint4 ld_stream(const u16* p) {
@@ -195,16 +219,44 @@ __device__ __forceinline__ void mma_top(float& d0, float& d1, u32 a0, u32 a2, u3
 }
 #endif
 
-// E9's last step: out[b, kvh G + g, 4 h4 .. 4 h4 + 3] = bf16(a / tot), zeros when tot == 0
-__device__ __forceinline__ void store_out4(u16* out, int b, int kvh, int g, int h4, float4 a,
-                                           float tot) {
+// Where a CTA's output goes: the bf16 out, or (QUANT_OUT) the codes, block scales and the
+// static global scale with its reciprocal.
+struct OutRef {
+#if QUANT_OUT
+  u8* xp;
+  u8* xs;
+  const float* g;   // the static global scale (global memory, read-only in this launch)
+  const float* ig;  // div_rn(1, g), in shared memory
+#else
+  u16* out;
+#endif
+};
+
+// E9's last step: out[b, kvh G + g, 4 h4 .. 4 h4 + 3] = bf16(a / tot), zeros when tot == 0.
+// QUANT_OUT: those 4 bf16 values quantized instead; the 4 lanes tid % 4 = 0..3 of one block
+// (4 h4 .. 4 h4 + 15 of a head: H4 is a multiple of 4) call it together.
+__device__ __forceinline__ void store_out4(const OutRef& o_, int b, int kvh, int g, int h4,
+                                           float4 a, float tot) {
   float o[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) o[i] = tot > 0.f ? __fdiv_rn(o[i], tot) : 0.f;
   const u32 lo = f32_to_bf16(o[0]) | (f32_to_bf16(o[1]) << 16);
   const u32 hi = f32_to_bf16(o[2]) | (f32_to_bf16(o[3]) << 16);
-  *reinterpret_cast<uint2*>(out + ((size_t)b * N_HEADS + kvh * G + g) * H + 4 * h4) =
-      make_uint2(lo, hi);
+  const size_t e0 = ((size_t)b * N_HEADS + kvh * G + g) * H + 4 * h4;  // element in out [B, N*H]
+#if QUANT_OUT
+  // the bf16 values (what QUANT_OUT = 0 stores), then rejax.nvfp4.quantize_activation's block
+  const float v[4] = {bf16_lo(lo), bf16_hi(lo), bf16_lo(hi), bf16_hi(hi)};
+  const unsigned group = 0xFu << (threadIdx.x & 28);  // the block's 4 lanes
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
+  u32 scale;
+  const u32 c = block_codes(v, amax, o_.g, o_.ig, scale);
+  *reinterpret_cast<u16*>(o_.xp + e0 / 2) = (u16)c;
+  if ((threadIdx.x & 3) == 0) o_.xs[e0 / 16] = (u8)scale;
+#else
+  *reinterpret_cast<uint2*>(o_.out + e0) = make_uint2(lo, hi);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
@@ -212,12 +264,31 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
                        const u16* __restrict__ v_cache, const int* __restrict__ layer_p,
                        const int* __restrict__ q_positions, const int* __restrict__ k_positions,
                        const int* __restrict__ live_p,
-#if POISON
-                       const u16* out_in, const float* acc_in, const float* ml_in,
+#if QUANT_OUT
+                       const float* __restrict__ xg,
 #endif
-                       u16* __restrict__ out, float* ws_acc, float* ws_ml) {
 #if POISON
+#if QUANT_OUT
+                       const u8* xp_in, const u8* xs_in, const float* xgo_in,
+#else
+                       const u16* out_in,
+#endif
+                       const float* acc_in, const float* ml_in,
+#endif
+#if QUANT_OUT
+                       u8* __restrict__ xp, u8* __restrict__ xs, float* __restrict__ xg_out,
+#else
+                       u16* __restrict__ out,
+#endif
+                       float* ws_acc, float* ws_ml) {
+#if POISON
+#if QUANT_OUT
+  (void)xp_in;  // aliased to the outputs: NaN on entry
+  (void)xs_in;
+  (void)xgo_in;
+#else
   (void)out_in;  // aliased to the outputs: NaN on entry
+#endif
   (void)acc_in;
   (void)ml_in;
 #endif
@@ -539,6 +610,17 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
   // E7: merge the warps, in warp order: this CTA's partial (m, l, acc) to the workspace (or,
   // when the live range has one split, straight to the output)
   __shared__ float sm_lt[G];
+#if QUANT_OUT
+  // the static global scale and its reciprocal, for every store of this CTA (E9); the first
+  // store of row b's kv head 0 also writes g as the row's global scale
+  __shared__ float sm_ig;
+  const float* gp = xg + (XG_STACK ? layer : 0);
+  if (tid == 0) sm_ig = div_rn(1.0f, *gp);
+  const OutRef oref = {xp, xs, gp, &sm_ig};
+  if (tid == 0 && kvh == 0 && active == 1) xg_out[b] = *gp;
+#else
+  const OutRef oref = {out};
+#endif
   float* ml = ws_ml + ((size_t)bk * SPLITS + p) * 2 * G;
   if (tid < G) {
     const int g = tid;
@@ -566,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
                       fmaf(cf, x.w, a.w));
     }
     if (active == 1)  // E8 with one split is the identity (weight exp2(0) = 1, a + 0): write out
-      store_out4(out, b, kvh, g, h4,
+      store_out4(oref, b, kvh, g, h4,
                  make_float4(__fadd_rn(a.x, 0.f), __fadd_rn(a.y, 0.f), __fadd_rn(a.z, 0.f),
                              __fadd_rn(a.w, 0.f)),
                  sm_lt[g]);
@@ -647,6 +729,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_CTAS)
       a = make_float4(__fadd_rn(a.x, x.x), __fadd_rn(a.y, x.y), __fadd_rn(a.z, x.z),
                       __fadd_rn(a.w, x.w));
     }
-    store_out4(out, b, kvh, g, h4, a, sm_tot[g]);
+    store_out4(oref, b, kvh, g, h4, a, sm_tot[g]);
   }
+#if QUANT_OUT
+  if (tid == 0 && kvh == 0) xg_out[b] = *oref.g;
+#endif
 }

@@ -42,7 +42,9 @@ __all__ = [
 SOURCE = "decode_attention.cu"
 ENTRY = "rejax_flash_decode"
 # operands: q, k_cache, v_cache, layer, q_positions, k_positions, live (+ out, ws_acc, ws_ml
-# NaN-filled and aliased to the results when poisoned); results: out, ws_acc, ws_ml
+# NaN-filled and aliased to the results when poisoned); results: out, ws_acc, ws_ml. With
+# `FlashShape.quant_out` the static input scale xg follows live, and out is three results:
+# codes, block scales and the global scale per row (`FlashShape.n_inputs` / `n_outputs`).
 N_INPUTS = 7
 N_OUTPUTS = 3
 WARPS = 4
@@ -81,6 +83,18 @@ class FlashShape:
     mma: int = 0
     stages: int = 3
     poison: bool = False
+    quant_out: bool = False  # o_proj's NVFP4 input (codes, scales, global scale) instead of out
+    xg_stack: bool = False  # quant_out: the static input scale is stacked [L]
+
+    @property
+    def n_inputs(self) -> int:
+        """Operands before the poisoned outputs' (N_INPUTS, and xg with quant_out)."""
+        return N_INPUTS + int(self.quant_out)
+
+    @property
+    def n_outputs(self) -> int:
+        """Results: out (or codes, scales and global scale with quant_out), ws_acc, ws_ml."""
+        return N_OUTPUTS + 2 * int(self.quant_out)
 
     @property
     def lanes_per_row(self) -> int:
@@ -213,6 +227,8 @@ def check_shape(shape: FlashShape) -> tuple[bool, str]:
         return False, f"head_dim={h} (mma=1 needs at least 32)"
     if shape.mma and shape.prefetch:
         return False, "prefetch=1 does not apply to mma=1 (its cp.async stages prefetch)"
+    if shape.xg_stack and not shape.quant_out:
+        return False, "xg_stack applies to quant_out only (the stacked input scale it reads)"
     if shape.smem_bytes + 256 > SMEM_LIMIT:  # the estimate, less alignment padding
         return False, f"{shape.smem_bytes} bytes of shared memory (limit {SMEM_LIMIT})"
     total = shape.smem_bytes + 256 + shape.dynamic_smem_bytes
@@ -250,13 +266,13 @@ class FlashKernel:
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
         s = self.shape
-        n_in = N_INPUTS + (N_OUTPUTS if s.poison else 0)
+        n_in = s.n_inputs + (s.n_outputs if s.poison else 0)
         return ptx_backend_config(
             ENTRY,
             escape_mlir(self.ptx),
             grid=(s.splits, s.kv_heads, s.batch),
             block=32 * s.warps,
-            outputs=range(n_in, n_in + N_OUTPUTS),
+            outputs=range(n_in, n_in + s.n_outputs),
             smem=s.dynamic_smem_bytes,
         )
 
@@ -280,13 +296,14 @@ def defines(shape: FlashShape) -> dict:
         # only when set: the default build keeps its cache key and its PTX
         **({"PREFETCH": 1} if shape.prefetch else {}),
         **({"MMA": 1, "STAGES": shape.stages} if shape.mma else {}),
+        **({"QUANT_OUT": 1, "XG_STACK": int(shape.xg_stack)} if shape.quant_out else {}),
     }
 
 
 @functools.cache
 def _build_cached(shape: FlashShape, arch: str) -> FlashKernel:
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=defines(shape), arch=arch)
-    want = N_INPUTS + N_OUTPUTS * (2 if shape.poison else 1)
+    want = shape.n_inputs + shape.n_outputs * (2 if shape.poison else 1)
     entries = ptx_entries(ptx)
     if entries.get(ENTRY) != want:
         raise KernelError(f"PTX entry {ENTRY} missing or with wrong parameters: {entries}")

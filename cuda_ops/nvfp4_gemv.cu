@@ -333,16 +333,8 @@ __device__ __forceinline__ u32 act_to_s8(u32 v) {
   return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
 }
 
-// two E4M3 bytes (low, high) -> two floats, exact (E4M3 fits in fp16)
-__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
-  u32 h;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
-  float lo, hi;
-  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
-      : "=f"(lo), "=f"(hi)
-      : "r"(h));
-  return make_float2(lo, hi);
-}
+// e4m3x2_to_float2, div_rn, e2m1_mag, block_codes: the quantizer's block operations
+#include "nvfp4_act.cuh"
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
   u16 r;
@@ -735,15 +727,7 @@ __device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
 #define NORM_EPS 1e-6f
 #endif
 constexpr int X_COLS = PRO == 2 ? 2 * K_IN : K_IN;  // elements per row of x
-constexpr float F32_MIN = 1.17549435e-38f;
 constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
-
-// a / b correctly rounded, operands and results below 2^-126 flushed to 0 (nvfp4._div_rn)
-__device__ __forceinline__ float div_rn(float a, float b) {
-  if (a < F32_MIN) return 0.f;
-  const float q = __fdiv_rn(a, b);
-  return q < F32_MIN ? 0.f : q;
-}
 
 // The activations and their per-row statistics (in shared memory, [M_TOK] each).
 struct XRows {
@@ -866,13 +850,6 @@ __device__ __forceinline__ void row_stats(const XRows& xr, const float* xg, floa
   __syncthreads();
 }
 
-// E2M1 magnitude code of a = |v| (RNE, saturating at 6): ties 0.25, 1.25, 2.5, 5 round down,
-// 0.75, 1.75, 3.5 up (nvfp4._e2m1_magnitude)
-__device__ __forceinline__ u32 e2m1_mag(float a) {
-  return (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f) +
-         (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
-}
-
 // Quantizes 4 elements [e0, e0 + 4) of row m; the 4 consecutive lanes holding one 16-element
 // block (e0 % 16 = 4 * (lane % 4)) find its amax together with two shuffles, so a CTA quantizes
 // its x with 4 elements per thread per round (every lane of the warp must call it). Returns the
@@ -906,19 +883,7 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  const float sf = fminf(div_rn(div_rn(amax, 6.0f), xr.g[m]), 448.0f);  // >= 0: no lower clamp
-  u16 s16;  // E4M3 RNE in the low byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(0.0f), "f"(sf));
-  scale = s16 & 0xFFu;
-  const float sd = e4m3x2_to_float2(scale).x;
-  const float os = sd > 0.f ? div_rn(xr.ig[m], sd) : 0.f;
-  u32 c = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float t = fminf(fmaxf(v[j] * os, -6.0f), 6.0f);
-    c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
-  }
-  return c;
+  return block_codes(v, amax, xr.g + m, xr.ig + m, scale);
 }
 #endif  // X_BF16
 
@@ -975,19 +940,7 @@ __device__ __forceinline__ u32 quant8(const XRows& xr, int e0, u32& scale) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  const float sf = fminf(div_rn(div_rn(amax, 6.0f), xr.g[0]), 448.0f);  // >= 0: no lower clamp
-  u16 s16;  // E4M3 RNE in the low byte
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(0.0f), "f"(sf));
-  scale = s16 & 0xFFu;
-  const float sd = e4m3x2_to_float2(scale).x;
-  const float os = sd > 0.f ? div_rn(xr.ig[0], sd) : 0.f;
-  u32 c = 0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float t = fminf(fmaxf(v[j] * os, -6.0f), 6.0f);
-    c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
-  }
-  return c;
+  return block_codes(v, amax, xr.g, xr.ig, scale);
 }
 
 // fp16 high bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (TH_LO) and 2, 3, 4, 6 (TH_HI); the

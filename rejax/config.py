@@ -63,6 +63,17 @@ FLASH_ATTENTIONS = {"flash": {}, "flash-mma": {"mma": 1, "warps": 8}}
 # 2.598 / 2.601, fused 2.864 / 2.867 ms/token: a CTA's own quantizing prologue costs more than
 # the grid-wide quantizer launch and its gap (experiments/results/h200_t/).
 LINEAR_FUSIONS = ("fused", "split", "unfused", "mixed")
+# How a decode step's attention hands its output to o_proj (W4A4 NVFP4 decoders): "bf16" (the
+# attention writes bf16, o_proj's quantizer then writes its NVFP4 input) or "nvfp4" (the
+# attention writes o_proj's NVFP4 input itself: rejax.ops.decode_attention.decode_attention_nvfp4,
+# then rejax.ops.fused_linear.linear_from_codes). "nvfp4" applies where the one-launch CUDA
+# kernel runs (attention "flash" / "flash-mma", a bf16 cache, one new token per row), on the
+# "split" path, with a static o_proj input scale, at batches the plain W4A4 GEMV serves (below
+# gemm_min_m); elsewhere it is "bf16". On CUDA the kernel's QUANT_OUT build stores the codes,
+# block scales and global scale instead of bf16: one launch fewer a layer (the o_proj
+# quantizer). The bytes are quantize_activation's of the bf16 output, so the decoder is the same
+# composition; elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
+ATTENTION_OUTPUTS = ("bf16", "nvfp4")
 # KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
 # Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).
@@ -259,6 +270,7 @@ class Config:
     decode_unroll: int = 8
     attention: str = "live"
     linear_fusion: str = "split"
+    attention_output: str = "bf16"
     kv_dtype: str = "bf16"
     rope_fusion: str = "fused"
     residual_fusion: str = "fused"
@@ -312,6 +324,11 @@ class Config:
         if self.linear_fusion not in LINEAR_FUSIONS:
             raise ValueError(
                 f"unknown linear_fusion {self.linear_fusion!r}; expected one of {LINEAR_FUSIONS}"
+            )
+        if self.attention_output not in ATTENTION_OUTPUTS:
+            raise ValueError(
+                f"unknown attention_output {self.attention_output!r}; expected one of "
+                f"{ATTENTION_OUTPUTS}"
             )
         if self.rope_fusion not in ROPE_FUSIONS:
             raise ValueError(

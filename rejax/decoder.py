@@ -36,8 +36,13 @@ from rejax.layers import (
     take,
 )
 from rejax.nvfp4 import Nvfp4Tensor
-from rejax.ops.decode_attention import decode_attention, default_num_splits, prefill_attention
-from rejax.ops.fused_linear import fusable, fused_linear
+from rejax.ops.decode_attention import (
+    decode_attention,
+    decode_attention_nvfp4,
+    default_num_splits,
+    prefill_attention,
+)
+from rejax.ops.fused_linear import fusable, fused_linear, linear_from_codes, takes_codes
 from rejax.ops.rope_cache import rope_cache
 
 
@@ -180,11 +185,17 @@ def decoder_layer(
         splits = None
         if cfg.invariant_rows is not None:
             splits = default_num_splits(max(b, cfg.invariant_rows), kh, kv[0].shape[2])
-        out = decode_attention(
-            q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live,
-            k_scale=kv[2], v_scale=kv[3], kernel=kernel, num_splits=splits,
-            cuda_options=options,
-        )  # fmt: skip
+        args = (q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live)
+        launch = {"kernel": kernel, "num_splits": splits, "cuda_options": options}
+        if flash and codes_out(cfg, att["o_proj"], b, fuse, o_kernels, gemm["gemm_options"]):
+            # the kernel writes o_proj's NVFP4 input (no quantizer launch), the GEMV reads it
+            xq = decode_attention_nvfp4(*args, att["o_proj"]["input_scale"], **launch)
+            x = linear_from_codes(*xq, att["o_proj"], layer=i, residual=x[:, 0],
+                                  gemm_options=gemm["gemm_options"],
+                                  residual_epilogue=gemm["residual_epilogue"],
+                                  **prefetch((mlp, "gate_up_proj", 0, "gu")))[:, None]  # fmt: skip
+            return _mlp(x, lw, mlp, i, cfg, kernels, gemm, prefetch), kv, amax
+        out = decode_attention(*args, k_scale=kv[2], v_scale=kv[3], **launch)
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
     elif kv is not None and cfg.attention != "einsum":
         # a prompt: flash-style over chunks, never holding [B, N, T, S] scores (fp8 chunks
@@ -201,19 +212,38 @@ def decoder_layer(
         x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
                          kernels=o_kernels, **gemm,
                          **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip
-        norm = lw["post_attention_layernorm"]["scale"]
-        gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
-                               eps=eps, kernels=kernels, **gemm,
-                               **prefetch((mlp, "down_proj", 0, "down")))  # fmt: skip
-        x = fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
-                         kernels=kernels, **gemm, **prefetch((att, "qkv_proj", 1, "qkv")))  # fmt: skip
-        return x, kv, amax
+        return _mlp(x, lw, mlp, i, cfg, kernels, gemm, prefetch), kv, amax
     x = lin(out, att, "o_proj", residual=x)
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
     gate_up = lin(hs, mlp, "gate_up_proj")
     f = cfg.intermediate_size
     x = lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj", residual=x)
     return x, kv, amax
+
+
+def _mlp(x, lw, mlp, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.Array:
+    """The fused path's feed-forward half: x + down(swiglu(gate_up(rms_norm(x))))."""
+    norm = lw["post_attention_layernorm"]["scale"]
+    gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
+                           eps=cfg.rms_norm_eps, kernels=kernels, **gemm,
+                           **prefetch((mlp, "down_proj", 0, "down")))  # fmt: skip
+    return fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
+                        kernels=kernels, **gemm, **prefetch((lw["self_attn"], "qkv_proj", 1, "qkv")))  # fmt: skip
+
+
+def codes_out(
+    cfg: Config, o_proj: dict, rows: int, fuse: bool, o_kernels: str, gemm_options
+) -> bool:
+    """Whether a decode step's attention writes o_proj's NVFP4 input (Config.attention_output
+    "nvfp4" where it applies: the fused "split" path, a static o_proj input scale, `rows` in the
+    plain W4A4 GEMV's range); the caller has checked the one-launch CUDA attention applies."""
+    return (
+        cfg.attention_output == "nvfp4"
+        and fuse
+        and o_kernels == "two"
+        and o_proj.get("input_scale") is not None
+        and takes_codes(rows, o_proj, gemm_options)
+    )
 
 
 def live_slots(index: jax.Array) -> jax.Array:

@@ -211,3 +211,99 @@ def test_decoder_flash_gpu(attention, head_dim):
     assert flash.ENTRY in text and "rejax_decode_attention_partials" not in text
     assert ("mma.sync" in text) == (attention == "flash-mma")
     assert _rel(fl, live) <= KERNEL_REL_TOL
+
+
+@pytest.mark.parametrize(
+    "b,s,n,kh,h,options",
+    [
+        (1, 1536, 32, 8, 128, None),  # Qwen3-8B: one split at short lives, several at long
+        (3, 4100, 32, 8, 128, flash.FlashOptions(mma=1, warps=8)),  # "flash-mma"'s build
+        (5, 2048, 32, 4, 64, flash.FlashOptions(splits=7)),  # H = 64, G = 8
+        (2, 600, 4, 4, 16, None),  # H = 16, G = 1: a block spans 4 lanes of one head
+    ],
+)
+def test_cuda_nvfp4_output_is_quantize_activation_of_its_bf16_output_gpu(b, s, n, kh, h, options):
+    """The QUANT_OUT build writes rejax.nvfp4.quantize_activation's bytes of the bf16 build's
+    output (codes, E4M3 scales, the global scale per row), bit for bit, for a scalar scale and
+    a stacked one read at the layer (1e-4: saturated block scales), over one-split and
+    combined live lengths, rows with no visible key (zero codes and scales), with the outputs
+    poisoned (every byte written) and on repeated calls."""
+    from rejax import nvfp4
+
+    keys = jax.random.split(jax.random.key(b * 7 + s), 3)
+    q = jax.random.normal(keys[0], (b, n, h), jnp.bfloat16)
+    kc = jax.random.normal(keys[1], (2, b, s, kh, h), jnp.bfloat16)
+    vc = jax.random.normal(keys[2], (2, b, s, kh, h), jnp.bfloat16)
+    shape = flash.flash_shape(b, 2, s, kh, n // kh, h, options)
+    plain = jax.jit(lambda *a: decode_attention_cuda(*a, options=options))
+    rng = np.random.default_rng(s)
+    scales = (np.float32(2e-3), np.array([0.02, 1e-4], np.float32))
+    runs = {
+        (i, poison): jax.jit(
+            lambda *a, sc=sc, poison=poison: decode_attention_cuda(
+                *a, options=options, poison=poison, input_scale=sc
+            )
+        )
+        for i, sc in enumerate(scales)
+        for poison in (False, True)
+    }
+    # one split (the CTA stores its own output), then combined splits
+    for live in sorted({1, shape.tile + 1, s // 2, s}):
+        qp, kp = _positions(rng, b, s, live)
+        args = (q, kc, vc, jnp.int32(1), jnp.asarray(qp), jnp.asarray(kp), jnp.int32(live))
+        out = plain(*args)
+        for i, sc in enumerate(scales):
+            g = np.float32(sc if sc.ndim == 0 else sc[1])
+            want = nvfp4.quantize_activation(out.reshape(b, -1), jnp.float32(g))
+            ws = np.asarray(jax.lax.bitcast_convert_type(want.scales, jnp.uint8))
+            got = [np.asarray(x) for x in runs[i, False](*args)]
+            np.testing.assert_array_equal(got[0], np.asarray(want.packed), f"codes {live} {i}")
+            np.testing.assert_array_equal(got[1], ws, f"scales live={live} scale {i}")
+            np.testing.assert_array_equal(got[2], np.full(b, g, np.float32))
+            if i == 1:
+                assert (ws == 0x7E).any(), "no saturated block scale at g = 1e-4"
+            for run in (runs[i, True], runs[i, False]):  # poisoned, then a repeat
+                for a, x in zip(run(*args), got, strict=True):
+                    np.testing.assert_array_equal(np.asarray(a), x)
+
+
+@pytest.mark.parametrize("attention", ["flash", "flash-mma"])
+def test_decoder_attention_output_nvfp4_gpu(attention):
+    """A tiny NVFP4 decoder with static input scales: attention_output "nvfp4" gives the
+    logits of "bf16" bit for bit (the kernel's codes are the quantizer kernel's), and its
+    lowered step holds one quantizer launch fewer per layer."""
+    from rejax import params as rparams
+    from rejax.cache import init_cache
+    from rejax.config import Config
+    from rejax.decoder import Model
+    from rejax.params import init_params
+
+    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
+                 num_layers=2, attention=attention)  # fmt: skip
+    params = init_params(cfg, 6, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+
+    def steps(cfg):
+        b, t, p = 2, 12, 4
+        tokens = np.random.default_rng(7).integers(0, 256, (b, t)).astype(np.int32)
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+        apply = jax.jit(
+            lambda w, tok, pos, c: Model(cfg, jnp.bfloat16).apply({"params": w}, tok, pos, c)
+        )
+        cache = init_cache(cfg, b, t + 5, jnp.bfloat16)
+        out, cache = apply(weights, tokens[:, :p], positions[:, :p], cache)
+        text = apply.lower(weights, tokens[:, p : p + 1], positions[:, p : p + 1], cache)
+        logits = []
+        for i in range(p, t):
+            out, cache = apply(weights, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
+            logits.append(np.asarray(out, np.float32))
+        return np.concatenate(logits, axis=1), text.as_text()
+
+    base, text = steps(cfg)
+    got, text_q = steps(dataclasses.replace(cfg, attention_output="nvfp4"))
+    assert np.isfinite(base).all()
+    np.testing.assert_array_equal(got, base)
+    assert flash.ENTRY in text_q and "cvt.rn.satfinite.e4m3x2.f32" in text_q
+    quantizers = text.count("nvfp4_quantize_bf16"), text_q.count("nvfp4_quantize_bf16")
+    assert quantizers[1] < quantizers[0], quantizers

@@ -19,6 +19,7 @@ def _args(**kw):
         "weight_prefetch": ["none"],
         "gemm_occupancy": [rconfig.Config.gemm_occupancy],
         "linear_fusion": [rconfig.Config.linear_fusion],
+        "attention_output": [rconfig.Config.attention_output],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -95,10 +96,29 @@ def test_variants_cross_attentions(base):
     assert bf16 == [("bf16", at), ("bf16 attn=flash-mma", "flash-mma"), ("bf16", at)]
 
 
+def test_variants_cross_attentions_and_attention_outputs(base):
+    """--attention-output: one NVFP4 variant per value, innermost (so "bf16" / "nvfp4" of one
+    attention run adjacent), labelled " ao=CHOICE" unless Config's default; bf16 runs once per
+    attention."""
+    ao = rconfig.Config.attention_output
+    args = _args(attention=["flash-mma", "flash"], attention_output=[ao, "nvfp4"])
+    got = [(label, p.cfg.attention, p.cfg.attention_output)
+           for _, _, label, p in bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [
+        ("head=bf16 prefetch=none attn=flash-mma", "flash-mma", ao),
+        ("head=bf16 prefetch=none attn=flash-mma ao=nvfp4", "flash-mma", "nvfp4"),
+        ("head=bf16 prefetch=none attn=flash", "flash", ao),
+        ("head=bf16 prefetch=none attn=flash ao=nvfp4", "flash", "nvfp4"),
+    ]
+    bf16 = [label for _, _, label, _ in bd._variants(base, args, None)]
+    assert bf16 == ["bf16 attn=flash-mma", "bf16 attn=flash"]
+
+
 def test_bad_choices_are_refused_before_any_work(tmp_path):
     for flag, value in (
         ("--linear-fusion", "all"),
         ("--attention", "flash-fast"),
+        ("--attention-output", "fp4"),
         ("--gemm-occupancy", "full"),
         ("--command-buffer", "graph"),
         ("--decode-unroll", "0"),

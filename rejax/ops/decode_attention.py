@@ -89,6 +89,7 @@ from jax.interpreters import mlir
 
 from cuda_ops import decode_attention as flash_mod
 from cuda_ops.build import KernelError
+from rejax import nvfp4
 from rejax.cache import FP8_DTYPE, dequantize_kv, read_layer
 from rejax.layers import attention, attention_mask
 from rejax.ops import _dispatch
@@ -641,22 +642,47 @@ def flash_call(q, k_cache, v_cache, layer, q_positions, k_positions, live, *, ke
     FlashKernel. With `kernel.shape.poison` the output and the workspace start as NaN (aliased
     NaN-filled operands): a split the combine reads unwritten, or an output element never
     stored, shows up. Returns [B, N, H] bf16."""
+    return _flash_results(q, k_cache, v_cache, layer, q_positions, k_positions, live,
+                          kernel=kernel)[0]  # fmt: skip
+
+
+def flash_quant_call(q, k_cache, v_cache, layer, q_positions, k_positions, live, xg, *, kernel):
+    """`flash_call` for a kernel built with `quant_out` (o_proj's NVFP4 input): `xg` float32 [L]
+    (with `kernel.shape.xg_stack`, read at `layer`) or [1], the static input scale. Returns
+    (codes uint8 [B, N*H/2], E4M3 scales uint8 [B, N*H/16], global scale float32 [B])."""
+    return _flash_results(q, k_cache, v_cache, layer, q_positions, k_positions, live, xg,
+                          kernel=kernel)[:3]  # fmt: skip
+
+
+def _flash_results(q, k_cache, v_cache, layer, q_positions, k_positions, live, *xg, kernel):
     sh = kernel.shape
     b, n, h = q.shape
+    if sh.quant_out:
+        outs = (
+            jax.ShapeDtypeStruct((b, n * h // 2), jnp.uint8),  # codes
+            jax.ShapeDtypeStruct((b, n * h // 16), jnp.uint8),  # E4M3 block scales
+            jax.ShapeDtypeStruct((b,), jnp.float32),  # global scale per row
+        )
+    else:
+        outs = (jax.ShapeDtypeStruct((b, n, h), q.dtype),)
     out = (
-        jax.ShapeDtypeStruct((b, n, h), q.dtype),
+        *outs,
         jax.ShapeDtypeStruct((b, sh.kv_heads, sh.splits, sh.gqa, h), jnp.float32),  # ws_acc
         jax.ShapeDtypeStruct((b, sh.kv_heads, sh.splits, 2, sh.gqa), jnp.float32),  # ws_ml
     )
     # the CUDA kernel plans its splits from one live length: the furthest row's (the positions
     # mask the rest of a shorter row's range)
     live = jnp.max(live) if jnp.ndim(live) else live
-    ops = (q, k_cache, v_cache, layer, q_positions, k_positions, live)
+    ops = (q, k_cache, v_cache, layer, q_positions, k_positions, live, *xg)
     aliases = None
     if sh.poison:
-        ops += tuple(jnp.full(o.shape, jnp.nan, o.dtype) for o in out)
-        aliases = {flash_mod.N_INPUTS + i: i for i in range(flash_mod.N_OUTPUTS)}
-    return _dispatch.ptx_call(kernel.backend_config(), out, *ops, aliases=aliases)[0]
+        # NaN for floats; 0xFF (a NaN E4M3 scale, code -6 pairs) for the byte outputs
+        ops += tuple(
+            jnp.full(o.shape, jnp.nan if jnp.issubdtype(o.dtype, jnp.floating) else 0xFF, o.dtype)
+            for o in out
+        )  # fmt: skip
+        aliases = {sh.n_inputs + i: i for i in range(sh.n_outputs)}
+    return _dispatch.ptx_call(kernel.backend_config(), out, *ops, aliases=aliases)
 
 
 def decode_attention_cuda(
@@ -670,24 +696,27 @@ def decode_attention_cuda(
     *,
     options: flash_mod.FlashOptions | None = None,
     poison: bool = False,
-) -> jax.Array:
+    input_scale: Any = None,
+) -> Any:
     """The CUDA kernel's call itself, without dispatch (use `decode_attention(impl="cuda")`;
     this entry point is for GPU tests and benchmarks, and lowers for CUDA only).
 
     Args:
         q, k_cache, v_cache, layer, q_positions, k_positions, live: as `decode_attention`.
         options: the kernel's launch choices (None -> the defaults).
-        poison: the output and the workspace start as NaN.
+        poison: the output and the workspace start as NaN (the byte outputs as 0xFF).
+        input_scale: None, or o_proj's static input scale (as `decode_attention_nvfp4`): the
+            kernel built with `quant_out` writes the NVFP4 codes of its output instead.
 
     Returns:
-        [B, N, H] bf16.
+        [B, N, H] bf16; with `input_scale` (codes, scales, global scale) as
+        `decode_attention_nvfp4`.
     """
     _check_inputs(q, k_cache, v_cache, layer, q_positions, k_positions, live, None, None)
     shape, why = cuda_problem(q, k_cache, v_cache, None, options)
     if why:
         raise ValueError(f"decode_attention_cuda cannot run: {why}")
-    kernel = flash_mod.build(dataclasses.replace(shape, poison=poison))
-    return flash_call(
+    ops = (
         q,
         k_cache,
         v_cache,
@@ -695,8 +724,12 @@ def decode_attention_cuda(
         q_positions.astype(jnp.int32),
         k_positions.astype(jnp.int32),
         jnp.asarray(live, jnp.int32),
-        kernel=kernel,
     )
+    if input_scale is None:
+        return flash_call(*ops, kernel=flash_mod.build(dataclasses.replace(shape, poison=poison)))
+    xg, stacked = _check_input_scale(input_scale, k_cache.shape[0])
+    shape = dataclasses.replace(shape, poison=poison, quant_out=True, xg_stack=stacked)
+    return flash_quant_call(*ops, xg, kernel=flash_mod.build(shape))
 
 
 def _lower_flash(ctx, *args, kernel):
@@ -860,6 +893,20 @@ def decode_attention(
     Returns:
         [B, N, H] in q's dtype; zeros for a row with no visible key.
     """
+    ops, params = _prepare(
+        q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale,
+        impl=impl, block_s=block_s, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, blocks_per_iter=blocks_per_iter, prefetch=prefetch, kernel=kernel,
+        cuda_options=cuda_options,
+    )  # fmt: skip
+    return _attn_p.bind(*ops, **params)
+
+
+def _prepare(
+    q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale, *, impl,
+    block_s, num_splits, num_warps, num_stages, blocks_per_iter, prefetch, kernel, cuda_options,
+):  # fmt: skip
+    """Validates `decode_attention`'s arguments: (the primitive's operands, its params)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}, expected one of {IMPLS}")
     if kernel not in KERNELS:
@@ -886,7 +933,7 @@ def decode_attention(
     )
     if impl in ("pallas", "interpret") and not ok:
         raise ValueError(f"decode_attention(impl={impl!r}) cannot run: {reason}")
-    return _attn_p.bind(
+    ops = (
         q,
         k_cache,
         v_cache,
@@ -895,18 +942,172 @@ def decode_attention(
         k_positions.astype(jnp.int32),
         jnp.asarray(live, jnp.int32),
         *(() if k_scale is None else (k_scale, v_scale)),
-        impl=impl,
-        reason=reason,
-        block_s=int(block_s),
-        num_splits=int(num_splits),
-        num_warps=int(num_warps),
-        num_stages=int(num_stages),
-        blocks_per_iter=int(blocks_per_iter),
-        prefetch=bool(prefetch),
-        kernel=kernel,
-        flash=flash,
-        flash_reason=flash_reason,
     )
+    params = {
+        "impl": impl,
+        "reason": reason,
+        "block_s": int(block_s),
+        "num_splits": int(num_splits),
+        "num_warps": int(num_warps),
+        "num_stages": int(num_stages),
+        "blocks_per_iter": int(blocks_per_iter),
+        "prefetch": bool(prefetch),
+        "kernel": kernel,
+        "flash": flash,
+        "flash_reason": flash_reason,
+    }
+    return ops, params
+
+
+# ----------------------------------------------------------------------------- NVFP4 output
+#
+# decode_attention_nvfp4: the attention output as o_proj's W4A4 input. On CUDA with the
+# one-launch kernel ("cuda") its QUANT_OUT build writes the codes, block scales and global scale
+# itself (one launch, no quantizer launch after it); everywhere else (off CUDA, the Pallas
+# kernel, an fp8 cache, a shape the CUDA kernel does not take) the bf16 attention output, then
+# `rejax.nvfp4.quantize_activation`'s XLA ops. The bytes are quantize_activation of the bf16
+# output in both cases.
+
+
+def _check_input_scale(input_scale: Any, layers: int) -> tuple[jax.Array, bool]:
+    """(xg float32 [L] or [1], stacked): a static input scale [] or stacked [L], > 0."""
+    shape = tuple(np.shape(input_scale))
+    if shape not in ((), (layers,)):
+        raise ValueError(
+            f"input_scale must be a float32 scalar or one per layer [L]=({layers},), got {shape}"
+        )
+    if not jnp.issubdtype(jnp.result_type(input_scale), jnp.floating):
+        raise ValueError(f"input_scale must be floating, got {jnp.result_type(input_scale)}")
+    if not isinstance(input_scale, jax.core.Tracer):
+        v = np.asarray(input_scale, np.float32)
+        bad = v[~(np.isfinite(v) & (v > 0))]
+        if bad.size:
+            raise ValueError(f"input_scale={float(bad.flat[0])}: expected finite and > 0")
+    xg = jnp.reshape(jnp.asarray(input_scale, jnp.float32), (-1,))
+    return xg, len(shape) == 1
+
+
+def _quantize_out(out, xg, layer, *, stacked):
+    """(codes, scales, global scale [B]) of the attention output out [B, N, H]:
+    `quantize_activation` of its bf16 values with the static scale xg[layer] (stacked) or xg[0]."""
+    b = out.shape[0]
+    g = xg[jnp.clip(layer, 0, xg.shape[0] - 1)] if stacked else xg[0]
+    q = nvfp4.quantize_activation(out.astype(jnp.bfloat16).reshape(b, -1), g)
+    scales = jax.lax.bitcast_convert_type(q.scales, jnp.uint8)
+    return q.packed, scales, jnp.broadcast_to(q.global_scale, (b,))
+
+
+_attn_q_p = Primitive("rejax_decode_attention_nvfp4")
+_attn_q_p.multiple_results = True
+_attn_q_p.def_abstract_eval(
+    lambda q, *_, **__: (
+        jax.core.ShapedArray((q.shape[0], q.shape[1] * q.shape[2] // 2), jnp.uint8),
+        jax.core.ShapedArray((q.shape[0], q.shape[1] * q.shape[2] // nvfp4.BLOCK), jnp.uint8),
+        jax.core.ShapedArray((q.shape[0],), jnp.float32),
+    )
+)
+
+
+@functools.cache
+def _jitted_bind_q(**params):
+    return jax.jit(functools.partial(_attn_q_p.bind, **params))
+
+
+_attn_q_p.def_impl(lambda *args, **params: _jitted_bind_q(**params)(*args))
+
+
+def _composed(*args, stacked, **params):
+    """The attention primitive (whatever it lowers to here), then quantize_activation's ops."""
+    q, k_cache, v_cache, layer, q_positions, k_positions, live, xg, *scales = args
+    ops = (q, k_cache, v_cache, layer, q_positions, k_positions, live, *scales)
+    return _quantize_out(_attn_p.bind(*ops, **params), xg, layer, stacked=stacked)
+
+
+def _lower_q_default(ctx, *args, **params):
+    return mlir.lower_fun(functools.partial(_composed, **params), multiple_results=True)(ctx, *args)
+
+
+def _lower_q_cuda(ctx, *args, stacked, **params):
+    impl, flash_reason = params["impl"], params["flash_reason"]
+    if impl == "cuda" or (impl == "auto" and params["kernel"] == "cuda"):
+        built = None
+        if not flash_reason:
+            shape = dataclasses.replace(params["flash"], quant_out=True, xg_stack=stacked)
+            try:
+                built = flash_mod.build(shape)
+            except KernelError as err:
+                flash_reason = f"the CUDA kernel does not build ({err})"
+        if built is not None:
+            fn = functools.partial(flash_quant_call, kernel=built)
+            return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+        if impl == "cuda":
+            raise ValueError(f"decode_attention_nvfp4(impl='cuda') cannot run: {flash_reason}")
+        _dispatch.note_once(
+            "decode_attention_nvfp4",
+            f"the attention output is quantized by XLA ops after the attention: {flash_reason}",
+        )
+    return _lower_q_default(ctx, *args, stacked=stacked, **params)
+
+
+mlir.register_lowering(_attn_q_p, _lower_q_default)
+mlir.register_lowering(_attn_q_p, _lower_q_cuda, platform="cuda")
+
+
+def decode_attention_nvfp4(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    layer: jax.Array,
+    q_positions: jax.Array,
+    k_positions: jax.Array,
+    live: jax.Array,
+    input_scale: Any,
+    *,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    impl: str = "auto",
+    block_s: int = BLOCK_S,
+    num_splits: int | None = None,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+    blocks_per_iter: int = 1,
+    prefetch: bool = False,
+    kernel: str = "cuda",
+    cuda_options: flash_mod.FlashOptions | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`decode_attention`'s output as o_proj's NVFP4 W4A4 input, with a static input scale.
+
+    The bytes are `rejax.nvfp4.quantize_activation(out.reshape(B, N*H), g)` of the bf16 output
+    `out` that `decode_attention` gives with the same arguments, g = input_scale[layer] (or the
+    scalar input_scale): the operands `rejax.ops.fused_linear.linear_from_codes` takes. On CUDA
+    with `kernel="cuda"` (the default here) and a bf16 cache the one-launch CUDA kernel writes
+    them itself (`cuda_ops/decode_attention.cu`, QUANT_OUT); otherwise the attention (as
+    `decode_attention` runs it), then quantize_activation's XLA ops.
+
+    Args:
+        q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale: as
+            `decode_attention`.
+        input_scale: float32 [] or [L] (one per layer, read at `layer`), > 0: o_proj's static
+            activation global scale (calibrated amax / (6 * 448)).
+        impl, block_s, num_splits, num_warps, num_stages, blocks_per_iter, prefetch, kernel,
+            cuda_options: as `decode_attention` ("cuda" with impl="cuda" forces the kernel).
+
+    Returns:
+        (codes uint8 [B, N*H/2], E4M3 block scales uint8 [B, N*H/16], global scale float32 [B]).
+    """
+    ops, params = _prepare(
+        q, k_cache, v_cache, layer, q_positions, k_positions, live, k_scale, v_scale,
+        impl=impl, block_s=block_s, num_splits=num_splits, num_warps=num_warps,
+        num_stages=num_stages, blocks_per_iter=blocks_per_iter, prefetch=prefetch, kernel=kernel,
+        cuda_options=cuda_options,
+    )  # fmt: skip
+    if (q.shape[1] * q.shape[2]) % nvfp4.BLOCK:
+        raise ValueError(
+            f"N*H={q.shape[1] * q.shape[2]} must be a multiple of {nvfp4.BLOCK} (NVFP4 blocks)"
+        )
+    xg, stacked = _check_input_scale(input_scale, k_cache.shape[0])
+    ops = (*ops[:7], xg, *ops[7:])
+    return tuple(_attn_q_p.bind(*ops, stacked=stacked, **params))
 
 
 # ----------------------------------------------------------------------------- prefill

@@ -538,6 +538,98 @@ def fused_linear(
     return jnp.reshape(y, (*lead, n))
 
 
+def takes_codes(m: int, params: dict, gemm_options=nvfp4_gemm.DEFAULT_OPTIONS) -> bool:
+    """Whether `linear_from_codes` on M rows runs the plain W4A4 GEMV (M below
+    `gemm_options.min_m`, a shape the GEMV takes): where a producer that writes the codes (the
+    decode attention's NVFP4 output) saves the quantizer launch. From `min_m` on the GEMM reads
+    x_hat, which XLA would build from the codes: not a saving."""
+    w = params.get("weight")
+    if not isinstance(w, Nvfp4Tensor):
+        return False
+    n, k = w.shape
+    kind, (ok, _) = _supported("w4a4", m, n, k, jnp.bfloat16, gemm_options, w.per_row)
+    return kind == "gemv" and ok
+
+
+def linear_from_codes(
+    xp: jax.Array,
+    xs: jax.Array,
+    xg: jax.Array,
+    params: dict,
+    *,
+    layer: Any = None,
+    residual: jax.Array | None = None,
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    residual_epilogue: bool = False,
+    prefetch: tuple = (),
+    prefetch_options: nvfp4_gemv.Prefetch | None = None,
+) -> jax.Array:
+    """y = [residual +] the W4A4 linear of an input already quantized: `fused_linear` with
+    prologue "none" after the quantizer, for a producer that writes the codes itself
+    (`rejax.ops.decode_attention.decode_attention_nvfp4`). The same bytes in, the same result
+    as `fused_linear(x, params, residual=...)` of the x they quantize (the GEMV of the two-step
+    lowering; its reference elsewhere).
+
+    Args:
+        xp, xs, xg: codes uint8 [M, K/2], E4M3 block scales uint8 [M, K/16], global scale
+            float32 [M] (`quantize_activation`'s bytes).
+        params, layer, residual, options, gemm_options, residual_epilogue, prefetch,
+            prefetch_options: as `fused_linear` (W4A4 params; their input_scale is the producer's
+            business and is not read here).
+
+    Returns:
+        bf16 [M, N].
+    """
+    if not fusable(params, "nvfp4"):
+        raise ValueError(
+            "linear_from_codes needs W4A4 NVFP4 params without a bias (see fusable); got keys "
+            f"{sorted(params)}"
+        )
+    w: Nvfp4Tensor = params["weight"]
+    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
+        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    n, k = w.shape
+    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
+    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
+    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
+        shape, dtype = want[name]
+        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
+            raise ValueError(
+                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
+                f"{np.dtype(dtype).name} (K={k})"
+            )
+    if residual is not None and (
+        tuple(np.shape(residual)) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16)
+    ):
+        raise ValueError(
+            f"residual {np.shape(residual)} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
+        )
+    spec, stacks = _prefetch_spec(prefetch, prefetch_options, layer)
+    pf = None
+    if spec is not None:
+        pf = (spec, tuple(zip(stacks[0::2], stacks[1::2], strict=True)))
+    wp = w.packed
+    ws = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+    wg = jnp.asarray(w.global_scale, jnp.float32)
+    li = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    in_kernel = residual is not None and residual_epilogue
+    y = gemv_call(
+        (xp, xs, xg, wp, ws, wg, li),
+        act="w4a4",
+        n=n,
+        k=k,
+        impl="auto",
+        launch=_dispatch.default_launch(),
+        gw_rows=w.per_row,
+        options=options,
+        gemm_options=gemm_options,
+        residual=residual if in_kernel else None,
+        prefetch=pf,
+    )
+    return residual + y if residual is not None and not in_kernel else y
+
+
 def _prefetch_spec(prefetch, options, layer) -> tuple[nvfp4_gemv.Prefetch | None, tuple]:
     """(the static `Prefetch` with its targets, their (codes, scales) operands) for
     `fused_linear`'s prefetch arguments; (None, ()) without `options`."""

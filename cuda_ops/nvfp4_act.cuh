@@ -1,0 +1,62 @@
+// NVFP4 activation blocks: the operations of rejax.nvfp4.quantize_activation for one 16-element
+// block, shared by the kernels that write a W4A4 linear's input (the quantizer and the fused
+// GEMV in nvfp4_gemv.cu, the decode attention's quantized output in decode_attention.cu).
+//
+// Per block with global scale g (and ig = div_rn(1, g)):
+//   SF = E4M3_satfinite(min(div_rn(div_rn(amax, 6), g), 448));
+//   os = div_rn(ig, float(SF)), or 0 when SF == 0;
+//   code = E2M1_rn_sat(v * os), the sign bit from v's sign bit (-0.0 -> code 8).
+// CUDA's __fdiv_rn is the correctly rounded division the reference emulates; div_rn adds its
+// flush of operands and results below 2^-126 to 0 (nvfp4._div_rn).
+//
+// The including file defines u16 and u32 first.
+
+#pragma once
+
+// two E4M3 bytes (low, high) -> two floats, exact (E4M3 fits in fp16)
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
+  u32 h;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
+  float lo, hi;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  return make_float2(lo, hi);
+}
+
+// a / b correctly rounded, operands and results below 2^-126 flushed to 0 (nvfp4._div_rn)
+__device__ __forceinline__ float div_rn(float a, float b) {
+  constexpr float F32_MIN = 1.17549435e-38f;
+  if (a < F32_MIN) return 0.f;
+  const float q = __fdiv_rn(a, b);
+  return q < F32_MIN ? 0.f : q;
+}
+
+// E2M1 magnitude code of a = |v| (RNE, saturating at 6): ties 0.25, 1.25, 2.5, 5 round down,
+// 0.75, 1.75, 3.5 up (nvfp4._e2m1_magnitude)
+__device__ __forceinline__ u32 e2m1_mag(float a) {
+  return (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f) +
+         (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
+}
+
+// The codes of N elements v of one block whose amax (over all 16) is `amax`, with global scale
+// *g and *ig = div_rn(1, *g): element j in nibble j of the result; `scale` gets the block's E4M3
+// byte. (g and ig are pointers, each read where its division needs it: the quantizers keep them
+// in shared memory.)
+template <int N>
+__device__ __forceinline__ u32 block_codes(const float (&v)[N], float amax, const float* g,
+                                           const float* ig, u32& scale) {
+  const float sf = fminf(div_rn(div_rn(amax, 6.0f), *g), 448.0f);  // >= 0: no lower clamp
+  u16 s16;  // E4M3 RNE in the low byte
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(s16) : "f"(0.0f), "f"(sf));
+  scale = s16 & 0xFFu;
+  const float sd = e4m3x2_to_float2(scale).x;
+  const float os = sd > 0.f ? div_rn(*ig, sd) : 0.f;
+  u32 c = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const float t = fminf(fmaxf(v[j] * os, -6.0f), 6.0f);
+    c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
+  }
+  return c;
+}
