@@ -25,6 +25,8 @@
 //   RING_D                  persistent: cp.async ring slots per warp (0: register prefetch)
 //   SIGNED_W                W4A4 at M > 2 (default): weights decoded to signed int8
 //   EPI_RES                 W4A4: add the bf16 residual operand res [M, N] in the epilogue
+//   SWIGLU_OUT              W4A4 persistent: the epilogue writes down_proj's NVFP4 input
+//                           (SwiGLU of the gate / up outputs, quantized) instead of y; below
 // The host plan (nvfp4_gemv.py) picks per shape what measured faster on the H200: streaming for
 // M <= 2 on layers of <= 16 MiB, else persistent; the ring at M = 8.
 //
@@ -98,6 +100,13 @@ typedef unsigned int u32;
 #define EPI_RES 0  // W4A4 entries: y = res + y, a bf16 residual [M, N] added in the epilogue
 #endif
 
+#ifndef SWIGLU_OUT
+#define SWIGLU_OUT 0  // plain W4A4 persistent: the SwiGLU + quantizer epilogue (see below)
+#endif
+#ifndef XGD_STACK
+#define XGD_STACK 0  // SWIGLU_OUT: down_proj's static input scale is stacked [L]
+#endif
+
 constexpr int NWARPS = NTHREADS / 32;
 constexpr int NGROUPS = N_OUT / R_ROWS;
 #if GEMV_STREAM
@@ -111,8 +120,30 @@ static_assert(M_TOK <= 4, "the streaming variant handles M <= 4");
 constexpr int STEP = 1024;  // K elements per warp step: 32 lanes x 32 elements
 constexpr int NSTEPS = (K_IN + STEP - 1) / STEP;
 constexpr int KPARTS = (NSTEPS + SPP - 1) / SPP;
+#if SWIGLU_OUT
+// SwiGLU epilogue (gate_up_proj, y = [gate | up], N = 2F): a unit is 16 gate rows and the 16 up
+// rows of the same outputs, (16u .. 16u + 15) and F + (16u .. 16u + 15), i.e. one 16-element
+// NVFP4 block of down_proj's input. A CTA owns whole units; its row groups run through each
+// unit's gate rows, then its up rows (group_row), so its partial sums hold both halves.
+constexpr int GPU_ = 32 / R_ROWS;                  // row groups per unit
+constexpr int NUNITS = N_OUT / 32;
+constexpr int GPC = (NUNITS + GRID - 1) / GRID * GPU_;  // max row groups per CTA
+static_assert(N_OUT % 32 == 0 && R_ROWS <= 16, "SWIGLU_OUT: N a multiple of 32, R_ROWS <= 16");
+static_assert(!EPI_RES, "SWIGLU_OUT has no residual");
+#else
 constexpr int GPC = (NGROUPS + GRID - 1) / GRID;  // max row groups per CTA
+#endif
 constexpr int RPC = GPC * R_ROWS;                  // max rows per CTA
+
+// first weight row of row group g
+__device__ __forceinline__ int group_row(int g) {
+#if SWIGLU_OUT
+  const int unit = g / GPU_, sub = g % GPU_, half = sub / (GPU_ / 2);
+  return half * (N_OUT / 2) + unit * 16 + (sub % (GPU_ / 2)) * R_ROWS;
+#else
+  return g * R_ROWS;
+#endif
+}
 // cp.async ring (RING_D > 0): per warp RING_D slots of one step's tile, R_ROWS rows of
 // 32 lanes x 16 B of codes, then R_ROWS x 64 B of block scales
 constexpr int SLOT_CODES = R_ROWS * 32 * 16;
@@ -556,7 +587,7 @@ __device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, c
   Unit iu = u;  // next unit to issue
 #pragma unroll
   for (int sl = 0; sl < RING_D; ++sl) {
-    ring_issue(my + sl * SLOT_BYTES, wp, ws, (g0 + iu.item / KPARTS) * R_ROWS, iu.step,
+    ring_issue(my + sl * SLOT_BYTES, wp, ws, group_row(g0 + iu.item / KPARTS), iu.step,
                iu.item >= 0, lane);
     if (iu.item >= 0) iu = next_unit(iu, items);
   }
@@ -568,7 +599,7 @@ __device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, c
     WTile cur;
     ring_read(cur, my + slot * SLOT_BYTES, lane);
     __syncwarp();  // every lane has read the slot (scales are shared) before it is refilled
-    ring_issue(my + slot * SLOT_BYTES, wp, ws, (g0 + iu.item / KPARTS) * R_ROWS, iu.step,
+    ring_issue(my + slot * SLOT_BYTES, wp, ws, group_row(g0 + iu.item / KPARTS), iu.step,
                iu.item >= 0, lane);
     if (iu.item >= 0) iu = next_unit(iu, items);
     const int elem = u.step * STEP + lane * 32;
@@ -583,7 +614,7 @@ __device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, c
   WTile cur;
   {
     const int elem = u.step * STEP + lane * 32;
-    load_tile(cur, wp, ws, (g0 + u.item / KPARTS) * R_ROWS, elem, u.item >= 0 && elem < K_IN);
+    load_tile(cur, wp, ws, group_row(g0 + u.item / KPARTS), elem, u.item >= 0 && elem < K_IN);
   }
   stage();
   while (u.item >= 0) {
@@ -591,7 +622,7 @@ __device__ __forceinline__ void run_units(float* ybuf, u8* ring, const u8* wp, c
     WTile nxt;
     {
       const int elem = nu.step * STEP + lane * 32;
-      load_tile(nxt, wp, ws, (g0 + nu.item / KPARTS) * R_ROWS, elem, nu.item >= 0 && elem < K_IN);
+      load_tile(nxt, wp, ws, group_row(g0 + nu.item / KPARTS), elem, nu.item >= 0 && elem < K_IN);
     }
     const int elem = u.step * STEP + lane * 32;
     if (elem < K_IN) math(acc, cur, elem);
@@ -615,6 +646,53 @@ __device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, i
     y[(size_t)m * N_OUT + g0 * R_ROWS + lr] = f32_to_bf16(out(m, g0 * R_ROWS + lr, s));
   }
 }
+
+#if SWIGLU_OUT
+// SwiGLU epilogue: instead of y = [gate | up] (bf16 [M, N]), down_proj's W4A4 input: codes dp
+// [M, F/2], E4M3 block scales ds [M, F/16] and the static global scale dg [M] (*gd), F = N / 2:
+// the bytes the quantizer kernel with prologue "swiglu" (nvfp4_quant.py) writes from that y.
+// Each unit's gate and up values are the bf16 values persistent_epilogue would store, then
+// quant4's SwiGLU (its expf and bf16 roundings) and the block quantization (nvfp4_act.cuh). The
+// 4 lanes of a unit's block (4 elements each) find its amax with two shuffles in their group.
+template <typename OutScale>
+__device__ __forceinline__ void swiglu_epilogue(const float* ybuf, int u0, int u1, int tid,
+                                                OutScale out, const float* gd, u8* dp, u8* ds,
+                                                float* dg) {
+  __shared__ float s_igd;
+  if (tid == 0) s_igd = div_rn(1.0f, *gd);
+  __syncthreads();
+  const int units = u1 - u0;
+  // 4 consecutive i are one block (NTHREADS % 4 == 0): its lanes run the loop together
+  for (int i = tid; i < M_TOK * units * 4; i += NTHREADS) {
+    const int m = i / (units * 4), lu = (i / 4) % units, q = i % 4;
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int li = 4 * q + e, lr = lu * 32 + li;  // local rows: gate lr, up lr + 16
+      float tg = 0.f, tu = 0.f;
+#pragma unroll 1
+      for (int p = 0; p < KPARTS; ++p) {
+        tg += ybuf[(p * RPC + lr) * M_TOK + m];
+        tu += ybuf[(p * RPC + lr + 16) * M_TOK + m];
+      }
+      const int n = (u0 + lu) * 16 + li;
+      const float g = rbf16(out(m, n, tg)), u = rbf16(out(m, N_OUT / 2 + n, tu));
+      const float sig = rbf16(1.0f / (1.0f + expf(-g)));  // quant4's PRO = 2: jax.nn.sigmoid
+      v[e] = rbf16(rbf16(g * sig) * u);                   // silu(g) = g * sigmoid(g); * up
+    }
+    const unsigned group = 0xFu << (threadIdx.x & 28);
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
+    u32 scale;
+    const u32 c = block_codes(v, amax, gd, &s_igd, scale);
+    const size_t j0 = (size_t)m * (N_OUT / 2) + (u0 + lu) * 16 + 4 * q;  // element of dp's row
+    *reinterpret_cast<u16*>(dp + j0 / 2) = (u16)c;
+    if (q == 0) ds[j0 / 16] = (u8)scale;
+  }
+  if (blockIdx.x == 0 && tid < M_TOK) dg[tid] = *gd;
+}
+#endif  // SWIGLU_OUT
 
 #endif  // !GEMV_STREAM
 
@@ -1156,7 +1234,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
                     const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
-                    const int* __restrict__ layer PF_OPERANDS, u16* __restrict__ y) {
+                    const int* __restrict__ layer PF_OPERANDS,
+#if SWIGLU_OUT
+                    const float* __restrict__ xgd, u8* __restrict__ dp, u8* __restrict__ ds,
+                    float* __restrict__ dg) {
+#else
+                    u16* __restrict__ y) {
+#endif
 #if !EPI_RES
   const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
 #endif
@@ -1171,8 +1255,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
   u8* ring = smem + XSTAGE + ((KPARTS * RPC * M_TOK * 4 + 15) / 16) * 16;  // [warp][RING_D][slot]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+#if SWIGLU_OUT
+  const int u0 = (int)(((long long)blockIdx.x * NUNITS) / GRID);  // the CTA's whole units
+  const int u1 = (int)(((long long)(blockIdx.x + 1) * NUNITS) / GRID);
+  const int g0 = u0 * GPU_, g1 = u1 * GPU_;
+#else
   const int g0 = (int)(((long long)blockIdx.x * NGROUPS) / GRID);
   const int g1 = (int)(((long long)(blockIdx.x + 1) * NGROUPS) / GRID);
+#endif
   const int items = (g1 - g0) * KPARTS;
 
   // Stage x: codes -> signed int8 in smem (32 codes per thread per iteration), scales copied.
@@ -1204,10 +1294,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
   __syncthreads();
 
+#if SWIGLU_OUT
+  swiglu_epilogue(ybuf, u0, u1, tid, [&](int m, int n, float t) {
+    return (t * 0.25f) * (gw_of(wg, n) * xg[m]);
+  }, xgd + (XGD_STACK ? (size_t)(unsigned)*layer : 0), dp, ds, dg);
+#else
   // y[m, n] = (sum over K parts, in order) / 4 * (global_x[m] * global_w) [+ res[m, n]]
   persistent_epilogue(ybuf, y, g0, g1, tid, [&](int m, int n, float t) {
     return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * xg[m]));
   });
+#endif
 }
 
 #endif  // X_BF16

@@ -271,12 +271,20 @@ class Plan:
     fused: Fused | None = None  # act "w4a4x" only
     residual: bool = False  # act "w4a4" only: res [M, N] operand after xg, y = res + y
     prefetch: Prefetch | None = None  # act "w4a4" only: L2 prefetch, operands after layer
+    # act "w4a4" persistent only: the SwiGLU epilogue (SWIGLU_OUT) writes down_proj's NVFP4
+    # input with its static scale xgd, "scalar" ([1]) or "stacked" ([L], read at the layer)
+    swiglu_out: str | None = None
 
     @property
     def n_inputs(self) -> int:
-        """Operands the entry takes before the output pointer."""
+        """Operands the entry takes before the output pointer(s)."""
         pf = 0 if self.prefetch is None else self.prefetch.operands
-        return N_INPUTS[self.act] + int(self.residual) + pf
+        return N_INPUTS[self.act] + int(self.residual) + pf + int(self.swiglu_out is not None)
+
+    @property
+    def n_outputs(self) -> int:
+        """Results: y, or with swiglu_out down_proj's codes, block scales and global scale."""
+        return 1 if self.swiglu_out is None else 3
 
     @property
     def kparts(self) -> int:
@@ -289,6 +297,8 @@ class Plan:
             extra = extra | {"EPI_RES": 1}
         if self.prefetch is not None:  # likewise
             extra = extra | self.prefetch.defines()
+        if self.swiglu_out is not None:  # likewise
+            extra = extra | {"SWIGLU_OUT": 1, "XGD_STACK": int(self.swiglu_out == "stacked")}
         return extra | {
             "ACT_W4A4": int(self.act in ("w4a4", "w4a4x")),
             "M_TOK": self.m,
@@ -310,15 +320,22 @@ RING_MAX = 4  # cp.async slots per warp (steps in flight)
 SLOT_BYTES_PER_ROW = 32 * 16 + 64  # one step of one row: codes of 32 lanes + block scales
 
 
-def _smem(act: str, m: int, n: int, k: int, rows: int, grid: int, kparts: int) -> int:
-    """Shared memory before the ring: staged x (W4A4) and the per-(part, row, token) sums."""
+def _smem(
+    act: str, m: int, n: int, k: int, rows: int, grid: int, kparts: int, units: bool = False
+) -> int:
+    """Shared memory before the ring: staged x (W4A4) and the per-(part, row, token) sums
+    (`units`: each CTA owns whole 32-row SwiGLU units, see `SWIGLU_UNIT`)."""
     groups = n // rows
-    rpc = -(-groups // grid) * rows
+    rpc = -(-(n // SWIGLU_UNIT) // grid) * SWIGLU_UNIT if units else -(-groups // grid) * rows
     stage = 0 if act == "w4a16" else -(-(m * k * 17 // 16) // 16) * 16  # w4a4 / w4a4x
     return stage + -(-(kparts * rpc * m * 4) // 16) * 16
 
 
 RING_MIN_M = 8  # the ring measured faster only at M = 8 (experiments/KERNEL_NOTES.md)
+# SWIGLU_OUT: rows per unit, 16 gate rows and the 16 up rows of the same outputs (one NVFP4
+# block of down_proj's input); a CTA owns whole units
+SWIGLU_UNIT = 32
+SWIGLU_OUTS = ("scalar", "stacked")
 
 
 def _ring_depth(base_smem: int, warps: int, rows: int, m: int, want: int | None) -> int:
@@ -329,6 +346,24 @@ def _ring_depth(base_smem: int, warps: int, rows: int, m: int, want: int | None)
     fit = (SMEM_LIMIT - base_smem) // (warps * rows * SLOT_BYTES_PER_ROW)
     depth = min(want, fit)
     return depth if depth >= 2 else 0
+
+
+def swiglu_unit_rows(n: int, rows: int, grid: int) -> list[np.ndarray]:
+    """The SWIGLU_OUT kernel's row order, written out (nvfp4_gemv.cu's u0 / u1 and
+    `group_row`): per CTA, the global weight row of each of its local rows, in the order of its
+    partial sums. CTA c owns units [c * U / grid, (c + 1) * U / grid) of U = n / 32; a unit's
+    groups run through its 16 gate rows, then the 16 up rows of the same outputs (n / 2 on)."""
+    per = SWIGLU_UNIT // rows  # row groups per unit
+    out = []
+    for c in range(grid):
+        u0, u1 = c * (n // SWIGLU_UNIT) // grid, (c + 1) * (n // SWIGLU_UNIT) // grid
+        order = []
+        for g in range(u0 * per, u1 * per):
+            unit, sub = divmod(g, per)
+            half, part = divmod(sub, per // 2)
+            order += [half * (n // 2) + unit * 16 + part * rows + r for r in range(rows)]
+        out.append(np.asarray(order, np.int64))
+    return out
 
 
 def check_shape(act: str, m: int, n: int, k: int) -> tuple[bool, str]:
@@ -441,6 +476,7 @@ def plan_persistent(
     k: int,
     num_sms: int = DEFAULT_SMS,
     options: GemvOptions = DEFAULT_OPTIONS,
+    units: bool = False,
 ) -> Plan:
     """Launch geometry: one CTA per SM, warps stream R rows x 1024-element K steps.
 
@@ -448,6 +484,9 @@ def plan_persistent(
     memory once per step for R rows, so R = 4 at larger M; R * M <= 32 keeps the lane reduction
     to one value per lane. K is split into parts inside the CTA so that every warp has work when
     N / #SMs is small. `options.rows` / `options.threads` override (experiments only).
+    `units`: the SwiGLU epilogue's plan, each CTA owning whole 32-row units (at most N / 32
+    CTAs), with the plain plan's R and K steps per part, so each row's sum is the plain
+    kernel's, in the same order.
     """
     # W4A4 at M > 2: R = 2 rows and 512 threads measured faster than R = 4 and 256 threads
     # (two warps per scheduler more to hide the dp4a chains; M = 8: 0.69-0.92x the time)
@@ -467,7 +506,9 @@ def plan_persistent(
     kparts = min(steps, max(1, -(-3 * warps // gpc)))
     spp = -(-steps // kparts)
     kparts = -(-steps // spp)
-    base = _smem(act, m, n, k, rows, grid, kparts)
+    if units:
+        grid = min(grid, n // SWIGLU_UNIT)
+    base = _smem(act, m, n, k, rows, grid, kparts, units)
     ring = _ring_depth(base, warps, rows, m, options.ring)
     return Plan(
         act=act,
@@ -504,7 +545,7 @@ class GemvKernel:
             escape_mlir(self.ptx),
             grid=(p.grid, 1, 1),
             block=p.threads,
-            outputs=(p.n_inputs,),
+            outputs=range(p.n_inputs, p.n_inputs + p.n_outputs),
             smem=p.smem,
         )
 
@@ -518,6 +559,8 @@ class GemvKernel:
         """Launches on `stream` with device pointers (operands, then the bf16 output)."""
         from cuda.bindings import driver
 
+        if self.plan.swiglu_out is not None:
+            raise KernelError(f"{self.entry} with swiglu_out launches through the PTX call only")
         if len(pointers) != self.plan.n_inputs + 1:
             raise KernelError(f"{self.entry} takes {self.plan.n_inputs + 1} pointers")
         fn = _function(self)
@@ -600,9 +643,14 @@ def _compile_job(
     fused: Fused | None,
     residual: bool = False,
     prefetch: Prefetch | None = None,
+    swiglu_out: str | None = None,
 ):
     """(plan, compile_ptx keyword arguments) of one kernel: everything but the compilation."""
-    p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
+    if swiglu_out is not None:  # the persistent kernel's SwiGLU epilogue, whole units per CTA
+        p = plan_persistent(act, m, n, k, num_sms, options, units=True)
+        p = dataclasses.replace(p, gw_rows=bool(gw_rows), swiglu_out=swiglu_out)
+    else:
+        p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
     if act == "w4a4x":
         p = dataclasses.replace(p, fused=fused or PLAIN)
     p = dataclasses.replace(p, residual=residual, prefetch=prefetch)
@@ -645,12 +693,15 @@ def _build_cached(
     fused: Fused | None,
     residual: bool = False,
     prefetch: Prefetch | None = None,
+    swiglu_out: str | None = None,
 ):
-    p, kw = _compile_job(act, m, n, k, arch, num_sms, options, gw_rows, fused, residual, prefetch)
+    p, kw = _compile_job(
+        act, m, n, k, arch, num_sms, options, gw_rows, fused, residual, prefetch, swiglu_out
+    )
     ptx = compile_ptx(kw.pop("source"), **kw)
     entry = ENTRY[act]
     entries = ptx_entries(ptx)
-    if entries.get(entry) != p.n_inputs + 1:
+    if entries.get(entry) != p.n_inputs + p.n_outputs:
         raise KernelError(f"PTX entry {entry} missing or with wrong parameters: {entries}")
     return GemvKernel(plan=p, entry=entry, ptx=ptx)
 
@@ -714,6 +765,7 @@ def build(
     fused: Fused | None = None,
     residual: bool = False,
     prefetch: Prefetch | None = None,
+    swiglu_out: str | None = None,
 ) -> GemvKernel:
     """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
 
@@ -731,6 +783,11 @@ def build(
         prefetch: "w4a4" only: L2 prefetch of the weights that run next (`Prefetch`; its
             targets' codes and scales are operands after `layer`). None: none (the kernel
             without it, bit for bit the same PTX as before the option existed).
+        swiglu_out: "w4a4" only, a gate_up_proj (y = [gate | up], N a multiple of 32): None
+            (y), or the persistent kernel's SwiGLU epilogue, which writes down_proj's NVFP4
+            input instead (codes [M, N/4], E4M3 scales [M, N/32], global scale [M]) with its
+            static input scale, an operand after `layer` (and the prefetch operands): "scalar"
+            ([1]) or "stacked" ([L], read at the layer). No residual; PTX launch only.
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -744,11 +801,28 @@ def build(
         raise KernelError(f"fused= is only for act='w4a4x', got act={act!r}")
     _check_residual(act, residual)
     _check_prefetch(act, prefetch)
+    _check_swiglu_out(act, n, residual, swiglu_out)
     arch = arch or device_arch()
     return _build_cached(
         act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused, bool(residual),
-        prefetch,
+        prefetch, swiglu_out,
     )  # fmt: skip
+
+
+def _check_swiglu_out(act: str, n: int, residual: bool, swiglu_out) -> None:
+    if swiglu_out is None:
+        return
+    if swiglu_out not in SWIGLU_OUTS:
+        raise KernelError(f"swiglu_out={swiglu_out!r}, expected None or one of {SWIGLU_OUTS}")
+    if act != "w4a4":
+        raise KernelError(f"swiglu_out is only for act='w4a4' (the plain W4A4 GEMV), got {act!r}")
+    if n % SWIGLU_UNIT:
+        raise KernelError(
+            f"swiglu_out: N={n} must be a multiple of {SWIGLU_UNIT} (gate and up halves of whole "
+            "16-element blocks)"
+        )
+    if residual:
+        raise KernelError("swiglu_out has no residual epilogue (residual=True)")
 
 
 def _check_prefetch(act: str, prefetch) -> None:

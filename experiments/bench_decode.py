@@ -74,6 +74,7 @@ MULTI_FIELDS = (
     ("gemm_occupancy", rconfig.GEMM_OCCUPANCIES, "every NVFP4 variant (labelled ' occ=CHOICE')"),
     ("linear_fusion", rconfig.LINEAR_FUSIONS, "every NVFP4 variant (labelled ' lf=CHOICE')"),
     ("attention_output", rconfig.ATTENTION_OUTPUTS, "every NVFP4 variant (labelled ' ao=CHOICE')"),
+    ("gate_up_output", rconfig.GATE_UP_OUTPUTS, "every NVFP4 variant (labelled ' go=CHOICE')"),
 )
 
 
@@ -468,9 +469,9 @@ def _variants(base: Params, args, quant):
     (labelled " autotune=off" when off) x --attention (labelled " attn=CHOICE" unless Config's
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
-    per --gemm-occupancy x --linear-fusion x --attention-output (labelled " occ=CHOICE" /
-    " lf=CHOICE" / " ao=CHOICE" unless Config's default; the last loop innermost, so its
-    values run adjacent)."""
+    per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output
+    (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" unless Config's
+    default; the last loop innermost, so its values run adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -494,13 +495,14 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao)
+                (p, o, f, ao, go)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
                 for ao in args.attention_output
+                for go in args.gate_up_output
             ]
-            for spec, occ, fusion, out in kernels:
+            for spec, occ, fusion, out, gu in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     weight_prefetch=spec,
@@ -509,11 +511,13 @@ def _variants(base: Params, args, quant):
                     gemm_occupancy=occ,
                     linear_fusion=fusion,
                     attention_output=out,
+                    gate_up_output=gu,
                     **loop,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
                 occ_tag += "" if fusion == rconfig.Config.linear_fusion else f" lf={fusion}"
                 occ_tag += "" if out == rconfig.Config.attention_output else f" ao={out}"
+                occ_tag += "" if gu == rconfig.Config.gate_up_output else f" go={gu}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

@@ -74,6 +74,15 @@ LINEAR_FUSIONS = ("fused", "split", "unfused", "mixed")
 # quantizer). The bytes are quantize_activation's of the bf16 output, so the decoder is the same
 # composition; elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
 ATTENTION_OUTPUTS = ("bf16", "nvfp4")
+# How gate_up_proj hands its output to down_proj (W4A4 NVFP4 decoders, the "split" path): "bf16"
+# (gate_up writes [gate | up] in bf16, down's quantizer applies SwiGLU and writes its NVFP4
+# input) or "nvfp4" (rejax.ops.fused_linear.fused_linear_swiglu: on CUDA the gate_up GEMV's
+# epilogue applies SwiGLU and writes down's NVFP4 input, each CTA owning the gate and up rows
+# of whole 16-element blocks; then rejax.ops.fused_linear.linear_from_codes). It applies with a
+# static down_proj input scale at the GEMV's rows (below gemm_min_m); elsewhere it is "bf16".
+# One launch fewer a layer on CUDA (down's quantizer), the same bytes (the quantizer kernel's
+# SwiGLU arithmetic); elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
+GATE_UP_OUTPUTS = ("bf16", "nvfp4")
 # KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
 # Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).
@@ -271,6 +280,7 @@ class Config:
     attention: str = "live"
     linear_fusion: str = "split"
     attention_output: str = "bf16"
+    gate_up_output: str = "bf16"
     kv_dtype: str = "bf16"
     rope_fusion: str = "fused"
     residual_fusion: str = "fused"
@@ -329,6 +339,10 @@ class Config:
             raise ValueError(
                 f"unknown attention_output {self.attention_output!r}; expected one of "
                 f"{ATTENTION_OUTPUTS}"
+            )
+        if self.gate_up_output not in GATE_UP_OUTPUTS:
+            raise ValueError(
+                f"unknown gate_up_output {self.gate_up_output!r}; expected one of {GATE_UP_OUTPUTS}"
             )
         if self.rope_fusion not in ROPE_FUSIONS:
             raise ValueError(

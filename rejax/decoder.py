@@ -42,7 +42,14 @@ from rejax.ops.decode_attention import (
     default_num_splits,
     prefill_attention,
 )
-from rejax.ops.fused_linear import fusable, fused_linear, linear_from_codes, takes_codes
+from rejax.ops.fused_linear import (
+    fusable,
+    fused_linear,
+    fused_linear_swiglu,
+    linear_from_codes,
+    swiglu_kernel_supported,
+    takes_codes,
+)
 from rejax.ops.rope_cache import rope_cache
 
 
@@ -222,13 +229,39 @@ def decoder_layer(
 
 
 def _mlp(x, lw, mlp, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.Array:
-    """The fused path's feed-forward half: x + down(swiglu(gate_up(rms_norm(x))))."""
+    """The fused path's feed-forward half: x + down(swiglu(gate_up(rms_norm(x)))); with
+    Config.gate_up_output "nvfp4" where it applies, gate_up writes down's NVFP4 input."""
     norm = lw["post_attention_layernorm"]["scale"]
+    rows = x.shape[0] * x.shape[1]
+    if swiglu_codes_out(cfg, mlp, rows, kernels, gemm["gemm_options"]):
+        x2 = x.reshape(rows, x.shape[-1])
+        xq = fused_linear_swiglu(x2, mlp["gate_up_proj"], mlp["down_proj"]["input_scale"],
+                                 layer=i, norm=norm, eps=cfg.rms_norm_eps,
+                                 gemm_options=gemm["gemm_options"],
+                                 **prefetch((mlp, "down_proj", 0, "down")))  # fmt: skip
+        y = linear_from_codes(*xq, mlp["down_proj"], layer=i, residual=x2,
+                              gemm_options=gemm["gemm_options"],
+                              residual_epilogue=gemm["residual_epilogue"],
+                              **prefetch((lw["self_attn"], "qkv_proj", 1, "qkv")))  # fmt: skip
+        return y.reshape(x.shape)
     gate_up = fused_linear(x, mlp["gate_up_proj"], layer=i, prologue="rmsnorm", norm=norm,
                            eps=cfg.rms_norm_eps, kernels=kernels, **gemm,
                            **prefetch((mlp, "down_proj", 0, "down")))  # fmt: skip
     return fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
                         kernels=kernels, **gemm, **prefetch((lw["self_attn"], "qkv_proj", 1, "qkv")))  # fmt: skip
+
+
+def swiglu_codes_out(cfg: Config, mlp: dict, rows: int, kernels: str, gemm_options) -> bool:
+    """Whether gate_up writes down's NVFP4 input (Config.gate_up_output "nvfp4" where it
+    applies: the "split" path, a static down_proj input scale, `rows` at the GEMV's, N = 2F
+    in whole blocks; `fused_linear_swiglu`)."""
+    n, k = mlp["gate_up_proj"]["weight"].shape
+    return (
+        cfg.gate_up_output == "nvfp4"
+        and kernels == "two"
+        and mlp["down_proj"].get("input_scale") is not None
+        and swiglu_kernel_supported(rows, n, k, gemm_options)[0]
+    )
 
 
 def codes_out(

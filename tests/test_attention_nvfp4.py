@@ -132,10 +132,19 @@ def test_linear_from_codes_errors():
         linear_from_codes(xp, xs, xg, {"weight": jnp.zeros((64, 128))}, layer=0)
 
 
-def _static_scales(params, value=0.02):
-    scale = jnp.full((params.cfg.num_layers,), value, jnp.float32)
-    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
-    return dataclasses.replace(params, weights=weights)
+# static input scales, one value per linear, the second layer's 0.7 times the first's: no two
+# a power of two apart (a block's codes are the same under a scale 2**j times another, so a
+# mix-up of two linears' scales would not show)
+SCALES = {"qkv_proj": 0.02, "o_proj": 0.013, "gate_up_proj": 0.03, "down_proj": 0.0047}
+
+
+def _static_scales(params):
+    def put(path, p):
+        value = SCALES[path[1]]
+        scale = jnp.asarray([value * 0.7**i for i in range(params.cfg.num_layers)], jnp.float32)
+        return {**p, "input_scale": scale}
+
+    return dataclasses.replace(params, weights=rparams.map_linears(params.weights, put))
 
 
 def _decode_logits(cfg, params, steps=6, b=2, p=4):

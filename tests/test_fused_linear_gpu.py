@@ -147,6 +147,58 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
 
 
 # (Config fields, prompts per batch): the fused one-launch linears (all prompts in one batch, and
+@pytest.mark.parametrize(("n", "k"), [(24576, 4096), (1024, 256), (96, 512)])
+def test_swiglu_epilogue_equals_the_swiglu_quantizer_gpu(n, k):
+    """gate_up's SWIGLU_OUT GEMV (fused_linear_swiglu) writes the bytes of the "bf16" path,
+    bit for bit: fused_linear's split gate_up (bf16 out), then the quantizer kernel with
+    prologue "swiglu", down's scale scalar or stacked (1e-9 saturates every block scale), for
+    M = 1..8 (gemm_min_m 9, so M = 8 takes the GEMV too; the small layers from M = 3, where the
+    plain GEMV is the persistent kernel); Qwen3-8B's gate_up, a small one (32 CTAs) and 3
+    units on 3 CTAs."""
+    import dataclasses as dc
+
+    from cuda_ops import nvfp4_gemm, nvfp4_quant
+
+    w = _weight(n, k, _seed("swiglu", n, k))
+    params = {"weight": w, "input_scale": jnp.array([0.02, 0.031], jnp.float32)}
+    norm = (1.0 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
+    go = dc.replace(nvfp4_gemm.DEFAULT_OPTIONS, min_m=9)
+    layer = jnp.int32(1)
+    for down_scale in (np.float32(0.0047), np.array([0.0047, 1e-9], np.float32)):
+        stacked = down_scale.ndim == 1
+        down = nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=stacked)
+        xgd = jnp.reshape(jnp.asarray(down_scale), (-1,))
+        for m in range(1, 9):
+            if not fl.swiglu_kernel_supported(m, n, k, go)[0]:  # a small layer streamed at M <= 2
+                with pytest.raises(ValueError, match="streaming kernel"):
+                    fl.fused_linear_swiglu(_x(m, k, 0), params, down_scale, layer=layer,
+                                           norm=norm, gemm_options=go, impl="cuda")  # fmt: skip
+                continue
+            quant = nvfp4_quant.build(m, n // 2, down)
+
+            def want_fn(x, quant=quant, down=down, xgd=xgd):
+                h = fl.fused_linear(x, params, layer=layer, prologue="rmsnorm", norm=norm,
+                                    kernels="two", gemm_options=go, impl="cuda")  # fmt: skip
+                nw = jnp.zeros((1,), jnp.bfloat16)
+                return fl._quant_p.bind(h, xgd, nw, layer, k=n // 2, fused=down, kernel=quant)
+
+            got_fn = jax.jit(
+                lambda x, d=down_scale: fl.fused_linear_swiglu(
+                    x, params, d, layer=layer, norm=norm, gemm_options=go, impl="cuda"
+                )
+            )
+            x = _x(m, k, _seed("swiglu", n, k, m))
+            want = [np.asarray(a) for a in jax.jit(want_fn)(x)]
+            got = [np.asarray(a) for a in got_fn(x)]
+            assert want[0].any(), "all-zero codes: the test's scales are off"
+            if stacked:
+                assert (want[1] == 0x7E).all()  # 448 at g = 1e-9
+            for name, a, b in zip(("codes", "scales", "global scale"), got, want, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} M={m} N={n} K={k}")
+            # repeated calls: the same bits
+            np.testing.assert_array_equal(np.asarray(got_fn(x)[0]), got[0])
+
+
 # batches of 4 rows: the GEMV); "mixed" (o_proj fused, the rest split) in batches of 4; the split
 # path with every opt-in decode kernel (the residual in the linears' epilogues, q/k norm + RoPE +
 # cache write as one kernel), in batches of 4 rows (the GEMV), 8 and 16 (the quantizer kernel's

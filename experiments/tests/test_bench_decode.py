@@ -20,6 +20,7 @@ def _args(**kw):
         "gemm_occupancy": [rconfig.Config.gemm_occupancy],
         "linear_fusion": [rconfig.Config.linear_fusion],
         "attention_output": [rconfig.Config.attention_output],
+        "gate_up_output": [rconfig.Config.gate_up_output],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -114,11 +115,25 @@ def test_variants_cross_attentions_and_attention_outputs(base):
     assert bf16 == ["bf16 attn=flash-mma", "bf16 attn=flash"]
 
 
+def test_variants_cross_gate_up_outputs_innermost(base):
+    go = rconfig.Config.gate_up_output
+    args = _args(attention_output=["bf16", "nvfp4"], gate_up_output=[go, "nvfp4"])
+    got = [(label, p.cfg.attention_output, p.cfg.gate_up_output)
+           for _, _, label, p in bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [
+        ("head=bf16 prefetch=none", "bf16", go),
+        ("head=bf16 prefetch=none go=nvfp4", "bf16", "nvfp4"),
+        ("head=bf16 prefetch=none ao=nvfp4", "nvfp4", go),
+        ("head=bf16 prefetch=none ao=nvfp4 go=nvfp4", "nvfp4", "nvfp4"),
+    ]
+
+
 def test_bad_choices_are_refused_before_any_work(tmp_path):
     for flag, value in (
         ("--linear-fusion", "all"),
         ("--attention", "flash-fast"),
         ("--attention-output", "fp4"),
+        ("--gate-up-output", "fp8"),
         ("--gemm-occupancy", "full"),
         ("--command-buffer", "graph"),
         ("--decode-unroll", "0"),

@@ -654,3 +654,240 @@ def _prefetch_spec(prefetch, options, layer) -> tuple[nvfp4_gemv.Prefetch | None
         stacks += [w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8)]
     spec = dataclasses.replace(options, targets=tuple(targets))
     return spec, tuple(stacks)
+
+
+# ----------------------------------------------------------------------------- SwiGLU codes
+#
+# fused_linear_swiglu: gate_up_proj whose output is down_proj's NVFP4 input. On CUDA, at the
+# GEMV's rows (below gemm_options.min_m), the quantizer kernel (RMSNorm, gate_up's input), then
+# the plain W4A4 GEMV built with its SwiGLU epilogue (cuda_ops/nvfp4_gemv.cu, SWIGLU_OUT): each
+# CTA owns the gate and up rows of whole 16-element blocks of down's input and writes their
+# codes, so neither the bf16 [M, 2F] gate_up output nor down's quantizer launch is left.
+# Elsewhere the composition: fused_linear's gate_up (prologue "rmsnorm"), then the quantizer
+# with prologue "swiglu" (its kernel where it builds, on CUDA).
+
+
+def _swiglu_reference(x, xg, nw, wp, ws, wg, layer, xgd, *_pf, n, k, fused, down, **_: Any):
+    """(codes, scales, global scale) of swiglu(gate_up(x)) with down's static scale."""
+    one = jnp.zeros((1, 1), jnp.bfloat16)
+    h = _reference(x, xg, nw, one, wp, ws, wg, layer, n=n, k=k, fused=fused)
+    return _quant_reference(h, xgd, jnp.zeros((1,), jnp.bfloat16), layer, k=n // 2, fused=down)
+
+
+_swiglu_p = Primitive("rejax_nvfp4_gate_up_swiglu")
+_swiglu_p.multiple_results = True
+_swiglu_p.def_abstract_eval(
+    lambda x, *_, n, **__: (
+        jax.core.ShapedArray((x.shape[0], n // 4), jnp.uint8),
+        jax.core.ShapedArray((x.shape[0], n // 32), jnp.uint8),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+)
+
+
+@functools.cache
+def _jitted_swiglu_bind(**params):
+    return jax.jit(functools.partial(_swiglu_p.bind, **params))
+
+
+_swiglu_p.def_impl(lambda *args, **params: _jitted_swiglu_bind(**params)(*args))
+
+
+def _lower_swiglu_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(OP, params["impl"], ctx.module_context.platforms)
+    fn = functools.partial(_swiglu_reference, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def swiglu_kernel_supported(
+    m: int,
+    n: int,
+    k: int,
+    gemm_options=nvfp4_gemm.DEFAULT_OPTIONS,
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+) -> tuple[bool, str]:
+    """Whether the SwiGLU-epilogue GEMV takes gate_up_proj's problem on M rows: the plain W4A4
+    GEMV's rows (below `gemm_options.min_m`, at most MAX_M) where that GEMV is the persistent
+    kernel (not the streaming one of M <= 2 on small layers: the epilogue is the persistent
+    kernel's, and so are its sums, in the same order), its K, and N = 2F with F a multiple of
+    16 (whole blocks of down's input)."""
+    if m >= gemm_options.min_m:
+        return False, f"M={m} rows take the GEMM (gemm_options.min_m={gemm_options.min_m})"
+    if n % nvfp4_gemv.SWIGLU_UNIT:
+        return False, f"N={n}: gate_up's 2F must be a multiple of {nvfp4_gemv.SWIGLU_UNIT}"
+    ok, why = nvfp4_gemv.check_shape("w4a4", m, n, k)
+    if not ok:
+        return False, why
+    if nvfp4_gemv.plan("w4a4", m, n, k, options=options).variant != "persistent":
+        return False, (
+            f"M={m} N={n} K={k}: the plain GEMV is the streaming kernel there (the SwiGLU "
+            "epilogue is the persistent kernel's)"
+        )
+    return nvfp4_quant.check_shape(m, k)
+
+
+def _swiglu_kernels(x, xg, nw, wp, ws, wg, layer, xgd, *pf_stacks, n, k, fused, quant, gemv):
+    """The quantizer kernel (gate_up's input), then the SwiGLU-epilogue GEMV on its codes."""
+    pro = dataclasses.replace(fused, residual=False)
+    xp, xs, xgr = _quant_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
+    m = x.shape[0]
+    out = (
+        jax.ShapeDtypeStruct((m, n // 4), jnp.uint8),
+        jax.ShapeDtypeStruct((m, n // 32), jnp.uint8),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+    ops = (xp, xs, xgr, wp, ws, wg, layer, *pf_stacks, xgd)
+    return tuple(_dispatch.ptx_call(gemv.backend_config(), out, *ops))
+
+
+@functools.cache
+def _note_swiglu_two_steps(why: str) -> None:
+    """Logs once per reason that gate_up's SwiGLU codes run as fused_linear then the quantizer
+    (the launches of the "bf16" path), not the SwiGLU-epilogue GEMV: not a reference path."""
+    _LOG.warning("%s: gate_up's SwiGLU codes take two steps: %s", OP, why)
+
+
+def _swiglu_composed(x, xg, nw, wp, ws, wg, layer, xgd, *pf_stacks, n, k, fused, down, bind):
+    """Where the kernel does not serve: gate_up as fused_linear lowers it (`bind`: its params),
+    then the quantizer with prologue "swiglu" (its kernel where it builds, else XLA's ops)."""
+    m = x.shape[0]
+    res = jnp.zeros((1, 1), jnp.bfloat16)
+    h = _fused_p.bind(x, xg, nw, res, wp, ws, wg, layer, *pf_stacks, n=n, k=k, fused=fused, **bind)
+    quant = None
+    if nvfp4_quant.check_shape(m, n // 2)[0] and m <= nvfp4_gemv.MAX_M:
+        try:
+            quant = nvfp4_quant.build(m, n // 2, down)
+        except nvfp4_gemv.KernelError:
+            quant = None
+    nw = jnp.zeros((1,), jnp.bfloat16)
+    return tuple(_quant_p.bind(h, xgd, nw, layer, k=n // 2, fused=down, kernel=quant))
+
+
+def _lower_swiglu_cuda(ctx, *args, n, k, fused, down, impl, launch, options, gemm_options,
+                       gw_rows, prefetch):  # fmt: skip
+    m = ctx.avals_in[0].shape[0]
+    ok, why = swiglu_kernel_supported(m, n, k, gemm_options, options)
+    if ok and launch != "ptx":
+        ok, why = False, f"launch={launch!r} (the SwiGLU epilogue needs the PTX custom call)"
+    quant = gemv = None
+    if ok and impl != "ref":
+        try:
+            quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False))
+            gemv = nvfp4_gemv.build(
+                "w4a4", m, n, k, options=options, gw_rows=gw_rows, prefetch=prefetch,
+                swiglu_out="stacked" if down.scale_stacked else "scalar",
+            )  # fmt: skip
+        except nvfp4_gemv.KernelError as err:
+            ok, why = False, f"kernel build failed: {err}"
+    if ok and gemv is not None:
+        fn = functools.partial(_swiglu_kernels, n=n, k=k, fused=fused, quant=quant, gemv=gemv)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    if impl == "cuda":
+        raise ValueError(f"fused_linear_swiglu(impl='cuda') cannot run: {why}")
+    if impl == "ref":
+        fn = functools.partial(_swiglu_reference, n=n, k=k, fused=fused, down=down)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    _note_swiglu_two_steps(why)
+    bind = {
+        "impl": impl, "launch": launch, "gw_rows": gw_rows, "options": options, "kernels": "two",
+        "gemm_options": gemm_options, "residual_epilogue": False, "prefetch": prefetch,
+    }  # fmt: skip
+    fn = functools.partial(_swiglu_composed, n=n, k=k, fused=fused, down=down, bind=bind)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(_swiglu_p, _lower_swiglu_reference)
+mlir.register_lowering(_swiglu_p, _lower_swiglu_cuda, platform="cuda")
+
+
+def fused_linear_swiglu(
+    x: jax.Array,
+    params: dict,
+    down_scale: Any,
+    *,
+    layer: Any = None,
+    norm: jax.Array,
+    eps: float = 1e-6,
+    impl: str = "auto",
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    prefetch: tuple = (),
+    prefetch_options: nvfp4_gemv.Prefetch | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """gate_up_proj with the RMSNorm prologue, returning down_proj's NVFP4 input: the codes,
+    block scales and global scale of `quantize_activation(swiglu(gate, up), down_scale)`, as
+    `fused_linear(x, params, prologue="rmsnorm", norm=norm, kernels="two")` then the quantizer
+    with prologue "swiglu" give them (the bytes `linear_from_codes` takes for down_proj). On
+    CUDA at the GEMV's rows the GEMV's SwiGLU epilogue writes them (one launch fewer, no bf16
+    gate_up output; the same device arithmetic as the quantizer kernel's, so the same bytes).
+
+    Args:
+        x: [M, K] bf16, the residual stream.
+        params: gate_up_proj's W4A4 params (`fusable`), N = 2F rows: gate first, then up.
+        down_scale: down_proj's static input scale, float32 [] or [L] (read at `layer`), > 0.
+        layer, norm, eps, impl, options, gemm_options, prefetch, prefetch_options: as
+            `fused_linear` ("rmsnorm" prologue).
+
+    Returns:
+        (codes uint8 [M, F/2], E4M3 scales uint8 [M, F/16], global scale float32 [M]).
+    """
+    _dispatch.check_impl(impl)
+    if not fusable(params, "nvfp4"):
+        raise ValueError(
+            "fused_linear_swiglu needs W4A4 NVFP4 params without a bias (see fusable); got keys "
+            f"{sorted(params)}"
+        )
+    w: Nvfp4Tensor = params["weight"]
+    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
+        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    n, k = w.shape
+    if n % 32:
+        raise ValueError(f"gate_up N={n} must be 2F with F a multiple of 16 (NVFP4 blocks)")
+    if np.ndim(x) != 2 or np.shape(x)[1] != k or np.dtype(x.dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(f"x {np.shape(x)} {np.dtype(x.dtype)}, expected [M, {k}] bfloat16")
+    stacked_norm = np.ndim(norm) == 2
+    want = (*w.stack, k) if stacked_norm else (k,)
+    if tuple(np.shape(norm)) != want:
+        raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k,)} or {(*w.stack, k)}")
+    layers = w.stack[0] if w.stack else 1
+    dshape = tuple(np.shape(down_scale))
+    if dshape not in ((), (layers,)) or (dshape and not w.stack):
+        raise ValueError(
+            f"down_scale shape {dshape}: expected a scalar or one per layer [L]=({layers},)"
+        )
+    if not isinstance(down_scale, jax.core.Tracer):
+        v = np.asarray(down_scale, np.float32)
+        bad = v[~(np.isfinite(v) & (v > 0))]
+        if bad.size:
+            raise ValueError(f"down_scale={float(bad.flat[0])}: expected finite and > 0")
+    scale = params.get("input_scale")
+    fused = nvfp4_gemv.Fused(
+        prologue="rmsnorm",
+        dynamic=scale is None,
+        eps=float(eps),
+        norm_stacked=stacked_norm,
+        scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
+    )
+    down = nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=len(dshape) == 1)
+    spec, stacks = _prefetch_spec(prefetch, prefetch_options, layer)
+    m = np.shape(x)[0]
+    if m == 0:
+        return (jnp.zeros((0, n // 4), jnp.uint8), jnp.zeros((0, n // 32), jnp.uint8),
+                jnp.zeros((0,), jnp.float32))  # fmt: skip
+    args = (
+        x,
+        jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
+        jnp.asarray(norm, jnp.bfloat16),
+        w.packed,
+        jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+        jnp.asarray(w.global_scale, jnp.float32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+        jnp.reshape(jnp.asarray(down_scale, jnp.float32), (-1,)),
+        *stacks,
+    )
+    bind = {
+        "n": n, "k": k, "fused": fused, "down": down, "impl": impl, "options": options,
+        "gemm_options": gemm_options, "gw_rows": w.per_row, "prefetch": spec,
+        "launch": _dispatch.default_launch() if impl != "ref" else "ptx",
+    }  # fmt: skip
+    return tuple(_swiglu_p.bind(*args, **bind))

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU checks and timings of the kernels that write a linear's NVFP4 input themselves
+# ([T2-B]: fewer launches a decoder layer): Config(attention_output="nvfp4") (the one-launch
+# CUDA decode attention writes o_proj's input) and Config(gate_up_output="nvfp4") (the gate_up
+# GEMV's SwiGLU epilogue writes down_proj's input). Under attention "flash-mma" with both, a
+# layer launches 8 kernels instead of 10 ("live", the default: 11).
+#
+#   bash experiments/producer_quant_run.sh OUT STEP...    (from the repository root)
+#
+# STEP (run in the order given; each fits one 600 s device call with a cold start):
+#   tests     the QUANT_OUT attention's bytes against quantize_activation of the bf16 build's
+#             output; the SWIGLU_OUT GEMV's bytes against the split path's quantizer; the
+#             decoder's logits with each "nvfp4" output == "bf16" bitwise; "flash" /
+#             "flash-mma" against "live" (test_decode_attention_cuda_gpu.py,
+#             test_fused_linear_gpu.py)
+#   sanitize  compute-sanitizer memcheck and racecheck of both kernels (their tests' small
+#             cases)
+#   decode    the 36-layer NVFP4 decode loop at batch 1 and 8, 512 new tokens, 3 repeats, one
+#             process, the same weights: attention "live" and "flash-mma", each with
+#             attention_output x gate_up_output in bf16 / nvfp4 (under "live" attention_output
+#             does not apply: those pairs are A/A, the run's noise) (bench_decode.py)
+# OUT gets the summary log (producer_quant.log) and one tarball of every step's logs and JSON
+# (producer_quant_STEPS.tgz; a device call brings back at most 8 files).
+set -uo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: $0 OUT STEP... (steps: tests sanitize decode)" >&2
+  exit 2
+fi
+out=$1
+shift
+for step in "$@"; do
+  case $step in tests | sanitize | decode) ;; *)
+    echo "unknown step '$step': expected tests, sanitize or decode" >&2
+    exit 2
+    ;;
+  esac
+done
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export REJAX_KERNEL_CACHE=${REJAX_KERNEL_CACHE:-/tmp/rk}
+x=$out/x  # every step's files; tarred at the end
+mkdir -p "$out" "$x"
+log=$out/producer_quant.log
+attn=tests/test_decode_attention_cuda_gpu.py
+lin=tests/test_fused_linear_gpu.py
+stamp() { echo "$1 rc=$2 $(($(date +%s) - $3))s" | tee -a "$log"; }
+
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+  tests)
+    timeout 480 python3 -m pytest $attn $lin -k "nvfp4 or decoder_flash or swiglu" \
+      -p no:cacheprovider -q -rf > "$x/tests.log" 2>&1
+    stamp tests $? $t0
+    grep -E "passed|failed|FAILED|Error" "$x/tests.log" | tail -15 | tee -a "$log"
+    ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      for pair in "rejax_flash_decode:$attn:nvfp4_output and 600" \
+        "nvfp4_gemv_w4a4:$lin:swiglu_epilogue and 96"; do
+        IFS=: read -r kern file sel <<< "$pair"
+        t0=$(date +%s)
+        timeout 130 compute-sanitizer --tool $tool --kernel-name kns=$kern --print-limit 20 \
+          python3 -m pytest $file -p no:cacheprovider -q -k "$sel" \
+          > "$x/sanitize_${tool}_$kern.log" 2>&1
+        stamp "sanitize $tool $kern" $? $t0
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" \
+          "$x/sanitize_${tool}_$kern.log" | head -6 | tee -a "$log"
+      done
+    done
+    ;;
+  decode)
+    timeout 560 python3 experiments/bench_decode.py --modes nvfp4 --batch 1 8 --gen-len 512 \
+      --repeats 3 --no-breakdown --attention live flash-mma --attention-output bf16 nvfp4 \
+      --gate-up-output bf16 nvfp4 --out "$x/decode.json" > "$x/decode.log" 2>&1
+    stamp decode $? $t0
+    grep -E "ms/token|Error|error" "$x/decode.log" | tail -20 | tee -a "$log"
+    ;;
+  esac
+done
+tar -czf "$out/producer_quant_$(echo "$@" | tr ' ' _).tgz" -C "$x" . && rm -rf "$x"
