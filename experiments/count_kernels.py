@@ -110,10 +110,23 @@ def count_launches(hlo: str, num_layers: int) -> dict:
     }
 
 
-def compiled_decode_step(cfg: rconfig.Config, batch: int, slots: int) -> str:
+def compiled_decode_step(
+    cfg: rconfig.Config, batch: int, slots: int, static_scales: bool = False
+) -> str:
     """Optimized HLO of one decode step for random weights of cfg's shapes (abstract: no weights
-    are materialized)."""
-    params = jax.eval_shape(lambda: rparams.random_params(cfg, 0))
+    are materialized); `static_scales`: every W4A4 linear with a static input scale [L], as
+    `experiments/bench_decode.py` times it (the kernels that write a linear's NVFP4 input,
+    Config.attention_output / gate_up_output "nvfp4", need one), else per-row dynamic scales."""
+
+    def make():
+        params = rparams.random_params(cfg, 0)
+        if not static_scales or cfg.quant != "nvfp4":
+            return params
+        scale = jnp.full((cfg.num_layers,), 4.0 / (6 * 448), jnp.float32)
+        weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+        return dataclasses.replace(params, weights=weights)
+
+    params = jax.eval_shape(make)
     cache = jax.eval_shape(lambda: init_cache(cfg, batch, slots, jnp.bfloat16))
     smp = sampling.Greedy()
     args = (
@@ -149,6 +162,18 @@ def main(argv=None) -> dict:
         choices=list(rconfig.LINEAR_FUSIONS),
     )  # fmt: skip
     ap.add_argument("--attention", nargs="+", default=["einsum"], choices=list(rconfig.ATTENTIONS))
+    ap.add_argument(
+        "--attention-output", nargs="+", default=[rconfig.Config.attention_output],
+        choices=list(rconfig.ATTENTION_OUTPUTS), help="Config.attention_output, one row each",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gate-up-output", nargs="+", default=[rconfig.Config.gate_up_output],
+        choices=list(rconfig.GATE_UP_OUTPUTS), help="Config.gate_up_output, one row each",
+    )  # fmt: skip
+    ap.add_argument(
+        "--scales", default="static", choices=["static", "dynamic"],
+        help="the W4A4 linears' activation global scales: static (as bench_decode.py) or per-row",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="a tiny NVFP4 config (CPU check)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
@@ -156,17 +181,27 @@ def main(argv=None) -> dict:
         rconfig.PRESETS[args.preset], num_layers=args.layers, quant="nvfp4", scan_unroll=1
     )  # fmt: skip
     rows = []
-    for fusion in args.linear_fusion:
-        for attention in args.attention:
-            cfg = dataclasses.replace(base, linear_fusion=fusion, attention=attention)
-            for b in args.batch:
-                hlo = compiled_decode_step(cfg, b, min(args.slots, cfg.max_position_embeddings))
-                c = count_launches(hlo, cfg.num_layers)
-                rows.append({"linear_fusion": fusion, "attention": attention, "batch": b, **c})
-                print(f"[{fusion} {attention} b{b}] {c['total']} launches per layer: "
-                      f"{c['by_kind']}", flush=True)  # fmt: skip
+    static = args.scales == "static"
+    variants = [
+        (f, a, ao, go)
+        for f in args.linear_fusion
+        for a in args.attention
+        for ao in args.attention_output
+        for go in args.gate_up_output
+    ]
+    for fusion, attention, ao, go in variants:
+        cfg = dataclasses.replace(base, linear_fusion=fusion, attention=attention,
+                                  attention_output=ao, gate_up_output=go)  # fmt: skip
+        for b in args.batch:
+            slots = min(args.slots, cfg.max_position_embeddings)
+            c = count_launches(compiled_decode_step(cfg, b, slots, static), cfg.num_layers)
+            rows.append({"linear_fusion": fusion, "attention": attention,
+                         "attention_output": ao, "gate_up_output": go, "batch": b, **c})  # fmt: skip
+            print(f"[{fusion} {attention} ao={ao} go={go} b{b}] {c['total']} launches per layer: "
+                  f"{c['by_kind']}", flush=True)  # fmt: skip
     out = {
         "source": "optimized HLO of decode_step: instructions of the layer scan's body",
+        "scales": args.scales,
         "backend": jax.default_backend(),
         "config": dataclasses.asdict(base),
         "versions": rbench.versions(),

@@ -70,3 +70,21 @@ def test_compiled_tiny_decode_step_is_counted():
     cfg = dataclasses.replace(ck.TINY, linear_fusion="unfused")
     c = ck.count_launches(ck.compiled_decode_step(cfg, 1, 16), cfg.num_layers)
     assert c["total"] > 4 and sum(c["by_kind"].values()) == c["total"]
+
+
+def test_rows_per_nvfp4_output_choice(tmp_path):
+    """--attention-output / --gate-up-output: one row per value, labelled, with static scales
+    by default (the kernels that write NVFP4 inputs need them). Compiled on CPU the program is
+    the reference composition either way, so the totals agree there; the launches they save
+    show in a CUDA build (tests/test_attention_nvfp4.py and tests/test_gate_up_swiglu.py count
+    the CUDA lowering's custom calls)."""
+    out = ck.main([
+        "--tiny", "--batch", "3", "--attention", "flash", "--linear-fusion", "split",
+        "--attention-output", "bf16", "nvfp4", "--gate-up-output", "nvfp4",
+        "--out", str(tmp_path / "c.json"),
+    ])  # fmt: skip
+    got = [(r["attention_output"], r["gate_up_output"], r["batch"]) for r in out["rows"]]
+    assert got == [("bf16", "nvfp4", 3), ("nvfp4", "nvfp4", 3)]
+    assert out["scales"] == "static" and out["rows"][0]["total"] == out["rows"][1]["total"]
+    with pytest.raises(SystemExit):
+        ck.main(["--tiny", "--gate-up-output", "fp4", "--out", str(tmp_path / "x.json")])
