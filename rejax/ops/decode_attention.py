@@ -68,7 +68,10 @@ bytes), converts them exactly to bf16 and applies the scales outside the dots: e
 multiplies its float32 score, each value's scale its float32 weight before the bf16 cast, so it
 differs from the reference by the bf16 rounding of the dequantized entries (<= 2**-9 relative).
 `prefill_attention` is the prompt-side op (T new tokens): a chunked online softmax in pure JAX
-that never holds [B, N, T, S] scores.
+that never holds [B, N, T, S] scores. `decode_attention_nvfp4` returns the decode output as
+o_proj's NVFP4 W4A4 input (codes, block scales, global scale of a static input scale): the
+CUDA kernel's QUANT_OUT build writes them in the same launch, elsewhere XLA's quantizer ops
+follow the attention; the bytes are `quantize_activation`'s of the bf16 output either way.
 Dimension letters: see rejax/config.py (Bs = slots per kernel block, P = splits).
 """
 

@@ -36,6 +36,14 @@ unfused composition's own operations), then the same GEMM. `kernels="one"` takes
 lowering too where its one launch does not serve the shape (M > 8). Only where the linear itself has no kernel (an
 unsupported shape, a failed build, `impl="ref"`, the buffer_callback launch with two steps) does
 the whole op lower to the composition with one bf16 tensor-core dot, the reason logged once.
+
+Two more entry points serve the kernels that write a linear's NVFP4 input themselves, so the
+quantizer launch in front of it goes: `linear_from_codes` (the plain W4A4 GEMV, and the
+residual, on given codes, scales and global scale: o_proj after
+`rejax.ops.decode_attention.decode_attention_nvfp4`, down_proj after the next) and
+`fused_linear_swiglu` (gate_up_proj with the RMSNorm prologue whose GEMV's SwiGLU epilogue
+writes down_proj's NVFP4 input; the same bytes as the "split" path's quantizer). The decoder
+takes them under `Config.attention_output` / `Config.gate_up_output` "nvfp4".
 """
 
 from __future__ import annotations
