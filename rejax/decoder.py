@@ -37,6 +37,7 @@ from rejax.layers import (
 )
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops.decode_attention import (
+    cuda_problem,
     decode_attention,
     decode_attention_nvfp4,
     default_num_splits,
@@ -194,8 +195,13 @@ def decoder_layer(
             splits = default_num_splits(max(b, cfg.invariant_rows), kh, kv[0].shape[2])
         args = (q[:, 0], kv[0], kv[1], li, positions[:, 0], k_positions, live)
         launch = {"kernel": kernel, "num_splits": splits, "cuda_options": options}
-        if flash and codes_out(cfg, att["o_proj"], b, fuse, o_kernels, gemm["gemm_options"]):
-            # the kernel writes o_proj's NVFP4 input (no quantizer launch), the GEMV reads it
+        if (
+            flash
+            and not cuda_problem(*args[:3], None, options)[1]
+            and codes_out(cfg, att["o_proj"], b, fuse, o_kernels, gemm["gemm_options"])
+        ):
+            # the CUDA kernel takes this problem: it writes o_proj's NVFP4 input (no quantizer
+            # launch), the GEMV reads it
             xq = decode_attention_nvfp4(*args, att["o_proj"]["input_scale"], **launch)
             x = linear_from_codes(*xq, att["o_proj"], layer=i, residual=x[:, 0],
                                   gemm_options=gemm["gemm_options"],

@@ -220,6 +220,18 @@ def test_nvfp4_attention_output_applies_only_where_it_can(change):
     assert names == plain
 
 
+def test_nvfp4_attention_output_needs_a_problem_the_cuda_kernel_takes():
+    """A head the CUDA kernel does not take ("flash-mma" needs head_dim >= 32): the attention
+    runs as "bf16" does (the Pallas fallback) and o_proj keeps its quantizer kernel, rather than
+    XLA's quantizer ops after the fallback."""
+    # o_proj's K = 16 heads x 16 = 256: the GEMV takes it
+    cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=16,
+                 num_heads=16, num_kv_heads=2, num_layers=2, attention="flash-mma")  # fmt: skip
+    plain, _ = _layer_launches(cfg)
+    names, _ = _layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
+    assert names == plain and names.count("nvfp4_quantize_bf16") == 4
+
+
 def test_nvfp4_attention_output_keeps_bf16_from_the_gemm_rows():
     """At gemm_min_m rows the o_proj linear is the GEMM, which reads x_hat: "nvfp4" keeps the
     bf16 output and the quantizer there, and takes the codes path below it."""
