@@ -55,8 +55,8 @@ for step in "$@"; do
     ;;
   sanitize)
     for tool in memcheck racecheck; do
-      for pair in "rejax_flash_decode:$attn:nvfp4_output and 600" \
-        "nvfp4_gemv_w4a4:$lin:swiglu_epilogue and 96"; do
+      for pair in "rejax_flash_decode:$attn:nvfp4_output and 2-600" \
+        "nvfp4_gemv_w4a4:$lin:swiglu_epilogue and 96-512"; do
         IFS=: read -r kern file sel <<< "$pair"
         t0=$(date +%s)
         timeout 130 compute-sanitizer --tool $tool --kernel-name kns=$kern --print-limit 20 \
