@@ -48,7 +48,7 @@ for step in "$@"; do
   t0=$(date +%s)
   case $step in
   tests)
-    timeout 480 python3 -m pytest $attn $lin -k "nvfp4 or decoder_flash or swiglu" \
+    timeout 480 python3 -m pytest $attn $lin -k "nvfp4 or decoder_flash or swiglu_epilogue" \
       -p no:cacheprovider -q -rf > "$x/tests.log" 2>&1
     stamp tests $? $t0
     grep -E "passed|failed|FAILED|Error" "$x/tests.log" | tail -15 | tee -a "$log"
