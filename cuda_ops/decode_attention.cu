@@ -44,7 +44,7 @@
 // QUANT_OUT = 1 writes, instead of the bf16 out, the W4A4 GEMV's operands for o_proj: the row's
 // N*H outputs quantized with a static global scale g (an operand after live): codes uint8 [B,
 // N*H/2], E4M3 block scales uint8 [B, N*H/16] and g per row float32 [B], the bytes of
-// rejax.nvfp4.quantize_activation(out as bf16, g) (nvfp4_act.cuh). With a static g a 16-element
+// rejax.nvfp4.quantize_activation(out as bf16, g) (common.cuh). With a static g a 16-element
 // block needs only its own values, and the CTA that stores a (row, kv head) holds its G heads'
 // G*H contiguous outputs: a block is 4 float4 columns, held by 4 consecutive lanes of the store
 // loop (col % 4 == tid % 4), which find its amax with two shuffles in their group. The values
@@ -129,7 +129,7 @@ __device__ __forceinline__ float rbf16(float f) { return __uint_as_float(f32_to_
 
 #if QUANT_OUT
 typedef unsigned char u8;
-#include "nvfp4_act.cuh"
+#include "common.cuh"
 #endif
 
 // K/V rows are read once: stream them past L1.

@@ -365,7 +365,7 @@ __device__ __forceinline__ u32 act_to_s8(u32 v) {
 }
 
 // e4m3x2_to_float2, div_rn, e2m1_mag, block_codes: the quantizer's block operations
-#include "nvfp4_act.cuh"
+#include "common.cuh"
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
   u16 r;
@@ -652,7 +652,7 @@ __device__ __forceinline__ void persistent_epilogue(const float* ybuf, u16* y, i
 // [M, F/2], E4M3 block scales ds [M, F/16] and the static global scale dg [M] (*gd), F = N / 2:
 // the bytes the quantizer kernel with prologue "swiglu" (nvfp4_quant.py) writes from that y.
 // Each unit's gate and up values are the bf16 values persistent_epilogue would store, then
-// quant4's SwiGLU (its expf and bf16 roundings) and the block quantization (nvfp4_act.cuh). The
+// quant4's SwiGLU (its expf and bf16 roundings) and the block quantization (common.cuh). The
 // 4 lanes of a unit's block (4 elements each) find its amax with two shuffles in their group.
 template <typename OutScale>
 __device__ __forceinline__ void swiglu_epilogue(const float* ybuf, int u0, int u1, int tid,

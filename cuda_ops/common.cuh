@@ -1,6 +1,9 @@
-// NVFP4 activation blocks: the operations of rejax.nvfp4.quantize_activation for one 16-element
-// block, shared by the kernels that write a W4A4 linear's input (the quantizer and the fused
-// GEMV in nvfp4_gemv.cu, the decode attention's quantized output in decode_attention.cu).
+// Device helpers shared by the kernels in this directory (included with #include "common.cuh";
+// cuda_ops/build.py hashes it into every includer's cache key). Today: E4M3 decode and the
+// NVFP4 activation block, the operations of rejax.nvfp4.quantize_activation for one 16-element
+// block, for the kernels that write a W4A4 linear's input (the quantizer, the fused GEMV and the
+// SwiGLU epilogue in nvfp4_gemv.cu, the decode attention's quantized output in
+// decode_attention.cu).
 //
 // Per block with global scale g (and ig = div_rn(1, g)):
 //   SF = E4M3_satfinite(min(div_rn(div_rn(amax, 6), g), 448));
