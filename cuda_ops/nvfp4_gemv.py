@@ -721,7 +721,7 @@ def prebuild(
 
     Args:
         problems: `build` keyword arguments per kernel: act, m, n, k and optionally options,
-            gw_rows, fused, residual, prefetch.
+            gw_rows, fused, residual, prefetch, swiglu_out.
         arch, num_sms: as in `build` (None: the present GPU's).
         workers: threads (None: the CPU count, at most 16).
 
@@ -741,10 +741,11 @@ def prebuild(
         residual = bool(prob.get("residual", False))
         _check_residual(prob["act"], residual)
         _check_prefetch(prob["act"], prob.get("prefetch"))
+        _check_swiglu_out(prob["act"], prob["n"], residual, prob.get("swiglu_out"))
         keys.append((
             prob["act"], prob["m"], prob["n"], prob["k"], arch, num_sms,
             prob.get("options", DEFAULT_OPTIONS), bool(prob.get("gw_rows", False)),
-            prob.get("fused"), residual, prob.get("prefetch"),
+            prob.get("fused"), residual, prob.get("prefetch"), prob.get("swiglu_out"),
         ))  # fmt: skip
     workers = workers or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:

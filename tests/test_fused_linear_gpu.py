@@ -164,6 +164,12 @@ def test_swiglu_epilogue_equals_the_swiglu_quantizer_gpu(n, k):
     norm = (1.0 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
     go = dc.replace(nvfp4_gemm.DEFAULT_OPTIONS, min_m=9)
     layer = jnp.int32(1)
+    # the 16 SwiGLU GEMVs at once (NVRTC in threads), as the lowering builds them
+    nvfp4_gemv.prebuild([
+        {"act": "w4a4", "m": m, "n": n, "k": k, "swiglu_out": so}
+        for m in range(1, 9) for so in nvfp4_gemv.SWIGLU_OUTS
+        if fl.swiglu_kernel_supported(m, n, k, go)[0]
+    ])  # fmt: skip
     for down_scale in (np.float32(0.0047), np.array([0.0047, 1e-9], np.float32)):
         stacked = down_scale.ndim == 1
         down = nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=stacked)

@@ -297,3 +297,18 @@ def test_swiglu_lowers_in_two_steps_where_the_kernel_does_not_serve():
     assert names(3, "ref") == []
     with pytest.raises(ValueError, match="streaming kernel"):
         names(2, "cuda")
+
+
+@needs_nvrtc
+def test_prebuild_takes_swiglu_out(tmp_path, monkeypatch):
+    """`prebuild` builds SWIGLU_OUT kernels as `build` does (the same cached object) and checks
+    the request as `build` does."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    kw = {"arch": "compute_90", "num_sms": 132}
+    (got,) = nvfp4_gemv.prebuild(
+        [{"act": "w4a4", "m": 3, "n": 1024, "k": 256, "swiglu_out": "stacked"}], **kw
+    )
+    assert got is nvfp4_gemv.build("w4a4", 3, 1024, 256, swiglu_out="stacked", **kw)
+    assert got.plan.swiglu_out == "stacked"
+    with pytest.raises(nvfp4_gemv.KernelError, match="multiple of 32"):
+        nvfp4_gemv.prebuild([{"act": "w4a4", "m": 3, "n": 1040, "k": 256, "swiglu_out": "scalar"}])
