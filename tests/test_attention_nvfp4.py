@@ -7,21 +7,17 @@ compiles and leaves the other builds' PTX alone; bad arguments fail with the val
 kernel's bytes are checked on the GPU (tests/test_decode_attention_cuda_gpu.py)."""
 
 import dataclasses
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _lowering import decode_step_cuda_text
+from _lowering import decode_logits, layer_launches, per_linear_scales, stacked_linear
 
 from cuda_ops import build as cbuild
 from cuda_ops import decode_attention as flash
 from rejax import nvfp4
-from rejax import params as rparams
-from rejax.cache import init_cache
 from rejax.config import Config
-from rejax.decoder import Model
 from rejax.ops.decode_attention import decode_attention, decode_attention_nvfp4
 from rejax.ops.fused_linear import fused_linear, linear_from_codes, takes_codes
 from rejax.params import init_params
@@ -83,10 +79,8 @@ def test_nvfp4_output_errors_name_the_value():
         decode_attention_nvfp4(q2, kc2, vc2, jnp.int32(0), qp, kp, live, np.float32(1))
 
 
-def _linear(n=64, k=256, layers=2, seed=1):
-    w = jax.random.normal(jax.random.key(seed), (layers, n, k), jnp.float32) * 0.05
-    stack = nvfp4.stack([nvfp4.quantize_weight(m) for m in w])
-    return {"weight": stack, "input_scale": jnp.array([2e-3, 5e-3], jnp.float32)}
+def _linear(n=64, k=256):
+    return stacked_linear(n, k, [2e-3, 5e-3])
 
 
 def test_linear_from_codes_is_fused_linear_of_the_quantized_x():
@@ -132,53 +126,17 @@ def test_linear_from_codes_errors():
         linear_from_codes(xp, xs, xg, {"weight": jnp.zeros((64, 128))}, layer=0)
 
 
-# static input scales, one value per linear, the second layer's 0.7 times the first's: no two
-# a power of two apart (a block's codes are the same under a scale 2**j times another, so a
-# mix-up of two linears' scales would not show)
-SCALES = {"qkv_proj": 0.02, "o_proj": 0.013, "gate_up_proj": 0.03, "down_proj": 0.0047}
-
-
-def _static_scales(params):
-    def put(path, p):
-        value = SCALES[path[1]]
-        scale = jnp.asarray([value * 0.7**i for i in range(params.cfg.num_layers)], jnp.float32)
-        return {**p, "input_scale": scale}
-
-    return dataclasses.replace(params, weights=rparams.map_linears(params.weights, put))
-
-
-def _decode_logits(cfg, params, steps=6, b=2, p=4):
-    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (b, p + steps)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(p + steps, dtype=np.int32), tokens.shape)
-    apply = jax.jit(
-        lambda w, tok, pos, c: Model(cfg, jnp.bfloat16).apply({"params": w}, tok, pos, c)
-    )
-    cache = init_cache(cfg, b, p + steps + 2, jnp.bfloat16)
-    _, cache = apply(params.weights, tokens[:, :p], positions[:, :p], cache)
-    out = []
-    for i in range(p, p + steps):
-        logits, cache = apply(params.weights, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
-        out.append(np.asarray(logits, np.float32))
-    return np.concatenate(out, axis=1)
-
-
 @pytest.mark.parametrize("attention", ["flash", "flash-mma"])
 def test_decoder_nvfp4_attention_output_is_bitwise_bf16_off_cuda(attention):
     """The decode steps' logits with attention_output "nvfp4" equal "bf16"'s bit for bit (the
     same composition off CUDA), with static input scales on every linear."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, attention=attention)  # fmt: skip
-    params = _static_scales(init_params(cfg, 3, jnp.bfloat16))
-    base = _decode_logits(cfg, params)
-    got = _decode_logits(dataclasses.replace(cfg, attention_output="nvfp4"), params)
+    params = per_linear_scales(init_params(cfg, 3, jnp.bfloat16))
+    base = decode_logits(cfg, params, steps=6, b=2)
+    got = decode_logits(dataclasses.replace(cfg, attention_output="nvfp4"), params, steps=6, b=2)
     assert np.isfinite(base).all() and np.abs(base).max() > 0
     np.testing.assert_array_equal(got, base)
-
-
-def _layer_launches(cfg, batch=1):
-    text = decode_step_cuda_text(cfg, batch=batch)
-    body = next(f for f in re.split(r"\n  func\.func ", text) if f.startswith("private @closed"))
-    return re.findall(r"name = \\22(\w+)\\22", body), body
 
 
 @pytest.mark.parametrize("attention", ["flash", "flash-mma"])
@@ -188,9 +146,9 @@ def test_cuda_lowering_drops_the_o_proj_quantizer(attention):
     scale (5 results, its PTX with the E4M3 conversion); "bf16" keeps 10."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, attention=attention)  # fmt: skip
-    names, _ = _layer_launches(cfg)
+    names, _ = layer_launches(cfg)
     assert len(names) == 10 and names.count("nvfp4_quantize_bf16") == 4
-    names, body = _layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
+    names, body = layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
     assert len(names) == 9 and names.count("nvfp4_quantize_bf16") == 3
     assert names.count(flash.ENTRY) == 1 and names.count("nvfp4_gemv_w4a4") == 4
     call = next(line for line in body.splitlines() if "rejax_flash_decode" in line)
@@ -215,8 +173,8 @@ def test_nvfp4_attention_output_applies_only_where_it_can(change):
     """Where attention_output "nvfp4" does not apply, the lowering is "bf16"'s, unchanged."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, **{"attention": "flash", **change})  # fmt: skip
-    plain, _ = _layer_launches(cfg)
-    names, _ = _layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
+    plain, _ = layer_launches(cfg)
+    names, _ = layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
     assert names == plain
 
 
@@ -227,8 +185,8 @@ def test_nvfp4_attention_output_needs_a_problem_the_cuda_kernel_takes():
     # o_proj's K = 16 heads x 16 = 256: the GEMV takes it
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=16,
                  num_heads=16, num_kv_heads=2, num_layers=2, attention="flash-mma")  # fmt: skip
-    plain, _ = _layer_launches(cfg)
-    names, _ = _layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
+    plain, _ = layer_launches(cfg)
+    names, _ = layer_launches(dataclasses.replace(cfg, attention_output="nvfp4"))
     assert names == plain and names.count("nvfp4_quantize_bf16") == 4
 
 
@@ -238,8 +196,8 @@ def test_nvfp4_attention_output_keeps_bf16_from_the_gemm_rows():
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, attention="flash", gemm_min_m=4)  # fmt: skip
     on = dataclasses.replace(cfg, attention_output="nvfp4")
-    assert _layer_launches(on, batch=4)[0] == _layer_launches(cfg, batch=4)[0]
-    assert len(_layer_launches(on, batch=3)[0]) == len(_layer_launches(cfg, batch=3)[0]) - 1
+    assert layer_launches(on, batch=4)[0] == layer_launches(cfg, batch=4)[0]
+    assert len(layer_launches(on, batch=3)[0]) == len(layer_launches(cfg, batch=3)[0]) - 1
 
 
 def test_nvfp4_attention_output_needs_a_static_scale():
@@ -247,8 +205,8 @@ def test_nvfp4_attention_output_needs_a_static_scale():
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, attention="flash", attention_output="nvfp4")  # fmt: skip
     params = init_params(cfg, 0, jnp.bfloat16)
-    logits = _decode_logits(cfg, params, steps=2)
-    base = _decode_logits(dataclasses.replace(cfg, attention_output="bf16"), params, steps=2)
+    logits = decode_logits(cfg, params, steps=2, b=2)
+    base = decode_logits(dataclasses.replace(cfg, attention_output="bf16"), params, steps=2, b=2)
     np.testing.assert_array_equal(logits, base)
 
 

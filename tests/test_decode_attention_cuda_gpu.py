@@ -282,7 +282,8 @@ def test_decoder_nvfp4_outputs_gpu(attention, change):
     another): attention_output / gate_up_output "nvfp4" give the logits of "bf16" bit for bit
     (the kernels' codes are the quantizer kernel's), and the lowered step holds one quantizer
     launch fewer per layer for each."""
-    from rejax import params as rparams
+    from _lowering import per_linear_scales
+
     from rejax.cache import init_cache
     from rejax.config import Config
     from rejax.decoder import Model
@@ -290,14 +291,7 @@ def test_decoder_nvfp4_outputs_gpu(attention, change):
 
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, attention=attention)  # fmt: skip
-    params = init_params(cfg, 6, jnp.bfloat16)
-    values = {"qkv_proj": 0.02, "o_proj": 0.013, "gate_up_proj": 0.03, "down_proj": 0.0047}
-
-    def put(path, p):
-        scale = jnp.asarray([values[path[1]], 0.7 * values[path[1]]], jnp.float32)
-        return {**p, "input_scale": scale}
-
-    weights = rparams.map_linears(params.weights, put)
+    weights = per_linear_scales(init_params(cfg, 6, jnp.bfloat16)).weights
 
     def steps(cfg):
         # 3 rows: the persistent GEMV's rows for this small gate_up (where the SwiGLU epilogue is)

@@ -14,15 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _lowering import decode_step_cuda_text
+from _lowering import decode_logits, layer_launches, per_linear_scales, stacked_linear
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemv
 from rejax import layers, nvfp4
-from rejax import params as rparams
-from rejax.cache import init_cache
 from rejax.config import Config
-from rejax.decoder import Model
 from rejax.ops.fused_linear import fused_linear, fused_linear_swiglu, swiglu_kernel_supported
 from rejax.params import init_params
 
@@ -31,10 +28,8 @@ needs_nvrtc = pytest.mark.skipif(
 )
 
 
-def _gate_up(n=64, k=256, layers=2, seed=1):
-    w = jax.random.normal(jax.random.key(seed), (layers, n, k), jnp.float32) * 0.05
-    stack = nvfp4.stack([nvfp4.quantize_weight(m) for m in w])
-    return {"weight": stack, "input_scale": jnp.array([2e-3, 4e-3], jnp.float32)}
+def _gate_up(n=64, k=256):
+    return stacked_linear(n, k, [2e-3, 4e-3])
 
 
 @pytest.mark.parametrize("down_scale", [np.float32(3e-4), np.array([1e-3, 1e-6], np.float32)])
@@ -115,72 +110,18 @@ def test_swiglu_row_order_pairs_gate_and_up_in_one_cta(n, rows, grid):
     assert most <= -(-(n // 32) // grid) * 32  # RPC of the units plan (nvfp4_gemv.cu)
 
 
-# static input scales, one value per linear, the second layer's 0.7 times the first's: no two
-# a power of two apart (a block's codes are the same under a scale 2**j times another, so a
-# mix-up of two linears' scales would not show)
-SCALES = {"qkv_proj": 0.02, "o_proj": 0.013, "gate_up_proj": 0.03, "down_proj": 0.0047}
-
-
-@pytest.mark.parametrize("n,k", [(24576, 4096), (17408, 5120), (1024, 256), (96, 512)])
-def test_swiglu_plan_keeps_the_plain_plans_row_sums(n, k):
-    """Where the plain GEMV is the persistent kernel, the SwiGLU plan has its R rows per step,
-    K steps per part and K parts (so each row's sum is the plain kernel's, in its order), at
-    most one CTA per unit, and room in its buffer for a CTA's whole units."""
-    for m in range(1, 9):
-        plain = nvfp4_gemv.plan("w4a4", m, n, k)
-        if plain.variant != "persistent":
-            continue
-        units = nvfp4_gemv.plan_persistent("w4a4", m, n, k, units=True)
-        same = ("rows", "spp", "threads")
-        assert [getattr(units, f) for f in same] == [getattr(plain, f) for f in same]
-        assert units.kparts == plain.kparts and units.grid == min(plain.grid, n // 32)
-        most = max(len(c) for c in nvfp4_gemv.swiglu_unit_rows(n, units.rows, units.grid))
-        rows_room = units.smem - units.ring * (units.threads // 32) * units.rows * 576
-        assert rows_room >= -(-(m * k * 17 // 16) // 16) * 16 + units.kparts * most * m * 4
-
-
-def _static_scales(params):
-    def put(path, p):
-        value = SCALES[path[1]]
-        scale = jnp.asarray([value * 0.7**i for i in range(params.cfg.num_layers)], jnp.float32)
-        return {**p, "input_scale": scale}
-
-    return dataclasses.replace(params, weights=rparams.map_linears(params.weights, put))
-
-
-def _decode_logits(cfg, params, steps=5, b=3, p=4):
-    tokens = np.random.default_rng(7).integers(0, cfg.vocab_size, (b, p + steps)).astype(np.int32)
-    positions = np.broadcast_to(np.arange(p + steps, dtype=np.int32), tokens.shape)
-    apply = jax.jit(
-        lambda w, tok, pos, c: Model(cfg, jnp.bfloat16).apply({"params": w}, tok, pos, c)
-    )
-    cache = init_cache(cfg, b, p + steps + 2, jnp.bfloat16)
-    _, cache = apply(params.weights, tokens[:, :p], positions[:, :p], cache)
-    out = []
-    for i in range(p, p + steps):
-        logits, cache = apply(params.weights, tokens[:, i : i + 1], positions[:, i : i + 1], cache)
-        out.append(np.asarray(logits, np.float32))
-    return np.concatenate(out, axis=1)
-
-
 def test_decoder_gate_up_output_nvfp4_is_bitwise_bf16_off_cuda():
     """Decode steps' logits with gate_up_output "nvfp4" (and with attention_output "nvfp4"
     too) equal "bf16"'s bit for bit off CUDA, with static input scales on every linear."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, attention="flash-mma")  # fmt: skip
-    params = _static_scales(init_params(cfg, 3, jnp.bfloat16))
-    base = _decode_logits(cfg, params)
+    params = per_linear_scales(init_params(cfg, 3, jnp.bfloat16))
+    base = decode_logits(cfg, params, steps=5, b=3)
     assert np.isfinite(base).all() and np.abs(base).max() > 0
     for change in ({"gate_up_output": "nvfp4"},
                    {"gate_up_output": "nvfp4", "attention_output": "nvfp4"}):  # fmt: skip
-        got = _decode_logits(dataclasses.replace(cfg, **change), params)
+        got = decode_logits(dataclasses.replace(cfg, **change), params, steps=5, b=3)
         np.testing.assert_array_equal(got, base)
-
-
-def _layer_launches(cfg, batch=3):
-    text = decode_step_cuda_text(cfg, batch=batch)
-    body = next(f for f in re.split(r"\n  func\.func ", text) if f.startswith("private @closed"))
-    return re.findall(r"name = \\22(\w+)\\22", body), body
 
 
 def test_cuda_lowering_drops_the_down_quantizer():
@@ -191,8 +132,8 @@ def test_cuda_lowering_drops_the_down_quantizer():
     persistent GEMV's rows for this small layer)."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2)  # fmt: skip
-    _, base = _layer_launches(cfg)
-    names, body = _layer_launches(dataclasses.replace(cfg, gate_up_output="nvfp4"))
+    _, base = layer_launches(cfg, 3)
+    names, body = layer_launches(dataclasses.replace(cfg, gate_up_output="nvfp4"), 3)
     launches = base.count("stablehlo.custom_call"), body.count("stablehlo.custom_call")
     assert launches == (11, 10), launches  # "live": 2 Pallas launches, not named by PTX entry
     assert names.count("nvfp4_quantize_bf16") == 3 and names.count("nvfp4_gemv_w4a4") == 4
@@ -203,7 +144,7 @@ def test_cuda_lowering_drops_the_down_quantizer():
     assert "tensor<3x256xui8>" in three[0] and "tensor<3x32xui8>" in three[0], three[0]
     full = dataclasses.replace(cfg, attention="flash-mma", attention_output="nvfp4",
                                gate_up_output="nvfp4")  # fmt: skip
-    names, body = _layer_launches(full)
+    names, body = layer_launches(full, 3)
     assert len(names) == 8 and names.count("nvfp4_quantize_bf16") == 2
     assert body.count("stablehlo.custom_call") == 8
 
@@ -220,8 +161,8 @@ def test_cuda_lowering_drops_the_down_quantizer():
 def test_gate_up_output_nvfp4_applies_only_where_it_can(change, batch):
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, **change)  # fmt: skip
-    plain, _ = _layer_launches(cfg, batch)
-    names, _ = _layer_launches(dataclasses.replace(cfg, gate_up_output="nvfp4"), batch)
+    plain, _ = layer_launches(cfg, batch)
+    names, _ = layer_launches(dataclasses.replace(cfg, gate_up_output="nvfp4"), batch)
     assert names == plain
 
 
@@ -230,8 +171,8 @@ def test_gate_up_output_nvfp4_needs_a_static_down_scale():
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
                  num_layers=2, gate_up_output="nvfp4")  # fmt: skip
     params = init_params(cfg, 0, jnp.bfloat16)
-    logits = _decode_logits(cfg, params, steps=2)
-    base = _decode_logits(dataclasses.replace(cfg, gate_up_output="bf16"), params, steps=2)
+    logits = decode_logits(cfg, params, steps=2, b=3)
+    base = decode_logits(dataclasses.replace(cfg, gate_up_output="bf16"), params, steps=2, b=3)
     np.testing.assert_array_equal(logits, base)
 
 
