@@ -110,6 +110,24 @@ def test_swiglu_row_order_pairs_gate_and_up_in_one_cta(n, rows, grid):
     assert most <= -(-(n // 32) // grid) * 32  # RPC of the units plan (nvfp4_gemv.cu)
 
 
+@pytest.mark.parametrize("n,k", [(24576, 4096), (17408, 5120), (1024, 256), (96, 512)])
+def test_swiglu_plan_keeps_the_plain_plans_row_sums(n, k):
+    """Where the plain GEMV is the persistent kernel, the SwiGLU plan has its R rows per step,
+    K steps per part and K parts (so each row's sum is the plain kernel's, in its order), at
+    most one CTA per unit, and room in its buffer for a CTA's whole units."""
+    for m in range(1, 9):
+        plain = nvfp4_gemv.plan("w4a4", m, n, k)
+        if plain.variant != "persistent":
+            continue
+        units = nvfp4_gemv.plan_persistent("w4a4", m, n, k, units=True)
+        same = ("rows", "spp", "threads")
+        assert [getattr(units, f) for f in same] == [getattr(plain, f) for f in same]
+        assert units.kparts == plain.kparts and units.grid == min(plain.grid, n // 32)
+        most = max(len(c) for c in nvfp4_gemv.swiglu_unit_rows(n, units.rows, units.grid))
+        rows_room = units.smem - units.ring * (units.threads // 32) * units.rows * 576
+        assert rows_room >= -(-(m * k * 17 // 16) // 16) * 16 + units.kparts * most * m * 4
+
+
 def test_decoder_gate_up_output_nvfp4_is_bitwise_bf16_off_cuda():
     """Decode steps' logits with gate_up_output "nvfp4" (and with attention_output "nvfp4"
     too) equal "bf16"'s bit for bit off CUDA, with static input scales on every linear."""
