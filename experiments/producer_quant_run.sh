@@ -19,18 +19,21 @@
 #             process, the same weights: attention "live" and "flash-mma", each with
 #             attention_output x gate_up_output in bf16 / nvfp4 (under "live" attention_output
 #             does not apply: those pairs are A/A, the run's noise) (bench_decode.py)
+#   pdl       experiments/pdl_probe.py: what programmatic dependent launch would hide per GEMV
+#             launch (a CUDA graph of 36 layers x 4 GEMVs, about a minute); GIT_SHA names the
+#             commit in its JSON (the device copy's .git may hold the session's first commit)
 # OUT gets the summary log (producer_quant.log) and one tarball of every step's logs and JSON
 # (producer_quant_STEPS.tgz; a device call brings back at most 8 files).
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: tests sanitize decode)" >&2
+  echo "usage: $0 OUT STEP... (steps: tests sanitize decode pdl)" >&2
   exit 2
 fi
 out=$1
 shift
 for step in "$@"; do
-  case $step in tests | sanitize | decode) ;; *)
-    echo "unknown step '$step': expected tests, sanitize or decode" >&2
+  case $step in tests | sanitize | decode | pdl) ;; *)
+    echo "unknown step '$step': expected tests, sanitize, decode or pdl" >&2
     exit 2
     ;;
   esac
@@ -74,6 +77,12 @@ for step in "$@"; do
       --gate-up-output bf16 nvfp4 --out "$x/decode.json" > "$x/decode.log" 2>&1
     stamp decode $? $t0
     grep -E "ms/token|Error|error" "$x/decode.log" | tail -20 | tee -a "$log"
+    ;;
+  pdl)
+    timeout 300 python3 experiments/pdl_probe.py --git-sha "${GIT_SHA:-$(git rev-parse HEAD)}" \
+      --out "$x/pdl_probe.json" > "$x/pdl_probe.log" 2>&1
+    stamp pdl $? $t0
+    tail -6 "$x/pdl_probe.log" | tee -a "$log"
     ;;
   esac
 done
