@@ -226,7 +226,7 @@ def test_decoder_flash_gpu(attention, head_dim):
 def test_cuda_nvfp4_output_is_quantize_activation_of_its_bf16_output_gpu(b, s, n, kh, h, options):
     """The QUANT_OUT build writes rejax.nvfp4.quantize_activation's bytes of the bf16 build's
     output (codes, E4M3 scales, the global scale per row), bit for bit, for a scalar scale and
-    a stacked one read at the layer (1e-4: saturated block scales), over one-split and
+    a stacked one read at the layer (1e-6: saturated block scales), over one-split and
     combined live lengths, rows with no visible key (zero codes and scales), with the outputs
     poisoned (every byte written) and on repeated calls."""
     from rejax import nvfp4
@@ -238,7 +238,7 @@ def test_cuda_nvfp4_output_is_quantize_activation_of_its_bf16_output_gpu(b, s, n
     shape = flash.flash_shape(b, 2, s, kh, n // kh, h, options)
     plain = jax.jit(lambda *a: decode_attention_cuda(*a, options=options))
     rng = np.random.default_rng(s)
-    scales = (np.float32(2e-3), np.array([0.02, 1e-4], np.float32))
+    scales = (np.float32(2e-3), np.array([0.02, 1e-6], np.float32))
     runs = {
         (i, poison): jax.jit(
             lambda *a, sc=sc, poison=poison: decode_attention_cuda(
@@ -262,7 +262,7 @@ def test_cuda_nvfp4_output_is_quantize_activation_of_its_bf16_output_gpu(b, s, n
             np.testing.assert_array_equal(got[1], ws, f"scales live={live} scale {i}")
             np.testing.assert_array_equal(got[2], np.full(b, g, np.float32))
             if i == 1:
-                assert (ws == 0x7E).any(), "no saturated block scale at g = 1e-4"
+                assert (ws == 0x7E).any(), "no saturated block scale at g = 1e-6"
             for run in (runs[i, True], runs[i, False]):  # poisoned, then a repeat
                 for a, x in zip(run(*args), got, strict=True):
                     np.testing.assert_array_equal(np.asarray(a), x)
@@ -314,8 +314,9 @@ def test_decoder_nvfp4_outputs_gpu(attention, change):
     got, text_q = steps(dataclasses.replace(cfg, **change))
     assert np.isfinite(base).all()
     np.testing.assert_array_equal(got, base)
-    # the quantizer custom calls of the scanned layer: 4 under "bf16", one fewer for each
-    # "nvfp4" output
+    # the quantizer custom calls: 4 a layer under "bf16" (each layer's, however the lowering
+    # lays the layers out), one fewer a layer for each "nvfp4" output
     pat = r"name = \\22nvfp4_quantize_bf16\\22"
     quantizers = len(re.findall(pat, text)), len(re.findall(pat, text_q))
-    assert quantizers == (4, 4 - len(change)), quantizers
+    assert quantizers[0] > 0 and quantizers[0] % 4 == 0, quantizers
+    assert quantizers[1] * 4 == quantizers[0] * (4 - len(change)), quantizers

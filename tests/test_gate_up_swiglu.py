@@ -88,6 +88,8 @@ def test_swiglu_kernel_supported_says_why():
     assert not ok and "multiple of 32" in why
     ok, why = swiglu_kernel_supported(1, 1024, 128)
     assert not ok and "K=128" in why
+    ok, why = swiglu_kernel_supported(4, 96, 512)  # down's K = 48: XLA's quantizer on "bf16"
+    assert not ok and "down's input F=48" in why
 
 
 @pytest.mark.parametrize(

@@ -718,7 +718,8 @@ def swiglu_kernel_supported(
     GEMV's rows (below `gemm_options.min_m`, at most MAX_M) where that GEMV is the persistent
     kernel (not the streaming one of M <= 2 on small layers: the epilogue is the persistent
     kernel's, and so are its sums, in the same order), its K, and N = 2F with F a multiple of
-    16 (whole blocks of down's input)."""
+    16 (whole blocks of down's input) that the quantizer kernel takes (the "bf16" path's
+    launches, whose bytes the epilogue's equal)."""
     if m >= gemm_options.min_m:
         return False, f"M={m} rows take the GEMM (gemm_options.min_m={gemm_options.min_m})"
     if n % nvfp4_gemv.SWIGLU_UNIT:
@@ -731,7 +732,13 @@ def swiglu_kernel_supported(
             f"M={m} N={n} K={k}: the plain GEMV is the streaming kernel there (the SwiGLU "
             "epilogue is the persistent kernel's)"
         )
-    return nvfp4_quant.check_shape(m, k)
+    ok, why = nvfp4_quant.check_shape(m, k)
+    if not ok:
+        return False, why
+    # down's input: where the quantizer kernel does not take it, the "bf16" path quantizes with
+    # XLA's ops, whose SwiGLU need not round as the epilogue does
+    ok, why = nvfp4_quant.check_shape(m, n // 2)
+    return ok, "" if ok else f"down's input F={n // 2}: {why}"
 
 
 def _swiglu_kernels(x, xg, nw, wp, ws, wg, layer, xgd, *pf_stacks, n, k, fused, quant, gemv):
