@@ -27,6 +27,8 @@
 //   EPI_RES                 W4A4: add the bf16 residual operand res [M, N] in the epilogue
 //   SWIGLU_OUT              W4A4 persistent: the epilogue writes down_proj's NVFP4 input
 //                           (SwiGLU of the gate / up outputs, quantized) instead of y; below
+//   NORM_OUT                W4A4 with EPI_RES: the last CTA to finish also writes the next
+//                           linear's NVFP4 input, rms_norm(y) quantized (below)
 // The host plan (nvfp4_gemv.py) picks per shape what measured faster on the H200: streaming for
 // M <= 2 on layers of <= 16 MiB, else persistent; the ring at M = 8.
 //
@@ -105,6 +107,18 @@ typedef unsigned int u32;
 #endif
 #ifndef XGD_STACK
 #define XGD_STACK 0  // SWIGLU_OUT: down_proj's static input scale is stacked [L]
+#endif
+#ifndef NORM_OUT
+#define NORM_OUT 0  // plain W4A4 with EPI_RES: the next linear's NVFP4 input too (see below)
+#endif
+#ifndef NWN_STACK
+#define NWN_STACK 0  // NORM_OUT: the norm weight is stacked [L, N]
+#endif
+#ifndef XGN_STACK
+#define XGN_STACK 0  // NORM_OUT: the next linear's static input scale is stacked [L]
+#endif
+#ifndef NORM_THREADS
+#define NORM_THREADS 128  // NORM_OUT: the quantizer kernel's threads (its mean-square order)
 #endif
 
 constexpr int NWARPS = NTHREADS / 32;
@@ -774,6 +788,102 @@ __device__ __forceinline__ float epi(const u16* res, int m, int n, float out) {
   return out;
 }
 
+#if NORM_OUT
+// NORM_OUT: after o_proj's residual epilogue the next linear (gate_up) reads
+// quantize_activation(rms_norm(y, nw)) with its static input scale, which the "split" path
+// computes in a quantizer launch of its own (nvfp4_quantize_bf16 with PRO = 1). Here the last
+// CTA to store its part of y (an atomicInc ticket in a module-global counter, after a
+// __threadfence; the counter wraps back to 0 on that CTA) reads the whole of y back from L2 and
+// writes those bytes itself: codes np [M, N/2], E4M3 block scales ns [M, N/16], the global
+// scale ng [M]. The row's mean square is summed in the quantizer kernel's order (NORM_THREADS
+// threads, each its elements 8t + 8 NORM_THREADS i .. + 7 with fma; a butterfly in each warp;
+// the warps in order), and each element goes through quant4's PRO = 1 arithmetic, so the bytes
+// are the quantizer kernel's.
+static_assert(EPI_RES, "NORM_OUT follows the residual epilogue (EPI_RES)");
+static_assert(!SWIGLU_OUT, "NORM_OUT and SWIGLU_OUT are different epilogues");
+static_assert(NORM_THREADS % 32 == 0 && NORM_THREADS <= NTHREADS && NTHREADS % 4 == 0,
+              "NORM_OUT: NORM_THREADS full warps of the CTA");
+static_assert(N_OUT % 256 == 0, "NORM_OUT: N a multiple of 256 (the quantizer kernel's K)");
+#ifndef NORM_EPS
+#define NORM_EPS 1e-6f
+#endif
+__device__ u32 g_norm_arrivals;  // CTAs of the current launch that have stored their y
+
+__device__ __forceinline__ void norm_out_tail(const u16* y, const u16* nw, const float* gn,
+                                              u8* np, u8* ns, float* ng, int tid) {
+  __shared__ u32 s_last;
+  __shared__ float s_red[M_TOK * (NORM_THREADS / 32)], s_rs[M_TOK], s_ig;
+  __threadfence();  // this CTA's y stores are visible device-wide before its ticket
+  __syncthreads();
+  if (tid == 0) s_last = atomicInc(&g_norm_arrivals, gridDim.x - 1) == gridDim.x - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int lane = tid & 31, warp = tid >> 5;
+  if (tid < NORM_THREADS) {
+#pragma unroll
+    for (int m = 0; m < M_TOK; ++m) {
+      float s = 0.f;
+      for (int e = 8 * tid; e < N_OUT; e += 8 * NORM_THREADS) {
+        const uint4 q = __ldcg(reinterpret_cast<const uint4*>(y + (size_t)m * N_OUT + e));
+        const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xFFFF0000u);
+          s = fmaf(lo, lo, s);
+          s = fmaf(hi, hi, s);
+        }
+      }
+#pragma unroll
+      for (int b = 16; b >= 1; b >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, b);
+      if (lane == 0) s_red[m * (NORM_THREADS / 32) + warp] = s;
+    }
+  }
+  __syncthreads();
+  if (tid < M_TOK) {
+    float t = 0.f;
+    for (int w = 0; w < NORM_THREADS / 32; ++w) t = t + s_red[tid * (NORM_THREADS / 32) + w];
+    s_rs[tid] = rsqrtf(t / (float)N_OUT + NORM_EPS);
+  }
+  if (tid == 0) s_ig = div_rn(1.0f, *gn);
+  __syncthreads();
+  // 4 elements per thread per round; the 4 consecutive threads of a block run the loop
+  // together (N % 16 == 0) and find its amax with two shuffles in their group
+  for (int i = tid; i < M_TOK * N_OUT / 4; i += NTHREADS) {
+    const int m = i / (N_OUT / 4), e0 = (i % (N_OUT / 4)) * 4;
+    const uint2 q = __ldcg(reinterpret_cast<const uint2*>(y + (size_t)m * N_OUT + e0));
+    const uint2 u = *reinterpret_cast<const uint2*>(nw + e0);
+    float v[4] = {__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u),
+                  __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xFFFF0000u)};
+    const float wf[4] = {__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
+                         __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u)};
+    const float rs = s_rs[m];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = rbf16(wf[j] * rbf16(v[j] * rs));  // quant4's PRO = 1
+    const unsigned group = 0xFu << (threadIdx.x & 28);
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
+    u32 scale;
+    const u32 c = block_codes(v, amax, gn, &s_ig, scale);
+    *reinterpret_cast<u16*>(np + (size_t)m * (N_OUT / 2) + e0 / 2) = (u16)c;
+    if ((i & 3) == 0) ns[(size_t)m * (N_OUT / 16) + e0 / 16] = (u8)scale;
+  }
+  if (tid < M_TOK) ng[tid] = *gn;
+}
+#define NORM_OUT_OPERANDS , const u16 *__restrict__ nw_all, const float *__restrict__ xgn
+#define NORM_OUT_RESULTS , u8 *__restrict__ np, u8 *__restrict__ ns, float *__restrict__ ng
+// the norm weight ([N], or [L, N] read at the layer) and the next linear's static scale ([1] or
+// [L])
+#define NORM_OUT_TAIL(layer)                                                                \
+  norm_out_tail(y, nw_all + (NWN_STACK ? (size_t)(unsigned)(layer) * N_OUT : 0),            \
+                xgn + (XGN_STACK ? (size_t)(unsigned)(layer) : 0), np, ns, ng, tid)
+#else
+#define NORM_OUT_OPERANDS
+#define NORM_OUT_RESULTS
+#define NORM_OUT_TAIL(layer)
+#endif  // NORM_OUT
+
 #if X_BF16
 // ---------------------------------------------------------------------------- in-kernel x quant
 //
@@ -1234,12 +1344,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
                     const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
-                    const int* __restrict__ layer PF_OPERANDS,
 #if SWIGLU_OUT
+                    const int* __restrict__ layer PF_OPERANDS,
                     const float* __restrict__ xgd, u8* __restrict__ dp, u8* __restrict__ ds,
                     float* __restrict__ dg) {
 #else
-                    u16* __restrict__ y) {
+                    const int* __restrict__ layer PF_OPERANDS NORM_OUT_OPERANDS,
+                    u16* __restrict__ y NORM_OUT_RESULTS) {
 #endif
 #if !EPI_RES
   const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
@@ -1303,6 +1414,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
   persistent_epilogue(ybuf, y, g0, g1, tid, [&](int m, int n, float t) {
     return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * xg[m]));
   });
+  NORM_OUT_TAIL(*layer);
 #endif
 }
 
@@ -1374,7 +1486,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 #endif
                     const u8* __restrict__ wp_all,
                     const u8* __restrict__ ws_all, const float* __restrict__ wg_all,
-                    const int* __restrict__ layer PF_OPERANDS, u16* __restrict__ y) {
+                    const int* __restrict__ layer PF_OPERANDS NORM_OUT_OPERANDS,
+                    u16* __restrict__ y NORM_OUT_RESULTS) {
 #if !EPI_RES
   const u16* const res = nullptr;  // no residual operand: epi() is the GEMV's value
 #endif
@@ -1427,6 +1540,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   stream_epilogue(acc, red, lane, tid, sh.lg, sh.slice, sh.g, y, [&](int m, int n, float t) {
     return epi(res, m, n, (t * 0.25f) * (gw_of(wg, n) * xg[m]));
   });
+  NORM_OUT_TAIL(*layer);
 }
 
 #endif  // X_BF16

@@ -274,17 +274,22 @@ class Plan:
     # act "w4a4" persistent only: the SwiGLU epilogue (SWIGLU_OUT) writes down_proj's NVFP4
     # input with its static scale xgd, "scalar" ([1]) or "stacked" ([L], read at the layer)
     swiglu_out: str | None = None
+    # act "w4a4" with residual: the NORM_OUT epilogue (`NormOut`); operands nw_all [(L,) N] and
+    # the next linear's static scale after the prefetch operands, results y, codes, scales, g
+    norm_out: NormOut | None = None
 
     @property
     def n_inputs(self) -> int:
         """Operands the entry takes before the output pointer(s)."""
         pf = 0 if self.prefetch is None else self.prefetch.operands
-        return N_INPUTS[self.act] + int(self.residual) + pf + int(self.swiglu_out is not None)
+        extra = int(self.swiglu_out is not None) + 2 * int(self.norm_out is not None)
+        return N_INPUTS[self.act] + int(self.residual) + pf + extra
 
     @property
     def n_outputs(self) -> int:
-        """Results: y, or with swiglu_out down_proj's codes, block scales and global scale."""
-        return 1 if self.swiglu_out is None else 3
+        """Results: y, or with swiglu_out down_proj's codes, block scales and global scale, or
+        with norm_out y and the next linear's codes, block scales and global scale."""
+        return 3 if self.swiglu_out is not None else 4 if self.norm_out is not None else 1
 
     @property
     def kparts(self) -> int:
@@ -299,6 +304,8 @@ class Plan:
             extra = extra | self.prefetch.defines()
         if self.swiglu_out is not None:  # likewise
             extra = extra | {"SWIGLU_OUT": 1, "XGD_STACK": int(self.swiglu_out == "stacked")}
+        if self.norm_out is not None:  # likewise
+            extra = extra | self.norm_out.defines()
         return extra | {
             "ACT_W4A4": int(self.act in ("w4a4", "w4a4x")),
             "M_TOK": self.m,
@@ -336,6 +343,37 @@ RING_MIN_M = 8  # the ring measured faster only at M = 8 (experiments/KERNEL_NOT
 # block of down_proj's input); a CTA owns whole units
 SWIGLU_UNIT = 32
 SWIGLU_OUTS = ("scalar", "stacked")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormOut:
+    """The NORM_OUT epilogue of a residual W4A4 GEMV (o_proj): besides y = res + x . W^T, the
+    next linear's NVFP4 input, quantize_activation(rms_norm(y, norm weight, eps)) with that
+    linear's static input scale, written by the last CTA to finish: the bytes of the quantizer
+    kernel (`cuda_ops.nvfp4_quant`, prologue "rmsnorm") built with `threads` threads, whose
+    mean-square order it repeats.
+
+    Attributes:
+        norm_stacked: the norm weight is stacked [L, N] (read at the layer operand), else [N].
+        scale_stacked: the next linear's static input scale is stacked [L] (read at the layer
+            operand), else one value [1].
+        eps: the RMSNorm epsilon.
+        threads: the quantizer kernel's threads per CTA (its summation order).
+    """
+
+    norm_stacked: bool = False
+    scale_stacked: bool = False
+    eps: float = 1e-6
+    threads: int = 128
+
+    def defines(self) -> dict:
+        return {
+            "NORM_OUT": 1,
+            "NWN_STACK": int(self.norm_stacked),
+            "XGN_STACK": int(self.scale_stacked),
+            "NORM_THREADS": self.threads,
+            "NORM_EPS": f"{float(self.eps)!r}f",
+        }
 
 
 def _ring_depth(base_smem: int, warps: int, rows: int, m: int, want: int | None) -> int:
@@ -559,8 +597,10 @@ class GemvKernel:
         """Launches on `stream` with device pointers (operands, then the bf16 output)."""
         from cuda.bindings import driver
 
-        if self.plan.swiglu_out is not None:
-            raise KernelError(f"{self.entry} with swiglu_out launches through the PTX call only")
+        if self.plan.swiglu_out is not None or self.plan.norm_out is not None:
+            raise KernelError(
+                f"{self.entry} with swiglu_out / norm_out launches through the PTX call only"
+            )
         if len(pointers) != self.plan.n_inputs + 1:
             raise KernelError(f"{self.entry} takes {self.plan.n_inputs + 1} pointers")
         fn = _function(self)
@@ -644,6 +684,7 @@ def _compile_job(
     residual: bool = False,
     prefetch: Prefetch | None = None,
     swiglu_out: str | None = None,
+    norm_out: NormOut | None = None,
 ):
     """(plan, compile_ptx keyword arguments) of one kernel: everything but the compilation."""
     if swiglu_out is not None:  # the persistent kernel's SwiGLU epilogue, whole units per CTA
@@ -653,7 +694,7 @@ def _compile_job(
         p = plan(act, m, n, k, num_sms, options, gw_rows=gw_rows)
     if act == "w4a4x":
         p = dataclasses.replace(p, fused=fused or PLAIN)
-    p = dataclasses.replace(p, residual=residual, prefetch=prefetch)
+    p = dataclasses.replace(p, residual=residual, prefetch=prefetch, norm_out=norm_out)
     if p.smem > SMEM_LIMIT:
         raise KernelError(f"{act} M={m} N={n} K={k}: needs {p.smem} B of shared memory")
     if p.ctas > 1 and p.ctas * (p.smem + 1024) > SM_SMEM:
@@ -694,10 +735,12 @@ def _build_cached(
     residual: bool = False,
     prefetch: Prefetch | None = None,
     swiglu_out: str | None = None,
+    norm_out: NormOut | None = None,
 ):
     p, kw = _compile_job(
-        act, m, n, k, arch, num_sms, options, gw_rows, fused, residual, prefetch, swiglu_out
-    )
+        act, m, n, k, arch, num_sms, options, gw_rows, fused, residual, prefetch, swiglu_out,
+        norm_out,
+    )  # fmt: skip
     ptx = compile_ptx(kw.pop("source"), **kw)
     entry = ENTRY[act]
     entries = ptx_entries(ptx)
@@ -721,7 +764,7 @@ def prebuild(
 
     Args:
         problems: `build` keyword arguments per kernel: act, m, n, k and optionally options,
-            gw_rows, fused, residual, prefetch, swiglu_out.
+            gw_rows, fused, residual, prefetch, swiglu_out, norm_out.
         arch, num_sms: as in `build` (None: the present GPU's).
         workers: threads (None: the CPU count, at most 16).
 
@@ -742,10 +785,13 @@ def prebuild(
         _check_residual(prob["act"], residual)
         _check_prefetch(prob["act"], prob.get("prefetch"))
         _check_swiglu_out(prob["act"], prob["n"], residual, prob.get("swiglu_out"))
+        _check_norm_out(prob["act"], prob["n"], residual, prob.get("swiglu_out"),
+                        prob.get("norm_out"))  # fmt: skip
         keys.append((
             prob["act"], prob["m"], prob["n"], prob["k"], arch, num_sms,
             prob.get("options", DEFAULT_OPTIONS), bool(prob.get("gw_rows", False)),
             prob.get("fused"), residual, prob.get("prefetch"), prob.get("swiglu_out"),
+            prob.get("norm_out"),
         ))  # fmt: skip
     workers = workers or min(16, os.cpu_count() or 1)
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -767,6 +813,7 @@ def build(
     residual: bool = False,
     prefetch: Prefetch | None = None,
     swiglu_out: str | None = None,
+    norm_out: NormOut | None = None,
 ) -> GemvKernel:
     """Plans and compiles (NVRTC, disk-cached) the kernel for one problem shape.
 
@@ -789,6 +836,12 @@ def build(
             input instead (codes [M, N/4], E4M3 scales [M, N/32], global scale [M]) with its
             static input scale, an operand after `layer` (and the prefetch operands): "scalar"
             ([1]) or "stacked" ([L], read at the layer). No residual; PTX launch only.
+        norm_out: "w4a4" with residual only (o_proj): None, or a `NormOut`: the last CTA
+            also writes the next linear's NVFP4 input, quantize_activation(rms_norm(y)) with
+            its static scale (codes [M, N/2], E4M3 scales [M, N/16], global scale [M], after y).
+            Extra operands after `layer` (and the prefetch operands): the norm weight
+            [(L,) N] (read at the layer) and the scale ([1], or [L] with
+            `NormOut.scale_stacked`). N a multiple of 256; PTX launch only.
 
     Raises KernelError when NVRTC is missing, the GPU arch is too old, or the shape is
     unsupported.
@@ -803,11 +856,29 @@ def build(
     _check_residual(act, residual)
     _check_prefetch(act, prefetch)
     _check_swiglu_out(act, n, residual, swiglu_out)
+    _check_norm_out(act, n, residual, swiglu_out, norm_out)
     arch = arch or device_arch()
     return _build_cached(
         act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused, bool(residual),
-        prefetch, swiglu_out,
+        prefetch, swiglu_out, norm_out,
     )  # fmt: skip
+
+
+def _check_norm_out(act: str, n: int, residual: bool, swiglu_out, norm_out) -> None:
+    if norm_out is None:
+        return
+    if not isinstance(norm_out, NormOut):
+        raise KernelError(f"norm_out must be a NormOut or None, got {type(norm_out).__name__}")
+    if act != "w4a4" or not residual or swiglu_out is not None:
+        raise KernelError(
+            f"norm_out is for the residual W4A4 GEMV (act='w4a4', residual=True, no swiglu_out); "
+            f"got act={act!r}, residual={residual}, swiglu_out={swiglu_out!r}"
+        )
+    if n % 256:
+        raise KernelError(f"norm_out: N={n} must be a multiple of 256 (the quantizer kernel's K)")
+    t = norm_out.threads
+    if t <= 0 or t % 32 or t > 1024:
+        raise KernelError(f"norm_out threads={t}: expected a multiple of 32 in [32, 1024]")
 
 
 def _check_swiglu_out(act: str, n: int, residual: bool, swiglu_out) -> None:

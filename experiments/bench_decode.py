@@ -75,6 +75,7 @@ MULTI_FIELDS = (
     ("linear_fusion", rconfig.LINEAR_FUSIONS, "every NVFP4 variant (labelled ' lf=CHOICE')"),
     ("attention_output", rconfig.ATTENTION_OUTPUTS, "every NVFP4 variant (labelled ' ao=CHOICE')"),
     ("gate_up_output", rconfig.GATE_UP_OUTPUTS, "every NVFP4 variant (labelled ' go=CHOICE')"),
+    ("o_proj_output", rconfig.O_PROJ_OUTPUTS, "every NVFP4 variant (labelled ' oo=CHOICE')"),
 )
 
 
@@ -495,14 +496,15 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go)
+                (p, o, f, ao, go, oo)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
                 for ao in args.attention_output
                 for go in args.gate_up_output
+                for oo in args.o_proj_output
             ]
-            for spec, occ, fusion, out, gu in kernels:
+            for spec, occ, fusion, out, gu, op_out in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     weight_prefetch=spec,
@@ -512,12 +514,14 @@ def _variants(base: Params, args, quant):
                     linear_fusion=fusion,
                     attention_output=out,
                     gate_up_output=gu,
+                    o_proj_output=op_out,
                     **loop,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
                 occ_tag += "" if fusion == rconfig.Config.linear_fusion else f" lf={fusion}"
                 occ_tag += "" if out == rconfig.Config.attention_output else f" ao={out}"
                 occ_tag += "" if gu == rconfig.Config.gate_up_output else f" go={gu}"
+                occ_tag += "" if op_out == rconfig.Config.o_proj_output else f" oo={op_out}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

@@ -171,6 +171,10 @@ def main(argv=None) -> dict:
         choices=list(rconfig.GATE_UP_OUTPUTS), help="Config.gate_up_output, one row each",
     )  # fmt: skip
     ap.add_argument(
+        "--o-proj-output", nargs="+", default=[rconfig.Config.o_proj_output],
+        choices=list(rconfig.O_PROJ_OUTPUTS), help="Config.o_proj_output, one row each",
+    )  # fmt: skip
+    ap.add_argument(
         "--scales", default="static", choices=["static", "dynamic"],
         help="the W4A4 linears' activation global scales: static (as bench_decode.py) or per-row",
     )  # fmt: skip
@@ -183,21 +187,24 @@ def main(argv=None) -> dict:
     rows = []
     static = args.scales == "static"
     variants = [
-        (f, a, ao, go)
+        (f, a, ao, go, oo)
         for f in args.linear_fusion
         for a in args.attention
         for ao in args.attention_output
         for go in args.gate_up_output
+        for oo in args.o_proj_output
     ]
-    for fusion, attention, ao, go in variants:
+    for fusion, attention, ao, go, oo in variants:
         cfg = dataclasses.replace(base, linear_fusion=fusion, attention=attention,
-                                  attention_output=ao, gate_up_output=go)  # fmt: skip
+                                  attention_output=ao, gate_up_output=go,
+                                  o_proj_output=oo)  # fmt: skip
         for b in args.batch:
             slots = min(args.slots, cfg.max_position_embeddings)
             c = count_launches(compiled_decode_step(cfg, b, slots, static), cfg.num_layers)
             rows.append({"linear_fusion": fusion, "attention": attention,
-                         "attention_output": ao, "gate_up_output": go, "batch": b, **c})  # fmt: skip
-            print(f"[{fusion} {attention} ao={ao} go={go} b{b}] {c['total']} launches per layer: "
+                         "attention_output": ao, "gate_up_output": go, "o_proj_output": oo,
+                         "batch": b, **c})  # fmt: skip
+            print(f"[{fusion} {attention} ao={ao} go={go} oo={oo} b{b}] {c['total']} launches per layer: "
                   f"{c['by_kind']}", flush=True)  # fmt: skip
     out = {
         "source": "optimized HLO of decode_step: instructions of the layer scan's body",

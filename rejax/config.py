@@ -83,6 +83,17 @@ ATTENTION_OUTPUTS = ("bf16", "nvfp4")
 # One launch fewer a layer on CUDA (down's quantizer), the same bytes (the quantizer kernel's
 # SwiGLU arithmetic); elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
 GATE_UP_OUTPUTS = ("bf16", "nvfp4")
+# How o_proj hands gate_up its input (W4A4 NVFP4 decoders, decode steps): "bf16" (o_proj's
+# GEMV writes the residual stream y, gate_up's quantizer then applies post_attention_layernorm
+# and writes gate_up's NVFP4 input) or "nvfp4" (rejax.ops.fused_linear.linear_norm_out: on CUDA
+# the last CTA of o_proj's GEMV to finish reads y back and writes that input itself, with the
+# quantizer kernel's arithmetic and summation order; then gate_up runs on the codes,
+# linear_swiglu_from_codes / linear_from_codes). It applies where attention_output "nvfp4"
+# does, with residual_fusion "fused", a static gate_up input scale and no weight_prefetch;
+# elsewhere it is "bf16". One launch fewer a layer on CUDA (gate_up's quantizer: with
+# attention "flash-mma" and the other two outputs "nvfp4", 7 launches a layer), the same bytes;
+# elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
+O_PROJ_OUTPUTS = ("bf16", "nvfp4")
 # KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
 # Opt-in: it moves logits (experiments/results/fp8_kv_cache.md).
@@ -281,6 +292,7 @@ class Config:
     linear_fusion: str = "split"
     attention_output: str = "bf16"
     gate_up_output: str = "bf16"
+    o_proj_output: str = "bf16"
     kv_dtype: str = "bf16"
     rope_fusion: str = "fused"
     residual_fusion: str = "fused"
@@ -339,6 +351,10 @@ class Config:
             raise ValueError(
                 f"unknown attention_output {self.attention_output!r}; expected one of "
                 f"{ATTENTION_OUTPUTS}"
+            )
+        if self.o_proj_output not in O_PROJ_OUTPUTS:
+            raise ValueError(
+                f"unknown o_proj_output {self.o_proj_output!r}; expected one of {O_PROJ_OUTPUTS}"
             )
         if self.gate_up_output not in GATE_UP_OUTPUTS:
             raise ValueError(

@@ -48,6 +48,9 @@ from rejax.ops.fused_linear import (
     fused_linear,
     fused_linear_swiglu,
     linear_from_codes,
+    linear_norm_out,
+    linear_swiglu_from_codes,
+    norm_out_supported,
     swiglu_kernel_supported,
     takes_codes,
 )
@@ -203,6 +206,14 @@ def decoder_layer(
             # the CUDA kernel takes this problem: it writes o_proj's NVFP4 input (no quantizer
             # launch), the GEMV reads it
             xq = decode_attention_nvfp4(*args, att["o_proj"]["input_scale"], **launch)
+            if norm_codes_out(cfg, att["o_proj"], mlp, b, gemm, pf is not None):
+                # o_proj's GEMV also writes gate_up's NVFP4 input (its last CTA: no quantizer
+                # launch for gate_up)
+                y, gq = linear_norm_out(*xq, att["o_proj"], residual=x[:, 0],
+                                        norm=lw["post_attention_layernorm"]["scale"],
+                                        next_scale=mlp["gate_up_proj"]["input_scale"], layer=i,
+                                        eps=eps, gemm_options=gemm["gemm_options"])  # fmt: skip
+                return _mlp_from_codes(y, gq, mlp, i, cfg, kernels, gemm)[:, None], kv, amax
             x = linear_from_codes(*xq, att["o_proj"], layer=i, residual=x[:, 0],
                                   gemm_options=gemm["gemm_options"],
                                   residual_epilogue=gemm["residual_epilogue"],
@@ -255,6 +266,38 @@ def _mlp(x, lw, mlp, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.
                            **prefetch((mlp, "down_proj", 0, "down")))  # fmt: skip
     return fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=x,
                         kernels=kernels, **gemm, **prefetch((lw["self_attn"], "qkv_proj", 1, "qkv")))  # fmt: skip
+
+
+def _mlp_from_codes(y, gq, mlp, i, cfg: Config, kernels: str, gemm: dict) -> jax.Array:
+    """`_mlp` on [rows, D] y whose gate_up input `gq` (codes, scales, global scale) o_proj
+    wrote: gate_up on the codes, then down with the residual y (gate_up writing down's input
+    too where Config.gate_up_output "nvfp4" applies)."""
+    go = gemm["gemm_options"]
+    if swiglu_codes_out(cfg, mlp, y.shape[0], kernels, go):
+        xq = linear_swiglu_from_codes(*gq, mlp["gate_up_proj"], mlp["down_proj"]["input_scale"],
+                                      layer=i, gemm_options=go)  # fmt: skip
+        return linear_from_codes(*xq, mlp["down_proj"], layer=i, residual=y, gemm_options=go,
+                                 residual_epilogue=gemm["residual_epilogue"])  # fmt: skip
+    gate_up = linear_from_codes(*gq, mlp["gate_up_proj"], layer=i, gemm_options=go)
+    return fused_linear(gate_up, mlp["down_proj"], layer=i, prologue="swiglu", residual=y,
+                        kernels=kernels, **gemm)  # fmt: skip
+
+
+def norm_codes_out(
+    cfg: Config, o_proj: dict, mlp: dict, rows: int, gemm: dict, prefetching: bool
+) -> bool:
+    """Whether o_proj's GEMV also writes gate_up's NVFP4 input (Config.o_proj_output "nvfp4"
+    where it applies: after the attention wrote o_proj's codes (`codes_out`), with the residual
+    in the GEMV's epilogue, a static gate_up input scale, no weight prefetch, `rows` in the
+    NORM_OUT GEMV's range; `linear_norm_out`)."""
+    n, k = o_proj["weight"].shape
+    return (
+        cfg.o_proj_output == "nvfp4"
+        and gemm["residual_epilogue"]
+        and not prefetching
+        and mlp["gate_up_proj"].get("input_scale") is not None
+        and norm_out_supported(rows, n, k, gemm["gemm_options"])[0]
+    )
 
 
 def swiglu_codes_out(cfg: Config, mlp: dict, rows: int, kernels: str, gemm_options) -> bool:

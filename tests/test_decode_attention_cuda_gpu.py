@@ -275,13 +275,16 @@ def test_cuda_nvfp4_output_is_quantize_activation_of_its_bf16_output_gpu(b, s, n
         ("flash-mma", {"attention_output": "nvfp4"}),
         ("live", {"gate_up_output": "nvfp4"}),
         ("flash-mma", {"attention_output": "nvfp4", "gate_up_output": "nvfp4"}),
+        ("flash", {"attention_output": "nvfp4", "o_proj_output": "nvfp4"}),
+        ("flash-mma", {"attention_output": "nvfp4", "o_proj_output": "nvfp4",
+                       "gate_up_output": "nvfp4"}),
     ],
-)
+)  # fmt: skip
 def test_decoder_nvfp4_outputs_gpu(attention, change):
     """A tiny NVFP4 decoder with static input scales (one per linear, none a power of two from
-    another): attention_output / gate_up_output "nvfp4" give the logits of "bf16" bit for bit
-    (the kernels' codes are the quantizer kernel's), and the lowered step holds one quantizer
-    launch fewer per layer for each."""
+    another): attention_output / gate_up_output / o_proj_output "nvfp4" give the logits of
+    "bf16" bit for bit (the kernels' codes are the quantizer kernel's), and the lowered step
+    holds one quantizer launch fewer per layer for each."""
     from _lowering import per_linear_scales
 
     from rejax.cache import init_cache

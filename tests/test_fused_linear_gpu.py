@@ -205,6 +205,65 @@ def test_swiglu_epilogue_equals_the_swiglu_quantizer_gpu(n, k):
             np.testing.assert_array_equal(np.asarray(got_fn(x)[0]), got[0])
 
 
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (1024, 512)])
+def test_norm_out_tail_equals_the_quantizer_kernel_gpu(n, k):
+    """linear_norm_out's NORM_OUT GEMV (o_proj writing gate_up's input) writes y and the bytes
+    of the two-launch composition (the residual GEMV, then the quantizer kernel with prologue
+    "rmsnorm"), bit for bit, for M = 1..8 (gemm_min_m 9: the streaming GEMV at M <= 2, the
+    persistent one above), a stacked norm, the next scale scalar or stacked (1e-9 saturates
+    every block scale); Qwen3-8B's o_proj and a small layer. Repeated calls give the same bits
+    (the last-CTA ticket counter wraps back to 0)."""
+    import dataclasses as dc
+
+    from cuda_ops import nvfp4_gemm, nvfp4_quant
+
+    w = _weight(n, k, _seed("norm_out", n, k))
+    params = {"weight": w, "input_scale": jnp.array([0.02, 0.031], jnp.float32)}
+    norm = (1.0 + 0.1 * jax.random.normal(jax.random.key(5), (2, n))).astype(jnp.bfloat16)
+    go = dc.replace(nvfp4_gemm.DEFAULT_OPTIONS, min_m=9)
+    li = jnp.int32(1)
+    wp, ws = w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+    wg = jnp.asarray(w.global_scale, jnp.float32)
+    bind = fl._norm_out_bind("auto", "ptx", nvfp4_gemv.DEFAULT_OPTIONS, go)
+    for next_scale in (np.float32(0.013), np.array([0.013, 1e-9], np.float32)):
+        out = nvfp4_gemv.Fused(prologue="rmsnorm", norm_stacked=True,
+                               scale_stacked=next_scale.ndim == 1)  # fmt: skip
+        xgn = jnp.reshape(jnp.asarray(next_scale), (-1,))
+        for m in range(1, 9):
+            assert fl.norm_out_supported(m, n, k, go)[0]
+            quant = nvfp4_quant.build(m, n, out)
+
+            def want_fn(xp, xs, xg, res, quant=quant, out=out, xgn=xgn):
+                return fl._norm_out_composed(xp, xs, xg, res, wp, ws, wg, li, norm, xgn, n=n,
+                                             k=k, gw_rows=False, out=out, bind=bind,
+                                             quant=quant)  # fmt: skip
+
+            got_fn = jax.jit(
+                lambda xp, xs, xg, res, s=next_scale: fl.linear_norm_out(
+                    xp, xs, xg, params, residual=res, norm=norm, next_scale=s, layer=li,
+                    impl="cuda", gemm_options=go,
+                )
+            )  # fmt: skip
+            x = _x(m, k, _seed("norm_out", n, k, m))
+            q = nvfp4.quantize_activation(x, jnp.float32(0.031))
+            codes = (q.packed, jax.lax.bitcast_convert_type(q.scales, jnp.uint8),
+                     jnp.full((m,), 0.031, jnp.float32))  # fmt: skip
+            res = _x(m, n, _seed("norm_out_res", n, k, m), scale=1.0)
+            want = [np.asarray(a) for a in jax.jit(want_fn)(*codes, res)]
+            y, got = got_fn(*codes, res)
+            got = [np.asarray(y)] + [np.asarray(a) for a in got]
+            assert want[1].any(), "all-zero codes: the test's scales are off"
+            if next_scale.ndim:
+                assert (want[2] == 0x7E).all()  # 448 at g = 1e-9
+            names = ("y", "codes", "scales", "global scale")
+            for name, a, b in zip(names, got, want, strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"{name} M={m} N={n} K={k}")
+            for _ in range(2):  # repeated calls: the same bits
+                y2, q2 = got_fn(*codes, res)
+                np.testing.assert_array_equal(np.asarray(q2[0]), got[1])
+                np.testing.assert_array_equal(np.asarray(y2), got[0])
+
+
 # batches of 4 rows: the GEMV); "mixed" (o_proj fused, the rest split) in batches of 4; the split
 # path with every opt-in decode kernel (the residual in the linears' epilogues, q/k norm + RoPE +
 # cache write as one kernel), in batches of 4 rows (the GEMV), 8 and 16 (the quantizer kernel's

@@ -638,6 +638,210 @@ def linear_from_codes(
     return residual + y if residual is not None and not in_kernel else y
 
 
+# ------------------------------------------------------------------ o_proj writing gate_up's input
+
+
+def norm_out_supported(
+    m: int,
+    n: int,
+    k: int,
+    gemm_options=nvfp4_gemm.DEFAULT_OPTIONS,
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+) -> tuple[bool, str]:
+    """Whether the NORM_OUT GEMV (`linear_norm_out`'s kernel) takes a residual linear's problem
+    on M rows: the plain W4A4 GEMV's rows (below `gemm_options.min_m`) and shape, and an N the
+    quantizer kernel takes as its K (the "bf16" path's launch, whose bytes the tail repeats)."""
+    if m >= gemm_options.min_m:
+        return False, f"M={m} rows take the GEMM (gemm_options.min_m={gemm_options.min_m})"
+    ok, why = nvfp4_gemv.check_shape("w4a4", m, n, k)
+    if not ok:
+        return False, why
+    ok, why = nvfp4_quant.check_shape(m, n)
+    return ok, "" if ok else f"the next linear's input N={n}: {why}"
+
+
+def _norm_out_composed(xp, xs, xg, res, wp, ws, wg, layer, nw, xgn, *, n, k, gw_rows, out, bind,
+                       quant):  # fmt: skip
+    """y = res + the W4A4 GEMV (in its epilogue on CUDA), then the quantizer with prologue
+    "rmsnorm" on y: its kernel (`quant`) where it builds, else XLA's ops."""
+    y = gemv_call((xp, xs, xg, wp, ws, wg, layer), act="w4a4", n=n, k=k, gw_rows=gw_rows,
+                  residual=res, **bind)  # fmt: skip
+    return (y, *_quant_p.bind(y, xgn, nw, layer, k=n, fused=out, kernel=quant))
+
+
+_norm_out_p = Primitive("rejax_nvfp4_linear_norm_out")
+_norm_out_p.multiple_results = True
+_norm_out_p.def_abstract_eval(
+    lambda xp, *_, n, **__: (
+        jax.core.ShapedArray((xp.shape[0], n), jnp.bfloat16),
+        jax.core.ShapedArray((xp.shape[0], n // 2), jnp.uint8),
+        jax.core.ShapedArray((xp.shape[0], n // nvfp4.BLOCK), jnp.uint8),
+        jax.core.ShapedArray((xp.shape[0],), jnp.float32),
+    )
+)
+
+
+@functools.cache
+def _jitted_norm_out_bind(**params):
+    return jax.jit(functools.partial(_norm_out_p.bind, **params))
+
+
+_norm_out_p.def_impl(lambda *args, **params: _jitted_norm_out_bind(**params)(*args))
+
+
+def _norm_out_bind(impl, launch, options, gemm_options) -> dict:
+    return {"impl": impl, "launch": launch, "options": options, "gemm_options": gemm_options}
+
+
+def _lower_norm_out_reference(ctx, *args, n, k, gw_rows, out, impl, launch, options,
+                              gemm_options):  # fmt: skip
+    _dispatch.refuse_off_cuda(OP, impl, ctx.module_context.platforms)
+    bind = _norm_out_bind(impl, launch, options, gemm_options)
+    fn = functools.partial(_norm_out_composed, n=n, k=k, gw_rows=gw_rows, out=out, bind=bind,
+                           quant=None)  # fmt: skip
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+@functools.cache
+def _note_norm_out_two_steps(why: str) -> None:
+    """Logs once per reason that the next linear's codes take a quantizer launch of their own."""
+    _LOG.warning("%s: the next linear's codes take a quantizer launch: %s", OP, why)
+
+
+def _lower_norm_out_cuda(ctx, *args, n, k, gw_rows, out, impl, launch, options, gemm_options):
+    m = ctx.avals_in[0].shape[0]
+    ok, why = norm_out_supported(m, n, k, gemm_options, options)
+    if ok and launch != "ptx":
+        ok, why = False, f"launch={launch!r} (the NORM_OUT epilogue needs the PTX custom call)"
+    if ok and impl != "ref":
+        chunk = nvfp4_quant.default_chunk(n)
+        norm_out = nvfp4_gemv.NormOut(norm_stacked=out.norm_stacked, scale_stacked=out.scale_stacked,
+                                      eps=out.eps, threads=nvfp4_quant.default_threads(chunk))  # fmt: skip
+        try:
+            gemv = nvfp4_gemv.build("w4a4", m, n, k, options=options, gw_rows=gw_rows,
+                                    residual=True, norm_out=norm_out)  # fmt: skip
+        except nvfp4_gemv.KernelError as err:
+            ok, why = False, f"kernel build failed: {err}"
+        else:
+            return _dispatch.lower_ptx(ctx, *args, backend_config=gemv.backend_config())
+    if impl == "cuda":
+        raise ValueError(f"linear_norm_out(impl='cuda') cannot run: {why}")
+    if impl != "ref":
+        _note_norm_out_two_steps(why)
+    quant = None
+    if impl != "ref" and nvfp4_quant.check_shape(m, n)[0] and m <= nvfp4_gemv.MAX_M:
+        try:
+            quant = nvfp4_quant.build(m, n, out)
+        except nvfp4_gemv.KernelError:
+            quant = None
+    bind = _norm_out_bind(impl, launch, options, gemm_options)
+    fn = functools.partial(_norm_out_composed, n=n, k=k, gw_rows=gw_rows, out=out, bind=bind,
+                           quant=quant)  # fmt: skip
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(_norm_out_p, _lower_norm_out_reference)
+mlir.register_lowering(_norm_out_p, _lower_norm_out_cuda, platform="cuda")
+
+
+def linear_norm_out(
+    xp: jax.Array,
+    xs: jax.Array,
+    xg: jax.Array,
+    params: dict,
+    *,
+    residual: jax.Array,
+    norm: jax.Array,
+    next_scale: Any,
+    layer: Any = None,
+    eps: float = 1e-6,
+    impl: str = "auto",
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array, jax.Array]]:
+    """y = residual + the W4A4 linear of an input already quantized (`linear_from_codes` with
+    the residual in the GEMV's epilogue), and the next linear's NVFP4 input: the codes, block
+    scales and global scale of `quantize_activation(rms_norm(y, norm, eps), next_scale)`, as the
+    quantizer with prologue "rmsnorm" gives them (o_proj, then gate_up's input). On CUDA at the
+    plain GEMV's rows one launch writes both (`norm_out_supported`): the last CTA to finish
+    reads y back and quantizes it with the quantizer kernel's arithmetic and summation order, so
+    the bytes are that kernel's; elsewhere the GEMV then the quantizer (kernel or XLA's ops).
+
+    Args:
+        xp, xs, xg: the input's codes uint8 [M, K/2], E4M3 scales uint8 [M, K/16], global
+            scale float32 [M].
+        params: W4A4 params (`fusable`), N x K.
+        residual: bf16 [M, N].
+        norm: the next linear's RMSNorm weight, bf16 [N], or [L, N] read at `layer`.
+        next_scale: the next linear's static input scale, float32 [] or [L] (read at `layer`),
+            finite and > 0.
+        layer, options, gemm_options: as `linear_from_codes`.
+        eps: the RMSNorm epsilon.
+        impl: "auto" (the kernel where it applies), "cuda" (the kernel or an error) or "ref"
+            (the composition's reference ops).
+
+    Returns:
+        (y bf16 [M, N], (codes uint8 [M, N/2], scales uint8 [M, N/16], global scale f32 [M])).
+    """
+    _dispatch.check_impl(impl)
+    if not fusable(params, "nvfp4"):
+        raise ValueError(
+            "linear_norm_out needs W4A4 NVFP4 params without a bias (see fusable); got keys "
+            f"{sorted(params)}"
+        )
+    w: Nvfp4Tensor = params["weight"]
+    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
+        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    n, k = w.shape
+    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
+    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
+    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
+        shape, dtype = want[name]
+        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
+            raise ValueError(
+                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
+                f"{np.dtype(dtype).name} (K={k})"
+            )
+    if tuple(np.shape(residual)) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(
+            f"residual {np.shape(residual)} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
+        )
+    if n % nvfp4.BLOCK:
+        raise ValueError(
+            f"N={n} must be a multiple of {nvfp4.BLOCK} (NVFP4 blocks of the next input)"
+        )
+    layers = w.stack[0] if w.stack else 1
+    stacked_norm = np.ndim(norm) == 2
+    want_norm = (layers, n) if stacked_norm else (n,)
+    if tuple(np.shape(norm)) != want_norm or (stacked_norm and not w.stack):
+        raise ValueError(f"norm.shape={np.shape(norm)}, expected {(n,)} or {(*w.stack, n)}")
+    sshape = tuple(np.shape(next_scale))
+    if sshape not in ((), (layers,)) or (sshape and not w.stack):
+        raise ValueError(
+            f"next_scale shape {sshape}: expected a scalar or one per layer [L]=({layers},)"
+        )
+    if not isinstance(next_scale, jax.core.Tracer):
+        v = np.asarray(next_scale, np.float32)
+        bad = v[~(np.isfinite(v) & (v > 0))]
+        if bad.size:
+            raise ValueError(f"next_scale={float(bad.flat[0])}: expected finite and > 0")
+    out = nvfp4_gemv.Fused(prologue="rmsnorm", eps=float(eps), norm_stacked=stacked_norm,
+                           scale_stacked=len(sshape) == 1)  # fmt: skip
+    if m == 0:
+        return residual, (jnp.zeros((0, n // 2), jnp.uint8), jnp.zeros((0, n // 16), jnp.uint8),
+                          jnp.zeros((0,), jnp.float32))  # fmt: skip
+    args = (
+        xp, xs, xg, residual, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+        jnp.asarray(w.global_scale, jnp.float32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+        jnp.asarray(norm, jnp.bfloat16), jnp.reshape(jnp.asarray(next_scale, jnp.float32), (-1,)),
+    )  # fmt: skip
+    launch = _dispatch.default_launch() if impl != "ref" else "ptx"
+    y, *q = _norm_out_p.bind(*args, n=n, k=k, gw_rows=w.per_row, out=out, impl=impl,
+                             launch=launch, options=options, gemm_options=gemm_options)  # fmt: skip
+    return y, tuple(q)
+
+
 def _prefetch_spec(prefetch, options, layer) -> tuple[nvfp4_gemv.Prefetch | None, tuple]:
     """(the static `Prefetch` with its targets, their (codes, scales) operands) for
     `fused_linear`'s prefetch arguments; (None, ()) without `options`."""
@@ -906,3 +1110,154 @@ def fused_linear_swiglu(
         "launch": _dispatch.default_launch() if impl != "ref" else "ptx",
     }  # fmt: skip
     return tuple(_swiglu_p.bind(*args, **bind))
+
+
+# ------------------------------------------------------------------ gate_up on given codes
+
+
+def _swiglu_codes_composed(xp, xs, xg, wp, ws, wg, layer, xgd, *, n, k, gw_rows, down, bind,
+                           quant):  # fmt: skip
+    """gate_up's plain W4A4 GEMV on the codes (bf16 [gate | up]), then the quantizer with
+    prologue "swiglu" and down's static scale: its kernel (`quant`) where it builds, else
+    XLA's ops."""
+    h = gemv_call((xp, xs, xg, wp, ws, wg, layer), act="w4a4", n=n, k=k, gw_rows=gw_rows, **bind)
+    nw = jnp.zeros((1,), jnp.bfloat16)
+    return tuple(_quant_p.bind(h, xgd, nw, layer, k=n // 2, fused=down, kernel=quant))
+
+
+_swiglu_codes_p = Primitive("rejax_nvfp4_gate_up_swiglu_codes")
+_swiglu_codes_p.multiple_results = True
+_swiglu_codes_p.def_abstract_eval(
+    lambda xp, *_, n, **__: (
+        jax.core.ShapedArray((xp.shape[0], n // 4), jnp.uint8),
+        jax.core.ShapedArray((xp.shape[0], n // 32), jnp.uint8),
+        jax.core.ShapedArray((xp.shape[0],), jnp.float32),
+    )
+)
+
+
+@functools.cache
+def _jitted_swiglu_codes_bind(**params):
+    return jax.jit(functools.partial(_swiglu_codes_p.bind, **params))
+
+
+_swiglu_codes_p.def_impl(lambda *args, **params: _jitted_swiglu_codes_bind(**params)(*args))
+
+
+def _lower_swiglu_codes_reference(ctx, *args, n, k, gw_rows, down, impl, launch, options,
+                                  gemm_options):  # fmt: skip
+    _dispatch.refuse_off_cuda(OP, impl, ctx.module_context.platforms)
+    bind = _norm_out_bind(impl, launch, options, gemm_options)
+    fn = functools.partial(_swiglu_codes_composed, n=n, k=k, gw_rows=gw_rows, down=down,
+                           bind=bind, quant=None)  # fmt: skip
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lower_swiglu_codes_cuda(ctx, *args, n, k, gw_rows, down, impl, launch, options,
+                             gemm_options):  # fmt: skip
+    m = ctx.avals_in[0].shape[0]
+    ok, why = swiglu_kernel_supported(m, n, k, gemm_options, options)
+    if ok and launch != "ptx":
+        ok, why = False, f"launch={launch!r} (the SwiGLU epilogue needs the PTX custom call)"
+    if ok and impl != "ref":
+        try:
+            gemv = nvfp4_gemv.build("w4a4", m, n, k, options=options, gw_rows=gw_rows,
+                                    swiglu_out="stacked" if down.scale_stacked else "scalar")  # fmt: skip
+        except nvfp4_gemv.KernelError as err:
+            ok, why = False, f"kernel build failed: {err}"
+        else:
+            return _dispatch.lower_ptx(ctx, *args, backend_config=gemv.backend_config())
+    if impl == "cuda":
+        raise ValueError(f"linear_swiglu_from_codes(impl='cuda') cannot run: {why}")
+    if impl != "ref":
+        _note_swiglu_two_steps(why)
+    quant = None
+    if impl != "ref" and nvfp4_quant.check_shape(m, n // 2)[0] and m <= nvfp4_gemv.MAX_M:
+        try:
+            quant = nvfp4_quant.build(m, n // 2, down)
+        except nvfp4_gemv.KernelError:
+            quant = None
+    bind = _norm_out_bind(impl, launch, options, gemm_options)
+    fn = functools.partial(_swiglu_codes_composed, n=n, k=k, gw_rows=gw_rows, down=down,
+                           bind=bind, quant=quant)  # fmt: skip
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(_swiglu_codes_p, _lower_swiglu_codes_reference)
+mlir.register_lowering(_swiglu_codes_p, _lower_swiglu_codes_cuda, platform="cuda")
+
+
+def linear_swiglu_from_codes(
+    xp: jax.Array,
+    xs: jax.Array,
+    xg: jax.Array,
+    params: dict,
+    down_scale: Any,
+    *,
+    layer: Any = None,
+    impl: str = "auto",
+    options: nvfp4_gemv.GemvOptions = nvfp4_gemv.DEFAULT_OPTIONS,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`fused_linear_swiglu` on an input already quantized (gate_up after `linear_norm_out`):
+    down_proj's NVFP4 input, the codes, block scales and global scale of
+    `quantize_activation(swiglu(gate, up), down_scale)` of the plain W4A4 linear of the given
+    codes. On CUDA where `swiglu_kernel_supported` the GEMV's SwiGLU epilogue writes them (one
+    launch); elsewhere the GEMV then the quantizer with prologue "swiglu" (kernel or XLA's ops).
+
+    Args:
+        xp, xs, xg: gate_up's input, codes uint8 [M, K/2], E4M3 scales uint8 [M, K/16], global
+            scale float32 [M].
+        params: gate_up_proj's W4A4 params (`fusable`), N = 2F rows: gate first, then up.
+        down_scale: down_proj's static input scale, float32 [] or [L] (read at `layer`), > 0.
+        layer, impl, options, gemm_options: as `linear_norm_out`.
+
+    Returns:
+        (codes uint8 [M, F/2], E4M3 scales uint8 [M, F/16], global scale float32 [M]).
+    """
+    _dispatch.check_impl(impl)
+    if not fusable(params, "nvfp4"):
+        raise ValueError(
+            "linear_swiglu_from_codes needs W4A4 NVFP4 params without a bias (see fusable); got "
+            f"keys {sorted(params)}"
+        )
+    w: Nvfp4Tensor = params["weight"]
+    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
+        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    n, k = w.shape
+    if n % 32:
+        raise ValueError(f"gate_up N={n} must be 2F with F a multiple of 16 (NVFP4 blocks)")
+    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
+    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
+    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
+        shape, dtype = want[name]
+        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
+            raise ValueError(
+                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
+                f"{np.dtype(dtype).name} (K={k})"
+            )
+    layers = w.stack[0] if w.stack else 1
+    dshape = tuple(np.shape(down_scale))
+    if dshape not in ((), (layers,)) or (dshape and not w.stack):
+        raise ValueError(
+            f"down_scale shape {dshape}: expected a scalar or one per layer [L]=({layers},)"
+        )
+    if not isinstance(down_scale, jax.core.Tracer):
+        v = np.asarray(down_scale, np.float32)
+        bad = v[~(np.isfinite(v) & (v > 0))]
+        if bad.size:
+            raise ValueError(f"down_scale={float(bad.flat[0])}: expected finite and > 0")
+    down = nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=len(dshape) == 1)
+    if m == 0:
+        return (jnp.zeros((0, n // 4), jnp.uint8), jnp.zeros((0, n // 32), jnp.uint8),
+                jnp.zeros((0,), jnp.float32))  # fmt: skip
+    args = (
+        xp, xs, xg, w.packed, jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+        jnp.asarray(w.global_scale, jnp.float32),
+        jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+        jnp.reshape(jnp.asarray(down_scale, jnp.float32), (-1,)),
+    )  # fmt: skip
+    launch = _dispatch.default_launch() if impl != "ref" else "ptx"
+    return tuple(_swiglu_codes_p.bind(*args, n=n, k=k, gw_rows=w.per_row, down=down, impl=impl,
+                                      launch=launch, options=options,
+                                      gemm_options=gemm_options))  # fmt: skip
