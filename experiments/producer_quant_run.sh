@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # The GPU checks and timings of the kernels that write a linear's NVFP4 input themselves
 # ([T2-B]: fewer launches a decoder layer): Config(attention_output="nvfp4") (the one-launch
-# CUDA decode attention writes o_proj's input) and Config(gate_up_output="nvfp4") (the gate_up
-# GEMV's SwiGLU epilogue writes down_proj's input). Under attention "flash-mma" with both, a
-# layer launches 8 kernels instead of 10 ("live", the default: 11).
+# CUDA decode attention writes o_proj's input), Config(gate_up_output="nvfp4") (the gate_up
+# GEMV's SwiGLU epilogue writes down_proj's input) and Config(o_proj_output="nvfp4") (o_proj's
+# residual GEMV, NORM_OUT, writes gate_up's input). Under attention "flash-mma" with all three,
+# a layer launches 7 kernels instead of 10 ("live", the default: 11).
 #
 #   bash experiments/producer_quant_run.sh OUT STEP...    (from the repository root)
 #
 # STEP (run in the order given; each fits one 600 s device call with a cold start):
 #   tests     the QUANT_OUT attention's bytes against quantize_activation of the bf16 build's
-#             output; the SWIGLU_OUT GEMV's bytes against the split path's quantizer; the
+#             output; the SWIGLU_OUT and NORM_OUT GEMVs' bytes against the split path's
+#             quantizer; the
 #             decoder's logits with each "nvfp4" output == "bf16" bitwise; "flash" /
 #             "flash-mma" against "live" (test_decode_attention_cuda_gpu.py,
 #             test_fused_linear_gpu.py)
-#   sanitize  compute-sanitizer memcheck and racecheck of both kernels (their tests' small
-#             cases)
-#   decode    the 36-layer NVFP4 decode loop at batch 1 and 8, 512 new tokens, 3 repeats, one
-#             process, the same weights: attention "live" and "flash-mma", each with
-#             attention_output x gate_up_output in bf16 / nvfp4 (under "live" attention_output
-#             does not apply: those pairs are A/A, the run's noise) (bench_decode.py)
+#   sanitize  compute-sanitizer memcheck and racecheck of the three kernels (their tests'
+#             small cases)
+#   decode    the 36-layer decode loop at batch 1 and 8, 1024 new tokens, 3 repeats, one
+#             process, the same weights, bf16 and NVFP4: attention "live" and "flash-mma" with
+#             attention_output "nvfp4", each with gate_up_output x o_proj_output in bf16 /
+#             nvfp4 (under "live" neither attention_output nor o_proj_output applies: those
+#             pairs are A/A, the run's noise) (bench_decode.py)
 #   pdl       experiments/pdl_probe.py: what programmatic dependent launch would hide per GEMV
 #             launch (a CUDA graph of 36 layers x 4 GEMVs, about a minute); GIT_SHA names the
 #             commit in its JSON (the device copy's .git may hold the session's first commit)
@@ -51,7 +54,8 @@ for step in "$@"; do
   t0=$(date +%s)
   case $step in
   tests)
-    timeout 480 python3 -m pytest $attn $lin -k "nvfp4 or decoder_flash or swiglu_epilogue" \
+    timeout 480 python3 -m pytest $attn $lin \
+      -k "nvfp4 or decoder_flash or swiglu_epilogue or norm_out" \
       -p no:cacheprovider -q -rf > "$x/tests.log" 2>&1
     stamp tests $? $t0
     grep -E "passed|failed|FAILED|Error" "$x/tests.log" | tail -15 | tee -a "$log"
@@ -59,7 +63,8 @@ for step in "$@"; do
   sanitize)
     for tool in memcheck racecheck; do
       for pair in "rejax_flash_decode:$attn:nvfp4_output and 2-600" \
-        "nvfp4_gemv_w4a4:$lin:swiglu_epilogue and 96-512"; do
+        "nvfp4_gemv_w4a4:$lin:swiglu_epilogue and 512-768" \
+        "nvfp4_gemv_w4a4:$lin:norm_out_tail and 1024-512"; do
         IFS=: read -r kern file sel <<< "$pair"
         t0=$(date +%s)
         timeout 130 compute-sanitizer --tool $tool --kernel-name kns=$kern --print-limit 20 \
@@ -72,9 +77,10 @@ for step in "$@"; do
     done
     ;;
   decode)
-    timeout 560 python3 experiments/bench_decode.py --modes nvfp4 --batch 1 8 --gen-len 512 \
-      --repeats 3 --no-breakdown --attention live flash-mma --attention-output bf16 nvfp4 \
-      --gate-up-output bf16 nvfp4 --out "$x/decode.json" > "$x/decode.log" 2>&1
+    timeout 560 python3 experiments/bench_decode.py --modes nvfp4 bf16 --batch 1 8 \
+      --gen-len 1024 --repeats 3 --no-breakdown --attention live flash-mma \
+      --attention-output nvfp4 --gate-up-output bf16 nvfp4 --o-proj-output bf16 nvfp4 \
+      --out "$x/decode.json" > "$x/decode.log" 2>&1
     stamp decode $? $t0
     grep -E "ms/token|Error|error" "$x/decode.log" | tail -20 | tee -a "$log"
     ;;
