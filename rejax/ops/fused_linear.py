@@ -559,6 +559,43 @@ def takes_codes(m: int, params: dict, gemm_options=nvfp4_gemm.DEFAULT_OPTIONS) -
     return kind == "gemv" and ok
 
 
+def _check_stack(w: Nvfp4Tensor, layer) -> None:
+    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
+        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+
+
+def _check_codes(xp, xs, xg, k: int) -> int:
+    """M of an NVFP4 input (codes [M, K/2], E4M3 scales [M, K/16], global scale [M]); raises
+    naming the operand that does not fit."""
+    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
+    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
+    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
+        shape, dtype = want[name]
+        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
+            raise ValueError(
+                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
+                f"{np.dtype(dtype).name} (K={k})"
+            )
+    return m
+
+
+def _check_static_scale(name: str, value, w: Nvfp4Tensor) -> tuple:
+    """The shape of a static input scale `name` for the next linear: [] or [L] (w's stack), its
+    values finite and > 0 where known at trace time."""
+    layers = w.stack[0] if w.stack else 1
+    shape = tuple(np.shape(value))
+    if shape not in ((), (layers,)) or (shape and not w.stack):
+        raise ValueError(
+            f"{name} shape {shape}: expected a scalar or one per layer [L]=({layers},)"
+        )
+    if not isinstance(value, jax.core.Tracer):
+        v = np.asarray(value, np.float32)
+        bad = v[~(np.isfinite(v) & (v > 0))]
+        if bad.size:
+            raise ValueError(f"{name}={float(bad.flat[0])}: expected finite and > 0")
+    return shape
+
+
 def linear_from_codes(
     xp: jax.Array,
     xs: jax.Array,
@@ -595,18 +632,9 @@ def linear_from_codes(
             f"{sorted(params)}"
         )
     w: Nvfp4Tensor = params["weight"]
-    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
-        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    _check_stack(w, layer)
     n, k = w.shape
-    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
-    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
-    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
-        shape, dtype = want[name]
-        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
-            raise ValueError(
-                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
-                f"{np.dtype(dtype).name} (K={k})"
-            )
+    m = _check_codes(xp, xs, xg, k)
     if residual is not None and (
         tuple(np.shape(residual)) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16)
     ):
@@ -790,18 +818,9 @@ def linear_norm_out(
             f"{sorted(params)}"
         )
     w: Nvfp4Tensor = params["weight"]
-    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
-        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    _check_stack(w, layer)
     n, k = w.shape
-    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
-    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
-    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
-        shape, dtype = want[name]
-        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
-            raise ValueError(
-                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
-                f"{np.dtype(dtype).name} (K={k})"
-            )
+    m = _check_codes(xp, xs, xg, k)
     if tuple(np.shape(residual)) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16):
         raise ValueError(
             f"residual {np.shape(residual)} {np.dtype(residual.dtype)}, expected ({m}, {n}) bf16"
@@ -815,16 +834,7 @@ def linear_norm_out(
     want_norm = (layers, n) if stacked_norm else (n,)
     if tuple(np.shape(norm)) != want_norm or (stacked_norm and not w.stack):
         raise ValueError(f"norm.shape={np.shape(norm)}, expected {(n,)} or {(*w.stack, n)}")
-    sshape = tuple(np.shape(next_scale))
-    if sshape not in ((), (layers,)) or (sshape and not w.stack):
-        raise ValueError(
-            f"next_scale shape {sshape}: expected a scalar or one per layer [L]=({layers},)"
-        )
-    if not isinstance(next_scale, jax.core.Tracer):
-        v = np.asarray(next_scale, np.float32)
-        bad = v[~(np.isfinite(v) & (v > 0))]
-        if bad.size:
-            raise ValueError(f"next_scale={float(bad.flat[0])}: expected finite and > 0")
+    sshape = _check_static_scale("next_scale", next_scale, w)
     out = nvfp4_gemv.Fused(prologue="rmsnorm", eps=float(eps), norm_stacked=stacked_norm,
                            scale_stacked=len(sshape) == 1)  # fmt: skip
     if m == 0:
@@ -1057,8 +1067,7 @@ def fused_linear_swiglu(
             f"{sorted(params)}"
         )
     w: Nvfp4Tensor = params["weight"]
-    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
-        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    _check_stack(w, layer)
     n, k = w.shape
     if n % 32:
         raise ValueError(f"gate_up N={n} must be 2F with F a multiple of 16 (NVFP4 blocks)")
@@ -1068,17 +1077,7 @@ def fused_linear_swiglu(
     want = (*w.stack, k) if stacked_norm else (k,)
     if tuple(np.shape(norm)) != want:
         raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k,)} or {(*w.stack, k)}")
-    layers = w.stack[0] if w.stack else 1
-    dshape = tuple(np.shape(down_scale))
-    if dshape not in ((), (layers,)) or (dshape and not w.stack):
-        raise ValueError(
-            f"down_scale shape {dshape}: expected a scalar or one per layer [L]=({layers},)"
-        )
-    if not isinstance(down_scale, jax.core.Tracer):
-        v = np.asarray(down_scale, np.float32)
-        bad = v[~(np.isfinite(v) & (v > 0))]
-        if bad.size:
-            raise ValueError(f"down_scale={float(bad.flat[0])}: expected finite and > 0")
+    dshape = _check_static_scale("down_scale", down_scale, w)
     scale = params.get("input_scale")
     fused = nvfp4_gemv.Fused(
         prologue="rmsnorm",
@@ -1222,31 +1221,12 @@ def linear_swiglu_from_codes(
             f"keys {sorted(params)}"
         )
     w: Nvfp4Tensor = params["weight"]
-    if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
-        raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
+    _check_stack(w, layer)
     n, k = w.shape
     if n % 32:
         raise ValueError(f"gate_up N={n} must be 2F with F a multiple of 16 (NVFP4 blocks)")
-    m = np.shape(xp)[0] if np.ndim(xp) == 2 else -1
-    want = {"xp": ((m, k // 2), np.uint8), "xs": ((m, k // 16), np.uint8), "xg": ((m,), np.float32)}
-    for name, a in (("xp", xp), ("xs", xs), ("xg", xg)):
-        shape, dtype = want[name]
-        if tuple(np.shape(a)) != shape or np.dtype(a.dtype) != np.dtype(dtype):
-            raise ValueError(
-                f"{name} {tuple(np.shape(a))} {np.dtype(a.dtype)}, expected {shape} "
-                f"{np.dtype(dtype).name} (K={k})"
-            )
-    layers = w.stack[0] if w.stack else 1
-    dshape = tuple(np.shape(down_scale))
-    if dshape not in ((), (layers,)) or (dshape and not w.stack):
-        raise ValueError(
-            f"down_scale shape {dshape}: expected a scalar or one per layer [L]=({layers},)"
-        )
-    if not isinstance(down_scale, jax.core.Tracer):
-        v = np.asarray(down_scale, np.float32)
-        bad = v[~(np.isfinite(v) & (v > 0))]
-        if bad.size:
-            raise ValueError(f"down_scale={float(bad.flat[0])}: expected finite and > 0")
+    m = _check_codes(xp, xs, xg, k)
+    dshape = _check_static_scale("down_scale", down_scale, w)
     down = nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=len(dshape) == 1)
     if m == 0:
         return (jnp.zeros((0, n // 4), jnp.uint8), jnp.zeros((0, n // 32), jnp.uint8),
