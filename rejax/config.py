@@ -42,7 +42,9 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 # "flash-mma" is "flash" with the kernel's tensor-core main loop (FlashOptions(mma=1, warps=8):
 # bf16 mma.sync over cp.async stages; within rounding of "flash", not bitwise). Kernel alone on
 # the H200 it streamed at the copy rate from 8K to 32K and ties Pallas at 8K (15.2-15.5 us at
-# batch 1; experiments/results/h200_q/); end to end not yet measured. Opt-in.
+# batch 1; experiments/results/h200_q/). Opt-in: end to end (36-layer Qwen3-8B NVFP4, with
+# attention_output "nvfp4", 1024 new tokens, one run) it ties "live" at batch 1 (2.479 vs 2.486
+# ms/token) and loses at batch 8 (4.256 vs 4.084; experiments/results/h200_w/).
 ATTENTIONS = ("einsum", "live", "flash", "flash-mma")
 # the CUDA decode kernel's launch choices under each attention that takes it
 FLASH_ATTENTIONS = {"flash": {}, "flash-mma": {"mma": 1, "warps": 8}}
@@ -72,7 +74,9 @@ LINEAR_FUSIONS = ("fused", "split", "unfused", "mixed")
 # gemm_min_m); elsewhere it is "bf16". On CUDA the kernel's QUANT_OUT build stores the codes,
 # block scales and global scale instead of bf16: one launch fewer a layer (the o_proj
 # quantizer). The bytes are quantize_activation's of the bf16 output, so the decoder is the same
-# composition; elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
+# composition; elsewhere than CUDA bitwise "bf16". Opt-in like "flash-mma": its GPU tests pass;
+# with it "flash-mma" measured 2.479 vs 2.486 ms/token for "live" at batch 1 and 4.256 vs 4.084
+# at batch 8 (36-layer Qwen3-8B, one run; experiments/results/h200_w/).
 ATTENTION_OUTPUTS = ("bf16", "nvfp4")
 # How gate_up_proj hands its output to down_proj (W4A4 NVFP4 decoders, the "split" path): "bf16"
 # (gate_up writes [gate | up] in bf16, down's quantizer applies SwiGLU and writes its NVFP4
@@ -81,7 +85,11 @@ ATTENTION_OUTPUTS = ("bf16", "nvfp4")
 # of whole 16-element blocks; then rejax.ops.fused_linear.linear_from_codes). It applies with a
 # static down_proj input scale at the GEMV's rows (below gemm_min_m); elsewhere it is "bf16".
 # One launch fewer a layer on CUDA (down's quantizer), the same bytes (the quantizer kernel's
-# SwiGLU arithmetic); elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
+# SwiGLU arithmetic); elsewhere than CUDA bitwise "bf16". "nvfp4" is the default: its GPU tests
+# pass (bytes equal to the "bf16" path's at Qwen3-8B's gate_up for M = 1..8, the decoder's
+# logits bitwise) and it measured 2.461 vs 2.486 ms/token at batch 1 (36-layer Qwen3-8B, 1024
+# new tokens, one run, repeats within 0.2%); at batch 8 the GEMM's rows, where it does not
+# apply (experiments/results/h200_w/).
 GATE_UP_OUTPUTS = ("bf16", "nvfp4")
 # How o_proj hands gate_up its input (W4A4 NVFP4 decoders, decode steps): "bf16" (o_proj's
 # GEMV writes the residual stream y, gate_up's quantizer then applies post_attention_layernorm
@@ -92,7 +100,10 @@ GATE_UP_OUTPUTS = ("bf16", "nvfp4")
 # does, with residual_fusion "fused", a static gate_up input scale and no weight_prefetch;
 # elsewhere it is "bf16". One launch fewer a layer on CUDA (gate_up's quantizer: with
 # attention "flash-mma" and the other two outputs "nvfp4", 7 launches a layer), the same bytes;
-# elsewhere than CUDA bitwise "bf16". Opt-in: not yet run on a GPU.
+# elsewhere than CUDA bitwise "bf16". Opt-in: its GPU tests pass, but it measured slower, 2.589
+# vs 2.479 ms/token at batch 1 under "flash-mma" (36-layer Qwen3-8B, one run): the last CTA's
+# read-back and quantization after the others costs more than the launch it saves
+# (experiments/results/h200_w/).
 O_PROJ_OUTPUTS = ("bf16", "nvfp4")
 # KV-cache storage: "bf16" (the activation dtype) or "fp8" (E4M3 codes with one float32 scale per
 # slot and kv head, written beside the cache: half the bytes a decode step reads; rejax/cache.py).
@@ -291,7 +302,7 @@ class Config:
     attention: str = "live"
     linear_fusion: str = "split"
     attention_output: str = "bf16"
-    gate_up_output: str = "bf16"
+    gate_up_output: str = "nvfp4"
     o_proj_output: str = "bf16"
     kv_dtype: str = "bf16"
     rope_fusion: str = "fused"

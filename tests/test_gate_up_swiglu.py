@@ -134,7 +134,7 @@ def test_decoder_gate_up_output_nvfp4_is_bitwise_bf16_off_cuda():
     """Decode steps' logits with gate_up_output "nvfp4" (and with attention_output "nvfp4"
     too) equal "bf16"'s bit for bit off CUDA, with static input scales on every linear."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
-                 num_layers=2, attention="flash-mma")  # fmt: skip
+                 num_layers=2, attention="flash-mma", gate_up_output="bf16")  # fmt: skip
     params = per_linear_scales(init_params(cfg, 3, jnp.bfloat16))
     base = decode_logits(cfg, params, steps=5, b=3)
     assert np.isfinite(base).all() and np.abs(base).max() > 0
@@ -151,7 +151,7 @@ def test_cuda_lowering_drops_the_down_quantizer():
     (u8 [3, F/2], u8 [3, F/16], f32 [3]) and takes down's scale as an operand (batch 3: the
     persistent GEMV's rows for this small layer)."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
-                 num_layers=2)  # fmt: skip
+                 num_layers=2, gate_up_output="bf16")  # fmt: skip
     _, base = layer_launches(cfg, 3)
     names, body = layer_launches(dataclasses.replace(cfg, gate_up_output="nvfp4"), 3)
     launches = base.count("stablehlo.custom_call"), body.count("stablehlo.custom_call")
@@ -180,7 +180,7 @@ def test_cuda_lowering_drops_the_down_quantizer():
 )
 def test_gate_up_output_nvfp4_applies_only_where_it_can(change, batch):
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
-                 num_layers=2, **change)  # fmt: skip
+                 num_layers=2, gate_up_output="bf16", **change)  # fmt: skip
     plain, _ = layer_launches(cfg, batch)
     names, _ = layer_launches(dataclasses.replace(cfg, gate_up_output="nvfp4"), batch)
     assert names == plain

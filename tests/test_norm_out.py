@@ -269,7 +269,7 @@ def test_decoder_o_proj_output_nvfp4_is_bitwise_bf16_off_cuda():
     applies, and with gate_up_output "nvfp4" too) equal "bf16"'s bit for bit off CUDA, with
     static input scales on every linear."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
-                 num_layers=2, attention="flash-mma")  # fmt: skip
+                 num_layers=2, attention="flash-mma", gate_up_output="bf16")  # fmt: skip
     params = per_linear_scales(init_params(cfg, 3, jnp.bfloat16))
     base = decode_logits(cfg, params, steps=5, b=3)
     assert np.isfinite(base).all() and np.abs(base).max() > 0
@@ -284,7 +284,7 @@ def test_cuda_lowering_drops_the_gate_up_quantizer():
     "nvfp4" too three (7: the qkv quantizer, 4 GEMVs, rope_cache, attention); o_proj's GEMV
     returns y and gate_up's codes, scales and global scale."""
     cfg = Config(quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64,
-                 num_layers=2, attention="flash-mma")  # fmt: skip
+                 num_layers=2, attention="flash-mma", gate_up_output="bf16")  # fmt: skip
     base, _ = layer_launches(cfg, 3)
     assert len(base) == 10 and base.count("nvfp4_quantize_bf16") == 4
     two = dataclasses.replace(cfg, attention_output="nvfp4", o_proj_output="nvfp4")

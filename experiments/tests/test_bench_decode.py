@@ -21,6 +21,7 @@ def _args(**kw):
         "linear_fusion": [rconfig.Config.linear_fusion],
         "attention_output": [rconfig.Config.attention_output],
         "gate_up_output": [rconfig.Config.gate_up_output],
+        "o_proj_output": [rconfig.Config.o_proj_output],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -115,16 +116,24 @@ def test_variants_cross_attentions_and_attention_outputs(base):
     assert bf16 == ["bf16 attn=flash-mma", "bf16 attn=flash"]
 
 
-def test_variants_cross_gate_up_outputs_innermost(base):
-    go = rconfig.Config.gate_up_output
-    args = _args(attention_output=["bf16", "nvfp4"], gate_up_output=[go, "nvfp4"])
-    got = [(label, p.cfg.attention_output, p.cfg.gate_up_output)
+def test_variants_cross_gate_up_and_o_proj_outputs_innermost(base):
+    """gate_up_output ("nvfp4" by default: the other value labelled), then o_proj_output
+    ("bf16" by default) innermost."""
+    assert rconfig.Config.gate_up_output == "nvfp4" and rconfig.Config.o_proj_output == "bf16"
+    args = _args(attention_output=["bf16", "nvfp4"], gate_up_output=["nvfp4", "bf16"],
+                 o_proj_output=["bf16", "nvfp4"])  # fmt: skip
+    got = [(label, p.cfg.attention_output, p.cfg.gate_up_output, p.cfg.o_proj_output)
            for _, _, label, p in bd._variants(base, args, "nvfp4")]  # fmt: skip
+    pre = "head=bf16 prefetch=none"
     assert got == [
-        ("head=bf16 prefetch=none", "bf16", go),
-        ("head=bf16 prefetch=none go=nvfp4", "bf16", "nvfp4"),
-        ("head=bf16 prefetch=none ao=nvfp4", "nvfp4", go),
-        ("head=bf16 prefetch=none ao=nvfp4 go=nvfp4", "nvfp4", "nvfp4"),
+        (pre, "bf16", "nvfp4", "bf16"),
+        (f"{pre} oo=nvfp4", "bf16", "nvfp4", "nvfp4"),
+        (f"{pre} go=bf16", "bf16", "bf16", "bf16"),
+        (f"{pre} go=bf16 oo=nvfp4", "bf16", "bf16", "nvfp4"),
+        (f"{pre} ao=nvfp4", "nvfp4", "nvfp4", "bf16"),
+        (f"{pre} ao=nvfp4 oo=nvfp4", "nvfp4", "nvfp4", "nvfp4"),
+        (f"{pre} ao=nvfp4 go=bf16", "nvfp4", "bf16", "bf16"),
+        (f"{pre} ao=nvfp4 go=bf16 oo=nvfp4", "nvfp4", "bf16", "nvfp4"),
     ]
 
 
@@ -134,6 +143,7 @@ def test_bad_choices_are_refused_before_any_work(tmp_path):
         ("--attention", "flash-fast"),
         ("--attention-output", "fp4"),
         ("--gate-up-output", "fp8"),
+        ("--o-proj-output", "int4"),
         ("--gemm-occupancy", "full"),
         ("--command-buffer", "graph"),
         ("--decode-unroll", "0"),
