@@ -666,6 +666,27 @@ def linear_from_codes(
     return residual + y if residual is not None and not in_kernel else y
 
 
+def _codes_avals(m: int, k: int) -> tuple:
+    """Abstract values of an NVFP4 input of width K on M rows: codes, E4M3 scales, global
+    scale."""
+    return (
+        jax.core.ShapedArray((m, k // 2), jnp.uint8),
+        jax.core.ShapedArray((m, k // nvfp4.BLOCK), jnp.uint8),
+        jax.core.ShapedArray((m,), jnp.float32),
+    )
+
+
+def _jitted_primitive(name: str, abstract_eval) -> Primitive:
+    """A primitive with several results and `abstract_eval`, run through jit when called
+    outside a traced function."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_abstract_eval(abstract_eval)
+    jitted = functools.cache(lambda **params: jax.jit(functools.partial(prim.bind, **params)))
+    prim.def_impl(lambda *args, **params: jitted(**params)(*args))
+    return prim
+
+
 # ------------------------------------------------------------------ o_proj writing gate_up's input
 
 
@@ -697,24 +718,13 @@ def _norm_out_composed(xp, xs, xg, res, wp, ws, wg, layer, nw, xgn, *, n, k, gw_
     return (y, *_quant_p.bind(y, xgn, nw, layer, k=n, fused=out, kernel=quant))
 
 
-_norm_out_p = Primitive("rejax_nvfp4_linear_norm_out")
-_norm_out_p.multiple_results = True
-_norm_out_p.def_abstract_eval(
+_norm_out_p = _jitted_primitive(
+    "rejax_nvfp4_linear_norm_out",
     lambda xp, *_, n, **__: (
         jax.core.ShapedArray((xp.shape[0], n), jnp.bfloat16),
-        jax.core.ShapedArray((xp.shape[0], n // 2), jnp.uint8),
-        jax.core.ShapedArray((xp.shape[0], n // nvfp4.BLOCK), jnp.uint8),
-        jax.core.ShapedArray((xp.shape[0],), jnp.float32),
-    )
+        *_codes_avals(xp.shape[0], n),
+    ),
 )
-
-
-@functools.cache
-def _jitted_norm_out_bind(**params):
-    return jax.jit(functools.partial(_norm_out_p.bind, **params))
-
-
-_norm_out_p.def_impl(lambda *args, **params: _jitted_norm_out_bind(**params)(*args))
 
 
 def _norm_out_bind(impl, launch, options, gemm_options) -> dict:
@@ -896,23 +906,9 @@ def _swiglu_reference(x, xg, nw, wp, ws, wg, layer, xgd, *_pf, n, k, fused, down
     return _quant_reference(h, xgd, jnp.zeros((1,), jnp.bfloat16), layer, k=n // 2, fused=down)
 
 
-_swiglu_p = Primitive("rejax_nvfp4_gate_up_swiglu")
-_swiglu_p.multiple_results = True
-_swiglu_p.def_abstract_eval(
-    lambda x, *_, n, **__: (
-        jax.core.ShapedArray((x.shape[0], n // 4), jnp.uint8),
-        jax.core.ShapedArray((x.shape[0], n // 32), jnp.uint8),
-        jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    )
+_swiglu_p = _jitted_primitive(
+    "rejax_nvfp4_gate_up_swiglu", lambda x, *_, n, **__: _codes_avals(x.shape[0], n // 2)
 )
-
-
-@functools.cache
-def _jitted_swiglu_bind(**params):
-    return jax.jit(functools.partial(_swiglu_p.bind, **params))
-
-
-_swiglu_p.def_impl(lambda *args, **params: _jitted_swiglu_bind(**params)(*args))
 
 
 def _lower_swiglu_reference(ctx, *args, **params):
@@ -1124,23 +1120,9 @@ def _swiglu_codes_composed(xp, xs, xg, wp, ws, wg, layer, xgd, *, n, k, gw_rows,
     return tuple(_quant_p.bind(h, xgd, nw, layer, k=n // 2, fused=down, kernel=quant))
 
 
-_swiglu_codes_p = Primitive("rejax_nvfp4_gate_up_swiglu_codes")
-_swiglu_codes_p.multiple_results = True
-_swiglu_codes_p.def_abstract_eval(
-    lambda xp, *_, n, **__: (
-        jax.core.ShapedArray((xp.shape[0], n // 4), jnp.uint8),
-        jax.core.ShapedArray((xp.shape[0], n // 32), jnp.uint8),
-        jax.core.ShapedArray((xp.shape[0],), jnp.float32),
-    )
+_swiglu_codes_p = _jitted_primitive(
+    "rejax_nvfp4_gate_up_swiglu_codes", lambda xp, *_, n, **__: _codes_avals(xp.shape[0], n // 2)
 )
-
-
-@functools.cache
-def _jitted_swiglu_codes_bind(**params):
-    return jax.jit(functools.partial(_swiglu_codes_p.bind, **params))
-
-
-_swiglu_codes_p.def_impl(lambda *args, **params: _jitted_swiglu_codes_bind(**params)(*args))
 
 
 def _lower_swiglu_codes_reference(ctx, *args, n, k, gw_rows, down, impl, launch, options,
