@@ -42,8 +42,11 @@ quantizer launch in front of it goes: `linear_from_codes` (the plain W4A4 GEMV, 
 residual, on given codes, scales and global scale: o_proj after
 `rejax.ops.decode_attention.decode_attention_nvfp4`, down_proj after the next) and
 `fused_linear_swiglu` (gate_up_proj with the RMSNorm prologue whose GEMV's SwiGLU epilogue
-writes down_proj's NVFP4 input; the same bytes as the "split" path's quantizer). The decoder
-takes them under `Config.attention_output` / `Config.gate_up_output` "nvfp4".
+writes down_proj's NVFP4 input; the same bytes as the "split" path's quantizer). Two more
+serve `Config.o_proj_output` "nvfp4": `linear_norm_out` (o_proj's residual GEMV whose last CTA
+also writes gate_up's NVFP4 input, the quantizer kernel's bytes of rms_norm(y)) and
+`linear_swiglu_from_codes` (`fused_linear_swiglu` on given codes). The decoder takes them under
+`Config.attention_output` / `Config.gate_up_output` / `Config.o_proj_output` "nvfp4".
 """
 
 from __future__ import annotations
