@@ -562,6 +562,18 @@ def takes_codes(m: int, params: dict, gemm_options=nvfp4_gemm.DEFAULT_OPTIONS) -
     return kind == "gemv" and ok
 
 
+def _w4a4_weight(op: str, params: dict, layer) -> Nvfp4Tensor:
+    """The weight of W4A4 `params` for `op`, checked: fusable, and stacked exactly when a layer
+    is given."""
+    if not fusable(params, "nvfp4"):
+        raise ValueError(
+            f"{op} needs W4A4 NVFP4 params without a bias (see fusable); got keys {sorted(params)}"
+        )
+    w: Nvfp4Tensor = params["weight"]
+    _check_stack(w, layer)
+    return w
+
+
 def _check_stack(w: Nvfp4Tensor, layer) -> None:
     if len(w.stack) > 1 or (w.stack and layer is None) or (not w.stack and layer is not None):
         raise ValueError(f"w stack {w.stack} with layer={layer!r}: pass layer= for a stack only")
@@ -629,13 +641,7 @@ def linear_from_codes(
     Returns:
         bf16 [M, N].
     """
-    if not fusable(params, "nvfp4"):
-        raise ValueError(
-            "linear_from_codes needs W4A4 NVFP4 params without a bias (see fusable); got keys "
-            f"{sorted(params)}"
-        )
-    w: Nvfp4Tensor = params["weight"]
-    _check_stack(w, layer)
+    w = _w4a4_weight("linear_from_codes", params, layer)
     n, k = w.shape
     m = _check_codes(xp, xs, xg, k)
     if residual is not None and (
@@ -825,13 +831,7 @@ def linear_norm_out(
         (y bf16 [M, N], (codes uint8 [M, N/2], scales uint8 [M, N/16], global scale f32 [M])).
     """
     _dispatch.check_impl(impl)
-    if not fusable(params, "nvfp4"):
-        raise ValueError(
-            "linear_norm_out needs W4A4 NVFP4 params without a bias (see fusable); got keys "
-            f"{sorted(params)}"
-        )
-    w: Nvfp4Tensor = params["weight"]
-    _check_stack(w, layer)
+    w = _w4a4_weight("linear_norm_out", params, layer)
     n, k = w.shape
     m = _check_codes(xp, xs, xg, k)
     if tuple(np.shape(residual)) != (m, n) or np.dtype(residual.dtype) != np.dtype(jnp.bfloat16):
@@ -1060,13 +1060,7 @@ def fused_linear_swiglu(
         (codes uint8 [M, F/2], E4M3 scales uint8 [M, F/16], global scale float32 [M]).
     """
     _dispatch.check_impl(impl)
-    if not fusable(params, "nvfp4"):
-        raise ValueError(
-            "fused_linear_swiglu needs W4A4 NVFP4 params without a bias (see fusable); got keys "
-            f"{sorted(params)}"
-        )
-    w: Nvfp4Tensor = params["weight"]
-    _check_stack(w, layer)
+    w = _w4a4_weight("fused_linear_swiglu", params, layer)
     n, k = w.shape
     if n % 32:
         raise ValueError(f"gate_up N={n} must be 2F with F a multiple of 16 (NVFP4 blocks)")
@@ -1200,13 +1194,7 @@ def linear_swiglu_from_codes(
         (codes uint8 [M, F/2], E4M3 scales uint8 [M, F/16], global scale float32 [M]).
     """
     _dispatch.check_impl(impl)
-    if not fusable(params, "nvfp4"):
-        raise ValueError(
-            "linear_swiglu_from_codes needs W4A4 NVFP4 params without a bias (see fusable); got "
-            f"keys {sorted(params)}"
-        )
-    w: Nvfp4Tensor = params["weight"]
-    _check_stack(w, layer)
+    w = _w4a4_weight("linear_swiglu_from_codes", params, layer)
     n, k = w.shape
     if n % 32:
         raise ValueError(f"gate_up N={n} must be 2F with F a multiple of 16 (NVFP4 blocks)")
