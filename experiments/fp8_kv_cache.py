@@ -290,13 +290,13 @@ def main(argv=None) -> dict:
             continue
         params = rejax.load(TINY_MODEL, quant=quant)
         prompts = [encode_prompt(params, p["problem"], chat=True) for p in problems]
-        out = rejax.generate(params, prompts, max_new_tokens=args.max_new_tokens, sampler=Greedy())
-        total = sum(len(t) for t in out.tokens)
+        gen = rejax.generate(params, prompts, max_new_tokens=args.max_new_tokens, sampler=Greedy())
+        total = sum(len(t) for t in gen.tokens)
         if total < args.min_tokens:
             raise SystemExit(f"{total} generated tokens < --min-tokens {args.min_tokens}")
-        result["logits"][quant], _ = logit_effect(params, prompts, out.tokens)
+        result["logits"][quant], _ = logit_effect(params, prompts, gen.tokens)
         result["free_running"][quant] = free_running(
-            params, prompts, args.max_new_tokens, out.tokens
+            params, prompts, args.max_new_tokens, gen.tokens
         )
         print(quant, result["logits"][quant], result["free_running"][quant], flush=True)
         _write(out, result)  # a partial result survives a timeout (--resume)

@@ -16,12 +16,17 @@
 #             "flash-mma" against "live" (test_decode_attention_cuda_gpu.py,
 #             test_fused_linear_gpu.py)
 #   sanitize  compute-sanitizer memcheck and racecheck of the three kernels (their tests'
-#             small cases)
+#             small cases), the six runs at once (one after another they take about 6 x 130 s,
+#             more than a device call)
 #   decode    the 36-layer decode loop at batch 1 and 8, 1024 new tokens, 3 repeats, one
 #             process, the same weights, bf16 and NVFP4: attention "live" and "flash-mma" with
 #             attention_output "nvfp4", each with gate_up_output x o_proj_output in bf16 /
 #             nvfp4 (under "live" neither attention_output nor o_proj_output applies: those
 #             pairs are A/A, the run's noise) (bench_decode.py)
+#   accept    [T2-B]'s acceptance run with today's defaults: the 36-layer decode loop at batch 1,
+#             1024 new tokens, 3 repeats, bf16 and NVFP4 in one process with the breakdown and
+#             the copy ceiling (bench_decode.py), then the kernels a layer launches
+#             (count_kernels.py, 4 layers, batch 1 and 8)
 #   pdl       experiments/pdl_probe.py: what programmatic dependent launch would hide per GEMV
 #             launch (a CUDA graph of 36 layers x 4 GEMVs, about a minute); GIT_SHA names the
 #             commit in its JSON (the device copy's .git may hold the session's first commit)
@@ -29,14 +34,14 @@
 # (producer_quant_STEPS.tgz; a device call brings back at most 8 files).
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: tests sanitize decode pdl)" >&2
+  echo "usage: $0 OUT STEP... (steps: tests sanitize decode accept pdl)" >&2
   exit 2
 fi
 out=$1
 shift
 for step in "$@"; do
-  case $step in tests | sanitize | decode | pdl) ;; *)
-    echo "unknown step '$step': expected tests, sanitize, decode or pdl" >&2
+  case $step in tests | sanitize | decode | accept | pdl) ;; *)
+    echo "unknown step '$step': expected tests, sanitize, decode, accept or pdl" >&2
     exit 2
     ;;
   esac
@@ -61,19 +66,25 @@ for step in "$@"; do
     grep -E "passed|failed|FAILED|Error" "$x/tests.log" | tail -15 | tee -a "$log"
     ;;
   sanitize)
+    pids=()
+    names=()
     for tool in memcheck racecheck; do
       for pair in "rejax_flash_decode:$attn:nvfp4_output and 2-600" \
         "nvfp4_gemv_w4a4:$lin:swiglu_epilogue and 512-768" \
         "nvfp4_gemv_w4a4:$lin:norm_out_tail and 1024-512"; do
         IFS=: read -r kern file sel <<< "$pair"
-        t0=$(date +%s)
-        timeout 130 compute-sanitizer --tool $tool --kernel-name kns=$kern --print-limit 20 \
-          python3 -m pytest $file -p no:cacheprovider -q -k "$sel" \
-          > "$x/sanitize_${tool}_$kern.log" 2>&1
-        stamp "sanitize $tool $kern" $? $t0
-        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" \
-          "$x/sanitize_${tool}_$kern.log" | head -6 | tee -a "$log"
+        name=sanitize_${tool}_${kern}_$(echo "$sel" | awk '{print $1}')
+        timeout 300 compute-sanitizer --tool $tool --kernel-name kns=$kern --print-limit 20 \
+          python3 -m pytest $file -p no:cacheprovider -q -k "$sel" > "$x/$name.log" 2>&1 &
+        pids+=($!)
+        names+=("$name")
       done
+    done
+    for i in "${!pids[@]}"; do
+      wait "${pids[$i]}"
+      stamp "${names[$i]}" $? $t0
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|passed|failed" "$x/${names[$i]}.log" \
+        | head -6 | tee -a "$log"
     done
     ;;
   decode)
@@ -83,6 +94,17 @@ for step in "$@"; do
       --out "$x/decode.json" > "$x/decode.log" 2>&1
     stamp decode $? $t0
     grep -E "ms/token|Error|error" "$x/decode.log" | tail -20 | tee -a "$log"
+    ;;
+  accept)
+    timeout 420 python3 experiments/bench_decode.py --modes bf16 nvfp4 --batch 1 \
+      --gen-len 1024 --repeats 3 --out "$x/accept.json" > "$x/accept.log" 2>&1
+    stamp accept $? $t0
+    grep -E "ms/token|Error|error" "$x/accept.log" | tail -20 | tee -a "$log"
+    t0=$(date +%s)
+    timeout 150 python3 experiments/count_kernels.py --layers 4 --batch 1 8 \
+      --out "$x/count_kernels.json" > "$x/count_kernels.log" 2>&1
+    stamp count $? $t0
+    tail -12 "$x/count_kernels.log" | tee -a "$log"
     ;;
   pdl)
     timeout 300 python3 experiments/pdl_probe.py --git-sha "${GIT_SHA:-$(git rev-parse HEAD)}" \
