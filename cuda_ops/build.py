@@ -18,6 +18,7 @@ import tempfile
 
 CACHE_ENV = "REJAX_KERNEL_CACHE"
 DEFAULT_ARCH = "compute_90"
+DEFAULT_SMS = 132  # the H200's (and H100 SXM's) SMs: launch plans lowered without a GPU
 # Hopper is the oldest arch with cvt.rn.f16x2.e4m3x2 (sm_89) and the cache hints we use.
 MIN_CC = (8, 9)
 SOURCE_DIR = pathlib.Path(__file__).resolve().parent
@@ -88,6 +89,24 @@ def device_arch(device=None) -> str:
             f">= {MIN_CC[0]}.{MIN_CC[1]} (E4M3 converts); use impl='ref'"
         )
     return f"compute_{major}{minor}"
+
+
+def device_sms(device=None) -> int:
+    """Streaming multiprocessors of a JAX CUDA device (default: the first; a MIG instance
+    reports its own), or `DEFAULT_SMS` with none. Launch plans that need every CTA resident at
+    once (the grid sampler's barriers) must be sized by it, not by a constant."""
+    if device is None:
+        try:
+            import jax
+
+            devices = jax.devices("cuda")
+        except RuntimeError:
+            return DEFAULT_SMS
+        if not devices:
+            return DEFAULT_SMS
+        device = devices[0]
+    count = getattr(device, "core_count", None)
+    return int(count) if count else DEFAULT_SMS
 
 
 def cache_dir() -> pathlib.Path:

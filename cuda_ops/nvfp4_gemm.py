@@ -16,21 +16,21 @@ import pathlib
 import threading
 
 from cuda_ops.build import (
+    DEFAULT_SMS,
     KernelError,
     compile_ptx,
     device_arch,
+    device_sms,
     escape_mlir,
     ptx_backend_config,
     ptx_entries,
     read_source,
 )
 from cuda_ops.nvfp4_gemv import (
-    DEFAULT_SMS,
     SMEM_LIMIT,
     _cdiv,
     _device_ptr,
     _drv_check,
-    _num_sms,
 )
 
 __all__ = [
@@ -600,7 +600,7 @@ def build(
     if not isinstance(residual, bool):
         raise KernelError(f"residual={residual!r}, expected a bool")
     arch = arch or device_arch()
-    return _build_cached(m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), residual)
+    return _build_cached(m, n, k, arch, num_sms or device_sms(), options, bool(gw_rows), residual)
 
 
 def prebuild(
@@ -618,7 +618,7 @@ def prebuild(
     import os
 
     arch = arch or device_arch()
-    num_sms = _num_sms()
+    num_sms = device_sms()
     keys = []
     for prob in problems:
         options = prob.get("options", DEFAULT_OPTIONS)

@@ -15,9 +15,11 @@ import threading
 import numpy as np
 
 from cuda_ops.build import (
+    DEFAULT_SMS,
     KernelError,
     compile_ptx,
     device_arch,
+    device_sms,
     escape_mlir,
     ptx_backend_config,
     ptx_entries,
@@ -44,7 +46,6 @@ MAX_M = 8
 K_MULTIPLE = 256
 SMEM_LIMIT = 227 * 1024  # per-block opt-in limit on sm_90 (sm_89: 99 KiB, checked at build)
 SM_SMEM = 228 * 1024  # shared memory of one sm_90 SM (each resident CTA also reserves 1 KiB)
-DEFAULT_SMS = 132  # H200; used when lowering without a GPU
 # "w4a4x": W4A4 with bf16 activations quantized inside the kernel (plus a `Fused` prologue /
 # epilogue)
 ENTRY = {"w4a4": "nvfp4_gemv_w4a4", "w4a16": "nvfp4_gemv_w4a16", "w4a4x": "nvfp4_gemv_w4a4_bf16"}
@@ -660,17 +661,6 @@ _KEEP: list = []
 # ----------------------------------------------------------------------------- build
 
 
-def _num_sms() -> int:
-    try:
-        import jax
-
-        dev = jax.devices("cuda")[0]
-    except (RuntimeError, IndexError):
-        return DEFAULT_SMS
-    count = getattr(dev, "core_count", None)
-    return int(count) if count else DEFAULT_SMS
-
-
 def _compile_job(
     act: str,
     m: int,
@@ -775,7 +765,7 @@ def prebuild(
     import os
 
     arch = arch or device_arch()
-    num_sms = num_sms or _num_sms()
+    num_sms = num_sms or device_sms()
     keys = []
     for prob in problems:
         ok, why = check_shape(prob["act"], prob["m"], prob["n"], prob["k"])
@@ -859,7 +849,7 @@ def build(
     _check_norm_out(act, n, residual, swiglu_out, norm_out)
     arch = arch or device_arch()
     return _build_cached(
-        act, m, n, k, arch, num_sms or _num_sms(), options, bool(gw_rows), fused, bool(residual),
+        act, m, n, k, arch, num_sms or device_sms(), options, bool(gw_rows), fused, bool(residual),
         prefetch, swiglu_out, norm_out,
     )  # fmt: skip
 

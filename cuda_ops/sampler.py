@@ -36,9 +36,11 @@ import dataclasses
 import functools
 
 from cuda_ops.build import (
+    DEFAULT_SMS,
     KernelError,
     compile_ptx,
     device_arch,
+    device_sms,
     escape_mlir,
     ptx_backend_config,
     read_source,
@@ -80,7 +82,9 @@ VARIANTS = ("split", "cluster", "merge", "reject", "grid")
 CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
 CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
-SMS = 132  # the H200's SMs
+# Plans take the device's SMs (`build`: cuda_ops.build.device_sms; DEFAULT_SMS, the H200's 132,
+# without a GPU): the grid kernel's barriers need every CTA of a row resident, which a constant
+# SM count would not keep on a device with fewer SMs (a MIG instance, H100 PCIe).
 # The cluster kernel is built for 64 registers a thread, so 1024 / threads CTAs fit an SM (its
 # 33 KB of shared memory allows 6): 1024 threads while every CTA can have an SM of its own
 # (B <= 16), 512 while all rows fit one wave at 2 CTAs per SM (B <= 33), else 256 (4 per SM,
@@ -94,13 +98,13 @@ MAX_BATCH = 1024  # module-global scratch is sized by the batch: 16 KiB + 16 B *
 MAX_VOCAB = 1 << 24
 # The grid kernel: GRID_THREADS threads and at most 64 registers a thread (launch bounds), so
 # GRID_CTAS_PER_SM CTAs fit an SM; a row's CTAs wait for each other at barriers, so the plan keeps
-# every CTA of the launch resident whenever a row has more than one (B x GRID <= SMS x that).
+# every CTA of the launch resident whenever a row has more than one (B x GRID <= SMs x that).
 GRID_THREADS = 256
 GRID_CTAS_PER_SM = 4
 GRID_TOPK_CTAS_PER_SM = 2  # with top-k: 33 KB of shared memory a CTA (the list, topk_draw's)
 GRID_MIN_TOKENS = 4  # tokens a thread at least (one float4): the CTAs of a row at small batch
 GRID_TAU_MAX_K = 64  # sampler.cu TAU_K_MAX: a larger top-k selects over every live token
-RESIDENT_BLOCKS = 528  # 132 SMs x 4 blocks of 512 threads (the H200); the grid targets one wave
+SPLIT_BLOCKS_PER_SM = 4  # "split" / "merge": 4 blocks of 512 threads an SM, one wave of them
 MAX_CHUNKS = 128
 
 
@@ -183,8 +187,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split", window: int = 0) -> Plan:
-    """ "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
+def plan(
+    batch: int,
+    vocab: int,
+    top_k: int = 0,
+    variant: str = "split",
+    window: int = 0,
+    sms: int = DEFAULT_SMS,
+) -> Plan:
+    """The launch plan on a device of `sms` SMs.
+    "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
     per row.
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
     CLUSTER).
@@ -197,14 +209,14 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split", window:
                          f"without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
     if variant == "grid":
         ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
-        chunks, chunk = grid_plan(batch, vocab, ctas_per_sm=ctas)
+        chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=ctas)
         return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k,
                     threads=GRID_THREADS, variant=variant, window=window)  # fmt: skip
     if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
-                    threads=cluster_threads(batch), variant=variant)  # fmt: skip
-    chunks = max(4, min(MAX_CHUNKS, RESIDENT_BLOCKS // batch))
+                    threads=cluster_threads(batch, sms), variant=variant)  # fmt: skip
+    chunks = max(4, min(MAX_CHUNKS, sms * SPLIT_BLOCKS_PER_SM // batch))
     chunks = min(chunks, vocab)
     chunk = _cdiv(_cdiv(vocab, chunks), 4) * 4  # a multiple of 4 (the histogram's float4 loads)
     chunks = _cdiv(vocab, chunk)  # no empty trailing chunk
@@ -212,7 +224,7 @@ def plan(batch: int, vocab: int, top_k: int = 0, variant: str = "split", window:
 
 
 def grid_plan(
-    batch: int, vocab: int, sms: int = SMS, ctas_per_sm: int = GRID_CTAS_PER_SM
+    batch: int, vocab: int, sms: int = DEFAULT_SMS, ctas_per_sm: int = GRID_CTAS_PER_SM
 ) -> tuple[int, int]:
     """(CTAs per row, chunk length) of the grid kernel: a chunk of at least `GRID_MIN_TOKENS`
     tokens a thread, at most `GRID_THREADS` CTAs a row (one partial per thread in the
@@ -224,10 +236,10 @@ def grid_plan(
     return _cdiv(vocab, chunk), chunk  # no empty trailing chunk
 
 
-def cluster_threads(batch: int) -> int:
-    """Threads per CTA of the cluster kernel for B rows (CLUSTER_REGS' comment)."""
+def cluster_threads(batch: int, sms: int = DEFAULT_SMS) -> int:
+    """Threads per CTA of the cluster kernel for B rows on `sms` SMs (CLUSTER_REGS' comment)."""
     ctas = batch * CLUSTER
-    return 1024 if ctas <= SMS else 512 if ctas <= 2 * SMS else 256
+    return 1024 if ctas <= sms else 512 if ctas <= 2 * sms else 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -256,9 +268,9 @@ class SamplerKernel:
 
 @functools.cache
 def _build_cached(
-    batch: int, vocab: int, top_k: int, variant: str, arch: str, window: int = 0
+    batch: int, vocab: int, top_k: int, variant: str, arch: str, window: int, sms: int
 ) -> SamplerKernel:
-    p = plan(batch, vocab, top_k, variant, window)
+    p = plan(batch, vocab, top_k, variant, window, sms)
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=p.defines(), arch=arch)
     return SamplerKernel(plan=p, ptx=ptx)
 
@@ -271,10 +283,12 @@ def build(
     variant: str = "split",
     arch: str | None = None,
     window: int = 0,
+    sms: int | None = None,
 ) -> SamplerKernel:
     """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits
     (top_k > 0: top-k before top-p) of one of `VARIANTS` ("grid" with `window` > 0: with
-    ReSET's state update for a ring of `window` entropies).
+    ReSET's state update for a ring of `window` entropies), for a device of `sms` SMs (None:
+    the first CUDA device's, `DEFAULT_SMS` without one).
 
     Raises KernelError when NVRTC is missing or the shape is unsupported, ValueError for an
     unknown variant.
@@ -285,4 +299,7 @@ def build(
         raise KernelError(f"unsupported shape: {why}")
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window={window!r}, expected an int >= 0")
-    return _build_cached(batch, vocab, top_k, variant, arch or device_arch(), int(window))
+    sms = device_sms() if sms is None else sms
+    if not isinstance(sms, int) or sms < 1:
+        raise ValueError(f"sms={sms!r}, expected a positive int (the device's SMs)")
+    return _build_cached(batch, vocab, top_k, variant, arch or device_arch(), int(window), sms)

@@ -389,13 +389,13 @@ def time_read_floor_graph(torch, weights, grid_per_sm=4, threads=512):
 
     from cuda.bindings import driver
 
-    from cuda_ops.build import compile_ptx, device_arch
-    from cuda_ops.nvfp4_gemv import _drv_check, _num_sms
+    from cuda_ops.build import compile_ptx, device_arch, device_sms
+    from cuda_ops.nvfp4_gemv import _drv_check
 
     ptx = compile_ptx(READ_FLOOR_SRC, name="read_floor.cu", arch=device_arch())
     module = _drv_check(driver.cuModuleLoadData(ptx.encode() + b"\0"), "cuModuleLoadData")
     fn = _drv_check(driver.cuModuleGetFunction(module, b"read_floor"), "cuModuleGetFunction")
-    grid = _num_sms() * grid_per_sm
+    grid = device_sms() * grid_per_sm
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def mk(wp, ws):

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from test_sampling import _assert_draws_match
 
+from cuda_ops.build import device_sms
 from rejax import sampling
 from rejax.ops import sampler as op
 from rejax.sampling import ReSET, Temperature, sample, sampler_init
@@ -121,7 +122,7 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k, variant):
     tok, _, info = _run(smp, z, keys, variant=variant)
     data = np.asarray(jax.random.key_data(keys))
     agree, paths = 0, set()
-    plan = op.kernels.plan(b, V, top_k, variant=variant)
+    plan = op.kernels.plan(b, V, top_k, variant=variant, sms=device_sms())  # the build's plan
     chunks = plan.chunks
     prune = "bound" if plan.variant in (*op.kernels.CLUSTER_VARIANTS, "grid") else True
     for i in range(b):
@@ -419,7 +420,7 @@ def test_grid_variant_small_and_odd_vocabularies_and_masked_rows(v):
     z[1, : v - 3] = -np.inf  # three live tokens
     keys = jax.random.split(jax.random.key(v), b)
     data = np.asarray(jax.random.key_data(keys))
-    chunks = op.kernels.plan(b, v, 0, variant="grid").chunks
+    chunks = op.kernels.plan(b, v, 0, variant="grid", sms=device_sms()).chunks
     differ = []
     for t, top_p in [(1.0, 0.9), (0.6, 1.0), (1.0, 0.3)]:
         smp = Temperature(top_p_method="kernel", t=t, top_p=top_p)

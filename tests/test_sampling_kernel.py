@@ -136,19 +136,37 @@ def test_cuda_lowering_grid_variant(b):
 
 @pytest.mark.parametrize("b", [1, 2, 7, 8, 33, 64, 65, 132, 528, 529, 1024])
 @pytest.mark.parametrize("v", [10, 4099, 151936])
-def test_grid_plan_covers_the_row_and_keeps_every_cta_resident(b, v):
+@pytest.mark.parametrize("sms", [kernels.DEFAULT_SMS, 114, 16, 1])  # H200, H100 PCIe, MIG 1g
+def test_grid_plan_covers_the_row_and_keeps_every_cta_resident(b, v, sms):
     # a row's CTAs wait for each other at barriers: with more than one a row, all B x GRID CTAs
-    # must be resident at once (GRID_CTAS_PER_SM per SM; with top-k GRID_TOPK_CTAS_PER_SM); one
-    # partial per thread in the combines
+    # must be resident at once on the device's SMs (GRID_CTAS_PER_SM per SM; with top-k
+    # GRID_TOPK_CTAS_PER_SM); one partial per thread in the combines
     for top_k, ctas in [(0, kernels.GRID_CTAS_PER_SM), (20, kernels.GRID_TOPK_CTAS_PER_SM)]:
-        grid, chunk = kernels.grid_plan(b, v, ctas_per_sm=ctas)
+        grid, chunk = kernels.grid_plan(b, v, sms, ctas_per_sm=ctas)
         assert 1 <= grid <= kernels.GRID_THREADS and chunk % 4 == 0
         assert grid * chunk >= v > (grid - 1) * chunk  # every token, no empty chunk
         if grid > 1:
-            assert b * grid <= kernels.SMS * ctas
-        d = kernels.plan(b, v, min(top_k, v), "grid").defines()
+            assert b * grid <= sms * ctas
+        d = kernels.plan(b, v, min(top_k, v), "grid", sms=sms).defines()
         assert (d["GRIDSYNC"], d["GRID"], d["MIN_CTAS"], d["CH"], d["NTHREADS"]) == (
             1, grid, ctas, chunk, kernels.GRID_THREADS)  # fmt: skip
+
+
+def test_grid_launch_is_planned_for_the_devices_sms(monkeypatch):
+    # the lowering plans the grid kernel for the device it runs on: on 16 SMs (a MIG slice) one
+    # row gets at most 16 x GRID_CTAS_PER_SM CTAs, all resident (132 SMs' 149 would wait at the
+    # first barrier for CTAs that never start); the kernel cache keeps the two builds apart
+    pytest.importorskip("cuda.bindings.nvrtc")
+    b, v = 1, 151936
+    big = kernels.build(b, v, variant="grid", arch="compute_90", sms=kernels.DEFAULT_SMS)
+    small = kernels.build(b, v, variant="grid", arch="compute_90", sms=16)
+    assert big.plan.chunks > 16 * kernels.GRID_CTAS_PER_SM >= small.plan.chunks > 1
+    monkeypatch.setattr(kernels, "device_sms", lambda: 16)
+    (cfg,) = _backend_configs(_lower_cuda_variant(Temperature(0.6, top_p=0.9), b, v, "grid"))
+    assert (cfg["grid_x"], cfg["grid_y"]) == (small.plan.chunks, b)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match="sms="):
+            kernels.build(b, v, variant="grid", arch="compute_90", sms=bad)
 
 
 @pytest.mark.parametrize("top_k", [0, 20])
