@@ -1,0 +1,286 @@
+"""EXPERIMENT (device): the TMA-streamed batch-1 NVFP4 W4A4 GEMV
+(experiments/kernels/nvfp4_gemv_tma.cu) checked against production and float64, and timed
+against production's M = 1 GEMV and the plain read floor. From the repository root:
+
+    PYTHONPATH=. python3 experiments/kernels/check_gemv_tma.py --out $OUT/gemv_tma.json
+
+1. Per Qwen3-8B layer shape (N x K = 6144x4096, 4096x4096, 24576x4096, 4096x12288) and per
+   variant (`VARIANTS`: stage size and count, CTAs per SM, rows a stage, an L2 evict_first
+   policy, and the NOMATH diagnostic), builds the kernel (NVRTC) and production's plain W4A4
+   GEMV at M = 1 (its default plan, cuda_ops.nvfp4_gemv.build).
+2. Runs each on random NVFP4 operands (uniform codes, E4M3 block scales 0.125 .. 240 as the
+   GPU tests use) into NaN-poisoned outputs, twice (bitwise repeatable), and compares with the
+   float64 product of the same dequantized operands (relative error <= 1.5 x that of float64
+   merely rounded to bf16, + 1e-6: the GPU tests' bound) and with production (relative
+   difference and the fraction of bitwise-equal bf16 outputs: only the fp32 summation order
+   differs). NOMATH computes nothing and is only timed.
+3. Times each kernel alone: one CUDA graph of direct launches over enough weight copies to read
+   > 256 MiB (experiments/bench_kernel.py's rotation), CUDA events, median of 25 replays after
+   warm-up; and the plain read floor of the same bytes at 4 and 1 CTAs of 512 threads per SM
+   (bench_kernel.time_read_floor_graph), the device copy bandwidth once.
+4. Writes one JSON to --out (versions, git sha from --git-sha, plans, offline ptxas registers
+   and spills, the driver's registers, rows, timings and a summary: per shape and variant the
+   time against production's) and exits 1 if a correctness check failed (after writing it).
+
+The CPU-only parts (`problems`, the plans) import without a GPU: experiments/tests/
+test_gemv_tma.py compiles every planned kernel with NVRTC and ptxas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from cuda_ops.build import KernelError
+from experiments.kernels import nvfp4_gemv_tma as tma
+
+# name -> nvfp4_gemv_tma.plan keyword options
+VARIANTS = {
+    "tma": {},  # 1024-byte row chunks, 6 stages (110 KB of weights in flight a CTA)
+    "tma_s8": {"stages": 8},
+    "tma_k2048_s4": {"kch": 2048, "stages": 4},
+    "tma_c2_s4": {"ctas": 2, "stages": 4},  # two CTAs an SM, 74 KB in flight each
+    "tma_w8_s12": {"warps": 8, "stages": 12},  # 8 rows a stage: finer row groups
+    "tma_ef": {"ef": True},
+    "tma_nomath": {"nomath": True},  # diagnostic: the stream alone
+}
+TIMED_ONLY = ("tma_nomath",)
+LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+SCALES = (0x20, 0x78)  # E4M3 bytes 0.125 .. 240
+
+
+def problems(shapes=tma.QWEN3_8B_SHAPES, variants=tuple(VARIANTS)) -> list:
+    """Every (variant, plan) the check builds. CPU only; raises for a plan that cannot run."""
+    return [(v, tma.plan(n, k, **VARIANTS[v])) for n, k in shapes for v in variants]
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) % 2**31
+
+
+def _write(path, result) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+class _Buf:
+    """A torch tensor as bench_kernel's read floor takes it (a pointer and an element count)."""
+
+    def __init__(self, t):
+        self.t, self.size = t, t.numel()
+
+    def unsafe_buffer_pointer(self) -> int:
+        return self.t.data_ptr()
+
+
+def _values64(torch, lut, p, s):
+    """codes [R, K/2] and scale bytes [R, K/16] (uint8 torch, GPU) -> e2m1 * SF float64 [R, K]."""
+    pt = p.long()
+    codes = torch.stack([pt & 15, pt >> 4], -1).reshape(p.shape[0], -1)
+    v = lut[codes].reshape(p.shape[0], -1, 16)
+    return (v * s.view(torch.float8_e4m3fn).double()[..., None]).reshape(p.shape[0], -1)
+
+
+def check_shape(torch, bk, n, k, variants, time_it: bool) -> tuple[list, list, list]:
+    """Correctness rows, timing rows and failures of every variant at (N, K)."""
+    from cuda_ops import nvfp4_gemv
+
+    dev = "cuda"
+    rng = np.random.default_rng(_seed(n, k))
+    nbytes = n * k // 2 + n * k // 16
+    copies = bk._copies(nbytes) if time_it else 1
+    g = torch.Generator(device=dev).manual_seed(_seed(n, k, "w"))
+    wps = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=g)
+           for _ in range(copies)]  # fmt: skip
+    wss = [torch.randint(*SCALES, (n, k // 16), dtype=torch.uint8, device=dev, generator=g)
+           for _ in range(copies)]  # fmt: skip
+    wg = torch.tensor([rng.random() * 1e-3 + 1e-4], dtype=torch.float32, device=dev)
+    xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
+    xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
+    xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+    layer0 = torch.zeros((), dtype=torch.int32, device=dev)
+    lut = torch.tensor(LUT, dtype=torch.float64, device=dev)
+    x64 = _values64(torch, lut, xp[None], xs[None])[0] * float(xg)
+    y64 = torch.zeros(n, dtype=torch.float64, device=dev)
+    for r0 in range(0, n, 2048):  # float64 weights in row blocks (24576 x 4096 at once: 800 MB)
+        w64 = _values64(torch, lut, wps[0][r0 : r0 + 2048], wss[0][r0 : r0 + 2048])
+        y64[r0 : r0 + 2048] = w64 @ x64 * float(wg)
+    floor = float(torch.linalg.norm(y64.to(torch.bfloat16).double() - y64) / torch.linalg.norm(y64))
+    bound = 1.5 * floor + 1e-6
+    stream = torch.cuda.current_stream().cuda_stream
+
+    prod = nvfp4_gemv.build("w4a4", 1, n, k)
+
+    def prod_ptrs(i, y):
+        return [xp.data_ptr(), xs.data_ptr(), xg.data_ptr(), wps[i].data_ptr(),
+                wss[i].data_ptr(), wg.data_ptr(), layer0.data_ptr(), y.data_ptr()]  # fmt: skip
+
+    def tma_ptrs(i, y):
+        return [xp.data_ptr(), xs.data_ptr(), xg.data_ptr(), wps[i].data_ptr(),
+                wss[i].data_ptr(), wg.data_ptr(), y.data_ptr()]  # fmt: skip
+
+    def run(launch, ptrs):
+        y = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=dev)
+        launch(stream, ptrs(0, y))
+        torch.cuda.synchronize()
+        return y
+
+    def rel(a, b):
+        return float(torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double()))
+
+    rows, timing, failures = [], [], []
+    y_prod = run(prod.launch, prod_ptrs)
+    rows.append({"n": n, "k": k, "variant": "production", "plan": str(prod.plan),
+                 "rel_err": rel(y_prod, y64), "bound": bound})  # fmt: skip
+    for v in variants:
+        kern = tma.build(n, k, **VARIANTS[v])
+        row = {"n": n, "k": k, "variant": v, "grid": kern.plan.grid, "smem": kern.plan.smem,
+               "in_flight": kern.plan.in_flight}  # fmt: skip
+        try:
+            row["driver"] = kern.attributes()
+            if v not in TIMED_ONLY:
+                y1, y2 = run(kern.launch, tma_ptrs), run(kern.launch, tma_ptrs)
+                row["written"] = bool(torch.isfinite(y1).all())
+                row["repeatable"] = bool((y1.view(torch.int16) == y2.view(torch.int16)).all())
+                row["rel_err"] = rel(y1, y64)
+                row["bound"] = bound
+                row["vs_production_rel"] = rel(y1, y_prod)
+                row["vs_production_bitwise"] = float(
+                    (y1.view(torch.int16) == y_prod.view(torch.int16)).double().mean()
+                )
+                ok = row["written"] and row["repeatable"] and row["rel_err"] <= bound
+                row["ok"] = ok
+                if not ok:
+                    failures.append(f"{v} {n}x{k}: {row}")
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+            failures.append(f"{v} {n}x{k}: {row['error']}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if not time_it:
+        return rows, timing, failures
+
+    outs = [torch.empty((n,), dtype=torch.bfloat16, device=dev) for _ in range(copies)]
+
+    def graph_time(launch, ptrs):
+        def mk(i):
+            return lambda: launch(torch.cuda.current_stream().cuda_stream, ptrs(i, outs[i]))
+
+        return bk.time_torch_graph(torch, [mk(i) for i in range(copies)])
+
+    t = {"n": n, "k": k, "bytes": nbytes, "copies": copies}
+    t["production_s"] = graph_time(prod.launch, prod_ptrs)
+    for v in variants:
+        if any(f.startswith(f"{v} {n}x{k}:") for f in failures if v not in TIMED_ONLY):
+            continue
+        try:
+            t[f"{v}_s"] = graph_time(tma.build(n, k, **VARIANTS[v]).launch, tma_ptrs)
+        except Exception as err:  # noqa: BLE001
+            t[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
+    t["production_again_s"] = graph_time(prod.launch, prod_ptrs)  # drift check
+    w = [(_Buf(a), _Buf(b)) for a, b in zip(wps, wss, strict=True)]
+    t["read_floor_4cta_s"] = bk.time_read_floor_graph(torch, w)
+    t["read_floor_1cta_s"] = bk.time_read_floor_graph(torch, w, grid_per_sm=1)
+    timing.append(t)
+    print(json.dumps(t), flush=True)
+    return rows, timing, failures
+
+
+def summarize(timing: list, variants) -> dict:
+    """Per variant: time / production's per shape and the geomean over shapes; the same against
+    the 4-CTA read floor."""
+    out = {}
+    for v in ["production", *variants]:
+        key = f"{v}_s"
+        r_prod = [t[key] / t["production_s"] for t in timing if key in t]
+        r_floor = [t[key] / t["read_floor_4cta_s"] for t in timing if key in t]
+        if r_prod:
+            out[v] = {
+                "time_over_production": [round(r, 4) for r in r_prod],
+                "geomean_over_production": float(np.exp(np.mean(np.log(r_prod)))),
+                "geomean_over_read_floor": float(np.exp(np.mean(np.log(r_floor)))),
+                "us": [round(1e6 * t[key], 2) for t in timing if key in t],
+            }
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--no-time", action="store_true", help="correctness only")
+    ap.add_argument(
+        "--git-sha", default=None, help="the commit measured (the device's .git may lag)"
+    )
+    ap.add_argument(
+        "--shapes",
+        default=",".join(f"{n}x{k}" for n, k in tma.QWEN3_8B_SHAPES),
+        help="N x K pairs, comma-separated (a small one for compute-sanitizer)",
+    )
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
+    try:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+        if any(len(s) != 2 for s in shapes):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--shapes {args.shapes!r}: expected N x K pairs like 4096x4096,1024x2048")
+    try:
+        problems(shapes, variants)  # every plan valid before any GPU work
+    except KernelError as err:
+        raise SystemExit(f"--shapes / --variants: {err}") from err
+    import torch
+
+    from cuda_ops import build as cbuild
+    from experiments import bench_kernel as bk
+
+    t0 = time.time()
+    result = {
+        "versions": bk._versions(torch),
+        "git_sha": args.git_sha,
+        "device": torch.cuda.get_device_name(),
+        "sms": cbuild.device_sms(),
+        "nvrtc": ".".join(map(str, cbuild.nvrtc_version())),
+        "method": __doc__,
+        "variants": {v: VARIANTS[v] for v in variants},
+        "ptxas": {},
+        "rows": [],
+        "timing": [],
+    }
+    for n, k in shapes:
+        p = tma.plan(n, k, **VARIANTS[variants[0]])
+        rep = tma.ptxas_report(p)
+        result["ptxas"][f"{n}x{k}"] = {k2: v2 for k2, v2 in rep.items() if k2 != "log"}
+    if not args.no_time:
+        result["copy_bandwidth_Bps"] = bk.copy_bandwidth(torch)
+    _write(args.out, {**result, "partial": True})
+    failures = []
+    for n, k in shapes:
+        rows, timing, fails = check_shape(torch, bk, n, k, variants, not args.no_time)
+        result["rows"] += rows
+        result["timing"] += timing
+        failures += fails
+        _write(args.out, {**result, "partial": True})
+    result["summary"] = summarize(result["timing"], variants)
+    result["failures"] = failures
+    result["wall_s"] = time.time() - t0
+    _write(args.out, result)
+    print(json.dumps(result["summary"], indent=1))
+    print(f"{len(failures)} failures" + "".join(f"\n  {f}" for f in failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU check and timings of the TMA-streamed batch-1 GEMV (experiments/kernels/
+# nvfp4_gemv_tma.cu; [T2-B]: production's M = 1 GEMV runs at the read floor of its own
+# occupancy, KERNEL_NOTES log 16).
+#
+#   bash experiments/kernels/gemv_tma_run.sh OUT STEP...    (from the repository root)
+#
+# STEP (run in the order given; "check sanitize" fits one 600 s device call with a cold start):
+#   check     check_gemv_tma.py on the four Qwen3-8B shapes, every variant: bytes against float64
+#             and production, then each alone in CUDA graphs against production's GEMV and the
+#             read floor (about 2 minutes)
+#   sanitize  compute-sanitizer memcheck and racecheck of the default variant on one small shape
+#             (the mbarrier ring and the bulk copies), correctness only
+# GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
+# the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
+set -uo pipefail
+if [ $# -lt 2 ]; then
+  echo "usage: $0 OUT STEP... (steps: check sanitize)" >&2
+  exit 2
+fi
+out=$1
+shift
+for step in "$@"; do
+  case $step in check | sanitize) ;; *)
+    echo "unknown step '$step': expected check or sanitize" >&2
+    exit 2
+    ;;
+  esac
+done
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export REJAX_KERNEL_CACHE=${REJAX_KERNEL_CACHE:-/tmp/rk}
+x=$out/x
+mkdir -p "$out" "$x"
+log=$out/gemv_tma.log
+check=experiments/kernels/check_gemv_tma.py
+sha=${GIT_SHA:-$(git rev-parse HEAD)}
+stamp() { echo "$1 rc=$2 $(($(date +%s) - $3))s" | tee -a "$log"; }
+
+for step in "$@"; do
+  t0=$(date +%s)
+  case $step in
+  check)
+    timeout 300 python3 $check --git-sha "$sha" --out "$out/gemv_tma.json" > "$x/check.log" 2>&1
+    stamp check $? $t0
+    tail -45 "$x/check.log" | tee -a "$log"
+    ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      t0=$(date +%s)
+      timeout 150 compute-sanitizer --tool $tool --kernel-name kns=nvfp4_gemv_tma \
+        --print-limit 20 python3 $check --no-time --variants tma,tma_w8_s12 \
+        --shapes 1024x2048,512x4096 --out "$x/sanitize_$tool.json" > "$x/sanitize_$tool.log" 2>&1
+      stamp "sanitize $tool" $? $t0
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|failures" "$x/sanitize_$tool.log" \
+        | head -6 | tee -a "$log"
+    done
+    ;;
+  esac
+done
+tar -czf "$out/gemv_tma_$(echo "$@" | tr ' ' _).tgz" -C "$x" . && rm -rf "$x"

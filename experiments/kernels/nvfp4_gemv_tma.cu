@@ -1,0 +1,291 @@
+// EXPERIMENT (not the product): a batch-1 NVFP4 W4A4 GEMV for Hopper (sm_90) that streams the
+// weights into shared memory with TMA bulk copies, y[N] = x[K] . W[N, K]^T, bf16 out.
+// Host side, plans and the device check: nvfp4_gemv_tma.py and check_gemv_tma.py beside this file.
+//
+// Why. KERNEL_NOTES log 16: production's M = 1 GEMV (cuda_ops/nvfp4_gemv.cu) runs at the read
+// floor of its own occupancy (one 512-thread CTA per SM, ~112 registers): a plain read launched
+// that way takes 11.3 us for Qwen3-8B's down_proj against 8.8 us at 4 CTAs per SM, and the
+// cp.async ring (4 steps in flight per warp) got the loads only to 10.6 us. The bytes a CTA has
+// in flight are bounded by its threads' registers or ring slots. Here one producer warp keeps
+// STAGES stages of the CTA's weights in flight with cp.async.bulk (no registers, no per-thread
+// load instructions; 70-150 KB per SM), and the consumer warps decode from shared memory.
+//
+// Layout and numerics are production's: codes uint8 [N, K/2] (element 2j in the low nibble of
+// byte j), E4M3 block scales [N, K/16], one float32 global scale each for W and x. x is decoded
+// once per CTA to int8 (2 x E2M1 value) in shared memory; each 16-element block dot is an exact
+// integer from dp4a on (positive, negative) weight words (the same prmt tables), scaled by
+// SFw * SFx (exact in fp32) and accumulated in fp32; y = (acc / 4) * (gw * gx), rounded once to
+// bf16. Only the fp32 summation order differs from production (per lane over its 16-byte units,
+// then a butterfly over the lanes), so outputs agree with it to fp32 rounding, not bitwise.
+//
+// Work: a stage is WARPS rows x KCH code bytes (and their KCH / 8 scale bytes); consumer warp w
+// takes row w of each stage, lane l its 16-byte units l, l + 32, ... A CTA owns a contiguous
+// range of row groups (WARPS rows each) and streams them chunk by chunk (K_IN / 2 / KCH stages a
+// group). Stage s has a "full" mbarrier (the producer's arrive.expect_tx, then the bulk copies'
+// complete_tx) and an "empty" one (one arrive per consumer warp once it has read the stage).
+//
+// -D constants (nvfp4_gemv_tma.py plans them): N_OUT, K_IN, KCH (code bytes of a row a stage:
+// a multiple of 512 dividing K_IN / 2), WARPS (consumer warps, <= 16), STAGES, GRID (CTAs),
+// MIN_CTAS (launch bounds), EF (1: the bulk copies carry an L2 evict_first policy), NOMATH (1:
+// diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate alone).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#ifndef EF
+#define EF 0
+#endif
+#ifndef NOMATH
+#define NOMATH 0
+#endif
+#ifndef MIN_CTAS
+#define MIN_CTAS 1
+#endif
+
+#define ROW_CODES (K_IN / 2)
+#define ROW_SCALES (K_IN / 16)
+#define SCH (KCH / 8)
+#define CHUNKS (ROW_CODES / KCH)
+#define GROUPS (N_OUT / WARPS)
+#define UPL (KCH / 16 / 32)
+#define STAGE_CODES (WARPS * KCH)
+#define STAGE_BYTES (WARPS * (KCH + SCH))
+#define RING_BYTES (STAGES * STAGE_BYTES)
+#define NTHREADS ((WARPS + 1) * 32)
+
+static_assert(KCH % 512 == 0 && ROW_CODES % KCH == 0, "KCH: a multiple of 512 dividing K / 2");
+static_assert(WARPS >= 1 && WARPS <= 16 && N_OUT % WARPS == 0, "WARPS rows a stage");
+static_assert(STAGES >= 2, "at least two stages");
+
+// ---------------------------------------------------------------------------- mbarrier / TMA
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(bar)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+  asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(
+                   bar),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
+  u32 ok;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+      "selp.u32 %0, 1, 0, p; }"
+      : "=r"(ok)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return ok != 0;
+}
+
+// A stage that never completes (a wrong transaction count, a copy that faults) traps after
+// WAIT_TRIES polls instead of hanging the device check.
+#ifndef WAIT_TRIES
+#define WAIT_TRIES (1u << 26)
+#endif
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+  for (u32 n = 0; !mbar_try_wait(bar, parity); ++n) {
+    if (n == WAIT_TRIES) __trap();
+  }
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory; the
+// transfer's bytes count against `bar`'s expected transaction count
+__device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u32 bar, u64 pol) {
+#if EF
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1], %2, [%3], %4;" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+      : "memory");
+#else
+  (void)pol;
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(dst),
+      "l"(src), "r"(bytes), "r"(bar)
+      : "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------- decode and dot
+
+__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+  return d;
+}
+
+// production's tables (cuda_ops/nvfp4_gemv.cu): magnitudes of 2 x E2M1 for x; for weights a
+// (positive, negative) pair of int8 words whose dp4a's add up to the signed dot
+#define TM_LO 0x03020100u
+#define TM_HI 0x0C080604u
+#define TP_LO 0x04030200u
+#define TP_HI 0x0D090705u
+#define TN_LO 0xFDFEFF00u
+#define TN_HI 0xF4F8FAFCu
+
+__device__ __forceinline__ u32 act_to_s8(u32 v) {  // 4 codes (low 16 bits) -> 4 int8
+  const u32 pos = prmt(TM_LO, TM_HI, v);
+  const u32 neg = prmt(TM_LO, TM_HI, v ^ 0x8888u);
+  return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
+}
+
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
+  u32 h;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
+  float lo, hi;
+  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
+      : "=f"(lo), "=f"(hi)
+      : "r"(h));
+  return make_float2(lo, hi);
+}
+
+// acc += the two 16-element block dots of 32 weight codes q with 32 int8 x values xw, each an
+// exact integer times SFw * SFx
+__device__ __forceinline__ void unit_dot(float& acc, uint4 q, const u32 (&xw)[8], float2 sw,
+                                         float2 sx) {
+  const u32 words[4] = {q.x, q.y, q.z, q.w};
+  u32 pos[8], neg[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 vx = words[i] ^ 0x88888888u;
+    pos[2 * i] = prmt(TP_LO, TP_HI, words[i]);
+    neg[2 * i] = prmt(TN_LO, TN_HI, vx);
+    pos[2 * i + 1] = prmt(TP_LO, TP_HI, words[i] >> 16);
+    neg[2 * i + 1] = prmt(TN_LO, TN_HI, vx >> 16);
+  }
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    int d = 0x4B400000;  // 1.5 x 2^23: the integer sum lands in the mantissa, read back exactly
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      d = __dp4a((int)pos[4 * b + j], (int)xw[4 * b + j], d);
+      d = __dp4a((int)neg[4 * b + j], (int)xw[4 * b + j], d);
+    }
+    const float dot = __int_as_float(d) - 12582912.0f;
+    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sx.y : sx.x), acc);
+  }
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// ---------------------------------------------------------------------------- kernel
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
+    nvfp4_gemv_tma(const u8* __restrict__ xp, const u8* __restrict__ xs,
+                   const float* __restrict__ xg, const u8* __restrict__ wp,
+                   const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+  extern __shared__ __align__(1024) u8 smem[];
+  u8* ring = smem;
+  u8* sx = smem + RING_BYTES;        // x as int8, K_IN bytes
+  u8* sxs = sx + K_IN;               // x's E4M3 block scales, K_IN / 16 bytes
+  u64* bars = (u64*)(sxs + ROW_SCALES);  // full[STAGES], empty[STAGES]
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g0 = (int)((long long)blockIdx.x * GROUPS / GRID);
+  const int g1 = (int)((long long)(blockIdx.x + 1) * GROUPS / GRID);
+  const int items = (g1 - g0) * CHUNKS;
+  const u32 full0 = smem_addr(bars), empty0 = smem_addr(bars + STAGES);
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {  // the producer: every stage of this CTA's rows, STAGES in flight
+    u64 pol = 0;
+#if EF
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+    for (int i = 0; i < items; ++i) {
+      const int s = i % STAGES;
+      const u32 round = (u32)(i / STAGES);
+      if (round > 0) mbar_wait(empty0 + 8 * s, (round - 1) & 1);
+      if (lane == 0) mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
+      __syncwarp();
+      const int row = (g0 + i / CHUNKS) * WARPS + lane % WARPS, c = i % CHUNKS;
+      u8* st = ring + s * STAGE_BYTES;
+      if (lane < WARPS) {
+        bulk_g2s(smem_addr(st + lane * KCH), wp + (size_t)row * ROW_CODES + c * KCH, KCH,
+                 full0 + 8 * s, pol);
+      } else if (lane < 2 * WARPS) {
+        bulk_g2s(smem_addr(st + STAGE_CODES + (lane - WARPS) * SCH),
+                 ws + (size_t)row * ROW_SCALES + c * SCH, SCH, full0 + 8 * s, pol);
+      }
+    }
+    return;
+  }
+
+  // consumers: x to int8 while the first stages land
+  for (int u = tid; u < K_IN / 32; u += WARPS * 32) {
+    const uint4 q = *(const uint4*)(xp + 16 * u);
+    const u32 words[4] = {q.x, q.y, q.z, q.w};
+    u32 out[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = act_to_s8(words[i]);
+      out[2 * i + 1] = act_to_s8(words[i] >> 16);
+    }
+    *(uint4*)(sx + 32 * u) = make_uint4(out[0], out[1], out[2], out[3]);
+    *(uint4*)(sx + 32 * u + 16) = make_uint4(out[4], out[5], out[6], out[7]);
+  }
+  for (int u = tid; u < ROW_SCALES / 16; u += WARPS * 32) {
+    *(uint4*)(sxs + 16 * u) = *(const uint4*)(xs + 16 * u);
+  }
+  asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
+
+  const float out_scale = wg[0] * xg[0];
+  float acc = 0.f;
+  for (int i = 0; i < items; ++i) {
+    const int s = i % STAGES, c = i % CHUNKS;
+    mbar_wait(full0 + 8 * s, (u32)(i / STAGES) & 1);
+    const u8* st = ring + s * STAGE_BYTES;
+    const u8* codes = st + warp * KCH;
+    const u8* scales = st + STAGE_CODES + warp * SCH;
+#pragma unroll
+    for (int t = 0; t < UPL; ++t) {
+      const int unit = lane + 32 * t;
+      const uint4 q = *(const uint4*)(codes + 16 * unit);
+#if NOMATH
+      acc += __int_as_float((q.x ^ q.y ^ q.z ^ q.w) & 0x3F800000u);
+#else
+      const int elem = 2 * KCH * c + 32 * unit;
+      const uint4 xa = *(const uint4*)(sx + elem), xb = *(const uint4*)(sx + elem + 16);
+      const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+      const float2 sw = e4m3x2_to_float2(*(const u16*)(scales + 2 * unit));
+      const float2 sxf = e4m3x2_to_float2(*(const u16*)(sxs + elem / 16));
+      unit_dot(acc, q, xw, sw, sxf);
+#endif
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    if (c == CHUNKS - 1) {  // the row is done: its lanes' sums, in a fixed butterfly order
+#pragma unroll
+      for (int b = 16; b >= 1; b >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, b);
+      if (lane == 0) y[(g0 + i / CHUNKS) * WARPS + warp] = f32_to_bf16((acc * 0.25f) * out_scale);
+      acc = 0.f;
+    }
+  }
+}

@@ -1,0 +1,208 @@
+"""EXPERIMENT: host side of the TMA-streamed batch-1 NVFP4 W4A4 GEMV (`nvfp4_gemv_tma.cu`,
+next to this file): plan, NVRTC build, ptxas report, launch.
+
+The kernel keeps STAGES stages of a CTA's weights in flight with `cp.async.bulk` issued by one
+producer warp, so the bytes in flight no longer depend on the consumer warps' registers (the
+limiter of production's M = 1 GEMV, KERNEL_NOTES log 16). Plain W4A4 only: unstacked weights,
+one token, no residual or other epilogue (what the device check times against production's
+plain GEMV on the same operands).
+
+Nothing here imports cuda-python or JAX at module import: NVRTC is reached by `build` and
+`ptxas_report`, the driver by `launch`.
+
+GEMM letters: M tokens (1 here), N out features, K in features.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import re
+import threading
+
+from cuda_ops.build import DEFAULT_SMS, KernelError, compile_ptx, ptx_entries, ptxas_log
+
+SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemv_tma.cu")
+ENTRY = "nvfp4_gemv_tma"
+N_INPUTS = 6  # (xp, xs, xg, wp, ws, wg), then y
+ARCH = "compute_90"  # cp.async.bulk and mbarrier transaction counts: sm_90
+SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may opt into on sm_90
+SM_SMEM = 228 * 1024  # shared memory of an SM (CTAs per SM must fit it, 1 KB reserved each)
+# the shapes the device check runs (Qwen3-8B: qkv, o, gate_up, down)
+QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+
+
+@dataclasses.dataclass(frozen=True)
+class TmaPlan:
+    """Compile-time launch geometry for one (N, K) (see the kernel's header)."""
+
+    n: int
+    k: int
+    kch: int = 1024  # code bytes of a row a stage
+    stages: int = 6
+    warps: int = 16  # consumer warps = rows a stage
+    ctas: int = 1  # CTAs per SM
+    sms: int = DEFAULT_SMS
+    ef: bool = False  # the bulk copies with an L2 evict_first policy
+    nomath: bool = False  # diagnostic: no decode or dot, the streaming alone
+
+    @property
+    def threads(self) -> int:
+        return 32 * (self.warps + 1)
+
+    @property
+    def groups(self) -> int:
+        return self.n // self.warps
+
+    @property
+    def grid(self) -> int:
+        return min(self.sms * self.ctas, self.groups)
+
+    @property
+    def stage_bytes(self) -> int:
+        return self.warps * (self.kch + self.kch // 8)
+
+    @property
+    def smem(self) -> int:
+        # the ring, x as int8 (K bytes), x's scales (K / 16), 2 x STAGES mbarriers of 8 bytes
+        return self.stages * self.stage_bytes + self.k + self.k // 16 + 16 * self.stages
+
+    @property
+    def in_flight(self) -> int:
+        """Weight bytes a CTA can have in flight (its whole ring)."""
+        return self.stages * self.stage_bytes
+
+    def defines(self) -> dict:
+        return {
+            "N_OUT": self.n,
+            "K_IN": self.k,
+            "KCH": self.kch,
+            "WARPS": self.warps,
+            "STAGES": self.stages,
+            "GRID": self.grid,
+            "MIN_CTAS": self.ctas,
+            "EF": int(self.ef),
+            "NOMATH": int(self.nomath),
+        }
+
+
+def check_plan(p: TmaPlan) -> tuple[bool, str]:
+    """Whether the kernel can run the plan (the .cu's static_asserts, shared memory)."""
+    if p.k % 1024 or p.k <= 0:
+        return False, f"K={p.k}: a positive multiple of 1024 expected"
+    if p.kch % 512 or (p.k // 2) % p.kch:
+        return False, f"kch={p.kch}: a multiple of 512 dividing K / 2 = {p.k // 2} expected"
+    if not 1 <= p.warps <= 16 or p.n % p.warps:
+        return False, f"warps={p.warps}: 1..16 dividing N = {p.n} expected"
+    if p.stages < 2:
+        return False, f"stages={p.stages}: at least 2 expected"
+    if p.smem > SMEM_LIMIT or p.ctas * (p.smem + 1024) > SM_SMEM:
+        return False, f"{p.ctas} CTA(s) of {p.smem} B shared memory do not fit an SM"
+    return True, ""
+
+
+def plan(n: int, k: int, **options) -> TmaPlan:
+    """The plan for [1, K] x [N, K]^T with `options` (TmaPlan's fields); kch defaults to
+    min(1024, K / 2). Raises KernelError for a plan the kernel cannot run."""
+    options.setdefault("kch", min(1024, k // 2))
+    p = TmaPlan(n=n, k=k, **options)
+    ok, why = check_plan(p)
+    if not ok:
+        raise KernelError(f"nvfp4_gemv_tma: {why}")
+    return p
+
+
+def read_source() -> str:
+    return SOURCE.read_text()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TmaKernel:
+    plan: TmaPlan
+    ptx: str
+
+    def launch(self, stream: int, pointers: list[int]) -> None:
+        """Launches on `stream` with device pointers (xp, xs, xg, wp, ws, wg, y)."""
+        import ctypes
+
+        from cuda.bindings import driver
+
+        if len(pointers) != N_INPUTS + 1:
+            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
+        p = self.plan
+        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
+        _drv_check(
+            driver.cuLaunchKernel(
+                _function(self), p.grid, 1, 1, p.threads, 1, 1, p.smem, stream, params, 0
+            ),
+            "cuLaunchKernel",
+        )
+
+    def attributes(self) -> dict:
+        """The driver's view of the loaded kernel: registers, local bytes, max threads."""
+        from cuda.bindings import driver
+
+        fn = _function(self)
+        a = driver.CUfunction_attribute
+        return {
+            "registers": _drv_check(
+                driver.cuFuncGetAttribute(a.CU_FUNC_ATTRIBUTE_NUM_REGS, fn), "regs"
+            ),
+            "local_bytes": _drv_check(
+                driver.cuFuncGetAttribute(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn), "local"
+            ),
+            "max_threads": _drv_check(
+                driver.cuFuncGetAttribute(a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn),
+                "threads",
+            ),
+        }
+
+
+@functools.cache
+def _build_cached(p: TmaPlan) -> TmaKernel:
+    ptx = compile_ptx(read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH)
+    if ptx_entries(ptx) != {ENTRY: N_INPUTS + 1}:
+        raise KernelError(f"{SOURCE.name}: unexpected entries {ptx_entries(ptx)}")
+    return TmaKernel(plan=p, ptx=ptx)
+
+
+def build(n: int, k: int, **options) -> TmaKernel:
+    """Plans and compiles (NVRTC, disk-cached) the kernel for (N, K)."""
+    return _build_cached(plan(n, k, **options))
+
+
+def ptxas_report(p: TmaPlan) -> dict:
+    """ptxas (offline, sm_90) on the plan's PTX: registers, spill bytes, static shared bytes."""
+    log = ptxas_log(read_source(), p.defines(), name=SOURCE.name, arch="sm_90")
+    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]  # fmt: skip
+    return {"registers": max(regs, default=None), "spill_bytes": sum(spills), "log": log}
+
+
+def _drv_check(result, what: str):
+    status, *values = result
+    if int(status) != 0:
+        raise KernelError(f"{what} failed: {status!r}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+_FUNCTIONS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _function(kernel: TmaKernel):
+    """The loaded CUfunction (one module per kernel, kept for the process), with its dynamic
+    shared memory limit raised to the plan's."""
+    from cuda.bindings import driver
+
+    with _LOCK:
+        fn = _FUNCTIONS.get(id(kernel))
+        if fn is None:
+            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+            fn = _drv_check(driver.cuModuleGetFunction(module, ENTRY.encode()), "function")
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _drv_check(driver.cuFuncSetAttribute(fn, attr, kernel.plan.smem), "smem")
+            _FUNCTIONS[id(kernel)] = (fn, module, kernel)
+            return fn
+        return fn[0]
