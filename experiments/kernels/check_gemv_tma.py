@@ -50,6 +50,8 @@ VARIANTS = {
     "tma_c2_s4": {"ctas": 2, "stages": 4},  # two CTAs an SM, 74 KB in flight each
     "tma_w8_s12": {"warps": 8, "stages": 12},  # 8 rows a stage: finer row groups
     "tma_ef": {"ef": True},
+    "lsu": {"producer": "lsu"},  # the second design: the ring filled by cp.async, not TMA
+    "lsu_c2_s4": {"producer": "lsu", "ctas": 2, "stages": 4},
     "tma_nomath": {"nomath": True},  # diagnostic: the stream alone
 }
 TIMED_ONLY = ("tma_nomath",)

@@ -9,7 +9,8 @@
 #   check     check_gemv_tma.py on the four Qwen3-8B shapes, every variant: bytes against float64
 #             and production, then each alone in CUDA graphs against production's GEMV and the
 #             read floor (about 2 minutes)
-#   sanitize  compute-sanitizer memcheck and racecheck of the default variant on one small shape
+#   sanitize  compute-sanitizer memcheck and racecheck of three variants (TMA, 8 rows a stage, the
+#             cp.async producer) on two small shapes
 #             (the mbarrier ring and the bulk copies), correctness only
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
@@ -48,7 +49,7 @@ for step in "$@"; do
     for tool in memcheck racecheck; do
       t0=$(date +%s)
       timeout 150 compute-sanitizer --tool $tool --kernel-name kns=nvfp4_gemv_tma \
-        --print-limit 20 python3 $check --no-time --variants tma,tma_w8_s12 \
+        --print-limit 20 python3 $check --no-time --variants tma,tma_w8_s12,lsu \
         --shapes 1024x2048,512x4096 --out "$x/sanitize_$tool.json" > "$x/sanitize_$tool.log" 2>&1
       stamp "sanitize $tool" $? $t0
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|failures" "$x/sanitize_$tool.log" \

@@ -27,7 +27,11 @@
 // -D constants (nvfp4_gemv_tma.py plans them): N_OUT, K_IN, KCH (code bytes of a row a stage:
 // a multiple of 512 dividing K_IN / 2), WARPS (consumer warps, <= 16), STAGES, GRID (CTAs),
 // MIN_CTAS (launch bounds), EF (1: the bulk copies carry an L2 evict_first policy), NOMATH (1:
-// diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate alone).
+// diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate alone),
+// PRODUCER (0: TMA bulk copies, one per row and chunk; 1: the second design, the producer
+// warp's 32 lanes fill a stage with 16-byte cp.async copies, each lane's completing through
+// cp.async.mbarrier.arrive.noinc on the stage's "full" barrier, which then counts 32 arrivals
+// instead of bytes: the same ring with the load-store unit instead of the copy engine).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -42,6 +46,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef MIN_CTAS
 #define MIN_CTAS 1
+#endif
+#ifndef PRODUCER
+#define PRODUCER 0
 #endif
 
 #define ROW_CODES (K_IN / 2)
@@ -120,6 +127,16 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 #endif
+}
+
+// PRODUCER = 1: 16 bytes global -> shared through L2 only, and an arrive on `bar` (without a
+// pending-count increment) once all of this thread's earlier cp.async copies have landed
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_arrive(u32 bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 // ---------------------------------------------------------------------------- decode and dot
@@ -207,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1);
+      mbar_init(full0 + 8 * s, PRODUCER ? 32 : 1);
       mbar_init(empty0 + 8 * s, WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -223,10 +240,26 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
       const int s = i % STAGES;
       const u32 round = (u32)(i / STAGES);
       if (round > 0) mbar_wait(empty0 + 8 * s, (round - 1) & 1);
+      u8* st = ring + s * STAGE_BYTES;
+#if PRODUCER
+      (void)pol;
+      const int row0 = (g0 + i / CHUNKS) * WARPS, c = i % CHUNKS;
+#pragma unroll 4
+      for (int piece = lane; piece < WARPS * KCH / 16; piece += 32) {  // codes, row-major
+        const int r = piece / (KCH / 16), off = 16 * (piece % (KCH / 16));
+        cp_async16(smem_addr(st + r * KCH + off),
+                   wp + (size_t)(row0 + r) * ROW_CODES + c * KCH + off);
+      }
+      for (int piece = lane; piece < WARPS * SCH / 16; piece += 32) {  // their scales
+        const int r = piece / (SCH / 16), off = 16 * (piece % (SCH / 16));
+        cp_async16(smem_addr(st + STAGE_CODES + r * SCH + off),
+                   ws + (size_t)(row0 + r) * ROW_SCALES + c * SCH + off);
+      }
+      cp_async_arrive(full0 + 8 * s);
+#else
       if (lane == 0) mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
       __syncwarp();
       const int row = (g0 + i / CHUNKS) * WARPS + lane % WARPS, c = i % CHUNKS;
-      u8* st = ring + s * STAGE_BYTES;
       if (lane < WARPS) {
         bulk_g2s(smem_addr(st + lane * KCH), wp + (size_t)row * ROW_CODES + c * KCH, KCH,
                  full0 + 8 * s, pol);
@@ -234,7 +267,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
         bulk_g2s(smem_addr(st + STAGE_CODES + (lane - WARPS) * SCH),
                  ws + (size_t)row * ROW_SCALES + c * SCH, SCH, full0 + 8 * s, pol);
       }
+#endif
     }
+#if PRODUCER
+    asm volatile("cp.async.wait_all;" ::: "memory");  // no thread leaves copies in flight
+#endif
     return;
   }
 

@@ -2,8 +2,9 @@
 next to this file): plan, NVRTC build, ptxas report, launch.
 
 The kernel keeps STAGES stages of a CTA's weights in flight with `cp.async.bulk` issued by one
-producer warp, so the bytes in flight no longer depend on the consumer warps' registers (the
-limiter of production's M = 1 GEMV, KERNEL_NOTES log 16). Plain W4A4 only: unstacked weights,
+producer warp (or, producer "lsu", that warp's 16-byte cp.async copies), so the bytes in flight
+no longer depend on the consumer warps' registers (the limiter of production's M = 1 GEMV,
+KERNEL_NOTES log 16). Plain W4A4 only: unstacked weights,
 one token, no residual or other epilogue (what the device check times against production's
 plain GEMV on the same operands).
 
@@ -31,6 +32,7 @@ SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may opt into on sm_90
 SM_SMEM = 228 * 1024  # shared memory of an SM (CTAs per SM must fit it, 1 KB reserved each)
 # the shapes the device check runs (Qwen3-8B: qkv, o, gate_up, down)
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
+PRODUCERS = ("tma", "lsu")  # the .cu's PRODUCER 0 / 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,7 @@ class TmaPlan:
     sms: int = DEFAULT_SMS
     ef: bool = False  # the bulk copies with an L2 evict_first policy
     nomath: bool = False  # diagnostic: no decode or dot, the streaming alone
+    producer: str = "tma"  # "tma": bulk copies; "lsu": the producer warp's 16-byte cp.async
 
     @property
     def threads(self) -> int:
@@ -84,6 +87,7 @@ class TmaPlan:
             "MIN_CTAS": self.ctas,
             "EF": int(self.ef),
             "NOMATH": int(self.nomath),
+            "PRODUCER": PRODUCERS.index(self.producer),
         }
 
 
@@ -95,6 +99,10 @@ def check_plan(p: TmaPlan) -> tuple[bool, str]:
         return False, f"kch={p.kch}: a multiple of 512 dividing K / 2 = {p.k // 2} expected"
     if not 1 <= p.warps <= 16 or p.n % p.warps:
         return False, f"warps={p.warps}: 1..16 dividing N = {p.n} expected"
+    if p.producer not in PRODUCERS:
+        return False, f"producer={p.producer!r}: one of {PRODUCERS} expected"
+    if p.ef and p.producer != "tma":
+        return False, "ef (an L2 policy on the bulk copies) needs producer 'tma'"
     if p.stages < 2:
         return False, f"stages={p.stages}: at least 2 expected"
     if p.smem > SMEM_LIMIT or p.ctas * (p.smem + 1024) > SM_SMEM:

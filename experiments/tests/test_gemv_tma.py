@@ -17,7 +17,9 @@ def test_every_planned_kernel_fits_its_occupancy_without_spills():
         assert rep["registers"] * p.threads * p.ctas <= 65536, (v, p, rep["registers"])
         assert p.ctas * (p.smem + 1024) <= tma.SM_SMEM and p.smem <= tma.SMEM_LIMIT
         kern = tma.build(p.n, p.k, **check.VARIANTS[v])
-        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in kern.ptx
+        bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in kern.ptx
+        lsu = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in kern.ptx
+        assert (bulk, lsu) == (p.producer == "tma", p.producer == "lsu"), (v, p)
         assert ("createpolicy.fractional.L2::evict_first" in kern.ptx) == p.ef
         assert ("dp4a" in kern.ptx) != p.nomath
 
@@ -34,6 +36,8 @@ def test_plan_defaults_and_bad_plans():
         ({"stages": 1}, "stages=1"),
         ({"stages": 40}, "do not fit"),
         ({"ctas": 2, "stages": 8}, "do not fit"),
+        ({"producer": "dma"}, "producer='dma'"),
+        ({"producer": "lsu", "ef": True}, "needs producer 'tma'"),
     ]:
         with pytest.raises(KernelError, match=match):
             tma.plan(4096, 4096, **kw)
