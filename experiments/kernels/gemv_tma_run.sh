@@ -10,8 +10,7 @@
 #             and production, then each alone in CUDA graphs against production's GEMV and the
 #             read floor (about 2 minutes)
 #   sanitize  compute-sanitizer memcheck and racecheck of three variants (TMA, 8 rows a stage, the
-#             cp.async producer) on two small shapes
-#             (the mbarrier ring and the bulk copies), correctness only
+#             cp.async producer) on two small shapes, correctness only
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
