@@ -92,8 +92,9 @@ def _values64(torch, lut, p, s):
     return (v * s.view(torch.float8_e4m3fn).double()[..., None]).reshape(p.shape[0], -1)
 
 
-def check_shape(torch, bk, n, k, variants, time_it: bool) -> tuple[list, list, list]:
-    """Correctness rows, timing rows and failures of every variant at (N, K)."""
+def check_shape(torch, bk, n, k, variants, time_it: bool, sms: int) -> tuple[list, list, list]:
+    """Correctness rows, timing rows and failures of every variant at (N, K), planned for `sms`
+    SMs (the device's, as production's plan is)."""
     from cuda_ops import nvfp4_gemv
 
     dev = "cuda"
@@ -144,7 +145,7 @@ def check_shape(torch, bk, n, k, variants, time_it: bool) -> tuple[list, list, l
     rows.append({"n": n, "k": k, "variant": "production", "plan": str(prod.plan),
                  "rel_err": rel(y_prod, y64), "bound": bound})  # fmt: skip
     for v in variants:
-        kern = tma.build(n, k, **VARIANTS[v])
+        kern = tma.build(n, k, sms=sms, **VARIANTS[v])
         row = {"n": n, "k": k, "variant": v, "grid": kern.plan.grid, "smem": kern.plan.smem,
                "in_flight": kern.plan.in_flight}  # fmt: skip
         try:
@@ -185,7 +186,7 @@ def check_shape(torch, bk, n, k, variants, time_it: bool) -> tuple[list, list, l
         if any(f.startswith(f"{v} {n}x{k}:") for f in failures if v not in TIMED_ONLY):
             continue
         try:
-            t[f"{v}_s"] = graph_time(tma.build(n, k, **VARIANTS[v]).launch, tma_ptrs)
+            t[f"{v}_s"] = graph_time(tma.build(n, k, sms=sms, **VARIANTS[v]).launch, tma_ptrs)
         except Exception as err:  # noqa: BLE001
             t[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
     t["production_again_s"] = graph_time(prod.launch, prod_ptrs)  # drift check
@@ -243,17 +244,19 @@ def main(argv=None) -> int:
         problems(shapes, variants)  # every plan valid before any GPU work
     except KernelError as err:
         raise SystemExit(f"--shapes / --variants: {err}") from err
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX (versions) beside torch
     import torch
 
     from cuda_ops import build as cbuild
     from experiments import bench_kernel as bk
 
     t0 = time.time()
+    sms = cbuild.device_sms()
     result = {
         "versions": bk._versions(torch),
         "git_sha": args.git_sha,
         "device": torch.cuda.get_device_name(),
-        "sms": cbuild.device_sms(),
+        "sms": sms,
         "nvrtc": ".".join(map(str, cbuild.nvrtc_version())),
         "method": __doc__,
         "variants": {v: VARIANTS[v] for v in variants},
@@ -262,7 +265,7 @@ def main(argv=None) -> int:
         "timing": [],
     }
     for n, k in shapes:
-        p = tma.plan(n, k, **VARIANTS[variants[0]])
+        p = tma.plan(n, k, sms=sms, **VARIANTS[variants[0]])
         rep = tma.ptxas_report(p)
         result["ptxas"][f"{n}x{k}"] = {k2: v2 for k2, v2 in rep.items() if k2 != "log"}
     if not args.no_time:
@@ -270,7 +273,7 @@ def main(argv=None) -> int:
     _write(args.out, {**result, "partial": True})
     failures = []
     for n, k in shapes:
-        rows, timing, fails = check_shape(torch, bk, n, k, variants, not args.no_time)
+        rows, timing, fails = check_shape(torch, bk, n, k, variants, not args.no_time, sms)
         result["rows"] += rows
         result["timing"] += timing
         failures += fails

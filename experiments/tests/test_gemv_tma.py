@@ -1,6 +1,7 @@
 """experiments/kernels/nvfp4_gemv_tma.{cu,py}: plans, and every planned kernel through NVRTC and
 ptxas (the device check is experiments/kernels/check_gemv_tma.py)."""
 
+import numpy as np
 import pytest
 
 from cuda_ops.build import KernelError
@@ -52,3 +53,38 @@ def test_check_rejects_bad_shapes_before_any_gpu_work():
         check.main(["--out", "unused.json", "--shapes", "4096"])
     with pytest.raises(SystemExit, match="K=1000"):
         check.main(["--out", "unused.json", "--shapes", "4096x1000"])
+
+
+def test_float64_reference_decodes_as_rejax_nvfp4():
+    # the device check's reference: codes and E4M3 bytes -> e2m1 x SF in float64, on torch;
+    # rejax.nvfp4.dequantize of the same bytes (global scale 1) must give the same values
+    torch = pytest.importorskip("torch")
+    import jax
+    import jax.numpy as jnp
+
+    from rejax import nvfp4
+
+    rng = np.random.default_rng(0)
+    p = rng.integers(0, 256, (3, 32), dtype=np.uint8)
+    s = rng.integers(*check.SCALES, (3, 4), dtype=np.uint8)
+    lut = torch.tensor(check.LUT, dtype=torch.float64)
+    got = check._values64(torch, lut, torch.from_numpy(p), torch.from_numpy(s)).numpy()
+    t = nvfp4.Nvfp4Tensor(
+        jnp.asarray(p),
+        jax.lax.bitcast_convert_type(jnp.asarray(s), jnp.float8_e4m3fn),
+        jnp.float32(1.0),
+        (3, 64),
+    )
+    np.testing.assert_array_equal(got, np.asarray(nvfp4.dequantize(t), np.float64))
+
+
+def test_summary_ratios():
+    timing = [
+        {"production_s": 2e-6, "tma_s": 1e-6, "read_floor_4cta_s": 1e-6},
+        {"production_s": 8e-6, "tma_s": 2e-6, "read_floor_4cta_s": 1e-6},
+    ]
+    out = check.summarize(timing, ["tma", "lsu"])
+    assert out["tma"]["time_over_production"] == [0.5, 0.25]
+    assert out["tma"]["geomean_over_production"] == pytest.approx(np.sqrt(0.125))
+    assert out["tma"]["geomean_over_read_floor"] == pytest.approx(np.sqrt(2.0))
+    assert out["production"]["us"] == [2.0, 8.0] and "lsu" not in out
