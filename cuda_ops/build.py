@@ -67,18 +67,20 @@ def nvrtc_available() -> bool:
     return True
 
 
+def _first_cuda_device():
+    """JAX's first CUDA device, or None where there is none (CPU-only CI lowers for CUDA)."""
+    try:
+        import jax
+
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return devices[0] if devices else None
+
+
 def device_arch(device=None) -> str:
     """`compute_XY` for a JAX CUDA device (default: the first), or `compute_90` with none."""
-    if device is None:
-        try:
-            import jax
-
-            devices = jax.devices("cuda")
-        except RuntimeError:
-            return DEFAULT_ARCH
-        if not devices:
-            return DEFAULT_ARCH
-        device = devices[0]
+    device = _first_cuda_device() if device is None else device
     cc = getattr(device, "compute_capability", None)
     if not cc:
         return DEFAULT_ARCH
@@ -95,16 +97,7 @@ def device_sms(device=None) -> int:
     """Streaming multiprocessors of a JAX CUDA device (default: the first; a MIG instance
     reports its own), or `DEFAULT_SMS` with none. Launch plans that need every CTA resident at
     once (the grid sampler's barriers) must be sized by it, not by a constant."""
-    if device is None:
-        try:
-            import jax
-
-            devices = jax.devices("cuda")
-        except RuntimeError:
-            return DEFAULT_SMS
-        if not devices:
-            return DEFAULT_SMS
-        device = devices[0]
+    device = _first_cuda_device() if device is None else device
     count = getattr(device, "core_count", None)
     return int(count) if count else DEFAULT_SMS
 

@@ -3,7 +3,8 @@
 // NVFP4 activation block, the operations of rejax.nvfp4.quantize_activation for one 16-element
 // block, for the kernels that write a W4A4 linear's input (the quantizer, the fused GEMV and the
 // SwiGLU epilogue in nvfp4_gemv.cu, the decode attention's quantized output in
-// decode_attention.cu).
+// decode_attention.cu); and E2M1 codes to int8 with the exact W4A4 block dots of the GEMV
+// (nvfp4_gemv.cu, experiments/kernels/nvfp4_gemv_tma.cu).
 //
 // Per block with global scale g (and ig = div_rn(1, g)):
 //   SF = E4M3_satfinite(min(div_rn(div_rn(amax, 6), g), 448));
@@ -62,4 +63,66 @@ __device__ __forceinline__ u32 block_codes(const float (&v)[N], float amax, cons
     c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
   }
   return c;
+}
+
+// ---------------------------------------------------------------------------- E2M1 -> int8
+
+__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
+  return d;
+}
+
+// int8 tables indexed by the low 3 bits of a selector nibble; prmt's sign mode (nibble bit 3,
+// the E2M1 sign) replaces the byte with its msb replicated, i.e. 0x00 for these positive bytes.
+// Magnitudes of 2 * E2M1 value: codes 0..7 -> 0 1 2 3 4 6 8 12.
+#define TM_LO 0x03020100u
+#define TM_HI 0x0C080604u
+// Weight tables: positive codes look up TP = magnitude + 1 (0 stays 0) in `pos`, and TN (the
+// negated magnitudes) in sign mode, which yields 0xFF = -1 for c >= 1; negative codes look up
+// TN normally and TP in sign mode (0). So pos + neg == signed 2 * value per byte, and each of
+// the two dp4a's takes one of them: dp4a(pos, x) + dp4a(neg, x) == sum(w * x) exactly.
+#define TP_LO 0x04030200u
+#define TP_HI 0x0D090705u
+#define TN_LO 0xFDFEFF00u
+#define TN_HI 0xF4F8FAFCu
+
+// 4 codes (low 16 bits of v, nibble i = element i) -> 4 signed int8 2 * E2M1 values.
+__device__ __forceinline__ u32 act_to_s8(u32 v) {
+  const u32 pos = prmt(TM_LO, TM_HI, v);
+  const u32 neg = prmt(TM_LO, TM_HI, v ^ 0x8888u);
+  // bytewise pos - neg without borrows (both < 0x80), then back to two's complement
+  return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
+}
+
+// ---------------------------------------------------------------------------- W4A4 block dots
+
+// 32 weight codes (one row, two blocks) -> 8 (pos, neg) int8 words in element order
+__device__ __forceinline__ void decode_row(u32 (&wpos)[8], u32 (&wneg)[8], uint4 q) {
+  const u32 words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const u32 vx = words[i] ^ 0x88888888u;
+    wpos[2 * i] = prmt(TP_LO, TP_HI, words[i]);
+    wneg[2 * i] = prmt(TN_LO, TN_HI, vx);
+    wpos[2 * i + 1] = prmt(TP_LO, TP_HI, words[i] >> 16);
+    wneg[2 * i + 1] = prmt(TN_LO, TN_HI, vx >> 16);
+  }
+}
+
+// acc += sum over the two blocks of (exact int8 block dot) * SFw * SFx
+__device__ __forceinline__ void row_dot(float& acc, const u32 (&wpos)[8], const u32 (&wneg)[8],
+                                        const u32 (&xw)[8], float2 sw, float2 sxf) {
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    // 0x4B400000 = 1.5 * 2^23: the int sum lands in the fp32 mantissa and is read back exactly
+    int d = 0x4B400000;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      d = __dp4a((int)wpos[4 * b + j], (int)xw[4 * b + j], d);
+      d = __dp4a((int)wneg[4 * b + j], (int)xw[4 * b + j], d);
+    }
+    const float dot = __int_as_float(d) - 12582912.0f;
+    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
+  }
 }

@@ -350,35 +350,8 @@ __device__ __forceinline__ uint4 ld_act(const void* p) {
 
 // ---------------------------------------------------------------------------- decode
 
-__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-  return d;
-}
-
-// int8 tables indexed by the low 3 bits of a selector nibble; prmt's sign mode (nibble bit 3,
-// the E2M1 sign) replaces the byte with its msb replicated, i.e. 0x00 for these positive bytes.
-// Magnitudes of 2 * E2M1 value: codes 0..7 -> 0 1 2 3 4 6 8 12.
-#define TM_LO 0x03020100u
-#define TM_HI 0x0C080604u
-// Weight tables: positive codes look up TP = magnitude + 1 (0 stays 0) in `pos`, and TN (the
-// negated magnitudes) in sign mode, which yields 0xFF = -1 for c >= 1; negative codes look up
-// TN normally and TP in sign mode (0). So pos + neg == signed 2 * value per byte, and each of
-// the two dp4a's takes one of them: dp4a(pos, x) + dp4a(neg, x) == sum(w * x) exactly.
-#define TP_LO 0x04030200u
-#define TP_HI 0x0D090705u
-#define TN_LO 0xFDFEFF00u
-#define TN_HI 0xF4F8FAFCu
-
-// 4 codes (low 16 bits of v, nibble i = element i) -> 4 signed int8 2 * E2M1 values.
-__device__ __forceinline__ u32 act_to_s8(u32 v) {
-  const u32 pos = prmt(TM_LO, TM_HI, v);
-  const u32 neg = prmt(TM_LO, TM_HI, v ^ 0x8888u);
-  // bytewise pos - neg without borrows (both < 0x80), then back to two's complement
-  return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
-}
-
-// e4m3x2_to_float2, div_rn, e2m1_mag, block_codes: the quantizer's block operations
+// prmt, the E2M1 -> int8 tables, act_to_s8, decode_row and row_dot (the exact block dots),
+// e4m3x2_to_float2, div_rn, e2m1_mag, block_codes (the quantizer's block operations)
 #include "common.cuh"
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
@@ -714,19 +687,6 @@ __device__ __forceinline__ void swiglu_epilogue(const float* ybuf, int u0, int u
 
 #if ACT_W4A4
 
-// 32 weight codes (one row, two blocks) -> 8 (pos, neg) int8 words in element order
-__device__ __forceinline__ void decode_row(u32 (&wpos)[8], u32 (&wneg)[8], uint4 q) {
-  const u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 vx = words[i] ^ 0x88888888u;
-    wpos[2 * i] = prmt(TP_LO, TP_HI, words[i]);
-    wneg[2 * i] = prmt(TN_LO, TN_HI, vx);
-    wpos[2 * i + 1] = prmt(TP_LO, TP_HI, words[i] >> 16);
-    wneg[2 * i + 1] = prmt(TN_LO, TN_HI, vx >> 16);
-  }
-}
-
 // 32 codes (two blocks) -> 8 signed int8 words (2 * E2M1 value) in element order. Used for x in
 // the streaming variant and for weights at M > 2 (SIGNED_W): ~1.6x the integer ops of
 // decode_row, but one dp4a per 4 weights and token instead of two.
@@ -747,23 +707,6 @@ __device__ __forceinline__ void load_x(u32 (&xw)[8], float2& sxf, const u8* sx, 
   xw[0] = xa.x, xw[1] = xa.y, xw[2] = xa.z, xw[3] = xa.w;
   xw[4] = xb.x, xw[5] = xb.y, xw[6] = xb.z, xw[7] = xb.w;
   sxf = e4m3x2_to_float2(*(const u16*)(ssf + m * (K_IN / 16) + elem / 16));
-}
-
-// acc += sum over the two blocks of (exact int8 block dot) * SFw * SFx
-__device__ __forceinline__ void row_dot(float& acc, const u32 (&wpos)[8], const u32 (&wneg)[8],
-                                        const u32 (&xw)[8], float2 sw, float2 sxf) {
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    // 0x4B400000 = 1.5 * 2^23: the int sum lands in the fp32 mantissa and is read back exactly
-    int d = 0x4B400000;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      d = __dp4a((int)wpos[4 * b + j], (int)xw[4 * b + j], d);
-      d = __dp4a((int)wneg[4 * b + j], (int)xw[4 * b + j], d);
-    }
-    const float dot = __int_as_float(d) - 12582912.0f;
-    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sxf.y : sxf.x), acc);
-  }
 }
 
 // acc[r * M + m] += the 32-element dot of row r's chunk with token m's chunk (x in registers)

@@ -686,6 +686,21 @@ def test_cache_key_hashes_included_headers(tmp_path):
         cbuild.local_headers('#include "missing.cuh"\n', tmp_path)
 
 
+def test_device_arch_and_sms_of_a_device_or_the_defaults():
+    """Plans read the device's arch and SM count (a MIG instance reports its own SMs), and the
+    defaults where a device says nothing (no GPU: lowering for CUDA on the CPU)."""
+    from types import SimpleNamespace
+
+    mig = SimpleNamespace(compute_capability="9.0", core_count=16)
+    assert (cbuild.device_arch(mig), cbuild.device_sms(mig)) == ("compute_90", 16)
+    assert cbuild.device_sms(SimpleNamespace(core_count=None)) == cbuild.DEFAULT_SMS
+    assert cbuild.device_arch(SimpleNamespace()) == cbuild.DEFAULT_ARCH
+    with pytest.raises(cbuild.KernelError, match="compute capability 8.0"):
+        cbuild.device_arch(SimpleNamespace(compute_capability="8.0"))
+    if jax.devices()[0].platform != "gpu":  # no CUDA device here: the defaults
+        assert (cbuild.device_arch(), cbuild.device_sms()) == ("compute_90", cbuild.DEFAULT_SMS)
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["compute_90", "compute_100"])
 @pytest.mark.parametrize(("act", "m"), [("w4a4", 1), ("w4a4", 8), ("w4a16", 3)])

@@ -141,63 +141,10 @@ __device__ __forceinline__ void cp_async_arrive(u32 bar) {
 
 // ---------------------------------------------------------------------------- decode and dot
 
-__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-  return d;
-}
-
-// production's tables (cuda_ops/nvfp4_gemv.cu): magnitudes of 2 x E2M1 for x; for weights a
-// (positive, negative) pair of int8 words whose dp4a's add up to the signed dot
-#define TM_LO 0x03020100u
-#define TM_HI 0x0C080604u
-#define TP_LO 0x04030200u
-#define TP_HI 0x0D090705u
-#define TN_LO 0xFDFEFF00u
-#define TN_HI 0xF4F8FAFCu
-
-__device__ __forceinline__ u32 act_to_s8(u32 v) {  // 4 codes (low 16 bits) -> 4 int8
-  const u32 pos = prmt(TM_LO, TM_HI, v);
-  const u32 neg = prmt(TM_LO, TM_HI, v ^ 0x8888u);
-  return ((pos | 0x80808080u) - neg) ^ 0x80808080u;
-}
-
-__device__ __forceinline__ float2 e4m3x2_to_float2(u32 v) {
-  u32 h;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
-  float lo, hi;
-  asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
-      : "=f"(lo), "=f"(hi)
-      : "r"(h));
-  return make_float2(lo, hi);
-}
-
-// acc += the two 16-element block dots of 32 weight codes q with 32 int8 x values xw, each an
-// exact integer times SFw * SFx
-__device__ __forceinline__ void unit_dot(float& acc, uint4 q, const u32 (&xw)[8], float2 sw,
-                                         float2 sx) {
-  const u32 words[4] = {q.x, q.y, q.z, q.w};
-  u32 pos[8], neg[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const u32 vx = words[i] ^ 0x88888888u;
-    pos[2 * i] = prmt(TP_LO, TP_HI, words[i]);
-    neg[2 * i] = prmt(TN_LO, TN_HI, vx);
-    pos[2 * i + 1] = prmt(TP_LO, TP_HI, words[i] >> 16);
-    neg[2 * i + 1] = prmt(TN_LO, TN_HI, vx >> 16);
-  }
-#pragma unroll
-  for (int b = 0; b < 2; ++b) {
-    int d = 0x4B400000;  // 1.5 x 2^23: the integer sum lands in the mantissa, read back exactly
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      d = __dp4a((int)pos[4 * b + j], (int)xw[4 * b + j], d);
-      d = __dp4a((int)neg[4 * b + j], (int)xw[4 * b + j], d);
-    }
-    const float dot = __int_as_float(d) - 12582912.0f;
-    acc = fmaf(dot, (b ? sw.y : sw.x) * (b ? sx.y : sx.x), acc);
-  }
-}
+// production's (cuda_ops/common.cuh): prmt tables, act_to_s8 (x codes -> int8), decode_row
+// (weight codes -> (pos, neg) int8 words), row_dot (two exact block dots, scaled), and
+// e4m3x2_to_float2
+#include "common.cuh"
 
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
   u16 r;
@@ -313,7 +260,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
       const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
       const float2 sw = e4m3x2_to_float2(*(const u16*)(scales + 2 * unit));
       const float2 sxf = e4m3x2_to_float2(*(const u16*)(sxs + elem / 16));
-      unit_dot(acc, q, xw, sw, sxf);
+      u32 wpos[8], wneg[8];
+      decode_row(wpos, wneg, q);
+      row_dot(acc, wpos, wneg, xw, sw, sxf);
 #endif
     }
     __syncwarp();

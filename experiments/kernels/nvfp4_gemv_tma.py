@@ -23,6 +23,7 @@ import re
 import threading
 
 from cuda_ops.build import DEFAULT_SMS, KernelError, compile_ptx, ptx_entries, ptxas_log
+from cuda_ops.nvfp4_gemv import _drv_check
 
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemv_tma.cu")
 ENTRY = "nvfp4_gemv_tma"
@@ -186,13 +187,6 @@ def ptxas_report(p: TmaPlan) -> dict:
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]  # fmt: skip
     return {"registers": max(regs, default=None), "spill_bytes": sum(spills), "log": log}
-
-
-def _drv_check(result, what: str):
-    status, *values = result
-    if int(status) != 0:
-        raise KernelError(f"{what} failed: {status!r}")
-    return values[0] if len(values) == 1 else tuple(values)
 
 
 _FUNCTIONS: dict = {}
