@@ -6,8 +6,11 @@ against production's M = 1 GEMV and the plain read floor. From the repository ro
 
 1. Per Qwen3-8B layer shape (N x K = 6144x4096, 4096x4096, 24576x4096, 4096x12288) and per
    variant (`VARIANTS`: stage size and count, CTAs per SM, rows a stage, an L2 evict_first
-   policy, and the NOMATH diagnostic), builds the kernel (NVRTC) and production's plain W4A4
-   GEMV at M = 1 (its default plan, cuda_ops.nvfp4_gemv.build).
+   policy, the cp.async producer, and the NOMATH diagnostic), builds the kernel (NVRTC) and
+   production's plain W4A4 GEMV at M = 1 (its default plan, cuda_ops.nvfp4_gemv.build); then
+   the residual epilogue (y = res + y) on o_proj's and down_proj's shapes and a weight stacked 3
+   deep read at layer 2 (plain and residual, correctness only), with `RESIDUAL_VARIANTS`. Both
+   kernels take the same operands (production's: xp, xs, xg, [res], wp, ws, wg, layer).
 2. Runs each on random NVFP4 operands (uniform codes, E4M3 block scales 0.125 .. 240 as the
    GPU tests use) into NaN-poisoned outputs, twice (bitwise repeatable), and compares with the
    float64 product of the same dequantized operands (relative error <= 1.5 x that of float64
@@ -55,13 +58,18 @@ VARIANTS = {
     "tma_nomath": {"nomath": True},  # diagnostic: the stream alone
 }
 TIMED_ONLY = ("tma_nomath",)
+RESIDUAL_VARIANTS = ("tma", "lsu")  # the residual epilogue and the stacked-layer case
 LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 SCALES = (0x20, 0x78)  # E4M3 bytes 0.125 .. 240
+DEFAULT_SHAPES = ",".join(f"{n}x{k}" for n, k in tma.QWEN3_8B_SHAPES)
 
 
 def problems(shapes=tma.QWEN3_8B_SHAPES, variants=tuple(VARIANTS)) -> list:
-    """Every (variant, plan) the check builds. CPU only; raises for a plan that cannot run."""
-    return [(v, tma.plan(n, k, **VARIANTS[v])) for n, k in shapes for v in variants]
+    """Every (variant, plan) the check builds (RESIDUAL_VARIANTS also with the residual
+    epilogue). CPU only; raises for a plan that cannot run."""
+    out = [(v, tma.plan(n, k, **VARIANTS[v])) for n, k in shapes for v in variants]
+    res = [v for v in variants if v in RESIDUAL_VARIANTS] or list(variants[:1])
+    return out + [(v, tma.plan(n, k, residual=True, **VARIANTS[v])) for n, k in shapes for v in res]
 
 
 def _seed(*parts) -> int:
@@ -92,46 +100,52 @@ def _values64(torch, lut, p, s):
     return (v * s.view(torch.float8_e4m3fn).double()[..., None]).reshape(p.shape[0], -1)
 
 
-def check_shape(torch, bk, n, k, variants, time_it: bool, sms: int) -> tuple[list, list, list]:
+def check_shape(
+    torch, bk, n, k, variants, time_it: bool, sms: int, residual=False, layers=1, layer=0
+) -> tuple[list, list, list]:
     """Correctness rows, timing rows and failures of every variant at (N, K), planned for `sms`
-    SMs (the device's, as production's plan is)."""
+    SMs (the device's, as production's plan is): with `residual` the residual epilogue (y = res +
+    y); the weights stacked `layers` deep and `layer` read. Production and the variants take the
+    same operands (xp, xs, xg, [res], wp, ws, wg, layer) and y."""
     from cuda_ops import nvfp4_gemv
 
     dev = "cuda"
-    rng = np.random.default_rng(_seed(n, k))
+    tag = f"{n}x{k}" + ("+res" if residual else "") + (f" L{layer}/{layers}" if layers > 1 else "")
+    rng = np.random.default_rng(_seed(n, k, residual, layers))
     nbytes = n * k // 2 + n * k // 16
     copies = bk._copies(nbytes) if time_it else 1
-    g = torch.Generator(device=dev).manual_seed(_seed(n, k, "w"))
-    wps = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=dev, generator=g)
+    g = torch.Generator(device=dev).manual_seed(_seed(n, k, "w", layers))
+    wps = [torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=dev, generator=g)
            for _ in range(copies)]  # fmt: skip
-    wss = [torch.randint(*SCALES, (n, k // 16), dtype=torch.uint8, device=dev, generator=g)
+    wss = [torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev, generator=g)
            for _ in range(copies)]  # fmt: skip
-    wg = torch.tensor([rng.random() * 1e-3 + 1e-4], dtype=torch.float32, device=dev)
+    wg = torch.from_numpy((rng.random(layers) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
     xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
     xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
     xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
-    layer0 = torch.zeros((), dtype=torch.int32, device=dev)
+    li = torch.tensor(layer, dtype=torch.int32, device=dev)
     lut = torch.tensor(LUT, dtype=torch.float64, device=dev)
     x64 = _values64(torch, lut, xp[None], xs[None])[0] * float(xg)
     y64 = torch.zeros(n, dtype=torch.float64, device=dev)
     for r0 in range(0, n, 2048):  # float64 weights in row blocks (24576 x 4096 at once: 800 MB)
-        w64 = _values64(torch, lut, wps[0][r0 : r0 + 2048], wss[0][r0 : r0 + 2048])
-        y64[r0 : r0 + 2048] = w64 @ x64 * float(wg)
+        rows_ = slice(r0, r0 + 2048)
+        w64 = _values64(torch, lut, wps[0][layer, rows_], wss[0][layer, rows_])
+        y64[rows_] = w64 @ x64 * float(wg[layer])
+    res = None
+    if residual:  # a residual of the output's size, in bf16
+        res = (torch.randn(n, dtype=torch.float64, device=dev) * y64.std()).to(torch.bfloat16)
+        y64 = y64 + res.double()
     floor = float(torch.linalg.norm(y64.to(torch.bfloat16).double() - y64) / torch.linalg.norm(y64))
-    bound = 1.5 * floor + 1e-6
     stream = torch.cuda.current_stream().cuda_stream
+    prod = nvfp4_gemv.build("w4a4", 1, n, k, residual=residual)
 
-    prod = nvfp4_gemv.build("w4a4", 1, n, k)
+    def ptrs(i, y):
+        head = [xp.data_ptr(), xs.data_ptr(), xg.data_ptr()]
+        head += [res.data_ptr()] if residual else []
+        return head + [wps[i].data_ptr(), wss[i].data_ptr(), wg.data_ptr(), li.data_ptr(),
+                       y.data_ptr()]  # fmt: skip
 
-    def prod_ptrs(i, y):
-        return [xp.data_ptr(), xs.data_ptr(), xg.data_ptr(), wps[i].data_ptr(),
-                wss[i].data_ptr(), wg.data_ptr(), layer0.data_ptr(), y.data_ptr()]  # fmt: skip
-
-    def tma_ptrs(i, y):
-        return [xp.data_ptr(), xs.data_ptr(), xg.data_ptr(), wps[i].data_ptr(),
-                wss[i].data_ptr(), wg.data_ptr(), y.data_ptr()]  # fmt: skip
-
-    def run(launch, ptrs):
+    def run(launch):
         y = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=dev)
         launch(stream, ptrs(0, y))
         torch.cuda.synchronize()
@@ -141,17 +155,21 @@ def check_shape(torch, bk, n, k, variants, time_it: bool, sms: int) -> tuple[lis
         return float(torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double()))
 
     rows, timing, failures = [], [], []
-    y_prod = run(prod.launch, prod_ptrs)
-    rows.append({"n": n, "k": k, "variant": "production", "plan": str(prod.plan),
-                 "rel_err": rel(y_prod, y64), "bound": bound})  # fmt: skip
+    y_prod = run(prod.launch)
+    prod_err = rel(y_prod, y64)
+    # the GPU tests' bound (1.5 x float64 merely rounded to bf16); with the residual two roundings
+    # (the product's, then the sum's), so production's own error, with a margin, where larger
+    bound = max(1.5 * floor, 1.25 * prod_err if residual else 0.0) + 1e-6
+    rows.append({"case": tag, "variant": "production", "plan": str(prod.plan),
+                 "rel_err": prod_err, "bound": bound})  # fmt: skip
     for v in variants:
-        kern = tma.build(n, k, sms=sms, **VARIANTS[v])
-        row = {"n": n, "k": k, "variant": v, "grid": kern.plan.grid, "smem": kern.plan.smem,
+        kern = tma.build(n, k, sms=sms, residual=residual, **VARIANTS[v])
+        row = {"case": tag, "variant": v, "grid": kern.plan.grid, "smem": kern.plan.smem,
                "in_flight": kern.plan.in_flight}  # fmt: skip
         try:
             row["driver"] = kern.attributes()
             if v not in TIMED_ONLY:
-                y1, y2 = run(kern.launch, tma_ptrs), run(kern.launch, tma_ptrs)
+                y1, y2 = run(kern.launch), run(kern.launch)
                 row["written"] = bool(torch.isfinite(y1).all())
                 row["repeatable"] = bool((y1.view(torch.int16) == y2.view(torch.int16)).all())
                 row["rel_err"] = rel(y1, y64)
@@ -163,10 +181,10 @@ def check_shape(torch, bk, n, k, variants, time_it: bool, sms: int) -> tuple[lis
                 ok = row["written"] and row["repeatable"] and row["rel_err"] <= bound
                 row["ok"] = ok
                 if not ok:
-                    failures.append(f"{v} {n}x{k}: {row}")
+                    failures.append(f"{v} {tag}: {row}")
         except Exception as err:  # noqa: BLE001
             row["error"] = f"{type(err).__name__}: {err}"[:400]
-            failures.append(f"{v} {n}x{k}: {row['error']}")
+            failures.append(f"{v} {tag}: {row['error']}")
         rows.append(row)
         print(json.dumps(row), flush=True)
     if not time_it:
@@ -174,22 +192,24 @@ def check_shape(torch, bk, n, k, variants, time_it: bool, sms: int) -> tuple[lis
 
     outs = [torch.empty((n,), dtype=torch.bfloat16, device=dev) for _ in range(copies)]
 
-    def graph_time(launch, ptrs):
+    def graph_time(launch):
         def mk(i):
             return lambda: launch(torch.cuda.current_stream().cuda_stream, ptrs(i, outs[i]))
 
         return bk.time_torch_graph(torch, [mk(i) for i in range(copies)])
 
-    t = {"n": n, "k": k, "bytes": nbytes, "copies": copies}
-    t["production_s"] = graph_time(prod.launch, prod_ptrs)
+    t = {"case": tag, "n": n, "k": k, "residual": residual, "bytes": nbytes, "copies": copies}
+    t["production_s"] = graph_time(prod.launch)
     for v in variants:
-        if any(f.startswith(f"{v} {n}x{k}:") for f in failures if v not in TIMED_ONLY):
+        if any(f.startswith(f"{v} {tag}:") for f in failures):
             continue
         try:
-            t[f"{v}_s"] = graph_time(tma.build(n, k, sms=sms, **VARIANTS[v]).launch, tma_ptrs)
+            t[f"{v}_s"] = graph_time(
+                tma.build(n, k, sms=sms, residual=residual, **VARIANTS[v]).launch
+            )
         except Exception as err:  # noqa: BLE001
             t[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
-    t["production_again_s"] = graph_time(prod.launch, prod_ptrs)  # drift check
+    t["production_again_s"] = graph_time(prod.launch)  # drift check
     w = [(_Buf(a), _Buf(b)) for a, b in zip(wps, wss, strict=True)]
     t["read_floor_4cta_s"] = bk.time_read_floor_graph(torch, w)
     t["read_floor_1cta_s"] = bk.time_read_floor_graph(torch, w, grid_per_sm=1)
@@ -199,20 +219,23 @@ def check_shape(torch, bk, n, k, variants, time_it: bool, sms: int) -> tuple[lis
 
 
 def summarize(timing: list, variants) -> dict:
-    """Per variant: time / production's per shape and the geomean over shapes; the same against
-    the 4-CTA read floor."""
+    """Per epilogue ("plain", "residual") and variant: time / production's per case and the
+    geomean over cases; the geomean against the 4-CTA read floor."""
     out = {}
-    for v in ["production", *variants]:
-        key = f"{v}_s"
-        r_prod = [t[key] / t["production_s"] for t in timing if key in t]
-        r_floor = [t[key] / t["read_floor_4cta_s"] for t in timing if key in t]
-        if r_prod:
-            out[v] = {
-                "time_over_production": [round(r, 4) for r in r_prod],
-                "geomean_over_production": float(np.exp(np.mean(np.log(r_prod)))),
-                "geomean_over_read_floor": float(np.exp(np.mean(np.log(r_floor)))),
-                "us": [round(1e6 * t[key], 2) for t in timing if key in t],
-            }
+    for epi in ("plain", "residual"):
+        rows = [t for t in timing if t.get("residual", False) == (epi == "residual")]
+        for v in ["production", *variants]:
+            key = f"{v}_s"
+            r_prod = [t[key] / t["production_s"] for t in rows if key in t]
+            r_floor = [t[key] / t["read_floor_4cta_s"] for t in rows if key in t]
+            if r_prod:
+                out.setdefault(epi, {})[v] = {
+                    "cases": [t["case"] for t in rows if key in t],
+                    "time_over_production": [round(r, 4) for r in r_prod],
+                    "geomean_over_production": float(np.exp(np.mean(np.log(r_prod)))),
+                    "geomean_over_read_floor": float(np.exp(np.mean(np.log(r_floor)))),
+                    "us": [round(1e6 * t[key], 2) for t in rows if key in t],
+                }
     return out
 
 
@@ -226,7 +249,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--shapes",
-        default=",".join(f"{n}x{k}" for n, k in tma.QWEN3_8B_SHAPES),
+        default=DEFAULT_SHAPES,
         help="N x K pairs, comma-separated (a small one for compute-sanitizer)",
     )
     args = ap.parse_args(argv)
@@ -272,8 +295,19 @@ def main(argv=None) -> int:
         result["copy_bandwidth_Bps"] = bk.copy_bandwidth(torch)
     _write(args.out, {**result, "partial": True})
     failures = []
-    for n, k in shapes:
-        rows, timing, fails = check_shape(torch, bk, n, k, variants, not args.no_time, sms)
+    # every shape plain, with every variant; the residual epilogue where the decoder has it (o and
+    # down: N = hidden) or on every given shape (--shapes), with the first variants of
+    # RESIDUAL_VARIANTS; a stacked weight read at its last layer, correctness only
+    res_variants = [v for v in variants if v in RESIDUAL_VARIANTS] or variants[:1]
+    cases = [(n, k, variants, {}) for n, k in shapes]
+    cases += [(n, k, res_variants, {"residual": True}) for n, k in shapes
+              if args.shapes != DEFAULT_SHAPES or n == 4096]  # fmt: skip
+    n0, k0 = shapes[0]
+    cases += [(min(n0, 1024), k0, res_variants, {"residual": r, "layers": 3, "layer": 2, "time": False})
+              for r in (False, True)]  # fmt: skip
+    for n, k, vs, kw in cases:
+        time_it = kw.pop("time", True) and not args.no_time
+        rows, timing, fails = check_shape(torch, bk, n, k, vs, time_it, sms, **kw)
         result["rows"] += rows
         result["timing"] += timing
         failures += fails

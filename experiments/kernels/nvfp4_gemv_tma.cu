@@ -1,6 +1,6 @@
 // EXPERIMENT (not the product): a batch-1 NVFP4 W4A4 GEMV for Hopper (sm_90) that streams the
-// weights into shared memory with TMA bulk copies, y[N] = x[K] . W[N, K]^T, bf16 out.
-// Host side, plans and the device check: nvfp4_gemv_tma.py and check_gemv_tma.py beside this file.
+// weights into shared memory with TMA bulk copies, y[N] = x[K] . W[N, K]^T, bf16 out. Host side,
+// plans and the device check: nvfp4_gemv_tma.py and check_gemv_tma.py beside this file.
 //
 // Why. KERNEL_NOTES log 16: production's M = 1 GEMV (cuda_ops/nvfp4_gemv.cu) runs at the read
 // floor of its own occupancy (one 512-thread CTA per SM, ~112 registers): a plain read launched
@@ -10,13 +10,16 @@
 // STAGES stages of the CTA's weights in flight with cp.async.bulk (no registers, no per-thread
 // load instructions; 70-150 KB per SM), and the consumer warps decode from shared memory.
 //
-// Layout and numerics are production's: codes uint8 [N, K/2] (element 2j in the low nibble of
-// byte j), E4M3 block scales [N, K/16], one float32 global scale each for W and x. x is decoded
-// once per CTA to int8 (2 x E2M1 value) in shared memory; each 16-element block dot is an exact
-// integer from dp4a on (positive, negative) weight words (the same prmt tables), scaled by
-// SFw * SFx (exact in fp32) and accumulated in fp32; y = (acc / 4) * (gw * gx), rounded once to
-// bf16. Only the fp32 summation order differs from production (per lane over its 16-byte units,
-// then a butterfly over the lanes), so outputs agree with it to fp32 rounding, not bitwise.
+// Operands, layout and numerics are production's plain W4A4 GEMV's (nvfp4_gemv_w4a4 at M = 1):
+// xp, xs, xg, with EPI_RES the bf16 residual res [N] (y = res + y, XLA's bf16 add), the stacked
+// weights wp [L, N, K/2] (element 2j in the low nibble of byte j), ws [L, N, K/16] (E4M3 block
+// scales), wg [L] (one float32 global scale a layer), the layer (int32 on the device), y [N]. x
+// is decoded once per CTA to int8 (2 x E2M1 value) in shared memory; each 16-element block dot
+// is an exact integer from dp4a on (positive, negative) weight words (the same prmt tables),
+// scaled by SFw * SFx (exact in fp32) and accumulated in fp32; y = (acc / 4) * (gw * gx),
+// rounded once to bf16. Only the fp32 summation order differs from production (per lane over its
+// 16-byte units, then a butterfly over the lanes), so outputs agree with it to fp32 rounding,
+// not bitwise.
 //
 // Work: a stage is WARPS rows x KCH code bytes (and their KCH / 8 scale bytes); consumer warp w
 // takes row w of each stage, lane l its 16-byte units l, l + 32, ... A CTA owns a contiguous
@@ -24,14 +27,14 @@
 // group). Stage s has a "full" mbarrier (the producer's arrive.expect_tx, then the bulk copies'
 // complete_tx) and an "empty" one (one arrive per consumer warp once it has read the stage).
 //
-// -D constants (nvfp4_gemv_tma.py plans them): N_OUT, K_IN, KCH (code bytes of a row a stage:
-// a multiple of 512 dividing K_IN / 2), WARPS (consumer warps, <= 16), STAGES, GRID (CTAs),
-// MIN_CTAS (launch bounds), EF (1: the bulk copies carry an L2 evict_first policy), NOMATH (1:
-// diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate alone),
-// PRODUCER (0: TMA bulk copies, one per row and chunk; 1: the second design, the producer
-// warp's 32 lanes fill a stage with 16-byte cp.async copies, each lane's completing through
-// cp.async.mbarrier.arrive.noinc on the stage's "full" barrier, which then counts 32 arrivals
-// instead of bytes: the same ring with the load-store unit instead of the copy engine).
+// -D constants (nvfp4_gemv_tma.py plans them): EPI_RES, N_OUT, K_IN, KCH (code bytes of a row a
+// stage: a multiple of 512 dividing K_IN / 2), WARPS (consumer warps, <= 16), STAGES, GRID
+// (CTAs), MIN_CTAS (launch bounds), EF (1: the bulk copies carry an L2 evict_first policy),
+// NOMATH (1: diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate
+// alone), PRODUCER (0: TMA bulk copies, one per row and chunk; 1: the second design, the
+// producer warp's 32 lanes fill a stage with 16-byte cp.async copies, each lane's completing
+// through cp.async.mbarrier.arrive.noinc on the stage's "full" barrier, which then counts 32
+// arrivals instead of bytes: the same ring with the load-store unit instead of the copy engine).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -49,6 +52,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef PRODUCER
 #define PRODUCER 0
+#endif
+#ifndef EPI_RES
+#define EPI_RES 0
 #endif
 
 #define ROW_CODES (K_IN / 2)
@@ -156,8 +162,17 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     nvfp4_gemv_tma(const u8* __restrict__ xp, const u8* __restrict__ xs,
-                   const float* __restrict__ xg, const u8* __restrict__ wp,
-                   const u8* __restrict__ ws, const float* __restrict__ wg, u16* __restrict__ y) {
+                   const float* __restrict__ xg,
+#if EPI_RES
+                   const u16* __restrict__ res,
+#endif
+                   const u8* __restrict__ wp_all, const u8* __restrict__ ws_all,
+                   const float* __restrict__ wg_all, const int* __restrict__ layer,
+                   u16* __restrict__ y) {
+  // production's operands: the stacked weights of every layer and the layer to read
+  const size_t l = (size_t)*layer;
+  const u8* __restrict__ wp = wp_all + l * N_OUT * ROW_CODES;
+  const u8* __restrict__ ws = ws_all + l * N_OUT * ROW_SCALES;
   extern __shared__ __align__(1024) u8 smem[];
   u8* ring = smem;
   u8* sx = smem + RING_BYTES;        // x as int8, K_IN bytes
@@ -240,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
   }
   asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
 
-  const float out_scale = wg[0] * xg[0];
+  const float out_scale = wg_all[l] * xg[0];
   float acc = 0.f;
   for (int i = 0; i < items; ++i) {
     const int s = i % STAGES, c = i % CHUNKS;
@@ -270,7 +285,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     if (c == CHUNKS - 1) {  // the row is done: its lanes' sums, in a fixed butterfly order
 #pragma unroll
       for (int b = 16; b >= 1; b >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, b);
-      if (lane == 0) y[(g0 + i / CHUNKS) * WARPS + warp] = f32_to_bf16((acc * 0.25f) * out_scale);
+      if (lane == 0) {
+        const int n = (g0 + i / CHUNKS) * WARPS + warp;
+        const float out = (acc * 0.25f) * out_scale;
+#if EPI_RES  // XLA's bf16 add: both bf16 values added in fp32, rounded once
+        y[n] = f32_to_bf16(__uint_as_float((u32)res[n] << 16) +
+                           __uint_as_float((u32)f32_to_bf16(out) << 16));
+#else
+        y[n] = f32_to_bf16(out);
+#endif
+      }
       acc = 0.f;
     }
   }

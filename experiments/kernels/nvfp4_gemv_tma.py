@@ -4,9 +4,8 @@ next to this file): plan, NVRTC build, ptxas report, launch.
 The kernel keeps STAGES stages of a CTA's weights in flight with `cp.async.bulk` issued by one
 producer warp (or, producer "lsu", that warp's 16-byte cp.async copies), so the bytes in flight
 no longer depend on the consumer warps' registers (the limiter of production's M = 1 GEMV,
-KERNEL_NOTES log 16). Plain W4A4 only: unstacked weights,
-one token, no residual or other epilogue (what the device check times against production's
-plain GEMV on the same operands).
+KERNEL_NOTES log 16). It takes production's plain W4A4 GEMV's operands (stacked weights and the
+layer, optionally the residual epilogue), one token; no SwiGLU or norm epilogue yet.
 
 Nothing here imports cuda-python or JAX at module import: NVRTC is reached by `build` and
 `ptxas_report`, the driver by `launch`.
@@ -27,7 +26,8 @@ from cuda_ops.nvfp4_gemv import _drv_check
 
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemv_tma.cu")
 ENTRY = "nvfp4_gemv_tma"
-N_INPUTS = 6  # (xp, xs, xg, wp, ws, wg), then y
+# operands as production's plain W4A4 GEMV: (xp, xs, xg, [res], wp, ws, wg, layer), then y
+N_INPUTS = 7
 ARCH = "compute_90"  # cp.async.bulk and mbarrier transaction counts: sm_90
 SMEM_LIMIT = 227 * 1024  # dynamic shared memory a CTA may opt into on sm_90
 SM_SMEM = 228 * 1024  # shared memory of an SM (CTAs per SM must fit it, 1 KB reserved each)
@@ -50,6 +50,11 @@ class TmaPlan:
     ef: bool = False  # the bulk copies with an L2 evict_first policy
     nomath: bool = False  # diagnostic: no decode or dot, the streaming alone
     producer: str = "tma"  # "tma": bulk copies; "lsu": the producer warp's 16-byte cp.async
+    residual: bool = False  # y = res + y (the decoder's residual add, production's EPI_RES)
+
+    @property
+    def n_inputs(self) -> int:
+        return N_INPUTS + int(self.residual)
 
     @property
     def threads(self) -> int:
@@ -89,6 +94,7 @@ class TmaPlan:
             "EF": int(self.ef),
             "NOMATH": int(self.nomath),
             "PRODUCER": PRODUCERS.index(self.producer),
+            "EPI_RES": int(self.residual),
         }
 
 
@@ -132,14 +138,15 @@ class TmaKernel:
     ptx: str
 
     def launch(self, stream: int, pointers: list[int]) -> None:
-        """Launches on `stream` with device pointers (xp, xs, xg, wp, ws, wg, y)."""
+        """Launches on `stream` with device pointers (xp, xs, xg, [res], wp, ws, wg, layer, y):
+        production's plain W4A4 GEMV's operands."""
         import ctypes
 
         from cuda.bindings import driver
 
-        if len(pointers) != N_INPUTS + 1:
-            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
         p = self.plan
+        if len(pointers) != p.n_inputs + 1:
+            raise KernelError(f"{ENTRY} takes {p.n_inputs + 1} pointers, got {len(pointers)}")
         params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
         _drv_check(
             driver.cuLaunchKernel(
@@ -171,7 +178,7 @@ class TmaKernel:
 @functools.cache
 def _build_cached(p: TmaPlan) -> TmaKernel:
     ptx = compile_ptx(read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH)
-    if ptx_entries(ptx) != {ENTRY: N_INPUTS + 1}:
+    if ptx_entries(ptx) != {ENTRY: p.n_inputs + 1}:
         raise KernelError(f"{SOURCE.name}: unexpected entries {ptx_entries(ptx)}")
     return TmaKernel(plan=p, ptx=ptx)
 

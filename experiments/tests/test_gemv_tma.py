@@ -17,12 +17,13 @@ def test_every_planned_kernel_fits_its_occupancy_without_spills():
         assert rep["spill_bytes"] == 0, (v, p)
         assert rep["registers"] * p.threads * p.ctas <= 65536, (v, p, rep["registers"])
         assert p.ctas * (p.smem + 1024) <= tma.SM_SMEM and p.smem <= tma.SMEM_LIMIT
-        kern = tma.build(p.n, p.k, **check.VARIANTS[v])
+        kern = tma.build(p.n, p.k, residual=p.residual, **check.VARIANTS[v])
         bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in kern.ptx
         lsu = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in kern.ptx
         assert (bulk, lsu) == (p.producer == "tma", p.producer == "lsu"), (v, p)
         assert ("createpolicy.fractional.L2::evict_first" in kern.ptx) == p.ef
         assert ("dp4a" in kern.ptx) != p.nomath
+        assert f"nvfp4_gemv_tma_param_{p.n_inputs}" in kern.ptx  # y after the operands
 
 
 def test_plan_defaults_and_bad_plans():
@@ -80,11 +81,16 @@ def test_float64_reference_decodes_as_rejax_nvfp4():
 
 def test_summary_ratios():
     timing = [
-        {"production_s": 2e-6, "tma_s": 1e-6, "read_floor_4cta_s": 1e-6},
-        {"production_s": 8e-6, "tma_s": 2e-6, "read_floor_4cta_s": 1e-6},
-    ]
+        {"case": "a", "production_s": 2e-6, "tma_s": 1e-6, "read_floor_4cta_s": 1e-6},
+        {"case": "b", "production_s": 8e-6, "tma_s": 2e-6, "read_floor_4cta_s": 1e-6},
+        {"case": "b+res", "residual": True, "production_s": 4e-6, "lsu_s": 8e-6,
+         "read_floor_4cta_s": 1e-6},
+    ]  # fmt: skip
     out = check.summarize(timing, ["tma", "lsu"])
-    assert out["tma"]["time_over_production"] == [0.5, 0.25]
-    assert out["tma"]["geomean_over_production"] == pytest.approx(np.sqrt(0.125))
-    assert out["tma"]["geomean_over_read_floor"] == pytest.approx(np.sqrt(2.0))
-    assert out["production"]["us"] == [2.0, 8.0] and "lsu" not in out
+    plain, res = out["plain"], out["residual"]
+    assert plain["tma"]["time_over_production"] == [0.5, 0.25]
+    assert plain["tma"]["geomean_over_production"] == pytest.approx(np.sqrt(0.125))
+    assert plain["tma"]["geomean_over_read_floor"] == pytest.approx(np.sqrt(2.0))
+    assert plain["production"]["us"] == [2.0, 8.0] and "lsu" not in plain
+    assert res["lsu"]["time_over_production"] == [2.0] and res["lsu"]["cases"] == ["b+res"]
+    assert "tma" not in res
