@@ -9,8 +9,9 @@ against production's M = 1 GEMV and the plain read floor. From the repository ro
    policy, the cp.async producer, and the NOMATH diagnostic), builds the kernel (NVRTC) and
    production's plain W4A4 GEMV at M = 1 (its default plan, cuda_ops.nvfp4_gemv.build); then
    the residual epilogue (y = res + y) on o_proj's and down_proj's shapes and a weight stacked 3
-   deep read at layer 2 (plain and residual, correctness only), with `RESIDUAL_VARIANTS`. Both
-   kernels take the same operands (production's: xp, xs, xg, [res], wp, ws, wg, layer).
+   deep read at layer 2 (plain and residual, correctness only), and gate_up's SwiGLU epilogue
+   (down_proj's NVFP4 input, production's SWIGLU_OUT), with `RESIDUAL_VARIANTS`. Both kernels
+   take the same operands (production's: xp, xs, xg, [res], wp, ws, wg, layer[, xgd]).
 2. Runs each on random NVFP4 operands (uniform codes, E4M3 block scales 0.125 .. 240 as the
    GPU tests use) into NaN-poisoned outputs, twice (bitwise repeatable), and compares with the
    float64 product of the same dequantized operands (relative error <= 1.5 x that of float64
@@ -65,11 +66,13 @@ DEFAULT_SHAPES = ",".join(f"{n}x{k}" for n, k in tma.QWEN3_8B_SHAPES)
 
 
 def problems(shapes=tma.QWEN3_8B_SHAPES, variants=tuple(VARIANTS)) -> list:
-    """Every (variant, plan) the check builds (RESIDUAL_VARIANTS also with the residual
-    epilogue). CPU only; raises for a plan that cannot run."""
+    """Every (variant, plan) the check builds (RESIDUAL_VARIANTS also with the residual and the
+    SwiGLU epilogues). CPU only; raises for a plan that cannot run."""
     out = [(v, tma.plan(n, k, **VARIANTS[v])) for n, k in shapes for v in variants]
     res = [v for v in variants if v in RESIDUAL_VARIANTS] or list(variants[:1])
-    return out + [(v, tma.plan(n, k, residual=True, **VARIANTS[v])) for n, k in shapes for v in res]
+    out += [(v, tma.plan(n, k, residual=True, **VARIANTS[v])) for n, k in shapes for v in res]
+    return out + [(v, tma.plan(n, k, swiglu=mode, **VARIANTS[v])) for n, k in shapes for v in res
+                  for mode in tma.SWIGLUS if n % 32 == 0]  # fmt: skip
 
 
 def _seed(*parts) -> int:
@@ -218,12 +221,149 @@ def check_shape(
     return rows, timing, failures
 
 
+_MODULES: dict = {}
+
+
+def _launch_ptx(ptx: str, entry: str, grid, threads: int, smem: int, ptrs, stream) -> None:
+    """A direct launch of a PTX entry (module loaded once per PTX text)."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    from cuda_ops.nvfp4_gemv import _drv_check
+
+    key = (ptx, entry)
+    if key not in _MODULES:
+        module = _drv_check(driver.cuModuleLoadData(ptx.encode() + b"\0"), "load")
+        fn = _drv_check(driver.cuModuleGetFunction(module, entry.encode()), "function")
+        if smem > 48 * 1024:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _drv_check(driver.cuFuncSetAttribute(fn, attr, smem), "smem")
+        _MODULES[key] = (module, fn)
+    fn = _MODULES[key][1]
+    gx, gy = grid
+    params = (tuple(ptrs), tuple(ctypes.c_void_p for _ in ptrs))
+    _drv_check(
+        driver.cuLaunchKernel(fn, gx, gy, 1, threads, 1, 1, smem, stream, params, 0), "launch"
+    )
+
+
+def check_swiglu(torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values, layer=1):
+    """gate_up's SwiGLU epilogue (N = 2F) at `layer` of a stacked weight, down_proj's static
+    scale `xgd_values` (stacked [L] when several, else one value): each variant's codes, block
+    scales and global scale must be the bytes of its own plain build's y fed to production's
+    quantizer kernel (prologue "swiglu": the same device arithmetic), and are compared with
+    production's SWIGLU_OUT GEMV (fraction of equal bytes: the fp32 sums differ in order).
+    Timed against production's SWIGLU_OUT GEMV."""
+    from cuda_ops import nvfp4_gemv, nvfp4_quant
+
+    dev, f = "cuda", n // 2
+    stacked = len(xgd_values) > 1
+    mode = "stacked" if stacked else "scalar"
+    tag = f"{n}x{k} swiglu {mode} L{layer}"
+    layers = max(layer + 1, len(xgd_values))
+    rng = np.random.default_rng(_seed(n, k, "swiglu", mode))
+    nbytes = n * k // 2 + n * k // 16
+    copies = bk._copies(nbytes) if time_it else 1
+    g = torch.Generator(device=dev).manual_seed(_seed(n, k, "swiglu w"))
+    wps = [torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=dev, generator=g)
+           for _ in range(copies)]  # fmt: skip
+    wss = [torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev, generator=g)
+           for _ in range(copies)]  # fmt: skip
+    wg = torch.from_numpy((rng.random(layers) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
+    xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
+    xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
+    xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+    xgd = torch.tensor(list(xgd_values), dtype=torch.float32, device=dev)
+    li = torch.tensor(layer, dtype=torch.int32, device=dev)
+    nw = torch.zeros(1, dtype=torch.bfloat16, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    quant = nvfp4_quant.build(1, f, nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=stacked))
+    prod = nvfp4_gemv.build("w4a4", 1, n, k, swiglu_out=mode)
+    pp = prod.plan
+
+    def outs():
+        return (torch.full((f // 2,), 0xAB, dtype=torch.uint8, device=dev),
+                torch.full((f // 16,), 0xAB, dtype=torch.uint8, device=dev),
+                torch.full((1,), float("nan"), dtype=torch.float32, device=dev))  # fmt: skip
+
+    def ptrs(i, o):
+        head = [xp, xs, xg, wps[i], wss[i], wg, li, xgd]
+        return [t.data_ptr() for t in (*head, *o)]
+
+    def prod_launch(stream, p):
+        _launch_ptx(prod.ptx, prod.entry, (pp.grid, 1), pp.threads, pp.smem, p, stream)
+
+    def run(launch):
+        o = outs()
+        launch(stream, ptrs(0, o))
+        torch.cuda.synchronize()
+        return o
+
+    def same(a, b) -> float:
+        return float((a.view(torch.uint8) == b.view(torch.uint8)).double().mean())
+
+    rows, timing, failures = [], [], []
+    p_out = run(prod_launch)
+    for v in variants:
+        row = {"case": tag, "variant": v}
+        try:
+            kern = tma.build(n, k, sms=sms, swiglu=mode, **VARIANTS[v])
+            plain = tma.build(n, k, sms=sms, **VARIANTS[v])
+            o1, o2 = run(kern.launch), run(kern.launch)
+            y = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=dev)
+            plain.launch(stream, [t.data_ptr() for t in (xp, xs, xg, wps[0], wss[0], wg, li, y)])
+            want = outs()
+            _launch_ptx(quant.ptx, nvfp4_quant.ENTRY, (1, f // quant.chunk), quant.threads, 0,
+                        [y.data_ptr(), xgd.data_ptr(), nw.data_ptr(), li.data_ptr(),
+                         *(t.data_ptr() for t in want)], stream)  # fmt: skip
+            torch.cuda.synchronize()
+            row["repeatable"] = all(same(a, b) == 1.0 for a, b in zip(o1, o2, strict=True))
+            row["equal_to_plain_then_quantizer"] = [
+                same(a, b) for a, b in zip(o1, want, strict=True)
+            ]
+            row["equal_to_production"] = [same(a, b) for a, b in zip(o1, p_out, strict=True)]
+            row["ok"] = row["repeatable"] and row["equal_to_plain_then_quantizer"] == [1.0] * 3
+            if not row["ok"]:
+                failures.append(f"{v} {tag}: {row}")
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+            failures.append(f"{v} {tag}: {row['error']}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if not time_it:
+        return rows, timing, failures
+    bufs = [outs() for _ in range(copies)]
+
+    def graph_time(launch):
+        def mk(i):
+            return lambda: launch(torch.cuda.current_stream().cuda_stream, ptrs(i, bufs[i]))
+
+        return bk.time_torch_graph(torch, [mk(i) for i in range(copies)])
+
+    t = {"case": tag, "n": n, "k": k, "swiglu": True, "bytes": nbytes, "copies": copies}
+    t["production_s"] = graph_time(prod_launch)
+    for v in variants:
+        if not any(f.startswith(f"{v} {tag}:") for f in failures):
+            t[f"{v}_s"] = graph_time(tma.build(n, k, sms=sms, swiglu=mode, **VARIANTS[v]).launch)
+    t["production_again_s"] = graph_time(prod_launch)
+    w = [(_Buf(a[layer]), _Buf(b[layer])) for a, b in zip(wps, wss, strict=True)]
+    t["read_floor_4cta_s"] = bk.time_read_floor_graph(torch, w)
+    timing.append(t)
+    print(json.dumps(t), flush=True)
+    return rows, timing, failures
+
+
 def summarize(timing: list, variants) -> dict:
-    """Per epilogue ("plain", "residual") and variant: time / production's per case and the
-    geomean over cases; the geomean against the 4-CTA read floor."""
+    """Per epilogue ("plain", "residual", "swiglu") and variant: time / production's per case and
+    the geomean over cases; the geomean against the 4-CTA read floor."""
     out = {}
-    for epi in ("plain", "residual"):
-        rows = [t for t in timing if t.get("residual", False) == (epi == "residual")]
+
+    def epilogue(t) -> str:
+        return "swiglu" if t.get("swiglu") else "residual" if t.get("residual") else "plain"
+
+    for epi in ("plain", "residual", "swiglu"):
+        rows = [t for t in timing if epilogue(t) == epi]
         for v in ["production", *variants]:
             key = f"{v}_s"
             r_prod = [t[key] / t["production_s"] for t in rows if key in t]
@@ -303,8 +443,8 @@ def main(argv=None) -> int:
     cases += [(n, k, res_variants, {"residual": True}) for n, k in shapes
               if args.shapes != DEFAULT_SHAPES or n == 4096]  # fmt: skip
     n0, k0 = shapes[0]
-    cases += [(min(n0, 1024), k0, res_variants, {"residual": r, "layers": 3, "layer": 2, "time": False})
-              for r in (False, True)]  # fmt: skip
+    stack = {"layers": 3, "layer": 2, "time": False}
+    cases += [(min(n0, 1024), k0, res_variants, {"residual": r, **stack}) for r in (False, True)]
     for n, k, vs, kw in cases:
         time_it = kw.pop("time", True) and not args.no_time
         rows, timing, fails = check_shape(torch, bk, n, k, vs, time_it, sms, **kw)
@@ -312,6 +452,19 @@ def main(argv=None) -> int:
         result["timing"] += timing
         failures += fails
         _write(args.out, {**result, "partial": True})
+    # gate_up's SwiGLU epilogue: on gate_up's shape (every given shape of N % 32 == 0 with
+    # --shapes), down's scale stacked (timed), and one saturating scalar (correctness)
+    for n, k in shapes:
+        if n % 32 or (args.shapes == DEFAULT_SHAPES and n != 24576):
+            continue
+        for xgd, timed in (((0.0047, 0.0031), True), ((1e-9,), False)):
+            rows, timing, fails = check_swiglu(
+                torch, bk, n, k, res_variants, timed and not args.no_time, sms, xgd
+            )
+            result["rows"] += rows
+            result["timing"] += timing
+            failures += fails
+            _write(args.out, {**result, "partial": True})
     result["summary"] = summarize(result["timing"], variants)
     result["failures"] = failures
     result["wall_s"] = time.time() - t0

@@ -27,7 +27,7 @@
 // group). Stage s has a "full" mbarrier (the producer's arrive.expect_tx, then the bulk copies'
 // complete_tx) and an "empty" one (one arrive per consumer warp once it has read the stage).
 //
-// -D constants (nvfp4_gemv_tma.py plans them): EPI_RES, N_OUT, K_IN, KCH (code bytes of a row a
+// -D constants (nvfp4_gemv_tma.py plans them): EPI_RES, SWIGLU_OUT and XGD_STACK (below), N_OUT, K_IN, KCH (code bytes of a row a
 // stage: a multiple of 512 dividing K_IN / 2), WARPS (consumer warps, <= 16), STAGES, GRID
 // (CTAs), MIN_CTAS (launch bounds), EF (1: the bulk copies carry an L2 evict_first policy),
 // NOMATH (1: diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate
@@ -56,6 +56,12 @@ typedef unsigned long long u64;
 #ifndef EPI_RES
 #define EPI_RES 0
 #endif
+#ifndef SWIGLU_OUT
+#define SWIGLU_OUT 0  // gate_up: down_proj's NVFP4 input instead of y (below)
+#endif
+#ifndef XGD_STACK
+#define XGD_STACK 0  // SWIGLU_OUT: down_proj's static input scale is stacked [L]
+#endif
 
 #define ROW_CODES (K_IN / 2)
 #define ROW_SCALES (K_IN / 16)
@@ -71,6 +77,14 @@ typedef unsigned long long u64;
 static_assert(KCH % 512 == 0 && ROW_CODES % KCH == 0, "KCH: a multiple of 512 dividing K / 2");
 static_assert(WARPS >= 1 && WARPS <= 16 && N_OUT % WARPS == 0, "WARPS rows a stage");
 static_assert(STAGES >= 2, "at least two stages");
+// SWIGLU_OUT (gate_up_proj, y = [gate | up], N = 2F), production's epilogue: a unit is the 16
+// gate rows 16u .. 16u + 15 and the 16 up rows F + 16u .., one 16-element NVFP4 block of
+// down_proj's input. A CTA owns whole units and streams each unit's gate group, then its up
+// group, so consumer warp w ends the unit with gate and up of output 16u + w; the 16 values
+// h = silu(gate) * up (production's bf16 rounding points) meet in shared memory and 4 lanes
+// quantize the block with down_proj's static input scale (common.cuh's block_codes).
+static_assert(!SWIGLU_OUT || (WARPS == 16 && N_OUT % 32 == 0 && !EPI_RES),
+              "SWIGLU_OUT: 16 rows a stage (one block), N a multiple of 32, no residual");
 
 // ---------------------------------------------------------------------------- mbarrier / TMA
 
@@ -158,6 +172,10 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
   return r;
 }
 
+__device__ __forceinline__ float rbf16(float f) {
+  return __uint_as_float((u32)f32_to_bf16(f) << 16);
+}
+
 // ---------------------------------------------------------------------------- kernel
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
@@ -168,20 +186,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
                    const u8* __restrict__ wp_all, const u8* __restrict__ ws_all,
                    const float* __restrict__ wg_all, const int* __restrict__ layer,
+#if SWIGLU_OUT  // down_proj's static input scale in; its codes, block scales, global scale out
+                   const float* __restrict__ xgd, u8* __restrict__ dp, u8* __restrict__ ds,
+                   float* __restrict__ dg) {
+#else
                    u16* __restrict__ y) {
+#endif
   // production's operands: the stacked weights of every layer and the layer to read
   const size_t l = (size_t)*layer;
   const u8* __restrict__ wp = wp_all + l * N_OUT * ROW_CODES;
   const u8* __restrict__ ws = ws_all + l * N_OUT * ROW_SCALES;
-  extern __shared__ __align__(1024) u8 smem[];
+  extern __shared__ __align__(128) u8 smem[];
   u8* ring = smem;
   u8* sx = smem + RING_BYTES;        // x as int8, K_IN bytes
   u8* sxs = sx + K_IN;               // x's E4M3 block scales, K_IN / 16 bytes
   u64* bars = (u64*)(sxs + ROW_SCALES);  // full[STAGES], empty[STAGES]
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+#if SWIGLU_OUT
+  const int u0 = (int)((long long)blockIdx.x * (N_OUT / 32) / GRID);  // the CTA's whole units
+  const int u1 = (int)((long long)(blockIdx.x + 1) * (N_OUT / 32) / GRID);
+  const int items = 2 * (u1 - u0) * CHUNKS;
+  // first row of the CTA's group j: unit u0 + j / 2's gate rows, then its up rows
+  auto group_row = [&](int j) { return (j & 1) * (N_OUT / 2) + (u0 + j / 2) * 16; };
+#else
   const int g0 = (int)((long long)blockIdx.x * GROUPS / GRID);
   const int g1 = (int)((long long)(blockIdx.x + 1) * GROUPS / GRID);
   const int items = (g1 - g0) * CHUNKS;
+  auto group_row = [&](int j) { return (g0 + j) * WARPS; };
+#endif
   const u32 full0 = smem_addr(bars), empty0 = smem_addr(bars + STAGES);
 
   if (tid == 0) {
@@ -205,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
       u8* st = ring + s * STAGE_BYTES;
 #if PRODUCER
       (void)pol;
-      const int row0 = (g0 + i / CHUNKS) * WARPS, c = i % CHUNKS;
+      const int row0 = group_row(i / CHUNKS), c = i % CHUNKS;
 #pragma unroll 4
       for (int piece = lane; piece < WARPS * KCH / 16; piece += 32) {  // codes, row-major
         const int r = piece / (KCH / 16), off = 16 * (piece % (KCH / 16));
@@ -221,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #else
       if (lane == 0) mbar_arrive_expect_tx(full0 + 8 * s, STAGE_BYTES);
       __syncwarp();
-      const int row = (g0 + i / CHUNKS) * WARPS + lane % WARPS, c = i % CHUNKS;
+      const int row = group_row(i / CHUNKS) + lane % WARPS, c = i % CHUNKS;
       if (lane < WARPS) {
         bulk_g2s(smem_addr(st + lane * KCH), wp + (size_t)row * ROW_CODES + c * KCH, KCH,
                  full0 + 8 * s, pol);
@@ -253,6 +285,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
   for (int u = tid; u < ROW_SCALES / 16; u += WARPS * 32) {
     *(uint4*)(sxs + 16 * u) = *(const uint4*)(xs + 16 * u);
   }
+#if SWIGLU_OUT
+  __shared__ float s_igd, hbuf[2][16];  // 1 / down's scale; a unit's h, by unit parity
+  const float* gd = xgd + (XGD_STACK ? l : 0);
+  if (tid == 0) {
+    s_igd = div_rn(1.0f, *gd);
+    if (blockIdx.x == 0) dg[0] = *gd;
+  }
+  float gate = 0.f;  // the unit's gate total (its up group comes next)
+#endif
   asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
 
   const float out_scale = wg_all[l] * xg[0];
@@ -285,8 +326,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     if (c == CHUNKS - 1) {  // the row is done: its lanes' sums, in a fixed butterfly order
 #pragma unroll
       for (int b = 16; b >= 1; b >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, b);
+#if SWIGLU_OUT
+      const int j = i / CHUNKS;
+      if ((j & 1) == 0) {
+        gate = acc;
+      } else {  // production's swiglu_epilogue arithmetic, one unit
+        const float g = rbf16((gate * 0.25f) * out_scale), u = rbf16((acc * 0.25f) * out_scale);
+        const float sig = rbf16(1.0f / (1.0f + expf(-g)));  // jax.nn.sigmoid
+        if (lane == 0) hbuf[(j >> 1) & 1][warp] = rbf16(rbf16(g * sig) * u);
+        // the unit's 16 values; the next unit writes the other half of hbuf, and the one after
+        // this half only past the next unit's barrier, which warp 0 reaches after its reads
+        asm volatile("bar.sync 2, %0;" ::"n"(WARPS * 32) : "memory");
+        if (warp == 0 && lane < 4) {  // 4 lanes x 4 elements, as production's epilogue
+          float v[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) v[e] = hbuf[(j >> 1) & 1][4 * lane + e];
+          float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+          amax = fmaxf(amax, __shfl_xor_sync(0xFu, amax, 1));
+          amax = fmaxf(amax, __shfl_xor_sync(0xFu, amax, 2));
+          u32 scale;
+          const u32 code = block_codes(v, amax, gd, &s_igd, scale);
+          const int j0 = (u0 + j / 2) * 16 + 4 * lane;  // element of down_proj's input
+          *reinterpret_cast<u16*>(dp + j0 / 2) = (u16)code;
+          if (lane == 0) ds[j0 / 16] = (u8)scale;
+        }
+      }
+#else
       if (lane == 0) {
-        const int n = (g0 + i / CHUNKS) * WARPS + warp;
+        const int n = group_row(i / CHUNKS) + warp;
         const float out = (acc * 0.25f) * out_scale;
 #if EPI_RES  // XLA's bf16 add: both bf16 values added in fp32, rounded once
         y[n] = f32_to_bf16(__uint_as_float((u32)res[n] << 16) +
@@ -295,6 +362,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
         y[n] = f32_to_bf16(out);
 #endif
       }
+#endif
       acc = 0.f;
     }
   }

@@ -5,7 +5,8 @@ The kernel keeps STAGES stages of a CTA's weights in flight with `cp.async.bulk`
 producer warp (or, producer "lsu", that warp's 16-byte cp.async copies), so the bytes in flight
 no longer depend on the consumer warps' registers (the limiter of production's M = 1 GEMV,
 KERNEL_NOTES log 16). It takes production's plain W4A4 GEMV's operands (stacked weights and the
-layer, optionally the residual epilogue), one token; no SwiGLU or norm epilogue yet.
+layer; optionally the residual epilogue, or gate_up's SwiGLU epilogue writing down_proj's NVFP4
+input), one token.
 
 Nothing here imports cuda-python or JAX at module import: NVRTC is reached by `build` and
 `ptxas_report`, the driver by `launch`.
@@ -34,6 +35,8 @@ SM_SMEM = 228 * 1024  # shared memory of an SM (CTAs per SM must fit it, 1 KB re
 # the shapes the device check runs (Qwen3-8B: qkv, o, gate_up, down)
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 PRODUCERS = ("tma", "lsu")  # the .cu's PRODUCER 0 / 1
+SWIGLUS = ("scalar", "stacked")
+STATIC_SMEM = 512  # static shared memory beside the plan's dynamic bytes (SwiGLU: 256), bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +54,18 @@ class TmaPlan:
     nomath: bool = False  # diagnostic: no decode or dot, the streaming alone
     producer: str = "tma"  # "tma": bulk copies; "lsu": the producer warp's 16-byte cp.async
     residual: bool = False  # y = res + y (the decoder's residual add, production's EPI_RES)
+    # gate_up: down_proj's NVFP4 input instead of y (production's SWIGLU_OUT), with down_proj's
+    # static input scale one value ("scalar") or stacked [L] ("stacked")
+    swiglu: str | None = None
 
     @property
     def n_inputs(self) -> int:
-        return N_INPUTS + int(self.residual)
+        return N_INPUTS + int(self.residual) + int(self.swiglu is not None)
+
+    @property
+    def n_outputs(self) -> int:
+        """y, or with swiglu down_proj's codes, block scales and global scale."""
+        return 1 if self.swiglu is None else 3
 
     @property
     def threads(self) -> int:
@@ -66,7 +77,10 @@ class TmaPlan:
 
     @property
     def grid(self) -> int:
-        return min(self.sms * self.ctas, self.groups)
+        """CTAs: one wave, none without work (rows in groups of `warps`; with swiglu in whole
+        32-row units)."""
+        work = self.n // 32 if self.swiglu is not None else self.groups
+        return min(self.sms * self.ctas, work)
 
     @property
     def stage_bytes(self) -> int:
@@ -95,6 +109,8 @@ class TmaPlan:
             "NOMATH": int(self.nomath),
             "PRODUCER": PRODUCERS.index(self.producer),
             "EPI_RES": int(self.residual),
+            "SWIGLU_OUT": int(self.swiglu is not None),
+            "XGD_STACK": int(self.swiglu == "stacked"),
         }
 
 
@@ -110,9 +126,15 @@ def check_plan(p: TmaPlan) -> tuple[bool, str]:
         return False, f"producer={p.producer!r}: one of {PRODUCERS} expected"
     if p.ef and p.producer != "tma":
         return False, "ef (an L2 policy on the bulk copies) needs producer 'tma'"
+    if p.swiglu is not None:
+        if p.swiglu not in SWIGLUS:
+            return False, f"swiglu={p.swiglu!r}: None or one of {SWIGLUS} expected"
+        if p.warps != 16 or p.n % 32 or p.residual:
+            return False, "swiglu needs warps=16 (a stage is one block), N % 32 == 0, no residual"
     if p.stages < 2:
         return False, f"stages={p.stages}: at least 2 expected"
-    if p.smem > SMEM_LIMIT or p.ctas * (p.smem + 1024) > SM_SMEM:
+    static = STATIC_SMEM
+    if p.smem + static > SMEM_LIMIT or p.ctas * (p.smem + static + 1024) > SM_SMEM:
         return False, f"{p.ctas} CTA(s) of {p.smem} B shared memory do not fit an SM"
     return True, ""
 
@@ -138,15 +160,16 @@ class TmaKernel:
     ptx: str
 
     def launch(self, stream: int, pointers: list[int]) -> None:
-        """Launches on `stream` with device pointers (xp, xs, xg, [res], wp, ws, wg, layer, y):
-        production's plain W4A4 GEMV's operands."""
+        """Launches on `stream` with device pointers (xp, xs, xg, [res], wp, ws, wg, layer, y),
+        with swiglu (..., layer, xgd, dp, ds, dg): production's W4A4 GEMV's operands."""
         import ctypes
 
         from cuda.bindings import driver
 
         p = self.plan
-        if len(pointers) != p.n_inputs + 1:
-            raise KernelError(f"{ENTRY} takes {p.n_inputs + 1} pointers, got {len(pointers)}")
+        want = p.n_inputs + p.n_outputs
+        if len(pointers) != want:
+            raise KernelError(f"{ENTRY} takes {want} pointers, got {len(pointers)}")
         params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
         _drv_check(
             driver.cuLaunchKernel(
@@ -178,7 +201,7 @@ class TmaKernel:
 @functools.cache
 def _build_cached(p: TmaPlan) -> TmaKernel:
     ptx = compile_ptx(read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH)
-    if ptx_entries(ptx) != {ENTRY: p.n_inputs + 1}:
+    if ptx_entries(ptx) != {ENTRY: p.n_inputs + p.n_outputs}:
         raise KernelError(f"{SOURCE.name}: unexpected entries {ptx_entries(ptx)}")
     return TmaKernel(plan=p, ptx=ptx)
 
@@ -192,8 +215,14 @@ def ptxas_report(p: TmaPlan) -> dict:
     """ptxas (offline, sm_90) on the plan's PTX: registers, spill bytes, static shared bytes."""
     log = ptxas_log(read_source(), p.defines(), name=SOURCE.name, arch="sm_90")
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
-    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]  # fmt: skip
-    return {"registers": max(regs, default=None), "spill_bytes": sum(spills), "log": log}
+    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    static = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
+    return {
+        "registers": max(regs, default=None),
+        "spill_bytes": sum(int(a) + int(b) for a, b in spill),
+        "static_smem": max(static, default=0),
+        "log": log,
+    }
 
 
 _FUNCTIONS: dict = {}

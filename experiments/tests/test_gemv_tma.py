@@ -14,16 +14,17 @@ def test_every_planned_kernel_fits_its_occupancy_without_spills():
     for v, p in check.problems():
         assert p.grid <= p.ctas * p.sms and p.n % p.warps == 0
         rep = tma.ptxas_report(p)
-        assert rep["spill_bytes"] == 0, (v, p)
+        assert rep["spill_bytes"] == 0 and rep["static_smem"] <= tma.STATIC_SMEM, (v, p, rep)
         assert rep["registers"] * p.threads * p.ctas <= 65536, (v, p, rep["registers"])
         assert p.ctas * (p.smem + 1024) <= tma.SM_SMEM and p.smem <= tma.SMEM_LIMIT
-        kern = tma.build(p.n, p.k, residual=p.residual, **check.VARIANTS[v])
+        kern = tma.build(p.n, p.k, residual=p.residual, swiglu=p.swiglu, **check.VARIANTS[v])
         bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in kern.ptx
         lsu = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in kern.ptx
         assert (bulk, lsu) == (p.producer == "tma", p.producer == "lsu"), (v, p)
         assert ("createpolicy.fractional.L2::evict_first" in kern.ptx) == p.ef
         assert ("dp4a" in kern.ptx) != p.nomath
-        assert f"nvfp4_gemv_tma_param_{p.n_inputs}" in kern.ptx  # y after the operands
+        assert f"nvfp4_gemv_tma_param_{p.n_inputs + p.n_outputs - 1}" in kern.ptx
+        assert f"nvfp4_gemv_tma_param_{p.n_inputs + p.n_outputs}" not in kern.ptx
 
 
 def test_plan_defaults_and_bad_plans():
@@ -40,6 +41,9 @@ def test_plan_defaults_and_bad_plans():
         ({"ctas": 2, "stages": 8}, "do not fit"),
         ({"producer": "dma"}, "producer='dma'"),
         ({"producer": "lsu", "ef": True}, "needs producer 'tma'"),
+        ({"swiglu": "stack"}, "swiglu='stack'"),
+        ({"swiglu": "scalar", "warps": 8}, "swiglu needs warps=16"),
+        ({"swiglu": "scalar", "residual": True}, "no residual"),
     ]:
         with pytest.raises(KernelError, match=match):
             tma.plan(4096, 4096, **kw)
