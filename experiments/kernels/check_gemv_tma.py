@@ -63,6 +63,7 @@ RESIDUAL_VARIANTS = ("tma", "lsu")  # the residual epilogue and the stacked-laye
 LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
 SCALES = (0x20, 0x78)  # E4M3 bytes 0.125 .. 240
 DEFAULT_SHAPES = ",".join(f"{n}x{k}" for n, k in tma.QWEN3_8B_SHAPES)
+DEVICE = "cuda"  # the torch device of every buffer (the CPU test runs the harness on "cpu")
 
 
 def problems(shapes=tma.QWEN3_8B_SHAPES, variants=tuple(VARIANTS)) -> list:
@@ -103,6 +104,24 @@ def _values64(torch, lut, p, s):
     return (v * s.view(torch.float8_e4m3fn).double()[..., None]).reshape(p.shape[0], -1)
 
 
+def _operands(torch, n, k, layers, copies, seed):
+    """Random NVFP4 operands on the GPU: `copies` weight stacks [layers, N, K/2] codes and
+    [layers, N, K/16] E4M3 scales, global scales [layers], one token's x codes, scales and
+    global scale (uniform codes, scales 0.125 .. 240, as the GPU tests)."""
+    dev = DEVICE
+    rng = np.random.default_rng(_seed(*seed))
+    g = torch.Generator(device=dev).manual_seed(_seed(*seed, "w"))
+    wps = [torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=dev, generator=g)
+           for _ in range(copies)]  # fmt: skip
+    wss = [torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev, generator=g)
+           for _ in range(copies)]  # fmt: skip
+    wg = torch.from_numpy((rng.random(layers) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
+    xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
+    xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
+    xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+    return wps, wss, wg, xp, xs, xg
+
+
 def check_shape(
     torch, bk, n, k, variants, time_it: bool, sms: int, residual=False, layers=1, layer=0
 ) -> tuple[list, list, list]:
@@ -112,20 +131,11 @@ def check_shape(
     same operands (xp, xs, xg, [res], wp, ws, wg, layer) and y."""
     from cuda_ops import nvfp4_gemv
 
-    dev = "cuda"
+    dev = DEVICE
     tag = f"{n}x{k}" + ("+res" if residual else "") + (f" L{layer}/{layers}" if layers > 1 else "")
-    rng = np.random.default_rng(_seed(n, k, residual, layers))
     nbytes = n * k // 2 + n * k // 16
     copies = bk._copies(nbytes) if time_it else 1
-    g = torch.Generator(device=dev).manual_seed(_seed(n, k, "w", layers))
-    wps = [torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=dev, generator=g)
-           for _ in range(copies)]  # fmt: skip
-    wss = [torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev, generator=g)
-           for _ in range(copies)]  # fmt: skip
-    wg = torch.from_numpy((rng.random(layers) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
-    xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
-    xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
-    xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+    wps, wss, wg, xp, xs, xg = _operands(torch, n, k, layers, copies, (n, k, residual, layers))
     li = torch.tensor(layer, dtype=torch.int32, device=dev)
     lut = torch.tensor(LUT, dtype=torch.float64, device=dev)
     x64 = _values64(torch, lut, xp[None], xs[None])[0] * float(xg)
@@ -257,23 +267,14 @@ def check_swiglu(torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values,
     Timed against production's SWIGLU_OUT GEMV."""
     from cuda_ops import nvfp4_gemv, nvfp4_quant
 
-    dev, f = "cuda", n // 2
+    dev, f = DEVICE, n // 2
     stacked = len(xgd_values) > 1
     mode = "stacked" if stacked else "scalar"
     tag = f"{n}x{k} swiglu {mode} L{layer}"
     layers = max(layer + 1, len(xgd_values))
-    rng = np.random.default_rng(_seed(n, k, "swiglu", mode))
     nbytes = n * k // 2 + n * k // 16
     copies = bk._copies(nbytes) if time_it else 1
-    g = torch.Generator(device=dev).manual_seed(_seed(n, k, "swiglu w"))
-    wps = [torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=dev, generator=g)
-           for _ in range(copies)]  # fmt: skip
-    wss = [torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev, generator=g)
-           for _ in range(copies)]  # fmt: skip
-    wg = torch.from_numpy((rng.random(layers) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
-    xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
-    xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
-    xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+    wps, wss, wg, xp, xs, xg = _operands(torch, n, k, layers, copies, (n, k, "swiglu", mode))
     xgd = torch.tensor(list(xgd_values), dtype=torch.float32, device=dev)
     li = torch.tensor(layer, dtype=torch.int32, device=dev)
     nw = torch.zeros(1, dtype=torch.bfloat16, device=dev)

@@ -98,3 +98,123 @@ def test_summary_ratios():
     assert plain["production"]["us"] == [2.0, 8.0] and "lsu" not in plain
     assert res["lsu"]["time_over_production"] == [2.0] and res["lsu"]["cases"] == ["b+res"]
     assert "tma" not in res
+
+
+class _FakeGpu:
+    """The device check's harness run on the CPU: every kernel launch is computed by torch /
+    rejax.nvfp4 from the buffers its pointers name (float64 products rounded once to bf16; the
+    SwiGLU epilogue and the quantizer by quantize_activation), and the timers return constants.
+    It exercises the harness (operand order, shapes, comparisons, summaries), not the kernels."""
+
+    def __init__(self, torch, monkeypatch):
+        import jax.numpy as jnp
+
+        from cuda_ops import nvfp4_gemv
+        from experiments import bench_kernel
+        from rejax import nvfp4
+
+        self.torch, self.jnp, self.nvfp4 = torch, jnp, nvfp4
+        self.buffers = {}
+        real = torch.Tensor.data_ptr
+
+        def data_ptr(t):
+            ptr = real(t)
+            self.buffers[ptr] = t
+            return ptr
+
+        monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
+        monkeypatch.setattr(check, "DEVICE", "cpu")
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("S", (), {"cuda_stream": 0}))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(tma.TmaKernel, "launch", lambda k, s, p: self.gemv(k.plan, p))
+        monkeypatch.setattr(tma.TmaKernel, "attributes", lambda k: {"registers": 0})
+        monkeypatch.setattr(nvfp4_gemv.GemvKernel, "launch", lambda k, s, p: self.gemv(k.plan, p))
+        monkeypatch.setattr(check, "_launch_ptx", self.ptx)
+        monkeypatch.setattr(bench_kernel, "time_torch_graph", lambda torch, fns: 1e-6)
+        monkeypatch.setattr(bench_kernel, "time_read_floor_graph", lambda *a, **k: 2e-6)
+
+    def t(self, ptr):
+        return self.buffers[ptr]
+
+    def y(self, xp, xs, xg, wp, ws, wg, layer):
+        torch = self.torch
+        lut = torch.tensor(check.LUT, dtype=torch.float64)
+        li = int(self.t(layer))
+        x = check._values64(torch, lut, self.t(xp)[None], self.t(xs)[None])[0]
+        w = check._values64(torch, lut, self.t(wp)[li], self.t(ws)[li])
+        return w @ x * float(self.t(xg)[0]) * float(self.t(wg)[li])
+
+    def gemv(self, plan, p):
+        torch = self.torch
+        residual, swiglu = getattr(plan, "residual", False), getattr(plan, "swiglu", None)
+        swiglu = swiglu or getattr(plan, "swiglu_out", None)
+        if swiglu is not None:  # ..., layer, xgd, dp, ds, dg
+            y = self.y(*p[:7]).to(torch.bfloat16)
+            return self.swiglu_quant(y, self.t(p[7]), int(self.t(p[6])), swiglu, p[8:])
+        head = p[:3] + p[4 if residual else 3 : -1]
+        y = self.y(*head)
+        if residual:
+            y = self.t(p[3]).double() + y.to(torch.bfloat16).double()
+        self.t(p[-1]).copy_(y.to(torch.bfloat16))
+
+    def swiglu_quant(self, y, xgd, layer, mode, outs):
+        import numpy as np
+
+        torch, jnp = self.torch, self.jnp
+        f = y.shape[-1] // 2
+        g, u = y[..., :f].float(), y[..., f:].float()
+        sig = torch.sigmoid(g).to(torch.bfloat16).float()
+        h = ((g * sig).to(torch.bfloat16).float() * u).to(torch.bfloat16)
+        scale = float(xgd[layer if mode == "stacked" else 0])
+        q = self.nvfp4.quantize_activation(jnp.asarray(h.float().numpy()).reshape(1, f), scale)
+        dp, ds, dg = (self.t(o) for o in outs)
+        dp.copy_(torch.from_numpy(np.array(q.packed).reshape(-1)))
+        ds.copy_(torch.from_numpy(np.array(q.scales).view(np.uint8).reshape(-1)))
+        dg.fill_(scale)
+
+    def ptx(self, ptx, entry, grid, threads, smem, ptrs, stream):
+        if entry == "nvfp4_quantize_bf16":  # x = y [1, 2F], xg, nw, layer, xp, xs, xg_out
+            stacked = self.t(ptrs[1]).numel() > 1
+            mode = "stacked" if stacked else "scalar"
+            layer = int(self.t(ptrs[3]))
+            return self.swiglu_quant(self.t(ptrs[0]), self.t(ptrs[1]), layer, mode, ptrs[4:])
+        assert entry == "nvfp4_gemv_w4a4", entry  # production's SWIGLU_OUT GEMV
+        y = self.y(*ptrs[:7]).to(self.torch.bfloat16)
+        mode = "stacked" if self.t(ptrs[7]).numel() > 1 else "scalar"
+        return self.swiglu_quant(y, self.t(ptrs[7]), int(self.t(ptrs[6])), mode, ptrs[8:])
+
+
+def test_device_check_harness_on_the_cpu(monkeypatch):
+    # the check's Python around the kernels (operand lists, references, comparisons, timing
+    # rows, summary), with fake kernels that compute the exact result: every case passes; a fake
+    # production that drops the residual makes the residual cases fail the bound
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cuda.bindings.nvrtc")  # the plans still build the PTX
+    from experiments import bench_kernel as bk
+
+    _FakeGpu(torch, monkeypatch)
+    variants = ["tma", "lsu", "tma_nomath"]
+    rows, timing, failures = check.check_shape(torch, bk, 512, 2048, variants, True, 132)
+    assert failures == [] and [r["variant"] for r in rows] == ["production", *variants]
+    assert all(r["ok"] and r["vs_production_bitwise"] == 1.0 for r in rows[1:3])
+    assert timing[0]["tma_s"] == 1e-6 and timing[0]["read_floor_4cta_s"] == 2e-6
+    kw = {"residual": True, "layers": 3, "layer": 2}
+    rows, timing, failures = check.check_shape(torch, bk, 512, 2048, ["tma"], False, 132, **kw)
+    assert failures == [] and timing == [] and rows[1]["ok"]
+    for xgd in ((0.0047, 0.0031), (1e-9,)):
+        rows, timing, failures = check.check_swiglu(torch, bk, 512, 2048, ["tma"], True, 132, xgd)
+        assert failures == [] and rows[0]["equal_to_production"] == [1.0, 1.0, 1.0], rows
+        assert timing[0]["swiglu"] and "tma_s" in timing[0]
+    summary = check.summarize(timing, ["tma"])
+    assert summary["swiglu"]["tma"]["time_over_production"] == [1.0]
+
+    from cuda_ops import nvfp4_gemv
+
+    def no_residual(k, s, p):  # production forgets the residual
+        head = p[:3] + p[4:-1] if k.plan.residual else p[:-1]
+        fake.t(p[-1]).copy_(fake.y(*head).to(torch.bfloat16))
+
+    fake = _FakeGpu(torch, monkeypatch)
+    monkeypatch.setattr(nvfp4_gemv.GemvKernel, "launch", no_residual)
+    rows, _, failures = check.check_shape(torch, bk, 512, 2048, ["tma"], False, 132, residual=True)
+    assert rows[1]["vs_production_bitwise"] < 0.5 and failures == []  # tma itself is right
