@@ -27,14 +27,15 @@
 // group). Stage s has a "full" mbarrier (the producer's arrive.expect_tx, then the bulk copies'
 // complete_tx) and an "empty" one (one arrive per consumer warp once it has read the stage).
 //
-// -D constants (nvfp4_gemv_tma.py plans them): EPI_RES, SWIGLU_OUT and XGD_STACK (below), N_OUT, K_IN, KCH (code bytes of a row a
-// stage: a multiple of 512 dividing K_IN / 2), WARPS (consumer warps, <= 16), STAGES, GRID
-// (CTAs), MIN_CTAS (launch bounds), EF (1: the bulk copies carry an L2 evict_first policy),
-// NOMATH (1: diagnostic, the decode and dot replaced by an xor of the codes: the streaming rate
-// alone), PRODUCER (0: TMA bulk copies, one per row and chunk; 1: the second design, the
-// producer warp's 32 lanes fill a stage with 16-byte cp.async copies, each lane's completing
-// through cp.async.mbarrier.arrive.noinc on the stage's "full" barrier, which then counts 32
-// arrivals instead of bytes: the same ring with the load-store unit instead of the copy engine).
+// -D constants (nvfp4_gemv_tma.py plans them): EPI_RES, SWIGLU_OUT and XGD_STACK (below), N_OUT,
+// K_IN, KCH (code bytes of a row a stage: a multiple of 512 dividing K_IN / 2), WARPS (consumer
+// warps, <= 16), STAGES, GRID (CTAs), MIN_CTAS (launch bounds), EF (1: the bulk copies carry an
+// L2 evict_first policy), NOMATH (1: diagnostic, the decode and dot replaced by an xor of the
+// codes: the streaming rate alone), PRODUCER (0: TMA bulk copies, one per row and chunk; 1: the
+// second design, the producer warp's 32 lanes fill a stage with 16-byte cp.async copies, each
+// lane's completing through cp.async.mbarrier.arrive.noinc on the stage's "full" barrier, which
+// then counts 32 arrivals instead of bytes: the same ring with the load-store unit instead of
+// the copy engine).
 
 typedef unsigned char u8;
 typedef unsigned short u16;
