@@ -390,7 +390,25 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048, help="copy-ceiling buffer size")
     ap.add_argument("--out", required=True, help="JSON results path")
+    ap.add_argument(
+        "--gemv-tma",
+        default=None,
+        metavar="SPEC",
+        help="experiment: the batch-1 W4A4 GEMVs of every variant run the TMA-streamed kernel "
+        "(experiments/kernels/nvfp4_gemv_tma.cu), e.g. 'stages=6' or 'producer=lsu,ctas=2,"
+        "stages=4' ('default': its defaults); installed before anything is compiled, so the "
+        "whole process uses it (compare against a process without it)",
+    )
     args = ap.parse_args(argv)
+    gemv_tma = None
+    if args.gemv_tma is not None:
+        from experiments.kernels import nvfp4_gemv_tma
+
+        try:
+            gemv_tma = nvfp4_gemv_tma.parse_options(args.gemv_tma)
+            nvfp4_gemv_tma.install(**gemv_tma)
+        except (ValueError, nvfp4_gemv_tma.KernelError) as err:
+            raise SystemExit(f"--gemv-tma {args.gemv_tma!r}: {err}") from None
     cfg = TINY if args.tiny else rconfig.PRESETS[args.preset]
     for spec in args.weight_prefetch:
         try:
@@ -421,6 +439,7 @@ def main(argv=None) -> dict:
         "args": vars(args),
         "versions": rbench.versions(),
         "kernel": _kernel_report(cfg, args.batch),
+        "gemv_tma": gemv_tma,  # None: production's GEMVs
         "runs": [],
     }
     result["breakdown_note"] = (

@@ -11,18 +11,22 @@
 #             read floor (about 2 minutes)
 #   sanitize  compute-sanitizer memcheck and racecheck of three variants (TMA, 8 rows a stage, the
 #             cp.async producer) on two small shapes, correctness only
+#   decode    the 36-layer Qwen3-8B NVFP4 decode loop at batch 1 (512 new tokens, 3 repeats),
+#             production's GEMVs against the TMA kernel's (bench_decode.py --gemv-tma
+#             $TMA_SPEC, default "default"), one process each, alternated twice (ABAB); its own
+#             call (about 4 x 100 s)
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: check sanitize)" >&2
+  echo "usage: $0 OUT STEP... (steps: check sanitize decode)" >&2
   exit 2
 fi
 out=$1
 shift
 for step in "$@"; do
-  case $step in check | sanitize) ;; *)
-    echo "unknown step '$step': expected check or sanitize" >&2
+  case $step in check | sanitize | decode) ;; *)
+    echo "unknown step '$step': expected check, sanitize or decode" >&2
     exit 2
     ;;
   esac
@@ -53,6 +57,18 @@ for step in "$@"; do
       stamp "sanitize $tool" $? $t0
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|failures" "$x/sanitize_$tool.log" \
         | head -6 | tee -a "$log"
+    done
+    ;;
+  decode)
+    for run in prod tma prod tma; do
+      t0=$(date +%s)
+      extra=()
+      [ $run = tma ] && extra=(--gemv-tma "${TMA_SPEC:-default}")
+      timeout 150 python3 experiments/bench_decode.py --modes nvfp4 --batch 1 --gen-len 512 \
+        --repeats 3 --no-breakdown "${extra[@]}" --out "$x/decode_${run}_$t0.json" \
+        > "$x/decode_${run}_$t0.log" 2>&1
+      stamp "decode $run" $? $t0
+      grep -E "ms/token|rror" "$x/decode_${run}_$t0.log" | tail -3 | tee -a "$log"
     done
     ;;
   esac

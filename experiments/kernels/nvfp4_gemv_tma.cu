@@ -13,13 +13,13 @@
 // Operands, layout and numerics are production's plain W4A4 GEMV's (nvfp4_gemv_w4a4 at M = 1):
 // xp, xs, xg, with EPI_RES the bf16 residual res [N] (y = res + y, XLA's bf16 add), the stacked
 // weights wp [L, N, K/2] (element 2j in the low nibble of byte j), ws [L, N, K/16] (E4M3 block
-// scales), wg [L] (one float32 global scale a layer), the layer (int32 on the device), y [N]. x
-// is decoded once per CTA to int8 (2 x E2M1 value) in shared memory; each 16-element block dot
-// is an exact integer from dp4a on (positive, negative) weight words (the same prmt tables),
-// scaled by SFw * SFx (exact in fp32) and accumulated in fp32; y = (acc / 4) * (gw * gx),
-// rounded once to bf16. Only the fp32 summation order differs from production (per lane over its
-// 16-byte units, then a butterfly over the lanes), so outputs agree with it to fp32 rounding,
-// not bitwise.
+// scales), wg [L] (one float32 global scale a layer; with GW_ROWS [L, N], one a row), the layer
+// (int32 on the device), y [N]. x is decoded once per CTA to int8 (2 x E2M1 value) in shared
+// memory; each 16-element block dot is an exact integer from dp4a on (positive, negative) weight
+// words (the same prmt tables), scaled by SFw * SFx (exact in fp32) and accumulated in fp32; y =
+// (acc / 4) * (gw * gx), rounded once to bf16. Only the fp32 summation order differs from
+// production (per lane over its 16-byte units, then a butterfly over the lanes), so outputs
+// agree with it to fp32 rounding, not bitwise.
 //
 // Work: a stage is WARPS rows x KCH code bytes (and their KCH / 8 scale bytes); consumer warp w
 // takes row w of each stage, lane l its 16-byte units l, l + 32, ... A CTA owns a contiguous
@@ -62,6 +62,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef XGD_STACK
 #define XGD_STACK 0  // SWIGLU_OUT: down_proj's static input scale is stacked [L]
+#endif
+#ifndef GW_ROWS
+#define GW_ROWS 0  // the weight's global scales are per output row, wg [L, N]
 #endif
 
 #define ROW_CODES (K_IN / 2)
@@ -297,7 +300,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
   asm volatile("bar.sync 1, %0;" ::"n"(WARPS * 32) : "memory");
 
-  const float out_scale = wg_all[l] * xg[0];
+  // production's output scale gw(n) * gx: one global scale a matrix, or (GW_ROWS) one a row
+  const float* __restrict__ wg = wg_all + (GW_ROWS ? l * N_OUT : l);
+  auto out_scale = [&](int n) { return (GW_ROWS ? wg[n] : wg[0]) * xg[0]; };
   float acc = 0.f;
   for (int i = 0; i < items; ++i) {
     const int s = i % STAGES, c = i % CHUNKS;
@@ -332,7 +337,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
       if ((j & 1) == 0) {
         gate = acc;
       } else {  // production's swiglu_epilogue arithmetic, one unit
-        const float g = rbf16((gate * 0.25f) * out_scale), u = rbf16((acc * 0.25f) * out_scale);
+        const int n = (u0 + j / 2) * 16 + warp;  // gate row n, up row N / 2 + n
+        const float g = rbf16((gate * 0.25f) * out_scale(n));
+        const float u = rbf16((acc * 0.25f) * out_scale(N_OUT / 2 + n));
         const float sig = rbf16(1.0f / (1.0f + expf(-g)));  // jax.nn.sigmoid
         if (lane == 0) hbuf[(j >> 1) & 1][warp] = rbf16(rbf16(g * sig) * u);
         // the unit's 16 values; the next unit writes the other half of hbuf, and the one after
@@ -355,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #else
       if (lane == 0) {
         const int n = group_row(i / CHUNKS) + warp;
-        const float out = (acc * 0.25f) * out_scale;
+        const float out = (acc * 0.25f) * out_scale(n);
 #if EPI_RES  // XLA's bf16 add: both bf16 values added in fp32, rounded once
         y[n] = f32_to_bf16(__uint_as_float((u32)res[n] << 16) +
                            __uint_as_float((u32)f32_to_bf16(out) << 16));

@@ -22,7 +22,15 @@ import pathlib
 import re
 import threading
 
-from cuda_ops.build import DEFAULT_SMS, KernelError, compile_ptx, ptx_entries, ptxas_log
+from cuda_ops.build import (
+    DEFAULT_SMS,
+    KernelError,
+    compile_ptx,
+    escape_mlir,
+    ptx_backend_config,
+    ptx_entries,
+    ptxas_log,
+)
 from cuda_ops.nvfp4_gemv import _drv_check
 
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemv_tma.cu")
@@ -57,6 +65,7 @@ class TmaPlan:
     # gate_up: down_proj's NVFP4 input instead of y (production's SWIGLU_OUT), with down_proj's
     # static input scale one value ("scalar") or stacked [L] ("stacked")
     swiglu: str | None = None
+    gw_rows: bool = False  # the weight's global scales per output row, wg [L, N] (production's)
 
     @property
     def n_inputs(self) -> int:
@@ -111,6 +120,7 @@ class TmaPlan:
             "EPI_RES": int(self.residual),
             "SWIGLU_OUT": int(self.swiglu is not None),
             "XGD_STACK": int(self.swiglu == "stacked"),
+            "GW_ROWS": int(self.gw_rows),
         }
 
 
@@ -158,6 +168,24 @@ def read_source() -> str:
 class TmaKernel:
     plan: TmaPlan
     ptx: str
+    entry: str = ENTRY
+
+    @property
+    def n(self) -> int:
+        return self.plan.n
+
+    def backend_config(self) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call: the operands
+        and results of production's GEMV of the same epilogue, so a lowering can take either."""
+        p = self.plan
+        return ptx_backend_config(
+            ENTRY,
+            escape_mlir(self.ptx),
+            grid=(p.grid, 1, 1),
+            block=p.threads,
+            outputs=range(p.n_inputs, p.n_inputs + p.n_outputs),
+            smem=p.smem,
+        )
 
     def launch(self, stream: int, pointers: list[int]) -> None:
         """Launches on `stream` with device pointers (xp, xs, xg, [res], wp, ws, wg, layer, y),
@@ -244,3 +272,62 @@ def _function(kernel: TmaKernel):
             _FUNCTIONS[id(kernel)] = (fn, module, kernel)
             return fn
         return fn[0]
+
+
+# ----------------------------------------------------------------------------- experiments
+
+
+def parse_options(text: str) -> dict:
+    """'stages=4,producer=lsu,ef=1' -> TmaPlan keyword options ('default' or '': none).
+    Raises ValueError naming the bad item."""
+    types = {"kch": int, "stages": int, "warps": int, "ctas": int, "ef": bool, "producer": str}
+    out = {}
+    for item in filter(None, text.split(",")):
+        if item == "default":
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or key not in types:
+            raise ValueError(f"{item!r}: expected NAME=VALUE with NAME in {sorted(types)}")
+        try:
+            out[key] = bool(int(value)) if types[key] is bool else types[key](value)
+        except ValueError:
+            raise ValueError(f"{item!r}: {key} takes a {types[key].__name__}") from None
+    return out
+
+
+def install(**options):
+    """Experiments only: makes `cuda_ops.nvfp4_gemv.build` return this kernel (with `options`,
+    TmaPlan's fields) wherever it can serve, i.e. the W4A4 GEMV at M = 1 without a fused
+    prologue, a norm epilogue or prefetch (plain, residual or SwiGLU epilogue; its operands are
+    production's), and production's kernel elsewhere. The lowerings call `nvfp4_gemv.build` when
+    a computation is lowered, and JAX keeps lowerings, so a process that installs it before its
+    first compile (or calls `jax.clear_caches()` after) runs the decode step with these GEMVs
+    (experiments/bench_decode.py --gemv-tma). Returns a function that restores production's
+    `build`. Raises KernelError for options no plan can take."""
+    from cuda_ops import nvfp4_gemv
+    from cuda_ops.build import device_sms
+
+    plan(4096, 4096, **options)  # the options themselves are valid
+    original = nvfp4_gemv.build
+
+    def build(act, m, n, k, **kw):
+        simple = all(kw.get(name) is None for name in ("fused", "prefetch", "norm_out"))
+        if act == "w4a4" and m == 1 and simple:
+            epilogue = {
+                "residual": bool(kw.get("residual")),
+                "swiglu": kw.get("swiglu_out"),
+                "gw_rows": bool(kw.get("gw_rows")),
+            }
+            try:
+                p = plan(n, k, sms=kw.get("num_sms") or device_sms(), **epilogue, **options)
+                return _build_cached(p)
+            except KernelError:
+                pass  # a shape this kernel does not take: production's
+        return original(act, m, n, k, **kw)
+
+    nvfp4_gemv.build = build
+
+    def uninstall():
+        nvfp4_gemv.build = original
+
+    return uninstall

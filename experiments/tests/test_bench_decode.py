@@ -3,6 +3,7 @@
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 
@@ -152,3 +153,22 @@ def test_bad_choices_are_refused_before_any_work(tmp_path):
         with pytest.raises(SystemExit):
             bd.main(["--tiny", flag, value, "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_gemv_tma_spec_is_checked_and_installed(tmp_path, monkeypatch):
+    # --gemv-tma installs the experiment's GEMV for the process (checked before any work; the
+    # install itself is tested in test_gemv_tma.py) and records its options in the JSON
+    from experiments.kernels import nvfp4_gemv_tma
+
+    for spec in ("stages=one", "depth=3", "stages=1", "producer=dma"):
+        with pytest.raises(SystemExit, match="--gemv-tma"):
+            bd.main(["--tiny", "--gemv-tma", spec, "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+    seen = []
+    monkeypatch.setattr(nvfp4_gemv_tma, "install", lambda **kw: seen.append(kw))
+    out = tmp_path / "tma.json"
+    bd.main(["--tiny", "--modes", "nvfp4", "--batch", "1", "--repeats", "1", "--no-breakdown",
+             "--gemv-tma", "stages=4,producer=lsu", "--out", str(out)])  # fmt: skip
+    assert seen == [{"stages": 4, "producer": "lsu"}]
+    assert json.loads(out.read_text())["gemv_tma"] == {"stages": 4, "producer": "lsu"}
+    assert nvfp4_gemv_tma.parse_options("default") == {}

@@ -218,3 +218,56 @@ def test_device_check_harness_on_the_cpu(monkeypatch):
     monkeypatch.setattr(nvfp4_gemv.GemvKernel, "launch", no_residual)
     rows, _, failures = check.check_shape(torch, bk, 512, 2048, ["tma"], False, 132, residual=True)
     assert rows[1]["vs_production_bitwise"] < 0.5 and failures == []  # tma itself is right
+
+
+def test_install_swaps_the_decode_steps_batch_1_gemvs():
+    # lowered for CUDA (no GPU), a batch-1 decode step's four W4A4 GEMVs become the TMA kernel
+    # while installed (same operands: the quantizers and the rest are unchanged), batch 2 keeps
+    # production's, and uninstall restores production's build
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import dataclasses
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from cuda_ops import nvfp4_gemv
+    from rejax import params as rparams
+    from rejax import sampling
+    from rejax.cache import init_cache
+    from rejax.config import Config
+    from rejax.decode import decode_step
+
+    cfg = Config(quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=128,
+                 num_heads=8, num_kv_heads=2, num_layers=2, vocab_size=512)  # fmt: skip
+    params = rparams.init_params(cfg, 0, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+
+    def names(batch):
+        smp = sampling.Greedy()
+        args = (params, jnp.zeros((batch, cfg.vocab_size), jnp.float32),
+                init_cache(cfg, batch, 8, jnp.bfloat16), jnp.zeros((batch,), jnp.int32), smp,
+                sampling.sampler_init(smp, batch), jax.random.split(jax.random.key(0), batch),
+                jnp.int32(0))  # fmt: skip
+        text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r"name = \\22(\w+)\\22", text)
+
+    before = names(1)
+    build = nvfp4_gemv.build
+    uninstall = tma.install(stages=4)
+    try:
+        assert nvfp4_gemv.build is not build
+        jax.clear_caches()  # JAX keeps lowerings: the swap applies to new ones only
+        got = names(1)
+        assert "nvfp4_gemv_tma" not in names(2)
+    finally:
+        uninstall()
+    jax.clear_caches()
+    assert nvfp4_gemv.build is build and names(1) == before
+    assert before.count("nvfp4_gemv_w4a4") == 4 and "nvfp4_gemv_tma" not in before
+    assert got == ["nvfp4_gemv_tma" if e == "nvfp4_gemv_w4a4" else e for e in before]
+    with pytest.raises(KernelError, match="stages=1"):
+        tma.install(stages=1)
+    assert nvfp4_gemv.build is build
