@@ -68,12 +68,16 @@ DEVICE = "cuda"  # the torch device of every buffer (the CPU test runs the harne
 
 def problems(shapes=tma.QWEN3_8B_SHAPES, variants=tuple(VARIANTS)) -> list:
     """Every (variant, plan) the check builds (RESIDUAL_VARIANTS also with the residual and the
-    SwiGLU epilogues). CPU only; raises for a plan that cannot run."""
+    SwiGLU epilogues and per-row weight scales). CPU only; raises for a plan that cannot run."""
     out = [(v, tma.plan(n, k, **VARIANTS[v])) for n, k in shapes for v in variants]
     res = [v for v in variants if v in RESIDUAL_VARIANTS] or list(variants[:1])
     out += [(v, tma.plan(n, k, residual=True, **VARIANTS[v])) for n, k in shapes for v in res]
-    return out + [(v, tma.plan(n, k, swiglu=mode, **VARIANTS[v])) for n, k in shapes for v in res
-                  for mode in tma.SWIGLUS if n % 32 == 0]  # fmt: skip
+    out += [(v, tma.plan(n, k, swiglu=mode, **VARIANTS[v])) for n, k in shapes for v in res
+            for mode in tma.SWIGLUS if n % 32 == 0]  # fmt: skip
+    out += [(v, tma.plan(n, k, gw_rows=True, residual=r, **VARIANTS[v])) for n, k in shapes
+            for v in res for r in (False, True)]  # fmt: skip
+    return out + [(v, tma.plan(n, k, gw_rows=True, swiglu="stacked", **VARIANTS[v]))
+                  for n, k in shapes for v in res if n % 32 == 0]  # fmt: skip
 
 
 def _seed(*parts) -> int:
@@ -104,10 +108,11 @@ def _values64(torch, lut, p, s):
     return (v * s.view(torch.float8_e4m3fn).double()[..., None]).reshape(p.shape[0], -1)
 
 
-def _operands(torch, n, k, layers, copies, seed):
+def _operands(torch, n, k, layers, copies, seed, gw_rows=False):
     """Random NVFP4 operands on the GPU: `copies` weight stacks [layers, N, K/2] codes and
-    [layers, N, K/16] E4M3 scales, global scales [layers], one token's x codes, scales and
-    global scale (uniform codes, scales 0.125 .. 240, as the GPU tests)."""
+    [layers, N, K/16] E4M3 scales, global scales [layers] (`gw_rows`: [layers, N], one a row),
+    one token's x codes, scales and global scale (uniform codes, scales 0.125 .. 240, as the GPU
+    tests)."""
     dev = DEVICE
     rng = np.random.default_rng(_seed(*seed))
     g = torch.Generator(device=dev).manual_seed(_seed(*seed, "w"))
@@ -115,7 +120,8 @@ def _operands(torch, n, k, layers, copies, seed):
            for _ in range(copies)]  # fmt: skip
     wss = [torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev, generator=g)
            for _ in range(copies)]  # fmt: skip
-    wg = torch.from_numpy((rng.random(layers) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
+    shape = (layers, n) if gw_rows else (layers,)
+    wg = torch.from_numpy((rng.random(shape) * 1e-3 + 1e-4).astype(np.float32)).to(dev)
     xp = torch.from_numpy(rng.integers(0, 256, (k // 2,), dtype=np.uint8)).to(dev)
     xs = torch.from_numpy(rng.integers(*SCALES, (k // 16,), dtype=np.uint8)).to(dev)
     xg = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
@@ -123,19 +129,32 @@ def _operands(torch, n, k, layers, copies, seed):
 
 
 def check_shape(
-    torch, bk, n, k, variants, time_it: bool, sms: int, residual=False, layers=1, layer=0
+    torch,
+    bk,
+    n,
+    k,
+    variants,
+    time_it: bool,
+    sms: int,
+    residual=False,
+    layers=1,
+    layer=0,
+    gw_rows=False,
 ) -> tuple[list, list, list]:
     """Correctness rows, timing rows and failures of every variant at (N, K), planned for `sms`
     SMs (the device's, as production's plan is): with `residual` the residual epilogue (y = res +
-    y); the weights stacked `layers` deep and `layer` read. Production and the variants take the
-    same operands (xp, xs, xg, [res], wp, ws, wg, layer) and y."""
+    y); the weights stacked `layers` deep and `layer` read; `gw_rows`: one weight global scale a
+    row. Production and the variants take the same operands (xp, xs, xg, [res], wp, ws, wg,
+    layer) and y."""
     from cuda_ops import nvfp4_gemv
 
     dev = DEVICE
     tag = f"{n}x{k}" + ("+res" if residual else "") + (f" L{layer}/{layers}" if layers > 1 else "")
+    tag += " gw_rows" if gw_rows else ""
     nbytes = n * k // 2 + n * k // 16
     copies = bk._copies(nbytes) if time_it else 1
-    wps, wss, wg, xp, xs, xg = _operands(torch, n, k, layers, copies, (n, k, residual, layers))
+    seed = (n, k, residual, layers, gw_rows)
+    wps, wss, wg, xp, xs, xg = _operands(torch, n, k, layers, copies, seed, gw_rows)
     li = torch.tensor(layer, dtype=torch.int32, device=dev)
     lut = torch.tensor(LUT, dtype=torch.float64, device=dev)
     x64 = _values64(torch, lut, xp[None], xs[None])[0] * float(xg)
@@ -143,14 +162,14 @@ def check_shape(
     for r0 in range(0, n, 2048):  # float64 weights in row blocks (24576 x 4096 at once: 800 MB)
         rows_ = slice(r0, r0 + 2048)
         w64 = _values64(torch, lut, wps[0][layer, rows_], wss[0][layer, rows_])
-        y64[rows_] = w64 @ x64 * float(wg[layer])
+        y64[rows_] = w64 @ x64 * (wg[layer, rows_].double() if gw_rows else float(wg[layer]))
     res = None
     if residual:  # a residual of the output's size, in bf16
         res = (torch.randn(n, dtype=torch.float64, device=dev) * y64.std()).to(torch.bfloat16)
         y64 = y64 + res.double()
     floor = float(torch.linalg.norm(y64.to(torch.bfloat16).double() - y64) / torch.linalg.norm(y64))
     stream = torch.cuda.current_stream().cuda_stream
-    prod = nvfp4_gemv.build("w4a4", 1, n, k, residual=residual)
+    prod = nvfp4_gemv.build("w4a4", 1, n, k, residual=residual, gw_rows=gw_rows)
 
     def ptrs(i, y):
         head = [xp.data_ptr(), xs.data_ptr(), xg.data_ptr()]
@@ -176,7 +195,7 @@ def check_shape(
     rows.append({"case": tag, "variant": "production", "plan": str(prod.plan),
                  "rel_err": prod_err, "bound": bound})  # fmt: skip
     for v in variants:
-        kern = tma.build(n, k, sms=sms, residual=residual, **VARIANTS[v])
+        kern = tma.build(n, k, sms=sms, residual=residual, gw_rows=gw_rows, **VARIANTS[v])
         row = {"case": tag, "variant": v, "grid": kern.plan.grid, "smem": kern.plan.smem,
                "in_flight": kern.plan.in_flight}  # fmt: skip
         try:
@@ -218,7 +237,7 @@ def check_shape(
             continue
         try:
             t[f"{v}_s"] = graph_time(
-                tma.build(n, k, sms=sms, residual=residual, **VARIANTS[v]).launch
+                tma.build(n, k, sms=sms, residual=residual, gw_rows=gw_rows, **VARIANTS[v]).launch
             )
         except Exception as err:  # noqa: BLE001
             t[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
@@ -258,7 +277,9 @@ def _launch_ptx(ptx: str, entry: str, grid, threads: int, smem: int, ptrs, strea
     )
 
 
-def check_swiglu(torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values, layer=1):
+def check_swiglu(
+    torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values, layer=1, gw_rows=False
+):
     """gate_up's SwiGLU epilogue (N = 2F) at `layer` of a stacked weight, down_proj's static
     scale `xgd_values` (stacked [L] when several, else one value): each variant's codes, block
     scales and global scale must be the bytes of its own plain build's y fed to production's
@@ -270,17 +291,18 @@ def check_swiglu(torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values,
     dev, f = DEVICE, n // 2
     stacked = len(xgd_values) > 1
     mode = "stacked" if stacked else "scalar"
-    tag = f"{n}x{k} swiglu {mode} L{layer}"
+    tag = f"{n}x{k} swiglu {mode} L{layer}" + (" gw_rows" if gw_rows else "")
     layers = max(layer + 1, len(xgd_values))
     nbytes = n * k // 2 + n * k // 16
     copies = bk._copies(nbytes) if time_it else 1
-    wps, wss, wg, xp, xs, xg = _operands(torch, n, k, layers, copies, (n, k, "swiglu", mode))
+    seed = (n, k, "swiglu", mode, gw_rows)
+    wps, wss, wg, xp, xs, xg = _operands(torch, n, k, layers, copies, seed, gw_rows)
     xgd = torch.tensor(list(xgd_values), dtype=torch.float32, device=dev)
     li = torch.tensor(layer, dtype=torch.int32, device=dev)
     nw = torch.zeros(1, dtype=torch.bfloat16, device=dev)
     stream = torch.cuda.current_stream().cuda_stream
     quant = nvfp4_quant.build(1, f, nvfp4_gemv.Fused(prologue="swiglu", scale_stacked=stacked))
-    prod = nvfp4_gemv.build("w4a4", 1, n, k, swiglu_out=mode)
+    prod = nvfp4_gemv.build("w4a4", 1, n, k, swiglu_out=mode, gw_rows=gw_rows)
     pp = prod.plan
 
     def outs():
@@ -309,8 +331,8 @@ def check_swiglu(torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values,
     for v in variants:
         row = {"case": tag, "variant": v}
         try:
-            kern = tma.build(n, k, sms=sms, swiglu=mode, **VARIANTS[v])
-            plain = tma.build(n, k, sms=sms, **VARIANTS[v])
+            kern = tma.build(n, k, sms=sms, swiglu=mode, gw_rows=gw_rows, **VARIANTS[v])
+            plain = tma.build(n, k, sms=sms, gw_rows=gw_rows, **VARIANTS[v])
             o1, o2 = run(kern.launch), run(kern.launch)
             y = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=dev)
             plain.launch(stream, [t.data_ptr() for t in (xp, xs, xg, wps[0], wss[0], wg, li, y)])
@@ -346,7 +368,8 @@ def check_swiglu(torch, bk, n, k, variants, time_it: bool, sms: int, xgd_values,
     t["production_s"] = graph_time(prod_launch)
     for v in variants:
         if not any(f.startswith(f"{v} {tag}:") for f in failures):
-            t[f"{v}_s"] = graph_time(tma.build(n, k, sms=sms, swiglu=mode, **VARIANTS[v]).launch)
+            kern = tma.build(n, k, sms=sms, swiglu=mode, gw_rows=gw_rows, **VARIANTS[v])
+            t[f"{v}_s"] = graph_time(kern.launch)
     t["production_again_s"] = graph_time(prod_launch)
     w = [(_Buf(a[layer]), _Buf(b[layer])) for a, b in zip(wps, wss, strict=True)]
     t["read_floor_4cta_s"] = bk.time_read_floor_graph(torch, w)
@@ -446,6 +469,9 @@ def main(argv=None) -> int:
     n0, k0 = shapes[0]
     stack = {"layers": 3, "layer": 2, "time": False}
     cases += [(min(n0, 1024), k0, res_variants, {"residual": r, **stack}) for r in (False, True)]
+    # one global scale a row (fused q/k/v and gate/up shards of a real checkpoint), o's residual
+    cases += [(min(n0, 1024), k0, res_variants, {"gw_rows": True, "residual": r, **stack})
+              for r in (False, True)]  # fmt: skip
     for n, k, vs, kw in cases:
         time_it = kw.pop("time", True) and not args.no_time
         rows, timing, fails = check_shape(torch, bk, n, k, vs, time_it, sms, **kw)
@@ -458,9 +484,18 @@ def main(argv=None) -> int:
     for n, k in shapes:
         if n % 32 or (args.shapes == DEFAULT_SHAPES and n != 24576):
             continue
-        for xgd, timed in (((0.0047, 0.0031), True), ((1e-9,), False)):
+        for xgd, timed, gw_rows in (((0.0047, 0.0031), True, False), ((1e-9,), False, False),
+                                    ((0.0047, 0.0031), False, True)):  # fmt: skip
             rows, timing, fails = check_swiglu(
-                torch, bk, n, k, res_variants, timed and not args.no_time, sms, xgd
+                torch,
+                bk,
+                n,
+                k,
+                res_variants,
+                timed and not args.no_time,
+                sms,
+                xgd,
+                gw_rows=gw_rows,
             )
             result["rows"] += rows
             result["timing"] += timing

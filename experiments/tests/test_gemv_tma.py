@@ -17,7 +17,9 @@ def test_every_planned_kernel_fits_its_occupancy_without_spills():
         assert rep["spill_bytes"] == 0 and rep["static_smem"] <= tma.STATIC_SMEM, (v, p, rep)
         assert rep["registers"] * p.threads * p.ctas <= 65536, (v, p, rep["registers"])
         assert p.ctas * (p.smem + 1024) <= tma.SM_SMEM and p.smem <= tma.SMEM_LIMIT
-        kern = tma.build(p.n, p.k, residual=p.residual, swiglu=p.swiglu, **check.VARIANTS[v])
+        kern = tma.build(p.n, p.k, residual=p.residual, swiglu=p.swiglu, gw_rows=p.gw_rows,
+                         **check.VARIANTS[v])  # fmt: skip
+        assert kern.plan.defines()["GW_ROWS"] == int(p.gw_rows)
         bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in kern.ptx
         lsu = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in kern.ptx
         assert (bulk, lsu) == (p.producer == "tma", p.producer == "lsu"), (v, p)
@@ -142,7 +144,8 @@ class _FakeGpu:
         li = int(self.t(layer))
         x = check._values64(torch, lut, self.t(xp)[None], self.t(xs)[None])[0]
         w = check._values64(torch, lut, self.t(wp)[li], self.t(ws)[li])
-        return w @ x * float(self.t(xg)[0]) * float(self.t(wg)[li])
+        gw = self.t(wg)[li]  # one scale, or one a row
+        return w @ x * float(self.t(xg)[0]) * (gw.double() if gw.ndim else float(gw))
 
     def gemv(self, plan, p):
         torch = self.torch
@@ -198,9 +201,13 @@ def test_device_check_harness_on_the_cpu(monkeypatch):
     assert failures == [] and [r["variant"] for r in rows] == ["production", *variants]
     assert all(r["ok"] and r["vs_production_bitwise"] == 1.0 for r in rows[1:3])
     assert timing[0]["tma_s"] == 1e-6 and timing[0]["read_floor_4cta_s"] == 2e-6
-    kw = {"residual": True, "layers": 3, "layer": 2}
-    rows, timing, failures = check.check_shape(torch, bk, 512, 2048, ["tma"], False, 132, **kw)
-    assert failures == [] and timing == [] and rows[1]["ok"]
+    for gw_rows in (False, True):
+        kw = {"residual": True, "layers": 3, "layer": 2, "gw_rows": gw_rows}
+        rows, timing, failures = check.check_shape(torch, bk, 512, 2048, ["tma"], False, 132, **kw)
+        assert failures == [] and timing == [] and rows[1]["ok"]
+    rows, _, failures = check.check_swiglu(torch, bk, 512, 2048, ["tma"], False, 132,
+                                           (0.0047, 0.0031), gw_rows=True)  # fmt: skip
+    assert failures == [] and rows[0]["ok"] and rows[0]["case"].endswith("gw_rows")
     for xgd in ((0.0047, 0.0031), (1e-9,)):
         rows, timing, failures = check.check_swiglu(torch, bk, 512, 2048, ["tma"], True, 132, xgd)
         assert failures == [] and rows[0]["equal_to_production"] == [1.0, 1.0, 1.0], rows
