@@ -636,8 +636,25 @@ def main():
         default=1e9,
         help="seconds; later (shape, M) pairs are skipped once exceeded",
     )
+    ap.add_argument(
+        "--gemv-tma",
+        default=None,
+        metavar="SPEC",
+        help="experiment: our W4A4 GEMV at M = 1 is the TMA-streamed kernel "
+        "(experiments/kernels/nvfp4_gemv_tma.cu) with these options, e.g. 'stages=6' "
+        "('default': its defaults); recorded in the JSON",
+    )
     args = ap.parse_args()
     GEMV_OPTIONS.update(parse_gemv_options(args.gemv_options))
+    gemv_tma = None
+    if args.gemv_tma is not None:
+        from experiments.kernels import nvfp4_gemv_tma
+
+        try:
+            gemv_tma = nvfp4_gemv_tma.parse_options(args.gemv_tma)
+            nvfp4_gemv_tma.install(**gemv_tma)
+        except (ValueError, nvfp4_gemv_tma.KernelError) as err:
+            raise SystemExit(f"--gemv-tma {args.gemv_tma!r}: {err}") from None
     ms = [int(v) for v in args.ms.split(",")]
     shapes = (
         unique_shapes()
@@ -661,6 +678,7 @@ def main():
         "device": str(jax.devices()[0]),
         "launch": _dispatch.default_launch(),
         "gemv_options": repr(options_from_env()),
+        "gemv_tma": gemv_tma,  # None: production's GEMV at M = 1
         "method": __doc__,
     }
     try:

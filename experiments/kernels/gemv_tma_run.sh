@@ -15,18 +15,21 @@
 #             production's GEMVs against the TMA kernel's (bench_decode.py --gemv-tma
 #             $TMA_SPEC, default "default"), one process each, alternated twice (ABAB); its own
 #             call (about 4 x 100 s)
+#   kernel    bench_kernel.py at M = 1 on all the paper's layer shapes, production's GEMV, then
+#             the TMA kernel (--gemv-tma $TMA_SPEC): jitted and CUDA-graph times, the read floor,
+#             jitted bf16 (the [T2-B] kernel table); its own call (about 2 x 250 s)
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: check sanitize decode)" >&2
+  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel)" >&2
   exit 2
 fi
 out=$1
 shift
 for step in "$@"; do
-  case $step in check | sanitize | decode) ;; *)
-    echo "unknown step '$step': expected check, sanitize or decode" >&2
+  case $step in check | sanitize | decode | kernel) ;; *)
+    echo "unknown step '$step': expected check, sanitize, decode or kernel" >&2
     exit 2
     ;;
   esac
@@ -69,6 +72,18 @@ for step in "$@"; do
         > "$x/decode_${run}_$t0.log" 2>&1
       stamp "decode $run" $? $t0
       grep -E "ms/token|rror" "$x/decode_${run}_$t0.log" | tail -3 | tee -a "$log"
+    done
+    ;;
+  kernel)
+    for run in prod tma; do
+      t0=$(date +%s)
+      extra=()
+      [ $run = tma ] && extra=(--gemv-tma "${TMA_SPEC:-default}")
+      timeout 280 python3 experiments/bench_kernel.py --ms 1 --no-chain \
+        --ops nvfp4_w4a4,nvfp4_w4a4_graph,read_floor_graph,jax_bf16 "${extra[@]}" \
+        --out "$out/bench_kernel_m1_$run.json" > "$x/kernel_$run.log" 2>&1
+      stamp "kernel $run" $? $t0
+      tail -12 "$x/kernel_$run.log" | tee -a "$log"
     done
     ;;
   esac

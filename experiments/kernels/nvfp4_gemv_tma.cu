@@ -28,7 +28,7 @@
 // complete_tx) and an "empty" one (one arrive per consumer warp once it has read the stage).
 //
 // -D constants (nvfp4_gemv_tma.py plans them): EPI_RES, SWIGLU_OUT and XGD_STACK (below), N_OUT,
-// K_IN, KCH (code bytes of a row a stage: a multiple of 512 dividing K_IN / 2), WARPS (consumer
+// K_IN, KCH (code bytes of a row a stage: a multiple of 128 dividing K_IN / 2), WARPS (consumer
 // warps, <= 16), STAGES, GRID (CTAs), MIN_CTAS (launch bounds), EF (1: the bulk copies carry an
 // L2 evict_first policy), NOMATH (1: diagnostic, the decode and dot replaced by an xor of the
 // codes: the streaming rate alone), PRODUCER (0: TMA bulk copies, one per row and chunk; 1: the
@@ -72,13 +72,14 @@ typedef unsigned long long u64;
 #define SCH (KCH / 8)
 #define CHUNKS (ROW_CODES / KCH)
 #define GROUPS (N_OUT / WARPS)
-#define UPL (KCH / 16 / 32)
+#define UNITS (KCH / 16)          // 16-byte code units of a row a stage
+#define UPL ((UNITS + 31) / 32)   // per lane (the last round partial when UNITS % 32 != 0)
 #define STAGE_CODES (WARPS * KCH)
 #define STAGE_BYTES (WARPS * (KCH + SCH))
 #define RING_BYTES (STAGES * STAGE_BYTES)
 #define NTHREADS ((WARPS + 1) * 32)
 
-static_assert(KCH % 512 == 0 && ROW_CODES % KCH == 0, "KCH: a multiple of 512 dividing K / 2");
+static_assert(KCH % 128 == 0 && ROW_CODES % KCH == 0, "KCH: a multiple of 128 dividing K / 2");
 static_assert(WARPS >= 1 && WARPS <= 16 && N_OUT % WARPS == 0, "WARPS rows a stage");
 static_assert(STAGES >= 2, "at least two stages");
 // SWIGLU_OUT (gate_up_proj, y = [gate | up], N = 2F), production's epilogue: a unit is the 16
@@ -313,6 +314,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #pragma unroll
     for (int t = 0; t < UPL; ++t) {
       const int unit = lane + 32 * t;
+      if (UNITS % 32 != 0 && unit >= UNITS) break;
       const uint4 q = *(const uint4*)(codes + 16 * unit);
 #if NOMATH
       acc += __int_as_float((q.x ^ q.y ^ q.z ^ q.w) & 0x3F800000u);

@@ -44,6 +44,7 @@ SM_SMEM = 228 * 1024  # shared memory of an SM (CTAs per SM must fit it, 1 KB re
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 PRODUCERS = ("tma", "lsu")  # the .cu's PRODUCER 0 / 1
 SWIGLUS = ("scalar", "stacked")
+DEFAULT_STAGES = 6
 STATIC_SMEM = 512  # static shared memory beside the plan's dynamic bytes (SwiGLU: 256), bound
 
 
@@ -53,8 +54,8 @@ class TmaPlan:
 
     n: int
     k: int
-    kch: int = 1024  # code bytes of a row a stage
-    stages: int = 6
+    kch: int = 1024  # code bytes of a row a stage (`plan`: `default_kch`)
+    stages: int = 6  # (`plan`: at most DEFAULT_STAGES, as many as fit)
     warps: int = 16  # consumer warps = rows a stage
     ctas: int = 1  # CTAs per SM
     sms: int = DEFAULT_SMS
@@ -126,10 +127,10 @@ class TmaPlan:
 
 def check_plan(p: TmaPlan) -> tuple[bool, str]:
     """Whether the kernel can run the plan (the .cu's static_asserts, shared memory)."""
-    if p.k % 1024 or p.k <= 0:
-        return False, f"K={p.k}: a positive multiple of 1024 expected"
-    if p.kch % 512 or (p.k // 2) % p.kch:
-        return False, f"kch={p.kch}: a multiple of 512 dividing K / 2 = {p.k // 2} expected"
+    if p.k % 256 or p.k <= 0:
+        return False, f"K={p.k}: a positive multiple of 256 expected"
+    if p.kch <= 0 or p.kch % 128 or (p.k // 2) % p.kch:
+        return False, f"kch={p.kch}: a multiple of 128 dividing K / 2 = {p.k // 2} expected"
     if not 1 <= p.warps <= 16 or p.n % p.warps:
         return False, f"warps={p.warps}: 1..16 dividing N = {p.n} expected"
     if p.producer not in PRODUCERS:
@@ -149,10 +150,30 @@ def check_plan(p: TmaPlan) -> tuple[bool, str]:
     return True, ""
 
 
+def default_kch(k: int) -> int:
+    """Code bytes of a row a stage: the largest multiple of 128 dividing K / 2 up to 1024 when it
+    is at least 512 (whole 16-byte units for every lane), else the smallest from 512 up (e.g.
+    Qwen2-7B's K = 18944: 256 or 4736 -> 4736), else the largest."""
+    half = k // 2
+    divisors = [c for c in range(128, half + 1, 128) if half % c == 0] or [half]
+    small = [c for c in divisors if c <= 1024]
+    if small and small[-1] >= 512:
+        return small[-1]
+    big = [c for c in divisors if c >= 512]
+    return big[0] if big else divisors[-1]
+
+
 def plan(n: int, k: int, **options) -> TmaPlan:
     """The plan for [1, K] x [N, K]^T with `options` (TmaPlan's fields); kch defaults to
-    min(1024, K / 2). Raises KernelError for a plan the kernel cannot run."""
-    options.setdefault("kch", min(1024, k // 2))
+    `default_kch(K)`, stages to DEFAULT_STAGES or as many as fit the shared memory. Raises
+    KernelError for a plan the kernel cannot run."""
+    options.setdefault("kch", default_kch(k) if k > 0 and k % 256 == 0 else 1024)
+    if "stages" not in options:  # as many as fit, at most DEFAULT_STAGES
+        p = TmaPlan(n=n, k=k, **options, stages=1)
+        room = (min(SMEM_LIMIT, SM_SMEM // p.ctas - 1024) - STATIC_SMEM - p.smem) // (
+            p.stage_bytes + 16
+        )
+        options["stages"] = max(2, min(DEFAULT_STAGES, room + 1))
     p = TmaPlan(n=n, k=k, **options)
     ok, why = check_plan(p)
     if not ok:

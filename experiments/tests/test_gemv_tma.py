@@ -278,3 +278,19 @@ def test_install_swaps_the_decode_steps_batch_1_gemvs():
     with pytest.raises(KernelError, match="stages=1"):
         tma.install(stages=1)
     assert nvfp4_gemv.build is build
+
+
+def test_every_paper_shape_plans_and_compiles():
+    # bench_kernel.py --gemv-tma times the kernel on all of the paper's layer shapes: each gets
+    # a plan (chunks of whole 128-byte scale rows, partial lane rounds where K / 2 is not a
+    # multiple of 512) that ptxas compiles without spills
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from experiments.kernel_shapes import unique_shapes
+
+    for n, k in unique_shapes():
+        p = tma.plan(n, k)
+        assert (k // 2) % p.kch == 0 and p.kch % 128 == 0 and p.stages >= 2, (n, k, p)
+        rep = tma.ptxas_report(p)
+        assert rep["spill_bytes"] == 0 and rep["registers"] * p.threads <= 65536, (n, k, rep)
+    assert [tma.default_kch(k) for k in (4096, 5120, 3584, 18944, 13824)] == [
+        1024, 640, 896, 4736, 768]  # fmt: skip
