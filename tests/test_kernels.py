@@ -333,7 +333,8 @@ def _prmt(lo: int, hi: int, sel: int) -> int:
 
 
 def _table(name: str) -> int:
-    src = (cbuild.SOURCE_DIR / nvfp4_gemv.SOURCE).read_text()
+    # The decode tables live in the header every NVFP4 kernel includes.
+    src = (cbuild.SOURCE_DIR / "common.cuh").read_text()
     return int(re.search(rf"#define {name} (0x[0-9A-Fa-f]+)u", src).group(1), 16)
 
 
