@@ -120,21 +120,26 @@ def _key(source: str, headers: dict, defines: dict, arch: str, version, opts) ->
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
-def local_headers(source: str, directory: pathlib.Path = SOURCE_DIR) -> dict[str, str]:
-    """Every `#include "name"` header of `source` found in `directory`, recursively: name -> text.
+def local_headers(
+    source: str, directory: pathlib.Path | tuple[pathlib.Path, ...] = SOURCE_DIR
+) -> dict[str, str]:
+    """Every `#include "name"` header of `source` found in `directory` (or the first of several
+    directories that has it), recursively: name -> text.
 
     They are handed to NVRTC as in-memory headers and hashed into the cache key, so editing a
     header recompiles every kernel that includes it.
     """
+    dirs = (directory,) if isinstance(directory, pathlib.Path) else tuple(directory)
     found: dict[str, str] = {}
     todo = _INCLUDE.findall(source)
     while todo:
         name = todo.pop()
         if name in found:
             continue
-        path = directory / name
-        if not path.is_file():
-            raise KernelError(f'#include "{name}": no such header in {directory.name}/')
+        path = next((d / name for d in dirs if (d / name).is_file()), None)
+        if path is None:
+            where = ", ".join(f"{d.name}/" for d in dirs)
+            raise KernelError(f'#include "{name}": no such header in {where}')
         found[name] = path.read_text()
         todo.extend(_INCLUDE.findall(found[name]))
     return found
@@ -152,6 +157,7 @@ def compile_ptx(
     arch: str | None = None,
     options: tuple[str, ...] = (),
     use_cache: bool = True,
+    header_dirs: tuple[pathlib.Path, ...] = (),
 ) -> str:
     """Compiles CUDA C++ to PTX with NVRTC (disk-cached). Returns the PTX text.
 
@@ -162,6 +168,8 @@ def compile_ptx(
         arch: `compute_XY`; None -> the present GPU's arch (compute_90 with no GPU).
         options: extra NVRTC options.
         use_cache: read/write the on-disk cache.
+        header_dirs: directories searched for `#include "..."` headers before this one's
+            (an experiment's own headers).
     """
     defines = dict(defines or {})
     arch = arch or device_arch()
@@ -175,7 +183,7 @@ def compile_ptx(
         *(f"-D{k}={v}" for k, v in sorted(defines.items())),
         *options,
     )
-    headers = local_headers(source)
+    headers = local_headers(source, (*header_dirs, SOURCE_DIR))
     key = _key(source, headers, defines, arch, version, opts)
     path = cache_dir() / f"{key}.ptx"
     if use_cache and path.is_file():
@@ -331,13 +339,20 @@ def escape_mlir(text: str) -> str:
     return "".join(out)
 
 
-def ptxas_log(source: str, defines: dict, arch: str = "sm_90", name: str = "kernel.cu") -> str:
+def ptxas_log(
+    source: str,
+    defines: dict,
+    arch: str = "sm_90",
+    name: str = "kernel.cu",
+    header_dirs: tuple[pathlib.Path, ...] = (),
+) -> str:
     """ptxas's -v report (registers, spills, shared memory) of `source` compiled by NVRTC to a
-    cubin for `arch`, offline (no GPU needed); raises KernelError with NVRTC's log on failure."""
+    cubin for `arch`, offline (no GPU needed); raises KernelError with NVRTC's log on failure.
+    `header_dirs`: as compile_ptx's."""
     nvrtc = _nvrtc()
     opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "-Xptxas=-v"]
     opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
-    headers = local_headers(source)
+    headers = local_headers(source, (*header_dirs, SOURCE_DIR))
     names = sorted(headers)
     err, prog = nvrtc.nvrtcCreateProgram(
         source.encode(), name.encode(), len(names),

@@ -687,6 +687,27 @@ def test_cache_key_hashes_included_headers(tmp_path):
         cbuild.local_headers('#include "missing.cuh"\n', tmp_path)
 
 
+def test_local_headers_search_several_directories_in_order(tmp_path):
+    """An experiment's headers: the first directory that has a header gives it; headers it
+    includes are found in any of them; a missing one names every directory searched."""
+    own, shared = tmp_path / "own", tmp_path / "shared"
+    own.mkdir(), shared.mkdir()
+    (own / "ring.cuh").write_text('#include "common.cuh"\n#define R 1\n')
+    (own / "both.cuh").write_text("#define B 1\n")
+    (shared / "both.cuh").write_text("#define B 2\n")
+    (shared / "common.cuh").write_text("#define C 1\n")
+    src = '#include "ring.cuh"\n#include "both.cuh"\n'
+    found = cbuild.local_headers(src, (own, shared))
+    assert found == {
+        "ring.cuh": '#include "common.cuh"\n#define R 1\n',
+        "both.cuh": "#define B 1\n",
+        "common.cuh": "#define C 1\n",
+    }
+    assert cbuild.local_headers(src, (shared, own))["both.cuh"] == "#define B 2\n"
+    with pytest.raises(cbuild.KernelError, match=r'"nope.cuh": no such header in own/, shared/'):
+        cbuild.local_headers('#include "nope.cuh"\n', (own, shared))
+
+
 def test_device_arch_and_sms_of_a_device_or_the_defaults():
     """Plans read the device's arch and SM count (a MIG instance reports its own SMs), and the
     defaults where a device says nothing (no GPU: lowering for CUDA on the CPU)."""

@@ -35,6 +35,7 @@ from cuda_ops.nvfp4_gemv import _drv_check
 
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemv_tma.cu")
 ENTRY = "nvfp4_gemv_tma"
+HEADER_DIRS = (SOURCE.parent,)  # tma_ring.cuh; common.cuh from cuda_ops/
 # operands as production's plain W4A4 GEMV: (xp, xs, xg, [res], wp, ws, wg, layer), then y
 N_INPUTS = 7
 ARCH = "compute_90"  # cp.async.bulk and mbarrier transaction counts: sm_90
@@ -249,7 +250,9 @@ class TmaKernel:
 
 @functools.cache
 def _build_cached(p: TmaPlan) -> TmaKernel:
-    ptx = compile_ptx(read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH)
+    ptx = compile_ptx(
+        read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH, header_dirs=HEADER_DIRS
+    )
     if ptx_entries(ptx) != {ENTRY: p.n_inputs + p.n_outputs}:
         raise KernelError(f"{SOURCE.name}: unexpected entries {ptx_entries(ptx)}")
     return TmaKernel(plan=p, ptx=ptx)
@@ -262,7 +265,9 @@ def build(n: int, k: int, **options) -> TmaKernel:
 
 def ptxas_report(p: TmaPlan) -> dict:
     """ptxas (offline, sm_90) on the plan's PTX: registers, spill bytes, static shared bytes."""
-    log = ptxas_log(read_source(), p.defines(), name=SOURCE.name, arch="sm_90")
+    log = ptxas_log(
+        read_source(), p.defines(), name=SOURCE.name, arch="sm_90", header_dirs=HEADER_DIRS
+    )
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     static = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
