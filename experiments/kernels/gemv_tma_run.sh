@@ -18,18 +18,25 @@
 #   kernel    bench_kernel.py at M = 1 on all the paper's layer shapes, production's GEMV, then
 #             the TMA kernel (--gemv-tma $TMA_SPEC): jitted and CUDA-graph times, the read floor,
 #             jitted bf16 (the [T2-B] kernel table); its own call (about 2 x 250 s)
+#   block     check_block_tma.py: the one-launch post-attention block (nvfp4_block_tma.cu: o +
+#             residual, RMSNorm + quantization, gate_up + SwiGLU, down + residual, at batch 1)
+#             byte for byte against the kernels it fuses, then timed against production's four
+#             launches and the TMA GEMVs' four, Qwen3-8B (about 2 minutes)
+#   block_sanitize  compute-sanitizer memcheck and racecheck of the block kernel (TMA and
+#             cp.async producers) on a small block, correctness only
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel)" >&2
+  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel block block_sanitize)" >&2
   exit 2
 fi
 out=$1
 shift
 for step in "$@"; do
-  case $step in check | sanitize | decode | kernel) ;; *)
-    echo "unknown step '$step': expected check, sanitize, decode or kernel" >&2
+  case $step in check | sanitize | decode | kernel | block | block_sanitize) ;; *)
+    echo "unknown step '$step': expected check, sanitize, decode, kernel, block or" \
+      "block_sanitize" >&2
     exit 2
     ;;
   esac
@@ -84,6 +91,24 @@ for step in "$@"; do
         --out "$out/bench_kernel_m1_$run.json" > "$x/kernel_$run.log" 2>&1
       stamp "kernel $run" $? $t0
       tail -12 "$x/kernel_$run.log" | tee -a "$log"
+    done
+    ;;
+  block)
+    timeout 300 python3 experiments/kernels/check_block_tma.py --git-sha "$sha" \
+      --out "$out/block_tma.json" > "$x/block.log" 2>&1
+    stamp block $? $t0
+    tail -45 "$x/block.log" | tee -a "$log"
+    ;;
+  block_sanitize)
+    for tool in memcheck racecheck; do
+      t0=$(date +%s)
+      timeout 200 compute-sanitizer --tool $tool --kernel-name kns=nvfp4_block_tma \
+        --print-limit 20 python3 experiments/kernels/check_block_tma.py --no-time \
+        --variants tma,lsu --shape 1024x1024x1536 --out "$x/block_sanitize_$tool.json" \
+        > "$x/block_sanitize_$tool.log" 2>&1
+      stamp "block_sanitize $tool" $? $t0
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|failures" "$x/block_sanitize_$tool.log" \
+        | head -6 | tee -a "$log"
     done
     ;;
   esac

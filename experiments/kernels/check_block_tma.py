@@ -1,0 +1,409 @@
+"""EXPERIMENT (device): the one-launch post-attention block (experiments/kernels/
+nvfp4_block_tma.cu) checked byte for byte against the kernels it fuses, and timed against
+production's four launches. From the repository root:
+
+    PYTHONPATH=. python3 experiments/kernels/check_block_tma.py --out $OUT/block_tma.json
+
+1. Operands: random NVFP4 weights for o_proj [L, D, KO/2], gate_up [L, 2F, D/2] and down_proj
+   [L, D, F/2] (uniform codes, E4M3 block scales 0.125 .. 240, as the GPU tests), the attention
+   output's codes, a bf16 residual stream and norm weight. The weight global scales and the two
+   static input scales are calibrated with production's kernels so every stage sees values of
+   order one (o's output and the residual of standard deviation 1, gate and up of 2, each
+   static scale amax / (6 x 448) of what it quantizes), as a checkpoint's calibration would.
+2. Correctness, per variant (`VARIANTS`), at layer 1 of a 2-deep stack, one global scale a
+   matrix and one a row (`gw_rows`), into poisoned results, twice (bitwise repeatable). The
+   kernel's y1, gate_up input (gp, gs), down input (dp, ds) and y2 must equal, byte for byte,
+   the composition of the kernels it fuses run on its own intermediates: nvfp4_gemv_tma's
+   residual build of o (same stage size), production's quantizer kernel (RMSNorm prologue) on
+   that y1, nvfp4_gemv_tma's SwiGLU build of gate_up on those codes, its residual build of down
+   on those. Reported beside them: the agreement with production's four launches (relative
+   difference of y2, fraction of equal bytes; the fp32 sums differ in order).
+3. Timing: one CUDA graph over enough weight copies to read > 256 MiB, CUDA events, median of
+   25 replays: each variant's one launch; production's four (o GEMV + residual, the quantizer,
+   gate_up GEMV + SwiGLU epilogue, down GEMV + residual: the decode step's launches at batch 1
+   under the defaults); the same four with the TMA GEMVs; the copy floor of the weight bytes
+   (the device copy bandwidth).
+4. Writes one JSON to --out (versions, --git-sha, plans, offline ptxas registers and spills,
+   rows, timings, summary) and exits 1 if a check failed.
+
+The CPU-only part (`problems`) imports without a GPU: experiments/tests/test_block_tma.py
+compiles every planned kernel with NVRTC and ptxas.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from cuda_ops.build import KernelError
+from experiments.kernels import nvfp4_block_tma as blk
+from experiments.kernels import nvfp4_gemv_tma as tma
+from experiments.kernels.check_gemv_tma import SCALES, _launch_ptx, _seed, _write
+
+# name -> nvfp4_block_tma.plan keyword options
+VARIANTS = {
+    "tma": {},  # 1024-byte row chunks, 6 stages (110 KB in flight a CTA)
+    "tma_s10": {"stages": 10},  # 184 KB in flight: more of the next matrix during a barrier
+    "tma_k2048_s5": {"kch": 2048, "stages": 5},
+    "tma_ef": {"ef": True},
+    "lsu": {"producer": "lsu"},
+    "lsu_s10": {"producer": "lsu", "stages": 10},
+}
+DEVICE = "cuda"
+DEFAULT_SHAPE = "x".join(map(str, blk.QWEN3_8B))
+
+
+def problems(shape=blk.QWEN3_8B, variants=tuple(VARIANTS)) -> list:
+    """Every (variant, plan) the check builds, with one global scale a matrix and one a row. CPU
+    only; raises KernelError for a plan that cannot run."""
+    return [(v, blk.plan(*shape, gw_rows=r, **VARIANTS[v])) for v in variants for r in (0, 1)]
+
+
+def _scale_of(amax: float) -> float:
+    """A static input scale as calibration sets it: the block scale of amax is then 448."""
+    return max(amax, 1e-30) / (6.0 * 448.0)
+
+
+class Block:
+    """One problem's operands on the GPU, calibrated, and the launches of the block, of
+    production's four kernels and of the TMA composition on them."""
+
+    def __init__(self, torch, d, ko, f, *, layers, copies, gw_rows, eps, seed):
+        from cuda_ops import nvfp4_gemv, nvfp4_quant
+
+        self.torch, self.d, self.ko, self.f = torch, d, ko, f
+        self.layers, self.gw_rows, self.eps = layers, gw_rows, eps
+        dev = DEVICE
+        rng = np.random.default_rng(_seed(*seed))
+        g = torch.Generator(device=dev).manual_seed(_seed(*seed, "w"))
+
+        def mat(n, k):
+            return (torch.randint(0, 256, (layers, n, k // 2), dtype=torch.uint8, device=dev,
+                                  generator=g),
+                    torch.randint(*SCALES, (layers, n, k // 16), dtype=torch.uint8, device=dev,
+                                  generator=g))  # fmt: skip
+
+        self.w = [{"o": mat(d, ko), "gu": mat(2 * f, d), "d": mat(d, f)} for _ in range(copies)]
+        rows = {"o": d, "gu": 2 * f, "d": d}
+        # per-row factors 0.5 .. 1.5 (gw_rows), times the calibrated scale of the matrix
+        self.row_factor = {
+            m: torch.from_numpy((0.5 + rng.random((layers, n))).astype(np.float32)).to(dev)
+            if gw_rows else torch.ones(layers, dtype=torch.float32, device=dev)
+            for m, n in rows.items()
+        }  # fmt: skip
+        self.wg = {m: v.clone() for m, v in self.row_factor.items()}
+        self.ap = torch.from_numpy(rng.integers(0, 256, ko // 2, dtype=np.uint8)).to(dev)
+        self.as_ = torch.from_numpy(rng.integers(*SCALES, ko // 16, dtype=np.uint8)).to(dev)
+        self.ag = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+        self.h = torch.zeros(d, dtype=torch.bfloat16, device=dev)
+        self.nw = (1 + 0.1 * torch.randn(layers, d, generator=g, device=dev)).to(torch.bfloat16)
+        self.xgu = torch.ones(layers, dtype=torch.float32, device=dev)
+        self.xgd = torch.ones(layers, dtype=torch.float32, device=dev)
+        kw = {"gw_rows": gw_rows}
+        self.p_o = nvfp4_gemv.build("w4a4", 1, d, ko, residual=True, **kw)
+        self.p_gu = nvfp4_gemv.build("w4a4", 1, 2 * f, d, swiglu_out="stacked", **kw)
+        self.p_gu_plain = nvfp4_gemv.build("w4a4", 1, 2 * f, d, **kw)
+        self.p_d = nvfp4_gemv.build("w4a4", 1, d, f, residual=True, **kw)
+        fused = nvfp4_gemv.Fused(prologue="rmsnorm", eps=eps, norm_stacked=True, scale_stacked=True)
+        self.quant = nvfp4_quant.build(1, d, fused)
+
+    # ------------------------------------------------------------------ buffers and launches
+
+    @property
+    def stream(self) -> int:
+        """The current stream (a graph capture's while one runs)."""
+        return self.torch.cuda.current_stream().cuda_stream
+
+    def outs(self):
+        """Poisoned results: y2, y1 (bf16 NaN), gp, gs, dp, ds (0xAB)."""
+        t, dev = self.torch, DEVICE
+        nan = float("nan")
+        return {
+            "y2": t.full((self.d,), nan, dtype=t.bfloat16, device=dev),
+            "y1": t.full((self.d,), nan, dtype=t.bfloat16, device=dev),
+            "gp": t.full((self.d // 2,), 0xAB, dtype=t.uint8, device=dev),
+            "gs": t.full((self.d // 16,), 0xAB, dtype=t.uint8, device=dev),
+            "gg": t.full((1,), nan, dtype=t.float32, device=dev),
+            "dp": t.full((self.f // 2,), 0xAB, dtype=t.uint8, device=dev),
+            "ds": t.full((self.f // 16,), 0xAB, dtype=t.uint8, device=dev),
+            "dg": t.full((1,), nan, dtype=t.float32, device=dev),
+            "y_gu": t.full((2 * self.f,), nan, dtype=t.bfloat16, device=dev),
+        }
+
+    def _ptr(self, *ts) -> list:
+        return [x.data_ptr() for x in ts]
+
+    def gemv(self, kern, which, c, li, xp, xs, xg, out, res=None, xgd=None, swiglu=False):
+        """A production (`launch`) or TMA GEMV on matrix `which` of copy c."""
+        wp, ws = self.w[c][which]
+        head = [xp, xs, xg] + ([res] if res is not None else []) + [wp, ws, self.wg[which], li]
+        if swiglu:
+            ptrs = self._ptr(*head, xgd, *out)
+            p = kern.plan
+            if isinstance(kern, tma.TmaKernel):
+                kern.launch(self.stream, ptrs)
+            else:
+                _launch_ptx(kern.ptx, kern.entry, (p.grid, 1), p.threads, p.smem, ptrs, self.stream)
+        else:
+            kern.launch(self.stream, self._ptr(*head, out))
+
+    def norm_quant(self, li, y1, o):
+        """Production's quantizer kernel (RMSNorm prologue) on y1 -> gp, gs, gg."""
+        from cuda_ops import nvfp4_quant
+
+        q = self.quant
+        ptrs = self._ptr(y1, self.xgu, self.nw, li, o["gp"], o["gs"], o["gg"])
+        _launch_ptx(q.ptx, nvfp4_quant.ENTRY, (1, self.d // q.chunk), q.threads, 0, ptrs,
+                    self.stream)  # fmt: skip
+
+    def production(self, c, li, o):
+        """The decode step's four launches at batch 1: o + residual, quantizer, gate_up + SwiGLU
+        epilogue, down + residual."""
+        self.gemv(self.p_o, "o", c, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+        self.norm_quant(li, o["y1"], o)
+        self.gemv(self.p_gu, "gu", c, li, o["gp"], o["gs"], o["gg"], (o["dp"], o["ds"], o["dg"]),
+                  xgd=self.xgd, swiglu=True)  # fmt: skip
+        self.gemv(self.p_d, "d", c, li, o["dp"], o["ds"], o["dg"], o["y2"], res=o["y1"])
+
+    def tma_kernels(self, kch, **options):
+        t_o = tma.build(self.d, self.ko, kch=kch, residual=True, gw_rows=self.gw_rows, **options)
+        t_gu = tma.build(2 * self.f, self.d, kch=kch, swiglu="stacked", gw_rows=self.gw_rows,
+                         **options)  # fmt: skip
+        t_d = tma.build(self.d, self.f, kch=kch, residual=True, gw_rows=self.gw_rows, **options)
+        return t_o, t_gu, t_d
+
+    def tma_composition(self, kernels, c, li, o, y1=None):
+        """The four launches with the TMA GEMVs; from a given y1 (the block's) when passed."""
+        t_o, t_gu, t_d = kernels
+        if y1 is None:
+            self.gemv(t_o, "o", c, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+            y1 = o["y1"]
+        self.norm_quant(li, y1, o)
+        self.gemv(t_gu, "gu", c, li, o["gp"], o["gs"], o["gg"], (o["dp"], o["ds"], o["dg"]),
+                  xgd=self.xgd, swiglu=True)  # fmt: skip
+        self.gemv(t_d, "d", c, li, o["dp"], o["ds"], o["dg"], o["y2"], res=y1)
+
+    def block(self, kern, c, li, o):
+        ws = self.w[c]
+        ptrs = self._ptr(self.ap, self.as_, self.ag, self.h, *ws["o"], self.wg["o"], self.nw,
+                         self.xgu, *ws["gu"], self.wg["gu"], self.xgd, *ws["d"], self.wg["d"],
+                         li, *(o[k] for k in blk.OUTPUTS))  # fmt: skip
+        p = kern.plan
+        _launch_ptx(kern.ptx, blk.ENTRY, (p.grid, 1), p.threads, p.smem, ptrs, self.stream)
+
+    # ------------------------------------------------------------------ calibration
+
+    def calibrate(self, li):
+        """Global and static scales so every stage sees values of order one (production's
+        kernels; the same values for every layer)."""
+        t = self.torch
+        o = self.outs()
+        zero = t.zeros(self.d, dtype=t.bfloat16, device=DEVICE)
+        h, self.h = self.h, zero
+        self.gemv(self.p_o, "o", 0, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+        t.cuda.synchronize()
+        self.wg["o"] = self.row_factor["o"] / float(o["y1"].float().std())
+        self.h = t.randn(self.d, device=DEVICE).to(t.bfloat16)
+        del h
+        self.gemv(self.p_o, "o", 0, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+        t.cuda.synchronize()
+        y1 = o["y1"].float()
+        normed = y1 * t.rsqrt((y1 * y1).mean() + self.eps) * self.nw[int(li)].float()
+        self.xgu.fill_(_scale_of(float(normed.abs().max())))
+        self.norm_quant(li, o["y1"], o)
+        self.gemv(self.p_gu_plain, "gu", 0, li, o["gp"], o["gs"], o["gg"], o["y_gu"])
+        t.cuda.synchronize()
+        self.wg["gu"] = self.row_factor["gu"] * (2.0 / float(o["y_gu"].float().std()))
+        self.gemv(self.p_gu_plain, "gu", 0, li, o["gp"], o["gs"], o["gg"], o["y_gu"])
+        t.cuda.synchronize()
+        gate, up = o["y_gu"].float()[: self.f], o["y_gu"].float()[self.f :]
+        self.xgd.fill_(_scale_of(float((t.nn.functional.silu(gate) * up).abs().max())))
+        self.gemv(self.p_gu, "gu", 0, li, o["gp"], o["gs"], o["gg"], (o["dp"], o["ds"], o["dg"]),
+                  xgd=self.xgd, swiglu=True)  # fmt: skip
+        zero_res = zero
+        self.gemv(self.p_d, "d", 0, li, o["dp"], o["ds"], o["dg"], o["y2"], res=zero_res)
+        t.cuda.synchronize()
+        self.wg["d"] = self.row_factor["d"] / float(o["y2"].float().std())
+
+
+def _same(torch, a, b) -> float:
+    return float((a.view(torch.uint8) == b.view(torch.uint8)).double().mean())
+
+
+def _rel(torch, a, b) -> float:
+    a, b = a.double(), b.double()
+    return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
+
+
+def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
+    """Correctness rows and failures of every variant on `prob` (layer 1)."""
+    t = torch
+    li = t.tensor(prob.layers - 1, dtype=t.int32, device=DEVICE)
+    tag = "gw_rows" if prob.gw_rows else "gw"
+    prod = prob.outs()
+    prob.production(0, li, prod)
+    t.cuda.synchronize()
+    rows, failures = [], []
+    for v in variants:
+        row = {"case": tag, "variant": v}
+        try:
+            kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, gw_rows=prob.gw_rows,
+                             eps=prob.eps, **VARIANTS[v])  # fmt: skip
+            row["plan"] = str(kern.plan)
+            o1, o2 = prob.outs(), prob.outs()
+            prob.block(kern, 0, li, o1)
+            prob.block(kern, 0, li, o2)
+            t.cuda.synchronize()
+            want = prob.outs()
+            kernels = prob.tma_kernels(kern.plan.kch)
+            prob.tma_composition(kernels, 0, li, want, y1=o1["y1"])
+            y1_want = prob.outs()["y1"]
+            prob.gemv(kernels[0], "o", 0, li, prob.ap, prob.as_, prob.ag, y1_want, res=prob.h)
+            t.cuda.synchronize()
+            want["y1"] = y1_want
+            names = blk.OUTPUTS
+            row["repeatable"] = all(_same(t, o1[k], o2[k]) == 1.0 for k in names)
+            row["equal_to_composition"] = {k: _same(t, o1[k], want[k]) for k in names}
+            row["equal_to_production"] = {k: _same(t, o1[k], prod[k]) for k in names}
+            row["y2_rel_to_production"] = _rel(t, o1["y2"], prod["y2"])
+            row["y1_rel_to_production"] = _rel(t, o1["y1"], prod["y1"])
+            row["finite"] = bool(t.isfinite(o1["y2"]).all() and t.isfinite(o1["y1"]).all())
+            row["ok"] = (
+                row["repeatable"]
+                and row["finite"]
+                and all(x == 1.0 for x in row["equal_to_composition"].values())
+            )
+            if not row["ok"]:
+                failures.append(f"{v} {tag}: {row}")
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+            failures.append(f"{v} {tag}: {row['error']}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows, failures
+
+
+def timing(torch, bk, prob: Block, variants, sms: int, skip=()) -> dict:
+    """Per-layer device time of each variant, production's four launches and the TMA
+    composition, in CUDA graphs over the problem's weight copies."""
+    t = torch
+    li = t.tensor(0, dtype=t.int32, device=DEVICE)
+    copies = len(prob.w)
+    bufs = [prob.outs() for _ in range(copies)]
+
+    def graph(fn):
+        return bk.time_torch_graph(t, [lambda c=c: fn(c) for c in range(copies)])
+
+    out = {"copies": copies, "weight_bytes": blk.plan(prob.d, prob.ko, prob.f).weight_bytes}
+    out["production_s"] = graph(lambda c: prob.production(c, li, bufs[c]))
+    kernels = prob.tma_kernels(blk.plan(prob.d, prob.ko, prob.f).kch)
+    out["tma_composition_s"] = graph(lambda c: prob.tma_composition(kernels, c, li, bufs[c]))
+    for v in variants:
+        if v in skip:
+            continue
+        try:
+            kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, eps=prob.eps, **VARIANTS[v])
+            out[f"{v}_s"] = graph(lambda c, k=kern: prob.block(k, c, li, bufs[c]))
+        except Exception as err:  # noqa: BLE001
+            out[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
+    out["production_again_s"] = graph(lambda c: prob.production(c, li, bufs[c]))
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def summarize(tm: dict, variants, copy_bps: float | None) -> dict:
+    base = tm["production_s"]
+    rows = {}
+    for name in ["production", "tma_composition", *variants]:
+        s = tm.get(f"{name}_s")
+        if s is None:
+            continue
+        rows[name] = {"us": round(1e6 * s, 2), "over_production": round(s / base, 4),
+                      "TBps": round(tm["weight_bytes"] / s / 1e12, 3)}  # fmt: skip
+        if copy_bps:
+            rows[name]["over_copy_floor"] = round(s / (tm["weight_bytes"] / copy_bps), 4)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--shape", default=DEFAULT_SHAPE, help="D x KO x F (hidden, o's K, FFN)")
+    ap.add_argument("--no-time", action="store_true", help="correctness only")
+    ap.add_argument("--eps", type=float, default=1e-6, help="the RMSNorm epsilon")
+    ap.add_argument("--git-sha", default=None, help="the commit measured")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
+    try:
+        shape = tuple(int(x) for x in args.shape.split("x"))
+        if len(shape) != 3:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--shape {args.shape!r}: expected D x KO x F like 4096x4096x12288")
+    try:
+        problems(shape, variants)  # every plan valid before any GPU work
+    except KernelError as err:
+        raise SystemExit(f"--shape / --variants: {err}") from err
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import torch
+
+    from cuda_ops import build as cbuild
+    from experiments import bench_kernel as bk
+
+    t0 = time.time()
+    sms = cbuild.device_sms()
+    result = {
+        "versions": bk._versions(torch),
+        "git_sha": args.git_sha,
+        "device": torch.cuda.get_device_name(),
+        "sms": sms,
+        "shape": shape,
+        "method": __doc__,
+        "variants": {v: VARIANTS[v] for v in variants},
+        "ptxas": {},
+        "rows": [],
+    }
+    for v in variants:
+        rep = blk.ptxas_report(blk.plan(*shape, sms=sms, **VARIANTS[v]))
+        result["ptxas"][v] = {k: x for k, x in rep.items() if k != "log"}
+    _write(args.out, {**result, "partial": True})
+    failures = []
+    for gw_rows in (False, True):
+        prob = Block(torch, *shape, layers=2, copies=1, gw_rows=gw_rows, eps=args.eps,
+                     seed=(shape, gw_rows))  # fmt: skip
+        prob.calibrate(torch.tensor(1, dtype=torch.int32, device=DEVICE))
+        rows, fails = check(torch, prob, variants, sms)
+        result["rows"] += rows
+        failures += fails
+        del prob
+        _write(args.out, {**result, "partial": True})
+    if not args.no_time:
+        bytes_ = blk.plan(*shape).weight_bytes
+        prob = Block(torch, *shape, layers=1, copies=bk._copies(bytes_), gw_rows=False,
+                     eps=args.eps, seed=(shape, "time"))  # fmt: skip
+        prob.calibrate(torch.tensor(0, dtype=torch.int32, device=DEVICE))
+        failed = {f.split(" ")[0] for f in failures}
+        result["copy_bandwidth_Bps"] = bk.copy_bandwidth(torch)
+        result["timing"] = timing(torch, bk, prob, variants, sms, skip=failed)
+        result["summary"] = summarize(result["timing"], variants, result["copy_bandwidth_Bps"])
+        print(json.dumps(result["summary"], indent=1))
+    result["failures"] = failures
+    result["wall_s"] = time.time() - t0
+    _write(args.out, result)
+    print(f"{len(failures)} failures" + "".join(f"\n  {f}" for f in failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

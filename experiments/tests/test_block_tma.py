@@ -1,0 +1,178 @@
+"""experiments/kernels/nvfp4_block_tma.{cu,py}: plans, and every planned kernel through NVRTC and
+ptxas (the device check is experiments/kernels/check_block_tma.py)."""
+
+import pytest
+
+from cuda_ops.build import KernelError
+from experiments.kernels import check_block_tma as check
+from experiments.kernels import nvfp4_block_tma as blk
+
+
+def test_every_planned_block_fits_one_cta_an_sm_without_spills():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    plans = check.problems() + [
+        ("small", blk.plan(512, 512, 768)),  # kch 128: every K / 2 a multiple
+        ("small_lsu", blk.plan(1024, 2048, 3072, producer="lsu", sms=16)),
+    ]
+    for v, p in plans:
+        rep = blk.ptxas_report(p)
+        assert rep["spill_bytes"] == 0 and rep["static_smem"] <= blk.STATIC_SMEM, (v, p, rep)
+        assert rep["registers"] * p.threads <= 65536, (v, p, rep["registers"])
+        assert p.smem + blk.STATIC_SMEM <= blk.SMEM_LIMIT and p.grid <= p.sms
+        kern = blk.build(p.d, p.ko, p.f, **{f: getattr(p, f) for f in ("kch", "stages", "sms",
+                         "producer", "ef", "gw_rows")})  # fmt: skip
+        ptx = kern.ptx
+        bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+        lsu = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
+        assert (bulk, lsu) == (p.producer == "tma", p.producer == "lsu"), (v, p)
+        assert ("createpolicy.fractional.L2::evict_first" in ptx) == p.ef
+        # the grid barrier's module-global words, the exact block dots, the E4M3 scale convert
+        assert "g_block_count" in ptx and "g_block_gen" in ptx and "atom.global.add" in ptx
+        assert "dp4a" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        n = blk.N_INPUTS + len(blk.OUTPUTS)
+        assert f"{blk.ENTRY}_param_{n - 1}" in ptx and f"{blk.ENTRY}_param_{n}" not in ptx
+
+
+def test_plan_defaults_and_bad_plans():
+    p = blk.plan(*blk.QWEN3_8B)
+    assert (p.kch, p.stages, p.grid, p.threads) == (1024, 6, 132, 544)
+    assert p.smem == 6 * 16 * (1024 + 128) + 12288 + 768 + 96
+    # Qwen3-8B's o, gate_up and down: 4.5 bytes a weight in codes and scales (94.4 MB)
+    assert p.weight_bytes == 4096 * 4096 * 9 // 16 + 3 * 12288 * 4096 * 9 // 16
+    assert blk.plan(*blk.QWEN3_8B, sms=114).grid == 114  # every CTA resident: one an SM
+    assert blk.plan(256, 256, 512).grid == 16  # no CTA without a row group of o
+    assert blk.plan(1024, 1024, 1536).kch == 256  # the largest dividing every K / 2
+    assert blk.plan(1024, 2048, 3072).kch == 512
+    assert blk.plan(*blk.QWEN3_8B, eps=1e-5).defines()["NORM_EPS"] == "1e-05f"
+    big = blk.plan(*blk.QWEN3_8B, kch=2048)
+    assert big.stages == 5 and big.smem + blk.STATIC_SMEM <= blk.SMEM_LIMIT  # as many as fit
+    for kw, match in [
+        ({"kch": 768}, "kch=768"),
+        ({"stages": 1}, "stages=1"),
+        ({"stages": 20}, "do not fit"),
+        ({"producer": "dma"}, "producer='dma'"),
+        ({"producer": "lsu", "ef": True}, "needs producer 'tma'"),
+        ({"sms": 0}, "sms=0"),
+    ]:
+        with pytest.raises(KernelError, match=match):
+            blk.plan(*blk.QWEN3_8B, **kw)
+    with pytest.raises(KernelError, match="f=1000"):
+        blk.plan(4096, 4096, 1000)
+
+
+def test_check_rejects_bad_arguments_before_any_gpu_work():
+    with pytest.raises(SystemExit, match="--variants"):
+        check.main(["--out", "unused.json", "--variants", "tma,nope"])
+    with pytest.raises(SystemExit, match="--shape '4096x4096'"):
+        check.main(["--out", "unused.json", "--shape", "4096x4096"])
+    with pytest.raises(SystemExit, match="d=1000"):
+        check.main(["--out", "unused.json", "--shape", "1000x4096x12288"])
+
+
+def test_static_scale_of_an_amax_puts_its_block_scale_at_448():
+    assert check._scale_of(6.0 * 448.0 * 0.5) == pytest.approx(0.5)
+    assert check._scale_of(0.0) > 0  # never a zero scale (its inverse is taken)
+
+
+class _FakeBlockGpu:
+    """The block check's harness on the CPU: test_gemv_tma's fake GEMVs and SwiGLU quantizer, a
+    fake RMSNorm quantizer, and a fake block kernel that runs those same fakes in the kernel's
+    operand order. A wrong pointer anywhere (the harness's lists or the block's) shows as a
+    mismatch; the kernels' arithmetic is not what this exercises."""
+
+    def __init__(self, torch, monkeypatch):
+        from types import SimpleNamespace
+
+        from experiments.tests.test_gemv_tma import _FakeGpu
+
+        self.torch, self.ns = torch, SimpleNamespace
+        self.fake = _FakeGpu(torch, monkeypatch)
+        monkeypatch.setattr(check, "DEVICE", "cpu")
+        monkeypatch.setattr(check, "_launch_ptx", self.ptx)
+
+    def norm_quant(self, y, xg, nw, layer, outs):
+        import numpy as np
+
+        torch, f = self.torch, self.fake
+        y, w = y.float(), nw[layer].float()
+        n = (y * torch.rsqrt((y * y).mean() + 1e-6)).to(torch.bfloat16).float() * w
+        scale = float(xg[layer])
+        q = f.nvfp4.quantize_activation(f.jnp.asarray(n.numpy()).reshape(1, -1), scale)
+        codes, scales, g = outs
+        codes.copy_(torch.from_numpy(np.array(q.packed).reshape(-1)))
+        scales.copy_(torch.from_numpy(np.array(q.scales).view(np.uint8).reshape(-1)))
+        g.fill_(scale)
+
+    def ptx(self, ptx, entry, grid, threads, smem, ptrs, stream):
+        f, torch = self.fake, self.torch
+        if entry == "nvfp4_quantize_bf16" and f.t(ptrs[2]).numel() > 1:  # RMSNorm prologue
+            layer = int(f.t(ptrs[3]))
+            outs = [f.t(p) for p in ptrs[4:]]
+            return self.norm_quant(f.t(ptrs[0]), f.t(ptrs[1]), f.t(ptrs[2]), layer, outs)
+        if entry != blk.ENTRY:
+            return f.ptx(ptx, entry, grid, threads, smem, ptrs, stream)
+        (ap, as_, ag, h, wo_p, wo_s, wo_g, nw, xgu, wgu_p, wgu_s, wgu_g, xgd, wd_p, wd_s, wd_g,
+         layer, y2, y1, gp, gs, dp, ds) = ptrs  # fmt: skip
+        gg, dg = torch.zeros(1), torch.zeros(1)
+        f.gemv(self.ns(residual=True), [ap, as_, ag, h, wo_p, wo_s, wo_g, layer, y1])
+        li = int(f.t(layer))
+        self.norm_quant(f.t(y1), f.t(xgu), f.t(nw), li, [f.t(gp), f.t(gs), gg])
+        f.gemv(self.ns(swiglu="stacked"),
+               [gp, gs, gg.data_ptr(), wgu_p, wgu_s, wgu_g, layer, xgd, dp, ds, dg.data_ptr()])
+        f.gemv(self.ns(residual=True), [dp, ds, dg.data_ptr(), y1, wd_p, wd_s, wd_g, layer, y2])
+
+
+def test_device_check_harness_on_the_cpu(monkeypatch):
+    # calibration, the byte comparisons against the composition and production, the timing rows
+    # and the summary, with fake kernels (see _FakeBlockGpu): every output equal; a fake block
+    # whose down adds h instead of y1 fails the y2 comparison and only it
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cuda.bindings.nvrtc")  # the plans still build the PTX
+    from experiments import bench_kernel as bk
+
+    fake = _FakeBlockGpu(torch, monkeypatch)
+    shape = (256, 512, 512)
+    for gw_rows in (False, True):
+        prob = check.Block(torch, *shape, layers=2, copies=1, gw_rows=gw_rows, eps=1e-6,
+                           seed=(shape, gw_rows))  # fmt: skip
+        prob.calibrate(torch.tensor(1, dtype=torch.int32))
+        assert 0 < float(prob.xgu[1]) < 1 and 0 < float(prob.xgd[1]) < 1
+        rows, failures = check.check(torch, prob, ["tma", "lsu"], 132)
+        assert failures == [] and [r["variant"] for r in rows] == ["tma", "lsu"], failures
+        for r in rows:
+            assert r["ok"] and set(r["equal_to_composition"].values()) == {1.0}
+            assert set(r["equal_to_production"].values()) == {1.0}
+            assert r["y2_rel_to_production"] == 0.0
+        # the calibration put each stage at order one
+        o = prob.outs()
+        prob.production(0, torch.tensor(1, dtype=torch.int32), o)
+        assert 0.3 < float(o["y2"].float().std()) < 5
+    tm = check.timing(torch, bk, prob, ["tma", "lsu"], 132, skip={"lsu"})
+    assert tm["production_s"] == tm["tma_s"] == 1e-6 and "lsu_s" not in tm
+    summary = check.summarize(tm, ["tma", "lsu"], copy_bps=None)
+    assert summary["tma"]["over_production"] == 1.0 and "lsu" not in summary
+    assert summary["tma"]["TBps"] == round(blk.plan(*shape).weight_bytes / 1e-6 / 1e12, 3)
+
+    real = fake.ptx
+
+    def wrong_residual(ptx, entry, grid, threads, smem, ptrs, stream):
+        if entry == blk.ENTRY:  # down's residual from h (operand 3) instead of y1
+            ptrs = list(ptrs)
+            real(ptx, entry, grid, threads, smem, ptrs, stream)
+            f = fake.fake
+            f.gemv(fake.ns(residual=True), [ptrs[21], ptrs[22], _dg(torch, prob, ptrs[16], f),
+                                            ptrs[3], *ptrs[13:17], ptrs[17]])  # fmt: skip
+            return None
+        return real(ptx, entry, grid, threads, smem, ptrs, stream)
+
+    monkeypatch.setattr(check, "_launch_ptx", wrong_residual)
+    rows, failures = check.check(torch, prob, ["tma"], 132)
+    eq = rows[0]["equal_to_composition"]
+    assert not rows[0]["ok"] and len(failures) == 1 and eq["y2"] < 1.0
+    assert all(v == 1.0 for k, v in eq.items() if k != "y2")
+
+
+def _dg(torch, prob, layer_ptr, f):
+    """down's input global scale (xgd at the layer) in a buffer of its own: its pointer."""
+    t = torch.tensor([float(prob.xgd[int(f.t(layer_ptr))])])
+    return t.data_ptr()
