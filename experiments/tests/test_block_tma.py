@@ -117,8 +117,10 @@ class _FakeBlockGpu:
         f.gemv(self.ns(residual=True), [ap, as_, ag, h, wo_p, wo_s, wo_g, layer, y1])
         li = int(f.t(layer))
         self.norm_quant(f.t(y1), f.t(xgu), f.t(nw), li, [f.t(gp), f.t(gs), gg])
-        f.gemv(self.ns(swiglu="stacked"),
-               [gp, gs, gg.data_ptr(), wgu_p, wgu_s, wgu_g, layer, xgd, dp, ds, dg.data_ptr()])
+        f.gemv(
+            self.ns(swiglu="stacked"),
+            [gp, gs, gg.data_ptr(), wgu_p, wgu_s, wgu_g, layer, xgd, dp, ds, dg.data_ptr()],
+        )
         f.gemv(self.ns(residual=True), [dp, ds, dg.data_ptr(), y1, wd_p, wd_s, wd_g, layer, y2])
 
 
