@@ -399,8 +399,17 @@ def main(argv=None) -> dict:
         "stages=4' ('default': its defaults); installed before anything is compiled, so the "
         "whole process uses it (compare against a process without it)",
     )
+    ap.add_argument(
+        "--block-tma",
+        default=None,
+        metavar="SPEC",
+        help="experiment: at batch 1 the post-attention block (o + residual, RMSNorm, gate_up, "
+        "SwiGLU, down + residual) of every variant is one launch of "
+        "experiments/kernels/nvfp4_block_tma.cu, e.g. 'stages=10' or 'producer=lsu' "
+        "('default': its defaults); installed before anything is compiled, as --gemv-tma",
+    )
     args = ap.parse_args(argv)
-    gemv_tma = None
+    gemv_tma = block_tma = None
     if args.gemv_tma is not None:
         from experiments.kernels import nvfp4_gemv_tma
 
@@ -409,6 +418,14 @@ def main(argv=None) -> dict:
             nvfp4_gemv_tma.install(**gemv_tma)
         except (ValueError, nvfp4_gemv_tma.KernelError) as err:
             raise SystemExit(f"--gemv-tma {args.gemv_tma!r}: {err}") from None
+    if args.block_tma is not None:
+        from experiments.kernels import nvfp4_block_tma
+
+        try:
+            block_tma = nvfp4_block_tma.parse_options(args.block_tma)
+            nvfp4_block_tma.install(**block_tma)
+        except (ValueError, nvfp4_block_tma.KernelError) as err:
+            raise SystemExit(f"--block-tma {args.block_tma!r}: {err}") from None
     cfg = TINY if args.tiny else rconfig.PRESETS[args.preset]
     for spec in args.weight_prefetch:
         try:
@@ -440,6 +457,7 @@ def main(argv=None) -> dict:
         "versions": rbench.versions(),
         "kernel": _kernel_report(cfg, args.batch),
         "gemv_tma": gemv_tma,  # None: production's GEMVs
+        "block_tma": block_tma,  # None: production's post-attention block
         "runs": [],
     }
     result["breakdown_note"] = (
@@ -608,6 +626,10 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
             )
         del cache
         run["wall_s"] = time.perf_counter() - t0
+        if result.get("block_tma") is not None:  # how often the block kernel stood in, or why not
+            from experiments.kernels import nvfp4_block_tma
+
+            run["block_tma_traces"] = dict(nvfp4_block_tma.TRACES)
         result["runs"].append(run)
         _write(args.out, result)  # partial results survive a timeout
         print(

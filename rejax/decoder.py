@@ -233,16 +233,25 @@ def decoder_layer(
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
-        x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
-                         kernels=o_kernels, **gemm,
-                         **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip
-        return _mlp(x, lw, mlp, i, cfg, kernels, gemm, prefetch), kv, amax
+        return _post_attention(x, out, lw, i, cfg, o_kernels, kernels, gemm, prefetch), kv, amax
     x = lin(out, att, "o_proj", residual=x)
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
     gate_up = lin(hs, mlp, "gate_up_proj")
     f = cfg.intermediate_size
     x = lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj", residual=x)
     return x, kv, amax
+
+
+def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, gemm: dict,
+                    prefetch) -> jax.Array:  # fmt: skip
+    """The fused path after the attention: x + o_proj(out), then the feed-forward half (`_mlp`).
+    One function, so an experiment can swap the whole post-attention block of the decode step
+    (experiments/kernels/nvfp4_block_tma.py's `install`)."""
+    att, mlp = lw["self_attn"], lw["mlp"]
+    x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
+                     kernels=o_kernels, **gemm,
+                     **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip
+    return _mlp(x, lw, mlp, i, cfg, kernels, gemm, prefetch)
 
 
 def _mlp(x, lw, mlp, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.Array:

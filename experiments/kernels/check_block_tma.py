@@ -10,8 +10,10 @@ production's four launches. From the repository root:
    static input scales are calibrated with production's kernels so every stage sees values of
    order one (o's output and the residual of standard deviation 1, gate and up of 2, each
    static scale amax / (6 x 448) of what it quantizes), as a checkpoint's calibration would.
-2. Correctness, per variant (`VARIANTS`), at layer 1 of a 2-deep stack, one global scale a
-   matrix and one a row (`gw_rows`), into poisoned results, twice (bitwise repeatable). The
+2. Correctness, per variant (`VARIANTS`), at layer 1 of a 2-deep stack, for each of `GW_ROWS`
+   (which matrices have one weight global scale a row: none, gate_up only as in a checkpoint
+   whose gate and up shards have a scale each, all), into poisoned results, twice (bitwise
+   repeatable). The
    kernel's y1, gate_up input (gp, gs), down input (dp, ds) and y2 must equal, byte for byte,
    the composition of the kernels it fuses run on its own intermediates: nvfp4_gemv_tma's
    residual build of o (same stage size), production's quantizer kernel (RMSNorm prologue) on
@@ -57,13 +59,16 @@ VARIANTS = {
     "lsu_s10": {"producer": "lsu", "stages": 10},
 }
 DEVICE = "cuda"
+# (o, gate_up, down): one weight global scale a row; the decoder's NVFP4 checkpoints are the
+# second (gate_up's gate and up shards each have one), which the timing uses
+GW_ROWS = ((False, False, False), (False, True, False), (True, True, True))
 DEFAULT_SHAPE = "x".join(map(str, blk.QWEN3_8B))
 
 
 def problems(shape=blk.QWEN3_8B, variants=tuple(VARIANTS)) -> list:
     """Every (variant, plan) the check builds, with one global scale a matrix and one a row. CPU
     only; raises KernelError for a plan that cannot run."""
-    return [(v, blk.plan(*shape, gw_rows=r, **VARIANTS[v])) for v in variants for r in (0, 1)]
+    return [(v, blk.plan(*shape, gw_rows=r, **VARIANTS[v])) for v in variants for r in GW_ROWS]
 
 
 def _scale_of(amax: float) -> float:
@@ -92,10 +97,12 @@ class Block:
 
         self.w = [{"o": mat(d, ko), "gu": mat(2 * f, d), "d": mat(d, f)} for _ in range(copies)]
         rows = {"o": d, "gu": 2 * f, "d": d}
-        # per-row factors 0.5 .. 1.5 (gw_rows), times the calibrated scale of the matrix
+        # per-row factors 0.5 .. 1.5 where a matrix has a scale a row (gw_rows: o, gate_up,
+        # down), times the calibrated scale of the matrix
+        self.per_row = dict(zip(("o", "gu", "d"), gw_rows, strict=True))
         self.row_factor = {
             m: torch.from_numpy((0.5 + rng.random((layers, n))).astype(np.float32)).to(dev)
-            if gw_rows else torch.ones(layers, dtype=torch.float32, device=dev)
+            if self.per_row[m] else torch.ones(layers, dtype=torch.float32, device=dev)
             for m, n in rows.items()
         }  # fmt: skip
         self.wg = {m: v.clone() for m, v in self.row_factor.items()}
@@ -106,11 +113,11 @@ class Block:
         self.nw = (1 + 0.1 * torch.randn(layers, d, generator=g, device=dev)).to(torch.bfloat16)
         self.xgu = torch.ones(layers, dtype=torch.float32, device=dev)
         self.xgd = torch.ones(layers, dtype=torch.float32, device=dev)
-        kw = {"gw_rows": gw_rows}
-        self.p_o = nvfp4_gemv.build("w4a4", 1, d, ko, residual=True, **kw)
-        self.p_gu = nvfp4_gemv.build("w4a4", 1, 2 * f, d, swiglu_out="stacked", **kw)
-        self.p_gu_plain = nvfp4_gemv.build("w4a4", 1, 2 * f, d, **kw)
-        self.p_d = nvfp4_gemv.build("w4a4", 1, d, f, residual=True, **kw)
+        rows_o, rows_gu, rows_d = gw_rows
+        self.p_o = nvfp4_gemv.build("w4a4", 1, d, ko, residual=True, gw_rows=rows_o)
+        self.p_gu = nvfp4_gemv.build("w4a4", 1, 2 * f, d, swiglu_out="stacked", gw_rows=rows_gu)
+        self.p_gu_plain = nvfp4_gemv.build("w4a4", 1, 2 * f, d, gw_rows=rows_gu)
+        self.p_d = nvfp4_gemv.build("w4a4", 1, d, f, residual=True, gw_rows=rows_d)
         fused = nvfp4_gemv.Fused(prologue="rmsnorm", eps=eps, norm_stacked=True, scale_stacked=True)
         self.quant = nvfp4_quant.build(1, d, fused)
 
@@ -173,10 +180,11 @@ class Block:
         self.gemv(self.p_d, "d", c, li, o["dp"], o["ds"], o["dg"], o["y2"], res=o["y1"])
 
     def tma_kernels(self, kch, **options):
-        t_o = tma.build(self.d, self.ko, kch=kch, residual=True, gw_rows=self.gw_rows, **options)
-        t_gu = tma.build(2 * self.f, self.d, kch=kch, swiglu="stacked", gw_rows=self.gw_rows,
+        rows = self.per_row
+        t_o = tma.build(self.d, self.ko, kch=kch, residual=True, gw_rows=rows["o"], **options)
+        t_gu = tma.build(2 * self.f, self.d, kch=kch, swiglu="stacked", gw_rows=rows["gu"],
                          **options)  # fmt: skip
-        t_d = tma.build(self.d, self.f, kch=kch, residual=True, gw_rows=self.gw_rows, **options)
+        t_d = tma.build(self.d, self.f, kch=kch, residual=True, gw_rows=rows["d"], **options)
         return t_o, t_gu, t_d
 
     def tma_composition(self, kernels, c, li, o, y1=None):
@@ -246,7 +254,7 @@ def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
     """Correctness rows and failures of every variant on `prob` (layer 1)."""
     t = torch
     li = t.tensor(prob.layers - 1, dtype=t.int32, device=DEVICE)
-    tag = "gw_rows" if prob.gw_rows else "gw"
+    tag = "gw_rows " + "".join("r" if r else "m" for r in prob.gw_rows)  # a row / a matrix
     prod = prob.outs()
     prob.production(0, li, prod)
     t.cuda.synchronize()
@@ -309,7 +317,8 @@ def timing(torch, bk, prob: Block, variants, sms: int, skip=()) -> dict:
         if v in skip:
             continue
         try:
-            kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, eps=prob.eps, **VARIANTS[v])
+            kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, gw_rows=prob.gw_rows, eps=prob.eps,
+                             **VARIANTS[v])  # fmt: skip
             out[f"{v}_s"] = graph(lambda c, k=kern: prob.block(k, c, li, bufs[c]))
         except Exception as err:  # noqa: BLE001
             out[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
@@ -379,7 +388,7 @@ def main(argv=None) -> int:
         result["ptxas"][v] = {k: x for k, x in rep.items() if k != "log"}
     _write(args.out, {**result, "partial": True})
     failures = []
-    for gw_rows in (False, True):
+    for gw_rows in GW_ROWS:
         prob = Block(torch, *shape, layers=2, copies=1, gw_rows=gw_rows, eps=args.eps,
                      seed=(shape, gw_rows))  # fmt: skip
         prob.calibrate(torch.tensor(1, dtype=torch.int32, device=DEVICE))
@@ -390,7 +399,7 @@ def main(argv=None) -> int:
         _write(args.out, {**result, "partial": True})
     if not args.no_time:
         bytes_ = blk.plan(*shape).weight_bytes
-        prob = Block(torch, *shape, layers=1, copies=bk._copies(bytes_), gw_rows=False,
+        prob = Block(torch, *shape, layers=1, copies=bk._copies(bytes_), gw_rows=GW_ROWS[1],
                      eps=args.eps, seed=(shape, "time"))  # fmt: skip
         prob.calibrate(torch.tensor(0, dtype=torch.int32, device=DEVICE))
         failed = {f.split(" ")[0] for f in failures}

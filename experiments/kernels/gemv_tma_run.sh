@@ -24,19 +24,21 @@
 #             launches and the TMA GEMVs' four, Qwen3-8B (about 2 minutes)
 #   block_sanitize  compute-sanitizer memcheck and racecheck of the block kernel (TMA and
 #             cp.async producers) on a small block, correctness only
+#   block_decode  as decode, production against the block kernel (bench_decode.py --block-tma
+#             $BLOCK_SPEC, default "default"); its own call (about 4 x 100 s)
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel block block_sanitize)" >&2
+  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel block block_sanitize block_decode)" >&2
   exit 2
 fi
 out=$1
 shift
 for step in "$@"; do
-  case $step in check | sanitize | decode | kernel | block | block_sanitize) ;; *)
-    echo "unknown step '$step': expected check, sanitize, decode, kernel, block or" \
-      "block_sanitize" >&2
+  case $step in check | sanitize | decode | kernel | block | block_sanitize | block_decode) ;; *)
+    echo "unknown step '$step': expected check, sanitize, decode, kernel, block," \
+      "block_sanitize or block_decode" >&2
     exit 2
     ;;
   esac
@@ -69,11 +71,14 @@ for step in "$@"; do
         | head -6 | tee -a "$log"
     done
     ;;
-  decode)
-    for run in prod tma prod tma; do
+  decode | block_decode)
+    runs="prod tma prod tma"
+    [ $step = block_decode ] && runs="prod block prod block"
+    for run in $runs; do
       t0=$(date +%s)
       extra=()
       [ $run = tma ] && extra=(--gemv-tma "${TMA_SPEC:-default}")
+      [ $run = block ] && extra=(--block-tma "${BLOCK_SPEC:-default}")
       timeout 150 python3 experiments/bench_decode.py --modes nvfp4 --batch 1 --gen-len 512 \
         --repeats 3 --no-breakdown "${extra[@]}" --out "$x/decode_${run}_$t0.json" \
         > "$x/decode_${run}_$t0.log" 2>&1

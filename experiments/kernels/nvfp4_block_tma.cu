@@ -30,16 +30,16 @@
 //
 // Operands (production's stacked layouts; the layer an int32 on the device): a's codes, block
 // scales, global scale [1] (ap, as, ag: o's input quantizer's outputs); the residual stream h
-// [D]; o_proj wo_p [L, D, KO/2], wo_s [L, D, KO/16], wo_g [L] (GW_ROWS: [L, D]); the norm
+// [D]; o_proj wo_p [L, D, KO/2], wo_s [L, D, KO/16], wo_g [L] (GW_ROWS_O: [L, D]); the norm
 // weight nw [L, D] (bf16) and gate_up's static input scale xgu [L]; gate_up wgu_* [L, 2F, D/2]
 // ... ([L] or [L, 2F]); down's static input scale xgd [L]; down_proj wd_* [L, D, F/2] ... ([L] or
-// [L, D]); the layer. Results: y2 [D] and y1 [D] (bf16), gp [D/2], gs [D/16], dp [F/2], ds
+// [L, D]); the layer. GW_ROWS_O / _GU / _D: which matrices have one global scale a row. Results: y2 [D] and y1 [D] (bf16), gp [D/2], gs [D/16], dp [F/2], ds
 // [F/16] (y1, dp and ds are also the barriers' exchange buffers).
 //
 // -D constants (nvfp4_block_tma.py plans them): D_MODEL, K_O, F_FF, KCH (code bytes of a row a
 // stage, dividing K_O / 2, D_MODEL / 2 and F_FF / 2), STAGES, GRID (CTAs: at most one per SM,
-// all resident, since the barriers wait for every CTA), PRODUCER, EF and GW_ROWS as
-// nvfp4_gemv_tma.cu's, NORM_EPS.
+// all resident, since the barriers wait for every CTA), PRODUCER and EF as nvfp4_gemv_tma.cu's,
+// GW_ROWS_O / _GU / _D, NORM_EPS.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -52,8 +52,14 @@ typedef unsigned long long u64;
 #ifndef PRODUCER
 #define PRODUCER 0
 #endif
-#ifndef GW_ROWS
-#define GW_ROWS 0
+#ifndef GW_ROWS_O  // one weight global scale a row ([L, N]) instead of one a matrix ([L]),
+#define GW_ROWS_O 0  // per matrix: a checkpoint's fused gate_up has one a shard, so one a row
+#endif
+#ifndef GW_ROWS_GU
+#define GW_ROWS_GU 0
+#endif
+#ifndef GW_ROWS_D
+#define GW_ROWS_D 0
 #endif
 #ifndef NORM_EPS
 #define NORM_EPS 1e-6f
@@ -338,8 +344,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       }
     }
   };
-  // production's output scale gw(n) * gx: one global scale a matrix, or (GW_ROWS) one a row
-  auto gw = [&](const float* wg, int rows, int n) { return GW_ROWS ? wg[l * rows + n] : wg[l]; };
+  // production's output scale gw(n) * gx: one global scale a matrix, or (per_row) one a row
+  auto gw = [&](const float* wg, bool per_row, int rows, int n) {
+    return per_row ? wg[l * rows + n] : wg[l];
+  };
 
   // 1. o_proj + the residual: y1 = h + y (XLA's bf16 add: both bf16, added in fp32, rounded once)
   stage_codes<K_O, false>(sx, sxs, ap, as_, tid);
@@ -348,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   gemv(items_o, CH_O, [&](int q, float total) {
     if (lane == 0) {
       const int n = (a0 + q) * 16 + warp;
-      const float out = (total * 0.25f) * (gw(wo_g, D_MODEL, n) * xg_o);
+      const float out = (total * 0.25f) * (gw(wo_g, GW_ROWS_O, D_MODEL, n) * xg_o);
       y1[n] = f32_to_bf16(__uint_as_float((u32)h[n] << 16) + rbf16(out));
     }
   });
@@ -369,8 +377,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       return;
     }
     const int n = (b0 + q / 2) * 16 + warp;  // gate row n, up row F + n
-    const float g = rbf16((gate * 0.25f) * (gw(wgu_g, 2 * F_FF, n) * xg_gu));
-    const float u = rbf16((total * 0.25f) * (gw(wgu_g, 2 * F_FF, F_FF + n) * xg_gu));
+    const float g = rbf16((gate * 0.25f) * (gw(wgu_g, GW_ROWS_GU, 2 * F_FF, n) * xg_gu));
+    const float u = rbf16((total * 0.25f) * (gw(wgu_g, GW_ROWS_GU, 2 * F_FF, F_FF + n) * xg_gu));
     const float sig = rbf16(1.0f / (1.0f + expf(-g)));  // jax.nn.sigmoid
     if (lane == 0) hbuf[(q >> 1) & 1][warp] = rbf16(rbf16(g * sig) * u);
     // the unit's 16 values; the next unit writes the other half of hbuf, and the one after
@@ -399,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   gemv(items_d, CH_D, [&](int q, float total) {
     if (lane == 0) {
       const int n = (a0 + q) * 16 + warp;
-      const float out = (total * 0.25f) * (gw(wd_g, D_MODEL, n) * xg_d);
+      const float out = (total * 0.25f) * (gw(wd_g, GW_ROWS_D, D_MODEL, n) * xg_d);
       y2[n] = f32_to_bf16(__uint_as_float((u32)__ldcg(y1 + n) << 16) + rbf16(out));
     }
   });

@@ -15,13 +15,24 @@ import math
 import pathlib
 import re
 
-from cuda_ops.build import DEFAULT_SMS, KernelError, compile_ptx, ptx_entries, ptxas_log
+import numpy as np
+
+from cuda_ops.build import (
+    DEFAULT_SMS,
+    KernelError,
+    compile_ptx,
+    escape_mlir,
+    ptx_backend_config,
+    ptx_entries,
+    ptxas_log,
+)
 from experiments.kernels.nvfp4_gemv_tma import (
     ARCH,
     PRODUCERS,
     SM_SMEM,
     SMEM_LIMIT,
 )
+from experiments.kernels.nvfp4_gemv_tma import parse_options as tma_parse_options
 
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_block_tma.cu")
 ENTRY = "nvfp4_block_tma"
@@ -46,7 +57,9 @@ class BlockPlan:
     sms: int = DEFAULT_SMS
     producer: str = "tma"
     ef: bool = False
-    gw_rows: bool = False  # one weight global scale a row ([L, N]) instead of one a matrix
+    # per matrix (o, gate_up, down): one weight global scale a row ([L, N]) instead of one a
+    # matrix ([L]); `plan` takes one bool for all three
+    gw_rows: tuple = (False, False, False)
     eps: float = 1e-6  # the RMSNorm epsilon
 
     @property
@@ -87,7 +100,9 @@ class BlockPlan:
             "GRID": self.grid,
             "PRODUCER": PRODUCERS.index(self.producer),
             "EF": int(self.ef),
-            "GW_ROWS": int(self.gw_rows),
+            "GW_ROWS_O": int(self.gw_rows[0]),
+            "GW_ROWS_GU": int(self.gw_rows[1]),
+            "GW_ROWS_D": int(self.gw_rows[2]),
             "NORM_EPS": f"{float(self.eps)!r}f",
         }
 
@@ -105,6 +120,8 @@ def check_plan(p: BlockPlan) -> tuple[bool, str]:
         return False, "ef (an L2 policy on the bulk copies) needs producer 'tma'"
     if p.stages < 2:
         return False, f"stages={p.stages}: at least 2 expected"
+    if len(p.gw_rows) != 3 or not all(isinstance(r, bool) for r in p.gw_rows):
+        return False, f"gw_rows={p.gw_rows!r}: a bool or three (o, gate_up, down) expected"
     if p.sms < 1:
         return False, f"sms={p.sms}: at least 1 expected"
     if p.smem + STATIC_SMEM > SMEM_LIMIT:
@@ -117,6 +134,8 @@ def plan(d: int, ko: int, f: int, **options) -> BlockPlan:
     (BlockPlan's fields): kch defaults to the largest multiple of 128 up to 1024 that divides
     every K / 2, stages to 6 or as many as fit. Raises KernelError for a plan the kernel cannot
     run."""
+    rows = options.get("gw_rows", False)
+    options["gw_rows"] = (bool(rows),) * 3 if isinstance(rows, (bool, int)) else tuple(rows)
     if "kch" not in options and all(k > 0 and k % 256 == 0 for k in (d, ko, f)):
         common = math.gcd(d // 2, ko // 2, f // 2)
         options["kch"] = max(c for c in range(128, 1025, 128) if common % c == 0)
@@ -141,6 +160,19 @@ class BlockKernel:
     plan: BlockPlan
     ptx: str
     entry: str = ENTRY
+
+    def backend_config(self) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call: the 17
+        operands, then the 6 results (`OUTPUTS`)."""
+        p = self.plan
+        return ptx_backend_config(
+            ENTRY,
+            escape_mlir(self.ptx),
+            grid=(p.grid, 1, 1),
+            block=p.threads,
+            outputs=range(N_INPUTS, N_INPUTS + len(OUTPUTS)),
+            smem=p.smem,
+        )
 
 
 @functools.cache
@@ -172,3 +204,139 @@ def ptxas_report(p: BlockPlan) -> dict:
         "static_smem": max(static, default=0),
         "log": log,
     }
+
+
+# ----------------------------------------------------------------------------- the decode step
+
+
+def why_not(x, out, lw, kernels: str) -> str:
+    """Why the block kernel cannot stand in for the decoder's post-attention block here ("" if
+    it can): one token of one row on the two-kernel ("split") path, W4A4 o / gate_up / down
+    stacked over the layers with static input scales, and shapes the plan takes."""
+    from rejax.ops.fused_linear import fusable
+
+    if tuple(x.shape[:2]) != (1, 1):
+        return f"rows x tokens {tuple(x.shape[:2])}: one token of one row only"
+    if kernels != "two":
+        return f"kernels={kernels!r}: the two-kernel path only"
+    att, mlp = lw["self_attn"], lw["mlp"]
+    linears = (att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"])
+    if not all(fusable(p, "nvfp4") and p.get("input_scale") is not None for p in linears):
+        return "o, gate_up and down must be W4A4 with static input scales"
+    ws = [p["weight"] for p in linears]
+    if any(len(w.stack) != 1 for w in ws):
+        return "weights stacked over the layers expected"
+    if np.ndim(lw["post_attention_layernorm"]["scale"]) != 2:
+        return "a stacked post-attention norm expected"
+    d, ko = ws[0].shape
+    if ws[1].shape != (2 * ws[2].shape[1], d) or ws[2].shape[0] != d:
+        return f"shapes {[w.shape for w in ws]} are not a Qwen block's"
+    try:
+        plan(d, ko, ws[2].shape[1])
+    except KernelError as err:
+        return str(err)
+    return ""
+
+
+def block_call(kern: BlockKernel, x, out, lw, i):
+    """x + the post-attention block of layer i on the CUDA path: o's input quantized by
+    production's quantizer kernel (as fused_linear's two-kernel lowering does), then the block
+    kernel. Returns [1, 1, D] bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from cuda_ops import nvfp4_gemv, nvfp4_quant
+    from rejax.ops import _dispatch
+    from rejax.ops import fused_linear as fl
+
+    p = kern.plan
+    att, mlp = lw["self_attn"], lw["mlp"]
+    wo, wgu, wd = (q["weight"] for q in (att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]))
+    layers = wo.stack[0]
+    li = jnp.asarray(i, jnp.int32).reshape(())
+
+    def stacked(scale):  # a static input scale as [L] (read at the layer in the kernels)
+        return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (layers,))
+
+    fused = nvfp4_gemv.Fused(prologue="none", scale_stacked=True)
+    quant = nvfp4_quant.build(1, p.ko, fused)
+    xq = fl._quant_p.bind(out.astype(jnp.bfloat16).reshape(1, p.ko),
+                          stacked(att["o_proj"]["input_scale"]), jnp.zeros((1,), jnp.bfloat16),
+                          li, k=p.ko, fused=fused, kernel=quant)  # fmt: skip
+
+    def w3(w):
+        scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+        return w.packed, scales, jnp.asarray(w.global_scale, jnp.float32)
+
+    shapes = {"y2": (p.d, jnp.bfloat16), "y1": (p.d, jnp.bfloat16), "gp": (p.d // 2, jnp.uint8),
+              "gs": (p.d // 16, jnp.uint8), "dp": (p.f // 2, jnp.uint8),
+              "ds": (p.f // 16, jnp.uint8)}  # fmt: skip
+    outs = [jax.ShapeDtypeStruct((shapes[k][0],), shapes[k][1]) for k in OUTPUTS]
+    nw = jnp.asarray(lw["post_attention_layernorm"]["scale"], jnp.bfloat16)
+    res = _dispatch.ptx_call(
+        kern.backend_config(), outs, *xq, x.reshape(p.d), *w3(wo), nw,
+        stacked(mlp["gate_up_proj"]["input_scale"]), *w3(wgu),
+        stacked(mlp["down_proj"]["input_scale"]), *w3(wd), li,
+    )  # fmt: skip
+    return res[0].reshape(1, 1, p.d)
+
+
+# what the installed decoder did each time it traced a post-attention block: "block" (the
+# kernel where lowered for CUDA) or why not (bench_decode.py --block-tma records it)
+TRACES: dict = {}
+
+
+def install(**options):
+    """Experiments only: makes the decoder's post-attention block (`rejax.decoder.
+    _post_attention`: o + residual, then the feed-forward half) this kernel wherever `why_not`
+    finds nothing against it, as `jax.lax.platform_dependent`: lowered for CUDA it is the
+    block kernel (`options`: BlockPlan's fields), elsewhere production's composition, so the
+    same program runs on the CPU as before. JAX keeps lowerings: install before the first
+    compile (or call `jax.clear_caches()` after). Returns a function that restores production's
+    block. Raises KernelError for options no plan can take."""
+    import jax
+
+    from cuda_ops.build import device_sms
+    from rejax import decoder
+
+    plan(*QWEN3_8B, **options)  # the options themselves are valid
+    original = decoder._post_attention
+
+    def post_attention(x, out, lw, i, cfg, o_kernels, kernels, gemm, prefetch):
+        def reference(x, out, lw, i):
+            return original(x, out, lw, i, cfg, o_kernels, kernels, gemm, prefetch)
+
+        why = why_not(x, out, lw, kernels)
+        if why:
+            TRACES[why] = TRACES.get(why, 0) + 1
+            return reference(x, out, lw, i)
+        linears = (lw["self_attn"]["o_proj"], lw["mlp"]["gate_up_proj"], lw["mlp"]["down_proj"])
+        wo, _, wd = (q["weight"] for q in linears)
+        (d, ko), f = wo.shape, wd.shape[1]
+        gw_rows = tuple(bool(q["weight"].per_row) for q in linears)
+        try:
+            kern = build(d, ko, f, sms=device_sms(), gw_rows=gw_rows, eps=cfg.rms_norm_eps,
+                         **options)  # fmt: skip
+        except KernelError as err:
+            TRACES[f"build: {err}"] = TRACES.get(f"build: {err}", 0) + 1
+            return reference(x, out, lw, i)
+        TRACES["block"] = TRACES.get("block", 0) + 1
+        return jax.lax.platform_dependent(
+            x, out, lw, i, default=reference, cuda=lambda *a: block_call(kern, *a)
+        )
+
+    decoder._post_attention = post_attention
+
+    def uninstall():
+        decoder._post_attention = original
+
+    return uninstall
+
+
+OPTION_TYPES = {"kch": int, "stages": int, "ef": bool, "producer": str}
+
+
+def parse_options(text: str) -> dict:
+    """'stages=10,producer=lsu' -> BlockPlan keyword options ('default' or '': none). Raises
+    ValueError naming the bad item."""
+    return tma_parse_options(text, OPTION_TYPES)

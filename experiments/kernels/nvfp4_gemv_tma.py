@@ -303,10 +303,13 @@ def _function(kernel: TmaKernel):
 # ----------------------------------------------------------------------------- experiments
 
 
-def parse_options(text: str) -> dict:
-    """'stages=4,producer=lsu,ef=1' -> TmaPlan keyword options ('default' or '': none).
-    Raises ValueError naming the bad item."""
-    types = {"kch": int, "stages": int, "warps": int, "ctas": int, "ef": bool, "producer": str}
+OPTION_TYPES = {"kch": int, "stages": int, "warps": int, "ctas": int, "ef": bool, "producer": str}
+
+
+def parse_options(text: str, types: dict | None = None) -> dict:
+    """'stages=4,producer=lsu,ef=1' -> TmaPlan keyword options (`types`: name -> type, default
+    `OPTION_TYPES`; 'default' or '': none). Raises ValueError naming the bad item."""
+    types = OPTION_TYPES if types is None else types
     out = {}
     for item in filter(None, text.split(",")):
         if item == "default":

@@ -172,3 +172,35 @@ def test_gemv_tma_spec_is_checked_and_installed(tmp_path, monkeypatch):
     assert seen == [{"stages": 4, "producer": "lsu"}]
     assert json.loads(out.read_text())["gemv_tma"] == {"stages": 4, "producer": "lsu"}
     assert nvfp4_gemv_tma.parse_options("default") == {}
+
+
+def test_block_tma_spec_is_checked_and_installed(tmp_path):
+    # --block-tma installs the experiment's post-attention block for the process (checked before
+    # any work); off CUDA the installed step runs production's composition, so the tiny run
+    # completes and records the options
+    from rejax import decoder
+
+    for spec in ("stages=one", "warps=8", "stages=1", "producer=dma"):
+        with pytest.raises(SystemExit, match="--block-tma"):
+            bd.main(["--tiny", "--block-tma", spec, "--out", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
+    import jax
+
+    from experiments.kernels import nvfp4_block_tma
+
+    original = decoder._post_attention
+    out = tmp_path / "block.json"
+    jax.clear_caches()  # this process may have compiled the tiny step already (JAX keeps it)
+    nvfp4_block_tma.TRACES.clear()
+    try:
+        bd.main(["--tiny", "--modes", "nvfp4", "--batch", "1", "--repeats", "1",
+                 "--no-breakdown", "--block-tma", "stages=4", "--out", str(out)])  # fmt: skip
+        assert decoder._post_attention is not original
+    finally:
+        decoder._post_attention = original
+        jax.clear_caches()
+    result = json.loads(out.read_text())
+    assert result["block_tma"] == {"stages": 4} and result["gemv_tma"] is None
+    # the decode step took the block (the prompt's many tokens did not)
+    traces = result["runs"][0]["block_tma_traces"]
+    assert traces["block"] >= 1 and any("one token of one row" in k for k in traces)

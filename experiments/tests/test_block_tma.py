@@ -21,6 +21,8 @@ def test_every_planned_block_fits_one_cta_an_sm_without_spills():
         assert p.smem + blk.STATIC_SMEM <= blk.SMEM_LIMIT and p.grid <= p.sms
         kern = blk.build(p.d, p.ko, p.f, **{f: getattr(p, f) for f in ("kch", "stages", "sms",
                          "producer", "ef", "gw_rows")})  # fmt: skip
+        rows = [kern.plan.defines()[f"GW_ROWS_{m}"] for m in ("O", "GU", "D")]
+        assert rows == [int(r) for r in p.gw_rows]
         ptx = kern.ptx
         bulk = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
         lsu = "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
@@ -53,6 +55,7 @@ def test_plan_defaults_and_bad_plans():
         ({"producer": "dma"}, "producer='dma'"),
         ({"producer": "lsu", "ef": True}, "needs producer 'tma'"),
         ({"sms": 0}, "sms=0"),
+        ({"gw_rows": (True, False)}, "gw_rows="),
     ]:
         with pytest.raises(KernelError, match=match):
             blk.plan(*blk.QWEN3_8B, **kw)
@@ -134,7 +137,7 @@ def test_device_check_harness_on_the_cpu(monkeypatch):
 
     fake = _FakeBlockGpu(torch, monkeypatch)
     shape = (256, 512, 512)
-    for gw_rows in (False, True):
+    for gw_rows in check.GW_ROWS:
         prob = check.Block(torch, *shape, layers=2, copies=1, gw_rows=gw_rows, eps=1e-6,
                            seed=(shape, gw_rows))  # fmt: skip
         prob.calibrate(torch.tensor(1, dtype=torch.int32))
@@ -178,3 +181,95 @@ def _dg(torch, prob, layer_ptr, f):
     """down's input global scale (xgd at the layer) in a buffer of its own: its pointer."""
     t = torch.tensor([float(prob.xgd[int(f.t(layer_ptr))])])
     return t.data_ptr()
+
+
+def _decode_step_args(batch, cfg, params):
+    import jax
+    import jax.numpy as jnp
+
+    from rejax import sampling
+    from rejax.cache import init_cache
+
+    smp = sampling.Greedy()
+    return (params, jnp.zeros((batch, cfg.vocab_size), jnp.float32),
+            init_cache(cfg, batch, 8, jnp.bfloat16), jnp.zeros((batch,), jnp.int32), smp,
+            sampling.sampler_init(smp, batch), jax.random.split(jax.random.key(0), batch),
+            jnp.int32(0))  # fmt: skip
+
+
+def test_install_makes_the_batch_1_post_attention_block_one_launch():
+    # lowered for CUDA (no GPU), a batch-1 decode step's o GEMV, gate_up quantizer, gate_up and
+    # down GEMVs become one block kernel while installed (o's quantizer stays); batch 2 keeps
+    # production's; on the CPU the step computes exactly what it did; uninstall restores it
+    pytest.importorskip("cuda.bindings.nvrtc")
+    import dataclasses
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rejax import decoder
+    from rejax import params as rparams
+    from rejax.config import Config
+    from rejax.decode import decode_step
+
+    cfg = Config(quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=128,
+                 num_heads=8, num_kv_heads=2, num_layers=2, vocab_size=512)  # fmt: skip
+    params = rparams.init_params(cfg, 0, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    weights = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})
+    params = dataclasses.replace(params, weights=weights)
+
+    def names(batch):
+        args = _decode_step_args(batch, cfg, params)
+        text = decode_step.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return re.findall(r"name = \\22(\w+)\\22", text)
+
+    def run():
+        out = decode_step(*_decode_step_args(1, cfg, params))
+        return [np.asarray(a) for a in jax.tree.leaves(out) if hasattr(a, "dtype")]
+
+    before, cpu_before = names(1), run()
+    original = decoder._post_attention
+    uninstall = blk.install(stages=4)
+    try:
+        assert decoder._post_attention is not original
+        jax.clear_caches()  # JAX keeps lowerings: the swap applies to new ones only
+        got, cpu_got = names(1), run()
+        two = names(2)
+    finally:
+        uninstall()
+    jax.clear_caches()
+    assert decoder._post_attention is original and names(1) == before
+    # production: the quantizers of qkv, o, gate_up and down's inputs and the four GEMVs (down's
+    # quantizer stays at this small F); installed: qkv's quantizer and GEMV, o's quantizer, the
+    # block
+    assert before.count("nvfp4_gemv_w4a4") == 4 and before.count("nvfp4_quantize_bf16") == 4
+    assert got == [*before[: before.index("nvfp4_gemv_w4a4", 2) - 1], "nvfp4_quantize_bf16",
+                   blk.ENTRY]  # fmt: skip
+    assert blk.ENTRY not in two and two.count("nvfp4_gemv_w4a4") == 4
+    assert all(np.array_equal(a, b) for a, b in zip(cpu_got, cpu_before, strict=True))
+    with pytest.raises(KernelError, match="stages=1"):
+        blk.install(stages=1)
+    assert decoder._post_attention is original
+
+
+def test_why_not_names_what_the_block_kernel_does_not_take():
+    import jax.numpy as jnp
+
+    from rejax import params as rparams
+    from rejax.config import Config
+
+    cfg = Config(quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=128,
+                 num_heads=8, num_kv_heads=2, num_layers=2, vocab_size=512)  # fmt: skip
+    params = rparams.init_params(cfg, 0, jnp.bfloat16)
+    scale = jnp.full((cfg.num_layers,), 0.02, jnp.float32)
+    lw = rparams.map_linears(params.weights, lambda _, p: {**p, "input_scale": scale})["layers"]
+    x, out = jnp.zeros((1, 1, 1024), jnp.bfloat16), jnp.zeros((1, 1, 1024), jnp.bfloat16)
+    assert blk.why_not(x, out, lw, "two") == ""
+    assert "one token of one row" in blk.why_not(jnp.zeros((2, 1, 1024)), out, lw, "two")
+    assert "kernels='one'" in blk.why_not(x, out, lw, "one")
+    no_scale = {**lw, "mlp": {**lw["mlp"], "down_proj": {**lw["mlp"]["down_proj"],
+                                                           "input_scale": None}}}  # fmt: skip
+    assert "static input scales" in blk.why_not(x, out, no_scale, "two")
