@@ -1,35 +1,37 @@
 """EXPERIMENT (device): the one-launch post-attention block (experiments/kernels/
 nvfp4_block_tma.cu) checked byte for byte against the kernels it fuses, and timed against
-production's four launches. From the repository root:
+production's launches. From the repository root:
 
     PYTHONPATH=. python3 experiments/kernels/check_block_tma.py --out $OUT/block_tma.json
 
 1. Operands: random NVFP4 weights for o_proj [L, D, KO/2], gate_up [L, 2F, D/2] and down_proj
-   [L, D, F/2] (uniform codes, E4M3 block scales 0.125 .. 240, as the GPU tests), the attention
-   output's codes, a bf16 residual stream and norm weight. The weight global scales and the two
-   static input scales are calibrated with production's kernels so every stage sees values of
-   order one (o's output and the residual of standard deviation 1, gate and up of 2, each
-   static scale amax / (6 x 448) of what it quantizes), as a checkpoint's calibration would.
+   [L, D, F/2] (uniform codes, E4M3 block scales 0.125 .. 240, as the GPU tests), a bf16
+   attention output a (o's input), residual stream and norm weight. The weight global scales
+   and the three static input scales are calibrated with production's kernels so every stage
+   sees values of order one (o's output and the residual of standard deviation 1, gate and up
+   of 2, each static scale amax / (6 x 448) of what it quantizes), as a checkpoint's
+   calibration would.
 2. Correctness, per variant (`VARIANTS`), at layer 1 of a 2-deep stack, for each of `GW_ROWS`
    (which matrices have one weight global scale a row: none, gate_up only as in a checkpoint
    whose gate and up shards have a scale each, all), into poisoned results, twice (bitwise
-   repeatable). The
-   kernel's y1, gate_up input (gp, gs), down input (dp, ds) and y2 must equal, byte for byte,
-   the composition of the kernels it fuses run on its own intermediates: nvfp4_gemv_tma's
-   residual build of o (same stage size), production's quantizer kernel (RMSNorm prologue) on
-   that y1, nvfp4_gemv_tma's SwiGLU build of gate_up on those codes, its residual build of down
-   on those. Reported beside them: the agreement with production's four launches (relative
-   difference of y2, fraction of equal bytes; the fp32 sums differ in order).
+   repeatable). The kernel's y1, gate_up input (gp, gs), down input (dp, ds) and y2 must equal,
+   byte for byte, the composition of the kernels it fuses run on its own intermediates:
+   production's quantizer kernel on a, nvfp4_gemv_tma's residual build of o (same stage size),
+   production's quantizer kernel (RMSNorm prologue) on the block's y1, nvfp4_gemv_tma's SwiGLU
+   build of gate_up on those codes, its residual build of down on those. Reported beside them:
+   the agreement with production's launches (relative difference of y2, fraction of equal
+   bytes; the GEMVs' fp32 sums differ in order). Variants "*_a16" quantize a in the kernel.
 3. Timing: one CUDA graph over enough weight copies to read > 256 MiB, CUDA events, median of
-   25 replays: each variant's one launch; production's four (o GEMV + residual, the quantizer,
-   gate_up GEMV + SwiGLU epilogue, down GEMV + residual: the decode step's launches at batch 1
-   under the defaults); the same four with the TMA GEMVs; the copy floor of the weight bytes
-   (the device copy bandwidth).
+   25 replays, per layer: production's five launches (o's quantizer, o GEMV + residual, the
+   RMSNorm quantizer, gate_up GEMV + SwiGLU epilogue, down GEMV + residual: the decode step's at
+   batch 1 under the defaults); the same with the TMA GEMVs; each variant (o's quantizer and
+   the block, or the "_a16" block alone); the copy floor of the weight bytes (the device copy
+   bandwidth).
 4. Writes one JSON to --out (versions, --git-sha, plans, offline ptxas registers and spills,
    rows, timings, summary) and exits 1 if a check failed.
 
-The CPU-only part (`problems`) imports without a GPU: experiments/tests/test_block_tma.py
-compiles every planned kernel with NVRTC and ptxas.
+The CPU-only parts import without a GPU: experiments/tests/test_block_tma.py compiles every
+planned kernel with NVRTC and ptxas and runs this harness with fake kernels.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ VARIANTS = {
     "tma_ef": {"ef": True},
     "lsu": {"producer": "lsu"},
     "lsu_s10": {"producer": "lsu", "stages": 10},
+    # o's input quantized in the kernel (no quantizer launch in front: one launch a layer fewer)
+    "tma_a16": {"a_bf16": True},
+    "tma_s10_a16": {"stages": 10, "a_bf16": True},
+    "lsu_a16": {"producer": "lsu", "a_bf16": True},
 }
 DEVICE = "cuda"
 # (o, gate_up, down): one weight global scale a row; the decoder's NVFP4 checkpoints are the
@@ -106,9 +112,10 @@ class Block:
             for m, n in rows.items()
         }  # fmt: skip
         self.wg = {m: v.clone() for m, v in self.row_factor.items()}
-        self.ap = torch.from_numpy(rng.integers(0, 256, ko // 2, dtype=np.uint8)).to(dev)
-        self.as_ = torch.from_numpy(rng.integers(*SCALES, ko // 16, dtype=np.uint8)).to(dev)
-        self.ag = torch.tensor([rng.random() * 1e-2 + 1e-3], dtype=torch.float32, device=dev)
+        # the attention output (o's input) and its static scale, calibrated to its amax
+        self.a = torch.randn(ko, generator=g, device=dev).to(torch.bfloat16)
+        amax = float(self.a.float().abs().max())
+        self.xgo = torch.full((layers,), _scale_of(amax), dtype=torch.float32, device=dev)
         self.h = torch.zeros(d, dtype=torch.bfloat16, device=dev)
         self.nw = (1 + 0.1 * torch.randn(layers, d, generator=g, device=dev)).to(torch.bfloat16)
         self.xgu = torch.ones(layers, dtype=torch.float32, device=dev)
@@ -119,7 +126,9 @@ class Block:
         self.p_gu_plain = nvfp4_gemv.build("w4a4", 1, 2 * f, d, gw_rows=rows_gu)
         self.p_d = nvfp4_gemv.build("w4a4", 1, d, f, residual=True, gw_rows=rows_d)
         fused = nvfp4_gemv.Fused(prologue="rmsnorm", eps=eps, norm_stacked=True, scale_stacked=True)
-        self.quant = nvfp4_quant.build(1, d, fused)
+        self.q_norm = nvfp4_quant.build(1, d, fused)
+        self.q_o = nvfp4_quant.build(1, ko, nvfp4_gemv.Fused(scale_stacked=True))
+        self.no_norm = torch.zeros(1, dtype=torch.bfloat16, device=dev)  # prologue "none"
 
     # ------------------------------------------------------------------ buffers and launches
 
@@ -129,10 +138,14 @@ class Block:
         return self.torch.cuda.current_stream().cuda_stream
 
     def outs(self):
-        """Poisoned results: y2, y1 (bf16 NaN), gp, gs, dp, ds (0xAB)."""
+        """Poisoned results and intermediates: o's input codes (ap, as, ag), y2, y1 (bf16 NaN),
+        gp, gs, dp, ds (0xAB), ..."""
         t, dev = self.torch, DEVICE
         nan = float("nan")
         return {
+            "ap": t.full((self.ko // 2,), 0xAB, dtype=t.uint8, device=dev),
+            "as": t.full((self.ko // 16,), 0xAB, dtype=t.uint8, device=dev),
+            "ag": t.full((1,), nan, dtype=t.float32, device=dev),
             "y2": t.full((self.d,), nan, dtype=t.bfloat16, device=dev),
             "y1": t.full((self.d,), nan, dtype=t.bfloat16, device=dev),
             "gp": t.full((self.d // 2,), 0xAB, dtype=t.uint8, device=dev),
@@ -161,19 +174,26 @@ class Block:
         else:
             kern.launch(self.stream, self._ptr(*head, out))
 
-    def norm_quant(self, li, y1, o):
-        """Production's quantizer kernel (RMSNorm prologue) on y1 -> gp, gs, gg."""
+    def _quant(self, q, k, ptrs):
         from cuda_ops import nvfp4_quant
 
-        q = self.quant
-        ptrs = self._ptr(y1, self.xgu, self.nw, li, o["gp"], o["gs"], o["gg"])
-        _launch_ptx(q.ptx, nvfp4_quant.ENTRY, (1, self.d // q.chunk), q.threads, 0, ptrs,
+        _launch_ptx(q.ptx, nvfp4_quant.ENTRY, (1, k // q.chunk), q.threads, 0, self._ptr(*ptrs),
                     self.stream)  # fmt: skip
 
+    def norm_quant(self, li, y1, o):
+        """Production's quantizer kernel (RMSNorm prologue) on y1 -> gp, gs, gg."""
+        self._quant(self.q_norm, self.d, (y1, self.xgu, self.nw, li, o["gp"], o["gs"], o["gg"]))
+
+    def quant_o(self, li, o):
+        """Production's quantizer kernel (no prologue) on the attention output -> ap, as, ag."""
+        self._quant(self.q_o, self.ko, (self.a, self.xgo, self.no_norm, li, o["ap"], o["as"],
+                                             o["ag"]))  # fmt: skip
+
     def production(self, c, li, o):
-        """The decode step's four launches at batch 1: o + residual, quantizer, gate_up + SwiGLU
-        epilogue, down + residual."""
-        self.gemv(self.p_o, "o", c, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+        """The decode step's five launches at batch 1: o's quantizer, o + residual, quantizer,
+        gate_up + SwiGLU epilogue, down + residual."""
+        self.quant_o(li, o)
+        self.gemv(self.p_o, "o", c, li, o["ap"], o["as"], o["ag"], o["y1"], res=self.h)
         self.norm_quant(li, o["y1"], o)
         self.gemv(self.p_gu, "gu", c, li, o["gp"], o["gs"], o["gg"], (o["dp"], o["ds"], o["dg"]),
                   xgd=self.xgd, swiglu=True)  # fmt: skip
@@ -188,10 +208,11 @@ class Block:
         return t_o, t_gu, t_d
 
     def tma_composition(self, kernels, c, li, o, y1=None):
-        """The four launches with the TMA GEMVs; from a given y1 (the block's) when passed."""
+        """The five launches with the TMA GEMVs; from a given y1 (the block's) when passed."""
         t_o, t_gu, t_d = kernels
         if y1 is None:
-            self.gemv(t_o, "o", c, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+            self.quant_o(li, o)
+            self.gemv(t_o, "o", c, li, o["ap"], o["as"], o["ag"], o["y1"], res=self.h)
             y1 = o["y1"]
         self.norm_quant(li, y1, o)
         self.gemv(t_gu, "gu", c, li, o["gp"], o["gs"], o["gg"], (o["dp"], o["ds"], o["dg"]),
@@ -199,10 +220,16 @@ class Block:
         self.gemv(t_d, "d", c, li, o["dp"], o["ds"], o["dg"], o["y2"], res=y1)
 
     def block(self, kern, c, li, o):
+        """The block kernel; without a_bf16 after o's quantizer (two launches)."""
         ws = self.w[c]
-        ptrs = self._ptr(self.ap, self.as_, self.ag, self.h, *ws["o"], self.wg["o"], self.nw,
-                         self.xgu, *ws["gu"], self.wg["gu"], self.xgd, *ws["d"], self.wg["d"],
-                         li, *(o[k] for k in blk.OUTPUTS))  # fmt: skip
+        if kern.plan.a_bf16:
+            head = (self.a, self.xgo)
+        else:
+            self.quant_o(li, o)
+            head = (o["ap"], o["as"], o["ag"])
+        ptrs = self._ptr(*head, self.h, *ws["o"], self.wg["o"], self.nw, self.xgu, *ws["gu"],
+                         self.wg["gu"], self.xgd, *ws["d"], self.wg["d"], li,
+                         *(o[k] for k in blk.OUTPUTS))  # fmt: skip
         p = kern.plan
         _launch_ptx(kern.ptx, blk.ENTRY, (p.grid, 1), p.threads, p.smem, ptrs, self.stream)
 
@@ -215,12 +242,13 @@ class Block:
         o = self.outs()
         zero = t.zeros(self.d, dtype=t.bfloat16, device=DEVICE)
         h, self.h = self.h, zero
-        self.gemv(self.p_o, "o", 0, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+        self.quant_o(li, o)
+        self.gemv(self.p_o, "o", 0, li, o["ap"], o["as"], o["ag"], o["y1"], res=self.h)
         t.cuda.synchronize()
         self.wg["o"] = self.row_factor["o"] / float(o["y1"].float().std())
         self.h = t.randn(self.d, device=DEVICE).to(t.bfloat16)
         del h
-        self.gemv(self.p_o, "o", 0, li, self.ap, self.as_, self.ag, o["y1"], res=self.h)
+        self.gemv(self.p_o, "o", 0, li, o["ap"], o["as"], o["ag"], o["y1"], res=self.h)
         t.cuda.synchronize()
         y1 = o["y1"].float()
         normed = y1 * t.rsqrt((y1 * y1).mean() + self.eps) * self.nw[int(li)].float()
@@ -272,10 +300,12 @@ def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
             want = prob.outs()
             kernels = prob.tma_kernels(kern.plan.kch)
             prob.tma_composition(kernels, 0, li, want, y1=o1["y1"])
-            y1_want = prob.outs()["y1"]
-            prob.gemv(kernels[0], "o", 0, li, prob.ap, prob.as_, prob.ag, y1_want, res=prob.h)
+            first = prob.outs()  # o's input quantized by production's kernel, then TMA's o
+            prob.quant_o(li, first)
+            prob.gemv(kernels[0], "o", 0, li, first["ap"], first["as"], first["ag"],
+                      first["y1"], res=prob.h)  # fmt: skip
             t.cuda.synchronize()
-            want["y1"] = y1_want
+            want["y1"] = first["y1"]
             names = blk.OUTPUTS
             row["repeatable"] = all(_same(t, o1[k], o2[k]) == 1.0 for k in names)
             row["equal_to_composition"] = {k: _same(t, o1[k], want[k]) for k in names}

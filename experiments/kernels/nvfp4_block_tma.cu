@@ -29,7 +29,10 @@
 // build of down on d (experiments/kernels/check_block_tma.py compares them).
 //
 // Operands (production's stacked layouts; the layer an int32 on the device): a's codes, block
-// scales, global scale [1] (ap, as, ag: o's input quantizer's outputs); the residual stream h
+// scales, global scale [1] (ap, as, ag: o's input quantizer's outputs), or with A_BF16 the bf16
+// attention output a [KO] and o's static input scale xgo [L], quantized in every CTA as the
+// quantizer kernel does (no prologue: each block on its own, so no launch of its own is
+// needed; one fewer launch a layer); the residual stream h
 // [D]; o_proj wo_p [L, D, KO/2], wo_s [L, D, KO/16], wo_g [L] (GW_ROWS_O: [L, D]); the norm
 // weight nw [L, D] (bf16) and gate_up's static input scale xgu [L]; gate_up wgu_* [L, 2F, D/2]
 // ... ([L] or [L, 2F]); down's static input scale xgd [L]; down_proj wd_* [L, D, F/2] ... ([L] or
@@ -39,7 +42,7 @@
 // -D constants (nvfp4_block_tma.py plans them): D_MODEL, K_O, F_FF, KCH (code bytes of a row a
 // stage, dividing K_O / 2, D_MODEL / 2 and F_FF / 2), STAGES, GRID (CTAs: at most one per SM,
 // all resident, since the barriers wait for every CTA), PRODUCER and EF as nvfp4_gemv_tma.cu's,
-// GW_ROWS_O / _GU / _D, NORM_EPS.
+// GW_ROWS_O / _GU / _D, A_BF16, NORM_EPS.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -60,6 +63,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef GW_ROWS_D
 #define GW_ROWS_D 0
+#endif
+#ifndef A_BF16
+#define A_BF16 0  // o's input in bf16 (quantized in every CTA) instead of as NVFP4 codes
 #endif
 #ifndef NORM_EPS
 #define NORM_EPS 1e-6f
@@ -140,17 +146,20 @@ __device__ __forceinline__ void stage_codes(u8* sx, u8* sxs, const u8* xp, const
   }
 }
 
-// gate_up's input from y1 (all of it stored, past the first barrier): the quantizer kernel's
-// RMSNorm (PRO = 1) and block quantization with the static scale *gu, as int8 and scales into
-// shared memory; CTA 0 also stores the codes and scales (gp, gs)
-__device__ __forceinline__ void norm_quant(u8* sx, u8* sxs, const u16* y1, const u16* nw,
-                                           const float* gu, u8* gp, u8* gs, int tid) {
+// A linear's NVFP4 input from bf16 x [K], as the quantizer kernel writes it, into shared memory
+// as int8 and scales (CTA 0 also stores the codes and scales where gp is given), with the
+// static global scale *g. NORM (gate_up's input, x = y1, past the first barrier: L2 reads): its
+// RMSNorm prologue (PRO = 1) with the norm weight nw; else (A_BF16: o's input, the attention
+// output) none (PRO = 0).
+template <int K, bool NORM>
+__device__ __forceinline__ void quant_in(u8* sx, u8* sxs, const u16* x, const u16* nw,
+                                         const float* g, u8* gp, u8* gs, int tid) {
   __shared__ float s_red[NORM_THREADS / 32], s_rs, s_ig;
   const int lane = tid & 31, warp = tid >> 5;
-  if (tid < NORM_THREADS) {
+  if (NORM && tid < NORM_THREADS) {
     float s = 0.f;
-    for (int e = 8 * tid; e < D_MODEL; e += 8 * NORM_THREADS) {
-      const uint4 q = __ldcg(reinterpret_cast<const uint4*>(y1 + e));
+    for (int e = 8 * tid; e < K; e += 8 * NORM_THREADS) {
+      const uint4 q = __ldcg(reinterpret_cast<const uint4*>(x + e));
       const u32 w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -163,35 +172,40 @@ __device__ __forceinline__ void norm_quant(u8* sx, u8* sxs, const u16* y1, const
     for (int b = 16; b >= 1; b >>= 1) s = s + __shfl_xor_sync(0xffffffffu, s, b);
     if (lane == 0) s_red[warp] = s;
   }
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
+  if (NORM) asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
   if (tid == 0) {
-    float t = 0.f;
-    for (int w = 0; w < NORM_THREADS / 32; ++w) t = t + s_red[w];
-    s_rs = rsqrtf(t / (float)D_MODEL + NORM_EPS);
-    s_ig = div_rn(1.0f, *gu);
+    if (NORM) {
+      float t = 0.f;
+      for (int w = 0; w < NORM_THREADS / 32; ++w) t = t + s_red[w];
+      s_rs = rsqrtf(t / (float)K + NORM_EPS);
+    }
+    s_ig = div_rn(1.0f, *g);
   }
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
   // 4 elements a thread a round; the 4 consecutive threads of a block find its amax together
-  for (int i = tid; i < D_MODEL / 4; i += CONSUMERS) {
+  for (int i = tid; i < K / 4; i += CONSUMERS) {
     const int e0 = 4 * i;
-    const uint2 q = __ldcg(reinterpret_cast<const uint2*>(y1 + e0));
-    const uint2 u = *reinterpret_cast<const uint2*>(nw + e0);
+    const uint2 q = NORM ? __ldcg(reinterpret_cast<const uint2*>(x + e0))
+                         : *reinterpret_cast<const uint2*>(x + e0);
     float v[4] = {__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u),
                   __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xFFFF0000u)};
-    const float wf[4] = {__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
-                         __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u)};
-    const float rs = s_rs;
+    if (NORM) {
+      const uint2 u = *reinterpret_cast<const uint2*>(nw + e0);
+      const float wf[4] = {__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xFFFF0000u),
+                           __uint_as_float(u.y << 16), __uint_as_float(u.y & 0xFFFF0000u)};
+      const float rs = s_rs;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = rbf16(wf[j] * rbf16(v[j] * rs));  // quant4's PRO = 1
+      for (int j = 0; j < 4; ++j) v[j] = rbf16(wf[j] * rbf16(v[j] * rs));  // quant4's PRO = 1
+    }
     const unsigned group = 0xFu << (tid & 28);
     float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     amax = fmaxf(amax, __shfl_xor_sync(group, amax, 1));
     amax = fmaxf(amax, __shfl_xor_sync(group, amax, 2));
     u32 scale;
-    const u32 c = block_codes(v, amax, gu, &s_ig, scale);
+    const u32 c = block_codes(v, amax, g, &s_ig, scale);
     *reinterpret_cast<u32*>(sx + e0) = act_to_s8(c);
     if ((i & 3) == 0) sxs[e0 / 16] = (u8)scale;
-    if (blockIdx.x == 0) {
+    if (gp != nullptr && blockIdx.x == 0) {
       *reinterpret_cast<u16*>(gp + e0 / 2) = (u16)c;
       if ((i & 3) == 0) gs[e0 / 16] = (u8)scale;
     }
@@ -231,8 +245,14 @@ __device__ __forceinline__ void produce(u8* st, u32 full, const u8* wp, const u8
 // ---------------------------------------------------------------------------- kernel
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
-    nvfp4_block_tma(const u8* __restrict__ ap, const u8* __restrict__ as_,
-                    const float* __restrict__ ag, const u16* __restrict__ h,
+    nvfp4_block_tma(
+#if A_BF16  // o's input as bf16 [KO] and its static scale [L]: quantized here
+                    const u16* __restrict__ a, const float* __restrict__ xgo_all,
+#else  // o's input quantized: codes, block scales, global scale
+                    const u8* __restrict__ ap, const u8* __restrict__ as_,
+                    const float* __restrict__ ag,
+#endif
+                    const u16* __restrict__ h,
                     const u8* __restrict__ wo_p, const u8* __restrict__ wo_s,
                     const float* __restrict__ wo_g, const u16* __restrict__ nw_all,
                     const float* __restrict__ xgu_all, const u8* __restrict__ wgu_p,
@@ -350,9 +370,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   };
 
   // 1. o_proj + the residual: y1 = h + y (XLA's bf16 add: both bf16, added in fp32, rounded once)
+#if A_BF16
+  const float* go = xgo_all + l;
+  quant_in<K_O, false>(sx, sxs, a, nullptr, go, nullptr, nullptr, tid);
+  const float xg_o = *go;
+#else
   stage_codes<K_O, false>(sx, sxs, ap, as_, tid);
-  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
   const float xg_o = ag[0];
+#endif
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
   gemv(items_o, CH_O, [&](int q, float total) {
     if (lane == 0) {
       const int n = (a0 + q) * 16 + warp;
@@ -365,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   // 2. gate_up on quantize(rms_norm(y1)), production's SwiGLU epilogue: down's input blocks
   const float* gu = xgu_all + l;
   const float* gd = xgd_all + l;
-  norm_quant(sx, sxs, y1, nw_all + l * D_MODEL, gu, gp, gs, tid);
+  quant_in<D_MODEL, true>(sx, sxs, y1, nw_all + l * D_MODEL, gu, gp, gs, tid);
   __shared__ float s_igd, hbuf[2][16];  // 1 / down's scale; a unit's h, by unit parity
   if (tid == 0) s_igd = div_rn(1.0f, *gd);
   asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");

@@ -38,7 +38,8 @@ SOURCE = pathlib.Path(__file__).with_name("nvfp4_block_tma.cu")
 ENTRY = "nvfp4_block_tma"
 HEADER_DIRS = (SOURCE.parent,)  # tma_ring.cuh; common.cuh from cuda_ops/
 WARPS = 16  # consumer warps (rows a stage)
-# (ap, as, ag, h, wo_p, wo_s, wo_g, nw, xgu, wgu_p, wgu_s, wgu_g, xgd, wd_p, wd_s, wd_g, layer)
+# (ap, as, ag, h, wo_p, wo_s, wo_g, nw, xgu, wgu_p, wgu_s, wgu_g, xgd, wd_p, wd_s, wd_g, layer);
+# with a_bf16 (a, xgo, h, ...): one fewer
 N_INPUTS = 17
 OUTPUTS = ("y2", "y1", "gp", "gs", "dp", "ds")
 STATIC_SMEM = 256  # hbuf, the norm's sums and scales (bound)
@@ -61,6 +62,11 @@ class BlockPlan:
     # matrix ([L]); `plan` takes one bool for all three
     gw_rows: tuple = (False, False, False)
     eps: float = 1e-6  # the RMSNorm epsilon
+    a_bf16: bool = False  # o's input in bf16, quantized in the kernel (no quantizer launch)
+
+    @property
+    def n_inputs(self) -> int:
+        return N_INPUTS - int(self.a_bf16)
 
     @property
     def grid(self) -> int:
@@ -104,6 +110,7 @@ class BlockPlan:
             "GW_ROWS_GU": int(self.gw_rows[1]),
             "GW_ROWS_D": int(self.gw_rows[2]),
             "NORM_EPS": f"{float(self.eps)!r}f",
+            "A_BF16": int(self.a_bf16),
         }
 
 
@@ -162,7 +169,7 @@ class BlockKernel:
     entry: str = ENTRY
 
     def backend_config(self) -> str:
-        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call: the 17
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call: the plan's
         operands, then the 6 results (`OUTPUTS`)."""
         p = self.plan
         return ptx_backend_config(
@@ -170,7 +177,7 @@ class BlockKernel:
             escape_mlir(self.ptx),
             grid=(p.grid, 1, 1),
             block=p.threads,
-            outputs=range(N_INPUTS, N_INPUTS + len(OUTPUTS)),
+            outputs=range(p.n_inputs, p.n_inputs + len(OUTPUTS)),
             smem=p.smem,
         )
 
@@ -180,7 +187,7 @@ def _build_cached(p: BlockPlan) -> BlockKernel:
     ptx = compile_ptx(
         read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH, header_dirs=HEADER_DIRS
     )
-    if ptx_entries(ptx) != {ENTRY: N_INPUTS + len(OUTPUTS)}:
+    if ptx_entries(ptx) != {ENTRY: p.n_inputs + len(OUTPUTS)}:
         raise KernelError(f"{SOURCE.name}: unexpected entries {ptx_entries(ptx)}")
     return BlockKernel(plan=p, ptx=ptx)
 
@@ -240,8 +247,8 @@ def why_not(x, out, lw, kernels: str) -> str:
 
 def block_call(kern: BlockKernel, x, out, lw, i):
     """x + the post-attention block of layer i on the CUDA path: o's input quantized by
-    production's quantizer kernel (as fused_linear's two-kernel lowering does), then the block
-    kernel. Returns [1, 1, D] bf16."""
+    production's quantizer kernel (as fused_linear's two-kernel lowering does), or by the block
+    kernel itself (a_bf16), then the block kernel. Returns [1, 1, D] bf16."""
     import jax
     import jax.numpy as jnp
 
@@ -258,11 +265,15 @@ def block_call(kern: BlockKernel, x, out, lw, i):
     def stacked(scale):  # a static input scale as [L] (read at the layer in the kernels)
         return jnp.broadcast_to(jnp.asarray(scale, jnp.float32).reshape(-1), (layers,))
 
-    fused = nvfp4_gemv.Fused(prologue="none", scale_stacked=True)
-    quant = nvfp4_quant.build(1, p.ko, fused)
-    xq = fl._quant_p.bind(out.astype(jnp.bfloat16).reshape(1, p.ko),
-                          stacked(att["o_proj"]["input_scale"]), jnp.zeros((1,), jnp.bfloat16),
-                          li, k=p.ko, fused=fused, kernel=quant)  # fmt: skip
+    a = out.astype(jnp.bfloat16).reshape(1, p.ko)
+    xgo = stacked(att["o_proj"]["input_scale"])
+    if p.a_bf16:  # the kernel quantizes o's input itself
+        xq = (a.reshape(p.ko), xgo)
+    else:  # production's quantizer kernel, as fused_linear's two-kernel lowering runs it
+        fused = nvfp4_gemv.Fused(prologue="none", scale_stacked=True)
+        quant = nvfp4_quant.build(1, p.ko, fused)
+        xq = fl._quant_p.bind(a, xgo, jnp.zeros((1,), jnp.bfloat16), li, k=p.ko, fused=fused,
+                              kernel=quant)  # fmt: skip
 
     def w3(w):
         scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
@@ -333,7 +344,7 @@ def install(**options):
     return uninstall
 
 
-OPTION_TYPES = {"kch": int, "stages": int, "ef": bool, "producer": str}
+OPTION_TYPES = {"kch": int, "stages": int, "ef": bool, "producer": str, "a_bf16": bool}
 
 
 def parse_options(text: str) -> dict:

@@ -94,11 +94,14 @@ class _FakeBlockGpu:
         monkeypatch.setattr(check, "_launch_ptx", self.ptx)
 
     def norm_quant(self, y, xg, nw, layer, outs):
+        """quantize_activation of rms_norm(y) (nw given) or of y, static scale xg[layer]."""
         import numpy as np
 
         torch, f = self.torch, self.fake
-        y, w = y.float(), nw[layer].float()
-        n = (y * torch.rsqrt((y * y).mean() + 1e-6)).to(torch.bfloat16).float() * w
+        n = y.float()
+        if nw is not None:
+            n = (n * torch.rsqrt((n * n).mean() + 1e-6)).to(torch.bfloat16).float()
+            n = n * nw[layer].float()
         scale = float(xg[layer])
         q = f.nvfp4.quantize_activation(f.jnp.asarray(n.numpy()).reshape(1, -1), scale)
         codes, scales, g = outs
@@ -108,12 +111,21 @@ class _FakeBlockGpu:
 
     def ptx(self, ptx, entry, grid, threads, smem, ptrs, stream):
         f, torch = self.fake, self.torch
-        if entry == "nvfp4_quantize_bf16" and f.t(ptrs[2]).numel() > 1:  # RMSNorm prologue
+        if entry == "nvfp4_quantize_bf16":
+            x, nw, outs = f.t(ptrs[0]), f.t(ptrs[2]), [f.t(p) for p in ptrs[4:]]
             layer = int(f.t(ptrs[3]))
-            outs = [f.t(p) for p in ptrs[4:]]
-            return self.norm_quant(f.t(ptrs[0]), f.t(ptrs[1]), f.t(ptrs[2]), layer, outs)
+            if nw.numel() > 1:  # RMSNorm prologue
+                return self.norm_quant(x, f.t(ptrs[1]), nw, layer, outs)
+            if x.numel() == 2 * outs[0].numel():  # no prologue (o's input)
+                return self.norm_quant(x, f.t(ptrs[1]), None, layer, outs)
         if entry != blk.ENTRY:
             return f.ptx(ptx, entry, grid, threads, smem, ptrs, stream)
+        if len(ptrs) == blk.N_INPUTS - 1 + len(blk.OUTPUTS):  # a_bf16: a, xgo
+            a, xgo, *rest = ptrs
+            q = [torch.zeros(f.t(a).numel() // 2, dtype=torch.uint8),
+                 torch.zeros(f.t(a).numel() // 16, dtype=torch.uint8), torch.zeros(1)]  # fmt: skip
+            self.norm_quant(f.t(a), f.t(xgo), None, int(f.t(rest[13])), q)
+            ptrs = [t.data_ptr() for t in q] + rest
         (ap, as_, ag, h, wo_p, wo_s, wo_g, nw, xgu, wgu_p, wgu_s, wgu_g, xgd, wd_p, wd_s, wd_g,
          layer, y2, y1, gp, gs, dp, ds) = ptrs  # fmt: skip
         gg, dg = torch.zeros(1), torch.zeros(1)
@@ -142,8 +154,9 @@ def test_device_check_harness_on_the_cpu(monkeypatch):
                            seed=(shape, gw_rows))  # fmt: skip
         prob.calibrate(torch.tensor(1, dtype=torch.int32))
         assert 0 < float(prob.xgu[1]) < 1 and 0 < float(prob.xgd[1]) < 1
-        rows, failures = check.check(torch, prob, ["tma", "lsu"], 132)
-        assert failures == [] and [r["variant"] for r in rows] == ["tma", "lsu"], failures
+        variants = ["tma", "lsu", "tma_a16"]
+        rows, failures = check.check(torch, prob, variants, 132)
+        assert failures == [] and [r["variant"] for r in rows] == variants, failures
         for r in rows:
             assert r["ok"] and set(r["equal_to_composition"].values()) == {1.0}
             assert set(r["equal_to_production"].values()) == {1.0}
@@ -152,7 +165,8 @@ def test_device_check_harness_on_the_cpu(monkeypatch):
         o = prob.outs()
         prob.production(0, torch.tensor(1, dtype=torch.int32), o)
         assert 0.3 < float(o["y2"].float().std()) < 5
-    tm = check.timing(torch, bk, prob, ["tma", "lsu"], 132, skip={"lsu"})
+    tm = check.timing(torch, bk, prob, ["tma", "lsu", "tma_a16"], 132, skip={"lsu"})
+    assert tm["tma_a16_s"] == 1e-6
     assert tm["production_s"] == tm["tma_s"] == 1e-6 and "lsu_s" not in tm
     summary = check.summarize(tm, ["tma", "lsu"], copy_bps=None)
     assert summary["tma"]["over_production"] == 1.0 and "lsu" not in summary
@@ -240,6 +254,12 @@ def test_install_makes_the_batch_1_post_attention_block_one_launch():
         two = names(2)
     finally:
         uninstall()
+    uninstall = blk.install(a_bf16=True)  # o's input quantized in the block: no quantizer
+    try:
+        jax.clear_caches()
+        got_a16 = names(1)
+    finally:
+        uninstall()
     jax.clear_caches()
     assert decoder._post_attention is original and names(1) == before
     # production: the quantizers of qkv, o, gate_up and down's inputs and the four GEMVs (down's
@@ -248,6 +268,7 @@ def test_install_makes_the_batch_1_post_attention_block_one_launch():
     assert before.count("nvfp4_gemv_w4a4") == 4 and before.count("nvfp4_quantize_bf16") == 4
     assert got == [*before[: before.index("nvfp4_gemv_w4a4", 2) - 1], "nvfp4_quantize_bf16",
                    blk.ENTRY]  # fmt: skip
+    assert got_a16 == [*got[:-2], blk.ENTRY]
     assert blk.ENTRY not in two and two.count("nvfp4_gemv_w4a4") == 4
     assert all(np.array_equal(a, b) for a, b in zip(cpu_got, cpu_before, strict=True))
     with pytest.raises(KernelError, match="stages=1"):
