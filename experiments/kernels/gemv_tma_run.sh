@@ -23,7 +23,8 @@
 #             byte for byte against the kernels it fuses, then timed against production's four
 #             launches and the TMA GEMVs' four, Qwen3-8B (about 2 minutes)
 #   block_sanitize  compute-sanitizer memcheck and racecheck of the block kernel (TMA and
-#             cp.async producers) on a small block, correctness only
+#             cp.async producers, o's input as codes and in bf16) on a small block, correctness
+#             only
 #   block_decode  as decode, production against the block kernel (bench_decode.py --block-tma
 #             $BLOCK_SPEC, default "default"); its own call (about 4 x 100 s)
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
@@ -109,8 +110,8 @@ for step in "$@"; do
       t0=$(date +%s)
       timeout 200 compute-sanitizer --tool $tool --kernel-name kns=nvfp4_block_tma \
         --print-limit 20 python3 experiments/kernels/check_block_tma.py --no-time \
-        --variants tma,lsu --shape 1024x1024x1536 --out "$x/block_sanitize_$tool.json" \
-        > "$x/block_sanitize_$tool.log" 2>&1
+        --variants tma,lsu,tma_a16 --shape 1024x1024x1536 \
+        --out "$x/block_sanitize_$tool.json" > "$x/block_sanitize_$tool.log" 2>&1
       stamp "block_sanitize $tool" $? $t0
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|failures" "$x/block_sanitize_$tool.log" \
         | head -6 | tee -a "$log"
