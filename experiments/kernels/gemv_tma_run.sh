@@ -31,7 +31,8 @@
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
 if [ $# -lt 2 ]; then
-  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel block block_sanitize block_decode)" >&2
+  echo "usage: $0 OUT STEP... (steps: check sanitize decode kernel block block_sanitize" \
+    "block_decode)" >&2
   exit 2
 fi
 out=$1
