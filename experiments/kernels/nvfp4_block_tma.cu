@@ -93,8 +93,9 @@ static_assert(K_O % 256 == 0 && D_MODEL % 256 == 0 && F_FF % 256 == 0,
               "K_O, D_MODEL, F_FF: multiples of 256");
 static_assert(STAGES >= 2, "at least two stages");
 
-#include "tma_ring.cuh"  // mbarriers, bulk and cp.async copies, bf16 rounding
 #include "common.cuh"    // production's E2M1 tables, act_to_s8, decode_row, row_dot, block_codes
+#include "tma_ring.cuh"  // mbarriers, bulk and cp.async copies, bf16 rounding, stage row dots,
+                         // the SwiGLU epilogue (shared with nvfp4_gemv_tma.cu)
 
 // ---------------------------------------------------------------------------- grid barrier
 
@@ -340,20 +341,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       const u8* st = ring + s * STAGE_BYTES;
       const u8* codes = st + warp * KCH;
       const u8* scales = st + STAGE_CODES + warp * SCH;
-#pragma unroll
-      for (int t = 0; t < UPL; ++t) {
-        const int unit = lane + 32 * t;
-        if (UNITS % 32 != 0 && unit >= UNITS) break;
-        const uint4 q = *(const uint4*)(codes + 16 * unit);
-        const int elem = 2 * KCH * c + 32 * unit;
-        const uint4 xa = *(const uint4*)(sx + elem), xb = *(const uint4*)(sx + elem + 16);
-        const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-        const float2 sw = e4m3x2_to_float2(*(const u16*)(scales + 2 * unit));
-        const float2 sxf = e4m3x2_to_float2(*(const u16*)(sxs + elem / 16));
-        u32 wpos[8], wneg[8];
-        decode_row(wpos, wneg, q);
-        row_dot(acc, wpos, wneg, xw, sw, sxf);
-      }
+      stage_row_dot(acc, codes, scales, sx, sxs, c, lane);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
       if (c == chunks - 1) {  // the row is done: its lanes' sums, in a fixed butterfly order
@@ -402,27 +390,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
       gate = total;
       return;
     }
-    const int n = (b0 + q / 2) * 16 + warp;  // gate row n, up row F + n
-    const float g = rbf16((gate * 0.25f) * (gw(wgu_g, GW_ROWS_GU, 2 * F_FF, n) * xg_gu));
-    const float u = rbf16((total * 0.25f) * (gw(wgu_g, GW_ROWS_GU, 2 * F_FF, F_FF + n) * xg_gu));
-    const float sig = rbf16(1.0f / (1.0f + expf(-g)));  // jax.nn.sigmoid
-    if (lane == 0) hbuf[(q >> 1) & 1][warp] = rbf16(rbf16(g * sig) * u);
-    // the unit's 16 values; the next unit writes the other half of hbuf, and the one after
-    // this half only past the next unit's barrier, which warp 0 reaches after its reads
-    asm volatile("bar.sync 2, %0;" ::"n"(CONSUMERS) : "memory");
-    if (warp == 0 && lane < 4) {  // 4 lanes x 4 elements, as production's epilogue
-      float v[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) v[e] = hbuf[(q >> 1) & 1][4 * lane + e];
-      float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-      amax = fmaxf(amax, __shfl_xor_sync(0xFu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xFu, amax, 2));
-      u32 scale;
-      const u32 code = block_codes(v, amax, gd, &s_igd, scale);
-      const int j0 = (b0 + q / 2) * 16 + 4 * lane;  // element of down_proj's input
-      *reinterpret_cast<u16*>(dp + j0 / 2) = (u16)code;
-      if (lane == 0) ds[j0 / 16] = (u8)scale;
-    }
+    const int unit = b0 + q / 2, n = unit * 16 + warp;  // gate row n, up row F + n
+    swiglu_unit<CONSUMERS>(gate, total, gw(wgu_g, GW_ROWS_GU, 2 * F_FF, n) * xg_gu,
+                           gw(wgu_g, GW_ROWS_GU, 2 * F_FF, F_FF + n) * xg_gu, unit, (q >> 1) & 1,
+                           warp, lane, hbuf, gd, &s_igd, dp, ds);
   });
   grid_barrier(tid);
 

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import math
 import pathlib
-import re
 
 import numpy as np
 
@@ -24,13 +23,13 @@ from cuda_ops.build import (
     escape_mlir,
     ptx_backend_config,
     ptx_entries,
-    ptxas_log,
 )
 from experiments.kernels.nvfp4_gemv_tma import (
     ARCH,
     PRODUCERS,
     SM_SMEM,
     SMEM_LIMIT,
+    ptxas_of,
 )
 from experiments.kernels.nvfp4_gemv_tma import parse_options as tma_parse_options
 
@@ -199,18 +198,7 @@ def build(d: int, ko: int, f: int, **options) -> BlockKernel:
 
 def ptxas_report(p: BlockPlan) -> dict:
     """ptxas (offline, sm_90) on the plan's PTX: registers, spill bytes, static shared bytes."""
-    log = ptxas_log(
-        read_source(), p.defines(), name=SOURCE.name, arch="sm_90", header_dirs=HEADER_DIRS
-    )
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
-    spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    static = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
-    return {
-        "registers": max(regs, default=None),
-        "spill_bytes": sum(int(a) + int(b) for a, b in spill),
-        "static_smem": max(static, default=0),
-        "log": log,
-    }
+    return ptxas_of(read_source(), p.defines(), SOURCE.name)
 
 
 # ----------------------------------------------------------------------------- the decode step

@@ -91,15 +91,14 @@ static_assert(STAGES >= 2, "at least two stages");
 static_assert(!SWIGLU_OUT || (WARPS == 16 && N_OUT % 32 == 0 && !EPI_RES),
               "SWIGLU_OUT: 16 rows a stage (one block), N a multiple of 32, no residual");
 
-// mbarriers, bulk and cp.async copies, bf16 rounding (beside this file)
-#include "tma_ring.cuh"
-
-// ---------------------------------------------------------------------------- decode and dot
-
 // production's (cuda_ops/common.cuh): prmt tables, act_to_s8 (x codes -> int8), decode_row
 // (weight codes -> (pos, neg) int8 words), row_dot (two exact block dots, scaled), and
 // e4m3x2_to_float2
 #include "common.cuh"
+
+// mbarriers, bulk and cp.async copies, bf16 rounding, a stage row's block dots and the SwiGLU
+// epilogue (beside this file)
+#include "tma_ring.cuh"
 
 // ---------------------------------------------------------------------------- kernel
 
@@ -231,24 +230,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
     const u8* st = ring + s * STAGE_BYTES;
     const u8* codes = st + warp * KCH;
     const u8* scales = st + STAGE_CODES + warp * SCH;
+#if NOMATH
 #pragma unroll
     for (int t = 0; t < UPL; ++t) {
       const int unit = lane + 32 * t;
       if (UNITS % 32 != 0 && unit >= UNITS) break;
       const uint4 q = *(const uint4*)(codes + 16 * unit);
-#if NOMATH
       acc += __int_as_float((q.x ^ q.y ^ q.z ^ q.w) & 0x3F800000u);
-#else
-      const int elem = 2 * KCH * c + 32 * unit;
-      const uint4 xa = *(const uint4*)(sx + elem), xb = *(const uint4*)(sx + elem + 16);
-      const u32 xw[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-      const float2 sw = e4m3x2_to_float2(*(const u16*)(scales + 2 * unit));
-      const float2 sxf = e4m3x2_to_float2(*(const u16*)(sxs + elem / 16));
-      u32 wpos[8], wneg[8];
-      decode_row(wpos, wneg, q);
-      row_dot(acc, wpos, wneg, xw, sw, sxf);
-#endif
     }
+#else
+    stage_row_dot(acc, codes, scales, sx, sxs, c, lane);
+#endif
     __syncwarp();
     if (lane == 0) mbar_arrive(empty0 + 8 * s);
     if (c == CHUNKS - 1) {  // the row is done: its lanes' sums, in a fixed butterfly order
@@ -258,28 +250,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
       const int j = i / CHUNKS;
       if ((j & 1) == 0) {
         gate = acc;
-      } else {  // production's swiglu_epilogue arithmetic, one unit
-        const int n = (u0 + j / 2) * 16 + warp;  // gate row n, up row N / 2 + n
-        const float g = rbf16((gate * 0.25f) * out_scale(n));
-        const float u = rbf16((acc * 0.25f) * out_scale(N_OUT / 2 + n));
-        const float sig = rbf16(1.0f / (1.0f + expf(-g)));  // jax.nn.sigmoid
-        if (lane == 0) hbuf[(j >> 1) & 1][warp] = rbf16(rbf16(g * sig) * u);
-        // the unit's 16 values; the next unit writes the other half of hbuf, and the one after
-        // this half only past the next unit's barrier, which warp 0 reaches after its reads
-        asm volatile("bar.sync 2, %0;" ::"n"(WARPS * 32) : "memory");
-        if (warp == 0 && lane < 4) {  // 4 lanes x 4 elements, as production's epilogue
-          float v[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) v[e] = hbuf[(j >> 1) & 1][4 * lane + e];
-          float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
-          amax = fmaxf(amax, __shfl_xor_sync(0xFu, amax, 1));
-          amax = fmaxf(amax, __shfl_xor_sync(0xFu, amax, 2));
-          u32 scale;
-          const u32 code = block_codes(v, amax, gd, &s_igd, scale);
-          const int j0 = (u0 + j / 2) * 16 + 4 * lane;  // element of down_proj's input
-          *reinterpret_cast<u16*>(dp + j0 / 2) = (u16)code;
-          if (lane == 0) ds[j0 / 16] = (u8)scale;
-        }
+      } else {  // one unit: gate row n, up row N / 2 + n
+        const int unit = u0 + j / 2, n = unit * 16 + warp;
+        swiglu_unit<WARPS * 32>(gate, acc, out_scale(n), out_scale(N_OUT / 2 + n), unit,
+                                (j >> 1) & 1, warp, lane, hbuf, gd, &s_igd, dp, ds);
       }
 #else
       if (lane == 0) {

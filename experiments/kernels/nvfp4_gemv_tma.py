@@ -265,9 +265,13 @@ def build(n: int, k: int, **options) -> TmaKernel:
 
 def ptxas_report(p: TmaPlan) -> dict:
     """ptxas (offline, sm_90) on the plan's PTX: registers, spill bytes, static shared bytes."""
-    log = ptxas_log(
-        read_source(), p.defines(), name=SOURCE.name, arch="sm_90", header_dirs=HEADER_DIRS
-    )
+    return ptxas_of(read_source(), p.defines(), SOURCE.name)
+
+
+def ptxas_of(source: str, defines: dict, name: str) -> dict:
+    """ptxas (offline, sm_90) on a kernel source of this directory: registers, spill bytes,
+    static shared bytes and the log."""
+    log = ptxas_log(source, defines, name=name, arch="sm_90", header_dirs=HEADER_DIRS)
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     spill = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     static = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
