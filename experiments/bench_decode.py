@@ -408,8 +408,16 @@ def main(argv=None) -> dict:
         "experiments/kernels/nvfp4_block_tma.cu, e.g. 'stages=10' or 'producer=lsu' "
         "('default': its defaults); installed before anything is compiled, as --gemv-tma",
     )
+    ap.add_argument(
+        "--qkv-tma",
+        default=None,
+        metavar="SPEC",
+        help="experiment: at batch 1 the qkv projection with its input norm and rope_cache of "
+        "every variant is one launch of nvfp4_block_tma.cu's pre-attention kernel, e.g. "
+        "'stages=10' ('default': its defaults); with or without --block-tma",
+    )
     args = ap.parse_args(argv)
-    gemv_tma = block_tma = None
+    gemv_tma = block_tma = qkv_tma = None
     if args.gemv_tma is not None:
         from experiments.kernels import nvfp4_gemv_tma
 
@@ -426,6 +434,14 @@ def main(argv=None) -> dict:
             nvfp4_block_tma.install(**block_tma)
         except (ValueError, nvfp4_block_tma.KernelError) as err:
             raise SystemExit(f"--block-tma {args.block_tma!r}: {err}") from None
+    if args.qkv_tma is not None:
+        from experiments.kernels import nvfp4_block_tma
+
+        try:
+            qkv_tma = nvfp4_block_tma.parse_options(args.qkv_tma, nvfp4_block_tma.QKV_OPTION_TYPES)
+            nvfp4_block_tma.install_qkv(**qkv_tma)
+        except (ValueError, nvfp4_block_tma.KernelError) as err:
+            raise SystemExit(f"--qkv-tma {args.qkv_tma!r}: {err}") from None
     cfg = TINY if args.tiny else rconfig.PRESETS[args.preset]
     for spec in args.weight_prefetch:
         try:
@@ -458,6 +474,7 @@ def main(argv=None) -> dict:
         "kernel": _kernel_report(cfg, args.batch),
         "gemv_tma": gemv_tma,  # None: production's GEMVs
         "block_tma": block_tma,  # None: production's post-attention block
+        "qkv_tma": qkv_tma,  # None: production's qkv projection and rope_cache
         "runs": [],
     }
     result["breakdown_note"] = (
@@ -626,7 +643,8 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
             )
         del cache
         run["wall_s"] = time.perf_counter() - t0
-        if result.get("block_tma") is not None:  # how often the block kernel stood in, or why not
+        if result.get("block_tma") is not None or result.get("qkv_tma") is not None:
+            # how often the block kernels stood in, or why not
             from experiments.kernels import nvfp4_block_tma
 
             run["block_tma_traces"] = dict(nvfp4_block_tma.TRACES)

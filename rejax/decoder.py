@@ -151,26 +151,19 @@ def decoder_layer(
         options = Prefetch(at=pf["at"], mode=pf["mode"], evict_first=bool(pf["ef"]))
         return {"prefetch": picked, "prefetch_options": options}
 
-    if fuse:
-        norm = lw["input_layernorm"]["scale"]
-        qkv = fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm, eps=eps,
-                           kernels=kernels, **gemm,
-                           **prefetch((att, "o_proj", 0, "o"), (mlp, "gate_up_proj", 0, "qkv_gu")))  # fmt: skip
+    # one new token per row into a bf16 cache: q/k norms, RoPE and the cache write as one op
+    # (one kernel on CUDA, the cache updated in place; the same composition elsewhere)
+    rope_fused = kv is not None and t == 1 and kv[2] is None and cfg.rope_fusion == "fused"
+    if fuse and rope_fused:
+        q, kv = _pre_attention(x, lw, i, cfg, positions, index, kv, kernels, gemm, prefetch)
+    elif fuse:
+        qkv = _fused_qkv(x, lw, i, cfg, kernels, gemm, prefetch)
     else:
         hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
         qkv = lin(hs, att, "qkv_proj")
-    if kv is not None and t == 1 and kv[2] is None and cfg.rope_fusion == "fused":
-        # one new token per row into a bf16 cache: q/k norms, RoPE and the cache write as one
-        # op (one kernel on CUDA, the cache updated in place; the same composition elsewhere)
-        norms = (None, None)
-        if cfg.arch == "qwen3":
-            norms = (att["q_norm"]["scale"], att["k_norm"]["scale"])
-        q, kc, vc = rope_cache(
-            qkv[:, 0], *norms, i, positions[:, 0], index, kv[0], kv[1], heads=n, kv_heads=kh,
-            head_dim=h, eps=cfg.rms_norm_eps, theta=cfg.rope_theta,
-        )  # fmt: skip
-        q, kv = q[:, None], (kc, vc, None, None)  # [B, 1, N, H]
-    else:
+    if rope_fused and not fuse:
+        q, kv = _rope_cache(qkv, lw, i, cfg, positions, index, kv)
+    elif not rope_fused:
         q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
         k = qkv[..., n * h : (n + kh) * h].reshape(b, t, kh, h)  # [B, T, K, H]
         v = qkv[..., (n + kh) * h :].reshape(b, t, kh, h)  # [B, T, K, H]
@@ -240,6 +233,38 @@ def decoder_layer(
     f = cfg.intermediate_size
     x = lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj", residual=x)
     return x, kv, amax
+
+
+def _fused_qkv(x, lw, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.Array:
+    """The fused path's qkv projection: rms_norm(x) in front, [B, T, (N + 2 KV) H]."""
+    att, mlp = lw["self_attn"], lw["mlp"]
+    norm = lw["input_layernorm"]["scale"]
+    return fused_linear(x, att["qkv_proj"], layer=i, prologue="rmsnorm", norm=norm,
+                        eps=cfg.rms_norm_eps, kernels=kernels, **gemm,
+                        **prefetch((att, "o_proj", 0, "o"), (mlp, "gate_up_proj", 0, "qkv_gu")))  # fmt: skip
+
+
+def _rope_cache(qkv, lw, i, cfg: Config, positions, index, kv) -> tuple:
+    """q [B, 1, N, H] and the cache with this token's k, v written, from qkv [B, 1, ...]."""
+    att = lw["self_attn"]
+    norms = (None, None)
+    if cfg.arch == "qwen3":
+        norms = (att["q_norm"]["scale"], att["k_norm"]["scale"])
+    q, kc, vc = rope_cache(
+        qkv[:, 0], *norms, i, positions[:, 0], index, kv[0], kv[1], heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+        theta=cfg.rope_theta,
+    )  # fmt: skip
+    return q[:, None], (kc, vc, None, None)
+
+
+def _pre_attention(x, lw, i, cfg: Config, positions, index, kv, kernels: str, gemm: dict,
+                   prefetch) -> tuple:  # fmt: skip
+    """The fused path before the attention for one new token a row into a bf16 cache: the qkv
+    projection, then q/k norms, RoPE and the cache write. One function, so an experiment can
+    swap it (experiments/kernels/nvfp4_block_tma.py's `install_qkv`)."""
+    qkv = _fused_qkv(x, lw, i, cfg, kernels, gemm, prefetch)
+    return _rope_cache(qkv, lw, i, cfg, positions, index, kv)
 
 
 def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, gemm: dict,

@@ -69,6 +69,7 @@ DEVICE = "cuda"
 # second (gate_up's gate and up shards each have one), which the timing uses
 GW_ROWS = ((False, False, False), (False, True, False), (True, True, True))
 DEFAULT_SHAPE = "x".join(map(str, blk.QWEN3_8B))
+DEFAULT_QKV_SHAPE = "x".join(map(str, (*blk.QWEN3_8B_ATTENTION, 1536)))  # a 1,536-slot cache
 
 
 def problems(shape=blk.QWEN3_8B, variants=tuple(VARIANTS)) -> list:
@@ -371,27 +372,228 @@ def summarize(tm: dict, variants, copy_bps: float | None) -> dict:
     return rows
 
 
+# ----------------------------------------------------------------------------- pre-attention
+
+QKV_VARIANTS = {"tma": {}, "tma_s10": {"stages": 10}, "lsu": {"producer": "lsu"}}
+THETA = 1e6  # Qwen3's rope_theta
+
+
+class Qkv:
+    """The pre-attention kernel's problem (one row): operands, calibration and the launches of
+    production's three kernels (the RMSNorm quantizer, the qkv GEMV, qk_norm_rope_cache), of
+    the TMA composition and of the kernel."""
+
+    def __init__(self, torch, d, heads, kv_heads, head_dim, *, slots, layers, copies, gw_rows,
+                 eps, seed):  # fmt: skip
+        from cuda_ops import nvfp4_gemv, nvfp4_quant, rope_cache
+        from rejax import layers as rl
+
+        self.torch, self.d, self.gw_rows, self.eps, self.layers = torch, d, gw_rows, eps, layers
+        self.heads, self.kv_heads, self.head_dim, self.slots = heads, kv_heads, head_dim, slots
+        n = self.n = (heads + 2 * kv_heads) * head_dim
+        dev = DEVICE
+        rng = np.random.default_rng(_seed(*seed))
+        g = torch.Generator(device=dev).manual_seed(_seed(*seed, "w"))
+        self.w = [(torch.randint(0, 256, (layers, n, d // 2), dtype=torch.uint8, device=dev,
+                                 generator=g),
+                   torch.randint(*SCALES, (layers, n, d // 16), dtype=torch.uint8, device=dev,
+                                 generator=g)) for _ in range(copies)]  # fmt: skip
+        shape = (layers, n) if gw_rows else (layers,)
+        self.row_factor = torch.from_numpy((0.5 + rng.random(shape)).astype(np.float32)).to(dev)
+        self.wg = self.row_factor.clone()
+        self.x = torch.randn(d, generator=g, device=dev).to(torch.bfloat16)
+        self.nw = (1 + 0.1 * torch.randn(layers, d, generator=g, device=dev)).to(torch.bfloat16)
+        self.xg = torch.ones(layers, dtype=torch.float32, device=dev)
+        self.q_norm = (1 + 0.1 * torch.randn(layers, head_dim, generator=g, device=dev)).to(
+            torch.bfloat16
+        )
+        self.k_norm = (1 + 0.1 * torch.randn(layers, head_dim, generator=g, device=dev)).to(
+            torch.bfloat16
+        )
+        self.positions = torch.tensor([777], dtype=torch.int32, device=dev)
+        self.index = torch.tensor([555 % slots], dtype=torch.int32, device=dev)
+        inv = np.array(rl.rope_inv_freq(head_dim, THETA), np.float32)  # a writable copy
+        self.inv_freq = torch.from_numpy(inv).to(dev)
+        cache = (layers, 1, slots, kv_heads, head_dim)
+        self.cache0 = [torch.randn(cache, generator=g, device=dev).to(torch.bfloat16)
+                       for _ in range(2)]  # fmt: skip
+        self.p_gemv = nvfp4_gemv.build("w4a4", 1, n, d, gw_rows=gw_rows)
+        fused = nvfp4_gemv.Fused(prologue="rmsnorm", eps=eps, norm_stacked=True, scale_stacked=True)
+        self.q_norm_k = nvfp4_quant.build(1, d, fused)
+        self.rope = rope_cache.build(rope_cache.Shape(batch=1, heads=heads, kv_heads=kv_heads,
+                                                      head_dim=head_dim, slots=slots,
+                                                      qk_norm=True, eps=eps, index_rows=False))  # fmt: skip
+
+    @property
+    def stream(self) -> int:
+        return self.torch.cuda.current_stream().cuda_stream
+
+    def outs(self):
+        """Fresh caches (copies of the same random ones) and poisoned results."""
+        t, dev, nan = self.torch, DEVICE, float("nan")
+        return {
+            "q_out": t.full((self.heads * self.head_dim,), nan, dtype=t.bfloat16, device=dev),
+            "k_cache": self.cache0[0].clone(),
+            "v_cache": self.cache0[1].clone(),
+            "qkv": t.full((self.n,), nan, dtype=t.bfloat16, device=dev),
+            "gp": t.full((self.d // 2,), 0xAB, dtype=t.uint8, device=dev),
+            "gs": t.full((self.d // 16,), 0xAB, dtype=t.uint8, device=dev),
+            "gg": t.full((1,), nan, dtype=t.float32, device=dev),
+        }
+
+    def _ptr(self, *ts) -> list:
+        return [x.data_ptr() for x in ts]
+
+    def composition(self, gemv, c, li, o):
+        """The quantizer, `gemv` (production's or a TMA build: the same operands), rope_cache."""
+        from cuda_ops import nvfp4_quant, rope_cache
+
+        q = self.q_norm_k
+        _launch_ptx(q.ptx, nvfp4_quant.ENTRY, (1, self.d // q.chunk), q.threads, 0,
+                    self._ptr(self.x, self.xg, self.nw, li, o["gp"], o["gs"], o["gg"]),
+                    self.stream)  # fmt: skip
+        wp, ws = self.w[c]
+        gemv.launch(self.stream, self._ptr(o["gp"], o["gs"], o["gg"], wp, ws, self.wg, li,
+                                           o["qkv"]))  # fmt: skip
+        r = self.rope
+        _launch_ptx(r.ptx, rope_cache.ENTRY, (r.grid, 1), 32 * r.warps, 0,
+                    self._ptr(o["qkv"], self.q_norm, self.k_norm, li, self.positions, self.index,
+                              self.inv_freq, o["k_cache"], o["v_cache"], o["q_out"],
+                              o["k_cache"], o["v_cache"]), self.stream)  # fmt: skip
+
+    def kernel(self, kern, c, li, o):
+        wp, ws = self.w[c]
+        p = kern.plan
+        ptrs = self._ptr(self.x, self.nw, self.xg, wp, ws, self.wg, li, self.q_norm, self.k_norm,
+                         self.positions, self.index, self.inv_freq, o["k_cache"], o["v_cache"],
+                         o["q_out"], o["k_cache"], o["v_cache"], o["qkv"], o["gp"], o["gs"])  # fmt: skip
+        _launch_ptx(kern.ptx, blk.QKV_ENTRY, (p.grid, 1), p.threads, p.smem, ptrs, self.stream)
+
+    def calibrate(self, li):
+        """qkv's static input scale from the normed input's amax; its global scales so q, k, v
+        come out of standard deviation 1."""
+        t = self.torch
+        x = self.x.float()
+        normed = x * t.rsqrt((x * x).mean() + self.eps) * self.nw[int(li)].float()
+        self.xg.fill_(_scale_of(float(normed.abs().max())))
+        o = self.outs()
+        self.composition(self.p_gemv, 0, li, o)
+        t.cuda.synchronize()
+        self.wg = self.row_factor / float(o["qkv"].float().std())
+
+
+def check_qkv(torch, prob: Qkv, variants, sms: int) -> tuple[list, list]:
+    """Correctness rows and failures of the pre-attention kernel on `prob` (its last layer):
+    bytes against production's quantizer, the TMA GEMV of the same stage size and production's
+    rope_cache on its qkv; agreement with production's three kernels reported."""
+    t = torch
+    li = t.tensor(prob.layers - 1, dtype=t.int32, device=DEVICE)
+    tag = "qkv " + ("gw_rows" if prob.gw_rows else "gw")
+    prod = prob.outs()
+    prob.composition(prob.p_gemv, 0, li, prod)
+    t.cuda.synchronize()
+    names = ("q_out", "k_cache", "v_cache", "qkv", "gp", "gs")
+    rows, failures = [], []
+    for v in variants:
+        row = {"case": tag, "variant": v}
+        try:
+            kern = blk.build_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots,
+                                 sms=sms, gw_rows=prob.gw_rows, eps=prob.eps, **QKV_VARIANTS[v])  # fmt: skip
+            row["plan"] = str(kern.plan)
+            o1, o2 = prob.outs(), prob.outs()
+            prob.kernel(kern, 0, li, o1)
+            prob.kernel(kern, 0, li, o2)
+            want = prob.outs()
+            gemv = tma.build(prob.n, prob.d, kch=kern.plan.kch, gw_rows=prob.gw_rows)
+            prob.composition(gemv, 0, li, want)
+            t.cuda.synchronize()
+            row["repeatable"] = all(_same(t, o1[k], o2[k]) == 1.0 for k in names)
+            row["equal_to_composition"] = {k: _same(t, o1[k], want[k]) for k in names}
+            row["equal_to_production"] = {k: _same(t, o1[k], prod[k]) for k in names}
+            row["q_rel_to_production"] = _rel(t, o1["q_out"], prod["q_out"])
+            row["ok"] = row["repeatable"] and all(
+                x == 1.0 for x in row["equal_to_composition"].values()
+            )
+            if not row["ok"]:
+                failures.append(f"{v} {tag}: {row}")
+        except Exception as err:  # noqa: BLE001
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+            failures.append(f"{v} {tag}: {row['error']}")
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows, failures
+
+
+def timing_qkv(torch, bk, prob: Qkv, variants, sms: int, skip=()) -> dict:
+    """Per-layer device time of production's three launches, the TMA composition and each
+    variant, in CUDA graphs over the problem's weight copies."""
+    t = torch
+    li = t.tensor(0, dtype=t.int32, device=DEVICE)
+    copies = len(prob.w)
+    bufs = [prob.outs() for _ in range(copies)]
+
+    def graph(fn):
+        return bk.time_torch_graph(t, [lambda c=c: fn(c) for c in range(copies)])
+
+    p0 = blk.plan_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots)
+    out = {"copies": copies, "weight_bytes": p0.weight_bytes}
+    out["production_s"] = graph(lambda c: prob.composition(prob.p_gemv, c, li, bufs[c]))
+    gemv = tma.build(prob.n, prob.d, kch=p0.kch, gw_rows=prob.gw_rows)
+    out["tma_composition_s"] = graph(lambda c: prob.composition(gemv, c, li, bufs[c]))
+    for v in variants:
+        if v in skip:
+            continue
+        try:
+            kern = blk.build_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots,
+                                 sms=sms, gw_rows=prob.gw_rows, eps=prob.eps, **QKV_VARIANTS[v])  # fmt: skip
+            out[f"{v}_s"] = graph(lambda c, k=kern: prob.kernel(k, c, li, bufs[c]))
+        except Exception as err:  # noqa: BLE001
+            out[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
+    out["production_again_s"] = graph(lambda c: prob.composition(prob.p_gemv, c, li, bufs[c]))
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def _parse_shape(text: str, n: int, what: str) -> tuple:
+    try:
+        shape = tuple(int(x) for x in text.split("x"))
+        if len(shape) != n:
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"{text!r}: expected {what}") from None
+    return shape
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="block,qkv",
+                    help="block (the post-attention kernel), qkv (the pre-attention kernel)")  # fmt: skip
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {sorted(VARIANTS)}")
+    ap.add_argument("--qkv-variants", default=",".join(QKV_VARIANTS),
+                    help=f"of {sorted(QKV_VARIANTS)}")  # fmt: skip
     ap.add_argument("--shape", default=DEFAULT_SHAPE, help="D x KO x F (hidden, o's K, FFN)")
+    ap.add_argument("--qkv-shape", default=DEFAULT_QKV_SHAPE,
+                    help="D x heads x kv_heads x head_dim x cache slots")  # fmt: skip
     ap.add_argument("--no-time", action="store_true", help="correctness only")
     ap.add_argument("--eps", type=float, default=1e-6, help="the RMSNorm epsilon")
     ap.add_argument("--git-sha", default=None, help="the commit measured")
     args = ap.parse_args(argv)
-    variants = args.variants.split(",")
-    for v in variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
-    try:
-        shape = tuple(int(x) for x in args.shape.split("x"))
-        if len(shape) != 3:
-            raise ValueError
-    except ValueError:
-        raise SystemExit(f"--shape {args.shape!r}: expected D x KO x F like 4096x4096x12288")
+    parts = args.parts.split(",")
+    if not parts or any(p not in ("block", "qkv") for p in parts):
+        raise SystemExit(f"--parts {args.parts!r}: a comma-separated subset of block,qkv expected")
+    variants, qkv_variants = args.variants.split(","), args.qkv_variants.split(",")
+    for flag, vs, known in (("--variants", variants, VARIANTS),
+                            ("--qkv-variants", qkv_variants, QKV_VARIANTS)):  # fmt: skip
+        for v in vs:
+            if v not in known:
+                raise SystemExit(f"{flag}: {v!r} is not one of {sorted(known)}")
+    shape = _parse_shape(args.shape, 3, "--shape D x KO x F like 4096x4096x12288")
+    qkv_shape = _parse_shape(args.qkv_shape, 5, "--qkv-shape D x heads x kv x head_dim x slots")
     try:
         problems(shape, variants)  # every plan valid before any GPU work
+        for v in qkv_variants:
+            blk.plan_qkv(*qkv_shape, **QKV_VARIANTS[v])
     except KernelError as err:
         raise SystemExit(f"--shape / --variants: {err}") from err
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -407,36 +609,70 @@ def main(argv=None) -> int:
         "git_sha": args.git_sha,
         "device": torch.cuda.get_device_name(),
         "sms": sms,
+        "parts": parts,
         "shape": shape,
+        "qkv_shape": qkv_shape,
         "method": __doc__,
         "variants": {v: VARIANTS[v] for v in variants},
+        "qkv_variants": {v: QKV_VARIANTS[v] for v in qkv_variants},
         "ptxas": {},
         "rows": [],
     }
-    for v in variants:
+    for v in variants if "block" in parts else ():
         rep = blk.ptxas_report(blk.plan(*shape, sms=sms, **VARIANTS[v]))
         result["ptxas"][v] = {k: x for k, x in rep.items() if k != "log"}
+    for v in qkv_variants if "qkv" in parts else ():
+        rep = blk.ptxas_report_qkv(blk.plan_qkv(*qkv_shape, sms=sms, **QKV_VARIANTS[v]))
+        result["ptxas"][f"qkv_{v}"] = {k: x for k, x in rep.items() if k != "log"}
     _write(args.out, {**result, "partial": True})
     failures = []
-    for gw_rows in GW_ROWS:
-        prob = Block(torch, *shape, layers=2, copies=1, gw_rows=gw_rows, eps=args.eps,
-                     seed=(shape, gw_rows))  # fmt: skip
-        prob.calibrate(torch.tensor(1, dtype=torch.int32, device=DEVICE))
-        rows, fails = check(torch, prob, variants, sms)
-        result["rows"] += rows
-        failures += fails
-        del prob
-        _write(args.out, {**result, "partial": True})
     if not args.no_time:
-        bytes_ = blk.plan(*shape).weight_bytes
-        prob = Block(torch, *shape, layers=1, copies=bk._copies(bytes_), gw_rows=GW_ROWS[1],
-                     eps=args.eps, seed=(shape, "time"))  # fmt: skip
-        prob.calibrate(torch.tensor(0, dtype=torch.int32, device=DEVICE))
-        failed = {f.split(" ")[0] for f in failures}
         result["copy_bandwidth_Bps"] = bk.copy_bandwidth(torch)
-        result["timing"] = timing(torch, bk, prob, variants, sms, skip=failed)
-        result["summary"] = summarize(result["timing"], variants, result["copy_bandwidth_Bps"])
-        print(json.dumps(result["summary"], indent=1))
+    if "block" in parts:
+        for gw_rows in GW_ROWS:
+            prob = Block(torch, *shape, layers=2, copies=1, gw_rows=gw_rows, eps=args.eps,
+                         seed=(shape, gw_rows))  # fmt: skip
+            prob.calibrate(torch.tensor(1, dtype=torch.int32, device=DEVICE))
+            rows, fails = check(torch, prob, variants, sms)
+            result["rows"] += rows
+            failures += fails
+            del prob
+            _write(args.out, {**result, "partial": True})
+        if not args.no_time:
+            bytes_ = blk.plan(*shape).weight_bytes
+            prob = Block(torch, *shape, layers=1, copies=bk._copies(bytes_), gw_rows=GW_ROWS[1],
+                         eps=args.eps, seed=(shape, "time"))  # fmt: skip
+            prob.calibrate(torch.tensor(0, dtype=torch.int32, device=DEVICE))
+            failed = {f.split(" ")[0] for f in failures}
+            result["timing"] = timing(torch, bk, prob, variants, sms, skip=failed)
+            result["summary"] = summarize(result["timing"], variants, result["copy_bandwidth_Bps"])
+            print(json.dumps(result["summary"], indent=1))
+            del prob
+            _write(args.out, {**result, "partial": True})
+    if "qkv" in parts:
+        d, heads, kvh, hd, slots = qkv_shape
+        qkv_failures = []
+        for gw_rows in (False, True):
+            prob = Qkv(torch, d, heads, kvh, hd, slots=slots, layers=2, copies=1,
+                       gw_rows=gw_rows, eps=args.eps, seed=(qkv_shape, gw_rows))  # fmt: skip
+            prob.calibrate(torch.tensor(1, dtype=torch.int32, device=DEVICE))
+            rows, fails = check_qkv(torch, prob, qkv_variants, sms)
+            result["rows"] += rows
+            qkv_failures += fails
+            del prob
+            _write(args.out, {**result, "partial": True})
+        failures += qkv_failures
+        if not args.no_time:
+            nbytes = blk.plan_qkv(*qkv_shape).weight_bytes
+            prob = Qkv(torch, d, heads, kvh, hd, slots=slots, layers=1,
+                       copies=bk._copies(nbytes), gw_rows=True, eps=args.eps,
+                       seed=(qkv_shape, "time"))  # fmt: skip
+            prob.calibrate(torch.tensor(0, dtype=torch.int32, device=DEVICE))
+            failed = {f.split(" ")[0] for f in qkv_failures}
+            tm = timing_qkv(torch, bk, prob, qkv_variants, sms, skip=failed)
+            result["timing_qkv"] = tm
+            result["summary_qkv"] = summarize(tm, qkv_variants, result["copy_bandwidth_Bps"])
+            print(json.dumps(result["summary_qkv"], indent=1))
     result["failures"] = failures
     result["wall_s"] = time.time() - t0
     _write(args.out, result)

@@ -20,13 +20,15 @@
 #             jitted bf16 (the [T2-B] kernel table); its own call (about 2 x 250 s)
 #   block     check_block_tma.py: the one-launch post-attention block (nvfp4_block_tma.cu: o +
 #             residual, RMSNorm + quantization, gate_up + SwiGLU, down + residual, at batch 1)
-#             byte for byte against the kernels it fuses, then timed against production's four
-#             launches and the TMA GEMVs' four, Qwen3-8B (about 2 minutes)
-#   block_sanitize  compute-sanitizer memcheck and racecheck of the block kernel (TMA and
-#             cp.async producers, o's input as codes and in bf16) on a small block, correctness
-#             only
+#             and the one-launch pre-attention kernel (input RMSNorm + quantization, qkv,
+#             rope_cache's work) byte for byte against the kernels they fuse, then timed against
+#             production's launches and the TMA GEMVs', Qwen3-8B (about 3 minutes)
+#   block_sanitize  compute-sanitizer memcheck and racecheck of the block kernels (TMA and
+#             cp.async producers, o's input as codes and in bf16; the pre-attention kernel) on
+#             small shapes, correctness only
 #   block_decode  as decode, production against the block kernel (bench_decode.py --block-tma
-#             $BLOCK_SPEC, default "default"); its own call (about 4 x 100 s)
+#             $BLOCK_SPEC, default "default"; with QKV_SPEC set also --qkv-tma $QKV_SPEC, the
+#             pre-attention kernel); its own call (about 4 x 100 s)
 # GIT_SHA names the commit in the JSON (the device copy's .git may hold an older one). OUT gets
 # the summary log (gemv_tma.log), check's JSON and one tarball of the step logs.
 set -uo pipefail
@@ -81,6 +83,7 @@ for step in "$@"; do
       extra=()
       [ $run = tma ] && extra=(--gemv-tma "${TMA_SPEC:-default}")
       [ $run = block ] && extra=(--block-tma "${BLOCK_SPEC:-default}")
+      [ $run = block ] && [ -n "${QKV_SPEC:-}" ] && extra+=(--qkv-tma "$QKV_SPEC")
       timeout 150 python3 experiments/bench_decode.py --modes nvfp4 --batch 1 --gen-len 512 \
         --repeats 3 --no-breakdown "${extra[@]}" --out "$x/decode_${run}_$t0.json" \
         > "$x/decode_${run}_$t0.log" 2>&1
@@ -101,7 +104,7 @@ for step in "$@"; do
     done
     ;;
   block)
-    timeout 300 python3 experiments/kernels/check_block_tma.py --git-sha "$sha" \
+    timeout 420 python3 experiments/kernels/check_block_tma.py --git-sha "$sha" \
       --out "$out/block_tma.json" > "$x/block.log" 2>&1
     stamp block $? $t0
     tail -45 "$x/block.log" | tee -a "$log"
@@ -109,9 +112,10 @@ for step in "$@"; do
   block_sanitize)
     for tool in memcheck racecheck; do
       t0=$(date +%s)
-      timeout 200 compute-sanitizer --tool $tool --kernel-name kns=nvfp4_block_tma \
+      timeout 200 compute-sanitizer --tool $tool --kernel-name kns=_tma \
         --print-limit 20 python3 experiments/kernels/check_block_tma.py --no-time \
-        --variants tma,lsu,tma_a16 --shape 1024x1024x1536 \
+        --variants tma,lsu,tma_a16 --shape 1024x1024x1536 --qkv-variants tma,lsu \
+        --qkv-shape 1024x8x2x128x64 \
         --out "$x/block_sanitize_$tool.json" > "$x/block_sanitize_$tool.log" 2>&1
       stamp "block_sanitize $tool" $? $t0
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|failures" "$x/block_sanitize_$tool.log" \

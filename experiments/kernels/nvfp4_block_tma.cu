@@ -81,16 +81,26 @@ typedef unsigned long long u64;
 #define STAGE_CODES (WARPS * KCH)
 #define STAGE_BYTES (WARPS * (KCH + SCH))
 #define RING_BYTES (STAGES * STAGE_BYTES)
+#ifndef QKV_BLOCK
+#define QKV_BLOCK 0  // 1: the pre-attention entry nvfp4_qkv_tma instead (end of this file)
+#endif
+#if QKV_BLOCK
+#define K_MAX D_MODEL
+#define N_QKV ((N_HEADS + 2 * KV_HEADS) * HEAD_DIM)
+#define CH_QKV (D_MODEL / 2 / KCH)
+static_assert((D_MODEL / 2) % KCH == 0 && D_MODEL % 256 == 0, "KCH divides D / 2, D % 256 == 0");
+static_assert(HEAD_DIM % 32 == 0 && N_QKV % 16 == 0, "HEAD_DIM: a multiple of 32");
+#else
 #define K_MAX (K_O > D_MODEL ? (K_O > F_FF ? K_O : F_FF) : (D_MODEL > F_FF ? D_MODEL : F_FF))
 #define CH_O (K_O / 2 / KCH)
 #define CH_GU (D_MODEL / 2 / KCH)
 #define CH_D (F_FF / 2 / KCH)
-
-static_assert(KCH % 128 == 0, "KCH: a multiple of 128");
 static_assert((K_O / 2) % KCH == 0 && (D_MODEL / 2) % KCH == 0 && (F_FF / 2) % KCH == 0,
               "KCH divides every K / 2");
 static_assert(K_O % 256 == 0 && D_MODEL % 256 == 0 && F_FF % 256 == 0,
               "K_O, D_MODEL, F_FF: multiples of 256");
+#endif
+static_assert(KCH % 128 == 0, "KCH: a multiple of 128");
 static_assert(STAGES >= 2, "at least two stages");
 
 #include "common.cuh"    // production's E2M1 tables, act_to_s8, decode_row, row_dot, block_codes
@@ -243,6 +253,7 @@ __device__ __forceinline__ void produce(u8* st, u32 full, const u8* wp, const u8
 #endif
 }
 
+#if !QKV_BLOCK
 // ---------------------------------------------------------------------------- kernel
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
@@ -409,3 +420,169 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
     }
   });
 }
+#endif  // !QKV_BLOCK
+
+#if QKV_BLOCK
+// ---------------------------------------------------------------------------- pre-attention
+
+// EXPERIMENT, the same idea before the attention (QKV_BLOCK = 1): at batch 1 the decode step
+// runs qkv's input quantizer (RMSNorm prologue), the qkv GEMV and qk_norm_rope_cache
+// (cuda_ops/rope_cache.cu) as three launches; here every CTA quantizes the layer's input x
+// itself (the quantizer kernel's bytes, as phase 2 above) while its producer streams its rows
+// of qkv, the GEMV writes qkv [N_QKV] (bf16, the TMA GEMV's arithmetic), and past one grid
+// barrier one warp a head does rope_cache's work: Qwen3's q / k RMSNorm (QK_NORM), the rotation,
+// q out and k, v into the stacked cache at the layer's slot, in place (the caches are operands
+// aliased to results). Numerics: rope_cache.cu's, operation for operation.
+// Operands: x [D] bf16, nw [L, D] (input_layernorm), xg [L] (qkv's static input scale), wp
+// [L, N_QKV, D/2], ws [L, N_QKV, D/16], wg [L] (GW_ROWS_O: [L, N_QKV]), layer, q_norm [L, H],
+// k_norm [L, H], positions [1], index [1], inv_freq [H/2] f32, k_cache, v_cache [L, 1, S, KV,
+// H]; results: q_out [N_HEADS, H], k_cache, v_cache (aliased), qkv [N_QKV], gp [D/2], gs [D/16].
+// -D: D_MODEL, N_HEADS, KV_HEADS, HEAD_DIM, S_SLOTS, QK_NORM, INDEX_ROWS (as rope_cache.cu's,
+// one row), KCH, STAGES, GRID, PRODUCER, EF, GW_ROWS_O, NORM_EPS.
+
+#ifndef QK_NORM
+#define QK_NORM 1
+#endif
+#ifndef INDEX_ROWS
+#define INDEX_ROWS 0
+#endif
+#define E_LANE (HEAD_DIM / 32)  // elements of a head a lane holds: [E l, E l + E)
+#define HEADS_ALL (N_HEADS + 2 * KV_HEADS)
+
+// rope_cache.cu's norm_rope: rms_norm over the head (the warp's values), then the rotation
+__device__ __forceinline__ void head_norm_rope(float (&v)[E_LANE], const u16* nw,
+                                               const float* inv_freq, int pos, int lane) {
+  if (QK_NORM) {
+    float s = 0.f;
+#pragma unroll
+    for (int j = 0; j < E_LANE; ++j) s = fmaf(v[j], v[j], s);
+#pragma unroll
+    for (int b = 16; b >= 1; b >>= 1) s += __shfl_xor_sync(0xffffffffu, s, b);
+    const float rs = rsqrtf(s / (float)HEAD_DIM + NORM_EPS);
+#pragma unroll
+    for (int j = 0; j < E_LANE; ++j) {
+      v[j] = rbf16(__uint_as_float((u32)nw[E_LANE * lane + j] << 16) * rbf16(v[j] * rs));
+    }
+  }
+  const bool low = lane < 16;  // rotate_half: element i < H/2 pairs with i + H/2 (lane l ^ 16)
+  const float fp = (float)pos;
+#pragma unroll
+  for (int j = 0; j < E_LANE; ++j) {
+    const float other = __shfl_xor_sync(0xffffffffu, v[j], 16);
+    const float rot = low ? -other : other;
+    const float ang = fp * inv_freq[(E_LANE * lane + j) % (HEAD_DIM / 2)];
+    const float c = rbf16(cosf(ang)), sn = rbf16(sinf(ang));
+    v[j] = rbf16(rbf16(v[j] * c) + rbf16(rot * sn));
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
+    nvfp4_qkv_tma(const u16* __restrict__ x, const u16* __restrict__ nw_all,
+                  const float* __restrict__ xg_all, const u8* __restrict__ wp_all,
+                  const u8* __restrict__ ws_all, const float* __restrict__ wg,
+                  const int* __restrict__ layer, const u16* __restrict__ q_norm,
+                  const u16* __restrict__ k_norm, const int* __restrict__ positions,
+                  const int* __restrict__ index, const float* __restrict__ inv_freq,
+                  const u16* k_cache_in, const u16* v_cache_in, u16* q_out, u16* k_cache,
+                  u16* v_cache, u16* qkv, u8* gp, u8* gs) {
+  (void)k_cache_in;  // aliased to k_cache / v_cache: written in place
+  (void)v_cache_in;
+  const size_t l = (size_t)*layer;
+  const u8* const w_p = wp_all + l * N_QKV * (D_MODEL / 2);
+  const u8* const w_s = ws_all + l * N_QKV * (D_MODEL / 16);
+  extern __shared__ __align__(128) u8 smem[];
+  u8* ring = smem;
+  u8* sx = smem + RING_BYTES;
+  u8* sxs = sx + K_MAX;
+  u64* bars = (u64*)(sxs + K_MAX / 16);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int a0 = (int)((long long)blockIdx.x * (N_QKV / 16) / GRID);  // the CTA's row groups
+  const int a1 = (int)((long long)(blockIdx.x + 1) * (N_QKV / 16) / GRID);
+  const int items = (a1 - a0) * CH_QKV;
+  const u32 full0 = smem_addr(bars), empty0 = smem_addr(bars + STAGES);
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, PRODUCER ? 32 : 1);
+      mbar_init(empty0 + 8 * s, WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp == WARPS) {  // the producer: the CTA's rows of qkv
+    u64 pol = 0;
+#if EF
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+#endif
+    for (int i = 0; i < items; ++i) {
+      const int s = i % STAGES;
+      const u32 round = (u32)(i / STAGES);
+      if (round > 0) mbar_wait(empty0 + 8 * s, (round - 1) & 1);
+      produce(ring + s * STAGE_BYTES, full0 + 8 * s, w_p, w_s, (a0 + i / CH_QKV) * 16,
+              i % CH_QKV, D_MODEL / 2, D_MODEL / 16, pol, lane);
+    }
+#if PRODUCER
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+    return;
+  }
+
+  // qkv's input: the quantizer kernel's RMSNorm and quantization, in every CTA
+  const float* g = xg_all + l;
+  quant_in<D_MODEL, true>(sx, sxs, x, nw_all + l * D_MODEL, g, gp, gs, tid);
+  asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS) : "memory");
+  const float xg = *g;
+  float acc = 0.f;
+  for (int i = 0; i < items; ++i) {
+    const int s = i % STAGES, c = i % CH_QKV;
+    mbar_wait(full0 + 8 * s, (u32)(i / STAGES) & 1);
+    const u8* st = ring + s * STAGE_BYTES;
+    stage_row_dot(acc, st + warp * KCH, st + STAGE_CODES + warp * SCH, sx, sxs, c, lane);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+    if (c == CH_QKV - 1) {
+#pragma unroll
+      for (int b = 16; b >= 1; b >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, b);
+      if (lane == 0) {
+        const int n = (a0 + i / CH_QKV) * 16 + warp;
+        const float gw = GW_ROWS_O ? wg[l * N_QKV + n] : wg[l];
+        qkv[n] = f32_to_bf16((acc * 0.25f) * (gw * xg));
+      }
+      acc = 0.f;
+    }
+  }
+  grid_barrier(tid);
+
+  // rope_cache's work, one warp a head (row 0 only: batch 1)
+  const int pos = positions[0];
+  int slot = index[0];
+  bool write_kv = true;
+  if (INDEX_ROWS) {
+    if (slot < 0) slot += S_SLOTS;  // jnp indexing wraps a negative index once
+    write_kv = slot >= 0 && slot < S_SLOTS;  // then drops what is outside, as the scatter
+  } else {
+    slot = min(max(slot, 0), S_SLOTS - 1);  // dynamic_update_slice's clamp
+  }
+  for (int head = blockIdx.x * WARPS + warp; head < HEADS_ALL; head += GRID * WARPS) {
+    float v[E_LANE];
+#pragma unroll
+    for (int j = 0; j < E_LANE; ++j) {
+      v[j] = __uint_as_float((u32)__ldcg(qkv + head * HEAD_DIM + E_LANE * lane + j) << 16);
+    }
+    u16* dst;
+    if (head < N_HEADS) {
+      head_norm_rope(v, q_norm + l * HEAD_DIM, inv_freq, pos, lane);
+      dst = q_out + (size_t)head * HEAD_DIM;
+    } else {
+      if (!write_kv) continue;
+      const bool is_k = head < N_HEADS + KV_HEADS;
+      const int kh = head - N_HEADS - (is_k ? 0 : KV_HEADS);
+      if (is_k) head_norm_rope(v, k_norm + l * HEAD_DIM, inv_freq, pos, lane);
+      dst = (is_k ? k_cache : v_cache) + ((l * S_SLOTS + slot) * KV_HEADS + kh) * HEAD_DIM;
+    }
+#pragma unroll
+    for (int j = 0; j < E_LANE; ++j) dst[E_LANE * lane + j] = f32_to_bf16(v[j]);
+  }
+}
+#endif  // QKV_BLOCK

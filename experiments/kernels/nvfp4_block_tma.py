@@ -335,7 +335,260 @@ def install(**options):
 OPTION_TYPES = {"kch": int, "stages": int, "ef": bool, "producer": str, "a_bf16": bool}
 
 
-def parse_options(text: str) -> dict:
-    """'stages=10,producer=lsu' -> BlockPlan keyword options ('default' or '': none). Raises
-    ValueError naming the bad item."""
-    return tma_parse_options(text, OPTION_TYPES)
+QKV_OPTION_TYPES = {"kch": int, "stages": int, "ef": bool, "producer": str}
+
+
+def parse_options(text: str, types: dict | None = None) -> dict:
+    """'stages=10,producer=lsu' -> BlockPlan keyword options (`types`: name -> type, default
+    `OPTION_TYPES`; QKV_OPTION_TYPES for QkvPlan; 'default' or '': none). Raises ValueError
+    naming the bad item."""
+    return tma_parse_options(text, OPTION_TYPES if types is None else types)
+
+
+# ----------------------------------------------------------------------------- pre-attention
+
+QKV_ENTRY = "nvfp4_qkv_tma"
+# (x, nw, xg, wp, ws, wg, layer, q_norm, k_norm, positions, index, inv_freq, k_cache, v_cache)
+QKV_INPUTS = 14
+QKV_OUTPUTS = ("q_out", "k_cache", "v_cache", "qkv", "gp", "gs")
+QKV_ALIASES = {12: 1, 13: 2}  # the caches: operand -> result (written in place)
+QWEN3_8B_ATTENTION = (4096, 32, 8, 128)  # (D, heads, kv heads, head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class QkvPlan:
+    """Compile-time geometry of the pre-attention kernel (the .cu's QKV_BLOCK entry): the
+    input's RMSNorm and quantization, the qkv GEMV, and rope_cache's work, one row."""
+
+    d: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    slots: int  # the cache's S
+    qk_norm: bool = True  # Qwen3's q / k norms (Qwen2: none)
+    index_rows: bool = False  # the write slot per row (index [B]) instead of one (index [1])
+    kch: int = 1024
+    stages: int = 6
+    sms: int = DEFAULT_SMS
+    producer: str = "tma"
+    ef: bool = False
+    gw_rows: bool = False  # qkv's global scales per row ([L, N]; a checkpoint's q, k, v shards)
+    eps: float = 1e-6
+
+    @property
+    def n(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    @property
+    def grid(self) -> int:
+        return min(self.sms, self.n // 16)
+
+    @property
+    def threads(self) -> int:
+        return 32 * (WARPS + 1)
+
+    @property
+    def stage_bytes(self) -> int:
+        return WARPS * (self.kch + self.kch // 8)
+
+    @property
+    def smem(self) -> int:
+        return self.stages * self.stage_bytes + self.d + self.d // 16 + 16 * self.stages
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.n * self.d // 2 + self.n * self.d // 16
+
+    def defines(self) -> dict:
+        return {
+            "QKV_BLOCK": 1,
+            "D_MODEL": self.d,
+            "N_HEADS": self.heads,
+            "KV_HEADS": self.kv_heads,
+            "HEAD_DIM": self.head_dim,
+            "S_SLOTS": self.slots,
+            "QK_NORM": int(self.qk_norm),
+            "INDEX_ROWS": int(self.index_rows),
+            "KCH": self.kch,
+            "STAGES": self.stages,
+            "GRID": self.grid,
+            "PRODUCER": PRODUCERS.index(self.producer),
+            "EF": int(self.ef),
+            "GW_ROWS_O": int(self.gw_rows),
+            "NORM_EPS": f"{float(self.eps)!r}f",
+        }
+
+
+def plan_qkv(d: int, heads: int, kv_heads: int, head_dim: int, slots: int, **options) -> QkvPlan:
+    """The pre-attention plan (options: QkvPlan's fields; kch defaults to the largest multiple of
+    128 up to 1024 dividing D / 2, stages to 6 or as many as fit). Raises KernelError."""
+    if d <= 0 or d % 256:
+        raise KernelError(f"nvfp4_qkv_tma: d={d}: a positive multiple of 256 expected")
+    if head_dim <= 0 or head_dim % 32 or heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise KernelError(
+            f"nvfp4_qkv_tma: heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}: head_dim "
+            "a multiple of 32 and heads a multiple of kv_heads expected"
+        )
+    if slots < 1:
+        raise KernelError(f"nvfp4_qkv_tma: slots={slots}: at least 1 expected")
+    options.setdefault("kch", max(c for c in range(128, 1025, 128) if (d // 2) % c == 0))
+    if "stages" not in options:
+        p = QkvPlan(d, heads, kv_heads, head_dim, slots, **options, stages=1)
+        room = (SMEM_LIMIT - STATIC_SMEM - p.smem) // (p.stage_bytes + 16)
+        options["stages"] = max(2, min(6, room + 1))
+    p = QkvPlan(d, heads, kv_heads, head_dim, slots, **options)
+    kch = p.kch
+    if kch <= 0 or kch % 128 or (d // 2) % kch:
+        raise KernelError(f"nvfp4_qkv_tma: kch={kch}: a multiple of 128 dividing d / 2 expected")
+    if p.producer not in PRODUCERS or (p.ef and p.producer != "tma"):
+        raise KernelError(f"nvfp4_qkv_tma: producer={p.producer!r} / ef={p.ef}")
+    if p.stages < 2 or p.smem + STATIC_SMEM > SMEM_LIMIT or p.sms < 1:
+        raise KernelError(f"nvfp4_qkv_tma: stages={p.stages}, sms={p.sms} do not fit")
+    return p
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QkvKernel:
+    plan: QkvPlan
+    ptx: str
+    entry: str = QKV_ENTRY
+
+    def backend_config(self) -> str:
+        p = self.plan
+        return ptx_backend_config(
+            QKV_ENTRY,
+            escape_mlir(self.ptx),
+            grid=(p.grid, 1, 1),
+            block=p.threads,
+            outputs=range(QKV_INPUTS, QKV_INPUTS + len(QKV_OUTPUTS)),
+            smem=p.smem,
+        )
+
+
+@functools.cache
+def _build_qkv_cached(p: QkvPlan) -> QkvKernel:
+    ptx = compile_ptx(
+        read_source(), name=SOURCE.name, defines=p.defines(), arch=ARCH, header_dirs=HEADER_DIRS
+    )
+    if ptx_entries(ptx) != {QKV_ENTRY: QKV_INPUTS + len(QKV_OUTPUTS)}:
+        raise KernelError(f"{SOURCE.name}: unexpected entries {ptx_entries(ptx)}")
+    return QkvKernel(plan=p, ptx=ptx)
+
+
+def build_qkv(d: int, heads: int, kv_heads: int, head_dim: int, slots: int, **options):
+    """Plans and compiles (NVRTC, disk-cached) the pre-attention kernel."""
+    return _build_qkv_cached(plan_qkv(d, heads, kv_heads, head_dim, slots, **options))
+
+
+def ptxas_report_qkv(p: QkvPlan) -> dict:
+    return ptxas_of(read_source(), p.defines(), SOURCE.name)
+
+
+def why_not_qkv(x, lw, cfg, positions, index, kv, kernels: str) -> str:
+    """Why the pre-attention kernel cannot stand in for the decoder's qkv projection and
+    rope_cache here ("" if it can): one token of one row on the two-kernel path, a W4A4 qkv
+    stacked over the layers with a static input scale, a bf16 cache, shapes the plan takes."""
+    from rejax.ops.fused_linear import fusable
+
+    if tuple(x.shape[:2]) != (1, 1):
+        return f"rows x tokens {tuple(x.shape[:2])}: one token of one row only"
+    if kernels != "two":
+        return f"kernels={kernels!r}: the two-kernel path only"
+    p = lw["self_attn"]["qkv_proj"]
+    if not (fusable(p, "nvfp4") and p.get("input_scale") is not None):
+        return "qkv must be W4A4 with a static input scale"
+    if len(p["weight"].stack) != 1 or np.ndim(lw["input_layernorm"]["scale"]) != 2:
+        return "stacked weights and input norm expected"
+    if np.dtype(kv[0].dtype) != np.dtype("bfloat16") or np.ndim(index) > 1:
+        return "a bf16 cache and one write index expected"
+    try:
+        plan_qkv(x.shape[-1], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kv[0].shape[2])
+    except KernelError as err:
+        return str(err)
+    if p["weight"].shape != ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, x.shape[-1]):
+        return f"qkv shape {p['weight'].shape} is not the config's"
+    return ""
+
+
+def qkv_call(kern: QkvKernel, x, lw, i, cfg, positions, index, kv):
+    """q [1, 1, N, H] and the cache with this token's k, v written, on the CUDA path: the
+    pre-attention kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    from rejax import layers
+    from rejax.ops import _dispatch
+
+    p = kern.plan
+    att = lw["self_attn"]
+    w = att["qkv_proj"]["weight"]
+    layers_n = w.stack[0]
+    li = jnp.asarray(i, jnp.int32).reshape(())
+    xg = jnp.broadcast_to(jnp.asarray(att["qkv_proj"]["input_scale"], jnp.float32).reshape(-1),
+                          (layers_n,))  # fmt: skip
+    dummy = jnp.zeros((1, p.head_dim), jnp.bfloat16)
+    qn = att["q_norm"]["scale"] if p.qk_norm else dummy
+    kn = att["k_norm"]["scale"] if p.qk_norm else dummy
+    outs = [jax.ShapeDtypeStruct((p.heads * p.head_dim,), jnp.bfloat16),
+            jax.ShapeDtypeStruct(kv[0].shape, kv[0].dtype),
+            jax.ShapeDtypeStruct(kv[1].shape, kv[1].dtype),
+            jax.ShapeDtypeStruct((p.n,), jnp.bfloat16),
+            jax.ShapeDtypeStruct((p.d // 2,), jnp.uint8),
+            jax.ShapeDtypeStruct((p.d // 16,), jnp.uint8)]  # fmt: skip
+    res = _dispatch.ptx_call(
+        kern.backend_config(), outs, x.reshape(p.d),
+        jnp.asarray(lw["input_layernorm"]["scale"], jnp.bfloat16), xg, w.packed,
+        jax.lax.bitcast_convert_type(w.scales, jnp.uint8), jnp.asarray(w.global_scale, jnp.float32),
+        li, jnp.asarray(qn, jnp.bfloat16), jnp.asarray(kn, jnp.bfloat16),
+        jnp.asarray(positions[:, 0], jnp.int32), jnp.asarray(index, jnp.int32).reshape(-1),
+        layers.rope_inv_freq(p.head_dim, cfg.rope_theta), kv[0], kv[1], aliases=QKV_ALIASES,
+    )  # fmt: skip
+    q = res[0].reshape(1, 1, p.heads, p.head_dim)
+    return q, (res[1], res[2], None, None)
+
+
+def install_qkv(**options):
+    """Experiments only: as `install`, for the decoder's qkv projection and rope_cache
+    (`rejax.decoder._pre_attention`): lowered for CUDA, one launch of the pre-attention kernel
+    (`options`: QkvPlan's fields) where `why_not_qkv` finds nothing against it; elsewhere
+    production's. Returns a function that restores production's. Raises KernelError for
+    options no plan can take."""
+    import jax
+
+    from cuda_ops.build import device_sms
+    from rejax import decoder
+
+    plan_qkv(*QWEN3_8B_ATTENTION, 1536, **options)  # the options themselves are valid
+    original = decoder._pre_attention
+
+    def pre_attention(x, lw, i, cfg, positions, index, kv, kernels, gemm, prefetch):
+        def reference(x, lw, i, positions, index, kv):
+            return original(x, lw, i, cfg, positions, index, kv, kernels, gemm, prefetch)
+
+        why = why_not_qkv(x, lw, cfg, positions, index, kv, kernels)
+        if not why:
+            w = lw["self_attn"]["qkv_proj"]["weight"]
+            try:
+                kern = build_qkv(
+                    x.shape[-1], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                    kv[0].shape[2], qk_norm=cfg.arch == "qwen3", index_rows=np.ndim(index) == 1,
+                    sms=device_sms(), gw_rows=bool(w.per_row), eps=cfg.rms_norm_eps, **options,
+                )  # fmt: skip
+            except KernelError as err:
+                why = f"build: {err}"
+        if why:
+            TRACES[f"qkv: {why}"] = TRACES.get(f"qkv: {why}", 0) + 1
+            return reference(x, lw, i, positions, index, kv)
+        TRACES["qkv"] = TRACES.get("qkv", 0) + 1
+        return jax.lax.platform_dependent(
+            x, lw, i, positions, index, kv, default=reference,
+            cuda=lambda x, lw, i, positions, index, kv: qkv_call(
+                kern, x, lw, i, cfg, positions, index, kv),
+        )  # fmt: skip
+
+    decoder._pre_attention = pre_attention
+
+    def uninstall():
+        decoder._pre_attention = original
+
+    return uninstall

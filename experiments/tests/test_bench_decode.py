@@ -183,24 +183,31 @@ def test_block_tma_spec_is_checked_and_installed(tmp_path):
     for spec in ("stages=one", "warps=8", "stages=1", "producer=dma"):
         with pytest.raises(SystemExit, match="--block-tma"):
             bd.main(["--tiny", "--block-tma", spec, "--out", str(tmp_path / "x.json")])
+    for spec in ("a_bf16=1", "stages=1"):  # a_bf16 is the post-attention block's only
+        with pytest.raises(SystemExit, match="--qkv-tma"):
+            bd.main(["--tiny", "--qkv-tma", spec, "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
     import jax
 
     from experiments.kernels import nvfp4_block_tma
 
-    original = decoder._post_attention
+    original, pre_original = decoder._post_attention, decoder._pre_attention
     out = tmp_path / "block.json"
     jax.clear_caches()  # this process may have compiled the tiny step already (JAX keeps it)
     nvfp4_block_tma.TRACES.clear()
     try:
         bd.main(["--tiny", "--modes", "nvfp4", "--batch", "1", "--repeats", "1",
-                 "--no-breakdown", "--block-tma", "stages=4", "--out", str(out)])  # fmt: skip
+                 "--no-breakdown", "--block-tma", "stages=4", "--qkv-tma", "default",
+                 "--out", str(out)])  # fmt: skip
         assert decoder._post_attention is not original
+        assert decoder._pre_attention is not pre_original
     finally:
-        decoder._post_attention = original
+        decoder._post_attention, decoder._pre_attention = original, pre_original
         jax.clear_caches()
     result = json.loads(out.read_text())
     assert result["block_tma"] == {"stages": 4} and result["gemv_tma"] is None
-    # the decode step took the block (the prompt's many tokens did not)
+    assert result["qkv_tma"] == {}
+    # the decode step took both kernels (the prompt's many tokens took neither)
     traces = result["runs"][0]["block_tma_traces"]
-    assert traces["block"] >= 1 and any("one token of one row" in k for k in traces)
+    assert traces["block"] >= 1 and traces["qkv"] >= 1, traces
+    assert any("one token of one row" in k for k in traces)

@@ -35,6 +35,29 @@ def test_every_planned_block_fits_one_cta_an_sm_without_spills():
         assert f"{blk.ENTRY}_param_{n - 1}" in ptx and f"{blk.ENTRY}_param_{n}" not in ptx
 
 
+def test_every_planned_pre_attention_kernel_compiles_without_spills():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    shape = (*blk.QWEN3_8B_ATTENTION, 1536)
+    plans = [blk.plan_qkv(*shape, **kw, **check.QKV_VARIANTS[v]) for v in check.QKV_VARIANTS
+             for kw in ({}, {"gw_rows": True, "index_rows": True}, {"qk_norm": False})]  # fmt: skip
+    plans.append(blk.plan_qkv(256, 4, 2, 32, 16))  # the CPU harness test's shape
+    for p in plans:
+        rep = blk.ptxas_report_qkv(p)
+        assert rep["spill_bytes"] == 0 and rep["registers"] * p.threads <= 65536, (p, rep)
+        assert p.smem + blk.STATIC_SMEM <= blk.SMEM_LIMIT and p.grid <= min(p.sms, p.n // 16)
+        kern = blk.build_qkv(p.d, p.heads, p.kv_heads, p.head_dim, p.slots,
+                             **{f: getattr(p, f) for f in ("qk_norm", "index_rows", "kch",
+                                "stages", "producer", "ef", "gw_rows")})  # fmt: skip
+        n = blk.QKV_INPUTS + len(blk.QKV_OUTPUTS)
+        assert f"{blk.QKV_ENTRY}_param_{n - 1}" in kern.ptx and blk.ENTRY not in kern.ptx
+        assert "g_block_gen" in kern.ptx and "st.global.u16" in kern.ptx  # barrier, rope tail
+    assert blk.plan_qkv(*shape).kch == 1024 and blk.plan_qkv(*shape).grid == 132
+    with pytest.raises(KernelError, match="head_dim=100"):
+        blk.plan_qkv(4096, 32, 8, 100, 1536)
+    with pytest.raises(KernelError, match="slots=0"):
+        blk.plan_qkv(4096, 32, 8, 128, 0)
+
+
 def test_plan_defaults_and_bad_plans():
     p = blk.plan(*blk.QWEN3_8B)
     assert (p.kch, p.stages, p.grid, p.threads) == (1024, 6, 132, 544)
@@ -66,8 +89,14 @@ def test_plan_defaults_and_bad_plans():
 def test_check_rejects_bad_arguments_before_any_gpu_work():
     with pytest.raises(SystemExit, match="--variants"):
         check.main(["--out", "unused.json", "--variants", "tma,nope"])
-    with pytest.raises(SystemExit, match="--shape '4096x4096'"):
+    with pytest.raises(SystemExit, match="'4096x4096': expected --shape"):
         check.main(["--out", "unused.json", "--shape", "4096x4096"])
+    with pytest.raises(SystemExit, match="--parts"):
+        check.main(["--out", "unused.json", "--parts", "block,mlp"])
+    with pytest.raises(SystemExit, match="--qkv-variants"):
+        check.main(["--out", "unused.json", "--qkv-variants", "tma_a16"])
+    with pytest.raises(SystemExit, match="head_dim=100"):
+        check.main(["--out", "unused.json", "--qkv-shape", "4096x32x8x100x1536"])
     with pytest.raises(SystemExit, match="d=1000"):
         check.main(["--out", "unused.json", "--shape", "1000x4096x12288"])
 
@@ -109,6 +138,23 @@ class _FakeBlockGpu:
         scales.copy_(torch.from_numpy(np.array(q.scales).view(np.uint8).reshape(-1)))
         g.fill_(scale)
 
+    def rope(self, qkv, qn, kn, layer, pos, index, inv_freq, kc, vc, q_out=None):
+        """A stand-in for rope_cache (not its arithmetic): q scaled by q_norm and shifted by the
+        position and the first frequency, k scaled by k_norm, both with v into the slot."""
+        f, torch = self.fake, self.torch
+        q_out = f.t(q_out) if q_out is not None else None
+        kc, vc, y = f.t(kc), f.t(vc), f.t(qkv).float()
+        li, slot = int(f.t(layer)), int(f.t(index)[0])
+        kvh, hd = kc.shape[3], kc.shape[4]
+        nq = y.numel() - 2 * kvh * hd
+        q = y[:nq].view(-1, hd) * f.t(qn)[li].float() + float(f.t(pos)[0] * f.t(inv_freq)[0])
+        k = y[nq : nq + kvh * hd].view(kvh, hd) * f.t(kn)[li].float()
+        v = y[nq + kvh * hd :].view(kvh, hd)
+        if q_out is not None:
+            q_out.copy_(q.reshape(-1).to(torch.bfloat16))
+        kc[li, 0, slot] = k.to(torch.bfloat16)
+        vc[li, 0, slot] = v.to(torch.bfloat16)
+
     def ptx(self, ptx, entry, grid, threads, smem, ptrs, stream):
         f, torch = self.fake, self.torch
         if entry == "nvfp4_quantize_bf16":
@@ -118,6 +164,16 @@ class _FakeBlockGpu:
                 return self.norm_quant(x, f.t(ptrs[1]), nw, layer, outs)
             if x.numel() == 2 * outs[0].numel():  # no prologue (o's input)
                 return self.norm_quant(x, f.t(ptrs[1]), None, layer, outs)
+        if entry == "qk_norm_rope_cache":
+            return self.rope(*ptrs[:9], ptrs[9])
+        if entry == blk.QKV_ENTRY:
+            (x, nw, xg, wp, ws, wg, layer, qn, kn, pos, index, inv_freq, kc, vc, q_out, _, _,
+             qkv, gp, gs) = ptrs  # fmt: skip
+            gg = torch.zeros(1)
+            li = int(f.t(layer))
+            self.norm_quant(f.t(x), f.t(xg), f.t(nw), li, [f.t(gp), f.t(gs), gg])
+            f.gemv(self.ns(), [gp, gs, gg.data_ptr(), wp, ws, wg, layer, qkv])
+            return self.rope(qkv, qn, kn, layer, pos, index, inv_freq, kc, vc, q_out)
         if entry != blk.ENTRY:
             return f.ptx(ptx, entry, grid, threads, smem, ptrs, stream)
         if len(ptrs) == blk.N_INPUTS - 1 + len(blk.OUTPUTS):  # a_bf16: a, xgo
@@ -191,6 +247,43 @@ def test_device_check_harness_on_the_cpu(monkeypatch):
     assert all(v == 1.0 for k, v in eq.items() if k != "y2")
 
 
+def test_pre_attention_check_harness_on_the_cpu(monkeypatch):
+    # the qkv part of the check: calibration, bytes against the composition (quantizer, TMA
+    # GEMV, rope_cache) and production, timing rows, with fake kernels; a fake kernel that
+    # writes the wrong cache slot fails the cache comparisons only
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from experiments import bench_kernel as bk
+
+    fake = _FakeBlockGpu(torch, monkeypatch)
+    for gw_rows in (False, True):
+        prob = check.Qkv(torch, 256, 4, 2, 32, slots=16, layers=2, copies=1, gw_rows=gw_rows,
+                         eps=1e-6, seed=("cpu", gw_rows))  # fmt: skip
+        prob.calibrate(torch.tensor(1, dtype=torch.int32))
+        assert 0 < float(prob.xg[1]) < 1
+        rows, failures = check.check_qkv(torch, prob, ["tma", "lsu"], 132)
+        assert failures == [] and all(r["ok"] for r in rows), failures
+        assert set(rows[0]["equal_to_production"].values()) == {1.0}
+        assert rows[0]["equal_to_composition"]["k_cache"] == 1.0
+    tm = check.timing_qkv(torch, bk, prob, ["tma", "lsu"], 132, skip={"lsu"})
+    assert tm["tma_s"] == tm["production_s"] == 1e-6 and "lsu_s" not in tm
+
+    real = fake.ptx
+
+    def wrong_slot(ptx, entry, grid, threads, smem, ptrs, stream):
+        if entry == blk.QKV_ENTRY:  # the index operand moved one slot on
+            ptrs = list(ptrs)
+            moved = (fake.fake.t(ptrs[10]) + 1) % prob.slots
+            ptrs[10] = moved.data_ptr()
+        return real(ptx, entry, grid, threads, smem, ptrs, stream)
+
+    monkeypatch.setattr(check, "_launch_ptx", wrong_slot)
+    rows, failures = check.check_qkv(torch, prob, ["tma"], 132)
+    eq = rows[0]["equal_to_composition"]
+    assert not rows[0]["ok"] and len(failures) == 1
+    assert eq["k_cache"] < 1.0 and eq["v_cache"] < 1.0 and eq["q_out"] == eq["qkv"] == 1.0
+
+
 def _dg(torch, prob, layer_ptr, f):
     """down's input global scale (xgd at the layer) in a buffer of its own: its pointer."""
     t = torch.tensor([float(prob.xgd[int(f.t(layer_ptr))])])
@@ -245,7 +338,7 @@ def test_install_makes_the_batch_1_post_attention_block_one_launch():
         return [np.asarray(a) for a in jax.tree.leaves(out) if hasattr(a, "dtype")]
 
     before, cpu_before = names(1), run()
-    original = decoder._post_attention
+    original, pre_original = decoder._post_attention, decoder._pre_attention
     uninstall = blk.install(stages=4)
     try:
         assert decoder._post_attention is not original
@@ -258,10 +351,17 @@ def test_install_makes_the_batch_1_post_attention_block_one_launch():
     try:
         jax.clear_caches()
         got_a16 = names(1)
+        undo_qkv = blk.install_qkv()  # and the pre-attention kernel: two launches + attention
+        try:
+            jax.clear_caches()
+            both, cpu_both = names(1), run()
+        finally:
+            undo_qkv()
     finally:
         uninstall()
     jax.clear_caches()
     assert decoder._post_attention is original and names(1) == before
+    assert decoder._pre_attention is pre_original
     # production: the quantizers of qkv, o, gate_up and down's inputs and the four GEMVs (down's
     # quantizer stays at this small F); installed: qkv's quantizer and GEMV, o's quantizer, the
     # block
@@ -269,6 +369,8 @@ def test_install_makes_the_batch_1_post_attention_block_one_launch():
     assert got == [*before[: before.index("nvfp4_gemv_w4a4", 2) - 1], "nvfp4_quantize_bf16",
                    blk.ENTRY]  # fmt: skip
     assert got_a16 == [*got[:-2], blk.ENTRY]
+    assert both == [blk.QKV_ENTRY, blk.ENTRY]  # the attention's Pallas kernels beside them
+    assert all(np.array_equal(a, b) for a, b in zip(cpu_both, cpu_before, strict=True))
     assert blk.ENTRY not in two and two.count("nvfp4_gemv_w4a4") == 4
     assert all(np.array_equal(a, b) for a, b in zip(cpu_got, cpu_before, strict=True))
     with pytest.raises(KernelError, match="stages=1"):
