@@ -161,7 +161,7 @@ def decoder_layer(
     else:
         hs = rms_norm(x, take(lw["input_layernorm"]["scale"], i), cfg.rms_norm_eps)
         qkv = lin(hs, att, "qkv_proj")
-    if rope_fused and not fuse:
+    if rope_fused and not fuse:  # (fused: _pre_attention did both)
         q, kv = _rope_cache(qkv, lw, i, cfg, positions, index, kv)
     elif not rope_fused:
         q = qkv[..., : n * h].reshape(b, t, n, h)  # [B, T, N, H]
