@@ -417,31 +417,22 @@ def main(argv=None) -> dict:
         "'stages=10' ('default': its defaults); with or without --block-tma",
     )
     args = ap.parse_args(argv)
-    gemv_tma = block_tma = qkv_tma = None
-    if args.gemv_tma is not None:
-        from experiments.kernels import nvfp4_gemv_tma
-
+    # the experiments' kernel swaps, each installed before anything is compiled
+    swaps = {}
+    for flag, attr, module, install, types in (
+        ("--gemv-tma", "gemv_tma", "nvfp4_gemv_tma", "install", None),
+        ("--block-tma", "block_tma", "nvfp4_block_tma", "install", None),
+        ("--qkv-tma", "qkv_tma", "nvfp4_block_tma", "install_qkv", "QKV_OPTION_TYPES"),
+    ):
+        spec, swaps[attr] = getattr(args, attr), None
+        if spec is None:
+            continue
+        mod = importlib.import_module(f"experiments.kernels.{module}")
         try:
-            gemv_tma = nvfp4_gemv_tma.parse_options(args.gemv_tma)
-            nvfp4_gemv_tma.install(**gemv_tma)
-        except (ValueError, nvfp4_gemv_tma.KernelError) as err:
-            raise SystemExit(f"--gemv-tma {args.gemv_tma!r}: {err}") from None
-    if args.block_tma is not None:
-        from experiments.kernels import nvfp4_block_tma
-
-        try:
-            block_tma = nvfp4_block_tma.parse_options(args.block_tma)
-            nvfp4_block_tma.install(**block_tma)
-        except (ValueError, nvfp4_block_tma.KernelError) as err:
-            raise SystemExit(f"--block-tma {args.block_tma!r}: {err}") from None
-    if args.qkv_tma is not None:
-        from experiments.kernels import nvfp4_block_tma
-
-        try:
-            qkv_tma = nvfp4_block_tma.parse_options(args.qkv_tma, nvfp4_block_tma.QKV_OPTION_TYPES)
-            nvfp4_block_tma.install_qkv(**qkv_tma)
-        except (ValueError, nvfp4_block_tma.KernelError) as err:
-            raise SystemExit(f"--qkv-tma {args.qkv_tma!r}: {err}") from None
+            swaps[attr] = mod.parse_options(spec, getattr(mod, types) if types else None)
+            getattr(mod, install)(**swaps[attr])
+        except (ValueError, mod.KernelError) as err:
+            raise SystemExit(f"{flag} {spec!r}: {err}") from None
     cfg = TINY if args.tiny else rconfig.PRESETS[args.preset]
     for spec in args.weight_prefetch:
         try:
@@ -472,9 +463,8 @@ def main(argv=None) -> dict:
         "args": vars(args),
         "versions": rbench.versions(),
         "kernel": _kernel_report(cfg, args.batch),
-        "gemv_tma": gemv_tma,  # None: production's GEMVs
-        "block_tma": block_tma,  # None: production's post-attention block
-        "qkv_tma": qkv_tma,  # None: production's qkv projection and rope_cache
+        # None: production's GEMVs / post-attention block / qkv projection and rope_cache
+        **swaps,
         "runs": [],
     }
     result["breakdown_note"] = (

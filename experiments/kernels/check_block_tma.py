@@ -279,46 +279,24 @@ def _rel(torch, a, b) -> float:
     return float(torch.linalg.norm(a - b) / torch.linalg.norm(b))
 
 
-def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
-    """Correctness rows and failures of every variant on `prob` (layer 1)."""
-    t = torch
-    li = t.tensor(prob.layers - 1, dtype=t.int32, device=DEVICE)
-    tag = "gw_rows " + "".join("r" if r else "m" for r in prob.gw_rows)  # a row / a matrix
-    prod = prob.outs()
-    prob.production(0, li, prod)
-    t.cuda.synchronize()
+def _compare(torch, row, o1, o2, want, prod, names) -> None:
+    """Into `row`: run twice the same bytes, each output's fraction of bytes equal to the
+    composition's and to production's; ok when repeatable and every output equal to the
+    composition's."""
+    row["repeatable"] = all(_same(torch, o1[k], o2[k]) == 1.0 for k in names)
+    row["equal_to_composition"] = {k: _same(torch, o1[k], want[k]) for k in names}
+    row["equal_to_production"] = {k: _same(torch, o1[k], prod[k]) for k in names}
+    row["ok"] = row["repeatable"] and all(x == 1.0 for x in row["equal_to_composition"].values())
+
+
+def _rows(variants, tag: str, one) -> tuple[list, list]:
+    """Rows and failures of one(variant, row) -> ok for each variant (an exception is a failed
+    row naming it), each row printed as it is done."""
     rows, failures = [], []
     for v in variants:
         row = {"case": tag, "variant": v}
         try:
-            kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, gw_rows=prob.gw_rows,
-                             eps=prob.eps, **VARIANTS[v])  # fmt: skip
-            row["plan"] = str(kern.plan)
-            o1, o2 = prob.outs(), prob.outs()
-            prob.block(kern, 0, li, o1)
-            prob.block(kern, 0, li, o2)
-            t.cuda.synchronize()
-            want = prob.outs()
-            kernels = prob.tma_kernels(kern.plan.kch)
-            prob.tma_composition(kernels, 0, li, want, y1=o1["y1"])
-            first = prob.outs()  # o's input quantized by production's kernel, then TMA's o
-            prob.quant_o(li, first)
-            prob.gemv(kernels[0], "o", 0, li, first["ap"], first["as"], first["ag"],
-                      first["y1"], res=prob.h)  # fmt: skip
-            t.cuda.synchronize()
-            want["y1"] = first["y1"]
-            names = blk.OUTPUTS
-            row["repeatable"] = all(_same(t, o1[k], o2[k]) == 1.0 for k in names)
-            row["equal_to_composition"] = {k: _same(t, o1[k], want[k]) for k in names}
-            row["equal_to_production"] = {k: _same(t, o1[k], prod[k]) for k in names}
-            row["y2_rel_to_production"] = _rel(t, o1["y2"], prod["y2"])
-            row["y1_rel_to_production"] = _rel(t, o1["y1"], prod["y1"])
-            row["finite"] = bool(t.isfinite(o1["y2"]).all() and t.isfinite(o1["y1"]).all())
-            row["ok"] = (
-                row["repeatable"]
-                and row["finite"]
-                and all(x == 1.0 for x in row["equal_to_composition"].values())
-            )
+            row["ok"] = bool(one(v, row))
             if not row["ok"]:
                 failures.append(f"{v} {tag}: {row}")
         except Exception as err:  # noqa: BLE001
@@ -327,6 +305,41 @@ def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows, failures
+
+
+def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
+    """Correctness rows and failures of every variant on `prob` (layer 1)."""
+    t = torch
+    li = t.tensor(prob.layers - 1, dtype=t.int32, device=DEVICE)
+    tag = "gw_rows " + "".join("r" if r else "m" for r in prob.gw_rows)  # a row / a matrix
+    prod = prob.outs()
+    prob.production(0, li, prod)
+    t.cuda.synchronize()
+
+    def one(v, row):
+        kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, gw_rows=prob.gw_rows, eps=prob.eps,
+                         **VARIANTS[v])  # fmt: skip
+        row["plan"] = str(kern.plan)
+        o1, o2 = prob.outs(), prob.outs()
+        prob.block(kern, 0, li, o1)
+        prob.block(kern, 0, li, o2)
+        t.cuda.synchronize()
+        want = prob.outs()
+        kernels = prob.tma_kernels(kern.plan.kch)
+        prob.tma_composition(kernels, 0, li, want, y1=o1["y1"])
+        first = prob.outs()  # o's input quantized by production's kernel, then TMA's o
+        prob.quant_o(li, first)
+        prob.gemv(kernels[0], "o", 0, li, first["ap"], first["as"], first["ag"], first["y1"],
+                  res=prob.h)  # fmt: skip
+        t.cuda.synchronize()
+        want["y1"] = first["y1"]
+        _compare(t, row, o1, o2, want, prod, blk.OUTPUTS)
+        row["y2_rel_to_production"] = _rel(t, o1["y2"], prod["y2"])
+        row["y1_rel_to_production"] = _rel(t, o1["y1"], prod["y1"])
+        row["finite"] = bool(t.isfinite(o1["y2"]).all() and t.isfinite(o1["y1"]).all())
+        return row["ok"] and row["finite"]
+
+    return _rows(variants, tag, one)
 
 
 def timing(torch, bk, prob: Block, variants, sms: int, skip=()) -> dict:
@@ -492,36 +505,23 @@ def check_qkv(torch, prob: Qkv, variants, sms: int) -> tuple[list, list]:
     prod = prob.outs()
     prob.composition(prob.p_gemv, 0, li, prod)
     t.cuda.synchronize()
-    names = ("q_out", "k_cache", "v_cache", "qkv", "gp", "gs")
-    rows, failures = [], []
-    for v in variants:
-        row = {"case": tag, "variant": v}
-        try:
-            kern = blk.build_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots,
-                                 sms=sms, gw_rows=prob.gw_rows, eps=prob.eps, **QKV_VARIANTS[v])  # fmt: skip
-            row["plan"] = str(kern.plan)
-            o1, o2 = prob.outs(), prob.outs()
-            prob.kernel(kern, 0, li, o1)
-            prob.kernel(kern, 0, li, o2)
-            want = prob.outs()
-            gemv = tma.build(prob.n, prob.d, kch=kern.plan.kch, gw_rows=prob.gw_rows)
-            prob.composition(gemv, 0, li, want)
-            t.cuda.synchronize()
-            row["repeatable"] = all(_same(t, o1[k], o2[k]) == 1.0 for k in names)
-            row["equal_to_composition"] = {k: _same(t, o1[k], want[k]) for k in names}
-            row["equal_to_production"] = {k: _same(t, o1[k], prod[k]) for k in names}
-            row["q_rel_to_production"] = _rel(t, o1["q_out"], prod["q_out"])
-            row["ok"] = row["repeatable"] and all(
-                x == 1.0 for x in row["equal_to_composition"].values()
-            )
-            if not row["ok"]:
-                failures.append(f"{v} {tag}: {row}")
-        except Exception as err:  # noqa: BLE001
-            row["error"] = f"{type(err).__name__}: {err}"[:400]
-            failures.append(f"{v} {tag}: {row['error']}")
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows, failures
+
+    def one(v, row):
+        kern = blk.build_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots,
+                             sms=sms, gw_rows=prob.gw_rows, eps=prob.eps, **QKV_VARIANTS[v])  # fmt: skip
+        row["plan"] = str(kern.plan)
+        o1, o2 = prob.outs(), prob.outs()
+        prob.kernel(kern, 0, li, o1)
+        prob.kernel(kern, 0, li, o2)
+        want = prob.outs()
+        gemv = tma.build(prob.n, prob.d, kch=kern.plan.kch, gw_rows=prob.gw_rows)
+        prob.composition(gemv, 0, li, want)
+        t.cuda.synchronize()
+        _compare(t, row, o1, o2, want, prod, ("q_out", "k_cache", "v_cache", "qkv", "gp", "gs"))
+        row["q_rel_to_production"] = _rel(t, o1["q_out"], prod["q_out"])
+        return row["ok"]
+
+    return _rows(variants, tag, one)
 
 
 def timing_qkv(torch, bk, prob: Qkv, variants, sms: int, skip=()) -> dict:

@@ -298,13 +298,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   auto gu_row = [&](int q) { return (q & 1) * F_FF + (b0 + q / 2) * 16; };  // q: the group
   const u32 full0 = smem_addr(bars), empty0 = smem_addr(bars + STAGES);
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, PRODUCER ? 32 : 1);
-      mbar_init(empty0 + 8 * s, WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring_init(full0, empty0, PRODUCER ? 32 : 1, WARPS);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer: o's rows, gate_up's, down's, STAGES stages in flight
@@ -501,13 +495,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 1)
   const int items = (a1 - a0) * CH_QKV;
   const u32 full0 = smem_addr(bars), empty0 = smem_addr(bars + STAGES);
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, PRODUCER ? 32 : 1);
-      mbar_init(empty0 + 8 * s, WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring_init(full0, empty0, PRODUCER ? 32 : 1, WARPS);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer: the CTA's rows of qkv

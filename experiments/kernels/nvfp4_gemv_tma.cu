@@ -140,13 +140,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 #endif
   const u32 full0 = smem_addr(bars), empty0 = smem_addr(bars + STAGES);
 
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, PRODUCER ? 32 : 1);
-      mbar_init(empty0 + 8 * s, WARPS);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
+  if (tid == 0) ring_init(full0, empty0, PRODUCER ? 32 : 1, WARPS);
   __syncthreads();
 
   if (warp == WARPS) {  // the producer: every stage of this CTA's rows, STAGES in flight

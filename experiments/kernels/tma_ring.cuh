@@ -41,6 +41,18 @@ __device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
   return ok != 0;
 }
 
+// The ring's STAGES "full" barriers (one arrival each: the producer's expect_tx, or with the
+// cp.async producer its 32 lanes' arrivals) and "empty" ones (one arrival per consumer warp),
+// initialised by thread 0 before a __syncthreads of the whole CTA
+__device__ __forceinline__ void ring_init(u32 full0, u32 empty0, u32 full_arrivals,
+                                          u32 consumer_warps) {
+  for (int s = 0; s < STAGES; ++s) {
+    mbar_init(full0 + 8 * s, full_arrivals);
+    mbar_init(empty0 + 8 * s, consumer_warps);
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
 // A stage that never completes (a wrong transaction count, a copy that faults) traps after
 // WAIT_TRIES polls instead of hanging the device check.
 #ifndef WAIT_TRIES
