@@ -342,33 +342,46 @@ def check(torch, prob: Block, variants, sms: int) -> tuple[list, list]:
     return _rows(variants, tag, one)
 
 
-def timing(torch, bk, prob: Block, variants, sms: int, skip=()) -> dict:
-    """Per-layer device time of each variant, production's four launches and the TMA
-    composition, in CUDA graphs over the problem's weight copies."""
-    t = torch
-    li = t.tensor(0, dtype=t.int32, device=DEVICE)
+def _time_all(torch, bk, prob, weight_bytes: int, production, composition, variants, build,
+              launch, skip) -> dict:  # fmt: skip
+    """Per-layer device time in CUDA graphs over the problem's weight copies (each copy its own
+    buffers): production(c, li, bufs), composition(c, li, bufs), and launch(kernel, c, li,
+    bufs) of build(variant) for each variant not in `skip`; production again last (drift)."""
+    li = torch.tensor(0, dtype=torch.int32, device=DEVICE)
     copies = len(prob.w)
     bufs = [prob.outs() for _ in range(copies)]
 
     def graph(fn):
-        return bk.time_torch_graph(t, [lambda c=c: fn(c) for c in range(copies)])
+        return bk.time_torch_graph(torch, [lambda c=c: fn(c, li, bufs[c]) for c in range(copies)])
 
-    out = {"copies": copies, "weight_bytes": blk.plan(prob.d, prob.ko, prob.f).weight_bytes}
-    out["production_s"] = graph(lambda c: prob.production(c, li, bufs[c]))
-    kernels = prob.tma_kernels(blk.plan(prob.d, prob.ko, prob.f).kch)
-    out["tma_composition_s"] = graph(lambda c: prob.tma_composition(kernels, c, li, bufs[c]))
+    out = {"copies": copies, "weight_bytes": weight_bytes}
+    out["production_s"] = graph(production)
+    out["tma_composition_s"] = graph(composition)
     for v in variants:
         if v in skip:
             continue
         try:
-            kern = blk.build(prob.d, prob.ko, prob.f, sms=sms, gw_rows=prob.gw_rows, eps=prob.eps,
-                             **VARIANTS[v])  # fmt: skip
-            out[f"{v}_s"] = graph(lambda c, k=kern: prob.block(k, c, li, bufs[c]))
+            kern = build(v)
+            out[f"{v}_s"] = graph(lambda c, li, o, k=kern: launch(k, c, li, o))
         except Exception as err:  # noqa: BLE001
             out[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
-    out["production_again_s"] = graph(lambda c: prob.production(c, li, bufs[c]))
+    out["production_again_s"] = graph(production)
     print(json.dumps(out), flush=True)
     return out
+
+
+def timing(torch, bk, prob: Block, variants, sms: int, skip=()) -> dict:
+    """Per-layer device time of each variant, production's five launches and the TMA
+    composition."""
+    p0 = blk.plan(prob.d, prob.ko, prob.f)
+    kernels = prob.tma_kernels(p0.kch)
+    return _time_all(
+        torch, bk, prob, p0.weight_bytes, prob.production,
+        lambda c, li, o: prob.tma_composition(kernels, c, li, o), variants,
+        lambda v: blk.build(prob.d, prob.ko, prob.f, sms=sms, gw_rows=prob.gw_rows,
+                            eps=prob.eps, **VARIANTS[v]),
+        prob.block, skip,
+    )  # fmt: skip
 
 
 def summarize(tm: dict, variants, copy_bps: float | None) -> dict:
@@ -526,32 +539,17 @@ def check_qkv(torch, prob: Qkv, variants, sms: int) -> tuple[list, list]:
 
 def timing_qkv(torch, bk, prob: Qkv, variants, sms: int, skip=()) -> dict:
     """Per-layer device time of production's three launches, the TMA composition and each
-    variant, in CUDA graphs over the problem's weight copies."""
-    t = torch
-    li = t.tensor(0, dtype=t.int32, device=DEVICE)
-    copies = len(prob.w)
-    bufs = [prob.outs() for _ in range(copies)]
-
-    def graph(fn):
-        return bk.time_torch_graph(t, [lambda c=c: fn(c) for c in range(copies)])
-
+    variant."""
     p0 = blk.plan_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots)
-    out = {"copies": copies, "weight_bytes": p0.weight_bytes}
-    out["production_s"] = graph(lambda c: prob.composition(prob.p_gemv, c, li, bufs[c]))
     gemv = tma.build(prob.n, prob.d, kch=p0.kch, gw_rows=prob.gw_rows)
-    out["tma_composition_s"] = graph(lambda c: prob.composition(gemv, c, li, bufs[c]))
-    for v in variants:
-        if v in skip:
-            continue
-        try:
-            kern = blk.build_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots,
-                                 sms=sms, gw_rows=prob.gw_rows, eps=prob.eps, **QKV_VARIANTS[v])  # fmt: skip
-            out[f"{v}_s"] = graph(lambda c, k=kern: prob.kernel(k, c, li, bufs[c]))
-        except Exception as err:  # noqa: BLE001
-            out[f"{v}_error"] = f"{type(err).__name__}: {err}"[:300]
-    out["production_again_s"] = graph(lambda c: prob.composition(prob.p_gemv, c, li, bufs[c]))
-    print(json.dumps(out), flush=True)
-    return out
+    return _time_all(
+        torch, bk, prob, p0.weight_bytes,
+        lambda c, li, o: prob.composition(prob.p_gemv, c, li, o),
+        lambda c, li, o: prob.composition(gemv, c, li, o), variants,
+        lambda v: blk.build_qkv(prob.d, prob.heads, prob.kv_heads, prob.head_dim, prob.slots,
+                                sms=sms, gw_rows=prob.gw_rows, eps=prob.eps, **QKV_VARIANTS[v]),
+        prob.kernel, skip,
+    )  # fmt: skip
 
 
 def _parse_shape(text: str, n: int, what: str) -> tuple:
