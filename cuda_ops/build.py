@@ -339,18 +339,12 @@ def escape_mlir(text: str) -> str:
     return "".join(out)
 
 
-def ptxas_log(
-    source: str,
-    defines: dict,
-    arch: str = "sm_90",
-    name: str = "kernel.cu",
-    header_dirs: tuple[pathlib.Path, ...] = (),
-) -> str:
-    """ptxas's -v report (registers, spills, shared memory) of `source` compiled by NVRTC to a
-    cubin for `arch`, offline (no GPU needed); raises KernelError with NVRTC's log on failure.
-    `header_dirs`: as compile_ptx's."""
+def _nvrtc_offline(
+    source: str, defines: dict, arch: str, name: str, header_dirs, extra: tuple[str, ...]
+) -> tuple[str, bytes]:
+    """NVRTC straight to an `arch` cubin, offline: (its log, the cubin)."""
     nvrtc = _nvrtc()
-    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", "-Xptxas=-v"]
+    opts = [f"--gpu-architecture={arch}", "--std=c++17", "-default-device", *extra]
     opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
     headers = local_headers(source, (*header_dirs, SOURCE_DIR))
     names = sorted(headers)
@@ -365,9 +359,37 @@ def ptxas_log(
         _, size = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * size
         nvrtc.nvrtcGetProgramLog(prog, log)
+        text = log.decode(errors="replace")
+        if int(status) != 0:
+            raise KernelError(f"NVRTC failed:\n{text}")
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, cubin)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    text = log.decode(errors="replace")
-    if int(status) != 0:
-        raise KernelError(f"NVRTC failed:\n{text}")
-    return text
+    return text, cubin
+
+
+def ptxas_log(
+    source: str,
+    defines: dict,
+    arch: str = "sm_90",
+    name: str = "kernel.cu",
+    header_dirs: tuple[pathlib.Path, ...] = (),
+) -> str:
+    """ptxas's -v report (registers, spills, shared memory) of `source` compiled by NVRTC to a
+    cubin for `arch`, offline (no GPU needed); raises KernelError with NVRTC's log on failure.
+    `header_dirs`: as compile_ptx's."""
+    return _nvrtc_offline(source, defines, arch, name, header_dirs, ("-Xptxas=-v",))[0]
+
+
+def compile_cubin(
+    source: str,
+    defines: dict,
+    arch: str = "sm_90",
+    name: str = "kernel.cu",
+    header_dirs: tuple[pathlib.Path, ...] = (),
+) -> bytes:
+    """The `arch` cubin (ELF) NVRTC makes of `source`, offline: what a disassembler reads to
+    count a kernel's machine instructions. Not cached. `header_dirs`: as compile_ptx's."""
+    return _nvrtc_offline(source, defines, arch, name, header_dirs, ())[1]

@@ -2,7 +2,10 @@
 # One device session for the NVFP4 W4A4 tensor-core GEMM: environment, ptxas resource report,
 # GPU tests, benchmark, compute-sanitizer. Usage: experiments/gemm_device_run.sh OUTDIR [phases]
 # phases (default: env ptxas pytest bench); also: sanitize, ncu (the GEMM's limiter at M = 64:
-# NCU_MS, NCU_SHAPES, NCU_LAUNCHES). Knobs: BENCH_ARGS, PYTEST_K.
+# NCU_MS, NCU_SHAPES, NCU_LAUNCHES), xor (the repacked-decode / static-copy variants of
+# experiments/kernels/nvfp4_gemm_xor.py: bitwise against production, timed; XOR_ARGS) and
+# xor_ncu (executed instructions and issue activity, production vs XOR_NCU_VARIANT).
+# Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas pytest bench}
@@ -54,6 +57,24 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
         --ops gemm_graph --variants gemm --out "$out/ncu_bench.json" > "$out/ncu_gemm_full.txt" 2>&1; echo "ncu rc=$?"
       grep -E "nvfp4_gemm|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc|Issue Slots|Achieved Occupancy|Registers|Theoretical Occ|Block Limit|No Eligible|Eligible Warps|Active Warps|Warp Cycles|Stall|Pipe|est\. " \
         "$out/ncu_gemm_full.txt" | head -160 | tee "$out/ncu_gemm.txt";;
+    xor)
+      timeout ${XOR_TIMEOUT:-420} python3 experiments/kernels/check_gemm_xor.py \
+        --out "$out/gemm_xor.json" ${XOR_ARGS:-} > "$out/gemm_xor.log" 2>&1; echo "check rc=$?"
+      grep -E "FAILED|Error|equal" "$out/gemm_xor.log" | grep -v '": 1.0' | head -20
+      tail -30 "$out/gemm_xor.log";;
+    xor_ncu)
+      # one process per kernel, so each profile holds only that kernel's launches
+      for name in production ${XOR_NCU_VARIANT:-xor_static}; do
+        timeout ${NCU_TIMEOUT:-240} ncu --clock-control none -k regex:nvfp4_gemm_w4a4 \
+          --launch-count ${NCU_LAUNCHES:-4} --section SpeedOfLight --section SchedulerStats \
+          --section WarpStateStats --section InstructionStats --section Occupancy \
+          python3 experiments/kernels/check_gemm_xor.py --no-check --no-extra --no-bf16 \
+          --shapes ${NCU_SHAPES:-24576:4096} --ms ${NCU_MS:-64} --time-only $name \
+          --variants ${XOR_NCU_VARIANT:-xor_static} --out "$out/xor_ncu_$name.json" \
+          > "$out/xor_ncu_$name.txt" 2>&1; echo "ncu $name rc=$?"
+        grep -E "Duration|Executed Instructions |Issue Slots Busy|Executed Ipc A|Eligible Warps|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
+          "$out/xor_ncu_$name.txt" | head -40
+      done;;
     *) echo "unknown phase $phase";;
   esac
   echo "[$phase: $(( $(date +%s) - t0 )) s]"

@@ -708,6 +708,21 @@ def test_local_headers_search_several_directories_in_order(tmp_path):
         cbuild.local_headers('#include "nope.cuh"\n', (own, shared))
 
 
+@needs_nvrtc
+def test_compile_cubin_and_ptxas_log_are_one_offline_build(tmp_path):
+    """compile_cubin gives the sm_90 ELF ptxas_log reports on (with an experiment's header
+    directory); a source that does not compile raises with NVRTC's log."""
+    (tmp_path / "inc.cuh").write_text("#define SCALE 3\n")
+    src = '#include "inc.cuh"\nextern "C" __global__ void k(int* p) { p[0] *= SCALE + N; }\n'
+    cubin = cbuild.compile_cubin(src, {"N": 2}, header_dirs=(tmp_path,))
+    assert cubin[:4] == b"\x7fELF" and b"k" in cubin
+    assert cubin != cbuild.compile_cubin(src, {"N": 5}, header_dirs=(tmp_path,))
+    log = cbuild.ptxas_log(src, {"N": 2}, header_dirs=(tmp_path,))
+    assert "Compiling entry function 'k' for 'sm_90'" in log and "Used" in log
+    with pytest.raises(cbuild.KernelError, match="NVRTC failed"):
+        cbuild.compile_cubin(src.replace("SCALE", "UNDEFINED"), {"N": 2}, header_dirs=(tmp_path,))
+
+
 def test_device_arch_and_sms_of_a_device_or_the_defaults():
     """Plans read the device's arch and SM count (a MIG instance reports its own SMs), and the
     defaults where a device says nothing (no GPU: lowering for CUDA on the CPU)."""
