@@ -268,14 +268,15 @@ def check_case(c: _Ctx, tag, n, k, m, w: _Weights, kernels: dict, seed) -> tuple
     return row, failures
 
 
-def time_shape(c: _Ctx, n, k, ms, kernels_by_m: dict, with_bf16: bool) -> list:
-    """Kernel-alone times (CUDA graph over weight copies) of every kernel at every M, and the
-    jitted bf16 dot, as experiments/bench_gemm.py."""
-    jax, jnp, torch, bk = c.jax, c.jnp, c.torch, c.bk
-    key = jax.random.PRNGKey(n * 7 + k)
-    kw, ks, kx = jax.random.split(key, 3)
-    nv_bytes = n * k // 2 + n * k // 16
-    c_nv, c_bf = bk._copies(nv_bytes), bk._copies(2 * n * k)
+def weight_copies(jax, n, k, copies, with_bf16):
+    """Distinct random NVFP4 weights (codes [N, K/2], scale bytes [N, K/16]) for `copies`
+    launches that together read past L2, the bf16 weights of the baseline (enough copies of
+    their own, or None) and the key left for the activations."""
+    import jax.numpy as jnp
+
+    from experiments import bench_kernel as bk
+
+    kw, ks, kx = jax.random.split(jax.random.PRNGKey(n * 7 + k), 3)
     weights = [
         (
             jax.random.randint(jax.random.fold_in(kw, i), (n, k // 2), 0, 256, jnp.int32).astype(
@@ -285,15 +286,25 @@ def time_shape(c: _Ctx, n, k, ms, kernels_by_m: dict, with_bf16: bool) -> list:
                 jax.random.fold_in(ks, i), (n, k // 16), 0x20, 0x78, jnp.int32
             ).astype(jnp.uint8),
         )
-        for i in range(c_nv)
+        for i in range(copies)
     ]
-    wg = jnp.float32(1e-3)
     wbf = None
     if with_bf16:
         wbf = [
             jax.random.normal(jax.random.fold_in(kw, 1000 + i), (n, k), jnp.bfloat16) * 0.02
-            for i in range(c_bf)
+            for i in range(bk._copies(2 * n * k))
         ]
+    return weights, wbf, kx
+
+
+def time_shape(c: _Ctx, n, k, ms, kernels_by_m: dict, with_bf16: bool) -> list:
+    """Kernel-alone times (CUDA graph over weight copies) of every kernel at every M, and the
+    jitted bf16 dot, as experiments/bench_gemm.py."""
+    jax, jnp, torch, bk = c.jax, c.jnp, c.torch, c.bk
+    nv_bytes = n * k // 2 + n * k // 16
+    c_nv = bk._copies(nv_bytes)
+    weights, wbf, kx = weight_copies(jax, n, k, c_nv, with_bf16)
+    wg = jnp.float32(1e-3)
     rows = []
     for m in ms:
         x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.bfloat16)
@@ -315,7 +326,7 @@ def time_shape(c: _Ctx, n, k, ms, kernels_by_m: dict, with_bf16: bool) -> list:
                 row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
         if wbf is not None:
             f = jax.jit(lambda ws, x=x: [jnp.dot(x, w.T) for w in ws])
-            row["bf16_us"] = 1e6 * bk.time_jax(f, (wbf,), c_bf, calls=5, trials=5)
+            row["bf16_us"] = 1e6 * bk.time_jax(f, (wbf,), len(wbf), calls=5, trials=5)
         for name in kernels_by_m[m]:
             if f"{name}_us" in row and "bf16_us" in row:
                 row[f"{name}_x_bf16"] = row["bf16_us"] / row[f"{name}_us"]

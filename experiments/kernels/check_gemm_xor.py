@@ -37,6 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from experiments.kernels import nvfp4_gemm_xor as xor
+from experiments.kernels.check_gemm_wgmma import (
+    _geo,
+    _run,  # a direct launch into NaN-poisoned outputs (and workspace): (y, written)
+    _write,
+    weight_copies,
+)
 
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 DEFAULT_MS = (8, 16, 32, 64)
@@ -139,23 +145,6 @@ def _registers(kernel) -> dict:
         return {"error": f"{type(err).__name__}: {err}"[:200]}
 
 
-def _run(c: _Ctx, kernel, ptrs, m, n):
-    """Direct launch into NaN-poisoned output and workspace: (y bf16 torch [M, N], written)."""
-    torch = c.torch
-    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    work = None
-    if kernel.plan.partials:
-        work = torch.full(kernel.plan.out_shape, float("nan"), dtype=torch.float32, device="cuda")
-    kernel.launch(
-        torch.cuda.current_stream().cuda_stream,
-        [*ptrs, y.data_ptr()],
-        None if work is None else work.data_ptr(),
-    )
-    torch.cuda.synchronize()
-    written = bool(torch.isfinite(y).all())
-    return y, written
-
-
 def judge(torch, y_prod, y1, y2, written: bool) -> tuple[dict, str | None]:
     """A variant's two runs (bf16 torch [M, N]) against production's output: its record and
     why it failed (None: written, bitwise repeatable and bitwise production's)."""
@@ -234,21 +223,9 @@ def time_shape(c: _Ctx, n, k, ms, kernels, variants, with_bf16: bool, names=None
     production and `variants` (or only `names`, e.g. one kernel under a profiler)."""
     names = tuple(names) if names else ("production", *variants)
     jax, jnp, torch, bk = c.jax, c.jnp, c.torch, c.bk
-    key = jax.random.PRNGKey(n * 7 + k)
-    kw, ks, kx = jax.random.split(key, 3)
     nv_bytes = n * k // 2 + n * k // 16
     copies = bk._copies(nv_bytes)
-    weights = [
-        (
-            jax.random.randint(jax.random.fold_in(kw, i), (n, k // 2), 0, 256, jnp.int32).astype(
-                jnp.uint8
-            ),
-            jax.random.randint(
-                jax.random.fold_in(ks, i), (n, k // 16), 0x20, 0x78, jnp.int32
-            ).astype(jnp.uint8),
-        )
-        for i in range(copies)
-    ]
+    weights, wbf, kx = weight_copies(jax, n, k, copies, with_bf16)
     repack = jax.jit(xor.repack_codes_jax)
     repacked = (
         [(jax.block_until_ready(repack(wp)), ws) for wp, ws in weights]
@@ -256,13 +233,6 @@ def time_shape(c: _Ctx, n, k, ms, kernels, variants, with_bf16: bool, names=None
         else None
     )
     wg = jnp.float32(1e-3)
-    wbf = None
-    if with_bf16:
-        c_bf = bk._copies(2 * n * k)
-        wbf = [
-            jax.random.normal(jax.random.fold_in(kw, 1000 + i), (n, k), jnp.bfloat16) * 0.02
-            for i in range(c_bf)
-        ]
     rows = []
     for m in ms:
         x = jax.random.normal(jax.random.fold_in(kx, m), (m, k), jnp.bfloat16)
@@ -294,10 +264,6 @@ def time_shape(c: _Ctx, n, k, ms, kernels, variants, with_bf16: bool, names=None
     return rows
 
 
-def _geo(values):
-    return float(np.exp(np.mean(np.log(values)))) if values else None
-
-
 def summarize(timing: list, variants) -> dict:
     out = {}
     for m in sorted({r["m"] for r in timing}):
@@ -310,12 +276,6 @@ def summarize(timing: list, variants) -> dict:
             if sp:
                 out[f"m{m}_{v}_geomean_speedup_vs_production"] = _geo(sp)
     return out
-
-
-def _write(path, result):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 def main(argv=None) -> int:
