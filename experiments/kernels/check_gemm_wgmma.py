@@ -360,6 +360,18 @@ def summarize(timing: list, names: list) -> dict:
     return out
 
 
+def print_table(timing: list, names) -> None:
+    """The timing rows as a table: N x K, M, each kernel's us, the bf16 dot's us."""
+    print(
+        f"{'N x K':>13} {'M':>3} "
+        + " ".join(f"{n + ' us':>16}" for n in names)
+        + f" {'bf16 us':>8}"
+    )
+    for r in timing:
+        cells = " ".join(f"{r.get(f'{n}_us', math.nan):16.2f}" for n in names)
+        print(f"{r['n']:>6}x{r['k']:<6} {r['m']:>3} {cells} {r.get('bf16_us', math.nan):8.2f}")
+
+
 def _write(path, result):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
@@ -501,14 +513,7 @@ def main(argv=None) -> int:
     result["wall_s"] = time.time() - t0
     _write(args.out, result)
     print(json.dumps(result["summary"], indent=1))
-    print(
-        f"{'N x K':>13} {'M':>3} "
-        + " ".join(f"{n + ' us':>16}" for n in ["production", *variants])
-        + f" {'bf16 us':>8}"
-    )
-    for r in result["timing"]:
-        cells = " ".join(f"{r.get(f'{n}_us', math.nan):16.2f}" for n in ["production", *variants])
-        print(f"{r['n']:>6}x{r['k']:<6} {r['m']:>3} {cells} {r.get('bf16_us', math.nan):8.2f}")
+    print_table(result["timing"], ["production", *variants])
     if failures:
         print("CORRECTNESS FAILED:", *failures, sep="\n  ", file=sys.stderr)
         return 1

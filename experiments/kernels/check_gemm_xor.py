@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -41,6 +40,7 @@ from experiments.kernels.check_gemm_wgmma import (
     _geo,
     _run,  # a direct launch into NaN-poisoned outputs (and workspace): (y, written)
     _write,
+    print_table,
     weight_copies,
 )
 
@@ -363,11 +363,7 @@ def main(argv=None) -> int:
     result["wall_s"] = time.time() - t0
     _write(args.out, result)
     print(json.dumps(result["summary"], indent=1))
-    names = ("production", *variants)
-    print(f"{'N x K':>13} {'M':>3} " + " ".join(f"{v + ' us':>14}" for v in names) + "  bf16 us")
-    for r in result["timing"]:
-        cells = " ".join(f"{r.get(f'{v}_us', math.nan):14.2f}" for v in names)
-        print(f"{r['n']:>6}x{r['k']:<6} {r['m']:>3} {cells} {r.get('bf16_us', math.nan):8.2f}")
+    print_table(result["timing"], ("production", *variants))
     if failures:
         print("FAILED:", *failures, sep="\n  ", file=sys.stderr)
         return 1
