@@ -28,6 +28,11 @@
 //   EPI_RES              both entries take a bf16 residual res [M, N] after xg and store
 //                        res + y (the decoder's residual add, XLA's bf16 add: the two bf16
 //                        values added in fp32, rounded once); the partials are unchanged
+//   STATIC_COPIES        the stage copies with compile-time trip counts (below); else loops
+//                        whose trip count depends on the thread
+//   MAX_REGS             > 0: registers per thread at most (__maxnreg__, in place of
+//                        __launch_bounds__(NT)); the plan gives the most that keep its resident
+//                        CTAs per SM
 //
 // Numerics (exact until the fp32 accumulation): a weight e2m1 * SFw has at most 6 significant
 // bits and is a multiple of 2^-10 (at most 2688), so w' = e2m1 * SFw * 2^(W_SHIFT - 14) is exact
@@ -89,6 +94,12 @@ typedef unsigned int u32;
 #endif
 #ifndef EPI_RES
 #define EPI_RES 0
+#endif
+#ifndef STATIC_COPIES
+#define STATIC_COPIES 0
+#endif
+#ifndef MAX_REGS
+#define MAX_REGS 0
 #endif
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
@@ -226,6 +237,54 @@ __device__ __forceinline__ int wchunk(int r, int c) { return SUB == 2 ? c ^ ((r 
 
 // ---------------------------------------------------------------------------- pipeline
 
+#if STATIC_COPIES
+// The stage copies with compile-time trip counts: every thread takes pieces tid + j * NT for
+// j < ceil(COUNT / NT), so the loops unroll, rows and chunks are affine in j, and the bounds
+// checks drop when N (or M) is a multiple of the tile. The loops below (`for (i = tid; i <
+// COUNT; i += NT)`) have a trip count that depends on the thread: they do not unroll, and ptxas
+// spends about 19 instructions on each 16-byte copy (index, division, bounds, address, branch).
+// The same bytes land in the same places. Faster from 16-token tiles on; slower at 8 tokens, for
+// reasons not yet measured (nvfp4_gemm.py, COPIES).
+template <int COUNT, int PER_ROW, typename F>
+__device__ __forceinline__ void copy_pieces(int tid, F&& f) {
+  constexpr int TRIPS = (COUNT + NT - 1) / NT;
+#pragma unroll
+  for (int j = 0; j < TRIPS; ++j) {
+    if (COUNT % NT != 0 && tid + j * NT >= COUNT) break;
+    if constexpr (NT % PER_ROW == 0) {
+      f(tid / PER_ROW + j * (NT / PER_ROW), tid % PER_ROW);
+    } else {
+      f((tid + j * NT) / PER_ROW, (tid + j * NT) % PER_ROW);
+    }
+  }
+}
+
+__device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
+                                           const u8* xh, int n0, int m0, int tid) {
+  const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
+  constexpr bool N_FULL = N_OUT % TILE_N == 0, M_FULL = M_TOK % TM == 0;
+  constexpr int WCH = W_PITCH / 16;  // 16-byte code chunks per row
+  copy_pieces<TILE_N * WCH, WCH>(tid, [&](int r, int c) {
+    const int n = n0 + r;
+    const bool ok = N_FULL || n < N_OUT;
+    const u8* src = wp + (size_t)(ok ? n : 0) * (K_IN / 2) + (size_t)kt * W_PITCH + c * 16;
+    cp16(sw + r * W_PITCH + wchunk(r, c) * 16, src, ok);
+  });
+  copy_pieces<TILE_N * (S_PITCH / 8), S_PITCH / 8>(tid, [&](int r, int c) {
+    const int n = n0 + r;
+    const bool ok = N_FULL || n < N_OUT;
+    const u8* src = ws + (size_t)(ok ? n : 0) * (K_IN / 16) + (size_t)kt * S_PITCH + c * 8;
+    cp8(ss + r * S_PITCH + c * 8, src, ok);
+  });
+  constexpr int XCH = KT * 2 / 16;  // 16-byte x_hat chunks per token
+  copy_pieces<TM * XCH, XCH>(tid, [&](int r, int c) {
+    const int m = m0 + r;
+    const bool ok = M_FULL || m < M_TOK;
+    const u8* src = xh + (size_t)(ok ? m : 0) * (K_IN * 2) + (size_t)kt * (KT * 2) + c * 16;
+    cp16(sx + r * X_PITCH + c * 16, src, ok);
+  });
+}
+#else
 __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
                                            const u8* xh, int n0, int m0, int tid) {
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
@@ -253,6 +312,7 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
     cp16(sx + r * X_PITCH + c * 16, src, ok);
   }
 }
+#endif  // STATIC_COPIES
 
 __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][WT][4], int wn, int wm,
                                               int lane) {
@@ -322,7 +382,13 @@ __device__ __forceinline__ float ld_cluster(u32 addr) {
 #define CLUSTER_DIMS
 #endif
 
-extern "C" __global__ void CLUSTER_DIMS __launch_bounds__(NT)
+#if MAX_REGS > 0
+#define GEMM_BOUNDS __maxnreg__(MAX_REGS)
+#else
+#define GEMM_BOUNDS __launch_bounds__(NT)
+#endif
+
+extern "C" __global__ void CLUSTER_DIMS GEMM_BOUNDS
     nvfp4_gemm_w4a4(const u16* __restrict__ xh, const float* __restrict__ xg,
 #if EPI_RES
                     const u16* __restrict__ res,

@@ -109,6 +109,19 @@ DEFAULT_MIN_M = 8  # the GEMV handles M <= 7
 # (dot) (experiments/results/h200_e/, h200_f/).
 DEFAULT_MAX_M = 256
 DEFAULT_W_SHIFT = 7  # decoded weights carry 2^(W_SHIFT - 14): see nvfp4_gemm.cu's numerics
+# How a stage's global -> shared copies are written (nvfp4_gemm.cu, STATIC_COPIES): "loop"
+# (loops whose trip count depends on the thread: they do not unroll, about 19 instructions a
+# 16-byte copy), "static" (compile-time trip counts: unrolled, no bounds checks where N or M is
+# a multiple of the tile; the kernel then takes __maxnreg__ at the most registers that keep the
+# plan's resident CTAs, `max_registers`) or "auto" (static from STATIC_MIN_TM-token tiles on).
+# Kernel alone on the H200 (experiments/results/h200_x/gemm_xor.json, the four Qwen3-8B shapes,
+# every output bitwise equal): static took the geomean from 2.02 / 1.67 / 1.24x bf16 to 2.27 /
+# 1.82 / 1.34x at M = 16 / 32 / 64 (every shape faster; an H100 agreed, h100_a/) and lost at
+# M = 8 (2.17 -> 1.96x), though its stage there executes 218 instructions against 561 and no
+# register cap binds (54 registers): why is open (experiments/KERNEL_NOTES.md). The 36-layer
+# decode: 3.64 / 7.31 ms/token at batch 16 / 64 against 3.99 / 7.52 with the loops.
+COPIES = ("auto", "loop", "static")
+STATIC_MIN_TM = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +157,11 @@ class GemmOptions:
         x_quant: how a fused linear in front of this GEMM quantizes its activations: "kernel"
             (the default: the quantizer kernel writes the GEMM's x_hat operand) or "xla" (XLA's
             quantizer and `gemm_x_operand` fusions) (`X_QUANTS`); the GEMM itself is the same.
+        copies: how a stage's copies are written: "auto" (the default: "static" for tiles of
+            >= STATIC_MIN_TM tokens, else "loop"), "loop" or "static" (`COPIES`).
+        max_regs: registers per thread at most, as `__maxnreg__` (a multiple of 8 in 24..248),
+            0 for no cap (`__launch_bounds__(threads)`), or None (the default: with the static
+            copies the most that keep the plan's resident CTAs, `max_registers`; else no cap).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -162,6 +180,8 @@ class GemmOptions:
     w_shift: int = DEFAULT_W_SHIFT
     occupancy: str = "fill"
     x_quant: str = "kernel"
+    copies: str = "auto"
+    max_regs: int | None = None
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -172,6 +192,16 @@ class GemmOptions:
             raise KernelError(f"GemmOptions.reduce={self.reduce!r}, expected one of {REDUCES}")
         if self.x_quant not in X_QUANTS:
             raise KernelError(f"GemmOptions.x_quant={self.x_quant!r}, expected one of {X_QUANTS}")
+        if self.copies not in COPIES:
+            raise KernelError(f"GemmOptions.copies={self.copies!r}, expected one of {COPIES}")
+        if self.max_regs is not None and (
+            not isinstance(self.max_regs, int)
+            or not (self.max_regs == 0 or (24 <= self.max_regs <= 248 and self.max_regs % 8 == 0))
+        ):
+            raise KernelError(
+                f"GemmOptions.max_regs={self.max_regs!r}, expected None, 0 or a multiple of 8 "
+                "in 24..248"
+            )
         if self.occupancy not in OCCUPANCIES:
             raise KernelError(
                 f"GemmOptions.occupancy={self.occupancy!r}, expected one of {OCCUPANCIES}"
@@ -229,6 +259,8 @@ class GemmPlan:
     w_shift: int = DEFAULT_W_SHIFT
     gw_rows: bool = False
     residual: bool = False  # res [M, N] operand after xg of both entries, y = res + y
+    static_copies: bool = False  # STATIC_COPIES
+    max_regs: int = 0  # > 0: __maxnreg__(max_regs) instead of __launch_bounds__
 
     @property
     def n_inputs(self) -> int:
@@ -271,8 +303,13 @@ class GemmPlan:
         return (self.splitk, self.m, self.n) if self.partials else (self.m, self.n)
 
     def defines(self) -> dict:
-        # EPI_RES only when set: the kernels without it keep their cache keys
+        # EPI_RES, STATIC_COPIES and MAX_REGS only when set: the kernels without them keep
+        # their cache keys
         extra = {"EPI_RES": 1} if self.residual else {}
+        if self.static_copies:
+            extra["STATIC_COPIES"] = 1
+        if self.max_regs:
+            extra["MAX_REGS"] = self.max_regs
         return extra | {
             "M_TOK": self.m,
             "N_OUT": self.n,
@@ -315,6 +352,21 @@ def est_registers(tm: int, wr: int) -> int:
         )
         est = r0 + (r1 - r0) * (acc - a0) / (a1 - a0)
     return min(255, _cdiv(math.ceil(est), 8) * 8)
+
+
+def max_registers(smem: int, threads: int, tm: int, wr: int) -> int:
+    """The most registers per thread (a multiple of 8, <= 248) at which a kernel of this shared
+    memory and block size keeps the resident CTAs per SM that the plan counts on (those of
+    `est_registers(tm, wr)`)."""
+    want = ctas_per_sm(smem, threads, est_registers(tm, wr))
+    fits = [
+        r
+        for r in range(24, 256, 8)
+        if ctas_per_sm(smem, threads, r) >= want and r * threads <= SM_REGS
+    ]
+    if not fits:
+        raise KernelError(f"no register count keeps {want} CTAs of {threads} threads per SM")
+    return max(fits)
 
 
 def ctas_per_sm(smem: int, threads: int, registers: int) -> int:
@@ -418,10 +470,16 @@ def plan(
         stages = max(
             [2] + [d for d in range(3, 5) if d * stage <= SMEM_LIMIT and ctas_per_sm(d * stage, threads, regs) >= need]
         )  # fmt: skip
-    return GemmPlan(
+    p = GemmPlan(
         m=m, n=n, k=k, tm=tm, wm=wm, wr=wr, warps=warps, kt=kt, stages=stages, splitk=splitk,
         reduce=options.reduce, w_shift=options.w_shift, gw_rows=bool(gw_rows),
     )  # fmt: skip
+    static = options.copies == "static" or (options.copies == "auto" and tm >= STATIC_MIN_TM)
+    if options.max_regs is not None:
+        regs = options.max_regs
+    else:
+        regs = max_registers(p.smem, threads, tm, wr) if static else 0
+    return dataclasses.replace(p, static_copies=static, max_regs=regs)
 
 
 def check_shape(m: int, n: int, k: int, options: GemmOptions = DEFAULT_OPTIONS) -> tuple[bool, str]:

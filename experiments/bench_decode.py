@@ -63,6 +63,7 @@ CHOICE_FIELDS = {
     "rope_fusion": rconfig.ROPE_FUSIONS,
     "residual_fusion": rconfig.RESIDUAL_FUSIONS,
     "gemm_reduce": rconfig.GEMM_REDUCES,
+    "gemm_copies": rconfig.GEMM_COPIES,
     "gemm_x_quant": rconfig.GEMM_X_QUANTS,
 }
 

@@ -142,6 +142,10 @@ GEMM_OCCUPANCIES = ("base", "wide", "fill")
 # 5.890 / 11.223 vs 4.410 / 5.783 / 9.573 ms/token at batch 8 / 16 / 64, h200_g/), so "finish"
 # stays the default.
 GEMM_REDUCES = ("finish", "cluster")
+# How the GEMM writes a stage's global -> shared copies (cuda_ops.nvfp4_gemm.COPIES): "auto"
+# (static, unrolled copies from 16-token tiles on: kernel alone 1.06-1.09x faster at M = 16 / 32
+# / 64 on an H100, loops at M = 8), "loop" or "static".
+GEMM_COPIES = ("auto", "loop", "static")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
 # faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.
@@ -315,6 +319,7 @@ class Config:
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
     gemm_reduce: str = "finish"
+    gemm_copies: str = "auto"
     # how a fused linear in front of the GEMM quantizes its activations: "kernel" (the
     # quantizer kernel writes the GEMM's fp16 operand; 8-layer decode at batch 64 2.112 against
     # 2.346 ms/token for "xla", experiments/results/h200_m/) or "xla" (XLA fusions build it)
@@ -406,6 +411,10 @@ class Config:
         if self.gemm_reduce not in GEMM_REDUCES:
             raise ValueError(
                 f"unknown gemm_reduce {self.gemm_reduce!r}; expected one of {GEMM_REDUCES}"
+            )
+        if self.gemm_copies not in GEMM_COPIES:
+            raise ValueError(
+                f"unknown gemm_copies {self.gemm_copies!r}; expected one of {GEMM_COPIES}"
             )
         if self.gemm_x_quant not in GEMM_X_QUANTS:
             raise ValueError(

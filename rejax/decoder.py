@@ -110,7 +110,8 @@ def decoder_layer(
         return linear(inp, block[name], q_, layer=i, shards=rparams.shards(cfg, name),
                       gemm_min_m=cfg.gemm_min_m, gemm_occupancy=cfg.gemm_occupancy,
                       gemm_max_m=cfg.gemm_max_m, gemm_reduce=cfg.gemm_reduce,
-                      invariant_rows=cfg.invariant_rows, residual=residual)  # fmt: skip
+                      invariant_rows=cfg.invariant_rows, residual=residual,
+                      gemm_copies=cfg.gemm_copies)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -134,6 +135,7 @@ def decoder_layer(
             cfg.gemm_reduce,
             cfg.invariant_rows,
             cfg.gemm_x_quant,
+            copies=cfg.gemm_copies,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }

@@ -152,6 +152,7 @@ def linear(
     gemm_reduce: str | None = None,
     invariant_rows: int | None = None,
     residual: jax.Array | None = None,
+    gemm_copies: str | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -181,6 +182,8 @@ def linear(
             take the dot reference ("default": `Config.gemm_max_m`'s default; None: no bound).
         gemm_reduce: how a K-split GEMM adds its partials (`GemmOptions.reduce`; None: the
             default, "finish"; see `Config.gemm_reduce`).
+        gemm_copies: how the GEMM writes its stage copies (`GemmOptions.copies`; None: the
+            default, "auto"; see `Config.gemm_copies`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does
@@ -211,7 +214,9 @@ def linear(
         scale = params.get("input_scale") if act == "w4a4" else None
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
-        opts = gemm_options(gemm_min_m, gemm_occupancy, gemm_max_m, gemm_reduce, invariant_rows)
+        opts = gemm_options(
+            gemm_min_m, gemm_occupancy, gemm_max_m, gemm_reduce, invariant_rows, copies=gemm_copies
+        )
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
         else:
@@ -255,11 +260,15 @@ def gemm_options(
     reduce: str | None = None,
     split_m: int | None = None,
     x_quant: str | None = None,
+    copies: str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m` and
-    `x_quant` (None / "default": the defaults; max_m None is no bound), e.g. `Config.gemm_min_m`,
-    `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`, `invariant_rows` and `gemm_x_quant`."""
+    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`
+    and `copies` (None / "default": the defaults; max_m None is no bound), e.g.
+    `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`, `invariant_rows`,
+    `gemm_x_quant` and `gemm_copies`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
+    if copies is not None and copies != opts.copies:
+        opts = dataclasses.replace(opts, copies=copies)
     if x_quant is not None and x_quant != opts.x_quant:
         opts = dataclasses.replace(opts, x_quant=x_quant)
     if split_m is not None:

@@ -303,7 +303,8 @@ def test_check_shape_and_options_are_validated():
     )
     assert "shared memory" in nvfp4_gemm.check_shape(64, 4096, 4096, huge)[1]
     bad_options = ({"tm": 12}, {"kt": 64}, {"splitk": 9}, {"stages": 1}, {"min_m": 0}, {"wr": 0},
-                   {"w_shift": 8}, {"max_m": 4}, {"max_m": 2.5})  # fmt: skip
+                   {"w_shift": 8}, {"max_m": 4}, {"max_m": 2.5}, {"copies": "unrolled"},
+                   {"max_regs": 100}, {"max_regs": 256}, {"max_regs": 16})  # fmt: skip
     for bad in bad_options:
         with pytest.raises(cbuild.KernelError, match=next(iter(bad))):
             nvfp4_gemm.GemmOptions(**bad)
@@ -617,6 +618,55 @@ def test_nvrtc_compiles_every_tile_config_for_hopper(tmp_path, monkeypatch):
     nvfp4_gemm._build_cached.cache_clear()
 
 
+def test_stage_copies_are_static_from_16_token_tiles():
+    """ "auto" takes the static copies (and the register cap that keeps the plan's resident
+    CTAs) for tiles of >= STATIC_MIN_TM tokens, the loops below; the choice never moves the
+    plan's geometry, and the loop kernels keep their defines (and cache keys)."""
+    geometry = ("tm", "wm", "wr", "warps", "kt", "stages", "splitk")
+    for n, k in ((24576, 4096), (6144, 4096), (4096, 12288)):
+        for m in (8, 9, 16, 17, 32, 64, 128, 256):
+            auto = nvfp4_gemm.plan(m, n, k, 132)
+            loop = nvfp4_gemm.plan(m, n, k, 132, nvfp4_gemm.GemmOptions(copies="loop"))
+            static = nvfp4_gemm.plan(m, n, k, 132, nvfp4_gemm.GemmOptions(copies="static"))
+            assert all(getattr(auto, f) == getattr(loop, f) == getattr(static, f) for f in geometry)
+            assert auto.static_copies == (auto.tm >= nvfp4_gemm.STATIC_MIN_TM)
+            assert "STATIC_COPIES" not in loop.defines() and "MAX_REGS" not in loop.defines()
+            d = static.defines()
+            assert d["STATIC_COPIES"] == 1
+            cap = nvfp4_gemm.max_registers(static.smem, static.threads, static.tm, static.wr)
+            assert d["MAX_REGS"] == cap and cap % 8 == 0 and cap * static.threads <= 65536
+            want = nvfp4_gemm.ctas_per_sm(
+                static.smem, static.threads, nvfp4_gemm.est_registers(static.tm, static.wr)
+            )
+            assert nvfp4_gemm.ctas_per_sm(static.smem, static.threads, cap) >= want
+            assert cap == 248 or nvfp4_gemm.ctas_per_sm(static.smem, static.threads, cap + 8) < want
+    assert not nvfp4_gemm.plan(8, 4096, 4096).static_copies  # M = 8: the loops measured faster
+    # an explicit cap: 0 is none (__launch_bounds__), else that many registers, either copies
+    nocap = nvfp4_gemm.plan(64, 4096, 4096, 132, nvfp4_gemm.GemmOptions(max_regs=0))
+    assert nocap.static_copies and "MAX_REGS" not in nocap.defines()
+    capped = nvfp4_gemm.GemmOptions(copies="loop", max_regs=128)
+    assert nvfp4_gemm.plan(8, 4096, 4096, 132, capped).defines()["MAX_REGS"] == 128
+
+
+@needs_nvrtc
+@pytest.mark.parametrize(("m", "n"), [(16, 24576), (17, 1003), (64, 4096), (128, 6144)])
+def test_static_copies_compile_under_the_cap_without_spills(m, n):
+    """The static copies build for the plan's tiles (ragged N and M included) within MAX_REGS,
+    with no local memory; the register cap is __maxnreg__ in the PTX."""
+    import re
+
+    opts = nvfp4_gemm.GemmOptions(copies="static")
+    p = nvfp4_gemm.plan(m, n, 4096, 132, opts)
+    src = cbuild.read_source(nvfp4_gemm.SOURCE)
+    log = cbuild.ptxas_log(src, p.defines(), name=nvfp4_gemm.SOURCE).replace("\0", "")
+    body = log.rsplit(nvfp4_gemm.ENTRY, 1)[1]
+    regs = int(re.search(r"Used (\d+) registers", body).group(1))
+    assert regs <= p.max_regs
+    assert "0 bytes spill stores" in body and "0 bytes stack frame" in body
+    ptx = cbuild.compile_ptx(src, name=nvfp4_gemm.SOURCE, defines=p.defines(), arch="compute_90")
+    assert f".maxnreg {p.max_regs}" in ptx and ".local" not in ptx
+
+
 @needs_nvrtc
 @pytest.mark.parametrize(
     ("m", "k", "options"),
@@ -776,6 +826,32 @@ def test_config_gemm_reduce_reaches_the_decoder(stub_compilers):
         assert finishes == (0 if reduce == "cluster" else len(split)), (reduce, entries)
     with pytest.raises(ValueError, match="unknown gemm_reduce 'atomic'"):
         rconfig.Config(gemm_reduce="atomic")
+
+
+def test_config_gemm_copies_reaches_the_decoder(stub_compilers):
+    """Config.gemm_copies reaches every GEMM the decoder builds, fused linears or not: at batch
+    16 "auto" (the default) and "static" compile the static copies, "loop" the loops; the field
+    offers what GemmOptions does, and a bad value is refused."""
+    assert rconfig.GEMM_COPIES == nvfp4_gemm.COPIES
+    assert rconfig.Config().gemm_copies == nvfp4_gemm.DEFAULT_OPTIONS.copies == "auto"
+    base = rconfig.Config(
+        quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
+        num_kv_heads=4,
+    )  # fmt: skip
+    for copies, fusion in (("auto", "split"), ("loop", "split"), ("static", "split"),
+                           ("loop", "unfused")):  # fmt: skip
+        cfg = rconfig.Config(**{**base.__dict__, "gemm_copies": copies, "linear_fusion": fusion})
+        stub_compilers.clear()
+        nvfp4_gemm._build_cached.cache_clear()
+        entries = _decode_step_entries(cfg, 16)
+        assert entries.count(nvfp4_gemm.ENTRY) == 4, entries
+        gemms = [d for _, d in stub_compilers if "SPLITK" in d]
+        assert gemms
+        static = copies != "loop"
+        assert all(("STATIC_COPIES" in d) == static for d in gemms), (copies, gemms)
+        assert all(("MAX_REGS" in d) == static for d in gemms), (copies, gemms)
+    with pytest.raises(ValueError, match="unknown gemm_copies 'unrolled'"):
+        rconfig.Config(gemm_copies="unrolled")
 
 
 def test_split_m_gives_every_row_count_the_same_k_split():
