@@ -4,7 +4,9 @@
 # phases (default: env ptxas pytest bench); also: sanitize, ncu (the GEMM's limiter at M = 64:
 # NCU_MS, NCU_SHAPES, NCU_LAUNCHES), xor (the repacked-decode / static-copy variants of
 # experiments/kernels/nvfp4_gemm_xor.py: bitwise against production, timed; XOR_ARGS) and
-# xor_ncu (executed instructions and issue activity, production vs XOR_NCU_VARIANT).
+# xor_ncu (executed instructions and issue activity, production vs XOR_NCU_VARIANT), profile
+# (experiments/profile_step.py: every kernel of an 8-layer decode step, NVFP4 and bf16 at
+# PROFILE_BATCHES, default "64 16": where the NVFP4 step spends its time beside the GEMMs).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -75,6 +77,24 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
         grep -E "Duration|Executed Instructions |Issue Slots Busy|Executed Ipc A|Eligible Warps|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
           "$out/xor_ncu_$name.txt" | head -40
       done;;
+    profile)
+      variants=""
+      for b in ${PROFILE_BATCHES:-64 16}; do variants="$variants --variant nvfp4:$b --variant bf16:$b"; done
+      timeout ${PROFILE_TIMEOUT:-300} python3 experiments/profile_step.py --layers 8 --steps 16 \
+        $variants --out "$out/profile.json" > "$out/profile.log" 2>&1; echo "profile rc=$?"
+      python3 - "$out/profile.json" <<'PY'
+import json, sys
+for v in json.load(open(sys.argv[1]))["results"]:
+    if "error" in v:
+        print(v["variant"], "failed:", v["error"]); continue
+    print(v["variant"], "busy", round(v["busy_us_per_step"]), "span", round(v["span_us_per_step"]),
+          "us/step, launches", v["launches_per_step"])
+    for name, c in (v["classes"].items() if isinstance(v["classes"], dict) else v["classes"]):
+        print(f"   {name:12s} {c['per_layer']:6.2f} launches {c['us_per_layer']:8.1f} us a layer")
+    for r in v["top"][:16]:
+        print(f"      {r['us_per_step']:8.1f} us/step {r['per_step']:6.2f}x {r['name'][:70]}")
+PY
+      ;;
     *) echo "unknown phase $phase";;
   esac
   echo "[$phase: $(( $(date +%s) - t0 )) s]"

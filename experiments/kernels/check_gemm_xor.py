@@ -46,7 +46,7 @@ from experiments.kernels.check_gemm_wgmma import (
 
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 DEFAULT_MS = (8, 16, 32, 64)
-DEFAULT_VARIANTS = ("xor", "static", "xor_static")
+DEFAULT_VARIANTS = ("xor", "static", "xor_static", "static_nocap")
 # (tag, n, k, m, residual, gw_rows): correctness only
 EXTRA = (
     ("pad_m9", 4096, 4096, 9, False, False),

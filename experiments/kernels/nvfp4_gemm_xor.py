@@ -80,108 +80,43 @@ def _decode8_xor() -> str:
     return "\n".join(lines)
 
 
-_LOAD_STAGE_START = "__device__ __forceinline__ void load_stage("
-_LOAD_STAGE_END = "__device__ __forceinline__ void compute_stage("
-
-# The stage copies with compile-time trip counts. Production's copy loops (`for (i = tid; i <
-# COUNT; i += NT)`) have a trip count that depends on the thread, so they do not unroll: ptxas
-# makes each a loop of about 19 instructions a 16-byte copy (index, division, bounds, 64-bit
-# address, zero-fill select, branch), 13 copies a thread a stage at M = 64. Here every thread
-# takes pieces tid + j * NT for j < ceil(COUNT / NT): the loops unroll, rows and chunks are
-# affine in j, and the bounds checks drop when N (or M) is a multiple of the tile. The same
-# bytes land at the same places.
-_LOAD_STAGE_STATIC = """// EXPERIMENT (experiments/kernels/nvfp4_gemm_xor.py): compile-time trip counts for the copies
-template <int COUNT, int PER_ROW, typename F>
-__device__ __forceinline__ void copy_pieces(int tid, F&& f) {
-  constexpr int TRIPS = (COUNT + NT - 1) / NT;
-#pragma unroll
-  for (int j = 0; j < TRIPS; ++j) {
-    if (COUNT % NT != 0 && tid + j * NT >= COUNT) break;
-    if constexpr (NT % PER_ROW == 0) {
-      f(tid / PER_ROW + j * (NT / PER_ROW), tid % PER_ROW);
-    } else {
-      f((tid + j * NT) / PER_ROW, (tid + j * NT) % PER_ROW);
-    }
-  }
-}
-
-__device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
-                                           const u8* xh, int n0, int m0, int tid) {
-  const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
-  constexpr bool N_FULL = N_OUT % TILE_N == 0, M_FULL = M_TOK % TM == 0;
-  constexpr int WCH = W_PITCH / 16;  // 16-byte code chunks per row
-  copy_pieces<TILE_N * WCH, WCH>(tid, [&](int r, int c) {
-    const int n = n0 + r;
-    const bool ok = N_FULL || n < N_OUT;
-    const u8* src = wp + (size_t)(ok ? n : 0) * (K_IN / 2) + (size_t)kt * W_PITCH + c * 16;
-    cp16(sw + r * W_PITCH + wchunk(r, c) * 16, src, ok);
-  });
-  copy_pieces<TILE_N * (S_PITCH / 8), S_PITCH / 8>(tid, [&](int r, int c) {
-    const int n = n0 + r;
-    const bool ok = N_FULL || n < N_OUT;
-    const u8* src = ws + (size_t)(ok ? n : 0) * (K_IN / 16) + (size_t)kt * S_PITCH + c * 8;
-    cp8(ss + r * S_PITCH + c * 8, src, ok);
-  });
-  constexpr int XCH = KT * 2 / 16;  // 16-byte x_hat chunks per token
-  copy_pieces<TM * XCH, XCH>(tid, [&](int r, int c) {
-    const int m = m0 + r;
-    const bool ok = M_FULL || m < M_TOK;
-    const u8* src = xh + (size_t)(ok ? m : 0) * (K_IN * 2) + (size_t)kt * (KT * 2) + c * 16;
-    cp16(sx + r * X_PITCH + c * 16, src, ok);
-  });
-}
-
-"""
-
 VARIANTS = {
-    # name -> (decode, copies); "production" is the unmodified source
-    "production": ("production", "production"),
-    "xor": ("xor", "production"),
+    # name -> (decode, copies): "production" is production's decode with the stage copies as
+    # loops (GemmOptions(copies="loop"): production's code before it took the static copies
+    # from 16-token tiles on, which this experiment measured); "static" is production's static
+    # copies (GemmOptions(copies="static"), in cuda_ops/nvfp4_gemm.cu since)
+    "production": ("production", "loop"),
+    "xor": ("xor", "loop"),
     "static": ("production", "static"),
     "xor_static": ("xor", "static"),
+    # the static copies under __launch_bounds__(threads) and no register cap: the PTX keeps
+    # .maxntid (the capped kernels carry .maxnreg instead); at M = 8 the static copies measured
+    # 0.90x the loops' speed with 54 registers, under a cap (80) that did not bind. At larger
+    # tiles the registers may cost CTAs (gate_up at M = 64: 179 registers, 2 CTAs an SM, not 3)
+    "static_nocap": ("production", "static"),
 }
 REPACKED = {name: spec[0] == "xor" for name, spec in VARIANTS.items()}
-_BOUNDS = "nvfp4_gemm_w4a4(const u16* __restrict__ xh"
-_BOUNDS_PRODUCTION = "__launch_bounds__(NT)\n    " + _BOUNDS
-# the variants take MAX_REGS (the most registers that keep resident the CTAs per SM production's
-# plan counts on: `max_registers`) as __maxnreg__ (in place of __launch_bounds__(NT): the two
-# cannot be combined), so that their registers never cost a CTA;
-# __launch_bounds__' minimum-CTAs form made ptxas rematerialize more than it had to (at M = 8
-# the repacked decode then saved 28 instructions a stage instead of 58). Under the cap
-# "xor" alone spills 48 bytes at gate_up, M = 64 (168 registers); "xor_static" does not.
-_BOUNDS_VARIANT = "__maxnreg__(MAX_REGS)\n    " + _BOUNDS
+# Every variant but "production" runs under __maxnreg__ at the most registers that keep the
+# plan's resident CTAs (nvfp4_gemm.max_registers; production's static copies take it, "xor"
+# gets it as MAX_REGS): __launch_bounds__' minimum-CTAs form made ptxas rematerialize more than
+# it had to (at M = 8 the repacked decode then saved 28 instructions a stage instead of 58).
+# Under the cap "xor" alone spills 48 bytes at gate_up, M = 64 (168 registers); "xor_static"
+# does not.
 
 
 def source_text(variant: str = "xor") -> str:
-    """Production's GEMM source with the variant's changes: decode8 reading repacked words
-    ("xor"), the stage copies with compile-time trip counts ("static"), or both."""
+    """Production's GEMM source, with decode8 reading repacked words for the "xor" variants."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {sorted(VARIANTS)}")
-    decode, copies = VARIANTS[variant]
     text = cbuild.read_source(nvfp4_gemm.SOURCE)
-    if variant == "production":
+    if VARIANTS[variant][0] != "xor":
         return text
-    if (
-        text.count(_DECODE8_PRODUCTION) != 1
-        or text.count(_LOAD_STAGE_START) != 1
-        or text.count(_BOUNDS_PRODUCTION) != 1
-    ):
+    if text.count(_DECODE8_PRODUCTION) != 1:
         raise cbuild.KernelError(
-            "cuda_ops/nvfp4_gemm.cu's decode8 / load_stage are not the ones this experiment "
-            "replaces; update _DECODE8_PRODUCTION / _LOAD_STAGE_STATIC / _BOUNDS (and the repack)"
+            "cuda_ops/nvfp4_gemm.cu's decode8 is not the one this experiment replaces; update "
+            "_DECODE8_PRODUCTION (and the repack)"
         )
-    text = text.replace(_BOUNDS_PRODUCTION, _BOUNDS_VARIANT)
-    text = text.replace(
-        "constexpr int NT = NWARPS * 32;",
-        "constexpr int NT = NWARPS * 32;\n#ifndef MAX_REGS\n#define MAX_REGS 255\n#endif",
-        1,
-    )
-    if decode == "xor":
-        text = text.replace(_DECODE8_PRODUCTION, _decode8_xor())
-    if copies == "static":
-        a, b = text.index(_LOAD_STAGE_START), text.index(_LOAD_STAGE_END)
-        text = text[:a] + _LOAD_STAGE_STATIC + text[b:]
-    return text
+    return text.replace(_DECODE8_PRODUCTION, _decode8_xor())
 
 
 def source_path(variant: str = "xor") -> pathlib.Path:
@@ -205,18 +140,8 @@ def resident_ctas(plan: nvfp4_gemm.GemmPlan) -> int:
 
 
 def max_registers(plan: nvfp4_gemm.GemmPlan) -> int:
-    """The most registers per thread (a multiple of 8, <= 255) at which `resident_ctas(plan)`
-    CTAs still fit an SM's register file."""
-    want = resident_ctas(plan)
-    fits = [
-        r
-        for r in range(24, 256, 8)
-        if nvfp4_gemm.ctas_per_sm(plan.smem, plan.threads, r) >= want
-        and r * plan.threads <= nvfp4_gemm.SM_REGS  # one CTA must fit, whatever the clamp says
-    ]
-    if not fits:
-        raise cbuild.KernelError(f"no register count fits {want} CTAs of {plan.threads} threads")
-    return max(fits)
+    """The most registers per thread at which `resident_ctas(plan)` CTAs still fit an SM."""
+    return nvfp4_gemm.max_registers(plan.smem, plan.threads, plan.tm, plan.wr)
 
 
 def options(
@@ -227,16 +152,23 @@ def options(
     num_sms: int = 132,
     base: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
 ) -> nvfp4_gemm.GemmOptions:
-    """`base` with the variant's source and MAX_REGS for production's plan of M x N x K: the
-    same plan, the same launch."""
+    """`base` with the variant's copies, source and register cap: the same geometry as
+    production's plan of M x N x K, the same launch."""
     import dataclasses
 
-    if variant == "production":
-        return base
-    regs = max_registers(nvfp4_gemm.plan(m, n, k, num_sms, base))
-    return dataclasses.replace(
-        base, source=str(source_path(variant)), defines=(("MAX_REGS", str(regs)),)
-    )
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}, expected one of {sorted(VARIANTS)}")
+    decode, copies = VARIANTS[variant]
+    opts = dataclasses.replace(base, copies=copies)
+    if variant == "static_nocap":
+        return dataclasses.replace(opts, max_regs=0)
+    if decode != "xor":
+        return opts
+    opts = dataclasses.replace(opts, source=str(source_path(variant)))
+    if copies == "loop":  # the static copies' plan sets the cap itself
+        regs = max_registers(nvfp4_gemm.plan(m, n, k, num_sms, opts))
+        opts = dataclasses.replace(opts, max_regs=regs)
+    return opts
 
 
 # ----------------------------------------------------------------------------- GF(2) algebra
