@@ -12,7 +12,9 @@
 //   with an optional residual add (see "in-kernel x quant" below);
 //   with QUANT_ONLY, that quantizer alone (nvfp4_quantize_bf16, any number of rows, each split
 //   in QCHUNK-element chunks over the grid), for the plain W4A4 GEMV (codes and scales) or,
-//   with XHAT_OUT, for the tensor-core GEMM (its fp16 x_hat operand).
+//   with XHAT_OUT, for the tensor-core GEMM (its fp16 x_hat operand); with XHAT_OUT and
+//   FIN_SPLITK, that quantizer on a K-split GEMM's finish of its partials
+//   (nvfp4_finish_quantize: the finish and the next linear's quantizer in one launch).
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
@@ -860,6 +862,22 @@ __device__ __forceinline__ void norm_out_tail(const u16* y, const u16* nw, const
 constexpr int X_COLS = PRO == 2 ? 2 * K_IN : K_IN;  // elements per row of x
 constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
 
+#ifndef FIN_SPLITK
+#define FIN_SPLITK 0  // QUANT_ONLY with XHAT_OUT: > 0, x is a GEMM's split-K finish (below)
+#endif
+#ifndef FIN_RES
+#define FIN_RES 0
+#endif
+#ifndef FIN_GW_ROWS
+#define FIN_GW_ROWS 0
+#endif
+#ifndef FIN_W_SHIFT
+#define FIN_W_SHIFT 7
+#endif
+#ifndef FIN_STORE_Y
+#define FIN_STORE_Y 0
+#endif
+
 // The activations and their per-row statistics (in shared memory, [M_TOK] each).
 struct XRows {
   const u16* x;
@@ -867,6 +885,13 @@ struct XRows {
   float* rs;      // PRO = 1: rsqrt(mean(x^2) + eps) per row
   float* g;       // global scale per row
   float* ig;      // 1 / g per row
+#if FIN_SPLITK
+  const float* part;  // this row's float32 partials of split 0 (split s: + s * split)
+  size_t split;       // floats from one split's partials to the next: M * X_COLS
+  const u16* res;     // FIN_RES: this row's bf16 residual [X_COLS]
+  const float* wg;    // the producer GEMM's weight global scale(s) at its layer
+  float xgp;          // the producer GEMM's activation global scale of this row
+#endif
 };
 
 // 8 bf16 at p (16-byte aligned) as floats
@@ -880,9 +905,52 @@ __device__ __forceinline__ void ld8(float (&v)[8], const u16* p) {
   }
 }
 
+#if FIN_SPLITK
+constexpr float FIN_UNSCALE = (float)(1 << (14 - FIN_W_SHIFT));
+
+// Columns c .. c + 7 of this row of x as the producer GEMM's split-K finish (nvfp4_gemm_finish,
+// cuda_ops/nvfp4_gemm.cu) stores them, bf16 values held in floats: the FIN_SPLITK partials
+// added in split order, times 2^(14 - W_SHIFT), times global_w * global_x, rounded to bf16;
+// with FIN_RES the residual added to that bf16 value in fp32 and the sum rounded once.
+__device__ __forceinline__ void fin8(float (&v)[8], const XRows& xr, int c) {
+  float acc[8];
+  {
+    const float* p = xr.part + c;
+    const float4 a = __ldg((const float4*)p), b = __ldg((const float4*)(p + 4));
+    acc[0] = a.x, acc[1] = a.y, acc[2] = a.z, acc[3] = a.w;
+    acc[4] = b.x, acc[5] = b.y, acc[6] = b.z, acc[7] = b.w;
+  }
+#pragma unroll
+  for (int s = 1; s < FIN_SPLITK; ++s) {
+    const float* p = xr.part + s * xr.split + c;
+    const float4 a = __ldg((const float4*)p), b = __ldg((const float4*)(p + 4));
+    acc[0] += a.x, acc[1] += a.y, acc[2] += a.z, acc[3] += a.w;
+    acc[4] += b.x, acc[5] += b.y, acc[6] += b.z, acc[7] += b.w;
+  }
+  float r[8];
+  if constexpr (FIN_RES) ld8(r, xr.res + c);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float alpha = xr.wg[FIN_GW_ROWS ? c + j : 0] * xr.xgp;
+    const float y = acc[j] * FIN_UNSCALE * alpha;
+    v[j] = FIN_RES ? rbf16(r[j] + rbf16(y)) : rbf16(y);
+  }
+}
+#endif
+
+// x[m, c .. c + 7] (bf16 values held in floats), c % 8 == 0: read, or with FIN_SPLITK formed
+// from the producer GEMM's partials (m = 0: one row per CTA)
+__device__ __forceinline__ void src8(float (&v)[8], const XRows& xr, int m, int c) {
+#if FIN_SPLITK
+  fin8(v, xr, c);
+#else
+  ld8(v, xr.x + (size_t)m * X_COLS + c);
+#endif
+}
+
 // the linear's inputs e0 .. e0 + 7 of row m (bf16 values held in floats), e0 % 8 == 0
 __device__ __forceinline__ void pro_values8(float (&v)[8], const XRows& xr, int m, int e0) {
-  ld8(v, xr.x + (size_t)m * X_COLS + e0);
+  src8(v, xr, m, e0);
   if constexpr (PRO == 1) {
     float w[8];
     ld8(w, xr.nw + e0);
@@ -890,7 +958,11 @@ __device__ __forceinline__ void pro_values8(float (&v)[8], const XRows& xr, int 
     for (int j = 0; j < 8; ++j) v[j] = rbf16(w[j] * rbf16(v[j] * xr.rs[m]));
   } else if constexpr (PRO == 2) {
     float u[8];
+#if FIN_SPLITK
+    fin8(u, xr, K_IN + e0);
+#else
     ld8(u, xr.x + (size_t)m * X_COLS + K_IN + e0);
+#endif
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float sig = rbf16(1.0f / (1.0f + expf(-v[j])));  // jax.nn.sigmoid, bf16 out
@@ -937,7 +1009,7 @@ __device__ __forceinline__ void row_stats(const XRows& xr, const float* xg, floa
       s[m] = 0.f;
       for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
         float v[8];
-        ld8(v, xr.x + (size_t)m * X_COLS + e);
+        src8(v, xr, m, e);
 #pragma unroll
         for (int j = 0; j < 8; ++j) s[m] = fmaf(v[j], v[j], s[m]);
       }
@@ -1103,6 +1175,7 @@ __device__ __forceinline__ uint4 xhat8(u32 c, u32 scale) {
 
 static_assert(QCHUNK % 256 == 0 && K_IN % QCHUNK == 0,
               "QCHUNK: a multiple of 256 (full warps of quant8) dividing K");
+#if !FIN_SPLITK
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
                         const u16* __restrict__ nw_all, const int* __restrict__ layer,
@@ -1125,7 +1198,58 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
 }
 
+#else  // FIN_SPLITK
+// nvfp4_finish_quantize: a K-split GEMM's finish and the next linear's quantizer in one launch
+// (one launch and one pass over y fewer between two GEMMs of a decoder layer). x is what the
+// producer GEMM's split-K finish would store (fin8: its partials part [FIN_SPLITK, M, X_COLS],
+// its activation global scale xgp [M], its weight global scale(s) wg [(L,) 1 or X_COLS] at
+// the layer, and with FIN_RES the residual res [M, X_COLS]); then the prologue PRO and the
+// quantizer as nvfp4_quantize_bf16 with XHAT_OUT runs them: the same row statistics in the
+// same order (they do not depend on QCHUNK), so x_hat and xg_out are that kernel's bytes on the
+// finish's y. With FIN_STORE_Y each CTA also stores its chunk of x as bf16 to y [M, X_COLS]
+// (the finish's y: the decoder's residual stream; PRO != 2). Grid (M, K_IN / QCHUNK): M is
+// gridDim.x, nothing is compiled for it.
+static_assert(PRO != 2 || !FIN_STORE_Y, "FIN_STORE_Y stores the linear's input rows (PRO 0 or 1)");
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_finish_quantize(const float* __restrict__ part, const float* __restrict__ xgp,
+                          const u16* __restrict__ res, const float* __restrict__ wg,
+                          const float* __restrict__ xg, const u16* __restrict__ nw_all,
+                          const int* __restrict__ layer, u16* __restrict__ y,
+                          u16* __restrict__ xh, float* __restrict__ xg_out) {
+  static_assert(M_TOK == 1, "the quantizer runs one row per CTA");
+  __shared__ float scratch[RED_SLOTS], s_rs[1], s_g[1], s_ig[1];
+  const size_t row = blockIdx.x;
+  const unsigned li = (unsigned)*layer;
+  XRows xr = {nullptr, nw_all + (NW_STACK ? (size_t)li * K_IN : 0), s_rs, s_g, s_ig};
+  xr.part = part + row * X_COLS;
+  xr.split = (size_t)gridDim.x * X_COLS;
+  xr.res = FIN_RES ? res + row * X_COLS : nullptr;
+  xr.wg = wg + (size_t)li * (FIN_GW_ROWS ? X_COLS : 1);
+  xr.xgp = xgp[row];
+  row_stats(xr, xg + (XG_STACK ? (size_t)li : 0), scratch);
+  const int first = blockIdx.y * (QCHUNK / 8);
+  for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
+    u32 sc;
+    const int e0 = 8 * i;  // = 128c + 32t + 8u
+    if constexpr (FIN_STORE_Y) {
+      float h[8];
+      fin8(h, xr, e0);
+      u32 w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[j] = (u32)f32_to_bf16(h[2 * j]) | ((u32)f32_to_bf16(h[2 * j + 1]) << 16);
+      *(uint4*)(y + row * X_COLS + e0) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    const u32 c = quant8(xr, e0, sc);
+    const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
+    *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
+  }
+  if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
+}
+#endif  // FIN_SPLITK
+
 #else  // !XHAT_OUT: codes and scales
+static_assert(!FIN_SPLITK, "FIN_SPLITK writes the GEMM's x_hat (XHAT_OUT)");
 static_assert(QCHUNK % 128 == 0 && K_IN % QCHUNK == 0,
               "QCHUNK: a multiple of 128 (full warps of quant4) dividing K");
 extern "C" __global__ void __launch_bounds__(NTHREADS)

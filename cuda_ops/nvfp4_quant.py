@@ -17,6 +17,13 @@ the other way (tests/test_quant_kernel_gpu.py). Two output forms (`OUTS`, a comp
   fusion builds the GEMM's operand. Each thread quantizes 8 elements per round and stores them
   as one 16-byte run of x_hat.
 
+With `finish=FinishIn(...)` the "xhat" form reads no x: it forms each x value as a K-split
+GEMM's finish kernel would store it (`nvfp4_gemm_finish`: that GEMM's float32 partials added in
+split order, its scales, its residual) and runs the prologue and quantizer on those values,
+entry `nvfp4_finish_quantize` (`FIN_ENTRY`): the finish and the next linear's quantizer in one
+launch, the same bytes as the two launches (the row statistics do not depend on the chunking),
+optionally also storing the finish's y (the decoder's residual stream).
+
 Measured on the H200 (Qwen3-8B NVFP4; experiments/results/h200_c/ and h200_d/): with one CTA
 per row (chunk = K, 256 threads) the "codes" kernel took 6.9 us per call in a profile of the
 8-layer decode step, a row's whole quantization serialised on one SM, and linear_fusion "split"
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 from cuda_ops.build import (
     KernelError,
@@ -42,13 +50,15 @@ from cuda_ops.build import (
     ptx_entries,
     read_source,
 )
-from cuda_ops.nvfp4_gemv import K_MULTIPLE, SOURCE, Fused
+from cuda_ops.nvfp4_gemv import K_MULTIPLE, SOURCE, Fused, _drv_check
 
 __all__ = [
     "ENTRY",
+    "FIN_ENTRY",
     "MAX_ROWS",
     "N_INPUTS",
     "OUTS",
+    "FinishIn",
     "QuantKernel",
     "build",
     "check_shape",
@@ -57,6 +67,12 @@ __all__ = [
 ]
 
 ENTRY = "nvfp4_quantize_bf16"
+FIN_ENTRY = "nvfp4_finish_quantize"
+# operands (partials, the producer's x global scale, residual, the producer's weight global
+# scale, the next linear's input scale, norm weight, layer) then the outputs (y, x_hat, global
+# scale per row)
+FIN_INPUTS = 7
+FIN_OUTPUTS = 3
 # operands (x, xg, norm weight, layer) then the outputs: "codes" (codes, scales, global scale
 # per row), "xhat" (x_hat, global scale per row)
 N_INPUTS = 4
@@ -71,6 +87,42 @@ _GEMV_DUMMIES = {
     "ACT_W4A4": 1, "M_TOK": 1, "N_OUT": 1, "R_ROWS": 1, "SPP": 1, "GRID": 1, "GEMV_STREAM": 0,
     "KSPLIT": 1, "RING_D": 0, "GW_ROWS": 0,
 }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishIn:
+    """The producer of a finish-quantizer's x: a K-split W4A4 GEMM whose float32 partials
+    [splitk, M, X] (X = K, or 2K for the "swiglu" prologue) the kernel adds as that GEMM's
+    finish kernel does (`cuda_ops.nvfp4_gemm.GemmPlan`'s splitk, w_shift, gw_rows, residual).
+
+    Attributes:
+        splitk: the producer's K split (its partials' leading dim), >= 1.
+        w_shift: the producer's GemmPlan.w_shift (its fp16 weight offset 2^(w_shift - 14)).
+        gw_rows: the producer's weight global scale is per row ([(L,) X]).
+        residual: the finish adds a bf16 residual [M, X] (the producer's EPI_RES).
+        store_y: also store the finish's y, bf16 [M, X] (prologue "none" / "rmsnorm").
+    """
+
+    splitk: int
+    w_shift: int = 7
+    gw_rows: bool = False
+    residual: bool = False
+    store_y: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.splitk, int) or self.splitk < 1:
+            raise KernelError(f"FinishIn.splitk={self.splitk!r}, expected an int >= 1")
+        if not isinstance(self.w_shift, int) or not 0 <= self.w_shift <= 7:
+            raise KernelError(f"FinishIn.w_shift={self.w_shift!r}, expected an int in 0..7")
+
+    def defines(self) -> dict:
+        return {
+            "FIN_SPLITK": self.splitk,
+            "FIN_W_SHIFT": self.w_shift,
+            "FIN_GW_ROWS": int(self.gw_rows),
+            "FIN_RES": int(self.residual),
+            "FIN_STORE_Y": int(self.store_y),
+        }
 
 
 def check_shape(m: int, k: int) -> tuple[bool, str]:
@@ -107,37 +159,92 @@ class QuantKernel:
     chunk: int
     threads: int
     out: str = "codes"
+    finish: FinishIn | None = None
+
+    @property
+    def entry(self) -> str:
+        return ENTRY if self.finish is None else FIN_ENTRY
+
+    @property
+    def n_inputs(self) -> int:
+        """Operands of the entry before its outputs."""
+        return N_INPUTS if self.finish is None else FIN_INPUTS
 
     @property
     def n_outputs(self) -> int:
-        """Outputs of the entry, after its N_INPUTS operands."""
+        """Outputs of the entry, after its operands."""
+        if self.finish is not None:
+            return FIN_OUTPUTS
         return XHAT_OUTPUTS if self.out == "xhat" else N_OUTPUTS
 
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
         return ptx_backend_config(
-            ENTRY,
+            self.entry,
             escape_mlir(self.ptx),
             grid=(self.m, self.k // self.chunk, 1),
             block=self.threads,
-            outputs=range(N_INPUTS, N_INPUTS + self.n_outputs),
+            outputs=range(self.n_inputs, self.n_inputs + self.n_outputs),
         )
 
 
+    def launch(self, stream: int, pointers: list[int]) -> None:
+        """Launches on `stream` (no sync, no allocation): pointers to the entry's operands, then
+        its outputs (n_inputs + n_outputs device pointers), as XLA passes them."""
+        import ctypes
+
+        from cuda.bindings import driver
+
+        want = self.n_inputs + self.n_outputs
+        if len(pointers) != want:
+            raise KernelError(f"{self.entry} takes {want} pointers, got {len(pointers)}")
+        fn = _function(self)
+        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
+        grid = (self.m, self.k // self.chunk, 1)
+        _drv_check(
+            driver.cuLaunchKernel(fn, *grid, self.threads, 1, 1, 0, stream, params, 0),
+            "cuLaunchKernel",
+        )
+
+
+_FUNCTIONS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _function(kernel: QuantKernel):
+    """CUfunction of `kernel`'s entry in the current CUDA context (module loaded once)."""
+    from cuda.bindings import driver
+
+    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    key = (int(ctx), id(kernel))
+    with _LOCK:
+        if key not in _FUNCTIONS:
+            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+            fn = _drv_check(
+                driver.cuModuleGetFunction(module, kernel.entry.encode()), "cuModuleGetFunction"
+            )
+            _FUNCTIONS[key] = (module, fn, kernel)  # the kernel stays alive with its id() key
+        return _FUNCTIONS[key][1]
+
+
 @functools.cache
-def _build_cached(m, k, fused, arch, chunk, threads, out="codes") -> QuantKernel:
+def _build_cached(m, k, fused, arch, chunk, threads, out="codes", finish=None) -> QuantKernel:
     if fused.residual:
         raise KernelError("the quantizer has no residual epilogue (Fused.residual=True)")
     sizes = {"K_IN": k, "NTHREADS": threads, "QUANT_ONLY": 1, "QCHUNK": chunk}
-    # XHAT_OUT only when set: the "codes" kernels keep their defines and cache keys
+    # XHAT_OUT and FIN_* only when set: the other kernels keep their defines and cache keys
     form = {"XHAT_OUT": 1} if out == "xhat" else {}
+    if finish is not None:
+        form |= finish.defines()
     defines = _GEMV_DUMMIES | fused.defines() | sizes | form
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=defines, arch=arch)
+    kernel = QuantKernel(
+        m=m, k=k, fused=fused, ptx=ptx, chunk=chunk, threads=threads, out=out, finish=finish
+    )
     entries = ptx_entries(ptx)
-    n_out = XHAT_OUTPUTS if out == "xhat" else N_OUTPUTS
-    if entries.get(ENTRY) != N_INPUTS + n_out:
-        raise KernelError(f"PTX entry {ENTRY} missing or with wrong parameters: {entries}")
-    return QuantKernel(m=m, k=k, fused=fused, ptx=ptx, chunk=chunk, threads=threads, out=out)
+    if entries.get(kernel.entry) != kernel.n_inputs + kernel.n_outputs:
+        raise KernelError(f"PTX entry {kernel.entry} missing or with wrong parameters: {entries}")
+    return kernel
 
 
 def build(
@@ -149,6 +256,7 @@ def build(
     chunk: int | None = None,
     threads: int | None = None,
     out: str = "codes",
+    finish: FinishIn | None = None,
 ) -> QuantKernel:
     """Compiles (NVRTC, disk-cached) the quantizer for M rows of K inputs after `fused.prologue`
     ("swiglu": x holds 2K columns), static (xg[0]) or per-row dynamic (`fused.dynamic`) global
@@ -156,11 +264,20 @@ def build(
     one CTA per row; "xhat": a multiple of 256) with `threads` threads (a multiple of 32;
     default `default_threads(chunk, out)`). `out`: the output form, "codes" (codes, scales,
     global scale: the GEMV's operands) or "xhat" (the GEMM's fp16 x_hat and the global scale).
+    `finish`: x is not an operand but a K-split GEMM's finish of its partials (`FinishIn`; the
+    entry `FIN_ENTRY`, "xhat" form only).
 
     Raises KernelError when NVRTC is missing or the shape, chunking or form is unsupported.
     """
     if out not in OUTS:
         raise KernelError(f"out={out!r}, expected one of {OUTS}")
+    if finish is not None:
+        if not isinstance(finish, FinishIn):
+            raise KernelError(f"finish must be a FinishIn, got {type(finish).__name__}")
+        if out != "xhat":
+            raise KernelError(f"finish= writes the GEMM's x_hat: out='xhat', got {out!r}")
+        if finish.store_y and fused.prologue == "swiglu":
+            raise KernelError("FinishIn.store_y stores the linear's input rows: not with swiglu")
     ok, why = check_shape(m, k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
@@ -173,4 +290,4 @@ def build(
     threads = default_threads(chunk, out) if threads is None else threads
     if threads <= 0 or threads % 32 or threads > 1024:
         raise KernelError(f"threads={threads}: expected a multiple of 32 in [32, 1024]")
-    return _build_cached(m, k, fused, arch or device_arch(), chunk, threads, out)
+    return _build_cached(m, k, fused, arch or device_arch(), chunk, threads, out, finish)

@@ -77,6 +77,7 @@ MULTI_FIELDS = (
     ("attention_output", rconfig.ATTENTION_OUTPUTS, "every NVFP4 variant (labelled ' ao=CHOICE')"),
     ("gate_up_output", rconfig.GATE_UP_OUTPUTS, "every NVFP4 variant (labelled ' go=CHOICE')"),
     ("o_proj_output", rconfig.O_PROJ_OUTPUTS, "every NVFP4 variant (labelled ' oo=CHOICE')"),
+    ("gemm_chain", rconfig.GEMM_CHAINS, "every NVFP4 variant (labelled ' gc=CHOICE')"),
 )
 
 
@@ -515,9 +516,10 @@ def _variants(base: Params, args, quant):
     (labelled " autotune=off" when off) x --attention (labelled " attn=CHOICE" unless Config's
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
-    per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output
-    (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" unless Config's
-    default; the last loop innermost, so its values run adjacent)."""
+    per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
+    --o-proj-output x --gemm-chain (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" /
+    " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" unless Config's default; the last loop
+    innermost, so its values run adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -541,15 +543,16 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo)
+                (p, o, f, ao, go, oo, gc)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
                 for ao in args.attention_output
                 for go in args.gate_up_output
                 for oo in args.o_proj_output
+                for gc in args.gemm_chain
             ]
-            for spec, occ, fusion, out, gu, op_out in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     weight_prefetch=spec,
@@ -560,6 +563,7 @@ def _variants(base: Params, args, quant):
                     attention_output=out,
                     gate_up_output=gu,
                     o_proj_output=op_out,
+                    gemm_chain=chain,
                     **loop,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
@@ -567,6 +571,7 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if out == rconfig.Config.attention_output else f" ao={out}"
                 occ_tag += "" if gu == rconfig.Config.gate_up_output else f" go={gu}"
                 occ_tag += "" if op_out == rconfig.Config.o_proj_output else f" oo={op_out}"
+                occ_tag += "" if chain == rconfig.Config.gemm_chain else f" gc={chain}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

@@ -6,7 +6,9 @@
 # experiments/kernels/nvfp4_gemm_xor.py: bitwise against production, timed; XOR_ARGS) and
 # xor_ncu (executed instructions and issue activity, production vs XOR_NCU_VARIANT), profile
 # (experiments/profile_step.py: every kernel of an 8-layer decode step, NVFP4 and bf16 at
-# PROFILE_BATCHES, default "64 16": where the NVFP4 step spends its time beside the GEMMs).
+# PROFILE_BATCHES, default "64 16": where the NVFP4 step spends its time beside the GEMMs) and
+# chain (Config.gemm_chain "fused": GPU tests, sanitizer, 36-layer decode against "split" at
+# CHAIN_BATCHES, an 8-layer profile of both at batch 64).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -77,6 +79,23 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
         grep -E "Duration|Executed Instructions |Issue Slots Busy|Executed Ipc A|Eligible Warps|No Eligible|Achieved Occupancy|Registers Per|Warp Cycles Per Issued" \
           "$out/xor_ncu_$name.txt" | head -40
       done;;
+    chain)
+      # Config.gemm_chain "fused" (rejax/ops/fused_block.py): its GPU tests, compute-sanitizer
+      # on its kernel, then the 36-layer decode at CHAIN_BATCHES with "split" and "fused" in one
+      # process (and bf16), then an 8-layer profile of both at batch 64 (launches a layer)
+      timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu tests/test_fused_block_gpu.py \
+        -p no:cacheprovider > "$out/chain_pytest.log" 2>&1; tail -6 "$out/chain_pytest.log"
+      for tool in memcheck racecheck; do
+        timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool python3 -m pytest -q -m gpu \
+          tests/test_fused_block_gpu.py -k sanitizer -p no:cacheprovider 2>&1 | tail -4
+      done > "$out/chain_sanitize.txt" 2>&1; cat "$out/chain_sanitize.txt"
+      timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
+        --batch ${CHAIN_BATCHES:-16 32 64} --gen-len 512 --repeats 3 --no-breakdown \
+        --gemm-chain split fused --out "$out/decode_chain.json" > "$out/decode_chain.log" 2>&1
+      grep -E "ms/token|FAILED" "$out/decode_chain.log"
+      timeout ${PROFILE_TIMEOUT:-240} python3 experiments/profile_step.py --layers 8 --steps 16 \
+        --variant nvfp4:64 --variant nvfp4:64:gemm_chain=fused --out "$out/profile_chain.json" \
+        > "$out/profile_chain.log" 2>&1; grep -E "^\[|/layer" "$out/profile_chain.log" | head -30;;
     profile)
       variants=""
       for b in ${PROFILE_BATCHES:-64 16}; do variants="$variants --variant nvfp4:$b --variant bf16:$b"; done

@@ -146,6 +146,12 @@ GEMM_REDUCES = ("finish", "cluster")
 # (static, unrolled copies from 16-token tiles on: kernel alone 1.06-1.09x faster at M = 16 / 32
 # / 64 on an H100, loops at M = 8), "loop" or "static".
 GEMM_COPIES = ("auto", "loop", "static")
+# How a decode step's post-attention half runs on the GEMM's rows (W4A4, the fused linears):
+# "split" (each linear's launches: quantizer, GEMM, split-K finish) or "fused" (each K-split
+# GEMM's finish and the next linear's quantizer in one launch, the same bytes:
+# rejax.ops.fused_block.post_attention_block; 2 launches a layer fewer at 32-64 rows, 1 at 16;
+# not yet measured on the GPU, so not the default).
+GEMM_CHAINS = ("split", "fused")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
 # faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.
@@ -320,6 +326,7 @@ class Config:
     gemm_max_m: int | None = 256
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
+    gemm_chain: str = "split"
     # how a fused linear in front of the GEMM quantizes its activations: "kernel" (the
     # quantizer kernel writes the GEMM's fp16 operand; 8-layer decode at batch 64 2.112 against
     # 2.346 ms/token for "xla", experiments/results/h200_m/) or "xla" (XLA fusions build it)
@@ -415,6 +422,10 @@ class Config:
         if self.gemm_copies not in GEMM_COPIES:
             raise ValueError(
                 f"unknown gemm_copies {self.gemm_copies!r}; expected one of {GEMM_COPIES}"
+            )
+        if self.gemm_chain not in GEMM_CHAINS:
+            raise ValueError(
+                f"unknown gemm_chain {self.gemm_chain!r}; expected one of {GEMM_CHAINS}"
             )
         if self.gemm_x_quant not in GEMM_X_QUANTS:
             raise ValueError(

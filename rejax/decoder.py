@@ -43,6 +43,7 @@ from rejax.ops.decode_attention import (
     default_num_splits,
     prefill_attention,
 )
+from rejax.ops.fused_block import post_attention_block
 from rejax.ops.fused_linear import (
     fusable,
     fused_linear,
@@ -271,10 +272,19 @@ def _pre_attention(x, lw, i, cfg: Config, positions, index, kv, kernels: str, ge
 
 def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, gemm: dict,
                     prefetch) -> jax.Array:  # fmt: skip
-    """The fused path after the attention: x + o_proj(out), then the feed-forward half (`_mlp`).
+    """The fused path after the attention: x + o_proj(out), then the feed-forward half (`_mlp`);
+    with Config.gemm_chain "fused" on the GEMM's rows, the whole of it as one op
+    (`post_attention_block`: each K-split GEMM's finish and the next quantizer in one launch).
     One function, so an experiment can swap the whole post-attention block of the decode step
     (experiments/kernels/nvfp4_block_tma.py's `install`)."""
     att, mlp = lw["self_attn"], lw["mlp"]
+    rows = x.shape[0] * x.shape[1]
+    if cfg.gemm_chain == "fused" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
+        return post_attention_block(
+            out.astype(x.dtype), x, att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
+            norm=lw["post_attention_layernorm"]["scale"], layer=i, eps=cfg.rms_norm_eps,
+            gemm_options=gemm["gemm_options"], residual_epilogue=gemm["residual_epilogue"],
+        )  # fmt: skip
     x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
                      kernels=o_kernels, **gemm,
                      **prefetch((mlp, "gate_up_proj", 0, "gu")))  # fmt: skip

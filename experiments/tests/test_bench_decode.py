@@ -23,6 +23,7 @@ def _args(**kw):
         "attention_output": [rconfig.Config.attention_output],
         "gate_up_output": [rconfig.Config.gate_up_output],
         "o_proj_output": [rconfig.Config.o_proj_output],
+        "gemm_chain": [rconfig.Config.gemm_chain],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -136,6 +137,23 @@ def test_variants_cross_gate_up_and_o_proj_outputs_innermost(base):
         (f"{pre} ao=nvfp4 go=bf16", "nvfp4", "bf16", "bf16"),
         (f"{pre} ao=nvfp4 go=bf16 oo=nvfp4", "nvfp4", "bf16", "nvfp4"),
     ]
+
+
+def test_variants_cross_gemm_chain_innermost(base):
+    """gemm_chain ("split" by default: "fused" labelled ' gc=fused') innermost, after
+    o_proj_output; bf16 runs once."""
+    assert rconfig.Config.gemm_chain == "split"
+    args = _args(o_proj_output=["bf16", "nvfp4"], gemm_chain=["split", "fused"])
+    got = [(label, p.cfg.o_proj_output, p.cfg.gemm_chain)
+           for _, _, label, p in bd._variants(base, args, "nvfp4")]  # fmt: skip
+    pre = "head=bf16 prefetch=none"
+    assert got == [
+        (pre, "bf16", "split"),
+        (f"{pre} gc=fused", "bf16", "fused"),
+        (f"{pre} oo=nvfp4", "nvfp4", "split"),
+        (f"{pre} oo=nvfp4 gc=fused", "nvfp4", "fused"),
+    ]
+    assert [label for *_, label, _ in bd._variants(base, args, None)] == ["bf16"]
 
 
 def test_bad_choices_are_refused_before_any_work(tmp_path):

@@ -1,0 +1,34 @@
+"""experiments/kernels/check_finish_quant.py without a GPU: the kernels it compares build with
+NVRTC for both pairs (the producer's production K split, each chunking), a producer that does
+not split K is skipped, and bad flags fail before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from cuda_ops import build as cbuild
+from cuda_ops import nvfp4_quant
+from experiments.kernels import check_finish_quant as cfq
+
+
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+def test_kernels_build_for_both_pairs(tmp_path, monkeypatch):
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    o_gu, gu_down = cfq.PAIRS
+    ks = cfq.kernels(32, o_gu, ("row", "1024", "768"), arch="compute_90")
+    assert ks["finish"].plan.splitk == 8 and ks["finish"].plan.residual
+    assert sorted(ks) == ["fin_1024", "fin_row", "finish", "quant"]  # 768 does not divide K
+    assert ks["fin_row"].chunk == 4096 and ks["fin_1024"].chunk == 1024
+    assert ks["fin_row"].threads == ks["fin_1024"].threads == ks["quant"].threads == 128
+    assert ks["fin_row"].entry == nvfp4_quant.FIN_ENTRY and ks["fin_row"].finish.store_y
+    ks = cfq.kernels(32, gu_down, ("row",), arch="compute_90")
+    assert ks["fin_row"].chunk == 12288 and not ks["fin_row"].finish.residual
+    assert ks["fin_row"].finish.splitk == ks["finish"].plan.splitk == 2
+    assert sorted(cfq.kernels(16, gu_down, ("row",), arch="compute_90")) == ["finish"]
+
+
+def test_bad_flags_fail_first(tmp_path):
+    with pytest.raises(SystemExit, match="--chunks: '100'"):
+        cfq.main(["--out", str(tmp_path / "x.json"), "--chunks", "row,100"])
+    with pytest.raises(SystemExit, match="--ms"):
+        cfq.main(["--out", str(tmp_path / "x.json"), "--ms", "8,x"])

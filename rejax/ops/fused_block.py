@@ -1,0 +1,365 @@
+"""The post-attention half of a W4A4 decoder layer on the GEMM's rows as one op: each K-split
+GEMM's finish and the next linear's quantizer in one launch.
+
+GEMM letters as in rejax/ops/linear.py (M rows, N out features, K in features). The op is
+
+    h = x + o_proj(out)
+    y = h + down(swiglu(gate_up(rms_norm(h, norm, eps))))
+
+the decoder's `fused_linear` composition (o_proj with the residual, gate_up with the RMSNorm
+prologue, down with the SwiGLU prologue and the residual), and off CUDA it is that composition's
+reference, bitwise. On CUDA, for the rows the tensor-core GEMM takes (`gemm_options.min_m` ..
+`max_m`), the composition runs as the quantizer kernel, o_proj's GEMM, its split-K finish, the
+quantizer of gate_up's input, gate_up's GEMM (and finish), the quantizer of down's input and
+down's GEMM and finish: up to 9 launches. Where a GEMM splits K through float32 partials
+(`GemmPlan.partials`, every linear of a Qwen3-8B layer at 8-64 rows but gate_up at 16), the op
+replaces its finish and the next quantizer by one launch, `nvfp4_finish_quantize`
+(`cuda_ops.nvfp4_quant.FinishIn`): it adds the partials as the finish kernel does (the same
+bf16 values, and for o_proj the residual stream h it stores), then the next linear's prologue
+and quantizer write its x_hat. The bytes equal the two launches' (the row statistics are
+summed in the quantizer kernel's order; tests/test_fused_block_gpu.py checks it): a speed
+choice, `Config.gemm_chain` "fused" (default "split": the composition's launches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from cuda_ops import build as cbuild
+from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
+from rejax.nvfp4 import Nvfp4Tensor
+from rejax.ops import _dispatch
+from rejax.ops import fused_linear as fl
+from rejax.ops.linear import gemm_call_xhat, prefers_dot
+
+OP = "nvfp4_post_attention_block"
+LINEARS = ("o_proj", "gate_up_proj", "down_proj")
+
+
+def block_supported(
+    m: int, shapes: tuple, gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS
+) -> tuple[bool, str]:
+    """(True, "") if the op's kernel chain serves M rows of the block whose linears have
+    `shapes` ((n, k) of o_proj, gate_up_proj, down_proj), else (False, why): M in the GEMM's
+    rows, every linear a GEMM shape, every input a quantizer kernel shape in its x_hat form,
+    and at least one K split through partials to fuse (o_proj's or gate_up's)."""
+    if m < gemm_options.min_m:
+        return False, f"M={m} rows take the GEMV (gemm_options.min_m={gemm_options.min_m})"
+    if prefers_dot("w4a4", m, "auto", gemm_options):
+        return False, f"M={m} rows take the dot (gemm_options.max_m={gemm_options.max_m})"
+    if gemm_options.x_quant != "kernel":
+        return False, f"gemm_options.x_quant={gemm_options.x_quant!r} (the chain needs 'kernel')"
+    if gemm_options.reduce != "finish":
+        return False, f"gemm_options.reduce={gemm_options.reduce!r} (no partials to finish)"
+    for name, (n, k) in zip(LINEARS, shapes, strict=True):
+        ok, why = nvfp4_gemm.check_shape(m, n, k, gemm_options)
+        if not ok:
+            return False, f"{name}: {why}"
+        ok, why = nvfp4_quant.check_shape(m, k)
+        if not ok:
+            return False, f"{name}'s input: {why}"
+    sms = cbuild.device_sms()
+    if not any(nvfp4_gemm.plan(m, n, k, sms, gemm_options).partials for n, k in shapes[:2]):
+        return False, f"M={m}: neither o_proj nor gate_up_proj splits K (nothing to fuse)"
+    return True, ""
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _reference(out, x, nw, *ops, shapes, fused, order="auto", **_: Any):
+    """The composition of `fused_linear`'s references on the primitive's operands."""
+    (xg_o, wp_o, ws_o, wg_o, xg_g, wp_g, ws_g, wg_g, xg_d, wp_d, ws_d, wg_d, layer) = ops
+    (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
+    f_o, f_g, f_d = fused
+    one = jnp.zeros((1,), jnp.bfloat16)
+    no_res = jnp.zeros((1, 1), jnp.bfloat16)
+    h = fl._reference(out, xg_o, one, x, wp_o, ws_o, wg_o, layer, n=n_o, k=k_o, fused=f_o,
+                      order=order)  # fmt: skip
+    g = fl._reference(h, xg_g, nw, no_res, wp_g, ws_g, wg_g, layer, n=n_g, k=k_g, fused=f_g,
+                      order=order)  # fmt: skip
+    return fl._reference(g, xg_d, one, h, wp_d, ws_d, wg_d, layer, n=n_d, k=k_d, fused=f_d,
+                         order=order)  # fmt: skip
+
+
+_block_p = Primitive("rejax_nvfp4_post_attention_block")
+_block_p.def_abstract_eval(lambda out, x, *_, **__: jax.core.ShapedArray(x.shape, jnp.bfloat16))
+
+
+@functools.cache
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(_block_p.bind, **params))
+
+
+_block_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
+
+
+def _lower_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(OP, params["impl"], ctx.module_context.platforms)
+    return mlir.lower_fun(functools.partial(_reference, **params), multiple_results=False)(
+        ctx, *args
+    )
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    """The built kernels of one block: o_proj's quantizer, then per linear its GEMM and, for
+    gate_up and down, either a finish-quantizer of the previous GEMM's partials (`fin`) or a
+    quantizer of its bf16 output (`quant`)."""
+
+    quant_o: Any
+    gemm_o: Any
+    fin_g: Any
+    quant_g: Any
+    gemm_g: Any
+    fin_d: Any
+    quant_d: Any
+    gemm_d: Any
+
+
+def _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk) -> _Chain:
+    (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
+    f_o, f_g, f_d = (dataclasses.replace(f, residual=False) for f in fused)
+
+    def gemm(n, k, rows, residual):
+        return nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=rows, residual=residual)
+
+    def finish_of(kernel, residual, store_y):
+        p = kernel.plan
+        return nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows,
+                                    residual=residual, store_y=store_y)  # fmt: skip
+
+    quant_o = nvfp4_quant.build(m, k_o, f_o, out="xhat")
+    gemm_o = gemm(n_o, k_o, gw_rows[0], False)
+    fin_g = quant_g = None
+    if gemm_o.plan.partials:
+        fin = finish_of(gemm_o, residual=True, store_y=True)
+        # one CTA per row by default (each partial read twice); the split path quantizer's
+        # threads, which fix the order of the RMSNorm sum: the same bytes at any chunk
+        chunk = norm_chunk or k_g
+        threads = nvfp4_quant.default_threads(nvfp4_quant.default_chunk(k_g, "xhat"), "xhat")
+        fin_g = nvfp4_quant.build(m, k_g, f_g, out="xhat", finish=fin, chunk=chunk,
+                                  threads=threads)  # fmt: skip
+    else:  # o_proj's GEMM adds the residual in its epilogue; gate_up's quantizer reads h
+        gemm_o = gemm(n_o, k_o, gw_rows[0], True)
+        quant_g = nvfp4_quant.build(m, k_g, f_g, out="xhat")
+    gemm_g = gemm(n_g, k_g, gw_rows[1], False)
+    fin_d = quant_d = None
+    if gemm_g.plan.partials:
+        fin_d = nvfp4_quant.build(m, k_d, f_d, out="xhat", finish=finish_of(gemm_g, False, False))
+    else:
+        quant_d = nvfp4_quant.build(m, k_d, f_d, out="xhat")
+    gemm_d = gemm(n_d, k_d, gw_rows[2], epilogue)
+    return _Chain(quant_o, gemm_o, fin_g, quant_g, gemm_g, fin_d, quant_d, gemm_d)
+
+
+def _partials(kernel, xh, xg, wp, ws, wg, layer):
+    """A K-split GEMM's float32 partials [S, M, N] (its main entry alone)."""
+    part = jax.ShapeDtypeStruct(kernel.plan.out_shape, jnp.float32)
+    return _dispatch.ptx_call(kernel.backend_config(), part, xh, xg, wp, ws, wg, layer)
+
+
+def _finish_quant(kernel, part, xgp, res, wg, xg, nw, layer, m, width):
+    """(y bf16 [M, width] or a dummy, x_hat f16 [M, K], global scale f32 [M])."""
+    f = kernel.finish
+    outs = (
+        jax.ShapeDtypeStruct((m, width) if f.store_y else (1,), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, kernel.k), jnp.float16),
+        jax.ShapeDtypeStruct((m,), jnp.float32),
+    )
+    return _dispatch.ptx_call(kernel.backend_config(), outs, part, xgp, res, wg, xg, nw, layer)
+
+
+def _chain(out, x, nw, *ops, shapes, fused, chain: _Chain, gemm_options, epilogue):
+    (xg_o, wp_o, ws_o, wg_o, xg_g, wp_g, ws_g, wg_g, xg_d, wp_d, ws_d, wg_d, layer) = ops
+    (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
+    f_o, f_g, f_d = (dataclasses.replace(f, residual=False) for f in fused)
+    m = x.shape[0]
+    one = jnp.zeros((1,), jnp.bfloat16)
+    no_res = jnp.zeros((1, 1), jnp.bfloat16)
+    c = chain
+    xh, xgr = fl._quant_xhat_p.bind(out, xg_o, one, layer, k=k_o, fused=f_o, kernel=c.quant_o)
+    if c.fin_g is not None:
+        part = _partials(c.gemm_o, xh, xgr, wp_o, ws_o, wg_o, layer)
+        h, xh, xgr = _finish_quant(c.fin_g, part, xgr, x, wg_o, xg_g, nw, layer, m, n_o)
+    else:
+        h = gemm_call_xhat(xh, xgr, wp_o, ws_o, wg_o, layer, n=n_o, gw_rows=c.gemm_o.plan.gw_rows,
+                           gemm_options=gemm_options, residual=x)  # fmt: skip
+        xh, xgr = fl._quant_xhat_p.bind(h, xg_g, nw, layer, k=k_g, fused=f_g, kernel=c.quant_g)
+    if c.fin_d is not None:
+        part = _partials(c.gemm_g, xh, xgr, wp_g, ws_g, wg_g, layer)
+        _, xh, xgr = _finish_quant(c.fin_d, part, xgr, no_res, wg_g, xg_d, one, layer, m, n_g)
+    else:
+        g = gemm_call_xhat(xh, xgr, wp_g, ws_g, wg_g, layer, n=n_g, gw_rows=c.gemm_g.plan.gw_rows,
+                           gemm_options=gemm_options)  # fmt: skip
+        xh, xgr = fl._quant_xhat_p.bind(g, xg_d, one, layer, k=k_d, fused=f_d, kernel=c.quant_d)
+    y = gemm_call_xhat(xh, xgr, wp_d, ws_d, wg_d, layer, n=n_d, gw_rows=c.gemm_d.plan.gw_rows,
+                       gemm_options=gemm_options, residual=h if epilogue else None)  # fmt: skip
+    return y if epilogue else h + y
+
+
+def _lower_cuda(ctx, *args, shapes, fused, gw_rows, impl, gemm_options, epilogue, norm_chunk):
+    m = ctx.avals_in[0].shape[0]
+    supported = block_supported(m, shapes, gemm_options)
+    chain = None
+    if supported[0] and impl != "ref":
+        try:
+            chain = _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk)
+        except nvfp4_gemv.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(OP, impl, supported):
+        # the composition, each matmul as one bf16 tensor-core dot (rejax/ops/linear.py)
+        fn = functools.partial(_reference, shapes=shapes, fused=fused, order="dot")
+        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+    fn = functools.partial(_chain, shapes=shapes, fused=fused, chain=chain,
+                           gemm_options=gemm_options, epilogue=epilogue)  # fmt: skip
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
+mlir.register_lowering(_block_p, _lower_reference)
+mlir.register_lowering(_block_p, _lower_cuda, platform="cuda")
+
+
+# ----------------------------------------------------------------------------- API
+
+
+def post_attention_block(
+    out: jax.Array,
+    x: jax.Array,
+    o_proj: dict,
+    gate_up: dict,
+    down: dict,
+    *,
+    norm: jax.Array,
+    layer: Any = None,
+    eps: float = 1e-6,
+    impl: str = "auto",
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    residual_epilogue: bool = True,
+    norm_chunk: int | None = None,
+) -> jax.Array:
+    """h = x + o_proj(out); h + down(swiglu(gate_up(rms_norm(h, norm, eps)))) for W4A4 linears,
+    with each K-split GEMM's finish and the next quantizer in one launch on CUDA (see the
+    module docstring).
+
+    Args:
+        out: [..., K_o] bf16, o_proj's input (the attention's output).
+        x: [..., D] bf16, the residual stream (D = o_proj's and down's N, gate_up's K).
+        o_proj, gate_up, down: W4A4 params as `fused_linear` takes them (`fused_linear.fusable`;
+            gate_up's N = 2F, down's K = F), stacked [L, ...] exactly when `layer` is given.
+        norm: the RMSNorm weight in front of gate_up, [D] or stacked [L, D].
+        layer: int32 [] index into stacked params (may be traced).
+        eps: the RMSNorm epsilon.
+        impl: "auto", "ref" or "cuda" (as `rejax.ops.linear.nvfp4_linear`; "cuda" fails on rows
+            or shapes the chain does not serve, `block_supported` says why).
+        gemm_options: the GEMMs' choices (`min_m` .. `max_m` are the rows the chain takes).
+        residual_epilogue: down's GEMM adds the residual in its epilogue (else a bf16 add;
+            the same value), as `fused_linear`'s.
+        norm_chunk: elements of a row that each CTA of o_proj's finish-quantizer quantizes (a
+            multiple of 256 dividing D). None: the whole row, one CTA per row, which reads
+            the row's partials twice (the RMSNorm statistic, then the codes); a smaller chunk
+            spreads the rows over more CTAs, each of which reads the whole row's partials for
+            the statistic. The bytes are the same either way.
+
+    Returns:
+        bf16 [..., D].
+
+    Where the chain does not apply (other rows, an unsupported shape, nothing to fuse) this is
+    the three `fused_linear` calls (kernels "two"), which the decoder runs otherwise.
+    """
+    _dispatch.check_impl(impl)
+    if not isinstance(gemm_options, nvfp4_gemm.GemmOptions):
+        got = type(gemm_options).__name__
+        raise ValueError(f"gemm_options must be a GemmOptions, got {got}")  # noqa: TRY004
+    ws: list[Nvfp4Tensor] = []
+    for name, params in zip(LINEARS, (o_proj, gate_up, down), strict=True):
+        ws.append(fl._w4a4_weight(f"post_attention_block's {name}", params, layer))
+    shapes = tuple(w.shape for w in ws)
+    (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
+    if not (n_o == k_g == n_d and n_g == 2 * k_d):
+        raise ValueError(
+            f"linear shapes o_proj {shapes[0]}, gate_up_proj {shapes[1]}, down_proj {shapes[2]}: "
+            "expected o_proj (D, K), gate_up_proj (2F, D), down_proj (D, F)"
+        )
+    lead = tuple(np.shape(x)[:-1])
+    if tuple(np.shape(x)) != (*lead, n_o) or tuple(np.shape(out)) != (*lead, k_o):
+        raise ValueError(
+            f"out.shape={np.shape(out)}, x.shape={np.shape(x)}: expected (..., {k_o}) and "
+            f"(..., {n_o}) with the same leading dims"
+        )
+    for name, a in (("out", out), ("x", x)):
+        if np.dtype(a.dtype) != np.dtype(jnp.bfloat16):
+            raise ValueError(
+                f"{name}.dtype={np.dtype(a.dtype)}: post_attention_block takes bfloat16"
+            )
+    stacked_norm = np.ndim(norm) == 2
+    want = (*ws[1].stack, k_g) if stacked_norm else (k_g,)
+    if tuple(np.shape(norm)) != want:
+        raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k_g,)} or {(*ws[1].stack, k_g)}")
+    if norm_chunk is not None and (
+        not isinstance(norm_chunk, int) or norm_chunk <= 0 or norm_chunk % 256 or k_g % norm_chunk
+    ):
+        raise ValueError(f"norm_chunk={norm_chunk!r}: expected a multiple of 256 dividing {k_g}")
+    m = int(np.prod(lead, dtype=np.int64))
+
+    def composed():
+        common = {"layer": layer, "impl": impl, "kernels": "two", "gemm_options": gemm_options}
+        h = fl.fused_linear(out, o_proj, residual=x, residual_epilogue=residual_epilogue, **common)
+        g = fl.fused_linear(h, gate_up, prologue="rmsnorm", norm=norm, eps=eps, **common)
+        return fl.fused_linear(g, down, prologue="swiglu", residual=h,
+                               residual_epilogue=residual_epilogue, **common)  # fmt: skip
+
+    ok, why = block_supported(m, shapes, gemm_options) if m else (False, "no rows")
+    if impl == "ref" or not ok:
+        if impl == "cuda" and not ok:
+            raise ValueError(f"post_attention_block(impl='cuda'): {why}")
+        return composed()
+    ops, fused = [], []
+    for (params, w), (prologue, residual) in zip(
+        ((o_proj, ws[0]), (gate_up, ws[1]), (down, ws[2])),
+        (("none", True), ("rmsnorm", False), ("swiglu", True)),
+        strict=True,
+    ):
+        scale = params.get("input_scale")
+        fused.append(
+            nvfp4_gemv.Fused(
+                prologue=prologue,
+                residual=residual,
+                dynamic=scale is None,
+                eps=float(eps),
+                norm_stacked=prologue == "rmsnorm" and stacked_norm,
+                scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
+            )
+        )
+        ops += [
+            jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
+            w.packed,
+            jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+            jnp.asarray(w.global_scale, jnp.float32),
+        ]
+    y = _block_p.bind(
+        jnp.reshape(out, (m, k_o)),
+        jnp.reshape(x, (m, n_o)),
+        jnp.asarray(norm, jnp.bfloat16),
+        *ops,
+        jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+        shapes=shapes,
+        fused=tuple(fused),
+        gw_rows=tuple(w.per_row for w in ws),
+        impl=impl,
+        gemm_options=gemm_options,
+        epilogue=bool(residual_epilogue),
+        norm_chunk=norm_chunk,
+    )
+    return jnp.reshape(y, (*lead, n_o))

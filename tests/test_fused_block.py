@@ -1,0 +1,299 @@
+"""The post-attention block as one op (`rejax.ops.fused_block.post_attention_block`,
+Config.gemm_chain "fused") and its finish-quantizer kernel (`nvfp4_finish_quantize`,
+cuda_ops/nvfp4_quant.py's `FinishIn`) without a GPU: off CUDA the op is bitwise the three
+`fused_linear` calls it replaces, and so is the decoder with it; lowered for CUDA, each K-split
+GEMM's finish and the next quantizer are one launch with the operands the kernel reads, and
+rows or shapes the chain does not serve lower as before; the kernel compiles for sm_90 without
+local memory and leaves every other build alone; bad arguments fail with the value named. The
+kernel's bytes against the two launches it replaces are checked on the GPU
+(tests/test_fused_block_gpu.py).
+
+GEMM letters: M rows, N out features, K in features. The shapes here split K where Qwen3-8B's
+do (1024 x 2048 from 16 rows on, 2048 x 1024 at 8 and 32+ rows): D = 1024, o_proj's K 2048,
+F = 1024.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _lowering import decode_logits, layer_launches, per_linear_scales, stacked_linear
+
+from cuda_ops import build as cbuild
+from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
+from rejax import config as rconfig
+from rejax.ops import fused_linear as fl
+from rejax.ops.fused_block import block_supported, post_attention_block
+from rejax.params import init_params
+
+needs_nvrtc = pytest.mark.skipif(
+    not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
+D, K_O, F = 1024, 2048, 1024
+SHAPES = ((D, K_O), (2 * F, D), (D, F))
+FIN = "nvfp4_finish_quantize"
+
+
+def _block(scales=((2e-3, 4e-3), (3e-3, 5e-3), (4e-3, 1e-2))):
+    o = stacked_linear(D, K_O, scales[0], seed=1)
+    g = stacked_linear(2 * F, D, scales[1], seed=2)
+    d = stacked_linear(D, F, scales[2], seed=3)
+    return o, g, d
+
+
+def _inputs(m, seed=5):
+    out = jax.random.normal(jax.random.key(seed), (m, K_O), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(seed + 1), (m, D), jnp.bfloat16)
+    norm = 1.0 + 0.1 * jax.random.normal(jax.random.key(seed + 2), (2, D), jnp.bfloat16)
+    return out, x, norm
+
+
+def _composed(out, x, o, g, d, norm, li, eps=1e-5):
+    h = fl.fused_linear(out, o, layer=li, residual=x, kernels="two")
+    gu = fl.fused_linear(h, g, layer=li, prologue="rmsnorm", norm=norm, eps=eps, kernels="two")
+    return fl.fused_linear(gu, d, layer=li, prologue="swiglu", residual=h, kernels="two")
+
+
+@pytest.mark.parametrize(
+    ("m", "dynamic", "stacked_norm"), [(16, False, True), (32, False, False), (32, True, True)]
+)
+def test_block_is_the_fused_linear_composition(m, dynamic, stacked_norm):
+    """Off CUDA, bitwise: post_attention_block equals o_proj with the residual, gate_up with
+    the RMSNorm prologue and down with the SwiGLU prologue and the residual as three
+    `fused_linear` calls, at layer 0 and 1, with static stacked scales or gate_up's dynamic
+    one, a stacked or a single norm weight; [B, 1, D] leading dims are kept."""
+    o, g, d = _block()
+    if dynamic:
+        g = {"weight": g["weight"]}
+    out, x, norm = _inputs(m)
+    norm = norm if stacked_norm else norm[1]
+    assert block_supported(m, SHAPES) == (True, "")
+    run = jax.jit(
+        lambda out, x, li: post_attention_block(out, x, o, g, d, norm=norm, layer=li, eps=1e-5)
+    )
+    want = jax.jit(lambda out, x, li: _composed(out, x, o, g, d, norm, li))
+    for layer in (0, 1):
+        li = jnp.int32(layer)
+        got = np.asarray(run(out[:, None], x[:, None], li))
+        assert got.shape == (m, 1, D)
+        ref = np.asarray(want(out, x, li))
+        np.testing.assert_array_equal(got[:, 0], ref)
+        assert (
+            np.isfinite(ref.astype(np.float32)).all() and np.abs(ref.astype(np.float32)).max() > 0
+        )
+
+
+def test_block_supported_says_why():
+    assert block_supported(8, SHAPES)[0]
+    ok, why = block_supported(4, SHAPES)
+    assert not ok and "take the GEMV" in why
+    ok, why = block_supported(300, SHAPES)
+    assert not ok and "take the dot" in why
+    ok, why = block_supported(32, SHAPES, nvfp4_gemm.GemmOptions(x_quant="xla"))
+    assert not ok and "x_quant='xla'" in why
+    ok, why = block_supported(32, SHAPES, nvfp4_gemm.GemmOptions(reduce="cluster"))
+    assert not ok and "reduce='cluster'" in why
+    ok, why = block_supported(32, ((512, 512), (1024, 512), (512, 512)))
+    assert not ok and "nothing to fuse" in why
+    ok, why = block_supported(32, ((D, 2000), (2 * F, D), (D, F)))
+    assert not ok and "o_proj" in why and "K=2000" in why
+
+
+def _entries(text: str) -> list[str]:
+    return re.findall(r"name = \\22(\w+)\\22", text)
+
+
+def _ptx_calls(text: str) -> list[tuple[str, str, str]]:
+    """(entry, operand types, result types) of every PTX custom call in StableHLO text."""
+    calls = []
+    for line in text.splitlines():
+        if "custom_call @__gpu$xla.gpu.ptx" in line:
+            name = re.search(r"name = \\22(\w+)\\22", line).group(1)
+            ops, res = re.search(r"\} : \(([^)]*)\) -> (.*)$", line).groups()
+            calls.append((name, ops, res))
+    return calls
+
+
+@needs_nvrtc
+def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
+    """Lowered for CUDA: at 32 rows (o_proj and gate_up split K) the quantizer, o_proj's
+    GEMM writing partials, the finish-quantizer (partials, x's global scale, the residual,
+    o_proj's stacked global scales, gate_up's stacked input scales, the stacked norm, the
+    layer -> h, x_hat, global scale), gate_up's GEMM, the finish-quantizer of down's input (no
+    residual, no y), down's GEMM and its finish: 7 launches where the composition has 9; at 16
+    rows (gate_up does not split) 6 against 7; at 4 rows (the GEMV's) and with impl="ref" the
+    composition's lowering; impl="cuda" refuses what the chain does not serve. (o_proj's plan
+    splits K in 4 at 32 rows, gate_up's in 2.)"""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    o, g, d = _block()
+    _, _, norm = _inputs(1)
+
+    def lowered(m, impl="auto", fn=post_attention_block):
+        out, x, _ = _inputs(m)
+        f = jax.jit(lambda out, x, li: fn(out, x, o, g, d, norm=norm, layer=li, impl=impl))
+        return f.trace(out, x, jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
+
+    gemm, quant = nvfp4_gemm.ENTRY, nvfp4_quant.ENTRY
+    text = lowered(32)
+    assert _entries(text) == [quant, gemm, FIN, gemm, FIN, gemm, nvfp4_gemm.FINISH_ENTRY]
+    fins = [c for c in _ptx_calls(text) if c[0] == FIN]
+    s_o, s_g = (nvfp4_gemm.plan(32, n, k).splitk for n, k in SHAPES[:2])
+    assert (s_o, s_g) == (4, 2)
+    assert fins[0][1] == (
+        "tensor<4x32x1024xf32>, tensor<32xf32>, tensor<32x1024xbf16>, tensor<2xf32>, "
+        "tensor<2xf32>, tensor<2x1024xbf16>, tensor<i32>"
+    ), fins[0]
+    assert "tensor<32x1024xbf16>, tensor<32x1024xf16>, tensor<32xf32>" in fins[0][2], fins[0]
+    assert fins[1][1] == (
+        "tensor<2x32x2048xf32>, tensor<32xf32>, tensor<1x1xbf16>, tensor<2xf32>, "
+        "tensor<2xf32>, tensor<1xbf16>, tensor<i32>"
+    ), fins[1]
+    assert "tensor<1xbf16>, tensor<32x1024xf16>, tensor<32xf32>" in fins[1][2], fins[1]
+    composed = lowered(32, fn=lambda out, x, o, g, d, norm, layer, impl: _composed(
+        out, x, o, g, d, norm, layer, 1e-6))  # fmt: skip
+    assert len(_entries(composed)) == 9 and FIN not in _entries(composed)
+    assert _entries(lowered(16)) == [quant, gemm, FIN, gemm, quant, gemm]
+    # o_proj's finish-quantizer: one 128-thread CTA per row (the quantizer's threads)
+    cfg = next(line for line in text.splitlines() if FIN in line and "2x1024xbf16" in line)
+    assert "grid_x = 32, grid_y = 1," in cfg and "block_x = 128," in cfg
+    text = lowered(32, fn=functools.partial(post_attention_block, norm_chunk=512))
+    cfg = next(line for line in text.splitlines() if FIN in line and "2x1024xbf16" in line)
+    assert "grid_x = 32, grid_y = 2," in cfg and "block_x = 128," in cfg
+    with pytest.raises(ValueError, match="norm_chunk=300: expected a multiple of 256"):
+        lowered(32, fn=functools.partial(post_attention_block, norm_chunk=300))
+    assert FIN not in _entries(lowered(4))
+    assert _entries(lowered(32, impl="ref")) == []
+    with pytest.raises(ValueError, match="impl='cuda'.*take the GEMV"):
+        lowered(4, impl="cuda")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
+    """NVRTC compiles `nvfp4_finish_quantize` (RMSNorm with the residual and y stored, SwiGLU
+    over 2K partial columns, "none" with a dynamic scale and per-row weight scales) to an entry
+    of 10 parameters over [M, K / chunk]; ptxas builds it for sm_90 without spills or a stack
+    frame; the quantizer's other builds carry no FIN_* define (their PTX and cache keys are
+    unchanged)."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_quant._build_cached.cache_clear()
+    seen = []
+    compile_ptx = nvfp4_quant.compile_ptx
+
+    def recording(source, *, defines, **kw):
+        seen.append(dict(defines))
+        return compile_ptx(source, defines=defines, **kw)
+
+    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
+    source = cbuild.read_source(nvfp4_gemv.SOURCE)
+    cases = (
+        ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True)),
+        ("swiglu", False, nvfp4_quant.FinishIn(splitk=2, w_shift=6)),
+        ("none", True, nvfp4_quant.FinishIn(splitk=3, gw_rows=True, residual=True, store_y=True)),
+    )
+    try:
+        for prologue, dynamic, fin in cases:
+            fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, norm_stacked=True,
+                                     scale_stacked=not dynamic)  # fmt: skip
+            kern = nvfp4_quant.build(64, k, fused, arch="compute_90", out="xhat", finish=fin)
+            assert cbuild.ptx_entries(kern.ptx) == {FIN: 10}
+            assert (kern.n_inputs, kern.n_outputs, kern.entry) == (7, 3, FIN)
+            cfg = kern.backend_config()
+            assert f"grid_x = 64, grid_y = {k // kern.chunk}," in cfg, cfg[-300:]
+            assert cfg.endswith("output_indices = [7, 8, 9]}"), cfg[-200:]
+            assert seen[-1]["FIN_SPLITK"] == fin.splitk and seen[-1]["FIN_W_SHIFT"] == fin.w_shift
+            log = cbuild.ptxas_log(source, seen[-1], "sm_90", name=nvfp4_gemv.SOURCE)
+            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+        plain = nvfp4_quant.build(64, k, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat")
+        assert not any(key.startswith("FIN_") for key in seen[-1]), seen[-1]
+        assert plain.entry == nvfp4_quant.ENTRY and plain.finish is None
+    finally:
+        nvfp4_quant._build_cached.cache_clear()
+
+
+def test_finish_in_and_build_errors_name_the_value():
+    with pytest.raises(nvfp4_gemv.KernelError, match="splitk=0"):
+        nvfp4_quant.FinishIn(splitk=0)
+    with pytest.raises(nvfp4_gemv.KernelError, match="w_shift=8"):
+        nvfp4_quant.FinishIn(splitk=2, w_shift=8)
+    fin = nvfp4_quant.FinishIn(splitk=2)
+    with pytest.raises(nvfp4_gemv.KernelError, match="out='xhat', got 'codes'"):
+        nvfp4_quant.build(16, 4096, nvfp4_gemv.PLAIN, arch="compute_90", finish=fin)
+    swiglu = nvfp4_gemv.Fused(prologue="swiglu")
+    with pytest.raises(nvfp4_gemv.KernelError, match="not with swiglu"):
+        nvfp4_quant.build(16, 4096, swiglu, arch="compute_90", out="xhat",
+                          finish=dataclasses.replace(fin, store_y=True))  # fmt: skip
+    with pytest.raises(nvfp4_gemv.KernelError, match="finish must be a FinishIn"):
+        nvfp4_quant.build(16, 4096, nvfp4_gemv.PLAIN, out="xhat", finish={"splitk": 2})
+
+
+def test_block_errors_name_the_value():
+    o, g, d = _block()
+    out, x, norm = _inputs(16)
+
+    def call(**kw):
+        args = {"out": out, "x": x, "o_proj": o, "gate_up": g, "down": d, "norm": norm,
+                "layer": 0, **kw}  # fmt: skip
+        return post_attention_block(**args)
+
+    with pytest.raises(ValueError, match=r"out.shape=\(16, 1024\)"):
+        call(out=x)
+    with pytest.raises(ValueError, match=r"x.dtype=float32"):
+        call(x=x.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"norm.shape=\(3, 1024\)"):
+        call(norm=jnp.ones((3, D), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"gate_up_proj \(2048, 1024\), down_proj \(1024, 2048\)"):
+        call(down=o)
+    with pytest.raises(ValueError, match="pass layer= for a stack only"):
+        call(layer=None)
+    with pytest.raises(ValueError, match="down_proj needs W4A4 NVFP4 params"):
+        call(down={"weight": jnp.zeros((D, F))})
+    with pytest.raises(ValueError, match="gemm_options must be a GemmOptions"):
+        call(gemm_options={"min_m": 8})
+    with pytest.raises(ValueError, match="impl"):
+        call(impl="fast")
+
+
+# ----------------------------------------------------------------------------- decoder
+
+CFG = rconfig.Config(
+    quant="nvfp4", hidden_size=D, intermediate_size=F, num_heads=16, num_kv_heads=4,
+    head_dim=128, num_layers=2, vocab_size=512,
+)  # fmt: skip
+
+
+def test_config_gemm_chain_validated():
+    assert rconfig.Config().gemm_chain == "split"
+    with pytest.raises(ValueError, match="unknown gemm_chain 'one'"):
+        rconfig.Config(gemm_chain="one")
+
+
+def test_decoder_gemm_chain_fused_is_bitwise_split_off_cuda():
+    """The decoder with Config.gemm_chain "fused" gives the logits of "split" bit for bit off
+    CUDA (8 rows, where the chain applies, and 2, where it does not), static input scales."""
+    params = per_linear_scales(init_params(CFG, 0, jnp.bfloat16))
+    for b in (8, 2):
+        want = decode_logits(CFG, params, steps=2, b=b)
+        fused = dataclasses.replace(params, cfg=dataclasses.replace(CFG, gemm_chain="fused"))
+        got = decode_logits(fused.cfg, fused, steps=2, b=b)
+        np.testing.assert_array_equal(got, want)
+        assert np.isfinite(want).all()
+
+
+@needs_nvrtc
+def test_decode_step_lowers_the_chain_with_gemm_chain_fused(tmp_path, monkeypatch):
+    """A decode step's scanned layer at 32 rows: with gemm_chain "fused" two finish-quantizers
+    and two launches fewer than with "split"; at 4 rows (the GEMV's) the same launches."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    split, _ = layer_launches(CFG, batch=32)
+    fused, _ = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=32)
+    assert split.count(FIN) == 0 and fused.count(FIN) == 2, fused
+    assert len(fused) == len(split) - 2, (fused, split)
+    small = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=4)[0]
+    assert small == layer_launches(CFG, batch=4)[0]
