@@ -877,6 +877,9 @@ constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
 #ifndef FIN_STORE_Y
 #define FIN_STORE_Y 0
 #endif
+#ifndef FIN_CACHE
+#define FIN_CACHE 0  // FIN_SPLITK, one CTA per row: the row's x formed once, kept in shared memory
+#endif
 
 // The activations and their per-row statistics (in shared memory, [M_TOK] each).
 struct XRows {
@@ -891,6 +894,7 @@ struct XRows {
   const u16* res;     // FIN_RES: this row's bf16 residual [X_COLS]
   const float* wg;    // the producer GEMM's weight global scale(s) at its layer
   float xgp;          // the producer GEMM's activation global scale of this row
+  const u16* hs;      // FIN_CACHE: the row's x as bf16, in shared memory [X_COLS]
 #endif
 };
 
@@ -942,7 +946,17 @@ __device__ __forceinline__ void fin8(float (&v)[8], const XRows& xr, int c) {
 // from the producer GEMM's partials (m = 0: one row per CTA)
 __device__ __forceinline__ void src8(float (&v)[8], const XRows& xr, int m, int c) {
 #if FIN_SPLITK
-  fin8(v, xr, c);
+  if constexpr (FIN_CACHE) {
+    const uint4 q = *(const uint4*)(xr.hs + c);  // shared memory
+    const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+    fin8(v, xr, c);
+  }
 #else
   ld8(v, xr.x + (size_t)m * X_COLS + c);
 #endif
@@ -1208,8 +1222,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 // same order (they do not depend on QCHUNK), so x_hat and xg_out are that kernel's bytes on the
 // finish's y. With FIN_STORE_Y each CTA also stores its chunk of x as bf16 to y [M, X_COLS]
 // (the finish's y: the decoder's residual stream; PRO != 2). Grid (M, K_IN / QCHUNK): M is
-// gridDim.x, nothing is compiled for it.
+// gridDim.x, nothing is compiled for it. With FIN_CACHE (one CTA per row, QCHUNK = K_IN, PRO !=
+// 2) the CTA first forms the row's x once into shared memory (and y), and the statistics and
+// the codes read it there: each partial is read once, as by the finish kernel.
 static_assert(PRO != 2 || !FIN_STORE_Y, "FIN_STORE_Y stores the linear's input rows (PRO 0 or 1)");
+static_assert(!FIN_CACHE || (QCHUNK == K_IN && PRO != 2 && X_COLS * 2 <= 40960),
+              "FIN_CACHE: one CTA per row (QCHUNK = K), PRO 0 or 1, the row in 40 KiB");
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_finish_quantize(const float* __restrict__ part, const float* __restrict__ xgp,
                           const u16* __restrict__ res, const float* __restrict__ wg,
@@ -1226,12 +1244,28 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   xr.res = FIN_RES ? res + row * X_COLS : nullptr;
   xr.wg = wg + (size_t)li * (FIN_GW_ROWS ? X_COLS : 1);
   xr.xgp = xgp[row];
+#if FIN_CACHE
+  __shared__ __align__(16) u16 s_x[X_COLS];
+  for (int e = 8 * threadIdx.x; e < X_COLS; e += 8 * NTHREADS) {
+    float h[8];
+    fin8(h, xr, e);
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = (u32)f32_to_bf16(h[2 * j]) | ((u32)f32_to_bf16(h[2 * j + 1]) << 16);
+    const uint4 q = make_uint4(w[0], w[1], w[2], w[3]);
+    *(uint4*)(s_x + e) = q;
+    if constexpr (FIN_STORE_Y) *(uint4*)(y + row * X_COLS + e) = q;
+  }
+  xr.hs = s_x;
+  __syncthreads();
+#endif
   row_stats(xr, xg + (XG_STACK ? (size_t)li : 0), scratch);
   const int first = blockIdx.y * (QCHUNK / 8);
   for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
     u32 sc;
     const int e0 = 8 * i;  // = 128c + 32t + 8u
-    if constexpr (FIN_STORE_Y) {
+    if constexpr (FIN_STORE_Y && !FIN_CACHE) {
       float h[8];
       fin8(h, xr, e0);
       u32 w[4];

@@ -22,7 +22,10 @@ GEMM's finish kernel would store it (`nvfp4_gemm_finish`: that GEMM's float32 pa
 split order, its scales, its residual) and runs the prologue and quantizer on those values,
 entry `nvfp4_finish_quantize` (`FIN_ENTRY`): the finish and the next linear's quantizer in one
 launch, the same bytes as the two launches (the row statistics do not depend on the chunking),
-optionally also storing the finish's y (the decoder's residual stream).
+optionally also storing the finish's y (the decoder's residual stream). With one CTA per row
+(chunk = K; prologue "none" / "rmsnorm") the CTA forms the row once in shared memory
+(FIN_CACHE), so each partial is read once, as by the finish kernel; with smaller chunks every
+CTA re-reads the row's partials for the RMSNorm statistic.
 
 Measured on the H200 (Qwen3-8B NVFP4; experiments/results/h200_c/ and h200_d/): with one CTA
 per row (chunk = K, 256 threads) the "codes" kernel took 6.9 us per call in a profile of the
@@ -236,6 +239,9 @@ def _build_cached(m, k, fused, arch, chunk, threads, out="codes", finish=None) -
     form = {"XHAT_OUT": 1} if out == "xhat" else {}
     if finish is not None:
         form |= finish.defines()
+        if chunk == k and fused.prologue != "swiglu":
+            # one CTA per row: the row formed once into shared memory (each partial read once)
+            form["FIN_CACHE"] = 1
     defines = _GEMV_DUMMIES | fused.defines() | sizes | form
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=defines, arch=arch)
     kernel = QuantKernel(

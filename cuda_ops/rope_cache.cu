@@ -26,8 +26,14 @@
 //               mode="drop"); 0: one slot index[0] for every row,
 //               clamped to [0, S - 1] like dynamic_update_slice
 //   WARPS       warps per CTA
+//   FIN_SPLITK  > 0: qkv is not an operand but the qkv GEMM's split-K finish of its float32
+//               partials (nvfp4_gemm_finish's arithmetic, below; FIN_W_SHIFT, FIN_GW_ROWS as
+//               that GEMM's W_SHIFT, GW_ROWS): the GEMM's finish and this kernel in one launch
 // Operands: qkv, q_norm [L, H], k_norm [L, H], layer [], positions [B], index [1] / [B],
 // inv_freq f32 [H / 2], k_cache, v_cache [L, B, S, KV, H]; outputs q_out, k_cache, v_cache.
+// With FIN_SPLITK, qkv is replaced by three operands: the partials f32 [FIN_SPLITK, B, (N +
+// 2 KV) H], the GEMM's activation global scale xgp f32 [B] and its weight global scale(s) wg
+// f32 [L] or [L, (N + 2 KV) H] (11 operands).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -43,6 +49,15 @@ typedef unsigned int u32;
 #endif
 #ifndef WARPS
 #define WARPS 4
+#endif
+#ifndef FIN_SPLITK
+#define FIN_SPLITK 0
+#endif
+#ifndef FIN_W_SHIFT
+#define FIN_W_SHIFT 7
+#endif
+#ifndef FIN_GW_ROWS
+#define FIN_GW_ROWS 0
 #endif
 
 constexpr int E = HEAD_DIM / 32;  // elements per lane, contiguous: lane l holds [E l, E l + E)
@@ -65,6 +80,29 @@ __device__ __forceinline__ void load_head(float (&v)[E], const u16* p, int lane)
 #pragma unroll
   for (int j = 0; j < E; ++j) v[j] = bf16f(p[E * lane + j]);
 }
+
+#if FIN_SPLITK
+// this lane's E values of a head as the qkv GEMM's finish stores them (nvfp4_gemm_finish): the
+// partials added in split order, times 2^(14 - W_SHIFT), times global_w * global_x, rounded
+// once to bf16 (cvt.rn, as there); p: split 0's partials of the head, wg: the layer's scale(s)
+// at the head's first column (FIN_GW_ROWS) or the layer's one scale
+__device__ __forceinline__ void fin_head(float (&v)[E], const float* p, const float* wg, float xg,
+                                         int lane) {
+  constexpr float UNSCALE = (float)(1 << (14 - FIN_W_SHIFT));
+  constexpr size_t SPLIT = (size_t)B_ROWS * QKV_COLS;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = E * lane + j;
+    float acc = p[c];
+#pragma unroll
+    for (int s = 1; s < FIN_SPLITK; ++s) acc += p[s * SPLIT + c];
+    const float alpha = wg[FIN_GW_ROWS ? c : 0] * xg;
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(acc * UNSCALE * alpha));
+    v[j] = bf16f(r);
+  }
+}
+#endif
 
 __device__ __forceinline__ void store_head(u16* p, const float (&v)[E], int lane) {
 #pragma unroll
@@ -98,7 +136,12 @@ __device__ __forceinline__ void norm_rope(float (&v)[E], const u16* nw, const fl
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
+#if FIN_SPLITK
+    qk_norm_rope_cache(const float* __restrict__ part, const float* __restrict__ xgp,
+                       const float* __restrict__ wg, const u16* __restrict__ q_norm,
+#else
     qk_norm_rope_cache(const u16* __restrict__ qkv, const u16* __restrict__ q_norm,
+#endif
                        const u16* __restrict__ k_norm, const int* __restrict__ layer,
                        const int* __restrict__ positions, const int* __restrict__ index,
                        const float* __restrict__ inv_freq, const u16* k_cache_in,
@@ -111,9 +154,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
   if (w >= B_ROWS * HEADS) return;
   const int b = w / HEADS, head = w % HEADS;
   const long long li = (long long)(unsigned)*layer;
-  const u16* src = qkv + (size_t)b * QKV_COLS + (size_t)head * HEAD_DIM;
   float v[E];
-  load_head(v, src, lane);
+#if FIN_SPLITK
+  fin_head(v, part + (size_t)b * QKV_COLS + (size_t)head * HEAD_DIM,
+           wg + li * (FIN_GW_ROWS ? QKV_COLS : 1) + (FIN_GW_ROWS ? head * HEAD_DIM : 0), xgp[b],
+           lane);
+#else
+  load_head(v, qkv + (size_t)b * QKV_COLS + (size_t)head * HEAD_DIM, lane);
+#endif
   if (head < N_HEADS) {
     norm_rope(v, q_norm + li * HEAD_DIM, inv_freq, positions[b], lane);
     store_head(q_out + ((size_t)b * N_HEADS + head) * HEAD_DIM, v, lane);

@@ -146,10 +146,11 @@ GEMM_REDUCES = ("finish", "cluster")
 # (static, unrolled copies from 16-token tiles on: kernel alone 1.06-1.09x faster at M = 16 / 32
 # / 64 on an H100, loops at M = 8), "loop" or "static".
 GEMM_COPIES = ("auto", "loop", "static")
-# How a decode step's post-attention half runs on the GEMM's rows (W4A4, the fused linears):
-# "split" (each linear's launches: quantizer, GEMM, split-K finish) or "fused" (each K-split
-# GEMM's finish and the next linear's quantizer in one launch, the same bytes:
-# rejax.ops.fused_block.post_attention_block; 2 launches a layer fewer at 32-64 rows, 1 at 16;
+# How a decode step's linears chain on the GEMM's rows (W4A4, the fused linears, one token a
+# row): "split" (each linear's launches: quantizer, GEMM, split-K finish) or "fused" (each
+# K-split GEMM's finish inside the next kernel: the next linear's quantizer, or for qkv the
+# rope kernel; the same bytes: rejax.ops.fused_block's post_attention_block and
+# pre_attention_block; 3 launches a layer fewer at 32-64 rows with Qwen3-8B's shapes, 2 at 16;
 # not yet measured on the GPU, so not the default).
 GEMM_CHAINS = ("split", "fused")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+

@@ -43,7 +43,7 @@ from rejax.ops.decode_attention import (
     default_num_splits,
     prefill_attention,
 )
-from rejax.ops.fused_block import post_attention_block
+from rejax.ops.fused_block import post_attention_block, pre_attention_block
 from rejax.ops.fused_linear import (
     fusable,
     fused_linear,
@@ -264,8 +264,24 @@ def _rope_cache(qkv, lw, i, cfg: Config, positions, index, kv) -> tuple:
 def _pre_attention(x, lw, i, cfg: Config, positions, index, kv, kernels: str, gemm: dict,
                    prefetch) -> tuple:  # fmt: skip
     """The fused path before the attention for one new token a row into a bf16 cache: the qkv
-    projection, then q/k norms, RoPE and the cache write. One function, so an experiment can
-    swap it (experiments/kernels/nvfp4_block_tma.py's `install_qkv`)."""
+    projection, then q/k norms, RoPE and the cache write (with Config.gemm_chain "fused" on the
+    GEMM's rows as one op, `pre_attention_block`: the qkv GEMM's finish inside the rope
+    kernel). One function, so an experiment can swap it
+    (experiments/kernels/nvfp4_block_tma.py's `install_qkv`)."""
+    rows = x.shape[0] * x.shape[1]
+    if cfg.gemm_chain == "fused" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
+        # the qkv GEMM's split-K finish inside the rope kernel (one launch fewer)
+        att = lw["self_attn"]
+        norms = (None, None)
+        if cfg.arch == "qwen3":
+            norms = (att["q_norm"]["scale"], att["k_norm"]["scale"])
+        q, kc, vc = pre_attention_block(
+            x[:, 0], att["qkv_proj"], *norms, positions[:, 0], index, kv[0], kv[1],
+            norm=lw["input_layernorm"]["scale"], layer=i, heads=cfg.num_heads,
+            kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+            theta=cfg.rope_theta, gemm_options=gemm["gemm_options"],
+        )  # fmt: skip
+        return q[:, None], (kc, vc, None, None)
     qkv = _fused_qkv(x, lw, i, cfg, kernels, gemm, prefetch)
     return _rope_cache(qkv, lw, i, cfg, positions, index, kv)
 

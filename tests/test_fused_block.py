@@ -176,9 +176,10 @@ def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
 @needs_nvrtc
 @pytest.mark.parametrize("k", [4096, 12288])
 def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
-    """NVRTC compiles `nvfp4_finish_quantize` (RMSNorm with the residual and y stored, SwiGLU
-    over 2K partial columns, "none" with a dynamic scale and per-row weight scales) to an entry
-    of 10 parameters over [M, K / chunk]; ptxas builds it for sm_90 without spills or a stack
+    """NVRTC compiles `nvfp4_finish_quantize` (RMSNorm with the residual and y stored, in the
+    quantizer's chunks and one CTA per row, SwiGLU over 2K partial columns, "none" with a
+    dynamic scale and per-row weight scales, one CTA per row) to an entry of 10 parameters over
+    [M, K / chunk], the row kept in shared memory exactly when one CTA takes it; ptxas builds it for sm_90 without spills or a stack
     frame; the quantizer's other builds carry no FIN_* define (their PTX and cache keys are
     unchanged)."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
@@ -192,16 +193,21 @@ def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
 
     monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
     source = cbuild.read_source(nvfp4_gemv.SOURCE)
-    cases = (
-        ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True)),
-        ("swiglu", False, nvfp4_quant.FinishIn(splitk=2, w_shift=6)),
-        ("none", True, nvfp4_quant.FinishIn(splitk=3, gw_rows=True, residual=True, store_y=True)),
-    )
+    cases = (  # (prologue, dynamic, finish, chunk: None the quantizer's, or one CTA per row)
+        ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True), None),
+        ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True), k),
+        ("swiglu", False, nvfp4_quant.FinishIn(splitk=2, w_shift=6), None),
+        ("none", True, nvfp4_quant.FinishIn(splitk=3, gw_rows=True, residual=True, store_y=True),
+         k),
+    )  # fmt: skip
     try:
-        for prologue, dynamic, fin in cases:
+        for prologue, dynamic, fin, chunk in cases:
             fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, norm_stacked=True,
                                      scale_stacked=not dynamic)  # fmt: skip
-            kern = nvfp4_quant.build(64, k, fused, arch="compute_90", out="xhat", finish=fin)
+            kern = nvfp4_quant.build(64, k, fused, arch="compute_90", out="xhat", finish=fin,
+                                     chunk=chunk, threads=128)  # fmt: skip
+            # one CTA per row keeps the row in shared memory (each partial read once)
+            assert seen[-1].get("FIN_CACHE", 0) == (chunk == k), seen[-1]
             assert cbuild.ptx_entries(kern.ptx) == {FIN: 10}
             assert (kern.n_inputs, kern.n_outputs, kern.entry) == (7, 3, FIN)
             cfg = kern.backend_config()
@@ -288,12 +294,162 @@ def test_decoder_gemm_chain_fused_is_bitwise_split_off_cuda():
 
 @needs_nvrtc
 def test_decode_step_lowers_the_chain_with_gemm_chain_fused(tmp_path, monkeypatch):
-    """A decode step's scanned layer at 32 rows: with gemm_chain "fused" two finish-quantizers
-    and two launches fewer than with "split"; at 4 rows (the GEMV's) the same launches."""
+    """A decode step's scanned layer at 32 rows: with gemm_chain "fused" two finish-quantizers,
+    the rope kernel reading the qkv GEMM's partials, and three launches fewer than with
+    "split" (no finish left but down's); at 4 rows (the GEMV's) the same launches."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     split, _ = layer_launches(CFG, batch=32)
-    fused, _ = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=32)
+    fused, body = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=32)
     assert split.count(FIN) == 0 and fused.count(FIN) == 2, fused
-    assert len(fused) == len(split) - 2, (fused, split)
+    assert split.count(nvfp4_gemm.FINISH_ENTRY) == 4 and fused.count(nvfp4_gemm.FINISH_ENTRY) == 1
+    assert len(fused) == len(split) - 3, (fused, split)
+    rope = [c for c in _ptx_calls(body) if c[0] == "qk_norm_rope_cache"]
+    assert len(rope) == 1 and rope[0][1].startswith("tensor<"), rope
+    s_qkv = nvfp4_gemm.plan(32, (16 + 8) * 128, D).splitk
+    assert rope[0][1].startswith(f"tensor<{s_qkv}x32x3072xf32>, tensor<32xf32>, "), rope[0][1][:80]
     small = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=4)[0]
     assert small == layer_launches(CFG, batch=4)[0]
+
+
+# ----------------------------------------------------------------------------- pre-attention
+
+HEADS, KV, HD = 16, 4, 128
+QKV_N = (HEADS + 2 * KV) * HD
+
+
+def _pre_inputs(b, slots=12, seed=7):
+    qkv = stacked_linear(QKV_N, D, [0.02, 0.03], seed=seed)
+    x = jax.random.normal(jax.random.key(seed), (b, D), jnp.bfloat16)
+    norm = 1.0 + 0.1 * jax.random.normal(jax.random.key(seed + 1), (2, D), jnp.bfloat16)
+    qn = 1.0 + 0.1 * jax.random.normal(jax.random.key(seed + 2), (2, HD), jnp.bfloat16)
+    kn = 1.0 + 0.1 * jax.random.normal(jax.random.key(seed + 3), (2, HD), jnp.bfloat16)
+    cache = jax.random.normal(jax.random.key(seed + 4), (2, b, slots, KV, HD), jnp.bfloat16)
+    positions = jnp.arange(b, dtype=jnp.int32) + 3
+    return qkv, x, norm, qn, kn, cache, positions
+
+
+def _pre(x, qkv, norm, qn, kn, positions, index, kc, vc, li, fn=None, **kw):
+    from rejax.ops.fused_block import pre_attention_block
+
+    fn = fn or pre_attention_block
+    return fn(x, qkv, qn, kn, positions, index, kc, vc, norm=norm, layer=li, heads=HEADS,
+              kv_heads=KV, head_dim=HD, eps=1e-6, theta=1e6, **kw)  # fmt: skip
+
+
+def _pre_composed(x, qkv, qn, kn, positions, index, kc, vc, *, norm, layer, eps, theta, **_):
+    from rejax.ops.rope_cache import rope_cache
+
+    y = fl.fused_linear(x, qkv, layer=layer, prologue="rmsnorm", norm=norm, eps=eps, kernels="two")
+    return rope_cache(y, qn, kn, layer, positions, index, kc, vc, heads=HEADS, kv_heads=KV,
+                      head_dim=HD, eps=eps, theta=theta)  # fmt: skip
+
+
+@pytest.mark.parametrize(("qk_norm", "rows_index"), [(True, False), (False, True)])
+def test_pre_block_is_fused_linear_then_rope_cache(qk_norm, rows_index):
+    """Off CUDA, bitwise: q and both caches equal fused_linear (RMSNorm, qkv) then rope_cache,
+    with Qwen3's q/k norms and one slot for all rows, or none (Qwen2) and a slot per row."""
+    b = 16
+    qkv, x, norm, qn, kn, cache, positions = _pre_inputs(b)
+    if not qk_norm:
+        qn = kn = None
+    index = jnp.arange(b, dtype=jnp.int32) % 5 if rows_index else jnp.int32(4)
+    run = jax.jit(lambda x, kc, vc, li: _pre(x, qkv, norm, qn, kn, positions, index, kc, vc, li))
+    want = jax.jit(
+        lambda x, kc, vc, li: _pre(
+            x, qkv, norm, qn, kn, positions, index, kc, vc, li, fn=_pre_composed
+        )
+    )
+    for layer in (0, 1):
+        got = run(x, cache, cache * 2, jnp.int32(layer))
+        ref = want(x, cache, cache * 2, jnp.int32(layer))
+        for g, r in zip(got, ref, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+        assert not np.array_equal(np.asarray(got[1]), np.asarray(cache))  # a slot was written
+
+
+def test_pre_supported_says_why():
+    from cuda_ops import rope_cache as rk
+    from rejax.ops.fused_block import pre_supported
+
+    rope = rk.Shape(batch=32, heads=HEADS, kv_heads=KV, head_dim=HD, slots=8, qk_norm=True,
+                    eps=1e-6, index_rows=False)  # fmt: skip
+    assert pre_supported(32, (QKV_N, D), rope) == (True, "")
+    ok, why = pre_supported(4, (QKV_N, D), rope)
+    assert not ok and "take the GEMV" in why
+    ok, why = pre_supported(32, (QKV_N, 512), rope)
+    assert not ok and "does not split K" in why
+    ok, why = pre_supported(32, (QKV_N, D), dataclasses.replace(rope, head_dim=48))
+    assert not ok and "head_dim=48" in why
+    ok, why = pre_supported(32, (QKV_N, D), rope, nvfp4_gemm.GemmOptions(reduce="cluster"))
+    assert not ok and "reduce='cluster'" in why
+
+
+@needs_nvrtc
+def test_pre_block_lowers_to_quantizer_gemm_and_rope(tmp_path, monkeypatch):
+    """Lowered for CUDA at 32 rows: the quantizer, the qkv GEMM writing partials and the rope
+    kernel reading them (partials, x's global scales, the stacked weight global scales, ...,
+    both caches aliased to its second and third results): 3 launches where the split path has
+    4; at 4 rows the split path's lowering; impl="cuda" refuses the GEMV's rows."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+
+    def lowered(b, fn=None, impl="auto"):
+        qkv, x, norm, qn, kn, cache, positions = _pre_inputs(b)
+        f = jax.jit(lambda x, kc, vc: _pre(x, qkv, norm, qn, kn, positions, jnp.int32(2), kc, vc,
+                                           jnp.int32(1), fn=fn, impl=impl))  # fmt: skip
+        return f.trace(x, cache, cache).lower(lowering_platforms=("cuda",)).as_text()
+
+    text = lowered(32)
+    assert _entries(text) == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, "qk_norm_rope_cache"]
+    (rope,) = [line for line in text.splitlines() if "qk_norm_rope_cache" in line]
+    s = nvfp4_gemm.plan(32, QKV_N, D).splitk
+    assert f": (tensor<{s}x32x{QKV_N}xf32>, tensor<32xf32>, tensor<2xf32>, " in rope, rope[-600:]
+    assert "operand_index = 9" in rope and "operand_index = 10" in rope, rope[-600:]
+    composed = _entries(lowered(32, fn=_pre_composed))
+    assert composed == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, nvfp4_gemm.FINISH_ENTRY,
+                        "qk_norm_rope_cache"]  # fmt: skip
+    assert _entries(lowered(4)) == _entries(lowered(4, fn=_pre_composed))
+    with pytest.raises(ValueError, match="impl='cuda'.*take the GEMV"):
+        lowered(4, impl="cuda")
+
+
+@needs_nvrtc
+def test_rope_finish_build(tmp_path, monkeypatch):
+    """The rope kernel with the qkv GEMM's finish compiles to 14 parameters without spills, the
+    caches aliased to operands 9 and 10; a residual or a stored y is refused."""
+    from cuda_ops import rope_cache as rk
+
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    shape = rk.Shape(batch=64, heads=32, kv_heads=8, head_dim=128, slots=1536, qk_norm=True,
+                     eps=1e-6, index_rows=True)  # fmt: skip
+    fin = nvfp4_quant.FinishIn(splitk=5, gw_rows=True)
+    kern = rk.build(shape, arch="compute_90", finish=fin)
+    assert cbuild.ptx_entries(kern.ptx) == {rk.ENTRY: 14} and kern.aliases == {9: 1, 10: 2}
+    assert kern.backend_config().endswith("output_indices = [11, 12, 13]}")
+    defines = {"B_ROWS": 64, "N_HEADS": 32, "KV_HEADS": 8, "HEAD_DIM": 128, "S_SLOTS": 1536,
+               "QK_NORM": 1, "NORM_EPS": "1e-06f", "INDEX_ROWS": 1, "WARPS": 4, "FIN_SPLITK": 5,
+               "FIN_W_SHIFT": 7, "FIN_GW_ROWS": 1}  # fmt: skip
+    log = cbuild.ptxas_log(cbuild.read_source(rk.SOURCE), defines, "sm_90", name=rk.SOURCE)
+    assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    with pytest.raises(nvfp4_gemv.KernelError, match="no residual"):
+        rk.build(shape, arch="compute_90", finish=dataclasses.replace(fin, residual=True))
+    assert rk.build(shape, arch="compute_90").n_inputs == 9
+
+
+def test_pre_block_errors_name_the_value():
+    qkv, x, norm, qn, kn, cache, positions = _pre_inputs(8)
+
+    def call(**kw):
+        args = {"x": x, "qkv": qkv, "norm": norm, "qn": qn, "kn": kn, "positions": positions,
+                "index": jnp.int32(0), "kc": cache, "vc": cache, "li": 0, **kw}  # fmt: skip
+        return _pre(**args)
+
+    with pytest.raises(ValueError, match=r"x \(8, 1\) bfloat16, expected \[B, 1024\]"):
+        call(x=x[:, :1])
+    with pytest.raises(ValueError, match=r"norm.shape=\(3,\)"):
+        call(norm=jnp.ones((3,), jnp.bfloat16))
+    with pytest.raises(ValueError, match="qkv_proj N=1024, expected"):
+        call(qkv=stacked_linear(D, D, [0.02, 0.03]))
+    with pytest.raises(ValueError, match="pass layer= for a stack only"):
+        call(li=None)
+    with pytest.raises(ValueError, match=r"positions.shape=\(3,\)"):
+        call(positions=positions[:3])

@@ -11,6 +11,8 @@
   Outputs launched into NaN-poisoned buffers: every byte the kernel owns is written.
 * The block on the GPU equals the same linears' composition on the GPU (three `fused_linear`
   calls, the split path's launches) bit for bit at the Qwen3-8B shapes, 8-64 rows.
+* `pre_attention_block` (the qkv GEMM's finish inside the rope kernel) equals the split path's
+  launches (quantizer, GEMM, finish, rope kernel) bit for bit: q and both caches.
 * The decoder with Config.gemm_chain "fused" gives "split"'s logits bit for bit (2 layers of
   the Qwen3-8B shapes, random weights, batch 16 and 32).
 * `test_sanitizer_subset` is the small case `compute-sanitizer` runs (memcheck, racecheck;
@@ -212,3 +214,41 @@ def test_sanitizer_subset():
         b = jax.jit(functools.partial(_two_launches, gemm=gemm, quant=quant))(*args)
         np.testing.assert_array_equal(np.asarray(a[1]).view(np.uint16),
                                       np.asarray(b[1]).view(np.uint16))  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [8, 16, 64])
+@pytest.mark.parametrize("rows_index", [False, True])
+def test_pre_block_equals_fused_linear_then_rope_cache_on_the_gpu(m, rows_index):
+    """The qkv GEMM's finish inside the rope kernel against the split path's launches (quantizer,
+    GEMM, finish, rope kernel) at the Qwen3-8B shapes: q and both caches bit for bit, one slot
+    for every row or one per row."""
+    from rejax.ops.fused_block import pre_attention_block
+    from rejax.ops.rope_cache import rope_cache
+
+    heads, kv, hd = 32, 8, 128
+    qkv = _linear((heads + 2 * kv) * hd, D, [0.02, 0.03], 5)
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(6), (2, D))).astype(jnp.bfloat16)
+    qn = (1 + 0.1 * jax.random.normal(jax.random.key(7), (2, hd))).astype(jnp.bfloat16)
+    kn = (1 + 0.1 * jax.random.normal(jax.random.key(8), (2, hd))).astype(jnp.bfloat16)
+    x = (jax.random.normal(jax.random.key(m), (m, D)) * 3).astype(jnp.bfloat16)
+    cache = jax.random.normal(jax.random.key(9), (2, m, 40, kv, hd), jnp.bfloat16)
+    positions = jnp.arange(m, dtype=jnp.int32) + 17
+    index = jnp.arange(m, dtype=jnp.int32) % 7 if rows_index else jnp.int32(5)
+    kw = {"heads": heads, "kv_heads": kv, "head_dim": hd, "eps": 1e-6, "theta": 1e6}
+
+    def chain(x, kc, vc, li):
+        return pre_attention_block(x, qkv, qn, kn, positions, index, kc, vc, norm=norm,
+                                   layer=li, **kw)  # fmt: skip
+
+    def split(x, kc, vc, li):
+        y = fl.fused_linear(x, qkv, layer=li, prologue="rmsnorm", norm=norm, eps=1e-6,
+                            kernels="two")  # fmt: skip
+        return rope_cache(y, qn, kn, li, positions, index, kc, vc, **kw)
+
+    run = jax.jit(chain)
+    assert "qk_norm_rope_cache" in run.trace(x, cache, cache, jnp.int32(1)).lower().as_text()
+    got = [np.asarray(a) for a in run(x, cache, cache + 1, jnp.int32(1))]
+    want = [np.asarray(a) for a in jax.jit(split)(x, cache, cache + 1, jnp.int32(1))]
+    for g, w, name in zip(got, want, ("q", "k_cache", "v_cache"), strict=True):
+        np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16), err_msg=f"{name} M={m}")
+    assert not np.array_equal(got[1], np.asarray(cache))

@@ -9,11 +9,13 @@ the repository root:
    columns, K = 12288), at `--ms` (default 8, 16, 32, 64) with the production GEMM plan's K
    split of the producer, builds its split-K finish kernel and the quantizer's x_hat form (the
    "split" path's launches), and the finish-quantizer at each chunking of `--chunks` ("row":
-   one CTA per row, its partials read twice; "1024", "512": the quantizer's chunkings, each
-   CTA re-reading the row's partials for the RMSNorm statistic).
+   one CTA per row, the row kept in shared memory; "1024", "512": the quantizer's chunkings,
+   each CTA re-reading the row's partials for the RMSNorm statistic). Also qkv -> the rope
+   kernel (q/k norm, RoPE, cache write at one slot per row): the finish then the plain rope
+   kernel against the rope kernel that reads the partials.
 2. Runs both on random partials (a zero row, a saturating block) into NaN-poisoned outputs:
    x_hat, the global scales and (o_proj) the residual stream must be the two launches' bytes,
-   and written.
+   and written (rope: q and both caches).
 3. Times each alone: one CUDA graph of `--copies` repetitions of the launches on one stream
    (the partials stay in L2, as in the decode step, where the GEMM has just written them),
    CUDA events, median of 25 replays: us per pair of launches / per fused launch.
@@ -144,6 +146,104 @@ def check_and_time(torch, m, pair, ks, copies) -> tuple[dict, list]:
     return row, fails
 
 
+def _launch_ptx(kernel, grid, block, stream, ptrs):
+    """A direct launch of a PTX kernel object's entry (kernel.ptx, kernel's ENTRY)."""
+    import ctypes
+
+    from cuda.bindings import driver
+
+    from cuda_ops import rope_cache as rk
+    from cuda_ops.nvfp4_gemv import _drv_check
+
+    key = id(kernel)
+    if key not in _MODULES:
+        module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
+        fn = _drv_check(driver.cuModuleGetFunction(module, rk.ENTRY.encode()), "function")
+        _MODULES[key] = (module, fn, kernel)
+    params = (tuple(ptrs), tuple(ctypes.c_void_p for _ in ptrs))
+    _drv_check(
+        driver.cuLaunchKernel(_MODULES[key][1], grid, 1, 1, block, 1, 1, 0, stream, params, 0),
+        "cuLaunchKernel",
+    )
+
+
+_MODULES: dict = {}
+ROPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "slots": 64}
+
+
+def rope_kernels(m: int, arch=None) -> dict:
+    """qkv -> rope at M rows: the qkv GEMM (for its finish entry), the plain rope kernel and
+    the rope kernel reading the partials; {} where the qkv GEMM does not split K."""
+    from cuda_ops import nvfp4_gemm, nvfp4_quant
+    from cuda_ops import rope_cache as rk
+
+    n = (ROPE["heads"] + 2 * ROPE["kv_heads"]) * ROPE["head_dim"]
+    gemm = nvfp4_gemm.build(m, n, D, arch=arch)
+    if not gemm.plan.partials:
+        return {}
+    shape = rk.Shape(batch=m, heads=ROPE["heads"], kv_heads=ROPE["kv_heads"],
+                     head_dim=ROPE["head_dim"], slots=ROPE["slots"], qk_norm=True, eps=1e-6,
+                     index_rows=True)  # fmt: skip
+    fin = nvfp4_quant.FinishIn(splitk=gemm.plan.splitk, w_shift=gemm.plan.w_shift)
+    return {"finish": gemm, "rope": rk.build(shape, arch=arch),
+            "rope_fin": rk.build(shape, arch=arch, finish=fin)}  # fmt: skip
+
+
+def check_rope(torch, m, ks, copies) -> tuple[dict, list]:
+    from cuda_ops import nvfp4_gemm
+    from experiments import bench_kernel as bk
+
+    gemm = ks["finish"]
+    n, s = gemm.plan.n, gemm.plan.splitk
+    g = torch.Generator(device="cuda")
+    g.manual_seed(m)
+    dev = "cuda"
+    part = torch.randn((s, m, n), generator=g, device=dev) * 40
+    xgp = torch.rand((m,), generator=g, device=dev) * 1.5e-2 + 5e-3
+    wg = torch.rand((2,), generator=g, device=dev) * 3e-4 + 1e-4
+    hd = ROPE["head_dim"]
+    qn, kn = ((1 + 0.1 * torch.randn((2, hd), generator=g, device=dev)).to(torch.bfloat16)
+              for _ in range(2))  # fmt: skip
+    layer = torch.tensor(1, dtype=torch.int32, device=dev)
+    pos = torch.arange(m, dtype=torch.int32, device=dev) + 9
+    index = torch.arange(m, dtype=torch.int32, device=dev) % ROPE["slots"]
+    inv = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
+    cshape = (2, m, ROPE["slots"], ROPE["kv_heads"], hd)
+    cache = torch.randn(cshape, generator=g, device=dev).to(torch.bfloat16)
+    stream = torch.cuda.current_stream().cuda_stream
+    rope, fin = ks["rope"], ks["rope_fin"]
+    outs = {}
+    for v in ("two", "rope_fin"):
+        y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=dev)
+        q = torch.full((m, ROPE["heads"], hd), float("nan"), dtype=torch.bfloat16, device=dev)
+        kc, vc = cache.clone(), cache.clone()
+        tail = [qn, kn, layer, pos, index, inv, kc, vc, q, kc, vc]
+        if v == "two":
+
+            def fn(y=y, tail=tail):
+                ptrs = [t.data_ptr() for t in (part, xgp, wg, layer, y)]
+                gemm._launch(nvfp4_gemm.FINISH_ENTRY, stream, ptrs)
+                _launch_ptx(rope, rope.grid, 32 * rope.warps, stream,
+                            [t.data_ptr() for t in [y, *tail]])  # fmt: skip
+        else:
+
+            def fn(tail=tail):
+                _launch_ptx(fin, fin.grid, 32 * fin.warps, stream,
+                            [t.data_ptr() for t in [part, xgp, wg, *tail]])  # fmt: skip
+
+        fn()
+        outs[v] = ((q, kc, vc), fn)
+    torch.cuda.synchronize()
+    row = {"pair": "qkv_rope", "m": m, "splitk": s, "n": n}
+    same = all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+               for a, b in zip(outs["two"][0], outs["rope_fin"][0], strict=True))  # fmt: skip
+    row["rope_fin_equal"] = bool(same) and bool(torch.isfinite(outs["two"][0][0]).all())
+    for v, (_, fn) in outs.items():
+        row[f"{v}_us"] = 1e6 * bk.time_torch_graph(torch, [fn] * copies)
+    row["rope_fin_speedup"] = row["two_us"] / row["rope_fin_us"]
+    return row, [] if row["rope_fin_equal"] else [("qkv_rope", m, "rope_fin")]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -179,6 +279,13 @@ def main(argv=None) -> int:
                 result["rows"].append({"pair": pair[0], "m": m, "splitk": 1, "skipped": True})
                 continue
             row, fails = check_and_time(torch, m, pair, ks, args.copies)
+            failures += fails
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    for m in ms:
+        ks = rope_kernels(m)
+        if ks:
+            row, fails = check_rope(torch, m, ks, args.copies)
             failures += fails
             result["rows"].append(row)
             print(json.dumps(row), flush=True)

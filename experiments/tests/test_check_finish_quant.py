@@ -27,6 +27,15 @@ def test_kernels_build_for_both_pairs(tmp_path, monkeypatch):
     assert sorted(cfq.kernels(16, gu_down, ("row",), arch="compute_90")) == ["finish"]
 
 
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+def test_rope_kernels_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    ks = cfq.rope_kernels(16, arch="compute_90")
+    assert ks["rope_fin"].finish.splitk == ks["finish"].plan.splitk == 4
+    assert (ks["rope"].n_inputs, ks["rope_fin"].n_inputs) == (9, 11)
+    assert ks["rope"].grid == ks["rope_fin"].grid == 16 * 48 // 4
+
+
 def test_bad_flags_fail_first(tmp_path):
     with pytest.raises(SystemExit, match="--chunks: '100'"):
         cfq.main(["--out", str(tmp_path / "x.json"), "--chunks", "row,100"])

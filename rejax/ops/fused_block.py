@@ -19,6 +19,11 @@ bf16 values, and for o_proj the residual stream h it stores), then the next line
 and quantizer write its x_hat. The bytes equal the two launches' (the row statistics are
 summed in the quantizer kernel's order; tests/test_fused_block_gpu.py checks it): a speed
 choice, `Config.gemm_chain` "fused" (default "split": the composition's launches).
+
+`pre_attention_block` does the same before the attention (one new token a row, a bf16 cache):
+qkv = fused_linear(x, qkv_proj, prologue="rmsnorm") then `rejax.ops.rope_cache.rope_cache`,
+with the qkv GEMM's split-K finish inside the rope kernel (`cuda_ops.rope_cache.build(...,
+finish=)`: it forms each qkv value as the finish kernel would store it), one launch fewer.
 """
 
 from __future__ import annotations
@@ -35,12 +40,16 @@ from jax.interpreters import mlir
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
+from cuda_ops import rope_cache as rope_kernel
+from rejax import layers
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
 from rejax.ops import fused_linear as fl
+from rejax.ops import rope_cache as rope_ref
 from rejax.ops.linear import gemm_call_xhat, prefers_dot
 
 OP = "nvfp4_post_attention_block"
+PRE_OP = "nvfp4_pre_attention_block"
 LINEARS = ("o_proj", "gate_up_proj", "down_proj")
 
 
@@ -363,3 +372,229 @@ def post_attention_block(
         norm_chunk=norm_chunk,
     )
     return jnp.reshape(y, (*lead, n_o))
+
+
+# ----------------------------------------------------------------------------- pre-attention
+
+
+def pre_supported(
+    m: int,
+    shape: tuple,
+    rope: rope_kernel.Shape,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+) -> tuple[bool, str]:
+    """(True, "") if `pre_attention_block`'s kernel chain serves M rows of a qkv projection of
+    `shape` (n, k) feeding the rope kernel of `rope`, else (False, why): M in the GEMM's rows,
+    a GEMM and quantizer shape, a qkv GEMM that splits K through partials, a rope kernel
+    shape."""
+    if m < gemm_options.min_m:
+        return False, f"M={m} rows take the GEMV (gemm_options.min_m={gemm_options.min_m})"
+    if prefers_dot("w4a4", m, "auto", gemm_options):
+        return False, f"M={m} rows take the dot (gemm_options.max_m={gemm_options.max_m})"
+    if gemm_options.x_quant != "kernel":
+        return False, f"gemm_options.x_quant={gemm_options.x_quant!r} (the chain needs 'kernel')"
+    if gemm_options.reduce != "finish":
+        return False, f"gemm_options.reduce={gemm_options.reduce!r} (no partials to finish)"
+    n, k = shape
+    for ok, why in (nvfp4_gemm.check_shape(m, n, k, gemm_options), nvfp4_quant.check_shape(m, k),
+                    rope_kernel.check_shape(rope)):  # fmt: skip
+        if not ok:
+            return False, why
+    if not nvfp4_gemm.plan(m, n, k, cbuild.device_sms(), gemm_options).partials:
+        return False, f"M={m}: the qkv GEMM does not split K (nothing to fuse)"
+    return True, ""
+
+
+def _pre_reference(x, xg, nw, wp, ws, wg, layer, *rope_ops, shape, fused, rope, theta, **_: Any):
+    """fused_linear's reference (RMSNorm, the qkv projection), then rope_cache's."""
+    n, k = shape
+    no_res = jnp.zeros((1, 1), jnp.bfloat16)
+    qkv = fl._reference(x, xg, nw, no_res, wp, ws, wg, layer, n=n, k=k, fused=fused)
+    qn, kn, positions, index, inv_freq, kc, vc = rope_ops
+    return rope_ref._reference(qkv, qn, kn, layer, positions, index, inv_freq, kc, vc,
+                               shape=rope, theta=theta)  # fmt: skip
+
+
+def _pre_abstract(x, *ops, rope, **_: Any):
+    kc, vc = ops[-2], ops[-1]
+    q = jax.core.ShapedArray((rope.batch, rope.heads, rope.head_dim), jnp.bfloat16)
+    return q, jax.core.ShapedArray(kc.shape, kc.dtype), jax.core.ShapedArray(vc.shape, vc.dtype)
+
+
+_pre_p = Primitive("rejax_nvfp4_pre_attention_block")
+_pre_p.multiple_results = True
+_pre_p.def_abstract_eval(_pre_abstract)
+
+
+@functools.cache
+def _pre_jitted(**params):
+    return jax.jit(functools.partial(_pre_p.bind, **params))
+
+
+_pre_p.def_impl(lambda *args, **params: _pre_jitted(**params)(*args))
+
+
+def _lower_pre_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(PRE_OP, params["impl"], ctx.module_context.platforms)
+    fn = functools.partial(_pre_reference, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _pre_chain(x, xg, nw, wp, ws, wg, layer, *rope_ops, shape, fused, quant, gemm, rope_kern):
+    k = shape[1]
+    pro = dataclasses.replace(fused, residual=False)
+    xh, xgr = fl._quant_xhat_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
+    part = _partials(gemm, xh, xgr, wp, ws, wg, layer)
+    qn, kn, positions, index, inv_freq, kc, vc = rope_ops
+    s = rope_kern.shape
+    outs = (
+        jax.ShapeDtypeStruct((s.batch, s.heads, s.head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct(kc.shape, kc.dtype),
+        jax.ShapeDtypeStruct(vc.shape, vc.dtype),
+    )
+    ops = (part, xgr, wg, qn, kn, layer, positions, index, inv_freq, kc, vc)
+    return _dispatch.ptx_call(rope_kern.backend_config(), outs, *ops, aliases=rope_kern.aliases)
+
+
+def _lower_pre_cuda(ctx, *args, shape, fused, gw_rows, rope, theta, impl, gemm_options):
+    m = ctx.avals_in[0].shape[0]
+    supported = pre_supported(m, shape, rope, gemm_options)
+    kernels = None
+    if supported[0] and impl != "ref":
+        n, k = shape
+        try:
+            quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False), out="xhat")
+            gemm = nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=gw_rows)
+            p = gemm.plan
+            fin = nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows)
+            kernels = {
+                "quant": quant,
+                "gemm": gemm,
+                "rope_kern": rope_kernel.build(rope, finish=fin),
+            }
+        except nvfp4_gemv.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(PRE_OP, impl, supported):
+        fn = functools.partial(_pre_reference, shape=shape, fused=fused, rope=rope, theta=theta)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    fn = functools.partial(_pre_chain, shape=shape, fused=fused, **kernels)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(_pre_p, _lower_pre_reference)
+mlir.register_lowering(_pre_p, _lower_pre_cuda, platform="cuda")
+
+
+def pre_attention_block(
+    x: jax.Array,
+    qkv_proj: dict,
+    q_norm: jax.Array | None,
+    k_norm: jax.Array | None,
+    positions: jax.Array,
+    index: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    norm: jax.Array,
+    layer: Any,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    theta: float,
+    impl: str = "auto",
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The decode step before the attention for one new token a row: qkv =
+    fused_linear(x, qkv_proj, prologue="rmsnorm", norm=norm), then `rope_cache` (q/k norms,
+    RoPE, the cache write), with the qkv GEMM's split-K finish inside the rope kernel on CUDA
+    (one launch fewer; Config.gemm_chain "fused").
+
+    Args:
+        x: [B, D] bf16, the residual stream (one token per row).
+        qkv_proj: W4A4 params of the fused q/k/v projection (`fused_linear.fusable`), stacked
+            [L, ...] with `layer`.
+        q_norm, k_norm, positions, index, k_cache, v_cache, heads, kv_heads, head_dim, theta:
+            as `rejax.ops.rope_cache.rope_cache` (a bf16 cache, updated in place on CUDA).
+        norm: the input RMSNorm weight, [D] or stacked [L, D].
+        layer: int32 [] layer of the stacks.
+        eps: the epsilon of the input RMSNorm and of the q/k norms (the decoder's one
+            rms_norm_eps).
+        impl: "auto", "ref" or "cuda" ("cuda" fails where the chain does not serve,
+            `pre_supported` says why).
+        gemm_options: the qkv GEMM's choices (`min_m` .. `max_m` are the rows the chain takes).
+
+    Returns:
+        (q [B, N, H], k_cache, v_cache). Where the chain does not apply, `fused_linear` then
+        `rope_cache`, the decoder's "split" path.
+    """
+    _dispatch.check_impl(impl)
+    w = fl._w4a4_weight("pre_attention_block's qkv_proj", qkv_proj, layer)
+    n, k = w.shape
+    if n != (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv_proj N={n}, expected (heads + 2 kv_heads) x head_dim = "
+            f"{(heads + 2 * kv_heads) * head_dim}"
+        )
+    if np.ndim(x) != 2 or np.shape(x)[1] != k or np.dtype(x.dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(f"x {np.shape(x)} {np.dtype(x.dtype)}, expected [B, {k}] bfloat16")
+    stacked_norm = np.ndim(norm) == 2
+    if tuple(np.shape(norm)) != ((*w.stack, k) if stacked_norm else (k,)):
+        raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k,)} or {(*w.stack, k)}")
+    if not isinstance(gemm_options, nvfp4_gemm.GemmOptions):
+        got = type(gemm_options).__name__
+        raise ValueError(f"gemm_options must be a GemmOptions, got {got}")  # noqa: TRY004
+    b = int(np.shape(x)[0])
+
+    def composed():
+        qkv = fl.fused_linear(x, qkv_proj, layer=layer, prologue="rmsnorm", norm=norm, eps=eps,
+                              impl=impl, kernels="two", gemm_options=gemm_options)  # fmt: skip
+        return rope_ref.rope_cache(
+            qkv, q_norm, k_norm, layer, positions, index, k_cache, v_cache, heads=heads,
+            kv_heads=kv_heads, head_dim=head_dim, eps=eps, theta=theta, impl=impl,
+        )  # fmt: skip
+
+    rope = rope_ref.rope_shape(b, q_norm, k_norm, positions, index, k_cache, v_cache,
+                               heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+    ok, why = pre_supported(b, (n, k), rope, gemm_options)
+    bf16 = all(np.dtype(c.dtype) == np.dtype(jnp.bfloat16) for c in (k_cache, v_cache))
+    if ok and not bf16:
+        ok, why = False, f"cache dtype {np.dtype(k_cache.dtype)} (the rope kernel takes bfloat16)"
+    if impl == "ref" or not ok:
+        if impl == "cuda" and not ok:
+            raise ValueError(f"pre_attention_block(impl='cuda'): {why}")
+        return composed()
+    scale = qkv_proj.get("input_scale")
+    fused = nvfp4_gemv.Fused(
+        prologue="rmsnorm",
+        dynamic=scale is None,
+        eps=float(eps),
+        norm_stacked=stacked_norm,
+        scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
+    )
+    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
+    return tuple(
+        _pre_p.bind(
+            x,
+            jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
+            jnp.asarray(norm, jnp.bfloat16),
+            w.packed,
+            jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+            jnp.asarray(w.global_scale, jnp.float32),
+            jnp.asarray(layer, jnp.int32).reshape(()),
+            dummy if q_norm is None else q_norm,
+            dummy if k_norm is None else k_norm,
+            jnp.asarray(positions, jnp.int32),
+            jnp.asarray(index, jnp.int32).reshape(-1),
+            layers.rope_inv_freq(head_dim, theta),
+            k_cache,
+            v_cache,
+            shape=(n, k),
+            fused=fused,
+            gw_rows=w.per_row,
+            rope=rope,
+            theta=float(theta),
+            impl=impl,
+            gemm_options=gemm_options,
+        )
+    )

@@ -150,6 +150,36 @@ def rope_cache(
     want = (b, (heads + 2 * kv_heads) * head_dim)
     if tuple(np.shape(qkv)) != want:
         raise ValueError(f"qkv.shape={np.shape(qkv)}, expected {want} (one token per row)")
+    shape = rope_shape(b, q_norm, k_norm, positions, index, k_cache, v_cache, heads=heads,
+                       kv_heads=kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+    if impl == "cuda":
+        ok, why = kernel_mod.check_shape(shape)
+        if not ok:
+            raise ValueError(f"rope_cache(impl='cuda'): {why}")
+    dummy = jnp.zeros((1, head_dim), qkv.dtype)
+    return tuple(
+        _rope_p.bind(
+            qkv,
+            dummy if q_norm is None else q_norm,
+            dummy if k_norm is None else k_norm,
+            jnp.asarray(layer, jnp.int32).reshape(()),
+            jnp.asarray(positions, jnp.int32),
+            jnp.asarray(index, jnp.int32).reshape(-1),
+            layers.rope_inv_freq(head_dim, theta),
+            k_cache,
+            v_cache,
+            shape=shape,
+            theta=float(theta),
+            impl=impl,
+        )
+    )
+
+
+def rope_shape(
+    b: int, q_norm, k_norm, positions, index, k_cache, v_cache, *, heads, kv_heads, head_dim, eps
+) -> kernel_mod.Shape:
+    """The kernel shape of `rope_cache`'s arguments for B rows, checked (ValueError naming the
+    argument that does not fit)."""
     if (q_norm is None) != (k_norm is None):
         raise ValueError("pass both q_norm and k_norm (Qwen3) or neither (Qwen2)")
     cache_shape = tuple(np.shape(k_cache))
@@ -177,24 +207,4 @@ def rope_cache(
         eps=float(eps),
         index_rows=np.ndim(index) == 1,
     )
-    if impl == "cuda":
-        ok, why = kernel_mod.check_shape(shape)
-        if not ok:
-            raise ValueError(f"rope_cache(impl='cuda'): {why}")
-    dummy = jnp.zeros((1, head_dim), qkv.dtype)
-    return tuple(
-        _rope_p.bind(
-            qkv,
-            dummy if q_norm is None else q_norm,
-            dummy if k_norm is None else k_norm,
-            jnp.asarray(layer, jnp.int32).reshape(()),
-            jnp.asarray(positions, jnp.int32),
-            jnp.asarray(index, jnp.int32).reshape(-1),
-            layers.rope_inv_freq(head_dim, theta),
-            k_cache,
-            v_cache,
-            shape=shape,
-            theta=float(theta),
-            impl=impl,
-        )
-    )
+    return shape
