@@ -190,7 +190,6 @@ class QuantKernel:
             outputs=range(self.n_inputs, self.n_inputs + self.n_outputs),
         )
 
-
     def launch(self, stream: int, pointers: list[int]) -> None:
         """Launches on `stream` (no sync, no allocation): pointers to the entry's operands, then
         its outputs (n_inputs + n_outputs device pointers), as XLA passes them."""
