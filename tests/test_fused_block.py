@@ -167,6 +167,21 @@ def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
     assert "grid_x = 32, grid_y = 2," in cfg and "block_x = 128," in cfg
     with pytest.raises(ValueError, match="norm_chunk=300: expected a multiple of 256"):
         lowered(32, fn=functools.partial(post_attention_block, norm_chunk=300))
+    # down's input at F = 4096: the quantizer's chunks (4 a row) with a static scale, one CTA
+    # per row with a dynamic one (its amax pass reads the whole row)
+    from rejax.ops import fused_block as fb
+
+    shapes = ((D, K_O), (2 * 4096, D), (D, 4096))
+    assert nvfp4_gemm.plan(32, *shapes[1]).partials
+    for dynamic, chunks in ((False, 4), (True, 1)):
+        fused = tuple(
+            nvfp4_gemv.Fused(prologue=p, residual=r, dynamic=dynamic and p == "swiglu")
+            for p, r in (("none", True), ("rmsnorm", False), ("swiglu", True))
+        )
+        chain = fb._build_chain(32, shapes, fused, (False,) * 3, nvfp4_gemm.DEFAULT_OPTIONS,
+                                True, None)  # fmt: skip
+        assert chain.fin_d.k // chain.fin_d.chunk == chunks, (dynamic, chain.fin_d.chunk)
+        assert chain.fin_g.chunk == D and chain.fin_g.threads == 128
     assert FIN not in _entries(lowered(4))
     assert _entries(lowered(32, impl="ref")) == []
     with pytest.raises(ValueError, match="impl='cuda'.*take the GEMV"):

@@ -154,8 +154,9 @@ def _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk) 
     fin_g = quant_g = None
     if gemm_o.plan.partials:
         fin = finish_of(gemm_o, residual=True, store_y=True)
-        # one CTA per row by default (each partial read twice); the split path quantizer's
-        # threads, which fix the order of the RMSNorm sum: the same bytes at any chunk
+        # one CTA per row by default (the row formed once in shared memory: each partial read
+        # once); the split path quantizer's threads, which fix the order of the RMSNorm sum:
+        # the same bytes at any chunk
         chunk = norm_chunk or k_g
         threads = nvfp4_quant.default_threads(nvfp4_quant.default_chunk(k_g, "xhat"), "xhat")
         fin_g = nvfp4_quant.build(m, k_g, f_g, out="xhat", finish=fin, chunk=chunk,
@@ -166,7 +167,11 @@ def _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk) 
     gemm_g = gemm(n_g, k_g, gw_rows[1], False)
     fin_d = quant_d = None
     if gemm_g.plan.partials:
-        fin_d = nvfp4_quant.build(m, k_d, f_d, out="xhat", finish=finish_of(gemm_g, False, False))
+        # SwiGLU with a static scale needs no row pass: the quantizer's chunks, each partial read
+        # once; a dynamic scale's amax pass reads the row, so one CTA per row then
+        chunk = k_d if f_d.dynamic else None
+        fin_d = nvfp4_quant.build(m, k_d, f_d, out="xhat", chunk=chunk,
+                                  finish=finish_of(gemm_g, False, False))  # fmt: skip
     else:
         quant_d = nvfp4_quant.build(m, k_d, f_d, out="xhat")
     gemm_d = gemm(n_d, k_d, gw_rows[2], epilogue)
@@ -276,10 +281,10 @@ def post_attention_block(
         residual_epilogue: down's GEMM adds the residual in its epilogue (else a bf16 add;
             the same value), as `fused_linear`'s.
         norm_chunk: elements of a row that each CTA of o_proj's finish-quantizer quantizes (a
-            multiple of 256 dividing D). None: the whole row, one CTA per row, which reads
-            the row's partials twice (the RMSNorm statistic, then the codes); a smaller chunk
-            spreads the rows over more CTAs, each of which reads the whole row's partials for
-            the statistic. The bytes are the same either way.
+            multiple of 256 dividing D). None: the whole row, one CTA per row, which forms the
+            row once in shared memory (each partial read once); a smaller chunk spreads the
+            rows over more CTAs, each of which reads the whole row's partials for the RMSNorm
+            statistic. The bytes are the same either way.
 
     Returns:
         bf16 [..., D].
