@@ -7,8 +7,9 @@
 # xor_ncu (executed instructions and issue activity, production vs XOR_NCU_VARIANT), profile
 # (experiments/profile_step.py: every kernel of an 8-layer decode step, NVFP4 and bf16 at
 # PROFILE_BATCHES, default "64 16": where the NVFP4 step spends its time beside the GEMMs) and
-# chain (Config.gemm_chain "fused": GPU tests, sanitizer, 36-layer decode against "split" at
-# CHAIN_BATCHES, an 8-layer profile of both at batch 64).
+# chain (Config.gemm_chain "fused": its kernels alone against the launches they replace, GPU
+# tests, sanitizer, 36-layer decode against "split" at CHAIN_BATCHES, an 8-layer profile of
+# both at batch 64).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -80,9 +81,20 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
           "$out/xor_ncu_$name.txt" | head -40
       done;;
     chain)
-      # Config.gemm_chain "fused" (rejax/ops/fused_block.py): its GPU tests, compute-sanitizer
+      # Config.gemm_chain "fused" (rejax/ops/fused_block.py): the fused launches against the
+      # ones they replace, kernel alone (check_finish_quant.py), its GPU tests, compute-sanitizer
       # on its kernel, then the 36-layer decode at CHAIN_BATCHES with "split" and "fused" in one
       # process (and bf16), then an 8-layer profile of both at batch 64 (launches a layer)
+      timeout ${CHECK_TIMEOUT:-180} python3 experiments/kernels/check_finish_quant.py \
+        --out "$out/finish_quant.json" > "$out/finish_quant.log" 2>&1; echo "check rc=$?"
+      grep -E "FAILED|passed" "$out/finish_quant.log"
+      python3 - "$out/finish_quant.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["pair"], "M", r["m"], "S", r["splitk"],
+          {k: round(v, 2) for k, v in r.items() if k.endswith(("_us", "_speedup"))},
+          {k: v for k, v in r.items() if k.endswith("_equal") and not v})
+PY
       timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu tests/test_fused_block_gpu.py \
         -p no:cacheprovider > "$out/chain_pytest.log" 2>&1; tail -6 "$out/chain_pytest.log"
       for tool in memcheck racecheck; do
