@@ -8,8 +8,8 @@
 # (experiments/profile_step.py: every kernel of an 8-layer decode step, NVFP4 and bf16 at
 # PROFILE_BATCHES, default "64 16": where the NVFP4 step spends its time beside the GEMMs) and
 # chain (Config.gemm_chain "fused": its kernels alone against the launches they replace, GPU
-# tests, sanitizer, 36-layer decode against "split" at CHAIN_BATCHES, an 8-layer profile of
-# both at batch 64).
+# tests, sanitizer) and chain_decode (36-layer decode against "split" at CHAIN_BATCHES, an
+# 8-layer profile of both at batch 64); one call each (each stays under 10 minutes).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -83,8 +83,8 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
     chain)
       # Config.gemm_chain "fused" (rejax/ops/fused_block.py): the fused launches against the
       # ones they replace, kernel alone (check_finish_quant.py), its GPU tests, compute-sanitizer
-      # on its kernel, then the 36-layer decode at CHAIN_BATCHES with "split" and "fused" in one
-      # process (and bf16), then an 8-layer profile of both at batch 64 (launches a layer)
+      # on its kernels; chain_decode: the 36-layer decode at CHAIN_BATCHES with "split" and
+      # "fused" in one process (and bf16), then an 8-layer profile of both at batch 64
       timeout ${CHECK_TIMEOUT:-180} python3 experiments/kernels/check_finish_quant.py \
         --out "$out/finish_quant.json" > "$out/finish_quant.log" 2>&1; echo "check rc=$?"
       grep -E "FAILED|passed" "$out/finish_quant.log"
@@ -100,7 +100,8 @@ PY
       for tool in memcheck racecheck; do
         timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool python3 -m pytest -q -m gpu \
           tests/test_fused_block_gpu.py -k sanitizer -p no:cacheprovider 2>&1 | tail -4
-      done > "$out/chain_sanitize.txt" 2>&1; cat "$out/chain_sanitize.txt"
+      done > "$out/chain_sanitize.txt" 2>&1; cat "$out/chain_sanitize.txt";;
+    chain_decode)
       timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
         --batch ${CHAIN_BATCHES:-16 32 64} --gen-len 512 --repeats 3 --no-breakdown \
         --gemm-chain split fused --out "$out/decode_chain.json" > "$out/decode_chain.log" 2>&1
