@@ -103,10 +103,10 @@ PY
       done > "$out/chain_sanitize.txt" 2>&1; cat "$out/chain_sanitize.txt";;
     chain_decode)
       timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
-        --batch ${CHAIN_BATCHES:-16 32 64} --gen-len 512 --repeats 3 --no-breakdown \
+        --batch ${CHAIN_BATCHES:-16 64} --gen-len 512 --repeats 3 --no-breakdown \
         --gemm-chain split fused --out "$out/decode_chain.json" > "$out/decode_chain.log" 2>&1
       grep -E "ms/token|FAILED" "$out/decode_chain.log"
-      timeout ${PROFILE_TIMEOUT:-240} python3 experiments/profile_step.py --layers 8 --steps 16 \
+      timeout ${PROFILE_TIMEOUT:-150} python3 experiments/profile_step.py --layers 8 --steps 16 \
         --variant nvfp4:64 --variant nvfp4:64:gemm_chain=fused --out "$out/profile_chain.json" \
         > "$out/profile_chain.log" 2>&1; grep -E "^\[|/layer" "$out/profile_chain.log" | head -30;;
     profile)
