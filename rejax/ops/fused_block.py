@@ -53,13 +53,9 @@ PRE_OP = "nvfp4_pre_attention_block"
 LINEARS = ("o_proj", "gate_up_proj", "down_proj")
 
 
-def block_supported(
-    m: int, shapes: tuple, gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS
-) -> tuple[bool, str]:
-    """(True, "") if the op's kernel chain serves M rows of the block whose linears have
-    `shapes` ((n, k) of o_proj, gate_up_proj, down_proj), else (False, why): M in the GEMM's
-    rows, every linear a GEMM shape, every input a quantizer kernel shape in its x_hat form,
-    and at least one K split through partials to fuse (o_proj's or gate_up's)."""
+def _chain_rows(m: int, gemm_options: nvfp4_gemm.GemmOptions) -> tuple[bool, str]:
+    """Whether M rows and the GEMM choices allow a chain at all: the GEMM's rows, the x_hat
+    quantizer kernel, K splits through partials."""
     if m < gemm_options.min_m:
         return False, f"M={m} rows take the GEMV (gemm_options.min_m={gemm_options.min_m})"
     if prefers_dot("w4a4", m, "auto", gemm_options):
@@ -68,6 +64,19 @@ def block_supported(
         return False, f"gemm_options.x_quant={gemm_options.x_quant!r} (the chain needs 'kernel')"
     if gemm_options.reduce != "finish":
         return False, f"gemm_options.reduce={gemm_options.reduce!r} (no partials to finish)"
+    return True, ""
+
+
+def block_supported(
+    m: int, shapes: tuple, gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS
+) -> tuple[bool, str]:
+    """(True, "") if the op's kernel chain serves M rows of the block whose linears have
+    `shapes` ((n, k) of o_proj, gate_up_proj, down_proj), else (False, why): M in the GEMM's
+    rows, every linear a GEMM shape, every input a quantizer kernel shape in its x_hat form,
+    and at least one K split through partials to fuse (o_proj's or gate_up's)."""
+    ok, why = _chain_rows(m, gemm_options)
+    if not ok:
+        return ok, why
     for name, (n, k) in zip(LINEARS, shapes, strict=True):
         ok, why = nvfp4_gemm.check_shape(m, n, k, gemm_options)
         if not ok:
@@ -392,14 +401,9 @@ def pre_supported(
     `shape` (n, k) feeding the rope kernel of `rope`, else (False, why): M in the GEMM's rows,
     a GEMM and quantizer shape, a qkv GEMM that splits K through partials, a rope kernel
     shape."""
-    if m < gemm_options.min_m:
-        return False, f"M={m} rows take the GEMV (gemm_options.min_m={gemm_options.min_m})"
-    if prefers_dot("w4a4", m, "auto", gemm_options):
-        return False, f"M={m} rows take the dot (gemm_options.max_m={gemm_options.max_m})"
-    if gemm_options.x_quant != "kernel":
-        return False, f"gemm_options.x_quant={gemm_options.x_quant!r} (the chain needs 'kernel')"
-    if gemm_options.reduce != "finish":
-        return False, f"gemm_options.reduce={gemm_options.reduce!r} (no partials to finish)"
+    ok, why = _chain_rows(m, gemm_options)
+    if not ok:
+        return ok, why
     n, k = shape
     for ok, why in (nvfp4_gemm.check_shape(m, n, k, gemm_options), nvfp4_quant.check_shape(m, k),
                     rope_kernel.check_shape(rope)):  # fmt: skip
@@ -426,17 +430,7 @@ def _pre_abstract(x, *ops, rope, **_: Any):
     return q, jax.core.ShapedArray(kc.shape, kc.dtype), jax.core.ShapedArray(vc.shape, vc.dtype)
 
 
-_pre_p = Primitive("rejax_nvfp4_pre_attention_block")
-_pre_p.multiple_results = True
-_pre_p.def_abstract_eval(_pre_abstract)
-
-
-@functools.cache
-def _pre_jitted(**params):
-    return jax.jit(functools.partial(_pre_p.bind, **params))
-
-
-_pre_p.def_impl(lambda *args, **params: _pre_jitted(**params)(*args))
+_pre_p = fl._jitted_primitive("rejax_nvfp4_pre_attention_block", _pre_abstract)
 
 
 def _lower_pre_reference(ctx, *args, **params):
