@@ -880,6 +880,9 @@ constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
 #ifndef FIN_CACHE
 #define FIN_CACHE 0  // FIN_SPLITK, one CTA per row: the row's x formed once, kept in shared memory
 #endif
+#ifndef FIN_NEXT_LAYERS
+#define FIN_NEXT_LAYERS 0  // > 0: the norm weight and input scale are read at layer + 1 (below)
+#endif
 
 // The activations and their per-row statistics (in shared memory, [M_TOK] each).
 struct XRows {
@@ -1238,7 +1241,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   __shared__ float scratch[RED_SLOTS], s_rs[1], s_g[1], s_ig[1];
   const size_t row = blockIdx.x;
   const unsigned li = (unsigned)*layer;
-  XRows xr = {nullptr, nw_all + (NW_STACK ? (size_t)li * K_IN : 0), s_rs, s_g, s_ig};
+  // FIN_NEXT_LAYERS = L: the next linear is the next layer's (down_proj -> the next qkv), its
+  // norm weight and input scale at layer + 1 of their L-layer stacks (the last layer reads
+  // layer L - 1: an x_hat nobody uses)
+  const unsigned lc = FIN_NEXT_LAYERS ? min(li + 1u, (unsigned)FIN_NEXT_LAYERS - 1u) : li;
+  XRows xr = {nullptr, nw_all + (NW_STACK ? (size_t)lc * K_IN : 0), s_rs, s_g, s_ig};
   xr.part = part + row * X_COLS;
   xr.split = (size_t)gridDim.x * X_COLS;
   xr.res = FIN_RES ? res + row * X_COLS : nullptr;
@@ -1260,7 +1267,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   xr.hs = s_x;
   __syncthreads();
 #endif
-  row_stats(xr, xg + (XG_STACK ? (size_t)li : 0), scratch);
+  row_stats(xr, xg + (XG_STACK ? (size_t)lc : 0), scratch);
   const int first = blockIdx.y * (QCHUNK / 8);
   for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
     u32 sc;

@@ -104,6 +104,9 @@ class FinishIn:
         gw_rows: the producer's weight global scale is per row ([(L,) X]).
         residual: the finish adds a bf16 residual [M, X] (the producer's EPI_RES).
         store_y: also store the finish's y, bf16 [M, X] (prologue "none" / "rmsnorm").
+        next_layers: 0, or L: the quantized linear is the next layer's (down_proj -> the next
+            layer's qkv), so the norm weight and input scale are read at layer + 1 of their
+            L-layer stacks (clamped to L - 1; the producer's weight scale at the layer).
     """
 
     splitk: int
@@ -111,12 +114,15 @@ class FinishIn:
     gw_rows: bool = False
     residual: bool = False
     store_y: bool = False
+    next_layers: int = 0
 
     def __post_init__(self):
         if not isinstance(self.splitk, int) or self.splitk < 1:
             raise KernelError(f"FinishIn.splitk={self.splitk!r}, expected an int >= 1")
         if not isinstance(self.w_shift, int) or not 0 <= self.w_shift <= 7:
             raise KernelError(f"FinishIn.w_shift={self.w_shift!r}, expected an int in 0..7")
+        if not isinstance(self.next_layers, int) or self.next_layers < 0:
+            raise KernelError(f"FinishIn.next_layers={self.next_layers!r}, expected an int >= 0")
 
     def defines(self) -> dict:
         return {
@@ -125,7 +131,7 @@ class FinishIn:
             "FIN_GW_ROWS": int(self.gw_rows),
             "FIN_RES": int(self.residual),
             "FIN_STORE_Y": int(self.store_y),
-        }
+        } | ({"FIN_NEXT_LAYERS": self.next_layers} if self.next_layers else {})
 
 
 def check_shape(m: int, k: int) -> tuple[bool, str]:

@@ -141,8 +141,10 @@ def build(
     if finish is not None:
         if not isinstance(finish, FinishIn):
             raise KernelError(f"finish must be a FinishIn, got {type(finish).__name__}")
-        if finish.residual or finish.store_y:
-            raise KernelError(f"{finish}: the qkv finish has no residual and stores no y")
+        if finish.residual or finish.store_y or finish.next_layers:
+            raise KernelError(
+                f"{finish}: the qkv finish has no residual, stores no y, reads no next layer"
+            )
     ok, why = check_shape(shape)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")

@@ -148,10 +148,11 @@ GEMM_REDUCES = ("finish", "cluster")
 GEMM_COPIES = ("auto", "loop", "static")
 # How a decode step's linears chain on the GEMM's rows (W4A4, the fused linears, one token a
 # row): "split" (each linear's launches: quantizer, GEMM, split-K finish) or "fused" (each
-# K-split GEMM's finish inside the next kernel: the next linear's quantizer, or for qkv the
-# rope kernel; the same bytes: rejax.ops.fused_block's post_attention_block and
-# pre_attention_block; 3 launches a layer fewer at 32-64 rows with Qwen3-8B's shapes, 2 at 16;
-# not yet measured on the GPU, so not the default).
+# K-split GEMM's finish inside the next kernel: the next linear's quantizer (down_proj's: the
+# next layer's qkv quantizer, its x_hat handed along the layer loop), or for qkv the rope
+# kernel; the same bytes: rejax.ops.fused_block and rejax.decoder.cross_layer_chain; 4 launches
+# a layer fewer at 32-64 rows with Qwen3-8B's shapes, 3 at 16; not yet measured on the GPU, so
+# not the default).
 GEMM_CHAINS = ("split", "fused")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;

@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from cuda_ops import nvfp4_gemm
+from cuda_ops.build import device_sms
 from cuda_ops.decode_attention import FlashOptions
 from cuda_ops.nvfp4_gemv import Prefetch
+from cuda_ops.rope_cache import Shape as RopeShape
 from rejax import params as rparams
 from rejax import sharding
 from rejax.cache import KVCache, read_layer, write_layer, write_positions
@@ -43,7 +46,13 @@ from rejax.ops.decode_attention import (
     default_num_splits,
     prefill_attention,
 )
-from rejax.ops.fused_block import post_attention_block, pre_attention_block
+from rejax.ops.fused_block import (
+    block_supported,
+    post_attention_block,
+    pre_attention_block,
+    pre_supported,
+    xhat_input,
+)
 from rejax.ops.fused_linear import (
     fusable,
     fused_linear,
@@ -70,7 +79,8 @@ def decoder_layer(
     with_amax: bool = False,
     tp_axis: str | None = None,
     live: jax.Array | None = None,
-) -> tuple[jax.Array, tuple | None, dict]:
+    qkv_in: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, tuple | None, dict, tuple | None]:
     """Pre-norm block x + attn(norm(x)); x + mlp(norm(x)) for layer i of the stack.
 
     Args:
@@ -91,9 +101,13 @@ def decoder_layer(
         live: with kv and one new token per row, the cache slots attention reads, [0, live)
             (`live_slots(index)`; computed here when None). `forward` computes it once for all
             layers, so the scanned body does not recompute it.
+        qkv_in: this layer's qkv input already quantized (x_hat, global scale), which the
+            previous layer wrote (`cross_layer_chain`); then the layer also writes the next
+            one's.
 
     Returns:
-        (x [B, T, D], updated kv or None, {linear name: input amax f32 []} or {}).
+        (x [B, T, D], updated kv or None, {linear name: input amax f32 []} or {}, the next
+        layer's qkv input with `qkv_in`, else None).
     """
     b, t, _ = x.shape
     n, kh, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -157,7 +171,13 @@ def decoder_layer(
     # one new token per row into a bf16 cache: q/k norms, RoPE and the cache write as one op
     # (one kernel on CUDA, the cache updated in place; the same composition elsewhere)
     rope_fused = kv is not None and t == 1 and kv[2] is None and cfg.rope_fusion == "fused"
-    if fuse and rope_fused:
+    if qkv_in is not None:
+        if not (fuse and rope_fused):
+            raise ValueError(
+                "qkv_in needs the fused linears and the rope kernel (cross_layer_chain)"
+            )
+        q, kv = _pre_attention_xq(qkv_in, lw, i, cfg, positions, index, kv, gemm)
+    elif fuse and rope_fused:
         q, kv = _pre_attention(x, lw, i, cfg, positions, index, kv, kernels, gemm, prefetch)
     elif fuse:
         qkv = _fused_qkv(x, lw, i, cfg, kernels, gemm, prefetch)
@@ -209,12 +229,12 @@ def decoder_layer(
                                         norm=lw["post_attention_layernorm"]["scale"],
                                         next_scale=mlp["gate_up_proj"]["input_scale"], layer=i,
                                         eps=eps, gemm_options=gemm["gemm_options"])  # fmt: skip
-                return _mlp_from_codes(y, gq, mlp, i, cfg, kernels, gemm)[:, None], kv, amax
+                return _mlp_from_codes(y, gq, mlp, i, cfg, kernels, gemm)[:, None], kv, amax, None
             x = linear_from_codes(*xq, att["o_proj"], layer=i, residual=x[:, 0],
                                   gemm_options=gemm["gemm_options"],
                                   residual_epilogue=gemm["residual_epilogue"],
                                   **prefetch((mlp, "gate_up_proj", 0, "gu")))[:, None]  # fmt: skip
-            return _mlp(x, lw, mlp, i, cfg, kernels, gemm, prefetch), kv, amax
+            return _mlp(x, lw, mlp, i, cfg, kernels, gemm, prefetch), kv, amax, None
         out = decode_attention(*args, k_scale=kv[2], v_scale=kv[3], **launch)
         out = out.reshape(b, t, n * h)  # [B, 1, N*H]
     elif kv is not None and cfg.attention != "einsum":
@@ -229,13 +249,21 @@ def decoder_layer(
         mask = attention_mask(positions, k_positions)
         out = attention(q, keys, values, mask).reshape(b, t, n * h)  # [B, T, N*H]
     if fuse:
-        return _post_attention(x, out, lw, i, cfg, o_kernels, kernels, gemm, prefetch), kv, amax
+        if qkv_in is not None:  # cross_layer_chain: this layer also writes the next one's
+            y, qkv_next = _post_attention_next(x, out, lw, i, cfg, gemm)
+            return y, kv, amax, qkv_next
+        return (
+            _post_attention(x, out, lw, i, cfg, o_kernels, kernels, gemm, prefetch),
+            kv,
+            amax,
+            None,
+        )
     x = lin(out, att, "o_proj", residual=x)
     hs = rms_norm(x, take(lw["post_attention_layernorm"]["scale"], i), cfg.rms_norm_eps)
     gate_up = lin(hs, mlp, "gate_up_proj")
     f = cfg.intermediate_size
     x = lin(swiglu(gate_up[..., :f], gate_up[..., f:]), mlp, "down_proj", residual=x)
-    return x, kv, amax
+    return x, kv, amax, None
 
 
 def _fused_qkv(x, lw, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.Array:
@@ -284,6 +312,84 @@ def _pre_attention(x, lw, i, cfg: Config, positions, index, kv, kernels: str, ge
         return q[:, None], (kc, vc, None, None)
     qkv = _fused_qkv(x, lw, i, cfg, kernels, gemm, prefetch)
     return _rope_cache(qkv, lw, i, cfg, positions, index, kv)
+
+
+def _rope_norms(att: dict, cfg: Config) -> tuple:
+    """(q_norm, k_norm) stacks for the rope kernel (Qwen3), or (None, None) (Qwen2)."""
+    if cfg.arch == "qwen3":
+        return att["q_norm"]["scale"], att["k_norm"]["scale"]
+    return None, None
+
+
+def _pre_attention_xq(xq, lw, i, cfg: Config, positions, index, kv, gemm: dict) -> tuple:
+    """`_pre_attention` on this layer's qkv input as the previous layer quantized it
+    (`cross_layer_chain`): the qkv GEMM reads it, its finish inside the rope kernel."""
+    att = lw["self_attn"]
+    q, kc, vc = pre_attention_block(
+        None, att["qkv_proj"], *_rope_norms(att, cfg), positions[:, 0], index, kv[0], kv[1],
+        norm=lw["input_layernorm"]["scale"], layer=i, heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps,
+        theta=cfg.rope_theta, gemm_options=gemm["gemm_options"], xq=xq,
+    )  # fmt: skip
+    return q[:, None], (kc, vc, None, None)
+
+
+def _post_attention_next(x, out, lw, i, cfg: Config, gemm: dict) -> tuple:
+    """`post_attention_block` that also writes the next layer's qkv input (x_hat, global
+    scale): down's finish and that quantizer in one launch (`cross_layer_chain`)."""
+    att, mlp = lw["self_attn"], lw["mlp"]
+    y, xq = post_attention_block(
+        out[:, 0].astype(x.dtype), x[:, 0], att["o_proj"], mlp["gate_up_proj"],
+        mlp["down_proj"], norm=lw["post_attention_layernorm"]["scale"], layer=i,
+        eps=cfg.rms_norm_eps, gemm_options=gemm["gemm_options"],
+        residual_epilogue=gemm["residual_epilogue"], next_qkv=att["qkv_proj"],
+        next_norm=lw["input_layernorm"]["scale"],
+    )  # fmt: skip
+    return y[:, None], xq
+
+
+def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
+    """Whether the decode step's layers hand each other the next qkv input already quantized
+    (Config.gemm_chain "fused" on the GEMM's rows: down_proj's split-K finish and the next
+    layer's qkv quantizer in one launch; `forward` quantizes layer 0's input before the loop):
+    one new token a row into a bf16 cache with the rope kernel, every linear a W4A4 fused
+    linear with static or dynamic scales, and every chain of the layer served (the qkv GEMM and
+    down_proj's splitting K, `pre_supported` / `block_supported`)."""
+    b, t, d = shape
+    if not (
+        cfg.gemm_chain == "fused"
+        and cfg.linear_fusion in ("split", "mixed")
+        and cfg.rope_fusion == "fused"
+        and t == 1
+        and kv is not None
+        and kv[2] is None
+        and dtype == jnp.bfloat16
+        and all(fusable(lw[blk][name], cfg.quant) for blk, name in rparams.LINEARS)
+    ):
+        return False
+    att, mlp = lw["self_attn"], lw["mlp"]
+    go = gemm_options(cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce,
+                      cfg.invariant_rows, cfg.gemm_x_quant, copies=cfg.gemm_copies)  # fmt: skip
+    shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
+                   ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
+    qkv = att["qkv_proj"]["weight"].shape
+    norms = _rope_norms(att, cfg)
+    rope = rope_kernel_shape(b, cfg, kv, norms[0] is not None)
+    down = nvfp4_gemm.plan(b, *shapes[2], device_sms(), go)
+    return (
+        block_supported(b, shapes, go)[0]
+        and pre_supported(b, qkv, rope, go)[0]
+        and down.partials
+        and qkv[1] == d
+    )
+
+
+def rope_kernel_shape(b: int, cfg: Config, kv, qk_norm: bool):
+    """The rope kernel's shape for B rows of `cfg` into the cache `kv` (one slot for all rows:
+    a per-row index is checked by the op itself)."""
+    return RopeShape(batch=b, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim, slots=kv[0].shape[2], qk_norm=qk_norm,
+                     eps=float(cfg.rms_norm_eps), index_rows=False)  # fmt: skip
 
 
 def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, gemm: dict,
@@ -467,21 +573,28 @@ def forward(
     lw = weights["layers"]
     live = live_slots(index) if index is not None and tokens.shape[1] == 1 else None
 
+    xq = None
+    if not with_amax and tp_axis is None and cross_layer_chain(cfg, lw, x.shape, kv, x.dtype):
+        # layer 0's qkv input quantized here; each layer then writes the next one's
+        att = lw["self_attn"]
+        xq = xhat_input(x[:, 0], att["qkv_proj"], lw["input_layernorm"]["scale"],
+                        layer=jnp.int32(0), eps=cfg.rms_norm_eps)  # fmt: skip
+
     def body(carry, i):
-        x, kv = carry
-        x, kv, amax = decoder_layer(
-            x, lw, i, positions, kv, index, k_positions, cfg, with_amax, tp_axis, live
+        x, kv, xq = carry
+        x, kv, amax, xq = decoder_layer(
+            x, lw, i, positions, kv, index, k_positions, cfg, with_amax, tp_axis, live, xq
         )
-        return (x, kv), amax
+        return (x, kv, xq), amax
 
     if layer_loop(weights, cfg) == "scan":
         layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         unroll = min(cfg.scan_unroll, cfg.num_layers)
-        (x, kv), amax = jax.lax.scan(body, (x, kv), layers, unroll=unroll)
+        (x, kv, xq), amax = jax.lax.scan(body, (x, kv, xq), layers, unroll=unroll)
     else:
         per_layer = []
         for i in range(cfg.num_layers):
-            (x, kv), a = body((x, kv), i)
+            (x, kv, xq), a = body((x, kv, xq), i)
             per_layer.append(a)
         amax = jax.tree.map(lambda *v: jnp.stack(v), *per_layer) if with_amax else {}
     if logits_at is not None:

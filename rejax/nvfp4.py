@@ -882,7 +882,42 @@ def nvfp4_matmul_q(xq: Nvfp4Tensor, w: Nvfp4Tensor, *, order: str = "auto") -> j
     return _matmul_q_arrays(xq, w, _check_order(order, xq.rows), _PARTIALS_BUDGET)
 
 
+def nvfp4_matmul_prescaled(
+    xv: jax.Array, xg: jax.Array, w: Nvfp4Tensor, *, order: str = "auto"
+) -> jax.Array:
+    """`nvfp4_matmul_q` from the activations' pre-scaled values instead of their codes: xv =
+    e2m1(code) * SFx [M, K] (exact in float16, bfloat16 or float32; what the GEMM's x_hat
+    operand holds) and the global scale per row xg f32 [M]. The result is bit for bit
+    `nvfp4_matmul_q` of the tensor those values came from: in block order each block's
+    sum_k xv * e2m1(w) is SFx * P exactly (a common scale, at most 12 significant bits), and
+    times SFw it is the (SFw * SFx) * P that `nvfp4_matmul_q` adds; in dot order the operands are
+    the same values.
+
+    Returns:
+        bfloat16 [M, N].
+    """
+    _check_tensor("w", w)
+    m, k = xv.shape
+    if k != w.k or tuple(xg.shape) != (m,):
+        raise ValueError(f"xv {xv.shape}, xg {xg.shape} for w.shape={w.shape}")
+    sequential = _check_order(order, m)
+    return _matmul_prescaled_arrays(xv.astype(jnp.float32), xg, w, sequential, _PARTIALS_BUDGET)
+
+
 # The array parts below are jitted so eager calls compile once per shape, not once per op.
+@functools.partial(jax.jit, static_argnames=("sequential", "budget"))
+def _matmul_prescaled_arrays(xv, xg, w: Nvfp4Tensor, sequential: bool, budget: int):
+    m, k = xv.shape
+    if sequential:
+        sw = e4m3_to_f32(w.scales)  # [N, J]
+        blocks = xv.reshape(m, k // BLOCK, BLOCK)
+        acc = _blockwise_accumulate(blocks, _block_values(w), sw, None, budget)
+    else:
+        acc = _exact_dot(xv.astype(jnp.bfloat16), _scaled_values(w))
+    alpha = _col_global(w) * xg.astype(jnp.float32)[:, None]
+    return (acc * alpha).astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnames=("sequential", "budget"))
 def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: int):
     if sequential:

@@ -23,13 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _lowering import decode_logits, layer_launches, per_linear_scales, stacked_linear
+from _lowering import (
+    decode_logits,
+    decode_step_cuda_text,
+    layer_launches,
+    per_linear_scales,
+    stacked_linear,
+)
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from rejax import config as rconfig
 from rejax.ops import fused_linear as fl
-from rejax.ops.fused_block import block_supported, post_attention_block
+from rejax.ops.fused_block import block_supported, post_attention_block, xhat_input
 from rejax.params import init_params
 
 needs_nvrtc = pytest.mark.skipif(
@@ -211,6 +217,8 @@ def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
     cases = (  # (prologue, dynamic, finish, chunk: None the quantizer's, or one CTA per row)
         ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True), None),
         ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True), k),
+        ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=4, residual=True, store_y=True,
+                                                next_layers=36), k),
         ("swiglu", False, nvfp4_quant.FinishIn(splitk=2, w_shift=6), None),
         ("none", True, nvfp4_quant.FinishIn(splitk=3, gw_rows=True, residual=True, store_y=True),
          k),
@@ -229,6 +237,7 @@ def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
             assert f"grid_x = 64, grid_y = {k // kern.chunk}," in cfg, cfg[-300:]
             assert cfg.endswith("output_indices = [7, 8, 9]}"), cfg[-200:]
             assert seen[-1]["FIN_SPLITK"] == fin.splitk and seen[-1]["FIN_W_SHIFT"] == fin.w_shift
+            assert seen[-1].get("FIN_NEXT_LAYERS", 0) == fin.next_layers
             log = cbuild.ptxas_log(source, seen[-1], "sm_90", name=nvfp4_gemv.SOURCE)
             assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
         plain = nvfp4_quant.build(64, k, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat")
@@ -309,15 +318,22 @@ def test_decoder_gemm_chain_fused_is_bitwise_split_off_cuda():
 
 @needs_nvrtc
 def test_decode_step_lowers_the_chain_with_gemm_chain_fused(tmp_path, monkeypatch):
-    """A decode step's scanned layer at 32 rows: with gemm_chain "fused" two finish-quantizers,
-    the rope kernel reading the qkv GEMM's partials, and three launches fewer than with
-    "split" (no finish left but down's); at 4 rows (the GEMV's) the same launches."""
+    """A decode step's scanned layer at 32 rows: with gemm_chain "fused" the qkv GEMM reads the
+    x_hat the previous layer wrote (no quantizer in front), the rope kernel reads its partials,
+    three finish-quantizers (gate_up's input, down's, the next layer's qkv input) and four
+    launches fewer than with "split" (no finish kernel left); layer 0's qkv input is quantized
+    once before the loop; at 4 rows (the GEMV's) the same launches."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     split, _ = layer_launches(CFG, batch=32)
-    fused, body = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=32)
-    assert split.count(FIN) == 0 and fused.count(FIN) == 2, fused
-    assert split.count(nvfp4_gemm.FINISH_ENTRY) == 4 and fused.count(nvfp4_gemm.FINISH_ENTRY) == 1
-    assert len(fused) == len(split) - 3, (fused, split)
+    cfg = dataclasses.replace(CFG, gemm_chain="fused")
+    fused, body = layer_launches(cfg, batch=32)
+    assert split.count(FIN) == 0 and fused.count(FIN) == 3, fused
+    assert split.count(nvfp4_gemm.FINISH_ENTRY) == 4 and nvfp4_gemm.FINISH_ENTRY not in fused
+    assert len(fused) == len(split) - 4, (fused, split)
+    assert fused[:2] == [nvfp4_gemm.ENTRY, "qk_norm_rope_cache"], fused
+    # the step's text holds the layer body once: the quantizer before the loop, o_proj's in it
+    step = _entries(decode_step_cuda_text(cfg, batch=32))
+    assert step[0] == nvfp4_quant.ENTRY and step.count(nvfp4_quant.ENTRY) == 2, step
     rope = [c for c in _ptx_calls(body) if c[0] == "qk_norm_rope_cache"]
     assert len(rope) == 1 and rope[0][1].startswith("tensor<"), rope
     s_qkv = nvfp4_gemm.plan(32, (16 + 8) * 128, D).splitk
@@ -468,3 +484,113 @@ def test_pre_block_errors_name_the_value():
         call(li=None)
     with pytest.raises(ValueError, match=r"positions.shape=\(3,\)"):
         call(positions=positions[:3])
+
+
+# ----------------------------------------------------------------------------- across layers
+
+
+def _qkv_stack(seed=9):
+    qkv = stacked_linear(QKV_N, D, [0.02, 0.03], seed=seed)
+    norm = 1.0 + 0.1 * jax.random.normal(jax.random.key(seed + 2), (2, D), jnp.bfloat16)
+    return qkv, norm
+
+
+@pytest.mark.parametrize("m", [16, 32])
+def test_block_next_writes_the_next_layers_qkv_input(m):
+    """Off CUDA, bitwise: with next_qkv the block returns its y and xhat_input(y) at layer + 1
+    (the last layer: itself); pre_attention_block on that x_hat equals it on y."""
+    o, g, d = _block()
+    out, x, norm = _inputs(m)
+    qkv, inorm = _qkv_stack()
+    run = jax.jit(lambda out, x, li: post_attention_block(
+        out, x, o, g, d, norm=norm, layer=li, next_qkv=qkv, next_norm=inorm))  # fmt: skip
+    for layer, nxt in ((0, 1), (1, 1)):
+        y, (xh, xg) = run(out, x, jnp.int32(layer))
+        want_y = post_attention_block(out, x, o, g, d, norm=norm, layer=jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(want_y))
+        wxh, wxg = jax.jit(lambda y, li: xhat_input(y, qkv, inorm, layer=li, eps=1e-6))(
+            y, jnp.int32(nxt)
+        )
+        np.testing.assert_array_equal(
+            np.asarray(xh).view(np.uint16), np.asarray(wxh).view(np.uint16)
+        )
+        np.testing.assert_array_equal(np.asarray(xg), np.asarray(wxg))
+        assert np.asarray(xg)[0] == np.float32(0.03) and xh.dtype == jnp.float16
+
+
+def test_pre_block_from_xhat_is_the_block_on_x():
+    """Off CUDA, bitwise: pre_attention_block(xq=xhat_input(x)) equals pre_attention_block(x),
+    at 8 rows (the block-order reference) and 32 (the dot order)."""
+    for b in (8, 32):
+        qkv, x, norm, qn, kn, cache, positions = _pre_inputs(b)
+        for layer in (0, 1):
+            li = jnp.int32(layer)
+            want = _pre(x, qkv, norm, qn, kn, positions, jnp.int32(2), cache, cache, li)
+            xq = xhat_input(x, qkv, norm, layer=li, eps=1e-6)
+            got = _pre(None, qkv, norm, qn, kn, positions, jnp.int32(2), cache, cache, li, xq=xq)
+            for a, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+
+
+@needs_nvrtc
+def test_chain_across_layers_lowers(tmp_path, monkeypatch):
+    """Lowered for CUDA at 32 rows: the block with next_qkv ends in down's GEMM (partials) and a
+    finish-quantizer reading the qkv stacks (its scale [L], the input norm [L, D]) built to read
+    them at layer + 1 of L = 2; the pre block on x_hat is the GEMM and the rope kernel;
+    xhat_input is one quantizer launch."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    seen = []
+    build = nvfp4_quant.build
+
+    def recording(*a, **kw):
+        kern = build(*a, **kw)
+        seen.append(kern)
+        return kern
+
+    monkeypatch.setattr(nvfp4_quant, "build", recording)
+    o, g, d = _block()
+    out, x, norm = _inputs(32)
+    qkv, inorm = _qkv_stack()
+    f = jax.jit(lambda out, x: post_attention_block(out, x, o, g, d, norm=norm, layer=jnp.int32(0),
+                                                    next_qkv=qkv, next_norm=inorm))  # fmt: skip
+    text = f.trace(out, x).lower(lowering_platforms=("cuda",)).as_text()
+    gemm = nvfp4_gemm.ENTRY
+    assert _entries(text) == [nvfp4_quant.ENTRY, gemm, FIN, gemm, FIN, gemm, FIN], _entries(text)
+    last = [c for c in _ptx_calls(text) if c[0] == FIN][-1]
+    assert ", tensor<2xf32>, tensor<2x1024xbf16>, tensor<i32>" in last[1], last
+    assert "tensor<32x1024xbf16>, tensor<32x1024xf16>, tensor<32xf32>" in last[2], last
+    fin_q = [k for k in seen if k.finish is not None and k.finish.next_layers]
+    assert len(fin_q) == 1 and fin_q[0].finish.next_layers == 2 and fin_q[0].finish.residual
+    assert fin_q[0].chunk == D and fin_q[0].finish.store_y
+    qkv_p, xx, nrm, qn, kn, cache, positions = _pre_inputs(32)
+    xq = (jnp.zeros((32, D), jnp.float16), jnp.ones((32,), jnp.float32))
+    pre = jax.jit(lambda xh, xg: _pre(None, qkv_p, nrm, qn, kn, positions, jnp.int32(2), cache,
+                                      cache, jnp.int32(1), xq=(xh, xg)))  # fmt: skip
+    text = pre.trace(*xq).lower(lowering_platforms=("cuda",)).as_text()
+    assert _entries(text) == [gemm, "qk_norm_rope_cache"], _entries(text)
+    q = jax.jit(lambda x: xhat_input(x, qkv_p, nrm, layer=jnp.int32(1), eps=1e-6))
+    assert _entries(q.trace(xx).lower(lowering_platforms=("cuda",)).as_text()) == [
+        nvfp4_quant.ENTRY
+    ]
+
+
+def test_chain_across_layers_errors_name_the_value():
+    o, g, d = _block()
+    out, x, norm = _inputs(16)
+    qkv, inorm = _qkv_stack()
+    with pytest.raises(ValueError, match=r"next_norm.shape=\(1024,\)"):
+        post_attention_block(out, x, o, g, d, norm=norm, layer=0, next_qkv=qkv, next_norm=inorm[0])
+    qkv_p, xx, nrm, qn, kn, cache, positions = _pre_inputs(8)
+    with pytest.raises(ValueError, match=r"xq \(\(8, 512\) float16, \(8,\) float32\)"):
+        _pre(None, qkv_p, nrm, qn, kn, positions, jnp.int32(2), cache, cache, jnp.int32(1),
+             xq=(jnp.zeros((8, 512), jnp.float16), jnp.ones((8,), jnp.float32)))  # fmt: skip
+    with pytest.raises(ValueError, match=r"x \(8, 512\) bfloat16, expected \[M, 1024\]"):
+        xhat_input(xx[:, :512], qkv_p, nrm, layer=0, eps=1e-6)
+    with pytest.raises(nvfp4_gemv.KernelError, match="next_layers=-1"):
+        nvfp4_quant.FinishIn(splitk=2, next_layers=-1)
+    from cuda_ops import rope_cache as rk
+
+    shape = rk.Shape(batch=8, heads=HEADS, kv_heads=KV, head_dim=HD, slots=8, qk_norm=True,
+                     eps=1e-6, index_rows=False)  # fmt: skip
+    with pytest.raises(nvfp4_gemv.KernelError, match="reads no next layer"):
+        rk.build(shape, arch="compute_90", finish=nvfp4_quant.FinishIn(splitk=2, next_layers=2))

@@ -13,8 +13,12 @@
   calls, the split path's launches) bit for bit at the Qwen3-8B shapes, 8-64 rows.
 * `pre_attention_block` (the qkv GEMM's finish inside the rope kernel) equals the split path's
   launches (quantizer, GEMM, finish, rope kernel) bit for bit: q and both caches.
+* With next_qkv, down's finish and the next layer's qkv quantizer in one launch equal the
+  quantizer kernel on the block's output at layer + 1, and the pre block on that x_hat equals
+  it on the output.
 * The decoder with Config.gemm_chain "fused" gives "split"'s logits bit for bit (2 layers of
-  the Qwen3-8B shapes, random weights, batch 16 and 32).
+  the Qwen3-8B shapes, random weights, batch 16 and 32: every chain, the x_hat handed from
+  layer to layer included).
 * `test_sanitizer_subset` is the small case `compute-sanitizer` runs (memcheck, racecheck;
   experiments/gemm_device_run.sh's `chain` phase).
 
@@ -252,3 +256,41 @@ def test_pre_block_equals_fused_linear_then_rope_cache_on_the_gpu(m, rows_index)
     for g, w, name in zip(got, want, ("q", "k_cache", "v_cache"), strict=True):
         np.testing.assert_array_equal(g.view(np.uint16), w.view(np.uint16), err_msg=f"{name} M={m}")
     assert not np.array_equal(got[1], np.asarray(cache))
+
+
+@pytest.mark.parametrize("m", [16, 64])
+def test_block_next_equals_the_quantizer_of_its_output_on_the_gpu(m):
+    """down_proj's finish with the next layer's qkv quantizer in one launch against
+    xhat_input (the quantizer kernel) of the block's own output at layer + 1, bitwise; and
+    pre_attention_block on that x_hat equals it on the output."""
+    from rejax.ops.fused_block import pre_attention_block, xhat_input
+
+    o = _linear(D, D, [0.02, 0.03], 1)
+    g = _linear(2 * F, D, [0.05, 0.04], 2)
+    d = _linear(D, F, [0.01, 0.02], 3)
+    qkv = _linear(6144, D, [0.02, 0.03], 5)
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(4), (2, D))).astype(jnp.bfloat16)
+    inorm = (1 + 0.1 * jax.random.normal(jax.random.key(6), (2, D))).astype(jnp.bfloat16)
+    out = jax.random.normal(jax.random.key(m), (m, D), jnp.bfloat16)
+    x = (jax.random.normal(jax.random.key(m + 1), (m, D)) * 3).astype(jnp.bfloat16)
+    run = jax.jit(lambda out, x: post_attention_block(
+        out, x, o, g, d, norm=norm, layer=jnp.int32(0), next_qkv=qkv, next_norm=inorm))  # fmt: skip
+    y, (xh, xg) = run(out, x)
+    assert "nvfp4_finish_quantize" in run.trace(out, x).lower().as_text()
+    want = jax.jit(lambda y: xhat_input(y, qkv, inorm, layer=jnp.int32(1), eps=1e-6))(y)
+    np.testing.assert_array_equal(
+        np.asarray(xh).view(np.uint16), np.asarray(want[0]).view(np.uint16)
+    )
+    np.testing.assert_array_equal(np.asarray(xg), np.asarray(want[1]))
+    qn = (1 + 0.1 * jax.random.normal(jax.random.key(7), (2, 128))).astype(jnp.bfloat16)
+    cache = jax.random.normal(jax.random.key(9), (2, m, 40, 8, 128), jnp.bfloat16)
+    pos = jnp.arange(m, dtype=jnp.int32) + 3
+    kw = {"heads": 32, "kv_heads": 8, "head_dim": 128, "eps": 1e-6, "theta": 1e6,
+          "norm": inorm, "layer": jnp.int32(1)}  # fmt: skip
+    a = jax.jit(lambda y, c: pre_attention_block(y, qkv, qn, qn, pos, jnp.int32(4), c, c, **kw))(
+        y, cache
+    )
+    b = jax.jit(lambda xh, xg, c: pre_attention_block(
+        None, qkv, qn, qn, pos, jnp.int32(4), c, c, xq=(xh, xg), **kw))(xh, xg, cache)  # fmt: skip
+    for u, v in zip(a, b, strict=True):
+        np.testing.assert_array_equal(np.asarray(u).view(np.uint16), np.asarray(v).view(np.uint16))

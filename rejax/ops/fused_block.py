@@ -24,6 +24,9 @@ choice, `Config.gemm_chain` "fused" (default "split": the composition's launches
 qkv = fused_linear(x, qkv_proj, prologue="rmsnorm") then `rejax.ops.rope_cache.rope_cache`,
 with the qkv GEMM's split-K finish inside the rope kernel (`cuda_ops.rope_cache.build(...,
 finish=)`: it forms each qkv value as the finish kernel would store it), one launch fewer.
+Across layers, `post_attention_block(..., next_qkv=, next_norm=)` also returns the next layer's
+qkv input (`xhat_input` of its output at layer + 1; on CUDA down's finish and that quantizer are
+one launch) and `pre_attention_block(..., xq=)` reads it (`rejax.decoder.cross_layer_chain`).
 """
 
 from __future__ import annotations
@@ -41,15 +44,17 @@ from jax.interpreters import mlir
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from cuda_ops import rope_cache as rope_kernel
-from rejax import layers
+from rejax import layers, nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
 from rejax.ops import fused_linear as fl
+from rejax.ops import linear as linear_ops
 from rejax.ops import rope_cache as rope_ref
 from rejax.ops.linear import gemm_call_xhat, prefers_dot
 
 OP = "nvfp4_post_attention_block"
 PRE_OP = "nvfp4_pre_attention_block"
+XQ_OP = "nvfp4_xhat_input"
 LINEARS = ("o_proj", "gate_up_proj", "down_proj")
 
 
@@ -108,6 +113,24 @@ def _reference(out, x, nw, *ops, shapes, fused, order="auto", **_: Any):
                          order=order)  # fmt: skip
 
 
+def _next_layer(layer, layers: int):
+    """The next layer's index in an L-layer stack (the last layer: itself, an unused input)."""
+    return jnp.minimum(layer + 1, layers - 1)
+
+
+def _reference_next(out, x, nw, *ops, shapes, fused, next_fused, next_layers, order="auto",
+                    **_: Any):  # fmt: skip
+    """`_reference`, and the next layer's qkv input (x_hat, global scale) of its result."""
+    *ops, xg_q, nw_q = ops
+    y = _reference(out, x, nw, *ops, shapes=shapes, fused=fused, order=order)
+    # the next layer's RMSNorm reads y as a buffer, as it would after the layer loop's step
+    # (XLA would otherwise fuse its reduction into y's producers, in another summation order)
+    y = jax.lax.optimization_barrier(y)
+    layer = _next_layer(ops[-1], next_layers)
+    xh, xg = fl._xhat_reference(y, xg_q, nw_q, layer, k=shapes[0][0], fused=next_fused)
+    return y, xh, xg
+
+
 _block_p = Primitive("rejax_nvfp4_post_attention_block")
 _block_p.def_abstract_eval(lambda out, x, *_, **__: jax.core.ShapedArray(x.shape, jnp.bfloat16))
 
@@ -127,6 +150,25 @@ def _lower_reference(ctx, *args, **params):
     )
 
 
+def _next_abstract(out, x, *_, **__):
+    m, d = x.shape
+    return (
+        jax.core.ShapedArray((m, d), jnp.bfloat16),
+        jax.core.ShapedArray((m, d), jnp.float16),
+        jax.core.ShapedArray((m,), jnp.float32),
+    )
+
+
+# the block that also writes the next layer's qkv input: (y, x_hat, global scale)
+_block_next_p = fl._jitted_primitive("rejax_nvfp4_post_attention_block_next", _next_abstract)
+
+
+def _lower_next_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(OP, params["impl"], ctx.module_context.platforms)
+    fn = functools.partial(_reference_next, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 
@@ -144,9 +186,13 @@ class _Chain:
     fin_d: Any
     quant_d: Any
     gemm_d: Any
+    fin_q: Any = None  # down's finish + the next layer's qkv quantizer
+    quant_q: Any = None  # the next layer's qkv quantizer on y (down does not split K)
 
 
-def _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk) -> _Chain:
+def _build_chain(
+    m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk, next_fused=None, next_layers=0
+) -> _Chain:
     (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
     f_o, f_g, f_d = (dataclasses.replace(f, residual=False) for f in fused)
 
@@ -184,7 +230,18 @@ def _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk) 
     else:
         quant_d = nvfp4_quant.build(m, k_d, f_d, out="xhat")
     gemm_d = gemm(n_d, k_d, gw_rows[2], epilogue)
-    return _Chain(quant_o, gemm_o, fin_g, quant_g, gemm_g, fin_d, quant_d, gemm_d)
+    fin_q = quant_q = None
+    if next_fused is not None:
+        gemm_d = gemm(n_d, k_d, gw_rows[2], False)
+        if gemm_d.plan.partials:  # one CTA per row, the row in shared memory, as for gate_up
+            fin = dataclasses.replace(finish_of(gemm_d, True, True), next_layers=next_layers)
+            threads = nvfp4_quant.default_threads(nvfp4_quant.default_chunk(n_d, "xhat"), "xhat")
+            fin_q = nvfp4_quant.build(m, n_d, next_fused, out="xhat", finish=fin, chunk=n_d,
+                                      threads=threads)  # fmt: skip
+        else:
+            gemm_d = gemm(n_d, k_d, gw_rows[2], True)
+            quant_q = nvfp4_quant.build(m, n_d, next_fused, out="xhat")
+    return _Chain(quant_o, gemm_o, fin_g, quant_g, gemm_g, fin_d, quant_d, gemm_d, fin_q, quant_q)
 
 
 def _partials(kernel, xh, xg, wp, ws, wg, layer):
@@ -204,7 +261,10 @@ def _finish_quant(kernel, part, xgp, res, wg, xg, nw, layer, m, width):
     return _dispatch.ptx_call(kernel.backend_config(), outs, part, xgp, res, wg, xg, nw, layer)
 
 
-def _chain(out, x, nw, *ops, shapes, fused, chain: _Chain, gemm_options, epilogue):
+def _chain(out, x, nw, *ops, shapes, fused, chain: _Chain, gemm_options, epilogue,
+           next_fused=None, next_layers=0):  # fmt: skip
+    if next_fused is not None:
+        *ops, xg_q, nw_q = ops
     (xg_o, wp_o, ws_o, wg_o, xg_g, wp_g, ws_g, wg_g, xg_d, wp_d, ws_d, wg_d, layer) = ops
     (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
     f_o, f_g, f_d = (dataclasses.replace(f, residual=False) for f in fused)
@@ -227,31 +287,46 @@ def _chain(out, x, nw, *ops, shapes, fused, chain: _Chain, gemm_options, epilogu
         g = gemm_call_xhat(xh, xgr, wp_g, ws_g, wg_g, layer, n=n_g, gw_rows=c.gemm_g.plan.gw_rows,
                            gemm_options=gemm_options)  # fmt: skip
         xh, xgr = fl._quant_xhat_p.bind(g, xg_d, one, layer, k=k_d, fused=f_d, kernel=c.quant_d)
+    if c.fin_q is not None:  # down's finish and the next layer's qkv quantizer in one launch
+        part = _partials(c.gemm_d, xh, xgr, wp_d, ws_d, wg_d, layer)
+        return _finish_quant(c.fin_q, part, xgr, h, wg_d, xg_q, nw_q, layer, m, n_d)
+    if c.quant_q is not None:
+        y = gemm_call_xhat(xh, xgr, wp_d, ws_d, wg_d, layer, n=n_d, gw_rows=c.gemm_d.plan.gw_rows,
+                           gemm_options=gemm_options, residual=h)  # fmt: skip
+        li = _next_layer(layer, next_layers)
+        xq = fl._quant_xhat_p.bind(y, xg_q, nw_q, li, k=n_d, fused=next_fused, kernel=c.quant_q)
+        return (y, *xq)
     y = gemm_call_xhat(xh, xgr, wp_d, ws_d, wg_d, layer, n=n_d, gw_rows=c.gemm_d.plan.gw_rows,
                        gemm_options=gemm_options, residual=h if epilogue else None)  # fmt: skip
     return y if epilogue else h + y
 
 
-def _lower_cuda(ctx, *args, shapes, fused, gw_rows, impl, gemm_options, epilogue, norm_chunk):
+def _lower_cuda(ctx, *args, shapes, fused, gw_rows, impl, gemm_options, epilogue, norm_chunk,
+                next_fused=None, next_layers=0):  # fmt: skip
     m = ctx.avals_in[0].shape[0]
     supported = block_supported(m, shapes, gemm_options)
     chain = None
     if supported[0] and impl != "ref":
         try:
-            chain = _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk)
+            chain = _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk,
+                                 next_fused, next_layers)  # fmt: skip
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
+    nxt = {} if next_fused is None else {"next_fused": next_fused, "next_layers": next_layers}
     if not _dispatch.use_kernel(OP, impl, supported):
         # the composition, each matmul as one bf16 tensor-core dot (rejax/ops/linear.py)
-        fn = functools.partial(_reference, shapes=shapes, fused=fused, order="dot")
-        return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+        ref = _reference if next_fused is None else _reference_next
+        fn = functools.partial(ref, shapes=shapes, fused=fused, order="dot", **nxt)
+        return mlir.lower_fun(fn, multiple_results=next_fused is not None)(ctx, *args)
     fn = functools.partial(_chain, shapes=shapes, fused=fused, chain=chain,
-                           gemm_options=gemm_options, epilogue=epilogue)  # fmt: skip
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+                           gemm_options=gemm_options, epilogue=epilogue, **nxt)  # fmt: skip
+    return mlir.lower_fun(fn, multiple_results=next_fused is not None)(ctx, *args)
 
 
 mlir.register_lowering(_block_p, _lower_reference)
 mlir.register_lowering(_block_p, _lower_cuda, platform="cuda")
+mlir.register_lowering(_block_next_p, _lower_next_reference)
+mlir.register_lowering(_block_next_p, _lower_cuda, platform="cuda")
 
 
 # ----------------------------------------------------------------------------- API
@@ -271,7 +346,9 @@ def post_attention_block(
     gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
     residual_epilogue: bool = True,
     norm_chunk: int | None = None,
-) -> jax.Array:
+    next_qkv: dict | None = None,
+    next_norm: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """h = x + o_proj(out); h + down(swiglu(gate_up(rms_norm(h, norm, eps)))) for W4A4 linears,
     with each K-split GEMM's finish and the next quantizer in one launch on CUDA (see the
     module docstring).
@@ -294,9 +371,13 @@ def post_attention_block(
             row once in shared memory (each partial read once); a smaller chunk spreads the
             rows over more CTAs, each of which reads the whole row's partials for the RMSNorm
             statistic. The bytes are the same either way.
+        next_qkv, next_norm: with a decoder's stacks of the qkv projection's W4A4 params and
+            its input RMSNorm weight [L, D] (both stacked, `layer` given), also return the
+            next layer's qkv input, `xhat_input(y, next_qkv, next_norm, layer=min(layer + 1,
+            L - 1))`: on CUDA down's split-K finish and that quantizer are one launch.
 
     Returns:
-        bf16 [..., D].
+        bf16 [..., D]; with `next_qkv` (y [M, D], (x_hat f16 [M, D], global scale f32 [M])).
 
     Where the chain does not apply (other rows, an unsupported shape, nothing to fuse) this is
     the three `fused_linear` calls (kernels "two"), which the decoder runs otherwise.
@@ -335,13 +416,21 @@ def post_attention_block(
     ):
         raise ValueError(f"norm_chunk={norm_chunk!r}: expected a multiple of 256 dividing {k_g}")
     m = int(np.prod(lead, dtype=np.int64))
+    next_fused = next_layers = None
+    if next_qkv is not None:
+        next_fused, next_layers = _next_input(next_qkv, next_norm, n_o, layer, eps)
 
     def composed():
         common = {"layer": layer, "impl": impl, "kernels": "two", "gemm_options": gemm_options}
         h = fl.fused_linear(out, o_proj, residual=x, residual_epilogue=residual_epilogue, **common)
         g = fl.fused_linear(h, gate_up, prologue="rmsnorm", norm=norm, eps=eps, **common)
-        return fl.fused_linear(g, down, prologue="swiglu", residual=h,
-                               residual_epilogue=residual_epilogue, **common)  # fmt: skip
+        y = fl.fused_linear(g, down, prologue="swiglu", residual=h,
+                            residual_epilogue=residual_epilogue, **common)  # fmt: skip
+        if next_qkv is None:
+            return y
+        y = jax.lax.optimization_barrier(jnp.reshape(y, (m, n_o)))  # as in _reference_next
+        li = _next_layer(jnp.asarray(layer, jnp.int32), next_layers)
+        return y, xhat_input(y, next_qkv, next_norm, layer=li, eps=eps, impl=impl)
 
     ok, why = block_supported(m, shapes, gemm_options) if m else (False, "no rows")
     if impl == "ref" or not ok:
@@ -371,21 +460,126 @@ def post_attention_block(
             jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
             jnp.asarray(w.global_scale, jnp.float32),
         ]
-    y = _block_p.bind(
+    args = (
         jnp.reshape(out, (m, k_o)),
         jnp.reshape(x, (m, n_o)),
         jnp.asarray(norm, jnp.bfloat16),
         *ops,
         jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
-        shapes=shapes,
-        fused=tuple(fused),
-        gw_rows=tuple(w.per_row for w in ws),
-        impl=impl,
-        gemm_options=gemm_options,
-        epilogue=bool(residual_epilogue),
-        norm_chunk=norm_chunk,
     )
+    params = {
+        "shapes": shapes,
+        "fused": tuple(fused),
+        "gw_rows": tuple(w.per_row for w in ws),
+        "impl": impl,
+        "gemm_options": gemm_options,
+        "epilogue": bool(residual_epilogue),
+        "norm_chunk": norm_chunk,
+    }
+    if next_qkv is not None:
+        scale = next_qkv.get("input_scale")
+        xg_q = jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,))
+        y, xh, xg = _block_next_p.bind(
+            *args, xg_q, jnp.asarray(next_norm, jnp.bfloat16), next_fused=next_fused,
+            next_layers=next_layers, **params,
+        )  # fmt: skip
+        return y, (xh, xg)
+    y = _block_p.bind(*args, **params)
     return jnp.reshape(y, (*lead, n_o))
+
+
+def _next_input(qkv: dict, norm, d: int, layer, eps) -> tuple[nvfp4_gemv.Fused, int]:
+    """(the quantizer's Fused, L) of the next layer's qkv input from a decoder's stacks."""
+    w = fl._w4a4_weight("the next layer's qkv_proj", qkv, layer)
+    layers = w.stack[0] if w.stack else 0
+    if not layers or tuple(np.shape(norm)) != (layers, d) or w.shape[1] != d:
+        raise ValueError(
+            f"next_qkv {w.shape} stack {w.stack}, next_norm.shape={np.shape(norm)}: expected "
+            f"stacks of L layers, (N, {d}) and [L, {d}]"
+        )
+    scale = qkv.get("input_scale")
+    fused = nvfp4_gemv.Fused(prologue="rmsnorm", dynamic=scale is None, eps=float(eps),
+                             norm_stacked=True, scale_stacked=scale is not None)  # fmt: skip
+    if scale is not None and tuple(np.shape(scale)) != (layers,):
+        raise ValueError(f"next_qkv input_scale shape {np.shape(scale)}, expected ({layers},)")
+    return fused, layers
+
+
+# ----------------------------------------------------------------------------- x_hat input
+
+
+def _xq_abstract(x, *_, k, **__):
+    return (
+        jax.core.ShapedArray((x.shape[0], k), jnp.float16),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+
+
+_xq_p = fl._jitted_primitive("rejax_nvfp4_xhat_input", _xq_abstract)
+
+
+def _lower_xq_reference(ctx, *args, k, fused, impl):
+    _dispatch.refuse_off_cuda(XQ_OP, impl, ctx.module_context.platforms)
+    fn = functools.partial(fl._xhat_reference, k=k, fused=fused)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lower_xq_cuda(ctx, *args, k, fused, impl):
+    m = ctx.avals_in[0].shape[0]
+    supported = nvfp4_quant.check_shape(m, k)
+    kernel = None
+    if supported[0] and impl != "ref":
+        try:
+            kernel = nvfp4_quant.build(m, k, fused, out="xhat")
+        except nvfp4_gemv.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(XQ_OP, impl, supported):
+        fn = functools.partial(fl._xhat_reference, k=k, fused=fused)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
+
+
+mlir.register_lowering(_xq_p, _lower_xq_reference)
+mlir.register_lowering(_xq_p, _lower_xq_cuda, platform="cuda")
+
+
+def xhat_input(
+    x: jax.Array, params: dict, norm: jax.Array, *, layer: Any, eps: float, impl: str = "auto"
+) -> tuple[jax.Array, jax.Array]:
+    """The tensor-core GEMM's input for `fused_linear(x, params, prologue="rmsnorm",
+    norm=norm)`: (x_hat float16 [M, K] in the GEMM's K order, global scale float32 [M]), the
+    bytes of the quantizer kernel's x_hat form (`rejax.ops.linear.gemm_x_operand` of
+    quantize_activation(rms_norm(x))); on CUDA that kernel. `pre_attention_block(..., xq=)`
+    reads it.
+
+    Args:
+        x: [M, K] bf16. params: W4A4 params (stacked with `layer`). norm: [K] or [L, K].
+        layer: int32 [] (may be traced). eps: the RMSNorm epsilon. impl: as the other ops.
+    """
+    _dispatch.check_impl(impl)
+    w = fl._w4a4_weight("xhat_input", params, layer)
+    k = w.shape[1]
+    if np.ndim(x) != 2 or np.shape(x)[1] != k or np.dtype(x.dtype) != np.dtype(jnp.bfloat16):
+        raise ValueError(f"x {np.shape(x)} {np.dtype(x.dtype)}, expected [M, {k}] bfloat16")
+    stacked_norm = np.ndim(norm) == 2
+    if tuple(np.shape(norm)) != ((*w.stack, k) if stacked_norm else (k,)):
+        raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k,)} or {(*w.stack, k)}")
+    scale = params.get("input_scale")
+    fused = nvfp4_gemv.Fused(
+        prologue="rmsnorm", dynamic=scale is None, eps=float(eps), norm_stacked=stacked_norm,
+        scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
+    )  # fmt: skip
+    return tuple(
+        _xq_p.bind(
+            x,
+            jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
+            jnp.asarray(norm, jnp.bfloat16),
+            jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+            k=k,
+            fused=fused,
+            impl=impl,
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- pre-attention
@@ -503,6 +697,7 @@ def pre_attention_block(
     theta: float,
     impl: str = "auto",
     gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    xq: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The decode step before the attention for one new token a row: qkv =
     fused_linear(x, qkv_proj, prologue="rmsnorm", norm=norm), then `rope_cache` (q/k norms,
@@ -522,11 +717,21 @@ def pre_attention_block(
         impl: "auto", "ref" or "cuda" ("cuda" fails where the chain does not serve,
             `pre_supported` says why).
         gemm_options: the qkv GEMM's choices (`min_m` .. `max_m` are the rows the chain takes).
+        xq: the qkv GEMM's input already quantized, (x_hat f16 [B, D], global scale f32 [B])
+            as `xhat_input(x, qkv_proj, norm)` gives it (the previous layer's
+            `post_attention_block(..., next_qkv=)` writes it): then x and norm are not read
+            (x may be None) and no quantizer runs. Only where the chain applies
+            (`pre_supported`); its reference is the qkv product of those values
+            (`rejax.nvfp4.nvfp4_matmul_prescaled`, bitwise the product of the codes).
 
     Returns:
         (q [B, N, H], k_cache, v_cache). Where the chain does not apply, `fused_linear` then
         `rope_cache`, the decoder's "split" path.
     """
+    if xq is not None:
+        return _pre_from_xhat(xq, qkv_proj, q_norm, k_norm, positions, index, k_cache, v_cache,
+                              layer=layer, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                              eps=eps, theta=theta, impl=impl, gemm_options=gemm_options)  # fmt: skip
     _dispatch.check_impl(impl)
     w = fl._w4a4_weight("pre_attention_block's qkv_proj", qkv_proj, layer)
     n, k = w.shape
@@ -590,6 +795,115 @@ def pre_attention_block(
             v_cache,
             shape=(n, k),
             fused=fused,
+            gw_rows=w.per_row,
+            rope=rope,
+            theta=float(theta),
+            impl=impl,
+            gemm_options=gemm_options,
+        )
+    )
+
+
+def _pre_xq_reference(xh, xg, wp, ws, wg, layer, *rope_ops, shape, rope, theta, **_: Any):
+    """The qkv product of the given x_hat (`nvfp4_matmul_prescaled`), then rope_cache's
+    reference."""
+    n, k = shape
+    w = linear_ops._weight(wp, ws, wg, layer, n, k)
+    qkv = nvfp4.nvfp4_matmul_prescaled(linear_ops.gemm_x_values(xh), xg, w)
+    qn, kn, positions, index, inv_freq, kc, vc = rope_ops
+    return rope_ref._reference(qkv, qn, kn, layer, positions, index, inv_freq, kc, vc,
+                               shape=rope, theta=theta)  # fmt: skip
+
+
+_pre_xq_p = fl._jitted_primitive("rejax_nvfp4_pre_attention_block_xhat", _pre_abstract)
+
+
+def _lower_pre_xq_reference(ctx, *args, **params):
+    _dispatch.refuse_off_cuda(PRE_OP, params["impl"], ctx.module_context.platforms)
+    fn = functools.partial(_pre_xq_reference, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _pre_xq_chain(xh, xg, wp, ws, wg, layer, *rope_ops, gemm, rope_kern):
+    part = _partials(gemm, xh, xg, wp, ws, wg, layer)
+    qn, kn, positions, index, inv_freq, kc, vc = rope_ops
+    s = rope_kern.shape
+    outs = (
+        jax.ShapeDtypeStruct((s.batch, s.heads, s.head_dim), jnp.bfloat16),
+        jax.ShapeDtypeStruct(kc.shape, kc.dtype),
+        jax.ShapeDtypeStruct(vc.shape, vc.dtype),
+    )
+    ops = (part, xg, wg, qn, kn, layer, positions, index, inv_freq, kc, vc)
+    return _dispatch.ptx_call(rope_kern.backend_config(), outs, *ops, aliases=rope_kern.aliases)
+
+
+def _lower_pre_xq_cuda(ctx, *args, shape, gw_rows, rope, theta, impl, gemm_options):
+    m = ctx.avals_in[0].shape[0]
+    supported = pre_supported(m, shape, rope, gemm_options)
+    kernels = None
+    if supported[0] and impl != "ref":
+        n, k = shape
+        try:
+            gemm = nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=gw_rows)
+            p = gemm.plan
+            fin = nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows)
+            kernels = {"gemm": gemm, "rope_kern": rope_kernel.build(rope, finish=fin)}
+        except nvfp4_gemv.KernelError as err:
+            supported = (False, f"kernel build failed: {err}")
+    if not _dispatch.use_kernel(PRE_OP, impl, supported):
+        fn = functools.partial(_pre_xq_reference, shape=shape, rope=rope, theta=theta)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return mlir.lower_fun(functools.partial(_pre_xq_chain, **kernels), multiple_results=True)(
+        ctx, *args
+    )
+
+
+mlir.register_lowering(_pre_xq_p, _lower_pre_xq_reference)
+mlir.register_lowering(_pre_xq_p, _lower_pre_xq_cuda, platform="cuda")
+
+
+def _pre_from_xhat(xq, qkv_proj, q_norm, k_norm, positions, index, k_cache, v_cache, *, layer,
+                   heads, kv_heads, head_dim, eps, theta, impl, gemm_options):  # fmt: skip
+    """`pre_attention_block` on a given x_hat (see its `xq`)."""
+    _dispatch.check_impl(impl)
+    w = fl._w4a4_weight("pre_attention_block's qkv_proj", qkv_proj, layer)
+    n, k = w.shape
+    xh, xg = xq
+    b = int(np.shape(xh)[0]) if np.ndim(xh) == 2 else -1
+    if (tuple(np.shape(xh)) != (b, k) or np.dtype(xh.dtype) != np.dtype(jnp.float16)
+            or tuple(np.shape(xg)) != (b,) or np.dtype(xg.dtype) != np.dtype(jnp.float32)):  # fmt: skip
+        raise ValueError(
+            f"xq ({np.shape(xh)} {np.dtype(xh.dtype)}, {np.shape(xg)} {np.dtype(xg.dtype)}): "
+            f"expected (float16 [B, {k}], float32 [B])"
+        )
+    if n != (heads + 2 * kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv_proj N={n}, expected (heads + 2 kv_heads) x head_dim = "
+            f"{(heads + 2 * kv_heads) * head_dim}"
+        )
+    rope = rope_ref.rope_shape(b, q_norm, k_norm, positions, index, k_cache, v_cache,
+                               heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=eps)  # fmt: skip
+    if impl == "cuda":
+        ok, why = pre_supported(b, (n, k), rope, gemm_options)
+        if not ok:
+            raise ValueError(f"pre_attention_block(impl='cuda', xq=...): {why}")
+    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
+    return tuple(
+        _pre_xq_p.bind(
+            xh,
+            xg,
+            w.packed,
+            jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
+            jnp.asarray(w.global_scale, jnp.float32),
+            jnp.asarray(layer, jnp.int32).reshape(()),
+            dummy if q_norm is None else q_norm,
+            dummy if k_norm is None else k_norm,
+            jnp.asarray(positions, jnp.int32),
+            jnp.asarray(index, jnp.int32).reshape(-1),
+            layers.rope_inv_freq(head_dim, theta),
+            k_cache,
+            v_cache,
+            shape=(n, k),
             gw_rows=w.per_row,
             rope=rope,
             theta=float(theta),

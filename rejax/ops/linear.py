@@ -205,6 +205,14 @@ def gemm_x_operand(xp: jax.Array, xs: jax.Array) -> jax.Array:
     return xh.reshape(m, k)
 
 
+def gemm_x_values(xh: jax.Array) -> jax.Array:
+    """The inverse of `gemm_x_operand`'s K order: x_hat [M, K] in the GEMM's order -> the same
+    values e2m1 * SFx in natural K order (float16 [M, K])."""
+    m, k = xh.shape
+    xv = xh.reshape(m, k // _GEMM_CHUNK, 4, 4, 4, 2).transpose(0, 1, 3, 2, 5, 4)
+    return xv.reshape(m, k)
+
+
 def gemm_finish(
     partials: jax.Array,
     xg: jax.Array,
