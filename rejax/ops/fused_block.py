@@ -1,5 +1,5 @@
-"""The post-attention half of a W4A4 decoder layer on the GEMM's rows as one op: each K-split
-GEMM's finish and the next linear's quantizer in one launch.
+"""A W4A4 decoder layer's linears chained on the GEMM's rows: each K-split GEMM's finish inside
+the next kernel (the next linear's quantizer, or the rope kernel), one launch instead of two.
 
 GEMM letters as in rejax/ops/linear.py (M rows, N out features, K in features). The op is
 
