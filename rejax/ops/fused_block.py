@@ -58,6 +58,45 @@ XQ_OP = "nvfp4_xhat_input"
 LINEARS = ("o_proj", "gate_up_proj", "down_proj")
 
 
+def _scale_operand(params: dict) -> jax.Array:
+    """A linear's input scale as the kernels take it: f32 [1] (1.0 when dynamic) or [L]."""
+    scale = params.get("input_scale")
+    return jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,))
+
+
+def _fused(params: dict, prologue: str, residual: bool, eps, stacked_norm: bool, layer):
+    """The quantizer's compile-time description for a linear's params (as `fused_linear`)."""
+    scale = params.get("input_scale")
+    return nvfp4_gemv.Fused(
+        prologue=prologue,
+        residual=residual,
+        dynamic=scale is None,
+        eps=float(eps),
+        norm_stacked=prologue == "rmsnorm" and stacked_norm,
+        scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
+    )
+
+
+def _weight_operands(w: Nvfp4Tensor) -> tuple:
+    """(codes, E4M3 scale bytes, global scale f32) of a (stacked) weight."""
+    scales = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+    return w.packed, scales, jnp.asarray(w.global_scale, jnp.float32)
+
+
+def _rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache, head_dim, theta):
+    """The rope kernel's operands after the layer (see `rejax.ops.rope_cache.rope_cache`)."""
+    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
+    return (
+        dummy if q_norm is None else q_norm,
+        dummy if k_norm is None else k_norm,
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(index, jnp.int32).reshape(-1),
+        layers.rope_inv_freq(head_dim, theta),
+        k_cache,
+        v_cache,
+    )
+
+
 def _chain_rows(m: int, gemm_options: nvfp4_gemm.GemmOptions) -> tuple[bool, str]:
     """Whether M rows and the GEMM choices allow a chain at all: the GEMM's rows, the x_hat
     quantizer kernel, K splits through partials."""
@@ -443,23 +482,8 @@ def post_attention_block(
         (("none", True), ("rmsnorm", False), ("swiglu", True)),
         strict=True,
     ):
-        scale = params.get("input_scale")
-        fused.append(
-            nvfp4_gemv.Fused(
-                prologue=prologue,
-                residual=residual,
-                dynamic=scale is None,
-                eps=float(eps),
-                norm_stacked=prologue == "rmsnorm" and stacked_norm,
-                scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
-            )
-        )
-        ops += [
-            jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
-            w.packed,
-            jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
-            jnp.asarray(w.global_scale, jnp.float32),
-        ]
+        fused.append(_fused(params, prologue, residual, eps, stacked_norm, layer))
+        ops += [_scale_operand(params), *_weight_operands(w)]
     args = (
         jnp.reshape(out, (m, k_o)),
         jnp.reshape(x, (m, n_o)),
@@ -477,10 +501,9 @@ def post_attention_block(
         "norm_chunk": norm_chunk,
     }
     if next_qkv is not None:
-        scale = next_qkv.get("input_scale")
-        xg_q = jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,))
         y, xh, xg = _block_next_p.bind(
-            *args, xg_q, jnp.asarray(next_norm, jnp.bfloat16), next_fused=next_fused,
+            *args, _scale_operand(next_qkv), jnp.asarray(next_norm, jnp.bfloat16),
+            next_fused=next_fused,
             next_layers=next_layers, **params,
         )  # fmt: skip
         return y, (xh, xg)
@@ -491,18 +514,16 @@ def post_attention_block(
 def _next_input(qkv: dict, norm, d: int, layer, eps) -> tuple[nvfp4_gemv.Fused, int]:
     """(the quantizer's Fused, L) of the next layer's qkv input from a decoder's stacks."""
     w = fl._w4a4_weight("the next layer's qkv_proj", qkv, layer)
-    layers = w.stack[0] if w.stack else 0
-    if not layers or tuple(np.shape(norm)) != (layers, d) or w.shape[1] != d:
+    n_layers = w.stack[0] if w.stack else 0
+    if not n_layers or tuple(np.shape(norm)) != (n_layers, d) or w.shape[1] != d:
         raise ValueError(
             f"next_qkv {w.shape} stack {w.stack}, next_norm.shape={np.shape(norm)}: expected "
             f"stacks of L layers, (N, {d}) and [L, {d}]"
         )
     scale = qkv.get("input_scale")
-    fused = nvfp4_gemv.Fused(prologue="rmsnorm", dynamic=scale is None, eps=float(eps),
-                             norm_stacked=True, scale_stacked=scale is not None)  # fmt: skip
-    if scale is not None and tuple(np.shape(scale)) != (layers,):
-        raise ValueError(f"next_qkv input_scale shape {np.shape(scale)}, expected ({layers},)")
-    return fused, layers
+    if scale is not None and tuple(np.shape(scale)) != (n_layers,):
+        raise ValueError(f"next_qkv input_scale shape {np.shape(scale)}, expected ({n_layers},)")
+    return _fused(qkv, "rmsnorm", False, eps, True, layer), n_layers
 
 
 # ----------------------------------------------------------------------------- x_hat input
@@ -564,15 +585,11 @@ def xhat_input(
     stacked_norm = np.ndim(norm) == 2
     if tuple(np.shape(norm)) != ((*w.stack, k) if stacked_norm else (k,)):
         raise ValueError(f"norm.shape={np.shape(norm)}, expected {(k,)} or {(*w.stack, k)}")
-    scale = params.get("input_scale")
-    fused = nvfp4_gemv.Fused(
-        prologue="rmsnorm", dynamic=scale is None, eps=float(eps), norm_stacked=stacked_norm,
-        scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
-    )  # fmt: skip
+    fused = _fused(params, "rmsnorm", False, eps, stacked_norm, layer)
     return tuple(
         _xq_p.bind(
             x,
-            jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
+            _scale_operand(params),
             jnp.asarray(norm, jnp.bfloat16),
             jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
             k=k,
@@ -768,31 +785,15 @@ def pre_attention_block(
         if impl == "cuda" and not ok:
             raise ValueError(f"pre_attention_block(impl='cuda'): {why}")
         return composed()
-    scale = qkv_proj.get("input_scale")
-    fused = nvfp4_gemv.Fused(
-        prologue="rmsnorm",
-        dynamic=scale is None,
-        eps=float(eps),
-        norm_stacked=stacked_norm,
-        scale_stacked=scale is not None and np.ndim(scale) == 1 and layer is not None,
-    )
-    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
+    fused = _fused(qkv_proj, "rmsnorm", False, eps, stacked_norm, layer)
     return tuple(
         _pre_p.bind(
             x,
-            jnp.reshape(jnp.asarray(1.0 if scale is None else scale, jnp.float32), (-1,)),
+            _scale_operand(qkv_proj),
             jnp.asarray(norm, jnp.bfloat16),
-            w.packed,
-            jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
-            jnp.asarray(w.global_scale, jnp.float32),
+            *_weight_operands(w),
             jnp.asarray(layer, jnp.int32).reshape(()),
-            dummy if q_norm is None else q_norm,
-            dummy if k_norm is None else k_norm,
-            jnp.asarray(positions, jnp.int32),
-            jnp.asarray(index, jnp.int32).reshape(-1),
-            layers.rope_inv_freq(head_dim, theta),
-            k_cache,
-            v_cache,
+            *_rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache, head_dim, theta),
             shape=(n, k),
             fused=fused,
             gw_rows=w.per_row,
@@ -887,22 +888,13 @@ def _pre_from_xhat(xq, qkv_proj, q_norm, k_norm, positions, index, k_cache, v_ca
         ok, why = pre_supported(b, (n, k), rope, gemm_options)
         if not ok:
             raise ValueError(f"pre_attention_block(impl='cuda', xq=...): {why}")
-    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
     return tuple(
         _pre_xq_p.bind(
             xh,
             xg,
-            w.packed,
-            jax.lax.bitcast_convert_type(w.scales, jnp.uint8),
-            jnp.asarray(w.global_scale, jnp.float32),
+            *_weight_operands(w),
             jnp.asarray(layer, jnp.int32).reshape(()),
-            dummy if q_norm is None else q_norm,
-            dummy if k_norm is None else k_norm,
-            jnp.asarray(positions, jnp.int32),
-            jnp.asarray(index, jnp.int32).reshape(-1),
-            layers.rope_inv_freq(head_dim, theta),
-            k_cache,
-            v_cache,
+            *_rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache, head_dim, theta),
             shape=(n, k),
             gw_rows=w.per_row,
             rope=rope,
