@@ -175,6 +175,10 @@ def main(argv=None) -> dict:
         choices=list(rconfig.O_PROJ_OUTPUTS), help="Config.o_proj_output, one row each",
     )  # fmt: skip
     ap.add_argument(
+        "--gemm-chain", nargs="+", default=[rconfig.Config.gemm_chain],
+        choices=list(rconfig.GEMM_CHAINS), help="Config.gemm_chain, one row each",
+    )  # fmt: skip
+    ap.add_argument(
         "--scales", default="static", choices=["static", "dynamic"],
         help="the W4A4 linears' activation global scales: static (as bench_decode.py) or per-row",
     )  # fmt: skip
@@ -187,25 +191,26 @@ def main(argv=None) -> dict:
     rows = []
     static = args.scales == "static"
     variants = [
-        (f, a, ao, go, oo)
+        (f, a, ao, go, oo, gc)
         for f in args.linear_fusion
         for a in args.attention
         for ao in args.attention_output
         for go in args.gate_up_output
         for oo in args.o_proj_output
+        for gc in args.gemm_chain
     ]
-    for fusion, attention, ao, go, oo in variants:
+    for fusion, attention, ao, go, oo, gc in variants:
         cfg = dataclasses.replace(base, linear_fusion=fusion, attention=attention,
                                   attention_output=ao, gate_up_output=go,
-                                  o_proj_output=oo)  # fmt: skip
+                                  o_proj_output=oo, gemm_chain=gc)  # fmt: skip
         for b in args.batch:
             slots = min(args.slots, cfg.max_position_embeddings)
             c = count_launches(compiled_decode_step(cfg, b, slots, static), cfg.num_layers)
             rows.append({"linear_fusion": fusion, "attention": attention,
                          "attention_output": ao, "gate_up_output": go, "o_proj_output": oo,
-                         "batch": b, **c})  # fmt: skip
-            print(f"[{fusion} {attention} ao={ao} go={go} oo={oo} b{b}] {c['total']} launches per layer: "
-                  f"{c['by_kind']}", flush=True)  # fmt: skip
+                         "gemm_chain": gc, "batch": b, **c})  # fmt: skip
+            print(f"[{fusion} {attention} ao={ao} go={go} oo={oo} gc={gc} b{b}] {c['total']} "
+                  f"launches per layer: {c['by_kind']}", flush=True)  # fmt: skip
     out = {
         "source": "optimized HLO of decode_step: instructions of the layer scan's body",
         "scales": args.scales,

@@ -95,6 +95,10 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           {k: round(v, 2) for k, v in r.items() if k.endswith(("_us", "_speedup"))},
           {k: v for k, v in r.items() if k.endswith("_equal") and not v})
 PY
+      # kernels a layer launches, from the compiled step (4 layers, "live" attention)
+      timeout ${COUNT_TIMEOUT:-150} python3 experiments/count_kernels.py --layers 4 \
+        --batch 16 64 --linear-fusion split --attention live --gemm-chain split fused \
+        --out "$out/count_chain.json" 2>&1 | grep -E "launches per layer" | cut -c1-160
       timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu tests/test_fused_block_gpu.py \
         -p no:cacheprovider > "$out/chain_pytest.log" 2>&1; tail -6 "$out/chain_pytest.log"
       for tool in memcheck racecheck; do

@@ -88,3 +88,13 @@ def test_rows_per_nvfp4_output_choice(tmp_path):
     assert out["scales"] == "static" and out["rows"][0]["total"] == out["rows"][1]["total"]
     with pytest.raises(SystemExit):
         ck.main(["--tiny", "--gate-up-output", "fp4", "--out", str(tmp_path / "x.json")])
+
+
+def test_rows_per_gemm_chain(tmp_path):
+    """--gemm-chain: one row per value, labelled (on CPU the same reference program: the
+    launches it saves show in a CUDA build, tests/test_fused_block.py)."""
+    out = ck.main(["--tiny", "--batch", "8", "--linear-fusion", "split", "--gemm-chain", "split",
+                   "fused", "--out", str(tmp_path / "c.json")])  # fmt: skip
+    assert [(r["gemm_chain"], r["batch"]) for r in out["rows"]] == [("split", 8), ("fused", 8)]
+    with pytest.raises(SystemExit):
+        ck.main(["--tiny", "--gemm-chain", "one", "--out", str(tmp_path / "x.json")])
