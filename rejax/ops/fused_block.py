@@ -651,19 +651,18 @@ def _lower_pre_reference(ctx, *args, **params):
 
 
 def _pre_chain(x, xg, nw, wp, ws, wg, layer, *rope_ops, shape, fused, quant, gemm, rope_kern):
-    k = shape[1]
     pro = dataclasses.replace(fused, residual=False)
-    xh, xgr = fl._quant_xhat_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
-    part = _partials(gemm, xh, xgr, wp, ws, wg, layer)
-    qn, kn, positions, index, inv_freq, kc, vc = rope_ops
-    s = rope_kern.shape
-    outs = (
-        jax.ShapeDtypeStruct((s.batch, s.heads, s.head_dim), jnp.bfloat16),
-        jax.ShapeDtypeStruct(kc.shape, kc.dtype),
-        jax.ShapeDtypeStruct(vc.shape, vc.dtype),
-    )
-    ops = (part, xgr, wg, qn, kn, layer, positions, index, inv_freq, kc, vc)
-    return _dispatch.ptx_call(rope_kern.backend_config(), outs, *ops, aliases=rope_kern.aliases)
+    xh, xgr = fl._quant_xhat_p.bind(x, xg, nw, layer, k=shape[1], fused=pro, kernel=quant)
+    return _pre_xq_chain(xh, xgr, wp, ws, wg, layer, *rope_ops, gemm=gemm, rope_kern=rope_kern)
+
+
+def _pre_kernels(m, shape, gw_rows, rope, gemm_options) -> dict:
+    """The qkv GEMM and the rope kernel that reads its partials (KernelError if one fails)."""
+    n, k = shape
+    gemm = nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=gw_rows)
+    p = gemm.plan
+    fin = nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows)
+    return {"gemm": gemm, "rope_kern": rope_kernel.build(rope, finish=fin)}
 
 
 def _lower_pre_cuda(ctx, *args, shape, fused, gw_rows, rope, theta, impl, gemm_options):
@@ -671,17 +670,10 @@ def _lower_pre_cuda(ctx, *args, shape, fused, gw_rows, rope, theta, impl, gemm_o
     supported = pre_supported(m, shape, rope, gemm_options)
     kernels = None
     if supported[0] and impl != "ref":
-        n, k = shape
         try:
-            quant = nvfp4_quant.build(m, k, dataclasses.replace(fused, residual=False), out="xhat")
-            gemm = nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=gw_rows)
-            p = gemm.plan
-            fin = nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows)
-            kernels = {
-                "quant": quant,
-                "gemm": gemm,
-                "rope_kern": rope_kernel.build(rope, finish=fin),
-            }
+            pro = dataclasses.replace(fused, residual=False)
+            quant = nvfp4_quant.build(m, shape[1], pro, out="xhat")
+            kernels = {"quant": quant, **_pre_kernels(m, shape, gw_rows, rope, gemm_options)}
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(PRE_OP, impl, supported):
@@ -843,12 +835,8 @@ def _lower_pre_xq_cuda(ctx, *args, shape, gw_rows, rope, theta, impl, gemm_optio
     supported = pre_supported(m, shape, rope, gemm_options)
     kernels = None
     if supported[0] and impl != "ref":
-        n, k = shape
         try:
-            gemm = nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=gw_rows)
-            p = gemm.plan
-            fin = nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows)
-            kernels = {"gemm": gemm, "rope_kern": rope_kernel.build(rope, finish=fin)}
+            kernels = _pre_kernels(m, shape, gw_rows, rope, gemm_options)
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(PRE_OP, impl, supported):
