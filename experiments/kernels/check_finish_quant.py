@@ -4,9 +4,10 @@ the repository root:
 
     PYTHONPATH=. python3 experiments/kernels/check_finish_quant.py --out $OUT/finish_quant.json
 
-1. For the two pairs of a Qwen3-8B layer whose producer splits K, o_proj -> gate_up (the
-   residual added and stored, RMSNorm, K = 4096) and gate_up -> down (SwiGLU over 2 x 12288
-   columns, K = 12288), at `--ms` (default 8, 16, 32, 64) with the production GEMM plan's K
+1. For the pairs of a Qwen3-8B layer whose producer splits K, o_proj -> gate_up (the
+   residual added and stored, RMSNorm, K = 4096), gate_up -> down (SwiGLU over 2 x 12288
+   columns, K = 12288) and down_proj -> the next layer's qkv (as o_proj -> gate_up, down's
+   split), at `--ms` (default 8, 16, 32, 64) with the production GEMM plan's K
    split of the producer, builds its split-K finish kernel and the quantizer's x_hat form (the
    "split" path's launches), and the finish-quantizer at each chunking of `--chunks` ("row":
    one CTA per row, the row kept in shared memory; "1024", "512": the quantizer's chunkings,
@@ -37,7 +38,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 D, F = 4096, 12288
 # (name, producer N, producer K, next K, prologue, residual / y stored)
-PAIRS = (("o_gate_up", D, D, D, "rmsnorm", True), ("gate_up_down", 2 * F, D, F, "swiglu", False))
+PAIRS = (
+    ("o_gate_up", D, D, D, "rmsnorm", True),
+    ("gate_up_down", 2 * F, D, F, "swiglu", False),
+    # down_proj -> the next layer's qkv input (in the decoder read at layer + 1: the same work)
+    ("down_qkv", D, F, D, "rmsnorm", True),
+)
 DEFAULT_MS = (8, 16, 32, 64)
 DEFAULT_CHUNKS = ("row", "1024", "512")
 

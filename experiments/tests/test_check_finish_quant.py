@@ -14,7 +14,9 @@ from experiments.kernels import check_finish_quant as cfq
 @pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_kernels_build_for_both_pairs(tmp_path, monkeypatch):
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
-    o_gu, gu_down = cfq.PAIRS
+    o_gu, gu_down, down_qkv = cfq.PAIRS
+    ks = cfq.kernels(32, down_qkv, ("row",), arch="compute_90")
+    assert ks["finish"].plan.splitk == 8 and ks["fin_row"].chunk == 4096
     ks = cfq.kernels(32, o_gu, ("row", "1024", "768"), arch="compute_90")
     assert ks["finish"].plan.splitk == 8 and ks["finish"].plan.residual
     assert sorted(ks) == ["fin_1024", "fin_row", "finish", "quant"]  # 768 does not divide K
