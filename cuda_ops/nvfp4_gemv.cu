@@ -1229,6 +1229,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 // 2) the CTA first forms the row's x once into shared memory (and y), and the statistics and
 // the codes read it there: each partial is read once, as by the finish kernel.
 static_assert(PRO != 2 || !FIN_STORE_Y, "FIN_STORE_Y stores the linear's input rows (PRO 0 or 1)");
+
+// fin8's 8 values as the 16 bytes of bf16 the finish kernel stores (exact: they are bf16 already)
+__device__ __forceinline__ uint4 fin8_bf16(const XRows& xr, int c) {
+  float h[8];
+  fin8(h, xr, c);
+  u32 w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = (u32)f32_to_bf16(h[2 * j]) | ((u32)f32_to_bf16(h[2 * j + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
 static_assert(!FIN_CACHE || (QCHUNK == K_IN && PRO != 2 && X_COLS * 2 <= 40960),
               "FIN_CACHE: one CTA per row (QCHUNK = K), PRO 0 or 1, the row in 40 KiB");
 extern "C" __global__ void __launch_bounds__(NTHREADS)
@@ -1254,13 +1265,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 #if FIN_CACHE
   __shared__ __align__(16) u16 s_x[X_COLS];
   for (int e = 8 * threadIdx.x; e < X_COLS; e += 8 * NTHREADS) {
-    float h[8];
-    fin8(h, xr, e);
-    u32 w[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      w[j] = (u32)f32_to_bf16(h[2 * j]) | ((u32)f32_to_bf16(h[2 * j + 1]) << 16);
-    const uint4 q = make_uint4(w[0], w[1], w[2], w[3]);
+    const uint4 q = fin8_bf16(xr, e);
     *(uint4*)(s_x + e) = q;
     if constexpr (FIN_STORE_Y) *(uint4*)(y + row * X_COLS + e) = q;
   }
@@ -1272,15 +1277,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
     u32 sc;
     const int e0 = 8 * i;  // = 128c + 32t + 8u
-    if constexpr (FIN_STORE_Y && !FIN_CACHE) {
-      float h[8];
-      fin8(h, xr, e0);
-      u32 w[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        w[j] = (u32)f32_to_bf16(h[2 * j]) | ((u32)f32_to_bf16(h[2 * j + 1]) << 16);
-      *(uint4*)(y + row * X_COLS + e0) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
+    if constexpr (FIN_STORE_Y && !FIN_CACHE) *(uint4*)(y + row * X_COLS + e0) = fin8_bf16(xr, e0);
     const u32 c = quant8(xr, e0, sc);
     const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
     *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);

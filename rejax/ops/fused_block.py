@@ -44,7 +44,7 @@ from jax.interpreters import mlir
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
 from cuda_ops import rope_cache as rope_kernel
-from rejax import layers, nvfp4
+from rejax import nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
 from rejax.ops import fused_linear as fl
@@ -84,17 +84,10 @@ def _weight_operands(w: Nvfp4Tensor) -> tuple:
 
 
 def _rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache, head_dim, theta):
-    """The rope kernel's operands after the layer (see `rejax.ops.rope_cache.rope_cache`)."""
-    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
-    return (
-        dummy if q_norm is None else q_norm,
-        dummy if k_norm is None else k_norm,
-        jnp.asarray(positions, jnp.int32),
-        jnp.asarray(index, jnp.int32).reshape(-1),
-        layers.rope_inv_freq(head_dim, theta),
-        k_cache,
-        v_cache,
-    )
+    """The rope kernel's operands after the layer (`rejax.ops.rope_cache.rope_operands`)."""
+    norms, rest = rope_ref.rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache,
+                                         head_dim, theta)  # fmt: skip
+    return (*norms, *rest)
 
 
 def _chain_rows(m: int, gemm_options: nvfp4_gemm.GemmOptions) -> tuple[bool, str]:
@@ -152,9 +145,9 @@ def _reference(out, x, nw, *ops, shapes, fused, order="auto", **_: Any):
                          order=order)  # fmt: skip
 
 
-def _next_layer(layer, layers: int):
+def _next_layer(layer, n_layers: int):
     """The next layer's index in an L-layer stack (the last layer: itself, an unused input)."""
-    return jnp.minimum(layer + 1, layers - 1)
+    return jnp.minimum(layer + 1, n_layers - 1)
 
 
 def _reference_next(out, x, nw, *ops, shapes, fused, next_fused, next_layers, order="auto",

@@ -156,23 +156,33 @@ def rope_cache(
         ok, why = kernel_mod.check_shape(shape)
         if not ok:
             raise ValueError(f"rope_cache(impl='cuda'): {why}")
-    dummy = jnp.zeros((1, head_dim), qkv.dtype)
+    norms, rest = rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache, head_dim, theta)
     return tuple(
         _rope_p.bind(
             qkv,
-            dummy if q_norm is None else q_norm,
-            dummy if k_norm is None else k_norm,
+            *norms,
             jnp.asarray(layer, jnp.int32).reshape(()),
-            jnp.asarray(positions, jnp.int32),
-            jnp.asarray(index, jnp.int32).reshape(-1),
-            layers.rope_inv_freq(head_dim, theta),
-            k_cache,
-            v_cache,
+            *rest,
             shape=shape,
             theta=float(theta),
             impl=impl,
         )
     )
+
+
+def rope_operands(q_norm, k_norm, positions, index, k_cache, v_cache, head_dim, theta):
+    """The kernel's operands around the layer: ((q_norm, k_norm) or bf16 dummies for Qwen2,
+    (positions, index, inv_freq, k_cache, v_cache))."""
+    dummy = jnp.zeros((1, head_dim), jnp.bfloat16)
+    norms = (dummy if q_norm is None else q_norm, dummy if k_norm is None else k_norm)
+    rest = (
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(index, jnp.int32).reshape(-1),
+        layers.rope_inv_freq(head_dim, theta),
+        k_cache,
+        v_cache,
+    )
+    return norms, rest
 
 
 def rope_shape(
