@@ -6,10 +6,11 @@
 # experiments/kernels/nvfp4_gemm_xor.py: bitwise against production, timed; XOR_ARGS) and
 # xor_ncu (executed instructions and issue activity, production vs XOR_NCU_VARIANT), profile
 # (experiments/profile_step.py: every kernel of an 8-layer decode step, NVFP4 and bf16 at
-# PROFILE_BATCHES, default "64 16": where the NVFP4 step spends its time beside the GEMMs) and
-# chain (Config.gemm_chain "fused": its kernels alone against the launches they replace, GPU
-# tests, sanitizer) and chain_decode (36-layer decode against "split" at CHAIN_BATCHES, an
-# 8-layer profile of both at batch 64); one call each (each stays under 10 minutes).
+# PROFILE_BATCHES, default "64 16", or PROFILE_VARIANTS, profile_step.py's --variant values: where the NVFP4 step spends its time beside the GEMMs) and
+# chain (Config.gemm_chain's finish-quantizers: its kernels alone against the launches they
+# replace, GPU tests, sanitizer) and chain_decode (36-layer decode of CHAIN_VARIANTS, default
+# "split swiglu_rope", at CHAIN_BATCHES, an 8-layer profile of the three at batch 64); one call
+# each (chain ran past 10 minutes on an H100 with its sanitizer: give that SAN_TIMEOUT=120).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -108,14 +109,17 @@ PY
     chain_decode)
       timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
         --batch ${CHAIN_BATCHES:-16 64} --gen-len 512 --repeats 3 --no-breakdown \
-        --gemm-chain split fused --out "$out/decode_chain.json" > "$out/decode_chain.log" 2>&1
+        --gemm-chain ${CHAIN_VARIANTS:-split swiglu_rope} --out "$out/decode_chain.json" \
+        > "$out/decode_chain.log" 2>&1
       grep -E "ms/token|FAILED" "$out/decode_chain.log"
       timeout ${PROFILE_TIMEOUT:-150} python3 experiments/profile_step.py --layers 8 --steps 16 \
-        --variant nvfp4:64 --variant nvfp4:64:gemm_chain=fused --out "$out/profile_chain.json" \
+        --variant nvfp4:64:gemm_chain=split --variant nvfp4:64:gemm_chain=swiglu_rope \
+        --variant nvfp4:64:gemm_chain=fused --out "$out/profile_chain.json" \
         > "$out/profile_chain.log" 2>&1; grep -E "^\[|/layer" "$out/profile_chain.log" | head -30;;
     profile)
       variants=""
       for b in ${PROFILE_BATCHES:-64 16}; do variants="$variants --variant nvfp4:$b --variant bf16:$b"; done
+      [ -n "${PROFILE_VARIANTS:-}" ] && variants=$(printf -- ' --variant %s' $PROFILE_VARIANTS)
       timeout ${PROFILE_TIMEOUT:-300} python3 experiments/profile_step.py --layers 8 --steps 16 \
         $variants --out "$out/profile.json" > "$out/profile.log" 2>&1; echo "profile rc=$?"
       python3 - "$out/profile.json" <<'PY'

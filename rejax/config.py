@@ -151,9 +151,13 @@ GEMM_COPIES = ("auto", "loop", "static")
 # K-split GEMM's finish inside the next kernel: the next linear's quantizer (down_proj's: the
 # next layer's qkv quantizer, its x_hat handed along the layer loop), or for qkv the rope
 # kernel; the same bytes: rejax.ops.fused_block and rejax.decoder.cross_layer_chain; 4 launches
-# a layer fewer at 32-64 rows with Qwen3-8B's shapes, 3 at 16; not yet measured on the GPU, so
-# not the default).
-GEMM_CHAINS = ("split", "fused")
+# a layer fewer at 32-64 rows with Qwen3-8B's shapes, 3 at 16) or "swiglu_rope" (only the
+# chains into kernels without a row statistic: qkv's finish in the rope kernel, gate_up's in
+# down's SwiGLU quantizer; the default). Measured on the H100, 36 layers, in one run each
+# (experiments/results/h100_chain/): "swiglu_rope" 4.072 / 8.219 ms/token at batch 16 / 64
+# against "split" 4.119 / 8.399; "fused" is slower than "split" (4.409 / 8.692 against 4.136 /
+# 8.381): its RMSNorm finish-quantizers hold a row to one CTA or reread it.
+GEMM_CHAINS = ("split", "fused", "swiglu_rope")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
 # faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.
@@ -328,7 +332,7 @@ class Config:
     gemm_max_m: int | None = 256
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
-    gemm_chain: str = "split"
+    gemm_chain: str = "swiglu_rope"
     # how a fused linear in front of the GEMM quantizes its activations: "kernel" (the
     # quantizer kernel writes the GEMM's fp16 operand; 8-layer decode at batch 64 2.112 against
     # 2.346 ms/token for "xla", experiments/results/h200_m/) or "xla" (XLA fusions build it)

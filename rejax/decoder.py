@@ -292,12 +292,12 @@ def _rope_cache(qkv, lw, i, cfg: Config, positions, index, kv) -> tuple:
 def _pre_attention(x, lw, i, cfg: Config, positions, index, kv, kernels: str, gemm: dict,
                    prefetch) -> tuple:  # fmt: skip
     """The fused path before the attention for one new token a row into a bf16 cache: the qkv
-    projection, then q/k norms, RoPE and the cache write (with Config.gemm_chain "fused" on the
-    GEMM's rows as one op, `pre_attention_block`: the qkv GEMM's finish inside the rope
+    projection, then q/k norms, RoPE and the cache write (with Config.gemm_chain "fused" or
+    "swiglu_rope" on the GEMM's rows as one op, `pre_attention_block`: the qkv GEMM's finish inside the rope
     kernel). One function, so an experiment can swap it
     (experiments/kernels/nvfp4_block_tma.py's `install_qkv`)."""
     rows = x.shape[0] * x.shape[1]
-    if cfg.gemm_chain == "fused" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
+    if cfg.gemm_chain != "split" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
         # the qkv GEMM's split-K finish inside the rope kernel (one launch fewer)
         att = lw["self_attn"]
         norms = (None, None)
@@ -396,16 +396,18 @@ def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, ge
                     prefetch) -> jax.Array:  # fmt: skip
     """The fused path after the attention: x + o_proj(out), then the feed-forward half (`_mlp`);
     with Config.gemm_chain "fused" on the GEMM's rows, the whole of it as one op
-    (`post_attention_block`: each K-split GEMM's finish and the next quantizer in one launch).
+    (`post_attention_block`: each K-split GEMM's finish and the next quantizer in one launch;
+    "swiglu_rope": only gate_up's finish and down's quantizer).
     One function, so an experiment can swap the whole post-attention block of the decode step
     (experiments/kernels/nvfp4_block_tma.py's `install`)."""
     att, mlp = lw["self_attn"], lw["mlp"]
     rows = x.shape[0] * x.shape[1]
-    if cfg.gemm_chain == "fused" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
+    if cfg.gemm_chain != "split" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
         return post_attention_block(
             out.astype(x.dtype), x, att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
             norm=lw["post_attention_layernorm"]["scale"], layer=i, eps=cfg.rms_norm_eps,
             gemm_options=gemm["gemm_options"], residual_epilogue=gemm["residual_epilogue"],
+            chain_norm=cfg.gemm_chain == "fused",
         )  # fmt: skip
     x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
                      kernels=o_kernels, **gemm,

@@ -190,6 +190,27 @@ def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
         assert chain.fin_g.chunk == D and chain.fin_g.threads == 128
     assert FIN not in _entries(lowered(4))
     assert _entries(lowered(32, impl="ref")) == []
+    # chain_norm=False: o_proj's GEMM and finish (with the residual) and gate_up's RMSNorm
+    # quantizer stay two launches; only gate_up's finish is chained (into down's quantizer)
+    no_norm = functools.partial(post_attention_block, chain_norm=False)
+    finish = nvfp4_gemm.FINISH_ENTRY
+    assert _entries(lowered(32, fn=no_norm)) == [
+        quant,
+        gemm,
+        finish,
+        quant,
+        gemm,
+        FIN,
+        gemm,
+        finish,
+    ]
+    # at 16 rows gate_up does not split K: nothing left to chain, the composition's launches
+    composed16 = lowered(16, fn=lambda out, x, o, g, d, norm, layer, impl: _composed(
+        out, x, o, g, d, norm, layer, 1e-6))  # fmt: skip
+    assert _entries(lowered(16, fn=no_norm)) == _entries(composed16)
+    assert _entries(composed16)[:5] == [quant, gemm, finish, quant, gemm]
+    with pytest.raises(ValueError, match="M=16: gate_up_proj does not split K"):
+        lowered(16, impl="cuda", fn=no_norm)
     with pytest.raises(ValueError, match="impl='cuda'.*take the GEMV"):
         lowered(4, impl="cuda")
 
@@ -294,23 +315,25 @@ def test_block_errors_name_the_value():
 
 CFG = rconfig.Config(
     quant="nvfp4", hidden_size=D, intermediate_size=F, num_heads=16, num_kv_heads=4,
-    head_dim=128, num_layers=2, vocab_size=512,
+    head_dim=128, num_layers=2, vocab_size=512, gemm_chain="split",
 )  # fmt: skip
 
 
 def test_config_gemm_chain_validated():
-    assert rconfig.Config().gemm_chain == "split"
+    assert rconfig.Config().gemm_chain == "swiglu_rope"  # measured fastest, see GEMM_CHAINS
     with pytest.raises(ValueError, match="unknown gemm_chain 'one'"):
         rconfig.Config(gemm_chain="one")
 
 
-def test_decoder_gemm_chain_fused_is_bitwise_split_off_cuda():
-    """The decoder with Config.gemm_chain "fused" gives the logits of "split" bit for bit off
-    CUDA (8 rows, where the chain applies, and 2, where it does not), static input scales."""
+@pytest.mark.parametrize("chain", ["fused", "swiglu_rope"])
+def test_decoder_gemm_chain_fused_is_bitwise_split_off_cuda(chain):
+    """The decoder with Config.gemm_chain "fused" or "swiglu_rope" gives the logits of "split"
+    bit for bit off CUDA (8 rows, where the chain applies, and 2, where it does not), static
+    input scales."""
     params = per_linear_scales(init_params(CFG, 0, jnp.bfloat16))
     for b in (8, 2):
         want = decode_logits(CFG, params, steps=2, b=b)
-        fused = dataclasses.replace(params, cfg=dataclasses.replace(CFG, gemm_chain="fused"))
+        fused = dataclasses.replace(params, cfg=dataclasses.replace(CFG, gemm_chain=chain))
         got = decode_logits(fused.cfg, fused, steps=2, b=b)
         np.testing.assert_array_equal(got, want)
         assert np.isfinite(want).all()
@@ -340,6 +363,20 @@ def test_decode_step_lowers_the_chain_with_gemm_chain_fused(tmp_path, monkeypatc
     assert rope[0][1].startswith(f"tensor<{s_qkv}x32x3072xf32>, tensor<32xf32>, "), rope[0][1][:80]
     small = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=4)[0]
     assert small == layer_launches(CFG, batch=4)[0]
+
+
+@needs_nvrtc
+def test_decode_step_lowers_gemm_chain_swiglu_rope(tmp_path, monkeypatch):
+    """gemm_chain "swiglu_rope" at 32 rows: the qkv GEMM's partials read by the rope kernel and
+    gate_up's by down's finish-quantizer; o_proj's and down's finish kernels and the RMSNorm
+    quantizers stay (no x_hat handed between layers): two launches fewer than "split"."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    split, _ = layer_launches(CFG, batch=32)
+    got = layer_launches(dataclasses.replace(CFG, gemm_chain="swiglu_rope"), batch=32)[0]
+    assert got.count(FIN) == 1 and got.count(nvfp4_gemm.FINISH_ENTRY) == 2, got
+    assert got.count(nvfp4_quant.ENTRY) == split.count(nvfp4_quant.ENTRY) - 1, (got, split)
+    assert len(got) == len(split) - 2, (got, split)
+    assert got[:3] == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY, "qk_norm_rope_cache"], got
 
 
 # ----------------------------------------------------------------------------- pre-attention

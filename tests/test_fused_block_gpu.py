@@ -16,9 +16,9 @@
 * With next_qkv, down's finish and the next layer's qkv quantizer in one launch equal the
   quantizer kernel on the block's output at layer + 1, and the pre block on that x_hat equals
   it on the output.
-* The decoder with Config.gemm_chain "fused" gives "split"'s logits bit for bit (2 layers of
-  the Qwen3-8B shapes, random weights, batch 16 and 32: every chain, the x_hat handed from
-  layer to layer included).
+* The decoder with Config.gemm_chain "fused" or "swiglu_rope" gives "split"'s logits bit for
+  bit (2 layers of the Qwen3-8B shapes, random weights, batch 16 and 32: every chain, the x_hat
+  handed from layer to layer included).
 * `test_sanitizer_subset` is the small case `compute-sanitizer` runs (memcheck, racecheck;
   experiments/gemm_device_run.sh's `chain` phase).
 
@@ -152,8 +152,9 @@ def _linear(n, k, scale, seed):
     return {"weight": w, "input_scale": jnp.asarray(scale, jnp.float32)}
 
 
-@pytest.mark.parametrize("m", [8, 16, 32, 64])
-def test_block_equals_the_composition_on_the_gpu(m):
+@pytest.mark.parametrize(("m", "chain_norm"), [(8, True), (16, True), (32, True), (64, True),
+                                               (32, False), (64, False)])  # fmt: skip
+def test_block_equals_the_composition_on_the_gpu(m, chain_norm):
     """The chain's launches (finish-quantizers where a GEMM splits K) against the split path's
     launches of the same linears, bitwise (h is the same bf16 stream, so are the codes)."""
     o = _linear(D, D, [0.02, 0.03], 1)
@@ -171,7 +172,8 @@ def test_block_equals_the_composition_on_the_gpu(m):
         return fl.fused_linear(gu, d, prologue="swiglu", residual=h, residual_epilogue=True,
                                **common)  # fmt: skip
 
-    run = jax.jit(lambda out, x, li: post_attention_block(out, x, o, g, d, norm=norm, layer=li))
+    run = jax.jit(lambda out, x, li: post_attention_block(out, x, o, g, d, norm=norm, layer=li,
+                                                          chain_norm=chain_norm))  # fmt: skip
     lowered = run.trace(out, x, jnp.int32(1)).lower().as_text()
     assert "nvfp4_finish_quantize" in lowered
     got = np.asarray(run(out, x, jnp.int32(1)))
@@ -180,15 +182,16 @@ def test_block_equals_the_composition_on_the_gpu(m):
     assert np.isfinite(want.astype(np.float32)).all()
 
 
-@pytest.mark.parametrize("batch", [16, 32])
-def test_decoder_gemm_chain_fused_logits_equal_split(batch):
+@pytest.mark.parametrize(("batch", "chain"), [(16, "fused"), (32, "fused"), (32, "swiglu_rope")])
+def test_decoder_gemm_chain_fused_logits_equal_split(batch, chain):
     """Two decode steps of a 2-layer Qwen3-8B-shaped NVFP4 decoder (random weights, static
-    input scales): gemm_chain "fused" and "split" give the same logits bit for bit."""
+    input scales): gemm_chain "fused" (or "swiglu_rope") and "split" give the same logits bit
+    for bit."""
     cfg = dataclasses.replace(rconfig.PRESETS["qwen3-8b"], num_layers=2, vocab_size=1024,
-                              quant="nvfp4")  # fmt: skip
+                              quant="nvfp4", gemm_chain="split")  # fmt: skip
     params = per_linear_scales(init_params(cfg, 0, jnp.bfloat16))
     want = decode_logits(cfg, params, steps=2, b=batch)
-    fused = dataclasses.replace(params, cfg=dataclasses.replace(cfg, gemm_chain="fused"))
+    fused = dataclasses.replace(params, cfg=dataclasses.replace(cfg, gemm_chain=chain))
     got = decode_logits(fused.cfg, fused, steps=2, b=batch)
     np.testing.assert_array_equal(got, want)
     assert np.isfinite(want).all()

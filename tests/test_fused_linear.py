@@ -168,7 +168,9 @@ def stub_compiler(monkeypatch):
             }
         else:
             seen.append(defines)
-            if defines.get("QUANT_ONLY"):  # outputs: codes, scales, xg; or x_hat, xg
+            if defines.get("FIN_SPLITK"):  # 7 inputs; y, x_hat, xg
+                entries = {nvfp4_quant.FIN_ENTRY: 10}
+            elif defines.get("QUANT_ONLY"):  # outputs: codes, scales, xg; or x_hat, xg
                 entries = {"nvfp4_quantize_bf16": 7 - defines.get("XHAT_OUT", 0)}
             elif defines.get("X_BF16"):
                 entries = {"nvfp4_gemv_w4a4_bf16": 9}

@@ -362,6 +362,8 @@ def stub_compilers(monkeypatch):
                 nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
                 nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
             }
+        elif defines.get("FIN_SPLITK"):  # the finish-quantizer: 7 inputs; y, x_hat, xg
+            entries = {nvfp4_quant.FIN_ENTRY: 10}
         elif defines.get("QUANT_ONLY"):
             entries = {nvfp4_quant.ENTRY: 7 - int(defines.get("XHAT_OUT", 0))}
         else:

@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -90,13 +91,18 @@ def _operands(torch, m, pair, splitk, seed):
     return part, xgp, res, wg, xg, nw, layer
 
 
+def _stream(torch) -> int:
+    """The current torch stream, read at each launch: a CUDA graph captures on its own stream,
+    so a stream read before the capture would leave the graph empty (and time nothing)."""
+    return torch.cuda.current_stream().cuda_stream
+
+
 def _launchers(torch, ks, ops, m, pair):
     """name -> (outputs, launch()) for the two launches and each fused chunking."""
     from cuda_ops import nvfp4_gemm
 
     _, n, _, k, _, residual = pair
     part, xgp, res, wg, xg, nw, layer = ops
-    stream = torch.cuda.current_stream().cuda_stream
 
     def nan(shape, dtype):
         return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
@@ -108,8 +114,10 @@ def _launchers(torch, ks, ops, m, pair):
     q_ops = [y, xg, nw, layer, xh, xgo]
 
     def two():
-        ks["finish"]._launch(nvfp4_gemm.FINISH_ENTRY, stream, [t.data_ptr() for t in fin_ops])
-        ks["quant"].launch(stream, [t.data_ptr() for t in q_ops])
+        ks["finish"]._launch(
+            nvfp4_gemm.FINISH_ENTRY, _stream(torch), [t.data_ptr() for t in fin_ops]
+        )
+        ks["quant"].launch(_stream(torch), [t.data_ptr() for t in q_ops])
 
     out["two"] = ((y, xh, xgo), two)
     for name, kern in ks.items():
@@ -118,7 +126,7 @@ def _launchers(torch, ks, ops, m, pair):
         fy = nan((m, n) if residual else (1,), torch.bfloat16)
         fxh, fxg = nan((m, k), torch.float16), nan((m,), torch.float32)
         ptrs = [t.data_ptr() for t in (part, xgp, res, wg, xg, nw, layer, fy, fxh, fxg)]
-        out[name] = ((fy, fxh, fxg), lambda kern=kern, ptrs=ptrs: kern.launch(stream, ptrs))
+        out[name] = ((fy, fxh, fxg), lambda kern=kern, ptrs=ptrs: kern.launch(_stream(torch), ptrs))
     return out
 
 
@@ -216,7 +224,6 @@ def check_rope(torch, m, ks, copies) -> tuple[dict, list]:
     inv = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device=dev, dtype=torch.float32) / hd))
     cshape = (2, m, ROPE["slots"], ROPE["kv_heads"], hd)
     cache = torch.randn(cshape, generator=g, device=dev).to(torch.bfloat16)
-    stream = torch.cuda.current_stream().cuda_stream
     rope, fin = ks["rope"], ks["rope_fin"]
     outs = {}
     for v in ("two", "rope_fin"):
@@ -228,13 +235,13 @@ def check_rope(torch, m, ks, copies) -> tuple[dict, list]:
 
             def fn(y=y, tail=tail):
                 ptrs = [t.data_ptr() for t in (part, xgp, wg, layer, y)]
-                gemm._launch(nvfp4_gemm.FINISH_ENTRY, stream, ptrs)
-                _launch_ptx(rope, rope.grid, 32 * rope.warps, stream,
+                gemm._launch(nvfp4_gemm.FINISH_ENTRY, _stream(torch), ptrs)
+                _launch_ptx(rope, rope.grid, 32 * rope.warps, _stream(torch),
                             [t.data_ptr() for t in [y, *tail]])  # fmt: skip
         else:
 
             def fn(tail=tail):
-                _launch_ptx(fin, fin.grid, 32 * fin.warps, stream,
+                _launch_ptx(fin, fin.grid, 32 * fin.warps, _stream(torch),
                             [t.data_ptr() for t in [part, xgp, wg, *tail]])  # fmt: skip
 
         fn()
@@ -258,6 +265,8 @@ def main(argv=None) -> int:
                     help="finish-quantizer chunkings: 'row' or a multiple of 256")  # fmt: skip
     ap.add_argument("--copies", type=int, default=50, help="launch groups per CUDA graph")
     args = ap.parse_args(argv)
+    # a graph that captured nothing times nothing: stop rather than report it
+    warnings.filterwarnings("error", message="The CUDA Graph is empty")
     try:
         ms = tuple(int(v) for v in args.ms.split(","))
     except ValueError:

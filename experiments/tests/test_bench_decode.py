@@ -140,18 +140,18 @@ def test_variants_cross_gate_up_and_o_proj_outputs_innermost(base):
 
 
 def test_variants_cross_gemm_chain_innermost(base):
-    """gemm_chain ("split" by default: "fused" labelled ' gc=fused') innermost, after
+    """gemm_chain ("swiglu_rope" by default: "split" labelled ' gc=split') innermost, after
     o_proj_output; bf16 runs once."""
-    assert rconfig.Config.gemm_chain == "split"
-    args = _args(o_proj_output=["bf16", "nvfp4"], gemm_chain=["split", "fused"])
+    assert rconfig.Config.gemm_chain == "swiglu_rope"
+    args = _args(o_proj_output=["bf16", "nvfp4"], gemm_chain=["swiglu_rope", "split"])
     got = [(label, p.cfg.o_proj_output, p.cfg.gemm_chain)
            for _, _, label, p in bd._variants(base, args, "nvfp4")]  # fmt: skip
     pre = "head=bf16 prefetch=none"
     assert got == [
-        (pre, "bf16", "split"),
-        (f"{pre} gc=fused", "bf16", "fused"),
-        (f"{pre} oo=nvfp4", "nvfp4", "split"),
-        (f"{pre} oo=nvfp4 gc=fused", "nvfp4", "fused"),
+        (pre, "bf16", "swiglu_rope"),
+        (f"{pre} gc=split", "bf16", "split"),
+        (f"{pre} oo=nvfp4", "nvfp4", "swiglu_rope"),
+        (f"{pre} oo=nvfp4 gc=split", "nvfp4", "split"),
     ]
     assert [label for *_, label, _ in bd._variants(base, args, None)] == ["bf16"]
 

@@ -18,7 +18,9 @@ replaces its finish and the next quantizer by one launch, `nvfp4_finish_quantize
 bf16 values, and for o_proj the residual stream h it stores), then the next linear's prologue
 and quantizer write its x_hat. The bytes equal the two launches' (the row statistics are
 summed in the quantizer kernel's order; tests/test_fused_block_gpu.py checks it): a speed
-choice, `Config.gemm_chain` "fused" (default "split": the composition's launches).
+choice, `Config.gemm_chain` "fused" ("split": the composition's launches; the default
+"swiglu_rope", `chain_norm=False`, chains only gate_up's finish into down's quantizer, since
+the RMSNorm finish-quantizer measured slower than the two launches it replaces).
 
 `pre_attention_block` does the same before the attention (one new token a row, a bf16 cache):
 qkv = fused_linear(x, qkv_proj, prologue="rmsnorm") then `rejax.ops.rope_cache.rope_cache`,
@@ -105,12 +107,16 @@ def _chain_rows(m: int, gemm_options: nvfp4_gemm.GemmOptions) -> tuple[bool, str
 
 
 def block_supported(
-    m: int, shapes: tuple, gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS
+    m: int,
+    shapes: tuple,
+    gemm_options: nvfp4_gemm.GemmOptions = nvfp4_gemm.DEFAULT_OPTIONS,
+    chain_norm: bool = True,
 ) -> tuple[bool, str]:
     """(True, "") if the op's kernel chain serves M rows of the block whose linears have
     `shapes` ((n, k) of o_proj, gate_up_proj, down_proj), else (False, why): M in the GEMM's
     rows, every linear a GEMM shape, every input a quantizer kernel shape in its x_hat form,
-    and at least one K split through partials to fuse (o_proj's or gate_up's)."""
+    and at least one K split through partials to fuse (o_proj's, with `chain_norm`, or
+    gate_up's)."""
     ok, why = _chain_rows(m, gemm_options)
     if not ok:
         return ok, why
@@ -122,8 +128,14 @@ def block_supported(
         if not ok:
             return False, f"{name}'s input: {why}"
     sms = cbuild.device_sms()
-    if not any(nvfp4_gemm.plan(m, n, k, sms, gemm_options).partials for n, k in shapes[:2]):
-        return False, f"M={m}: neither o_proj nor gate_up_proj splits K (nothing to fuse)"
+    if not any(nvfp4_gemm.plan(m, n, k, sms, gemm_options).partials
+               for n, k in shapes[0 if chain_norm else 1 : 2]):  # fmt: skip
+        which = (
+            "neither o_proj nor gate_up_proj splits"
+            if chain_norm
+            else "gate_up_proj does not split"
+        )
+        return False, f"M={m}: {which} K (nothing to fuse)"
     return True, ""
 
 
@@ -223,7 +235,16 @@ class _Chain:
 
 
 def _build_chain(
-    m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk, next_fused=None, next_layers=0
+    m,
+    shapes,
+    fused,
+    gw_rows,
+    gemm_options,
+    epilogue,
+    norm_chunk,
+    next_fused=None,
+    next_layers=0,
+    chain_norm=True,
 ) -> _Chain:
     (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
     f_o, f_g, f_d = (dataclasses.replace(f, residual=False) for f in fused)
@@ -239,7 +260,7 @@ def _build_chain(
     quant_o = nvfp4_quant.build(m, k_o, f_o, out="xhat")
     gemm_o = gemm(n_o, k_o, gw_rows[0], False)
     fin_g = quant_g = None
-    if gemm_o.plan.partials:
+    if gemm_o.plan.partials and chain_norm:
         fin = finish_of(gemm_o, residual=True, store_y=True)
         # one CTA per row by default (the row formed once in shared memory: each partial read
         # once); the split path quantizer's threads, which fix the order of the RMSNorm sum:
@@ -248,7 +269,7 @@ def _build_chain(
         threads = nvfp4_quant.default_threads(nvfp4_quant.default_chunk(k_g, "xhat"), "xhat")
         fin_g = nvfp4_quant.build(m, k_g, f_g, out="xhat", finish=fin, chunk=chunk,
                                   threads=threads)  # fmt: skip
-    else:  # o_proj's GEMM adds the residual in its epilogue; gate_up's quantizer reads h
+    else:  # o_proj's GEMM (and finish) adds the residual; gate_up's quantizer reads h
         gemm_o = gemm(n_o, k_o, gw_rows[0], True)
         quant_g = nvfp4_quant.build(m, k_g, f_g, out="xhat")
     gemm_g = gemm(n_g, k_g, gw_rows[1], False)
@@ -334,14 +355,14 @@ def _chain(out, x, nw, *ops, shapes, fused, chain: _Chain, gemm_options, epilogu
 
 
 def _lower_cuda(ctx, *args, shapes, fused, gw_rows, impl, gemm_options, epilogue, norm_chunk,
-                next_fused=None, next_layers=0):  # fmt: skip
+                chain_norm=True, next_fused=None, next_layers=0):  # fmt: skip
     m = ctx.avals_in[0].shape[0]
-    supported = block_supported(m, shapes, gemm_options)
+    supported = block_supported(m, shapes, gemm_options, chain_norm)
     chain = None
     if supported[0] and impl != "ref":
         try:
             chain = _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk,
-                                 next_fused, next_layers)  # fmt: skip
+                                 next_fused, next_layers, chain_norm)  # fmt: skip
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     nxt = {} if next_fused is None else {"next_fused": next_fused, "next_layers": next_layers}
@@ -380,6 +401,7 @@ def post_attention_block(
     norm_chunk: int | None = None,
     next_qkv: dict | None = None,
     next_norm: jax.Array | None = None,
+    chain_norm: bool = True,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """h = x + o_proj(out); h + down(swiglu(gate_up(rms_norm(h, norm, eps)))) for W4A4 linears,
     with each K-split GEMM's finish and the next quantizer in one launch on CUDA (see the
@@ -407,6 +429,11 @@ def post_attention_block(
             its input RMSNorm weight [L, D] (both stacked, `layer` given), also return the
             next layer's qkv input, `xhat_input(y, next_qkv, next_norm, layer=min(layer + 1,
             L - 1))`: on CUDA down's split-K finish and that quantizer are one launch.
+        chain_norm: o_proj's split-K finish and gate_up's RMSNorm quantizer in one launch
+            (True), or as two (False: only gate_up's finish is chained, into down's SwiGLU
+            quantizer). The RMSNorm's row statistic holds the fused launch to one CTA a row
+            (or to rereading the row), and at 8-64 rows it measured slower than the two
+            launches on the H100 (experiments/results/h100_chain/).
 
     Returns:
         bf16 [..., D]; with `next_qkv` (y [M, D], (x_hat f16 [M, D], global scale f32 [M])).
@@ -464,7 +491,7 @@ def post_attention_block(
         li = _next_layer(jnp.asarray(layer, jnp.int32), next_layers)
         return y, xhat_input(y, next_qkv, next_norm, layer=li, eps=eps, impl=impl)
 
-    ok, why = block_supported(m, shapes, gemm_options) if m else (False, "no rows")
+    ok, why = block_supported(m, shapes, gemm_options, chain_norm) if m else (False, "no rows")
     if impl == "ref" or not ok:
         if impl == "cuda" and not ok:
             raise ValueError(f"post_attention_block(impl='cuda'): {why}")
@@ -492,6 +519,7 @@ def post_attention_block(
         "gemm_options": gemm_options,
         "epilogue": bool(residual_epilogue),
         "norm_chunk": norm_chunk,
+        "chain_norm": bool(chain_norm),
     }
     if next_qkv is not None:
         y, xh, xg = _block_next_p.bind(
