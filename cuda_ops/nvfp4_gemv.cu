@@ -883,6 +883,9 @@ constexpr int RED_SLOTS = M_TOK * (NTHREADS / 32);  // cta_reduce scratch floats
 #ifndef FIN_NEXT_LAYERS
 #define FIN_NEXT_LAYERS 0  // > 0: the norm weight and input scale are read at layer + 1 (below)
 #endif
+#ifndef FIN_CLUSTER
+#define FIN_CLUSTER 0  // FIN_SPLITK: C = K_IN / QCHUNK CTAs a row as one cluster (below)
+#endif
 
 // The activations and their per-row statistics (in shared memory, [M_TOK] each).
 struct XRows {
@@ -898,8 +901,29 @@ struct XRows {
   const float* wg;    // the producer GEMM's weight global scale(s) at its layer
   float xgp;          // the producer GEMM's activation global scale of this row
   const u16* hs;      // FIN_CACHE: the row's x as bf16, in shared memory [X_COLS]
+#if FIN_CLUSTER
+  unsigned hs_addr;  // shared address of each CTA's chunk of x, bf16 [QCHUNK]
+#endif
 #endif
 };
+
+#if FIN_CLUSTER
+// A thread-block cluster's barrier (every thread of every CTA; orders shared-memory writes
+// before it against distributed shared-memory reads after it)
+__device__ __forceinline__ void fin_cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;"
+               ::: "memory");
+}
+// 16 bytes at shared address `addr` of the cluster's CTA of rank `rank`
+__device__ __forceinline__ uint4 ld_cluster16(unsigned addr, unsigned rank) {
+  unsigned a;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(addr), "r"(rank));
+  uint4 q;  // written before the last cluster barrier (its "memory" clobber orders this read)
+  asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "r"(a));
+  return q;
+}
+#endif
 
 // 8 bf16 at p (16-byte aligned) as floats
 __device__ __forceinline__ void ld8(float (&v)[8], const u16* p) {
@@ -949,8 +973,14 @@ __device__ __forceinline__ void fin8(float (&v)[8], const XRows& xr, int c) {
 // from the producer GEMM's partials (m = 0: one row per CTA)
 __device__ __forceinline__ void src8(float (&v)[8], const XRows& xr, int m, int c) {
 #if FIN_SPLITK
-  if constexpr (FIN_CACHE) {
-    const uint4 q = *(const uint4*)(xr.hs + c);  // shared memory
+  if constexpr (FIN_CLUSTER || FIN_CACHE) {
+    // FIN_CLUSTER: column c is in the chunk of the cluster's CTA of rank c / QCHUNK (the CTA
+    // at blockIdx.y = rank: cluster dims (1, C, 1)); FIN_CACHE: this CTA's shared memory
+#if FIN_CLUSTER
+    const uint4 q = ld_cluster16(xr.hs_addr + 2u * (unsigned)(c % QCHUNK), (unsigned)(c / QCHUNK));
+#else
+    const uint4 q = *(const uint4*)(xr.hs + c);
+#endif
     const u32 w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -1242,7 +1272,21 @@ __device__ __forceinline__ uint4 fin8_bf16(const XRows& xr, int c) {
 }
 static_assert(!FIN_CACHE || (QCHUNK == K_IN && PRO != 2 && X_COLS * 2 <= 40960),
               "FIN_CACHE: one CTA per row (QCHUNK = K), PRO 0 or 1, the row in 40 KiB");
-extern "C" __global__ void __launch_bounds__(NTHREADS)
+// FIN_CLUSTER = C: the row's C CTAs (grid y) are one thread-block cluster. Each forms its own
+// chunk of x once into its shared memory (each partial read once, by C CTAs a row instead of
+// one); after a cluster barrier the row statistics read the whole row through distributed
+// shared memory, in the quantizer's order (the same bytes), and each CTA quantizes its chunk.
+static_assert(!FIN_CLUSTER || (FIN_CLUSTER >= 2 && FIN_CLUSTER <= 8 && !FIN_CACHE && PRO != 2 &&
+                               K_IN == FIN_CLUSTER * QCHUNK),
+              "FIN_CLUSTER: 2..8 CTAs a row (QCHUNK = K / C), PRO 0 or 1");
+// (its launch bounds ask for one CTA an SM: left to itself ptxas held a cluster build to 48
+// registers and spilled; with them it keeps the statistic loop's distributed loads unrolled)
+#if FIN_CLUSTER
+#define FIN_BOUNDS __launch_bounds__(NTHREADS, 1) __cluster_dims__(1, FIN_CLUSTER, 1)
+#else
+#define FIN_BOUNDS __launch_bounds__(NTHREADS)
+#endif
+extern "C" __global__ void FIN_BOUNDS
     nvfp4_finish_quantize(const float* __restrict__ part, const float* __restrict__ xgp,
                           const u16* __restrict__ res, const float* __restrict__ wg,
                           const float* __restrict__ xg, const u16* __restrict__ nw_all,
@@ -1271,18 +1315,34 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   }
   xr.hs = s_x;
   __syncthreads();
+#elif FIN_CLUSTER
+  __shared__ __align__(16) u16 s_x[QCHUNK];
+  {
+    const int c0 = blockIdx.y * QCHUNK;
+    for (int e = 8 * threadIdx.x; e < QCHUNK; e += 8 * NTHREADS) {
+      const uint4 q = fin8_bf16(xr, c0 + e);
+      *(uint4*)(s_x + e) = q;
+      if constexpr (FIN_STORE_Y) *(uint4*)(y + row * X_COLS + c0 + e) = q;
+    }
+  }
+  xr.hs_addr = (unsigned)__cvta_generic_to_shared(s_x);
+  fin_cluster_sync();
 #endif
   row_stats(xr, xg + (XG_STACK ? (size_t)lc : 0), scratch);
   const int first = blockIdx.y * (QCHUNK / 8);
   for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
     u32 sc;
     const int e0 = 8 * i;  // = 128c + 32t + 8u
-    if constexpr (FIN_STORE_Y && !FIN_CACHE) *(uint4*)(y + row * X_COLS + e0) = fin8_bf16(xr, e0);
+    if constexpr (FIN_STORE_Y && !FIN_CACHE && !FIN_CLUSTER)
+      *(uint4*)(y + row * X_COLS + e0) = fin8_bf16(xr, e0);
     const u32 c = quant8(xr, e0, sc);
     const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
     *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
   }
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
+#if FIN_CLUSTER
+  fin_cluster_sync();  // no CTA leaves while another still reads its shared memory
+#endif
 }
 #endif  // FIN_SPLITK
 

@@ -107,6 +107,10 @@ class FinishIn:
         next_layers: 0, or L: the quantized linear is the next layer's (down_proj -> the next
             layer's qkv), so the norm weight and input scale are read at layer + 1 of their
             L-layer stacks (clamped to L - 1; the producer's weight scale at the layer).
+        cluster: a row's K / chunk CTAs (2..8; prologue "none" / "rmsnorm") run as one
+            thread-block cluster: each forms its chunk of x once into shared memory and the
+            row statistics read the row through distributed shared memory (each partial read
+            once, the row spread over K / chunk CTAs rather than one; FIN_CLUSTER).
     """
 
     splitk: int
@@ -115,6 +119,7 @@ class FinishIn:
     residual: bool = False
     store_y: bool = False
     next_layers: int = 0
+    cluster: bool = False
 
     def __post_init__(self):
         if not isinstance(self.splitk, int) or self.splitk < 1:
@@ -244,7 +249,9 @@ def _build_cached(m, k, fused, arch, chunk, threads, out="codes", finish=None) -
     form = {"XHAT_OUT": 1} if out == "xhat" else {}
     if finish is not None:
         form |= finish.defines()
-        if chunk == k and fused.prologue != "swiglu":
+        if finish.cluster:  # the row's CTAs a cluster, each chunk in its CTA's shared memory
+            form["FIN_CLUSTER"] = k // chunk
+        elif chunk == k and fused.prologue != "swiglu":
             # one CTA per row: the row formed once into shared memory (each partial read once)
             form["FIN_CACHE"] = 1
     defines = _GEMV_DUMMIES | fused.defines() | sizes | form
@@ -289,6 +296,8 @@ def build(
             raise KernelError(f"finish= writes the GEMM's x_hat: out='xhat', got {out!r}")
         if finish.store_y and fused.prologue == "swiglu":
             raise KernelError("FinishIn.store_y stores the linear's input rows: not with swiglu")
+        if finish.cluster and fused.prologue == "swiglu":
+            raise KernelError("FinishIn.cluster: prologue 'none' or 'rmsnorm', got 'swiglu'")
     ok, why = check_shape(m, k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
@@ -298,6 +307,9 @@ def build(
     step = 256 if out == "xhat" else 128  # full warps: 8 (xhat) or 4 elements per thread
     if chunk <= 0 or chunk % step or k % chunk:
         raise KernelError(f"chunk={chunk}: expected a positive multiple of {step} dividing K={k}")
+    if finish is not None and finish.cluster and not 2 <= k // chunk <= 8:
+        raise KernelError(f"FinishIn.cluster: chunk={chunk} makes {k // chunk} CTAs a row of "
+                          f"K={k}, expected 2..8 (a cluster)")  # fmt: skip
     threads = default_threads(chunk, out) if threads is None else threads
     if threads <= 0 or threads % 32 or threads > 1024:
         raise KernelError(f"threads={threads}: expected a multiple of 32 in [32, 1024]")

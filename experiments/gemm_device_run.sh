@@ -8,9 +8,9 @@
 # (experiments/profile_step.py: every kernel of an 8-layer decode step, NVFP4 and bf16 at
 # PROFILE_BATCHES, default "64 16", or PROFILE_VARIANTS, profile_step.py's --variant values: where the NVFP4 step spends its time beside the GEMMs) and
 # chain (Config.gemm_chain's finish-quantizers: its kernels alone against the launches they
-# replace, GPU tests, sanitizer) and chain_decode (36-layer decode of CHAIN_VARIANTS, default
-# "split swiglu_rope", at CHAIN_BATCHES, an 8-layer profile of the three at batch 64); one call
-# each (chain ran past 10 minutes on an H100 with its sanitizer: give that SAN_TIMEOUT=120).
+# replace, GPU tests), chain_count, chain_sanitize, and chain_decode (36-layer decode of
+# CHAIN_VARIANTS, default "split swiglu_rope cluster", at CHAIN_BATCHES, an 8-layer profile of
+# the three at batch 64); chain and chain_decode one call each (each under 10 minutes).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -82,10 +82,12 @@ print('jax', jax.__version__, 'torch', torch.__version__, 'nvrtc', nvrtc_version
           "$out/xor_ncu_$name.txt" | head -40
       done;;
     chain)
-      # Config.gemm_chain "fused" (rejax/ops/fused_block.py): the fused launches against the
-      # ones they replace, kernel alone (check_finish_quant.py), its GPU tests, compute-sanitizer
-      # on its kernels; chain_decode: the 36-layer decode at CHAIN_BATCHES with "split" and
-      # "fused" in one process (and bf16), then an 8-layer profile of both at batch 64
+      # Config.gemm_chain (rejax/ops/fused_block.py): the fused launches against the ones they
+      # replace, kernel alone (check_finish_quant.py: every chunking, clusters included), then
+      # its GPU tests (about 6 minutes on an H100: most of a call); chain_count and
+      # chain_sanitize: the kernels a layer launches, compute-sanitizer on its kernels;
+      # chain_decode: the 36-layer decode at CHAIN_BATCHES of CHAIN_VARIANTS in one process
+      # (and bf16), then an 8-layer profile at batch 64
       timeout ${CHECK_TIMEOUT:-180} python3 experiments/kernels/check_finish_quant.py \
         --out "$out/finish_quant.json" > "$out/finish_quant.log" 2>&1; echo "check rc=$?"
       grep -E "FAILED|passed" "$out/finish_quant.log"
@@ -96,12 +98,16 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           {k: round(v, 2) for k, v in r.items() if k.endswith(("_us", "_speedup"))},
           {k: v for k, v in r.items() if k.endswith("_equal") and not v})
 PY
+      timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -q -rs -m gpu tests/test_fused_block_gpu.py \
+        ${PYTEST_K:+-k "$PYTEST_K"} -p no:cacheprovider > "$out/chain_pytest.log" 2>&1
+      tail -6 "$out/chain_pytest.log";;
+    chain_count)
       # kernels a layer launches, from the compiled step (4 layers, "live" attention)
       timeout ${COUNT_TIMEOUT:-150} python3 experiments/count_kernels.py --layers 4 \
-        --batch 16 64 --linear-fusion split --attention live --gemm-chain split fused \
-        --out "$out/count_chain.json" 2>&1 | grep -E "launches per layer" | cut -c1-160
-      timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -rs -m gpu tests/test_fused_block_gpu.py \
-        -p no:cacheprovider > "$out/chain_pytest.log" 2>&1; tail -6 "$out/chain_pytest.log"
+        --batch 16 64 --linear-fusion split --attention live \
+        --gemm-chain split swiglu_rope fused cluster \
+        --out "$out/count_chain.json" 2>&1 | grep -E "launches per layer" | cut -c1-160;;
+    chain_sanitize)
       for tool in memcheck racecheck; do
         timeout ${SAN_TIMEOUT:-200} compute-sanitizer --tool $tool python3 -m pytest -q -m gpu \
           tests/test_fused_block_gpu.py -k sanitizer -p no:cacheprovider 2>&1 | tail -4
@@ -109,12 +115,12 @@ PY
     chain_decode)
       timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
         --batch ${CHAIN_BATCHES:-16 64} --gen-len 512 --repeats 3 --no-breakdown \
-        --gemm-chain ${CHAIN_VARIANTS:-split swiglu_rope} --out "$out/decode_chain.json" \
+        --gemm-chain ${CHAIN_VARIANTS:-split swiglu_rope cluster} --out "$out/decode_chain.json" \
         > "$out/decode_chain.log" 2>&1
       grep -E "ms/token|FAILED" "$out/decode_chain.log"
       timeout ${PROFILE_TIMEOUT:-150} python3 experiments/profile_step.py --layers 8 --steps 16 \
         --variant nvfp4:64:gemm_chain=split --variant nvfp4:64:gemm_chain=swiglu_rope \
-        --variant nvfp4:64:gemm_chain=fused --out "$out/profile_chain.json" \
+        --variant nvfp4:64:gemm_chain=cluster --out "$out/profile_chain.json" \
         > "$out/profile_chain.log" 2>&1; grep -E "^\[|/layer" "$out/profile_chain.log" | head -30;;
     profile)
       variants=""

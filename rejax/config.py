@@ -156,8 +156,11 @@ GEMM_COPIES = ("auto", "loop", "static")
 # down's SwiGLU quantizer; the default). Measured on the H100, 36 layers, in one run each
 # (experiments/results/h100_chain/): "swiglu_rope" 4.072 / 8.219 ms/token at batch 16 / 64
 # against "split" 4.119 / 8.399; "fused" is slower than "split" (4.409 / 8.692 against 4.136 /
-# 8.381): its RMSNorm finish-quantizers hold a row to one CTA or reread it.
-GEMM_CHAINS = ("split", "fused", "swiglu_rope")
+# 8.381): its RMSNorm finish-quantizers hold a row to one CTA or reread it. "cluster" is
+# "fused" with those as thread-block clusters of 2-8 CTAs a row (each partial read once, the
+# row statistic through distributed shared memory; rejax.ops.fused_block.cluster_chunk): not
+# yet measured.
+GEMM_CHAINS = ("split", "fused", "swiglu_rope", "cluster")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
 # faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.

@@ -343,21 +343,21 @@ def _post_attention_next(x, out, lw, i, cfg: Config, gemm: dict) -> tuple:
         mlp["down_proj"], norm=lw["post_attention_layernorm"]["scale"], layer=i,
         eps=cfg.rms_norm_eps, gemm_options=gemm["gemm_options"],
         residual_epilogue=gemm["residual_epilogue"], next_qkv=att["qkv_proj"],
-        next_norm=lw["input_layernorm"]["scale"],
+        next_norm=lw["input_layernorm"]["scale"], norm_cluster=cfg.gemm_chain == "cluster",
     )  # fmt: skip
     return y[:, None], xq
 
 
 def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
     """Whether the decode step's layers hand each other the next qkv input already quantized
-    (Config.gemm_chain "fused" on the GEMM's rows: down_proj's split-K finish and the next
+    (Config.gemm_chain "fused" or "cluster" on the GEMM's rows: down_proj's split-K finish and the next
     layer's qkv quantizer in one launch; `forward` quantizes layer 0's input before the loop):
     one new token a row into a bf16 cache with the rope kernel, every linear a W4A4 fused
     linear with static or dynamic scales, and every chain of the layer served (the qkv GEMM and
     down_proj's splitting K, `pre_supported` / `block_supported`)."""
     b, t, d = shape
     if not (
-        cfg.gemm_chain == "fused"
+        cfg.gemm_chain in ("fused", "cluster")
         and cfg.linear_fusion in ("split", "mixed")
         and cfg.rope_fusion == "fused"
         and t == 1
@@ -397,7 +397,8 @@ def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, ge
     """The fused path after the attention: x + o_proj(out), then the feed-forward half (`_mlp`);
     with Config.gemm_chain "fused" on the GEMM's rows, the whole of it as one op
     (`post_attention_block`: each K-split GEMM's finish and the next quantizer in one launch;
-    "swiglu_rope": only gate_up's finish and down's quantizer).
+    "swiglu_rope": only gate_up's finish and down's quantizer; "cluster": as "fused", the
+    RMSNorm finish-quantizers as thread-block clusters).
     One function, so an experiment can swap the whole post-attention block of the decode step
     (experiments/kernels/nvfp4_block_tma.py's `install`)."""
     att, mlp = lw["self_attn"], lw["mlp"]
@@ -407,7 +408,8 @@ def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, ge
             out.astype(x.dtype), x, att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
             norm=lw["post_attention_layernorm"]["scale"], layer=i, eps=cfg.rms_norm_eps,
             gemm_options=gemm["gemm_options"], residual_epilogue=gemm["residual_epilogue"],
-            chain_norm=cfg.gemm_chain == "fused",
+            chain_norm=cfg.gemm_chain != "swiglu_rope",
+            norm_cluster=cfg.gemm_chain == "cluster",
         )  # fmt: skip
     x = fused_linear(out.astype(x.dtype), att["o_proj"], layer=i, residual=x,
                      kernels=o_kernels, **gemm,

@@ -173,6 +173,19 @@ def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
     assert "grid_x = 32, grid_y = 2," in cfg and "block_x = 128," in cfg
     with pytest.raises(ValueError, match="norm_chunk=300: expected a multiple of 256"):
         lowered(32, fn=functools.partial(post_attention_block, norm_chunk=300))
+    # norm_cluster: o_proj's finish-quantizer as a cluster of the row's CTAs (at D = 1024 and
+    # 32 rows cluster_chunk gives 4 CTAs of 256 elements a row), compile-time cluster dims
+    text = lowered(32, fn=functools.partial(post_attention_block, norm_cluster=True))
+    assert _entries(text) == [quant, gemm, FIN, gemm, FIN, gemm, nvfp4_gemm.FINISH_ENTRY]
+    cfg = next(line for line in text.splitlines() if FIN in line and "2x1024xbf16" in line)
+    assert "grid_x = 32, grid_y = 4," in cfg and ".reqnctapercluster 1, 4, 1" in cfg
+    text = lowered(32, fn=functools.partial(post_attention_block, norm_cluster=True,
+                                            norm_chunk=512))  # fmt: skip
+    cfg = next(line for line in text.splitlines() if FIN in line and "2x1024xbf16" in line)
+    assert "grid_x = 32, grid_y = 2," in cfg and ".reqnctapercluster 1, 2, 1" in cfg
+    with pytest.raises(ValueError, match="norm_chunk=1024 with norm_cluster: 1 CTAs a row"):
+        lowered(32, fn=functools.partial(post_attention_block, norm_cluster=True,
+                                         norm_chunk=1024))  # fmt: skip
     # down's input at F = 4096: the quantizer's chunks (4 a row) with a static scale, one CTA
     # per row with a dynamic one (its amax pass reads the whole row)
     from rejax.ops import fused_block as fb
@@ -243,6 +256,11 @@ def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
         ("swiglu", False, nvfp4_quant.FinishIn(splitk=2, w_shift=6), None),
         ("none", True, nvfp4_quant.FinishIn(splitk=3, gw_rows=True, residual=True, store_y=True),
          k),
+        # the row's CTAs a cluster (4 and 8 a row at K = 4096; 6 at 12288)
+        ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True,
+                                                cluster=True), k // 4 if k == 4096 else k // 6),
+        ("rmsnorm", True, nvfp4_quant.FinishIn(splitk=4, residual=True, store_y=True,
+                                               next_layers=36, cluster=True), k // 8),
     )  # fmt: skip
     try:
         for prologue, dynamic, fin, chunk in cases:
@@ -252,6 +270,11 @@ def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
                                      chunk=chunk, threads=128)  # fmt: skip
             # one CTA per row keeps the row in shared memory (each partial read once)
             assert seen[-1].get("FIN_CACHE", 0) == (chunk == k), seen[-1]
+            assert seen[-1].get("FIN_CLUSTER", 0) == (k // chunk if fin.cluster else 0)
+            # a cluster: compile-time dims (1, C, 1) over the grid's C CTAs of a row
+            assert (
+                ".reqnctapercluster 1, " + str(k // (chunk or k))
+            ) in kern.ptx or not fin.cluster
             assert cbuild.ptx_entries(kern.ptx) == {FIN: 10}
             assert (kern.n_inputs, kern.n_outputs, kern.entry) == (7, 3, FIN)
             cfg = kern.backend_config()
@@ -325,7 +348,7 @@ def test_config_gemm_chain_validated():
         rconfig.Config(gemm_chain="one")
 
 
-@pytest.mark.parametrize("chain", ["fused", "swiglu_rope"])
+@pytest.mark.parametrize("chain", ["fused", "swiglu_rope", "cluster"])
 def test_decoder_gemm_chain_fused_is_bitwise_split_off_cuda(chain):
     """The decoder with Config.gemm_chain "fused" or "swiglu_rope" gives the logits of "split"
     bit for bit off CUDA (8 rows, where the chain applies, and 2, where it does not), static
@@ -363,6 +386,33 @@ def test_decode_step_lowers_the_chain_with_gemm_chain_fused(tmp_path, monkeypatc
     assert rope[0][1].startswith(f"tensor<{s_qkv}x32x3072xf32>, tensor<32xf32>, "), rope[0][1][:80]
     small = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=4)[0]
     assert small == layer_launches(CFG, batch=4)[0]
+
+
+def test_cluster_chunk():
+    """The fewest CTAs a row (2, 4, 8) that give every SM one; chunks of 256 multiples."""
+    from rejax.ops.fused_block import cluster_chunk
+
+    assert [cluster_chunk(m, 4096, 132) for m in (8, 16, 32, 64, 128)] == [
+        512,
+        512,
+        512,
+        1024,
+        2048,
+    ]
+    assert cluster_chunk(64, 12288, 132) == 3072 and cluster_chunk(8, 1024, 132) == 256
+    assert cluster_chunk(8, 256, 132) == 256  # no cluster: one CTA a row
+
+
+@needs_nvrtc
+def test_decode_step_lowers_gemm_chain_cluster(tmp_path, monkeypatch):
+    """gemm_chain "cluster" lowers "fused"'s launches, its two RMSNorm finish-quantizers (gate_up's
+    input, the next layer's qkv input) with a cluster of the row's CTAs each."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    fused, _ = layer_launches(dataclasses.replace(CFG, gemm_chain="fused"), batch=32)
+    got, body = layer_launches(dataclasses.replace(CFG, gemm_chain="cluster"), batch=32)
+    assert got == fused, (got, fused)
+    fins = [line for line in body.splitlines() if FIN in line]
+    assert sum(".reqnctapercluster 1, 4, 1" in line for line in fins) == 2, len(fins)
 
 
 @needs_nvrtc

@@ -19,6 +19,8 @@
 * The decoder with Config.gemm_chain "fused" or "swiglu_rope" gives "split"'s logits bit for
   bit (2 layers of the Qwen3-8B shapes, random weights, batch 16 and 32: every chain, the x_hat
   handed from layer to layer included).
+* With `norm_cluster` (Config.gemm_chain "cluster") the RMSNorm finish-quantizers run a row's
+  CTAs as a thread-block cluster: the same bytes (block, next-layer input, decoder logits).
 * `test_sanitizer_subset` is the small case `compute-sanitizer` runs (memcheck, racecheck;
   experiments/gemm_device_run.sh's `chain` phase).
 
@@ -119,11 +121,14 @@ def test_finish_quantize_equals_finish_then_quantizer(n, k, prologue, residual, 
         gemm = nvfp4_gemm.build(m, n, 4096, options=options, gw_rows=gw_rows, residual=residual)
         assert gemm.plan.partials and gemm.plan.splitk == splitk
         quant = nvfp4_quant.build(m, k, fused, out="xhat")
+        # one CTA per row at M = 32 (the block's default for RMSNorm); for RMSNorm at M = 8 and
+        # 64 a cluster of 8 / 4 CTAs a row (norm_cluster); else the quantizer's chunking; the
+        # quantizer's threads either way
+        cluster = prologue != "swiglu" and m in (8, 64)
+        chunk = k if m == 32 else (k // (8 if m == 8 else 4) if cluster else None)
         fin = nvfp4_quant.FinishIn(splitk=splitk, w_shift=gemm.plan.w_shift, gw_rows=gw_rows,
-                                   residual=residual, store_y=residual)  # fmt: skip
-        # one CTA per row at M = 32 (the block's default for RMSNorm), else the quantizer's
-        # chunking; the quantizer's threads either way
-        chunk = k if m == 32 else None
+                                   residual=residual, store_y=residual,
+                                   cluster=cluster)  # fmt: skip
         kern = nvfp4_quant.build(m, k, fused, out="xhat", finish=fin, chunk=chunk,
                                  threads=quant.threads)  # fmt: skip
         part = _partials(splitk, m, n, seed=m + n)
@@ -134,7 +139,7 @@ def test_finish_quantize_equals_finish_then_quantizer(n, k, prologue, residual, 
         two = jax.jit(functools.partial(_two_launches, gemm=gemm, quant=quant))
         y, xh, xgr = (np.asarray(a) for a in two(*args))
         fy, fxh, fxg = _fused(args, kern, n)
-        what = f"M={m} splits={splitk} N={n} K={k} {prologue} scales={scales}"
+        what = f"M={m} splits={splitk} N={n} K={k} {prologue} scales={scales} cluster={cluster}"
         np.testing.assert_array_equal(fxh, xh.view(np.uint16), err_msg=what)
         np.testing.assert_array_equal(fxg, xgr, err_msg=what)
         if residual:
@@ -152,9 +157,12 @@ def _linear(n, k, scale, seed):
     return {"weight": w, "input_scale": jnp.asarray(scale, jnp.float32)}
 
 
-@pytest.mark.parametrize(("m", "chain_norm"), [(8, True), (16, True), (32, True), (64, True),
-                                               (32, False), (64, False)])  # fmt: skip
-def test_block_equals_the_composition_on_the_gpu(m, chain_norm):
+@pytest.mark.parametrize(("m", "chain_norm", "cluster"), [
+    (8, True, False), (16, True, False), (32, True, False), (64, True, False),
+    (32, False, False), (64, False, False),
+    (8, True, True), (16, True, True), (64, True, True),
+])  # fmt: skip
+def test_block_equals_the_composition_on_the_gpu(m, chain_norm, cluster):
     """The chain's launches (finish-quantizers where a GEMM splits K) against the split path's
     launches of the same linears, bitwise (h is the same bf16 stream, so are the codes)."""
     o = _linear(D, D, [0.02, 0.03], 1)
@@ -173,7 +181,8 @@ def test_block_equals_the_composition_on_the_gpu(m, chain_norm):
                                **common)  # fmt: skip
 
     run = jax.jit(lambda out, x, li: post_attention_block(out, x, o, g, d, norm=norm, layer=li,
-                                                          chain_norm=chain_norm))  # fmt: skip
+                                                          chain_norm=chain_norm,
+                                                          norm_cluster=cluster))  # fmt: skip
     lowered = run.trace(out, x, jnp.int32(1)).lower().as_text()
     assert "nvfp4_finish_quantize" in lowered
     got = np.asarray(run(out, x, jnp.int32(1)))
@@ -182,7 +191,9 @@ def test_block_equals_the_composition_on_the_gpu(m, chain_norm):
     assert np.isfinite(want.astype(np.float32)).all()
 
 
-@pytest.mark.parametrize(("batch", "chain"), [(16, "fused"), (32, "fused"), (32, "swiglu_rope")])
+@pytest.mark.parametrize(
+    ("batch", "chain"), [(16, "fused"), (32, "fused"), (32, "swiglu_rope"), (16, "cluster")]
+)
 def test_decoder_gemm_chain_fused_logits_equal_split(batch, chain):
     """Two decode steps of a 2-layer Qwen3-8B-shaped NVFP4 decoder (random weights, static
     input scales): gemm_chain "fused" (or "swiglu_rope") and "split" give the same logits bit
@@ -198,15 +209,18 @@ def test_decoder_gemm_chain_fused_logits_equal_split(batch, chain):
 
 
 def test_sanitizer_subset():
-    """One small finish-quantizer launch of each kind through XLA, against the two launches
-    (for compute-sanitizer)."""
-    for n, k, prologue, residual in CASES:
+    """One small finish-quantizer launch of each kind through XLA (a cluster of 4 CTAs a row
+    among them), against the two launches (for compute-sanitizer)."""
+    for (n, k, prologue, residual), cluster in ((CASES[0], False), (CASES[1], False),
+                                                (CASES[0], True)):  # fmt: skip
         fused = nvfp4_gemv.Fused(prologue=prologue, norm_stacked=True, scale_stacked=True)
         m, splitk = 16, 4
         gemm = nvfp4_gemm.build(m, n, 4096, options=nvfp4_gemm.GemmOptions(splitk=splitk),
                                 residual=residual)  # fmt: skip
-        fin = nvfp4_quant.FinishIn(splitk=splitk, residual=residual, store_y=residual)
-        kern = nvfp4_quant.build(m, k, fused, out="xhat", finish=fin)
+        fin = nvfp4_quant.FinishIn(splitk=splitk, residual=residual, store_y=residual,
+                                   cluster=cluster)  # fmt: skip
+        kern = nvfp4_quant.build(m, k, fused, out="xhat", finish=fin,
+                                 chunk=k // 4 if cluster else None)  # fmt: skip
         quant = nvfp4_quant.build(m, k, fused, out="xhat")
         res = jnp.ones((m, n) if residual else (1, 1), jnp.bfloat16)
         args = (_partials(splitk, m, n, 0), jnp.full((m,), 0.01, jnp.float32), res,
@@ -261,8 +275,8 @@ def test_pre_block_equals_fused_linear_then_rope_cache_on_the_gpu(m, rows_index)
     assert not np.array_equal(got[1], np.asarray(cache))
 
 
-@pytest.mark.parametrize("m", [16, 64])
-def test_block_next_equals_the_quantizer_of_its_output_on_the_gpu(m):
+@pytest.mark.parametrize(("m", "cluster"), [(16, False), (64, False), (32, True)])
+def test_block_next_equals_the_quantizer_of_its_output_on_the_gpu(m, cluster):
     """down_proj's finish with the next layer's qkv quantizer in one launch against
     xhat_input (the quantizer kernel) of the block's own output at layer + 1, bitwise; and
     pre_attention_block on that x_hat equals it on the output."""
@@ -277,7 +291,8 @@ def test_block_next_equals_the_quantizer_of_its_output_on_the_gpu(m):
     out = jax.random.normal(jax.random.key(m), (m, D), jnp.bfloat16)
     x = (jax.random.normal(jax.random.key(m + 1), (m, D)) * 3).astype(jnp.bfloat16)
     run = jax.jit(lambda out, x: post_attention_block(
-        out, x, o, g, d, norm=norm, layer=jnp.int32(0), next_qkv=qkv, next_norm=inorm))  # fmt: skip
+        out, x, o, g, d, norm=norm, layer=jnp.int32(0), next_qkv=qkv, next_norm=inorm,
+        norm_cluster=cluster))  # fmt: skip
     y, (xh, xg) = run(out, x)
     assert "nvfp4_finish_quantize" in run.trace(out, x).lower().as_text()
     want = jax.jit(lambda y: xhat_input(y, qkv, inorm, layer=jnp.int32(1), eps=1e-6))(y)

@@ -11,7 +11,9 @@ the repository root:
    split of the producer, builds its split-K finish kernel and the quantizer's x_hat form (the
    "split" path's launches), and the finish-quantizer at each chunking of `--chunks` ("row":
    one CTA per row, the row kept in shared memory; "1024", "512": the quantizer's chunkings,
-   each CTA re-reading the row's partials for the RMSNorm statistic). Also qkv -> the rope
+   each CTA re-reading the row's partials for the RMSNorm statistic; "c1024", "c512": those
+   chunkings with a row's CTAs one thread-block cluster, `FinishIn.cluster`: each partial read
+   once, the statistic through distributed shared memory; RMSNorm pairs only). Also qkv -> the rope
    kernel (q/k norm, RoPE, cache write at one slot per row): the finish then the plain rope
    kernel against the rope kernel that reads the partials.
 2. Runs both on random partials (a zero row, a saturating block) into NaN-poisoned outputs:
@@ -29,6 +31,7 @@ GEMM letters: M rows, N out features, K in features.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -46,7 +49,7 @@ PAIRS = (
     ("down_qkv", D, F, D, "rmsnorm", True),
 )
 DEFAULT_MS = (8, 16, 32, 64)
-DEFAULT_CHUNKS = ("row", "1024", "512")
+DEFAULT_CHUNKS = ("row", "1024", "512", "c1024", "c512")
 
 
 def kernels(m: int, pair: tuple, chunks, arch=None) -> dict:
@@ -64,11 +67,19 @@ def kernels(m: int, pair: tuple, chunks, arch=None) -> dict:
     fin = nvfp4_quant.FinishIn(splitk=gemm.plan.splitk, w_shift=gemm.plan.w_shift,
                                residual=residual, store_y=residual)  # fmt: skip
     for chunk in chunks:
-        size = k if chunk == "row" else int(chunk)
-        if k % size:
+        cluster = chunk.startswith("c")
+        size = k if chunk == "row" else int(chunk.removeprefix("c"))
+        if k % size or (cluster and (prologue == "swiglu" or not 2 <= k // size <= 8)):
             continue
         out[f"fin_{chunk}"] = nvfp4_quant.build(
-            m, k, fused, arch=arch, out="xhat", finish=fin, chunk=size, threads=quant.threads
+            m,
+            k,
+            fused,
+            arch=arch,
+            out="xhat",
+            chunk=size,
+            threads=quant.threads,
+            finish=dataclasses.replace(fin, cluster=cluster),
         )  # the quantizer's threads: the RMSNorm sum in its order, the same bytes
     return out
 
@@ -262,7 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default=",".join(map(str, DEFAULT_MS)))
     ap.add_argument("--chunks", default=",".join(DEFAULT_CHUNKS),
-                    help="finish-quantizer chunkings: 'row' or a multiple of 256")  # fmt: skip
+                    help="finish-quantizer chunkings: 'row', a multiple of 256, or 'c' and a "
+                         "multiple of 256 (a cluster of K / chunk CTAs a row)")  # fmt: skip
     ap.add_argument("--copies", type=int, default=50, help="launch groups per CUDA graph")
     args = ap.parse_args(argv)
     # a graph that captured nothing times nothing: stop rather than report it
@@ -273,8 +285,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"--ms {args.ms!r}: expected comma-separated ints, e.g. 8,16") from None
     chunks = tuple(args.chunks.split(","))
     for ch in chunks:
-        if ch != "row" and (not ch.isdigit() or int(ch) <= 0 or int(ch) % 256):
-            raise SystemExit(f"--chunks: {ch!r} is not 'row' or a positive multiple of 256")
+        size = ch.removeprefix("c")
+        if ch != "row" and (not size.isdigit() or int(size) <= 0 or int(size) % 256):
+            raise SystemExit(
+                f"--chunks: {ch!r} is not 'row', a positive multiple of 256 or 'c' and one"
+            )
     t0 = time.time()
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax

@@ -245,6 +245,7 @@ def _build_chain(
     next_fused=None,
     next_layers=0,
     chain_norm=True,
+    norm_cluster=False,
 ) -> _Chain:
     (n_o, k_o), (n_g, k_g), (n_d, k_d) = shapes
     f_o, f_g, f_d = (dataclasses.replace(f, residual=False) for f in fused)
@@ -252,20 +253,29 @@ def _build_chain(
     def gemm(n, k, rows, residual):
         return nvfp4_gemm.build(m, n, k, options=gemm_options, gw_rows=rows, residual=residual)
 
-    def finish_of(kernel, residual, store_y):
+    def finish_of(kernel, residual, store_y, cluster=False):
         p = kernel.plan
         return nvfp4_quant.FinishIn(splitk=p.splitk, w_shift=p.w_shift, gw_rows=p.gw_rows,
-                                    residual=residual, store_y=store_y)  # fmt: skip
+                                    residual=residual, store_y=store_y,
+                                    cluster=cluster)  # fmt: skip
+
+    def norm_chunking(k):
+        # (chunk, cluster) of an RMSNorm finish-quantizer: one CTA a row (the row in shared
+        # memory), `norm_chunk`'s chunks, or with norm_cluster a cluster of CTAs a row
+        if norm_cluster:
+            chunk = norm_chunk or cluster_chunk(m, k, cbuild.device_sms())
+            return chunk, chunk < k
+        return norm_chunk or k, False
 
     quant_o = nvfp4_quant.build(m, k_o, f_o, out="xhat")
     gemm_o = gemm(n_o, k_o, gw_rows[0], False)
     fin_g = quant_g = None
     if gemm_o.plan.partials and chain_norm:
-        fin = finish_of(gemm_o, residual=True, store_y=True)
         # one CTA per row by default (the row formed once in shared memory: each partial read
         # once); the split path quantizer's threads, which fix the order of the RMSNorm sum:
         # the same bytes at any chunk
-        chunk = norm_chunk or k_g
+        chunk, cluster = norm_chunking(k_g)
+        fin = finish_of(gemm_o, residual=True, store_y=True, cluster=cluster)
         threads = nvfp4_quant.default_threads(nvfp4_quant.default_chunk(k_g, "xhat"), "xhat")
         fin_g = nvfp4_quant.build(m, k_g, f_g, out="xhat", finish=fin, chunk=chunk,
                                   threads=threads)  # fmt: skip
@@ -286,15 +296,27 @@ def _build_chain(
     fin_q = quant_q = None
     if next_fused is not None:
         gemm_d = gemm(n_d, k_d, gw_rows[2], False)
-        if gemm_d.plan.partials:  # one CTA per row, the row in shared memory, as for gate_up
-            fin = dataclasses.replace(finish_of(gemm_d, True, True), next_layers=next_layers)
+        if gemm_d.plan.partials:  # chunked as gate_up's input
+            chunk, cluster = norm_chunking(n_d)
+            fin = dataclasses.replace(finish_of(gemm_d, True, True, cluster),
+                                      next_layers=next_layers)  # fmt: skip
             threads = nvfp4_quant.default_threads(nvfp4_quant.default_chunk(n_d, "xhat"), "xhat")
-            fin_q = nvfp4_quant.build(m, n_d, next_fused, out="xhat", finish=fin, chunk=n_d,
+            fin_q = nvfp4_quant.build(m, n_d, next_fused, out="xhat", finish=fin, chunk=chunk,
                                       threads=threads)  # fmt: skip
         else:
             gemm_d = gemm(n_d, k_d, gw_rows[2], True)
             quant_q = nvfp4_quant.build(m, n_d, next_fused, out="xhat")
     return _Chain(quant_o, gemm_o, fin_g, quant_g, gemm_g, fin_d, quant_d, gemm_d, fin_q, quant_q)
+
+
+def cluster_chunk(m: int, k: int, sms: int) -> int:
+    """Elements a CTA of an RMSNorm finish-quantizer cluster takes (`norm_cluster`): the fewest
+    CTAs a row, of 2, 4 or 8, that give M rows at least one CTA an SM (else 8), each chunk a
+    multiple of 256 dividing K; K itself (one CTA, no cluster) where no such chunk exists."""
+    sizes = [c for c in (2, 4, 8) if k % c == 0 and (k // c) % 256 == 0]
+    if not sizes:
+        return k
+    return k // next((c for c in sizes if m * c >= sms), sizes[-1])
 
 
 def _partials(kernel, xh, xg, wp, ws, wg, layer):
@@ -355,14 +377,15 @@ def _chain(out, x, nw, *ops, shapes, fused, chain: _Chain, gemm_options, epilogu
 
 
 def _lower_cuda(ctx, *args, shapes, fused, gw_rows, impl, gemm_options, epilogue, norm_chunk,
-                chain_norm=True, next_fused=None, next_layers=0):  # fmt: skip
+                chain_norm=True, norm_cluster=False, next_fused=None,
+                next_layers=0):  # fmt: skip
     m = ctx.avals_in[0].shape[0]
     supported = block_supported(m, shapes, gemm_options, chain_norm)
     chain = None
     if supported[0] and impl != "ref":
         try:
             chain = _build_chain(m, shapes, fused, gw_rows, gemm_options, epilogue, norm_chunk,
-                                 next_fused, next_layers, chain_norm)  # fmt: skip
+                                 next_fused, next_layers, chain_norm, norm_cluster)  # fmt: skip
         except nvfp4_gemv.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     nxt = {} if next_fused is None else {"next_fused": next_fused, "next_layers": next_layers}
@@ -402,6 +425,7 @@ def post_attention_block(
     next_qkv: dict | None = None,
     next_norm: jax.Array | None = None,
     chain_norm: bool = True,
+    norm_cluster: bool = False,
 ) -> jax.Array | tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """h = x + o_proj(out); h + down(swiglu(gate_up(rms_norm(h, norm, eps)))) for W4A4 linears,
     with each K-split GEMM's finish and the next quantizer in one launch on CUDA (see the
@@ -434,6 +458,11 @@ def post_attention_block(
             quantizer). The RMSNorm's row statistic holds the fused launch to one CTA a row
             (or to rereading the row), and at 8-64 rows it measured slower than the two
             launches on the H100 (experiments/results/h100_chain/).
+        norm_cluster: the RMSNorm finish-quantizers (o_proj -> gate_up; with next_qkv, down ->
+            the next qkv) run a row's CTAs as one thread-block cluster
+            (`cuda_ops.nvfp4_quant.FinishIn.cluster`): each forms its chunk once in shared
+            memory, the statistic reads the row through distributed shared memory; chunks of
+            `norm_chunk` (2-8 a row) or by default `cluster_chunk`'s. The same bytes.
 
     Returns:
         bf16 [..., D]; with `next_qkv` (y [M, D], (x_hat f16 [M, D], global scale f32 [M])).
@@ -474,6 +503,11 @@ def post_attention_block(
         not isinstance(norm_chunk, int) or norm_chunk <= 0 or norm_chunk % 256 or k_g % norm_chunk
     ):
         raise ValueError(f"norm_chunk={norm_chunk!r}: expected a multiple of 256 dividing {k_g}")
+    if norm_cluster and norm_chunk is not None and not 2 <= k_g // norm_chunk <= 8:
+        raise ValueError(
+            f"norm_chunk={norm_chunk} with norm_cluster: {k_g // norm_chunk} CTAs a row of "
+            f"{k_g}, expected 2..8 (a cluster)"
+        )
     m = int(np.prod(lead, dtype=np.int64))
     next_fused = next_layers = None
     if next_qkv is not None:
@@ -520,6 +554,7 @@ def post_attention_block(
         "epilogue": bool(residual_epilogue),
         "norm_chunk": norm_chunk,
         "chain_norm": bool(chain_norm),
+        "norm_cluster": bool(norm_cluster),
     }
     if next_qkv is not None:
         y, xh, xg = _block_next_p.bind(
