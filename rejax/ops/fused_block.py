@@ -444,8 +444,9 @@ def post_attention_block(
         gemm_options: the GEMMs' choices (`min_m` .. `max_m` are the rows the chain takes).
         residual_epilogue: down's GEMM adds the residual in its epilogue (else a bf16 add;
             the same value), as `fused_linear`'s.
-        norm_chunk: elements of a row that each CTA of o_proj's finish-quantizer quantizes (a
-            multiple of 256 dividing D). None: the whole row, one CTA per row, which forms the
+        norm_chunk: elements of a row that each CTA of an RMSNorm finish-quantizer (o_proj's;
+            with next_qkv also down's) quantizes (a multiple of 256 dividing D). None: the
+            whole row, one CTA per row (with norm_cluster: `cluster_chunk`'s), which forms the
             row once in shared memory (each partial read once); a smaller chunk spreads the
             rows over more CTAs, each of which reads the whole row's partials for the RMSNorm
             statistic. The bytes are the same either way.
