@@ -233,10 +233,11 @@ def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
 def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
     """NVRTC compiles `nvfp4_finish_quantize` (RMSNorm with the residual and y stored, in the
     quantizer's chunks and one CTA per row, SwiGLU over 2K partial columns, "none" with a
-    dynamic scale and per-row weight scales, one CTA per row) to an entry of 10 parameters over
-    [M, K / chunk], the row kept in shared memory exactly when one CTA takes it; ptxas builds it for sm_90 without spills or a stack
-    frame; the quantizer's other builds carry no FIN_* define (their PTX and cache keys are
-    unchanged)."""
+    dynamic scale and per-row weight scales, one CTA per row; RMSNorm as a cluster of 4-8 CTAs a
+    row) to an entry of 10 parameters over [M, K / chunk], the row kept in shared memory
+    exactly when one CTA takes it, cluster dims in the PTX exactly for a cluster; ptxas builds
+    it for sm_90 without spills or a stack frame; the quantizer's other builds carry no FIN_*
+    define (their PTX and cache keys are unchanged)."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     nvfp4_quant._build_cached.cache_clear()
     seen = []
