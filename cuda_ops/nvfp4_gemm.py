@@ -83,7 +83,12 @@ REDUCES = ("finish", "cluster")
 # four Qwen3-8B shapes 1.65 / 1.66 / 1.27 at M = 16 / 32 / 64 ("wide" 1.70 / 1.51 / 1.19), and
 # the 36-layer NVFP4 decode 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520 for
 # "wide" (one call, experiments/results/h200_p/); its GPU tests pass.
-OCCUPANCIES = ("base", "wide", "fill")
+# "fill16" is "fill" with every M below 16 planned as M = 16 (a 16-token tile, the rows past M
+# masked): inside the 8-layer decode step on an H100 the four 8-row GEMMs took 18.2 us a launch
+# against 14.5 for 16 rows, though kernel alone they take the same time
+# (experiments/results/h100_s34/); opt-in until the decode measures it.
+OCCUPANCIES = ("base", "wide", "fill", "fill16")
+FILL16_M = 16
 # Hopper per-SM limits the "fill" plan counts resident CTAs with (sm_90: 228 KB of shared
 # memory, 1 KB of it reserved per CTA; 64K registers, allocated per warp in units of 256)
 SM_SMEM = 228 * 1024
@@ -153,7 +158,8 @@ class GemmOptions:
         w_shift: the decoded fp16 weights are e2m1 x SFw x 2^(w_shift - 14) (0..7, exact for
             all; larger keeps more of them out of the fp16 subnormal range).
         occupancy: how the plan chooses wr, stages and splitk when they are None: "base",
-            "wide" or "fill" (the default) (`OCCUPANCIES`).
+            "wide", "fill" (the default) or "fill16" ("fill", M < 16 planned as 16 rows)
+            (`OCCUPANCIES`).
         x_quant: how a fused linear in front of this GEMM quantizes its activations: "kernel"
             (the default: the quantizer kernel writes the GEMM's x_hat operand) or "xla" (XLA's
             quantizer and `gemm_x_operand` fusions) (`X_QUANTS`); the GEMM itself is the same.
@@ -430,7 +436,14 @@ def plan(
     `options.occupancy` = "wide" (M <= 64) takes 64-row weight tiles up to M = 16 and aims the K
     split at about four CTAs per SM without the traffic cap. "fill" (the default; 9 <= M <= 64,
     "wide" below) keeps "wide"'s tiles, takes the K split of `fill_splitk`'s balance model and
-    then the deepest pipeline (2..4 stages) that keeps each SM's share of the grid resident."""
+    then the deepest pipeline (2..4 stages) that keeps each SM's share of the grid resident.
+    "fill16" plans M < 16 rows as "fill" plans 16 (the same kernel, its tile's rows past M
+    masked)."""
+    if options.occupancy == "fill16":
+        as_fill = dataclasses.replace(options, occupancy="fill")
+        if m >= FILL16_M:
+            return plan(m, n, k, num_sms, as_fill, gw_rows=gw_rows)
+        return dataclasses.replace(plan(FILL16_M, n, k, num_sms, as_fill, gw_rows=gw_rows), m=m)
     fill = options.occupancy == "fill" and FILL_MIN_M <= m <= MAX_TM
     wide = options.occupancy in ("wide", "fill") and m <= MAX_TM  # one M tile: decode batches
     wm = options.wm or 1

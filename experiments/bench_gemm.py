@@ -79,9 +79,11 @@ VARIANTS = {
     # stages and sizes only the split
     "gemm_fill": {"occupancy": "fill"},
     "gemm_fill_s3": {"occupancy": "fill", "stages": 3},
+    # fewer than 16 rows in the 16-token tile of the 16-row plan (batch 8; the rows past M masked)
+    "gemm_fill16": {"occupancy": "fill16"},
 }
 # variants that only make sense at some M (others skip them there)
-VARIANT_MS = {"gemm_wm2": {128, 256, 512}}
+VARIANT_MS = {"gemm_wm2": {128, 256, 512}, "gemm_fill16": set(range(1, 16))}
 
 
 def _options(name):

@@ -10,7 +10,9 @@
 # chain (Config.gemm_chain's finish-quantizers: its kernels alone against the launches they
 # replace, GPU tests), chain_count, chain_sanitize, and chain_decode (36-layer decode of
 # CHAIN_VARIANTS, default "split swiglu_rope cluster", at CHAIN_BATCHES, an 8-layer profile of
-# the three at batch 64); chain and chain_decode one call each (each under 10 minutes).
+# the three at batch 64); chain and chain_decode one call each (each under 10 minutes);
+# fill16 (GemmOptions.occupancy "fill16" at batch 8: GPU test, decode against "fill", profile;
+# one call).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -122,6 +124,21 @@ PY
         --variant nvfp4:64:gemm_chain=split --variant nvfp4:64:gemm_chain=swiglu_rope \
         --variant nvfp4:64:gemm_chain=cluster --out "$out/profile_chain.json" \
         > "$out/profile_chain.log" 2>&1; grep -E "^\[|/layer" "$out/profile_chain.log" | head -30;;
+    fill16)
+      # GemmOptions.occupancy "fill16" (batch 8 in the 16-token tile of batch 16): its GPU test,
+      # the 36-layer decode at FILL16_BATCHES (default 8) against "fill" and bf16 in one process,
+      # then the 8-layer profile of both at batch 8 (and "fill" at 16: the GEMM a launch)
+      timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py \
+        -k fill16 -p no:cacheprovider > "$out/fill16_pytest.log" 2>&1
+      tail -3 "$out/fill16_pytest.log"
+      timeout ${BENCH_TIMEOUT:-260} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
+        --batch ${FILL16_BATCHES:-8} --gen-len 1024 --repeats 3 --no-breakdown \
+        --gemm-occupancy fill fill16 --out "$out/decode_fill16.json" > "$out/decode_fill16.log" 2>&1
+      grep -E "ms/token|FAILED" "$out/decode_fill16.log"
+      timeout ${PROFILE_TIMEOUT:-120} python3 experiments/profile_step.py --layers 8 --steps 16 \
+        --variant nvfp4:8 --variant nvfp4:8:gemm_occupancy=fill16 --variant nvfp4:16 \
+        --out "$out/profile_fill16.json" > "$out/profile_fill16.log" 2>&1
+      grep -E "^\[|nvfp4_gemm " "$out/profile_fill16.log" | head -12;;
     profile)
       variants=""
       for b in ${PROFILE_BATCHES:-64 16}; do variants="$variants --variant nvfp4:$b --variant bf16:$b"; done

@@ -132,8 +132,10 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # "fill", the default since the eighteenth session, balances the grid over the SMs: the K split
 # of a balance model, then the deepest pipeline that keeps each SM's CTAs resident (9-64 rows;
 # "wide" below): 36 layers NVFP4, 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520
-# for "wide" (experiments/results/h200_p/).
-GEMM_OCCUPANCIES = ("base", "wide", "fill")
+# for "wide" (experiments/results/h200_p/). "fill16" (opt-in) plans fewer than 16 rows (batch
+# 8) as 16: inside the decode step on an H100 the 8-row GEMMs were slower than the 16-row ones
+# (experiments/results/h100_s34/).
+GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared

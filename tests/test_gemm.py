@@ -290,6 +290,38 @@ def test_fill_occupancy_plans():
     assert rconfig.Config(gemm_occupancy="fill").gemm_occupancy == "fill"
 
 
+def test_fill16_occupancy_plans_few_rows_as_sixteen():
+    """occupancy="fill16": below 16 rows the plan is "fill"'s 16-row plan with M itself (a
+    16-token tile whose rows past M are masked: grid x 1), so batch 8 compiles the kernel of
+    batch 16 but for M_TOK; from 16 rows on it is "fill"."""
+    fill = nvfp4_gemm.GemmOptions(occupancy="fill")
+    fill16 = nvfp4_gemm.GemmOptions(occupancy="fill16")
+    for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
+        sixteen = nvfp4_gemm.plan(16, n, k, options=fill)
+        for m in (1, 7, 8, 9, 15):
+            p = nvfp4_gemm.plan(m, n, k, options=fill16)
+            assert p == dataclasses.replace(sixteen, m=m), (m, n, k, p)
+            assert p.grid == (1, sixteen.grid[1], sixteen.splitk) and p.defines()["M_TOK"] == m
+            assert p.static_copies and p.tm == 16 and nvfp4_gemm.check_shape(m, n, k, fill16)[0]
+        for m in (16, 17, 32, 64, 256):
+            assert nvfp4_gemm.plan(m, n, k, options=fill16) == nvfp4_gemm.plan(
+                m, n, k, options=fill
+            )
+    # at 8 rows "fill" plans as "wide" (8-token tiles, loop copies): fill16 is another plan
+    eight = nvfp4_gemm.plan(8, 6144, 4096, options=fill)
+    assert (eight.tm, eight.static_copies) == (8, False)
+    # explicit fields and the K split of split_m still apply to the 16-row plan
+    forced = nvfp4_gemm.plan(
+        8, 6144, 4096, options=nvfp4_gemm.GemmOptions(occupancy="fill16", splitk=2)
+    )
+    assert (forced.m, forced.tm, forced.splitk) == (8, 16, 2)
+    inv = nvfp4_gemm.GemmOptions(occupancy="fill16", split_m=64)
+    assert (
+        nvfp4_gemm.plan(8, 6144, 4096, options=inv).splitk == nvfp4_gemm.plan(64, 6144, 4096).splitk
+    )
+    assert rconfig.Config(gemm_occupancy="fill16").gemm_occupancy == "fill16"
+
+
 def test_check_shape_and_options_are_validated():
     assert nvfp4_gemm.check_shape(16, 4096, 4096) == (True, "")
     assert "K=200" in nvfp4_gemm.check_shape(16, 64, 200)[1]
@@ -775,8 +807,9 @@ def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
 def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
     """Config.gemm_occupancy="fill" (the default) and "wide" build the decoder's batch-16 GEMMs
     with their plans (64-row weight tiles; fill's splits and pipeline depths), for the unfused
-    and the split linears; "base" with the base plan; the field offers what GemmOptions does,
-    and a bad value is refused."""
+    and the split linears; "base" with the base plan; "fill16" the batch-8 GEMMs with the
+    16-token tiles of batch 16; the field offers what GemmOptions does, and a bad value is
+    refused."""
     assert rconfig.GEMM_OCCUPANCIES == nvfp4_gemm.OCCUPANCIES
     assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill"
     base = rconfig.Config(
@@ -784,22 +817,26 @@ def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
         num_kv_heads=4, linear_fusion="unfused",
     )  # fmt: skip
     for fusion in ("unfused", "split"):
-        for occupancy in ("base", "wide", "fill"):
+        for occupancy, batch in (("base", 16), ("wide", 16), ("fill", 16), ("fill16", 8)):
             cfg = rconfig.Config(
                 **{**base.__dict__, "linear_fusion": fusion, "gemm_occupancy": occupancy}
             )
             stub_compilers.clear()
             nvfp4_gemm._build_cached.cache_clear()  # record every GEMM this lowering builds
-            entries = _decode_step_entries(cfg, 16)
+            entries = _decode_step_entries(cfg, batch)
             assert entries.count(nvfp4_gemm.ENTRY) == 4, entries
             opts = nvfp4_gemm.GemmOptions(occupancy=occupancy)
             gemms = [d for _, d in stub_compilers if "SPLITK" in d]
             assert len(gemms) >= 4, stub_compilers
             for d in gemms:
+                assert d["M_TOK"] == batch, d
                 p = nvfp4_gemm.plan(d["M_TOK"], d["N_OUT"], d["K_IN"], options=opts)
-                got = (d["WR"], d["SPLITK"], d["STAGES"])
-                assert got == (p.wr, p.splitk, p.stages), (fusion, occupancy, d)
+                got = (d["WR"], d["SPLITK"], d["STAGES"], d["TM"], d["KT"])
+                assert got == (p.wr, p.splitk, p.stages, p.tm, p.kt), (fusion, occupancy, d)
                 assert d["WR"] == (2 if occupancy == "base" else 1), d
+                # fill16: batch 8 runs the 16-token tile of batch 16, with its static copies
+                if occupancy == "fill16":
+                    assert (d["TM"], d.get("STATIC_COPIES")) == (16, 1), d
     with pytest.raises(ValueError, match="unknown gemm_occupancy 'full'"):
         rconfig.Config(gemm_occupancy="full")
 

@@ -174,12 +174,12 @@ def _check_shapes(torch, shapes, ms, options, seed):
     assert not failures, failures
 
 
-@pytest.mark.parametrize("occupancy", ["wide", "fill"])
+@pytest.mark.parametrize("occupancy", ["wide", "fill", "fill16"])
 def test_wide_occupancy_on_the_decode_shapes(torch, occupancy):
-    """GemmOptions(occupancy="wide") (64-row weight tiles, K split up to 8) and "fill" (2-stage
-    pipelines, other splits) on Qwen3-8B's four layer shapes at the decode batches M = 8, 16,
-    32, 64: within 1.5x the bf16 floor of float64 (the residual epilogue:
-    test_residual_epilogue_equals_the_xla_add)."""
+    """GemmOptions(occupancy="wide") (64-row weight tiles, K split up to 8), "fill" (2-stage
+    pipelines, other splits) and "fill16" (batch 8 in a 16-token tile, its rows past M masked)
+    on Qwen3-8B's four layer shapes at the decode batches M = 8, 16, 32, 64: within 1.5x the
+    bf16 floor of float64 (the residual epilogue: test_residual_epilogue_equals_the_xla_add)."""
     from cuda_ops import nvfp4_gemm
 
     options = nvfp4_gemm.GemmOptions(occupancy=occupancy)
