@@ -12,7 +12,8 @@
 # CHAIN_VARIANTS, default "split swiglu_rope cluster", at CHAIN_BATCHES, an 8-layer profile of
 # the three at batch 64); chain and chain_decode one call each (each under 10 minutes);
 # fill16 (GemmOptions.occupancy "fill16" at batch 8: GPU test, decode against "fill", profile;
-# one call).
+# one call); accept_kernel and accept_decode ([T2-C]'s acceptance table and end-to-end rows;
+# one call each).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -139,6 +140,26 @@ PY
         --variant nvfp4:8 --variant nvfp4:8:gemm_occupancy=fill16 --variant nvfp4:16 \
         --out "$out/profile_fill16.json" > "$out/profile_fill16.log" 2>&1
       grep -E "^\[|nvfp4_gemm " "$out/profile_fill16.log" | head -12;;
+    accept_kernel)
+      # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM and the
+      # "fill16" plan below 16 rows, the M = 8 GEMV, jitted bf16 (about 3-4 minutes on an H100)
+      timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_gemm.py --variants gemm,gemm_fill16 \
+        --ops gemm_graph,gemv_graph,jax_bf16 --ms 8,16,32,64,256 --time-budget 380 \
+        --out "$out/bench_kernel_gemm.json" > "$out/bench_kernel_gemm.log" 2>&1; echo "bench rc=$?"
+      grep -E "geomean" "$out/bench_kernel_gemm.log" | head -20;;
+    accept_decode)
+      # [T2-C]'s end-to-end rows (36 layers, prompt 512, 1024 new tokens, median of 3): NVFP4
+      # and bf16 at batch 8 / 16 in one process, then batch 64 (NVFP4, then bf16 in a process of
+      # its own: on an 80 GB card bf16's batch-64 prefill did not fit after the NVFP4 runs)
+      timeout ${BENCH_TIMEOUT:-300} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
+        --batch 8 16 --gen-len 1024 --repeats 3 --no-breakdown --out "$out/decode_b8_b16.json" \
+        > "$out/decode_b8_b16.log" 2>&1
+      for mode in nvfp4 bf16; do
+        timeout ${BENCH64_TIMEOUT:-150} python3 experiments/bench_decode.py --modes $mode \
+          --batch 64 --gen-len 1024 --repeats 3 --no-breakdown --out "$out/decode_b64_$mode.json" \
+          > "$out/decode_b64_$mode.log" 2>&1
+      done
+      grep -hE "ms/token|FAILED" "$out"/decode_b8_b16.log "$out"/decode_b64_*.log;;
     profile)
       variants=""
       for b in ${PROFILE_BATCHES:-64 16}; do variants="$variants --variant nvfp4:$b --variant bf16:$b"; done
