@@ -4,9 +4,10 @@ checked against production and timed, on an H200. From the repository root:
     PYTHONPATH=. python3 experiments/kernels/check_gemm_wgmma.py --out $OUT/wgmma.json
 
 1. Builds the wgmma variants (`VARIANTS`) and the production GEMM (its default plan) for the
-   Qwen3-8B shapes N x K = 6144x4096, 4096x4096, 24576x4096, 4096x12288 at M = 16, 32, 64, plus
-   two extra cases (`EXTRA`: an M that pads its token tile, and tiny block scales that make the
-   decoded fp16 weights subnormal).
+   Qwen3-8B shapes N x K = 6144x4096, 4096x4096, 24576x4096, 4096x12288 at M = 16, 32, 64 (or
+   --ms), plus extra cases (`EXTRA`: an M that pads its token tile, tiny block scales that make
+   the decoded fp16 weights subnormal, and M = 200 for each 128 / 256-token-tile variant).
+   Large M, e.g. `--ms 128,256 --variants wgmma_n128,wgmma_n128_wr2,wgmma_n128_s1,wgmma_n256`.
 2. Runs every kernel on random NVFP4 weights and activations (uniform codes, E4M3 block scales
    0.125 .. 240 as tests/test_gemm_gpu.py) into NaN-poisoned outputs, twice (bitwise
    repeatable), and compares with the float64 product of the same dequantized operands (relative
@@ -55,12 +56,21 @@ VARIANTS = {
     "wgmma_wg2": {"nwg": 2, "wr": 1, "min_blocks": 2},
     # opt-in (--variants): 256-element stages
     "wgmma_kt256": {"kt": 256},
+    # opt-in, for M >= 128 (prefill, [T2-C]'s M = 256): 128 / 256 tokens a tile, each weight
+    # decoded once per tile (production's 64-token tiles decode it M / 64 times), two
+    # warpgroups sharing the x tile, one CTA per SM, K split only to fill one wave
+    "wgmma_n128": {"tm": 128, "nwg": 2, "wr": 1},
+    "wgmma_n128_wr2": {"tm": 128, "nwg": 2, "wr": 2},
+    "wgmma_n128_s1": {"tm": 128, "nwg": 2, "wr": 1, "splitk": 1},
+    "wgmma_n256": {"tm": 256, "nwg": 2, "wr": 1},
 }
+LARGE_M_VARIANTS = ("wgmma_n128", "wgmma_n128_wr2", "wgmma_n128_s1", "wgmma_n256")
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only
 EXTRA = (
     ("odd_m", 4096, 4096, 40, (0x20, 0x78), 1.0),
     ("subnormal", 1024, 2048, 16, (0x01, 0x18), 1e3),
+    ("odd_m_large", 4096, 4096, 200, (0x20, 0x78), 1.0),  # the large-tile variants only
 )
 DEFAULT_SCALES = (0x20, 0x78)
 LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -74,8 +84,12 @@ def problems(shapes=wgm.QWEN3_8B_SHAPES, ms=wgm.CHECK_MS, variants=DEFAULT_VARIA
         for m in ms:
             for v in variants:
                 out.append(("model", v, wgm.plan(m, n, k, **VARIANTS[v])))
-    for tag, n, k, m, _, _ in EXTRA:
+    for tag, n, k, m, _, _ in EXTRA[:2]:
         out.append((tag, "wgmma", wgm.plan(m, n, k)))
+    # a token count that pads the large tiles, for each large-tile variant asked for
+    for v in variants:
+        if VARIANTS[v].get("tm", 0) >= 128:
+            out.append(("odd_m_large", v, wgm.plan(200, 4096, 4096, **VARIANTS[v])))
     return out
 
 

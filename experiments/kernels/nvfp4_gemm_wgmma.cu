@@ -10,7 +10,9 @@
 //
 // Shape constants (-D, planned by nvfp4_gemm_wgmma.py):
 //   M_TOK, N_OUT, K_IN   problem size (K_IN % KT == 0; any M, N >= 1)
-//   TM                   tokens per CTA tile = the wgmma N (8, 16, 32 or 64); grid x = ceil(M / TM)
+//   TM                   tokens per CTA tile = the wgmma N (8, 16, 32, 64, 128 or 256); grid x =
+//                        ceil(M / TM). 128 and 256 (64 / 128 accumulators a thread a tile) decode
+//                        each weight once per 128 / 256 tokens: the large-M (prefill) variant
 //   WR                   64-row weight tiles per warpgroup (one m64nTMk16 wgmma each per k16 step)
 //   NWG                  warpgroups per CTA (4 warps each): TILE_N = 64 * WR * NWG rows,
 //                        grid y = ceil(N / TILE_N)
@@ -134,7 +136,8 @@ constexpr int STAGE_BYTES = W_BYTES + S_BYTES + X_BYTES;
 constexpr u32 DESC_LBO = DESC_SWAP ? 128u : (u32)X_COL;
 constexpr u32 DESC_SBO = DESC_SWAP ? (u32)X_COL : 128u;
 
-static_assert(TM == 8 || TM == 16 || TM == 32 || TM == 64, "TM (the wgmma N) must be 8/16/32/64");
+static_assert(TM == 8 || TM == 16 || TM == 32 || TM == 64 || TM == 128 || TM == 256,
+              "TM (the wgmma N) must be 8/16/32/64/128/256");
 static_assert(KT == 128 || KT == 256, "KT must be 128 or 256");
 static_assert(K_IN % KT == 0, "K must be a multiple of KT");
 static_assert(WR >= 1 && WR <= 2 && NWG >= 1 && NWG <= 2, "WR and NWG must be 1 or 2");
@@ -262,6 +265,8 @@ __device__ __forceinline__ void pin(float& f) { asm volatile("" : "+f"(f)::"memo
 #define ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
 #define ACC8(i) ACC4(i), ACC4(i + 4)
 #define ACC16(i) ACC8(i), ACC8(i + 8)
+#define ACC32(i) ACC16(i), ACC16(i + 16)
+#define ACC64(i) ACC32(i), ACC32(i + 32)
 __device__ __forceinline__ void wgmma_rs(float (&d)[NACC], u32 a0, u32 a1, u32 a2, u32 a3,
                                          u64 desc) {
   if constexpr (TM == 8) {
@@ -286,7 +291,7 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NACC], u32 a0, u32 a1, u32 a
                  "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
                  : ACC16(0)
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
-  } else {
+  } else if constexpr (TM == 64) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
                  "%0, %1, %2, %3, %4, %5, %6, %7, "
@@ -295,6 +300,30 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NACC], u32 a0, u32 a1, u32 a
                  "%24, %25, %26, %27, %28, %29, %30, %31}, "
                  "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}"
                  : ACC16(0), ACC16(16)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  } else if constexpr (TM == 128) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}"
+                 : ACC64(0)
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
+                 "{%128, %129, %130, %131}, %132, p, 1, 1, 0;\n}"
+                 : ACC64(0), ACC64(64)
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1));
   }
 }

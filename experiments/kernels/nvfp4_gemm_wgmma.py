@@ -32,7 +32,8 @@ FINISH_INPUTS = 4  # (partials, xg, wg, layer), then y
 FINISH_THREADS = 256
 ARCH = "compute_90a"  # PTX target sm_90a: wgmma needs the arch-specific features
 CUBIN_ARCH = "sm_90a"
-TMS = (8, 16, 32, 64)  # token tiles = the wgmma N
+TMS = (8, 16, 32, 64, 128, 256)  # token tiles = the wgmma N
+DEFAULT_MAX_TM = 64  # the plan's own choice; 128 / 256 (one decode per 128 / 256 tokens) opt-in
 KTS = (128, 256)
 CHUNK = 128  # the K order permutes inside 128-element chunks
 MAX_SPLITK = 8
@@ -137,13 +138,14 @@ def plan(
     min_blocks: int = 1,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
-    smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M); one warpgroup of one
+    smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
+    choice, whose K split only fills one wave); one warpgroup of one
     64-row weight tile up to M = 16, two tiles (128 rows) above; KT = 128; STAGES - 2 stages
     loaded ahead (3 up to TM = 32, 2 at TM = 64, as production's 4 / 3 stage rings; half as
     many stages of KT = 256, at least one); the K split aimed at about four CTAs per SM (at most
     8, at least 4 stages per split). At M <= 64 with the defaults that is production's "wide"
     plan's CTAs: the same weight tiles and K split (experiments/tests/test_gemm_wgmma.py)."""
-    tm = tm or next(v for v in TMS if v >= min(m, TMS[-1]))
+    tm = tm or next(v for v in TMS if v >= min(m, DEFAULT_MAX_TM))
     wr = wr or (1 if m <= 16 else 2)
     nwg = nwg or 1
     kt = kt or 128
@@ -154,7 +156,12 @@ def plan(
     nkt = max(1, k // kt)
     if splitk is None:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
-        splitk = max(1, min(_cdiv(4 * num_sms, tiles), nkt // 4, MAX_SPLITK))
+        if tm >= 128:
+            # one CTA per SM (the ring fills shared memory) and float32 partials of M x N per
+            # split: split only to fill one wave
+            splitk = max(1, min(num_sms // tiles, nkt // 4, MAX_SPLITK))
+        else:
+            splitk = max(1, min(_cdiv(4 * num_sms, tiles), nkt // 4, MAX_SPLITK))
     splitk = min(splitk, nkt)
     return WgmmaPlan(
         m=m,

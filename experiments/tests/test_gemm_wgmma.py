@@ -125,7 +125,7 @@ def _emulate_warpgroup(wd, xn, tm, kt, desc_swap=False):
     return d
 
 
-@pytest.mark.parametrize("tm,kt", [(8, 128), (16, 128), (32, 256), (64, 128)])
+@pytest.mark.parametrize("tm,kt", [(8, 128), (16, 128), (32, 256), (64, 128), (256, 128)])
 def test_emulated_warpgroup_equals_the_dot(tm, kt):
     rng = np.random.default_rng(tm + kt)
     wd = rng.integers(-6, 7, (64, kt)).astype(np.float64)
@@ -195,6 +195,43 @@ def test_every_planned_kernel_compiles_without_spills_or_serialization():
         regs = -(-rep["registers"] // 8) * 8  # allocated per thread in units of 8
         assert 2 * regs * p.threads <= 65536, (p, rep)  # two CTAs per SM by registers
         assert rep["serialized"] == [], (p, rep)
+
+
+def test_large_tile_plans():
+    """The 128 / 256-token tiles (opt-in, M >= 128): one CTA per SM by shared memory, a K split
+    only where the tiles do not fill one wave, M = 200 padding the last tile."""
+    from experiments.kernels import check_gemm_wgmma as chk
+
+    assert wgm.plan(256, 4096, 4096).tm == 64  # the plan's own choice stays at 64
+    probs = chk.problems(ms=(128, 256), variants=chk.LARGE_M_VARIANTS)
+    assert {v for tag, v, _ in probs if tag == "odd_m_large"} == set(chk.LARGE_M_VARIANTS)
+    for tag, v, p in probs:
+        if v not in chk.LARGE_M_VARIANTS:
+            continue  # the extra cases of the default variant
+        assert wgm.check_plan(p) == (True, ""), p
+        assert p.tm == chk.VARIANTS[v]["tm"] and p.smem <= wgm.SMEM_LIMIT
+        assert 2 * (p.smem + 1024) > 228 * 1024  # one CTA per SM
+        tiles = p.grid[0] * p.grid[1]
+        assert p.splitk == 1 or tiles * p.splitk <= wgm.DEFAULT_SMS, (v, p)
+    assert wgm.plan(256, 4096, 4096, tm=128, nwg=2, wr=1).grid == (2, 32, 2)
+    assert wgm.plan(256, 24576, 4096, tm=128, nwg=2, wr=1).grid == (2, 192, 1)
+    assert wgm.plan(200, 4096, 4096, tm=256, nwg=2, wr=1).grid == (1, 32, 4)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant", ["wgmma_n128_wr2", "wgmma_n256"])
+def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
+    """The largest accumulators (128 floats a thread): no spills, no serialized wgmma, one
+    CTA of 256 threads fits the register file."""
+    from experiments.kernels import check_gemm_wgmma as chk
+
+    p = wgm.plan(256, 24576, 4096, **chk.VARIANTS[variant])
+    kern = wgm.build_plan(p)
+    assert f"wgmma.mma_async.sync.aligned.m64n{p.tm}k16" in kern.ptx
+    rep = wgm.ptxas_report(p)
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
+    assert rep["serialized"] == [], rep
+    assert -(-rep["registers"] // 8) * 8 * p.threads <= 65536, rep
 
 
 @needs_nvrtc
