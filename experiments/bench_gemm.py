@@ -82,14 +82,44 @@ VARIANTS = {
     # fewer than 16 rows in the 16-token tile of the 16-row plan (batch 8; the rows past M masked)
     "gemm_fill16": {"occupancy": "fill16"},
 }
+# the experiment's wgmma GEMM with 128 / 256-token tiles (experiments/kernels/
+# nvfp4_gemm_wgmma.py, opt-in there: each weight decoded once per tile, for M >= 128): name ->
+# its check's variant (the plan's keyword options)
+WGMMA_VARIANTS = {"wgmma_n128": "wgmma_n128", "wgmma_n128_wr2": "wgmma_n128_wr2",
+                  "wgmma_n256": "wgmma_n256"}  # fmt: skip
+_LARGE_MS = set(range(128, 1 << 16))
 # variants that only make sense at some M (others skip them there)
-VARIANT_MS = {"gemm_wm2": {128, 256, 512}, "gemm_fill16": set(range(1, 16))}
+VARIANT_MS = {
+    "gemm_wm2": {128, 256, 512},
+    "gemm_fill16": set(range(1, 16)),
+    **{v: _LARGE_MS for v in WGMMA_VARIANTS},
+}
 
 
 def _options(name):
     from cuda_ops import nvfp4_gemm
 
     return nvfp4_gemm.GemmOptions(**VARIANTS[name])
+
+
+def _wgmma_plan(name, m, n, k):
+    """The plan of a `WGMMA_VARIANTS` kernel (CPU only)."""
+    from experiments.kernels import check_gemm_wgmma as chk
+    from experiments.kernels import nvfp4_gemm_wgmma as wgm
+
+    return wgm.plan(m, n, k, **chk.VARIANTS[WGMMA_VARIANTS[name]])
+
+
+def _build_variant(name, m, n, k):
+    """The kernel a variant times: production's GEMM with its options, or the wgmma experiment's
+    (the same launch interface; its x_hat operand is in another K order)."""
+    if name in WGMMA_VARIANTS:
+        from experiments.kernels import nvfp4_gemm_wgmma as wgm
+
+        return wgm.build_plan(_wgmma_plan(name, m, n, k))
+    from cuda_ops import nvfp4_gemm
+
+    return nvfp4_gemm.build(m, n, k, options=_options(name))
 
 
 def time_gemm_graph(torch, kernel, xh, xg, weights, wg, layer0):
@@ -172,12 +202,20 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
         xs = jax.lax.bitcast_convert_type(xq.scales, jnp.uint8)
         xg = jnp.asarray(xq.global_scale, jnp.float32)
         xh = jax.block_until_ready(jax.jit(kernels.gemm_x_operand)(xq.packed, xs))
+        xh_wgmma = None
         if "gemm_graph" in ops:
             for name in variants:
                 if m not in VARIANT_MS.get(name, {m}):
                     continue
                 try:
-                    kern = nvfp4_gemm.build(m, n, k, options=_options(name))
+                    kern = _build_variant(name, m, n, k)
+                    operand = xh
+                    if name in WGMMA_VARIANTS:
+                        from experiments.kernels import nvfp4_gemm_wgmma as wgm
+
+                        if xh_wgmma is None:
+                            xh_wgmma = jax.jit(wgm.wgmma_x_operand)(xq.packed, xs)
+                        operand = jax.block_until_ready(xh_wgmma)
                     row[f"{name}_plan"] = {
                         "grid": kern.plan.grid,
                         "threads": kern.plan.threads,
@@ -188,7 +226,7 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                         "stages": kern.plan.stages,
                     }
                     row[f"{name}_graph_s"] = time_gemm_graph(
-                        torch, kern, xh, xg, weights, wg, layer0
+                        torch, kern, operand, xg, weights, wg, layer0
                     )
                 except Exception as err:  # noqa: BLE001
                     row[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
@@ -313,7 +351,9 @@ def main():
     ap.add_argument("--ms", default="8,16,32,64,128,256")
     ap.add_argument("--shapes", default="all", help="'all' or N:K,N:K,...")
     ap.add_argument(
-        "--variants", default="gemm,gemm_kt256,gemm_wm2,gemm_cluster", help=f"of {sorted(VARIANTS)}"
+        "--variants",
+        default="gemm,gemm_kt256,gemm_wm2,gemm_cluster",
+        help=f"of {sorted({**VARIANTS, **WGMMA_VARIANTS})}",
     )
     ap.add_argument("--ops", default=",".join(CORE_OPS + EXTRA_OPS))
     ap.add_argument("--old-ms", default="16,64,256")
@@ -322,9 +362,10 @@ def main():
     args = ap.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     variants = args.variants.split(",")
+    known = {**VARIANTS, **WGMMA_VARIANTS}
     for v in variants:
-        if v not in VARIANTS:
-            raise SystemExit(f"--variants: {v!r} is not one of {sorted(VARIANTS)}")
+        if v not in known:
+            raise SystemExit(f"--variants: {v!r} is not one of {sorted(known)}")
     ops = set(args.ops.split(","))
     old_ms = {int(v) for v in args.old_ms.split(",") if v}
     jit_ms = {int(v) for v in args.jit_ms.split(",") if v}
@@ -347,15 +388,26 @@ def main():
         for n, k in shapes
         for m in ms
         for v in variants
-        if m in VARIANT_MS.get(v, {m})
+        if m in VARIANT_MS.get(v, {m}) and v not in WGMMA_VARIANTS
     ]
     nvfp4_gemm.prebuild(problems)
+    wgmma_plans = [
+        _wgmma_plan(v, m, n, k)
+        for n, k in shapes
+        for m in ms
+        for v in variants
+        if v in WGMMA_VARIANTS and m in VARIANT_MS[v]
+    ]
+    if wgmma_plans:
+        from experiments.kernels import nvfp4_gemm_wgmma as wgm
+
+        wgm.prebuild(wgmma_plans)
     result = {
         "versions": bk._versions(torch),
         "device": str(jax.devices()[0]),
         "launch": _dispatch.default_launch(),
         "method": __doc__,
-        "variants": {v: VARIANTS[v] for v in variants},
+        "variants": {v: known[v] for v in variants},
         "prebuild_s": time.time() - t_start,
         "copy_bw_Bps": bk.copy_bandwidth(torch),
     }

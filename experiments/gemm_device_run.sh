@@ -12,8 +12,10 @@
 # CHAIN_VARIANTS, default "split swiglu_rope cluster", at CHAIN_BATCHES, an 8-layer profile of
 # the three at batch 64); chain and chain_decode one call each (each under 10 minutes);
 # fill16 (GemmOptions.occupancy "fill16" at batch 8: GPU test, decode against "fill", profile;
-# one call); accept_kernel and accept_decode ([T2-C]'s acceptance table and end-to-end rows;
-# one call each).
+# one call); wgmma_large (the wgmma experiment's 128 / 256-token tiles at M = 256 / 512: bits
+# and times; one call), wgmma_prefill (those tiles on prefill's linears against today's
+# dequantize-then-dot path and bf16); accept_kernel and accept_decode ([T2-C]'s acceptance table and
+# end-to-end rows; one call each).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -140,10 +142,29 @@ PY
         --variant nvfp4:8 --variant nvfp4:8:gemm_occupancy=fill16 --variant nvfp4:16 \
         --out "$out/profile_fill16.json" > "$out/profile_fill16.log" 2>&1
       grep -E "^\[|nvfp4_gemm " "$out/profile_fill16.log" | head -12;;
+    wgmma_large)
+      # the wgmma GEMM's 128 / 256-token tiles (experiments/kernels/nvfp4_gemm_wgmma.cu, each
+      # weight decoded once per tile) at M = 256 (the kernel table's) and 512 (a 512-token
+      # prefill): bits against production and float64, then timed with production and bf16
+      timeout ${BENCH_TIMEOUT:-400} python3 experiments/kernels/check_gemm_wgmma.py \
+        --ms ${WGMMA_MS:-256,512} --variants wgmma_n128,wgmma_n128_wr2,wgmma_n128_s1,wgmma_n256 \
+        --time-budget 300 --out "$out/wgmma_large.json" > "$out/wgmma_large.log" 2>&1
+      echo "wgmma_large rc=$?"; grep -v '^{' "$out/wgmma_large.log" | tail -40;;
+    wgmma_prefill)
+      # prefill's linears (Qwen3-8B, 512 tokens at batch 1 / 8): the wgmma large tiles against
+      # what prefill runs now above 256 rows (old_path: every weight dequantized to bf16, then
+      # one bf16 dot) and jitted bf16
+      timeout ${BENCH_TIMEOUT:-400} python3 experiments/bench_gemm.py --ms 512,4096 \
+        --shapes 6144:4096,4096:4096,24576:4096,4096:12288 --variants wgmma_n128,wgmma_n256 \
+        --ops gemm_graph,jax_bf16,old_path --old-ms 512,4096 --time-budget 330 \
+        --out "$out/wgmma_prefill.json" > "$out/wgmma_prefill.log" 2>&1; echo "bench rc=$?"
+      grep -E "geomean|x6144|x4096|x12288" "$out/wgmma_prefill.log" | head -30;;
     accept_kernel)
-      # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM and the
-      # "fill16" plan below 16 rows, the M = 8 GEMV, jitted bf16 (about 3-4 minutes on an H100)
-      timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_gemm.py --variants gemm,gemm_fill16 \
+      # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
+      # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the
+      # M = 8 GEMV, jitted bf16 (about 3-4 minutes on an H100)
+      timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_gemm.py \
+        --variants ${ACCEPT_VARIANTS:-gemm,gemm_fill16,wgmma_n128} \
         --ops gemm_graph,gemv_graph,jax_bf16 --ms 8,16,32,64,256 --time-budget 380 \
         --out "$out/bench_kernel_gemm.json" > "$out/bench_kernel_gemm.log" 2>&1; echo "bench rc=$?"
       grep -E "geomean" "$out/bench_kernel_gemm.log" | head -20;;

@@ -36,3 +36,22 @@ def test_gemm_summary_geomeans_per_m():
     assert targets["m8_gemv_graph_geomean_x_bf16"] == pytest.approx(4.0)
     assert derived[0]["best_variant"] == "gemm_kt256" and derived[1]["best_variant"] == "gemm"
     assert derived[1]["best_pct_copy_bw"] == pytest.approx(100 * 28_311_552 / 15e-6 / 4e12)
+
+
+def test_wgmma_variants_plan_every_shape_at_large_m():
+    """The wgmma large-tile variants (M >= 128 only) have a supported plan on all 18 shapes
+    at M = 128 / 256 / 512, and are skipped below 128 rows."""
+    from experiments import bench_gemm
+    from experiments.kernel_shapes import unique_shapes
+    from experiments.kernels import nvfp4_gemm_wgmma as wgm
+
+    assert set(bench_gemm.WGMMA_VARIANTS) and not set(bench_gemm.WGMMA_VARIANTS) & set(
+        bench_gemm.VARIANTS
+    )
+    for name in bench_gemm.WGMMA_VARIANTS:
+        assert 64 not in bench_gemm.VARIANT_MS[name] and 256 in bench_gemm.VARIANT_MS[name]
+        for n, k in unique_shapes():
+            for m in (128, 256, 512):
+                p = bench_gemm._wgmma_plan(name, m, n, k)
+                assert wgm.check_plan(p) == (True, ""), (name, m, n, k)
+                assert p.tm >= 128 and (p.m, p.n, p.k) == (m, n, k)
