@@ -168,6 +168,11 @@ class GemmOptions:
         max_regs: registers per thread at most, as `__maxnreg__` (a multiple of 8 in 24..248),
             0 for no cap (`__launch_bounds__(threads)`), or None (the default: with the static
             copies the most that keep the plan's resident CTAs, `max_registers`; else no cap).
+        wgmma_min_m: W4A4 linears of at least this many rows run the warpgroup-MMA GEMM
+            (`cuda_ops.nvfp4_gemm_wgmma`, sm_90: `wgmma_tm`-token tiles, each weight decoded
+            once per tile) instead of this GEMM or, above `max_m`, the dot; None (the
+            default): never. Opt-in: not yet measured inside a model.
+        wgmma_tm: that GEMM's token tile, 128 (the default) or 256.
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -188,6 +193,8 @@ class GemmOptions:
     x_quant: str = "kernel"
     copies: str = "auto"
     max_regs: int | None = None
+    wgmma_min_m: int | None = None
+    wgmma_tm: int = 128
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -214,6 +221,14 @@ class GemmOptions:
             )
         if not isinstance(self.min_m, int) or self.min_m < 1:
             raise KernelError(f"GemmOptions.min_m={self.min_m!r}, expected an int >= 1")
+        if self.wgmma_min_m is not None and (
+            not isinstance(self.wgmma_min_m, int) or self.wgmma_min_m < 1
+        ):
+            raise KernelError(
+                f"GemmOptions.wgmma_min_m={self.wgmma_min_m!r}, expected None or an int >= 1"
+            )
+        if self.wgmma_tm not in (128, 256):
+            raise KernelError(f"GemmOptions.wgmma_tm={self.wgmma_tm!r}, expected 128 or 256")
         if self.split_m is not None and (not isinstance(self.split_m, int) or self.split_m < 1):
             raise KernelError(f"GemmOptions.split_m={self.split_m!r}, expected None or an int >= 1")
         if self.max_m is not None and (not isinstance(self.max_m, int) or self.max_m < self.min_m):

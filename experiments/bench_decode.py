@@ -355,6 +355,15 @@ def main(argv=None) -> dict:
         "take the dot reference",
     )
     ap.add_argument(
+        "--gemm-wgmma-min-m",
+        type=_max_m,
+        nargs="+",
+        default=[rconfig.Config.gemm_wgmma_min_m],
+        help="Config.gemm_wgmma_min_m: NVFP4 W4A4 linears with this many rows or more (prefill) "
+        "take the wgmma GEMM ('none': never, the default); several values run every NVFP4 "
+        "variant once per value (labelled ' wg=K' unless 'none')",
+    )
+    ap.add_argument(
         "--head",
         nargs="+",
         default=["bf16"],
@@ -517,9 +526,9 @@ def _variants(base: Params, args, quant):
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
     per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
-    --o-proj-output x --gemm-chain (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" /
-    " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" unless Config's default; the last loop
-    innermost, so its values run adjacent)."""
+    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m (labelled " occ=CHOICE" / " lf=CHOICE"
+    / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" / " wg=K" unless Config's
+    default; the last loop innermost, so its values run adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -543,7 +552,7 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo, gc)
+                (p, o, f, ao, go, oo, gc, wgm)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
@@ -551,10 +560,12 @@ def _variants(base: Params, args, quant):
                 for go in args.gate_up_output
                 for oo in args.o_proj_output
                 for gc in args.gemm_chain
+                for wgm in args.gemm_wgmma_min_m
             ]
-            for spec, occ, fusion, out, gu, op_out, chain in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain, wgm in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
+                    gemm_wgmma_min_m=wgm,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
                     command_buffer=cb,
@@ -572,6 +583,7 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if gu == rconfig.Config.gate_up_output else f" go={gu}"
                 occ_tag += "" if op_out == rconfig.Config.o_proj_output else f" oo={op_out}"
                 occ_tag += "" if chain == rconfig.Config.gemm_chain else f" gc={chain}"
+                occ_tag += "" if wgm is None else f" wg={wgm}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

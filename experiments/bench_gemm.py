@@ -82,9 +82,8 @@ VARIANTS = {
     # fewer than 16 rows in the 16-token tile of the 16-row plan (batch 8; the rows past M masked)
     "gemm_fill16": {"occupancy": "fill16"},
 }
-# the experiment's wgmma GEMM with 128 / 256-token tiles (experiments/kernels/
-# nvfp4_gemm_wgmma.py, opt-in there: each weight decoded once per tile, for M >= 128): name ->
-# its check's variant (the plan's keyword options)
+# the wgmma GEMM with 128 / 256-token tiles (cuda_ops/nvfp4_gemm_wgmma.py, opt-in: each weight
+# decoded once per tile, for M >= 128): name -> its check's variant (the plan's keyword options)
 WGMMA_VARIANTS = {"wgmma_n128": "wgmma_n128", "wgmma_n128_wr2": "wgmma_n128_wr2",
                   "wgmma_n256": "wgmma_n256"}  # fmt: skip
 _LARGE_MS = set(range(128, 1 << 16))
@@ -104,8 +103,8 @@ def _options(name):
 
 def _wgmma_plan(name, m, n, k):
     """The plan of a `WGMMA_VARIANTS` kernel (CPU only)."""
+    from cuda_ops import nvfp4_gemm_wgmma as wgm
     from experiments.kernels import check_gemm_wgmma as chk
-    from experiments.kernels import nvfp4_gemm_wgmma as wgm
 
     return wgm.plan(m, n, k, **chk.VARIANTS[WGMMA_VARIANTS[name]])
 
@@ -114,7 +113,7 @@ def _build_variant(name, m, n, k):
     """The kernel a variant times: production's GEMM with its options, or the wgmma experiment's
     (the same launch interface; its x_hat operand is in another K order)."""
     if name in WGMMA_VARIANTS:
-        from experiments.kernels import nvfp4_gemm_wgmma as wgm
+        from cuda_ops import nvfp4_gemm_wgmma as wgm
 
         return wgm.build_plan(_wgmma_plan(name, m, n, k))
     from cuda_ops import nvfp4_gemm
@@ -211,7 +210,7 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                     kern = _build_variant(name, m, n, k)
                     operand = xh
                     if name in WGMMA_VARIANTS:
-                        from experiments.kernels import nvfp4_gemm_wgmma as wgm
+                        from cuda_ops import nvfp4_gemm_wgmma as wgm
 
                         if xh_wgmma is None:
                             xh_wgmma = jax.jit(wgm.wgmma_x_operand)(xq.packed, xs)
@@ -399,7 +398,7 @@ def main():
         if v in WGMMA_VARIANTS and m in VARIANT_MS[v]
     ]
     if wgmma_plans:
-        from experiments.kernels import nvfp4_gemm_wgmma as wgm
+        from cuda_ops import nvfp4_gemm_wgmma as wgm
 
         wgm.prebuild(wgmma_plans)
     result = {

@@ -14,7 +14,8 @@
 # fill16 (GemmOptions.occupancy "fill16" at batch 8: GPU test, decode against "fill", profile;
 # one call); wgmma_large (the wgmma experiment's 128 / 256-token tiles at M = 256 / 512: bits
 # and times; one call), wgmma_prefill (those tiles on prefill's linears against today's
-# dequantize-then-dot path and bf16); accept_kernel and accept_decode ([T2-C]'s acceptance table and
+# dequantize-then-dot path and bf16), wgmma_e2e (Config.gemm_wgmma_min_m: GPU tests, the
+# 36-layer prefill at batch 1 / 8 with and without it, bf16); accept_kernel and accept_decode ([T2-C]'s acceptance table and
 # end-to-end rows; one call each).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
@@ -143,7 +144,7 @@ PY
         --out "$out/profile_fill16.json" > "$out/profile_fill16.log" 2>&1
       grep -E "^\[|nvfp4_gemm " "$out/profile_fill16.log" | head -12;;
     wgmma_large)
-      # the wgmma GEMM's 128 / 256-token tiles (experiments/kernels/nvfp4_gemm_wgmma.cu, each
+      # the wgmma GEMM's 128 / 256-token tiles (cuda_ops/nvfp4_gemm_wgmma.cu, each
       # weight decoded once per tile) at M = 256 (the kernel table's) and 512 (a 512-token
       # prefill): bits against production and float64, then timed with production and bf16
       timeout ${BENCH_TIMEOUT:-400} python3 experiments/kernels/check_gemm_wgmma.py \
@@ -159,6 +160,17 @@ PY
         --ops gemm_graph,jax_bf16,old_path --old-ms 512,4096 --time-budget 330 \
         --out "$out/wgmma_prefill.json" > "$out/wgmma_prefill.log" 2>&1; echo "bench rc=$?"
       grep -E "geomean|x6144|x4096|x12288" "$out/wgmma_prefill.log" | head -30;;
+    wgmma_e2e)
+      # GemmOptions.wgmma_min_m in the model: its GPU tests, then the 36-layer prefill (prompt
+      # 512, batch 1 / 8; 32 new tokens, so the prefill dominates) with the wgmma GEMM from 128
+      # rows against the dot path and bf16, one process
+      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py \
+        -k wgmma -p no:cacheprovider > "$out/wgmma_pytest.log" 2>&1
+      tail -3 "$out/wgmma_pytest.log"
+      timeout ${BENCH_TIMEOUT:-300} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
+        --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-wgmma-min-m none 128 \
+        --out "$out/decode_wgmma.json" > "$out/decode_wgmma.log" 2>&1
+      grep -E "prefill|FAILED" "$out/decode_wgmma.log" | head -20;;
     accept_kernel)
       # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
       # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the

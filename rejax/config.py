@@ -335,6 +335,11 @@ class Config:
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
+    # NVFP4 W4A4 linears with at least this many rows (prefill) take the warpgroup-MMA GEMM on
+    # CUDA (cuda_ops.nvfp4_gemm_wgmma: 128-token tiles, each weight decoded once per tile;
+    # sm_90) before the GEMM and the dot (GemmOptions.wgmma_min_m); None: never. Opt-in: not
+    # yet measured inside the model (experiments/KERNEL_NOTES.md)
+    gemm_wgmma_min_m: int | None = None
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"
@@ -415,6 +420,14 @@ class Config:
             raise ValueError(f"decode_unroll must be an int >= 1, got {self.decode_unroll!r}")
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
+        if self.gemm_wgmma_min_m is not None and not (
+            isinstance(self.gemm_wgmma_min_m, int)
+            and not isinstance(self.gemm_wgmma_min_m, bool)
+            and self.gemm_wgmma_min_m >= 1
+        ):
+            raise ValueError(
+                f"gemm_wgmma_min_m must be None or an int >= 1, got {self.gemm_wgmma_min_m!r}"
+            )
         if self.gemm_max_m is not None and not (
             isinstance(self.gemm_max_m, int) and self.gemm_max_m >= self.gemm_min_m
         ):

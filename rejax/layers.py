@@ -153,6 +153,7 @@ def linear(
     invariant_rows: int | None = None,
     residual: jax.Array | None = None,
     gemm_copies: str | None = None,
+    gemm_wgmma_min_m: int | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -184,6 +185,8 @@ def linear(
             default, "finish"; see `Config.gemm_reduce`).
         gemm_copies: how the GEMM writes its stage copies (`GemmOptions.copies`; None: the
             default, "auto"; see `Config.gemm_copies`).
+        gemm_wgmma_min_m: NVFP4 W4A4 on CUDA: from this many rows the wgmma GEMM
+            (`GemmOptions.wgmma_min_m`; None: never, the default; see `Config.gemm_wgmma_min_m`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does
@@ -215,7 +218,13 @@ def linear(
         scale = None if scale is None else take(scale, layer)
         xb = x.astype(jnp.bfloat16)
         opts = gemm_options(
-            gemm_min_m, gemm_occupancy, gemm_max_m, gemm_reduce, invariant_rows, copies=gemm_copies
+            gemm_min_m,
+            gemm_occupancy,
+            gemm_max_m,
+            gemm_reduce,
+            invariant_rows,
+            copies=gemm_copies,
+            wgmma_min_m=gemm_wgmma_min_m,
         )
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
@@ -261,12 +270,15 @@ def gemm_options(
     split_m: int | None = None,
     x_quant: str | None = None,
     copies: str | None = None,
+    wgmma_min_m: int | None = None,
 ) -> nvfp4_gemm.GemmOptions:
-    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`
-    and `copies` (None / "default": the defaults; max_m None is no bound), e.g.
+    """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
+    `copies` and `wgmma_min_m` (None / "default": the defaults; max_m None is no bound), e.g.
     `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`, `invariant_rows`,
-    `gemm_x_quant` and `gemm_copies`."""
+    `gemm_x_quant`, `gemm_copies` and `gemm_wgmma_min_m`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
+    if wgmma_min_m is not None:
+        opts = dataclasses.replace(opts, wgmma_min_m=wgmma_min_m)
     if copies is not None and copies != opts.copies:
         opts = dataclasses.replace(opts, copies=copies)
     if x_quant is not None and x_quant != opts.x_quant:

@@ -18,7 +18,7 @@ import pytest
 from _lowering import decode_step_cuda_text
 
 from cuda_ops import build as cbuild
-from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
+from cuda_ops import nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv, nvfp4_quant
 from rejax import config as rconfig
 from rejax import layers as rlayers
 from rejax import nvfp4
@@ -389,7 +389,12 @@ def stub_compilers(monkeypatch):
 
     def fake(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append((name, defines))
-        if name == nvfp4_gemm.SOURCE:
+        if name == nvfp4_gemm_wgmma.SOURCE.name:
+            entries = {
+                nvfp4_gemm_wgmma.ENTRY: nvfp4_gemm_wgmma.N_INPUTS + 1,
+                nvfp4_gemm_wgmma.FINISH_ENTRY: nvfp4_gemm_wgmma.FINISH_INPUTS + 1,
+            }
+        elif name == nvfp4_gemm.SOURCE:
             entries = {
                 nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
                 nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
@@ -410,13 +415,14 @@ def stub_compilers(monkeypatch):
     monkeypatch.setattr(nvfp4_gemm, "compile_ptx", fake)
     monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake)
     monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake)
-    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
+    monkeypatch.setattr(nvfp4_gemm_wgmma, "compile_ptx", fake)
+    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma):
         mod._build_cached.cache_clear()
     # lowerings are cached by JAX: a decode step lowered before (another test) would not call
     # the lowering rules, so nothing would be built and recorded here
     jax.clear_caches()
     yield seen
-    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
+    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma):
         mod._build_cached.cache_clear()
 
 
@@ -458,6 +464,110 @@ def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
         assert types.strip().startswith(f"(tensor<{out}>") and f"-> tensor<{m}x{n}xbf16>" in types
     assert stub_compilers[-1][1]["M_TOK"] == m and stub_compilers[-1][1]["GW_ROWS"] == 0
     assert not any(name == nvfp4_gemv.SOURCE for name, _ in stub_compilers)
+
+
+@pytest.mark.parametrize(("m", "tm"), [(128, 128), (200, 128), (512, 128), (512, 256)])
+def test_wgmma_min_m_lowers_to_the_wgmma_gemm(stub_compilers, m, tm):
+    """GemmOptions.wgmma_min_m = 128 (opt-in): from 128 rows the W4A4 linear is one PTX call of
+    the wgmma GEMM (its x_hat operand fp16, its plan's grid, block and shared memory, per-row
+    global scales and stacked weights passed through), with a K split its finish; below, the
+    mma.sync GEMM as before; without the option, the GEMM / the dot as before."""
+    rng = np.random.default_rng(m + tm)
+    n, k = 512, 2048
+    mats = [nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(2)]
+    w = nvfp4.stack(mats)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    opts = nvfp4_gemm.GemmOptions(wgmma_min_m=128, wgmma_tm=tm)
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=opts), x)
+    p = nvfp4_gemm_wgmma.build_linear(m, n, k, tm=tm, gw_rows=w.per_row).plan
+    calls = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+    assert len(calls) == (2 if p.partials else 1), text[:2000]
+    _, operands, attrs, types = calls[0]
+    fields = _fields(attrs)
+    assert fields["name"] == nvfp4_gemm_wgmma.ENTRY and fields["output_indices"] == "6"
+    assert len(operands.split(",")) == nvfp4_gemm_wgmma.N_INPUTS
+    assert types.strip().startswith(f"(tensor<{m}x{k}xf16>")
+    assert tuple(int(fields[f"grid_{a}"]) for a in "xyz") == p.grid
+    assert int(fields["block_x"]) == p.threads == 256 and int(fields["shared_mem_bytes"]) == p.smem
+    assert p.tm == tm and (p.nwg, p.wr) == (2, 1)
+    if p.partials:
+        assert _fields(calls[1][2])["name"] == nvfp4_gemm_wgmma.FINISH_ENTRY
+    wg_defs = [d for name, d in stub_compilers if name == nvfp4_gemm_wgmma.SOURCE.name]
+    assert wg_defs and all(d["TM"] == tm and d["M_TOK"] == m for d in wg_defs), wg_defs
+    assert not any(name == nvfp4_gemm.SOURCE for name, _ in stub_compilers)
+    assert re.search(rf"-> tensor<{m}x{n}xbf16>", text)
+    # below the threshold the mma.sync GEMM; without the option no wgmma call at all
+    low = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=opts), x[:64])
+    assert _fields(_calls(low)[0][2])["name"] == nvfp4_gemm.ENTRY
+    plain = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+    assert nvfp4_gemm_wgmma.ENTRY not in plain
+
+
+def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monkeypatch):
+    """Bad wgmma_min_m / wgmma_tm values are refused (GemmOptions, Config); off sm_90 the wgmma
+    GEMM is not built, a warning says why once, and the usual dispatch runs (the dot above
+    max_m); Config.gemm_wgmma_min_m reaches the decoder's linears."""
+    for bad in (0, -1, 1.5):
+        with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_min_m"):
+            nvfp4_gemm.GemmOptions(wgmma_min_m=bad)
+    with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_tm=64, expected 128 or 256"):
+        nvfp4_gemm.GemmOptions(wgmma_tm=64)
+    with pytest.raises(ValueError, match="gemm_wgmma_min_m must be None or an int >= 1, got 0"):
+        rconfig.Config(gemm_wgmma_min_m=0)
+    assert rconfig.Config().gemm_wgmma_min_m is None
+    assert nvfp4_gemm.DEFAULT_OPTIONS.wgmma_min_m is None
+    opts = rlayers.gemm_options(None, wgmma_min_m=256)
+    assert opts.wgmma_min_m == 256 and opts.max_m == nvfp4_gemm.DEFAULT_MAX_M
+    rng = np.random.default_rng(0)
+    w = nvfp4.quantize_weight(rng.standard_normal((256, 1024)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((300, 1024)), jnp.bfloat16)
+    monkeypatch.setattr(cbuild, "device_arch", lambda device=None: "compute_100")
+    with pytest.warns(UserWarning, match="the wgmma GEMM does not run: .*sm_90"):
+        text = _lower_cuda(
+            lambda x: kernels.nvfp4_linear(
+                x, w, gemm_options=nvfp4_gemm.GemmOptions(wgmma_min_m=128)
+            ),
+            x,
+        )
+    assert nvfp4_gemm_wgmma.ENTRY not in text and "__gpu$xla.gpu.ptx" not in text  # the dot
+
+
+def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
+    """Config.gemm_wgmma_min_m: a 128-token prefill lowers the scanned layer's four W4A4 linears
+    (the fused ones of linear_fusion "split", and the plain ones of "unfused") to the wgmma
+    GEMM; without it they take the GEMM (the default max_m is 256)."""
+    from rejax import decode as rdecode
+    from rejax import params as rparams
+    from rejax.cache import init_cache
+
+    base = rconfig.Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
+        num_kv_heads=2,
+    )  # fmt: skip
+    params = rparams.init_params(base, 0, jnp.bfloat16)
+    tokens = jnp.zeros((1, 128), jnp.int32)
+    positions = jnp.arange(128, dtype=jnp.int32)[None]
+
+    def entries(cfg):
+        p = dataclasses.replace(params, cfg=cfg)
+        cache = init_cache(cfg, 1, 136, jnp.bfloat16)
+        text = (
+            rdecode.prefill.trace(p, tokens, positions, cache)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        return re.findall(r"name = \\22(\w+)\\22", text)
+
+    for fusion in ("split", "unfused"):
+        cfg = dataclasses.replace(base, linear_fusion=fusion)
+        on = entries(dataclasses.replace(cfg, gemm_wgmma_min_m=128))
+        assert on.count(nvfp4_gemm_wgmma.ENTRY) == 4 and nvfp4_gemm.ENTRY not in on, (fusion, on)
+        off = entries(cfg)
+        assert nvfp4_gemm_wgmma.ENTRY not in off and off.count(nvfp4_gemm.ENTRY) == 4, (fusion, off)
+    # a decode step of 16 rows with the threshold at 16: the GEMM chains (gemm_chain, the
+    # post-attention block) step aside, so all four linears take the wgmma GEMM
+    dec = _decode_step_entries(dataclasses.replace(base, gemm_wgmma_min_m=16), 16)
+    assert dec.count(nvfp4_gemm_wgmma.ENTRY) == 4 and nvfp4_gemm.ENTRY not in dec, dec
 
 
 def test_cuda_lowering_stacked_split_k_and_gemv_below(stub_compilers):

@@ -403,3 +403,71 @@ def test_nvfp4_linear_takes_the_gemm_on_cuda(torch):
     for i in range(3):
         eager = np.asarray(kernels.nvfp4_linear(x, w, layer=i), np.float32)
         np.testing.assert_array_equal(np.asarray(scanned[i], np.float32), eager)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "tm"),
+    [
+        (256, 4096, 4096, 128),
+        (200, 1024, 2048, 128),
+        (512, 6144, 4096, 256),
+        (130, 4096, 12288, 128),
+    ],
+)
+def test_wgmma_linear_matches_float64_and_the_gemm(torch, m, n, k, tm):
+    """GemmOptions.wgmma_min_m (opt-in): from that many rows the primitive runs the wgmma GEMM
+    (128 / 256-token tiles; stacked weights at layer 1, per-row global scales; M = 200 and 130
+    pad the last tile; a K split where the tiles do not fill a wave): within the bf16 floor of
+    float64, bitwise repeatable, the PTX custom call equal to the buffer_callback launch, close
+    to the mma.sync GEMM (only the fp32 summation order differs), and the residual form equal
+    to XLA's bf16 add of the plain result. No dispatch note."""
+    import jax
+    import jax.numpy as jnp
+
+    from cuda_ops import nvfp4_gemm, nvfp4_gemm_wgmma
+    from rejax.ops import _dispatch
+    from rejax.ops import linear as kernels
+
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(_seed("wgmma", m, n, k, tm))
+    wp, ws, wg = _weights(torch, n, k, gen, layers=2, gw_rows=True)
+    xp, xs, xg = _acts(torch, m, k, gen)
+    layer1 = torch.ones((), dtype=torch.int32, device="cuda")
+    y64 = _ref64(torch, xp, xs, xg, _wd64(torch, wp[1], ws[1], wg[1]))
+    floor = _rel(torch, y64.to(torch.bfloat16), y64)
+    args = [jax.dlpack.from_dlpack(t) for t in (xp, xs, xg, wp, ws, wg, layer1)]
+    opts = nvfp4_gemm.GemmOptions(wgmma_min_m=128, wgmma_tm=tm, max_m=None)
+    kw = {"act": "w4a4", "n": n, "k": k, "gw_rows": True}
+    kernel = nvfp4_gemm_wgmma.build_linear(m, n, k, tm=tm, gw_rows=True)
+    before = set(_dispatch.noted())
+    outs = {}
+    for launch in ("ptx", "callback"):
+        f = jax.jit(
+            lambda *a, launch=launch: kernels.gemv_call(
+                a, impl="auto", launch=launch, gemm_options=opts, **kw
+            )
+        )
+        assert nvfp4_gemm_wgmma.ENTRY in f.lower(*args).as_text() or launch == "callback"
+        outs[launch] = np.asarray(f(*args).astype(jnp.float32))
+        again = np.asarray(f(*args).astype(jnp.float32))
+        np.testing.assert_array_equal(outs[launch], again, err_msg=f"{launch}: not repeatable")
+    assert set(_dispatch.noted()) == before, set(_dispatch.noted()) - before
+    np.testing.assert_array_equal(outs["ptx"], outs["callback"])
+    y = torch.from_numpy(outs["ptx"]).cuda()
+    assert bool(torch.isfinite(y).all())
+    assert _rel(torch, y, y64) <= 1.5 * floor + 1e-6, (kernel.plan, _rel(torch, y, y64), floor)
+    # the mma.sync GEMM on the same operands (impl="cuda" takes it at any M it supports)
+    gemm = jax.jit(lambda *a: kernels.gemv_call(a, impl="cuda", launch="ptx", **kw))(*args)
+    gemm = np.asarray(gemm.astype(jnp.float32))
+    assert np.linalg.norm(outs["ptx"] - gemm) <= 1e-2 * np.linalg.norm(gemm)
+    # residual: XLA's bf16 add after the GEMM
+    res = jax.random.normal(jax.random.key(m), (m, n), jnp.bfloat16)
+    with_res = jax.jit(
+        lambda r, *a: kernels.gemv_call(
+            a, impl="auto", launch="ptx", gemm_options=opts, residual=r, **kw
+        )
+    )(res, *args)
+    plain = jnp.asarray(outs["ptx"]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(
+        np.asarray(with_res).view(np.uint16), np.asarray(res + plain).view(np.uint16)
+    )

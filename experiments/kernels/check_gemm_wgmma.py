@@ -1,4 +1,4 @@
-"""EXPERIMENT (device): the wgmma NVFP4 W4A4 GEMM (experiments/kernels/nvfp4_gemm_wgmma.cu)
+"""EXPERIMENT (device): the wgmma NVFP4 W4A4 GEMM (cuda_ops/nvfp4_gemm_wgmma.cu)
 checked against production and timed, on an H200. From the repository root:
 
     PYTHONPATH=. python3 experiments/kernels/check_gemm_wgmma.py --out $OUT/wgmma.json
@@ -45,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from experiments.kernels import nvfp4_gemm_wgmma as wgm
+from cuda_ops import nvfp4_gemm_wgmma as wgm
 
 # name -> wgm.plan keyword options; "wgmma" is the plan's default
 VARIANTS = {

@@ -24,6 +24,7 @@ def _args(**kw):
         "gate_up_output": [rconfig.Config.gate_up_output],
         "o_proj_output": [rconfig.Config.o_proj_output],
         "gemm_chain": [rconfig.Config.gemm_chain],
+        "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -82,6 +83,22 @@ def test_variants_cross_linear_fusions(base):
         ("head=bf16 prefetch=none lf=fused", "fused"),
     ]
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
+
+
+def test_variants_cross_gemm_wgmma_min_m(base):
+    """--gemm-wgmma-min-m: one NVFP4 variant per value (labelled unless 'none'), innermost;
+    bf16 runs once; argparse takes ints and 'none'."""
+    args = _args(gemm_wgmma_min_m=[None, 128], gemm_occupancy=["fill", "wide"])
+    got = [(label, p.cfg.gemm_wgmma_min_m, p.cfg.gemm_occupancy) for _, _, label, p in
+           bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [
+        ("head=bf16 prefetch=none", None, "fill"),
+        ("head=bf16 prefetch=none wg=128", 128, "fill"),
+        ("head=bf16 prefetch=none occ=wide", None, "wide"),
+        ("head=bf16 prefetch=none occ=wide wg=128", 128, "wide"),
+    ]
+    assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
+    assert bd._max_m("none") is None and bd._max_m("256") == 256
 
 
 def test_variants_cross_attentions(base):

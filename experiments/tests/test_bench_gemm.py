@@ -41,9 +41,9 @@ def test_gemm_summary_geomeans_per_m():
 def test_wgmma_variants_plan_every_shape_at_large_m():
     """The wgmma large-tile variants (M >= 128 only) have a supported plan on all 18 shapes
     at M = 128 / 256 / 512, and are skipped below 128 rows."""
+    from cuda_ops import nvfp4_gemm_wgmma as wgm
     from experiments import bench_gemm
     from experiments.kernel_shapes import unique_shapes
-    from experiments.kernels import nvfp4_gemm_wgmma as wgm
 
     assert set(bench_gemm.WGMMA_VARIANTS) and not set(bench_gemm.WGMMA_VARIANTS) & set(
         bench_gemm.VARIANTS

@@ -1,4 +1,4 @@
-"""Tests of the wgmma GEMM experiment (experiments/kernels/nvfp4_gemm_wgmma.*), CPU only: the x_hat
+"""Tests of the wgmma GEMM experiment (cuda_ops/nvfp4_gemm_wgmma.*), CPU only: the x_hat
 K order, a numpy emulation of one warpgroup's data flow (register A fragments from the decode,
 the shared-memory x tile through the matrix descriptor), the plans of the device check, and
 NVRTC builds of every planned kernel (registers, no spills, no wgmma serialization)."""
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from cuda_ops import build as cbuild
-from experiments.kernels import nvfp4_gemm_wgmma as wgm
+from cuda_ops import nvfp4_gemm_wgmma as wgm
 
 needs_nvrtc = pytest.mark.skipif(
     not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"

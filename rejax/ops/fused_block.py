@@ -52,7 +52,7 @@ from rejax.ops import _dispatch
 from rejax.ops import fused_linear as fl
 from rejax.ops import linear as linear_ops
 from rejax.ops import rope_cache as rope_ref
-from rejax.ops.linear import gemm_call_xhat, prefers_dot
+from rejax.ops.linear import gemm_call_xhat, prefers_dot, takes_wgmma
 
 OP = "nvfp4_post_attention_block"
 PRE_OP = "nvfp4_pre_attention_block"
@@ -99,6 +99,10 @@ def _chain_rows(m: int, gemm_options: nvfp4_gemm.GemmOptions) -> tuple[bool, str
         return False, f"M={m} rows take the GEMV (gemm_options.min_m={gemm_options.min_m})"
     if prefers_dot("w4a4", m, "auto", gemm_options):
         return False, f"M={m} rows take the dot (gemm_options.max_m={gemm_options.max_m})"
+    if takes_wgmma("w4a4", m, "auto", gemm_options):
+        return False, (
+            f"M={m} rows take the wgmma GEMM (gemm_options.wgmma_min_m={gemm_options.wgmma_min_m})"
+        )
     if gemm_options.x_quant != "kernel":
         return False, f"gemm_options.x_quant={gemm_options.x_quant!r} (the chain needs 'kernel')"
     if gemm_options.reduce != "finish":

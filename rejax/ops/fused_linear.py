@@ -73,6 +73,9 @@ from rejax.ops.linear import (
     gemm_x_operand,
     gemv_call,
     prefers_dot,
+    takes_wgmma,
+    wgmma_call,
+    wgmma_kernel,
 )
 
 OP = "nvfp4_fused_linear"
@@ -260,9 +263,26 @@ def _two_kernels(
     return res + y if fused.residual and not in_kernel else y
 
 
+def _wgmma_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel, launch):
+    """From `GemmOptions.wgmma_min_m` rows: the prologue and quantizer as XLA ops (the
+    reference's own), the wgmma GEMM on their codes, the residual as XLA's bf16 add."""
+    del n
+    pro = dataclasses.replace(fused, residual=False)
+    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=pro)
+    y = wgmma_call(xp, xs, xgr, wp, ws, wg, layer, kernel=kernel, launch=launch)
+    return res + y if fused.residual else y
+
+
 def _lower_two(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     n, k, fused = params["n"], params["k"], params["fused"]
+    if takes_wgmma("w4a4", m, params["impl"], params["gemm_options"]):
+        kernel = wgmma_kernel(m, n, k, params["gemm_options"], params["gw_rows"])
+        if kernel is not None:
+            fn = functools.partial(
+                _wgmma_composed, n=n, k=k, fused=fused, kernel=kernel, launch=params["launch"]
+            )
+            return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if prefers_dot("w4a4", m, params["impl"], params["gemm_options"]):
         # above GemmOptions.max_m (prefill) the composition with one bf16 dot is the faster
         # path by measurement: chosen, so no reference-path note

@@ -29,6 +29,7 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from cuda_ops import nvfp4_gemm, nvfp4_gemv
+from cuda_ops import nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv
 from rejax import nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
@@ -126,6 +127,14 @@ def _lower_gpu_reference(ctx, *args, **params):
 def _lower_cuda(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     act, n, k = params["act"], params["n"], params["k"]
+    if takes_wgmma(act, m, params["impl"], params["gemm_options"]):
+        kernel = wgmma_kernel(m, n, k, params["gemm_options"], params["gw_rows"])
+        if kernel is not None:
+            pf = params["prefetch"]
+            fn = functools.partial(
+                _wgmma_impl, kernel=kernel, launch=params["launch"], drop=pf.operands if pf else 0
+            )
+            return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if prefers_dot(act, m, params["impl"], params["gemm_options"]):
         return _lower_gpu_reference(ctx, *args, **params)  # chosen, not a fallback: no note
     kind, supported = _supported(
@@ -310,6 +319,67 @@ def gemm_call_xhat(
         m, n, k, options=gemm_options, gw_rows=gw_rows, residual=residual is not None
     )
     return _gemm_on_xhat(xh, xg, res, wp, ws, wg, layer, kernel=kernel, launch=launch)
+
+
+# ----------------------------------------------------------------------------- wgmma GEMM
+
+
+def takes_wgmma(act: str, m: int, impl: str, gemm_options: nvfp4_gemm.GemmOptions) -> bool:
+    """Whether a W4A4 linear of M rows asks for the warpgroup-MMA GEMM first
+    (`GemmOptions.wgmma_min_m`, opt-in; impl "auto" or "cuda")."""
+    limit = gemm_options.wgmma_min_m
+    return act == "w4a4" and impl != "ref" and limit is not None and m >= limit
+
+
+@functools.cache
+def _note_no_wgmma(why: str) -> None:
+    """Logs once per reason that the wgmma GEMM was asked for and not built: the usual dispatch
+    (GEMM, GEMV or the dot) runs instead, so not a reference path."""
+    warnings.warn(f"{OP}: the wgmma GEMM does not run: {why}", stacklevel=3)
+
+
+def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, gw_rows: bool):
+    """The wgmma GEMM for one W4A4 problem (`nvfp4_gemm_wgmma.build_linear` with
+    `gemm_options.wgmma_tm` and `w_shift`), or None (logged once) where it cannot be built."""
+    try:
+        return nvfp4_gemm_wgmma.build_linear(
+            m, n, k, tm=gemm_options.wgmma_tm, gw_rows=gw_rows, w_shift=gemm_options.w_shift
+        )
+    except nvfp4_gemv.KernelError as err:
+        _note_no_wgmma(f"M={m} N={n} K={k}: {err}")
+        return None
+
+
+def wgmma_call(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch: str = "ptx") -> jax.Array:
+    """y [M, N] bf16 of the wgmma GEMM `kernel` on activation codes (xp uint8 [M, K/2], xs
+    uint8 [M, K/16], xg float32 [M]) and the weight operands (stack dims kept): its x_hat
+    operand (`nvfp4_gemm_wgmma.wgmma_x_operand`, XLA ops), the GEMM, with a K split its finish.
+    For CUDA lowering rules only (inside `mlir.lower_fun`)."""
+    p = kernel.plan
+    xh = nvfp4_gemm_wgmma.wgmma_x_operand(xp, xs)
+
+    def call(entry, out, *ops):
+        if launch == "ptx":
+            return _dispatch.ptx_call(kernel.backend_config(entry), out, *ops)
+        from jax.experimental.buffer_callback import buffer_callback
+
+        return buffer_callback(kernel.callback(entry), out, command_buffer_compatible=True)(*ops)
+
+    y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
+    if not p.partials:
+        return call(nvfp4_gemm_wgmma.ENTRY, y, xh, xg, wp, ws, wg, layer)
+    part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
+    part = call(nvfp4_gemm_wgmma.ENTRY, part, xh, xg, wp, ws, wg, layer)
+    return call(nvfp4_gemm_wgmma.FINISH_ENTRY, y, part, xg, wg, layer)
+
+
+def _wgmma_impl(*args, kernel, launch, drop=0):
+    args = args[: len(args) - drop]
+    # (xp, xs, xg, wp, ws, wg, layer), res [M, N] after xg with the residual: XLA's bf16 add,
+    # the same bits as the GEMM epilogue's
+    xp, xs, xg, *res, wp, ws, wg, layer = args
+    y = wgmma_call(xp, xs, xg, wp, ws, wg, layer, kernel=kernel, launch=launch)
+    return res[0] + y if res else y
 
 
 # ----------------------------------------------------------------------------- dispatch

@@ -1,5 +1,10 @@
-"""EXPERIMENT: host side of the Hopper wgmma variant of the NVFP4 W4A4 GEMM
-(`nvfp4_gemm_wgmma.cu`, next to this file): plan, x_hat order, NVRTC build, ptxas report, launch.
+"""Host side of the Hopper wgmma NVFP4 W4A4 GEMM for many rows (`nvfp4_gemm_wgmma.cu`, next
+to this file): plan, x_hat order, NVRTC build, ptxas report, launch, XLA custom-call config.
+
+Opt-in (`GemmOptions.wgmma_min_m`, `rejax.ops.linear`): W4A4 linears of at least that many rows
+(prefill) run it with 128-token tiles (`LINEAR_TM`) instead of the mma.sync GEMM or the dot.
+With 8-64-token tiles (the plan's own choice, kept for the experiments) it measured slower than
+`nvfp4_gemm` (experiments/KERNEL_NOTES.md).
 
 The kernel is production's `cuda_ops/nvfp4_gemm.cu` with `mma.sync.m16n8k16` replaced by
 `wgmma.mma_async.m64nNk16` (sm_90a): the decoded weights are the register A operand, the tokens
@@ -268,6 +273,49 @@ def _build_cached(p: WgmmaPlan) -> WgmmaKernel:
     return WgmmaKernel(plan=p, ptx=ptx)
 
 
+LINEAR_TM = 128  # the token tile of `build_linear` (and GemmOptions.wgmma_tm's default)
+LINEAR_TMS = (128, 256)
+
+
+def build_linear(
+    m: int,
+    n: int,
+    k: int,
+    *,
+    tm: int = LINEAR_TM,
+    gw_rows: bool = False,
+    w_shift: int = DEFAULT_W_SHIFT,
+    num_sms: int | None = None,
+) -> WgmmaKernel:
+    """The kernel `rejax.ops.linear` runs from `GemmOptions.wgmma_min_m` rows on: `tm`-token
+    tiles (128 or 256: each weight decoded once per tile), two warpgroups of one 64-row weight
+    tile each sharing the x tile, the deepest ring that fits, a K split only where the tiles do
+    not fill one wave (`plan`).
+
+    Raises KernelError off sm_90 (wgmma is Hopper's; the present GPU's arch, compute_90
+    without one), for an unsupported plan (K not a multiple of 128) or without NVRTC.
+    """
+    from cuda_ops.build import device_arch, device_sms
+
+    if tm not in LINEAR_TMS:
+        raise KernelError(f"tm={tm!r}, expected one of {LINEAR_TMS}")
+    arch = device_arch()
+    if arch != "compute_90":
+        raise KernelError(f"the wgmma GEMM needs an sm_90 GPU (Hopper), this one is {arch}")
+    p = plan(
+        m,
+        n,
+        k,
+        num_sms or device_sms(),
+        tm=tm,
+        nwg=2,
+        wr=1,
+        w_shift=w_shift,
+        gw_rows=gw_rows,
+    )
+    return build_plan(p)
+
+
 def build(m: int, n: int, k: int, **options) -> WgmmaKernel:
     """Plans (`plan` keyword options) and compiles (NVRTC, PTX for sm_90a, disk-cached) the
     kernel for one problem. Raises KernelError without NVRTC or for an unsupported plan."""
@@ -339,6 +387,34 @@ class WgmmaKernel:
     @property
     def finish_grid(self) -> int:
         return _cdiv(self.plan.m * self.plan.n, FINISH_THREADS)
+
+    def backend_config(self, entry: str = ENTRY) -> str:
+        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call of `entry`
+        (the GEMM, or with a K split its epilogue FINISH_ENTRY); XLA's driver JIT loads the
+        sm_90a PTX at executable init."""
+        from cuda_ops.build import escape_mlir, ptx_backend_config
+
+        p = self.plan
+        if entry == ENTRY:
+            (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, N_INPUTS
+        elif entry == FINISH_ENTRY:
+            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
+            out = FINISH_INPUTS
+        else:
+            raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
+        return ptx_backend_config(
+            entry, escape_mlir(self.ptx), grid=(gx, gy, gz), block=block, outputs=(out,), smem=smem
+        )
+
+    def callback(self, entry: str = ENTRY):
+        """A `buffer_callback` target launching `entry` on XLA's stream (no sync or allocation)."""
+        from cuda_ops.nvfp4_gemv import _device_ptr
+
+        def launch(ctx, out, *args):
+            ptrs = [_device_ptr(a) for a in args] + [_device_ptr(out)]
+            self._launch(entry, ctx.stream, ptrs)
+
+        return launch
 
     def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
         """Launches on `stream`: pointers to (x_hat, xg, wp, ws, wg, layer, y bf16 [M, N]).

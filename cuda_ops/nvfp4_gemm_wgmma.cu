@@ -1,7 +1,9 @@
-// EXPERIMENT: NVFP4 W4A4 GEMM on Hopper warpgroup tensor cores (sm_90a, wgmma.mma_async):
-// y[M, N] = x[M, K] . W[N, K]^T, bf16. A variant of cuda_ops/nvfp4_gemm.cu (read its header
-// first: the operands, the numerics and the decode are the same); only the MMA, the x_hat order
-// and the shared-memory layout of the x_hat tile differ. Host side: nvfp4_gemm_wgmma.py.
+// NVFP4 W4A4 GEMM on Hopper warpgroup tensor cores (sm_90a, wgmma.mma_async), for many rows:
+// y[M, N] = x[M, K] . W[N, K]^T, bf16. A variant of nvfp4_gemm.cu (read its header first: the
+// operands, the numerics and the decode are the same); only the MMA, the x_hat order and the
+// shared-memory layout of the x_hat tile differ. Host side: nvfp4_gemm_wgmma.py. Opt-in
+// (GemmOptions.wgmma_min_m): with 128 / 256-token tiles each weight is decoded once per tile;
+// with 8-64-token tiles it measured slower than nvfp4_gemm.cu (experiments/KERNEL_NOTES.md).
 //
 // GEMM letters: M tokens (rows of x), N out features (rows of W), K in features. W is NVFP4
 // (codes uint8 [N, K/2], E4M3 block scales uint8 [N, K/16], float32 global scale [] or per row
