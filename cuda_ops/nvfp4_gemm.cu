@@ -136,67 +136,11 @@ static_assert(W_BYTES % 16 == 0 && S_BYTES % 16 == 0, "stage parts must stay 16-
 
 // ---------------------------------------------------------------------------- small helpers
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16-byte copy global -> shared, bypassing L1; `ok` false zero-fills the destination
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(ok ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp8(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
-               "r"(ok ? 8 : 0));
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+#include "gemm_common.cuh"
 
 template <int PENDING>
 __device__ __forceinline__ void cp_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(PENDING));
-}
-
-__device__ __forceinline__ uint4 lds128(u32 addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ u32 lds16(u32 addr) {
-  u16 v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-  return d;
-}
-
-// two E4M3 bytes (low, high) -> f16x2 (low, high), exact
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
-  u32 h;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
-  return h;
-}
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
 }
 
 __device__ __forceinline__ float bf16f(u16 h) { return __uint_as_float((u32)h << 16); }
@@ -208,27 +152,12 @@ __device__ __forceinline__ float epi(const u16* res, int m, int n, float y) {
   return y;
 }
 
-// 8 codes (nibble i = element i) -> 4 f16x2 P_i = (e_i, e_{i+4}) * 2^-14 * scale2, exact.
-// Nibble (s, e1, e0, m) goes to fp16 bits 15 and 11..9: exponent e1e0, mantissa top bit m,
-// which is the E2M1 value times 2^-14 (e = 0 lands on the fp16 subnormal m * 2^-15).
-__device__ __forceinline__ void decode8(u32 v, u32 scale2, u32 (&p)[4]) {
-  const u32 mag = 0x0E000E00u, sgn = 0x80008000u;
-  p[0] = hmul2(((v << 9) & mag) | ((v << 12) & sgn), scale2);
-  p[1] = hmul2(((v << 5) & mag) | ((v << 8) & sgn), scale2);
-  p[2] = hmul2(((v << 1) & mag) | ((v << 4) & sgn), scale2);
-  p[3] = hmul2(((v >> 3) & mag) | (v & sgn), scale2);
-}
-
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
                                          u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ u32 word(const uint4& v, int u) {
-  return u == 0 ? v.x : u == 1 ? v.y : u == 2 ? v.z : v.w;
 }
 
 // 16-byte chunk c of code row r inside a stage: with KT = 256 odd rows swap their two 64-byte
@@ -288,21 +217,8 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
 __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
                                            const u8* xh, int n0, int m0, int tid) {
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
-  constexpr int WCH = W_PITCH / 16;  // 16-byte code chunks per row
-#pragma unroll
-  for (int i = tid; i < TILE_N * WCH; i += NT) {
-    const int r = i / WCH, c = i % WCH, n = n0 + r;
-    const bool ok = n < N_OUT;
-    const u8* src = wp + (size_t)(ok ? n : 0) * (K_IN / 2) + (size_t)kt * W_PITCH + c * 16;
-    cp16(sw + r * W_PITCH + wchunk(r, c) * 16, src, ok);
-  }
-#pragma unroll
-  for (int i = tid; i < TILE_N * (S_PITCH / 8); i += NT) {
-    const int r = i / (S_PITCH / 8), c = i % (S_PITCH / 8), n = n0 + r;
-    const bool ok = n < N_OUT;
-    const u8* src = ws + (size_t)(ok ? n : 0) * (K_IN / 16) + (size_t)kt * S_PITCH + c * 8;
-    cp8(ss + r * S_PITCH + c * 8, src, ok);
-  }
+  load_weight_stage<TILE_N, NT, N_OUT, K_IN, KT>(sw, ss, kt, wp, ws, n0, tid,
+                                                 [](int r, int c) { return wchunk(r, c); });
   constexpr int XCH = KT * 2 / 16;  // 16-byte x_hat chunks per token
 #pragma unroll
   for (int i = tid; i < TM * XCH; i += NT) {

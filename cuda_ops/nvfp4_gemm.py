@@ -14,6 +14,7 @@ import itertools
 import math
 import pathlib
 import threading
+from typing import ClassVar
 
 from cuda_ops.build import (
     DEFAULT_SMS,
@@ -528,11 +529,14 @@ def check_shape(m: int, n: int, k: int, options: GemmOptions = DEFAULT_OPTIONS) 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class GemmKernel:
-    """A compiled GEMM specialisation and how to launch it."""
+    """A compiled GEMM specialisation and how to launch it: its main entry (`entry`) and, with a
+    K split, the finish entry (`finish_entry`, FINISH_THREADS a CTA) that adds the float32
+    partials (the wgmma GEMM, cuda_ops.nvfp4_gemm_wgmma, launches the same way)."""
 
     plan: GemmPlan
     ptx: str
     entry: str = ENTRY
+    finish_entry: ClassVar[str] = FINISH_ENTRY
 
     @property
     def n(self) -> int:
@@ -542,23 +546,26 @@ class GemmKernel:
     def finish_grid(self) -> int:
         return _cdiv(self.plan.m * self.plan.n, FINISH_THREADS)
 
-    def backend_config(self, entry: str = ENTRY) -> str:
+    def backend_config(self, entry: str | None = None) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call of `entry`
-        (the GEMM, or with a K split its epilogue FINISH_ENTRY)."""
+        (None: the GEMM's `self.entry`; or with a K split its epilogue `self.finish_entry`)."""
+        entry = entry or self.entry
         p = self.plan
-        if entry == ENTRY:
+        if entry == self.entry:
             (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, p.n_inputs
-        elif entry == FINISH_ENTRY:
+        elif entry == self.finish_entry:
             (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
             out = p.finish_inputs
         else:
-            raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
+            raise KernelError(f"entry={entry!r}, expected {self.entry!r} or {self.finish_entry!r}")
         return ptx_backend_config(
             entry, escape_mlir(self.ptx), grid=(gx, gy, gz), block=block, outputs=(out,), smem=smem
         )
 
-    def callback(self, entry: str = ENTRY):
-        """A `buffer_callback` target launching `entry` on XLA's stream (no sync or allocation)."""
+    def callback(self, entry: str | None = None):
+        """A `buffer_callback` target launching `entry` (None: `self.entry`) on XLA's stream (no
+        sync or allocation)."""
+        entry = entry or self.entry
 
         def launch(ctx, out, *args):
             ptrs = [_device_ptr(a) for a in args] + [_device_ptr(out)]
@@ -573,17 +580,17 @@ class GemmKernel:
         on the same stream."""
         n_in = self.plan.n_inputs
         if len(pointers) != n_in + 1:
-            raise KernelError(f"{ENTRY} takes {n_in + 1} pointers, got {len(pointers)}")
+            raise KernelError(f"{self.entry} takes {n_in + 1} pointers, got {len(pointers)}")
         if not self.plan.partials:
-            self._launch(ENTRY, stream, pointers)
+            self._launch(self.entry, stream, pointers)
             return
         if workspace is None:
             raise KernelError(
                 f"SPLITK={self.plan.splitk}: pass a float32 workspace {self.plan.out_shape}"
             )
         xh, xg, *res, wp, ws, wg, layer, y = pointers  # res: [] or [residual]
-        self._launch(ENTRY, stream, [xh, xg, *res, wp, ws, wg, layer, workspace])
-        self._launch(FINISH_ENTRY, stream, [workspace, xg, *res, wg, layer, y])
+        self._launch(self.entry, stream, [xh, xg, *res, wp, ws, wg, layer, workspace])
+        self._launch(self.finish_entry, stream, [workspace, xg, *res, wg, layer, y])
 
     def _launch(self, entry: str, stream: int, pointers: list[int]) -> None:
         import ctypes
@@ -591,7 +598,7 @@ class GemmKernel:
         from cuda.bindings import driver
 
         p = self.plan
-        if entry == ENTRY:
+        if entry == self.entry:
             (gx, gy, gz), block, smem = p.grid, p.threads, p.smem
         else:
             (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
@@ -617,13 +624,15 @@ def _function(kernel: GemmKernel, entry: str):
         if key not in _FUNCTIONS:
             module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
             fns = {}
-            for name in (ENTRY, FINISH_ENTRY):
+            for name in (kernel.entry, kernel.finish_entry):
                 fns[name] = _drv_check(
                     driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction"
                 )
             if kernel.plan.smem > 48 * 1024:
                 attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _drv_check(driver.cuFuncSetAttribute(fns[ENTRY], attr, kernel.plan.smem), "smem")
+                _drv_check(
+                    driver.cuFuncSetAttribute(fns[kernel.entry], attr, kernel.plan.smem), "smem"
+                )
             _FUNCTIONS[key] = (module, fns, kernel)  # the kernel stays alive with its id() key
         return _FUNCTIONS[key][1][entry]
 

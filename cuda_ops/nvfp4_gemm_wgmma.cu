@@ -154,24 +154,7 @@ static_assert(STAGES * STAGE_BYTES <= SMEM_BYTES, "the pipeline must fit in shar
 
 // ---------------------------------------------------------------------------- small helpers
 
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-  u32 r;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-  return r;
-}
-
-// 16-byte copy global -> shared, bypassing L1; `ok` false zero-fills the destination
-__device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
-               "r"(ok ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp8(u32 dst, const void* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src),
-               "r"(ok ? 8 : 0));
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+#include "gemm_common.cuh"
 
 template <int PENDING>
 __device__ __forceinline__ void cp_wait() {
@@ -182,59 +165,6 @@ __device__ __forceinline__ void cp_wait() {
 // proxy (the wgmma operand reads)
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-__device__ __forceinline__ uint4 lds128(u32 addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ u32 lds16(u32 addr) {
-  u16 v;
-  asm volatile("ld.shared.u16 %0, [%1];" : "=h"(v) : "r"(addr));
-  return v;
-}
-
-__device__ __forceinline__ u32 prmt(u32 lo, u32 hi, u32 sel) {
-  u32 d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(lo), "r"(hi), "r"(sel));
-  return d;
-}
-
-// two E4M3 bytes (low, high) -> f16x2 (low, high), exact
-__device__ __forceinline__ u32 e4m3x2_to_f16x2(u32 v) {
-  u32 h;
-  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.rn.f16x2.e4m3x2 %0, t; }" : "=r"(h) : "r"(v));
-  return h;
-}
-
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-  u32 d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
-__device__ __forceinline__ u16 f32_to_bf16(float f) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
-
-// 8 codes (nibble i = element i) -> 4 f16x2 P_i = (e_i, e_{i+4}) * 2^-14 * scale2, exact
-// (production's decode8)
-__device__ __forceinline__ void decode8(u32 v, u32 scale2, u32 (&p)[4]) {
-  const u32 mag = 0x0E000E00u, sgn = 0x80008000u;
-  p[0] = hmul2(((v << 9) & mag) | ((v << 12) & sgn), scale2);
-  p[1] = hmul2(((v << 5) & mag) | ((v << 8) & sgn), scale2);
-  p[2] = hmul2(((v << 1) & mag) | ((v << 4) & sgn), scale2);
-  p[3] = hmul2(((v >> 3) & mag) | (v & sgn), scale2);
-}
-
-__device__ __forceinline__ u32 word(const uint4& v, int u) {
-  return u == 0 ? v.x : u == 1 ? v.y : u == 2 ? v.z : v.w;
 }
 
 // 16-byte chunk c of code row r inside a stage (production's layout)
@@ -335,21 +265,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NACC], u32 a0, u32 a1, u32 a
 __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
                                            const u8* xh, int n0, int m0, int tid) {
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
-  constexpr int WCH = W_PITCH / 16;  // 16-byte code chunks per row
-#pragma unroll
-  for (int i = tid; i < TILE_N * WCH; i += NT) {
-    const int r = i / WCH, c = i % WCH, n = n0 + r;
-    const bool ok = n < N_OUT;
-    const u8* src = wp + (size_t)(ok ? n : 0) * (K_IN / 2) + (size_t)kt * W_PITCH + c * 16;
-    cp16(sw + r * W_PITCH + wchunk(r, c) * 16, src, ok);
-  }
-#pragma unroll
-  for (int i = tid; i < TILE_N * (S_PITCH / 8); i += NT) {
-    const int r = i / (S_PITCH / 8), c = i % (S_PITCH / 8), n = n0 + r;
-    const bool ok = n < N_OUT;
-    const u8* src = ws + (size_t)(ok ? n : 0) * (K_IN / 16) + (size_t)kt * S_PITCH + c * 8;
-    cp8(ss + r * S_PITCH + c * 8, src, ok);
-  }
+  load_weight_stage<TILE_N, NT, N_OUT, K_IN, KT>(sw, ss, kt, wp, ws, n0, tid,
+                                                 [](int r, int c) { return wchunk(r, c); });
   // x tile: chunk i is token 8 * mg + (i % 8), column q (8 logical k): 8 consecutive threads
   // write one 128-byte run of a core-matrix column
   constexpr int XCH = KT / 8;  // 16-byte x_hat chunks per token

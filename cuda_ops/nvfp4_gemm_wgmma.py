@@ -25,16 +25,18 @@ import dataclasses
 import functools
 import pathlib
 import re
-import threading
+from typing import ClassVar
 
 from cuda_ops.build import KernelError, compile_ptx, ptx_entries, ptxas_log
+from cuda_ops.nvfp4_gemm import GemmKernel
+from cuda_ops.nvfp4_gemm import _function as gemm_function
+from cuda_ops.nvfp4_gemv import _drv_check
 
 SOURCE = pathlib.Path(__file__).with_name("nvfp4_gemm_wgmma.cu")
 ENTRY = "nvfp4_gemm_w4a4_wgmma"
 FINISH_ENTRY = "nvfp4_gemm_finish"
 N_INPUTS = 6  # (x_hat, xg, wp, ws, wg, layer), then the output
 FINISH_INPUTS = 4  # (partials, xg, wg, layer), then y
-FINISH_THREADS = 256
 ARCH = "compute_90a"  # PTX target sm_90a: wgmma needs the arch-specific features
 CUBIN_ARCH = "sm_90a"
 TMS = (8, 16, 32, 64, 128, 256)  # token tiles = the wgmma N
@@ -372,71 +374,23 @@ def ptxas_report(p: WgmmaPlan) -> dict:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class WgmmaKernel:
-    """A compiled specialisation and how to launch it (the launch interface of
-    cuda_ops.nvfp4_gemm.GemmKernel, so experiments/bench_gemm.time_gemm_graph times it)."""
+class WgmmaKernel(GemmKernel):
+    """A compiled specialisation and how to launch it: `cuda_ops.nvfp4_gemm.GemmKernel`'s
+    launches, XLA custom-call configs and buffer callbacks (two entries, operands
+    (x_hat, xg, wp, ws, wg, layer) then y; partials [SPLITK, M, N] and the finish with a K
+    split), with this module's entries."""
 
     plan: WgmmaPlan
     ptx: str
     entry: str = ENTRY
-
-    @property
-    def n(self) -> int:
-        return self.plan.n
-
-    @property
-    def finish_grid(self) -> int:
-        return _cdiv(self.plan.m * self.plan.n, FINISH_THREADS)
-
-    def backend_config(self, entry: str = ENTRY) -> str:
-        """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call of `entry`
-        (the GEMM, or with a K split its epilogue FINISH_ENTRY); XLA's driver JIT loads the
-        sm_90a PTX at executable init."""
-        from cuda_ops.build import escape_mlir, ptx_backend_config
-
-        p = self.plan
-        if entry == ENTRY:
-            (gx, gy, gz), block, smem, out = p.grid, p.threads, p.smem, N_INPUTS
-        elif entry == FINISH_ENTRY:
-            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
-            out = FINISH_INPUTS
-        else:
-            raise KernelError(f"entry={entry!r}, expected {ENTRY!r} or {FINISH_ENTRY!r}")
-        return ptx_backend_config(
-            entry, escape_mlir(self.ptx), grid=(gx, gy, gz), block=block, outputs=(out,), smem=smem
-        )
-
-    def callback(self, entry: str = ENTRY):
-        """A `buffer_callback` target launching `entry` on XLA's stream (no sync or allocation)."""
-        from cuda_ops.nvfp4_gemv import _device_ptr
-
-        def launch(ctx, out, *args):
-            ptrs = [_device_ptr(a) for a in args] + [_device_ptr(out)]
-            self._launch(entry, ctx.stream, ptrs)
-
-        return launch
-
-    def launch(self, stream: int, pointers: list[int], workspace: int | None = None) -> None:
-        """Launches on `stream`: pointers to (x_hat, xg, wp, ws, wg, layer, y bf16 [M, N]).
-        With a K split, `workspace` points to float32 [SPLITK, M, N] for the partials and the
-        finish kernel follows on the same stream."""
-        if len(pointers) != N_INPUTS + 1:
-            raise KernelError(f"{ENTRY} takes {N_INPUTS + 1} pointers, got {len(pointers)}")
-        if not self.plan.partials:
-            self._launch(ENTRY, stream, pointers)
-            return
-        if workspace is None:
-            raise KernelError(f"SPLITK={self.plan.splitk}: pass a float32 workspace")
-        xh, xg, wp, ws, wg, layer, y = pointers
-        self._launch(ENTRY, stream, [xh, xg, wp, ws, wg, layer, workspace])
-        self._launch(FINISH_ENTRY, stream, [workspace, xg, wg, layer, y])
+    finish_entry: ClassVar[str] = FINISH_ENTRY
 
     def attributes(self) -> dict:
         """What the driver's JIT made of the PTX on this GPU: registers per thread, local
-        (spill) bytes per thread, static shared bytes, max threads per CTA."""
+        (spill) bytes per thread, max threads per CTA."""
         from cuda.bindings import driver
 
-        fn = _function(self, ENTRY)
+        fn = gemm_function(self, self.entry)
         a = driver.CUfunction_attribute
         get = driver.cuFuncGetAttribute
         return {
@@ -444,51 +398,3 @@ class WgmmaKernel:
             "local_bytes": _drv_check(get(a.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn), "attr"),
             "max_threads": _drv_check(get(a.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn), "attr"),
         }
-
-    def _launch(self, entry: str, stream: int, pointers: list[int]) -> None:
-        import ctypes
-
-        from cuda.bindings import driver
-
-        p = self.plan
-        if entry == ENTRY:
-            (gx, gy, gz), block, smem = p.grid, p.threads, p.smem
-        else:
-            (gx, gy, gz), block, smem = (self.finish_grid, 1, 1), FINISH_THREADS, 0
-        fn = _function(self, entry)
-        params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
-        _drv_check(
-            driver.cuLaunchKernel(fn, gx, gy, gz, block, 1, 1, smem, stream, params, 0),
-            "cuLaunchKernel",
-        )
-
-
-def _drv_check(result, what: str):
-    status, *values = result
-    if int(status) != 0:
-        raise KernelError(f"{what} failed: {status!r}")
-    return values[0] if len(values) == 1 else tuple(values)
-
-
-_FUNCTIONS: dict = {}
-_LOCK = threading.Lock()
-
-
-def _function(kernel: WgmmaKernel, entry: str):
-    """CUfunction of `entry` in the current CUDA context (the module JIT-loaded once)."""
-    from cuda.bindings import driver
-
-    ctx = _drv_check(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    key = (int(ctx), id(kernel))
-    with _LOCK:
-        if key not in _FUNCTIONS:
-            module = _drv_check(driver.cuModuleLoadData(kernel.ptx.encode() + b"\0"), "load")
-            fns = {
-                name: _drv_check(driver.cuModuleGetFunction(module, name.encode()), name)
-                for name in (ENTRY, FINISH_ENTRY)
-            }
-            if kernel.plan.smem > 48 * 1024:
-                attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-                _drv_check(driver.cuFuncSetAttribute(fns[ENTRY], attr, kernel.plan.smem), "smem")
-            _FUNCTIONS[key] = (module, fns, kernel)  # the kernel stays alive with its id() key
-        return _FUNCTIONS[key][1][entry]

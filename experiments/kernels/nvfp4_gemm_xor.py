@@ -111,9 +111,12 @@ def source_text(variant: str = "xor") -> str:
     text = cbuild.read_source(nvfp4_gemm.SOURCE)
     if VARIANTS[variant][0] != "xor":
         return text
+    # decode8 lives in a header the GEMMs share: inline the headers, then replace it
+    for name, body in cbuild.local_headers(text).items():
+        text = text.replace(f'#include "{name}"', body)
     if text.count(_DECODE8_PRODUCTION) != 1:
         raise cbuild.KernelError(
-            "cuda_ops/nvfp4_gemm.cu's decode8 is not the one this experiment replaces; update "
+            "cuda_ops/gemm_common.cuh's decode8 is not the one this experiment replaces; update "
             "_DECODE8_PRODUCTION (and the repack)"
         )
     return text.replace(_DECODE8_PRODUCTION, _decode8_xor())

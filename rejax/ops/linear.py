@@ -252,7 +252,8 @@ def _gemm_impl(*args, kernel, launch, drop=0):
 
 def _gemm_on_xhat(xh, xg, res, wp, ws, wg, layer, *, kernel, launch):
     """The GEMM's launches on its x_hat operand: the GEMM entry, then with a K split through
-    partials the finish entry; `res` is [] or [the residual operand]."""
+    partials the finish entry (`kernel.entry`, `kernel.finish_entry`: the mma.sync GEMM's or the
+    wgmma GEMM's); `res` is [] or [the residual operand]."""
     p = kernel.plan
 
     def call(entry, out, *ops):
@@ -264,10 +265,10 @@ def _gemm_on_xhat(xh, xg, res, wp, ws, wg, layer, *, kernel, launch):
 
     y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
     if not p.partials:
-        return call(nvfp4_gemm.ENTRY, y, xh, xg, *res, wp, ws, wg, layer)
+        return call(kernel.entry, y, xh, xg, *res, wp, ws, wg, layer)
     part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
-    part = call(nvfp4_gemm.ENTRY, part, xh, xg, *res, wp, ws, wg, layer)
-    return call(nvfp4_gemm.FINISH_ENTRY, y, part, xg, *res, wg, layer)
+    part = call(kernel.entry, part, xh, xg, *res, wp, ws, wg, layer)
+    return call(kernel.finish_entry, y, part, xg, *res, wg, layer)
 
 
 def gemm_call_xhat(
@@ -355,22 +356,8 @@ def wgmma_call(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch: str = "ptx") ->
     uint8 [M, K/16], xg float32 [M]) and the weight operands (stack dims kept): its x_hat
     operand (`nvfp4_gemm_wgmma.wgmma_x_operand`, XLA ops), the GEMM, with a K split its finish.
     For CUDA lowering rules only (inside `mlir.lower_fun`)."""
-    p = kernel.plan
     xh = nvfp4_gemm_wgmma.wgmma_x_operand(xp, xs)
-
-    def call(entry, out, *ops):
-        if launch == "ptx":
-            return _dispatch.ptx_call(kernel.backend_config(entry), out, *ops)
-        from jax.experimental.buffer_callback import buffer_callback
-
-        return buffer_callback(kernel.callback(entry), out, command_buffer_compatible=True)(*ops)
-
-    y = jax.ShapeDtypeStruct((p.m, p.n), jnp.bfloat16)
-    if not p.partials:
-        return call(nvfp4_gemm_wgmma.ENTRY, y, xh, xg, wp, ws, wg, layer)
-    part = jax.ShapeDtypeStruct(p.out_shape, jnp.float32)
-    part = call(nvfp4_gemm_wgmma.ENTRY, part, xh, xg, wp, ws, wg, layer)
-    return call(nvfp4_gemm_wgmma.FINISH_ENTRY, y, part, xg, wg, layer)
+    return _gemm_on_xhat(xh, xg, [], wp, ws, wg, layer, kernel=kernel, launch=launch)
 
 
 def _wgmma_impl(*args, kernel, launch, drop=0):
