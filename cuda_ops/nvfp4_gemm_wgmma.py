@@ -288,11 +288,14 @@ def build_linear(
     gw_rows: bool = False,
     w_shift: int = DEFAULT_W_SHIFT,
     num_sms: int | None = None,
+    split_m: int | None = None,
 ) -> WgmmaKernel:
     """The kernel `rejax.ops.linear` runs from `GemmOptions.wgmma_min_m` rows on: `tm`-token
     tiles (128 or 256: each weight decoded once per tile), two warpgroups of one 64-row weight
     tile each sharing the x tile, the deepest ring that fits, a K split only where the tiles do
-    not fill one wave (`plan`).
+    not fill one wave (`plan`); with `split_m` the split is planned as for that many rows, so
+    every M adds each output's K in the same order (GemmOptions.split_m: a row's result then
+    does not depend on the rows beside it; the order inside a split never depends on M).
 
     Raises KernelError off sm_90 (wgmma is Hopper's; the present GPU's arch, compute_90
     without one), for an unsupported plan (K not a multiple of 128) or without NVRTC.
@@ -304,17 +307,10 @@ def build_linear(
     arch = device_arch()
     if arch != "compute_90":
         raise KernelError(f"the wgmma GEMM needs an sm_90 GPU (Hopper), this one is {arch}")
-    p = plan(
-        m,
-        n,
-        k,
-        num_sms or device_sms(),
-        tm=tm,
-        nwg=2,
-        wr=1,
-        w_shift=w_shift,
-        gw_rows=gw_rows,
-    )
+    sms = num_sms or device_sms()
+    tiles = {"tm": tm, "nwg": 2, "wr": 1}
+    splitk = None if split_m is None else plan(split_m, n, k, sms, **tiles).splitk
+    p = plan(m, n, k, sms, **tiles, splitk=splitk, w_shift=w_shift, gw_rows=gw_rows)
     return build_plan(p)
 
 

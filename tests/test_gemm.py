@@ -532,6 +532,18 @@ def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monk
     assert nvfp4_gemm_wgmma.ENTRY not in text and "__gpu$xla.gpu.ptx" not in text  # the dot
 
 
+def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
+    """GemmOptions.split_m reaches the wgmma GEMM: every M plans the K split of split_m rows
+    (without it the split follows M: 4 at 128 rows, none at 512 on a 4096 x 4096 weight)."""
+    splits = {m: nvfp4_gemm_wgmma.build_linear(m, 4096, 4096).plan.splitk for m in (128, 512)}
+    assert splits == {128: 4, 512: 1}
+    for m in (128, 200, 256, 512):
+        p = nvfp4_gemm_wgmma.build_linear(m, 4096, 4096, split_m=128).plan
+        assert p.splitk == 4 and p.m == m, p
+    opts = nvfp4_gemm.GemmOptions(wgmma_min_m=128, split_m=128)
+    assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 4
+
+
 def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
     """Config.gemm_wgmma_min_m: a 128-token prefill lowers the scanned layer's four W4A4 linears
     (the fused ones of linear_fusion "split", and the plain ones of "unfused") to the wgmma

@@ -341,10 +341,17 @@ def _note_no_wgmma(why: str) -> None:
 
 def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, gw_rows: bool):
     """The wgmma GEMM for one W4A4 problem (`nvfp4_gemm_wgmma.build_linear` with
-    `gemm_options.wgmma_tm` and `w_shift`), or None (logged once) where it cannot be built."""
+    `gemm_options.wgmma_tm`, `w_shift` and `split_m`), or None (logged once) where it cannot be
+    built."""
     try:
         return nvfp4_gemm_wgmma.build_linear(
-            m, n, k, tm=gemm_options.wgmma_tm, gw_rows=gw_rows, w_shift=gemm_options.w_shift
+            m,
+            n,
+            k,
+            tm=gemm_options.wgmma_tm,
+            gw_rows=gw_rows,
+            w_shift=gemm_options.w_shift,
+            split_m=gemm_options.split_m,
         )
     except nvfp4_gemv.KernelError as err:
         _note_no_wgmma(f"M={m} N={n} K={k}: {err}")
