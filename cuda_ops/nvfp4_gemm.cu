@@ -167,46 +167,17 @@ __device__ __forceinline__ int wchunk(int r, int c) { return SUB == 2 ? c ^ ((r 
 // ---------------------------------------------------------------------------- pipeline
 
 #if STATIC_COPIES
-// The stage copies with compile-time trip counts: every thread takes pieces tid + j * NT for
-// j < ceil(COUNT / NT), so the loops unroll, rows and chunks are affine in j, and the bounds
-// checks drop when N (or M) is a multiple of the tile. The loops below (`for (i = tid; i <
-// COUNT; i += NT)`) have a trip count that depends on the thread: they do not unroll, and ptxas
-// spends about 19 instructions on each 16-byte copy (index, division, bounds, address, branch).
-// The same bytes land in the same places. Faster from 16-token tiles on; slower at 8 tokens, for
-// reasons not yet measured (nvfp4_gemm.py, COPIES).
-template <int COUNT, int PER_ROW, typename F>
-__device__ __forceinline__ void copy_pieces(int tid, F&& f) {
-  constexpr int TRIPS = (COUNT + NT - 1) / NT;
-#pragma unroll
-  for (int j = 0; j < TRIPS; ++j) {
-    if (COUNT % NT != 0 && tid + j * NT >= COUNT) break;
-    if constexpr (NT % PER_ROW == 0) {
-      f(tid / PER_ROW + j * (NT / PER_ROW), tid % PER_ROW);
-    } else {
-      f((tid + j * NT) / PER_ROW, (tid + j * NT) % PER_ROW);
-    }
-  }
-}
-
+// The stage copies with compile-time trip counts (gemm_common.cuh's copy_pieces): the same bytes
+// land in the same places as the loops below. Faster from 16-token tiles on; slower at 8 tokens,
+// for reasons not yet measured (nvfp4_gemm.py, COPIES).
 __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
                                            const u8* xh, int n0, int m0, int tid) {
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
-  constexpr bool N_FULL = N_OUT % TILE_N == 0, M_FULL = M_TOK % TM == 0;
-  constexpr int WCH = W_PITCH / 16;  // 16-byte code chunks per row
-  copy_pieces<TILE_N * WCH, WCH>(tid, [&](int r, int c) {
-    const int n = n0 + r;
-    const bool ok = N_FULL || n < N_OUT;
-    const u8* src = wp + (size_t)(ok ? n : 0) * (K_IN / 2) + (size_t)kt * W_PITCH + c * 16;
-    cp16(sw + r * W_PITCH + wchunk(r, c) * 16, src, ok);
-  });
-  copy_pieces<TILE_N * (S_PITCH / 8), S_PITCH / 8>(tid, [&](int r, int c) {
-    const int n = n0 + r;
-    const bool ok = N_FULL || n < N_OUT;
-    const u8* src = ws + (size_t)(ok ? n : 0) * (K_IN / 16) + (size_t)kt * S_PITCH + c * 8;
-    cp8(ss + r * S_PITCH + c * 8, src, ok);
-  });
+  constexpr bool M_FULL = M_TOK % TM == 0;
+  load_weight_stage_static<TILE_N, NT, N_OUT, K_IN, KT>(sw, ss, kt, wp, ws, n0, tid,
+                                                        [](int r, int c) { return wchunk(r, c); });
   constexpr int XCH = KT * 2 / 16;  // 16-byte x_hat chunks per token
-  copy_pieces<TM * XCH, XCH>(tid, [&](int r, int c) {
+  copy_pieces<TM * XCH, XCH, NT>(tid, [&](int r, int c) {
     const int m = m0 + r;
     const bool ok = M_FULL || m < M_TOK;
     const u8* src = xh + (size_t)(ok ? m : 0) * (K_IN * 2) + (size_t)kt * (KT * 2) + c * 16;

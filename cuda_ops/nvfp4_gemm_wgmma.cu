@@ -26,6 +26,10 @@
 //   GW_ROWS, W_SHIFT     as in production
 //   DESC_SWAP            diagnostic only: swap the descriptor's two byte offsets (see below)
 //   MIN_BLOCKS           __launch_bounds__ minimum CTAs per SM (register cap), default 1
+//   STATIC_COPIES        the stage copies with compile-time trip counts (gemm_common.cuh's
+//                        copy_pieces; the x tile's where the CTA's threads divide its chunks
+//                        evenly): unrolled, affine addresses. 0: loops from each thread's index
+//                        (the form first measured; about 2.3x the instructions a stage at TM 128)
 //
 // Numerics: identical to production. w' = e2m1 * SFw * 2^(W_SHIFT - 14) and x_hat are exact in
 // fp16, every product is exact in fp32, the tensor cores add in fp32 (only the order of the
@@ -116,6 +120,9 @@ typedef unsigned long long u64;
 #endif
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
+#endif
+#ifndef STATIC_COPIES
+#define STATIC_COPIES 0
 #endif
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
@@ -265,17 +272,38 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[NACC], u32 a0, u32 a1, u32 a
 __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u8* ws,
                                            const u8* xh, int n0, int m0, int tid) {
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
-  load_weight_stage<TILE_N, NT, N_OUT, K_IN, KT>(sw, ss, kt, wp, ws, n0, tid,
-                                                 [](int r, int c) { return wchunk(r, c); });
+  if constexpr (STATIC_COPIES) {
+    load_weight_stage_static<TILE_N, NT, N_OUT, K_IN, KT>(
+        sw, ss, kt, wp, ws, n0, tid, [](int r, int c) { return wchunk(r, c); });
+  } else {
+    load_weight_stage<TILE_N, NT, N_OUT, K_IN, KT>(sw, ss, kt, wp, ws, n0, tid,
+                                                   [](int r, int c) { return wchunk(r, c); });
+  }
   // x tile: chunk i is token 8 * mg + (i % 8), column q (8 logical k): 8 consecutive threads
   // write one 128-byte run of a core-matrix column
   constexpr int XCH = KT / 8;  // 16-byte x_hat chunks per token
+  if constexpr (STATIC_COPIES && NT % (8 * XCH) == 0 && (TM * XCH) % NT == 0) {
+    // the same chunks with compile-time trip counts: thread tid takes chunks tid + j * NT, whose
+    // token group advances by NT / (8 XCH) per j while its column and row stay put (unrolled,
+    // affine addresses; no bounds check when the tiles divide M)
+    constexpr int GROUPS = NT / (8 * XCH);
+    const int mr = tid & 7, q = (tid >> 3) % XCH, mg0 = (tid >> 3) / XCH;
+    const u8* row0 = xh + (size_t)kt * (KT * 2) + q * 16;
+    const u32 dst0 = sx + q * X_COL + mr * 16;
 #pragma unroll
-  for (int i = tid; i < TM * XCH; i += NT) {
-    const int mr = i & 7, q = (i >> 3) % XCH, mg = (i >> 3) / XCH, m = m0 + 8 * mg + mr;
-    const bool ok = m < M_TOK;
-    const u8* src = xh + (size_t)(ok ? m : 0) * (K_IN * 2) + (size_t)kt * (KT * 2) + q * 16;
-    cp16(sx + q * X_COL + mg * 128 + mr * 16, src, ok);
+    for (int j = 0; j < TM * XCH / NT; ++j) {
+      const int mg = mg0 + j * GROUPS, m = m0 + 8 * mg + mr;
+      const bool ok = M_TOK % TM == 0 || m < M_TOK;
+      cp16(dst0 + mg * 128, row0 + (size_t)(ok ? m : 0) * (K_IN * 2), ok);
+    }
+  } else {
+#pragma unroll
+    for (int i = tid; i < TM * XCH; i += NT) {
+      const int mr = i & 7, q = (i >> 3) % XCH, mg = (i >> 3) / XCH, m = m0 + 8 * mg + mr;
+      const bool ok = m < M_TOK;
+      const u8* src = xh + (size_t)(ok ? m : 0) * (K_IN * 2) + (size_t)kt * (KT * 2) + q * 16;
+      cp16(sx + q * X_COL + mg * 128 + mr * 16, src, ok);
+    }
   }
 }
 

@@ -76,6 +76,7 @@ class WgmmaPlan:
     gw_rows: bool = False
     desc_swap: bool = False  # diagnostic: the descriptor's LBO and SBO swapped
     min_blocks: int = 1
+    static_copies: bool = True  # the stage copies unrolled (STATIC_COPIES; False: the first form)
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -124,6 +125,7 @@ class WgmmaPlan:
             "GW_ROWS": int(self.gw_rows),
             "DESC_SWAP": int(self.desc_swap),
             "MIN_BLOCKS": self.min_blocks,
+            "STATIC_COPIES": int(self.static_copies),
         }
 
 
@@ -143,6 +145,7 @@ def plan(
     gw_rows: bool = False,
     desc_swap: bool = False,
     min_blocks: int = 1,
+    static_copies: bool = True,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -184,6 +187,7 @@ def plan(
         gw_rows=bool(gw_rows),
         desc_swap=bool(desc_swap),
         min_blocks=min_blocks,
+        static_copies=bool(static_copies),
     )
 
 

@@ -63,8 +63,16 @@ VARIANTS = {
     "wgmma_n128_wr2": {"tm": 128, "nwg": 2, "wr": 2},
     "wgmma_n128_s1": {"tm": 128, "nwg": 2, "wr": 1, "splitk": 1},
     "wgmma_n256": {"tm": 256, "nwg": 2, "wr": 1},
+    # the stage copies as first written (loops from each thread's index, not unrolled)
+    "wgmma_n128_loop": {"tm": 128, "nwg": 2, "wr": 1, "static_copies": False},
 }
-LARGE_M_VARIANTS = ("wgmma_n128", "wgmma_n128_wr2", "wgmma_n128_s1", "wgmma_n256")
+LARGE_M_VARIANTS = (
+    "wgmma_n128",
+    "wgmma_n128_wr2",
+    "wgmma_n128_s1",
+    "wgmma_n256",
+    "wgmma_n128_loop",
+)
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only
 EXTRA = (

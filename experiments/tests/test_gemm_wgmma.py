@@ -74,6 +74,38 @@ def test_x_operand_holds_the_production_values_in_wgmma_order():
 # ----------------------------------------------------------------------------- emulation
 
 
+def _x_chunks(tm, kt, nt, static):
+    """load_stage's x tile copies as (thread, token m, column q, shared byte offset): the loop
+    from each thread's index, or with `static` (STATIC_COPIES, where nt divides the chunks and
+    8 x chunks-a-token divides nt) the unrolled form's per-thread column and advancing group."""
+    xch, x_col = kt // 8, 16 * tm
+    out = []
+    if static:
+        assert nt % (8 * xch) == 0 and (tm * xch) % nt == 0
+        groups = nt // (8 * xch)
+        for tid in range(nt):
+            mr, q, mg0 = tid & 7, (tid >> 3) % xch, (tid >> 3) // xch
+            for j in range(tm * xch // nt):
+                mg = mg0 + j * groups
+                out.append((tid, 8 * mg + mr, q, q * x_col + mr * 16 + mg * 128))
+        return out
+    for tid in range(nt):
+        for i in range(tid, tm * xch, nt):
+            mr, q, mg = i & 7, (i >> 3) % xch, (i >> 3) // xch
+            out.append((tid, 8 * mg + mr, q, q * x_col + mg * 128 + mr * 16))
+    return out
+
+
+@pytest.mark.parametrize(("tm", "kt", "nt"), [(8, 128, 128), (64, 128, 128), (128, 128, 256),
+                                              (256, 128, 256), (32, 256, 256)])  # fmt: skip
+def test_static_x_tile_copies_are_the_loop_copies(tm, kt, nt):
+    """STATIC_COPIES moves the x tile's same chunks to the same places as the loop, each thread the same
+    ones (the unrolled form only changes how a thread walks its chunks)."""
+    loop, static = _x_chunks(tm, kt, nt, False), _x_chunks(tm, kt, nt, True)
+    assert sorted(loop) == sorted(static) and len(loop) == tm * kt // 8
+    assert len({c[3] for c in loop}) == len(loop)  # every chunk lands in its own 16 bytes
+
+
 def _emulate_warpgroup(wd, xn, tm, kt, desc_swap=False):
     """One warpgroup, one stage, as the kernel moves data: wd [64, KT] decoded weights (natural
     K), xn [TM, KT] x_hat (natural K). Returns D [64, TM] = sum over k16 steps of A . B, with
