@@ -15,7 +15,8 @@
 # one call); wgmma_large (the wgmma experiment's 128 / 256-token tiles at M = 256 / 512: bits
 # and times; one call), wgmma_prefill (those tiles on prefill's linears against today's
 # dequantize-then-dot path and bf16), wgmma_e2e (Config.gemm_wgmma_min_m: GPU tests, the
-# 36-layer prefill at batch 1 / 8 with and without it, bf16); accept_kernel and accept_decode ([T2-C]'s acceptance table and
+# 36-layer prefill at batch 1 / 8 with and without it, bf16); prefill_paths (the three
+# prefill paths end to end, the GEMM against the dot at M = 1024 / 2048); accept_kernel and accept_decode ([T2-C]'s acceptance table and
 # end-to-end rows; one call each).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
@@ -171,6 +172,26 @@ PY
         --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-wgmma-min-m none 128 \
         --out "$out/decode_wgmma.json" > "$out/decode_wgmma.log" 2>&1
       grep -E "prefill|FAILED" "$out/decode_wgmma.log" | head -20;;
+    prefill_paths)
+      # prefill's three W4A4 paths end to end (36 layers, prompt 512, 32 new tokens, batch 1 /
+      # 8): the default (dot above 256 rows), the wgmma GEMM from 128 rows, and the mma.sync
+      # GEMM up to 512 rows (--gemm-max-m 512, batch 1 only), bf16 beside; then the kernel
+      # alone at M = 1024 / 2048 against the dot (where the GEMM's range should end)
+      timeout ${PYTEST_TIMEOUT:-120} python3 -m pytest -q -rs -m gpu tests/test_gemm_gpu.py \
+        -k wgmma -p no:cacheprovider > "$out/wgmma_pytest.log" 2>&1
+      tail -3 "$out/wgmma_pytest.log"
+      timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
+        --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-wgmma-min-m none 128 \
+        --out "$out/decode_wgmma.json" > "$out/decode_wgmma.log" 2>&1
+      timeout ${BENCH_TIMEOUT:-120} python3 experiments/bench_decode.py --modes nvfp4 \
+        --batch 1 --gen-len 32 --repeats 3 --no-breakdown --gemm-max-m 512 \
+        --out "$out/decode_max512.json" > "$out/decode_max512.log" 2>&1
+      grep -hE "prefill|FAILED|Error" "$out/decode_wgmma.log" "$out/decode_max512.log" | head -20
+      timeout ${GEMM_TIMEOUT:-150} python3 experiments/bench_gemm.py --ms 1024,2048 \
+        --shapes 6144:4096,4096:4096,24576:4096,4096:12288 --variants gemm,wgmma_n128_wr2 \
+        --ops gemm_graph,jax_bf16,old_path --old-ms 1024,2048 --time-budget 120 \
+        --out "$out/prefill_gemm.json" > "$out/prefill_gemm.log" 2>&1; echo "bench rc=$?"
+      grep -E "geomean" "$out/prefill_gemm.log" | head -20;;
     accept_kernel)
       # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
       # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the

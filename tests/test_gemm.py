@@ -489,7 +489,7 @@ def test_wgmma_min_m_lowers_to_the_wgmma_gemm(stub_compilers, m, tm):
     assert types.strip().startswith(f"(tensor<{m}x{k}xf16>")
     assert tuple(int(fields[f"grid_{a}"]) for a in "xyz") == p.grid
     assert int(fields["block_x"]) == p.threads == 256 and int(fields["shared_mem_bytes"]) == p.smem
-    assert p.tm == tm and (p.nwg, p.wr) == (2, 1)
+    assert p.tm == tm and (p.nwg, p.wr) == (2, {128: 2, 256: 1}[tm])
     if p.partials:
         assert _fields(calls[1][2])["name"] == nvfp4_gemm_wgmma.FINISH_ENTRY
     wg_defs = [d for name, d in stub_compilers if name == nvfp4_gemm_wgmma.SOURCE.name]
@@ -534,14 +534,14 @@ def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monk
 
 def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
     """GemmOptions.split_m reaches the wgmma GEMM: every M plans the K split of split_m rows
-    (without it the split follows M: 4 at 128 rows, none at 512 on a 4096 x 4096 weight)."""
+    (without it the split follows M: 8 at 128 rows, 2 at 512 on a 4096 x 4096 weight)."""
     splits = {m: nvfp4_gemm_wgmma.build_linear(m, 4096, 4096).plan.splitk for m in (128, 512)}
-    assert splits == {128: 4, 512: 1}
+    assert splits == {128: 8, 512: 2}
     for m in (128, 200, 256, 512):
         p = nvfp4_gemm_wgmma.build_linear(m, 4096, 4096, split_m=128).plan
-        assert p.splitk == 4 and p.m == m, p
+        assert p.splitk == 8 and p.m == m, p
     opts = nvfp4_gemm.GemmOptions(wgmma_min_m=128, split_m=128)
-    assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 4
+    assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 8
 
 
 def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
