@@ -87,7 +87,10 @@ REDUCES = ("finish", "cluster")
 # "fill16" is "fill" with every M below 16 planned as M = 16 (a 16-token tile, the rows past M
 # masked): inside the 8-layer decode step on an H100 the four 8-row GEMMs took 18.2 us a launch
 # against 14.5 for 16 rows, though kernel alone they take the same time
-# (experiments/results/h100_s34/); opt-in until the decode measures it.
+# (experiments/results/h100_s34/). It is the default since the thirty-sixth session: the
+# 36-layer NVFP4 decode at batch 8 (1024 new tokens, one process on an H100) measured 3.733
+# against 4.341 ms/token for "fill" (bf16 6.294), and the 8-layer profile's GEMMs 59.5 against
+# 76.3 us a layer (experiments/results/fill16_prefill_h100/); from 16 rows on it is "fill".
 OCCUPANCIES = ("base", "wide", "fill", "fill16")
 FILL16_M = 16
 # Hopper per-SM limits the "fill" plan counts resident CTAs with (sm_90: 228 KB of shared
@@ -159,7 +162,7 @@ class GemmOptions:
         w_shift: the decoded fp16 weights are e2m1 x SFw x 2^(w_shift - 14) (0..7, exact for
             all; larger keeps more of them out of the fp16 subnormal range).
         occupancy: how the plan chooses wr, stages and splitk when they are None: "base",
-            "wide", "fill" (the default) or "fill16" ("fill", M < 16 planned as 16 rows)
+            "wide", "fill" or "fill16" (the default: "fill", M < 16 planned as 16 rows)
             (`OCCUPANCIES`).
         x_quant: how a fused linear in front of this GEMM quantizes its activations: "kernel"
             (the default: the quantizer kernel writes the GEMM's x_hat operand) or "xla" (XLA's
@@ -190,7 +193,7 @@ class GemmOptions:
     split_m: int | None = None
     reduce: str = "finish"
     w_shift: int = DEFAULT_W_SHIFT
-    occupancy: str = "fill"
+    occupancy: str = "fill16"
     x_quant: str = "kernel"
     copies: str = "auto"
     max_regs: int | None = None
@@ -450,11 +453,11 @@ def plan(
     stay small next to the weights. `options.wm` = 2 puts two warps along M (8 warps, 128-token
     tiles of 64-row weight tiles by default: more warps per SM, more x_hat traffic).
     `options.occupancy` = "wide" (M <= 64) takes 64-row weight tiles up to M = 16 and aims the K
-    split at about four CTAs per SM without the traffic cap. "fill" (the default; 9 <= M <= 64,
+    split at about four CTAs per SM without the traffic cap. "fill" (9 <= M <= 64,
     "wide" below) keeps "wide"'s tiles, takes the K split of `fill_splitk`'s balance model and
     then the deepest pipeline (2..4 stages) that keeps each SM's share of the grid resident.
-    "fill16" plans M < 16 rows as "fill" plans 16 (the same kernel, its tile's rows past M
-    masked)."""
+    "fill16" (the default) plans M < 16 rows as "fill" plans 16 (the same kernel, its tile's
+    rows past M masked) and is "fill" from 16 rows on."""
     if options.occupancy == "fill16":
         as_fill = dataclasses.replace(options, occupancy="fill")
         if m >= FILL16_M:

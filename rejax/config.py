@@ -129,12 +129,14 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # four CTAs per SM) was the default from the eighth session: faster kernel alone
 # (experiments/results/h200_e/), and the 36-layer NVFP4 decode at batch 8 measured 4.428 against
 # 4.674 ms/token for "base" (about two CTAs per SM) (experiments/results/h200_f/).
-# "fill", the default since the eighteenth session, balances the grid over the SMs: the K split
-# of a balance model, then the deepest pipeline that keeps each SM's CTAs resident (9-64 rows;
-# "wide" below): 36 layers NVFP4, 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520
-# for "wide" (experiments/results/h200_p/). "fill16" (opt-in) plans fewer than 16 rows (batch
-# 8) as 16: inside the decode step on an H100 the 8-row GEMMs were slower than the 16-row ones
-# (experiments/results/h100_s34/).
+# "fill", the default from the eighteenth to the thirty-fifth session, balances the grid over
+# the SMs: the K split of a balance model, then the deepest pipeline that keeps each SM's CTAs
+# resident (9-64 rows; "wide" below): 36 layers NVFP4, 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520
+# for "wide" (experiments/results/h200_p/). "fill16", the default since the thirty-sixth
+# session, plans fewer than 16 rows (batch 8) as 16 ("fill" from 16 rows on): inside the decode
+# step on an H100 the 8-row GEMMs were slower than the 16-row ones
+# (experiments/results/h100_s34/), and the 36-layer decode at batch 8 measured 3.733 against
+# 4.341 ms/token for "fill" (experiments/results/fill16_prefill_h100/).
 GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
@@ -331,7 +333,7 @@ class Config:
     # NVFP4 W4A4 linears with at least this many rows (tokens) take the tensor-core GEMM on CUDA,
     # fewer take the GEMV (cuda_ops.nvfp4_gemm.GemmOptions.min_m; the measured crossover)
     gemm_min_m: int = 8
-    gemm_occupancy: str = "fill"
+    gemm_occupancy: str = "fill16"
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256

@@ -177,7 +177,7 @@ def linear(
         shards: output rows of each fused shard (needed only for per-shard input scales).
         gemm_min_m: NVFP4 W4A4 on CUDA: the fewest rows that take the tensor-core GEMM instead
             of the GEMV (None: the kernel's default, `Config.gemm_min_m`'s default).
-        gemm_occupancy: the GEMM plan's `GemmOptions.occupancy` (None: the default, "fill"; see
+        gemm_occupancy: the GEMM plan's `GemmOptions.occupancy` (None: the default, "fill16"; see
             `Config.gemm_occupancy`).
         gemm_max_m: NVFP4 W4A4 on CUDA: the most rows the "auto" dispatch gives the GEMM; more
             take the dot reference ("default": `Config.gemm_max_m`'s default; None: no bound).

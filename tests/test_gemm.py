@@ -217,10 +217,14 @@ def test_wide_occupancy_plans():
         assert nvfp4_gemm.plan(m, 4096, 4096, options=wide) == nvfp4_gemm.plan(
             m, 4096, 4096, options=base
         )
-    # "fill" is the default plan (GemmOptions and Config); it plans as "wide" below 9 rows
-    assert nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill" == rconfig.Config().gemm_occupancy
+    # "fill16" is the default plan (GemmOptions and Config): "fill" from 16 rows on, "fill"'s
+    # 16-row plan below; "fill" plans as "wide" below 9 rows
+    assert nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill16" == rconfig.Config().gemm_occupancy
     fill = nvfp4_gemm.GemmOptions(occupancy="fill")
-    assert nvfp4_gemm.plan(16, 4096, 4096) == nvfp4_gemm.plan(16, 4096, 4096, options=fill)
+    for m in (16, 17, 64, 256):
+        assert nvfp4_gemm.plan(m, 4096, 4096) == nvfp4_gemm.plan(m, 4096, 4096, options=fill)
+    p8 = nvfp4_gemm.plan(8, 4096, 4096)
+    assert p8.m == 8 and p8.tm == 16 and p8.grid == nvfp4_gemm.plan(16, 4096, 4096).grid
     for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
         for m in range(1, 9):
             assert nvfp4_gemm.plan(m, n, k, options=fill) == nvfp4_gemm.plan(m, n, k, options=wide)
@@ -927,13 +931,13 @@ def test_config_gemm_min_m_reaches_the_decoder(stub_compilers):
 
 
 def test_config_gemm_occupancy_reaches_the_decoder(stub_compilers):
-    """Config.gemm_occupancy="fill" (the default) and "wide" build the decoder's batch-16 GEMMs
+    """Config.gemm_occupancy="fill" and "wide" build the decoder's batch-16 GEMMs
     with their plans (64-row weight tiles; fill's splits and pipeline depths), for the unfused
     and the split linears; "base" with the base plan; "fill16" the batch-8 GEMMs with the
     16-token tiles of batch 16; the field offers what GemmOptions does, and a bad value is
     refused."""
     assert rconfig.GEMM_OCCUPANCIES == nvfp4_gemm.OCCUPANCIES
-    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill"
+    assert rconfig.Config().gemm_occupancy == nvfp4_gemm.DEFAULT_OPTIONS.occupancy == "fill16"
     base = rconfig.Config(
         quant="nvfp4", hidden_size=1024, intermediate_size=2048, head_dim=64, num_heads=8,
         num_kv_heads=4, linear_fusion="unfused",
