@@ -800,7 +800,11 @@ def test_stage_copies_are_static_from_16_token_tiles():
             )
             assert nvfp4_gemm.ctas_per_sm(static.smem, static.threads, cap) >= want
             assert cap == 248 or nvfp4_gemm.ctas_per_sm(static.smem, static.threads, cap + 8) < want
-    assert not nvfp4_gemm.plan(8, 4096, 4096).static_copies  # M = 8: the loops measured faster
+    # 8-token tiles ("fill" at M = 8) keep the loops, measured faster there; the default
+    # "fill16" runs M = 8 in the 16-token tile, static
+    fill = nvfp4_gemm.GemmOptions(occupancy="fill")
+    assert not nvfp4_gemm.plan(8, 4096, 4096, 132, fill).static_copies
+    assert nvfp4_gemm.plan(8, 4096, 4096, 132).static_copies
     # an explicit cap: 0 is none (__launch_bounds__), else that many registers, either copies
     nocap = nvfp4_gemm.plan(64, 4096, 4096, 132, nvfp4_gemm.GemmOptions(max_regs=0))
     assert nocap.static_copies and "MAX_REGS" not in nocap.defines()
@@ -1072,10 +1076,16 @@ def test_invariant_rows_pads_float_matmuls_and_plans_the_gemm_split(stub_compile
 
 
 def test_fill_plan_takes_kt256_for_tiles_of_up_to_16_tokens():
-    """The "fill" default stages K in 256-element steps for M = 9..16 when K allows it (the
-    H200 measured KT 256 faster there and slower at M = 32 and 64); other plans keep 128."""
+    """The "fill" plan stages K in 256-element steps for M = 9..16 when K allows it (the
+    H200 measured KT 256 faster there and slower at M = 32 and 64); other plans keep 128. The
+    default "fill16" takes it from 1 row (its 16-token tile)."""
+    fill = nvfp4_gemm.GemmOptions(occupancy="fill")
     for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288)]:
         for m, kt in [(9, 256), (16, 256), (17, 128), (32, 128), (64, 128), (8, 128)]:
+            p = nvfp4_gemm.plan(m, n, k, options=fill)
+            assert p.kt == kt and p.defines()["KT"] == kt, (m, n, k, p.kt)
+            assert nvfp4_gemm.check_shape(m, n, k, fill)[0] and p.splitk <= k // p.kt
+        for m, kt in [(1, 256), (8, 256), (16, 256), (17, 128)]:
             p = nvfp4_gemm.plan(m, n, k)
             assert p.kt == kt and p.defines()["KT"] == kt, (m, n, k, p.kt)
             assert nvfp4_gemm.check_shape(m, n, k)[0] and p.splitk <= k // p.kt
