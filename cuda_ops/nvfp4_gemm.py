@@ -107,6 +107,12 @@ SM_THREADS = 2048
 # 2.112 against 2.346 ms/token, the 24 XLA fusions per layer gone; experiments/results/h200_m/)
 # but its GPU tests have not all passed yet, so "xla" stays the default.
 X_QUANTS = ("xla", "kernel")
+# How the dot path (above `max_m` rows) forms the weight's bf16 values e2m1 * SFw: "xla" (XLA's
+# fusions of `rejax.nvfp4._scaled_values`) or "kernel" (`cuda_ops.nvfp4_dequant`: one launch
+# that reads a stacked weight in place). The same bytes. Inside the 36-layer prefill the dot
+# path's decode costs about as much as the dot itself at 512 rows (experiments/DECODE_NOTES.md,
+# thirty-sixth session); "kernel" is opt-in until measured.
+DOT_DEQUANTS = ("xla", "kernel")
 WIDE_WR1_MAX_M = 16
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
@@ -177,6 +183,8 @@ class GemmOptions:
             once per tile) instead of this GEMM or, above `max_m`, the dot; None (the
             default): never. Opt-in: not yet measured inside a model.
         wgmma_tm: that GEMM's token tile, 128 (the default) or 256.
+        dot_dequant: how the dot path above `max_m` rows decodes the weight to bf16: "xla"
+            (the default) or "kernel" (the dequantizer kernel) (`DOT_DEQUANTS`).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -199,6 +207,7 @@ class GemmOptions:
     max_regs: int | None = None
     wgmma_min_m: int | None = None
     wgmma_tm: int = 128
+    dot_dequant: str = "xla"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -230,6 +239,10 @@ class GemmOptions:
         ):
             raise KernelError(
                 f"GemmOptions.wgmma_min_m={self.wgmma_min_m!r}, expected None or an int >= 1"
+            )
+        if self.dot_dequant not in DOT_DEQUANTS:
+            raise KernelError(
+                f"GemmOptions.dot_dequant={self.dot_dequant!r}, expected one of {DOT_DEQUANTS}"
             )
         if self.wgmma_tm not in (128, 256):
             raise KernelError(f"GemmOptions.wgmma_tm={self.wgmma_tm!r}, expected 128 or 256")

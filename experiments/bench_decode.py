@@ -364,6 +364,15 @@ def main(argv=None) -> dict:
         "variant once per value (labelled ' wg=K' unless 'none')",
     )
     ap.add_argument(
+        "--gemm-dot-dequant",
+        nargs="+",
+        default=[rconfig.Config.gemm_dot_dequant],
+        choices=list(rconfig.GEMM_DOT_DEQUANTS),
+        help="Config.gemm_dot_dequant: how the dot path (prefill, above --gemm-max-m rows) "
+        "decodes the weights, XLA's fusions or the dequantizer kernel; several values run "
+        "every NVFP4 variant once per value (labelled ' dq=CHOICE' unless the default)",
+    )
+    ap.add_argument(
         "--head",
         nargs="+",
         default=["bf16"],
@@ -526,9 +535,10 @@ def _variants(base: Params, args, quant):
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
     per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
-    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m (labelled " occ=CHOICE" / " lf=CHOICE"
-    / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" / " wg=K" unless Config's
-    default; the last loop innermost, so its values run adjacent)."""
+    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-dot-dequant (labelled
+    " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" /
+    " wg=K" / " dq=CHOICE" unless Config's default; the last loop innermost, so its values run
+    adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -552,7 +562,7 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo, gc, wgm)
+                (p, o, f, ao, go, oo, gc, wgm, dq)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
@@ -561,11 +571,13 @@ def _variants(base: Params, args, quant):
                 for oo in args.o_proj_output
                 for gc in args.gemm_chain
                 for wgm in args.gemm_wgmma_min_m
+                for dq in args.gemm_dot_dequant
             ]
-            for spec, occ, fusion, out, gu, op_out, chain, wgm in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain, wgm, dq in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
+                    gemm_dot_dequant=dq,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
                     command_buffer=cb,
@@ -584,6 +596,7 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if op_out == rconfig.Config.o_proj_output else f" oo={op_out}"
                 occ_tag += "" if chain == rconfig.Config.gemm_chain else f" gc={chain}"
                 occ_tag += "" if wgm is None else f" wg={wgm}"
+                occ_tag += "" if dq == rconfig.Config.gemm_dot_dequant else f" dq={dq}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

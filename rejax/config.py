@@ -138,6 +138,7 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # (experiments/results/h100_s34/), and the 36-layer decode at batch 8 measured 3.733 against
 # 4.341 ms/token for "fill" (experiments/results/fill16_prefill_h100/).
 GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
+GEMM_DOT_DEQUANTS = ("xla", "kernel")  # Config.gemm_dot_dequant (GemmOptions.dot_dequant)
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared
@@ -339,9 +340,13 @@ class Config:
     gemm_max_m: int | None = 256
     # NVFP4 W4A4 linears with at least this many rows (prefill) take the warpgroup-MMA GEMM on
     # CUDA (cuda_ops.nvfp4_gemm_wgmma: 128-token tiles, each weight decoded once per tile;
-    # sm_90) before the GEMM and the dot (GemmOptions.wgmma_min_m); None: never. Opt-in: not
-    # yet measured inside the model (experiments/KERNEL_NOTES.md)
+    # sm_90) before the GEMM and the dot (GemmOptions.wgmma_min_m); None: never. Opt-in: inside
+    # the 36-layer prefill it measured slower than the dot (experiments/DECODE_NOTES.md,
+    # thirty-sixth session)
     gemm_wgmma_min_m: int | None = None
+    # How the dot path (above gemm_max_m rows) decodes the weights to bf16: "xla" or "kernel"
+    # (cuda_ops.nvfp4_dequant, one launch a weight; the same bytes) (GemmOptions.dot_dequant)
+    gemm_dot_dequant: str = "xla"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"
@@ -422,6 +427,11 @@ class Config:
             raise ValueError(f"decode_unroll must be an int >= 1, got {self.decode_unroll!r}")
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
+        if self.gemm_dot_dequant not in GEMM_DOT_DEQUANTS:
+            raise ValueError(
+                f"unknown gemm_dot_dequant {self.gemm_dot_dequant!r}; expected one of "
+                f"{GEMM_DOT_DEQUANTS}"
+            )
         if self.gemm_wgmma_min_m is not None and not (
             isinstance(self.gemm_wgmma_min_m, int)
             and not isinstance(self.gemm_wgmma_min_m, bool)

@@ -127,7 +127,8 @@ def decoder_layer(
                       gemm_max_m=cfg.gemm_max_m, gemm_reduce=cfg.gemm_reduce,
                       invariant_rows=cfg.invariant_rows, residual=residual,
                       gemm_copies=cfg.gemm_copies,
-                      gemm_wgmma_min_m=cfg.gemm_wgmma_min_m)  # fmt: skip
+                      gemm_wgmma_min_m=cfg.gemm_wgmma_min_m,
+                      gemm_dot_dequant=cfg.gemm_dot_dequant)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -153,6 +154,7 @@ def decoder_layer(
             cfg.gemm_x_quant,
             copies=cfg.gemm_copies,
             wgmma_min_m=cfg.gemm_wgmma_min_m,
+            dot_dequant=cfg.gemm_dot_dequant,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -372,7 +374,8 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
     att, mlp = lw["self_attn"], lw["mlp"]
     go = gemm_options(cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce,
                       cfg.invariant_rows, cfg.gemm_x_quant, copies=cfg.gemm_copies,
-                      wgmma_min_m=cfg.gemm_wgmma_min_m)  # fmt: skip
+                      wgmma_min_m=cfg.gemm_wgmma_min_m,
+                      dot_dequant=cfg.gemm_dot_dequant)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

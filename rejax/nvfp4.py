@@ -930,6 +930,21 @@ def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: 
     return (acc * alpha).astype(jnp.bfloat16)
 
 
+def matmul_q_values(xq: Nvfp4Tensor, w_values: jax.Array, w_global: jax.Array) -> jax.Array:
+    """`nvfp4_matmul_q(xq, w, order="dot")` from w's exactly pre-scaled values: `w_values` bf16
+    [N, K] = e2m1 * SFw (exact in bf16; e.g. the dequantizer kernel's), `w_global` its global
+    scale [] or [N]. The same operations on the same values, so the same bits."""
+    acc = _exact_dot(_scaled_values(xq).astype(jnp.bfloat16), w_values)
+    g = w_global.astype(jnp.float32)
+    alpha = (g[None, :] if g.ndim == 1 else g) * _row_global(xq)
+    return (acc * alpha).astype(jnp.bfloat16)
+
+
+def scaled_values_bf16(w: Nvfp4Tensor) -> jax.Array:
+    """e2m1(code) * SF as bf16 [rows, K], exact: the values the dequantizer kernel writes."""
+    return _scaled_values(w).astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnames=("sequential", "budget"))
 def _matmul_w4a16_arrays(x: jax.Array, w: Nvfp4Tensor, sequential: bool, budget: int):
     m, k = x.shape

@@ -18,7 +18,7 @@ import pytest
 from _lowering import decode_step_cuda_text
 
 from cuda_ops import build as cbuild
-from cuda_ops import nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv, nvfp4_quant
+from cuda_ops import nvfp4_dequant, nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv, nvfp4_quant
 from rejax import config as rconfig
 from rejax import layers as rlayers
 from rejax import nvfp4
@@ -393,7 +393,9 @@ def stub_compilers(monkeypatch):
 
     def fake(source, *, name, defines, arch, options=(), use_cache=True):
         seen.append((name, defines))
-        if name == nvfp4_gemm_wgmma.SOURCE.name:
+        if name == nvfp4_dequant.SOURCE:
+            entries = {nvfp4_dequant.ENTRY: nvfp4_dequant.N_INPUTS + 1}
+        elif name == nvfp4_gemm_wgmma.SOURCE.name:
             entries = {
                 nvfp4_gemm_wgmma.ENTRY: nvfp4_gemm_wgmma.N_INPUTS + 1,
                 nvfp4_gemm_wgmma.FINISH_ENTRY: nvfp4_gemm_wgmma.FINISH_INPUTS + 1,
@@ -420,13 +422,14 @@ def stub_compilers(monkeypatch):
     monkeypatch.setattr(nvfp4_gemv, "compile_ptx", fake)
     monkeypatch.setattr(nvfp4_quant, "compile_ptx", fake)
     monkeypatch.setattr(nvfp4_gemm_wgmma, "compile_ptx", fake)
-    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma):
+    monkeypatch.setattr(nvfp4_dequant, "compile_ptx", fake)
+    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma, nvfp4_dequant):
         mod._build_cached.cache_clear()
     # lowerings are cached by JAX: a decode step lowered before (another test) would not call
     # the lowering rules, so nothing would be built and recorded here
     jax.clear_caches()
     yield seen
-    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma):
+    for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma, nvfp4_dequant):
         mod._build_cached.cache_clear()
 
 
@@ -1093,3 +1096,167 @@ def test_fill_plan_takes_kt256_for_tiles_of_up_to_16_tokens():
     assert nvfp4_gemm.plan(16, 4096, 4096, options=nvfp4_gemm.GemmOptions(kt=128)).kt == 128
     wide = nvfp4_gemm.GemmOptions(occupancy="wide")
     assert nvfp4_gemm.plan(16, 4096, 4096, options=wide).kt == 128
+
+
+# ----------------------------------------------------------------------------- dot dequantizer
+
+
+def _stacked_weight(rng, layers: int, n: int, k: int, per_row: bool) -> nvfp4.Nvfp4Tensor:
+    ws = [
+        nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(layers)
+    ]
+    g = np.stack([np.asarray(w.global_scale, np.float32) for w in ws])
+    if per_row:
+        g = g[:, None] * rng.uniform(0.5, 2.0, (layers, n)).astype(np.float32)
+    return dataclasses.replace(nvfp4.stack(ws), global_scale=jnp.asarray(g))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_matmul_q_values_is_the_dot_order(per_row):
+    """nvfp4.matmul_q_values (the dot path on given bf16 weight values) equals
+    nvfp4_matmul_q(order="dot") bitwise when the values are scaled_values_bf16 of the weight,
+    for a scalar and a per-row global scale; and those values are exact (e2m1 * SF)."""
+    rng = np.random.default_rng(3)
+    w = nvfp4.take(_stacked_weight(rng, 1, 48, 256, per_row), 0)
+    xq = nvfp4.quantize_activation(jnp.asarray(rng.standard_normal((20, 256)), jnp.bfloat16))
+    got = nvfp4.matmul_q_values(xq, nvfp4.scaled_values_bf16(w), w.global_scale)
+    want = nvfp4.nvfp4_matmul_q(xq, w, order="dot")
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    # the bf16 values are exact: e2m1 * SF in float32 unchanged by the cast
+    codes = np.asarray(nvfp4.unpack_e2m1(w.packed))
+    sf = np.asarray(w.scales.astype(jnp.float32)).repeat(16, axis=1)
+    exact = nvfp4.E2M1_VALUES[codes] * sf
+    assert np.array_equal(np.asarray(nvfp4.scaled_values_bf16(w), np.float32), exact)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_dot_with_kernel_reads_the_layer(monkeypatch, per_row):
+    """linear.dot_with_kernel on stacked operands: with the kernel's values given as
+    scaled_values_bf16 of the layer named by the device index (what the kernel writes), the
+    result equals the reference dot of that layer bitwise: the layer's global scale, not
+    another's, and unstacked operands too."""
+    rng = np.random.default_rng(4)
+    n, k, m = 64, 256, 24
+    w = _stacked_weight(rng, 3, n, k, per_row)
+    xq = nvfp4.quantize_activation(jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16))
+    xs = jax.lax.bitcast_convert_type(xq.scales, jnp.uint8)
+    xg = jnp.broadcast_to(jnp.asarray(xq.global_scale, jnp.float32), (m,))
+    ws = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+    seen = []
+
+    def fake_call(config, out, wp3, ws3, layer):
+        # the dequantizer kernel's contract: stacked operands, the layer index, bf16 [N, K]
+        assert nvfp4_dequant.ENTRY in config and out.shape == (n, k) and layer.shape == ()
+        seen.append((wp3.shape, ws3.shape))
+        t = nvfp4.Nvfp4Tensor(packed=wp3, scales=jax.lax.bitcast_convert_type(ws3, jnp.float8_e4m3fn),
+                              global_scale=jnp.ones((wp3.shape[0],), jnp.float32),
+                              shape=(n, k))  # fmt: skip
+        return nvfp4.scaled_values_bf16(nvfp4.take(t, layer))
+
+    monkeypatch.setattr(_dispatch, "ptx_call", fake_call)
+    kern = nvfp4_dequant.DequantKernel(n=n, k=k, ptx="")
+    for layer in (0, 2):
+        got = kernels.dot_with_kernel(
+            xq.packed, xs, xg, w.packed, ws, w.global_scale, jnp.int32(layer), k=k, kernel=kern
+        )
+        want = nvfp4.nvfp4_matmul_q(xq, nvfp4.take(w, layer), order="dot")
+        assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    assert seen[0] == ((3, n, k // 2), (3, n, k // 16))
+    one = nvfp4.take(w, 1)
+    got = kernels.dot_with_kernel(
+        xq.packed, xs, xg, one.packed, jax.lax.bitcast_convert_type(one.scales, jnp.uint8),
+        one.global_scale, jnp.int32(1), k=k, kernel=kern,
+    )  # fmt: skip
+    want = nvfp4.nvfp4_matmul_q(xq, one, order="dot")
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    assert seen[-1] == ((1, n, k // 2), (1, n, k // 16))  # unstacked: one layer, index 0
+
+
+def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
+    """GemmOptions(dot_dequant="kernel") above max_m rows: the plain and the fused linear ("two")
+    lower to one dequantizer call (the stacked operands in place, its grid) and one dot; the
+    default ("xla") has no dequantizer call; at or below max_m the GEMM runs either way."""
+    from rejax.ops import fused_linear as fl
+
+    rng = np.random.default_rng(6)
+    n, k = 256, 512
+    w = _stacked_weight(rng, 2, n, k, False)
+    on = nvfp4_gemm.GemmOptions(dot_dequant="kernel")
+    for m in (257, 512):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=on), x)
+        calls = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
+        assert len(calls) == 1, text[:2000]
+        _, _, attrs, types = calls[0]
+        fields = _fields(attrs)
+        dq = nvfp4_dequant.build(n, k)
+        assert fields["name"] == nvfp4_dequant.ENTRY and fields["output_indices"] == "3"
+        assert int(fields["grid_x"]) == dq.grid == -(-(n * k // 8) // (256 * 4))
+        assert int(fields["block_x"]) == 256
+        assert types.strip().startswith(f"(tensor<2x{n}x{k // 2}xui8>, tensor<2x{n}x{k // 16}xui8>")
+        assert re.search(rf"-> tensor<{n}x{k}xbf16>", text) and "dot_general" in text
+        off = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+        assert nvfp4_dequant.ENTRY not in off and "dot_general" in off
+        two = _lower_cuda(lambda x: fl.fused_linear(x, {"weight": w}, layer=1, kernels="two",
+                                                    prologue="rmsnorm", norm=jnp.ones((k,)),
+                                                    gemm_options=on), x)  # fmt: skip
+        assert re.findall(r"name = \\22(\w+)\\22", two) == [nvfp4_dequant.ENTRY], two[:2000]
+    low = _lower_cuda(
+        lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=on),
+        jnp.zeros((64, k), jnp.bfloat16),
+    )
+    assert nvfp4_dequant.ENTRY not in low and nvfp4_gemm.ENTRY in low
+
+
+def test_config_gemm_dot_dequant(stub_compilers):
+    """Config.gemm_dot_dequant="kernel" reaches a 512-token prefill's four W4A4 linears (one
+    dequantizer call each, under "split" and "unfused"); the default has none; a bad value is
+    refused before any work."""
+    from rejax import decode as rdecode
+    from rejax import params as rparams
+    from rejax.cache import init_cache
+
+    assert rconfig.Config().gemm_dot_dequant == nvfp4_gemm.DEFAULT_OPTIONS.dot_dequant == "xla"
+    assert rconfig.GEMM_DOT_DEQUANTS == nvfp4_gemm.DOT_DEQUANTS
+    base = rconfig.Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
+        num_kv_heads=2,
+    )  # fmt: skip
+    params = rparams.init_params(base, 0, jnp.bfloat16)
+    t = 512
+    tokens = jnp.zeros((1, t), jnp.int32)
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+
+    def entries(cfg):
+        p = dataclasses.replace(params, cfg=cfg)
+        cache = init_cache(cfg, 1, t + 8, jnp.bfloat16)
+        text = (
+            rdecode.prefill.trace(p, tokens, positions, cache)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
+        return re.findall(r"name = \\22(\w+)\\22", text)
+
+    for fusion in ("split", "unfused"):
+        cfg = dataclasses.replace(base, linear_fusion=fusion)
+        on = entries(dataclasses.replace(cfg, gemm_dot_dequant="kernel"))
+        assert on.count(nvfp4_dequant.ENTRY) == 4 and nvfp4_gemm.ENTRY not in on, (fusion, on)
+        assert nvfp4_dequant.ENTRY not in entries(cfg)
+    with pytest.raises(ValueError, match="unknown gemm_dot_dequant 'cuda'"):
+        rconfig.Config(gemm_dot_dequant="cuda")
+    with pytest.raises(cbuild.KernelError, match="dot_dequant='cuda', expected one of"):
+        nvfp4_gemm.GemmOptions(dot_dequant="cuda")
+
+
+def test_dequant_kernel_checks_and_compiles():
+    """The dequantizer refuses a K that is not a multiple of 16 and bad `groups` before NVRTC;
+    with NVRTC its PTX has the entry with 3 operands and the result."""
+    with pytest.raises(cbuild.KernelError, match="K=40 \\(expected a multiple of 16"):
+        nvfp4_dequant.build(64, 40)
+    with pytest.raises(cbuild.KernelError, match="groups=0"):
+        nvfp4_dequant.build(64, 64, groups=0)
+    assert nvfp4_dequant.check_shape(4096, 4096) == (True, "")
+    if not cbuild.nvrtc_available():
+        pytest.skip("NVRTC (cuda-python) not installed")
+    kern = nvfp4_dequant.build(4096, 12288, arch="compute_90")
+    assert cbuild.ptx_entries(kern.ptx)[nvfp4_dequant.ENTRY] == nvfp4_dequant.N_INPUTS + 1

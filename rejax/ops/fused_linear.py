@@ -69,6 +69,8 @@ from rejax.ops import _dispatch
 from rejax.ops.linear import (
     _supported,
     _weight,
+    dequant_kernel,
+    dot_with_kernel,
     gemm_call_xhat,
     gemm_x_operand,
     gemv_call,
@@ -273,6 +275,16 @@ def _wgmma_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel
     return res + y if fused.residual else y
 
 
+def _dot_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel):
+    """Above `GemmOptions.max_m` with `dot_dequant` "kernel": the prologue and quantizer as XLA
+    ops (the reference's), then the dot path with the dequantizer kernel's weight values (the
+    reference's bits)."""
+    pro = dataclasses.replace(fused, residual=False)
+    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=pro)
+    y = dot_with_kernel(xp, xs, xgr, wp, ws, wg, layer, k=k, kernel=kernel)
+    return res + y if fused.residual else y
+
+
 def _lower_two(ctx, *args, **params):
     m = ctx.avals_in[0].shape[0]
     n, k, fused = params["n"], params["k"], params["fused"]
@@ -286,6 +298,10 @@ def _lower_two(ctx, *args, **params):
     if prefers_dot("w4a4", m, params["impl"], params["gemm_options"]):
         # above GemmOptions.max_m (prefill) the composition with one bf16 dot is the faster
         # path by measurement: chosen, so no reference-path note
+        dq = dequant_kernel(n, k, params["gemm_options"])
+        if dq is not None:
+            fn = functools.partial(_dot_composed, n=n, k=k, fused=fused, kernel=dq)
+            return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
         fn = functools.partial(_reference, **{**params, "order": "dot"})
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     # the linear after the quantizer is the one the dispatch picks for M (GEMV or GEMM)

@@ -42,7 +42,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from cuda_ops import nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv
+from cuda_ops import nvfp4_dequant, nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv
 from rejax import nvfp4
 from rejax.nvfp4 import Nvfp4Tensor
 from rejax.ops import _dispatch
@@ -140,6 +140,11 @@ def _lower_cuda(ctx, *args, **params):
             )
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if prefers_dot(act, m, params["impl"], params["gemm_options"]):
+        dq = dequant_kernel(n, k, params["gemm_options"])
+        if dq is not None:
+            pf = params["prefetch"]
+            fn = functools.partial(_dot_impl, k=k, kernel=dq, drop=pf.operands if pf else 0)
+            return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
         return _lower_gpu_reference(ctx, *args, **params)  # chosen, not a fallback: no note
     kind, supported = _supported(
         act, m, n, k, ctx.avals_in[0].dtype, params["gemm_options"], params["gw_rows"]
@@ -377,6 +382,55 @@ def _wgmma_impl(*args, kernel, launch, drop=0):
     # the same bits as the GEMM epilogue's
     xp, xs, xg, *res, wp, ws, wg, layer = args
     y = wgmma_call(xp, xs, xg, wp, ws, wg, layer, kernel=kernel, launch=launch)
+    return res[0] + y if res else y
+
+
+# ----------------------------------------------------------------------------- dot path
+
+
+def dequant_kernel(n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions):
+    """The dequantizer kernel of the dot path for an [n, k] weight where
+    `gemm_options.dot_dequant` asks for it, else None (XLA's decode; a failed build is logged
+    once and XLA's decode runs: the same bytes)."""
+    if gemm_options.dot_dequant != "kernel":
+        return None
+    try:
+        return nvfp4_dequant.build(n, k)
+    except nvfp4_gemv.KernelError as err:
+        warnings.warn(f"{OP}: the dequantizer kernel does not run (N={n} K={k}): {err}",
+                      stacklevel=3)  # fmt: skip
+        return None
+
+
+def dequant_call(wp, ws, layer, *, kernel) -> jax.Array:
+    """bf16 [N, K] = e2m1 * SFw of the layer's weight from the (possibly stacked) operands, the
+    dequantizer kernel reading the stack in place. For CUDA lowering rules only."""
+    if wp.ndim == 2:
+        wp, ws, layer = wp[None], ws[None], jnp.zeros((), jnp.int32)
+    out = jax.ShapeDtypeStruct((kernel.n, kernel.k), jnp.bfloat16)
+    return _dispatch.ptx_call(
+        kernel.backend_config(), out, wp, ws, jnp.asarray(layer, jnp.int32).reshape(())
+    )
+
+
+def layer_global(wg, layer, stacked: bool) -> jax.Array:
+    """The layer's weight global scale ([] or [N]) from the (possibly stacked) operand."""
+    return jax.lax.dynamic_index_in_dim(wg, layer, keepdims=False) if stacked else wg
+
+
+def dot_with_kernel(xp, xs, xg, wp, ws, wg, layer, *, k: int, kernel) -> jax.Array:
+    """The W4A4 dot path (`nvfp4.nvfp4_matmul_q` order "dot") with the weight's bf16 values
+    from the dequantizer kernel: the same values, so the same bits as XLA's decode."""
+    m = xp.shape[0]
+    xq = Nvfp4Tensor(packed=xp, scales=_as_e4m3(xs), global_scale=xg, shape=(m, k))
+    values = dequant_call(wp, ws, layer, kernel=kernel)
+    return nvfp4.matmul_q_values(xq, values, layer_global(wg, layer, wp.ndim == 3))
+
+
+def _dot_impl(*args, k, kernel, drop=0):
+    args = args[: len(args) - drop]
+    xp, xs, xg, *res, wp, ws, wg, layer = args
+    y = dot_with_kernel(xp, xs, xg, wp, ws, wg, layer, k=k, kernel=kernel)
     return res[0] + y if res else y
 
 

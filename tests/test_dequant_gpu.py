@@ -1,0 +1,85 @@
+"""GPU tests of the dot path's weight dequantizer `nvfp4_dequant_bf16` (marker `gpu`; skipped
+without a CUDA GPU): its bf16 values equal `rejax.nvfp4.scaled_values_bf16` of the layer the
+device index names, bitwise, over every E2M1 code and every finite E4M3 scale byte (subnormal
+scales included) and a tail that does not fill the last CTA; and the W4A4 linears above
+`GemmOptions.max_m` rows with `dot_dequant="kernel"` equal the default ("xla") bitwise.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cuda_ops import nvfp4_dequant, nvfp4_gemm
+from rejax import nvfp4
+from rejax.ops import fused_linear as fl
+from rejax.ops import linear as linear_ops
+
+pytestmark = pytest.mark.gpu
+
+
+def _random_stack(rng, layers: int, n: int, k: int) -> nvfp4.Nvfp4Tensor:
+    """Random codes (every nibble) and E4M3 scale bytes 0x00..0x7E (no NaN), global scales."""
+    packed = rng.integers(0, 256, (layers, n, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 0x7F, (layers, n, k // 16), dtype=np.uint8)
+    scales[0, 0, : min(k // 16, 0x7F)] = np.arange(min(k // 16, 0x7F), dtype=np.uint8)
+    return nvfp4.Nvfp4Tensor(
+        packed=jnp.asarray(packed),
+        scales=jax.lax.bitcast_convert_type(jnp.asarray(scales), jnp.float8_e4m3fn),
+        global_scale=jnp.asarray(rng.uniform(1e-4, 1e-2, (layers,)).astype(np.float32)),
+        shape=(n, k),
+    )
+
+
+@pytest.mark.parametrize("n,k", [(4096, 4096), (24, 48), (1000, 2064)])
+def test_dequant_kernel_equals_the_reference_values(n, k):
+    rng = np.random.default_rng(n + k)
+    w = _random_stack(rng, 3, n, k)
+    kern = nvfp4_dequant.build(n, k)
+    ws = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
+    run = jax.jit(lambda wp, ws, layer: linear_ops.dequant_call(wp, ws, layer, kernel=kern))
+    for layer in (0, 2):
+        got = np.asarray(run(w.packed, ws, jnp.int32(layer))).view(np.uint16)
+        want = np.asarray(jax.jit(nvfp4.scaled_values_bf16)(nvfp4.take(w, layer)))
+        assert np.array_equal(got, want.view(np.uint16)), (n, k, layer)
+    # unstacked operands (no stack dim): layer index 0
+    one = nvfp4.take(w, 1)
+    got = jax.jit(lambda wp, ws: linear_ops.dequant_call(wp, ws, jnp.int32(0), kernel=kern))(
+        one.packed, jax.lax.bitcast_convert_type(one.scales, jnp.uint8)
+    )
+    want = nvfp4.scaled_values_bf16(one)
+    assert np.array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+
+
+@pytest.mark.parametrize("m", [512, 1000])
+def test_dot_dequant_kernel_linears_equal_xla_decode(m):
+    rng = np.random.default_rng(m)
+    n, k = 1024, 2048
+    w = nvfp4.stack(
+        [nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(2)]
+    )
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    on = nvfp4_gemm.GemmOptions(dot_dequant="kernel")
+    off = nvfp4_gemm.GemmOptions(dot_dequant="xla")
+
+    def plain(opts):
+        return jax.jit(lambda x: linear_ops.nvfp4_linear(x, w, layer=1, gemm_options=opts))(x)
+
+    text = jax.jit(lambda x: linear_ops.nvfp4_linear(x, w, layer=1, gemm_options=on)).lower(x)
+    assert nvfp4_dequant.ENTRY in text.as_text()
+    a, b = np.asarray(plain(on)), np.asarray(plain(off))
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, (k,)), jnp.bfloat16)
+
+    def fused(opts):
+        f = lambda x: fl.fused_linear(
+            x, {"weight": w}, layer=1, kernels="two", prologue="rmsnorm", norm=norm,
+            gemm_options=opts,
+        )  # fmt: skip
+        return np.asarray(jax.jit(f)(x))
+
+    a, b = fused(on), fused(off)
+    assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
