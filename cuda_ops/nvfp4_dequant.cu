@@ -25,12 +25,11 @@ typedef unsigned int u32;
 #endif
 #define NT 256
 
-// E2M1 code (4 bits: sign, 2 exponent, 1 mantissa) -> float32 bits, exact
-__device__ __forceinline__ u32 e2m1_bits(u32 c) {
-  const u32 mag = c & 7u;
-  const u32 bits = mag < 2u ? (mag ? 0x3F000000u : 0u)  // 0, 0.5
-                            : (((126u + (mag >> 1)) << 23) | ((mag & 1u) << 22));  // 1 .. 6
-  return bits | ((c & 8u) << 28);
+// One code byte (low nibble = the even element) -> f16x2 of e2m1 * 2^-14, exact: the nibble's
+// exponent and mantissa bits (e1 e0 m) become the fp16 exponent field's low bits and the top
+// mantissa bit, so e = 0 is the fp16 subnormal 0.m x 2^-14 and e > 0 is 1.m x 2^(e - 15).
+__device__ __forceinline__ u32 e2m1x2_f16x2(u32 b) {
+  return ((b & 0x7u) << 9) | ((b & 0x8u) << 12) | ((b & 0x70u) << 21) | ((b & 0x80u) << 24);
 }
 
 extern "C" __global__ void __launch_bounds__(NT)
@@ -41,21 +40,30 @@ extern "C" __global__ void __launch_bounds__(NT)
   const u32* codes = (const u32*)(wp + lo * ((long long)N_OUT * (K_IN / 2)));
   const u8* scales = ws + lo * ((long long)N_OUT * (K_IN / 16));
   const long long base = (long long)blockIdx.x * (GROUPS * NT) + threadIdx.x;
+  // all loads first (independent, in flight together), then the decode and the stores
+  u32 c[GROUPS], sb[GROUPS];
 #pragma unroll
   for (int j = 0; j < GROUPS; ++j) {
     const long long g = base + (long long)j * NT;
-    if (g < groups) {
-      const u32 c = codes[g];
-      const float s = e4m3x2_to_float2((u32)scales[g >> 1]).x;
-      u32 h[4];
+    c[j] = g < groups ? codes[g] : 0u;
+    sb[j] = g < groups ? (u32)scales[g >> 1] : 0u;
+  }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float a = __uint_as_float(e2m1_bits((c >> (8 * e)) & 15u)) * s;
-        const float b = __uint_as_float(e2m1_bits((c >> (8 * e + 4)) & 15u)) * s;
-        // exact in bf16: the upper halves of the float32 bits
-        h[e] = (__float_as_uint(a) >> 16) | (__float_as_uint(b) & 0xFFFF0000u);
-      }
-      ((uint4*)out)[g] = make_uint4(h[0], h[1], h[2], h[3]);
+  for (int j = 0; j < GROUPS; ++j) {
+    const long long g = base + (long long)j * NT;
+    // SF * 2^14, exact in float32 (SF <= 448); times e2m1 * 2^-14 it is e2m1 * SF, exact
+    const float s = e4m3x2_to_float2(sb[j]).x * 16384.0f;
+    u32 h[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const u32 pair = e2m1x2_f16x2((c[j] >> (8 * e)) & 0xFFu);
+      float a, b;
+      asm("{ .reg .b16 l, u; mov.b32 {l, u}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, u; }"
+          : "=f"(a), "=f"(b)
+          : "r"(pair));
+      // the products are exact in bf16 (at most 6 significant bits): their upper halves
+      h[e] = __byte_perm(__float_as_uint(a * s), __float_as_uint(b * s), 0x7632);
     }
+    if (g < groups) ((uint4*)out)[g] = make_uint4(h[0], h[1], h[2], h[3]);
   }
 }

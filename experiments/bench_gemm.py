@@ -10,6 +10,8 @@ Per unique (N, K) of the paper's models (18) and M in {8, 16, 32, 64, 128, 256}:
   * torch bf16: `F.linear` over bf16 weight copies in a CUDA graph (cuBLAS), a second baseline;
   * old path (`--old-ms`): what M > 8 ran before the GEMM, the reference lowering on CUDA
     (dequantize every weight to bf16, then one bf16 dot), jitted;
+  * dot kernel (op `dot_kernel`, at the `--old-ms`): the same dot path with the weights decoded
+    by the dequantizer kernel (`GemmOptions.dot_dequant="kernel"`), jitted;
   * gemm jit (`--jit-ms`): our whole jitted path (activation x_hat fusion + kernel(s)) through
     the PTX custom call;
   * xprep (at the `--jit-ms`): the jitted activation quantization + x_hat fusion alone (the
@@ -152,7 +154,7 @@ def time_gemm_graph(torch, kernel, xh, xg, weights, wg, layer0):
 
 
 CORE_OPS = ("gemm_graph", "gemv_graph", "jax_bf16", "torch_bf16")
-EXTRA_OPS = ("old_path", "gemm_jit", "xprep")
+EXTRA_OPS = ("old_path", "dot_kernel", "gemm_jit", "xprep")
 
 
 def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
@@ -274,6 +276,23 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                 ]  # fmt: skip
 
             row["old_path_s"] = bk.time_jax(jax.jit(old), (wps[:8], wss[:8]), 8, calls=3, trials=3)
+        if "dot_kernel" in ops and m in old_ms and m > 1:
+            # the dot path as prefill runs it above max_m rows, with the dequantizer kernel
+            # (GemmOptions.dot_dequant "kernel") instead of XLA's decode
+            dq = nvfp4_gemm.GemmOptions(min_m=1, max_m=1, dot_dequant="kernel")
+
+            def dot_kernel(wps, wss, args=args, dq=dq):
+                return [
+                    kernels.gemv_call(
+                        (*args, wp, ws, wg, layer0), act="w4a4", n=n, k=k, impl="auto",
+                        launch=launch, gemm_options=dq,
+                    )
+                    for wp, ws in zip(wps, wss, strict=True)
+                ]  # fmt: skip
+
+            row["dot_kernel_s"] = bk.time_jax(
+                jax.jit(dot_kernel), (wps[:8], wss[:8]), 8, calls=3, trials=3
+            )
         if "gemm_jit" in ops and m in jit_ms:
 
             def ours(wps, wss, args=args):
@@ -318,7 +337,7 @@ def summarize(rows, copy_bw, variants):
             d["bf16_us"] = bf * 1e6
             if times:
                 d["best_x_bf16"] = bf / min(times.values())
-        for name in ("gemv_graph", "old_path", "gemm_jit", "xprep", "torch_bf16"):
+        for name in ("gemv_graph", "old_path", "dot_kernel", "gemm_jit", "xprep", "torch_bf16"):
             if f"{name}_s" in r:
                 d[f"{name}_us"] = r[f"{name}_s"] * 1e6
                 if bf:
@@ -326,7 +345,7 @@ def summarize(rows, copy_bw, variants):
         derived.append(d)
     for m in sorted({d["m"] for d in derived}):
         ds = [d for d in derived if d["m"] == m]
-        for key in ["best", *variants, "gemv_graph", "old_path", "gemm_jit"]:
+        for key in ["best", *variants, "gemv_graph", "old_path", "dot_kernel", "gemm_jit"]:
             tb = [d[f"{key}_us"] and d["torch_bf16_us"] / d[f"{key}_us"] for d in ds
                   if f"{key}_us" in d and "torch_bf16_us" in d]  # fmt: skip
             if tb:
@@ -354,7 +373,9 @@ def main():
         default="gemm,gemm_kt256,gemm_wm2,gemm_cluster",
         help=f"of {sorted({**VARIANTS, **WGMMA_VARIANTS})}",
     )
-    ap.add_argument("--ops", default=",".join(CORE_OPS + EXTRA_OPS))
+    ap.add_argument(
+        "--ops", default=",".join(CORE_OPS + tuple(o for o in EXTRA_OPS if o != "dot_kernel"))
+    )
     ap.add_argument("--old-ms", default="16,64,256")
     ap.add_argument("--jit-ms", default="64")
     ap.add_argument("--time-budget", type=float, default=1e9, help="seconds; later work skipped")

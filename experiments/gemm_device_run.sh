@@ -16,7 +16,8 @@
 # and times; one call), wgmma_prefill (those tiles on prefill's linears against today's
 # dequantize-then-dot path and bf16), wgmma_e2e (Config.gemm_wgmma_min_m: GPU tests, the
 # 36-layer prefill at batch 1 / 8 with and without it, bf16); prefill_paths (the three
-# prefill paths end to end, the GEMM against the dot at M = 1024 / 2048); accept_kernel and accept_decode ([T2-C]'s acceptance table and
+# prefill paths end to end, the GEMM against the dot at M = 1024 / 2048); dequant (the dot
+# path's dequantizer kernel: GPU tests, per linear, 36-layer prefill); accept_kernel and accept_decode ([T2-C]'s acceptance table and
 # end-to-end rows; one call each).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
@@ -192,6 +193,22 @@ PY
         --ops gemm_graph,jax_bf16,old_path --old-ms 1024,2048 --time-budget 120 \
         --out "$out/prefill_gemm.json" > "$out/prefill_gemm.log" 2>&1; echo "bench rc=$?"
       grep -E "geomean" "$out/prefill_gemm.log" | head -20;;
+    dequant)
+      # the dot path's weight dequantizer (GemmOptions.dot_dequant "kernel"): its GPU tests,
+      # then per linear at M = 512 / 4096 against XLA's decode and bf16, then the 36-layer
+      # prefill (prompt 512, batch 1 / 8) with each, bf16 beside, one process
+      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -rs -m gpu tests/test_dequant_gpu.py \
+        -p no:cacheprovider > "$out/dequant_pytest.log" 2>&1
+      tail -3 "$out/dequant_pytest.log"
+      timeout ${GEMM_TIMEOUT:-150} python3 experiments/bench_gemm.py --ms 512,4096 \
+        --shapes 6144:4096,4096:4096,24576:4096,4096:12288 --variants gemm \
+        --ops jax_bf16,old_path,dot_kernel --old-ms 512,4096 --time-budget 130 \
+        --out "$out/dequant_gemm.json" > "$out/dequant_gemm.log" 2>&1; echo "bench rc=$?"
+      grep -E "geomean" "$out/dequant_gemm.log" | head -12
+      timeout ${BENCH_TIMEOUT:-220} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
+        --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-dot-dequant xla kernel \
+        --out "$out/decode_dequant.json" > "$out/decode_dequant.log" 2>&1
+      grep -E "prefill|FAILED|Error" "$out/decode_dequant.log" | head -12;;
     accept_kernel)
       # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
       # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the

@@ -23,7 +23,8 @@ def test_gemm_summary_geomeans_per_m():
 
     rows = [
         {"n": 4096, "k": 4096, "m": 16, "nvfp4_bytes": 9_437_184, "jax_bf16_s": 20e-6,
-         "gemm_graph_s": 10e-6, "gemm_kt256_graph_s": 8e-6, "old_path_s": 40e-6},
+         "gemm_graph_s": 10e-6, "gemm_kt256_graph_s": 8e-6, "old_path_s": 40e-6,
+         "dot_kernel_s": 25e-6},
         {"n": 4096, "k": 12288, "m": 16, "nvfp4_bytes": 28_311_552, "jax_bf16_s": 60e-6,
          "gemm_graph_s": 15e-6, "gemm_kt256_graph_s": 20e-6},
         {"n": 4096, "k": 4096, "m": 8, "nvfp4_bytes": 9_437_184, "jax_bf16_s": 20e-6,
@@ -33,6 +34,7 @@ def test_gemm_summary_geomeans_per_m():
     assert targets["m16_best_geomean_x_bf16"] == pytest.approx((2.5 * 4.0) ** 0.5)
     assert targets["m16_gemm_geomean_x_bf16"] == pytest.approx((2.0 * 4.0) ** 0.5)
     assert targets["m16_old_path_geomean_x_bf16"] == pytest.approx(0.5)
+    assert targets["m16_dot_kernel_geomean_x_bf16"] == pytest.approx(0.8)
     assert targets["m8_gemv_graph_geomean_x_bf16"] == pytest.approx(4.0)
     assert derived[0]["best_variant"] == "gemm_kt256" and derived[1]["best_variant"] == "gemm"
     assert derived[1]["best_pct_copy_bw"] == pytest.approx(100 * 28_311_552 / 15e-6 / 4e12)
