@@ -26,6 +26,7 @@
 //   GW_ROWS, W_SHIFT     as in production
 //   DESC_SWAP            diagnostic only: swap the descriptor's two byte offsets (see below)
 //   MIN_BLOCKS           __launch_bounds__ minimum CTAs per SM (register cap), default 1
+//   GROUP_WORDS          code words (2 k16 steps each) per wgmma commit group: 1 (default), 2, 4
 //   STATIC_COPIES        the stage copies with compile-time trip counts (gemm_common.cuh's
 //                        copy_pieces; the x tile's where the CTA's threads divide its chunks
 //                        evenly): unrolled, affine addresses. 0: loops from each thread's index
@@ -121,6 +122,10 @@ typedef unsigned long long u64;
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 1
 #endif
+#ifndef GROUP_WORDS
+#define GROUP_WORDS 1
+#endif
+static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_WORDS: 1, 2 or 4");
 #ifndef STATIC_COPIES
 #define STATIC_COPIES 0
 #endif
@@ -307,8 +312,10 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
   }
 }
 
-// One stage: per 128-element sub-chunk h and code word u, decode, then two k16 steps of WR
-// wgmmas as one commit group; wait_group 1 keeps one group in flight during the next decode.
+// One stage: per 128-element sub-chunk h and GROUP_WORDS code words u, decode, then their
+// 2 x GROUP_WORDS k16 steps of WR wgmmas as one commit group; wait_group 1 keeps one group in
+// flight during the next decode. Larger groups wait less often per MAC and hold more A
+// registers (two groups' worth: the one in flight and the one being decoded).
 __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], int wgi, int wq,
                                               int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -327,21 +334,29 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], in
       sb[r] = hmul2(e4m3x2_to_f16x2(lds16(ss + rb * S_PITCH + 8 * h + 2 * t)), W_SCALE2);
     }
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const u32 sel = u < 2 ? 0x1010u : 0x3232u;  // this word's block scale in both halves
-      u32 p[WR][4], q[WR][4];
+    for (int u0 = 0; u0 < 4; u0 += GROUP_WORDS) {
+      u32 p[GROUP_WORDS][WR][4], q[GROUP_WORDS][WR][4];
 #pragma unroll
-      for (int r = 0; r < WR; ++r) {
-        decode8(word(wa[r], u), prmt(sa[r], 0u, sel), p[r]);
-        decode8(word(wb[r], u), prmt(sb[r], 0u, sel), q[r]);
+      for (int du = 0; du < GROUP_WORDS; ++du) {
+        const int u = u0 + du;
+        const u32 sel = u < 2 ? 0x1010u : 0x3232u;  // this word's block scale in both halves
+#pragma unroll
+        for (int r = 0; r < WR; ++r) {
+          decode8(word(wa[r], u), prmt(sa[r], 0u, sel), p[du][r]);
+          decode8(word(wb[r], u), prmt(sb[r], 0u, sel), q[du][r]);
+        }
       }
       wg_fence();
 #pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const u64 desc = desc0 + (u64)(((8 * h + 2 * u + v) * X_STEP) >> 4);
+      for (int du = 0; du < GROUP_WORDS; ++du) {
 #pragma unroll
-        for (int r = 0; r < WR; ++r)
-          wgmma_rs(acc[r], p[r][2 * v], q[r][2 * v], p[r][2 * v + 1], q[r][2 * v + 1], desc);
+        for (int v = 0; v < 2; ++v) {
+          const u64 desc = desc0 + (u64)(((8 * h + 2 * (u0 + du) + v) * X_STEP) >> 4);
+#pragma unroll
+          for (int r = 0; r < WR; ++r)
+            wgmma_rs(acc[r], p[du][r][2 * v], q[du][r][2 * v], p[du][r][2 * v + 1],
+                     q[du][r][2 * v + 1], desc);
+        }
       }
       wg_commit();
       wg_wait<1>();

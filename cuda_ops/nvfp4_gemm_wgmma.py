@@ -77,6 +77,7 @@ class WgmmaPlan:
     desc_swap: bool = False  # diagnostic: the descriptor's LBO and SBO swapped
     min_blocks: int = 1
     static_copies: bool = True  # the stage copies unrolled (STATIC_COPIES; False: the first form)
+    group_words: int = 1  # code words per wgmma commit group (GROUP_WORDS: 1, 2 or 4)
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -126,7 +127,7 @@ class WgmmaPlan:
             "DESC_SWAP": int(self.desc_swap),
             "MIN_BLOCKS": self.min_blocks,
             "STATIC_COPIES": int(self.static_copies),
-        }
+        } | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {})
 
 
 def plan(
@@ -146,6 +147,7 @@ def plan(
     desc_swap: bool = False,
     min_blocks: int = 1,
     static_copies: bool = True,
+    group_words: int = 1,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -188,6 +190,7 @@ def plan(
         desc_swap=bool(desc_swap),
         min_blocks=min_blocks,
         static_copies=bool(static_copies),
+        group_words=group_words,
     )
 
 
@@ -209,6 +212,8 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"the tiles need {p.smem} B of shared memory (limit {SMEM_LIMIT})"
     if not 0 <= p.w_shift <= 7:
         return False, f"w_shift={p.w_shift} (expected 0..7)"
+    if p.group_words not in (1, 2, 4):
+        return False, f"group_words={p.group_words} (expected 1, 2 or 4)"
     return True, ""
 
 

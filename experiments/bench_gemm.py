@@ -87,7 +87,8 @@ VARIANTS = {
 # the wgmma GEMM with 128 / 256-token tiles (cuda_ops/nvfp4_gemm_wgmma.py, opt-in: each weight
 # decoded once per tile, for M >= 128): name -> its check's variant (the plan's keyword options)
 WGMMA_VARIANTS = {"wgmma_n128": "wgmma_n128", "wgmma_n128_wr2": "wgmma_n128_wr2",
-                  "wgmma_n256": "wgmma_n256"}  # fmt: skip
+                  "wgmma_n256": "wgmma_n256", "wgmma_n128_g4": "wgmma_n128_g4",
+                  "wgmma_n128_wr2_g4": "wgmma_n128_wr2_g4"}  # fmt: skip
 _LARGE_MS = set(range(128, 1 << 16))
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {

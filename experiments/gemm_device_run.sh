@@ -150,7 +150,7 @@ PY
       # weight decoded once per tile) at M = 256 (the kernel table's) and 512 (a 512-token
       # prefill): bits against production and float64, then timed with production and bf16
       timeout ${BENCH_TIMEOUT:-400} python3 experiments/kernels/check_gemm_wgmma.py \
-        --ms ${WGMMA_MS:-256,512} --variants ${WGMMA_VARIANTS:-wgmma_n128,wgmma_n128_wr2,wgmma_n128_s1,wgmma_n256,wgmma_n128_loop} \
+        --ms ${WGMMA_MS:-256,512} --variants ${WGMMA_VARIANTS:-wgmma_n128,wgmma_n128_wr2,wgmma_n128_g4,wgmma_n128_wr2_g4} \
         --time-budget 300 --out "$out/wgmma_large.json" > "$out/wgmma_large.log" 2>&1
       echo "wgmma_large rc=$?"; grep -v '^{' "$out/wgmma_large.log" | tail -40;;
     wgmma_prefill)

@@ -65,6 +65,11 @@ VARIANTS = {
     "wgmma_n256": {"tm": 256, "nwg": 2, "wr": 1},
     # the stage copies as first written (loops from each thread's index, not unrolled)
     "wgmma_n128_loop": {"tm": 128, "nwg": 2, "wr": 1, "static_copies": False},
+    # longer commit groups (fewer waits a MAC, more A registers): all 4 code words of a stage
+    # (8 k16 steps) with one and with two tiles a warpgroup (ptxas sm_90a: 139 / 241
+    # registers, no spills; one warpgroup arrive and wait a stage instead of four)
+    "wgmma_n128_g4": {"tm": 128, "nwg": 2, "wr": 1, "group_words": 4},
+    "wgmma_n128_wr2_g4": {"tm": 128, "nwg": 2, "wr": 2, "group_words": 4},
 }
 LARGE_M_VARIANTS = (
     "wgmma_n128",
@@ -72,6 +77,8 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_s1",
     "wgmma_n256",
     "wgmma_n128_loop",
+    "wgmma_n128_g4",
+    "wgmma_n128_wr2_g4",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only

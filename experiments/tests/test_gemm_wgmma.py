@@ -251,7 +251,9 @@ def test_large_tile_plans():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("variant", ["wgmma_n128_wr2", "wgmma_n256"])
+@pytest.mark.parametrize(
+    "variant", ["wgmma_n128_wr2", "wgmma_n256", "wgmma_n128_g4", "wgmma_n128_wr2_g4"]
+)
 def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
     """The largest accumulators (128 floats a thread): no spills, no serialized wgmma, one
     CTA of 256 threads fits the register file."""
@@ -264,6 +266,10 @@ def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep
     assert rep["serialized"] == [], rep
     assert -(-rep["registers"] // 8) * 8 * p.threads <= 65536, rep
+    if p.group_words != 1:
+        assert p.defines()["GROUP_WORDS"] == p.group_words
+    else:
+        assert "GROUP_WORDS" not in p.defines()  # the first form keeps its defines (cache keys)
 
 
 @needs_nvrtc
