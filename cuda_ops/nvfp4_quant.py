@@ -149,9 +149,20 @@ def check_shape(m: int, k: int) -> tuple[bool, str]:
     return True, ""
 
 
-def default_chunk(k: int, out: str = "codes") -> int:
+# From this many rows (two CTAs per SM of the default GPU) the quantizer takes one CTA a row
+# by default (chunk = K): every CTA recomputes its row's statistics (the whole row's prologue,
+# e.g. 12 times for down_proj's SwiGLU input at K = 12288 in 1024-element chunks), which costs
+# little at decode rows but grows with M, and M rows alone fill the GPU. Only linears of more
+# rows than the default GemmOptions.max_m (256) reach it; not yet measured.
+ROW_CTA_MIN_M = 264
+
+
+def default_chunk(k: int, out: str = "codes", m: int | None = None) -> int:
     """Elements of a row one CTA quantizes. "codes": 512 where K allows, else 256 (K % 256 ==
-    0). "xhat": 1024, 512 or 256, the largest dividing K."""
+    0). "xhat": 1024, 512 or 256, the largest dividing K. From `ROW_CTA_MIN_M` rows `m`: K
+    (one CTA a row)."""
+    if m is not None and m >= ROW_CTA_MIN_M:
+        return k
     sizes = (1024, 512, 256) if out == "xhat" else (512, 256)
     return next(c for c in sizes if k % c == 0)
 
@@ -278,7 +289,7 @@ def build(
 ) -> QuantKernel:
     """Compiles (NVRTC, disk-cached) the quantizer for M rows of K inputs after `fused.prologue`
     ("swiglu": x holds 2K columns), static (xg[0]) or per-row dynamic (`fused.dynamic`) global
-    scale; each CTA takes `chunk` elements of a row (default `default_chunk(k, out)`; K means
+    scale; each CTA takes `chunk` elements of a row (default `default_chunk(k, out, m)`; K means
     one CTA per row; "xhat": a multiple of 256) with `threads` threads (a multiple of 32;
     default `default_threads(chunk, out)`). `out`: the output form, "codes" (codes, scales,
     global scale: the GEMV's operands) or "xhat" (the GEMM's fp16 x_hat and the global scale).
@@ -303,7 +314,7 @@ def build(
         raise KernelError(f"unsupported shape: {why}")
     if not isinstance(fused, Fused):
         raise KernelError(f"fused must be a Fused, got {type(fused).__name__}")
-    chunk = default_chunk(k, out) if chunk is None else chunk
+    chunk = default_chunk(k, out, m) if chunk is None else chunk
     step = 256 if out == "xhat" else 128  # full warps: 8 (xhat) or 4 elements per thread
     if chunk <= 0 or chunk % step or k % chunk:
         raise KernelError(f"chunk={chunk}: expected a positive multiple of {step} dividing K={k}")

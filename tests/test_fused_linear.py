@@ -658,9 +658,12 @@ def test_quantizer_kernel_compiles_for_sm90(tmp_path, monkeypatch):
             nvfp4_quant.build(1, 4096, nvfp4_gemv.Fused(residual=True), arch="compute_90")
         with pytest.raises(nvfp4_gemv.KernelError, match="M=0"):
             nvfp4_quant.build(0, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
-        # any number of rows (the GEMM's decode batches): one grid row of CTAs each
-        many = nvfp4_quant.build(512, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
-        assert "grid_x = 512, grid_y = 8," in many.backend_config()
+        # any number of rows (the GEMM's decode batches): one grid row of CTAs each, one CTA a
+        # row from ROW_CTA_MIN_M rows
+        many = nvfp4_quant.build(256, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
+        assert "grid_x = 256, grid_y = 8," in many.backend_config()
+        rows = nvfp4_quant.build(512, 4096, nvfp4_gemv.PLAIN, arch="compute_90")
+        assert "grid_x = 512, grid_y = 1," in rows.backend_config()
     finally:
         nvfp4_quant._build_cached.cache_clear()
 

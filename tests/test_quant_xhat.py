@@ -145,6 +145,38 @@ def test_quantizer_takes_any_number_of_rows():
     ]
     assert [nvfp4_quant.default_threads(c, "xhat") for c in (1024, 512, 256)] == [128, 64, 32]
     assert nvfp4_quant.default_chunk(4096) == 512 and nvfp4_quant.default_threads(512) == 128
+    # from ROW_CTA_MIN_M rows one CTA a row (no row's statistics recomputed per chunk); below
+    # it the chunks above
+    big = nvfp4_quant.ROW_CTA_MIN_M
+    assert nvfp4_quant.default_chunk(12288, "xhat", big) == 12288
+    assert nvfp4_quant.default_chunk(4096, "codes", 4096) == 4096
+    assert nvfp4_quant.default_chunk(12288, "xhat", big - 1) == 1024
+    assert nvfp4_quant.default_threads(12288, "xhat") == 128
+
+
+def test_quantizer_build_takes_one_cta_a_row_from_row_cta_min_m(monkeypatch):
+    """build() without a chunk: at 512 rows one CTA a row (grid [512, 1], 128 threads), at 64
+    rows 1024-element chunks (grid [64, 12]); an explicit chunk still wins."""
+    monkeypatch.setattr(
+        nvfp4_quant,
+        "compile_ptx",
+        lambda *a, **kw: (
+            ".visible .entry nvfp4_quantize_bf16(.param .u64 p0, .param .u64 p1, "
+            ".param .u64 p2, .param .u64 p3, .param .u64 p4, .param .u64 p5)\n{ ret; }\n"
+        ),
+    )
+    nvfp4_quant._build_cached.cache_clear()
+    swiglu = nvfp4_gemv.Fused(prologue="swiglu")
+    try:
+        big = nvfp4_quant.build(512, 12288, swiglu, arch="compute_90", out="xhat")
+        assert (big.chunk, big.threads) == (12288, 128)
+        assert "grid_x = 512, grid_y = 1," in big.backend_config()
+        small = nvfp4_quant.build(64, 12288, swiglu, arch="compute_90", out="xhat")
+        assert small.chunk == 1024 and "grid_x = 64, grid_y = 12," in small.backend_config()
+        forced = nvfp4_quant.build(512, 12288, swiglu, arch="compute_90", out="xhat", chunk=1024)
+        assert forced.chunk == 1024
+    finally:
+        nvfp4_quant._build_cached.cache_clear()
 
 
 @pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
