@@ -263,36 +263,27 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
 
             row["torch_bf16_s"] = bk.time_torch_graph(torch, [mk(i) for i in range(c_bf)])
         args = (xq.packed, xs, xg)
-        if "old_path" in ops and m in old_ms and m > 8:
-            # the reference lowering on CUDA: GEMM disabled by a min_m no batch reaches
-            never = nvfp4_gemm.GemmOptions(min_m=1 << 30, max_m=None)
 
-            def old(wps, wss, args=args, never=never):
+        def dot_path(opts, args=args, wps=wps, wss=wss):
+            def run(wps, wss):
                 return [
                     kernels.gemv_call(
                         (*args, wp, ws, wg, layer0), act="w4a4", n=n, k=k, impl="auto",
-                        launch=launch, gemm_options=never,
+                        launch=launch, gemm_options=opts,
                     )
                     for wp, ws in zip(wps, wss, strict=True)
                 ]  # fmt: skip
 
-            row["old_path_s"] = bk.time_jax(jax.jit(old), (wps[:8], wss[:8]), 8, calls=3, trials=3)
+            return bk.time_jax(jax.jit(run), (wps[:8], wss[:8]), 8, calls=3, trials=3)
+
+        if "old_path" in ops and m in old_ms and m > 8:
+            # the reference lowering on CUDA: GEMM disabled by a min_m no batch reaches
+            row["old_path_s"] = dot_path(nvfp4_gemm.GemmOptions(min_m=1 << 30, max_m=None))
         if "dot_kernel" in ops and m in old_ms and m > 1:
             # the dot path as prefill runs it above max_m rows, with the dequantizer kernel
             # (GemmOptions.dot_dequant "kernel") instead of XLA's decode
-            dq = nvfp4_gemm.GemmOptions(min_m=1, max_m=1, dot_dequant="kernel")
-
-            def dot_kernel(wps, wss, args=args, dq=dq):
-                return [
-                    kernels.gemv_call(
-                        (*args, wp, ws, wg, layer0), act="w4a4", n=n, k=k, impl="auto",
-                        launch=launch, gemm_options=dq,
-                    )
-                    for wp, ws in zip(wps, wss, strict=True)
-                ]  # fmt: skip
-
-            row["dot_kernel_s"] = bk.time_jax(
-                jax.jit(dot_kernel), (wps[:8], wss[:8]), 8, calls=3, trials=3
+            row["dot_kernel_s"] = dot_path(
+                nvfp4_gemm.GemmOptions(min_m=1, max_m=1, dot_dequant="kernel")
             )
         if "gemm_jit" in ops and m in jit_ms:
 

@@ -551,31 +551,34 @@ def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
     assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 8
 
 
+def _prefill_entries(params, cfg, tokens: int) -> list[str]:
+    """Names of the PTX kernels in the CUDA lowering of a `tokens`-token prefill at batch 1 of
+    `params` under `cfg`."""
+    from rejax import decode as rdecode
+    from rejax.cache import init_cache
+
+    p = dataclasses.replace(params, cfg=cfg)
+    cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
+    ids = jnp.zeros((1, tokens), jnp.int32)
+    positions = jnp.arange(tokens, dtype=jnp.int32)[None]
+    text = rdecode.prefill.trace(p, ids, positions, cache).lower(lowering_platforms=("cuda",))
+    return re.findall(r"name = \\22(\w+)\\22", text.as_text())
+
+
 def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
     """Config.gemm_wgmma_min_m: a 128-token prefill lowers the scanned layer's four W4A4 linears
     (the fused ones of linear_fusion "split", and the plain ones of "unfused") to the wgmma
     GEMM; without it they take the GEMM (the default max_m is 256)."""
-    from rejax import decode as rdecode
     from rejax import params as rparams
-    from rejax.cache import init_cache
 
     base = rconfig.Config(
         quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
         num_kv_heads=2,
     )  # fmt: skip
     params = rparams.init_params(base, 0, jnp.bfloat16)
-    tokens = jnp.zeros((1, 128), jnp.int32)
-    positions = jnp.arange(128, dtype=jnp.int32)[None]
 
     def entries(cfg):
-        p = dataclasses.replace(params, cfg=cfg)
-        cache = init_cache(cfg, 1, 136, jnp.bfloat16)
-        text = (
-            rdecode.prefill.trace(p, tokens, positions, cache)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
-        return re.findall(r"name = \\22(\w+)\\22", text)
+        return _prefill_entries(params, cfg, 128)
 
     for fusion in ("split", "unfused"):
         cfg = dataclasses.replace(base, linear_fusion=fusion)
@@ -1212,9 +1215,7 @@ def test_config_gemm_dot_dequant(stub_compilers):
     """Config.gemm_dot_dequant="kernel" reaches a 512-token prefill's four W4A4 linears (one
     dequantizer call each, under "split" and "unfused"); the default has none; a bad value is
     refused before any work."""
-    from rejax import decode as rdecode
     from rejax import params as rparams
-    from rejax.cache import init_cache
 
     assert rconfig.Config().gemm_dot_dequant == nvfp4_gemm.DEFAULT_OPTIONS.dot_dequant == "xla"
     assert rconfig.GEMM_DOT_DEQUANTS == nvfp4_gemm.DOT_DEQUANTS
@@ -1223,19 +1224,9 @@ def test_config_gemm_dot_dequant(stub_compilers):
         num_kv_heads=2,
     )  # fmt: skip
     params = rparams.init_params(base, 0, jnp.bfloat16)
-    t = 512
-    tokens = jnp.zeros((1, t), jnp.int32)
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
 
     def entries(cfg):
-        p = dataclasses.replace(params, cfg=cfg)
-        cache = init_cache(cfg, 1, t + 8, jnp.bfloat16)
-        text = (
-            rdecode.prefill.trace(p, tokens, positions, cache)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
-        return re.findall(r"name = \\22(\w+)\\22", text)
+        return _prefill_entries(params, cfg, 512)
 
     for fusion in ("split", "unfused"):
         cfg = dataclasses.replace(base, linear_fusion=fusion)
