@@ -25,6 +25,7 @@ def _args(**kw):
         "o_proj_output": [rconfig.Config.o_proj_output],
         "gemm_chain": [rconfig.Config.gemm_chain],
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
+        "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -37,13 +38,13 @@ def base():
 
 
 def test_variants_cross_command_buffers_and_gemm_occupancies(base):
-    args = _args(command_buffer=["default", "while"], gemm_occupancy=["fill", "wide"])
+    args = _args(command_buffer=["default", "while"], gemm_occupancy=["fill16", "wide"])
     got = [(label, p.cfg.command_buffer, p.cfg.gemm_occupancy) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none", "default", "fill"),
+        ("head=bf16 prefetch=none", "default", "fill16"),
         ("head=bf16 prefetch=none occ=wide", "default", "wide"),
-        ("head=bf16 prefetch=none cb=while", "while", "fill"),
+        ("head=bf16 prefetch=none cb=while", "while", "fill16"),
         ("head=bf16 prefetch=none cb=while occ=wide", "while", "wide"),
     ]
     # every variant shares the weights; bf16 takes the command buffers but not the occupancy
@@ -88,17 +89,32 @@ def test_variants_cross_linear_fusions(base):
 def test_variants_cross_gemm_wgmma_min_m(base):
     """--gemm-wgmma-min-m: one NVFP4 variant per value (labelled unless 'none'), innermost;
     bf16 runs once; argparse takes ints and 'none'."""
-    args = _args(gemm_wgmma_min_m=[None, 128], gemm_occupancy=["fill", "wide"])
+    args = _args(gemm_wgmma_min_m=[None, 128], gemm_occupancy=["fill16", "wide"])
     got = [(label, p.cfg.gemm_wgmma_min_m, p.cfg.gemm_occupancy) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none", None, "fill"),
-        ("head=bf16 prefetch=none wg=128", 128, "fill"),
+        ("head=bf16 prefetch=none", None, "fill16"),
+        ("head=bf16 prefetch=none wg=128", 128, "fill16"),
         ("head=bf16 prefetch=none occ=wide", None, "wide"),
         ("head=bf16 prefetch=none occ=wide wg=128", 128, "wide"),
     ]
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
     assert bd._max_m("none") is None and bd._max_m("256") == 256
+
+
+def test_variants_cross_gemm_dot_dequant(base):
+    """--gemm-dot-dequant: one NVFP4 variant per value (labelled unless the default "xla"),
+    innermost; bf16 runs once."""
+    args = _args(gemm_dot_dequant=["xla", "kernel"], gemm_wgmma_min_m=[None, 128])
+    got = [(label, p.cfg.gemm_dot_dequant, p.cfg.gemm_wgmma_min_m) for _, _, label, p in
+           bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [
+        ("head=bf16 prefetch=none", "xla", None),
+        ("head=bf16 prefetch=none dq=kernel", "kernel", None),
+        ("head=bf16 prefetch=none wg=128", "xla", 128),
+        ("head=bf16 prefetch=none wg=128 dq=kernel", "kernel", 128),
+    ]
+    assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
 
 
 def test_variants_cross_attentions(base):
