@@ -920,12 +920,11 @@ def _matmul_prescaled_arrays(xv, xg, w: Nvfp4Tensor, sequential: bool, budget: i
 
 @functools.partial(jax.jit, static_argnames=("sequential", "budget"))
 def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: int):
-    if sequential:
-        sx = e4m3_to_f32(xq.scales)  # [M, J]
-        sw = e4m3_to_f32(w.scales)  # [N, J]
-        acc = _blockwise_accumulate(_block_values(xq), _block_values(w), sw, sx, budget)
-    else:
-        acc = _exact_dot(_scaled_values(xq).astype(jnp.bfloat16), _scaled_values(w))
+    if not sequential:
+        return matmul_q_values(xq, scaled_values_bf16(w), w.global_scale)
+    sx = e4m3_to_f32(xq.scales)  # [M, J]
+    sw = e4m3_to_f32(w.scales)  # [N, J]
+    acc = _blockwise_accumulate(_block_values(xq), _block_values(w), sw, sx, budget)
     alpha = _col_global(w) * _row_global(xq)
     return (acc * alpha).astype(jnp.bfloat16)
 
@@ -933,9 +932,10 @@ def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: 
 def matmul_q_values(xq: Nvfp4Tensor, w_values: jax.Array, w_global: jax.Array) -> jax.Array:
     """`nvfp4_matmul_q(xq, w, order="dot")` from w's exactly pre-scaled values: `w_values` bf16
     [N, K] = e2m1 * SFw (exact in bf16; e.g. the dequantizer kernel's), `w_global` its global
-    scale [] or [N]. The same operations on the same values, so the same bits."""
+    scale [] or [N]. The order "dot" of `nvfp4_matmul_q` is this function on
+    `scaled_values_bf16(w)`, so given the same values it gives the same bits."""
     acc = _exact_dot(_scaled_values(xq).astype(jnp.bfloat16), w_values)
-    g = w_global.astype(jnp.float32)
+    g = jnp.asarray(w_global).astype(jnp.float32)
     alpha = (g[None, :] if g.ndim == 1 else g) * _row_global(xq)
     return (acc * alpha).astype(jnp.bfloat16)
 
