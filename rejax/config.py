@@ -131,8 +131,8 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # 4.674 ms/token for "base" (about two CTAs per SM) (experiments/results/h200_f/).
 # "fill", the default from the eighteenth to the thirty-fifth session, balances the grid over
 # the SMs: the K split of a balance model, then the deepest pipeline that keeps each SM's CTAs
-# resident (9-64 rows; "wide" below): 36 layers NVFP4, 4.259 / 7.118 ms/token at batch 16 / 64 against 4.669 / 7.520
-# for "wide" (experiments/results/h200_p/). "fill16", the default since the thirty-sixth
+# resident (9-64 rows; "wide" below): 36 layers NVFP4, 4.259 / 7.118 ms/token at batch 16 / 64
+# against 4.669 / 7.520 for "wide" (experiments/results/h200_p/). "fill16", the default since the thirty-sixth
 # session, plans fewer than 16 rows (batch 8) as 16 ("fill" from 16 rows on): inside the decode
 # step on an H100 the 8-row GEMMs were slower than the 16-row ones
 # (experiments/results/h100_s34/), and the 36-layer decode at batch 8 measured 3.733 against
