@@ -551,6 +551,17 @@ def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
     assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 8
 
 
+def _tiny_prefill_model():
+    """(Config, random bf16-initialised Params) of a small NVFP4 Qwen3 for prefill lowerings."""
+    from rejax import params as rparams
+
+    base = rconfig.Config(
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
+        num_kv_heads=2,
+    )  # fmt: skip
+    return base, rparams.init_params(base, 0, jnp.bfloat16)
+
+
 def _prefill_entries(params, cfg, tokens: int) -> list[str]:
     """Names of the PTX kernels in the CUDA lowering of a `tokens`-token prefill at batch 1 of
     `params` under `cfg`."""
@@ -569,13 +580,7 @@ def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
     """Config.gemm_wgmma_min_m: a 128-token prefill lowers the scanned layer's four W4A4 linears
     (the fused ones of linear_fusion "split", and the plain ones of "unfused") to the wgmma
     GEMM; without it they take the GEMM (the default max_m is 256)."""
-    from rejax import params as rparams
-
-    base = rconfig.Config(
-        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
-        num_kv_heads=2,
-    )  # fmt: skip
-    params = rparams.init_params(base, 0, jnp.bfloat16)
+    base, params = _tiny_prefill_model()
 
     def entries(cfg):
         return _prefill_entries(params, cfg, 128)
@@ -1215,15 +1220,9 @@ def test_config_gemm_dot_dequant(stub_compilers):
     """Config.gemm_dot_dequant="kernel" reaches a 512-token prefill's four W4A4 linears (one
     dequantizer call each, under "split" and "unfused"); the default has none; a bad value is
     refused before any work."""
-    from rejax import params as rparams
-
     assert rconfig.Config().gemm_dot_dequant == nvfp4_gemm.DEFAULT_OPTIONS.dot_dequant == "xla"
     assert rconfig.GEMM_DOT_DEQUANTS == nvfp4_gemm.DOT_DEQUANTS
-    base = rconfig.Config(
-        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
-        num_kv_heads=2,
-    )  # fmt: skip
-    params = rparams.init_params(base, 0, jnp.bfloat16)
+    base, params = _tiny_prefill_model()
 
     def entries(cfg):
         return _prefill_entries(params, cfg, 512)
