@@ -18,6 +18,9 @@ The Perfetto trace is read back and summarised per decode step:
 `--trace-dir DIR` keeps each variant's trace; `experiments/trace_timeline.py` reads one back
 with the host's side (graph launches and updates, the loop's predicate copies) beside the GPU's.
 
+`--phase prefill` profiles one prefill of `--prompt-len` tokens instead (figures per prefill:
+"step" below reads "prefill").
+
 A variant is QUANT:BATCH[:FIELD=VALUE...] with Config fields (linear_fusion, attention,
 gemm_min_m, kv_dtype, layer_loop). On CPU the trace holds no device kernels; the smoke run only
 checks that the pipeline works.
@@ -50,6 +53,7 @@ from rejax import config as rconfig
 from rejax import sampling
 
 _INT_FIELDS = {"gemm_min_m", "scan_unroll", "decode_unroll"}
+_OPT_INT_FIELDS = {"gemm_max_m", "gemm_wgmma_min_m"}  # an int or "none"
 _BOOLS = {"on": True, "off": False, "true": True, "false": False}
 
 
@@ -81,6 +85,8 @@ def parse_variant(spec: str) -> tuple[str, int, dict]:
             if val not in _BOOLS:
                 raise SystemExit(f"--variant {spec!r}: {key} takes one of {sorted(_BOOLS)}")
             fields[key] = _BOOLS[val]
+        elif key in _OPT_INT_FIELDS:
+            fields[key] = None if val == "none" else int(val)
         else:
             fields[key] = int(val) if key in _INT_FIELDS else val
     return quant, batch, fields
@@ -92,6 +98,8 @@ def classify(name: str) -> str:
         return "nvfp4_gemv"
     if "nvfp4_gemm" in n:
         return "nvfp4_gemm"
+    if "nvfp4_dequant" in n:
+        return "nvfp4_dequant"
     if "sampler" in n or "rejax_sample" in n:
         return "sampler"
     if "rope_cache" in n:
@@ -228,21 +236,36 @@ def run_variant(spec, cfg0, args):
             never, done, max_new_tokens=args.steps,
         )  # fmt: skip
 
+    if args.phase == "prefill":
+        # one prefill of the whole prompt (compiled by the harness above and the cache's fill)
+        tokens = jnp.zeros((batch, args.prompt_len), jnp.int32)
+        positions = jnp.broadcast_to(
+            jnp.arange(args.prompt_len, dtype=jnp.int32), (batch, args.prompt_len)
+        )
+
+        def traced(c):
+            return bd.rgen.prefill(params, tokens, positions, c)[0]
+    else:
+
+        def traced(c):
+            return loop(c).tokens
+
     c = jax.tree_util.tree_map(jnp.copy, cache)
-    jax.block_until_ready(loop(c).tokens)  # warm (same shapes as the timed run)
+    jax.block_until_ready(traced(c))  # warm (same shapes as the timed run)
     c = jax.block_until_ready(jax.tree_util.tree_map(jnp.copy, cache))
     log_dir = tempfile.mkdtemp(prefix="rejax_prof_")
     with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-        out = loop(c)
-        jax.block_until_ready(out.tokens)
+        jax.block_until_ready(traced(c))
     trace = load_trace(log_dir)
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
         name = spec.replace(":", "_").replace("=", "-")
         with gzip.open(os.path.join(args.trace_dir, f"{name}.trace.json.gz"), "wt") as f:
             json.dump(trace, f)
-    summary = summarise(kernel_events(trace), args.steps, cfg.num_layers)
+    per = 1 if args.phase == "prefill" else args.steps  # the summary's unit: a prefill / a step
+    summary = summarise(kernel_events(trace), per, cfg.num_layers)
     res = {
+        "phase": args.phase,
         "variant": spec,
         "quant": quant,
         "batch": batch,
@@ -251,11 +274,14 @@ def run_variant(spec, cfg0, args):
         "layers": cfg.num_layers,
         "steps": args.steps,
         "ms_per_token_bench": run["ms_per_token"],
+        "prefill_ms_bench": run.get("prefill_ms"),
         "harness_s": compile_s,
         **summary,
     }
+    unit = "prefill" if args.phase == "prefill" else "step"
     print(
-        f"[{spec}] {run['ms_per_token']:.3f} ms/token; kernels/step "
+        f"[{spec}] {run['ms_per_token']:.3f} ms/token, prefill {run['prefill_ms']:.2f} ms; "
+        f"kernels/{unit} "
         f"{summary.get('launches_per_step', 0):.0f}, busy {summary.get('busy_us_per_step', 0):.0f}"
         f" us, span {summary.get('span_us_per_step', 0):.0f} us",
         flush=True,
@@ -278,6 +304,13 @@ def main(argv=None):
     ap.add_argument("--variant", action="append", default=None, help="QUANT:BATCH[:F=V...]")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32, help="decode steps profiled")
+    ap.add_argument(
+        "--phase",
+        choices=["decode", "prefill"],
+        default="decode",
+        help="what is profiled: the decode loop (figures per step) or one prefill of "
+        "--prompt-len tokens (figures per prefill)",
+    )
     ap.add_argument("--trace-dir", default=None, help="also keep each variant's trace here")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)

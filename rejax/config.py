@@ -344,9 +344,11 @@ class Config:
     # the 36-layer prefill it measured slower than the dot (experiments/DECODE_NOTES.md,
     # thirty-sixth session)
     gemm_wgmma_min_m: int | None = None
-    # How the dot path (above gemm_max_m rows) decodes the weights to bf16: "xla" or "kernel"
-    # (cuda_ops.nvfp4_dequant, one launch a weight; the same bytes) (GemmOptions.dot_dequant)
-    gemm_dot_dequant: str = "xla"
+    # How the dot path (above gemm_max_m rows) decodes the weights to bf16: "kernel"
+    # (cuda_ops.nvfp4_dequant, one launch a weight; the same bytes; 36-layer 512-token prefill
+    # 29.6 against 31.2 ms at batch 1 on an H100, experiments/results/dequant_h100/) or "xla"
+    # (XLA's fusions) (GemmOptions.dot_dequant)
+    gemm_dot_dequant: str = "kernel"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"

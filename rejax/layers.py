@@ -189,7 +189,7 @@ def linear(
         gemm_wgmma_min_m: NVFP4 W4A4 on CUDA: from this many rows the wgmma GEMM
             (`GemmOptions.wgmma_min_m`; None: never, the default; see `Config.gemm_wgmma_min_m`).
         gemm_dot_dequant: how the dot path above `gemm_max_m` rows decodes the weight
-            (`GemmOptions.dot_dequant`; None: the default, "xla"; see `Config.gemm_dot_dequant`).
+            (`GemmOptions.dot_dequant`; None: the default, "kernel"; see `Config.gemm_dot_dequant`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does

@@ -639,7 +639,8 @@ def test_cluster_reduce_lowers_to_one_call(stub_compilers):
 
 def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monkeypatch):
     """W4A4 above GemmOptions.max_m (prefill; default 256, Config.gemm_max_m): impl="auto" lowers
-    the dot reference without building a kernel or noting a fallback; up to max_m, with no
+    the dot reference (the weight decoded by the default dequantizer kernel) without building a
+    GEMM or noting a fallback; up to max_m, with no
     bound, or with impl="cuda" the GEMM runs. The split fused linears follow the same rule."""
     import warnings
 
@@ -664,11 +665,12 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
         return re.findall(r"name = \\22(\w+)\\22", text), text
 
     unbounded = nvfp4_gemm.GemmOptions(max_m=None, x_quant="xla")
+    dq = [nvfp4_dequant.ENTRY]  # the default dot_dequant "kernel" decodes the weight
     for m in (257, 512):
         got, text = entries(m, lambda x: kernels.nvfp4_linear(x, w))
-        assert got == [] and not stub_compilers and "dot_general" in text, got
+        assert got == dq and "dot_general" in text, got
         got, text = entries(m, lambda x: fl.fused_linear(x, params, kernels="two"))
-        assert got == [] and not stub_compilers and "dot_general" in text, got
+        assert got == dq and "dot_general" in text, got
         got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w, gemm_options=unbounded))
         assert got[0] == nvfp4_gemm.ENTRY, got
         got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w, impl="cuda"))
@@ -688,7 +690,7 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
     assert got[0] == nvfp4_gemm.ENTRY, got
     low = nvfp4_gemm.GemmOptions(max_m=16)
     got, _ = entries(17, lambda x: kernels.nvfp4_linear(x, w, gemm_options=low))
-    assert got == [], got
+    assert got == dq, got
     assert _dispatch.noted() == []
     # the decoder: Config.gemm_max_m=8 sends a batch-16 decode step's linears to the dot
     cfg = rconfig.Config(
@@ -1182,8 +1184,9 @@ def test_dot_with_kernel_reads_the_layer(monkeypatch, per_row):
 
 def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
     """GemmOptions(dot_dequant="kernel") above max_m rows: the plain and the fused linear ("two")
-    lower to one dequantizer call (the stacked operands in place, its grid) and one dot; the
-    default ("xla") has no dequantizer call; at or below max_m the GEMM runs either way."""
+    lower to one dequantizer call (the stacked operands in place, its grid) and one dot (as
+    the default does); "xla" has no dequantizer call; at or below max_m the GEMM runs either
+    way."""
     from rejax.ops import fused_linear as fl
 
     rng = np.random.default_rng(6)
@@ -1203,7 +1206,10 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
         assert int(fields["block_x"]) == 256
         assert types.strip().startswith(f"(tensor<2x{n}x{k // 2}xui8>, tensor<2x{n}x{k // 16}xui8>")
         assert re.search(rf"-> tensor<{n}x{k}xbf16>", text) and "dot_general" in text
-        off = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+        default = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+        assert default.count(nvfp4_dequant.ENTRY) == text.count(nvfp4_dequant.ENTRY) > 0
+        xla = nvfp4_gemm.GemmOptions(dot_dequant="xla")
+        off = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=xla), x)
         assert nvfp4_dequant.ENTRY not in off and "dot_general" in off
         two = _lower_cuda(lambda x: fl.fused_linear(x, {"weight": w}, layer=1, kernels="two",
                                                     prologue="rmsnorm", norm=jnp.ones((k,)),
@@ -1218,9 +1224,9 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
 
 def test_config_gemm_dot_dequant(stub_compilers):
     """Config.gemm_dot_dequant="kernel" reaches a 512-token prefill's four W4A4 linears (one
-    dequantizer call each, under "split" and "unfused"); the default has none; a bad value is
-    refused before any work."""
-    assert rconfig.Config().gemm_dot_dequant == nvfp4_gemm.DEFAULT_OPTIONS.dot_dequant == "xla"
+    dequantizer call each, under "split" and "unfused"), as the default does; "xla" has none; a
+    bad value is refused before any work."""
+    assert rconfig.Config().gemm_dot_dequant == nvfp4_gemm.DEFAULT_OPTIONS.dot_dequant == "kernel"
     assert rconfig.GEMM_DOT_DEQUANTS == nvfp4_gemm.DOT_DEQUANTS
     base, params = _tiny_prefill_model()
 
@@ -1231,7 +1237,8 @@ def test_config_gemm_dot_dequant(stub_compilers):
         cfg = dataclasses.replace(base, linear_fusion=fusion)
         on = entries(dataclasses.replace(cfg, gemm_dot_dequant="kernel"))
         assert on.count(nvfp4_dequant.ENTRY) == 4 and nvfp4_gemm.ENTRY not in on, (fusion, on)
-        assert nvfp4_dequant.ENTRY not in entries(cfg)
+        assert entries(cfg).count(nvfp4_dequant.ENTRY) == 4
+        assert nvfp4_dequant.ENTRY not in entries(dataclasses.replace(cfg, gemm_dot_dequant="xla"))
     with pytest.raises(ValueError, match="unknown gemm_dot_dequant 'cuda'"):
         rconfig.Config(gemm_dot_dequant="cuda")
     with pytest.raises(cbuild.KernelError, match="dot_dequant='cuda', expected one of"):

@@ -103,16 +103,16 @@ def test_variants_cross_gemm_wgmma_min_m(base):
 
 
 def test_variants_cross_gemm_dot_dequant(base):
-    """--gemm-dot-dequant: one NVFP4 variant per value (labelled unless the default "xla"),
+    """--gemm-dot-dequant: one NVFP4 variant per value (labelled unless the default "kernel"),
     innermost; bf16 runs once."""
     args = _args(gemm_dot_dequant=["xla", "kernel"], gemm_wgmma_min_m=[None, 128])
     got = [(label, p.cfg.gemm_dot_dequant, p.cfg.gemm_wgmma_min_m) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none", "xla", None),
-        ("head=bf16 prefetch=none dq=kernel", "kernel", None),
-        ("head=bf16 prefetch=none wg=128", "xla", 128),
-        ("head=bf16 prefetch=none wg=128 dq=kernel", "kernel", 128),
+        ("head=bf16 prefetch=none dq=xla", "xla", None),
+        ("head=bf16 prefetch=none", "kernel", None),
+        ("head=bf16 prefetch=none wg=128 dq=xla", "xla", 128),
+        ("head=bf16 prefetch=none wg=128", "kernel", 128),
     ]
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
 

@@ -80,6 +80,29 @@ def test_variant_specs():
     assert ps.classify("nvfp4_quantize_bf16") == "nvfp4_gemv"
     assert ps.classify("rejax_decode_attention_partials") == "attention"
     assert ps.classify("nvfp4_gemm_finish") == "nvfp4_gemm"
+    assert ps.classify("nvfp4_dequant_bf16") == "nvfp4_dequant"
+
+
+def test_variant_optional_int_fields():
+    """gemm_max_m / gemm_wgmma_min_m take an int or 'none' (Config's None)."""
+    assert ps.parse_variant("nvfp4:1:gemm_max_m=512:gemm_wgmma_min_m=none") == (
+        "nvfp4",
+        1,
+        {"gemm_max_m": 512, "gemm_wgmma_min_m": None},
+    )
+    assert ps.parse_variant("nvfp4:8:gemm_max_m=none") == ("nvfp4", 8, {"gemm_max_m": None})
+    with pytest.raises(ValueError):
+        ps.parse_variant("nvfp4:8:gemm_max_m=big")
+
+
+def test_prefill_phase_smoke(tmp_path):
+    """--phase prefill on the tiny CPU config: one result a variant, labelled, no error."""
+    out = tmp_path / "p.json"
+    args = ["--tiny", "--phase", "prefill", "--steps", "2", "--variant", "nvfp4:1", "--out"]
+    assert ps.main([*args, str(out)]) == 0
+    (r,) = json.loads(out.read_text())["results"]
+    assert "error" not in r, r
+    assert r["phase"] == "prefill" and r["prefill_ms_bench"] > 0
 
 
 def test_missing_trace_is_an_error(tmp_path):

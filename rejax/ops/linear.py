@@ -28,7 +28,7 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
   on a GPU), the reason logged once. Above `GemmOptions.max_m` rows (prefill) W4A4 takes that
-  dot by choice; with `GemmOptions.dot_dequant` "kernel" (opt-in) the weight's bf16 values come
+  dot by choice; with `GemmOptions.dot_dequant` "kernel" (the default) the weight's bf16 values come
   from the dequantizer kernel of `cuda_ops/nvfp4_dequant.cu` (`dot_with_kernel`: the same
   values, so the same bits) instead of XLA's decode.
 """
