@@ -18,7 +18,8 @@
 # 36-layer prefill at batch 1 / 8 with and without it, bf16); prefill_paths (the three
 # prefill paths end to end, the GEMM against the dot at M = 1024 / 2048); dequant (the dot
 # path's dequantizer kernel: GPU tests, per linear, 36-layer prefill); accept_kernel and accept_decode ([T2-C]'s acceptance table and
-# end-to-end rows; one call each).
+# end-to-end rows; one call each); wgmma_each (each wgmma variant's check in its own process,
+# launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -209,6 +210,25 @@ PY
         --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-dot-dequant xla kernel \
         --out "$out/decode_dequant.json" > "$out/decode_dequant.log" 2>&1
       grep -E "prefill|FAILED|Error" "$out/decode_dequant.log" | head -12;;
+    wgmma_each)
+      # each WGMMA_VARIANTS in a process of its own with CUDA_LAUNCH_BLOCKING (which one faults,
+      # if one does), correctness only at WGMMA_MS (default 256)
+      for v in ${WGMMA_VARIANTS:-wgmma_n128 wgmma_n128_g4 wgmma_n128_wr2_g4}; do
+        CUDA_LAUNCH_BLOCKING=1 timeout ${EACH_TIMEOUT:-70} python3 \
+          experiments/kernels/check_gemm_wgmma.py --ms ${WGMMA_MS:-256} --variants $v --no-time \
+          --out "$out/each_$v.json" > "$out/each_$v.log" 2>&1
+        echo "$v rc=$?"
+        grep -E "^\{|FAILED|Error|error:|^  \(" "$out/each_$v.log" | grep -v "cuda_event\|allocator" \
+          | cut -c1-300 | head -8
+      done;;
+    prefill_profile)
+      # every kernel of one 512-token prefill of PROFILE_LAYERS (8) layers: the default (the
+      # dot path with the dequantizer), the mma.sync GEMM up to 512 rows, bf16; batch 1 and 8
+      timeout ${PROFILE_TIMEOUT:-240} python3 experiments/profile_step.py --phase prefill \
+        --layers ${PROFILE_LAYERS:-8} --steps 2 ${PREFILL_VARIANTS:---variant nvfp4:1 \
+        --variant nvfp4:1:gemm_max_m=512 --variant bf16:1 --variant nvfp4:8 --variant bf16:8} \
+        --out "$out/prefill_profile.json" > "$out/prefill_profile.log" 2>&1
+      echo "profile rc=$?"; grep -vE "^\s*$|Warning|warn" "$out/prefill_profile.log" | tail -60;;
     accept_kernel)
       # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
       # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the
