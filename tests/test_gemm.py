@@ -536,7 +536,9 @@ def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monk
             ),
             x,
         )
-    assert nvfp4_gemm_wgmma.ENTRY not in text and "__gpu$xla.gpu.ptx" not in text  # the dot
+    # the dot path (its weight decoded by the dequantizer kernel, the default), no GEMM
+    assert re.findall(r"name = \\22(\w+)\\22", text) == [nvfp4_dequant.ENTRY], text[:2000]
+    assert "dot_general" in text
 
 
 def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
