@@ -19,7 +19,8 @@
 # prefill paths end to end, the GEMM against the dot at M = 1024 / 2048); dequant (the dot
 # path's dequantizer kernel: GPU tests, per linear, 36-layer prefill); accept_kernel and accept_decode ([T2-C]'s acceptance table and
 # end-to-end rows; one call each); wgmma_each (each wgmma variant's check in its own process,
-# launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers).
+# launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers); quant_rows
+# (the quantizer's GPU tests with its one-CTA-a-row path).
 # Knobs: BENCH_ARGS, PYTEST_K.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -221,6 +222,11 @@ PY
         grep -E "^\{|FAILED|Error|error:|^  \(" "$out/each_$v.log" | grep -v "cuda_event\|allocator" \
           | cut -c1-300 | head -8
       done;;
+    quant_rows)
+      # the quantizer kernel's GPU tests, with its one-CTA-a-row path from 264 rows
+      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -rs -m gpu tests/test_quant_kernel_gpu.py \
+        -k "xhat or equals_quantize" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
+      echo "quant pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/quant_pytest.log" | head;;
     prefill_profile)
       # every kernel of one 512-token prefill of PROFILE_LAYERS (8) layers: the default (the
       # dot path with the dequantizer), the mma.sync GEMM up to 512 rows, bf16; batch 1 and 8

@@ -80,7 +80,7 @@ def test_quantizer_equals_quantize_activation(k, dynamic, prologue):
     norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
     xg = jnp.asarray([0.05, 0.01] if stacked else [0.01], jnp.float32)
     layer = jnp.int32(1)
-    for m in (1, 3, 8, 64):  # the GEMV's rows, and a GEMM batch
+    for m in (1, 3, 8, 64, 300):  # the GEMV's rows, GEMM batches (300: one CTA a row)
         x = _x(m, width, m * 7 + k)
         got, want = _quantize(x, xg, norm, layer, k, fused)
         what = f"M={m} K={k} dynamic={dynamic} prologue={prologue}"
@@ -255,7 +255,7 @@ def test_gemv_prefetch_changes_no_bits(n, k, options):
 
 # ----------------------------------------------------------------------------- the x_hat form
 
-XHAT_M = (9, 16, 64, 256)
+XHAT_M = (9, 16, 64, 256, 300, 512)  # from nvfp4_quant.ROW_CTA_MIN_M (264): one CTA a row
 XHAT_OPTIONS = nvfp4_gemm.GemmOptions(x_quant="kernel")  # the x_hat quantizer (the default)
 
 
@@ -311,7 +311,7 @@ def test_xhat_form_is_the_codes_form_in_the_gemm_order(k, prologue):
     norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
     xg = jnp.ones((1,), jnp.float32)
     layer = jnp.int32(1)
-    for m in (9, 64):
+    for m in (9, 64, 300):  # 300: one CTA a row (nvfp4_quant.ROW_CTA_MIN_M)
         x = _x_edges(m, width, m * 13 + k)
         (got, got_g), (want, want_g) = _xhat(x, xg, norm, layer, k, fused)
         codes = nvfp4_quant.build(m, k, fused)
