@@ -224,7 +224,7 @@ PY
       done;;
     quant_rows)
       # the quantizer kernel's GPU tests, with its one-CTA-a-row path from 264 rows
-      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -rs -m gpu tests/test_quant_kernel_gpu.py \
+      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rs -m gpu tests/test_quant_kernel_gpu.py \
         -k "xhat or equals_quantize" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
       echo "quant pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/quant_pytest.log" | head;;
     prefill_profile)
