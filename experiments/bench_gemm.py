@@ -9,7 +9,7 @@ Per unique (N, K) of the paper's models (18) and M in {8, 16, 32, 64, 128, 256}:
   * jax bf16: `jnp.dot(x, w.T)` over bf16 weight copies in one jit (host clock), the baseline;
   * torch bf16: `F.linear` over bf16 weight copies in a CUDA graph (cuBLAS), a second baseline;
   * old path (`--old-ms`): what M > 8 ran before the GEMM, the reference lowering on CUDA
-    (dequantize every weight to bf16, then one bf16 dot), jitted;
+    (XLA's fusions dequantize every weight to bf16, then one bf16 dot), jitted;
   * dot kernel (op `dot_kernel`, at the `--old-ms`): the same dot path with the weights decoded
     by the dequantizer kernel (`GemmOptions.dot_dequant="kernel"`), jitted;
   * gemm jit (`--jit-ms`): our whole jitted path (activation x_hat fusion + kernel(s)) through
@@ -265,7 +265,9 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
         args = (xq.packed, xs, xg)
 
         def dot_path(opts, args=args, wps=wps, wss=wss):
-            def run(wps, wss):
+            # the activations come in as arguments too: closed over, XLA constant-folds their
+            # decode (seconds of compile at M = 4096)
+            def run(wps, wss, args):
                 return [
                     kernels.gemv_call(
                         (*args, wp, ws, wg, layer0), act="w4a4", n=n, k=k, impl="auto",
@@ -274,11 +276,14 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                     for wp, ws in zip(wps, wss, strict=True)
                 ]  # fmt: skip
 
-            return bk.time_jax(jax.jit(run), (wps[:8], wss[:8]), 8, calls=3, trials=3)
+            return bk.time_jax(jax.jit(run), (wps[:8], wss[:8], args), 8, calls=3, trials=3)
 
         if "old_path" in ops and m in old_ms and m > 8:
-            # the reference lowering on CUDA: GEMM disabled by a min_m no batch reaches
-            row["old_path_s"] = dot_path(nvfp4_gemm.GemmOptions(min_m=1 << 30, max_m=None))
+            # the reference lowering on CUDA with XLA's decode: GEMM disabled by a min_m no
+            # batch reaches
+            row["old_path_s"] = dot_path(
+                nvfp4_gemm.GemmOptions(min_m=1 << 30, max_m=None, dot_dequant="xla")
+            )
         if "dot_kernel" in ops and m in old_ms and m > 1:
             # the dot path as prefill runs it above max_m rows, with the dequantizer kernel
             # (GemmOptions.dot_dequant "kernel") instead of XLA's decode
