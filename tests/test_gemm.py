@@ -1195,6 +1195,7 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
     n, k = 256, 512
     w = _stacked_weight(rng, 2, n, k, False)
     on = nvfp4_gemm.GemmOptions(dot_dequant="kernel")
+    xla = nvfp4_gemm.GemmOptions(dot_dequant="xla")
     for m in (257, 512):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=on), x)
@@ -1210,7 +1211,6 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
         assert re.search(rf"-> tensor<{n}x{k}xbf16>", text) and "dot_general" in text
         default = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
         assert default.count(nvfp4_dequant.ENTRY) == text.count(nvfp4_dequant.ENTRY) > 0
-        xla = nvfp4_gemm.GemmOptions(dot_dequant="xla")
         off = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=xla), x)
         assert nvfp4_dequant.ENTRY not in off and "dot_general" in off
         two = _lower_cuda(lambda x: fl.fused_linear(x, {"weight": w}, layer=1, kernels="two",
