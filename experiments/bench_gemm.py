@@ -127,6 +127,10 @@ def _build_variant(name, m, n, k):
 def time_gemm_graph(torch, kernel, xh, xg, weights, wg, layer0):
     """Device time per call of the GEMM (and its split-K epilogue) alone: one CUDA graph of
     direct launches over the weight copies, CUDA events."""
+    import jax
+
+    # raw pointers go to launches on torch's stream, which does not wait for JAX's transfers
+    jax.block_until_ready((xh, xg, weights, wg, layer0))
     p = kernel.plan
     outs = [torch.empty((p.m, p.n), dtype=torch.bfloat16, device="cuda") for _ in weights]
     work = None

@@ -326,9 +326,13 @@ def time_kernel_graph(torch, act, m, n, k, x_ops, weights, wg):
     """Device time per call of the kernel alone: one CUDA graph of direct launches (the same
     PTX the custom call carries) over the weight copies, timed with CUDA events. No XLA runtime
     and no host dispatch in the measured interval: the floor the jitted call approaches."""
+    import jax
+
     from cuda_ops import nvfp4_gemv
 
     kernel = nvfp4_gemv.build(act, m, n, k, options=options_from_env())
+    # raw pointers go to launches on torch's stream, which does not wait for JAX's transfers
+    jax.block_until_ready((x_ops, weights, wg, LAYER0))
     xptr = [a.unsafe_buffer_pointer() for a in x_ops]
     gptr = wg.unsafe_buffer_pointer()
     lptr = LAYER0.unsafe_buffer_pointer()

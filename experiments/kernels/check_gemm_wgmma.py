@@ -216,6 +216,8 @@ def check_case(c: _Ctx, tag, n, k, m, w: _Weights, kernels: dict, seed) -> tuple
     floor = _rel(c, y64.to(torch.bfloat16), y64)
     bound = 1.5 * floor + 1e-6
     wp_d, ws_d, wg_d = w.d
+    # raw pointers go to launches on torch's stream, which does not wait for JAX's transfers
+    jax.block_until_ready((xp_d, xs_d, xg_d, wp_d, ws_d, wg_d, c.layer0))
     tail = [
         wp_d.unsafe_buffer_pointer(),
         ws_d.unsafe_buffer_pointer(),

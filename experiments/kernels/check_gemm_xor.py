@@ -186,6 +186,8 @@ def check_case(c: _Ctx, case, kernels: dict, variants) -> tuple[dict, list]:
         "ws": jnp.asarray(ws),
         "gw": jnp.asarray(gw),
     }
+    # raw pointers go to launches on torch's stream, which does not wait for JAX's transfers
+    c.jax.block_until_ready((d, c.layer0))
 
     def ptrs(repacked: bool):
         out = [xh.unsafe_buffer_pointer(), d["xg"].unsafe_buffer_pointer()]
