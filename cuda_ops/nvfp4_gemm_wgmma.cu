@@ -164,6 +164,21 @@ static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses have 18 bi
 static_assert(STAGES * STAGE_BYTES <= SMEM_BYTES, "the pipeline must fit in shared memory");
 #endif
 
+// GROUP_WORDS == 4 at KT == 128 makes a stage ONE commit group, so the group in flight during a
+// decode (wait_group 1) is the previous stage's, and in the rolled stage loop both are the same
+// PTX registers: writing the A registers of an in-flight wgmma is undefined (PTX ISA), and ptxas
+// does reuse them (and more) right after the back edge (SASS: the next stage's address and
+// decode writes land in the in-flight HGMMAs' A registers; device: NaN outputs). Two remedies:
+//   1  the stage loop unrolled by two: even and odd stages decode into two register sets, one
+//      group still in flight during each decode (2 x 32 WR A registers besides the WR x NACC
+//      accumulators; used where that stays within about 192)
+//   2  wait_group 0 at the end of each stage: no own group in flight during a decode (one set)
+// 0: several groups a stage (GROUP_WORDS 1 or 2, or KT 256): consecutive groups are distinct
+// unrolled code, hence distinct registers. (A function, not a constant: no PTX global.)
+constexpr int one_group_stage() {
+  return GROUP_WORDS != 4 * SUB ? 0 : WR * (NACC + 64) <= 192 ? 1 : 2;
+}
+
 // ---------------------------------------------------------------------------- small helpers
 
 #include "gemm_common.cuh"
@@ -315,7 +330,8 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
 // One stage: per 128-element sub-chunk h and GROUP_WORDS code words u, decode, then their
 // 2 x GROUP_WORDS k16 steps of WR wgmmas as one commit group; wait_group 1 keeps one group in
 // flight during the next decode. Larger groups wait less often per MAC and hold more A
-// registers (two groups' worth: the one in flight and the one being decoded).
+// registers (two groups' worth: the one in flight and the one being decoded). Where a stage is
+// one group, see one_group_stage: the kernel's loop or wait_group 0 keeps them apart.
 __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], int wgi, int wq,
                                               int lane) {
   const int g = lane >> 2, t = lane & 3;
@@ -359,7 +375,10 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], in
         }
       }
       wg_commit();
-      wg_wait<1>();
+      if constexpr (one_group_stage() == 2)
+        wg_wait<0>();  // the next stage's decode rewrites this group's A registers
+      else
+        wg_wait<1>();
     }
   }
 }
@@ -401,16 +420,37 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   // into the epilogue (ptxas serializes the wgmmas when the zero accumulators of such a path
   // meet the in-flight ones)
   int i = 0;
-  do {
-    cp_wait<STAGES - 3>();  // this thread's copies of stage i landed
-    fence_async_shared();   // ... and are visible to the async proxy (wgmma's B reads)
-    __syncthreads();        // every thread's; the wgmmas of stage i - 2 are complete
-    const int next = i + STAGES - 2;
-    if (next < nk)
-      load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
-    cp_commit();
-    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
-  } while (++i < nk);
+  if constexpr (one_group_stage() == 1) {
+    // two copies of the stage a trip (one_group_stage above): stage i's group is in flight
+    // while stage i + 1 decodes into the other copy's registers
+    const auto step = [&](int i) {
+      cp_wait<STAGES - 3>();
+      fence_async_shared();
+      __syncthreads();
+      const int next = i + STAGES - 2;
+      if (next < nk)
+        load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
+      cp_commit();
+      compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
+    };
+    for (;;) {
+      step(i);
+      if (++i == nk) break;
+      step(i);
+      if (++i == nk) break;
+    }
+  } else {
+    do {
+      cp_wait<STAGES - 3>();  // this thread's copies of stage i landed
+      fence_async_shared();   // ... and are visible to the async proxy (wgmma's B reads)
+      __syncthreads();        // every thread's; the wgmmas of stage i - 2 are complete
+      const int next = i + STAGES - 2;
+      if (next < nk)
+        load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
+      cp_commit();
+      compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
+    } while (++i < nk);
+  }
   wg_wait<0>();
 #pragma unroll
   for (int r = 0; r < WR; ++r)

@@ -66,8 +66,12 @@ VARIANTS = {
     # the stage copies as first written (loops from each thread's index, not unrolled)
     "wgmma_n128_loop": {"tm": 128, "nwg": 2, "wr": 1, "static_copies": False},
     # longer commit groups (fewer waits a MAC, more A registers): all 4 code words of a stage
-    # (8 k16 steps) with one and with two tiles a warpgroup (ptxas sm_90a: 139 / 241
-    # registers, no spills; one warpgroup arrive and wait a stage instead of four)
+    # (8 k16 steps) with one and with two tiles a warpgroup (ptxas sm_90a: 168 / 241
+    # registers, no spills; one warpgroup arrive and wait a stage instead of four). A stage is
+    # then one commit group: one tile a warpgroup unrolls the stage loop by two (two register
+    # sets, the previous stage's group in flight), two tiles wait for their own group at the
+    # end of each stage (the kernel's one_group_stage; the first build rewrote the A registers
+    # of an in-flight group)
     "wgmma_n128_g4": {"tm": 128, "nwg": 2, "wr": 1, "group_words": 4},
     "wgmma_n128_wr2_g4": {"tm": 128, "nwg": 2, "wr": 2, "group_words": 4},
 }
