@@ -22,7 +22,7 @@
 # launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers); quant_rows
 # (the quantizer's GPU tests with its one-CTA-a-row path); small_m (Config.gemm_small_max_m:
 # those tests, the 36-layer prefill at batch 1 with and without it, the 8-layer profile).
-# Knobs: BENCH_ARGS, PYTEST_K.
+# Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (small_m's quantizer tests), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas pytest bench}
@@ -154,7 +154,7 @@ PY
       # prefill): bits against production and float64, then timed with production and bf16
       timeout ${BENCH_TIMEOUT:-400} python3 experiments/kernels/check_gemm_wgmma.py \
         --ms ${WGMMA_MS:-256,512} --variants ${WGMMA_VARIANTS:-wgmma_n128,wgmma_n128_wr2,wgmma_n128_g4,wgmma_n128_wr2_g4} \
-        --time-budget 300 --out "$out/wgmma_large.json" > "$out/wgmma_large.log" 2>&1
+        --time-budget ${WGMMA_TIME_BUDGET:-300} --out "$out/wgmma_large.json" > "$out/wgmma_large.log" 2>&1
       echo "wgmma_large rc=$?"; grep -v '^{' "$out/wgmma_large.log" | tail -40;;
     wgmma_prefill)
       # prefill's linears (Qwen3-8B, 512 tokens at batch 1 / 8): the wgmma large tiles against
@@ -241,7 +241,7 @@ PY
       # the dot): the quantizer's one-CTA-a-row GPU tests, the 36-layer prefill at batch 1
       # with and without it (bf16 beside), and the 8-layer prefill profile of both
       timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -rs -m gpu tests/test_quant_kernel_gpu.py \
-        -k "xhat or equals_quantize" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
+        -k "${QUANT_K:-xhat or equals_quantize}" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
       echo "quant pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/quant_pytest.log" | head
       timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
         --batch 1 --gen-len 32 --repeats 3 --no-breakdown --gemm-small-max-m none 512 \
