@@ -123,11 +123,6 @@ DEFAULT_MIN_M = 8  # the GEMV handles M <= 7
 # prefill of the 36-layer model measured 41.0 / 275 ms (GEMM, batch 1 / 8) against 34.1 / 163 ms
 # (dot) (experiments/results/h200_e/, h200_f/).
 DEFAULT_MAX_M = 256
-# `GemmOptions.small_max_m` applies to weights of at most this many elements (N x K): Qwen3-8B's
-# qkv (6144 x 4096) and o_proj (4096 x 4096), where kernel alone at M = 512 the GEMM beat the
-# dot path (90 / 59 against 111 / 68 us, H100, experiments/results/dequant_h100/), unlike the
-# two larger linears.
-SMALL_WEIGHT = 6144 * 4096
 DEFAULT_W_SHIFT = 7  # decoded weights carry 2^(W_SHIFT - 14): see nvfp4_gemm.cu's numerics
 # How a stage's global -> shared copies are written (nvfp4_gemm.cu, STATIC_COPIES): "loop"
 # (loops whose trip count depends on the thread: they do not unroll, about 19 instructions a
@@ -188,10 +183,6 @@ class GemmOptions:
             once per tile) instead of this GEMM or, above `max_m`, the dot; None (the
             default): never. Opt-in: not yet measured inside a model.
         wgmma_tm: that GEMM's token tile, 128 (the default) or 256.
-        small_max_m: for weights of at most `SMALL_WEIGHT` elements, the largest M the "auto"
-            dispatch sends to this GEMM when that is more than `max_m` (prefill's small
-            linears on the GEMM, the large ones on the dot); None (the default): `max_m` for
-            every weight (`bound_for`).
         dot_dequant: how the dot path above `max_m` rows decodes the weight to bf16:
             "kernel" (the default: the dequantizer kernel; 512-token prefill 29.6 against
             31.2 ms at batch 1 on an H100) or "xla" (XLA's fusions) (`DOT_DEQUANTS`).
@@ -217,7 +208,6 @@ class GemmOptions:
     max_regs: int | None = None
     wgmma_min_m: int | None = None
     wgmma_tm: int = 128
-    small_max_m: int | None = None
     dot_dequant: str = "kernel"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
@@ -250,12 +240,6 @@ class GemmOptions:
         ):
             raise KernelError(
                 f"GemmOptions.wgmma_min_m={self.wgmma_min_m!r}, expected None or an int >= 1"
-            )
-        if self.small_max_m is not None and (
-            not isinstance(self.small_max_m, int) or self.small_max_m < 1
-        ):
-            raise KernelError(
-                f"GemmOptions.small_max_m={self.small_max_m!r}, expected None or an int >= 1"
             )
         if self.dot_dequant not in DOT_DEQUANTS:
             raise KernelError(
@@ -291,15 +275,6 @@ class GemmOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not ok(value)):
                 raise KernelError(f"GemmOptions.{name}={value!r}, expected None or {expect[name]}")
-
-    def bound_for(self, n: int, k: int) -> int | None:
-        """The largest M the "auto" dispatch sends to this GEMM for an [n, k] weight: `max_m`,
-        or `small_max_m` where that is larger and n x k <= `SMALL_WEIGHT` (None: no bound)."""
-        if self.max_m is None:
-            return None
-        if self.small_max_m is not None and n * k <= SMALL_WEIGHT:
-            return max(self.max_m, self.small_max_m)
-        return self.max_m
 
 
 DEFAULT_OPTIONS = GemmOptions()

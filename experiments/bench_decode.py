@@ -364,16 +364,6 @@ def main(argv=None) -> dict:
         "variant once per value (labelled ' wg=K' unless 'none')",
     )
     ap.add_argument(
-        "--gemm-small-max-m",
-        type=_max_m,
-        nargs="+",
-        default=[rconfig.Config.gemm_small_max_m],
-        help="Config.gemm_small_max_m: weights of at most cuda_ops.nvfp4_gemm.SMALL_WEIGHT "
-        "elements (qkv, o_proj) take the GEMM up to this many rows ('none': --gemm-max-m for "
-        "every weight, the default); several values run every NVFP4 variant once per value "
-        "(labelled ' sm=K' unless 'none')",
-    )
-    ap.add_argument(
         "--gemm-dot-dequant",
         nargs="+",
         default=[rconfig.Config.gemm_dot_dequant],
@@ -545,10 +535,10 @@ def _variants(base: Params, args, quant):
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
     per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
-    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-small-max-m x
-    --gemm-dot-dequant (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" /
-    " oo=CHOICE" / " gc=CHOICE" / " wg=K" / " sm=K" / " dq=CHOICE" unless Config's default; the
-    last loop innermost, so its values run adjacent)."""
+    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-dot-dequant (labelled
+    " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" /
+    " wg=K" / " dq=CHOICE" unless Config's default; the last loop innermost, so its values run
+    adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -572,7 +562,7 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo, gc, wgm, sm, dq)
+                (p, o, f, ao, go, oo, gc, wgm, dq)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
@@ -581,14 +571,12 @@ def _variants(base: Params, args, quant):
                 for oo in args.o_proj_output
                 for gc in args.gemm_chain
                 for wgm in args.gemm_wgmma_min_m
-                for sm in args.gemm_small_max_m
                 for dq in args.gemm_dot_dequant
             ]
-            for spec, occ, fusion, out, gu, op_out, chain, wgm, sm, dq in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain, wgm, dq in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
-                    gemm_small_max_m=sm,
                     gemm_dot_dequant=dq,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
@@ -608,7 +596,6 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if op_out == rconfig.Config.o_proj_output else f" oo={op_out}"
                 occ_tag += "" if chain == rconfig.Config.gemm_chain else f" gc={chain}"
                 occ_tag += "" if wgm is None else f" wg={wgm}"
-                occ_tag += "" if sm is None else f" sm={sm}"
                 occ_tag += "" if dq == rconfig.Config.gemm_dot_dequant else f" dq={dq}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)

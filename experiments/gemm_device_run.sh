@@ -20,9 +20,8 @@
 # path's dequantizer kernel: GPU tests, per linear, 36-layer prefill); accept_kernel and accept_decode ([T2-C]'s acceptance table and
 # end-to-end rows; one call each); wgmma_each (each wgmma variant's check in its own process,
 # launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers); quant_rows
-# (the quantizer's GPU tests with its one-CTA-a-row path); small_m (Config.gemm_small_max_m:
-# those tests, the 36-layer prefill at batch 1 with and without it, the 8-layer profile).
-# Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (small_m's quantizer tests), WGMMA_TIME_BUDGET.
+# (the quantizer's GPU tests with its one-CTA-a-row path).
+# Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas pytest bench}
@@ -226,7 +225,7 @@ PY
     quant_rows)
       # the quantizer kernel's GPU tests, with its one-CTA-a-row path from 264 rows
       timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rs -m gpu tests/test_quant_kernel_gpu.py \
-        -k "xhat or equals_quantize" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
+        -k "${QUANT_K:-xhat or equals_quantize}" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
       echo "quant pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/quant_pytest.log" | head;;
     prefill_profile)
       # every kernel of one 512-token prefill of PROFILE_LAYERS (8) layers: the default (the
@@ -236,21 +235,6 @@ PY
         --variant nvfp4:1:gemm_max_m=512 --variant bf16:1 --variant nvfp4:8 --variant bf16:8} \
         --out "$out/prefill_profile.json" > "$out/prefill_profile.log" 2>&1
       echo "profile rc=$?"; grep -vE "^\s*$|Warning|warn" "$out/prefill_profile.log" | tail -60;;
-    small_m)
-      # Config.gemm_small_max_m 512 (qkv / o_proj on the GEMM up to 512 rows, gate_up / down on
-      # the dot): the quantizer's one-CTA-a-row GPU tests, the 36-layer prefill at batch 1
-      # with and without it (bf16 beside), and the 8-layer prefill profile of both
-      timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -rs -m gpu tests/test_quant_kernel_gpu.py \
-        -k "${QUANT_K:-xhat or equals_quantize}" -p no:cacheprovider > "$out/quant_pytest.log" 2>&1
-      echo "quant pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/quant_pytest.log" | head
-      timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes nvfp4 bf16 \
-        --batch 1 --gen-len 32 --repeats 3 --no-breakdown --gemm-small-max-m none 512 \
-        --out "$out/decode_small_m.json" > "$out/decode_small_m.log" 2>&1
-      echo "decode rc=$?"; grep -E "prefill|FAILED|Error" "$out/decode_small_m.log" | head -12
-      timeout ${PROFILE_TIMEOUT:-120} python3 experiments/profile_step.py --phase prefill \
-        --layers 8 --steps 2 --variant nvfp4:1 --variant nvfp4:1:gemm_small_max_m=512 \
-        --out "$out/prefill_profile_small_m.json" > "$out/prefill_profile_small_m.log" 2>&1
-      echo "profile rc=$?"; grep -vE "^\s*$|Warning|warn" "$out/prefill_profile_small_m.log" | tail -30;;
     accept_kernel)
       # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
       # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the

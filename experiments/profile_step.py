@@ -53,7 +53,7 @@ from rejax import config as rconfig
 from rejax import sampling
 
 _INT_FIELDS = {"gemm_min_m", "scan_unroll", "decode_unroll"}
-_OPT_INT_FIELDS = {"gemm_max_m", "gemm_wgmma_min_m", "gemm_small_max_m"}  # an int or "none"
+_OPT_INT_FIELDS = {"gemm_max_m", "gemm_wgmma_min_m"}  # an int or "none"
 _BOOLS = {"on": True, "off": False, "true": True, "false": False}
 
 

@@ -338,10 +338,6 @@ class Config:
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
-    # ... except that weights of at most cuda_ops.nvfp4_gemm.SMALL_WEIGHT elements (Qwen3-8B's
-    # qkv and o_proj) take the GEMM up to this many rows when more than gemm_max_m (None: the
-    # same bound for every weight) (GemmOptions.small_max_m)
-    gemm_small_max_m: int | None = None
     # NVFP4 W4A4 linears with at least this many rows (prefill) take the warpgroup-MMA GEMM on
     # CUDA (cuda_ops.nvfp4_gemm_wgmma: 128-token tiles, each weight decoded once per tile;
     # sm_90) before the GEMM and the dot (GemmOptions.wgmma_min_m); None: never. Opt-in: inside
@@ -445,12 +441,6 @@ class Config:
         ):
             raise ValueError(
                 f"gemm_wgmma_min_m must be None or an int >= 1, got {self.gemm_wgmma_min_m!r}"
-            )
-        if self.gemm_small_max_m is not None and not (
-            isinstance(self.gemm_small_max_m, int) and self.gemm_small_max_m >= 1
-        ):
-            raise ValueError(
-                f"gemm_small_max_m must be None or an int >= 1, got {self.gemm_small_max_m!r}"
             )
         if self.gemm_max_m is not None and not (
             isinstance(self.gemm_max_m, int) and self.gemm_max_m >= self.gemm_min_m

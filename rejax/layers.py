@@ -155,7 +155,6 @@ def linear(
     gemm_copies: str | None = None,
     gemm_wgmma_min_m: int | None = None,
     gemm_dot_dequant: str | None = None,
-    gemm_small_max_m: int | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -191,9 +190,6 @@ def linear(
             (`GemmOptions.wgmma_min_m`; None: never, the default; see `Config.gemm_wgmma_min_m`).
         gemm_dot_dequant: how the dot path above `gemm_max_m` rows decodes the weight
             (`GemmOptions.dot_dequant`; None: the default, "kernel"; see `Config.gemm_dot_dequant`).
-        gemm_small_max_m: NVFP4 W4A4 on CUDA: for small weights the most rows the GEMM takes
-            when above `gemm_max_m` (`GemmOptions.small_max_m`; None: `gemm_max_m` for every
-            weight, the default; see `Config.gemm_small_max_m`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does
@@ -233,7 +229,6 @@ def linear(
             copies=gemm_copies,
             wgmma_min_m=gemm_wgmma_min_m,
             dot_dequant=gemm_dot_dequant,
-            small_max_m=gemm_small_max_m,
         )
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
@@ -281,16 +276,13 @@ def gemm_options(
     copies: str | None = None,
     wgmma_min_m: int | None = None,
     dot_dequant: str | None = None,
-    small_max_m: int | None = None,
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
-    `copies`, `wgmma_min_m`, `dot_dequant` and `small_max_m` (None / "default": the defaults;
-    max_m None is no bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`,
-    `gemm_reduce`, `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`,
-    `gemm_dot_dequant` and `gemm_small_max_m`."""
+    `copies`, `wgmma_min_m` and `dot_dequant` (None / "default": the defaults; max_m None is no
+    bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
+    `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m` and
+    `gemm_dot_dequant`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
-    if small_max_m is not None:
-        opts = dataclasses.replace(opts, small_max_m=small_max_m)
     if dot_dequant is not None and dot_dequant != opts.dot_dequant:
         opts = dataclasses.replace(opts, dot_dequant=dot_dequant)
     if wgmma_min_m is not None:

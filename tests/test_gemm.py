@@ -1247,43 +1247,6 @@ def test_config_gemm_dot_dequant(stub_compilers):
         nvfp4_gemm.GemmOptions(dot_dequant="cuda")
 
 
-def test_small_max_m_bound_by_weight_size():
-    """GemmOptions.small_max_m raises the GEMM's row bound for weights of at most SMALL_WEIGHT
-    elements only (Qwen3-8B's qkv and o_proj, not gate_up or down), never lowers it, and means
-    nothing without a max_m; bad values are refused."""
-    opts = nvfp4_gemm.GemmOptions(small_max_m=512)
-    assert nvfp4_gemm.SMALL_WEIGHT == 6144 * 4096
-    assert opts.bound_for(6144, 4096) == opts.bound_for(4096, 4096) == 512
-    assert opts.bound_for(24576, 4096) == opts.bound_for(4096, 12288) == 256
-    assert nvfp4_gemm.DEFAULT_OPTIONS.bound_for(4096, 4096) == nvfp4_gemm.DEFAULT_MAX_M
-    assert nvfp4_gemm.GemmOptions(max_m=1024, small_max_m=512).bound_for(64, 64) == 1024
-    assert nvfp4_gemm.GemmOptions(max_m=None, small_max_m=512).bound_for(64, 64) is None
-    assert kernels.prefers_dot("w4a4", 512, "auto", opts, 24576, 4096)
-    assert not kernels.prefers_dot("w4a4", 512, "auto", opts, 6144, 4096)
-    assert kernels.prefers_dot("w4a4", 513, "auto", opts, 6144, 4096)
-    assert kernels.prefers_dot("w4a4", 512, "auto", opts)  # no shape: max_m
-    with pytest.raises(cbuild.KernelError, match="small_max_m=0, expected None or an int"):
-        nvfp4_gemm.GemmOptions(small_max_m=0)
-    with pytest.raises(ValueError, match="gemm_small_max_m must be None or an int >= 1"):
-        rconfig.Config(gemm_small_max_m=-1)
-
-
-def test_config_gemm_small_max_m_reaches_prefill(stub_compilers, monkeypatch):
-    """Config.gemm_small_max_m: in a 512-token prefill the small weights take the GEMM and the
-    others the dot path (SMALL_WEIGHT lowered to the tiny model's o_proj, 256 x 256, so that
-    its qkv, gate_up and down count as large), under "split" and "unfused"; without it all
-    four take the dot."""
-    base, params = _tiny_prefill_model()
-    monkeypatch.setattr(nvfp4_gemm, "SMALL_WEIGHT", 256 * 256)
-    for fusion in ("split", "unfused"):
-        cfg = dataclasses.replace(base, linear_fusion=fusion)
-        on = _prefill_entries(params, dataclasses.replace(cfg, gemm_small_max_m=512), 512)
-        assert on.count(nvfp4_dequant.ENTRY) == 3, (fusion, on)
-        assert on.count(nvfp4_gemm.ENTRY) == 1, (fusion, on)
-        off = _prefill_entries(params, cfg, 512)
-        assert off.count(nvfp4_dequant.ENTRY) == 4 and nvfp4_gemm.ENTRY not in off, (fusion, off)
-
-
 def test_dequant_kernel_checks_and_compiles():
     """The dequantizer refuses a K that is not a multiple of 16 and bad `groups` before NVRTC;
     with NVRTC its PTX has the entry with 3 operands and the result."""

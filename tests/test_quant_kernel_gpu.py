@@ -325,7 +325,11 @@ def test_xhat_form_is_the_codes_form_in_the_gemm_order(k, prologue):
             np.testing.assert_array_equal(got, want, err_msg=what)
         else:
             assert np.mean(got == want) >= QUANT_EQUAL, what
-            np.testing.assert_allclose(got_g, want_g, rtol=1e-2, err_msg=what)
+            # the row's amax may be an input the two round differently: SwiGLU's
+            # rbf16(rbf16(g * sigmoid) * up) with the kernel's sigmoid moves the product by up
+            # to two bf16 ulps (2 x 2^-7 at a binade's bottom; measured 1.03% and 1.16% at
+            # 300 rows on an H100, experiments/results/wgmma_g4_small_m_h100/)
+            np.testing.assert_allclose(got_g, want_g, rtol=2.0**-6, err_msg=what)
 
 
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])

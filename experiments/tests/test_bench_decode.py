@@ -25,7 +25,6 @@ def _args(**kw):
         "o_proj_output": [rconfig.Config.o_proj_output],
         "gemm_chain": [rconfig.Config.gemm_chain],
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
-        "gemm_small_max_m": [rconfig.Config.gemm_small_max_m],
         "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
@@ -114,21 +113,6 @@ def test_variants_cross_gemm_dot_dequant(base):
         ("head=bf16 prefetch=none", "kernel", None),
         ("head=bf16 prefetch=none wg=128 dq=xla", "xla", 128),
         ("head=bf16 prefetch=none wg=128", "kernel", 128),
-    ]
-    assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
-
-
-def test_variants_cross_gemm_small_max_m(base):
-    """--gemm-small-max-m: one NVFP4 variant per value (labelled " sm=K" unless None), inside
-    --gemm-dot-dequant's loop; bf16 runs once."""
-    args = _args(gemm_small_max_m=[None, 512], gemm_dot_dequant=["xla", "kernel"])
-    got = [(label, p.cfg.gemm_small_max_m, p.cfg.gemm_dot_dequant) for _, _, label, p in
-           bd._variants(base, args, "nvfp4")]  # fmt: skip
-    assert got == [
-        ("head=bf16 prefetch=none dq=xla", None, "xla"),
-        ("head=bf16 prefetch=none", None, "kernel"),
-        ("head=bf16 prefetch=none sm=512 dq=xla", 512, "xla"),
-        ("head=bf16 prefetch=none sm=512", 512, "kernel"),
     ]
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
 

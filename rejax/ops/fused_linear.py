@@ -295,7 +295,7 @@ def _lower_two(ctx, *args, **params):
                 _wgmma_composed, n=n, k=k, fused=fused, kernel=kernel, launch=params["launch"]
             )
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
-    if prefers_dot("w4a4", m, params["impl"], params["gemm_options"], n, k):
+    if prefers_dot("w4a4", m, params["impl"], params["gemm_options"]):
         # above GemmOptions.max_m (prefill) the composition with one bf16 dot is the faster
         # path by measurement: chosen, so no reference-path note
         dq = dequant_kernel(n, k, params["gemm_options"])

@@ -142,7 +142,7 @@ def _lower_cuda(ctx, *args, **params):
                 _wgmma_impl, kernel=kernel, launch=params["launch"], drop=pf.operands if pf else 0
             )
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
-    if prefers_dot(act, m, params["impl"], params["gemm_options"], n, k):
+    if prefers_dot(act, m, params["impl"], params["gemm_options"]):
         dq = dequant_kernel(n, k, params["gemm_options"])
         if dq is not None:
             pf = params["prefetch"]
@@ -440,19 +440,11 @@ def _dot_impl(*args, k, kernel, drop=0):
 # ----------------------------------------------------------------------------- dispatch
 
 
-def prefers_dot(
-    act: str,
-    m: int,
-    impl: str,
-    gemm_options: nvfp4_gemm.GemmOptions,
-    n: int | None = None,
-    k: int | None = None,
-) -> bool:
+def prefers_dot(act: str, m: int, impl: str, gemm_options: nvfp4_gemm.GemmOptions) -> bool:
     """Whether the "auto" dispatch takes the dot reference by choice: W4A4 at M above
     `gemm_options.max_m` (prefill), where dequantizing the weight for one cuBLAS dot measured
-    faster than the GEMM (`nvfp4_gemm.DEFAULT_MAX_M`). Given the weight's [n, k], the bound is
-    `gemm_options.bound_for(n, k)` (`small_max_m` for small weights); without, `max_m`."""
-    limit = gemm_options.max_m if n is None else gemm_options.bound_for(n, k)
+    faster than the GEMM (`nvfp4_gemm.DEFAULT_MAX_M`)."""
+    limit = gemm_options.max_m
     return impl == "auto" and act == "w4a4" and limit is not None and m > limit
 
 
