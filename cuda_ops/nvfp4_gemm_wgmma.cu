@@ -27,6 +27,7 @@
 //   DESC_SWAP            diagnostic only: swap the descriptor's two byte offsets (see below)
 //   MIN_BLOCKS           __launch_bounds__ minimum CTAs per SM (register cap), default 1
 //   GROUP_WORDS          code words (2 k16 steps each) per wgmma commit group: 1 (default), 2, 4
+//                        (4 measured 2-7% slower than 1 on an H100, experiments/KERNEL_NOTES.md)
 //   STATIC_COPIES        the stage copies with compile-time trip counts (gemm_common.cuh's
 //                        copy_pieces; the x tile's where the CTA's threads divide its chunks
 //                        evenly): unrolled, affine addresses. 0: loops from each thread's index

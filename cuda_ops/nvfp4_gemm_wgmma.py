@@ -77,7 +77,8 @@ class WgmmaPlan:
     desc_swap: bool = False  # diagnostic: the descriptor's LBO and SBO swapped
     min_blocks: int = 1
     static_copies: bool = True  # the stage copies unrolled (STATIC_COPIES; False: the first form)
-    group_words: int = 1  # code words per wgmma commit group (GROUP_WORDS: 1, 2 or 4)
+    # code words per wgmma commit group (GROUP_WORDS: 1, 2 or 4; 4 measured 2-7% slower than 1)
+    group_words: int = 1
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
