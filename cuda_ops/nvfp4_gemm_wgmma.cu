@@ -421,19 +421,19 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   // into the epilogue (ptxas serializes the wgmmas when the zero accumulators of such a path
   // meet the in-flight ones)
   int i = 0;
+  const auto step = [&](int i) {
+    cp_wait<STAGES - 3>();  // this thread's copies of stage i landed
+    fence_async_shared();   // ... and are visible to the async proxy (wgmma's B reads)
+    __syncthreads();        // every thread's; the wgmmas of stage i - 2 are complete
+    const int next = i + STAGES - 2;
+    if (next < nk)
+      load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
+    cp_commit();
+    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
+  };
   if constexpr (one_group_stage() == 1) {
     // two copies of the stage a trip (one_group_stage above): stage i's group is in flight
     // while stage i + 1 decodes into the other copy's registers
-    const auto step = [&](int i) {
-      cp_wait<STAGES - 3>();
-      fence_async_shared();
-      __syncthreads();
-      const int next = i + STAGES - 2;
-      if (next < nk)
-        load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
-      cp_commit();
-      compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
-    };
     for (;;) {
       step(i);
       if (++i == nk) break;
@@ -441,16 +441,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
       if (++i == nk) break;
     }
   } else {
-    do {
-      cp_wait<STAGES - 3>();  // this thread's copies of stage i landed
-      fence_async_shared();   // ... and are visible to the async proxy (wgmma's B reads)
-      __syncthreads();        // every thread's; the wgmmas of stage i - 2 are complete
-      const int next = i + STAGES - 2;
-      if (next < nk)
-        load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
-      cp_commit();
-      compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
-    } while (++i < nk);
+    do step(i);
+    while (++i < nk);
   }
   wg_wait<0>();
 #pragma unroll
