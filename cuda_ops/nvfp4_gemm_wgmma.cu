@@ -32,6 +32,11 @@
 //                        copy_pieces; the x tile's where the CTA's threads divide its chunks
 //                        evenly): unrolled, affine addresses. 0: loops from each thread's index
 //                        (the form first measured; about 2.3x the instructions a stage at TM 128)
+//   BULK                 1: every operand arrives PRE-TILED (below) and thread 0 fills each ring
+//                        slot with three cp.async.bulk copies on a "full" mbarrier; the warps wait
+//                        on its phase and hand the slot back through an "empty" mbarrier (one
+//                        arrival a warp), with no block barrier in the K loop. 0: every thread
+//                        copies 16-byte pieces with cp.async, a __syncthreads a stage. KT 128 only.
 //
 // Numerics: identical to production. w' = e2m1 * SFw * 2^(W_SHIFT - 14) and x_hat are exact in
 // fp16, every product is exact in fp32, the tensor cores add in fp32 (only the order of the
@@ -88,6 +93,17 @@
 //   warpgroup's wgmmas of stage i - 2 completed at its last wait_group 1 of stage i - 1, before
 //   this barrier. After the loop wait_group 0, then the accumulators are pinned after the wait
 //   (empty volatile asm) before the epilogue reads them.
+// * BULK: the stage's three pieces are contiguous in global memory, each its shared-memory
+//   image. x_hat: [ceil(M / TM), K / KT, TM * KT] fp16 (nvfp4_gemm_wgmma.to_stage_tiles of the
+//   wgmma-order x_hat; the tile's rows past M are zeros). Codes and scale bytes:
+//   [L][ceil(N / TILE_N)][K / KT][TILE_N][KT / 2 or KT / 16] (weight_stage_tiles; rows past N
+//   zero). Ring slot s has full[s] (one arrival: thread 0's expect_tx of STAGE_BYTES, then the
+//   copies' bytes) and empty[s] (4 NWG arrivals: lane 0 of each warp after its first
+//   wait_group of the NEXT stage, which retires every wgmma of this one; its shared loads of
+//   the stage came before them). At iteration i thread 0 waits for empty of the slot that stage
+//   i - 2 used and refills it with stage i + STAGES - 2, then every warp waits for full of
+//   stage i: only warp 0 ever waits for the others, and only for a stage they finished long
+//   ago. mbarrier completion makes the bulk writes visible to both the shared loads and wgmma.
 // * Accumulators: wgmma m64nTMk16 f32 D fragment, TM / 2 floats per thread per tile: d[4j + e] is
 //   row 16q + g + 8 (e / 2), token 8j + 2t + (e % 2) (j < TM / 8), i.e. production's acc[r][j][e].
 
@@ -130,6 +146,10 @@ static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_W
 #ifndef STATIC_COPIES
 #define STATIC_COPIES 0
 #endif
+#ifndef BULK
+#define BULK 0
+#endif
+static_assert(BULK == 0 || (BULK == 1 && KT == 128), "BULK: 0, or 1 with KT 128");
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
 constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
@@ -148,6 +168,8 @@ constexpr int X_COL = TM * 16;       // one 8-k column of the x tile (all tokens
 constexpr int X_STEP = 2 * X_COL;    // one k16 step of the x tile
 constexpr int X_BYTES = TM * KT * 2;
 constexpr int STAGE_BYTES = W_BYTES + S_BYTES + X_BYTES;
+constexpr int N_TILES = (N_OUT + TILE_N - 1) / TILE_N;
+constexpr int BAR_BYTES = BULK ? 16 * STAGES : 0;  // BULK: full[STAGES], empty[STAGES] after the ring
 constexpr u32 DESC_LBO = DESC_SWAP ? 128u : (u32)X_COL;
 constexpr u32 DESC_SBO = DESC_SWAP ? (u32)X_COL : 128u;
 
@@ -162,7 +184,8 @@ static_assert((W_BYTES + S_BYTES) % 128 == 0 && STAGE_BYTES % 128 == 0,
               "the x tile must stay 128-byte aligned");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses have 18 bits");
 #ifdef SMEM_BYTES  // the launch's dynamic shared memory (the host plans it)
-static_assert(STAGES * STAGE_BYTES <= SMEM_BYTES, "the pipeline must fit in shared memory");
+static_assert(STAGES * STAGE_BYTES + BAR_BYTES <= SMEM_BYTES,
+              "the pipeline must fit in shared memory");
 #endif
 
 // GROUP_WORDS == 4 at KT == 128 makes a stage ONE commit group, so the group in flight during a
@@ -183,6 +206,7 @@ constexpr int one_group_stage() {
 // ---------------------------------------------------------------------------- small helpers
 
 #include "gemm_common.cuh"
+#include "mbarrier.cuh"  // BULK's ring barriers and copies
 
 template <int PENDING>
 __device__ __forceinline__ void cp_wait() {
@@ -328,13 +352,28 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
   }
 }
 
+#if BULK
+// BULK: thread `p` (one thread of the CTA) arms the slot's full barrier and copies the
+// stage's three pre-tiled pieces (weight tile by of stage kt, x tile bx of stage kt) into ring
+// slot `st`; predicated, not branched (mbarrier.cuh's warp-uniform forms)
+__device__ __forceinline__ void load_stage_bulk(bool p, u32 st, u32 full, int kt, const u8* wp,
+                                                const u8* ws, const u8* xh, int by, int bx) {
+  mbar_arrive_expect_tx_if(p, full, STAGE_BYTES);
+  bulk_copy_if(p, st, wp + ((size_t)by * NKT + kt) * W_BYTES, W_BYTES, full);
+  bulk_copy_if(p, st + W_BYTES, ws + ((size_t)by * NKT + kt) * S_BYTES, S_BYTES, full);
+  bulk_copy_if(p, st + W_BYTES + S_BYTES, xh + ((size_t)bx * NKT + kt) * X_BYTES, X_BYTES, full);
+}
+#endif
+
 // One stage: per 128-element sub-chunk h and GROUP_WORDS code words u, decode, then their
 // 2 x GROUP_WORDS k16 steps of WR wgmmas as one commit group; wait_group 1 keeps one group in
 // flight during the next decode. Larger groups wait less often per MAC and hold more A
 // registers (two groups' worth: the one in flight and the one being decoded). Where a stage is
 // one group, see one_group_stage: the kernel's loop or wait_group 0 keeps them apart.
+// BULK: `release` (non-zero) is the previous stage's empty barrier, arrived on by lane 0 after
+// this stage's first wait_group (which retires every earlier group).
 __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], int wgi, int wq,
-                                              int lane) {
+                                              int lane, u32 release) {
   const int g = lane >> 2, t = lane & 3;
   const u32 sw = st, ss = st + W_BYTES, sx = st + W_BYTES + S_BYTES;
   const u64 desc0 = x_desc(sx);
@@ -380,6 +419,9 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], in
         wg_wait<0>();  // the next stage's decode rewrites this group's A registers
       else
         wg_wait<1>();
+      if constexpr (BULK) {
+        if (h == 0 && u0 == 0) mbar_arrive_if(release != 0 && lane == 0, release);
+      }
     }
   }
 }
@@ -399,8 +441,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3, wgi = tid >> 7;
   const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TILE_N, z = blockIdx.z;
   const size_t l = (size_t)(unsigned)*layer;
-  wp += l * N_OUT * (size_t)(K_IN / 2);
-  ws += l * N_OUT * (size_t)(K_IN / 16);
+  constexpr size_t W_ROWS = BULK ? (size_t)N_TILES * TILE_N : N_OUT;  // BULK: padded tiles
+  wp += l * W_ROWS * (size_t)(K_IN / 2);
+  ws += l * W_ROWS * (size_t)(K_IN / 16);
   wg += l * (GW_ROWS ? N_OUT : 1);
   const u8* x8 = reinterpret_cast<const u8*>(xh);
   const int kt0 = z * NKT / SPLITK, nk = (z + 1) * NKT / SPLITK - kt0;
@@ -412,15 +455,45 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
 #pragma unroll
     for (int e = 0; e < NACC; ++e) acc[r][e] = 0.f;
 
+#if BULK
+  const u32 full0 = s0 + STAGES * STAGE_BYTES, empty0 = full0 + 8 * STAGES;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, 4 * NWG);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  for (int s = 0; s < STAGES - 2 && s < nk; ++s)
+    load_stage_bulk(tid == 0, s0 + s * STAGE_BYTES, full0 + 8 * s, kt0 + s, wp, ws, x8,
+                    blockIdx.y, blockIdx.x);
+#else
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
     if (s < nk) load_stage(s0 + s * STAGE_BYTES, kt0 + s, wp, ws, x8, n0, m0, tid);
     cp_commit();
   }
+#endif
   // a do-while: every split has nk >= 1 stages (SPLITK <= NKT), and no path may skip the loop
   // into the epilogue (ptxas serializes the wgmmas when the zero accumulators of such a path
   // meet the in-flight ones)
   int i = 0;
+#if BULK
+  const auto step = [&](int i) {
+    const int next = i + STAGES - 2;
+    if (next < nk) {  // uniform: no divergent branch while the last group is in flight
+      const int slot = next % STAGES;
+      // the slot's previous stage (next - STAGES = i - 2) released by every warp
+      if (next >= STAGES) mbar_wait_warp(empty0 + 8 * slot, (u32)(next / STAGES - 1) & 1);
+      load_stage_bulk(tid == 0, s0 + slot * STAGE_BYTES, full0 + 8 * slot, kt0 + next, wp, ws,
+                      x8, blockIdx.y, blockIdx.x);
+    }
+    mbar_wait_warp(full0 + 8 * (i % STAGES), (u32)(i / STAGES) & 1);  // stage i landed
+    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane,
+                  i > 0 ? empty0 + 8 * ((i - 1) % STAGES) : 0u);
+  };
+#else
   const auto step = [&](int i) {
     cp_wait<STAGES - 3>();  // this thread's copies of stage i landed
     fence_async_shared();   // ... and are visible to the async proxy (wgmma's B reads)
@@ -429,8 +502,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
     if (next < nk)
       load_stage(s0 + (next % STAGES) * STAGE_BYTES, kt0 + next, wp, ws, x8, n0, m0, tid);
     cp_commit();
-    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane);
+    compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane, 0u);
   };
+#endif
   if constexpr (one_group_stage() == 1) {
     // two copies of the stage a trip (one_group_stage above): stage i's group is in flight
     // while stage i + 1 decodes into the other copy's registers

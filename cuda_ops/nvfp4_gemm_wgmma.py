@@ -27,6 +27,8 @@ import pathlib
 import re
 from typing import ClassVar
 
+import numpy as np
+
 from cuda_ops.build import KernelError, compile_ptx, ptx_entries, ptxas_log
 from cuda_ops.nvfp4_gemm import GemmKernel
 from cuda_ops.nvfp4_gemm import _function as gemm_function
@@ -79,6 +81,9 @@ class WgmmaPlan:
     static_copies: bool = True  # the stage copies unrolled (STATIC_COPIES; False: the first form)
     # code words per wgmma commit group (GROUP_WORDS: 1, 2 or 4; 4 measured 2-7% slower than 1)
     group_words: int = 1
+    # operands pre-tiled (`to_stage_tiles`, `weight_stage_tiles`), each stage filled by three bulk
+    # copies from one thread on mbarriers, no block barrier in the K loop (BULK; KT 128 only)
+    bulk: bool = False
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -101,7 +106,8 @@ class WgmmaPlan:
 
     @property
     def smem(self) -> int:
-        return self.stages * self.stage_bytes
+        # BULK: a full and an empty mbarrier (8 bytes each) per ring slot after the ring
+        return self.stages * self.stage_bytes + (16 * self.stages if self.bulk else 0)
 
     @property
     def partials(self) -> bool:
@@ -128,7 +134,9 @@ class WgmmaPlan:
             "DESC_SWAP": int(self.desc_swap),
             "MIN_BLOCKS": self.min_blocks,
             "STATIC_COPIES": int(self.static_copies),
-        } | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {})
+        } | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {}) | (
+            {"BULK": 1} if self.bulk else {}
+        )
 
 
 def plan(
@@ -149,6 +157,7 @@ def plan(
     min_blocks: int = 1,
     static_copies: bool = True,
     group_words: int = 1,
+    bulk: bool = False,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -163,7 +172,7 @@ def plan(
     nwg = nwg or 1
     kt = kt or 128
     tile_n = 64 * wr * nwg
-    stage = tile_n * (kt // 2 + kt // 16) + tm * kt * 2
+    stage = tile_n * (kt // 2 + kt // 16) + tm * kt * 2 + (16 if bulk else 0)
     ahead = max(1, (3 if tm <= 32 else 2) * 128 // kt)  # the bytes in flight of KT = 128
     stages = stages or max(3, min(ahead + 2, SMEM_LIMIT // stage))
     nkt = max(1, k // kt)
@@ -192,6 +201,7 @@ def plan(
         min_blocks=min_blocks,
         static_copies=bool(static_copies),
         group_words=group_words,
+        bulk=bool(bulk),
     )
 
 
@@ -215,6 +225,8 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"w_shift={p.w_shift} (expected 0..7)"
     if p.group_words not in (1, 2, 4):
         return False, f"group_words={p.group_words} (expected 1, 2 or 4)"
+    if p.bulk and p.kt != 128:
+        return False, f"bulk copies with kt={p.kt} (expected 128)"
     return True, ""
 
 
@@ -267,6 +279,79 @@ def wgmma_x_operand(xp, xs):
         shape=(m, k),
     )
     return to_wgmma_order(nvfp4._scaled_values(xq).astype(jnp.float16))
+
+
+# ----------------------------------------------------------------------------- BULK operands
+
+
+def to_stage_tiles(xw, tm: int, kt: int):
+    """The BULK kernel's x operand: x_w [M, K] (`to_wgmma_order`; numpy or JAX, any dtype) ->
+    [ceil(M / tm), K / kt, tm * kt], each (token tile, K stage) as the contiguous elements of
+    its shared-memory image, so one bulk copy fills a stage. The image is `load_stage`'s: the
+    16-byte chunk of token 8 mg + mr of the tile and 8-element column q of the stage sits at
+    byte q * X_COL + mg * 128 + mr * 16 (X_COL = tm * 16), i.e.
+        tile[q, mg, mr, e] = x_w[m0 + 8 mg + mr, kt * KT + 8 q + e];
+    tokens past M are zeros. tm a multiple of 8, kt of 8 dividing K."""
+    m, k = xw.shape
+    if tm % 8 or tm < 8:
+        raise ValueError(f"tm={tm}: expected a positive multiple of 8")
+    if kt % 8 or kt < 8 or k % kt:
+        raise ValueError(f"kt={kt}: expected a multiple of 8 dividing K={k}")
+    mt = _cdiv(m, tm)
+    xw = _pad_axis(xw, 0, mt * tm - m)
+    # (tile, mg, mr, stage, q, e) -> (tile, stage, q, mg, mr, e)
+    y = xw.reshape(mt, tm // 8, 8, k // kt, kt // 8, 8)
+    y = y.transpose(0, 3, 4, 1, 2, 5)
+    return y.reshape(mt, k // kt, tm * kt)
+
+
+def from_stage_tiles(tiles, m: int, tm: int, kt: int):
+    """The inverse of `to_stage_tiles`: [M, K] again (the padding rows dropped)."""
+    mt, stages, size = tiles.shape
+    if size != tm * kt:
+        raise ValueError(f"tiles of {size} elements, expected tm * kt = {tm * kt}")
+    y = tiles.reshape(mt, stages, kt // 8, tm // 8, 8, 8)
+    y = y.transpose(0, 3, 4, 1, 2, 5)
+    return y.reshape(mt * tm, stages * kt)[:m]
+
+
+def weight_stage_tiles(wp, ws, tile_n: int, kt: int = 128):
+    """The BULK kernel's weight operands: codes [..., N, K/2] and scale bytes [..., N, K/16]
+    (uint8; numpy or JAX; leading axes are stacked layers) -> codes [..., ceil(N / tile_n),
+    K / kt, tile_n * kt / 2] and scales [..., ceil(N / tile_n), K / kt, tile_n * kt / 16]:
+    each (weight tile, K stage) as the contiguous bytes of its shared-memory image, the rows of
+    the tile one after another (the KT 128 stage layout, no swizzle). Rows past N are zeros
+    (they decode to zero weights and their outputs are not written). A one-time repack at load:
+    the kernel reads these bytes exactly once per token tile, as it reads the plain layout."""
+    *lead, n, half = wp.shape
+    k = 2 * half
+    if tuple(ws.shape) != (*lead, n, k // 16):
+        raise ValueError(f"scales {tuple(ws.shape)}, expected {(*lead, n, k // 16)} for codes "
+                         f"{tuple(wp.shape)}")  # fmt: skip
+    if kt % 32 or k % kt:
+        raise ValueError(f"kt={kt}: expected a multiple of 32 dividing K={k}")
+    if tile_n % 8 or tile_n < 8:
+        raise ValueError(f"tile_n={tile_n}: expected a positive multiple of 8")
+    nb = _cdiv(n, tile_n)
+    out = []
+    for a, per in ((wp, kt // 2), (ws, kt // 16)):
+        a = _pad_axis(a, len(lead), nb * tile_n - n)
+        a = a.reshape(*lead, nb, tile_n, k // kt, per)
+        a = a.swapaxes(-3, -2)  # (tile, row, stage, byte) -> (tile, stage, row, byte)
+        out.append(a.reshape(*lead, nb, k // kt, tile_n * per))
+    return out[0], out[1]
+
+
+def _pad_axis(x, axis: int, pad: int):
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    if isinstance(x, np.ndarray):
+        return np.pad(x, widths)
+    import jax.numpy as jnp
+
+    return jnp.pad(x, widths)
 
 
 # ----------------------------------------------------------------------------- build

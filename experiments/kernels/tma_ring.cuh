@@ -10,35 +10,10 @@
 
 // ---------------------------------------------------------------------------- mbarrier / TMA
 
+#include "mbarrier.cuh"  // cuda_ops/: mbar_init / arrive / wait, bulk_copy
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-  asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(bar)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-  asm volatile("{ .reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1; }" ::"r"(
-                   bar),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ bool mbar_try_wait(u32 bar, u32 parity) {
-  u32 ok;
-  asm volatile(
-      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
-      "selp.u32 %0, 1, 0, p; }"
-      : "=r"(ok)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return ok != 0;
 }
 
 // The ring's STAGES "full" barriers (one arrival each: the producer's expect_tx, or with the
@@ -50,18 +25,7 @@ __device__ __forceinline__ void ring_init(u32 full0, u32 empty0, u32 full_arriva
     mbar_init(full0 + 8 * s, full_arrivals);
     mbar_init(empty0 + 8 * s, consumer_warps);
   }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// A stage that never completes (a wrong transaction count, a copy that faults) traps after
-// WAIT_TRIES polls instead of hanging the device check.
-#ifndef WAIT_TRIES
-#define WAIT_TRIES (1u << 26)
-#endif
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-  for (u32 n = 0; !mbar_try_wait(bar, parity); ++n) {
-    if (n == WAIT_TRIES) __trap();
-  }
+  mbar_init_fence();
 }
 
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory; the
@@ -75,11 +39,7 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
       : "memory");
 #else
   (void)pol;
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(dst),
-      "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
+  bulk_copy(dst, src, bytes, bar);
 #endif
 }
 
