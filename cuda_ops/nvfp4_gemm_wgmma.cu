@@ -32,11 +32,15 @@
 //                        copy_pieces; the x tile's where the CTA's threads divide its chunks
 //                        evenly): unrolled, affine addresses. 0: loops from each thread's index
 //                        (the form first measured; about 2.3x the instructions a stage at TM 128)
-//   BULK                 1: every operand arrives PRE-TILED (below) and thread 0 fills each ring
-//                        slot with three cp.async.bulk copies on a "full" mbarrier; the warps wait
-//                        on its phase and hand the slot back through an "empty" mbarrier (one
-//                        arrival a warp), with no block barrier in the K loop. 0: every thread
-//                        copies 16-byte pieces with cp.async, a __syncthreads a stage. KT 128 only.
+//   BULK                 the stage copies on mbarriers, no block barrier in the K loop (KT 128):
+//                        1: every operand arrives PRE-TILED (below) and thread 0 fills each ring
+//                        slot with three cp.async.bulk copies on a "full" mbarrier; the warps
+//                        wait on its phase and hand the slot back through an "empty" mbarrier
+//                        (one arrival a warp). 2: only x_hat pre-tiled (thread 0's bulk copy);
+//                        the weights in their plain layout, each warp copying the rows it alone
+//                        reads: a 64-byte bulk copy of a row's codes, an 8-byte cp.async of its
+//                        scales joining the phase through cp.async.mbarrier.arrive. 0: every
+//                        thread copies 16-byte pieces with cp.async, a __syncthreads a stage.
 //
 // Numerics: identical to production. w' = e2m1 * SFw * 2^(W_SHIFT - 14) and x_hat are exact in
 // fp16, every product is exact in fp32, the tensor cores add in fp32 (only the order of the
@@ -95,10 +99,12 @@
 //   (empty volatile asm) before the epilogue reads them.
 // * BULK: the stage's three pieces are contiguous in global memory, each its shared-memory
 //   image. x_hat: [ceil(M / TM), K / KT, TM * KT] fp16 (nvfp4_gemm_wgmma.to_stage_tiles of the
-//   wgmma-order x_hat; the tile's rows past M are zeros). Codes and scale bytes:
+//   wgmma-order x_hat; the tile's rows past M are zeros). BULK 1, codes and scale bytes:
 //   [L][ceil(N / TILE_N)][K / KT][TILE_N][KT / 2 or KT / 16] (weight_stage_tiles; rows past N
 //   zero). Ring slot s has full[s] (one arrival: thread 0's expect_tx of STAGE_BYTES, then the
-//   copies' bytes) and empty[s] (4 NWG arrivals: lane 0 of each warp after its first
+//   copies' bytes; BULK 2: also every thread's cp.async arrival, and the bytes of the rows
+//   below N; rows past N are left as they are, their outputs unwritten) and empty[s] (4 NWG
+//   arrivals: lane 0 of each warp after its first
 //   wait_group of the NEXT stage, which retires every wgmma of this one; its shared loads of
 //   the stage came before them). At iteration i thread 0 waits for empty of the slot that stage
 //   i - 2 used and refills it with stage i + STAGES - 2, then every warp waits for full of
@@ -149,7 +155,7 @@ static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_W
 #ifndef BULK
 #define BULK 0
 #endif
-static_assert(BULK == 0 || (BULK == 1 && KT == 128), "BULK: 0, or 1 with KT 128");
+static_assert(BULK == 0 || ((BULK == 1 || BULK == 2) && KT == 128), "BULK: 0, or 1 / 2 with KT 128");
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
 constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
@@ -353,15 +359,39 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
 }
 
 #if BULK
-// BULK: thread `p` (one thread of the CTA) arms the slot's full barrier and copies the
-// stage's three pre-tiled pieces (weight tile by of stage kt, x tile bx of stage kt) into ring
-// slot `st`; predicated, not branched (mbarrier.cuh's warp-uniform forms)
-__device__ __forceinline__ void load_stage_bulk(bool p, u32 st, u32 full, int kt, const u8* wp,
-                                                const u8* ws, const u8* xh, int by, int bx) {
-  mbar_arrive_expect_tx_if(p, full, STAGE_BYTES);
-  bulk_copy_if(p, st, wp + ((size_t)by * NKT + kt) * W_BYTES, W_BYTES, full);
-  bulk_copy_if(p, st + W_BYTES, ws + ((size_t)by * NKT + kt) * S_BYTES, S_BYTES, full);
-  bulk_copy_if(p, st + W_BYTES + S_BYTES, xh + ((size_t)bx * NKT + kt) * X_BYTES, X_BYTES, full);
+// BULK: stage kt into ring slot `st` on its full barrier, called by every thread (uniform;
+// the one-thread parts predicated, not branched: mbarrier.cuh's warp-uniform forms). Thread 0
+// arms the barrier and copies x tile bx. BULK 1: thread 0 also copies weight tile by's two
+// pre-tiled pieces. BULK 2: warp (wgi, wq) copies rows (wgi WR + r) 64 + 16 wq + j of the CTA
+// tile (the rows its lanes decode): lane j < 16 the codes of row j (64 bytes), lane 16 + j its
+// scale bytes (8), then every thread's cp.async arrival.
+__device__ __forceinline__ void load_stage_bulk(int tid, u32 st, u32 full, int kt, const u8* wp,
+                                                const u8* ws, const u8* xh, int n0, int bx) {
+  const bool p = tid == 0;
+  const u32 sx = st + W_BYTES + S_BYTES;
+  const u8* xsrc = xh + ((size_t)bx * NKT + kt) * X_BYTES;
+  if constexpr (BULK == 1) {
+    const int by = n0 / TILE_N;
+    mbar_arrive_expect_tx_if(p, full, STAGE_BYTES);
+    bulk_copy_if(p, st, wp + ((size_t)by * NKT + kt) * W_BYTES, W_BYTES, full);
+    bulk_copy_if(p, st + W_BYTES, ws + ((size_t)by * NKT + kt) * S_BYTES, S_BYTES, full);
+    bulk_copy_if(p, sx, xsrc, X_BYTES, full);
+  } else {
+    const int rows = min(TILE_N, N_OUT - n0);  // the tile's rows below N
+    mbar_arrive_expect_tx_if(p, full, rows * W_PITCH + X_BYTES);
+    bulk_copy_if(p, sx, xsrc, X_BYTES, full);
+    const int lane = tid & 31, wq = (tid >> 5) & 3, wgi = tid >> 7;
+#pragma unroll
+    for (int r = 0; r < WR; ++r) {
+      const int rr = (wgi * WR + r) * 64 + wq * 16 + (lane & 15), n = n0 + rr;
+      const bool ok = n < N_OUT;
+      bulk_copy_if(ok && lane < 16, st + rr * W_PITCH,
+                   wp + (size_t)n * (K_IN / 2) + (size_t)kt * W_PITCH, W_PITCH, full);
+      cp8_if(ok && lane >= 16, st + W_BYTES + rr * S_PITCH,
+             ws + (size_t)n * (K_IN / 16) + (size_t)kt * S_PITCH);
+    }
+    cp_async_arrive(full);
+  }
 }
 #endif
 
@@ -441,7 +471,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3, wgi = tid >> 7;
   const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TILE_N, z = blockIdx.z;
   const size_t l = (size_t)(unsigned)*layer;
-  constexpr size_t W_ROWS = BULK ? (size_t)N_TILES * TILE_N : N_OUT;  // BULK: padded tiles
+  constexpr size_t W_ROWS = BULK == 1 ? (size_t)N_TILES * TILE_N : N_OUT;  // BULK 1: padded
   wp += l * W_ROWS * (size_t)(K_IN / 2);
   ws += l * W_ROWS * (size_t)(K_IN / 16);
   wg += l * (GW_ROWS ? N_OUT : 1);
@@ -459,15 +489,15 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   const u32 full0 = s0 + STAGES * STAGE_BYTES, empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, 1);
+      mbar_init(full0 + 8 * s, BULK == 1 ? 1 : 1 + NT);  // BULK 2: + the cp.async arrivals
       mbar_init(empty0 + 8 * s, 4 * NWG);
     }
     mbar_init_fence();
   }
   __syncthreads();
   for (int s = 0; s < STAGES - 2 && s < nk; ++s)
-    load_stage_bulk(tid == 0, s0 + s * STAGE_BYTES, full0 + 8 * s, kt0 + s, wp, ws, x8,
-                    blockIdx.y, blockIdx.x);
+    load_stage_bulk(tid, s0 + s * STAGE_BYTES, full0 + 8 * s, kt0 + s, wp, ws, x8, n0,
+                    blockIdx.x);
 #else
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
@@ -486,8 +516,8 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
       const int slot = next % STAGES;
       // the slot's previous stage (next - STAGES = i - 2) released by every warp
       if (next >= STAGES) mbar_wait_warp(empty0 + 8 * slot, (u32)(next / STAGES - 1) & 1);
-      load_stage_bulk(tid == 0, s0 + slot * STAGE_BYTES, full0 + 8 * slot, kt0 + next, wp, ws,
-                      x8, blockIdx.y, blockIdx.x);
+      load_stage_bulk(tid, s0 + slot * STAGE_BYTES, full0 + 8 * slot, kt0 + next, wp, ws, x8,
+                      n0, blockIdx.x);
     }
     mbar_wait_warp(full0 + 8 * (i % STAGES), (u32)(i / STAGES) & 1);  // stage i landed
     compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane,

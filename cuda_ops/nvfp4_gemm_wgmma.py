@@ -81,9 +81,12 @@ class WgmmaPlan:
     static_copies: bool = True  # the stage copies unrolled (STATIC_COPIES; False: the first form)
     # code words per wgmma commit group (GROUP_WORDS: 1, 2 or 4; 4 measured 2-7% slower than 1)
     group_words: int = 1
-    # operands pre-tiled (`to_stage_tiles`, `weight_stage_tiles`), each stage filled by three bulk
-    # copies from one thread on mbarriers, no block barrier in the K loop (BULK; KT 128 only)
-    bulk: bool = False
+    # BULK (KT 128 only): the stage copies on mbarriers, no block barrier in the K loop. 1: every
+    # operand pre-tiled (`to_stage_tiles`, `weight_stage_tiles`), three bulk copies a stage from
+    # one thread; 2: x_hat pre-tiled, the weights in their plain layout (a bulk copy of each
+    # row's codes, cp.async of its scales, by the warp that decodes the row); 0: cp.async by
+    # every thread, a block barrier a stage
+    bulk: int = 0
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -135,7 +138,7 @@ class WgmmaPlan:
             "MIN_BLOCKS": self.min_blocks,
             "STATIC_COPIES": int(self.static_copies),
         } | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {}) | (
-            {"BULK": 1} if self.bulk else {}
+            {"BULK": self.bulk} if self.bulk else {}
         )
 
 
@@ -157,7 +160,7 @@ def plan(
     min_blocks: int = 1,
     static_copies: bool = True,
     group_words: int = 1,
-    bulk: bool = False,
+    bulk: int = 0,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -201,7 +204,7 @@ def plan(
         min_blocks=min_blocks,
         static_copies=bool(static_copies),
         group_words=group_words,
-        bulk=bool(bulk),
+        bulk=int(bulk),
     )
 
 
@@ -225,6 +228,8 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"w_shift={p.w_shift} (expected 0..7)"
     if p.group_words not in (1, 2, 4):
         return False, f"group_words={p.group_words} (expected 1, 2 or 4)"
+    if p.bulk not in (0, 1, 2):
+        return False, f"bulk={p.bulk!r} (expected 0, 1 or 2)"
     if p.bulk and p.kt != 128:
         return False, f"bulk copies with kt={p.kt} (expected 128)"
     return True, ""

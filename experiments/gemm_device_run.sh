@@ -21,7 +21,7 @@
 # end-to-end rows; one call each); wgmma_each (each wgmma variant's check in its own process,
 # launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers); quant_rows
 # (the quantizer's GPU tests with its one-CTA-a-row path); wgmma_bulk (the BULK wgmma kernels:
-# bits, times against wgmma_n128_wr2, stall reasons; one call).
+# bits, times against WGMMA_BASE, stall reasons; knobs in the phase).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -224,29 +224,32 @@ PY
           | cut -c1-300 | head -8
       done;;
     wgmma_bulk)
-      # the BULK wgmma kernels (pre-tiled operands, bulk copies from one thread, mbarriers):
-      # 1. their bits in one process, launches blocking (a fault stops at its launch);
-      # 2. timed at WGMMA_MS (256,512) beside wgmma_n128_wr2 and production, bf16;
-      # 3. Nsight Compute stall reasons of wgmma_n128_wr2 and wgmma_n128_wr2_bulk (6144 x 4096,
-      #    M = 256: the first wgmma launches of the check, two each)
+      # the BULK wgmma kernels (stage copies on mbarriers; WGMMA_BULK_VARIANTS):
+      # 1. their bits at BITS_MS (256) in one process, launches blocking (a fault stops there);
+      # 2. timed at WGMMA_MS (256,512) beside WGMMA_BASE (wgmma_n128_wr2) and production, bf16;
+      # 3. unless NCU_SKIP=1, Nsight Compute stall reasons of NCU_VARIANTS (wgmma_n128_wr2 and
+      #    wgmma_n128_wr2_bulk; 6144 x 4096, M = 256: the first wgmma launches, two each)
       bulk=${WGMMA_BULK_VARIANTS:-wgmma_n128_wr2_bulk wgmma_n128_bulk wgmma_n128_wr2_g4_bulk}
+      tag=${BULK_TAG:-bulk}
       CUDA_LAUNCH_BLOCKING=1 timeout ${EACH_TIMEOUT:-120} python3 \
-        experiments/kernels/check_gemm_wgmma.py --ms 256 --variants ${bulk// /,} --no-time \
-        --out "$out/bulk_bits.json" > "$out/bulk_bits.log" 2>&1
+        experiments/kernels/check_gemm_wgmma.py --ms ${BITS_MS:-256} --variants ${bulk// /,} \
+        --no-time --out "$out/${tag}_bits.json" > "$out/${tag}_bits.log" 2>&1
       echo "bits rc=$?"
-      grep -E "FAILED|Error|error:|^  \(|passed|^\{" "$out/bulk_bits.log" | cut -c1-400 | head -12
+      grep -E "FAILED|Error|error:|^  \(|passed|^\{" "$out/${tag}_bits.log" | cut -c1-400 | head -16
       timeout ${BENCH_TIMEOUT:-300} python3 experiments/kernels/check_gemm_wgmma.py \
-        --ms ${WGMMA_MS:-256,512} --variants wgmma_n128_wr2,${bulk// /,} \
-        --time-budget ${WGMMA_TIME_BUDGET:-240} --out "$out/wgmma_bulk.json" > "$out/wgmma_bulk.log" 2>&1
-      echo "wgmma_bulk rc=$?"; grep -v '^{' "$out/wgmma_bulk.log" | tail -24
-      timeout ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:wgmma --launch-count 4 \
-        --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
-        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-        python3 experiments/kernels/check_gemm_wgmma.py --ms 256 --no-time \
-        --variants wgmma_n128_wr2,wgmma_n128_wr2_bulk --out "$out/ncu_check.json" \
-        > "$out/ncu_bulk.txt" 2>&1; echo "ncu rc=$?"
-      grep -E "nvfp4_gemm_w4a4_wgmma|Duration|stalled_(long|lg|barrier|short|dispatch|wait|gmma|math|mio|not_sel|selected)|Eligible Warps|Issued Warp|Warp Cycles Per Issued" \
-        "$out/ncu_bulk.txt" | head -90;;
+        --ms ${WGMMA_MS:-256,512} --variants ${WGMMA_BASE:-wgmma_n128_wr2},${bulk// /,} \
+        --time-budget ${WGMMA_TIME_BUDGET:-240} --out "$out/${tag}_time.json" > "$out/${tag}_time.log" 2>&1
+      echo "timed rc=$?"; grep -v '^{' "$out/${tag}_time.log" | tail -40
+      if [ "${NCU_SKIP:-0}" != 1 ]; then
+        timeout ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:wgmma --launch-count 4 \
+          --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+          python3 experiments/kernels/check_gemm_wgmma.py --ms 256 --no-time \
+          --variants ${NCU_VARIANTS:-wgmma_n128_wr2,wgmma_n128_wr2_bulk} --out "$out/${tag}_ncu.json" \
+          > "$out/${tag}_ncu.txt" 2>&1; echo "ncu rc=$?"
+        grep -E "nvfp4_gemm_w4a4_wgmma|Duration|stalled_(long|lg|barrier|short|dispatch|wait|gmma|math|mio|not_sel|selected)|Eligible Warps|Issued Warp|Warp Cycles Per Issued" \
+          "$out/${tag}_ncu.txt" | head -90
+      fi;;
     quant_rows)
       # the quantizer kernel's GPU tests, with its one-CTA-a-row path from 264 rows
       timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rs -m gpu tests/test_quant_kernel_gpu.py \

@@ -6,7 +6,8 @@ checked against production and timed, on an H200. From the repository root:
 1. Builds the wgmma variants (`VARIANTS`) and the production GEMM (its default plan) for the
    Qwen3-8B shapes N x K = 6144x4096, 4096x4096, 24576x4096, 4096x12288 at M = 16, 32, 64 (or
    --ms), plus extra cases (`EXTRA`: an M that pads its token tile, tiny block scales that make
-   the decoded fp16 weights subnormal, and M = 200 for each 128 / 256-token-tile variant).
+   the decoded fp16 weights subnormal, M = 200 for each 128 / 256-token-tile variant, and
+   N = 4000 for each BULK variant).
    Large M, e.g. `--ms 128,256 --variants wgmma_n128,wgmma_n128_wr2,wgmma_n128_s1,wgmma_n256`.
 2. Runs every kernel on random NVFP4 weights and activations (uniform codes, E4M3 block scales
    0.125 .. 240 as tests/test_gemm_gpu.py) into NaN-poisoned outputs, twice (bitwise
@@ -74,12 +75,22 @@ VARIANTS = {
     # of an in-flight group)
     "wgmma_n128_g4": {"tm": 128, "nwg": 2, "wr": 1, "group_words": 4},
     "wgmma_n128_wr2_g4": {"tm": 128, "nwg": 2, "wr": 2, "group_words": 4},
-    # BULK: pre-tiled operands, each ring slot filled by three bulk copies from thread 0 on a
+    # BULK 1: pre-tiled operands, each ring slot filled by three bulk copies from thread 0 on a
     # "full" mbarrier, slots handed back through "empty" mbarriers, no block barrier (ptxas
-    # sm_90a at 6144 x 4096, M = 256: 122 / 218 registers, no spills, no serialization)
-    "wgmma_n128_bulk": {"tm": 128, "nwg": 2, "wr": 1, "bulk": True},
-    "wgmma_n128_wr2_bulk": {"tm": 128, "nwg": 2, "wr": 2, "bulk": True},
-    "wgmma_n128_wr2_g4_bulk": {"tm": 128, "nwg": 2, "wr": 2, "group_words": 4, "bulk": True},
+    # sm_90a at 6144 x 4096, M = 256: 122 / 218 registers, no spills, no serialization).
+    # H100, M = 256: 1.93x / 1.80x production (experiments/results/wgmma_bulk_h100/)
+    "wgmma_n128_bulk": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 1},
+    "wgmma_n128_wr2_bulk": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 1},
+    "wgmma_n128_wr2_g4_bulk": {"tm": 128, "nwg": 2, "wr": 2, "group_words": 4, "bulk": 1},
+    # BULK 2: the same ring with the weights in their plain layout (no repack): each warp copies
+    # the rows it decodes, a 64-byte bulk copy of the codes and an 8-byte cp.async of the
+    # scales; only x_hat pre-tiled
+    "wgmma_n128_rows": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 2},
+    "wgmma_n128_wr2_rows": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 2},
+    # the plan's own small-M tiles (8-64 tokens) with the two bulk forms
+    "wgmma_bulk": {"bulk": 1},
+    "wgmma_rows": {"bulk": 2},
+    "wgmma_wg2_rows": {"nwg": 2, "wr": 1, "min_blocks": 2, "bulk": 2},
 }
 LARGE_M_VARIANTS = (
     "wgmma_n128",
@@ -92,6 +103,8 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_bulk",
     "wgmma_n128_wr2_bulk",
     "wgmma_n128_wr2_g4_bulk",
+    "wgmma_n128_rows",
+    "wgmma_n128_wr2_rows",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only
@@ -99,6 +112,9 @@ EXTRA = (
     ("odd_m", 4096, 4096, 40, (0x20, 0x78), 1.0),
     ("subnormal", 1024, 2048, 16, (0x01, 0x18), 1e3),
     ("odd_m_large", 4096, 4096, 200, (0x20, 0x78), 1.0),  # the large-tile variants only
+    # the BULK variants only, M = 40 or 256 by tile: N not a multiple of any weight tile (the
+    # last tile's rows past N: BULK 1's zero padding, BULK 2's uncopied rows and byte count)
+    ("odd_n", 4000, 4096, None, (0x20, 0x78), 1.0),
 )
 DEFAULT_SCALES = (0x20, 0x78)
 LUT = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
@@ -116,8 +132,11 @@ def problems(shapes=wgm.QWEN3_8B_SHAPES, ms=wgm.CHECK_MS, variants=DEFAULT_VARIA
         out.append((tag, "wgmma", wgm.plan(m, n, k)))
     # a token count that pads the large tiles, for each large-tile variant asked for
     for v in variants:
-        if VARIANTS[v].get("tm", 0) >= 128:
+        large = VARIANTS[v].get("tm", 0) >= 128
+        if large:
             out.append(("odd_m_large", v, wgm.plan(200, 4096, 4096, **VARIANTS[v])))
+        if VARIANTS[v].get("bulk"):
+            out.append(("odd_n", v, wgm.plan(256 if large else 40, 4000, 4096, **VARIANTS[v])))
     return out
 
 
@@ -334,10 +353,11 @@ def check_case(c: _Ctx, tag, n, k, m, w: _Weights, kernels: dict, seed) -> tuple
 
 
 def bulk_operands(c: _Ctx, p, xh_wg, weight):
-    """A BULK plan's operands from the plain ones: the wgmma-order x_hat as stage tiles, the
-    weight codes and scales as weight stage tiles (cuda_ops/nvfp4_gemm_wgmma.py)."""
+    """A BULK plan's operands from the plain ones: the wgmma-order x_hat as stage tiles, and
+    with BULK 1 the weight codes and scales as weight stage tiles (BULK 2 reads them as they
+    are; cuda_ops/nvfp4_gemm_wgmma.py)."""
     xt = wgm.to_stage_tiles(xh_wg, p.tm, p.kt)
-    tiles = wgm.weight_stage_tiles(*weight, p.tile_n, p.kt)
+    tiles = wgm.weight_stage_tiles(*weight, p.tile_n, p.kt) if p.bulk == 1 else tuple(weight)
     return c.jax.block_until_ready((xt, tiles))
 
 
@@ -393,7 +413,7 @@ def time_shape(c: _Ctx, n, k, ms, kernels_by_m: dict, with_bf16: bool) -> list:
             operand = xh["production" if name == "production" else "wgmma"]
             wcopies = weights
             try:
-                if name != "production" and kern.plan.bulk:  # pre-tiled copies of the same bytes
+                if name != "production" and kern.plan.bulk:  # pre-tiled operands, same bytes
                     tiled = [bulk_operands(c, kern.plan, operand, w) for w in weights]
                     operand, wcopies = tiled[0][0], [t[1] for t in tiled]
                 row[f"{name}_us"] = 1e6 * c.bench_gemm.time_gemm_graph(

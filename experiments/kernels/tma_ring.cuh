@@ -43,14 +43,9 @@ __device__ __forceinline__ void bulk_g2s(u32 dst, const void* src, u32 bytes, u3
 #endif
 }
 
-// PRODUCER = 1: 16 bytes global -> shared through L2 only, and an arrive on `bar` (without a
-// pending-count increment) once all of this thread's earlier cp.async copies have landed
+// PRODUCER = 1: 16 bytes global -> shared through L2 only (then mbarrier.cuh's cp_async_arrive)
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_arrive(u32 bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 // ---------------------------------------------------------------------------- bf16
