@@ -39,8 +39,11 @@
 //                        (one arrival a warp). 2: only x_hat pre-tiled (thread 0's bulk copy);
 //                        the weights in their plain layout, each warp copying the rows it alone
 //                        reads: a 64-byte bulk copy of a row's codes, an 8-byte cp.async of its
-//                        scales joining the phase through cp.async.mbarrier.arrive. 0: every
-//                        thread copies 16-byte pieces with cp.async, a __syncthreads a stage.
+//                        scales joining the phase through cp.async.mbarrier.arrive. 3: only
+//                        x_hat pre-tiled (thread 0's bulk copy), the weights' 16 / 8-byte
+//                        pieces copied with cp.async by every thread as BULK 0 does, joining
+//                        the phase through cp.async.mbarrier.arrive. 0: every thread copies
+//                        16-byte pieces with cp.async, a __syncthreads a stage.
 //
 // Numerics: identical to production. w' = e2m1 * SFw * 2^(W_SHIFT - 14) and x_hat are exact in
 // fp16, every product is exact in fp32, the tensor cores add in fp32 (only the order of the
@@ -155,7 +158,7 @@ static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_W
 #ifndef BULK
 #define BULK 0
 #endif
-static_assert(BULK == 0 || ((BULK == 1 || BULK == 2) && KT == 128), "BULK: 0, or 1 / 2 with KT 128");
+static_assert(BULK == 0 || (BULK >= 1 && BULK <= 3 && KT == 128), "BULK: 0, or 1..3 with KT 128");
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
 constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
@@ -376,6 +379,12 @@ __device__ __forceinline__ void load_stage_bulk(int tid, u32 st, u32 full, int k
     bulk_copy_if(p, st, wp + ((size_t)by * NKT + kt) * W_BYTES, W_BYTES, full);
     bulk_copy_if(p, st + W_BYTES, ws + ((size_t)by * NKT + kt) * S_BYTES, S_BYTES, full);
     bulk_copy_if(p, sx, xsrc, X_BYTES, full);
+  } else if constexpr (BULK == 3) {
+    mbar_arrive_expect_tx_if(p, full, X_BYTES);
+    bulk_copy_if(p, sx, xsrc, X_BYTES, full);
+    load_weight_stage_static<TILE_N, NT, N_OUT, K_IN, KT>(
+        st, st + W_BYTES, kt, wp, ws, n0, tid, [](int r, int c) { return wchunk(r, c); });
+    cp_async_arrive(full);
   } else {
     const int rows = min(TILE_N, N_OUT - n0);  // the tile's rows below N
     mbar_arrive_expect_tx_if(p, full, rows * W_PITCH + X_BYTES);
@@ -489,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   const u32 full0 = s0 + STAGES * STAGE_BYTES, empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, BULK == 1 ? 1 : 1 + NT);  // BULK 2: + the cp.async arrivals
+      mbar_init(full0 + 8 * s, BULK == 1 ? 1 : 1 + NT);  // BULK 2, 3: + the cp.async arrivals
       mbar_init(empty0 + 8 * s, 4 * NWG);
     }
     mbar_init_fence();

@@ -84,7 +84,8 @@ class WgmmaPlan:
     # BULK (KT 128 only): the stage copies on mbarriers, no block barrier in the K loop. 1: every
     # operand pre-tiled (`to_stage_tiles`, `weight_stage_tiles`), three bulk copies a stage from
     # one thread; 2: x_hat pre-tiled, the weights in their plain layout (a bulk copy of each
-    # row's codes, cp.async of its scales, by the warp that decodes the row); 0: cp.async by
+    # row's codes, cp.async of its scales, by the warp that decodes the row); 3: x_hat pre-tiled,
+    # the weights' pieces by cp.async from every thread on the same mbarrier; 0: cp.async by
     # every thread, a block barrier a stage
     bulk: int = 0
 
@@ -228,8 +229,8 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"w_shift={p.w_shift} (expected 0..7)"
     if p.group_words not in (1, 2, 4):
         return False, f"group_words={p.group_words} (expected 1, 2 or 4)"
-    if p.bulk not in (0, 1, 2):
-        return False, f"bulk={p.bulk!r} (expected 0, 1 or 2)"
+    if p.bulk not in (0, 1, 2, 3):
+        return False, f"bulk={p.bulk!r} (expected 0, 1, 2 or 3)"
     if p.bulk and p.kt != 128:
         return False, f"bulk copies with kt={p.kt} (expected 128)"
     return True, ""

@@ -87,7 +87,12 @@ VARIANTS = {
     # scales; only x_hat pre-tiled
     "wgmma_n128_rows": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 2},
     "wgmma_n128_wr2_rows": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 2},
-    # the plan's own small-M tiles (8-64 tokens) with the two bulk forms
+    # BULK 3: x_hat pre-tiled (one bulk copy), the weights by cp.async from every thread as
+    # BULK 0 does, all on the stage's mbarrier (no repack, no block barrier)
+    "wgmma_n128_xb": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3},
+    "wgmma_n128_wr2_xb": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 3},
+    "wgmma_xb": {"bulk": 3},
+    # the plan's own small-M tiles (8-64 tokens) with the bulk forms
     "wgmma_bulk": {"bulk": 1},
     "wgmma_rows": {"bulk": 2},
     "wgmma_wg2_rows": {"nwg": 2, "wr": 1, "min_blocks": 2, "bulk": 2},
@@ -105,6 +110,8 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_wr2_g4_bulk",
     "wgmma_n128_rows",
     "wgmma_n128_wr2_rows",
+    "wgmma_n128_xb",
+    "wgmma_n128_wr2_xb",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only
