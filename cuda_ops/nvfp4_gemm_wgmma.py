@@ -378,12 +378,18 @@ def _build_cached(p: WgmmaPlan) -> WgmmaKernel:
 
 LINEAR_TM = 128  # the token tile of `build_linear` (and GemmOptions.wgmma_tm's default)
 LINEAR_TMS = (128, 256)
-# 64-row weight tiles per warpgroup of `build_linear` by token tile: two at TM = 128 (241
-# registers), one at TM = 256 (two would need 256 accumulators a thread). Kernel alone on an
-# H100 (experiments/results/wgmma_large_h100/, four Qwen3-8B shapes, geomean against the
-# mma.sync GEMM): TM 128 with two tiles 0.97x / 1.00x at M = 256 / 512, with one tile 0.76x /
-# 0.72x, TM 256 0.70x / 0.71x.
-LINEAR_WR = {128: 2, 256: 1}
+# The stage copies of `build_linear`: BULK 3, x_hat pre-tiled (`to_stage_tiles`) and filled by
+# one bulk copy, the weights in their plain layout by cp.async, all on the stage's mbarrier, no
+# block barrier. Kernel alone on an H100 (experiments/results/wgmma_bulk_h100/, four Qwen3-8B
+# shapes, geomean against the mma.sync GEMM, TM 128, one tile a warpgroup): 1.91x / 1.86x at
+# M = 256 / 512 (1.37x / 1.13x jitted bf16), against 0.75x with every thread's cp.async and a
+# block barrier a stage, and 1.97x / 1.88x with the weights pre-tiled too (BULK 1, which needs
+# a second copy of every weight).
+LINEAR_BULK = 3
+# 64-row weight tiles per warpgroup of `build_linear` by token tile: one (with BULK 3 at
+# TM = 128 one tile 1.91x / 1.86x the mma.sync GEMM at M = 256 / 512, two 1.71x / 1.80x; at
+# TM = 256 two would need 256 accumulators a thread).
+LINEAR_WR = {128: 1, 256: 1}
 
 
 def build_linear(
@@ -399,8 +405,10 @@ def build_linear(
 ) -> WgmmaKernel:
     """The kernel `rejax.ops.linear` runs from `GemmOptions.wgmma_min_m` rows on: `tm`-token
     tiles (128 or 256: each weight decoded once per tile), two warpgroups sharing the x tile,
-    each of `LINEAR_WR[tm]` 64-row weight tiles, the deepest ring that fits, a K split only where the tiles do
-    not fill one wave (`plan`); with `split_m` the split is planned as for that many rows, so
+    each of `LINEAR_WR[tm]` 64-row weight tiles, the stage copies on mbarriers with x_hat
+    pre-tiled (`LINEAR_BULK`: the caller passes `to_stage_tiles` of the wgmma-order x_hat), the
+    deepest ring that fits, a K split only where the tiles do not fill one wave (`plan`);
+    with `split_m` the split is planned as for that many rows, so
     every M adds each output's K in the same order (GemmOptions.split_m: a row's result then
     does not depend on the rows beside it; the order inside a split never depends on M).
 
@@ -415,7 +423,7 @@ def build_linear(
     if arch != "compute_90":
         raise KernelError(f"the wgmma GEMM needs an sm_90 GPU (Hopper), this one is {arch}")
     sms = num_sms or device_sms()
-    tiles = {"tm": tm, "nwg": 2, "wr": LINEAR_WR[tm]}
+    tiles = {"tm": tm, "nwg": 2, "wr": LINEAR_WR[tm], "bulk": LINEAR_BULK}
     splitk = None if split_m is None else plan(split_m, n, k, sms, **tiles).splitk
     p = plan(m, n, k, sms, **tiles, splitk=splitk, w_shift=w_shift, gw_rows=gw_rows)
     return build_plan(p)

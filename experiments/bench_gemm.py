@@ -85,10 +85,13 @@ VARIANTS = {
     "gemm_fill16": {"occupancy": "fill16"},
 }
 # the wgmma GEMM with 128 / 256-token tiles (cuda_ops/nvfp4_gemm_wgmma.py, opt-in: each weight
-# decoded once per tile, for M >= 128): name -> its check's variant (the plan's keyword options)
+# decoded once per tile, for M >= 128): name -> its check's variant (the plan's keyword options).
+# "wgmma_n128_xb" is the plan `build_linear` gives the model (BULK 3: x_hat pre-tiled, timed on
+# its stage tiles; the weights as they are)
 WGMMA_VARIANTS = {"wgmma_n128": "wgmma_n128", "wgmma_n128_wr2": "wgmma_n128_wr2",
                   "wgmma_n256": "wgmma_n256", "wgmma_n128_g4": "wgmma_n128_g4",
-                  "wgmma_n128_wr2_g4": "wgmma_n128_wr2_g4"}  # fmt: skip
+                  "wgmma_n128_wr2_g4": "wgmma_n128_wr2_g4", "wgmma_n128_xb": "wgmma_n128_xb",
+                  "wgmma_n128_wr2_xb": "wgmma_n128_wr2_xb"}  # fmt: skip
 _LARGE_MS = set(range(128, 1 << 16))
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {
@@ -222,6 +225,11 @@ def bench_shape(torch, n, k, ms, ops, variants, old_ms, jit_ms):
                         if xh_wgmma is None:
                             xh_wgmma = jax.jit(wgm.wgmma_x_operand)(xq.packed, xs)
                         operand = jax.block_until_ready(xh_wgmma)
+                        if kern.plan.bulk:  # x_hat as stage tiles; no variant here tiles weights
+                            assert kern.plan.bulk != 1, name
+                            operand = jax.block_until_ready(
+                                wgm.to_stage_tiles(operand, kern.plan.tm, kern.plan.kt)
+                            )
                     row[f"{name}_plan"] = {
                         "grid": kern.plan.grid,
                         "threads": kern.plan.threads,

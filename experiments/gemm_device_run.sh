@@ -265,10 +265,10 @@ PY
       echo "profile rc=$?"; grep -vE "^\s*$|Warning|warn" "$out/prefill_profile.log" | tail -60;;
     accept_kernel)
       # [T2-C]'s kernel table: all 18 layer shapes, M = 8..256, the production GEMM, the
-      # "fill16" plan below 16 rows, the wgmma 128-token tiles at 256 (ACCEPT_VARIANTS), the
+      # "fill16" plan below 16 rows, the model's wgmma kernel at 256 (ACCEPT_VARIANTS), the
       # M = 8 GEMV, jitted bf16 (about 3-4 minutes on an H100)
       timeout ${BENCH_TIMEOUT:-420} python3 experiments/bench_gemm.py \
-        --variants ${ACCEPT_VARIANTS:-gemm,gemm_fill16,wgmma_n128} \
+        --variants ${ACCEPT_VARIANTS:-gemm,gemm_fill16,wgmma_n128_xb} \
         --ops gemm_graph,gemv_graph,jax_bf16 --ms 8,16,32,64,256 --time-budget 380 \
         --out "$out/bench_kernel_gemm.json" > "$out/bench_kernel_gemm.log" 2>&1; echo "bench rc=$?"
       grep -E "geomean" "$out/bench_kernel_gemm.log" | head -20;;

@@ -493,10 +493,12 @@ def test_wgmma_min_m_lowers_to_the_wgmma_gemm(stub_compilers, m, tm):
     fields = _fields(attrs)
     assert fields["name"] == nvfp4_gemm_wgmma.ENTRY and fields["output_indices"] == "6"
     assert len(operands.split(",")) == nvfp4_gemm_wgmma.N_INPUTS
-    assert types.strip().startswith(f"(tensor<{m}x{k}xf16>")
+    # x_hat pre-tiled per (token tile, K stage) for the bulk copies: [ceil(M / TM), K / 128, ...]
+    tiles = f"{-(-m // tm)}x{k // 128}x{tm * 128}xf16"
+    assert types.strip().startswith(f"(tensor<{tiles}>"), types[:200]
     assert tuple(int(fields[f"grid_{a}"]) for a in "xyz") == p.grid
     assert int(fields["block_x"]) == p.threads == 256 and int(fields["shared_mem_bytes"]) == p.smem
-    assert p.tm == tm and (p.nwg, p.wr) == (2, {128: 2, 256: 1}[tm])
+    assert p.tm == tm and (p.nwg, p.wr, p.bulk) == (2, 1, 3)
     if p.partials:
         assert _fields(calls[1][2])["name"] == nvfp4_gemm_wgmma.FINISH_ENTRY
     wg_defs = [d for name, d in stub_compilers if name == nvfp4_gemm_wgmma.SOURCE.name]
@@ -543,14 +545,14 @@ def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monk
 
 def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
     """GemmOptions.split_m reaches the wgmma GEMM: every M plans the K split of split_m rows
-    (without it the split follows M: 8 at 128 rows, 2 at 512 on a 4096 x 4096 weight)."""
+    (without it the split follows M: 4 at 128 rows, 1 at 512 on a 4096 x 4096 weight)."""
     splits = {m: nvfp4_gemm_wgmma.build_linear(m, 4096, 4096).plan.splitk for m in (128, 512)}
-    assert splits == {128: 8, 512: 2}
+    assert splits == {128: 4, 512: 1}
     for m in (128, 200, 256, 512):
         p = nvfp4_gemm_wgmma.build_linear(m, 4096, 4096, split_m=128).plan
-        assert p.splitk == 8 and p.m == m, p
+        assert p.splitk == 4 and p.m == m, p
     opts = nvfp4_gemm.GemmOptions(wgmma_min_m=128, split_m=128)
-    assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 8
+    assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 4
 
 
 def _tiny_prefill_model():

@@ -373,9 +373,12 @@ def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, g
 def wgmma_call(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch: str = "ptx") -> jax.Array:
     """y [M, N] bf16 of the wgmma GEMM `kernel` on activation codes (xp uint8 [M, K/2], xs
     uint8 [M, K/16], xg float32 [M]) and the weight operands (stack dims kept): its x_hat
-    operand (`nvfp4_gemm_wgmma.wgmma_x_operand`, XLA ops), the GEMM, with a K split its finish.
+    operand (`nvfp4_gemm_wgmma.wgmma_x_operand`, XLA ops; pre-tiled by `to_stage_tiles` for a
+    kernel whose stage copies are bulk copies), the GEMM, with a K split its finish.
     For CUDA lowering rules only (inside `mlir.lower_fun`)."""
     xh = nvfp4_gemm_wgmma.wgmma_x_operand(xp, xs)
+    if kernel.plan.bulk:
+        xh = nvfp4_gemm_wgmma.to_stage_tiles(xh, kernel.plan.tm, kernel.plan.kt)
     return _gemm_on_xhat(xh, xg, [], wp, ws, wg, layer, kernel=kernel, launch=launch)
 
 
