@@ -123,6 +123,13 @@ DEFAULT_MIN_M = 8  # the GEMV handles M <= 7
 # prefill of the 36-layer model measured 41.0 / 275 ms (GEMM, batch 1 / 8) against 34.1 / 163 ms
 # (dot) (experiments/results/h200_e/, h200_f/).
 DEFAULT_MAX_M = 256
+# The rows that take the warpgroup-MMA GEMM (cuda_ops.nvfp4_gemm_wgmma, sm_90) by default. Kernel
+# alone on an H100 (four Qwen3-8B shapes, experiments/results/wgmma_bulk_h100/): against this
+# GEMM 1.01x at M = 64, 1.95x at 128, 1.91x at 256; against the dot path (the dequantizer and a
+# bf16 dot) 1.08 / 1.00 / 0.83 / 0.77x bf16 against 0.59 / 0.74 / 0.76 / 0.86x at M = 512 /
+# 1024 / 2048 / 4096.
+DEFAULT_WGMMA_MIN_M = 128
+DEFAULT_WGMMA_MAX_M = 2048
 DEFAULT_W_SHIFT = 7  # decoded weights carry 2^(W_SHIFT - 14): see nvfp4_gemm.cu's numerics
 # How a stage's global -> shared copies are written (nvfp4_gemm.cu, STATIC_COPIES): "loop"
 # (loops whose trip count depends on the thread: they do not unroll, about 19 instructions a
@@ -178,10 +185,13 @@ class GemmOptions:
         max_regs: registers per thread at most, as `__maxnreg__` (a multiple of 8 in 24..248),
             0 for no cap (`__launch_bounds__(threads)`), or None (the default: with the static
             copies the most that keep the plan's resident CTAs, `max_registers`; else no cap).
-        wgmma_min_m: W4A4 linears of at least this many rows run the warpgroup-MMA GEMM
-            (`cuda_ops.nvfp4_gemm_wgmma`, sm_90: `wgmma_tm`-token tiles, each weight decoded
-            once per tile) instead of this GEMM or, above `max_m`, the dot; None (the
-            default): never. Opt-in: not yet measured inside a model.
+        wgmma_min_m, wgmma_max_m: W4A4 linears of wgmma_min_m .. wgmma_max_m rows run the
+            warpgroup-MMA GEMM (`cuda_ops.nvfp4_gemm_wgmma`, sm_90: `wgmma_tm`-token tiles,
+            each weight decoded once per tile, the stage copies on mbarriers) instead of this
+            GEMM or, above `max_m`, the dot. Defaults 128 and 2048 (`DEFAULT_WGMMA_MIN_M`, the
+            measured crossovers); wgmma_min_m None: never; wgmma_max_m None: no bound. Off
+            sm_90, or where the kernel cannot be built, the usual dispatch runs (a warning
+            only for a range other than the default).
         wgmma_tm: that GEMM's token tile, 128 (the default) or 256.
         dot_dequant: how the dot path above `max_m` rows decodes the weight to bf16:
             "kernel" (the default: the dequantizer kernel; 512-token prefill 29.6 against
@@ -206,7 +216,8 @@ class GemmOptions:
     x_quant: str = "kernel"
     copies: str = "auto"
     max_regs: int | None = None
-    wgmma_min_m: int | None = None
+    wgmma_min_m: int | None = DEFAULT_WGMMA_MIN_M
+    wgmma_max_m: int | None = DEFAULT_WGMMA_MAX_M
     wgmma_tm: int = 128
     dot_dequant: str = "kernel"
     source: str | None = None
@@ -240,6 +251,14 @@ class GemmOptions:
         ):
             raise KernelError(
                 f"GemmOptions.wgmma_min_m={self.wgmma_min_m!r}, expected None or an int >= 1"
+            )
+        low = self.wgmma_min_m or 1
+        if self.wgmma_max_m is not None and (
+            not isinstance(self.wgmma_max_m, int) or self.wgmma_max_m < low
+        ):
+            raise KernelError(
+                f"GemmOptions.wgmma_max_m={self.wgmma_max_m!r}, expected None or an int >= "
+                f"wgmma_min_m={self.wgmma_min_m}"
             )
         if self.dot_dequant not in DOT_DEQUANTS:
             raise KernelError(

@@ -296,6 +296,18 @@ def _max_m(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
+def _wgmma_rows(text: str) -> int | None | str:
+    """An int, 'none' or 'default' (Config.gemm_wgmma_min_m / max_m)."""
+    if text.lower() == "default":
+        return "default"
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -356,12 +368,19 @@ def main(argv=None) -> dict:
     )
     ap.add_argument(
         "--gemm-wgmma-min-m",
-        type=_max_m,
+        type=_wgmma_rows,
         nargs="+",
         default=[rconfig.Config.gemm_wgmma_min_m],
-        help="Config.gemm_wgmma_min_m: NVFP4 W4A4 linears with this many rows or more (prefill) "
-        "take the wgmma GEMM ('none': never, the default); several values run every NVFP4 "
-        "variant once per value (labelled ' wg=K' unless 'none')",
+        help="Config.gemm_wgmma_min_m: NVFP4 W4A4 linears with this many rows or more (prefill, "
+        "decode batches of 128+) take the wgmma GEMM ('default': 128, 'none': never); several "
+        "values run every NVFP4 variant once per value (labelled ' wg=K' unless 'default')",
+    )
+    ap.add_argument(
+        "--gemm-wgmma-max-m",
+        type=_wgmma_rows,
+        default=rconfig.Config.gemm_wgmma_max_m,
+        help="Config.gemm_wgmma_max_m: ... and at most this many ('default': 2048, 'none': no "
+        "bound); labelled ' wgmax=K' unless 'default'",
     )
     ap.add_argument(
         "--gemm-dot-dequant",
@@ -577,6 +596,7 @@ def _variants(base: Params, args, quant):
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
+                    gemm_wgmma_max_m=args.gemm_wgmma_max_m,
                     gemm_dot_dequant=dq,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
@@ -595,7 +615,9 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if gu == rconfig.Config.gate_up_output else f" go={gu}"
                 occ_tag += "" if op_out == rconfig.Config.o_proj_output else f" oo={op_out}"
                 occ_tag += "" if chain == rconfig.Config.gemm_chain else f" gc={chain}"
-                occ_tag += "" if wgm is None else f" wg={wgm}"
+                occ_tag += "" if wgm == rconfig.Config.gemm_wgmma_min_m else f" wg={wgm}"
+                wgmax = args.gemm_wgmma_max_m
+                occ_tag += "" if wgmax == rconfig.Config.gemm_wgmma_max_m else f" wgmax={wgmax}"
                 occ_tag += "" if dq == rconfig.Config.gemm_dot_dequant else f" dq={dq}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)

@@ -338,12 +338,16 @@ class Config:
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
     # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
     gemm_max_m: int | None = 256
-    # NVFP4 W4A4 linears with at least this many rows (prefill) take the warpgroup-MMA GEMM on
-    # CUDA (cuda_ops.nvfp4_gemm_wgmma: 128-token tiles, each weight decoded once per tile;
-    # sm_90) before the GEMM and the dot (GemmOptions.wgmma_min_m); None: never. Opt-in: inside
-    # the 36-layer prefill it measured slower than the dot (experiments/DECODE_NOTES.md,
-    # thirty-sixth session)
-    gemm_wgmma_min_m: int | None = None
+    # NVFP4 W4A4 linears of gemm_wgmma_min_m .. gemm_wgmma_max_m rows (prefill, decode batches
+    # of 128+) take the warpgroup-MMA GEMM on CUDA (cuda_ops.nvfp4_gemm_wgmma: 128-token tiles,
+    # each weight decoded once per tile, the stage copies on mbarriers; sm_90, elsewhere the
+    # GEMM and the dot as before) before the GEMM and the dot (GemmOptions.wgmma_min_m /
+    # wgmma_max_m). Kernel alone on an H100 it is 1.95x the GEMM at 128 rows and faster than
+    # the dot path up to 2048 (experiments/results/wgmma_bulk_h100/). min None: never; max
+    # None: no bound. With invariant_rows set, "default" leaves it off (the GEMM's summation
+    # order would change at min rows).
+    gemm_wgmma_min_m: int | None | str = "default"
+    gemm_wgmma_max_m: int | None | str = "default"
     # How the dot path (above gemm_max_m rows) decodes the weights to bf16: "kernel"
     # (cuda_ops.nvfp4_dequant, one launch a weight; the same bytes; 36-layer 512-token prefill
     # 29.6 against 31.2 ms at batch 1 on an H100, experiments/results/dequant_h100/) or "xla"
@@ -434,14 +438,12 @@ class Config:
                 f"unknown gemm_dot_dequant {self.gemm_dot_dequant!r}; expected one of "
                 f"{GEMM_DOT_DEQUANTS}"
             )
-        if self.gemm_wgmma_min_m is not None and not (
-            isinstance(self.gemm_wgmma_min_m, int)
-            and not isinstance(self.gemm_wgmma_min_m, bool)
-            and self.gemm_wgmma_min_m >= 1
-        ):
-            raise ValueError(
-                f"gemm_wgmma_min_m must be None or an int >= 1, got {self.gemm_wgmma_min_m!r}"
-            )
+        for name in ("gemm_wgmma_min_m", "gemm_wgmma_max_m"):
+            v = getattr(self, name)
+            if v not in (None, "default") and not (
+                isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            ):
+                raise ValueError(f"{name} must be None, 'default' or an int >= 1, got {v!r}")
         if self.gemm_max_m is not None and not (
             isinstance(self.gemm_max_m, int) and self.gemm_max_m >= self.gemm_min_m
         ):

@@ -128,7 +128,8 @@ def decoder_layer(
                       invariant_rows=cfg.invariant_rows, residual=residual,
                       gemm_copies=cfg.gemm_copies,
                       gemm_wgmma_min_m=cfg.gemm_wgmma_min_m,
-                      gemm_dot_dequant=cfg.gemm_dot_dequant)  # fmt: skip
+                      gemm_dot_dequant=cfg.gemm_dot_dequant,
+                      gemm_wgmma_max_m=cfg.gemm_wgmma_max_m)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -155,6 +156,7 @@ def decoder_layer(
             copies=cfg.gemm_copies,
             wgmma_min_m=cfg.gemm_wgmma_min_m,
             dot_dequant=cfg.gemm_dot_dequant,
+            wgmma_max_m=cfg.gemm_wgmma_max_m,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -375,7 +377,8 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
     go = gemm_options(cfg.gemm_min_m, cfg.gemm_occupancy, cfg.gemm_max_m, cfg.gemm_reduce,
                       cfg.invariant_rows, cfg.gemm_x_quant, copies=cfg.gemm_copies,
                       wgmma_min_m=cfg.gemm_wgmma_min_m,
-                      dot_dequant=cfg.gemm_dot_dequant)  # fmt: skip
+                      dot_dequant=cfg.gemm_dot_dequant,
+                      wgmma_max_m=cfg.gemm_wgmma_max_m)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

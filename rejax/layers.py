@@ -153,8 +153,9 @@ def linear(
     invariant_rows: int | None = None,
     residual: jax.Array | None = None,
     gemm_copies: str | None = None,
-    gemm_wgmma_min_m: int | None = None,
+    gemm_wgmma_min_m: int | None | str = "default",
     gemm_dot_dequant: str | None = None,
+    gemm_wgmma_max_m: int | None | str = "default",
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -186,8 +187,9 @@ def linear(
             default, "finish"; see `Config.gemm_reduce`).
         gemm_copies: how the GEMM writes its stage copies (`GemmOptions.copies`; None: the
             default, "auto"; see `Config.gemm_copies`).
-        gemm_wgmma_min_m: NVFP4 W4A4 on CUDA: from this many rows the wgmma GEMM
-            (`GemmOptions.wgmma_min_m`; None: never, the default; see `Config.gemm_wgmma_min_m`).
+        gemm_wgmma_min_m, gemm_wgmma_max_m: NVFP4 W4A4 on CUDA: the rows that take the wgmma
+            GEMM (`GemmOptions.wgmma_min_m` / `wgmma_max_m`; "default": 128 .. 2048; min None:
+            never, max None: no bound; see `Config.gemm_wgmma_min_m`).
         gemm_dot_dequant: how the dot path above `gemm_max_m` rows decodes the weight
             (`GemmOptions.dot_dequant`; None: the default, "kernel"; see `Config.gemm_dot_dequant`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
@@ -229,6 +231,7 @@ def linear(
             copies=gemm_copies,
             wgmma_min_m=gemm_wgmma_min_m,
             dot_dequant=gemm_dot_dequant,
+            wgmma_max_m=gemm_wgmma_max_m,
         )
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
@@ -274,19 +277,26 @@ def gemm_options(
     split_m: int | None = None,
     x_quant: str | None = None,
     copies: str | None = None,
-    wgmma_min_m: int | None = None,
+    wgmma_min_m: int | None | str = "default",
     dot_dequant: str | None = None,
+    wgmma_max_m: int | None | str = "default",
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
-    `copies`, `wgmma_min_m` and `dot_dequant` (None / "default": the defaults; max_m None is no
-    bound), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
-    `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m` and
-    `gemm_dot_dequant`."""
+    `copies`, `wgmma_min_m`, `dot_dequant` and `wgmma_max_m` (None / "default": the defaults;
+    max_m and wgmma_max_m None are no bound, wgmma_min_m None is never; with `split_m` a
+    "default" wgmma_min_m is None: the wgmma GEMM would change the summation order at its
+    first row count), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
+    `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant` and
+    `gemm_wgmma_max_m`."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if dot_dequant is not None and dot_dequant != opts.dot_dequant:
         opts = dataclasses.replace(opts, dot_dequant=dot_dequant)
-    if wgmma_min_m is not None:
+    if wgmma_min_m == "default" and split_m is not None:
+        wgmma_min_m = None
+    if wgmma_min_m != "default" and wgmma_min_m != opts.wgmma_min_m:
         opts = dataclasses.replace(opts, wgmma_min_m=wgmma_min_m)
+    if wgmma_max_m != "default" and wgmma_max_m != opts.wgmma_max_m:
+        opts = dataclasses.replace(opts, wgmma_max_m=wgmma_max_m)
     if copies is not None and copies != opts.copies:
         opts = dataclasses.replace(opts, copies=copies)
     if x_quant is not None and x_quant != opts.x_quant:

@@ -69,8 +69,9 @@ def test_dot_dequant_kernel_linears(m):
         [nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(2)]
     )
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    on = nvfp4_gemm.GemmOptions(dot_dequant="kernel")
-    off = nvfp4_gemm.GemmOptions(dot_dequant="xla")
+    # the wgmma range off (by default 128 .. 2048 rows take the wgmma GEMM before the dot)
+    on = nvfp4_gemm.GemmOptions(dot_dequant="kernel", wgmma_min_m=None)
+    off = nvfp4_gemm.GemmOptions(dot_dequant="xla", wgmma_min_m=None)
 
     def plain(opts):
         return jax.jit(lambda x: linear_ops.nvfp4_linear(x, w, layer=1, gemm_options=opts))(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -446,8 +447,9 @@ def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
     n, k = 256, 1024
     w = nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    # no upper bound: above DEFAULT_MAX_M the "auto" dispatch takes the dot reference
-    opts = nvfp4_gemm.GemmOptions(max_m=None)
+    # no upper bound: above DEFAULT_MAX_M the "auto" dispatch takes the dot reference; no
+    # wgmma range (from 128 rows the wgmma GEMM by default)
+    opts = nvfp4_gemm.GemmOptions(max_m=None, wgmma_min_m=None)
     text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, gemm_options=opts), x)
     p = nvfp4_gemm.plan(m, n, k, options=opts)
     calls = [c for c in _calls(text) if c[0] == "__gpu$xla.gpu.ptx"]
@@ -475,10 +477,11 @@ def test_cuda_lowering_emits_the_gemm(stub_compilers, m):
 
 @pytest.mark.parametrize(("m", "tm"), [(128, 128), (200, 128), (512, 128), (512, 256)])
 def test_wgmma_min_m_lowers_to_the_wgmma_gemm(stub_compilers, m, tm):
-    """GemmOptions.wgmma_min_m = 128 (opt-in): from 128 rows the W4A4 linear is one PTX call of
-    the wgmma GEMM (its x_hat operand fp16, its plan's grid, block and shared memory, per-row
-    global scales and stacked weights passed through), with a K split its finish; below, the
-    mma.sync GEMM as before; without the option, the GEMM / the dot as before."""
+    """GemmOptions.wgmma_min_m = 128 (the default): from 128 rows the W4A4 linear is one PTX
+    call of the wgmma GEMM (its x_hat operand fp16 stage tiles, its plan's grid, block and
+    shared memory, per-row global scales and stacked weights passed through), with a K split
+    its finish; below, the mma.sync GEMM as before; with wgmma_min_m None, or above
+    wgmma_max_m, the GEMM / the dot as before."""
     rng = np.random.default_rng(m + tm)
     n, k = 512, 2048
     mats = [nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(2)]
@@ -508,25 +511,41 @@ def test_wgmma_min_m_lowers_to_the_wgmma_gemm(stub_compilers, m, tm):
     # below the threshold the mma.sync GEMM; without the option no wgmma call at all
     low = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=opts), x[:64])
     assert _fields(_calls(low)[0][2])["name"] == nvfp4_gemm.ENTRY
-    plain = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+    default = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+    assert nvfp4_gemm_wgmma.ENTRY in default
+    off = nvfp4_gemm.GemmOptions(wgmma_min_m=None)
+    plain = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=off), x)
     assert nvfp4_gemm_wgmma.ENTRY not in plain
+    capped = nvfp4_gemm.GemmOptions(wgmma_min_m=64, wgmma_max_m=m - 1)
+    text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=capped), x)
+    assert nvfp4_gemm_wgmma.ENTRY not in text
 
 
 def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monkeypatch):
-    """Bad wgmma_min_m / wgmma_tm values are refused (GemmOptions, Config); off sm_90 the wgmma
-    GEMM is not built, a warning says why once, and the usual dispatch runs (the dot above
-    max_m); Config.gemm_wgmma_min_m reaches the decoder's linears."""
+    """Bad wgmma_min_m / wgmma_max_m / wgmma_tm values are refused (GemmOptions, Config); off
+    sm_90 the wgmma GEMM is not built and the usual dispatch runs (the dot above max_m): a
+    warning says why once for a chosen range, none for the default one; the Config fields
+    reach gemm_options, and invariant rows turn the default range off."""
     for bad in (0, -1, 1.5):
         with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_min_m"):
             nvfp4_gemm.GemmOptions(wgmma_min_m=bad)
+    with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_max_m=100, expected None or an int"):
+        nvfp4_gemm.GemmOptions(wgmma_max_m=100)  # below the default wgmma_min_m = 128
     with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_tm=64, expected 128 or 256"):
         nvfp4_gemm.GemmOptions(wgmma_tm=64)
-    with pytest.raises(ValueError, match="gemm_wgmma_min_m must be None or an int >= 1, got 0"):
-        rconfig.Config(gemm_wgmma_min_m=0)
-    assert rconfig.Config().gemm_wgmma_min_m is None
-    assert nvfp4_gemm.DEFAULT_OPTIONS.wgmma_min_m is None
-    opts = rlayers.gemm_options(None, wgmma_min_m=256)
-    assert opts.wgmma_min_m == 256 and opts.max_m == nvfp4_gemm.DEFAULT_MAX_M
+    for field in ("gemm_wgmma_min_m", "gemm_wgmma_max_m"):
+        with pytest.raises(ValueError, match=f"{field} must be None, 'default' or an int >= 1"):
+            rconfig.Config(**{field: 0})
+    assert rconfig.Config().gemm_wgmma_min_m == rconfig.Config().gemm_wgmma_max_m == "default"
+    assert nvfp4_gemm.DEFAULT_OPTIONS.wgmma_min_m == nvfp4_gemm.DEFAULT_WGMMA_MIN_M == 128
+    assert nvfp4_gemm.DEFAULT_OPTIONS.wgmma_max_m == nvfp4_gemm.DEFAULT_WGMMA_MAX_M == 2048
+    opts = rlayers.gemm_options(None, wgmma_min_m=256, wgmma_max_m=None)
+    assert (opts.wgmma_min_m, opts.wgmma_max_m) == (256, None)
+    assert opts.max_m == nvfp4_gemm.DEFAULT_MAX_M
+    assert rlayers.gemm_options(None).wgmma_min_m == 128
+    assert rlayers.gemm_options(None, wgmma_min_m=None).wgmma_min_m is None
+    assert rlayers.gemm_options(None, split_m=64).wgmma_min_m is None  # invariant rows
+    assert rlayers.gemm_options(None, split_m=64, wgmma_min_m=128).wgmma_min_m == 128
     rng = np.random.default_rng(0)
     w = nvfp4.quantize_weight(rng.standard_normal((256, 1024)).astype(np.float32))
     x = jnp.asarray(rng.standard_normal((300, 1024)), jnp.bfloat16)
@@ -534,13 +553,17 @@ def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monk
     with pytest.warns(UserWarning, match="the wgmma GEMM does not run: .*sm_90"):
         text = _lower_cuda(
             lambda x: kernels.nvfp4_linear(
-                x, w, gemm_options=nvfp4_gemm.GemmOptions(wgmma_min_m=128)
+                x, w, gemm_options=nvfp4_gemm.GemmOptions(wgmma_min_m=129)
             ),
             x,
         )
     # the dot path (its weight decoded by the dequantizer kernel, the default), no GEMM
     assert re.findall(r"name = \\22(\w+)\\22", text) == [nvfp4_dequant.ENTRY], text[:2000]
     assert "dot_general" in text
+    with warnings.catch_warnings():  # the default range: the same fallback, silently
+        warnings.simplefilter("error")
+        quiet = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w), x)
+    assert re.findall(r"name = \\22(\w+)\\22", quiet) == [nvfp4_dequant.ENTRY]
 
 
 def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
@@ -581,9 +604,10 @@ def _prefill_entries(params, cfg, tokens: int) -> list[str]:
 
 
 def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
-    """Config.gemm_wgmma_min_m: a 128-token prefill lowers the scanned layer's four W4A4 linears
-    (the fused ones of linear_fusion "split", and the plain ones of "unfused") to the wgmma
-    GEMM; without it they take the GEMM (the default max_m is 256)."""
+    """Config.gemm_wgmma_min_m / max_m: a 128-token prefill lowers the scanned layer's four
+    W4A4 linears (the fused ones of linear_fusion "split", and the plain ones of "unfused") to
+    the wgmma GEMM by default; with gemm_wgmma_min_m None, or a range that ends below 128
+    rows, or invariant rows, they take the GEMM (the default max_m is 256)."""
     base, params = _tiny_prefill_model()
 
     def entries(cfg):
@@ -591,10 +615,16 @@ def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
 
     for fusion in ("split", "unfused"):
         cfg = dataclasses.replace(base, linear_fusion=fusion)
-        on = entries(dataclasses.replace(cfg, gemm_wgmma_min_m=128))
+        on = entries(cfg)
         assert on.count(nvfp4_gemm_wgmma.ENTRY) == 4 and nvfp4_gemm.ENTRY not in on, (fusion, on)
-        off = entries(cfg)
-        assert nvfp4_gemm_wgmma.ENTRY not in off and off.count(nvfp4_gemm.ENTRY) == 4, (fusion, off)
+        for change in (
+            {"gemm_wgmma_min_m": None},
+            {"gemm_wgmma_min_m": 64, "gemm_wgmma_max_m": 127},
+            {"invariant_rows": 128},
+        ):
+            off = entries(dataclasses.replace(cfg, **change))
+            assert nvfp4_gemm_wgmma.ENTRY not in off, (fusion, change, off)
+            assert off.count(nvfp4_gemm.ENTRY) == 4, (fusion, change, off)
     # a decode step of 16 rows with the threshold at 16: the GEMM chains (gemm_chain, the
     # post-attention block) step aside, so all four linears take the wgmma GEMM
     dec = _decode_step_entries(dataclasses.replace(base, gemm_wgmma_min_m=16), 16)
@@ -642,10 +672,11 @@ def test_cluster_reduce_lowers_to_one_call(stub_compilers):
 
 
 def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monkeypatch):
-    """W4A4 above GemmOptions.max_m (prefill; default 256, Config.gemm_max_m): impl="auto" lowers
-    the dot reference (the weight decoded by the default dequantizer kernel) without building a
-    GEMM or noting a fallback; up to max_m, with no
-    bound, or with impl="cuda" the GEMM runs. The split fused linears follow the same rule."""
+    """W4A4 above GemmOptions.max_m (prefill; default 256, Config.gemm_max_m) and above the
+    wgmma range (default 128 .. 2048 rows, which takes the wgmma GEMM first): impl="auto"
+    lowers the dot reference (the weight decoded by the default dequantizer kernel) without
+    building a GEMM or noting a fallback; up to max_m, with no bound, or with impl="cuda" the
+    GEMM runs. The split fused linears follow the same rule."""
     import warnings
 
     from rejax.ops import fused_linear as fl
@@ -660,7 +691,7 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
 
     def entries(m, f):
         stub_compilers.clear()
-        for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant):
+        for mod in (nvfp4_gemm, nvfp4_gemv, nvfp4_quant, nvfp4_gemm_wgmma):
             mod._build_cached.cache_clear()
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         with warnings.catch_warnings():
@@ -670,7 +701,10 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
 
     unbounded = nvfp4_gemm.GemmOptions(max_m=None, x_quant="xla")
     dq = [nvfp4_dequant.ENTRY]  # the default dot_dequant "kernel" decodes the weight
-    for m in (257, 512):
+    for m in (257, 512, 2048):  # the wgmma range
+        got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w))
+        assert got[0] == nvfp4_gemm_wgmma.ENTRY and nvfp4_dequant.ENTRY not in got, got
+    for m in (2049, 2304):
         got, text = entries(m, lambda x: kernels.nvfp4_linear(x, w))
         assert got == dq and "dot_general" in text, got
         got, text = entries(m, lambda x: fl.fused_linear(x, params, kernels="two"))
@@ -690,7 +724,7 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
             m, lambda x, xk=xk: fl.fused_linear(x, params, kernels="two", gemm_options=xk)
         )
         assert got[:2] == [nvfp4_quant.ENTRY, nvfp4_gemm.ENTRY], got
-    got, _ = entries(256, lambda x: kernels.nvfp4_linear(x, w))
+    got, _ = entries(127, lambda x: kernels.nvfp4_linear(x, w))
     assert got[0] == nvfp4_gemm.ENTRY, got
     low = nvfp4_gemm.GemmOptions(max_m=16)
     got, _ = entries(17, lambda x: kernels.nvfp4_linear(x, w, gemm_options=low))
@@ -1187,17 +1221,17 @@ def test_dot_with_kernel_reads_the_layer(monkeypatch, per_row):
 
 
 def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
-    """GemmOptions(dot_dequant="kernel") above max_m rows: the plain and the fused linear ("two")
-    lower to one dequantizer call (the stacked operands in place, its grid) and one dot (as
-    the default does); "xla" has no dequantizer call; at or below max_m the GEMM runs either
-    way."""
+    """GemmOptions(dot_dequant="kernel") above max_m rows (the wgmma range off, as above
+    2048 rows by default): the plain and the fused linear ("two") lower to one dequantizer call
+    (the stacked operands in place, its grid) and one dot (as the default does above the
+    wgmma range); "xla" has no dequantizer call; at or below max_m the GEMM runs either way."""
     from rejax.ops import fused_linear as fl
 
     rng = np.random.default_rng(6)
     n, k = 256, 512
     w = _stacked_weight(rng, 2, n, k, False)
-    on = nvfp4_gemm.GemmOptions(dot_dequant="kernel")
-    xla = nvfp4_gemm.GemmOptions(dot_dequant="xla")
+    on = nvfp4_gemm.GemmOptions(dot_dequant="kernel", wgmma_min_m=None)
+    xla = nvfp4_gemm.GemmOptions(dot_dequant="xla", wgmma_min_m=None)
     for m in (257, 512):
         x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
         text = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=on), x)
@@ -1211,7 +1245,8 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
         assert int(fields["block_x"]) == 256
         assert types.strip().startswith(f"(tensor<2x{n}x{k // 2}xui8>, tensor<2x{n}x{k // 16}xui8>")
         assert re.search(rf"-> tensor<{n}x{k}xbf16>", text) and "dot_general" in text
-        default = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x)
+        x_above = jnp.zeros((2049, k), jnp.bfloat16)  # above the default wgmma range
+        default = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1), x_above)
         assert default.count(nvfp4_dequant.ENTRY) == text.count(nvfp4_dequant.ENTRY) > 0
         off = _lower_cuda(lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=xla), x)
         assert nvfp4_dequant.ENTRY not in off and "dot_general" in off
@@ -1228,8 +1263,8 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
 
 def test_config_gemm_dot_dequant(stub_compilers):
     """Config.gemm_dot_dequant="kernel" reaches a 512-token prefill's four W4A4 linears (one
-    dequantizer call each, under "split" and "unfused"), as the default does; "xla" has none; a
-    bad value is refused before any work."""
+    dequantizer call each, under "split" and "unfused"; the wgmma range off), as the default
+    does; "xla" has none; a bad value is refused before any work."""
     assert rconfig.Config().gemm_dot_dequant == nvfp4_gemm.DEFAULT_OPTIONS.dot_dequant == "kernel"
     assert rconfig.GEMM_DOT_DEQUANTS == nvfp4_gemm.DOT_DEQUANTS
     base, params = _tiny_prefill_model()
@@ -1238,7 +1273,7 @@ def test_config_gemm_dot_dequant(stub_compilers):
         return _prefill_entries(params, cfg, 512)
 
     for fusion in ("split", "unfused"):
-        cfg = dataclasses.replace(base, linear_fusion=fusion)
+        cfg = dataclasses.replace(base, linear_fusion=fusion, gemm_wgmma_min_m=None)
         on = entries(dataclasses.replace(cfg, gemm_dot_dequant="kernel"))
         assert on.count(nvfp4_dequant.ENTRY) == 4 and nvfp4_gemm.ENTRY not in on, (fusion, on)
         assert entries(cfg).count(nvfp4_dequant.ENTRY) == 4

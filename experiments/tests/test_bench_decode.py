@@ -25,6 +25,7 @@ def _args(**kw):
         "o_proj_output": [rconfig.Config.o_proj_output],
         "gemm_chain": [rconfig.Config.gemm_chain],
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
+        "gemm_wgmma_max_m": rconfig.Config.gemm_wgmma_max_m,
         "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
@@ -87,30 +88,37 @@ def test_variants_cross_linear_fusions(base):
 
 
 def test_variants_cross_gemm_wgmma_min_m(base):
-    """--gemm-wgmma-min-m: one NVFP4 variant per value (labelled unless 'none'), innermost;
-    bf16 runs once; argparse takes ints and 'none'."""
-    args = _args(gemm_wgmma_min_m=[None, 128], gemm_occupancy=["fill16", "wide"])
+    """--gemm-wgmma-min-m: one NVFP4 variant per value (labelled unless 'default'), innermost;
+    --gemm-wgmma-max-m reaches every one (labelled unless 'default'); bf16 runs once; argparse
+    takes ints, 'none' and 'default'."""
+    args = _args(gemm_wgmma_min_m=["default", None], gemm_occupancy=["fill16", "wide"])
     got = [(label, p.cfg.gemm_wgmma_min_m, p.cfg.gemm_occupancy) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none", None, "fill16"),
-        ("head=bf16 prefetch=none wg=128", 128, "fill16"),
-        ("head=bf16 prefetch=none occ=wide", None, "wide"),
-        ("head=bf16 prefetch=none occ=wide wg=128", 128, "wide"),
+        ("head=bf16 prefetch=none", "default", "fill16"),
+        ("head=bf16 prefetch=none wg=None", None, "fill16"),
+        ("head=bf16 prefetch=none occ=wide", "default", "wide"),
+        ("head=bf16 prefetch=none occ=wide wg=None", None, "wide"),
     ]
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
+    args = _args(gemm_wgmma_min_m=[128], gemm_wgmma_max_m=None)
+    got = [(label, p.cfg.gemm_wgmma_min_m, p.cfg.gemm_wgmma_max_m) for _, _, label, p in
+           bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [("head=bf16 prefetch=none wg=128 wgmax=None", 128, None)]
     assert bd._max_m("none") is None and bd._max_m("256") == 256
+    assert bd._wgmma_rows("default") == "default" and bd._wgmma_rows("none") is None
+    assert bd._wgmma_rows("128") == 128
 
 
 def test_variants_cross_gemm_dot_dequant(base):
     """--gemm-dot-dequant: one NVFP4 variant per value (labelled unless the default "kernel"),
     innermost; bf16 runs once."""
-    args = _args(gemm_dot_dequant=["xla", "kernel"], gemm_wgmma_min_m=[None, 128])
+    args = _args(gemm_dot_dequant=["xla", "kernel"], gemm_wgmma_min_m=["default", 128])
     got = [(label, p.cfg.gemm_dot_dequant, p.cfg.gemm_wgmma_min_m) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none dq=xla", "xla", None),
-        ("head=bf16 prefetch=none", "kernel", None),
+        ("head=bf16 prefetch=none dq=xla", "xla", "default"),
+        ("head=bf16 prefetch=none", "kernel", "default"),
         ("head=bf16 prefetch=none wg=128 dq=xla", "xla", 128),
         ("head=bf16 prefetch=none wg=128", "kernel", 128),
     ]

@@ -339,9 +339,11 @@ def gemm_call_xhat(
 
 def takes_wgmma(act: str, m: int, impl: str, gemm_options: nvfp4_gemm.GemmOptions) -> bool:
     """Whether a W4A4 linear of M rows asks for the warpgroup-MMA GEMM first
-    (`GemmOptions.wgmma_min_m`, opt-in; impl "auto" or "cuda")."""
-    limit = gemm_options.wgmma_min_m
-    return act == "w4a4" and impl != "ref" and limit is not None and m >= limit
+    (`GemmOptions.wgmma_min_m` .. `wgmma_max_m` rows; impl "auto" or "cuda")."""
+    low, high = gemm_options.wgmma_min_m, gemm_options.wgmma_max_m
+    if act != "w4a4" or impl == "ref" or low is None or m < low:
+        return False
+    return high is None or m <= high
 
 
 @functools.cache
@@ -351,10 +353,18 @@ def _note_no_wgmma(why: str) -> None:
     warnings.warn(f"{OP}: the wgmma GEMM does not run: {why}", stacklevel=3)
 
 
+def _default_wgmma_range(gemm_options: nvfp4_gemm.GemmOptions) -> bool:
+    return (gemm_options.wgmma_min_m, gemm_options.wgmma_max_m) == (
+        nvfp4_gemm.DEFAULT_WGMMA_MIN_M,
+        nvfp4_gemm.DEFAULT_WGMMA_MAX_M,
+    )
+
+
 def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, gw_rows: bool):
     """The wgmma GEMM for one W4A4 problem (`nvfp4_gemm_wgmma.build_linear` with
-    `gemm_options.wgmma_tm`, `w_shift` and `split_m`), or None (logged once) where it cannot be
-    built."""
+    `gemm_options.wgmma_tm`, `w_shift` and `split_m`), or None where it cannot be built (off
+    sm_90, K not a multiple of 128, no NVRTC): logged once where the options chose a wgmma
+    range other than the default, silent for the default (the usual dispatch runs)."""
     try:
         return nvfp4_gemm_wgmma.build_linear(
             m,
@@ -366,7 +376,8 @@ def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, g
             split_m=gemm_options.split_m,
         )
     except nvfp4_gemv.KernelError as err:
-        _note_no_wgmma(f"M={m} N={n} K={k}: {err}")
+        if not _default_wgmma_range(gemm_options):
+            _note_no_wgmma(f"M={m} N={n} K={k}: {err}")
         return None
 
 
