@@ -2,9 +2,8 @@
 // stages with one producer thread: the producer arms a stage's "full" barrier with the bytes
 // it expects (arrive.expect_tx), issues cp.async.bulk copies that count those bytes down, and
 // the consumers wait on the barrier's phase parity; the consumers' arrivals on an "empty"
-// barrier hand the slot back; 8-byte cp.async copies (below the bulk minimum of 16) join a
-// phase through cp.async.mbarrier.arrive. Used by nvfp4_gemm_wgmma.cu (BULK) and the TMA
-// experiments.
+// barrier hand the slot back; cp.async copies join a phase through cp.async.mbarrier.arrive.
+// Used by nvfp4_gemm_wgmma.cu (BULK) and the TMA experiments.
 //
 // The including file defines u32 and u64 first.
 
@@ -99,15 +98,6 @@ __device__ __forceinline__ void bulk_copy_if(bool p, u32 dst, const void* src, u
       "@p cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3]; }" ::
           "r"(dst),
       "l"(src), "r"(bytes), "r"(bar), "r"((u32)p)
-      : "memory");
-}
-
-// 8 bytes global -> shared through L1 (cp.async), issued only where `p`
-__device__ __forceinline__ void cp8_if(bool p, u32 dst, const void* src) {
-  asm volatile(
-      "{ .reg .pred p; setp.ne.u32 p, %2, 0; @p cp.async.ca.shared.global [%0], [%1], 8; }" ::"r"(
-          dst),
-      "l"(src), "r"((u32)p)
       : "memory");
 }
 

@@ -1,9 +1,10 @@
 // NVFP4 W4A4 GEMM on Hopper warpgroup tensor cores (sm_90a, wgmma.mma_async), for many rows:
 // y[M, N] = x[M, K] . W[N, K]^T, bf16. A variant of nvfp4_gemm.cu (read its header first: the
 // operands, the numerics and the decode are the same); only the MMA, the x_hat order and the
-// shared-memory layout of the x_hat tile differ. Host side: nvfp4_gemm_wgmma.py. Opt-in
-// (GemmOptions.wgmma_min_m): with 128 / 256-token tiles each weight is decoded once per tile;
-// with 8-64-token tiles it measured slower than nvfp4_gemm.cu (experiments/KERNEL_NOTES.md).
+// shared-memory layout of the x_hat tile differ. Host side: nvfp4_gemm_wgmma.py. The model's
+// GEMM from 128 to 2048 rows (GemmOptions.wgmma_min_m / wgmma_max_m) with 128-token tiles and
+// BULK 3: each weight decoded once per tile; with 8-64-token tiles it measured slower than
+// nvfp4_gemm.cu unless BULK 1 (experiments/KERNEL_NOTES.md).
 //
 // GEMM letters: M tokens (rows of x), N out features (rows of W), K in features. W is NVFP4
 // (codes uint8 [N, K/2], E4M3 block scales uint8 [N, K/16], float32 global scale [] or per row
@@ -33,17 +34,15 @@
 //                        evenly): unrolled, affine addresses. 0: loops from each thread's index
 //                        (the form first measured; about 2.3x the instructions a stage at TM 128)
 //   BULK                 the stage copies on mbarriers, no block barrier in the K loop (KT 128):
-//                        1: every operand arrives PRE-TILED (below) and thread 0 fills each ring
-//                        slot with three cp.async.bulk copies on a "full" mbarrier; the warps
-//                        wait on its phase and hand the slot back through an "empty" mbarrier
-//                        (one arrival a warp). 2: only x_hat pre-tiled (thread 0's bulk copy);
-//                        the weights in their plain layout, each warp copying the rows it alone
-//                        reads: a 64-byte bulk copy of a row's codes, an 8-byte cp.async of its
-//                        scales joining the phase through cp.async.mbarrier.arrive. 3: only
-//                        x_hat pre-tiled (thread 0's bulk copy), the weights' 16 / 8-byte
-//                        pieces copied with cp.async by every thread as BULK 0 does, joining
-//                        the phase through cp.async.mbarrier.arrive. 0: every thread copies
-//                        16-byte pieces with cp.async, a __syncthreads a stage.
+//                        1: every operand arrives PRE-TILED (below) and thread 0 fills each
+//                        ring slot with three cp.async.bulk copies on its "full" mbarrier; the
+//                        warps wait on its phase and hand the slot back through an "empty"
+//                        mbarrier (one arrival a warp). 3 (the model's): only x_hat pre-tiled
+//                        (thread 0's bulk copy); the weights' 16 / 8-byte pieces copied with
+//                        cp.async by every thread as BULK 0 does, joining the phase through
+//                        cp.async.mbarrier.arrive. 0: every thread copies 16-byte pieces with
+//                        cp.async, a __syncthreads a stage. (A form with a bulk copy per
+//                        weight row lost: experiments/KERNEL_NOTES.md.)
 //
 // Numerics: identical to production. w' = e2m1 * SFw * 2^(W_SHIFT - 14) and x_hat are exact in
 // fp16, every product is exact in fp32, the tensor cores add in fp32 (only the order of the
@@ -100,19 +99,21 @@
 //   warpgroup's wgmmas of stage i - 2 completed at its last wait_group 1 of stage i - 1, before
 //   this barrier. After the loop wait_group 0, then the accumulators are pinned after the wait
 //   (empty volatile asm) before the epilogue reads them.
-// * BULK: the stage's three pieces are contiguous in global memory, each its shared-memory
+// * BULK: each piece a bulk copy takes is contiguous in global memory, its shared-memory
 //   image. x_hat: [ceil(M / TM), K / KT, TM * KT] fp16 (nvfp4_gemm_wgmma.to_stage_tiles of the
 //   wgmma-order x_hat; the tile's rows past M are zeros). BULK 1, codes and scale bytes:
 //   [L][ceil(N / TILE_N)][K / KT][TILE_N][KT / 2 or KT / 16] (weight_stage_tiles; rows past N
-//   zero). Ring slot s has full[s] (one arrival: thread 0's expect_tx of STAGE_BYTES, then the
-//   copies' bytes; BULK 2: also every thread's cp.async arrival, and the bytes of the rows
-//   below N; rows past N are left as they are, their outputs unwritten) and empty[s] (4 NWG
-//   arrivals: lane 0 of each warp after its first
-//   wait_group of the NEXT stage, which retires every wgmma of this one; its shared loads of
-//   the stage came before them). At iteration i thread 0 waits for empty of the slot that stage
-//   i - 2 used and refills it with stage i + STAGES - 2, then every warp waits for full of
-//   stage i: only warp 0 ever waits for the others, and only for a stage they finished long
-//   ago. mbarrier completion makes the bulk writes visible to both the shared loads and wgmma.
+//   zero). Ring slot s has full[s] and empty[s]. full[s] takes thread 0's arrival with
+//   expect_tx of the stage's bulk bytes (BULK 1 all of STAGE_BYTES, BULK 3 the x tile's), then
+//   the copies' bytes; with BULK 3 also every thread's cp.async arrival. empty[s] takes 4 NWG
+//   arrivals: lane 0 of each warp after its first wait_group of the NEXT stage, which retires
+//   every wgmma of this one (its shared loads of the stage came before them). At iteration i
+//   every warp waits for empty of the slot that stage i - 2 used, the warps refill it with
+//   stage i + STAGES - 2, then wait for full of stage i: a warp waits only for the others to
+//   be one group into stage i - 1. mbarrier completion makes the bulk and cp.async writes
+//   visible to both the shared loads and wgmma. The waits exit on a warp vote and the
+//   one-thread parts are predicated: a divergent branch between a wgmma and its wait makes
+//   ptxas serialize the wgmmas (C7518).
 // * Accumulators: wgmma m64nTMk16 f32 D fragment, TM / 2 floats per thread per tile: d[4j + e] is
 //   row 16q + g + 8 (e / 2), token 8j + 2t + (e % 2) (j < TM / 8), i.e. production's acc[r][j][e].
 
@@ -158,7 +159,7 @@ static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_W
 #ifndef BULK
 #define BULK 0
 #endif
-static_assert(BULK == 0 || (BULK >= 1 && BULK <= 3 && KT == 128), "BULK: 0, or 1..3 with KT 128");
+static_assert(BULK == 0 || ((BULK == 1 || BULK == 3) && KT == 128), "BULK: 0, or 1 / 3 with KT 128");
 static_assert(W_SHIFT >= 0 && W_SHIFT <= 7, "SFw * 2^W_SHIFT must stay below the fp16 max");
 constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_SHIFT, 2^W_SHIFT)
 constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
@@ -365,9 +366,8 @@ __device__ __forceinline__ void load_stage(u32 st, int kt, const u8* wp, const u
 // BULK: stage kt into ring slot `st` on its full barrier, called by every thread (uniform;
 // the one-thread parts predicated, not branched: mbarrier.cuh's warp-uniform forms). Thread 0
 // arms the barrier and copies x tile bx. BULK 1: thread 0 also copies weight tile by's two
-// pre-tiled pieces. BULK 2: warp (wgi, wq) copies rows (wgi WR + r) 64 + 16 wq + j of the CTA
-// tile (the rows its lanes decode): lane j < 16 the codes of row j (64 bytes), lane 16 + j its
-// scale bytes (8), then every thread's cp.async arrival.
+// pre-tiled pieces. BULK 3: every thread copies its share of the weight stage as BULK 0 does
+// (zero-filling rows past N), then arrives once its copies land.
 __device__ __forceinline__ void load_stage_bulk(int tid, u32 st, u32 full, int kt, const u8* wp,
                                                 const u8* ws, const u8* xh, int n0, int bx) {
   const bool p = tid == 0;
@@ -379,26 +379,11 @@ __device__ __forceinline__ void load_stage_bulk(int tid, u32 st, u32 full, int k
     bulk_copy_if(p, st, wp + ((size_t)by * NKT + kt) * W_BYTES, W_BYTES, full);
     bulk_copy_if(p, st + W_BYTES, ws + ((size_t)by * NKT + kt) * S_BYTES, S_BYTES, full);
     bulk_copy_if(p, sx, xsrc, X_BYTES, full);
-  } else if constexpr (BULK == 3) {
+  } else {  // BULK == 3
     mbar_arrive_expect_tx_if(p, full, X_BYTES);
     bulk_copy_if(p, sx, xsrc, X_BYTES, full);
     load_weight_stage_static<TILE_N, NT, N_OUT, K_IN, KT>(
         st, st + W_BYTES, kt, wp, ws, n0, tid, [](int r, int c) { return wchunk(r, c); });
-    cp_async_arrive(full);
-  } else {
-    const int rows = min(TILE_N, N_OUT - n0);  // the tile's rows below N
-    mbar_arrive_expect_tx_if(p, full, rows * W_PITCH + X_BYTES);
-    bulk_copy_if(p, sx, xsrc, X_BYTES, full);
-    const int lane = tid & 31, wq = (tid >> 5) & 3, wgi = tid >> 7;
-#pragma unroll
-    for (int r = 0; r < WR; ++r) {
-      const int rr = (wgi * WR + r) * 64 + wq * 16 + (lane & 15), n = n0 + rr;
-      const bool ok = n < N_OUT;
-      bulk_copy_if(ok && lane < 16, st + rr * W_PITCH,
-                   wp + (size_t)n * (K_IN / 2) + (size_t)kt * W_PITCH, W_PITCH, full);
-      cp8_if(ok && lane >= 16, st + W_BYTES + rr * S_PITCH,
-             ws + (size_t)n * (K_IN / 16) + (size_t)kt * S_PITCH);
-    }
     cp_async_arrive(full);
   }
 }
@@ -498,7 +483,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   const u32 full0 = s0 + STAGES * STAGE_BYTES, empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full0 + 8 * s, BULK == 1 ? 1 : 1 + NT);  // BULK 2, 3: + the cp.async arrivals
+      mbar_init(full0 + 8 * s, BULK == 1 ? 1 : 1 + NT);  // BULK 3: + the cp.async arrivals
       mbar_init(empty0 + 8 * s, 4 * NWG);
     }
     mbar_init_fence();

@@ -1,10 +1,11 @@
 """Host side of the Hopper wgmma NVFP4 W4A4 GEMM for many rows (`nvfp4_gemm_wgmma.cu`, next
 to this file): plan, x_hat order, NVRTC build, ptxas report, launch, XLA custom-call config.
 
-Opt-in (`GemmOptions.wgmma_min_m`, `rejax.ops.linear`): W4A4 linears of at least that many rows
-(prefill) run it with 128-token tiles (`LINEAR_TM`) instead of the mma.sync GEMM or the dot.
-With 8-64-token tiles (the plan's own choice, kept for the experiments) it measured slower than
-`nvfp4_gemm` (experiments/KERNEL_NOTES.md).
+By default (`GemmOptions.wgmma_min_m` .. `wgmma_max_m`, 128 .. 2048 rows, `rejax.ops.linear`)
+W4A4 linears run it with 128-token tiles (`LINEAR_TM`) and the BULK 3 stage copies
+(`LINEAR_BULK`) instead of the mma.sync GEMM or the dot. With 8-64-token tiles (the plan's own
+choice, kept for the experiments) it measured slower than `nvfp4_gemm` unless its weights are
+pre-tiled too (BULK 1; experiments/KERNEL_NOTES.md).
 
 The kernel is production's `cuda_ops/nvfp4_gemm.cu` with `mma.sync.m16n8k16` replaced by
 `wgmma.mma_async.m64nNk16` (sm_90a): the decoded weights are the register A operand, the tokens
@@ -83,10 +84,9 @@ class WgmmaPlan:
     group_words: int = 1
     # BULK (KT 128 only): the stage copies on mbarriers, no block barrier in the K loop. 1: every
     # operand pre-tiled (`to_stage_tiles`, `weight_stage_tiles`), three bulk copies a stage from
-    # one thread; 2: x_hat pre-tiled, the weights in their plain layout (a bulk copy of each
-    # row's codes, cp.async of its scales, by the warp that decodes the row); 3: x_hat pre-tiled,
-    # the weights' pieces by cp.async from every thread on the same mbarrier; 0: cp.async by
-    # every thread, a block barrier a stage
+    # one thread; 3 (`LINEAR_BULK`): x_hat pre-tiled, the weights in their plain layout, their
+    # pieces by cp.async from every thread on the same mbarrier; 0: cp.async by every thread, a
+    # block barrier a stage
     bulk: int = 0
 
     n_inputs = N_INPUTS
@@ -122,24 +122,26 @@ class WgmmaPlan:
         return (self.splitk, self.m, self.n) if self.partials else (self.m, self.n)
 
     def defines(self) -> dict:
-        return {
-            "M_TOK": self.m,
-            "N_OUT": self.n,
-            "K_IN": self.k,
-            "TM": self.tm,
-            "WR": self.wr,
-            "NWG": self.nwg,
-            "KT": self.kt,
-            "STAGES": self.stages,
-            "SPLITK": self.splitk,
-            "SMEM_BYTES": self.smem,
-            "W_SHIFT": self.w_shift,
-            "GW_ROWS": int(self.gw_rows),
-            "DESC_SWAP": int(self.desc_swap),
-            "MIN_BLOCKS": self.min_blocks,
-            "STATIC_COPIES": int(self.static_copies),
-        } | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {}) | (
-            {"BULK": self.bulk} if self.bulk else {}
+        return (
+            {
+                "M_TOK": self.m,
+                "N_OUT": self.n,
+                "K_IN": self.k,
+                "TM": self.tm,
+                "WR": self.wr,
+                "NWG": self.nwg,
+                "KT": self.kt,
+                "STAGES": self.stages,
+                "SPLITK": self.splitk,
+                "SMEM_BYTES": self.smem,
+                "W_SHIFT": self.w_shift,
+                "GW_ROWS": int(self.gw_rows),
+                "DESC_SWAP": int(self.desc_swap),
+                "MIN_BLOCKS": self.min_blocks,
+                "STATIC_COPIES": int(self.static_copies),
+            }
+            | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {})
+            | ({"BULK": self.bulk} if self.bulk else {})
         )
 
 
@@ -229,8 +231,8 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"w_shift={p.w_shift} (expected 0..7)"
     if p.group_words not in (1, 2, 4):
         return False, f"group_words={p.group_words} (expected 1, 2 or 4)"
-    if p.bulk not in (0, 1, 2, 3):
-        return False, f"bulk={p.bulk!r} (expected 0, 1, 2 or 3)"
+    if p.bulk not in (0, 1, 3):
+        return False, f"bulk={p.bulk!r} (expected 0, 1 or 3)"
     if p.bulk and p.kt != 128:
         return False, f"bulk copies with kt={p.kt} (expected 128)"
     return True, ""

@@ -242,7 +242,8 @@ def _bf16_adds(text: str, shape: str) -> int:
 
 # a K split (the finish kernel adds the residual); no max_m, so M = 512 takes the GEMM too
 # KT 128: K = 256 leaves no room for a split in 256-element stages (the M <= 16 default)
-GEMM_SPLIT = nvfp4_gemm.GemmOptions(splitk=2, kt=128, max_m=None)
+# the mma.sync GEMM at any M: no row bound, no wgmma range
+GEMM_SPLIT = nvfp4_gemm.GemmOptions(splitk=2, kt=128, max_m=None, wgmma_min_m=None)
 
 
 @pytest.mark.parametrize("prologue", ["none", "swiglu"])  # o_proj, down_proj

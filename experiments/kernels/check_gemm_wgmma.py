@@ -82,11 +82,6 @@ VARIANTS = {
     "wgmma_n128_bulk": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 1},
     "wgmma_n128_wr2_bulk": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 1},
     "wgmma_n128_wr2_g4_bulk": {"tm": 128, "nwg": 2, "wr": 2, "group_words": 4, "bulk": 1},
-    # BULK 2: the same ring with the weights in their plain layout (no repack): each warp copies
-    # the rows it decodes, a 64-byte bulk copy of the codes and an 8-byte cp.async of the
-    # scales; only x_hat pre-tiled
-    "wgmma_n128_rows": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 2},
-    "wgmma_n128_wr2_rows": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 2},
     # BULK 3: x_hat pre-tiled (one bulk copy), the weights by cp.async from every thread as
     # BULK 0 does, all on the stage's mbarrier (no repack, no block barrier)
     "wgmma_n128_xb": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3},
@@ -94,8 +89,6 @@ VARIANTS = {
     "wgmma_xb": {"bulk": 3},
     # the plan's own small-M tiles (8-64 tokens) with the bulk forms
     "wgmma_bulk": {"bulk": 1},
-    "wgmma_rows": {"bulk": 2},
-    "wgmma_wg2_rows": {"nwg": 2, "wr": 1, "min_blocks": 2, "bulk": 2},
 }
 LARGE_M_VARIANTS = (
     "wgmma_n128",
@@ -108,8 +101,6 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_bulk",
     "wgmma_n128_wr2_bulk",
     "wgmma_n128_wr2_g4_bulk",
-    "wgmma_n128_rows",
-    "wgmma_n128_wr2_rows",
     "wgmma_n128_xb",
     "wgmma_n128_wr2_xb",
 )
@@ -120,7 +111,7 @@ EXTRA = (
     ("subnormal", 1024, 2048, 16, (0x01, 0x18), 1e3),
     ("odd_m_large", 4096, 4096, 200, (0x20, 0x78), 1.0),  # the large-tile variants only
     # the BULK variants only, M = 40 or 256 by tile: N not a multiple of any weight tile (the
-    # last tile's rows past N: BULK 1's zero padding, BULK 2's uncopied rows and byte count)
+    # last tile's rows past N: BULK 1's zero padding, BULK 3's zero-filled copies)
     ("odd_n", 4000, 4096, None, (0x20, 0x78), 1.0),
 )
 DEFAULT_SCALES = (0x20, 0x78)
@@ -361,7 +352,7 @@ def check_case(c: _Ctx, tag, n, k, m, w: _Weights, kernels: dict, seed) -> tuple
 
 def bulk_operands(c: _Ctx, p, xh_wg, weight):
     """A BULK plan's operands from the plain ones: the wgmma-order x_hat as stage tiles, and
-    with BULK 1 the weight codes and scales as weight stage tiles (BULK 2 reads them as they
+    with BULK 1 the weight codes and scales as weight stage tiles (BULK 3 reads them as they
     are; cuda_ops/nvfp4_gemm_wgmma.py)."""
     xt = wgm.to_stage_tiles(xh_wg, p.tm, p.kt)
     tiles = wgm.weight_stage_tiles(*weight, p.tile_n, p.kt) if p.bulk == 1 else tuple(weight)

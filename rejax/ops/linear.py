@@ -20,10 +20,11 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
   or a command-buffer-compatible `buffer_callback` (launch "callback"). `gemv_call(residual=r)`
   (W4A4) returns r + y: either kernel adds r in its epilogue (-DEPI_RES=1, res [M, N] an
   operand after xg; with the GEMM's K split, the finish kernel's), the bf16 add of the
-  reference. With `GemmOptions.wgmma_min_m` (opt-in) W4A4 linears of at least that many rows
-  first take the warpgroup-MMA GEMM of `cuda_ops/nvfp4_gemm_wgmma.cu` (sm_90; its x_hat in its
-  own K order, `wgmma_x_operand`; the residual as XLA's add), before the GEMM and the dot;
-  where it does not build, a warning says why once and the rest of this dispatch runs. When
+  reference. W4A4 linears of `GemmOptions.wgmma_min_m` .. `wgmma_max_m` rows (by default 128 ..
+  2048) first take the warpgroup-MMA GEMM of `cuda_ops/nvfp4_gemm_wgmma.cu` (sm_90; its x_hat
+  in its own K order and pre-tiled, `wgmma_x_operand` and `to_stage_tiles`; the residual as
+  XLA's add), before the GEMM and the dot; where it does not build, the rest of this dispatch
+  runs (a warning says why once where the options chose a range other than the default). When
   the chosen kernel does not apply (W4A16 above M = 8, an unsupported shape, a failed build),
   the reference
   runs with one bf16 tensor-core dot over the exactly pre-scaled values (never a sequential scan
