@@ -107,6 +107,8 @@ SM_THREADS = 2048
 # 2.112 against 2.346 ms/token, the 24 XLA fusions per layer gone; experiments/results/h200_m/)
 # but its GPU tests have not all passed yet, so "xla" stays the default.
 X_QUANTS = ("xla", "kernel")
+# how a fused linear in front of the wgmma GEMM builds its x_hat stage tiles
+WGMMA_X_QUANTS = ("xla", "kernel")
 # How the dot path (above `max_m` rows) forms the weight's bf16 values e2m1 * SFw: "xla" (XLA's
 # fusions of `rejax.nvfp4._scaled_values`) or "kernel" (`cuda_ops.nvfp4_dequant`: one launch
 # that reads a stacked weight in place). The same bytes. Inside the 36-layer prefill the dot
@@ -193,6 +195,10 @@ class GemmOptions:
             sm_90, or where the kernel cannot be built, the usual dispatch runs (a warning
             only for a range other than the default).
         wgmma_tm: that GEMM's token tile, 128 (the default) or 256.
+        wgmma_x_quant: how a fused linear in front of the wgmma GEMM builds its x_hat stage
+            tiles: "xla" (the default: XLA's prologue and quantizer, `wgmma_x_operand`,
+            `to_stage_tiles`) or "kernel" (the quantizer kernel's "xhat_tiles" form writes
+            them; opt-in until measured on a GPU) (`WGMMA_X_QUANTS`).
         dot_dequant: how the dot path above `max_m` rows decodes the weight to bf16:
             "kernel" (the default: the dequantizer kernel; 512-token prefill 29.6 against
             31.2 ms at batch 1 on an H100) or "xla" (XLA's fusions) (`DOT_DEQUANTS`).
@@ -219,6 +225,7 @@ class GemmOptions:
     wgmma_min_m: int | None = DEFAULT_WGMMA_MIN_M
     wgmma_max_m: int | None = DEFAULT_WGMMA_MAX_M
     wgmma_tm: int = 128
+    wgmma_x_quant: str = "xla"
     dot_dequant: str = "kernel"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
@@ -263,6 +270,11 @@ class GemmOptions:
         if self.dot_dequant not in DOT_DEQUANTS:
             raise KernelError(
                 f"GemmOptions.dot_dequant={self.dot_dequant!r}, expected one of {DOT_DEQUANTS}"
+            )
+        if self.wgmma_x_quant not in WGMMA_X_QUANTS:
+            raise KernelError(
+                f"GemmOptions.wgmma_x_quant={self.wgmma_x_quant!r}, expected one of "
+                f"{WGMMA_X_QUANTS}"
             )
         if self.wgmma_tm not in (128, 256):
             raise KernelError(f"GemmOptions.wgmma_tm={self.wgmma_tm!r}, expected 128 or 256")

@@ -1156,12 +1156,31 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
 //       x_perm[m, 128c + 32u + 8t + j] = x_hat[m, 128c + 32t + 8u + j / 2 + 4 (j % 2)],
 //     so the 8 elements 128c + 32t + 8u .. + 7 of a thread are one 16-byte run at
 //     128c + 32u + 8t, in the order (e0, e4, e1, e5, e2, e6, e3, e7); writes x_hat and
-//     xg_out [M] (rejax.ops.linear.gemm_x_operand of the codes and scales, bit for bit).
+//     xg_out [M] (rejax.ops.linear.gemm_x_operand of the codes and scales, bit for bit);
+//   XHAT_OUT = 2: the same x_hat values as the wgmma GEMM's stage tiles (nvfp4_gemm_wgmma.cu,
+//     BULK; nvfp4_gemm_wgmma.to_stage_tiles of wgmma_x_operand): fp16
+//     [ceil(M / XHAT_TM), K / 128, XHAT_TM * 128], the 16-byte core-matrix row of token m and
+//     8-element column q of K stage c at ((m / XHAT_TM) K/128 + c) XHAT_TM 128 + q XHAT_TM 8 +
+//     (m % XHAT_TM / 8) 64 + (m % 8) 8 elements. In the wgmma K order a thread's word i = 2v + b
+//     of xhat8 (elements i, i + 4) is column 4u + i at elements 2t, 2t + 1, so the four lanes t
+//     of one (c, u) swap words (a 4 x 4 transpose by shuffles) and each stores column 4u + t
+//     whole. Launched over ceil(M / XHAT_TM) XHAT_TM rows (XHAT_M real ones): the CTAs of the
+//     padding rows store zeros and read nothing.
 #ifndef QCHUNK
 #define QCHUNK K_IN
 #endif
 #ifndef XHAT_OUT
 #define XHAT_OUT 0
+#endif
+#if XHAT_OUT == 2
+#ifndef XHAT_TM
+#define XHAT_TM 128
+#endif
+static_assert(XHAT_TM % 8 == 0, "XHAT_TM: whole 8-token core matrices");
+#ifndef XHAT_M
+#error "XHAT_M: the rows of x (the grid also covers the last tile's padding rows)"
+#endif
+static_assert(!FIN_SPLITK, "the stage-tile form has no finish input");
 #endif
 
 #if XHAT_OUT
@@ -1230,17 +1249,50 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   static_assert(M_TOK == 1, "the quantizer runs one row per CTA");
   __shared__ float scratch[RED_SLOTS], s_rs[1], s_g[1], s_ig[1];
   const size_t row = blockIdx.x;
+  // QCHUNK / 8 is a multiple of 32: every warp is full in each round, as quant8's shuffle needs
+  const int first = blockIdx.y * (QCHUNK / 8);
+#if XHAT_OUT == 2
+  // the row's place in the stage tiles: tile, 8-token group, token in the group
+  const size_t tile = row / XHAT_TM;
+  const int mg = (int)(row % XHAT_TM) / 8, mr = (int)(row % 8);
+  u16* const xt = xh + tile * (size_t)(K_IN / 128) * (XHAT_TM * 128) + mg * 64 + mr * 8;
+  if (row >= XHAT_M) {  // a padding row of the last tile (the whole CTA): zeros, nothing read
+    for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
+      const int e0 = 8 * i, q = 4 * ((e0 >> 3) & 3) + ((e0 >> 5) & 3);
+      *(uint4*)(xt + (size_t)(e0 >> 7) * (XHAT_TM * 128) + q * (XHAT_TM * 8)) =
+          make_uint4(0u, 0u, 0u, 0u);
+    }
+    return;
+  }
+#endif
   const XRows xr = {x + row * X_COLS, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0),
                     s_rs, s_g, s_ig};
   row_stats(xr, xg + (XG_STACK ? (size_t)(unsigned)*layer : 0), scratch);
-  // QCHUNK / 8 is a multiple of 32: every warp is full in each round, as quant8's shuffle needs
-  const int first = blockIdx.y * (QCHUNK / 8);
   for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
     u32 sc;
     const int e0 = 8 * i;  // = 128c + 32t + 8u
     const u32 c = quant8(xr, e0, sc);
+#if XHAT_OUT == 2
+    const uint4 h = xhat8(c, sc);
+    const u32 w[4] = {h.x, h.y, h.z, h.w};
+    const int t = (e0 >> 5) & 3, u = (e0 >> 3) & 3;
+    // the lanes t' = t ^ s (lane bits 2-3) hold this column's other words: lane t' sends its
+    // word t (column 4u + t) as this lane sends its word t' (unrolled selects, no local array)
+    u32 o[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int to = t ^ s;
+      const u32 send = to == 0 ? w[0] : to == 1 ? w[1] : to == 2 ? w[2] : w[3];
+      const u32 got = __shfl_xor_sync(0xffffffffu, send, s << 2);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) o[j] = j == to ? got : o[j];
+    }
+    *(uint4*)(xt + (size_t)(e0 >> 7) * (XHAT_TM * 128) + (4 * u + t) * (XHAT_TM * 8)) =
+        make_uint4(o[0], o[1], o[2], o[3]);
+#else
     const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
     *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
+#endif
   }
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
 }

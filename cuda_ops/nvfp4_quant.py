@@ -15,7 +15,12 @@ the other way (tests/test_quant_kernel_gpu.py). Two output forms (`OUTS`, a comp
   [M, K] in the GEMM's permuted K order (exactly `rejax.ops.linear.gemm_x_operand` of those
   codes and scales: the values are exact in fp16) and the global scale float32 [M], so no XLA
   fusion builds the GEMM's operand. Each thread quantizes 8 elements per round and stores them
-  as one 16-byte run of x_hat.
+  as one 16-byte run of x_hat;
+* "xhat_tiles" (-DXHAT_OUT=2): the same x_hat values as the wgmma GEMM's stage tiles, float16
+  [ceil(M / tile_m), K / 128, tile_m * 128] (`cuda_ops.nvfp4_gemm_wgmma.to_stage_tiles` of its
+  `wgmma_x_operand`; the last tile's padding rows zero), and the global scale float32 [M]: the
+  wgmma GEMM's x operand with no XLA fusion. The grid covers the padding rows (their CTAs store
+  zeros); four lanes exchange words so that each stores one 16-byte core-matrix row.
 
 With `finish=FinishIn(...)` the "xhat" form reads no x: it forms each x value as a K-split
 GEMM's finish kernel would store it (`nvfp4_gemm_finish`: that GEMM's float32 partials added in
@@ -80,7 +85,8 @@ FIN_OUTPUTS = 3
 # per row), "xhat" (x_hat, global scale per row)
 N_INPUTS = 4
 N_OUTPUTS = 3
-OUTS = ("codes", "xhat")
+OUTS = ("codes", "xhat", "xhat_tiles")
+TILE_MS = (128, 256)  # "xhat_tiles": the wgmma GEMM's token tiles
 XHAT_OUTPUTS = 2
 THREADS = 128
 # rows are grid x (one CTA row per activation row): CUDA's limit
@@ -163,19 +169,20 @@ def default_chunk(k: int, out: str = "codes", m: int | None = None) -> int:
     (one CTA a row)."""
     if m is not None and m >= ROW_CTA_MIN_M:
         return k
-    sizes = (1024, 512, 256) if out == "xhat" else (512, 256)
+    sizes = (1024, 512, 256) if out != "codes" else (512, 256)
     return next(c for c in sizes if k % c == 0)
 
 
 def default_threads(chunk: int, out: str = "codes") -> int:
-    """Threads of a CTA: "codes" 128; "xhat" one per 8 elements of the chunk, at most 128."""
-    return min(THREADS, chunk // 8) if out == "xhat" else THREADS
+    """Threads of a CTA: "codes" 128; the x_hat forms one per 8 elements of the chunk, at most
+    128."""
+    return min(THREADS, chunk // 8) if out != "codes" else THREADS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class QuantKernel:
     """A compiled quantizer specialisation: M rows of K inputs, `chunk` elements per CTA, output
-    form `out` ("codes" or "xhat")."""
+    form `out` (`OUTS`), "xhat_tiles" with `tile_m`-token tiles."""
 
     m: int
     k: int
@@ -185,6 +192,27 @@ class QuantKernel:
     threads: int
     out: str = "codes"
     finish: FinishIn | None = None
+    tile_m: int = 0
+
+    @property
+    def rows(self) -> int:
+        """CTA rows of the grid: M, or for "xhat_tiles" M padded to whole tiles."""
+        if self.out == "xhat_tiles":
+            return -(-self.m // self.tile_m) * self.tile_m
+        return self.m
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.rows, self.k // self.chunk, 1)
+
+    @property
+    def out_shapes(self) -> tuple[tuple[tuple[int, ...], str], ...]:
+        """(shape, dtype name) of the x_hat forms' two outputs."""
+        if self.out == "xhat_tiles":
+            xh = (self.rows // self.tile_m, self.k // 128, self.tile_m * 128)
+        else:
+            xh = (self.m, self.k)
+        return ((xh, "float16"), ((self.m,), "float32"))
 
     @property
     def entry(self) -> str:
@@ -200,14 +228,14 @@ class QuantKernel:
         """Outputs of the entry, after its operands."""
         if self.finish is not None:
             return FIN_OUTPUTS
-        return XHAT_OUTPUTS if self.out == "xhat" else N_OUTPUTS
+        return N_OUTPUTS if self.out == "codes" else XHAT_OUTPUTS
 
     def backend_config(self) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` custom kernel call."""
         return ptx_backend_config(
             self.entry,
             escape_mlir(self.ptx),
-            grid=(self.m, self.k // self.chunk, 1),
+            grid=self.grid,
             block=self.threads,
             outputs=range(self.n_inputs, self.n_inputs + self.n_outputs),
         )
@@ -224,9 +252,8 @@ class QuantKernel:
             raise KernelError(f"{self.entry} takes {want} pointers, got {len(pointers)}")
         fn = _function(self)
         params = (tuple(pointers), tuple(ctypes.c_void_p for _ in pointers))
-        grid = (self.m, self.k // self.chunk, 1)
         _drv_check(
-            driver.cuLaunchKernel(fn, *grid, self.threads, 1, 1, 0, stream, params, 0),
+            driver.cuLaunchKernel(fn, *self.grid, self.threads, 1, 1, 0, stream, params, 0),
             "cuLaunchKernel",
         )
 
@@ -252,12 +279,16 @@ def _function(kernel: QuantKernel):
 
 
 @functools.cache
-def _build_cached(m, k, fused, arch, chunk, threads, out="codes", finish=None) -> QuantKernel:
+def _build_cached(
+    m, k, fused, arch, chunk, threads, out="codes", finish=None, tile_m=0
+) -> QuantKernel:
     if fused.residual:
         raise KernelError("the quantizer has no residual epilogue (Fused.residual=True)")
     sizes = {"K_IN": k, "NTHREADS": threads, "QUANT_ONLY": 1, "QCHUNK": chunk}
     # XHAT_OUT and FIN_* only when set: the other kernels keep their defines and cache keys
     form = {"XHAT_OUT": 1} if out == "xhat" else {}
+    if out == "xhat_tiles":  # the real rows: the grid covers the last tile's padding rows too
+        form = {"XHAT_OUT": 2, "XHAT_TM": tile_m, "XHAT_M": m}
     if finish is not None:
         form |= finish.defines()
         if finish.cluster:  # the row's CTAs a cluster, each chunk in its CTA's shared memory
@@ -268,7 +299,15 @@ def _build_cached(m, k, fused, arch, chunk, threads, out="codes", finish=None) -
     defines = _GEMV_DUMMIES | fused.defines() | sizes | form
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=defines, arch=arch)
     kernel = QuantKernel(
-        m=m, k=k, fused=fused, ptx=ptx, chunk=chunk, threads=threads, out=out, finish=finish
+        m=m,
+        k=k,
+        fused=fused,
+        ptx=ptx,
+        chunk=chunk,
+        threads=threads,
+        out=out,
+        finish=finish,
+        tile_m=tile_m,
     )
     entries = ptx_entries(ptx)
     if entries.get(kernel.entry) != kernel.n_inputs + kernel.n_outputs:
@@ -286,15 +325,17 @@ def build(
     threads: int | None = None,
     out: str = "codes",
     finish: FinishIn | None = None,
+    tile_m: int = 128,
 ) -> QuantKernel:
     """Compiles (NVRTC, disk-cached) the quantizer for M rows of K inputs after `fused.prologue`
     ("swiglu": x holds 2K columns), static (xg[0]) or per-row dynamic (`fused.dynamic`) global
     scale; each CTA takes `chunk` elements of a row (default `default_chunk(k, out, m)`; K means
     one CTA per row; "xhat": a multiple of 256) with `threads` threads (a multiple of 32;
     default `default_threads(chunk, out)`). `out`: the output form, "codes" (codes, scales,
-    global scale: the GEMV's operands) or "xhat" (the GEMM's fp16 x_hat and the global scale).
-    `finish`: x is not an operand but a K-split GEMM's finish of its partials (`FinishIn`; the
-    entry `FIN_ENTRY`, "xhat" form only).
+    global scale: the GEMV's operands), "xhat" (the GEMM's fp16 x_hat and the global scale) or
+    "xhat_tiles" (the wgmma GEMM's x_hat stage tiles of `tile_m` tokens, `TILE_MS`, and the
+    global scale; compiled for this M). `finish`: x is not an operand but a K-split GEMM's
+    finish of its partials (`FinishIn`; the entry `FIN_ENTRY`, "xhat" form only).
 
     Raises KernelError when NVRTC is missing or the shape, chunking or form is unsupported.
     """
@@ -309,13 +350,15 @@ def build(
             raise KernelError("FinishIn.store_y stores the linear's input rows: not with swiglu")
         if finish.cluster and fused.prologue == "swiglu":
             raise KernelError("FinishIn.cluster: prologue 'none' or 'rmsnorm', got 'swiglu'")
+    if out == "xhat_tiles" and tile_m not in TILE_MS:
+        raise KernelError(f"tile_m={tile_m!r}, expected one of {TILE_MS}")
     ok, why = check_shape(m, k)
     if not ok:
         raise KernelError(f"unsupported shape: {why}")
     if not isinstance(fused, Fused):
         raise KernelError(f"fused must be a Fused, got {type(fused).__name__}")
     chunk = default_chunk(k, out, m) if chunk is None else chunk
-    step = 256 if out == "xhat" else 128  # full warps: 8 (xhat) or 4 elements per thread
+    step = 256 if out != "codes" else 128  # full warps: 8 (x_hat forms) or 4 elements a thread
     if chunk <= 0 or chunk % step or k % chunk:
         raise KernelError(f"chunk={chunk}: expected a positive multiple of {step} dividing K={k}")
     if finish is not None and finish.cluster and not 2 <= k // chunk <= 8:
@@ -324,4 +367,5 @@ def build(
     threads = default_threads(chunk, out) if threads is None else threads
     if threads <= 0 or threads % 32 or threads > 1024:
         raise KernelError(f"threads={threads}: expected a multiple of 32 in [32, 1024]")
-    return _build_cached(m, k, fused, arch or device_arch(), chunk, threads, out, finish)
+    tile = tile_m if out == "xhat_tiles" else 0  # one cache entry for the other forms
+    return _build_cached(m, k, fused, arch or device_arch(), chunk, threads, out, finish, tile)

@@ -65,6 +65,7 @@ CHOICE_FIELDS = {
     "gemm_reduce": rconfig.GEMM_REDUCES,
     "gemm_copies": rconfig.GEMM_COPIES,
     "gemm_x_quant": rconfig.GEMM_X_QUANTS,
+    "gemm_wgmma_x_quant": rconfig.GEMM_WGMMA_X_QUANTS,
 }
 
 

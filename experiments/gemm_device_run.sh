@@ -21,7 +21,8 @@
 # end-to-end rows; one call each); wgmma_each (each wgmma variant's check in its own process,
 # launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers); quant_rows
 # (the quantizer's GPU tests with its one-CTA-a-row path); wgmma_bulk (the BULK wgmma kernels:
-# bits, times against WGMMA_BASE, stall reasons; knobs in the phase).
+# bits, times against WGMMA_BASE, stall reasons; knobs in the phase); wgmma_xquant (the
+# quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -250,6 +251,24 @@ PY
         grep -E "nvfp4_gemm_w4a4_wgmma|Duration|stalled_(long|lg|barrier|short|dispatch|wait|gmma|math|mio|not_sel|selected)|Eligible Warps|Issued Warp|Warp Cycles Per Issued" \
           "$out/${tag}_ncu.txt" | head -90
       fi;;
+    wgmma_xquant)
+      # the quantizer kernel's "xhat_tiles" form in front of the wgmma GEMM
+      # (Config.gemm_wgmma_x_quant "kernel", opt-in): its GPU tests and the tiny model's
+      # generation test on the default wgmma range, then the 36-layer prefill (prompt 512,
+      # batch 1 / 8) with "kernel" and with "xla" (the default), bf16 beside the first
+      timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -rA -m gpu tests/test_quant_kernel_gpu.py \
+        -k "tiles" -p no:cacheprovider > "$out/xquant_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/xquant_pytest.log" | tail -8
+      timeout ${TINY_TIMEOUT:-240} python3 -m pytest -rA -m gpu tests/test_fused_linear_gpu.py \
+        -k tiny_model -p no:cacheprovider > "$out/tiny_pytest.log" 2>&1
+      echo "tiny rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tiny_pytest.log" | tail -8
+      for xq in kernel xla; do
+        modes="nvfp4"; [ $xq = kernel ] && modes="nvfp4 bf16"
+        timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes $modes \
+          --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-wgmma-x-quant $xq \
+          --out "$out/decode_xq_$xq.json" > "$out/decode_xq_$xq.log" 2>&1
+        echo "$xq rc=$?"; grep -E "ms/token|FAILED|Error" "$out/decode_xq_$xq.log"
+      done;;
     quant_rows)
       # the quantizer kernel's GPU tests, with its one-CTA-a-row path from 264 rows
       timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rs -m gpu tests/test_quant_kernel_gpu.py \

@@ -170,6 +170,10 @@ GEMM_CHAINS = ("split", "fused", "swiglu_rope", "cluster")
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
 # faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.
 GEMM_X_QUANTS = ("xla", "kernel")
+# How a fused linear in front of the wgmma GEMM (prefill) builds its x_hat stage tiles: "xla"
+# (XLA's quantizer and layout ops) or "kernel" (the quantizer kernel's "xhat_tiles" form):
+# cuda_ops.nvfp4_gemm.WGMMA_X_QUANTS.
+GEMM_WGMMA_X_QUANTS = ("xla", "kernel")
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
 # "default" (XLA's own choice: fusions, cuBLAS, custom calls, dynamic-slice fusions,
@@ -360,6 +364,10 @@ class Config:
     # quantizer kernel writes the GEMM's fp16 operand; 8-layer decode at batch 64 2.112 against
     # 2.346 ms/token for "xla", experiments/results/h200_m/) or "xla" (XLA fusions build it)
     gemm_x_quant: str = "kernel"
+    # ... and in front of the wgmma GEMM (gemm_wgmma_min_m .. max_m rows): "xla" (XLA's
+    # quantizer, wgmma_x_operand and to_stage_tiles fusions) or "kernel" (the quantizer kernel
+    # writes the stage tiles; opt-in until measured on a GPU) (GemmOptions.wgmma_x_quant)
+    gemm_wgmma_x_quant: str = "xla"
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows
@@ -470,6 +478,11 @@ class Config:
         if self.gemm_x_quant not in GEMM_X_QUANTS:
             raise ValueError(
                 f"unknown gemm_x_quant {self.gemm_x_quant!r}; expected one of {GEMM_X_QUANTS}"
+            )
+        if self.gemm_wgmma_x_quant not in GEMM_WGMMA_X_QUANTS:
+            raise ValueError(
+                f"unknown gemm_wgmma_x_quant {self.gemm_wgmma_x_quant!r}; expected one of "
+                f"{GEMM_WGMMA_X_QUANTS}"
             )
         if self.gemm_occupancy not in GEMM_OCCUPANCIES:
             raise ValueError(

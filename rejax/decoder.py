@@ -157,6 +157,7 @@ def decoder_layer(
             wgmma_min_m=cfg.gemm_wgmma_min_m,
             dot_dequant=cfg.gemm_dot_dequant,
             wgmma_max_m=cfg.gemm_wgmma_max_m,
+            wgmma_x_quant=cfg.gemm_wgmma_x_quant,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -378,7 +379,8 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
                       cfg.invariant_rows, cfg.gemm_x_quant, copies=cfg.gemm_copies,
                       wgmma_min_m=cfg.gemm_wgmma_min_m,
                       dot_dequant=cfg.gemm_dot_dequant,
-                      wgmma_max_m=cfg.gemm_wgmma_max_m)  # fmt: skip
+                      wgmma_max_m=cfg.gemm_wgmma_max_m,
+                      wgmma_x_quant=cfg.gemm_wgmma_x_quant)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

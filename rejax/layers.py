@@ -280,14 +280,15 @@ def gemm_options(
     wgmma_min_m: int | None | str = "default",
     dot_dequant: str | None = None,
     wgmma_max_m: int | None | str = "default",
+    wgmma_x_quant: str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
     `copies`, `wgmma_min_m`, `dot_dequant` and `wgmma_max_m` (None / "default": the defaults;
     max_m and wgmma_max_m None are no bound, wgmma_min_m None is never; with `split_m` a
     "default" wgmma_min_m is None: the wgmma GEMM would change the summation order at its
     first row count), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
-    `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant` and
-    `gemm_wgmma_max_m`."""
+    `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant`,
+    `gemm_wgmma_max_m` and `gemm_wgmma_x_quant` (None: the default)."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if dot_dequant is not None and dot_dequant != opts.dot_dequant:
         opts = dataclasses.replace(opts, dot_dequant=dot_dequant)
@@ -297,6 +298,8 @@ def gemm_options(
         opts = dataclasses.replace(opts, wgmma_min_m=wgmma_min_m)
     if wgmma_max_m != "default" and wgmma_max_m != opts.wgmma_max_m:
         opts = dataclasses.replace(opts, wgmma_max_m=wgmma_max_m)
+    if wgmma_x_quant is not None and wgmma_x_quant != opts.wgmma_x_quant:
+        opts = dataclasses.replace(opts, wgmma_x_quant=wgmma_x_quant)
     if copies is not None and copies != opts.copies:
         opts = dataclasses.replace(opts, copies=copies)
     if x_quant is not None and x_quant != opts.x_quant:

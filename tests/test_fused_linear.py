@@ -16,7 +16,7 @@ from _lowering import decode_step_cuda_text
 
 import rejax
 from cuda_ops import build as cbuild
-from cuda_ops import nvfp4_gemm, nvfp4_gemv, nvfp4_quant
+from cuda_ops import nvfp4_gemm, nvfp4_gemm_wgmma, nvfp4_gemv, nvfp4_quant
 from rejax import layers, nvfp4, sampling
 from rejax import params as rparams
 from rejax.cache import init_cache
@@ -166,12 +166,17 @@ def stub_compiler(monkeypatch):
                 nvfp4_gemm.ENTRY: nvfp4_gemm.N_INPUTS + 1 + defines.get("EPI_RES", 0),
                 nvfp4_gemm.FINISH_ENTRY: nvfp4_gemm.FINISH_INPUTS + 1 + defines.get("EPI_RES", 0),
             }
+        elif name == nvfp4_gemm_wgmma.SOURCE.name:
+            entries = {
+                nvfp4_gemm_wgmma.ENTRY: nvfp4_gemm_wgmma.N_INPUTS + 1,
+                nvfp4_gemm_wgmma.FINISH_ENTRY: nvfp4_gemm_wgmma.FINISH_INPUTS + 1,
+            }
         else:
             seen.append(defines)
             if defines.get("FIN_SPLITK"):  # 7 inputs; y, x_hat, xg
                 entries = {nvfp4_quant.FIN_ENTRY: 10}
-            elif defines.get("QUANT_ONLY"):  # outputs: codes, scales, xg; or x_hat, xg
-                entries = {"nvfp4_quantize_bf16": 7 - defines.get("XHAT_OUT", 0)}
+            elif defines.get("QUANT_ONLY"):  # outputs: codes, scales, xg; or x_hat (tiles), xg
+                entries = {"nvfp4_quantize_bf16": 6 if defines.get("XHAT_OUT") else 7}
             elif defines.get("X_BF16"):
                 entries = {"nvfp4_gemv_w4a4_bf16": 9}
             elif defines["ACT_W4A4"]:
@@ -188,7 +193,7 @@ def stub_compiler(monkeypatch):
             text += f".visible .entry {entry}({params})\n{{ ret; }}\n"
         return text
 
-    mods = (nvfp4_gemv, nvfp4_quant, nvfp4_gemm)
+    mods = (nvfp4_gemv, nvfp4_quant, nvfp4_gemm, nvfp4_gemm_wgmma)
     for mod in mods:
         monkeypatch.setattr(mod, "compile_ptx", fake_compile)
         mod._build_cached.cache_clear()
@@ -791,3 +796,45 @@ def test_mixed_fuses_o_proj_only(stub_compiler):
     assert entries.count("nvfp4_gemv_w4a4_bf16") == 1, entries
     fused = [d for d in stub_compiler if d.get("X_BF16") and not d.get("QUANT_ONLY")]
     assert [(d["PRO"], d["EPI_RES"], d["K_IN"]) for d in fused] == [(0, 1, 256)], fused
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("m", [128, 200])
+def test_wgmma_x_quant_kernel_writes_the_stage_tiles(stub_compiler, monkeypatch, m, prologue):
+    """In the wgmma range, GemmOptions.wgmma_x_quant "kernel" (opt-in) lowers a fused linear
+    ("two") to the quantizer kernel's "xhat_tiles" form (compiled for this M and the GEMM's
+    token tile, launched over whole tiles, its x_hat [tiles, K / 128, TM * 128] float16 the
+    GEMM's first operand) and the wgmma GEMM, with no XLA op on the activations; "xla" (the
+    default) keeps XLA's quantizer and layout ops in front of the same GEMM and no quantizer
+    kernel. The residual is XLA's add either way."""
+    monkeypatch.setattr(_dispatch, "_NOTED", set())
+    w = _stacked(False)
+    width = 2 * K if prologue == "swiglu" else K
+    params = {"weight": w, "input_scale": jnp.full((L,), 0.02, jnp.float32)}
+    norm = jnp.ones((L, K), jnp.bfloat16)
+    x, r = jnp.zeros((m, width), jnp.bfloat16), jnp.zeros((m, N), jnp.bfloat16)
+    tiles = f"{-(-m // 128)}x{K // 128}x{128 * 128}xf16"
+
+    def lowered(opts):
+        f = jax.jit(lambda x, r: fl.fused_linear(x, params, layer=jnp.int32(1), prologue=prologue,
+                                                 norm=norm, kernels="two", residual=r,
+                                                 gemm_options=opts))  # fmt: skip
+        return f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
+
+    on = lowered(nvfp4_gemm.GemmOptions(wgmma_x_quant="kernel"))
+    calls = _ptx_calls(on)
+    names = [name for name, _ in calls]
+    assert names[:2] == [nvfp4_quant.ENTRY, nvfp4_gemm_wgmma.ENTRY], names
+    assert calls[1][1][0] == f"tensor<{tiles}>", calls[1][1]
+    quant = [d for d in stub_compiler if d.get("XHAT_OUT") == 2]
+    assert quant and all(d["XHAT_M"] == m and d["XHAT_TM"] == 128 for d in quant), quant
+    assert re.search(rf"grid_x = {-(-m // 128) * 128},", on)
+    assert "stablehlo.rsqrt" not in on and "call @silu(" not in on
+    assert "stablehlo.transpose" not in on and _bf16_adds(on, f"{m}x{N}") == 1
+    off = lowered(nvfp4_gemm.DEFAULT_OPTIONS)
+    names = [name for name, _ in _ptx_calls(off)]
+    assert names[0] == nvfp4_gemm_wgmma.ENTRY and nvfp4_quant.ENTRY not in names, names
+    assert "stablehlo.transpose" in off  # the XLA-built tiles
+    assert _dispatch.noted() == []
+    with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_x_quant='cuda', expected one of"):
+        nvfp4_gemm.GemmOptions(wgmma_x_quant="cuda")

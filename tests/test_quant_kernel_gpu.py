@@ -21,6 +21,11 @@
   one without the x_hat form (XLA's quantizer and gemm_x_operand, then the same GEMM) bitwise
   for "none", and up to the quantizer's rounding for "rmsnorm" and "swiglu" (relative
   Frobenius error <= FUSED_RTOL; for "rmsnorm" also >= FUSED_EQUAL of the outputs equal).
+* Its "xhat_tiles" form (-DXHAT_OUT=2, the wgmma GEMM's stage tiles) equals
+  `to_stage_tiles(wgmma_x_operand(...))` of the "codes" form's outputs bitwise for every
+  prologue (M = 9, 130, 300: padding rows of the last tile zero), and in front of the wgmma
+  GEMM (`GemmOptions.wgmma_x_quant` "kernel") `fused_linear` equals the "xla" path bitwise for
+  prologue "none" (the same codes, the same GEMM).
 * The plain W4A4 GEMV with the residual epilogue (`gemv_call(residual=r)`, -DEPI_RES=1) equals
   r + the GEMV without it bitwise on the Qwen3-8B o_proj and down_proj shapes, M = 1..8, static
   and dynamic input scales; launched directly into a NaN-poisoned output it writes the same bits.
@@ -386,3 +391,59 @@ def test_gemm_on_the_kernels_xhat_equals_the_xla_xhat_path(monkeypatch, n, k, pr
             # precision) where the kernel rounds them to bf16, so about 0.5% of the inputs of a
             # row move by an ulp and most outputs move a little (30-45% equal on the H200)
             assert np.mean(got == want) >= FUSED_EQUAL, (what, rel)
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_xhat_tiles_form_is_the_codes_form_as_stage_tiles(k, prologue):
+    """Every prologue, dynamic global scale: the "xhat_tiles" kernel == to_stage_tiles of
+    wgmma_x_operand of the "codes" kernel's outputs bit for bit (the same per-element
+    operations; the last tile's padding rows zero), its global scales the codes form's."""
+    from cuda_ops import nvfp4_gemm_wgmma as wgm
+
+    fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=True, norm_stacked=True)
+    width = 2 * k if prologue == "swiglu" else k
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(4), (2, k))).astype(jnp.bfloat16)
+    xg = jnp.ones((1,), jnp.float32)
+    layer = jnp.int32(1)
+    for m in (9, 130, 300):  # 300: one CTA a row (nvfp4_quant.ROW_CTA_MIN_M)
+        x = _x_edges(m, width, m * 17 + k)
+        tiles = nvfp4_quant.build(m, k, fused, out="xhat_tiles", tile_m=128)
+        tf = jax.jit(lambda *a, t=tiles: fl._quant_tiles_p.bind(*a, k=k, fused=fused, kernel=t,
+                                                                 tile_m=128))  # fmt: skip
+        got, got_g = tf(x, xg, norm, layer)
+        codes = nvfp4_quant.build(m, k, fused)
+        qf = jax.jit(lambda *a, c=codes: fl._quant_p.bind(*a, k=k, fused=fused, kernel=c))
+        xp, xs, xgr = qf(x, xg, norm, layer)
+        want = jax.jit(lambda p, s: wgm.to_stage_tiles(wgm.wgmma_x_operand(p, s), 128, 128))(xp, xs)
+        what = f"M={m} K={k} prologue={prologue}"
+        assert got.shape == want.shape == (-(-m // 128), k // 128, 128 * 128), what
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16), err_msg=what
+        )
+        np.testing.assert_array_equal(np.asarray(got_g), np.asarray(xgr), err_msg=what)
+
+
+@pytest.mark.parametrize(("n", "k"), O_DOWN)
+def test_wgmma_on_the_kernels_tiles_equals_the_xla_tiles_path(n, k):
+    """fused_linear at M = 200 (the wgmma GEMM, prologue "none", residual, static stacked input
+    scale): the quantizer kernel's stage tiles (GemmOptions.wgmma_x_quant "kernel") give the
+    bits of XLA's quantizer and tiles ("xla") in front of the same GEMM."""
+    from cuda_ops import nvfp4_gemm_wgmma as wgm
+
+    w = _weight(n, k)
+    layer = jnp.int32(1)
+    params = {"weight": w, "input_scale": jnp.asarray([0.05, 0.02], jnp.float32)}
+    m = 200
+    x = _x_edges(m, k, n + k + 1, scale=1.0)
+    r = _res(m, n, n + 1)
+    outs = {}
+    for xq in ("kernel", "xla"):
+        opts = nvfp4_gemm.GemmOptions(wgmma_x_quant=xq)
+        f = jax.jit(lambda x, r, o=opts: fl.fused_linear(x, params, layer=layer, residual=r,
+                                                         kernels="two", gemm_options=o))  # fmt: skip
+        text = f.lower(x, r).compile().as_text()
+        assert wgm.ENTRY in text and (nvfp4_quant.ENTRY in text) == (xq == "kernel"), xq
+        outs[xq] = np.asarray(f(x, r), np.float64)
+    assert np.isfinite(outs["kernel"]).all()
+    np.testing.assert_array_equal(outs["kernel"], outs["xla"], err_msg=f"N={n} K={k}")

@@ -227,3 +227,81 @@ def test_both_forms_compile_for_sm90(tmp_path, monkeypatch, k):
         assert "st.global.v4" in xhat.ptx  # x_hat leaves in 16-byte runs
     finally:
         nvfp4_quant._build_cached.cache_clear()
+
+
+def kernel_xhat_tiles(xp: np.ndarray, xs: np.ndarray, tm: int) -> np.ndarray:
+    """What `nvfp4_quantize_bf16` built with XHAT_OUT = 2 writes: per thread item i (e0 = 8i =
+    128c + 32t + 8u) xhat8's words w[0..3]; the four lanes t of one (c, u) exchange them
+    (lane t ends with word t of lanes 0..3: shuffles with lane masks 4s, its o[t ^ s] = the
+    word t of lane t ^ s) and store the 16 bytes at column 4u + t of stage c of the row's tile;
+    the CTAs of the padding rows store zeros. float16 [ceil(M / tm), K / 128, tm * 128]."""
+    m, k = xp.shape[0], 2 * xp.shape[1]
+    codes = np.ascontiguousarray(xp).view("<u4")
+    e0 = 8 * np.arange(k // 8)
+    runs = _xhat8(codes, xs[:, e0 // 16].astype(U32))  # [M, K/8, 4] words
+    rows = -(-m // tm) * tm
+    out = np.zeros((rows // tm, k // 128, tm * 64), U32)  # f16x2 words, padding rows zero
+    c, t, u = e0 >> 7, (e0 >> 5) & 3, (e0 >> 3) & 3
+    item = np.arange(k // 8)
+    for row in range(m):
+        tile, mg, mr = row // tm, (row % tm) // 8, row % 8
+        for i in item:
+            o = np.zeros(4, U32)
+            for s in range(4):
+                to = t[i] ^ s
+                partner = i ^ (s << 2)  # lane bits 2-3 are t: the item of lane t ^ s
+                # the partner sends its word (its t) ^ s = this lane's t
+                o[to] = runs[row, partner, t[partner] ^ s]
+            q = 4 * u[i] + t[i]
+            at = (q * tm * 8 + mg * 64 + mr * 8) // 2  # in f16x2 words
+            out[tile, c[i], at : at + 4] = o
+    return out.view(np.float16)
+
+
+@pytest.mark.parametrize(("m", "k", "tm"), [(9, 256, 128), (130, 384, 128), (20, 256, 256)])
+def test_kernel_xhat_tiles_model_equals_the_wgmma_stage_tiles(m, k, tm):
+    """The "xhat_tiles" form's NumPy model (xhat8's words, the four-lane exchange, the store
+    index, the zero padding rows) equals the wgmma GEMM's BULK x operand of the same codes and
+    scales, `to_stage_tiles(wgmma_x_operand(xp, xs), tm, 128)`, bit for bit."""
+    from cuda_ops import nvfp4_gemm_wgmma as wgm
+
+    xp, xs = _codes_and_scales(m, k, m + k)
+    got = kernel_xhat_tiles(xp, xs, tm).view(np.uint16)
+    want = wgm.to_stage_tiles(np.asarray(wgm.wgmma_x_operand(jnp.asarray(xp), jnp.asarray(xs))),
+                              tm, 128)  # fmt: skip
+    assert got.shape == want.shape == (-(-m // tm), k // 128, tm * 128)
+    np.testing.assert_array_equal(got, np.asarray(want).view(np.uint16))
+
+
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
+    """ "xhat_tiles": compiled for its M (XHAT_M) and tile (XHAT_TM), launched over the rows of
+    whole tiles (grid x = ceil(M / tile_m) tile_m), outputs [tiles, K / 128, tile_m * 128]
+    float16 and [M] float32; ptxas builds it for sm_90 without a stack frame; bad tiles are
+    refused."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_quant._build_cached.cache_clear()
+    try:
+        for m, k, tm, pro in ((200, 4096, 128, "rmsnorm"), (300, 12288, 256, "swiglu")):
+            kern = nvfp4_quant.build(m, k, nvfp4_gemv.Fused(prologue=pro), arch="compute_90",
+                                     out="xhat_tiles", tile_m=tm)  # fmt: skip
+            tiles = -(-m // tm)
+            assert kern.grid == (tiles * tm, k // kern.chunk, 1)
+            assert f"grid_x = {tiles * tm}," in kern.backend_config()
+            assert kern.out_shapes == (((tiles, k // 128, tm * 128), "float16"),
+                                       ((m,), "float32"))  # fmt: skip
+            assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.ENTRY: 6}
+            defines = (
+                nvfp4_quant._GEMV_DUMMIES
+                | nvfp4_gemv.Fused(prologue=pro).defines()
+                | {"K_IN": k, "NTHREADS": kern.threads, "QUANT_ONLY": 1, "QCHUNK": kern.chunk}
+                | {"XHAT_OUT": 2, "XHAT_TM": tm, "XHAT_M": m}
+            )
+            log = cbuild.ptxas_log(cbuild.read_source(nvfp4_gemv.SOURCE), defines,
+                                   arch="sm_90", name=nvfp4_gemv.SOURCE)  # fmt: skip
+            assert "0 bytes stack frame" in log, log
+        with pytest.raises(nvfp4_gemv.KernelError, match="tile_m=64, expected one of"):
+            nvfp4_quant.build(200, 4096, nvfp4_gemv.PLAIN, arch="compute_90",
+                              out="xhat_tiles", tile_m=64)  # fmt: skip
+    finally:
+        nvfp4_quant._build_cached.cache_clear()

@@ -77,6 +77,7 @@ from rejax.ops.linear import (
     prefers_dot,
     takes_wgmma,
     wgmma_call,
+    wgmma_call_xhat,
     wgmma_kernel,
 )
 
@@ -211,6 +212,45 @@ mlir.register_lowering(_quant_xhat_p, _lower_xhat_reference)
 mlir.register_lowering(_quant_xhat_p, _lower_xhat_cuda, platform="cuda")
 
 
+def _tiles_reference(x, xg, nw, layer, *, k, fused, tile_m):
+    """(the wgmma GEMM's x_hat stage tiles float16 [ceil(M / tile_m), K / 128, tile_m * 128],
+    global scale f32 [M]): `to_stage_tiles(wgmma_x_operand(...))` of `_quant_reference`'s
+    codes and scales, what the quantizer kernel's "xhat_tiles" form writes."""
+    from cuda_ops import nvfp4_gemm_wgmma
+
+    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=fused)
+    xh = nvfp4_gemm_wgmma.wgmma_x_operand(xp, xs)
+    return nvfp4_gemm_wgmma.to_stage_tiles(xh, tile_m, 128), xgr
+
+
+# the quantizer in its "xhat_tiles" form (the wgmma GEMM's operand); bound only by
+# _wgmma_composed with a kernel
+_quant_tiles_p = Primitive("rejax_nvfp4_quantize_xhat_tiles")
+_quant_tiles_p.multiple_results = True
+_quant_tiles_p.def_abstract_eval(
+    lambda x, *_, k, tile_m, **__: (
+        jax.core.ShapedArray((-(-x.shape[0] // tile_m), k // 128, tile_m * 128), jnp.float16),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+)
+
+
+def _lower_tiles_reference(ctx, *args, k, fused, kernel, tile_m):
+    del kernel
+    fn = functools.partial(_tiles_reference, k=k, fused=fused, tile_m=tile_m)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lower_tiles_cuda(ctx, *args, k, fused, kernel, tile_m):
+    if kernel is None:
+        return _lower_tiles_reference(ctx, *args, k=k, fused=fused, kernel=None, tile_m=tile_m)
+    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
+
+
+mlir.register_lowering(_quant_tiles_p, _lower_tiles_reference)
+mlir.register_lowering(_quant_tiles_p, _lower_tiles_cuda, platform="cuda")
+
+
 @functools.cache
 def _note_no_xhat(why: str) -> None:
     """Logs once per reason that the GEMM's x_hat is built by XLA ops (`gemm_x_operand`), not by
@@ -265,14 +305,38 @@ def _two_kernels(
     return res + y if fused.residual and not in_kernel else y
 
 
-def _wgmma_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel, launch):
-    """From `GemmOptions.wgmma_min_m` rows: the prologue and quantizer as XLA ops (the
-    reference's own), the wgmma GEMM on their codes, the residual as XLA's bf16 add."""
+def _wgmma_composed(
+    x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel, launch, quant=None
+):  # fmt: skip
+    """In the wgmma range (`GemmOptions.wgmma_min_m` .. `wgmma_max_m` rows): the prologue and
+    quantizer as XLA ops (the reference's own), the wgmma GEMM on their codes; or with `quant`
+    (`GemmOptions.wgmma_x_quant` "kernel") the quantizer kernel's "xhat_tiles" form writing
+    the GEMM's x_hat stage tiles. The residual as XLA's bf16 add."""
     del n
     pro = dataclasses.replace(fused, residual=False)
-    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=pro)
-    y = wgmma_call(xp, xs, xgr, wp, ws, wg, layer, kernel=kernel, launch=launch)
+    if quant is not None:
+        xt, xgr = _quant_tiles_p.bind(
+            x, xg, nw, layer, k=k, fused=pro, kernel=quant, tile_m=quant.tile_m
+        )
+        y = wgmma_call_xhat(xt, xgr, wp, ws, wg, layer, kernel=kernel, launch=launch)
+    else:
+        xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=pro)
+        y = wgmma_call(xp, xs, xgr, wp, ws, wg, layer, kernel=kernel, launch=launch)
     return res + y if fused.residual else y
+
+
+def _wgmma_quant(m: int, k: int, fused, kernel, gemm_options):
+    """The "xhat_tiles" quantizer kernel in front of the wgmma GEMM `kernel` where
+    `gemm_options.wgmma_x_quant` is "kernel" (and the quantizer takes the shape), else None:
+    XLA builds the tiles (a failed build logged once)."""
+    if gemm_options.wgmma_x_quant != "kernel" or not nvfp4_quant.check_shape(m, k)[0]:
+        return None
+    try:
+        pro = dataclasses.replace(fused, residual=False)
+        return nvfp4_quant.build(m, k, pro, out="xhat_tiles", tile_m=kernel.plan.tm)
+    except nvfp4_gemv.KernelError as err:
+        _note_no_xhat(f"quantizer (xhat_tiles) build failed: {err}")
+        return None
 
 
 def _dot_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel):
@@ -291,9 +355,13 @@ def _lower_two(ctx, *args, **params):
     if takes_wgmma("w4a4", m, params["impl"], params["gemm_options"]):
         kernel = wgmma_kernel(m, n, k, params["gemm_options"], params["gw_rows"])
         if kernel is not None:
+            quant = None
+            if params["launch"] == "ptx" and params["impl"] != "ref":
+                quant = _wgmma_quant(m, k, fused, kernel, params["gemm_options"])
             fn = functools.partial(
-                _wgmma_composed, n=n, k=k, fused=fused, kernel=kernel, launch=params["launch"]
-            )
+                _wgmma_composed, n=n, k=k, fused=fused, kernel=kernel, launch=params["launch"],
+                quant=quant,
+            )  # fmt: skip
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
     if prefers_dot("w4a4", m, params["impl"], params["gemm_options"]):
         # above GemmOptions.max_m (prefill) the composition with one bf16 dot is the faster

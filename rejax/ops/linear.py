@@ -394,6 +394,14 @@ def wgmma_call(xp, xs, xg, wp, ws, wg, layer, *, kernel, launch: str = "ptx") ->
     return _gemm_on_xhat(xh, xg, [], wp, ws, wg, layer, kernel=kernel, launch=launch)
 
 
+def wgmma_call_xhat(xt, xg, wp, ws, wg, layer, *, kernel, launch: str = "ptx") -> jax.Array:
+    """y [M, N] bf16 of the wgmma GEMM `kernel` (BULK) on x_hat stage tiles that are already
+    built (`nvfp4_gemm_wgmma.to_stage_tiles` of its `wgmma_x_operand`, e.g. by the quantizer
+    kernel's "xhat_tiles" form) and the global scale xg float32 [M]: its launches only. For
+    CUDA lowering rules only."""
+    return _gemm_on_xhat(xt, xg, [], wp, ws, wg, layer, kernel=kernel, launch=launch)
+
+
 def _wgmma_impl(*args, kernel, launch, drop=0):
     args = args[: len(args) - drop]
     # (xp, xs, xg, wp, ws, wg, layer), res [M, N] after xg with the residual: XLA's bf16 add,
