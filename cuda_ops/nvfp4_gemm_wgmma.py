@@ -164,6 +164,7 @@ def plan(
     static_copies: bool = True,
     group_words: int = 1,
     bulk: int = 0,
+    split_rule: str = "fill",
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -172,7 +173,11 @@ def plan(
     loaded ahead (3 up to TM = 32, 2 at TM = 64, as production's 4 / 3 stage rings; half as
     many stages of KT = 256, at least one); the K split aimed at about four CTAs per SM (at most
     8, at least 4 stages per split). At M <= 64 with the defaults that is production's "wide"
-    plan's CTAs: the same weight tiles and K split (experiments/tests/test_gemm_wgmma.py)."""
+    plan's CTAs: the same weight tiles and K split (experiments/tests/test_gemm_wgmma.py).
+    `split_rule` "wave" (128 / 256-token tiles; an experiment, `wave_splitk`) picks the K split
+    that leaves the least of the last wave idle instead of splitting only below one wave."""
+    if split_rule not in SPLIT_RULES:
+        raise KernelError(f"split_rule={split_rule!r}, expected one of {SPLIT_RULES}")
     tm = tm or next(v for v in TMS if v >= min(m, DEFAULT_MAX_TM))
     wr = wr or (1 if m <= 16 else 2)
     nwg = nwg or 1
@@ -184,7 +189,9 @@ def plan(
     nkt = max(1, k // kt)
     if splitk is None:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
-        if tm >= 128:
+        if tm >= 128 and split_rule == "wave":
+            splitk = wave_splitk(tiles, nkt, num_sms)
+        elif tm >= 128:
             # one CTA per SM (the ring fills shared memory) and float32 partials of M x N per
             # split: split only to fill one wave
             splitk = max(1, min(num_sms // tiles, nkt // 4, MAX_SPLITK))
@@ -209,6 +216,26 @@ def plan(
         group_words=group_words,
         bulk=int(bulk),
     )
+
+
+SPLIT_RULES = ("fill", "wave")
+# the modelled cost of each split beyond the first (its float32 partials written and read by
+# the finish), as a fraction of a full-K tile's time; a guess until measured
+SPLIT_PENALTY = 0.03
+
+
+def wave_splitk(tiles: int, nkt: int, num_sms: int) -> int:
+    """The K split of `tiles` output tiles of `nkt` stages on `num_sms` SMs, one CTA an SM,
+    that minimises waves(tiles x s) / s (the time in full-K tile times; a wave's CTAs take
+    1 / s of a tile's stages) + SPLIT_PENALTY (s - 1), s in 1 .. min(MAX_SPLITK, nkt / 4).
+    E.g. 80 tiles on 132 SMs: 3 (240 CTAs in 2 waves, 0.67 of a tile's time, against 1.0
+    unsplit: 80 CTAs leave 52 SMs idle)."""
+    best, best_cost = 1, float("inf")
+    for s in range(1, max(1, min(MAX_SPLITK, nkt // 4)) + 1):
+        cost = _cdiv(tiles * s, num_sms) / s + SPLIT_PENALTY * (s - 1)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
 
 
 def check_plan(p: WgmmaPlan) -> tuple[bool, str]:

@@ -85,6 +85,9 @@ VARIANTS = {
     # BULK 3: x_hat pre-tiled (one bulk copy), the weights by cp.async from every thread as
     # BULK 0 does, all on the stage's mbarrier (no repack, no block barrier)
     "wgmma_n128_xb": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3},
+    # ... with the K split that leaves the least of the last wave idle (`wave_splitk`; not yet
+    # run): e.g. N = 5120 at M = 256, 80 tiles on 132 SMs, split 3 instead of 1
+    "wgmma_n128_xb_wave": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "split_rule": "wave"},
     "wgmma_n128_wr2_xb": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 3},
     "wgmma_xb": {"bulk": 3},
     # the plan's own small-M tiles (8-64 tokens) with the bulk forms
@@ -103,6 +106,7 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_wr2_g4_bulk",
     "wgmma_n128_xb",
     "wgmma_n128_wr2_xb",
+    "wgmma_n128_xb_wave",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only

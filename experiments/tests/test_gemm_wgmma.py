@@ -244,7 +244,10 @@ def test_large_tile_plans():
         assert p.tm == chk.VARIANTS[v]["tm"] and p.smem <= wgm.SMEM_LIMIT
         assert 2 * (p.smem + 1024) > 228 * 1024  # one CTA per SM
         tiles = p.grid[0] * p.grid[1]
-        assert p.splitk == 1 or tiles * p.splitk <= wgm.DEFAULT_SMS, (v, p)
+        if chk.VARIANTS[v].get("split_rule") == "wave":  # test_wave_split_rule
+            assert p.splitk == wgm.wave_splitk(tiles, p.k // p.kt, wgm.DEFAULT_SMS), (v, p)
+        else:
+            assert p.splitk == 1 or tiles * p.splitk <= wgm.DEFAULT_SMS, (v, p)
     assert wgm.plan(256, 4096, 4096, tm=128, nwg=2, wr=1).grid == (2, 32, 2)
     assert wgm.plan(256, 24576, 4096, tm=128, nwg=2, wr=1).grid == (2, 192, 1)
     assert wgm.plan(200, 4096, 4096, tm=256, nwg=2, wr=1).grid == (1, 32, 4)
@@ -294,3 +297,27 @@ def test_descriptor_diagnostic_build_compiles():
     p = dataclasses.replace(wgm.plan(32, 4096, 4096), desc_swap=True)
     assert wgm.ptxas_report(p)["spill_stores"] == 0
     assert wgm.build_plan(p).plan.desc_swap
+
+
+def test_wave_split_rule():
+    """split_rule "wave" (an experiment): the K split that leaves the least of the last wave
+    idle under SPLIT_PENALTY a split, within 1 .. min(MAX_SPLITK, K / KT / 4); "fill" (the
+    default) splits only below one wave; a bad rule is refused."""
+    assert wgm.wave_splitk(80, 40, 132) == 3  # 240 CTAs in 2 waves: 0.67 of a tile's time
+    assert wgm.wave_splitk(160, 40, 132) == 4  # 640 CTAs in 5 waves: 1.25, against 2.0
+    assert wgm.wave_splitk(132, 40, 132) == 1  # a full wave stays unsplit
+    assert wgm.wave_splitk(80, 12, 132) == 3  # K / KT / 4 = 3 allows it
+    assert wgm.wave_splitk(80, 8, 132) == 1  # capped at 2: 160 CTAs take 2 waves, no gain
+    for tiles in range(1, 600, 7):  # never worse than the fill rule by the model's cost
+        s = wgm.wave_splitk(tiles, 32, 132)
+        fill = max(1, min(132 // tiles, 8, 8))
+
+        def cost(v, tiles=tiles):
+            return -(-tiles * v // 132) / v + wgm.SPLIT_PENALTY * (v - 1)
+
+        assert 1 <= s <= 8 and cost(s) <= cost(fill) + 1e-9, (tiles, s, fill)
+    wave = wgm.plan(256, 5120, 5120, tm=128, nwg=2, wr=1, bulk=3, split_rule="wave")
+    fill = wgm.plan(256, 5120, 5120, tm=128, nwg=2, wr=1, bulk=3)
+    assert (wave.grid, fill.grid) == ((2, 40, 3), (2, 40, 1))
+    with pytest.raises(wgm.KernelError, match="split_rule='best', expected one of"):
+        wgm.plan(256, 5120, 5120, tm=128, split_rule="best")
