@@ -301,12 +301,12 @@ def _wgmma_rows(text: str) -> int | None | str:
     """An int, 'none' or 'default' (Config.gemm_wgmma_min_m / max_m)."""
     if text.lower() == "default":
         return "default"
-    if text.lower() == "none":
-        return None
     try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
+        return _max_m(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected an int, 'none' or 'default', got {text!r}"
+        ) from None
 
 
 def _positive(text: str) -> int:

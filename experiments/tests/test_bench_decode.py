@@ -108,6 +108,8 @@ def test_variants_cross_gemm_wgmma_min_m(base):
     assert bd._max_m("none") is None and bd._max_m("256") == 256
     assert bd._wgmma_rows("default") == "default" and bd._wgmma_rows("none") is None
     assert bd._wgmma_rows("128") == 128
+    with pytest.raises(argparse.ArgumentTypeError, match="an int, 'none' or 'default', got 'x'"):
+        bd._wgmma_rows("x")
 
 
 def test_variants_cross_gemm_dot_dequant(base):
