@@ -119,7 +119,8 @@ WIDE_WR1_MAX_M = 16
 MAX_TM = 64  # tokens per warp (8 mma tiles)
 MAX_SPLITK = 8
 DEFAULT_MIN_M = 8  # the GEMV handles M <= 7
-# Above this M (prefill) `nvfp4_linear`'s "auto" dispatch takes the dot reference (the weight
+# Above this M (prefill), outside the wgmma range (`DEFAULT_WGMMA_MIN_M` .. `DEFAULT_WGMMA_MAX_M`,
+# tried first), `nvfp4_linear`'s "auto" dispatch takes the dot reference (the weight
 # dequantized to bf16, one cuBLAS dot) instead of the GEMM: kernel alone at M = 256 the GEMM is
 # 0.51x bf16 (experiments/results/h200_c/), about the dequantization's cost, and the 512-token
 # prefill of the 36-layer model measured 41.0 / 275 ms (GEMM, batch 1 / 8) against 34.1 / 163 ms

@@ -340,7 +340,8 @@ class Config:
     gemm_min_m: int = 8
     gemm_occupancy: str = "fill16"
     # ... and at most this many rows (None: no bound); more (prefill) take the dot reference,
-    # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m)
+    # the weight dequantized for one bf16 dot, measured faster there (GemmOptions.max_m),
+    # unless they are in the wgmma range below, which is tried first
     gemm_max_m: int | None = 256
     # NVFP4 W4A4 linears of gemm_wgmma_min_m .. gemm_wgmma_max_m rows (prefill, decode batches
     # of 128+) take the warpgroup-MMA GEMM on CUDA (cuda_ops.nvfp4_gemm_wgmma: 128-token tiles,
