@@ -1161,11 +1161,9 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
 //     BULK; nvfp4_gemm_wgmma.to_stage_tiles of wgmma_x_operand): fp16
 //     [ceil(M / XHAT_TM), K / 128, XHAT_TM * 128], the 16-byte core-matrix row of token m and
 //     8-element column q of K stage c at ((m / XHAT_TM) K/128 + c) XHAT_TM 128 + q XHAT_TM 8 +
-//     (m % XHAT_TM / 8) 64 + (m % 8) 8 elements. In the wgmma K order a thread's word i = 2v + b
-//     of xhat8 (elements i, i + 4) is column 4u + i at elements 2t, 2t + 1, so the four lanes t
-//     of one (c, u) swap words (a 4 x 4 transpose by shuffles) and each stores column 4u + t
-//     whole. Launched over ceil(M / XHAT_TM) XHAT_TM rows (XHAT_M real ones): the CTAs of the
-//     padding rows store zeros and read nothing.
+//     (m % XHAT_TM / 8) 64 + (m % 8) 8 elements. A CTA takes 8 rows (M_TOK = 8) so that it
+//     stores whole 128-byte core matrices (its kernel below). Launched over
+//     ceil(M / XHAT_TM) XHAT_TM / 8 row groups (XHAT_M real rows): the padding rows are zeros.
 #ifndef QCHUNK
 #define QCHUNK K_IN
 #endif
@@ -1241,7 +1239,7 @@ __device__ __forceinline__ uint4 xhat8(u32 c, u32 scale) {
 
 static_assert(QCHUNK % 256 == 0 && K_IN % QCHUNK == 0,
               "QCHUNK: a multiple of 256 (full warps of quant8) dividing K");
-#if !FIN_SPLITK
+#if !FIN_SPLITK && XHAT_OUT != 2
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
                         const u16* __restrict__ nw_all, const int* __restrict__ layer,
@@ -1251,20 +1249,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   const size_t row = blockIdx.x;
   // QCHUNK / 8 is a multiple of 32: every warp is full in each round, as quant8's shuffle needs
   const int first = blockIdx.y * (QCHUNK / 8);
-#if XHAT_OUT == 2
-  // the row's place in the stage tiles: tile, 8-token group, token in the group
-  const size_t tile = row / XHAT_TM;
-  const int mg = (int)(row % XHAT_TM) / 8, mr = (int)(row % 8);
-  u16* const xt = xh + tile * (size_t)(K_IN / 128) * (XHAT_TM * 128) + mg * 64 + mr * 8;
-  if (row >= XHAT_M) {  // a padding row of the last tile (the whole CTA): zeros, nothing read
-    for (int i = first + threadIdx.x; i < first + QCHUNK / 8; i += NTHREADS) {
-      const int e0 = 8 * i, q = 4 * ((e0 >> 3) & 3) + ((e0 >> 5) & 3);
-      *(uint4*)(xt + (size_t)(e0 >> 7) * (XHAT_TM * 128) + q * (XHAT_TM * 8)) =
-          make_uint4(0u, 0u, 0u, 0u);
-    }
-    return;
-  }
-#endif
   const XRows xr = {x + row * X_COLS, nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0),
                     s_rs, s_g, s_ig};
   row_stats(xr, xg + (XG_STACK ? (size_t)(unsigned)*layer : 0), scratch);
@@ -1272,29 +1256,121 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     u32 sc;
     const int e0 = 8 * i;  // = 128c + 32t + 8u
     const u32 c = quant8(xr, e0, sc);
-#if XHAT_OUT == 2
-    const uint4 h = xhat8(c, sc);
-    const u32 w[4] = {h.x, h.y, h.z, h.w};
-    const int t = (e0 >> 5) & 3, u = (e0 >> 3) & 3;
-    // the lanes t' = t ^ s (lane bits 2-3) hold this column's other words: lane t' sends its
-    // word t (column 4u + t) as this lane sends its word t' (unrolled selects, no local array)
-    u32 o[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      const int to = t ^ s;
-      const u32 send = to == 0 ? w[0] : to == 1 ? w[1] : to == 2 ? w[2] : w[3];
-      const u32 got = __shfl_xor_sync(0xffffffffu, send, s << 2);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) o[j] = j == to ? got : o[j];
-    }
-    *(uint4*)(xt + (size_t)(e0 >> 7) * (XHAT_TM * 128) + (4 * u + t) * (XHAT_TM * 8)) =
-        make_uint4(o[0], o[1], o[2], o[3]);
-#else
     const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
     *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
-#endif
   }
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
+}
+#elif XHAT_OUT == 2
+// The stage-tile form: a CTA quantizes the QCHUNK-element chunk blockIdx.y of the 8 rows
+// 8 blockIdx.x .. + 7 (one 8-token core-matrix group of a tile: M_TOK = 8), so that its stores
+// are whole 128-byte core matrices (a row alone owns only 16-byte pieces of the tiles, 2 KiB
+// apart: stored from one CTA a row they measured at 7x the bytes' floor, all in L2 write
+// requests). The row statistics are row_stats' (the same sums in the same order per row,
+// cta_reduce over the 8 rows at once). Each thread item is one 16-element block (row m, stage
+// c, 32-element lane group t, half v): both halves' values, their amax in the thread (no
+// shuffle), quant8's codes and xhat8's words; word i of piece u = 2v + h is column 4u + i of
+// the wgmma K order at f16x2 slot t of row m, written to the chunk's tile image in shared
+// memory [stage][column][row][slot] (a warp's 8 rows x 4 slots hit 32 banks). Then the CTA
+// stores the image as 128-byte runs (8 rows of one column). Rows at or past XHAT_M (the last
+// tile's padding, and the last group's rows when M % 8 != 0) are zeros and read nothing.
+static_assert(M_TOK == 8, "the stage-tile form quantizes 8 rows a CTA (M_TOK = 8)");
+static_assert(XHAT_TM % 8 == 0, "XHAT_TM: whole 8-token groups");
+static_assert(QCHUNK <= 2048, "the chunk's tile image takes QCHUNK * 16 bytes of shared memory");
+extern "C" __global__ void __launch_bounds__(NTHREADS)
+    nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
+                        const u16* __restrict__ nw_all, const int* __restrict__ layer,
+                        u16* __restrict__ xh, float* __restrict__ xg_out) {
+  __shared__ float scratch[RED_SLOTS], s_rs[8], s_g[8], s_ig[8];
+  __shared__ __align__(16) u32 s_t[QCHUNK / 128][16][8][4];
+  const int row0 = blockIdx.x * 8;
+  const int real = min(8, XHAT_M - row0);  // rows of x in the group (<= 0: padding only)
+  const int c0 = blockIdx.y * (QCHUNK / 128);  // the chunk's first stage
+  const XRows xr = {x + (size_t)max(row0, 0) * X_COLS,
+                    nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0), s_rs, s_g, s_ig};
+  // row_stats for the real rows (the padding rows' statistics are never used)
+  if constexpr (PRO == 1) {
+    float s[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      s[m] = 0.f;
+      if (m < real) {
+        for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+          float v[8];
+          src8(v, xr, m, e);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) s[m] = fmaf(v[j], v[j], s[m]);
+        }
+      }
+    }
+    cta_reduce<true>(s, scratch);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) xr.rs[m] = rsqrtf(s[m] / (float)K_IN + NORM_EPS);
+    }
+    __syncthreads();
+  }
+  if constexpr (DYN_XG) {
+    float a[8];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      a[m] = 0.f;
+      if (m < real) {
+        for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+          float v[8];
+          pro_values8(v, xr, m, e);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) a[m] = fmaxf(a[m], fabsf(v[j]));
+        }
+      }
+    }
+    cta_reduce<false>(a, scratch);
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const float g = div_rn(a[m], 2688.0f);  // 6 * 448
+        xr.g[m] = g > 0.f ? g : 1.0f;
+      }
+    }
+  } else if (threadIdx.x == 0) {
+    const float g = xg[XG_STACK ? (size_t)(unsigned)*layer : 0];
+#pragma unroll
+    for (int m = 0; m < 8; ++m) xr.g[m] = g;
+  }
+  __syncthreads();
+  if (threadIdx.x < 8) xr.ig[threadIdx.x] = div_rn(1.0f, xr.g[threadIdx.x]);
+  __syncthreads();
+  for (int it = threadIdx.x; it < QCHUNK / 2; it += NTHREADS) {
+    const int m = it & 7, t = (it >> 3) & 3, v = (it >> 5) & 1, c = it >> 6;
+    uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
+    if (m < real) {
+      const int e0 = (c0 + c) * 128 + 32 * t + 16 * v;  // pieces u = 2v (e0) and 2v + 1
+      float a[8], b[8];
+      pro_values8(a, xr, m, e0);
+      pro_values8(b, xr, m, e0 + 8);
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fmaxf(fabsf(a[j]), fabsf(b[j])));
+      u32 sc;
+      const u32 ca = block_codes(a, amax, xr.g + m, xr.ig + m, sc);
+      const u32 cb = block_codes(b, amax, xr.g + m, xr.ig + m, sc);
+      h0 = xhat8(ca, sc);
+      h1 = xhat8(cb, sc);
+    }
+    u32(*const col)[8][4] = s_t[c] + 8 * v;  // columns 4u + i of pieces u = 2v, 2v + 1
+    col[0][m][t] = h0.x, col[1][m][t] = h0.y, col[2][m][t] = h0.z, col[3][m][t] = h0.w;
+    col[4][m][t] = h1.x, col[5][m][t] = h1.y, col[6][m][t] = h1.z, col[7][m][t] = h1.w;
+  }
+  __syncthreads();
+  u16* const base = xh + ((size_t)(row0 / XHAT_TM) * (K_IN / 128) + c0) * (XHAT_TM * 128) +
+                    (row0 % XHAT_TM) * 8;
+  const uint4* const img = (const uint4*)&s_t[0][0][0][0];
+  for (int j = threadIdx.x; j < QCHUNK; j += NTHREADS) {  // [stage][column][row] 16-byte pieces
+    const int m = j & 7, q = (j >> 3) & 15, c = j >> 7;
+    *(uint4*)(base + (size_t)c * (XHAT_TM * 128) + q * (XHAT_TM * 8) + m * 8) = img[j];
+  }
+  // (int): real is negative in a group of padding rows (an unsigned compare would pass there)
+  if (blockIdx.y == 0 && (int)threadIdx.x < real) xg_out[row0 + threadIdx.x] = s_g[threadIdx.x];
 }
 
 #else  // FIN_SPLITK

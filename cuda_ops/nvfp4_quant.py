@@ -19,8 +19,10 @@ the other way (tests/test_quant_kernel_gpu.py). Two output forms (`OUTS`, a comp
 * "xhat_tiles" (-DXHAT_OUT=2): the same x_hat values as the wgmma GEMM's stage tiles, float16
   [ceil(M / tile_m), K / 128, tile_m * 128] (`cuda_ops.nvfp4_gemm_wgmma.to_stage_tiles` of its
   `wgmma_x_operand`; the last tile's padding rows zero), and the global scale float32 [M]: the
-  wgmma GEMM's x operand with no XLA fusion. The grid covers the padding rows (their CTAs store
-  zeros); four lanes exchange words so that each stores one 16-byte core-matrix row.
+  wgmma GEMM's x operand with no XLA fusion. A CTA takes 8 rows (one 8-token core-matrix
+  group) of a `chunk` (default 512, at most `TILES_MAX_CHUNK`), builds their part of the tiles
+  in shared memory and stores whole 128-byte core matrices; the grid covers the last tile's
+  padding rows (zeros).
 
 With `finish=FinishIn(...)` the "xhat" form reads no x: it forms each x value as a K-split
 GEMM's finish kernel would store it (`nvfp4_gemm_finish`: that GEMM's float32 partials added in
@@ -41,6 +43,12 @@ thread) it takes 2.3 us, and "split" became the faster path (2.796 vs 3.018 ms/t
 "xhat" form takes by default 1024 elements per 128-thread CTA where K % 1024 == 0 (else 512 or
 256 with 64 or 32 threads): one quant8 round per thread, as many elements per thread as the
 16-byte stores need (not yet measured against other chunkings).
+
+Measured on an H100 (experiments/results/xquant_tiles_h100/): the "xhat_tiles" form's first
+design, one CTA a row storing 16-byte pieces 2 KiB apart, took 20 us for 512 rows of K = 4096
+(7x the bytes' floor, in every launch shape tried; ncu: 1.57 M L2 write sectors where the bytes
+need 131 K, L2 74% busy). With 8 rows a CTA and 512-element chunks: 7.8 us ("none"), 16.2 us
+(RMSNorm: every CTA re-reads its 8 rows for the statistic) and 24.2 us (SwiGLU, K = 12288).
 """
 
 from __future__ import annotations
@@ -87,6 +95,8 @@ N_INPUTS = 4
 N_OUTPUTS = 3
 OUTS = ("codes", "xhat", "xhat_tiles")
 TILE_MS = (128, 256)  # "xhat_tiles": the wgmma GEMM's token tiles
+TILE_GROUP = 8  # "xhat_tiles": rows a CTA (one 8-token core-matrix group: whole 128-byte stores)
+TILES_MAX_CHUNK = 2048  # "xhat_tiles": the chunk's tile image is chunk * 16 bytes of shared memory
 XHAT_OUTPUTS = 2
 THREADS = 128
 # rows are grid x (one CTA row per activation row): CUDA's limit
@@ -164,9 +174,11 @@ ROW_CTA_MIN_M = 264
 
 
 def default_chunk(k: int, out: str = "codes", m: int | None = None) -> int:
-    """Elements of a row one CTA quantizes. "codes": 512 where K allows, else 256 (K % 256 ==
-    0). "xhat": 1024, 512 or 256, the largest dividing K. From `ROW_CTA_MIN_M` rows `m`: K
-    (one CTA a row)."""
+    """Elements of a row one CTA quantizes. "codes" and "xhat_tiles": 512 where K allows, else
+    256 (K % 256 == 0). "xhat": 1024, 512 or 256, the largest dividing K. From `ROW_CTA_MIN_M`
+    rows `m` ("codes" and "xhat"): K (one CTA a row)."""
+    if out == "xhat_tiles":  # 8 rows a CTA (H100: 512 beat 1024 at 300 and 512 rows)
+        return 512 if k % 512 == 0 else 256
     if m is not None and m >= ROW_CTA_MIN_M:
         return k
     sizes = (1024, 512, 256) if out != "codes" else (512, 256)
@@ -174,9 +186,9 @@ def default_chunk(k: int, out: str = "codes", m: int | None = None) -> int:
 
 
 def default_threads(chunk: int, out: str = "codes") -> int:
-    """Threads of a CTA: "codes" 128; the x_hat forms one per 8 elements of the chunk, at most
-    128."""
-    return min(THREADS, chunk // 8) if out != "codes" else THREADS
+    """Threads of a CTA: "codes" and "xhat_tiles" 128; "xhat" one per 8 elements of the chunk,
+    at most 128."""
+    return min(THREADS, chunk // 8) if out == "xhat" else THREADS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -203,7 +215,9 @@ class QuantKernel:
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        return (self.rows, self.k // self.chunk, 1)
+        """(row CTAs, chunks a row, 1): "xhat_tiles" takes `TILE_GROUP` rows a CTA."""
+        rows = self.rows // TILE_GROUP if self.out == "xhat_tiles" else self.rows
+        return (rows, self.k // self.chunk, 1)
 
     @property
     def out_shapes(self) -> tuple[tuple[tuple[int, ...], str], ...]:
@@ -288,7 +302,7 @@ def _build_cached(
     # XHAT_OUT and FIN_* only when set: the other kernels keep their defines and cache keys
     form = {"XHAT_OUT": 1} if out == "xhat" else {}
     if out == "xhat_tiles":  # the real rows: the grid covers the last tile's padding rows too
-        form = {"XHAT_OUT": 2, "XHAT_TM": tile_m, "XHAT_M": m}
+        form = {"XHAT_OUT": 2, "XHAT_TM": tile_m, "XHAT_M": m, "M_TOK": TILE_GROUP}
     if finish is not None:
         form |= finish.defines()
         if finish.cluster:  # the row's CTAs a cluster, each chunk in its CTA's shared memory
@@ -361,6 +375,8 @@ def build(
     step = 256 if out != "codes" else 128  # full warps: 8 (x_hat forms) or 4 elements a thread
     if chunk <= 0 or chunk % step or k % chunk:
         raise KernelError(f"chunk={chunk}: expected a positive multiple of {step} dividing K={k}")
+    if out == "xhat_tiles" and chunk > TILES_MAX_CHUNK:
+        raise KernelError(f"chunk={chunk}: the xhat_tiles form takes at most {TILES_MAX_CHUNK}")
     if finish is not None and finish.cluster and not 2 <= k // chunk <= 8:
         raise KernelError(f"FinishIn.cluster: chunk={chunk} makes {k // chunk} CTAs a row of "
                           f"K={k}, expected 2..8 (a cluster)")  # fmt: skip

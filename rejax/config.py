@@ -365,10 +365,11 @@ class Config:
     # quantizer kernel writes the GEMM's fp16 operand; 8-layer decode at batch 64 2.112 against
     # 2.346 ms/token for "xla", experiments/results/h200_m/) or "xla" (XLA fusions build it)
     gemm_x_quant: str = "kernel"
-    # ... and in front of the wgmma GEMM (gemm_wgmma_min_m .. max_m rows): "xla" (XLA's
-    # quantizer, wgmma_x_operand and to_stage_tiles fusions) or "kernel" (the quantizer kernel
-    # writes the stage tiles; opt-in until measured on a GPU) (GemmOptions.wgmma_x_quant)
-    gemm_wgmma_x_quant: str = "xla"
+    # ... and in front of the wgmma GEMM (gemm_wgmma_min_m .. max_m rows): "kernel" (the
+    # quantizer kernel writes the stage tiles; 36-layer prefill of 512 tokens 24.3 against
+    # 26.2 ms at batch 1 on an H100, experiments/results/xquant_tiles_h100/) or "xla" (XLA's
+    # quantizer, wgmma_x_operand and to_stage_tiles fusions) (GemmOptions.wgmma_x_quant)
+    gemm_wgmma_x_quant: str = "kernel"
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows

@@ -801,12 +801,12 @@ def test_mixed_fuses_o_proj_only(stub_compiler):
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
 @pytest.mark.parametrize("m", [128, 200])
 def test_wgmma_x_quant_kernel_writes_the_stage_tiles(stub_compiler, monkeypatch, m, prologue):
-    """In the wgmma range, GemmOptions.wgmma_x_quant "kernel" (opt-in) lowers a fused linear
-    ("two") to the quantizer kernel's "xhat_tiles" form (compiled for this M and the GEMM's
-    token tile, launched over whole tiles, its x_hat [tiles, K / 128, TM * 128] float16 the
-    GEMM's first operand) and the wgmma GEMM, with no XLA op on the activations; "xla" (the
-    default) keeps XLA's quantizer and layout ops in front of the same GEMM and no quantizer
-    kernel. The residual is XLA's add either way."""
+    """In the wgmma range, GemmOptions.wgmma_x_quant "kernel" (the default) lowers a fused
+    linear ("two") to the quantizer kernel's "xhat_tiles" form (compiled for this M and the
+    GEMM's token tile, launched over the 8-row groups of whole tiles, its x_hat [tiles, K /
+    128, TM * 128] float16 the GEMM's first operand) and the wgmma GEMM, with no XLA op on the
+    activations; "xla" keeps XLA's quantizer and layout ops in front of the same GEMM and no
+    quantizer kernel. The residual is XLA's add either way."""
     monkeypatch.setattr(_dispatch, "_NOTED", set())
     w = _stacked(False)
     width = 2 * K if prologue == "swiglu" else K
@@ -821,17 +821,18 @@ def test_wgmma_x_quant_kernel_writes_the_stage_tiles(stub_compiler, monkeypatch,
                                                  gemm_options=opts))  # fmt: skip
         return f.trace(x, r).lower(lowering_platforms=("cuda",)).as_text()
 
-    on = lowered(nvfp4_gemm.GemmOptions(wgmma_x_quant="kernel"))
+    assert nvfp4_gemm.DEFAULT_OPTIONS.wgmma_x_quant == "kernel"
+    on = lowered(nvfp4_gemm.DEFAULT_OPTIONS)
     calls = _ptx_calls(on)
     names = [name for name, _ in calls]
     assert names[:2] == [nvfp4_quant.ENTRY, nvfp4_gemm_wgmma.ENTRY], names
     assert calls[1][1][0] == f"tensor<{tiles}>", calls[1][1]
     quant = [d for d in stub_compiler if d.get("XHAT_OUT") == 2]
     assert quant and all(d["XHAT_M"] == m and d["XHAT_TM"] == 128 for d in quant), quant
-    assert re.search(rf"grid_x = {-(-m // 128) * 128},", on)
+    assert re.search(rf"grid_x = {-(-m // 128) * 128 // 8},", on)
     assert "stablehlo.rsqrt" not in on and "call @silu(" not in on
     assert "stablehlo.transpose" not in on and _bf16_adds(on, f"{m}x{N}") == 1
-    off = lowered(nvfp4_gemm.DEFAULT_OPTIONS)
+    off = lowered(nvfp4_gemm.GemmOptions(wgmma_x_quant="xla"))
     names = [name for name, _ in _ptx_calls(off)]
     assert names[0] == nvfp4_gemm_wgmma.ENTRY and nvfp4_quant.ENTRY not in names, names
     assert "stablehlo.transpose" in off  # the XLA-built tiles

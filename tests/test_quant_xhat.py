@@ -229,44 +229,52 @@ def test_both_forms_compile_for_sm90(tmp_path, monkeypatch, k):
         nvfp4_quant._build_cached.cache_clear()
 
 
-def kernel_xhat_tiles(xp: np.ndarray, xs: np.ndarray, tm: int) -> np.ndarray:
-    """What `nvfp4_quantize_bf16` built with XHAT_OUT = 2 writes: per thread item i (e0 = 8i =
-    128c + 32t + 8u) xhat8's words w[0..3]; the four lanes t of one (c, u) exchange them
-    (lane t ends with word t of lanes 0..3: shuffles with lane masks 4s, its o[t ^ s] = the
-    word t of lane t ^ s) and store the 16 bytes at column 4u + t of stage c of the row's tile;
-    the CTAs of the padding rows store zeros. float16 [ceil(M / tm), K / 128, tm * 128]."""
+def kernel_xhat_tiles(xp: np.ndarray, xs: np.ndarray, tm: int, chunk: int = 256) -> np.ndarray:
+    """What `nvfp4_quantize_bf16` built with XHAT_OUT = 2 writes: a CTA per 8-row group and
+    `chunk`-element chunk; its thread item it (row m = it % 8, slot t = it / 8 % 4, half
+    v = it / 32 % 2, stage c = it / 64 of the chunk) takes the 16-element block e0 = 128c +
+    32t + 16v, whose pieces u = 2v, 2v + 1 give xhat8's words; word i of piece u goes to the
+    image [stage][column 4u + i][row m][slot t]; the image is stored as 16-byte pieces j (row
+    j % 8, column j / 8 % 16, stage j / 128) at the row's place in its tile. Rows past M are
+    zeros. float16 [ceil(M / tm), K / 128, tm * 128]."""
     m, k = xp.shape[0], 2 * xp.shape[1]
     codes = np.ascontiguousarray(xp).view("<u4")
-    e0 = 8 * np.arange(k // 8)
-    runs = _xhat8(codes, xs[:, e0 // 16].astype(U32))  # [M, K/8, 4] words
+    e8 = 8 * np.arange(k // 8)
+    runs = _xhat8(codes, xs[:, e8 // 16].astype(U32))  # [M, K/8, 4] words of piece e8 / 8
     rows = -(-m // tm) * tm
     out = np.zeros((rows // tm, k // 128, tm * 64), U32)  # f16x2 words, padding rows zero
-    c, t, u = e0 >> 7, (e0 >> 5) & 3, (e0 >> 3) & 3
-    item = np.arange(k // 8)
-    for row in range(m):
-        tile, mg, mr = row // tm, (row % tm) // 8, row % 8
-        for i in item:
-            o = np.zeros(4, U32)
-            for s in range(4):
-                to = t[i] ^ s
-                partner = i ^ (s << 2)  # lane bits 2-3 are t: the item of lane t ^ s
-                # the partner sends its word (its t) ^ s = this lane's t
-                o[to] = runs[row, partner, t[partner] ^ s]
-            q = 4 * u[i] + t[i]
-            at = (q * tm * 8 + mg * 64 + mr * 8) // 2  # in f16x2 words
-            out[tile, c[i], at : at + 4] = o
+    for row0 in range(0, rows, 8):
+        for c0 in range(0, k // 128, chunk // 128):
+            img = np.zeros((chunk // 128, 16, 8, 4), U32)
+            for it in range(chunk // 2):
+                mm, t, v, c = it % 8, it // 8 % 4, it // 32 % 2, it // 64
+                if row0 + mm >= m:
+                    continue
+                e0 = (c0 + c) * 128 + 32 * t + 16 * v
+                for h in range(2):
+                    words = runs[row0 + mm, (e0 + 8 * h) // 8]
+                    for i in range(4):
+                        img[c, 4 * (2 * v + h) + i, mm, t] = words[i]
+            flat = img.reshape(-1, 4)
+            tile, base = row0 // tm, (row0 % tm) * 8 // 2  # in f16x2 words
+            for j in range(chunk):
+                mm, q, c = j % 8, j // 8 % 16, j // 128
+                at = base + (q * tm * 8 + mm * 8) // 2
+                out[tile, c0 + c, at : at + 4] = flat[j]
     return out.view(np.float16)
 
 
-@pytest.mark.parametrize(("m", "k", "tm"), [(9, 256, 128), (130, 384, 128), (20, 256, 256)])
-def test_kernel_xhat_tiles_model_equals_the_wgmma_stage_tiles(m, k, tm):
-    """The "xhat_tiles" form's NumPy model (xhat8's words, the four-lane exchange, the store
+@pytest.mark.parametrize(
+    ("m", "k", "tm", "chunk"), [(9, 256, 128, 256), (130, 512, 128, 256), (20, 512, 256, 512)]
+)
+def test_kernel_xhat_tiles_model_equals_the_wgmma_stage_tiles(m, k, tm, chunk):
+    """The "xhat_tiles" form's NumPy model (xhat8's words, the shared-memory image, the store
     index, the zero padding rows) equals the wgmma GEMM's BULK x operand of the same codes and
     scales, `to_stage_tiles(wgmma_x_operand(xp, xs), tm, 128)`, bit for bit."""
     from cuda_ops import nvfp4_gemm_wgmma as wgm
 
     xp, xs = _codes_and_scales(m, k, m + k)
-    got = kernel_xhat_tiles(xp, xs, tm).view(np.uint16)
+    got = kernel_xhat_tiles(xp, xs, tm, chunk).view(np.uint16)
     want = wgm.to_stage_tiles(np.asarray(wgm.wgmma_x_operand(jnp.asarray(xp), jnp.asarray(xs))),
                               tm, 128)  # fmt: skip
     assert got.shape == want.shape == (-(-m // tm), k // 128, tm * 128)
@@ -275,9 +283,10 @@ def test_kernel_xhat_tiles_model_equals_the_wgmma_stage_tiles(m, k, tm):
 
 @pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
-    """ "xhat_tiles": compiled for its M (XHAT_M) and tile (XHAT_TM), launched over the rows of
-    whole tiles (grid x = ceil(M / tile_m) tile_m), outputs [tiles, K / 128, tile_m * 128]
-    float16 and [M] float32; ptxas builds it for sm_90 without a stack frame; bad tiles are
+    """ "xhat_tiles": compiled for its M (XHAT_M), tile (XHAT_TM) and 8 rows a CTA (M_TOK),
+    launched over the 8-row groups of whole tiles (grid x = ceil(M / tile_m) tile_m / 8) and
+    512-element chunks, outputs [tiles, K / 128, tile_m * 128] float16 and [M] float32; ptxas
+    builds it for sm_90 without a stack frame or spills; bad tiles and chunks past 2048 are
     refused."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     nvfp4_quant._build_cached.cache_clear()
@@ -286,8 +295,9 @@ def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
             kern = nvfp4_quant.build(m, k, nvfp4_gemv.Fused(prologue=pro), arch="compute_90",
                                      out="xhat_tiles", tile_m=tm)  # fmt: skip
             tiles = -(-m // tm)
-            assert kern.grid == (tiles * tm, k // kern.chunk, 1)
-            assert f"grid_x = {tiles * tm}," in kern.backend_config()
+            assert kern.chunk == 512 and kern.threads == 128
+            assert kern.grid == (tiles * tm // 8, k // 512, 1)
+            assert f"grid_x = {tiles * tm // 8}," in kern.backend_config()
             assert kern.out_shapes == (((tiles, k // 128, tm * 128), "float16"),
                                        ((m,), "float32"))  # fmt: skip
             assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.ENTRY: 6}
@@ -295,11 +305,16 @@ def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
                 nvfp4_quant._GEMV_DUMMIES
                 | nvfp4_gemv.Fused(prologue=pro).defines()
                 | {"K_IN": k, "NTHREADS": kern.threads, "QUANT_ONLY": 1, "QCHUNK": kern.chunk}
-                | {"XHAT_OUT": 2, "XHAT_TM": tm, "XHAT_M": m}
+                | {"XHAT_OUT": 2, "XHAT_TM": tm, "XHAT_M": m, "M_TOK": 8}
             )
             log = cbuild.ptxas_log(cbuild.read_source(nvfp4_gemv.SOURCE), defines,
                                    arch="sm_90", name=nvfp4_gemv.SOURCE)  # fmt: skip
-            assert "0 bytes stack frame" in log, log
+            assert "0 bytes stack frame" in log and "spill" not in log.replace(
+                "0 bytes spill stores, 0 bytes spill loads", ""
+            ), log
+        with pytest.raises(nvfp4_gemv.KernelError, match="takes at most 2048"):
+            nvfp4_quant.build(200, 4096, nvfp4_gemv.PLAIN, arch="compute_90",
+                              out="xhat_tiles", chunk=4096)  # fmt: skip
         with pytest.raises(nvfp4_gemv.KernelError, match="tile_m=64, expected one of"):
             nvfp4_quant.build(200, 4096, nvfp4_gemv.PLAIN, arch="compute_90",
                               out="xhat_tiles", tile_m=64)  # fmt: skip
