@@ -153,6 +153,17 @@ typedef unsigned long long u64;
 #define GROUP_WORDS 1
 #endif
 static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_WORDS: 1, 2 or 4");
+// PIPE: commit groups a warpgroup keeps in flight while it decodes the next word. 1 (default):
+// wait_group 1 after every commit. 2: wait_group 2 after the commits inside a stage, 1 after
+// its first and last group, so that no group of the previous stage is in flight past the
+// loop's back edge (where ptxas may reuse its A registers; see one_group_stage) and the
+// release of a stage's slot still follows the next stage's first wait. Needs >= 3 groups a
+// stage (GROUP_WORDS 1, or 2 with KT 256).
+#ifndef PIPE
+#define PIPE 1
+#endif
+static_assert(PIPE == 1 || (PIPE == 2 && 4 * (KT / 128) / GROUP_WORDS >= 3),
+              "PIPE: 1, or 2 with three or more commit groups a stage");
 #ifndef STATIC_COPIES
 #define STATIC_COPIES 0
 #endif
@@ -439,8 +450,12 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], in
         }
       }
       wg_commit();
+      // the group's index in the stage (a constant once the loops are unrolled)
+      const int gi = h * (4 / GROUP_WORDS) + u0 / GROUP_WORDS;
       if constexpr (one_group_stage() == 2)
         wg_wait<0>();  // the next stage's decode rewrites this group's A registers
+      else if (PIPE == 2 && gi != 0 && gi != SUB * 4 / GROUP_WORDS - 1)
+        wg_wait<2>();
       else
         wg_wait<1>();
       if constexpr (BULK) {

@@ -82,6 +82,8 @@ class WgmmaPlan:
     static_copies: bool = True  # the stage copies unrolled (STATIC_COPIES; False: the first form)
     # code words per wgmma commit group (GROUP_WORDS: 1, 2 or 4; 4 measured 2-7% slower than 1)
     group_words: int = 1
+    # commit groups in flight while the next word decodes (PIPE): 1, or 2 inside a stage
+    pipe: int = 1
     # BULK (KT 128 only): the stage copies on mbarriers, no block barrier in the K loop. 1: every
     # operand pre-tiled (`to_stage_tiles`, `weight_stage_tiles`), three bulk copies a stage from
     # one thread; 3 (`LINEAR_BULK`): x_hat pre-tiled, the weights in their plain layout, their
@@ -141,6 +143,7 @@ class WgmmaPlan:
                 "STATIC_COPIES": int(self.static_copies),
             }
             | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {})
+            | ({"PIPE": self.pipe} if self.pipe != 1 else {})
             | ({"BULK": self.bulk} if self.bulk else {})
         )
 
@@ -165,6 +168,7 @@ def plan(
     group_words: int = 1,
     bulk: int = 0,
     split_rule: str = "fill",
+    pipe: int = 1,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -215,6 +219,7 @@ def plan(
         static_copies=bool(static_copies),
         group_words=group_words,
         bulk=int(bulk),
+        pipe=int(pipe),
     )
 
 
@@ -258,6 +263,8 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"w_shift={p.w_shift} (expected 0..7)"
     if p.group_words not in (1, 2, 4):
         return False, f"group_words={p.group_words} (expected 1, 2 or 4)"
+    if p.pipe not in (1, 2) or (p.pipe == 2 and 4 * (p.kt // 128) // p.group_words < 3):
+        return False, f"pipe={p.pipe!r} (expected 1, or 2 with 3+ commit groups a stage)"
     if p.bulk not in (0, 1, 3):
         return False, f"bulk={p.bulk!r} (expected 0, 1 or 3)"
     if p.bulk and p.kt != 128:

@@ -21,7 +21,10 @@
 # end-to-end rows; one call each); wgmma_each (each wgmma variant's check in its own process,
 # launches blocking); prefill_profile (profile_step.py --phase prefill, 8 layers); quant_rows
 # (the quantizer's GPU tests with its one-CTA-a-row path); wgmma_bulk (the BULK wgmma kernels:
-# bits, times against WGMMA_BASE, stall reasons; knobs in the phase); wgmma_xquant (the
+# bits, times against WGMMA_BASE, stall reasons; knobs in the phase; e.g. PIPE 2 against the
+# model's: WGMMA_BULK_VARIANTS=wgmma_n128_xb_p2 WGMMA_BASE=wgmma_n128_xb WGMMA_MS=256,512
+# NCU_SKIP=1 BULK_TAG=p2); wgmma_ncu (the model's wgmma GEMM under Nsight Compute at 512
+# rows: tensor-pipe utilisation and stalls); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
@@ -251,6 +254,22 @@ PY
         grep -E "nvfp4_gemm_w4a4_wgmma|Duration|stalled_(long|lg|barrier|short|dispatch|wait|gmma|math|mio|not_sel|selected)|Eligible Warps|Issued Warp|Warp Cycles Per Issued" \
           "$out/${tag}_ncu.txt" | head -90
       fi;;
+    wgmma_ncu)
+      # where the model's wgmma GEMM spends its time at NCU_M (512) rows, the four Qwen3-8B
+      # shapes (NCU_VARIANTS, default wgmma_n128_xb): the metric names ncu knows for the
+      # tensor pipes first (gmma), then SpeedOfLight, ComputeWorkloadAnalysis (pipe
+      # utilisation) and the stall reasons. (A run that added MemoryWorkloadAnalysis crashed
+      # after profiling, rc 139, in the fortieth session.)
+      ncu --query-metrics 2>/dev/null | grep -iE "gmma|pipe_tensor" > "$out/ncu_metric_names.txt"
+      head -20 "$out/ncu_metric_names.txt"
+      timeout ${NCU_TIMEOUT:-200} ncu --clock-control none -k regex:wgmma --launch-count 4 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        python3 experiments/kernels/check_gemm_wgmma.py --ms ${NCU_M:-512} --no-time \
+        --variants ${NCU_VARIANTS:-wgmma_n128_xb} --out "$out/ncu_m.json" > "$out/ncu_m.txt" 2>&1
+      echo "ncu rc=$?"
+      grep -E "nvfp4_gemm_w4a4_wgmma|Duration|Throughput|Pipe|Issue Slots|Executed Ipc|stalled_(long|wait|gmma|math|barrier|selected)" \
+        "$out/ncu_m.txt" | head -80;;
     wgmma_xquant)
       # the quantizer kernel's "xhat_tiles" form in front of the wgmma GEMM
       # (Config.gemm_wgmma_x_quant "kernel", opt-in): its GPU tests and the tiny model's

@@ -53,7 +53,7 @@ from rejax import config as rconfig
 from rejax import sampling
 
 _INT_FIELDS = {"gemm_min_m", "scan_unroll", "decode_unroll"}
-_OPT_INT_FIELDS = {"gemm_max_m", "gemm_wgmma_min_m"}  # an int or "none"
+_OPT_INT_FIELDS = {"gemm_max_m", "gemm_wgmma_min_m", "gemm_wgmma_max_m"}  # an int or "none"
 _BOOLS = {"on": True, "off": False, "true": True, "false": False}
 
 
@@ -86,7 +86,10 @@ def parse_variant(spec: str) -> tuple[str, int, dict]:
                 raise SystemExit(f"--variant {spec!r}: {key} takes one of {sorted(_BOOLS)}")
             fields[key] = _BOOLS[val]
         elif key in _OPT_INT_FIELDS:
-            fields[key] = None if val == "none" else int(val)
+            if val == "default" and defaults[key] == "default":  # the wgmma range's default
+                fields[key] = val
+            else:
+                fields[key] = None if val == "none" else int(val)
         else:
             fields[key] = int(val) if key in _INT_FIELDS else val
     return quant, batch, fields

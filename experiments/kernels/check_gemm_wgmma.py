@@ -89,6 +89,9 @@ VARIANTS = {
     # run): e.g. N = 5120 at M = 256, 80 tiles on 132 SMs, split 3 instead of 1
     "wgmma_n128_xb_wave": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "split_rule": "wave"},
     "wgmma_n128_wr2_xb": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 3},
+    # the model's, with two commit groups in flight inside a stage (PIPE 2; not yet run)
+    "wgmma_n128_xb_p2": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "pipe": 2},
+    "wgmma_n128_wr2_xb_p2": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 3, "pipe": 2},
     "wgmma_xb": {"bulk": 3},
     # the plan's own small-M tiles (8-64 tokens) with the bulk forms
     "wgmma_bulk": {"bulk": 1},
@@ -107,6 +110,8 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_xb",
     "wgmma_n128_wr2_xb",
     "wgmma_n128_xb_wave",
+    "wgmma_n128_xb_p2",
+    "wgmma_n128_wr2_xb_p2",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only

@@ -3,14 +3,21 @@ K order, a numpy emulation of one warpgroup's data flow (register A fragments fr
 the shared-memory x tile through the matrix descriptor), the plans of the device check, and
 NVRTC builds of every planned kernel (registers, no spills, no wgmma serialization)."""
 
+import re
+
 import numpy as np
 import pytest
 
 from cuda_ops import build as cbuild
 from cuda_ops import nvfp4_gemm_wgmma as wgm
+from experiments import sass as _sass
 
 needs_nvrtc = pytest.mark.skipif(
     not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed"
+)
+needs_nvdisasm = pytest.mark.skipif(
+    not cbuild.nvrtc_available() or _sass.nvdisasm_path() is None,
+    reason="NVRTC or nvdisasm (the test extras) missing",
 )
 
 
@@ -210,6 +217,32 @@ def test_plan_refusals():
     assert not wgm.check_plan(wgm.plan(16, 4096, 4000))[0]  # K not a multiple of 128
     assert not wgm.check_plan(wgm.plan(16, 4096, 4096, tm=24))[0]
     assert not wgm.check_plan(wgm.plan(16, 4096, 4096, stages=2))[0]
+    # PIPE 2 needs three or more commit groups a stage: four code words of one group each
+    assert wgm.check_plan(wgm.plan(256, 4096, 4096, tm=128, pipe=2)) == (True, "")
+    assert not wgm.check_plan(wgm.plan(256, 4096, 4096, tm=128, pipe=2, group_words=2))[0]
+    assert not wgm.check_plan(wgm.plan(256, 4096, 4096, tm=128, pipe=3))[0]
+
+
+@needs_nvdisasm
+def test_pipe2_keeps_two_groups_in_flight_inside_a_stage():
+    """PIPE 2 (the wgmma_n128_xb_p2 variant): in the SASS of the 128-token BULK 3 kernel the
+    stage's four commit groups wait with depth 1, 2, 2, 1 (two in flight during the middle
+    decodes, one across the loop's back edge), against 1, 1, 1, 1 for PIPE 1; the final wait
+    drains (0)."""
+    import collections
+
+    waits = {}
+    for pipe in (1, 2):
+        p = wgm.plan(512, 24576, 4096, tm=128, nwg=2, wr=1, bulk=3, pipe=pipe)
+        assert ("PIPE" in p.defines()) == (pipe == 2)
+        cubin = cbuild.compile_cubin(cbuild.read_source(wgm.SOURCE.name), p.defines(),
+                                     arch=wgm.CUBIN_ARCH, name=wgm.SOURCE.name)  # fmt: skip
+        listing = _sass.disassemble(cubin)
+        waits[pipe] = collections.Counter(
+            re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, (0x\d)", listing)
+        )
+    assert waits[1] == {"0x1": 4, "0x0": 1}, waits
+    assert waits[2] == {"0x1": 2, "0x2": 2, "0x0": 1}, waits
 
 
 @needs_nvrtc
@@ -257,7 +290,8 @@ def test_large_tile_plans():
 @pytest.mark.parametrize(
     "variant",
     ["wgmma_n128_wr2", "wgmma_n256", "wgmma_n128_g4", "wgmma_n128_wr2_g4", "wgmma_n128_bulk",
-     "wgmma_n128_wr2_bulk", "wgmma_n128_wr2_g4_bulk", "wgmma_n128_xb", "wgmma_n128_wr2_xb"],
+     "wgmma_n128_wr2_bulk", "wgmma_n128_wr2_g4_bulk", "wgmma_n128_xb", "wgmma_n128_wr2_xb",
+     "wgmma_n128_xb_p2", "wgmma_n128_wr2_xb_p2"],
 )  # fmt: skip
 def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
     """The largest accumulators (128 floats a thread): no spills, no serialized wgmma, one

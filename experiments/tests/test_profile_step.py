@@ -84,15 +84,23 @@ def test_variant_specs():
 
 
 def test_variant_optional_int_fields():
-    """gemm_max_m / gemm_wgmma_min_m take an int or 'none' (Config's None)."""
+    """gemm_max_m / gemm_wgmma_min_m / gemm_wgmma_max_m take an int or 'none' (Config's None);
+    the wgmma bounds also 'default'."""
     assert ps.parse_variant("nvfp4:1:gemm_max_m=512:gemm_wgmma_min_m=none") == (
         "nvfp4",
         1,
         {"gemm_max_m": 512, "gemm_wgmma_min_m": None},
     )
     assert ps.parse_variant("nvfp4:8:gemm_max_m=none") == ("nvfp4", 8, {"gemm_max_m": None})
+    assert ps.parse_variant("nvfp4:8:gemm_wgmma_max_m=none:gemm_wgmma_min_m=default") == (
+        "nvfp4",
+        8,
+        {"gemm_wgmma_max_m": None, "gemm_wgmma_min_m": "default"},
+    )
     with pytest.raises(ValueError):
         ps.parse_variant("nvfp4:8:gemm_max_m=big")
+    with pytest.raises(ValueError):
+        ps.parse_variant("nvfp4:8:gemm_max_m=default")
 
 
 def test_prefill_phase_smoke(tmp_path):
