@@ -92,6 +92,10 @@ VARIANTS = {
     # the model's, with two commit groups in flight inside a stage (PIPE 2; not yet run)
     "wgmma_n128_xb_p2": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "pipe": 2},
     "wgmma_n128_wr2_xb_p2": {"tm": 128, "nwg": 2, "wr": 2, "bulk": 3, "pipe": 2},
+    # 256-token tiles with BULK 3 (each weight decoded once per 256 tokens; 3 stages of 73 KB,
+    # one loaded ahead; ptxas 186 registers; not yet run)
+    "wgmma_n256_xb": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3},
+    "wgmma_n256_xb_p2": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3, "pipe": 2},
     "wgmma_xb": {"bulk": 3},
     # the plan's own small-M tiles (8-64 tokens) with the bulk forms
     "wgmma_bulk": {"bulk": 1},
@@ -112,6 +116,8 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_xb_wave",
     "wgmma_n128_xb_p2",
     "wgmma_n128_wr2_xb_p2",
+    "wgmma_n256_xb",
+    "wgmma_n256_xb_p2",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only

@@ -291,7 +291,7 @@ def test_large_tile_plans():
     "variant",
     ["wgmma_n128_wr2", "wgmma_n256", "wgmma_n128_g4", "wgmma_n128_wr2_g4", "wgmma_n128_bulk",
      "wgmma_n128_wr2_bulk", "wgmma_n128_wr2_g4_bulk", "wgmma_n128_xb", "wgmma_n128_wr2_xb",
-     "wgmma_n128_xb_p2", "wgmma_n128_wr2_xb_p2"],
+     "wgmma_n128_xb_p2", "wgmma_n128_wr2_xb_p2", "wgmma_n256_xb_p2"],
 )  # fmt: skip
 def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
     """The largest accumulators (128 floats a thread): no spills, no serialized wgmma, one
