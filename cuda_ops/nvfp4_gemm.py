@@ -104,11 +104,19 @@ SM_THREADS = 2048
 # and quantize_activation; then gemm_x_operand's fp16 x_hat as XLA ops) or "kernel" (the
 # quantizer kernel's x_hat form writes the GEMM's operand itself: one launch, no XLA op on the
 # activations). "kernel" measured faster on the H200 (8-layer Qwen3-8B decode at batch 64:
-# 2.112 against 2.346 ms/token, the 24 XLA fusions per layer gone; experiments/results/h200_m/)
-# but its GPU tests have not all passed yet, so "xla" stays the default.
+# 2.112 against 2.346 ms/token, the 24 XLA fusions per layer gone; experiments/results/h200_m/),
+# and is the default (GemmOptions.x_quant).
 X_QUANTS = ("xla", "kernel")
-# how a fused linear in front of the wgmma GEMM builds its x_hat stage tiles
+# how a fused linear in front of the wgmma GEMM builds its x_hat stage tiles: the same two
+# (the quantizer kernel's "xhat_tiles" form the default, GemmOptions.wgmma_x_quant)
 WGMMA_X_QUANTS = ("xla", "kernel")
+# How the dot path hands the activations' bf16 values to its dot: "fused" (XLA may fuse their
+# decode from codes and scales into the GEMM, e.g. a Triton GEMM that decodes them again for
+# every output tile) or "materialized" (behind an optimization barrier: written once, the dot
+# alone, as bf16's). A profile of the 8-layer prefill at 4096 rows (H100) showed three of the
+# four linears as XLA GEMM fusions taking 1171 us a layer where bf16's cuBLAS dots take 828;
+# "materialized" is not yet measured, so "fused" stays the default.
+DOT_XS = ("fused", "materialized")
 # How the dot path (above `max_m` rows) forms the weight's bf16 values e2m1 * SFw: "xla" (XLA's
 # fusions of `rejax.nvfp4._scaled_values`) or "kernel" (`cuda_ops.nvfp4_dequant`: one launch
 # that reads a stacked weight in place). The same bytes. Inside the 36-layer prefill the dot
@@ -204,6 +212,10 @@ class GemmOptions:
         dot_dequant: how the dot path above `max_m` rows decodes the weight to bf16:
             "kernel" (the default: the dequantizer kernel; 512-token prefill 29.6 against
             31.2 ms at batch 1 on an H100) or "xla" (XLA's fusions) (`DOT_DEQUANTS`).
+        dot_x: how the dot path with the dequantizer kernel takes the activations' bf16
+            values: "fused" (the default: XLA may fuse their decode into its GEMM) or
+            "materialized" (an optimization barrier: written once, then the dot alone)
+            (`DOT_XS`).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -229,6 +241,7 @@ class GemmOptions:
     wgmma_tm: int = 128
     wgmma_x_quant: str = "kernel"
     dot_dequant: str = "kernel"
+    dot_x: str = "fused"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -269,6 +282,8 @@ class GemmOptions:
                 f"GemmOptions.wgmma_max_m={self.wgmma_max_m!r}, expected None or an int >= "
                 f"wgmma_min_m={self.wgmma_min_m}"
             )
+        if self.dot_x not in DOT_XS:
+            raise KernelError(f"GemmOptions.dot_x={self.dot_x!r}, expected one of {DOT_XS}")
         if self.dot_dequant not in DOT_DEQUANTS:
             raise KernelError(
                 f"GemmOptions.dot_dequant={self.dot_dequant!r}, expected one of {DOT_DEQUANTS}"

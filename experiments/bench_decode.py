@@ -66,6 +66,7 @@ CHOICE_FIELDS = {
     "gemm_copies": rconfig.GEMM_COPIES,
     "gemm_x_quant": rconfig.GEMM_X_QUANTS,
     "gemm_wgmma_x_quant": rconfig.GEMM_WGMMA_X_QUANTS,
+    "gemm_dot_x": rconfig.GEMM_DOT_XS,
 }
 
 

@@ -24,7 +24,8 @@
 # bits, times against WGMMA_BASE, stall reasons; knobs in the phase; e.g. PIPE 2 against the
 # model's: WGMMA_BULK_VARIANTS=wgmma_n128_xb_p2 WGMMA_BASE=wgmma_n128_xb WGMMA_MS=256,512
 # NCU_SKIP=1 BULK_TAG=p2); wgmma_ncu (the model's wgmma GEMM under Nsight Compute at 512
-# rows: tensor-pipe utilisation and stalls); wgmma_xquant (the
+# rows: tensor-pipe utilisation and stalls); dot_x (the dot path's activations behind an
+# optimization barrier against fused into XLA's GEMM, batch-8 prefill); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
@@ -270,6 +271,22 @@ PY
       echo "ncu rc=$?"
       grep -E "nvfp4_gemm_w4a4_wgmma|Duration|Throughput|Pipe|Issue Slots|Executed Ipc|stalled_(long|wait|gmma|math|barrier|selected)" \
         "$out/ncu_m.txt" | head -80;;
+    dot_x)
+      # the dot path's activation operand (4096-row prefill: batch 8): Config.gemm_dot_x
+      # "fused" (the default) against "materialized" (an optimization barrier in front of the
+      # dot, so that XLA runs it as cuBLAS, not as a GEMM fusion that decodes x per tile);
+      # 36 layers at batch 8 (bf16 beside the first), then the 8-layer profile of both
+      for dx in materialized fused; do
+        modes="nvfp4"; [ $dx = materialized ] && modes="nvfp4 bf16"
+        timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes $modes \
+          --batch 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-dot-x $dx \
+          --out "$out/decode_dx_$dx.json" > "$out/decode_dx_$dx.log" 2>&1
+        echo "$dx rc=$?"; grep -E "ms/token|FAILED|Error" "$out/decode_dx_$dx.log"
+      done
+      timeout ${PROFILE_TIMEOUT:-200} python3 experiments/profile_step.py --phase prefill \
+        --layers 8 --steps 2 --variant nvfp4:8 --variant nvfp4:8:gemm_dot_x=materialized \
+        --variant bf16:8 --out "$out/prefill_profile_dx.json" > "$out/prefill_profile_dx.log" 2>&1
+      echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_dx.log" | head -24;;
     wgmma_xquant)
       # the quantizer kernel's "xhat_tiles" form in front of the wgmma GEMM
       # (Config.gemm_wgmma_x_quant "kernel", opt-in): its GPU tests and the tiny model's

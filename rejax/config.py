@@ -139,6 +139,7 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # 4.341 ms/token for "fill" (experiments/results/fill16_prefill_h100/).
 GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
 GEMM_DOT_DEQUANTS = ("xla", "kernel")  # Config.gemm_dot_dequant (GemmOptions.dot_dequant)
+GEMM_DOT_XS = ("fused", "materialized")  # Config.gemm_dot_x (GemmOptions.dot_x)
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared
@@ -168,11 +169,11 @@ GEMM_COPIES = ("auto", "loop", "static")
 GEMM_CHAINS = ("split", "fused", "swiglu_rope", "cluster")
 # How the NVFP4 linears quantize their activations for the tensor-core GEMM (decode batches of 8+
 # rows): "xla" (XLA ops build the GEMM's operand) or "kernel" (the quantizer kernel writes it;
-# faster on the H200, opt-in until its GPU tests pass): cuda_ops.nvfp4_gemm.X_QUANTS.
+# the default, faster on the H200): cuda_ops.nvfp4_gemm.X_QUANTS.
 GEMM_X_QUANTS = ("xla", "kernel")
 # How a fused linear in front of the wgmma GEMM (prefill) builds its x_hat stage tiles: "xla"
-# (XLA's quantizer and layout ops) or "kernel" (the quantizer kernel's "xhat_tiles" form):
-# cuda_ops.nvfp4_gemm.WGMMA_X_QUANTS.
+# (XLA's quantizer and layout ops) or "kernel" (the quantizer kernel's "xhat_tiles" form; the
+# default, faster on the H100): cuda_ops.nvfp4_gemm.WGMMA_X_QUANTS.
 GEMM_WGMMA_X_QUANTS = ("xla", "kernel")
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
@@ -358,6 +359,10 @@ class Config:
     # 29.6 against 31.2 ms at batch 1 on an H100, experiments/results/dequant_h100/) or "xla"
     # (XLA's fusions) (GemmOptions.dot_dequant)
     gemm_dot_dequant: str = "kernel"
+    # ... and how that dot takes the activations' bf16 values: "fused" (XLA may fuse their
+    # decode into its GEMM) or "materialized" (an optimization barrier in front of the dot;
+    # not yet measured) (GemmOptions.dot_x)
+    gemm_dot_x: str = "fused"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"
@@ -443,6 +448,10 @@ class Config:
             raise ValueError(f"decode_unroll must be an int >= 1, got {self.decode_unroll!r}")
         if not (isinstance(self.gemm_min_m, int) and self.gemm_min_m >= 1):
             raise ValueError(f"gemm_min_m must be an int >= 1, got {self.gemm_min_m!r}")
+        if self.gemm_dot_x not in GEMM_DOT_XS:
+            raise ValueError(
+                f"unknown gemm_dot_x {self.gemm_dot_x!r}; expected one of {GEMM_DOT_XS}"
+            )
         if self.gemm_dot_dequant not in GEMM_DOT_DEQUANTS:
             raise ValueError(
                 f"unknown gemm_dot_dequant {self.gemm_dot_dequant!r}; expected one of "

@@ -929,12 +929,19 @@ def _matmul_q_arrays(xq: Nvfp4Tensor, w: Nvfp4Tensor, sequential: bool, budget: 
     return (acc * alpha).astype(jnp.bfloat16)
 
 
-def matmul_q_values(xq: Nvfp4Tensor, w_values: jax.Array, w_global: jax.Array) -> jax.Array:
+def matmul_q_values(
+    xq: Nvfp4Tensor, w_values: jax.Array, w_global: jax.Array, *, x_barrier: bool = False
+) -> jax.Array:
     """`nvfp4_matmul_q(xq, w, order="dot")` from w's exactly pre-scaled values: `w_values` bf16
     [N, K] = e2m1 * SFw (exact in bf16; e.g. the dequantizer kernel's), `w_global` its global
     scale [] or [N]. The order "dot" of `nvfp4_matmul_q` is this function on
-    `scaled_values_bf16(w)`, so given the same values it gives the same bits."""
-    acc = _exact_dot(_scaled_values(xq).astype(jnp.bfloat16), w_values)
+    `scaled_values_bf16(w)`, so given the same values it gives the same bits. `x_barrier`: the
+    activations' bf16 values pass an optimization barrier before the dot (the same values), so
+    that XLA cannot fuse their decode into the GEMM's operand loads."""
+    xv = _scaled_values(xq).astype(jnp.bfloat16)
+    if x_barrier:
+        xv = jax.lax.optimization_barrier(xv)
+    acc = _exact_dot(xv, w_values)
     g = jnp.asarray(w_global).astype(jnp.float32)
     alpha = (g[None, :] if g.ndim == 1 else g) * _row_global(xq)
     return (acc * alpha).astype(jnp.bfloat16)

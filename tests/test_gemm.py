@@ -1284,6 +1284,56 @@ def test_config_gemm_dot_dequant(stub_compilers):
         nvfp4_gemm.GemmOptions(dot_dequant="cuda")
 
 
+def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
+    """Config.gemm_dot_x="materialized" reaches a 512-token prefill's four W4A4 dot-path
+    linears (the dequantizer kernel's, the wgmma range off; "split" and "unfused"): each dot's
+    activation operand comes out of an optimization barrier, so XLA cannot fuse their decode
+    into its GEMM; the default "fused" has no barrier. The values are the same: on the CPU
+    `matmul_q_values` with and without the barrier gives the same bits. A bad value is
+    refused."""
+    from rejax import decode as rdecode
+    from rejax.cache import init_cache
+
+    assert rconfig.Config().gemm_dot_x == nvfp4_gemm.DEFAULT_OPTIONS.dot_x == "fused"
+    assert rconfig.GEMM_DOT_XS == nvfp4_gemm.DOT_XS
+    base, params = _tiny_prefill_model()
+    tokens = 512
+
+    def lowered(cfg):
+        p = dataclasses.replace(params, cfg=cfg)
+        cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
+        ids = jnp.zeros((1, tokens), jnp.int32)
+        pos = jnp.arange(tokens, dtype=jnp.int32)[None]
+        return rdecode.prefill.trace(p, ids, pos, cache).lower(lowering_platforms=("cuda",))
+
+    for fusion in ("split", "unfused"):
+        cfg = dataclasses.replace(base, linear_fusion=fusion, gemm_wgmma_min_m=None)
+        on = lowered(dataclasses.replace(cfg, gemm_dot_x="materialized")).as_text()
+        names = re.findall(r"name = \\22(\w+)\\22", on)
+        assert names.count(nvfp4_dequant.ENTRY) == 4, (fusion, names)
+        # one barrier per linear, each of a [512, K] bf16 operand that a dot_general takes
+        barriers = re.findall(r"(%\S+) = stablehlo.optimization_barrier (%\S+) : "
+                              r"tensor<512x(\d+)xbf16>", on)  # fmt: skip
+        assert len(barriers) == 4, (fusion, barriers)
+        for out, _, _ in barriers:
+            assert re.search(rf"stablehlo.dot_general {re.escape(out)}, ", on), (fusion, out)
+        off = lowered(cfg).as_text()
+        assert "optimization_barrier" not in off
+        assert re.findall(r"name = \\22(\w+)\\22", off).count(nvfp4_dequant.ENTRY) == 4
+    rng = np.random.default_rng(9)
+    xp = jnp.asarray(rng.integers(0, 256, (16, 64), dtype=np.uint8))
+    xs = jnp.asarray(rng.integers(0x30, 0x40, (16, 8), dtype=np.uint8)).view(jnp.float8_e4m3fn)
+    xq = nvfp4.Nvfp4Tensor(packed=xp, scales=xs, global_scale=jnp.float32(0.5), shape=(16, 128))
+    wv = jnp.asarray(rng.standard_normal((32, 128)), jnp.bfloat16)
+    plain = nvfp4.matmul_q_values(xq, wv, jnp.float32(2.0))
+    barred = jax.jit(lambda q, w: nvfp4.matmul_q_values(q, w, jnp.float32(2.0), x_barrier=True))
+    np.testing.assert_array_equal(np.asarray(barred(xq, wv)), np.asarray(plain))
+    with pytest.raises(ValueError, match="unknown gemm_dot_x 'cuda'"):
+        rconfig.Config(gemm_dot_x="cuda")
+    with pytest.raises(cbuild.KernelError, match="dot_x='cuda', expected one of"):
+        nvfp4_gemm.GemmOptions(dot_x="cuda")
+
+
 def test_dequant_kernel_checks_and_compiles():
     """The dequantizer refuses a K that is not a multiple of 16 and bad `groups` before NVRTC;
     with NVRTC its PTX has the entry with 3 operands and the result."""

@@ -339,13 +339,13 @@ def _wgmma_quant(m: int, k: int, fused, kernel, gemm_options):
         return None
 
 
-def _dot_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel):
+def _dot_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel, dot_x="fused"):
     """Above `GemmOptions.max_m` with `dot_dequant` "kernel": the prologue and quantizer as XLA
     ops (the reference's), then the dot path with the dequantizer kernel's weight values (the
-    reference's bits)."""
+    reference's bits; `dot_x` as `GemmOptions.dot_x`)."""
     pro = dataclasses.replace(fused, residual=False)
     xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=pro)
-    y = dot_with_kernel(xp, xs, xgr, wp, ws, wg, layer, k=k, kernel=kernel)
+    y = dot_with_kernel(xp, xs, xgr, wp, ws, wg, layer, k=k, kernel=kernel, dot_x=dot_x)
     return res + y if fused.residual else y
 
 
@@ -368,7 +368,10 @@ def _lower_two(ctx, *args, **params):
         # path by measurement: chosen, so no reference-path note
         dq = dequant_kernel(n, k, params["gemm_options"])
         if dq is not None:
-            fn = functools.partial(_dot_composed, n=n, k=k, fused=fused, kernel=dq)
+            fn = functools.partial(
+                _dot_composed, n=n, k=k, fused=fused, kernel=dq,
+                dot_x=params["gemm_options"].dot_x,
+            )  # fmt: skip
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
         fn = functools.partial(_reference, **{**params, "order": "dot"})
         return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)

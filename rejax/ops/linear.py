@@ -147,7 +147,10 @@ def _lower_cuda(ctx, *args, **params):
         dq = dequant_kernel(n, k, params["gemm_options"])
         if dq is not None:
             pf = params["prefetch"]
-            fn = functools.partial(_dot_impl, k=k, kernel=dq, drop=pf.operands if pf else 0)
+            fn = functools.partial(
+                _dot_impl, k=k, kernel=dq, drop=pf.operands if pf else 0,
+                dot_x=params["gemm_options"].dot_x,
+            )  # fmt: skip
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
         return _lower_gpu_reference(ctx, *args, **params)  # chosen, not a fallback: no note
     kind, supported = _supported(
@@ -444,19 +447,25 @@ def layer_global(wg, layer, stacked: bool) -> jax.Array:
     return jax.lax.dynamic_index_in_dim(wg, layer, keepdims=False) if stacked else wg
 
 
-def dot_with_kernel(xp, xs, xg, wp, ws, wg, layer, *, k: int, kernel) -> jax.Array:
+def dot_with_kernel(
+    xp, xs, xg, wp, ws, wg, layer, *, k: int, kernel, dot_x: str = "fused"
+) -> jax.Array:
     """The W4A4 dot path (`nvfp4.nvfp4_matmul_q` order "dot") with the weight's bf16 values
-    from the dequantizer kernel: the same values, so the same bits as XLA's decode."""
+    from the dequantizer kernel: the same values, so the same bits as XLA's decode. `dot_x`
+    (`GemmOptions.dot_x`): "materialized" puts the activations' bf16 values behind an
+    optimization barrier (XLA writes them once; the dot runs alone)."""
     m = xp.shape[0]
     xq = Nvfp4Tensor(packed=xp, scales=_as_e4m3(xs), global_scale=xg, shape=(m, k))
     values = dequant_call(wp, ws, layer, kernel=kernel)
-    return nvfp4.matmul_q_values(xq, values, layer_global(wg, layer, wp.ndim == 3))
+    return nvfp4.matmul_q_values(
+        xq, values, layer_global(wg, layer, wp.ndim == 3), x_barrier=dot_x == "materialized"
+    )
 
 
-def _dot_impl(*args, k, kernel, drop=0):
+def _dot_impl(*args, k, kernel, drop=0, dot_x="fused"):
     args = args[: len(args) - drop]
     xp, xs, xg, *res, wp, ws, wg, layer = args
-    y = dot_with_kernel(xp, xs, xg, wp, ws, wg, layer, k=k, kernel=kernel)
+    y = dot_with_kernel(xp, xs, xg, wp, ws, wg, layer, k=k, kernel=kernel, dot_x=dot_x)
     return res[0] + y if res else y
 
 
