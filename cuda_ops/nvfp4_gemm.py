@@ -112,11 +112,13 @@ X_QUANTS = ("xla", "kernel")
 WGMMA_X_QUANTS = ("xla", "kernel")
 # How the dot path hands the activations' bf16 values to its dot: "fused" (XLA may fuse their
 # decode from codes and scales into the GEMM, e.g. a Triton GEMM that decodes them again for
-# every output tile) or "materialized" (behind an optimization barrier: written once, the dot
-# alone, as bf16's). A profile of the 8-layer prefill at 4096 rows (H100) showed three of the
-# four linears as XLA GEMM fusions taking 1171 us a layer where bf16's cuBLAS dots take 828;
-# "materialized" is not yet measured, so "fused" stays the default.
-DOT_XS = ("fused", "materialized")
+# every output tile), "materialized" (behind an optimization barrier: written once, the dot
+# alone, as bf16's) or "kernel" (a fused linear's quantizer kernel writes them, its
+# "xhat_bf16" form: no XLA op on the activations; plain linears as "materialized"). A profile
+# of the 8-layer prefill at 4096 rows (H100) showed three of the four linears as XLA GEMM
+# fusions taking 1171 us a layer where bf16's cuBLAS dots take 828; the other two are not yet
+# measured, so "fused" stays the default.
+DOT_XS = ("fused", "materialized", "kernel")
 # How the dot path (above `max_m` rows) forms the weight's bf16 values e2m1 * SFw: "xla" (XLA's
 # fusions of `rejax.nvfp4._scaled_values`) or "kernel" (`cuda_ops.nvfp4_dequant`: one launch
 # that reads a stacked weight in place). The same bytes. Inside the 36-layer prefill the dot
@@ -213,9 +215,9 @@ class GemmOptions:
             "kernel" (the default: the dequantizer kernel; 512-token prefill 29.6 against
             31.2 ms at batch 1 on an H100) or "xla" (XLA's fusions) (`DOT_DEQUANTS`).
         dot_x: how the dot path with the dequantizer kernel takes the activations' bf16
-            values: "fused" (the default: XLA may fuse their decode into its GEMM) or
-            "materialized" (an optimization barrier: written once, then the dot alone)
-            (`DOT_XS`).
+            values: "fused" (the default: XLA may fuse their decode into its GEMM),
+            "materialized" (an optimization barrier: written once, then the dot alone) or
+            "kernel" (a fused linear's quantizer kernel writes them) (`DOT_XS`).
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """

@@ -1147,7 +1147,7 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
 // spreads each row over the whole GPU: blockIdx.x is the row, blockIdx.y one QCHUNK-element
 // chunk of it. Every CTA computes the row's statistics itself (the RMSNorm mean square, the
 // dynamic amax: a read of the row from L2, in the same fixed order in every CTA, so all chunks
-// agree) and quantizes only its chunk. Two output forms (compile time):
+// agree) and quantizes only its chunk. The output forms (compile time):
 //   XHAT_OUT = 0: one quant4 per thread per round; writes the codes xp [M, K/2], the E4M3
 //     block scales xs [M, K/16] and the row's global scale xg_out [M] (the static xg[0], or
 //     DYN_XG's per-row scale; chunk 0 writes it), what the W4A4 GEMV reads;
@@ -1163,7 +1163,11 @@ __device__ __forceinline__ u32 quant4(const XRows& xr, int m, int e0, u32& scale
 //     8-element column q of K stage c at ((m / XHAT_TM) K/128 + c) XHAT_TM 128 + q XHAT_TM 8 +
 //     (m % XHAT_TM / 8) 64 + (m % 8) 8 elements. A CTA takes 8 rows (M_TOK = 8) so that it
 //     stores whole 128-byte core matrices (its kernel below). Launched over
-//     ceil(M / XHAT_TM) XHAT_TM / 8 row groups (XHAT_M real rows): the padding rows are zeros.
+//     ceil(M / XHAT_TM) XHAT_TM / 8 row groups (XHAT_M real rows): the padding rows are zeros;
+//   XHAT_OUT = 3: the same values as bf16 [M, K] in natural K order (exact: e2m1 * SFx has at
+//     most 6 significant bits), a thread's 8 elements one 16-byte run at e0: the dot path's
+//     activation operand (rejax.nvfp4's scaled values of the codes and scales, bit for bit),
+//     and xg_out [M].
 #ifndef QCHUNK
 #define QCHUNK K_IN
 #endif
@@ -1239,6 +1243,30 @@ __device__ __forceinline__ uint4 xhat8(u32 c, u32 scale) {
 
 static_assert(QCHUNK % 256 == 0 && K_IN % QCHUNK == 0,
               "QCHUNK: a multiple of 256 (full warps of quant8) dividing K");
+#if XHAT_OUT == 3
+// 8 codes c (nibble j = element j) of one block with E4M3 scale byte `scale` -> the 8 values
+// e2m1(code) * SFx as bf16 in element order (4 words, element 2i low). Exact: the float product
+// has at most 6 significant bits, so its low 16 bits are zero; the sign as the float product
+// gives it (code 8: -0; a zero block: +-0).
+__device__ __forceinline__ uint4 xbf8(u32 c, u32 scale) {
+  const float sd = e4m3x2_to_float2(scale).x;
+  u32 w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    u32 h[2];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      const u32 n = (c >> (8 * i + 4 * b)) & 0xFu, e = (n >> 1) & 3u, mb = n & 1u;
+      // E2M1 magnitude as float bits: 0 / 0.5 for e = 0, else 2^(e - 1) (1 + mb / 2)
+      const u32 mag = e ? ((e + 126u) << 23) | (mb << 22) : (mb ? 0x3F000000u : 0u);
+      h[b] = __float_as_uint(__uint_as_float(mag | (n >> 3) << 31) * sd) >> 16;
+    }
+    w[i] = h[0] | (h[1] << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+#endif
+
 #if !FIN_SPLITK && XHAT_OUT != 2
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
@@ -1256,8 +1284,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     u32 sc;
     const int e0 = 8 * i;  // = 128c + 32t + 8u
     const u32 c = quant8(xr, e0, sc);
+#if XHAT_OUT == 3
+    *(uint4*)(xh + row * K_IN + e0) = xbf8(c, sc);
+#else
     const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
     *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
+#endif
   }
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
 }

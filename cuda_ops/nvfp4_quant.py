@@ -23,6 +23,9 @@ the other way (tests/test_quant_kernel_gpu.py). Two output forms (`OUTS`, a comp
   group) of a `chunk` (default 512, at most `TILES_MAX_CHUNK`), builds their part of the tiles
   in shared memory and stores whole 128-byte core matrices; the grid covers the last tile's
   padding rows (zeros).
+* "xhat_bf16" (-DXHAT_OUT=3): the same values as bf16 [M, K] in natural K order (exact), what
+  the dot path's bf16 dot takes for its activations (`GemmOptions.dot_x` "kernel"), and the
+  global scale float32 [M]; chunking and threads as "xhat".
 
 With `finish=FinishIn(...)` the "xhat" form reads no x: it forms each x value as a K-split
 GEMM's finish kernel would store it (`nvfp4_gemm_finish`: that GEMM's float32 partials added in
@@ -93,7 +96,7 @@ FIN_OUTPUTS = 3
 # per row), "xhat" (x_hat, global scale per row)
 N_INPUTS = 4
 N_OUTPUTS = 3
-OUTS = ("codes", "xhat", "xhat_tiles")
+OUTS = ("codes", "xhat", "xhat_tiles", "xhat_bf16")
 TILE_MS = (128, 256)  # "xhat_tiles": the wgmma GEMM's token tiles
 TILE_GROUP = 8  # "xhat_tiles": rows a CTA (one 8-token core-matrix group: whole 128-byte stores)
 TILES_MAX_CHUNK = 2048  # "xhat_tiles": the chunk's tile image is chunk * 16 bytes of shared memory
@@ -175,8 +178,8 @@ ROW_CTA_MIN_M = 264
 
 def default_chunk(k: int, out: str = "codes", m: int | None = None) -> int:
     """Elements of a row one CTA quantizes. "codes" and "xhat_tiles": 512 where K allows, else
-    256 (K % 256 == 0). "xhat": 1024, 512 or 256, the largest dividing K. From `ROW_CTA_MIN_M`
-    rows `m` ("codes" and "xhat"): K (one CTA a row)."""
+    256 (K % 256 == 0). "xhat" and "xhat_bf16": 1024, 512 or 256, the largest dividing K. From
+    `ROW_CTA_MIN_M` rows `m` (all but "xhat_tiles"): K (one CTA a row)."""
     if out == "xhat_tiles":  # 8 rows a CTA (H100: 512 beat 1024 at 300 and 512 rows)
         return 512 if k % 512 == 0 else 256
     if m is not None and m >= ROW_CTA_MIN_M:
@@ -186,9 +189,9 @@ def default_chunk(k: int, out: str = "codes", m: int | None = None) -> int:
 
 
 def default_threads(chunk: int, out: str = "codes") -> int:
-    """Threads of a CTA: "codes" and "xhat_tiles" 128; "xhat" one per 8 elements of the chunk,
-    at most 128."""
-    return min(THREADS, chunk // 8) if out == "xhat" else THREADS
+    """Threads of a CTA: "codes" and "xhat_tiles" 128; "xhat" and "xhat_bf16" one per 8
+    elements of the chunk, at most 128."""
+    return min(THREADS, chunk // 8) if out in ("xhat", "xhat_bf16") else THREADS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -226,7 +229,8 @@ class QuantKernel:
             xh = (self.rows // self.tile_m, self.k // 128, self.tile_m * 128)
         else:
             xh = (self.m, self.k)
-        return ((xh, "float16"), ((self.m,), "float32"))
+        dtype = "bfloat16" if self.out == "xhat_bf16" else "float16"
+        return ((xh, dtype), ((self.m,), "float32"))
 
     @property
     def entry(self) -> str:
@@ -300,7 +304,7 @@ def _build_cached(
         raise KernelError("the quantizer has no residual epilogue (Fused.residual=True)")
     sizes = {"K_IN": k, "NTHREADS": threads, "QUANT_ONLY": 1, "QCHUNK": chunk}
     # XHAT_OUT and FIN_* only when set: the other kernels keep their defines and cache keys
-    form = {"XHAT_OUT": 1} if out == "xhat" else {}
+    form = {"XHAT_OUT": 1} if out == "xhat" else {"XHAT_OUT": 3} if out == "xhat_bf16" else {}
     if out == "xhat_tiles":  # the real rows: the grid covers the last tile's padding rows too
         form = {"XHAT_OUT": 2, "XHAT_TM": tile_m, "XHAT_M": m, "M_TOK": TILE_GROUP}
     if finish is not None:
@@ -346,7 +350,8 @@ def build(
     scale; each CTA takes `chunk` elements of a row (default `default_chunk(k, out, m)`; K means
     one CTA per row; "xhat": a multiple of 256) with `threads` threads (a multiple of 32;
     default `default_threads(chunk, out)`). `out`: the output form, "codes" (codes, scales,
-    global scale: the GEMV's operands), "xhat" (the GEMM's fp16 x_hat and the global scale) or
+    global scale: the GEMV's operands), "xhat" (the GEMM's fp16 x_hat and the global scale),
+    "xhat_bf16" (the same values as bf16 in natural K order, the dot path's operand) or
     "xhat_tiles" (the wgmma GEMM's x_hat stage tiles of `tile_m` tokens, `TILE_MS`, and the
     global scale; compiled for this M). `finish`: x is not an operand but a K-split GEMM's
     finish of its partials (`FinishIn`; the entry `FIN_ENTRY`, "xhat" form only).

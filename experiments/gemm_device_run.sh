@@ -25,7 +25,8 @@
 # model's: WGMMA_BULK_VARIANTS=wgmma_n128_xb_p2 WGMMA_BASE=wgmma_n128_xb WGMMA_MS=256,512
 # NCU_SKIP=1 BULK_TAG=p2); wgmma_ncu (the model's wgmma GEMM under Nsight Compute at 512
 # rows: tensor-pipe utilisation and stalls); dot_x (the dot path's activations behind an
-# optimization barrier against fused into XLA's GEMM, batch-8 prefill); wgmma_xquant (the
+# optimization barrier, or written by the quantizer kernel, against fused into XLA's GEMM;
+# batch-8 prefill); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
@@ -274,9 +275,13 @@ PY
     dot_x)
       # the dot path's activation operand (4096-row prefill: batch 8): Config.gemm_dot_x
       # "fused" (the default) against "materialized" (an optimization barrier in front of the
-      # dot, so that XLA runs it as cuBLAS, not as a GEMM fusion that decodes x per tile);
-      # 36 layers at batch 8 (bf16 beside the first), then the 8-layer profile of both
-      for dx in materialized fused; do
+      # dot, so that XLA runs it as cuBLAS, not as a GEMM fusion that decodes x per tile) and
+      # "kernel" (the quantizer kernel's bf16 form writes the operand): the GPU test first,
+      # then 36 layers at batch 8 (bf16 beside the first), then the 8-layer profile
+      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rA -m gpu tests/test_dequant_gpu.py \
+        -k dot_x -p no:cacheprovider > "$out/dot_x_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/dot_x_pytest.log" | tail -5
+      for dx in materialized kernel fused; do
         modes="nvfp4"; [ $dx = materialized ] && modes="nvfp4 bf16"
         timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes $modes \
           --batch 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-dot-x $dx \
@@ -285,7 +290,7 @@ PY
       done
       timeout ${PROFILE_TIMEOUT:-200} python3 experiments/profile_step.py --phase prefill \
         --layers 8 --steps 2 --variant nvfp4:8 --variant nvfp4:8:gemm_dot_x=materialized \
-        --variant bf16:8 --out "$out/prefill_profile_dx.json" > "$out/prefill_profile_dx.log" 2>&1
+        --variant nvfp4:8:gemm_dot_x=kernel --variant bf16:8 --out "$out/prefill_profile_dx.json" > "$out/prefill_profile_dx.log" 2>&1
       echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_dx.log" | head -24;;
     wgmma_xquant)
       # the quantizer kernel's "xhat_tiles" form in front of the wgmma GEMM

@@ -139,7 +139,7 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 # 4.341 ms/token for "fill" (experiments/results/fill16_prefill_h100/).
 GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
 GEMM_DOT_DEQUANTS = ("xla", "kernel")  # Config.gemm_dot_dequant (GemmOptions.dot_dequant)
-GEMM_DOT_XS = ("fused", "materialized")  # Config.gemm_dot_x (GemmOptions.dot_x)
+GEMM_DOT_XS = ("fused", "materialized", "kernel")  # Config.gemm_dot_x (GemmOptions.dot_x)
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared
@@ -360,8 +360,9 @@ class Config:
     # (XLA's fusions) (GemmOptions.dot_dequant)
     gemm_dot_dequant: str = "kernel"
     # ... and how that dot takes the activations' bf16 values: "fused" (XLA may fuse their
-    # decode into its GEMM) or "materialized" (an optimization barrier in front of the dot;
-    # not yet measured) (GemmOptions.dot_x)
+    # decode into its GEMM), "materialized" (an optimization barrier in front of the dot) or
+    # "kernel" (the fused linears' quantizer kernel writes them); the last two not yet
+    # measured (GemmOptions.dot_x)
     gemm_dot_x: str = "fused"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"

@@ -941,9 +941,20 @@ def matmul_q_values(
     xv = _scaled_values(xq).astype(jnp.bfloat16)
     if x_barrier:
         xv = jax.lax.optimization_barrier(xv)
-    acc = _exact_dot(xv, w_values)
+    return matmul_x_values(xv, _row_global(xq), w_values, w_global)
+
+
+def matmul_x_values(
+    x_values: jax.Array, x_global: jax.Array, w_values: jax.Array, w_global: jax.Array
+) -> jax.Array:
+    """`matmul_q_values` from the activations' exact bf16 values e2m1 * SFx [M, K] (e.g. the
+    quantizer kernel's "xhat_bf16" form) and their global scale [] or [M] (or [M, 1]): the
+    same operations, so the same bits."""
+    xg = jnp.asarray(x_global).astype(jnp.float32)
+    xg = xg[:, None] if xg.ndim == 1 else xg
+    acc = _exact_dot(x_values, w_values)
     g = jnp.asarray(w_global).astype(jnp.float32)
-    alpha = (g[None, :] if g.ndim == 1 else g) * _row_global(xq)
+    alpha = (g[None, :] if g.ndim == 1 else g) * xg
     return (acc * alpha).astype(jnp.bfloat16)
 
 

@@ -2,7 +2,8 @@
 without a CUDA GPU): its bf16 values equal `rejax.nvfp4.scaled_values_bf16` of the layer the
 device index names, bitwise, over every E2M1 code and every finite E4M3 scale byte (subnormal
 scales included) and a tail that does not fill the last CTA; and the W4A4 linears above
-`GemmOptions.max_m` rows with `dot_dequant="kernel"` equal the default ("xla") bitwise.
+`GemmOptions.max_m` rows with `dot_dequant="kernel"` equal the default ("xla") bitwise; the
+dot's activation forms (`GemmOptions.dot_x`) give the same values.
 """
 
 from __future__ import annotations
@@ -100,3 +101,63 @@ def test_dot_dequant_kernel_linears(m):
 
     a, b = fused(on), fused(off)
     assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+def test_dot_x_forms_give_the_same_values(prologue):
+    """GemmOptions.dot_x above max_m rows (the dot path with the dequantizer kernel, the wgmma
+    range off), fused linear ("two", stacked static input scale at layer 1): the quantizer
+    kernel's "xhat_bf16" form writes `nvfp4.scaled_values_bf16` of the codes kernel's outputs
+    bit for bit (and its global scales); "kernel" and "materialized" lower as asked (a
+    quantizer call; an optimization barrier); with prologue "none" they give the same bits
+    (the same operand values into the same cuBLAS dot); otherwise the kernel's RMSNorm sum
+    order and SwiGLU rounding move a few inputs by an ulp, and every pair of forms (with
+    "fused", where XLA may also sum in another order inside its GEMM fusion) is within 1e-2."""
+    from cuda_ops import nvfp4_gemv, nvfp4_quant
+
+    rng = np.random.default_rng(7)
+    m, n, k = 1000, 1024, 2048
+    w = nvfp4.stack(
+        [nvfp4.quantize_weight(rng.standard_normal((n, k)).astype(np.float32)) for _ in range(2)]
+    )
+    width = 2 * k if prologue == "swiglu" else k
+    x = jnp.asarray(rng.standard_normal((m, width)), jnp.bfloat16)
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, (2, k)), jnp.bfloat16)
+    xg = jnp.asarray([0.05, 0.02], jnp.float32)
+    layer = jnp.int32(1)
+    # the kernel's bytes against the codes kernel's, decoded
+    fused = nvfp4_gemv.Fused(prologue=prologue, norm_stacked=True, scale_stacked=True)
+    kb = nvfp4_quant.build(m, k, fused, out="xhat_bf16")
+    kc = nvfp4_quant.build(m, k, fused)
+    xv, xgv = jax.jit(lambda *a: fl._quant_xbf16_p.bind(*a, k=k, fused=fused, kernel=kb))(
+        x, xg, norm, layer
+    )
+    xp, xs, xgc = jax.jit(lambda *a: fl._quant_p.bind(*a, k=k, fused=fused, kernel=kc))(
+        x, xg, norm, layer
+    )
+    xq = nvfp4.Nvfp4Tensor(packed=xp, scales=jax.lax.bitcast_convert_type(xs, jnp.float8_e4m3fn),
+                           global_scale=xgc, shape=(m, k))  # fmt: skip
+    want = np.asarray(jax.jit(nvfp4.scaled_values_bf16)(xq)).view(np.uint16)
+    np.testing.assert_array_equal(np.asarray(xv).view(np.uint16), want, err_msg=prologue)
+    np.testing.assert_array_equal(np.asarray(xgv), np.asarray(xgc))
+    # the three forms end to end
+    params = {"weight": w, "input_scale": xg}
+    outs = {}
+    for dx in ("kernel", "materialized", "fused"):
+        opts = nvfp4_gemm.GemmOptions(wgmma_min_m=None, dot_x=dx)
+        f = jax.jit(lambda x, o=opts: fl.fused_linear(
+            x, params, layer=layer, kernels="two", prologue=prologue,
+            norm=norm if prologue == "rmsnorm" else None, gemm_options=o,
+        ))  # fmt: skip
+        text = f.lower(x).as_text()
+        assert (nvfp4_quant.ENTRY in text) == (dx == "kernel"), dx
+        assert ("optimization_barrier" in text) == (dx == "materialized"), dx
+        outs[dx] = np.asarray(f(x))
+    assert np.isfinite(outs["kernel"].astype(np.float32)).all()
+    if prologue == "none":
+        np.testing.assert_array_equal(outs["kernel"].view(np.uint16),
+                                      outs["materialized"].view(np.uint16))  # fmt: skip
+    b = outs["materialized"].astype(np.float64)
+    for dx in ("kernel", "fused"):
+        a = outs[dx].astype(np.float64)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), dx

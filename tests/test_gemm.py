@@ -409,7 +409,8 @@ def stub_compilers(monkeypatch):
         elif defines.get("FIN_SPLITK"):  # the finish-quantizer: 7 inputs; y, x_hat, xg
             entries = {nvfp4_quant.FIN_ENTRY: 10}
         elif defines.get("QUANT_ONLY"):
-            entries = {nvfp4_quant.ENTRY: 7 - int(defines.get("XHAT_OUT", 0))}
+            # codes form: 4 inputs, 3 outputs; the x_hat forms (XHAT_OUT 1..3): 2 outputs
+            entries = {nvfp4_quant.ENTRY: 6 if defines.get("XHAT_OUT") else 7}
         else:
             w4a4 = {"nvfp4_gemv_w4a4": 8 + defines.get("EPI_RES", 0)}  # + res [M, N]
             entries = w4a4 if defines["ACT_W4A4"] else {"nvfp4_gemv_w4a16": 6}
@@ -1288,9 +1289,10 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
     """Config.gemm_dot_x="materialized" reaches a 512-token prefill's four W4A4 dot-path
     linears (the dequantizer kernel's, the wgmma range off; "split" and "unfused"): each dot's
     activation operand comes out of an optimization barrier, so XLA cannot fuse their decode
-    into its GEMM; the default "fused" has no barrier. The values are the same: on the CPU
-    `matmul_q_values` with and without the barrier gives the same bits. A bad value is
-    refused."""
+    into its GEMM; the default "fused" has no barrier; "kernel" puts the quantizer kernel in
+    front of the fused linears' dots. The values are the same: on the CPU `matmul_q_values`
+    with and without the barrier, and `matmul_x_values` on the decoded values, give the same
+    bits. A bad value is refused."""
     from rejax import decode as rdecode
     from rejax.cache import init_cache
 
@@ -1320,6 +1322,22 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
         off = lowered(cfg).as_text()
         assert "optimization_barrier" not in off
         assert re.findall(r"name = \\22(\w+)\\22", off).count(nvfp4_dequant.ENTRY) == 4
+        # "kernel": the fused linears ("split") quantize with the quantizer kernel's
+        # "xhat_bf16" form (XHAT_OUT 3) in front of the dequantizer and the dot, no barrier
+        # and no XLA op on the activations; plain linears ("unfused") as "materialized"
+        kern = lowered(dataclasses.replace(cfg, gemm_dot_x="kernel")).as_text()
+        names = re.findall(r"name = \\22(\w+)\\22", kern)
+        assert names.count(nvfp4_dequant.ENTRY) == 4, (fusion, names)
+        if fusion == "split":
+            assert names.count(nvfp4_quant.ENTRY) == 4, names
+            assert any(d.get("XHAT_OUT") == 3 for _, d in stub_compilers)
+            # no RMSNorm of the 512 rows as XLA ops (the final norm of the last row stays)
+            assert "optimization_barrier" not in kern
+            assert not re.search(r"stablehlo.rsqrt %\S+ : tensor<512x", kern)
+            assert re.search(r"stablehlo.rsqrt %\S+ : tensor<512x", on)
+        else:
+            assert nvfp4_quant.ENTRY not in names
+            assert kern.count("stablehlo.optimization_barrier") == 4
     rng = np.random.default_rng(9)
     xp = jnp.asarray(rng.integers(0, 256, (16, 64), dtype=np.uint8))
     xs = jnp.asarray(rng.integers(0x30, 0x40, (16, 8), dtype=np.uint8)).view(jnp.float8_e4m3fn)
@@ -1328,6 +1346,9 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
     plain = nvfp4.matmul_q_values(xq, wv, jnp.float32(2.0))
     barred = jax.jit(lambda q, w: nvfp4.matmul_q_values(q, w, jnp.float32(2.0), x_barrier=True))
     np.testing.assert_array_equal(np.asarray(barred(xq, wv)), np.asarray(plain))
+    xv = nvfp4.scaled_values_bf16(xq)
+    from_values = nvfp4.matmul_x_values(xv, jnp.full((16,), 0.5, jnp.float32), wv, 2.0)
+    np.testing.assert_array_equal(np.asarray(from_values), np.asarray(plain))
     with pytest.raises(ValueError, match="unknown gemm_dot_x 'cuda'"):
         rconfig.Config(gemm_dot_x="cuda")
     with pytest.raises(cbuild.KernelError, match="dot_x='cuda', expected one of"):

@@ -320,3 +320,72 @@ def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
                               out="xhat_tiles", tile_m=64)  # fmt: skip
     finally:
         nvfp4_quant._build_cached.cache_clear()
+
+
+def kernel_xhat_bf16(xp: np.ndarray, xs: np.ndarray) -> np.ndarray:
+    """What `nvfp4_quantize_bf16` built with XHAT_OUT = 3 writes for codes xp uint8 [M, K/2]
+    and E4M3 scale bytes xs [M, K/16] (xbf8): each nibble n as float bits (sign n >> 3, E2M1
+    exponent e = n >> 1 & 3 and mantissa bit n & 1: 0 / 0.5 for e = 0, else biased exponent
+    e + 126 and mantissa bit 22), times the block's scale in float32, the upper 16 bits of the
+    product. bf16 bits uint16 [M, K] in natural K order."""
+    m, k = xp.shape[0], 2 * xp.shape[1]
+    n = np.empty((m, k), U32)
+    n[:, 0::2], n[:, 1::2] = xp & 0xF, xp >> 4
+    e, mb = (n >> 1) & 3, n & 1
+    mag = np.where(e > 0, ((e + 126) << 23) | (mb << 22), np.where(mb > 0, 0x3F000000, 0))
+    f = (mag.astype(U32) | ((n >> 3) << 31).astype(U32)).view(np.float32)
+    sd = xs.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    prod = (f * np.repeat(sd, 16, axis=1)).astype(np.float32)
+    return (prod.view(U32) >> 16).astype(np.uint16)
+
+
+@pytest.mark.parametrize("k", [256, 4096])
+def test_kernel_xhat_bf16_model_equals_the_scaled_values_bitwise(k):
+    """The "xhat_bf16" form's bit recipe (xbf8) equals `nvfp4.scaled_values_bf16` of the same
+    codes and scales, what the dot path's bf16 dot takes: every code and scale byte, zero and
+    subnormal scales, -0 codes and zero blocks under signed codes, bit for bit (signs of zeros
+    included), and its low halves are zero (the product is exact in bf16)."""
+    from rejax import nvfp4
+
+    m = 9
+    xp, xs = _codes_and_scales(m, k, k + 3)
+    got = kernel_xhat_bf16(xp, xs)
+    xq = nvfp4.Nvfp4Tensor(
+        packed=jnp.asarray(xp), scales=jnp.asarray(xs).view(jnp.float8_e4m3fn),
+        global_scale=jnp.float32(1.0), shape=(m, k),
+    )  # fmt: skip
+    want = np.asarray(nvfp4.scaled_values_bf16(xq)).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+    assert (got == 0x8000).any() and (got == 0).any()  # both zeros occur
+
+
+@pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
+def test_xhat_bf16_form_builds(tmp_path, monkeypatch):
+    """ "xhat_bf16": XHAT_OUT = 3, the "xhat" form's chunking (one CTA a row from
+    ROW_CTA_MIN_M rows), outputs bf16 [M, K] and float32 [M]; ptxas builds it for sm_90 without
+    a stack frame; finish= is refused (that form is "xhat" only)."""
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_quant._build_cached.cache_clear()
+    try:
+        for m, k, pro in ((64, 4096, "rmsnorm"), (4096, 12288, "swiglu")):
+            fused = nvfp4_gemv.Fused(prologue=pro)
+            kern = nvfp4_quant.build(m, k, fused, arch="compute_90", out="xhat_bf16")
+            xh = nvfp4_quant.build(m, k, fused, arch="compute_90", out="xhat")
+            assert (kern.chunk, kern.threads, kern.grid) == (xh.chunk, xh.threads, xh.grid)
+            assert kern.out_shapes == (((m, k), "bfloat16"), ((m,), "float32"))
+            assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.ENTRY: 6}
+            defines = (
+                nvfp4_quant._GEMV_DUMMIES
+                | fused.defines()
+                | {"K_IN": k, "NTHREADS": kern.threads, "QUANT_ONLY": 1, "QCHUNK": kern.chunk}
+                | {"XHAT_OUT": 3}
+            )
+            log = cbuild.ptxas_log(cbuild.read_source(nvfp4_gemv.SOURCE), defines,
+                                   arch="sm_90", name=nvfp4_gemv.SOURCE)  # fmt: skip
+            assert "0 bytes stack frame" in log, log
+        fin = nvfp4_quant.FinishIn(splitk=2)
+        with pytest.raises(nvfp4_gemv.KernelError, match="out='xhat', got 'xhat_bf16'"):
+            nvfp4_quant.build(64, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat_bf16",
+                              finish=fin)  # fmt: skip
+    finally:
+        nvfp4_quant._build_cached.cache_clear()

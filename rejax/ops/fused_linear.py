@@ -71,6 +71,7 @@ from rejax.ops.linear import (
     _weight,
     dequant_kernel,
     dot_with_kernel,
+    dot_with_values,
     gemm_call_xhat,
     gemm_x_operand,
     gemv_call,
@@ -223,6 +224,46 @@ def _tiles_reference(x, xg, nw, layer, *, k, fused, tile_m):
     return nvfp4_gemm_wgmma.to_stage_tiles(xh, tile_m, 128), xgr
 
 
+def _xbf16_reference(x, xg, nw, layer, *, k, fused):
+    """(the activations' values e2m1 * SFx as bf16 [M, K] in natural K order, global scale f32
+    [M]): `_quant_reference`'s codes and scales decoded, what the quantizer kernel's
+    "xhat_bf16" form writes."""
+    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=fused)
+    xq = nvfp4.Nvfp4Tensor(
+        packed=xp, scales=jax.lax.bitcast_convert_type(xs, jnp.float8_e4m3fn),
+        global_scale=xgr, shape=(x.shape[0], k),
+    )  # fmt: skip
+    return nvfp4.scaled_values_bf16(xq), xgr
+
+
+# the quantizer in its "xhat_bf16" form (the dot path's activations); bound only by
+# _dot_composed with a kernel
+_quant_xbf16_p = Primitive("rejax_nvfp4_quantize_xhat_bf16")
+_quant_xbf16_p.multiple_results = True
+_quant_xbf16_p.def_abstract_eval(
+    lambda x, *_, k, **__: (
+        jax.core.ShapedArray((x.shape[0], k), jnp.bfloat16),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+)
+
+
+def _lower_xbf16_reference(ctx, *args, k, fused, kernel):
+    del kernel
+    fn = functools.partial(_xbf16_reference, k=k, fused=fused)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lower_xbf16_cuda(ctx, *args, k, fused, kernel):
+    if kernel is None:
+        return _lower_xbf16_reference(ctx, *args, k=k, fused=fused, kernel=None)
+    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
+
+
+mlir.register_lowering(_quant_xbf16_p, _lower_xbf16_reference)
+mlir.register_lowering(_quant_xbf16_p, _lower_xbf16_cuda, platform="cuda")
+
+
 # the quantizer in its "xhat_tiles" form (the wgmma GEMM's operand); bound only by
 # _wgmma_composed with a kernel
 _quant_tiles_p = Primitive("rejax_nvfp4_quantize_xhat_tiles")
@@ -339,11 +380,33 @@ def _wgmma_quant(m: int, k: int, fused, kernel, gemm_options):
         return None
 
 
-def _dot_composed(x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel, dot_x="fused"):
+def _dot_quant(m: int, k: int, fused, gemm_options):
+    """The "xhat_bf16" quantizer kernel in front of the dot path where `gemm_options.dot_x` is
+    "kernel" (and the quantizer takes the shape), else None: XLA quantizes (a failed build
+    logged once)."""
+    if gemm_options.dot_x != "kernel" or not nvfp4_quant.check_shape(m, k)[0]:
+        return None
+    try:
+        pro = dataclasses.replace(fused, residual=False)
+        return nvfp4_quant.build(m, k, pro, out="xhat_bf16")
+    except nvfp4_gemv.KernelError as err:
+        _note_no_xhat(f"quantizer (xhat_bf16) build failed: {err}")
+        return None
+
+
+def _dot_composed(
+    x, xg, nw, res, wp, ws, wg, layer, *_pf, n, k, fused, kernel, dot_x="fused", quant=None
+):  # fmt: skip
     """Above `GemmOptions.max_m` with `dot_dequant` "kernel": the prologue and quantizer as XLA
     ops (the reference's), then the dot path with the dequantizer kernel's weight values (the
-    reference's bits; `dot_x` as `GemmOptions.dot_x`)."""
+    reference's bits; `dot_x` as `GemmOptions.dot_x`); with `quant` (`dot_x` "kernel") the
+    quantizer kernel's "xhat_bf16" form writes the activations' values instead (the same
+    values, no XLA op on the activations)."""
     pro = dataclasses.replace(fused, residual=False)
+    if quant is not None:
+        xv, xgr = _quant_xbf16_p.bind(x, xg, nw, layer, k=k, fused=pro, kernel=quant)
+        y = dot_with_values(xv, xgr, wp, ws, wg, layer, kernel=kernel)
+        return res + y if fused.residual else y
     xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=pro)
     y = dot_with_kernel(xp, xs, xgr, wp, ws, wg, layer, k=k, kernel=kernel, dot_x=dot_x)
     return res + y if fused.residual else y
@@ -368,9 +431,12 @@ def _lower_two(ctx, *args, **params):
         # path by measurement: chosen, so no reference-path note
         dq = dequant_kernel(n, k, params["gemm_options"])
         if dq is not None:
+            quant = None
+            if params["launch"] == "ptx" and params["impl"] != "ref":
+                quant = _dot_quant(m, k, fused, params["gemm_options"])
             fn = functools.partial(
                 _dot_composed, n=n, k=k, fused=fused, kernel=dq,
-                dot_x=params["gemm_options"].dot_x,
+                dot_x=params["gemm_options"].dot_x, quant=quant,
             )  # fmt: skip
             return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
         fn = functools.partial(_reference, **{**params, "order": "dot"})

@@ -452,14 +452,25 @@ def dot_with_kernel(
 ) -> jax.Array:
     """The W4A4 dot path (`nvfp4.nvfp4_matmul_q` order "dot") with the weight's bf16 values
     from the dequantizer kernel: the same values, so the same bits as XLA's decode. `dot_x`
-    (`GemmOptions.dot_x`): "materialized" puts the activations' bf16 values behind an
-    optimization barrier (XLA writes them once; the dot runs alone)."""
+    (`GemmOptions.dot_x`): "materialized" (and "kernel", which a plain linear's XLA codes
+    cannot take) puts the activations' bf16 values behind an optimization barrier (XLA writes
+    them once; the dot runs alone)."""
     m = xp.shape[0]
     xq = Nvfp4Tensor(packed=xp, scales=_as_e4m3(xs), global_scale=xg, shape=(m, k))
     values = dequant_call(wp, ws, layer, kernel=kernel)
+    # "kernel" (a fused linear's quantizer kernel writes the values) reaches here only where
+    # the codes come from XLA (plain linears): materialized as well
     return nvfp4.matmul_q_values(
-        xq, values, layer_global(wg, layer, wp.ndim == 3), x_barrier=dot_x == "materialized"
+        xq, values, layer_global(wg, layer, wp.ndim == 3), x_barrier=dot_x != "fused"
     )
+
+
+def dot_with_values(xv, xg, wp, ws, wg, layer, *, kernel) -> jax.Array:
+    """The dot path from the activations' exact bf16 values `xv` [M, K] and global scale `xg`
+    [M] (the quantizer kernel's "xhat_bf16" form) and the dequantizer kernel's weight values:
+    `nvfp4.matmul_x_values`, the same bits as `dot_with_kernel` on the same codes."""
+    values = dequant_call(wp, ws, layer, kernel=kernel)
+    return nvfp4.matmul_x_values(xv, xg, values, layer_global(wg, layer, wp.ndim == 3))
 
 
 def _dot_impl(*args, k, kernel, drop=0, dot_x="fused"):
