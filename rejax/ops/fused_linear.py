@@ -152,31 +152,41 @@ def _quant_reference(x, xg, nw, layer, *, k, fused):
     return q.packed, xs, jnp.broadcast_to(jnp.asarray(q.global_scale, jnp.float32), (h.shape[0],))
 
 
-_quant_p = Primitive("rejax_nvfp4_quantize")
-_quant_p.multiple_results = True
-_quant_p.def_abstract_eval(
-    lambda x, *_, k, **__: (
+def _quantizer_primitive(name: str, outs, reference) -> Primitive:
+    """A primitive for one output form of the quantizer kernel: `outs(x, k, **params)` gives its
+    output avals; on CUDA with a built `kernel` it lowers to that kernel's PTX call, otherwise
+    (or kernel None) to `reference(x, xg, nw, layer, k=..., fused=..., ...)`, the form's values
+    as XLA ops. Bound with `kernel`, `k`, `fused` (and the form's own parameters)."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_abstract_eval(lambda x, *_, k, kernel, fused, **params: outs(x, k, **params))
+
+    def lower_reference(ctx, *args, kernel, **params):
+        del kernel
+        return mlir.lower_fun(functools.partial(reference, **params), multiple_results=True)(
+            ctx, *args
+        )
+
+    def lower_cuda(ctx, *args, kernel, **params):
+        if kernel is None:  # bound only with a built kernel by the callers; else the reference
+            return lower_reference(ctx, *args, kernel=None, **params)
+        return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
+
+    mlir.register_lowering(prim, lower_reference)
+    mlir.register_lowering(prim, lower_cuda, platform="cuda")
+    return prim
+
+
+# the quantizer's "codes" form (the GEMV's operands: codes, scales, global scale per row)
+_quant_p = _quantizer_primitive(
+    "rejax_nvfp4_quantize",
+    lambda x, k: (
         jax.core.ShapedArray((x.shape[0], k // 2), jnp.uint8),
         jax.core.ShapedArray((x.shape[0], k // nvfp4.BLOCK), jnp.uint8),
         jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    )
+    ),
+    _quant_reference,
 )
-
-
-def _lower_quant_reference(ctx, *args, k, fused, kernel):
-    del kernel
-    fn = functools.partial(_quant_reference, k=k, fused=fused)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-
-
-def _lower_quant_cuda(ctx, *args, k, fused, kernel):
-    if kernel is None:  # bound only with a built kernel by _lower_two; else the reference
-        return _lower_quant_reference(ctx, *args, k=k, fused=fused, kernel=None)
-    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
-
-
-mlir.register_lowering(_quant_p, _lower_quant_reference)
-mlir.register_lowering(_quant_p, _lower_quant_cuda, platform="cuda")
 
 
 def _xhat_reference(x, xg, nw, layer, *, k, fused):
@@ -187,30 +197,38 @@ def _xhat_reference(x, xg, nw, layer, *, k, fused):
 
 
 # the quantizer in its "xhat" form (the GEMM's operand); bound only by _two_kernels with a kernel
-_quant_xhat_p = Primitive("rejax_nvfp4_quantize_xhat")
-_quant_xhat_p.multiple_results = True
-_quant_xhat_p.def_abstract_eval(
-    lambda x, *_, k, **__: (
+_quant_xhat_p = _quantizer_primitive(
+    "rejax_nvfp4_quantize_xhat",
+    lambda x, k: (
         jax.core.ShapedArray((x.shape[0], k), jnp.float16),
         jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    )
+    ),
+    _xhat_reference,
 )
 
 
-def _lower_xhat_reference(ctx, *args, k, fused, kernel):
-    del kernel
-    fn = functools.partial(_xhat_reference, k=k, fused=fused)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+def _xbf16_reference(x, xg, nw, layer, *, k, fused):
+    """(the activations' values e2m1 * SFx as bf16 [M, K] in natural K order, global scale f32
+    [M]): `_quant_reference`'s codes and scales decoded, what the quantizer kernel's
+    "xhat_bf16" form writes."""
+    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=fused)
+    xq = nvfp4.Nvfp4Tensor(
+        packed=xp, scales=jax.lax.bitcast_convert_type(xs, jnp.float8_e4m3fn),
+        global_scale=xgr, shape=(x.shape[0], k),
+    )  # fmt: skip
+    return nvfp4.scaled_values_bf16(xq), xgr
 
 
-def _lower_xhat_cuda(ctx, *args, k, fused, kernel):
-    if kernel is None:
-        return _lower_xhat_reference(ctx, *args, k=k, fused=fused, kernel=None)
-    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
-
-
-mlir.register_lowering(_quant_xhat_p, _lower_xhat_reference)
-mlir.register_lowering(_quant_xhat_p, _lower_xhat_cuda, platform="cuda")
+# the quantizer in its "xhat_bf16" form (the dot path's activations); bound only by
+# _dot_composed with a kernel
+_quant_xbf16_p = _quantizer_primitive(
+    "rejax_nvfp4_quantize_xhat_bf16",
+    lambda x, k: (
+        jax.core.ShapedArray((x.shape[0], k), jnp.bfloat16),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    ),
+    _xbf16_reference,
+)
 
 
 def _tiles_reference(x, xg, nw, layer, *, k, fused, tile_m):
@@ -266,30 +284,14 @@ mlir.register_lowering(_quant_xbf16_p, _lower_xbf16_cuda, platform="cuda")
 
 # the quantizer in its "xhat_tiles" form (the wgmma GEMM's operand); bound only by
 # _wgmma_composed with a kernel
-_quant_tiles_p = Primitive("rejax_nvfp4_quantize_xhat_tiles")
-_quant_tiles_p.multiple_results = True
-_quant_tiles_p.def_abstract_eval(
-    lambda x, *_, k, tile_m, **__: (
+_quant_tiles_p = _quantizer_primitive(
+    "rejax_nvfp4_quantize_xhat_tiles",
+    lambda x, k, tile_m: (
         jax.core.ShapedArray((-(-x.shape[0] // tile_m), k // 128, tile_m * 128), jnp.float16),
         jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    )
+    ),
+    _tiles_reference,
 )
-
-
-def _lower_tiles_reference(ctx, *args, k, fused, kernel, tile_m):
-    del kernel
-    fn = functools.partial(_tiles_reference, k=k, fused=fused, tile_m=tile_m)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-
-
-def _lower_tiles_cuda(ctx, *args, k, fused, kernel, tile_m):
-    if kernel is None:
-        return _lower_tiles_reference(ctx, *args, k=k, fused=fused, kernel=None, tile_m=tile_m)
-    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
-
-
-mlir.register_lowering(_quant_tiles_p, _lower_tiles_reference)
-mlir.register_lowering(_quant_tiles_p, _lower_tiles_cuda, platform="cuda")
 
 
 @functools.cache
