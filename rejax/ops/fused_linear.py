@@ -242,46 +242,6 @@ def _tiles_reference(x, xg, nw, layer, *, k, fused, tile_m):
     return nvfp4_gemm_wgmma.to_stage_tiles(xh, tile_m, 128), xgr
 
 
-def _xbf16_reference(x, xg, nw, layer, *, k, fused):
-    """(the activations' values e2m1 * SFx as bf16 [M, K] in natural K order, global scale f32
-    [M]): `_quant_reference`'s codes and scales decoded, what the quantizer kernel's
-    "xhat_bf16" form writes."""
-    xp, xs, xgr = _quant_reference(x, xg, nw, layer, k=k, fused=fused)
-    xq = nvfp4.Nvfp4Tensor(
-        packed=xp, scales=jax.lax.bitcast_convert_type(xs, jnp.float8_e4m3fn),
-        global_scale=xgr, shape=(x.shape[0], k),
-    )  # fmt: skip
-    return nvfp4.scaled_values_bf16(xq), xgr
-
-
-# the quantizer in its "xhat_bf16" form (the dot path's activations); bound only by
-# _dot_composed with a kernel
-_quant_xbf16_p = Primitive("rejax_nvfp4_quantize_xhat_bf16")
-_quant_xbf16_p.multiple_results = True
-_quant_xbf16_p.def_abstract_eval(
-    lambda x, *_, k, **__: (
-        jax.core.ShapedArray((x.shape[0], k), jnp.bfloat16),
-        jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    )
-)
-
-
-def _lower_xbf16_reference(ctx, *args, k, fused, kernel):
-    del kernel
-    fn = functools.partial(_xbf16_reference, k=k, fused=fused)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-
-
-def _lower_xbf16_cuda(ctx, *args, k, fused, kernel):
-    if kernel is None:
-        return _lower_xbf16_reference(ctx, *args, k=k, fused=fused, kernel=None)
-    return _dispatch.lower_ptx(ctx, *args, backend_config=kernel.backend_config())
-
-
-mlir.register_lowering(_quant_xbf16_p, _lower_xbf16_reference)
-mlir.register_lowering(_quant_xbf16_p, _lower_xbf16_cuda, platform="cuda")
-
-
 # the quantizer in its "xhat_tiles" form (the wgmma GEMM's operand); bound only by
 # _wgmma_composed with a kernel
 _quant_tiles_p = _quantizer_primitive(
