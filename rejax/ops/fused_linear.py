@@ -177,6 +177,15 @@ def _quantizer_primitive(name: str, outs, reference) -> Primitive:
     return prim
 
 
+def _values_and_scales(dtype):
+    """The output avals of the x_hat forms with values [M, K] in `dtype`: (x_hat, the global
+    scale f32 [M])."""
+    return lambda x, k: (
+        jax.core.ShapedArray((x.shape[0], k), dtype),
+        jax.core.ShapedArray((x.shape[0],), jnp.float32),
+    )
+
+
 # the quantizer's "codes" form (the GEMV's operands: codes, scales, global scale per row)
 _quant_p = _quantizer_primitive(
     "rejax_nvfp4_quantize",
@@ -198,12 +207,7 @@ def _xhat_reference(x, xg, nw, layer, *, k, fused):
 
 # the quantizer in its "xhat" form (the GEMM's operand); bound only by _two_kernels with a kernel
 _quant_xhat_p = _quantizer_primitive(
-    "rejax_nvfp4_quantize_xhat",
-    lambda x, k: (
-        jax.core.ShapedArray((x.shape[0], k), jnp.float16),
-        jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    ),
-    _xhat_reference,
+    "rejax_nvfp4_quantize_xhat", _values_and_scales(jnp.float16), _xhat_reference
 )
 
 
@@ -222,12 +226,7 @@ def _xbf16_reference(x, xg, nw, layer, *, k, fused):
 # the quantizer in its "xhat_bf16" form (the dot path's activations); bound only by
 # _dot_composed with a kernel
 _quant_xbf16_p = _quantizer_primitive(
-    "rejax_nvfp4_quantize_xhat_bf16",
-    lambda x, k: (
-        jax.core.ShapedArray((x.shape[0], k), jnp.bfloat16),
-        jax.core.ShapedArray((x.shape[0],), jnp.float32),
-    ),
-    _xbf16_reference,
+    "rejax_nvfp4_quantize_xhat_bf16", _values_and_scales(jnp.bfloat16), _xbf16_reference
 )
 
 
