@@ -26,7 +26,8 @@
 # NCU_SKIP=1 BULK_TAG=p2); wgmma_ncu (the model's wgmma GEMM under Nsight Compute at 512
 # rows: tensor-pipe utilisation and stalls); dot_x (the dot path's activations behind an
 # optimization barrier, or written by the quantizer kernel, against fused into XLA's GEMM;
-# batch-8 prefill); wgmma_xquant (the
+# batch-8 prefill); rows_inner (experiments/kernels/quant_tiles_rows_inner.patch in a copy of
+# the tree: tiles GPU tests, bench_quant_tiles.py against this tree); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
@@ -309,6 +310,24 @@ PY
           --batch 1 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-wgmma-x-quant $xq \
           --out "$out/decode_xq_$xq.json" > "$out/decode_xq_$xq.log" 2>&1
         echo "$xq rc=$?"; grep -E "ms/token|FAILED|Error" "$out/decode_xq_$xq.log"
+      done;;
+    rows_inner)
+      # experiments/kernels/quant_tiles_rows_inner.patch (the tiles form's row statistics with
+      # the rows as the inner loop) in a copy of the tree: the tiles GPU tests there, then
+      # bench_quant_tiles.py (RMSNorm and none, ROWS_MS) in the copy and in this tree
+      ri=/tmp/rows_inner_tree; rm -rf $ri; mkdir -p $ri
+      git ls-files -z | xargs -0 cp --parents -t $ri 2>/dev/null
+      here=$PWD; (cd $ri && git apply "$here/experiments/kernels/quant_tiles_rows_inner.patch")
+      echo "patch rc=$?"
+      (cd $ri && REJAX_KERNEL_CACHE=/tmp/rk_rows_inner timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rA -m gpu \
+        tests/test_quant_kernel_gpu.py -k tiles -p no:cacheprovider) > "$out/rows_inner_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/rows_inner_pytest.log" | tail -5
+      for tree in patched base; do
+        dir=$PWD; [ $tree = patched ] && dir=$ri
+        (cd $dir && REJAX_KERNEL_CACHE=/tmp/rk_$tree timeout ${BENCH_TIMEOUT:-150} python3 \
+          experiments/kernels/bench_quant_tiles.py --ms ${ROWS_MS:-512,2048} --inputs rmsnorm,none \
+          --out "$out/rows_inner_$tree.json") > "$out/rows_inner_$tree.log" 2>&1
+        echo "$tree rc=$?"; grep -E "chunk=  512 threads= 128|bandwidth|Error" "$out/rows_inner_$tree.log"
       done;;
     quant_rows)
       # the quantizer kernel's GPU tests, with its one-CTA-a-row path from 264 rows
