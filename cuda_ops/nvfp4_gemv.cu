@@ -1320,14 +1320,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   const int c0 = blockIdx.y * (QCHUNK / 128);  // the chunk's first stage
   const XRows xr = {x + (size_t)max(row0, 0) * X_COLS,
                     nw_all + (NW_STACK ? (size_t)(unsigned)*layer * K_IN : 0), s_rs, s_g, s_ig};
-  // row_stats for the real rows (the padding rows' statistics are never used)
+  // row_stats for the real rows (the padding rows' statistics are never used). The rows are
+  // the inner loop, so a thread has its 8 rows' loads of one position in flight together;
+  // each row's sum still runs over its elements in row_stats' order (the same bits).
   if constexpr (PRO == 1) {
     float s[8];
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      s[m] = 0.f;
-      if (m < real) {
-        for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+    for (int m = 0; m < 8; ++m) s[m] = 0.f;
+    for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        if (m < real) {
           float v[8];
           src8(v, xr, m, e);
 #pragma unroll
@@ -1345,10 +1348,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   if constexpr (DYN_XG) {
     float a[8];
 #pragma unroll
-    for (int m = 0; m < 8; ++m) {
-      a[m] = 0.f;
-      if (m < real) {
-        for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+    for (int m = 0; m < 8; ++m) a[m] = 0.f;
+    for (int e = 8 * threadIdx.x; e < K_IN; e += 8 * NTHREADS) {
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        if (m < real) {
           float v[8];
           pro_values8(v, xr, m, e);
 #pragma unroll

@@ -359,11 +359,12 @@ class Config:
     # 29.6 against 31.2 ms at batch 1 on an H100, experiments/results/dequant_h100/) or "xla"
     # (XLA's fusions) (GemmOptions.dot_dequant)
     gemm_dot_dequant: str = "kernel"
-    # ... and how that dot takes the activations' bf16 values: "fused" (XLA may fuse their
-    # decode into its GEMM), "materialized" (an optimization barrier in front of the dot) or
-    # "kernel" (the fused linears' quantizer kernel writes them); the last two not yet
-    # measured (GemmOptions.dot_x)
-    gemm_dot_x: str = "fused"
+    # ... and how that dot takes the activations' bf16 values: "kernel" (the fused linears'
+    # quantizer kernel writes them; 36-layer 512-token prefill at batch 8 154.7 against
+    # 163.7 ms for "fused" on an H100, experiments/results/dot_x_h100/), "fused" (XLA may fuse
+    # their decode into its GEMM) or "materialized" (an optimization barrier in front of the
+    # dot: 164.0 ms) (GemmOptions.dot_x)
+    gemm_dot_x: str = "kernel"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"

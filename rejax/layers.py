@@ -194,7 +194,7 @@ def linear(
         gemm_dot_dequant: how the dot path above `gemm_max_m` rows decodes the weight
             (`GemmOptions.dot_dequant`; None: the default, "kernel"; see `Config.gemm_dot_dequant`).
         gemm_dot_x: how that dot takes the activations' values (`GemmOptions.dot_x`; None: the
-            default, "fused"; see `Config.gemm_dot_x`).
+            default, "kernel"; see `Config.gemm_dot_x`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does

@@ -112,7 +112,11 @@ def test_dot_x_forms_give_the_same_values(prologue):
     quantizer call; an optimization barrier); with prologue "none" they give the same bits
     (the same operand values into the same cuBLAS dot); otherwise the kernel's RMSNorm sum
     order and SwiGLU rounding move a few inputs by an ulp, and every pair of forms (with
-    "fused", where XLA may also sum in another order inside its GEMM fusion) is within 1e-2."""
+    "fused", where XLA may also sum in another order inside its GEMM fusion) is within 1e-2,
+    except "kernel" against the XLA forms with "swiglu": there XLA keeps the product's
+    intermediate in fp32 where the kernel rounds it to bf16, which moves about 1% of the FP4
+    codes by one step (2.3% relative error measured on an H100, so the bound is 4e-2 and >= 97%
+    of the code bytes must equal `quantize_activation`'s)."""
     from cuda_ops import nvfp4_gemv, nvfp4_quant
 
     rng = np.random.default_rng(7)
@@ -160,4 +164,10 @@ def test_dot_x_forms_give_the_same_values(prologue):
     b = outs["materialized"].astype(np.float64)
     for dx in ("kernel", "fused"):
         a = outs[dx].astype(np.float64)
-        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b), dx
+        rtol = 4e-2 if (dx, prologue) == ("kernel", "swiglu") else 1e-2
+        rel = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert rel <= rtol, (dx, rel)
+    if prologue == "swiglu":
+        # the kernel's codes against XLA's quantizer of XLA's SwiGLU, byte by byte
+        ref = jax.jit(lambda *a: fl._quant_reference(*a, k=k, fused=fused))(x, xg, norm, layer)
+        assert np.mean(np.asarray(xp) == np.asarray(ref[0])) >= 0.97

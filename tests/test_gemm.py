@@ -1225,7 +1225,8 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
     """GemmOptions(dot_dequant="kernel") above max_m rows (the wgmma range off, as above
     2048 rows by default): the plain and the fused linear ("two") lower to one dequantizer call
     (the stacked operands in place, its grid) and one dot (as the default does above the
-    wgmma range); "xla" has no dequantizer call; at or below max_m the GEMM runs either way."""
+    wgmma range), the fused linear's activations from one quantizer call; "xla" has no
+    dequantizer call; at or below max_m the GEMM runs either way."""
     from rejax.ops import fused_linear as fl
 
     rng = np.random.default_rng(6)
@@ -1254,7 +1255,9 @@ def test_dot_dequant_kernel_lowers_above_max_m(stub_compilers):
         two = _lower_cuda(lambda x: fl.fused_linear(x, {"weight": w}, layer=1, kernels="two",
                                                     prologue="rmsnorm", norm=jnp.ones((k,)),
                                                     gemm_options=on), x)  # fmt: skip
-        assert re.findall(r"name = \\22(\w+)\\22", two) == [nvfp4_dequant.ENTRY], two[:2000]
+        # the fused linear's activations from the quantizer kernel (dot_x "kernel", the default)
+        names = re.findall(r"name = \\22(\w+)\\22", two)
+        assert names == [nvfp4_quant.ENTRY, nvfp4_dequant.ENTRY], two[:2000]
     low = _lower_cuda(
         lambda x: kernels.nvfp4_linear(x, w, layer=1, gemm_options=on),
         jnp.zeros((64, k), jnp.bfloat16),
@@ -1296,7 +1299,7 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
     from rejax import decode as rdecode
     from rejax.cache import init_cache
 
-    assert rconfig.Config().gemm_dot_x == nvfp4_gemm.DEFAULT_OPTIONS.dot_x == "fused"
+    assert rconfig.Config().gemm_dot_x == nvfp4_gemm.DEFAULT_OPTIONS.dot_x == "kernel"
     assert rconfig.GEMM_DOT_XS == nvfp4_gemm.DOT_XS
     base, params = _tiny_prefill_model()
     tokens = 512
@@ -1319,7 +1322,7 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
         assert len(barriers) == 4, (fusion, barriers)
         for out, _, _ in barriers:
             assert re.search(rf"stablehlo.dot_general {re.escape(out)}, ", on), (fusion, out)
-        off = lowered(cfg).as_text()
+        off = lowered(dataclasses.replace(cfg, gemm_dot_x="fused")).as_text()
         assert "optimization_barrier" not in off
         assert re.findall(r"name = \\22(\w+)\\22", off).count(nvfp4_dequant.ENTRY) == 4
         # "kernel": the fused linears ("split") quantize with the quantizer kernel's

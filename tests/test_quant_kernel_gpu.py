@@ -393,15 +393,16 @@ def test_gemm_on_the_kernels_xhat_equals_the_xla_xhat_path(monkeypatch, n, k, pr
             assert np.mean(got == want) >= FUSED_EQUAL, (what, rel)
 
 
+@pytest.mark.parametrize("tile_m", [128, 256])
 @pytest.mark.parametrize("scale", ["dynamic", "static"])
 @pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
 @pytest.mark.parametrize("k", [4096, 12288])
-def test_xhat_tiles_form_is_the_codes_form_as_stage_tiles(k, prologue, scale):
+def test_xhat_tiles_form_is_the_codes_form_as_stage_tiles(k, prologue, scale, tile_m):
     """Every prologue, dynamic or static stacked global scale (layer 1), stacked norm weights:
     the "xhat_tiles" kernel == to_stage_tiles of wgmma_x_operand of the "codes" kernel's
     outputs bit for bit (the same per-element operations and row statistics; the last tile's
     padding rows zero), its global scales the codes form's. M = 9, 130, 300: 8-row groups with
-    1, 2 and 4 real rows at the end."""
+    1, 2 and 4 real rows at the end; 128- and 256-token tiles (`GemmOptions.wgmma_tm`)."""
     from cuda_ops import nvfp4_gemm_wgmma as wgm
 
     dynamic = scale == "dynamic"
@@ -414,29 +415,32 @@ def test_xhat_tiles_form_is_the_codes_form_as_stage_tiles(k, prologue, scale):
     layer = jnp.int32(1)
     for m in (9, 130, 300):
         x = _x_edges(m, width, m * 17 + k)
-        tiles = nvfp4_quant.build(m, k, fused, out="xhat_tiles", tile_m=128)
+        tiles = nvfp4_quant.build(m, k, fused, out="xhat_tiles", tile_m=tile_m)
         tf = jax.jit(lambda *a, t=tiles: fl._quant_tiles_p.bind(*a, k=k, fused=fused, kernel=t,
-                                                                 tile_m=128))  # fmt: skip
+                                                                 tile_m=tile_m))  # fmt: skip
         got, got_g = tf(x, xg, norm, layer)
         codes = nvfp4_quant.build(m, k, fused)
         qf = jax.jit(lambda *a, c=codes: fl._quant_p.bind(*a, k=k, fused=fused, kernel=c))
         xp, xs, xgr = qf(x, xg, norm, layer)
-        want = jax.jit(lambda p, s: wgm.to_stage_tiles(wgm.wgmma_x_operand(p, s), 128, 128))(xp, xs)
-        assert got.shape == want.shape == (-(-m // 128), k // 128, 128 * 128)
+        want = jax.jit(lambda p, s: wgm.to_stage_tiles(wgm.wgmma_x_operand(p, s), tile_m, 128))(
+            xp, xs
+        )
+        assert got.shape == want.shape == (-(-m // tile_m), k // 128, tile_m * 128)
         got16, want16 = np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16)
         # rows with a difference: [tile, stage, column, 8-row group, row, element] layout
-        diff = (got16 != want16).reshape(got16.shape[0], k // 128, 16, 16, 8, 8)
+        diff = (got16 != want16).reshape(got16.shape[0], k // 128, 16, tile_m // 8, 8, 8)
         bad = np.nonzero(diff.any(axis=(1, 2, 5)).reshape(-1))[0]
         what = f"M={m} K={k} {prologue} {scale}: rows {bad[:12].tolist()} of {bad.size} differ"
         np.testing.assert_array_equal(got16, want16, err_msg=what)
         np.testing.assert_array_equal(np.asarray(got_g), np.asarray(xgr), err_msg=what)
 
 
+@pytest.mark.parametrize("tm", [128, 256])
 @pytest.mark.parametrize(("n", "k"), O_DOWN)
-def test_wgmma_on_the_kernels_tiles_equals_the_xla_tiles_path(n, k):
-    """fused_linear at M = 200 (the wgmma GEMM, prologue "none", residual, static stacked input
-    scale): the quantizer kernel's stage tiles (GemmOptions.wgmma_x_quant "kernel") give the
-    bits of XLA's quantizer and tiles ("xla") in front of the same GEMM."""
+def test_wgmma_on_the_kernels_tiles_equals_the_xla_tiles_path(n, k, tm):
+    """fused_linear at M = 200 (the wgmma GEMM of `tm`-token tiles, prologue "none", residual,
+    static stacked input scale): the quantizer kernel's stage tiles (GemmOptions.wgmma_x_quant
+    "kernel") give the bits of XLA's quantizer and tiles ("xla") in front of the same GEMM."""
     from cuda_ops import nvfp4_gemm_wgmma as wgm
 
     w = _weight(n, k)
@@ -447,11 +451,11 @@ def test_wgmma_on_the_kernels_tiles_equals_the_xla_tiles_path(n, k):
     r = _res(m, n, n + 1)
     outs = {}
     for xq in ("kernel", "xla"):
-        opts = nvfp4_gemm.GemmOptions(wgmma_x_quant=xq)
+        opts = nvfp4_gemm.GemmOptions(wgmma_x_quant=xq, wgmma_tm=tm)
         f = jax.jit(lambda x, r, o=opts: fl.fused_linear(x, params, layer=layer, residual=r,
                                                          kernels="two", gemm_options=o))  # fmt: skip
         text = f.lower(x, r).compile().as_text()
         assert wgm.ENTRY in text and (nvfp4_quant.ENTRY in text) == (xq == "kernel"), xq
         outs[xq] = np.asarray(f(x, r), np.float64)
     assert np.isfinite(outs["kernel"]).all()
-    np.testing.assert_array_equal(outs["kernel"], outs["xla"], err_msg=f"N={n} K={k}")
+    np.testing.assert_array_equal(outs["kernel"], outs["xla"], err_msg=f"N={n} K={k} tm={tm}")

@@ -1,5 +1,5 @@
-"""Launch shapes of the quantizer kernel's "xhat_tiles" form (cuda_ops/nvfp4_quant.py) at prefill
-rows: chunk (elements of a row per CTA) and threads per CTA.
+"""Launch shapes of the quantizer kernel's "xhat_tiles" and "xhat_bf16" forms
+(cuda_ops/nvfp4_quant.py) at prefill rows: chunk (elements of a row per CTA) and threads per CTA.
 
 A profile of the 8-layer prefill (512 tokens, batch 1, `gemm_wgmma_x_quant="kernel"`) put the
 form's first design (one CTA a row from 264 rows, each thread storing 16-byte pieces 2 KiB
@@ -8,7 +8,9 @@ stores whole 128-byte core matrices.
 For each layer input of Qwen3-8B (K 4096 after RMSNorm, K 4096 plain, K 12288 after SwiGLU;
 static stacked input scale, stacked norm weights, as the model's) and each M this script:
 
-1. builds the default launch shape and each candidate (`CANDIDATES`, those valid for K);
+1. builds the default launch shape and each candidate of each form (`CANDIDATES` for
+   "xhat_tiles", `BF16_CANDIDATES` for "xhat_bf16", the dot path's operand at 4096 rows; those
+   valid for K);
 2. launches each once with its outputs inside guard regions (a store outside them is
    counted and fails the run) and checks that every candidate writes the default's bytes (tiles and global scales) where the
    chunking cannot change them (prologue "none" and "swiglu"; the RMSNorm mean square is
@@ -47,9 +49,90 @@ CANDIDATES = (
 )
 
 
-def candidates(k: int) -> list[tuple[int, int]]:
-    """The (chunk, threads) pairs valid for K (chunk dividing K)."""
+# (chunk, threads) of the "xhat_bf16" form (bf16 [M, K] in natural K order; chunk K = one CTA a
+# row, the default from nvfp4_quant.ROW_CTA_MIN_M rows; None: K)
+BF16_CANDIDATES = (
+    (None, 128),
+    (None, 256),
+    (None, 512),
+    (4096, 256),
+    (2048, 256),
+    (1024, 128),
+    (512, 64),
+)
+
+
+def candidates(k: int, form: str = "xhat_tiles") -> list[tuple[int, int]]:
+    """The (chunk, threads) pairs of `form` valid for K (chunk dividing K)."""
+    if form == "xhat_bf16":
+        pairs = {(c or k, t) for c, t in BF16_CANDIDATES}
+        return sorted((c, t) for c, t in pairs if k % c == 0)
     return [(c, t) for c, t in CANDIDATES if k % c == 0]
+
+
+def _time_form(torch, bk, nvfp4_quant, form, fused, prologue, k, width, m, xg, norm, layer, bw,
+               tile_m) -> dict:  # fmt: skip
+    """One (input, M, form) row: the form's default launch shape and its candidates ("xhat": the
+    default only), each checked inside guard regions against the default's bytes and timed."""
+    default = nvfp4_quant.build(m, k, fused, out=form, tile_m=tile_m)
+    shapes = candidates(k, form) if form != "xhat" else [(default.chunk, default.threads)]
+    kernels = {
+        (chunk, threads): nvfp4_quant.build(
+            m, k, fused, chunk=chunk, threads=threads, out=form, tile_m=tile_m
+        )
+        for chunk, threads in shapes
+    }
+    (xh_shape, xh_dtype), _ = default.out_shapes
+    dtype = getattr(torch, xh_dtype)
+    in_bytes = m * width * 2
+    out_bytes = math.prod(xh_shape) * 2 + 4 * m
+    copies = int(min(32, max(4, math.ceil((256 << 20) / (in_bytes + out_bytes)))))
+    xs = [2.0 * torch.randn((m, width), device="cuda").to(torch.bfloat16) for _ in range(copies)]
+    outs = [
+        (torch.empty(xh_shape, dtype=dtype, device="cuda"),
+         torch.empty((m,), dtype=torch.float32, device="cuda"))
+        for _ in range(copies)
+    ]  # fmt: skip
+    ptrs = [[xs[i].data_ptr(), xg.data_ptr(), norm.data_ptr(), layer.data_ptr(),
+             outs[i][0].data_ptr(), outs[i][1].data_ptr()] for i in range(copies)]  # fmt: skip
+    _launch_fn(torch, default, ptrs[0])()
+    torch.cuda.synchronize()
+    want = (outs[0][0].clone(), outs[0][1].clone())
+    floor = (in_bytes + out_bytes) / bw
+    row = {"form": form, "prologue": prologue, "k": k, "m": m, "bytes": in_bytes + out_bytes,
+           "floor_us": floor * 1e6, "default": [default.chunk, default.threads],
+           "variants": []}  # fmt: skip
+    n_xh = math.prod(xh_shape)
+    for (chunk, threads), kern in kernels.items():
+        # the check launch: outputs inside guard regions (nothing may land there)
+        guard = 1 << 14
+        xh_g = torch.full((n_xh + 2 * guard,), 7.0, dtype=dtype, device="cuda")
+        g_g = torch.full((m + 2 * guard,), -7.0, dtype=torch.float32, device="cuda")
+        ptr0 = [xs[0].data_ptr(), xg.data_ptr(), norm.data_ptr(), layer.data_ptr(),
+                xh_g[guard:].data_ptr(), g_g[guard:].data_ptr()]  # fmt: skip
+        _launch_fn(torch, kern, ptr0)()
+        torch.cuda.synchronize()
+        outside = int(
+            (xh_g[:guard] != 7.0).sum() + (xh_g[guard + n_xh :] != 7.0).sum()
+            + (g_g[:guard] != -7.0).sum() + (g_g[guard + m :] != -7.0).sum()
+        )  # fmt: skip
+        got = (xh_g[guard : guard + n_xh].view(xh_shape), g_g[guard : guard + m])
+        same = bool(
+            torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
+            and torch.equal(got[1], want[1])
+        )
+        s = bk.time_torch_graph(torch, [_launch_fn(torch, kern, ptrs[i]) for i in range(copies)])
+        row["variants"].append({"chunk": chunk, "threads": threads, "same_bytes": same,
+                                "stores_outside": outside, "us": s * 1e6,
+                                "x_floor": s / floor})  # fmt: skip
+        print(
+            f"{form:10s} {prologue:8s} K={k:5d} M={m:5d} chunk={chunk:5d} threads={threads:4d} "
+            f"{s * 1e6:8.2f} us  {s / floor:5.2f}x floor  same={same} outside={outside}",
+            flush=True,
+        )
+    xs.clear()
+    outs.clear()
+    return row
 
 
 def _launch_fn(torch, kern, ptrs):
@@ -69,8 +152,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--forms",
         default="xhat_tiles",
-        help="output forms to time: xhat_tiles (the candidates) and / or xhat (the row-major "
-        "x_hat, default launch shape only, for its store pattern)",
+        help="output forms to time: xhat_tiles and / or xhat_bf16 (their candidates), xhat "
+        "(the row-major x_hat, default launch shape only, for its store pattern)",
     )
     ap.add_argument("--inputs", default="rmsnorm,none,swiglu", help="prologues to run")
     args = ap.parse_args(argv)
@@ -102,82 +185,30 @@ def main(argv=None) -> int:
         xg = torch.tensor([0.05, 0.02], dtype=torch.float32, device="cuda")
         layer = torch.tensor(1, dtype=torch.int32, device="cuda")
         for m in (int(v) for v in args.ms.split(",")):
-            kernels = {}
-            if "xhat_tiles" in forms:
-                for chunk, threads in candidates(k):
-                    kernels[("xhat_tiles", chunk, threads)] = nvfp4_quant.build(
-                        m, k, fused, chunk=chunk, threads=threads, out="xhat_tiles",
-                        tile_m=args.tile_m,
-                    )  # fmt: skip
-            if "xhat" in forms:
-                kx = nvfp4_quant.build(m, k, fused, out="xhat")
-                kernels[("xhat", kx.chunk, kx.threads)] = kx
-            default = nvfp4_quant.build(m, k, fused, out="xhat_tiles", tile_m=args.tile_m)
-            (xh_shape, _), _ = default.out_shapes
-            in_bytes = m * width * 2
-            out_bytes = math.prod(xh_shape) * 2 + 4 * m
-            copies = int(min(32, max(4, math.ceil((256 << 20) / (in_bytes + out_bytes)))))
-            xs = [2.0 * torch.randn((m, width), device="cuda").to(torch.bfloat16)
-                  for _ in range(copies)]  # fmt: skip
-            outs = [
-                (torch.empty(xh_shape, dtype=torch.float16, device="cuda"),
-                 torch.empty((m,), dtype=torch.float32, device="cuda"))
-                for _ in range(copies)
-            ]  # fmt: skip
-
-            ptrs = [[xs[i].data_ptr(), xg.data_ptr(), norm.data_ptr(), layer.data_ptr(),
-                     outs[i][0].data_ptr(), outs[i][1].data_ptr()] for i in range(copies)]  # fmt: skip
-
-            def launcher(kern, i, ptrs=ptrs):
-                return _launch_fn(torch, kern, ptrs[i])
-
-            launcher(default, 0)()
-            torch.cuda.synchronize()
-            want = (outs[0][0].clone(), outs[0][1].clone())
-            floor = (in_bytes + out_bytes) / bw
-            row = {"prologue": prologue, "k": k, "m": m, "bytes": in_bytes + out_bytes,
-                   "floor_us": floor * 1e6, "default": [default.chunk, default.threads],
-                   "variants": []}  # fmt: skip
-            for (form, chunk, threads), kern in kernels.items():
-                # the check launch: outputs inside guard regions (nothing may land there)
-                guard = 1 << 14
-                xh_g = torch.full((math.prod(xh_shape) + 2 * guard,), 7.0, dtype=torch.float16,
-                                  device="cuda")  # fmt: skip
-                g_g = torch.full((m + 2 * guard,), -7.0, dtype=torch.float32, device="cuda")
-                ptr0 = [xs[0].data_ptr(), xg.data_ptr(), norm.data_ptr(), layer.data_ptr(),
-                        xh_g[guard:].data_ptr(), g_g[guard:].data_ptr()]  # fmt: skip
-                _launch_fn(torch, kern, ptr0)()
-                torch.cuda.synchronize()
-                n_xh = math.prod(xh_shape)
-                outside = int(
-                    (xh_g[:guard] != 7.0).sum() + (xh_g[guard + n_xh :] != 7.0).sum()
-                    + (g_g[:guard] != -7.0).sum() + (g_g[guard + m :] != -7.0).sum()
-                )  # fmt: skip
-                got = (xh_g[guard : guard + n_xh].view(xh_shape), g_g[guard : guard + m])
-                same = None  # "xhat": another layout (its own GPU tests check its bytes)
-                if form == "xhat_tiles":
-                    same = bool(
-                        torch.equal(got[0].view(torch.int16), want[0].view(torch.int16))
-                        and torch.equal(got[1], want[1])
+            for form in forms:
+                result["rows"].append(
+                    _time_form(
+                        torch,
+                        bk,
+                        nvfp4_quant,
+                        form,
+                        fused,
+                        prologue,
+                        k,
+                        width,
+                        m,
+                        xg,
+                        norm,
+                        layer,
+                        bw,
+                        args.tile_m,
                     )
-                s = bk.time_torch_graph(torch, [launcher(kern, i) for i in range(copies)])
-                v = {"form": form, "chunk": chunk, "threads": threads, "same_bytes": same,
-                     "stores_outside": outside, "us": s * 1e6,
-                     "x_floor": s / floor}  # fmt: skip
-                row["variants"].append(v)
-                print(
-                    f"{form:10s} {prologue:8s} K={k:5d} M={m:5d} chunk={chunk:5d} threads={threads:4d} "
-                    f"{s * 1e6:8.2f} us  {s / floor:5.2f}x floor  same={same} outside={outside}",
-                    flush=True,
                 )
-            result["rows"].append(row)
-            xs.clear()
-            outs.clear()
-            torch.cuda.empty_cache()
-            with open(args.out, "w") as f:
-                json.dump({**result, "partial": True}, f, indent=1)
+                torch.cuda.empty_cache()
+                with open(args.out, "w") as f:
+                    json.dump({**result, "partial": True}, f, indent=1)
     result["elapsed_s"] = time.time() - t0
-    bad = [(r["prologue"], r["m"], v["chunk"], v["threads"]) for r in result["rows"]
+    bad = [(r["form"], r["prologue"], r["m"], v["chunk"], v["threads"]) for r in result["rows"]
            for v in r["variants"] if (v["same_bytes"] is False and r["prologue"] != "rmsnorm")
            or v["stores_outside"]]  # fmt: skip
     result["mismatches"] = bad
