@@ -116,9 +116,12 @@ WGMMA_X_QUANTS = ("xla", "kernel")
 # alone, as bf16's) or "kernel" (a fused linear's quantizer kernel writes them, its
 # "xhat_bf16" form: no XLA op on the activations; plain linears as "materialized"). A profile
 # of the 8-layer prefill at 4096 rows (H100) showed three of the four linears as XLA GEMM
-# fusions taking 1171 us a layer where bf16's cuBLAS dots take 828; the other two are not yet
-# measured, so "fused" stays the default.
+# fusions taking 1171 us a layer where bf16's cuBLAS dots take 828. "kernel" is the default:
+# the 36-layer 512-token prefill at batch 8 took 154.7 ms against 163.7 ("fused") and 164.0
+# ("materialized"), bf16 133.7 (H100, experiments/results/dot_x_h100/).
 DOT_XS = ("fused", "materialized", "kernel")
+# GemmOptions.wgmma_tm: the wgmma GEMM's token tile, or "auto" (per shape)
+WGMMA_TMS = (128, 256, "auto")
 # How the dot path (above `max_m` rows) forms the weight's bf16 values e2m1 * SFw: "xla" (XLA's
 # fusions of `rejax.nvfp4._scaled_values`) or "kernel" (`cuda_ops.nvfp4_dequant`: one launch
 # that reads a stacked weight in place). The same bytes. Inside the 36-layer prefill the dot
@@ -205,7 +208,8 @@ class GemmOptions:
             measured crossovers); wgmma_min_m None: never; wgmma_max_m None: no bound. Off
             sm_90, or where the kernel cannot be built, the usual dispatch runs (a warning
             only for a range other than the default).
-        wgmma_tm: that GEMM's token tile, 128 (the default) or 256.
+        wgmma_tm: that GEMM's token tile, 128 (the default), 256 or "auto" (per shape,
+            `nvfp4_gemm_wgmma.auto_tm`: 256 where it fills whole waves without a K split).
         wgmma_x_quant: how a fused linear in front of the wgmma GEMM builds its x_hat stage
             tiles: "kernel" (the default: the quantizer kernel's "xhat_tiles" form writes them;
             36-layer prefill of 512 tokens 24.3 against 26.2 ms at batch 1 on an H100) or
@@ -242,7 +246,7 @@ class GemmOptions:
     max_regs: int | None = None
     wgmma_min_m: int | None = DEFAULT_WGMMA_MIN_M
     wgmma_max_m: int | None = DEFAULT_WGMMA_MAX_M
-    wgmma_tm: int = 128
+    wgmma_tm: int | str = 128
     wgmma_x_quant: str = "kernel"
     dot_dequant: str = "kernel"
     dot_x: str = "kernel"
@@ -297,8 +301,10 @@ class GemmOptions:
                 f"GemmOptions.wgmma_x_quant={self.wgmma_x_quant!r}, expected one of "
                 f"{WGMMA_X_QUANTS}"
             )
-        if self.wgmma_tm not in (128, 256):
-            raise KernelError(f"GemmOptions.wgmma_tm={self.wgmma_tm!r}, expected 128 or 256")
+        if self.wgmma_tm not in WGMMA_TMS:
+            raise KernelError(
+                f"GemmOptions.wgmma_tm={self.wgmma_tm!r}, expected one of {WGMMA_TMS}"
+            )
         if self.split_m is not None and (not isinstance(self.split_m, int) or self.split_m < 1):
             raise KernelError(f"GemmOptions.split_m={self.split_m!r}, expected None or an int >= 1")
         if self.max_m is not None and (not isinstance(self.max_m, int) or self.max_m < self.min_m):

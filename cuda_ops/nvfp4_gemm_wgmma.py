@@ -426,6 +426,26 @@ LINEAR_BULK = 3
 # TM = 128 one tile 1.91x / 1.86x the mma.sync GEMM at M = 256 / 512, two 1.71x / 1.80x; at
 # TM = 256 two would need 256 accumulators a thread).
 LINEAR_WR = {128: 1, 256: 1}
+# `build_linear`'s tm="auto": a 256-token tile's time against two 128-token tiles' where both
+# fill whole waves (H100, kernel alone, M = 512, 24576 x 4096: 165.9 against 179.0 us; 6144 x
+# 4096, 96 tiles in one wave against 192 in two: 56.2 against 59.6;
+# experiments/results/dot_x_h100/)
+TM256_COST = 0.93
+
+
+def auto_tm(m: int, n: int, k: int, num_sms: int = DEFAULT_SMS) -> int:
+    """`build_linear`'s token tile for tm="auto": 256 where its plan splits no K and its waves
+    (CTAs over `num_sms`, rounded up, times the tile, `TM256_COST` for 256) cost no more than
+    128-token tiles' (whose K split counts: a split CTA does 1 / splitk of a tile), else 128.
+    At M = 512 on 132 SMs that is 256 for Qwen3-8B's qkv (6144 x 4096), gate_up (24576 x 4096)
+    and 128 for o (4096 x 4096) and down (4096 x 12288); at M <= 256 always 128."""
+    costs = {}
+    for tm in LINEAR_TMS:
+        p = plan(m, n, k, num_sms, tm=tm, nwg=2, wr=LINEAR_WR[tm], bulk=LINEAR_BULK)
+        ctas = _cdiv(m, tm) * _cdiv(n, p.tile_n) * p.splitk
+        costs[tm] = (_cdiv(ctas, num_sms) * tm / p.splitk, p.splitk)
+    (c128, _), (c256, split256) = costs[128], costs[256]
+    return 256 if split256 == 1 and c256 * TM256_COST <= c128 else 128
 
 
 def build_linear(
@@ -440,7 +460,8 @@ def build_linear(
     split_m: int | None = None,
 ) -> WgmmaKernel:
     """The kernel `rejax.ops.linear` runs from `GemmOptions.wgmma_min_m` rows on: `tm`-token
-    tiles (128 or 256: each weight decoded once per tile), two warpgroups sharing the x tile,
+    tiles (128 or 256: each weight decoded once per tile; "auto": `auto_tm`), two warpgroups
+    sharing the x tile,
     each of `LINEAR_WR[tm]` 64-row weight tiles, the stage copies on mbarriers with x_hat
     pre-tiled (`LINEAR_BULK`: the caller passes `to_stage_tiles` of the wgmma-order x_hat), the
     deepest ring that fits, a K split only where the tiles do not fill one wave (`plan`);
@@ -453,12 +474,14 @@ def build_linear(
     """
     from cuda_ops.build import device_arch, device_sms
 
-    if tm not in LINEAR_TMS:
-        raise KernelError(f"tm={tm!r}, expected one of {LINEAR_TMS}")
+    if tm not in (*LINEAR_TMS, "auto"):
+        raise KernelError(f"tm={tm!r}, expected one of {LINEAR_TMS} or 'auto'")
     arch = device_arch()
     if arch != "compute_90":
         raise KernelError(f"the wgmma GEMM needs an sm_90 GPU (Hopper), this one is {arch}")
     sms = num_sms or device_sms()
+    if tm == "auto":  # chosen for split_m rows where given, as the K split is
+        tm = auto_tm(split_m or m, n, k, sms)
     tiles = {"tm": tm, "nwg": 2, "wr": LINEAR_WR[tm], "bulk": LINEAR_BULK}
     splitk = None if split_m is None else plan(split_m, n, k, sms, **tiles).splitk
     p = plan(m, n, k, sms, **tiles, splitk=splitk, w_shift=w_shift, gw_rows=gw_rows)

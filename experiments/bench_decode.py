@@ -67,6 +67,7 @@ CHOICE_FIELDS = {
     "gemm_x_quant": rconfig.GEMM_X_QUANTS,
     "gemm_wgmma_x_quant": rconfig.GEMM_WGMMA_X_QUANTS,
     "gemm_dot_x": rconfig.GEMM_DOT_XS,
+    "gemm_wgmma_tm": rconfig.GEMM_WGMMA_TMS,
 }
 
 

@@ -140,6 +140,7 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
 GEMM_DOT_DEQUANTS = ("xla", "kernel")  # Config.gemm_dot_dequant (GemmOptions.dot_dequant)
 GEMM_DOT_XS = ("fused", "materialized", "kernel")  # Config.gemm_dot_x (GemmOptions.dot_x)
+GEMM_WGMMA_TMS = ("128", "256", "auto")  # Config.gemm_wgmma_tm (GemmOptions.wgmma_tm)
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
 # "cluster" (the split's CTAs form a thread-block cluster and add through distributed shared
@@ -377,6 +378,9 @@ class Config:
     # 26.2 ms at batch 1 on an H100, experiments/results/xquant_tiles_h100/) or "xla" (XLA's
     # quantizer, wgmma_x_operand and to_stage_tiles fusions) (GemmOptions.wgmma_x_quant)
     gemm_wgmma_x_quant: str = "kernel"
+    # the wgmma GEMM's token tile: "128", "256" or "auto" (per shape: 256 where its tiles fill
+    # whole waves without a K split, `nvfp4_gemm_wgmma.auto_tm`) (GemmOptions.wgmma_tm)
+    gemm_wgmma_tm: str = "128"
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows
@@ -491,6 +495,10 @@ class Config:
         if self.gemm_x_quant not in GEMM_X_QUANTS:
             raise ValueError(
                 f"unknown gemm_x_quant {self.gemm_x_quant!r}; expected one of {GEMM_X_QUANTS}"
+            )
+        if self.gemm_wgmma_tm not in GEMM_WGMMA_TMS:
+            raise ValueError(
+                f"unknown gemm_wgmma_tm {self.gemm_wgmma_tm!r}; expected one of {GEMM_WGMMA_TMS}"
             )
         if self.gemm_wgmma_x_quant not in GEMM_WGMMA_X_QUANTS:
             raise ValueError(

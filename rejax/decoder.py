@@ -130,7 +130,7 @@ def decoder_layer(
                       gemm_wgmma_min_m=cfg.gemm_wgmma_min_m,
                       gemm_dot_dequant=cfg.gemm_dot_dequant,
                       gemm_wgmma_max_m=cfg.gemm_wgmma_max_m,
-                      gemm_dot_x=cfg.gemm_dot_x)  # fmt: skip
+                      gemm_dot_x=cfg.gemm_dot_x, gemm_wgmma_tm=cfg.gemm_wgmma_tm)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -160,6 +160,7 @@ def decoder_layer(
             wgmma_max_m=cfg.gemm_wgmma_max_m,
             wgmma_x_quant=cfg.gemm_wgmma_x_quant,
             dot_x=cfg.gemm_dot_x,
+            wgmma_tm=cfg.gemm_wgmma_tm,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -382,7 +383,8 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
                       wgmma_min_m=cfg.gemm_wgmma_min_m,
                       dot_dequant=cfg.gemm_dot_dequant,
                       wgmma_max_m=cfg.gemm_wgmma_max_m,
-                      wgmma_x_quant=cfg.gemm_wgmma_x_quant, dot_x=cfg.gemm_dot_x)  # fmt: skip
+                      wgmma_x_quant=cfg.gemm_wgmma_x_quant, dot_x=cfg.gemm_dot_x,
+                      wgmma_tm=cfg.gemm_wgmma_tm)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

@@ -157,6 +157,7 @@ def linear(
     gemm_dot_dequant: str | None = None,
     gemm_wgmma_max_m: int | None | str = "default",
     gemm_dot_x: str | None = None,
+    gemm_wgmma_tm: int | str | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -195,6 +196,8 @@ def linear(
             (`GemmOptions.dot_dequant`; None: the default, "kernel"; see `Config.gemm_dot_dequant`).
         gemm_dot_x: how that dot takes the activations' values (`GemmOptions.dot_x`; None: the
             default, "kernel"; see `Config.gemm_dot_x`).
+        gemm_wgmma_tm: the wgmma GEMM's token tile (`GemmOptions.wgmma_tm`; None: the default;
+            see `Config.gemm_wgmma_tm`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does
@@ -236,6 +239,7 @@ def linear(
             dot_dequant=gemm_dot_dequant,
             wgmma_max_m=gemm_wgmma_max_m,
             dot_x=gemm_dot_x,
+            wgmma_tm=gemm_wgmma_tm,
         )
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
@@ -286,6 +290,7 @@ def gemm_options(
     wgmma_max_m: int | None | str = "default",
     wgmma_x_quant: str | None = None,
     dot_x: str | None = None,
+    wgmma_tm: int | str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
     `copies`, `wgmma_min_m`, `dot_dequant` and `wgmma_max_m` (None / "default": the defaults;
@@ -293,8 +298,13 @@ def gemm_options(
     "default" wgmma_min_m is None: the wgmma GEMM would change the summation order at its
     first row count), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
     `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant`,
-    `gemm_wgmma_max_m`, `gemm_wgmma_x_quant` and `gemm_dot_x` (None: the default)."""
+    `gemm_wgmma_max_m`, `gemm_wgmma_x_quant`, `gemm_dot_x` and `gemm_wgmma_tm` (None: the
+    default; `wgmma_tm` "128" / "256" as ints)."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
+    if isinstance(wgmma_tm, str) and wgmma_tm.isdigit():
+        wgmma_tm = int(wgmma_tm)
+    if wgmma_tm is not None and wgmma_tm != opts.wgmma_tm:
+        opts = dataclasses.replace(opts, wgmma_tm=wgmma_tm)
     if dot_x is not None and dot_x != opts.dot_x:
         opts = dataclasses.replace(opts, dot_x=dot_x)
     if dot_dequant is not None and dot_dequant != opts.dot_dequant:

@@ -532,7 +532,7 @@ def test_wgmma_options_are_checked_and_off_hopper_fall_back(stub_compilers, monk
             nvfp4_gemm.GemmOptions(wgmma_min_m=bad)
     with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_max_m=100, expected None or an int"):
         nvfp4_gemm.GemmOptions(wgmma_max_m=100)  # below the default wgmma_min_m = 128
-    with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_tm=64, expected 128 or 256"):
+    with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_tm=64, expected one of"):
         nvfp4_gemm.GemmOptions(wgmma_tm=64)
     for field in ("gemm_wgmma_min_m", "gemm_wgmma_max_m"):
         with pytest.raises(ValueError, match=f"{field} must be None, 'default' or an int >= 1"):
@@ -577,6 +577,48 @@ def test_wgmma_split_m_fixes_the_k_split(stub_compilers):
         assert p.splitk == 4 and p.m == m, p
     opts = nvfp4_gemm.GemmOptions(wgmma_min_m=128, split_m=128)
     assert kernels.wgmma_kernel(512, 4096, 4096, opts, False).plan.splitk == 4
+
+
+def test_wgmma_tm_auto_picks_the_tile_per_shape(stub_compilers):
+    """GemmOptions.wgmma_tm / Config.gemm_wgmma_tm "auto": 256-token tiles where they fill whole
+    waves without a K split and cost no more (`auto_tm`, 132 SMs): at 512 rows Qwen3-8B's qkv
+    and gate_up (measured faster kernel alone on an H100), 128 for o and down (a K split);
+    at <= 256 rows always 128; with split_m the choice of split_m rows. The Config field
+    reaches the prefill's wgmma builds; bad values are refused."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
+              "down": (4096, 12288)}  # fmt: skip
+    got = {name: nvfp4_gemm_wgmma.auto_tm(512, n, k, 132) for name, (n, k) in shapes.items()}
+    assert got == {"qkv": 256, "o": 128, "gate_up": 256, "down": 128}
+    for m in (128, 200, 256):
+        assert {nvfp4_gemm_wgmma.auto_tm(m, n, k, 132) for n, k in shapes.values()} == {128}
+    assert nvfp4_gemm_wgmma.build_linear(512, 24576, 4096, tm="auto").plan.tm == 256
+    assert nvfp4_gemm_wgmma.build_linear(512, 4096, 4096, tm="auto").plan.tm == 128
+    assert nvfp4_gemm_wgmma.build_linear(512, 24576, 4096, tm="auto", split_m=256).plan.tm == 128
+    with pytest.raises(nvfp4_gemv.KernelError, match="tm=64, expected one of"):
+        nvfp4_gemm_wgmma.build_linear(512, 4096, 4096, tm=64)
+    opts = nvfp4_gemm.GemmOptions(wgmma_tm="auto")
+    assert kernels.wgmma_kernel(512, 24576, 4096, opts, False).plan.tm == 256
+    assert kernels.wgmma_kernel(512, 4096, 12288, opts, False).plan.tm == 128
+    assert rconfig.Config().gemm_wgmma_tm == "128" and nvfp4_gemm.DEFAULT_OPTIONS.wgmma_tm == 128
+    assert rlayers.gemm_options(None, wgmma_tm="256").wgmma_tm == 256
+    assert rlayers.gemm_options(None, wgmma_tm="auto").wgmma_tm == "auto"
+    with pytest.raises(ValueError, match="unknown gemm_wgmma_tm '64'"):
+        rconfig.Config(gemm_wgmma_tm="64")
+    from rejax import decode as rdecode
+    from rejax.cache import init_cache
+
+    base, params = _tiny_prefill_model()
+    tokens = 512
+    for tm in ("128", "256"):
+        cfg = dataclasses.replace(base, linear_fusion="split", gemm_wgmma_tm=tm)
+        p = dataclasses.replace(params, cfg=cfg)
+        cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
+        ids = jnp.zeros((1, tokens), jnp.int32)
+        pos = jnp.arange(tokens, dtype=jnp.int32)[None]
+        stub_compilers.clear()
+        rdecode.prefill.trace(p, ids, pos, cache).lower(lowering_platforms=("cuda",))
+        tms = {d["TM"] for name, d in stub_compilers if name == nvfp4_gemm_wgmma.SOURCE.name}
+        assert tms == {int(tm)}, (tm, tms)
 
 
 def _tiny_prefill_model():
