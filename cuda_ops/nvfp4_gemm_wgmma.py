@@ -412,7 +412,7 @@ def _build_cached(p: WgmmaPlan) -> WgmmaKernel:
     return WgmmaKernel(plan=p, ptx=ptx)
 
 
-LINEAR_TM = 128  # the token tile of `build_linear` (and GemmOptions.wgmma_tm's default)
+LINEAR_TM = 128  # `build_linear`'s token tile by default (GemmOptions.wgmma_tm: "auto", `auto_tm`)
 LINEAR_TMS = (128, 256)
 # The stage copies of `build_linear`: BULK 3, x_hat pre-tiled (`to_stage_tiles`) and filled by
 # one bulk copy, the weights in their plain layout by cp.async, all on the stage's mbarrier, no

@@ -378,9 +378,11 @@ class Config:
     # 26.2 ms at batch 1 on an H100, experiments/results/xquant_tiles_h100/) or "xla" (XLA's
     # quantizer, wgmma_x_operand and to_stage_tiles fusions) (GemmOptions.wgmma_x_quant)
     gemm_wgmma_x_quant: str = "kernel"
-    # the wgmma GEMM's token tile: "128", "256" or "auto" (per shape: 256 where its tiles fill
-    # whole waves without a K split, `nvfp4_gemm_wgmma.auto_tm`) (GemmOptions.wgmma_tm)
-    gemm_wgmma_tm: str = "128"
+    # the wgmma GEMM's token tile: "auto" (per shape: 256 where its tiles fill whole waves
+    # without a K split, `nvfp4_gemm_wgmma.auto_tm`; 36-layer 512-token prefill at batch 1 23.2
+    # against 24.4 ms with "128" on an H100, experiments/results/dot_x_h100/), "128" or "256"
+    # (GemmOptions.wgmma_tm)
+    gemm_wgmma_tm: str = "auto"
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows

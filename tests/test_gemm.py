@@ -583,8 +583,8 @@ def test_wgmma_tm_auto_picks_the_tile_per_shape(stub_compilers):
     """GemmOptions.wgmma_tm / Config.gemm_wgmma_tm "auto": 256-token tiles where they fill whole
     waves without a K split and cost no more (`auto_tm`, 132 SMs): at 512 rows Qwen3-8B's qkv
     and gate_up (measured faster kernel alone on an H100), 128 for o and down (a K split);
-    at <= 256 rows always 128; with split_m the choice of split_m rows. The Config field
-    reaches the prefill's wgmma builds; bad values are refused."""
+    at <= 256 rows always 128; with split_m the choice of split_m rows. "auto" is the default;
+    the Config field reaches the prefill's wgmma builds; bad values are refused."""
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096),
               "down": (4096, 12288)}  # fmt: skip
     got = {name: nvfp4_gemm_wgmma.auto_tm(512, n, k, 132) for name, (n, k) in shapes.items()}
@@ -599,7 +599,7 @@ def test_wgmma_tm_auto_picks_the_tile_per_shape(stub_compilers):
     opts = nvfp4_gemm.GemmOptions(wgmma_tm="auto")
     assert kernels.wgmma_kernel(512, 24576, 4096, opts, False).plan.tm == 256
     assert kernels.wgmma_kernel(512, 4096, 12288, opts, False).plan.tm == 128
-    assert rconfig.Config().gemm_wgmma_tm == "128" and nvfp4_gemm.DEFAULT_OPTIONS.wgmma_tm == 128
+    assert rconfig.Config().gemm_wgmma_tm == nvfp4_gemm.DEFAULT_OPTIONS.wgmma_tm == "auto"
     assert rlayers.gemm_options(None, wgmma_tm="256").wgmma_tm == 256
     assert rlayers.gemm_options(None, wgmma_tm="auto").wgmma_tm == "auto"
     with pytest.raises(ValueError, match="unknown gemm_wgmma_tm '64'"):
@@ -751,7 +751,8 @@ def test_rows_above_max_m_take_the_dot_reference_by_choice(stub_compilers, monke
         got, text = entries(m, lambda x: kernels.nvfp4_linear(x, w))
         assert got == dq and "dot_general" in text, got
         got, text = entries(m, lambda x: fl.fused_linear(x, params, kernels="two"))
-        assert got == dq and "dot_general" in text, got
+        # the fused linear's activations from the quantizer kernel (dot_x "kernel", the default)
+        assert got == [nvfp4_quant.ENTRY, *dq] and "dot_general" in text, got
         got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w, gemm_options=unbounded))
         assert got[0] == nvfp4_gemm.ENTRY, got
         got, _ = entries(m, lambda x: kernels.nvfp4_linear(x, w, impl="cuda"))

@@ -412,6 +412,7 @@ def test_nvfp4_linear_takes_the_gemm_on_cuda(torch):
         (200, 1024, 2048, 128),
         (512, 6144, 4096, 256),
         (130, 4096, 12288, 128),
+        (300, 4096, 12288, 256),
     ],
 )
 def test_wgmma_linear_matches_float64_and_the_gemm(torch, m, n, k, tm):
