@@ -36,11 +36,18 @@ __device__ __forceinline__ float div_rn(float a, float b) {
   return q < F32_MIN ? 0.f : q;
 }
 
-// E2M1 magnitude code of a = |v| (RNE, saturating at 6): ties 0.25, 1.25, 2.5, 5 round down,
-// 0.75, 1.75, 3.5 up (nvfp4._e2m1_magnitude)
+// E2M1 magnitude code of a = |v| in [0, 6] (RNE: ties 0.25, 1.25, 2.5, 5 round down, 0.75,
+// 1.75, 3.5 up; nvfp4._e2m1_magnitude's thresholds). One add rounds a onto the E2M1 grid: the
+// grid's spacing is 0.5 below 2, 1 below 4 and 2 above, the ulp of 2^22, 2^23 and 2^24, so
+// a + 2^E (round to nearest even) is 2^E + u spacings, and u's parity is the code's (the grid's
+// ties go to the even code). The sum's bits are then 2^E's plus u, and the code is u plus the
+// codes below the range (0, 2, 4): one subtraction. Equal to the thresholds for every float in
+// [0, 6] (tests/test_quant_xhat.py checks all of them).
 __device__ __forceinline__ u32 e2m1_mag(float a) {
-  return (u32)(a > 0.25f) + (u32)(a >= 0.75f) + (u32)(a > 1.25f) + (u32)(a >= 1.75f) +
-         (u32)(a > 2.5f) + (u32)(a >= 3.5f) + (u32)(a > 5.0f);
+  const bool lo = a < 2.0f, mid = a < 4.0f;
+  const float magic = lo ? 4194304.0f : mid ? 8388608.0f : 16777216.0f;  // 2^22, 2^23, 2^24
+  const u32 base = lo ? 0x4A800000u : mid ? 0x4B000000u - 2u : 0x4B800000u - 4u;
+  return __float_as_uint(__fadd_rn(a, magic)) - base;
 }
 
 // The codes of N elements v of one block whose amax (over all 16) is `amax`, with global scale
@@ -59,8 +66,8 @@ __device__ __forceinline__ u32 block_codes(const float (&v)[N], float amax, cons
   u32 c = 0;
 #pragma unroll
   for (int j = 0; j < N; ++j) {
-    const float t = fminf(fmaxf(v[j] * os, -6.0f), 6.0f);
-    c |= (e2m1_mag(fabsf(t)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
+    const float t = v[j] * os;  // |t| saturates at 6; the sign bit is t's
+    c |= (e2m1_mag(fminf(fabsf(t), 6.0f)) | (__float_as_uint(t) >> 31 << 3)) << (4 * j);
   }
   return c;
 }
