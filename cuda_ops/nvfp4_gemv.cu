@@ -1444,9 +1444,12 @@ static_assert(!FIN_CLUSTER || (FIN_CLUSTER >= 2 && FIN_CLUSTER <= 8 && !FIN_CACH
                                K_IN == FIN_CLUSTER * QCHUNK),
               "FIN_CLUSTER: 2..8 CTAs a row (QCHUNK = K / C), PRO 0 or 1");
 // (its launch bounds ask for one CTA an SM: left to itself ptxas held a cluster build to 48
-// registers and spilled; with them it keeps the statistic loop's distributed loads unrolled)
+// registers and spilled; with them it keeps the statistic loop's distributed loads unrolled.
+// A FIN_CACHE build, one CTA a row, likewise: held to 48 registers it spilled 4 bytes)
 #if FIN_CLUSTER
 #define FIN_BOUNDS __launch_bounds__(NTHREADS, 1) __cluster_dims__(1, FIN_CLUSTER, 1)
+#elif FIN_CACHE
+#define FIN_BOUNDS __launch_bounds__(NTHREADS, 1)
 #else
 #define FIN_BOUNDS __launch_bounds__(NTHREADS)
 #endif
