@@ -14,7 +14,8 @@
 //   in QCHUNK-element chunks over the grid), for the plain W4A4 GEMV (codes and scales) or,
 //   with XHAT_OUT, for the tensor-core GEMM (its fp16 x_hat operand); with XHAT_OUT and
 //   FIN_SPLITK, that quantizer on a K-split GEMM's finish of its partials
-//   (nvfp4_finish_quantize: the finish and the next linear's quantizer in one launch).
+//   (nvfp4_finish_quantize: the finish and the next linear's quantizer in one launch), or with
+//   XHAT_OUT 3, FIN_SPLITK 1 and FIN_W_SHIFT 14 on the dot path's float32 sum (its bf16 values).
 //
 // Shape constants come in as -D at NVRTC time (cuda_ops/nvfp4_gemv.py plans them):
 //   M_TOK, N_OUT, K_IN      problem size (1 <= M_TOK <= 8, K_IN % 256 == 0)
@@ -937,6 +938,10 @@ __device__ __forceinline__ void ld8(float (&v)[8], const u16* p) {
 }
 
 #if FIN_SPLITK
+// FIN_W_SHIFT 14: the producer is the dot path's float32 sum (rejax.nvfp4.matmul_x_values, no
+// fp16 weight offset): a factor 1, so y = acc * (global_w * global_x) as that function forms it
+static_assert((FIN_W_SHIFT >= 0 && FIN_W_SHIFT <= 7) || (FIN_W_SHIFT == 14 && FIN_SPLITK == 1),
+              "FIN_W_SHIFT: a GEMM's 0..7, or 14 (the dot path's one float32 sum)");
 constexpr float FIN_UNSCALE = (float)(1 << (14 - FIN_W_SHIFT));
 
 // Columns c .. c + 7 of this row of x as the producer GEMM's split-K finish (nvfp4_gemm_finish,
@@ -1417,7 +1422,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 // the layer, and with FIN_RES the residual res [M, X_COLS]); then the prologue PRO and the
 // quantizer as nvfp4_quantize_bf16 with XHAT_OUT runs them: the same row statistics in the
 // same order (they do not depend on QCHUNK), so x_hat and xg_out are that kernel's bytes on the
-// finish's y. With FIN_STORE_Y each CTA also stores its chunk of x as bf16 to y [M, X_COLS]
+// finish's y. XHAT_OUT 1 stores the GEMM's fp16 x_hat, 3 the dot path's bf16 values (xbf8, in K
+// order); with FIN_W_SHIFT 14 the producer is the dot path's float32 sum [M, X_COLS] (gate_up's
+// dot read by down's SwiGLU quantizer: no bf16 gate_up output in between). With FIN_STORE_Y each CTA also stores its chunk of x as bf16 to y [M, X_COLS]
 // (the finish's y: the decoder's residual stream; PRO != 2). Grid (M, K_IN / QCHUNK): M is
 // gridDim.x, nothing is compiled for it. With FIN_CACHE (one CTA per row, QCHUNK = K_IN, PRO !=
 // 2) the CTA first forms the row's x once into shared memory (and y), and the statistics and
@@ -1503,8 +1510,12 @@ extern "C" __global__ void FIN_BOUNDS
     if constexpr (FIN_STORE_Y && !FIN_CACHE && !FIN_CLUSTER)
       *(uint4*)(y + row * X_COLS + e0) = fin8_bf16(xr, e0);
     const u32 c = quant8(xr, e0, sc);
+#if XHAT_OUT == 3
+    *(uint4*)(xh + row * K_IN + e0) = xbf8(c, sc);
+#else
     const int at = (e0 & ~127) | (((e0 >> 3) & 3) << 5) | (((e0 >> 5) & 3) << 3);  // 128c+32u+8t
     *(uint4*)(xh + row * K_IN + at) = xhat8(c, sc);
+#endif
   }
   if (blockIdx.y == 0 && threadIdx.x == 0) xg_out[row] = s_g[0];
 #if FIN_CLUSTER

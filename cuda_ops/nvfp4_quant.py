@@ -35,7 +35,10 @@ launch, the same bytes as the two launches (the row statistics do not depend on 
 optionally also storing the finish's y (the decoder's residual stream). With one CTA per row
 (chunk = K; prologue "none" / "rmsnorm") the CTA forms the row once in shared memory
 (FIN_CACHE), so each partial is read once, as by the finish kernel; with smaller chunks every
-CTA re-reads the row's partials for the RMSNorm statistic.
+CTA re-reads the row's partials for the RMSNorm statistic. The "xhat_bf16" form takes a finish
+too: `FinishIn.dot` is the dot path's producer, one float32 sum (XLA's bf16 dot of gate_up)
+that the kernel scales by the global scales and rounds to bf16 as `rejax.nvfp4.matmul_x_values`
+does, then down's SwiGLU quantizer runs on those values (`rejax.ops.mlp_dot`).
 
 Measured on the H200 (Qwen3-8B NVFP4; experiments/results/h200_c/ and h200_d/): with one CTA
 per row (chunk = K, 256 threads) the "codes" kernel took 6.9 us per call in a profile of the
@@ -72,6 +75,7 @@ from cuda_ops.build import (
 from cuda_ops.nvfp4_gemv import K_MULTIPLE, SOURCE, Fused, _drv_check
 
 __all__ = [
+    "DOT_W_SHIFT",
     "ENTRY",
     "FIN_ENTRY",
     "MAX_ROWS",
@@ -101,6 +105,8 @@ TILE_MS = (128, 256)  # "xhat_tiles": the wgmma GEMM's token tiles
 TILE_GROUP = 8  # "xhat_tiles": rows a CTA (one 8-token core-matrix group: whole 128-byte stores)
 TILES_MAX_CHUNK = 2048  # "xhat_tiles": the chunk's tile image is chunk * 16 bytes of shared memory
 XHAT_OUTPUTS = 2
+# FinishIn.w_shift of the dot path's float32 sum (no fp16 weight offset: a factor 2^0)
+DOT_W_SHIFT = 14
 THREADS = 128
 # rows are grid x (one CTA row per activation row): CUDA's limit
 MAX_ROWS = 2**31 - 1
@@ -115,11 +121,14 @@ _GEMV_DUMMIES = {
 class FinishIn:
     """The producer of a finish-quantizer's x: a K-split W4A4 GEMM whose float32 partials
     [splitk, M, X] (X = K, or 2K for the "swiglu" prologue) the kernel adds as that GEMM's
-    finish kernel does (`cuda_ops.nvfp4_gemm.GemmPlan`'s splitk, w_shift, gw_rows, residual).
+    finish kernel does (`cuda_ops.nvfp4_gemm.GemmPlan`'s splitk, w_shift, gw_rows, residual);
+    or (`FinishIn.dot`) the dot path's one float32 sum [M, X], y = bf16(sum * (global_w *
+    global_x)) as `rejax.nvfp4.matmul_x_values` forms it.
 
     Attributes:
         splitk: the producer's K split (its partials' leading dim), >= 1.
-        w_shift: the producer's GemmPlan.w_shift (its fp16 weight offset 2^(w_shift - 14)).
+        w_shift: the producer's GemmPlan.w_shift (its fp16 weight offset 2^(w_shift - 14)), 0..7;
+            `DOT_W_SHIFT` (14, splitk 1) for the dot path's sum.
         gw_rows: the producer's weight global scale is per row ([(L,) X]).
         residual: the finish adds a bf16 residual [M, X] (the producer's EPI_RES).
         store_y: also store the finish's y, bf16 [M, X] (prologue "none" / "rmsnorm").
@@ -143,10 +152,23 @@ class FinishIn:
     def __post_init__(self):
         if not isinstance(self.splitk, int) or self.splitk < 1:
             raise KernelError(f"FinishIn.splitk={self.splitk!r}, expected an int >= 1")
-        if not isinstance(self.w_shift, int) or not 0 <= self.w_shift <= 7:
-            raise KernelError(f"FinishIn.w_shift={self.w_shift!r}, expected an int in 0..7")
+        if not isinstance(self.w_shift, int) or not (
+            0 <= self.w_shift <= 7 or self.w_shift == DOT_W_SHIFT
+        ):
+            raise KernelError(
+                f"FinishIn.w_shift={self.w_shift!r}, expected an int in 0..7 or {DOT_W_SHIFT}"
+            )
+        if self.w_shift == DOT_W_SHIFT and self.splitk != 1:
+            raise KernelError(f"FinishIn.w_shift={DOT_W_SHIFT} (the dot path's sum) takes "
+                              f"splitk=1, got {self.splitk}")  # fmt: skip
         if not isinstance(self.next_layers, int) or self.next_layers < 0:
             raise KernelError(f"FinishIn.next_layers={self.next_layers!r}, expected an int >= 0")
+
+    @classmethod
+    def dot(cls, gw_rows: bool) -> FinishIn:
+        """The dot path's producer: XLA's float32 sum [M, X] of a bf16 dot, whose weight
+        global scale is per row (`gw_rows`, [(L,) X]) or one ([(L,)])."""
+        return cls(splitk=1, w_shift=DOT_W_SHIFT, gw_rows=bool(gw_rows))
 
     def defines(self) -> dict:
         return {
@@ -354,7 +376,8 @@ def build(
     "xhat_bf16" (the same values as bf16 in natural K order, the dot path's operand) or
     "xhat_tiles" (the wgmma GEMM's x_hat stage tiles of `tile_m` tokens, `TILE_MS`, and the
     global scale; compiled for this M). `finish`: x is not an operand but a K-split GEMM's
-    finish of its partials (`FinishIn`; the entry `FIN_ENTRY`, "xhat" form only).
+    finish of its partials, or the dot path's float32 sum (`FinishIn`; the entry `FIN_ENTRY`,
+    "xhat" and "xhat_bf16" forms).
 
     Raises KernelError when NVRTC is missing or the shape, chunking or form is unsupported.
     """
@@ -363,8 +386,8 @@ def build(
     if finish is not None:
         if not isinstance(finish, FinishIn):
             raise KernelError(f"finish must be a FinishIn, got {type(finish).__name__}")
-        if out != "xhat":
-            raise KernelError(f"finish= writes the GEMM's x_hat: out='xhat', got {out!r}")
+        if out not in ("xhat", "xhat_bf16"):
+            raise KernelError(f"finish= writes x_hat: out='xhat' or 'xhat_bf16', got {out!r}")
         if finish.store_y and fused.prologue == "swiglu":
             raise KernelError("FinishIn.store_y stores the linear's input rows: not with swiglu")
         if finish.cluster and fused.prologue == "swiglu":

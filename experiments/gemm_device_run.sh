@@ -28,7 +28,9 @@
 # optimization barrier, or written by the quantizer kernel, against fused into XLA's GEMM;
 # batch-8 prefill); rows_inner (experiments/kernels/quant_tiles_rows_inner.patch in a copy of
 # the tree: tiles GPU tests, bench_quant_tiles.py against this tree); wgmma_xquant (the
-# quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill).
+# quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill);
+# pending (the GPU tests that the last kernel changes have not met); mlp_dot
+# (Config.gate_up_dot_out "float32" against "bf16": GPU tests, batch-8 prefill, profile).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -311,6 +313,34 @@ PY
           --out "$out/decode_xq_$xq.json" > "$out/decode_xq_$xq.log" 2>&1
         echo "$xq rc=$?"; grep -E "ms/token|FAILED|Error" "$out/decode_xq_$xq.log"
       done;;
+    pending)
+      # the GPU tests the one-add E2M1 rounding and the finish-quantizer's launch bounds have
+      # not met yet: the fused GEMV's in-kernel quantization, the quantizer kernel (all forms),
+      # the dot path's activations, the finish-quantizers, rejax.ops.mlp_dot
+      timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -rA -m gpu -p no:cacheprovider \
+        tests/test_quant_kernel_gpu.py tests/test_mlp_dot_gpu.py \
+        "tests/test_fused_linear_gpu.py::test_in_kernel_quantization_equals_quantize_activation" \
+        tests/test_dequant_gpu.py tests/test_fused_block_gpu.py -k "not sanitizer" \
+        > "$out/pending_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/pending_pytest.log" | tail -12;;
+    mlp_dot)
+      # Config.gate_up_dot_out "float32" (rejax.ops.mlp_dot: down's SwiGLU quantizer reads
+      # gate_up's float32 dot sum) against "bf16": GPU tests, then 36 layers at batch 8
+      # (4096-row prefill; bf16 beside the first), then the 8-layer prefill profile
+      timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -rA -m gpu tests/test_mlp_dot_gpu.py \
+        -p no:cacheprovider > "$out/mlp_dot_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/mlp_dot_pytest.log" | tail -5
+      for go in float32 bf16; do
+        modes="nvfp4"; [ $go = float32 ] && modes="nvfp4 bf16"
+        timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes $modes \
+          --batch 8 --gen-len 32 --repeats 3 --no-breakdown --gate-up-dot-out $go \
+          --out "$out/decode_gdo_$go.json" > "$out/decode_gdo_$go.log" 2>&1
+        echo "$go rc=$?"; grep -E "ms/token|prefill|FAILED|Error" "$out/decode_gdo_$go.log"
+      done
+      timeout ${PROFILE_TIMEOUT:-200} python3 experiments/profile_step.py --phase prefill \
+        --layers 8 --steps 2 --variant nvfp4:8 --variant nvfp4:8:gate_up_dot_out=float32 \
+        --out "$out/prefill_profile_gdo.json" > "$out/prefill_profile_gdo.log" 2>&1
+      echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_gdo.log" | head -24;;
     rows_inner)
       # experiments/kernels/quant_tiles_rows_inner.patch (the tiles form's row statistics with
       # the rows as the inner loop) in a copy of the tree: the tiles GPU tests there, then

@@ -91,6 +91,14 @@ ATTENTION_OUTPUTS = ("bf16", "nvfp4")
 # new tokens, one run, repeats within 0.2%); at batch 8 the GEMM's rows, where it does not
 # apply (experiments/results/h200_w/).
 GATE_UP_OUTPUTS = ("bf16", "nvfp4")
+# What gate_up hands down_proj on the dot path (W4A4 NVFP4 decoders, prefill rows above
+# gemm_max_m outside the wgmma range, gemm_dot_dequant and gemm_dot_x "kernel"): "bf16" (XLA
+# scales gate_up's float32 dot sum by the global scales and rounds it to bf16; down's SwiGLU
+# quantizer kernel reads that) or "float32" (rejax.ops.mlp_dot: down's quantizer kernel reads
+# the float32 sum and forms the same bf16 values itself, so one fusion and the bf16 round trip
+# of gate_up's output go; the same bytes on CUDA, bitwise "bf16" elsewhere). "bf16" is the
+# default until the GPU has checked and timed "float32" (experiments/DECODE_NOTES.md).
+GATE_UP_DOT_OUTS = ("bf16", "float32")
 # How o_proj hands gate_up its input (W4A4 NVFP4 decoders, decode steps): "bf16" (o_proj's
 # GEMV writes the residual stream y, gate_up's quantizer then applies post_attention_layernorm
 # and writes gate_up's NVFP4 input) or "nvfp4" (rejax.ops.fused_linear.linear_norm_out: on CUDA
@@ -333,6 +341,7 @@ class Config:
     linear_fusion: str = "split"
     attention_output: str = "bf16"
     gate_up_output: str = "nvfp4"
+    gate_up_dot_out: str = "bf16"
     o_proj_output: str = "bf16"
     kv_dtype: str = "bf16"
     rope_fusion: str = "fused"
@@ -434,6 +443,11 @@ class Config:
         if self.gate_up_output not in GATE_UP_OUTPUTS:
             raise ValueError(
                 f"unknown gate_up_output {self.gate_up_output!r}; expected one of {GATE_UP_OUTPUTS}"
+            )
+        if self.gate_up_dot_out not in GATE_UP_DOT_OUTS:
+            raise ValueError(
+                f"unknown gate_up_dot_out {self.gate_up_dot_out!r}; expected one of "
+                f"{GATE_UP_DOT_OUTS}"
             )
         if self.rope_fusion not in ROPE_FUSIONS:
             raise ValueError(

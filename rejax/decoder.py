@@ -64,6 +64,7 @@ from rejax.ops.fused_linear import (
     swiglu_kernel_supported,
     takes_codes,
 )
+from rejax.ops.mlp_dot import mlp_dot, mlp_dot_supported
 from rejax.ops.rope_cache import rope_cache
 
 
@@ -418,7 +419,15 @@ def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, ge
     (experiments/kernels/nvfp4_block_tma.py's `install`)."""
     att, mlp = lw["self_attn"], lw["mlp"]
     rows = x.shape[0] * x.shape[1]
-    if cfg.gemm_chain != "split" and kernels == "two" and rows >= gemm["gemm_options"].min_m:
+    go = gemm["gemm_options"]
+    # (on the dot path's rows the block is its three linears; with Config.gate_up_dot_out
+    # "float32" the last two go as one op, in `_mlp`)
+    if (
+        cfg.gemm_chain != "split"
+        and kernels == "two"
+        and rows >= go.min_m
+        and not mlp_dot_out(cfg, mlp, rows, go)
+    ):
         return post_attention_block(
             out.astype(x.dtype), x, att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
             norm=lw["post_attention_layernorm"]["scale"], layer=i, eps=cfg.rms_norm_eps,
@@ -437,6 +446,10 @@ def _mlp(x, lw, mlp, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.
     Config.gate_up_output "nvfp4" where it applies, gate_up writes down's NVFP4 input."""
     norm = lw["post_attention_layernorm"]["scale"]
     rows = x.shape[0] * x.shape[1]
+    if mlp_dot_out(cfg, mlp, rows, gemm["gemm_options"]):
+        y = mlp_dot(x.reshape(rows, x.shape[-1]), mlp["gate_up_proj"], mlp["down_proj"], layer=i,
+                    norm=norm, eps=cfg.rms_norm_eps, kernels=kernels, **gemm)  # fmt: skip
+        return y.reshape(x.shape)
     if swiglu_codes_out(cfg, mlp, rows, kernels, gemm["gemm_options"]):
         x2 = x.reshape(rows, x.shape[-1])
         xq = fused_linear_swiglu(x2, mlp["gate_up_proj"], mlp["down_proj"]["input_scale"],
@@ -485,6 +498,13 @@ def norm_codes_out(
         and mlp["gate_up_proj"].get("input_scale") is not None
         and norm_out_supported(rows, n, k, gemm["gemm_options"])[0]
     )
+
+
+def mlp_dot_out(cfg: Config, mlp: dict, rows: int, gemm_options) -> bool:
+    """Whether down's quantizer reads gate_up's float32 dot sum (Config.gate_up_dot_out
+    "float32" where `rejax.ops.mlp_dot.mlp_dot_supported` holds: the dot path's rows)."""
+    shapes = (mlp["gate_up_proj"]["weight"].shape, mlp["down_proj"]["weight"].shape)
+    return cfg.gate_up_dot_out == "float32" and mlp_dot_supported(rows, *shapes, gemm_options)[0]
 
 
 def swiglu_codes_out(cfg: Config, mlp: dict, rows: int, kernels: str, gemm_options) -> bool:

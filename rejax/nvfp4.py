@@ -950,9 +950,20 @@ def matmul_x_values(
     """`matmul_q_values` from the activations' exact bf16 values e2m1 * SFx [M, K] (e.g. the
     quantizer kernel's "xhat_bf16" form) and their global scale [] or [M] (or [M, 1]): the
     same operations, so the same bits."""
+    return scale_x_values_sum(x_values_sum(x_values, w_values), x_global, w_global)
+
+
+def x_values_sum(x_values: jax.Array, w_values: jax.Array) -> jax.Array:
+    """`matmul_x_values`' float32 sum [M, N] of the exact bf16 values x [M, K] and w [N, K]
+    (before the global scales): one bf16 dot with float32 accumulation."""
+    return _exact_dot(x_values, w_values)
+
+
+def scale_x_values_sum(acc: jax.Array, x_global: jax.Array, w_global: jax.Array) -> jax.Array:
+    """`matmul_x_values` from its float32 sum `acc` [M, N]: bf16(acc * (w_global * x_global)),
+    w_global [] or [N], x_global [] or [M] (or [M, 1])."""
     xg = jnp.asarray(x_global).astype(jnp.float32)
     xg = xg[:, None] if xg.ndim == 1 else xg
-    acc = _exact_dot(x_values, w_values)
     g = jnp.asarray(w_global).astype(jnp.float32)
     alpha = (g[None, :] if g.ndim == 1 else g) * xg
     return (acc * alpha).astype(jnp.bfloat16)

@@ -395,7 +395,8 @@ def test_kernel_xhat_bf16_model_equals_the_scaled_values_bitwise(k):
 def test_xhat_bf16_form_builds(tmp_path, monkeypatch):
     """ "xhat_bf16": XHAT_OUT = 3, the "xhat" form's chunking (one CTA a row from
     ROW_CTA_MIN_M rows), outputs bf16 [M, K] and float32 [M]; ptxas builds it for sm_90 without
-    a stack frame; finish= is refused (that form is "xhat" only)."""
+    a stack frame; the stage-tile form refuses finish= (the finish forms are "xhat" and
+    "xhat_bf16", tests/test_mlp_dot.py)."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     nvfp4_quant._build_cached.cache_clear()
     try:
@@ -416,8 +417,8 @@ def test_xhat_bf16_form_builds(tmp_path, monkeypatch):
                                    arch="sm_90", name=nvfp4_gemv.SOURCE)  # fmt: skip
             assert "0 bytes stack frame" in log, log
         fin = nvfp4_quant.FinishIn(splitk=2)
-        with pytest.raises(nvfp4_gemv.KernelError, match="out='xhat', got 'xhat_bf16'"):
-            nvfp4_quant.build(64, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat_bf16",
+        with pytest.raises(nvfp4_gemv.KernelError, match="'xhat_bf16', got 'xhat_tiles'"):
+            nvfp4_quant.build(64, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out="xhat_tiles",
                               finish=fin)  # fmt: skip
     finally:
         nvfp4_quant._build_cached.cache_clear()
