@@ -29,7 +29,7 @@
 # batch-8 prefill); rows_inner (experiments/kernels/quant_tiles_rows_inner.patch in a copy of
 # the tree: tiles GPU tests, bench_quant_tiles.py against this tree); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill);
-# pending (the GPU tests that the last kernel changes have not met); mlp_dot
+# pending_quant, pending_paths (the GPU tests that the last kernel changes have not met); mlp_dot
 # (Config.gate_up_dot_out "float32" against "bf16": GPU tests, batch-8 prefill, profile).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
@@ -313,16 +313,20 @@ PY
           --out "$out/decode_xq_$xq.json" > "$out/decode_xq_$xq.log" 2>&1
         echo "$xq rc=$?"; grep -E "ms/token|FAILED|Error" "$out/decode_xq_$xq.log"
       done;;
-    pending)
+    pending_quant|pending_paths)
       # the GPU tests the one-add E2M1 rounding and the finish-quantizer's launch bounds have
-      # not met yet: the fused GEMV's in-kernel quantization, the quantizer kernel (all forms),
-      # the dot path's activations, the finish-quantizers, rejax.ops.mlp_dot
-      timeout ${PYTEST_TIMEOUT:-420} python3 -m pytest -rA -m gpu -p no:cacheprovider \
-        tests/test_quant_kernel_gpu.py tests/test_mlp_dot_gpu.py \
-        "tests/test_fused_linear_gpu.py::test_in_kernel_quantization_equals_quantize_activation" \
-        tests/test_dequant_gpu.py tests/test_fused_block_gpu.py -k "not sanitizer" \
-        > "$out/pending_pytest.log" 2>&1
-      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/pending_pytest.log" | tail -12;;
+      # not met yet, in two calls (each about 5 minutes): pending_quant the quantizer kernel
+      # (all forms) and the fused GEMV's in-kernel quantization; pending_paths the dot path's
+      # activations, the finish-quantizers and rejax.ops.mlp_dot
+      if [ $phase = pending_quant ]; then
+        tests="tests/test_quant_kernel_gpu.py
+          tests/test_fused_linear_gpu.py::test_in_kernel_quantization_equals_quantize_activation"
+      else
+        tests="tests/test_dequant_gpu.py tests/test_fused_block_gpu.py tests/test_mlp_dot_gpu.py"
+      fi
+      timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -rA -m gpu -p no:cacheprovider $tests \
+        -k "not sanitizer" > "$out/${phase}_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/${phase}_pytest.log" | tail -12;;
     mlp_dot)
       # Config.gate_up_dot_out "float32" (rejax.ops.mlp_dot: down's SwiGLU quantizer reads
       # gate_up's float32 dot sum) against "bf16": GPU tests, then 36 layers at batch 8
