@@ -68,7 +68,7 @@ CHOICE_FIELDS = {
     "gemm_wgmma_x_quant": rconfig.GEMM_WGMMA_X_QUANTS,
     "gemm_dot_x": rconfig.GEMM_DOT_XS,
     "gemm_wgmma_tm": rconfig.GEMM_WGMMA_TMS,
-    "gate_up_dot_out": rconfig.GATE_UP_DOT_OUTS,
+    "gemm_dot_finish": rconfig.GEMM_DOT_FINISHES,
 }
 
 

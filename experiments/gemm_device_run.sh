@@ -29,8 +29,9 @@
 # batch-8 prefill); rows_inner (experiments/kernels/quant_tiles_rows_inner.patch in a copy of
 # the tree: tiles GPU tests, bench_quant_tiles.py against this tree); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill);
-# pending_quant, pending_paths (the GPU tests that the last kernel changes have not met); mlp_dot
-# (Config.gate_up_dot_out "float32" against "bf16": GPU tests, batch-8 prefill, profile).
+# pending_quant, pending_paths (the GPU tests that the last kernel changes have not met);
+# dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
+# prefill, profile).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -317,34 +318,35 @@ PY
       # the GPU tests the one-add E2M1 rounding and the finish-quantizer's launch bounds have
       # not met yet, in two calls (each about 5 minutes): pending_quant the quantizer kernel
       # (all forms) and the fused GEMV's in-kernel quantization; pending_paths the dot path's
-      # activations, the finish-quantizers and rejax.ops.mlp_dot
+      # activations, the finish-quantizers and rejax.ops.dot_block
       if [ $phase = pending_quant ]; then
         tests="tests/test_quant_kernel_gpu.py
           tests/test_fused_linear_gpu.py::test_in_kernel_quantization_equals_quantize_activation"
       else
-        tests="tests/test_dequant_gpu.py tests/test_fused_block_gpu.py tests/test_mlp_dot_gpu.py"
+        tests="tests/test_dequant_gpu.py tests/test_fused_block_gpu.py tests/test_dot_block_gpu.py"
       fi
       timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -rA -m gpu -p no:cacheprovider $tests \
         -k "not sanitizer" > "$out/${phase}_pytest.log" 2>&1
       echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/${phase}_pytest.log" | tail -12;;
-    mlp_dot)
-      # Config.gate_up_dot_out "float32" (rejax.ops.mlp_dot: down's SwiGLU quantizer reads
-      # gate_up's float32 dot sum) against "bf16": GPU tests, then 36 layers at batch 8
-      # (4096-row prefill; bf16 beside the first), then the 8-layer prefill profile
-      timeout ${PYTEST_TIMEOUT:-200} python3 -m pytest -rA -m gpu tests/test_mlp_dot_gpu.py \
-        -p no:cacheprovider > "$out/mlp_dot_pytest.log" 2>&1
-      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/mlp_dot_pytest.log" | tail -5
-      for go in float32 bf16; do
-        modes="nvfp4"; [ $go = float32 ] && modes="nvfp4 bf16"
+    dot_finish)
+      # Config.gemm_dot_finish (rejax.ops.dot_block: the next quantizer reads a dot's float32
+      # sum; "swiglu" down's, "block" gate_up's too) against "split": GPU tests, then 36 layers
+      # at batch 8 (4096-row prefill; bf16 beside the first), then the 8-layer prefill profile
+      timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -rA -m gpu tests/test_dot_block_gpu.py \
+        -p no:cacheprovider > "$out/dot_finish_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/dot_finish_pytest.log" | tail -5
+      for df in block swiglu split; do
+        modes="nvfp4"; [ $df = block ] && modes="nvfp4 bf16"
         timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes $modes \
-          --batch 8 --gen-len 32 --repeats 3 --no-breakdown --gate-up-dot-out $go \
-          --out "$out/decode_gdo_$go.json" > "$out/decode_gdo_$go.log" 2>&1
-        echo "$go rc=$?"; grep -E "ms/token|prefill|FAILED|Error" "$out/decode_gdo_$go.log"
+          --batch 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-dot-finish $df \
+          --out "$out/decode_df_$df.json" > "$out/decode_df_$df.log" 2>&1
+        echo "$df rc=$?"; grep -E "ms/token|prefill|FAILED|Error" "$out/decode_df_$df.log"
       done
       timeout ${PROFILE_TIMEOUT:-200} python3 experiments/profile_step.py --phase prefill \
-        --layers 8 --steps 2 --variant nvfp4:8 --variant nvfp4:8:gate_up_dot_out=float32 \
-        --out "$out/prefill_profile_gdo.json" > "$out/prefill_profile_gdo.log" 2>&1
-      echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_gdo.log" | head -24;;
+        --layers 8 --steps 2 --variant nvfp4:8 --variant nvfp4:8:gemm_dot_finish=swiglu \
+        --variant nvfp4:8:gemm_dot_finish=block \
+        --out "$out/prefill_profile_df.json" > "$out/prefill_profile_df.log" 2>&1
+      echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_df.log" | head -30;;
     rows_inner)
       # experiments/kernels/quant_tiles_rows_inner.patch (the tiles form's row statistics with
       # the rows as the inner loop) in a copy of the tree: the tiles GPU tests there, then

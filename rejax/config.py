@@ -91,14 +91,17 @@ ATTENTION_OUTPUTS = ("bf16", "nvfp4")
 # new tokens, one run, repeats within 0.2%); at batch 8 the GEMM's rows, where it does not
 # apply (experiments/results/h200_w/).
 GATE_UP_OUTPUTS = ("bf16", "nvfp4")
-# What gate_up hands down_proj on the dot path (W4A4 NVFP4 decoders, prefill rows above
-# gemm_max_m outside the wgmma range, gemm_dot_dequant and gemm_dot_x "kernel"): "bf16" (XLA
-# scales gate_up's float32 dot sum by the global scales and rounds it to bf16; down's SwiGLU
-# quantizer kernel reads that) or "float32" (rejax.ops.mlp_dot: down's quantizer kernel reads
-# the float32 sum and forms the same bf16 values itself, so one fusion and the bf16 round trip
-# of gate_up's output go; the same bytes on CUDA, bitwise "bf16" elsewhere). "bf16" is the
-# default until the GPU has checked and timed "float32" (experiments/DECODE_NOTES.md).
-GATE_UP_DOT_OUTS = ("bf16", "float32")
+# How a linear hands the next one its output on the dot path (W4A4 NVFP4 decoders, prefill
+# rows above gemm_max_m outside the wgmma range, gemm_dot_dequant and gemm_dot_x "kernel"):
+# "split" (XLA scales each dot's float32 sum by the global scales, rounds it to bf16 and adds
+# the residual; the next quantizer kernel reads that), "swiglu" (rejax.ops.dot_block.mlp_dot:
+# down's SwiGLU quantizer kernel reads gate_up's float32 sum and forms the same bf16 values
+# itself, so one fusion over [M, 2F] and its bf16 round trip go) or "block"
+# (rejax.ops.dot_block.post_attention_dot: also gate_up's RMSNorm quantizer on o_proj's sum and
+# the residual, storing the residual stream). The same bytes on CUDA, bitwise "split"
+# elsewhere. "split" is the default until the GPU has checked and timed the others
+# (experiments/DECODE_NOTES.md).
+GEMM_DOT_FINISHES = ("split", "swiglu", "block")
 # How o_proj hands gate_up its input (W4A4 NVFP4 decoders, decode steps): "bf16" (o_proj's
 # GEMV writes the residual stream y, gate_up's quantizer then applies post_attention_layernorm
 # and writes gate_up's NVFP4 input) or "nvfp4" (rejax.ops.fused_linear.linear_norm_out: on CUDA
@@ -341,7 +344,6 @@ class Config:
     linear_fusion: str = "split"
     attention_output: str = "bf16"
     gate_up_output: str = "nvfp4"
-    gate_up_dot_out: str = "bf16"
     o_proj_output: str = "bf16"
     kv_dtype: str = "bf16"
     rope_fusion: str = "fused"
@@ -375,6 +377,7 @@ class Config:
     # their decode into its GEMM) or "materialized" (an optimization barrier in front of the
     # dot: 164.0 ms) (GemmOptions.dot_x)
     gemm_dot_x: str = "kernel"
+    gemm_dot_finish: str = "split"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"
@@ -444,10 +447,10 @@ class Config:
             raise ValueError(
                 f"unknown gate_up_output {self.gate_up_output!r}; expected one of {GATE_UP_OUTPUTS}"
             )
-        if self.gate_up_dot_out not in GATE_UP_DOT_OUTS:
+        if self.gemm_dot_finish not in GEMM_DOT_FINISHES:
             raise ValueError(
-                f"unknown gate_up_dot_out {self.gate_up_dot_out!r}; expected one of "
-                f"{GATE_UP_DOT_OUTS}"
+                f"unknown gemm_dot_finish {self.gemm_dot_finish!r}; expected one of "
+                f"{GEMM_DOT_FINISHES}"
             )
         if self.rope_fusion not in ROPE_FUSIONS:
             raise ValueError(

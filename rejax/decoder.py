@@ -46,6 +46,7 @@ from rejax.ops.decode_attention import (
     default_num_splits,
     prefill_attention,
 )
+from rejax.ops.dot_block import dot_block_supported, mlp_dot, post_attention_dot
 from rejax.ops.fused_block import (
     block_supported,
     post_attention_block,
@@ -64,7 +65,6 @@ from rejax.ops.fused_linear import (
     swiglu_kernel_supported,
     takes_codes,
 )
-from rejax.ops.mlp_dot import mlp_dot, mlp_dot_supported
 from rejax.ops.rope_cache import rope_cache
 
 
@@ -414,19 +414,29 @@ def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, ge
     with Config.gemm_chain "fused" on the GEMM's rows, the whole of it as one op
     (`post_attention_block`: each K-split GEMM's finish and the next quantizer in one launch;
     "swiglu_rope": only gate_up's finish and down's quantizer; "cluster": as "fused", the
-    RMSNorm finish-quantizers as thread-block clusters).
+    RMSNorm finish-quantizers as thread-block clusters). On the dot path's rows with
+    Config.gemm_dot_finish "block" `post_attention_dot` (each dot's float32 sum read by the next
+    quantizer), with "swiglu" o_proj then `mlp_dot` (in `_mlp`).
     One function, so an experiment can swap the whole post-attention block of the decode step
     (experiments/kernels/nvfp4_block_tma.py's `install`)."""
     att, mlp = lw["self_attn"], lw["mlp"]
     rows = x.shape[0] * x.shape[1]
     go = gemm["gemm_options"]
-    # (on the dot path's rows the block is its three linears; with Config.gate_up_dot_out
-    # "float32" the last two go as one op, in `_mlp`)
+    if cfg.gemm_dot_finish == "block" and o_kernels == kernels and dot_finish(cfg, lw, rows, go):
+        y = post_attention_dot(
+            out.astype(x.dtype).reshape(rows, -1), x.reshape(rows, x.shape[-1]), att["o_proj"],
+            mlp["gate_up_proj"], mlp["down_proj"], layer=i,
+            norm=lw["post_attention_layernorm"]["scale"], eps=cfg.rms_norm_eps, kernels=kernels,
+            **gemm,
+        )  # fmt: skip
+        return y.reshape(x.shape)
+    # (on the dot path's rows post_attention_block is its three linears: with "swiglu" the last
+    # two go as one op, in `_mlp`)
     if (
         cfg.gemm_chain != "split"
         and kernels == "two"
         and rows >= go.min_m
-        and not mlp_dot_out(cfg, mlp, rows, go)
+        and not dot_finish(cfg, lw, rows, go)
     ):
         return post_attention_block(
             out.astype(x.dtype), x, att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],
@@ -446,7 +456,7 @@ def _mlp(x, lw, mlp, i, cfg: Config, kernels: str, gemm: dict, prefetch) -> jax.
     Config.gate_up_output "nvfp4" where it applies, gate_up writes down's NVFP4 input."""
     norm = lw["post_attention_layernorm"]["scale"]
     rows = x.shape[0] * x.shape[1]
-    if mlp_dot_out(cfg, mlp, rows, gemm["gemm_options"]):
+    if dot_finish(cfg, lw, rows, gemm["gemm_options"], with_o=False):
         y = mlp_dot(x.reshape(rows, x.shape[-1]), mlp["gate_up_proj"], mlp["down_proj"], layer=i,
                     norm=norm, eps=cfg.rms_norm_eps, kernels=kernels, **gemm)  # fmt: skip
         return y.reshape(x.shape)
@@ -500,11 +510,15 @@ def norm_codes_out(
     )
 
 
-def mlp_dot_out(cfg: Config, mlp: dict, rows: int, gemm_options) -> bool:
-    """Whether down's quantizer reads gate_up's float32 dot sum (Config.gate_up_dot_out
-    "float32" where `rejax.ops.mlp_dot.mlp_dot_supported` holds: the dot path's rows)."""
+def dot_finish(cfg: Config, lw: dict, rows: int, gemm_options, with_o: bool = True) -> bool:
+    """Whether the next quantizer reads a dot's float32 sum (Config.gemm_dot_finish "swiglu" or
+    "block" where `rejax.ops.dot_block.dot_block_supported` holds: the dot path's rows), for
+    the post-attention half (`with_o`) or the feed-forward half alone."""
+    mlp = lw["mlp"]
     shapes = (mlp["gate_up_proj"]["weight"].shape, mlp["down_proj"]["weight"].shape)
-    return cfg.gate_up_dot_out == "float32" and mlp_dot_supported(rows, *shapes, gemm_options)[0]
+    if with_o:
+        shapes = (lw["self_attn"]["o_proj"]["weight"].shape, *shapes)
+    return cfg.gemm_dot_finish != "split" and dot_block_supported(rows, shapes, gemm_options)[0]
 
 
 def swiglu_codes_out(cfg: Config, mlp: dict, rows: int, kernels: str, gemm_options) -> bool:

@@ -396,7 +396,7 @@ def test_xhat_bf16_form_builds(tmp_path, monkeypatch):
     """ "xhat_bf16": XHAT_OUT = 3, the "xhat" form's chunking (one CTA a row from
     ROW_CTA_MIN_M rows), outputs bf16 [M, K] and float32 [M]; ptxas builds it for sm_90 without
     a stack frame; the stage-tile form refuses finish= (the finish forms are "xhat" and
-    "xhat_bf16", tests/test_mlp_dot.py)."""
+    "xhat_bf16", tests/test_dot_block.py)."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     nvfp4_quant._build_cached.cache_clear()
     try:
