@@ -248,3 +248,23 @@ _MATH_PROBLEMS = [
 def math_problems():
     """Three {"problem", "answer"} rows (a fresh copy per test)."""
     return [dict(p) for p in _MATH_PROBLEMS]
+
+
+@pytest.fixture
+def quant_defines(tmp_path, monkeypatch):
+    """The defines of every quantizer kernel compiled while the test runs (NVRTC still runs,
+    into a fresh kernel cache)."""
+    from cuda_ops import nvfp4_quant
+
+    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
+    nvfp4_quant._build_cached.cache_clear()
+    seen = []
+    compile_ptx = nvfp4_quant.compile_ptx
+
+    def recording(source, *, defines, **kw):
+        seen.append(dict(defines))
+        return compile_ptx(source, defines=defines, **kw)
+
+    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
+    yield seen
+    nvfp4_quant._build_cached.cache_clear()

@@ -135,7 +135,7 @@ def _feeds_a_custom_call(text: str, rows: int, cols: int) -> bool:
 
 
 @pytest.mark.parametrize("with_o", [False, True])
-def test_cuda_lowering_hands_each_float32_sum_to_the_next_quantizer(with_o, tmp_path, monkeypatch):
+def test_cuda_lowering_hands_each_float32_sum_to_the_next_quantizer(with_o, quant_defines):
     """On the dot path (2100 rows) the CUDA lowering is: the first linear's quantizer
     ("xhat_bf16"), the dequantizer and one dot whose float32 result the finish-quantizer reads
     ("xhat_bf16", FIN_SPLITK 1, FIN_W_SHIFT 14: for gate_up's input with the RMSNorm, the
@@ -143,48 +143,36 @@ def test_cuda_lowering_hands_each_float32_sum_to_the_next_quantizer(with_o, tmp_
     SwiGLU and gate_up's per-row weight scales), and so on to down's dot: no bf16 [M, 2F]
     tensor, where the fused linears have one (and a quantizer a linear). At the wgmma GEMM's
     rows (300) and the GEMV's (8) the op lowers as the fused linears do."""
-    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
-    seen = []
-    compile_ptx = nvfp4_quant.compile_ptx
-
-    def recording(source, *, defines, **kw):
-        seen.append(dict(defines))
-        return compile_ptx(source, defines=defines, **kw)
-
-    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
-    nvfp4_quant._build_cached.cache_clear()
+    seen = quant_defines
     gu, dn, norm, op = _mlp(True)
     op = op if with_o else None
     layer = jnp.int32(1)
     q, dq, fin = nvfp4_quant.ENTRY, "nvfp4_dequant_bf16", nvfp4_quant.FIN_ENTRY
-    try:
-        args = (*_inputs(ROWS), layer)
-        one = _cuda_text(_one(gu, dn, norm, op, kernels="two"), *args)
-        two = _cuda_text(_two(gu, dn, norm, op, kernels="two"), *args)
-        assert _names(one) == [q, dq] + [fin, dq] * (2 if with_o else 1), _names(one)
-        assert _names(two) == [q, dq] * (3 if with_o else 2), _names(two)
-        assert f"tensor<{ROWS}x{2 * F}xbf16>" in two
-        assert f"tensor<{ROWS}x{2 * F}xbf16>" not in one
-        assert _feeds_a_custom_call(one, ROWS, 2 * F)
-        assert _feeds_a_custom_call(one, ROWS, D) == with_o
-        fins = [d for d in seen if d.get("FIN_SPLITK")]
-        assert len(fins) == (2 if with_o else 1), fins
-        got = [(d["XHAT_OUT"], d["FIN_SPLITK"], d["FIN_W_SHIFT"], d["FIN_GW_ROWS"], d["PRO"],
-                d["K_IN"], d["FIN_RES"], d["FIN_STORE_Y"], d.get("FIN_CACHE", 0),
-                d["NTHREADS"]) for d in fins]  # fmt: skip
-        want = [(3, 1, 14, 1, 2, F, 0, 0, 0, min(128, F // 8))]
-        if with_o:  # o_proj's weight scale is one a matrix
-            want.insert(0, (3, 1, 14, 0, 1, D, 1, 1, 1, min(128, D // 8)))
-        assert got == want, got
-        # the wgmma range and the GEMV's rows: the fused linears' lowering
-        for m in (300, 8):
-            args = (*_inputs(m), layer)
-            shapes = ((D, K_O),) if with_o else ()
-            assert not dot_block_supported(m, (*shapes, (2 * F, D), (D, F)))[0]
-            got = _cuda_text(_one(gu, dn, norm, op, kernels="two"), *args)
-            assert _names(got) == _names(_cuda_text(_two(gu, dn, norm, op, kernels="two"), *args))
-    finally:
-        nvfp4_quant._build_cached.cache_clear()
+    args = (*_inputs(ROWS), layer)
+    one = _cuda_text(_one(gu, dn, norm, op, kernels="two"), *args)
+    two = _cuda_text(_two(gu, dn, norm, op, kernels="two"), *args)
+    assert _names(one) == [q, dq] + [fin, dq] * (2 if with_o else 1), _names(one)
+    assert _names(two) == [q, dq] * (3 if with_o else 2), _names(two)
+    assert f"tensor<{ROWS}x{2 * F}xbf16>" in two
+    assert f"tensor<{ROWS}x{2 * F}xbf16>" not in one
+    assert _feeds_a_custom_call(one, ROWS, 2 * F)
+    assert _feeds_a_custom_call(one, ROWS, D) == with_o
+    fins = [d for d in seen if d.get("FIN_SPLITK")]
+    assert len(fins) == (2 if with_o else 1), fins
+    got = [(d["XHAT_OUT"], d["FIN_SPLITK"], d["FIN_W_SHIFT"], d["FIN_GW_ROWS"], d["PRO"],
+            d["K_IN"], d["FIN_RES"], d["FIN_STORE_Y"], d.get("FIN_CACHE", 0),
+            d["NTHREADS"]) for d in fins]  # fmt: skip
+    want = [(3, 1, 14, 1, 2, F, 0, 0, 0, min(128, F // 8))]
+    if with_o:  # o_proj's weight scale is one a matrix
+        want.insert(0, (3, 1, 14, 0, 1, D, 1, 1, 1, min(128, D // 8)))
+    assert got == want, got
+    # the wgmma range and the GEMV's rows: the fused linears' lowering
+    for m in (300, 8):
+        args = (*_inputs(m), layer)
+        shapes = ((D, K_O),) if with_o else ()
+        assert not dot_block_supported(m, (*shapes, (2 * F, D), (D, F)))[0]
+        got = _cuda_text(_one(gu, dn, norm, op, kernels="two"), *args)
+        assert _names(got) == _names(_cuda_text(_two(gu, dn, norm, op, kernels="two"), *args))
 
 
 def test_dot_block_supported_says_why():
@@ -234,48 +222,34 @@ def test_errors_name_the_value():
     assert post_attention_dot(out[:0], x[:0], op, gu, dn, layer=layer, norm=norm).shape == (0, D)
 
 
-def test_finish_in_dot_builds_and_refuses_bad_values(tmp_path, monkeypatch):
+def test_finish_in_dot_builds_and_refuses_bad_values(quant_defines):
     """`FinishIn.dot` (splitk 1, w_shift 14): the "xhat_bf16" finish-quantizer with the SwiGLU
     prologue builds for sm_90 without a stack frame at Qwen3-8B's down_proj (F = 12288, 4096
     rows: one CTA a row; static stacked and dynamic scales; per-row and single weight scales);
     w_shift 14 needs splitk 1, other w_shifts are refused by name, and the codes and tiles
     forms take no finish."""
-    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
-    nvfp4_quant._build_cached.cache_clear()
-    seen = []
-    compile_ptx = nvfp4_quant.compile_ptx
-
-    def recording(source, *, defines, **kw):
-        seen.append(dict(defines))
-        return compile_ptx(source, defines=defines, **kw)
-
-    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
+    seen = quant_defines
     source = cbuild.read_source(nvfp4_gemv.SOURCE)
-    try:
-        fin = nvfp4_quant.FinishIn.dot(gw_rows=True)
-        assert (fin.splitk, fin.w_shift, fin.gw_rows) == (1, nvfp4_quant.DOT_W_SHIFT, True)
-        for dynamic, rows in ((False, True), (True, False)):
-            fused = nvfp4_gemv.Fused(prologue="swiglu", dynamic=dynamic, scale_stacked=not dynamic)
-            kern = nvfp4_quant.build(4096, 12288, fused, arch="compute_90", out="xhat_bf16",
-                                     finish=nvfp4_quant.FinishIn.dot(rows))  # fmt: skip
-            assert kern.entry == nvfp4_quant.FIN_ENTRY and kern.grid == (4096, 1, 1)
-            assert kern.out_shapes == (((4096, 12288), "bfloat16"), ((4096,), "float32"))
-            assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.FIN_ENTRY: 10}
-            assert (seen[-1]["XHAT_OUT"], seen[-1]["FIN_W_SHIFT"]) == (3, 14)
-            log = cbuild.ptxas_log(source, seen[-1], "sm_90", name=nvfp4_gemv.SOURCE)
-            assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
-        with pytest.raises(nvfp4_gemv.KernelError, match="takes splitk=1, got 2"):
-            nvfp4_quant.FinishIn(splitk=2, w_shift=14)
-        with pytest.raises(
-            nvfp4_gemv.KernelError, match="w_shift=9, expected an int in 0..7 or 14"
-        ):
-            nvfp4_quant.FinishIn(splitk=1, w_shift=9)
-        for out in ("codes", "xhat_tiles"):
-            with pytest.raises(nvfp4_gemv.KernelError, match=f"'xhat_bf16', got '{out}'"):
-                nvfp4_quant.build(64, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out=out,
-                                  finish=fin)  # fmt: skip
-    finally:
-        nvfp4_quant._build_cached.cache_clear()
+    fin = nvfp4_quant.FinishIn.dot(gw_rows=True)
+    assert (fin.splitk, fin.w_shift, fin.gw_rows) == (1, nvfp4_quant.DOT_W_SHIFT, True)
+    for dynamic, rows in ((False, True), (True, False)):
+        fused = nvfp4_gemv.Fused(prologue="swiglu", dynamic=dynamic, scale_stacked=not dynamic)
+        kern = nvfp4_quant.build(4096, 12288, fused, arch="compute_90", out="xhat_bf16",
+                                 finish=nvfp4_quant.FinishIn.dot(rows))  # fmt: skip
+        assert kern.entry == nvfp4_quant.FIN_ENTRY and kern.grid == (4096, 1, 1)
+        assert kern.out_shapes == (((4096, 12288), "bfloat16"), ((4096,), "float32"))
+        assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.FIN_ENTRY: 10}
+        assert (seen[-1]["XHAT_OUT"], seen[-1]["FIN_W_SHIFT"]) == (3, 14)
+        log = cbuild.ptxas_log(source, seen[-1], "sm_90", name=nvfp4_gemv.SOURCE)
+        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+    with pytest.raises(nvfp4_gemv.KernelError, match="takes splitk=1, got 2"):
+        nvfp4_quant.FinishIn(splitk=2, w_shift=14)
+    with pytest.raises(nvfp4_gemv.KernelError, match="w_shift=9, expected an int in 0..7 or 14"):
+        nvfp4_quant.FinishIn(splitk=1, w_shift=9)
+    for out in ("codes", "xhat_tiles"):
+        with pytest.raises(nvfp4_gemv.KernelError, match=f"'xhat_bf16', got '{out}'"):
+            nvfp4_quant.build(64, 4096, nvfp4_gemv.PLAIN, arch="compute_90", out=out,
+                              finish=fin)  # fmt: skip
 
 
 def _tiny(cfg_kw=None):

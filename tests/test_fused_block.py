@@ -230,7 +230,7 @@ def test_block_lowers_to_the_chain(tmp_path, monkeypatch):
 
 @needs_nvrtc
 @pytest.mark.parametrize("k", [4096, 12288])
-def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
+def test_finish_quantize_builds_without_local_memory(quant_defines, k):
     """NVRTC compiles `nvfp4_finish_quantize` (RMSNorm with the residual and y stored, in the
     quantizer's chunks and one CTA per row, SwiGLU over 2K partial columns, "none" with a
     dynamic scale and per-row weight scales, one CTA per row; RMSNorm as a cluster of 4-8 CTAs a
@@ -238,16 +238,7 @@ def test_finish_quantize_builds_without_local_memory(tmp_path, monkeypatch, k):
     exactly when one CTA takes it, cluster dims in the PTX exactly for a cluster; ptxas builds
     it for sm_90 without spills or a stack frame; the quantizer's other builds carry no FIN_*
     define (their PTX and cache keys are unchanged)."""
-    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
-    nvfp4_quant._build_cached.cache_clear()
-    seen = []
-    compile_ptx = nvfp4_quant.compile_ptx
-
-    def recording(source, *, defines, **kw):
-        seen.append(dict(defines))
-        return compile_ptx(source, defines=defines, **kw)
-
-    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
+    seen = quant_defines
     source = cbuild.read_source(nvfp4_gemv.SOURCE)
     cases = (  # (prologue, dynamic, finish, chunk: None the quantizer's, or one CTA per row)
         ("rmsnorm", False, nvfp4_quant.FinishIn(splitk=8, residual=True, store_y=True), None),

@@ -194,21 +194,12 @@ def test_build_refuses_bad_xhat_choices(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not cbuild.nvrtc_available(), reason="cuda-bindings / NVRTC not installed")
 @pytest.mark.parametrize("k", [4096, 12288])
-def test_both_forms_compile_for_sm90(tmp_path, monkeypatch, k):
+def test_both_forms_compile_for_sm90(quant_defines, k):
     """NVRTC compiles `nvfp4_quantize_bf16` with XHAT_OUT on and off (every prologue, static and
     dynamic scales) to PTX whose entry takes 6 / 7 parameters, launched over [M, K / chunk] for
     M = 16, 64; ptxas builds it for sm_90 without spills; the "codes" form is built without the
     XHAT_OUT define (its PTX and cache keys are those of the GEMV's quantizer)."""
-    monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
-    nvfp4_quant._build_cached.cache_clear()
-    seen = []
-    compile_ptx = nvfp4_quant.compile_ptx
-
-    def recording(source, *, defines, **kw):
-        seen.append(dict(defines))
-        return compile_ptx(source, defines=defines, **kw)
-
-    monkeypatch.setattr(nvfp4_quant, "compile_ptx", recording)
+    seen = quant_defines
     source = cbuild.read_source(nvfp4_gemv.SOURCE)
     try:
         for prologue in nvfp4_gemv.PROLOGUES:
