@@ -430,13 +430,13 @@ def _post_attention(x, out, lw, i, cfg: Config, o_kernels: str, kernels: str, ge
             **gemm,
         )  # fmt: skip
         return y.reshape(x.shape)
-    # (on the dot path's rows post_attention_block is its three linears: with "swiglu" the last
-    # two go as one op, in `_mlp`)
+    # (on the dot path's rows post_attention_block is its three linears: with a dot finish the
+    # last two go as one op, in `_mlp`)
     if (
         cfg.gemm_chain != "split"
         and kernels == "two"
         and rows >= go.min_m
-        and not dot_finish(cfg, lw, rows, go)
+        and not dot_finish(cfg, lw, rows, go, with_o=False)
     ):
         return post_attention_block(
             out.astype(x.dtype), x, att["o_proj"], mlp["gate_up_proj"], mlp["down_proj"],

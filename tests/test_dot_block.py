@@ -223,25 +223,34 @@ def test_errors_name_the_value():
 
 
 def test_finish_in_dot_builds_and_refuses_bad_values(quant_defines):
-    """`FinishIn.dot` (splitk 1, w_shift 14): the "xhat_bf16" finish-quantizer with the SwiGLU
-    prologue builds for sm_90 without a stack frame at Qwen3-8B's down_proj (F = 12288, 4096
-    rows: one CTA a row; static stacked and dynamic scales; per-row and single weight scales);
-    w_shift 14 needs splitk 1, other w_shifts are refused by name, and the codes and tiles
-    forms take no finish."""
+    """`FinishIn.dot` (splitk 1, w_shift 14): the "xhat_bf16" finish-quantizer builds for sm_90
+    without a stack frame at Qwen3-8B's shapes and 4096 rows (one CTA a row): down's SwiGLU
+    input (F = 12288; static stacked and dynamic scales, per-row and single weight scales) and
+    gate_up's RMSNorm input with the residual and y stored (D = 4096, the row kept in shared
+    memory); w_shift 14 needs splitk 1, other w_shifts are refused by name, and the codes and
+    tiles forms take no finish."""
     seen = quant_defines
     source = cbuild.read_source(nvfp4_gemv.SOURCE)
     fin = nvfp4_quant.FinishIn.dot(gw_rows=True)
     assert (fin.splitk, fin.w_shift, fin.gw_rows) == (1, nvfp4_quant.DOT_W_SHIFT, True)
-    for dynamic, rows in ((False, True), (True, False)):
-        fused = nvfp4_gemv.Fused(prologue="swiglu", dynamic=dynamic, scale_stacked=not dynamic)
-        kern = nvfp4_quant.build(4096, 12288, fused, arch="compute_90", out="xhat_bf16",
-                                 finish=nvfp4_quant.FinishIn.dot(rows))  # fmt: skip
+    o_fin = dataclasses.replace(nvfp4_quant.FinishIn.dot(False), residual=True, store_y=True)
+    for prologue, k, dynamic, finish in (
+        ("swiglu", 12288, False, fin),
+        ("swiglu", 12288, True, nvfp4_quant.FinishIn.dot(False)),
+        ("rmsnorm", 4096, False, o_fin),
+        ("rmsnorm", 4096, True, o_fin),
+    ):
+        fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=dynamic, scale_stacked=not dynamic,
+                                 norm_stacked=prologue == "rmsnorm")  # fmt: skip
+        kern = nvfp4_quant.build(4096, k, fused, arch="compute_90", out="xhat_bf16",
+                                 finish=finish)  # fmt: skip
         assert kern.entry == nvfp4_quant.FIN_ENTRY and kern.grid == (4096, 1, 1)
-        assert kern.out_shapes == (((4096, 12288), "bfloat16"), ((4096,), "float32"))
+        assert kern.out_shapes == (((4096, k), "bfloat16"), ((4096,), "float32"))
         assert cbuild.ptx_entries(kern.ptx) == {nvfp4_quant.FIN_ENTRY: 10}
         assert (seen[-1]["XHAT_OUT"], seen[-1]["FIN_W_SHIFT"]) == (3, 14)
+        assert seen[-1].get("FIN_CACHE", 0) == (prologue == "rmsnorm")
         log = cbuild.ptxas_log(source, seen[-1], "sm_90", name=nvfp4_gemv.SOURCE)
-        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, log
+        assert "0 bytes spill stores" in log and "0 bytes stack frame" in log, (prologue, log)
     with pytest.raises(nvfp4_gemv.KernelError, match="takes splitk=1, got 2"):
         nvfp4_quant.FinishIn(splitk=2, w_shift=14)
     with pytest.raises(nvfp4_gemv.KernelError, match="w_shift=9, expected an int in 0..7 or 14"):
