@@ -31,7 +31,7 @@
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill);
 # pending_quant, pending_paths (the GPU tests that the last kernel changes have not met);
 # dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
-# prefill, profile).
+# prefill, profile); stream_overlap (experiments/stream_overlap_probe.py).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -347,6 +347,12 @@ PY
         --variant nvfp4:8:gemm_dot_finish=block \
         --out "$out/prefill_profile_df.json" > "$out/prefill_profile_df.log" 2>&1
       echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_df.log" | head -30;;
+    stream_overlap)
+      # experiments/stream_overlap_probe.py: does the dot path's dequantizer run beside a cuBLAS
+      # dot when compute_on("gpu_stream:1") marks it? (4096 rows, gate_up's dot, down's weight)
+      timeout ${PROBE_TIMEOUT:-240} python3 experiments/stream_overlap_probe.py \
+        --git-sha "${GIT_SHA:-unknown}" --out "$out/stream_overlap.json" > "$out/stream_overlap.log" 2>&1
+      echo "probe rc=$?"; tail -20 "$out/stream_overlap.log";;
     rows_inner)
       # experiments/kernels/quant_tiles_rows_inner.patch (the tiles form's row statistics with
       # the rows as the inner loop) in a copy of the tree: the tiles GPU tests there, then
