@@ -1423,9 +1423,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 // quantizer as nvfp4_quantize_bf16 with XHAT_OUT runs them: the same row statistics in the
 // same order (they do not depend on QCHUNK), so x_hat and xg_out are that kernel's bytes on the
 // finish's y. XHAT_OUT 1 stores the GEMM's fp16 x_hat, 3 the dot path's bf16 values (xbf8, in K
-// order); with FIN_W_SHIFT 14 the producer is the dot path's float32 sum [M, X_COLS] (gate_up's
-// dot read by down's SwiGLU quantizer: no bf16 gate_up output in between). With FIN_STORE_Y each CTA also stores its chunk of x as bf16 to y [M, X_COLS]
-// (the finish's y: the decoder's residual stream; PRO != 2). Grid (M, K_IN / QCHUNK): M is
+// order); with FIN_W_SHIFT 14 the producer is the dot path's float32 sum [M, X_COLS] (e.g.
+// gate_up's dot read by down's SwiGLU quantizer: no bf16 gate_up output in between). With
+// FIN_STORE_Y each CTA also stores its chunk of x as bf16 to y [M, X_COLS] (the finish's y: the
+// decoder's residual stream; PRO != 2). Grid (M, K_IN / QCHUNK): M is
 // gridDim.x, nothing is compiled for it. With FIN_CACHE (one CTA per row, QCHUNK = K_IN, PRO !=
 // 2) the CTA first forms the row's x once into shared memory (and y), and the statistics and
 // the codes read it there: each partial is read once, as by the finish kernel.

@@ -36,9 +36,11 @@ optionally also storing the finish's y (the decoder's residual stream). With one
 (chunk = K; prologue "none" / "rmsnorm") the CTA forms the row once in shared memory
 (FIN_CACHE), so each partial is read once, as by the finish kernel; with smaller chunks every
 CTA re-reads the row's partials for the RMSNorm statistic. The "xhat_bf16" form takes a finish
-too: `FinishIn.dot` is the dot path's producer, one float32 sum (XLA's bf16 dot of gate_up)
-that the kernel scales by the global scales and rounds to bf16 as `rejax.nvfp4.matmul_x_values`
-does, then down's SwiGLU quantizer runs on those values (`rejax.ops.mlp_dot`).
+too: `FinishIn.dot` is the dot path's producer, one float32 sum (XLA's bf16 dot) that the kernel
+scales by the global scales and rounds to bf16 as `rejax.nvfp4.matmul_x_values` does (adding
+the residual where there is one), then the next linear's quantizer runs on those values
+(`rejax.ops.dot_block`: down's SwiGLU input from gate_up's sum, gate_up's RMSNorm input from
+o_proj's).
 
 Measured on the H200 (Qwen3-8B NVFP4; experiments/results/h200_c/ and h200_d/): with one CTA
 per row (chunk = K, 256 threads) the "codes" kernel took 6.9 us per call in a profile of the
