@@ -29,7 +29,8 @@
 # batch-8 prefill); rows_inner (experiments/kernels/quant_tiles_rows_inner.patch in a copy of
 # the tree: tiles GPU tests, bench_quant_tiles.py against this tree); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill);
-# pending_quant, pending_paths (the GPU tests that the last kernel changes have not met);
+# pending_quant, pending_paths (the GPU tests that the last kernel changes have not met;
+# pending_parallel: them and the xbf8 patch's, as concurrent processes);
 # dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
@@ -328,6 +329,36 @@ PY
       timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -rA -m gpu -p no:cacheprovider $tests \
         -k "not sanitizer" > "$out/${phase}_pytest.log" 2>&1
       echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/${phase}_pytest.log" | tail -12;;
+    pending_parallel)
+      # the pending GPU tests as concurrent pytest processes (their time is mostly NVRTC and
+      # XLA compiles on the host's cores): the quantizer forms the one-add E2M1 rounding has not
+      # met, the fused GEMV's in-kernel quantization and the tiny model, the finish-quantizers
+      # (FIN_CACHE launch bounds), rejax.ops.dot_block and the dequantizer; and, in a copy of
+      # the tree with experiments/kernels/xbf8_tables.patch, the tests of the "xhat_bf16" form
+      xt=/tmp/xbf8_tree; rm -rf $xt; mkdir -p $xt
+      git ls-files -z | xargs -0 cp --parents -t $xt 2>/dev/null
+      here=$PWD; (cd $xt && git apply "$here/experiments/kernels/xbf8_tables.patch"); echo "patch rc=$?"
+      run_group() {  # name dir pytest-args...
+        local name=$1 dir=$2; shift 2
+        (cd $dir && timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -rA -m gpu \
+          -p no:cacheprovider "$@") > "$out/par_$name.log" 2>&1
+        echo "$name rc=$?" >> "$out/par_rc.txt"
+      }
+      : > "$out/par_rc.txt"
+      run_group tiles . tests/test_quant_kernel_gpu.py -k "xhat_tiles or wgmma_on" &
+      run_group quant . tests/test_quant_kernel_gpu.py \
+        -k "not equals_quantize_activation and not xhat_tiles and not wgmma_on" &
+      run_group gemv . tests/test_fused_linear_gpu.py \
+        -k "in_kernel_quantization or swiglu_epilogue or norm_out_tail" &
+      tiny=tests/test_fused_linear_gpu.py::test_tiny_model_greedy_tokens_gpu_kernels_vs_cpu_reference
+      run_group tiny . "$tiny[fused-b4]" "$tiny[split+epilogues-b8]" &
+      run_group finish . tests/test_fused_block_gpu.py -k "not sanitizer" &
+      run_group dot . tests/test_dot_block_gpu.py tests/test_dequant_gpu.py &
+      run_group xbf8 $xt tests/test_dequant_gpu.py tests/test_dot_block_gpu.py \
+        tests/test_quant_kernel_gpu.py -k "dot_x or finish_dot or ops_equal or xhat_form_equals" &
+      wait; cat "$out/par_rc.txt"
+      for f in "$out"/par_*.log; do
+        echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -8; done;;
     dot_finish)
       # Config.gemm_dot_finish (rejax.ops.dot_block: the next quantizer reads a dot's float32
       # sum; "swiglu" down's, "block" gate_up's too) against "split": GPU tests, then 36 layers
