@@ -45,12 +45,14 @@ def check_shape(n: int, k: int) -> tuple[bool, str]:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DequantKernel:
-    """A compiled specialisation for one [n, k] weight."""
+    """A compiled specialisation for one [n, k] weight. `stream`: where its XLA call runs,
+    "main" or "side" (`GemmOptions.dot_stream`; the same kernel)."""
 
     n: int
     k: int
     ptx: str
     groups: int = GROUPS
+    stream: str = "main"
 
     @property
     def grid(self) -> int:

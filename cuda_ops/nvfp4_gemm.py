@@ -120,6 +120,12 @@ WGMMA_X_QUANTS = ("xla", "kernel")
 # the 36-layer 512-token prefill at batch 8 took 154.7 ms against 163.7 ("fused") and 164.0
 # ("materialized"), bf16 133.7 (H100, experiments/results/dot_x_h100/).
 DOT_XS = ("fused", "materialized", "kernel")
+# Where the dot path's dequantizer kernel runs: "main" (XLA's compute stream, in the order of
+# its program: the weight's decode right before its dot) or "side" (its call marked for XLA's
+# stream 1, `compute_on("gpu_stream:1")`: XLA runs it as an async start / done pair, so the
+# decode, which depends on the weights and the layer index only, may run beside an earlier
+# dot). Opt-in until measured (experiments/stream_overlap_probe.py, GemmOptions.dot_stream).
+DOT_STREAMS = ("main", "side")
 # GemmOptions.wgmma_tm: the wgmma GEMM's token tile, or "auto" (per shape)
 WGMMA_TMS = (128, 256, "auto")
 # How the dot path (above `max_m` rows) forms the weight's bf16 values e2m1 * SFw: "xla" (XLA's
@@ -225,6 +231,9 @@ class GemmOptions:
             ms for "fused" on an H100), "fused" (XLA may fuse their decode into its GEMM) or
             "materialized" (an optimization barrier: written once, then the dot alone)
             (`DOT_XS`).
+        dot_stream: where the dot path's dequantizer kernel runs: "main" (the default, the
+            compute stream) or "side" (XLA's stream 1, so that it may overlap an earlier dot)
+            (`DOT_STREAMS`). The same bytes.
         source: path of another revision of the kernel source (experiments only).
         defines: extra (name, value) -D constants (experiments only).
     """
@@ -251,6 +260,7 @@ class GemmOptions:
     wgmma_x_quant: str = "kernel"
     dot_dequant: str = "kernel"
     dot_x: str = "kernel"
+    dot_stream: str = "main"
     source: str | None = None
     defines: tuple[tuple[str, str], ...] = ()
 
@@ -293,6 +303,10 @@ class GemmOptions:
             )
         if self.dot_x not in DOT_XS:
             raise KernelError(f"GemmOptions.dot_x={self.dot_x!r}, expected one of {DOT_XS}")
+        if self.dot_stream not in DOT_STREAMS:
+            raise KernelError(
+                f"GemmOptions.dot_stream={self.dot_stream!r}, expected one of {DOT_STREAMS}"
+            )
         if self.dot_dequant not in DOT_DEQUANTS:
             raise KernelError(
                 f"GemmOptions.dot_dequant={self.dot_dequant!r}, expected one of {DOT_DEQUANTS}"

@@ -69,6 +69,7 @@ CHOICE_FIELDS = {
     "gemm_dot_x": rconfig.GEMM_DOT_XS,
     "gemm_wgmma_tm": rconfig.GEMM_WGMMA_TMS,
     "gemm_dot_finish": rconfig.GEMM_DOT_FINISHES,
+    "gemm_dot_stream": rconfig.GEMM_DOT_STREAMS,
 }
 
 

@@ -32,7 +32,8 @@
 # pending_quant, pending_paths (the GPU tests that the last kernel changes have not met;
 # pending_parallel: them and the xbf8 patch's, as concurrent processes);
 # dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
-# prefill, profile); stream_overlap (experiments/stream_overlap_probe.py).
+# prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
+# (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -382,6 +383,22 @@ PY
         --variant nvfp4:8:gemm_dot_finish=block \
         --out "$out/prefill_profile_df.json" > "$out/prefill_profile_df.log" 2>&1
       echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_df.log" | head -30;;
+    dot_stream)
+      # Config.gemm_dot_stream "side" (the dot path's dequantizer calls on XLA's stream 1)
+      # against "main": the GPU test, then 36 layers at batch 8 (4096-row prefill; bf16 beside
+      # the first; knobs DS_VARIANTS, DS_SKIP_TESTS=1, DS_BF16=0)
+      if [ -z "${DS_SKIP_TESTS:-}" ]; then
+        timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rA -m gpu tests/test_dequant_gpu.py \
+          -k dot_stream -p no:cacheprovider > "$out/dot_stream_pytest.log" 2>&1
+        echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/dot_stream_pytest.log" | tail -3
+      fi
+      for ds in ${DS_VARIANTS:-side main}; do
+        modes="nvfp4"; [ $ds = side ] && [ "${DS_BF16:-1}" = 1 ] && modes="nvfp4 bf16"
+        timeout ${BENCH_TIMEOUT:-200} python3 experiments/bench_decode.py --modes $modes \
+          --batch 8 --gen-len 32 --repeats 3 --no-breakdown --gemm-dot-stream $ds \
+          ${DS_ARGS:-} --out "$out/decode_ds_$ds.json" > "$out/decode_ds_$ds.log" 2>&1
+        echo "$ds rc=$?"; grep -E "ms/token|prefill|FAILED|Error" "$out/decode_ds_$ds.log"
+      done;;
     stream_overlap)
       # experiments/stream_overlap_probe.py: does the dot path's dequantizer run beside a cuBLAS
       # dot when compute_on("gpu_stream:1") marks it? (4096 rows, gate_up's dot, down's weight)

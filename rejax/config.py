@@ -151,6 +151,7 @@ RESIDUAL_FUSIONS = ("fused", "unfused")
 GEMM_OCCUPANCIES = ("base", "wide", "fill", "fill16")
 GEMM_DOT_DEQUANTS = ("xla", "kernel")  # Config.gemm_dot_dequant (GemmOptions.dot_dequant)
 GEMM_DOT_XS = ("fused", "materialized", "kernel")  # Config.gemm_dot_x (GemmOptions.dot_x)
+GEMM_DOT_STREAMS = ("main", "side")  # Config.gemm_dot_stream (GemmOptions.dot_stream)
 GEMM_WGMMA_TMS = ("128", "256", "auto")  # Config.gemm_wgmma_tm (GemmOptions.wgmma_tm)
 # How a K-split NVFP4 GEMM adds its partial sums (GemmOptions.reduce, cuda_ops.nvfp4_gemm.REDUCES):
 # "finish" (float32 partials in a workspace, a second small kernel adds them in split order) or
@@ -377,6 +378,10 @@ class Config:
     # their decode into its GEMM) or "materialized" (an optimization barrier in front of the
     # dot: 164.0 ms) (GemmOptions.dot_x)
     gemm_dot_x: str = "kernel"
+    # ... and where its dequantizer kernel runs: "main" (the compute stream, right before its
+    # dot) or "side" (XLA's stream 1, so that it may run beside an earlier dot; the same bytes;
+    # opt-in until measured) (GemmOptions.dot_stream)
+    gemm_dot_stream: str = "main"
     gemm_dot_finish: str = "split"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
@@ -476,6 +481,11 @@ class Config:
         if self.gemm_dot_x not in GEMM_DOT_XS:
             raise ValueError(
                 f"unknown gemm_dot_x {self.gemm_dot_x!r}; expected one of {GEMM_DOT_XS}"
+            )
+        if self.gemm_dot_stream not in GEMM_DOT_STREAMS:
+            raise ValueError(
+                f"unknown gemm_dot_stream {self.gemm_dot_stream!r}; expected one of "
+                f"{GEMM_DOT_STREAMS}"
             )
         if self.gemm_dot_dequant not in GEMM_DOT_DEQUANTS:
             raise ValueError(

@@ -131,7 +131,8 @@ def decoder_layer(
                       gemm_wgmma_min_m=cfg.gemm_wgmma_min_m,
                       gemm_dot_dequant=cfg.gemm_dot_dequant,
                       gemm_wgmma_max_m=cfg.gemm_wgmma_max_m,
-                      gemm_dot_x=cfg.gemm_dot_x, gemm_wgmma_tm=cfg.gemm_wgmma_tm)  # fmt: skip
+                      gemm_dot_x=cfg.gemm_dot_x, gemm_wgmma_tm=cfg.gemm_wgmma_tm,
+                      gemm_dot_stream=cfg.gemm_dot_stream)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -162,6 +163,7 @@ def decoder_layer(
             wgmma_x_quant=cfg.gemm_wgmma_x_quant,
             dot_x=cfg.gemm_dot_x,
             wgmma_tm=cfg.gemm_wgmma_tm,
+            dot_stream=cfg.gemm_dot_stream,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -385,7 +387,7 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
                       dot_dequant=cfg.gemm_dot_dequant,
                       wgmma_max_m=cfg.gemm_wgmma_max_m,
                       wgmma_x_quant=cfg.gemm_wgmma_x_quant, dot_x=cfg.gemm_dot_x,
-                      wgmma_tm=cfg.gemm_wgmma_tm)  # fmt: skip
+                      wgmma_tm=cfg.gemm_wgmma_tm, dot_stream=cfg.gemm_dot_stream)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

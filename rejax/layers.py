@@ -158,6 +158,7 @@ def linear(
     gemm_wgmma_max_m: int | None | str = "default",
     gemm_dot_x: str | None = None,
     gemm_wgmma_tm: int | str | None = None,
+    gemm_dot_stream: str | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -196,6 +197,8 @@ def linear(
             (`GemmOptions.dot_dequant`; None: the default, "kernel"; see `Config.gemm_dot_dequant`).
         gemm_dot_x: how that dot takes the activations' values (`GemmOptions.dot_x`; None: the
             default, "kernel"; see `Config.gemm_dot_x`).
+        gemm_dot_stream: where that dot's dequantizer kernel runs (`GemmOptions.dot_stream`;
+            None: the default, "main"; see `Config.gemm_dot_stream`).
         gemm_wgmma_tm: the wgmma GEMM's token tile (`GemmOptions.wgmma_tm`; None: the default;
             see `Config.gemm_wgmma_tm`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
@@ -240,6 +243,7 @@ def linear(
             wgmma_max_m=gemm_wgmma_max_m,
             dot_x=gemm_dot_x,
             wgmma_tm=gemm_wgmma_tm,
+            dot_stream=gemm_dot_stream,
         )
         if scale is not None and scale.ndim == 1:
             y = _per_shard_linear(xb, w, scale, layer, shards, opts)
@@ -291,6 +295,7 @@ def gemm_options(
     wgmma_x_quant: str | None = None,
     dot_x: str | None = None,
     wgmma_tm: int | str | None = None,
+    dot_stream: str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
     `copies`, `wgmma_min_m`, `dot_dequant` and `wgmma_max_m` (None / "default": the defaults;
@@ -298,8 +303,8 @@ def gemm_options(
     "default" wgmma_min_m is None: the wgmma GEMM would change the summation order at its
     first row count), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
     `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant`,
-    `gemm_wgmma_max_m`, `gemm_wgmma_x_quant`, `gemm_dot_x` and `gemm_wgmma_tm` (None: the
-    default; `wgmma_tm` "128" / "256" as ints)."""
+    `gemm_wgmma_max_m`, `gemm_wgmma_x_quant`, `gemm_dot_x`, `gemm_wgmma_tm` and
+    `gemm_dot_stream` (None: the default; `wgmma_tm` "128" / "256" as ints)."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if isinstance(wgmma_tm, str) and wgmma_tm.isdigit():
         wgmma_tm = int(wgmma_tm)
@@ -307,6 +312,8 @@ def gemm_options(
         opts = dataclasses.replace(opts, wgmma_tm=wgmma_tm)
     if dot_x is not None and dot_x != opts.dot_x:
         opts = dataclasses.replace(opts, dot_x=dot_x)
+    if dot_stream is not None and dot_stream != opts.dot_stream:
+        opts = dataclasses.replace(opts, dot_stream=dot_stream)
     if dot_dequant is not None and dot_dequant != opts.dot_dequant:
         opts = dataclasses.replace(opts, dot_dequant=dot_dequant)
     if wgmma_min_m == "default" and split_m is not None:

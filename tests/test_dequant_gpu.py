@@ -171,3 +171,36 @@ def test_dot_x_forms_give_the_same_values(prologue):
         # the kernel's codes against XLA's quantizer of XLA's SwiGLU, byte by byte
         ref = jax.jit(lambda *a: fl._quant_reference(*a, k=k, fused=fused))(x, xg, norm, layer)
         assert np.mean(np.asarray(xp) == np.asarray(ref[0])) >= 0.97
+
+
+def test_dot_stream_side_changes_no_bits():
+    """GemmOptions.dot_stream="side" (the dequantizer calls on XLA's stream 1) above max_m rows:
+    two chained fused linears ("two", RMSNorm then SwiGLU, stacked weights at layer 1) give
+    "main"'s bits, and the compiled program holds an async start for the side stream."""
+    rng = np.random.default_rng(11)
+    m, k, f = 640, 1024, 2048
+    up = nvfp4.stack(
+        [nvfp4.quantize_weight(rng.standard_normal((2 * f, k)).astype(np.float32)) for _ in "ab"]
+    )
+    down = nvfp4.stack(
+        [nvfp4.quantize_weight(rng.standard_normal((k, f)).astype(np.float32)) for _ in "ab"]
+    )
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    norm = jnp.asarray(rng.uniform(0.5, 1.5, (k,)), jnp.bfloat16)
+
+    def run(stream):
+        opts = nvfp4_gemm.GemmOptions(wgmma_min_m=None, dot_stream=stream)
+
+        def f2(x):
+            h = fl.fused_linear(x, {"weight": up}, layer=1, kernels="two", prologue="rmsnorm",
+                                norm=norm, gemm_options=opts)  # fmt: skip
+            return fl.fused_linear(h, {"weight": down}, layer=1, kernels="two",
+                                   prologue="swiglu", gemm_options=opts)  # fmt: skip
+
+        fn = jax.jit(f2)
+        return np.asarray(fn(x)).view(np.uint16), fn.lower(x).compile().as_text()
+
+    main, _ = run("main")
+    side, hlo = run("side")
+    assert np.array_equal(main, side)
+    assert "async" in hlo or "_xla_stream_annotation" in hlo, hlo[:2000]

@@ -1331,6 +1331,65 @@ def test_config_gemm_dot_dequant(stub_compilers):
         nvfp4_gemm.GemmOptions(dot_dequant="cuda")
 
 
+def _stream_functions(text: str) -> tuple[set, dict]:
+    """(names of the functions called with XLA's stream-1 annotation, {function name: its
+    body}) of a lowered module's text."""
+    marked = set(re.findall(r'call @([\w.]+)\(.*_xla_stream_annotation = "1"', text))
+    bodies = dict(
+        re.findall(r"func\.func (?:private |public )?@([\w.]+)(.*?)\n  }", text, re.DOTALL)
+    )
+    return marked, bodies
+
+
+def _names(text: str) -> list[str]:
+    return re.findall(r"name = \\22(\w+)\\22", text)
+
+
+def test_config_gemm_dot_stream_marks_the_dequantizer_calls(stub_compilers):
+    """Config.gemm_dot_stream="side" reaches a 512-token prefill's four dot-path linears
+    ("split" and "unfused", the wgmma range off) and rejax.ops.dot_block's three ("block"):
+    each dequantizer call sits alone in a function called with XLA's stream-1 annotation
+    (`compute_on("gpu_stream:1")`), and no dot does; the default "main" marks nothing. A bad
+    value is refused."""
+    assert rconfig.Config().gemm_dot_stream == nvfp4_gemm.DEFAULT_OPTIONS.dot_stream == "main"
+    assert rconfig.GEMM_DOT_STREAMS == nvfp4_gemm.DOT_STREAMS
+    from rejax import decode as rdecode
+    from rejax.cache import init_cache
+
+    base, params = _tiny_prefill_model()
+    tokens = 512
+
+    def lowered(cfg):
+        p = dataclasses.replace(params, cfg=cfg)
+        cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
+        ids = jnp.zeros((1, tokens), jnp.int32)
+        pos = jnp.arange(tokens, dtype=jnp.int32)[None]
+        lo = rdecode.prefill.trace(p, ids, pos, cache).lower(lowering_platforms=("cuda",))
+        return lo.as_text()
+
+    for fusion, finish, n_dq in (("split", "split", 4), ("unfused", "split", 4),
+                                 ("split", "block", 4)):  # fmt: skip
+        cfg = dataclasses.replace(base, linear_fusion=fusion, gemm_wgmma_min_m=None,
+                                  gemm_dot_finish=finish)  # fmt: skip
+        side = lowered(dataclasses.replace(cfg, gemm_dot_stream="side"))
+        marked, bodies = _stream_functions(side)
+        assert _names(side).count(nvfp4_dequant.ENTRY) == n_dq, (fusion, finish)
+        assert len(marked) == n_dq, (fusion, finish, marked)
+        for name in marked:
+            assert _names(bodies[name]) == [nvfp4_dequant.ENTRY], bodies[name][:500]
+            assert "dot_general" not in bodies[name]
+        for line in side.splitlines():
+            if "dot_general" in line:
+                assert "_xla_stream_annotation" not in line
+        main = lowered(cfg)
+        assert _names(main).count(nvfp4_dequant.ENTRY) == n_dq
+        assert "_xla_stream_annotation" not in main, (fusion, finish)
+    with pytest.raises(ValueError, match="unknown gemm_dot_stream 'gpu1'"):
+        rconfig.Config(gemm_dot_stream="gpu1")
+    with pytest.raises(cbuild.KernelError, match="dot_stream='gpu1', expected one of"):
+        nvfp4_gemm.GemmOptions(dot_stream="gpu1")
+
+
 def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
     """Config.gemm_dot_x="materialized" reaches a 512-token prefill's four W4A4 dot-path
     linears (the dequantizer kernel's, the wgmma range off; "split" and "unfused"): each dot's

@@ -141,7 +141,7 @@ class _Plan:
     fin_d: Any  # down's SwiGLU quantizer on gate_up's float32 sum
 
 
-def _build(m: int, shapes, fused, gw_rows) -> _Plan:
+def _build(m: int, shapes, fused, gw_rows, stream: str = "main") -> _Plan:
     pro = [dataclasses.replace(f, residual=False) for f in fused]
     *_, (_, k_g), (_, k_d) = shapes
     fin_d = nvfp4_quant.FinishIn.dot(gw_rows[-2])
@@ -154,7 +154,7 @@ def _build(m: int, shapes, fused, gw_rows) -> _Plan:
         fin_g = nvfp4_quant.build(m, k_g, pro[1], out="xhat_bf16", finish=fin)
     return _Plan(
         quant=nvfp4_quant.build(m, shapes[0][1], pro[0], out="xhat_bf16"),
-        dq=tuple(nvfp4_dequant.build(n, k) for n, k in shapes),
+        dq=tuple(dataclasses.replace(nvfp4_dequant.build(n, k), stream=stream) for n, k in shapes),
         fin_g=fin_g,
         fin_d=nvfp4_quant.build(m, k_d, pro[-1], out="xhat_bf16", finish=fin_d),
     )
@@ -214,7 +214,7 @@ def _lower_cuda(ctx, *args, shapes, fused, gw_rows, bind):
     plan = None
     if ok and params["impl"] != "ref":
         try:
-            plan = _build(m, shapes, fused, gw_rows)
+            plan = _build(m, shapes, fused, gw_rows, params["gemm_options"].dot_stream)
         except nvfp4_gemv.KernelError as err:
             ok, why = False, f"kernel build failed: {err}"
             _note_composed(why)

@@ -36,6 +36,7 @@ offsets its pointers by the layer, so no layer's bytes are copied out of the sta
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -424,22 +426,34 @@ def dequant_kernel(n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions):
     if gemm_options.dot_dequant != "kernel":
         return None
     try:
-        return nvfp4_dequant.build(n, k)
+        kernel = nvfp4_dequant.build(n, k)
     except nvfp4_gemv.KernelError as err:
         warnings.warn(f"{OP}: the dequantizer kernel does not run (N={n} K={k}): {err}",
                       stacklevel=3)  # fmt: skip
         return None
+    if gemm_options.dot_stream != kernel.stream:
+        kernel = dataclasses.replace(kernel, stream=gemm_options.dot_stream)
+    return kernel
 
 
 def dequant_call(wp, ws, layer, *, kernel) -> jax.Array:
     """bf16 [N, K] = e2m1 * SFw of the layer's weight from the (possibly stacked) operands, the
-    dequantizer kernel reading the stack in place. For CUDA lowering rules only."""
+    dequantizer kernel reading the stack in place. With `kernel.stream` "side"
+    (`GemmOptions.dot_stream`) the call is marked for XLA's stream 1 (`compute_on`), which XLA
+    runs as an async start / done pair, free to overlap earlier work on the compute stream.
+    For CUDA lowering rules only."""
     if wp.ndim == 2:
         wp, ws, layer = wp[None], ws[None], jnp.zeros((), jnp.int32)
     out = jax.ShapeDtypeStruct((kernel.n, kernel.k), jnp.bfloat16)
-    return _dispatch.ptx_call(
-        kernel.backend_config(), out, wp, ws, jnp.asarray(layer, jnp.int32).reshape(())
-    )
+
+    def call(wp, ws, layer):
+        return _dispatch.ptx_call(kernel.backend_config(), out, wp, ws, layer)
+
+    layer = jnp.asarray(layer, jnp.int32).reshape(())
+    if kernel.stream == "side":
+        with compute_on("gpu_stream:1"):
+            return jax.jit(call)(wp, ws, layer)
+    return call(wp, ws, layer)
 
 
 def layer_global(wg, layer, stacked: bool) -> jax.Array:
