@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -17,7 +16,6 @@ sop = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sop)
 
 
-@jax.jit
 def _deq(wp, ws, layer):
     del ws, layer
     return (wp.astype(jnp.float32) * 2.0).astype(jnp.bfloat16)

@@ -14,6 +14,7 @@ command-buffer-compatible `buffer_callback`) is probed once per process here too
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import threading
@@ -169,3 +170,22 @@ def ptx_call(backend_config: str, out, *operands, aliases: dict[int, int] | None
         legacy_backend_config=backend_config,
         input_output_aliases=dict(aliases) if aliases else None,
     )(*operands)
+
+
+def on_gpu_stream(fn, stream: int = 1):
+    """`fn` as one call that XLA runs on its GPU stream `stream` (`compute_on("gpu_stream:N")`:
+    the call carries `_xla_stream_annotation`, and XLA wraps it in an async start / done pair).
+    JAX 0.10 spells the function form `compute_on2`; from 0.11 `compute_on` itself takes the
+    function (`compute_type`, `out_memory_spaces`)."""
+    from jax.experimental import compute_on as co
+
+    form = co.compute_on
+    if "out_memory_spaces" not in inspect.signature(form).parameters:
+        form = co.compute_on2
+
+    def wrapped(*args):
+        out = jax.eval_shape(fn, *args)
+        spaces = jax.tree.map(lambda _: jax.memory.Space.Device, out)
+        return form(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=spaces)(*args)
+
+    return wrapped

@@ -44,7 +44,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.compute_on import compute_on
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -439,7 +438,7 @@ def dequant_kernel(n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions):
 def dequant_call(wp, ws, layer, *, kernel) -> jax.Array:
     """bf16 [N, K] = e2m1 * SFw of the layer's weight from the (possibly stacked) operands, the
     dequantizer kernel reading the stack in place. With `kernel.stream` "side"
-    (`GemmOptions.dot_stream`) the call is marked for XLA's stream 1 (`compute_on`), which XLA
+    (`GemmOptions.dot_stream`) the call is marked for XLA's stream 1 (`_dispatch.on_gpu_stream`), which XLA
     runs as an async start / done pair, free to overlap earlier work on the compute stream.
     For CUDA lowering rules only."""
     if wp.ndim == 2:
@@ -451,8 +450,7 @@ def dequant_call(wp, ws, layer, *, kernel) -> jax.Array:
 
     layer = jnp.asarray(layer, jnp.int32).reshape(())
     if kernel.stream == "side":
-        with compute_on("gpu_stream:1"):
-            return jax.jit(call)(wp, ws, layer)
+        return _dispatch.on_gpu_stream(call)(wp, ws, layer)
     return call(wp, ws, layer)
 
 
