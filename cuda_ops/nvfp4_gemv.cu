@@ -1249,24 +1249,41 @@ __device__ __forceinline__ uint4 xhat8(u32 c, u32 scale) {
 static_assert(QCHUNK % 256 == 0 && K_IN % QCHUNK == 0,
               "QCHUNK: a multiple of 256 (full warps of quant8) dividing K");
 #if XHAT_OUT == 3
+// bf16 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (*_LO) and 2, 3, 4, 6 (*_HI): high bytes BH,
+// low bytes BL
+#define BH_LO 0x3F3F3F00u
+#define BH_HI 0x40404040u
+#define BL_LO 0xC0800000u
+#define BL_HI 0xC0804000u
+
+__device__ __forceinline__ u32 hmul2_bf16(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // 8 codes c (nibble j = element j) of one block with E4M3 scale byte `scale` -> the 8 values
-// e2m1(code) * SFx as bf16 in element order (4 words, element 2i low). Exact: the float product
-// has at most 6 significant bits, so its low 16 bits are zero; the sign as the float product
-// gives it (code 8: -0; a zero block: +-0).
+// e2m1(code) * SFx as bf16 in element order (4 words, element 2i low). The magnitudes come
+// from byte tables (prmt), times SFx in bf16 (exact: an E4M3 value has 4 significant bits, so
+// its float's high half is it, and the product has at most 6), then the code's sign bit: code
+// 8 gives -0, a zero block +-0 by the code's sign, as the float product e2m1(code) * SFx does.
 __device__ __forceinline__ uint4 xbf8(u32 c, u32 scale) {
-  const float sd = e4m3x2_to_float2(scale).x;
+  const u32 mag = c & 0x77777777u;
+  const u32 sb = __float_as_uint(e4m3x2_to_float2(scale).x) >> 16;
+  const u32 sf2 = sb | (sb << 16);
+  const u32 c4 = c << 4;  // byte i's msb: element 2i's sign (c's byte i msb: element 2i + 1's)
   u32 w[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    u32 h[2];
+  for (int h = 0; h < 2; ++h) {  // elements 4h .. 4h + 3: byte j of lo / hi is element 4h + j's
+    const u32 lo = prmt(BL_LO, BL_HI, mag >> (16 * h)), hi = prmt(BH_LO, BH_HI, mag >> (16 * h));
+    w[2 * h] = hmul2_bf16(prmt(lo, hi, 0x5140u), sf2);
+    w[2 * h + 1] = hmul2_bf16(prmt(lo, hi, 0x7362u), sf2);
+  }
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      const u32 n = (c >> (8 * i + 4 * b)) & 0xFu, e = (n >> 1) & 3u, mb = n & 1u;
-      // E2M1 magnitude as float bits: 0 / 0.5 for e = 0, else 2^(e - 1) (1 + mb / 2)
-      const u32 mag = e ? ((e + 126u) << 23) | (mb << 22) : (mb ? 0x3F000000u : 0u);
-      h[b] = __float_as_uint(__uint_as_float(mag | (n >> 3) << 31) * sd) >> 16;
-    }
-    w[i] = h[0] | (h[1] << 16);
+  for (int i = 0; i < 4; ++i) {
+    // sign mode (selector bit 3): byte 1 <- element 2i's sign replicated, byte 3 <- 2i + 1's
+    const u32 sgn = prmt(c, c4, (u32)((8 + i) << 12) | (u32)((12 + i) << 4));
+    w[i] |= sgn & 0x80008000u;
   }
   return make_uint4(w[0], w[1], w[2], w[3]);
 }

@@ -30,7 +30,7 @@
 # the tree: tiles GPU tests, bench_quant_tiles.py against this tree); wgmma_xquant (the
 # quantizer's stage-tile form in front of the wgmma GEMM: GPU tests, 36-layer prefill);
 # pending_quant, pending_paths (the GPU tests that the last kernel changes have not met;
-# pending_parallel: them and the xbf8 patch's, as concurrent processes);
+# pending_parallel: them as concurrent processes);
 # dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS).
@@ -334,11 +334,7 @@ PY
       # the pending GPU tests as concurrent pytest processes (their time is mostly NVRTC and
       # XLA compiles on the host's cores): the quantizer forms the one-add E2M1 rounding has not
       # met, the fused GEMV's in-kernel quantization and the tiny model, the finish-quantizers
-      # (FIN_CACHE launch bounds), rejax.ops.dot_block and the dequantizer; and, in a copy of
-      # the tree with experiments/kernels/xbf8_tables.patch, the tests of the "xhat_bf16" form
-      xt=/tmp/xbf8_tree; rm -rf $xt; mkdir -p $xt
-      git ls-files -z | xargs -0 cp --parents -t $xt 2>/dev/null
-      here=$PWD; (cd $xt && git apply "$here/experiments/kernels/xbf8_tables.patch"); echo "patch rc=$?"
+      # (FIN_CACHE launch bounds), rejax.ops.dot_block and the dequantizer
       run_group() {  # name dir pytest-args...
         local name=$1 dir=$2; shift 2
         (cd $dir && timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -rA -m gpu \
@@ -355,8 +351,6 @@ PY
       run_group tiny . "$tiny[fused-b4]" "$tiny[split+epilogues-b8]" &
       run_group finish . tests/test_fused_block_gpu.py -k "not sanitizer" &
       run_group dot . tests/test_dot_block_gpu.py tests/test_dequant_gpu.py &
-      run_group xbf8 $xt tests/test_dequant_gpu.py tests/test_dot_block_gpu.py \
-        tests/test_quant_kernel_gpu.py -k "dot_x or finish_dot or ops_equal or xhat_form_equals" &
       wait; cat "$out/par_rc.txt"
       for f in "$out"/par_*.log; do
         echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -8; done;;

@@ -315,21 +315,69 @@ def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
         nvfp4_quant._build_cached.cache_clear()
 
 
+def _source_constants(path, names) -> dict:
+    """`#define NAME 0x...u` constants of a kernel source, by name."""
+    text = cbuild.read_source(path)
+    found = dict(re.findall(r"#define (\w+) (0x[0-9A-Fa-f]+)u", text))
+    return {name: int(found[name], 16) for name in names}
+
+
+def _hmul2_bf16(a, b):
+    """mul.rn.bf16x2 on uint32 arrays of two bf16 halves (the float32 product of two bf16
+    values is exact, so rounding it to bf16 is the correctly rounded product)."""
+    out = np.zeros(np.broadcast(a, b).shape, U32)
+    for shift in (0, 16):
+        ha = (((a >> U32(shift)) & U32(0xFFFF)) << U32(16)).view(np.float32)
+        hb = (((b >> U32(shift)) & U32(0xFFFF)) << U32(16)).view(np.float32)
+        prod = (ha * hb).astype(ml_dtypes.bfloat16).view(np.uint16).astype(U32)
+        out |= prod << U32(shift)
+    return out
+
+
 def kernel_xhat_bf16(xp: np.ndarray, xs: np.ndarray) -> np.ndarray:
     """What `nvfp4_quantize_bf16` built with XHAT_OUT = 3 writes for codes xp uint8 [M, K/2]
-    and E4M3 scale bytes xs [M, K/16] (xbf8): each nibble n as float bits (sign n >> 3, E2M1
-    exponent e = n >> 1 & 3 and mantissa bit n & 1: 0 / 0.5 for e = 0, else biased exponent
-    e + 126 and mantissa bit 22), times the block's scale in float32, the upper 16 bits of the
-    product. bf16 bits uint16 [M, K] in natural K order."""
+    and E4M3 scale bytes xs [M, K/16] (xbf8, per 8 elements: the codes as one word c): the bf16
+    magnitudes' low and high bytes looked up by prmt in the kernel's tables (BL_*, BH_*,
+    read from its source), interleaved into 4 words, times (SFx, SFx) in bf16 (the float's high
+    half), then each element's sign bit from prmt's sign mode on c and c << 4. bf16 bits
+    uint16 [M, K] in natural K order."""
+    t = _source_constants(nvfp4_gemv.SOURCE, ("BL_LO", "BL_HI", "BH_LO", "BH_HI"))
     m, k = xp.shape[0], 2 * xp.shape[1]
-    n = np.empty((m, k), U32)
-    n[:, 0::2], n[:, 1::2] = xp & 0xF, xp >> 4
-    e, mb = (n >> 1) & 3, n & 1
-    mag = np.where(e > 0, ((e + 126) << 23) | (mb << 22), np.where(mb > 0, 0x3F000000, 0))
-    f = (mag.astype(U32) | ((n >> 3) << 31).astype(U32)).view(np.float32)
-    sd = xs.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    prod = (f * np.repeat(sd, 16, axis=1)).astype(np.float32)
-    return (prod.view(U32) >> 16).astype(np.uint16)
+    c = np.ascontiguousarray(xp).view("<u4").astype(U32)  # [M, K / 8]: element 8q + j nibble j
+    sd = np.repeat(xs.view(ml_dtypes.float8_e4m3fn).astype(np.float32), 2, axis=1)
+    sb = sd.view(U32) >> U32(16)
+    sf2 = sb | (sb << U32(16))
+    mag, c4 = c & U32(0x77777777), (c << U32(4)).astype(U32)
+    w = [None] * 4
+    for h in range(2):
+        sel = mag >> U32(16 * h)
+        lo, hi = _prmt(t["BL_LO"], t["BL_HI"], sel), _prmt(t["BH_LO"], t["BH_HI"], sel)
+        w[2 * h] = _hmul2_bf16(_prmt(lo, hi, 0x5140), sf2)
+        w[2 * h + 1] = _hmul2_bf16(_prmt(lo, hi, 0x7362), sf2)
+    for i in range(4):
+        w[i] = w[i] | (_prmt(c, c4, ((8 + i) << 12) | ((12 + i) << 4)) & U32(0x80008000))
+    words = np.stack(w, axis=-1).reshape(m, k // 2)  # word i of 8 elements: elements 2i, 2i + 1
+    return np.ascontiguousarray(words).view(np.uint16)
+
+
+def test_kernel_xhat_bf16_model_covers_every_code_and_scale():
+    """Each of the 16 codes times each of the 127 finite non-negative E4M3 scales: xbf8's recipe
+    gives e2m1(code) * SFx as `nvfp4.scaled_values_bf16` does, bit for bit (-0 for code 8 and
+    for negative codes of a zero scale)."""
+    from rejax import nvfp4
+
+    codes = np.arange(16, dtype=np.uint8)
+    xs = np.repeat(np.arange(0x7F, dtype=np.uint8)[:, None], 256 // 16, axis=1)
+    block = (codes[0::2] | (codes[1::2] << 4)).astype(np.uint8)
+    xp = np.tile(block, (0x7F, 256 // 16))
+    got = kernel_xhat_bf16(xp, xs)
+    xq = nvfp4.Nvfp4Tensor(
+        packed=jnp.asarray(xp), scales=jnp.asarray(xs).view(jnp.float8_e4m3fn),
+        global_scale=jnp.float32(1.0), shape=(0x7F, 256),
+    )  # fmt: skip
+    want = np.asarray(nvfp4.scaled_values_bf16(xq)).view(np.uint16)
+    np.testing.assert_array_equal(got, want)
+    assert (got[0] == np.where(np.tile(codes, 16) >= 8, 0x8000, 0)).all()  # the zero scale
 
 
 def test_e2m1_magnitude_of_the_kernels_equals_the_thresholds_for_every_float():
