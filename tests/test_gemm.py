@@ -632,9 +632,9 @@ def _tiny_prefill_model():
     return base, rparams.init_params(base, 0, jnp.bfloat16)
 
 
-def _prefill_entries(params, cfg, tokens: int) -> list[str]:
-    """Names of the PTX kernels in the CUDA lowering of a `tokens`-token prefill at batch 1 of
-    `params` under `cfg`."""
+def _prefill_text(params, cfg, tokens: int) -> str:
+    """The CUDA lowering (StableHLO text) of a `tokens`-token prefill at batch 1 of `params`
+    under `cfg`."""
     from rejax import decode as rdecode
     from rejax.cache import init_cache
 
@@ -642,8 +642,14 @@ def _prefill_entries(params, cfg, tokens: int) -> list[str]:
     cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
     ids = jnp.zeros((1, tokens), jnp.int32)
     positions = jnp.arange(tokens, dtype=jnp.int32)[None]
-    text = rdecode.prefill.trace(p, ids, positions, cache).lower(lowering_platforms=("cuda",))
-    return re.findall(r"name = \\22(\w+)\\22", text.as_text())
+    lowered = rdecode.prefill.trace(p, ids, positions, cache).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+def _prefill_entries(params, cfg, tokens: int) -> list[str]:
+    """Names of the PTX kernels in the CUDA lowering of a `tokens`-token prefill at batch 1 of
+    `params` under `cfg`."""
+    return re.findall(r"name = \\22(\w+)\\22", _prefill_text(params, cfg, tokens))
 
 
 def test_config_gemm_wgmma_min_m_reaches_prefill(stub_compilers):
@@ -1353,19 +1359,10 @@ def test_config_gemm_dot_stream_marks_the_dequantizer_calls(stub_compilers):
     value is refused."""
     assert rconfig.Config().gemm_dot_stream == nvfp4_gemm.DEFAULT_OPTIONS.dot_stream == "main"
     assert rconfig.GEMM_DOT_STREAMS == nvfp4_gemm.DOT_STREAMS
-    from rejax import decode as rdecode
-    from rejax.cache import init_cache
-
     base, params = _tiny_prefill_model()
-    tokens = 512
 
     def lowered(cfg):
-        p = dataclasses.replace(params, cfg=cfg)
-        cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
-        ids = jnp.zeros((1, tokens), jnp.int32)
-        pos = jnp.arange(tokens, dtype=jnp.int32)[None]
-        lo = rdecode.prefill.trace(p, ids, pos, cache).lower(lowering_platforms=("cuda",))
-        return lo.as_text()
+        return _prefill_text(params, cfg, 512)
 
     for fusion, finish, n_dq in (("split", "split", 4), ("unfused", "split", 4),
                                  ("split", "block", 4)):  # fmt: skip
@@ -1398,24 +1395,16 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
     front of the fused linears' dots. The values are the same: on the CPU `matmul_q_values`
     with and without the barrier, and `matmul_x_values` on the decoded values, give the same
     bits. A bad value is refused."""
-    from rejax import decode as rdecode
-    from rejax.cache import init_cache
-
     assert rconfig.Config().gemm_dot_x == nvfp4_gemm.DEFAULT_OPTIONS.dot_x == "kernel"
     assert rconfig.GEMM_DOT_XS == nvfp4_gemm.DOT_XS
     base, params = _tiny_prefill_model()
-    tokens = 512
 
     def lowered(cfg):
-        p = dataclasses.replace(params, cfg=cfg)
-        cache = init_cache(cfg, 1, tokens + 8, jnp.bfloat16)
-        ids = jnp.zeros((1, tokens), jnp.int32)
-        pos = jnp.arange(tokens, dtype=jnp.int32)[None]
-        return rdecode.prefill.trace(p, ids, pos, cache).lower(lowering_platforms=("cuda",))
+        return _prefill_text(params, cfg, 512)
 
     for fusion in ("split", "unfused"):
         cfg = dataclasses.replace(base, linear_fusion=fusion, gemm_wgmma_min_m=None)
-        on = lowered(dataclasses.replace(cfg, gemm_dot_x="materialized")).as_text()
+        on = lowered(dataclasses.replace(cfg, gemm_dot_x="materialized"))
         names = re.findall(r"name = \\22(\w+)\\22", on)
         assert names.count(nvfp4_dequant.ENTRY) == 4, (fusion, names)
         # one barrier per linear, each of a [512, K] bf16 operand that a dot_general takes
@@ -1424,13 +1413,13 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
         assert len(barriers) == 4, (fusion, barriers)
         for out, _, _ in barriers:
             assert re.search(rf"stablehlo.dot_general {re.escape(out)}, ", on), (fusion, out)
-        off = lowered(dataclasses.replace(cfg, gemm_dot_x="fused")).as_text()
+        off = lowered(dataclasses.replace(cfg, gemm_dot_x="fused"))
         assert "optimization_barrier" not in off
         assert re.findall(r"name = \\22(\w+)\\22", off).count(nvfp4_dequant.ENTRY) == 4
         # "kernel": the fused linears ("split") quantize with the quantizer kernel's
         # "xhat_bf16" form (XHAT_OUT 3) in front of the dequantizer and the dot, no barrier
         # and no XLA op on the activations; plain linears ("unfused") as "materialized"
-        kern = lowered(dataclasses.replace(cfg, gemm_dot_x="kernel")).as_text()
+        kern = lowered(dataclasses.replace(cfg, gemm_dot_x="kernel"))
         names = re.findall(r"name = \\22(\w+)\\22", kern)
         assert names.count(nvfp4_dequant.ENTRY) == 4, (fusion, names)
         if fusion == "split":
