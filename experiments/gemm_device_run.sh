@@ -335,8 +335,10 @@ PY
       # XLA compiles on the host's cores): the quantizer forms the one-add E2M1 rounding has not
       # met, the fused GEMV's in-kernel quantization and the tiny model, the finish-quantizers
       # (FIN_CACHE launch bounds), rejax.ops.dot_block and the dequantizer
+      # (PAR_GROUPS: the groups to run, default all six)
       run_group() {  # name dir pytest-args...
         local name=$1 dir=$2; shift 2
+        case " ${PAR_GROUPS:-tiles quant gemv tiny finish dot} " in *" $name "*) ;; *) return;; esac
         (cd $dir && timeout ${PYTEST_TIMEOUT:-540} python3 -m pytest -rA -m gpu \
           -p no:cacheprovider "$@") > "$out/par_$name.log" 2>&1
         echo "$name rc=$?" >> "$out/par_rc.txt"
