@@ -68,8 +68,6 @@ CHOICE_FIELDS = {
     "gemm_wgmma_x_quant": rconfig.GEMM_WGMMA_X_QUANTS,
     "gemm_dot_x": rconfig.GEMM_DOT_XS,
     "gemm_wgmma_tm": rconfig.GEMM_WGMMA_TMS,
-    "gemm_dot_finish": rconfig.GEMM_DOT_FINISHES,
-    "gemm_dot_stream": rconfig.GEMM_DOT_STREAMS,
 }
 
 
@@ -83,6 +81,8 @@ MULTI_FIELDS = (
     ("gate_up_output", rconfig.GATE_UP_OUTPUTS, "every NVFP4 variant (labelled ' go=CHOICE')"),
     ("o_proj_output", rconfig.O_PROJ_OUTPUTS, "every NVFP4 variant (labelled ' oo=CHOICE')"),
     ("gemm_chain", rconfig.GEMM_CHAINS, "every NVFP4 variant (labelled ' gc=CHOICE')"),
+    ("gemm_dot_finish", rconfig.GEMM_DOT_FINISHES, "every NVFP4 variant (labelled ' df=CHOICE')"),
+    ("gemm_dot_stream", rconfig.GEMM_DOT_STREAMS, "every NVFP4 variant (labelled ' ds=CHOICE')"),
 )
 
 
@@ -559,10 +559,10 @@ def _variants(base: Params, args, quant):
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
     per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
-    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-dot-dequant (labelled
-    " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" /
-    " wg=K" / " dq=CHOICE" unless Config's default; the last loop innermost, so its values run
-    adjacent)."""
+    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-dot-dequant x --gemm-dot-stream
+    x --gemm-dot-finish (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" /
+    " oo=CHOICE" / " gc=CHOICE" / " wg=K" / " dq=CHOICE" / " ds=CHOICE" / " df=CHOICE" unless
+    Config's default; the last loop innermost, so its values run adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -586,7 +586,7 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo, gc, wgm, dq)
+                (p, o, f, ao, go, oo, gc, wgm, dq, ds, df)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
@@ -596,8 +596,10 @@ def _variants(base: Params, args, quant):
                 for gc in args.gemm_chain
                 for wgm in args.gemm_wgmma_min_m
                 for dq in args.gemm_dot_dequant
+                for ds in args.gemm_dot_stream
+                for df in args.gemm_dot_finish
             ]
-            for spec, occ, fusion, out, gu, op_out, chain, wgm, dq in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain, wgm, dq, ds, df in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
@@ -612,6 +614,8 @@ def _variants(base: Params, args, quant):
                     gate_up_output=gu,
                     o_proj_output=op_out,
                     gemm_chain=chain,
+                    gemm_dot_stream=ds,
+                    gemm_dot_finish=df,
                     **loop,
                 )
                 occ_tag = "" if occ == rconfig.Config.gemm_occupancy else f" occ={occ}"
@@ -624,6 +628,8 @@ def _variants(base: Params, args, quant):
                 wgmax = args.gemm_wgmma_max_m
                 occ_tag += "" if wgmax == rconfig.Config.gemm_wgmma_max_m else f" wgmax={wgmax}"
                 occ_tag += "" if dq == rconfig.Config.gemm_dot_dequant else f" dq={dq}"
+                occ_tag += "" if ds == rconfig.Config.gemm_dot_stream else f" ds={ds}"
+                occ_tag += "" if df == rconfig.Config.gemm_dot_finish else f" df={df}"
                 label = f"head={head} prefetch={spec}{tag}{occ_tag}"
                 yield head, spec, label, dataclasses.replace(params, cfg=cfg)
 

@@ -33,7 +33,8 @@
 # pending_parallel: them as concurrent processes);
 # dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
-# (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS).
+# (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
+# prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -379,6 +380,16 @@ PY
         --variant nvfp4:8:gemm_dot_finish=block \
         --out "$out/prefill_profile_df.json" > "$out/prefill_profile_df.log" 2>&1
       echo "profile rc=$?"; grep -E "^\[|cublas|xla_fusion|nvfp4_" "$out/prefill_profile_df.log" | head -30;;
+    prefill_ab)
+      # one process, the same weights: bf16, then NVFP4 for every PA_STREAM x PA_FINISH
+      # (Config.gemm_dot_stream x gemm_dot_finish, the finish innermost so its values run
+      # adjacent) at PA_BATCH (batch-8 prefill: 4096 rows, the dot path); PA_LAYERS, PA_REPEATS
+      timeout ${BENCH_TIMEOUT:-540} python3 experiments/bench_decode.py --modes bf16 nvfp4 \
+        --batch ${PA_BATCH:-8} --gen-len 32 --repeats ${PA_REPEATS:-5} --no-breakdown \
+        ${PA_LAYERS:+--layers $PA_LAYERS} --gemm-dot-stream ${PA_STREAM:-main side} \
+        --gemm-dot-finish ${PA_FINISH:-split block swiglu} \
+        --out "$out/prefill_ab.json" > "$out/prefill_ab.log" 2>&1
+      echo "bench rc=$?"; grep -E "ms/token|prefill|FAILED|Error|\] head" "$out/prefill_ab.log";;
     dot_stream)
       # Config.gemm_dot_stream "side" (the dot path's dequantizer calls on XLA's stream 1)
       # against "main": the GPU test, then 36 layers at batch 8 (4096-row prefill; bf16 beside

@@ -27,6 +27,8 @@ def _args(**kw):
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
         "gemm_wgmma_max_m": rconfig.Config.gemm_wgmma_max_m,
         "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
+        "gemm_dot_stream": [rconfig.Config.gemm_dot_stream],
+        "gemm_dot_finish": [rconfig.Config.gemm_dot_finish],
         "decode_unroll": [rconfig.Config.decode_unroll],
         "scan_unroll": [rconfig.Config.scan_unroll],
     }
@@ -124,6 +126,26 @@ def test_variants_cross_gemm_dot_dequant(base):
         ("head=bf16 prefetch=none wg=128 dq=xla", "xla", 128),
         ("head=bf16 prefetch=none wg=128", "kernel", 128),
     ]
+    assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
+
+
+def test_variants_cross_gemm_dot_stream_and_finish_innermost(base):
+    """--gemm-dot-stream x --gemm-dot-finish: one NVFP4 variant per pair (labelled unless the
+    defaults "main" / "split"), the finish innermost so its values run adjacent, repeats kept;
+    bf16 runs once."""
+    assert (rconfig.Config.gemm_dot_stream, rconfig.Config.gemm_dot_finish) == ("main", "split")
+    args = _args(gemm_dot_stream=["main", "side"], gemm_dot_finish=["split", "block", "split"])
+    got = [(label, p.cfg.gemm_dot_stream, p.cfg.gemm_dot_finish) for _, _, label, p in
+           bd._variants(base, args, "nvfp4")]  # fmt: skip
+    assert got == [
+        ("head=bf16 prefetch=none", "main", "split"),
+        ("head=bf16 prefetch=none df=block", "main", "block"),
+        ("head=bf16 prefetch=none", "main", "split"),
+        ("head=bf16 prefetch=none ds=side", "side", "split"),
+        ("head=bf16 prefetch=none ds=side df=block", "side", "block"),
+        ("head=bf16 prefetch=none ds=side", "side", "split"),
+    ]
+    assert all(p.weights is base.weights for *_, p in bd._variants(base, args, "nvfp4"))
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
 
 
