@@ -122,9 +122,10 @@ WGMMA_X_QUANTS = ("xla", "kernel")
 DOT_XS = ("fused", "materialized", "kernel")
 # Where the dot path's dequantizer kernel runs: "main" (XLA's compute stream, in the order of
 # its program: the weight's decode right before its dot) or "side" (its call marked for XLA's
-# stream 1, `compute_on("gpu_stream:1")`: XLA runs it as an async start / done pair, so the
-# decode, which depends on the weights and the layer index only, may run beside an earlier
-# dot). Opt-in until measured (experiments/stream_overlap_probe.py, GemmOptions.dot_stream).
+# stream 1, `compute_on("gpu_stream:1")`, so that the decode, which depends on the weights and
+# the layer index only, might run beside an earlier dot). "side" measured slower: JAX 0.11.2's
+# XLA emits no async start / done pair for it and the batch-8 prefill took 153.8 against
+# 152.3 ms (experiments/stream_overlap_probe.py, experiments/results/dot_finish_h100_s44/).
 DOT_STREAMS = ("main", "side")
 # GemmOptions.wgmma_tm: the wgmma GEMM's token tile, or "auto" (per shape)
 WGMMA_TMS = (128, 256, "auto")

@@ -98,9 +98,10 @@ GATE_UP_OUTPUTS = ("bf16", "nvfp4")
 # down's SwiGLU quantizer kernel reads gate_up's float32 sum and forms the same bf16 values
 # itself, so one fusion over [M, 2F] and its bf16 round trip go) or "block"
 # (rejax.ops.dot_block.post_attention_dot: also gate_up's RMSNorm quantizer on o_proj's sum and
-# the residual, storing the residual stream). The same bytes on CUDA, bitwise "split"
-# elsewhere. "split" is the default until the GPU has checked and timed the others
-# (experiments/DECODE_NOTES.md).
+# the residual, storing the residual stream). The same bytes on CUDA (GPU-tested), bitwise
+# "split" elsewhere. "block" is the default: 36-layer 512-token prefill at batch 8 (4096 rows)
+# 146.9 / 147.4 ms against 152.4 / 152.6 for "split" and 147.5 / 147.8 for "swiglu" (bf16
+# 133.7; one process, two rounds, H100; experiments/results/dot_finish_h100_s44/).
 GEMM_DOT_FINISHES = ("split", "swiglu", "block")
 # How o_proj hands gate_up its input (W4A4 NVFP4 decoders, decode steps): "bf16" (o_proj's
 # GEMV writes the residual stream y, gate_up's quantizer then applies post_attention_layernorm
@@ -379,10 +380,12 @@ class Config:
     # dot: 164.0 ms) (GemmOptions.dot_x)
     gemm_dot_x: str = "kernel"
     # ... and where its dequantizer kernel runs: "main" (the compute stream, right before its
-    # dot) or "side" (XLA's stream 1, so that it may run beside an earlier dot; the same bytes;
-    # opt-in until measured) (GemmOptions.dot_stream)
+    # dot) or "side" (XLA's stream 1, so that it may run beside an earlier dot; the same bytes).
+    # "side" measured slower: with JAX 0.11.2 XLA runs it on the main stream (no async pair),
+    # batch-8 prefill 153.8 against 152.3 ms (H100, experiments/results/dot_finish_h100_s44/)
+    # (GemmOptions.dot_stream)
     gemm_dot_stream: str = "main"
-    gemm_dot_finish: str = "split"
+    gemm_dot_finish: str = "block"
     gemm_reduce: str = "finish"
     gemm_copies: str = "auto"
     gemm_chain: str = "swiglu_rope"

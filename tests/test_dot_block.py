@@ -282,8 +282,9 @@ def test_decoder_gemm_dot_finish(tmp_path, monkeypatch):
     from rejax.cache import init_cache
 
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
-    assert rconfig.Config().gemm_dot_finish == "split"
+    assert rconfig.Config().gemm_dot_finish == "block"
     base, params = _tiny()
+    base = dataclasses.replace(base, gemm_dot_finish="split")
     params = per_linear_scales(params)  # static scales, a different one per linear and layer
     tokens = ROWS
     ids = jnp.asarray(np.random.default_rng(0).integers(0, base.vocab_size, (1, tokens)),

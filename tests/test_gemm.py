@@ -1403,7 +1403,9 @@ def test_config_gemm_dot_x_puts_a_barrier_before_the_dot(stub_compilers):
         return _prefill_text(params, cfg, 512)
 
     for fusion in ("split", "unfused"):
-        cfg = dataclasses.replace(base, linear_fusion=fusion, gemm_wgmma_min_m=None)
+        # gemm_dot_finish "split": every fused linear's own quantizer (not rejax.ops.dot_block)
+        cfg = dataclasses.replace(base, linear_fusion=fusion, gemm_wgmma_min_m=None,
+                                  gemm_dot_finish="split")  # fmt: skip
         on = lowered(dataclasses.replace(cfg, gemm_dot_x="materialized"))
         names = re.findall(r"name = \\22(\w+)\\22", on)
         assert names.count(nvfp4_dequant.ENTRY) == 4, (fusion, names)

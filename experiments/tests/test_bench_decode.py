@@ -131,19 +131,19 @@ def test_variants_cross_gemm_dot_dequant(base):
 
 def test_variants_cross_gemm_dot_stream_and_finish_innermost(base):
     """--gemm-dot-stream x --gemm-dot-finish: one NVFP4 variant per pair (labelled unless the
-    defaults "main" / "split"), the finish innermost so its values run adjacent, repeats kept;
+    defaults "main" / "block"), the finish innermost so its values run adjacent, repeats kept;
     bf16 runs once."""
-    assert (rconfig.Config.gemm_dot_stream, rconfig.Config.gemm_dot_finish) == ("main", "split")
-    args = _args(gemm_dot_stream=["main", "side"], gemm_dot_finish=["split", "block", "split"])
+    assert (rconfig.Config.gemm_dot_stream, rconfig.Config.gemm_dot_finish) == ("main", "block")
+    args = _args(gemm_dot_stream=["main", "side"], gemm_dot_finish=["block", "split", "block"])
     got = [(label, p.cfg.gemm_dot_stream, p.cfg.gemm_dot_finish) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none", "main", "split"),
-        ("head=bf16 prefetch=none df=block", "main", "block"),
-        ("head=bf16 prefetch=none", "main", "split"),
-        ("head=bf16 prefetch=none ds=side", "side", "split"),
-        ("head=bf16 prefetch=none ds=side df=block", "side", "block"),
-        ("head=bf16 prefetch=none ds=side", "side", "split"),
+        ("head=bf16 prefetch=none", "main", "block"),
+        ("head=bf16 prefetch=none df=split", "main", "split"),
+        ("head=bf16 prefetch=none", "main", "block"),
+        ("head=bf16 prefetch=none ds=side", "side", "block"),
+        ("head=bf16 prefetch=none ds=side df=split", "side", "split"),
+        ("head=bf16 prefetch=none ds=side", "side", "block"),
     ]
     assert all(p.weights is base.weights for *_, p in bd._variants(base, args, "nvfp4"))
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
