@@ -34,7 +34,8 @@
 # dot_finish (Config.gemm_dot_finish "swiglu" / "block" against "split": GPU tests, batch-8
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
-# prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish).
+# prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish);
+# dot_sanitize (compute-sanitizer on the dot finish's forms).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -390,6 +391,19 @@ PY
         --gemm-dot-finish ${PA_FINISH:-split block swiglu} \
         --out "$out/prefill_ab.json" > "$out/prefill_ab.log" 2>&1
       echo "bench rc=$?"; grep -E "ms/token|prefill|FAILED|Error|\] head" "$out/prefill_ab.log";;
+    dot_sanitize)
+      # compute-sanitizer memcheck and racecheck on the dot finish's forms (rejax.ops.dot_block,
+      # the default on the dot path): SwiGLU chunked, RMSNorm one CTA a row and chunked
+      t=tests/test_dot_block_gpu.py::test_finish_dot_equals_the_quantizer_of_the_scaled_sum
+      for tool in memcheck racecheck; do
+        XLA_FLAGS=--xla_gpu_autotune_level=0 timeout ${SAN_TIMEOUT:-200} compute-sanitizer \
+          --tool $tool --print-limit 20 python3 -m pytest -q -p no:cacheprovider -m gpu \
+          "$t[64-2048-swiglu-True]" "$t[300-4096-rmsnorm-True]" "$t[64-2048-rmsnorm-False]" \
+          > "$out/dot_sanitize_$tool.log" 2>&1
+        echo "$tool rc=$?"
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|Invalid|hazard" \
+          "$out/dot_sanitize_$tool.log" | head -8
+      done;;
     dot_stream)
       # Config.gemm_dot_stream "side" (the dot path's dequantizer calls on XLA's stream 1)
       # against "main": the GPU test, then 36 layers at batch 8 (4096-row prefill; bf16 beside
