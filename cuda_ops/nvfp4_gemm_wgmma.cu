@@ -27,6 +27,12 @@
 //   GW_ROWS, W_SHIFT     as in production
 //   DESC_SWAP            diagnostic only: swap the descriptor's two byte offsets (see below)
 //   MIN_BLOCKS           __launch_bounds__ minimum CTAs per SM (register cap), default 1
+//   RASTER               the order CTAs take tiles (cta_tile below): 0 (default) grid x the token
+//                        tile, y the weight tile, so CTAs launched together run every token
+//                        tile of a few weight tiles and reread all of x_hat each wave; G > 0
+//                        walks groups of G token tiles, every weight tile within a group, so
+//                        the CTAs resident at once share G x_hat tiles in L2 (the same tiles,
+//                        the same bits; an experiment for M in the thousands)
 //   GROUP_WORDS          code words (2 k16 steps each) per wgmma commit group: 1 (default), 2, 4
 //                        (4 measured 2-7% slower than 1 on an H100, experiments/KERNEL_NOTES.md)
 //   STATIC_COPIES        the stage copies with compile-time trip counts (gemm_common.cuh's
@@ -152,6 +158,10 @@ typedef unsigned long long u64;
 #ifndef GROUP_WORDS
 #define GROUP_WORDS 1
 #endif
+#ifndef RASTER
+#define RASTER 0
+#endif
+static_assert(RASTER >= 0, "RASTER: 0, or the token tiles of a group");
 static_assert(GROUP_WORDS == 1 || GROUP_WORDS == 2 || GROUP_WORDS == 4, "GROUP_WORDS: 1, 2 or 4");
 // PIPE: commit groups a warpgroup keeps in flight while it decodes the next word. 1 (default):
 // wait_group 1 after every commit. 2: wait_group 2 after the commits inside a stage, 1 after
@@ -260,6 +270,25 @@ __device__ __forceinline__ void wg_wait() {
 __device__ __forceinline__ u64 x_desc(u32 addr) {
   return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(DESC_LBO >> 4) << 16) |
          ((u64)(DESC_SBO >> 4) << 32);
+}
+
+// This CTA's token tile mt and weight tile nt (RASTER in the header). RASTER G: the linear CTA
+// index p = x + y * X (X = ceil(M / TM) token tiles, Y weight tiles) walks groups of G token
+// tiles (the last group may be smaller: s of them); inside group g, r = p - g * G * Y gives
+// mt = g * G + r % s and nt = r / s. A bijection onto the X x Y tiles (nvfp4_gemm_wgmma.
+// raster_tiles is the same map in Python; tests check it is one).
+__device__ __forceinline__ void cta_tile(int& mt, int& nt) {
+  if constexpr (RASTER == 0) {
+    mt = blockIdx.x;
+    nt = blockIdx.y;
+  } else {
+    const int tiles_m = gridDim.x, tiles_n = gridDim.y;
+    const int p = blockIdx.x + blockIdx.y * tiles_m, per_group = RASTER * tiles_n;
+    const int g = p / per_group, first = g * RASTER;
+    const int size = min(tiles_m - first, RASTER), r = p - g * per_group;
+    mt = first + r % size;
+    nt = r / size;
+  }
 }
 
 // keeps the compiler from moving reads of an accumulator above the wgmma wait before it
@@ -478,7 +507,9 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
                           void* out) {
   extern __shared__ __align__(128) u8 smem[];
   const int tid = threadIdx.x, lane = tid & 31, wq = (tid >> 5) & 3, wgi = tid >> 7;
-  const int m0 = blockIdx.x * TM, n0 = blockIdx.y * TILE_N, z = blockIdx.z;
+  int mt, nt;
+  cta_tile(mt, nt);
+  const int m0 = mt * TM, n0 = nt * TILE_N, z = blockIdx.z;
   const size_t l = (size_t)(unsigned)*layer;
   constexpr size_t W_ROWS = BULK == 1 ? (size_t)N_TILES * TILE_N : N_OUT;  // BULK 1: padded
   wp += l * W_ROWS * (size_t)(K_IN / 2);
@@ -506,7 +537,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
   __syncthreads();
   for (int s = 0; s < STAGES - 2 && s < nk; ++s)
     load_stage_bulk(tid, s0 + s * STAGE_BYTES, full0 + 8 * s, kt0 + s, wp, ws, x8, n0,
-                    blockIdx.x);
+                    mt);
 #else
 #pragma unroll
   for (int s = 0; s < STAGES - 2; ++s) {
@@ -526,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
       // the slot's previous stage (next - STAGES = i - 2) released by every warp
       if (next >= STAGES) mbar_wait_warp(empty0 + 8 * slot, (u32)(next / STAGES - 1) & 1);
       load_stage_bulk(tid, s0 + slot * STAGE_BYTES, full0 + 8 * slot, kt0 + next, wp, ws, x8,
-                      n0, blockIdx.x);
+                      n0, mt);
     }
     mbar_wait_warp(full0 + 8 * (i % STAGES), (u32)(i / STAGES) & 1);  // stage i landed
     compute_stage(s0 + (i % STAGES) * STAGE_BYTES, acc, wgi, wq, lane,

@@ -90,6 +90,9 @@ class WgmmaPlan:
     # pieces by cp.async from every thread on the same mbarrier; 0: cp.async by every thread, a
     # block barrier a stage
     bulk: int = 0
+    # the order CTAs take tiles (RASTER; `raster_tiles`): 0 token tiles along grid x, G > 0
+    # groups of G token tiles, every weight tile within a group (an experiment, M >= 1024)
+    raster: int = 0
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -145,6 +148,7 @@ class WgmmaPlan:
             | ({"GROUP_WORDS": self.group_words} if self.group_words != 1 else {})
             | ({"PIPE": self.pipe} if self.pipe != 1 else {})
             | ({"BULK": self.bulk} if self.bulk else {})
+            | ({"RASTER": self.raster} if self.raster else {})
         )
 
 
@@ -169,6 +173,7 @@ def plan(
     bulk: int = 0,
     split_rule: str = "fill",
     pipe: int = 1,
+    raster: int = 0,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -179,7 +184,8 @@ def plan(
     8, at least 4 stages per split). At M <= 64 with the defaults that is production's "wide"
     plan's CTAs: the same weight tiles and K split (experiments/tests/test_gemm_wgmma.py).
     `split_rule` "wave" (128 / 256-token tiles; an experiment, `wave_splitk`) picks the K split
-    that leaves the least of the last wave idle instead of splitting only below one wave."""
+    that leaves the least of the last wave idle instead of splitting only below one wave.
+    `raster` (an experiment) is the order the CTAs take their tiles (`raster_tiles`)."""
     if split_rule not in SPLIT_RULES:
         raise KernelError(f"split_rule={split_rule!r}, expected one of {SPLIT_RULES}")
     tm = tm or next(v for v in TMS if v >= min(m, DEFAULT_MAX_TM))
@@ -220,6 +226,7 @@ def plan(
         group_words=group_words,
         bulk=int(bulk),
         pipe=int(pipe),
+        raster=int(raster),
     )
 
 
@@ -269,7 +276,28 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"bulk={p.bulk!r} (expected 0, 1 or 3)"
     if p.bulk and p.kt != 128:
         return False, f"bulk copies with kt={p.kt} (expected 128)"
+    if not isinstance(p.raster, int) or p.raster < 0:
+        return False, f"raster={p.raster!r} (expected 0 or a positive group of token tiles)"
     return True, ""
+
+
+def raster_tiles(tiles_m: int, tiles_n: int, raster: int) -> list[tuple[int, int]]:
+    """(token tile, weight tile) of each CTA in launch order (x fastest, then y) under RASTER
+    `raster`: the kernel's `cta_tile`, the same integer map."""
+    out = []
+    for y in range(tiles_n):
+        for x in range(tiles_m):
+            if raster == 0:
+                out.append((x, y))
+                continue
+            p = x + y * tiles_m
+            per_group = raster * tiles_n
+            g = p // per_group
+            first = g * raster
+            size = min(tiles_m - first, raster)
+            r = p - g * per_group
+            out.append((first + r % size, r // size))
+    return out
 
 
 # ----------------------------------------------------------------------------- x_hat K order

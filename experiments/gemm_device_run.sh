@@ -35,7 +35,8 @@
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
 # prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish);
-# dot_sanitize (compute-sanitizer on the dot finish's forms).
+# dot_sanitize (compute-sanitizer on the dot finish's forms); wgmma_4096 (the batch-8 prefill's
+# rows on the wgmma GEMM against the dot path: kernel alone, then 36 layers).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -391,6 +392,28 @@ PY
         --gemm-dot-finish ${PA_FINISH:-split block swiglu} \
         --out "$out/prefill_ab.json" > "$out/prefill_ab.log" 2>&1
       echo "bench rc=$?"; grep -E "ms/token|prefill|FAILED|Error|\] head" "$out/prefill_ab.log";;
+    wgmma_4096)
+      # the batch-8 prefill's 4096 rows on the wgmma GEMM (Config.gemm_wgmma_max_m "none": no
+      # dequantizer, no float32 sums) against the dot path ("default": the dequantizer, cuBLAS
+      # and the "block" finishes): the RASTER variants' bits first (M = 1100: a last group of
+      # one token tile), kernel alone at M = 4096 (the four Qwen3-8B shapes, 128- and 256-token
+      # tiles with and without RASTER, the dot path jitted, bf16), then 36 layers in one
+      # process, ABAB
+      timeout ${CHECK_TIMEOUT:-150} python3 experiments/kernels/check_gemm_wgmma.py --ms 1100 \
+        --variants wgmma_n128_xb_r8,wgmma_n256_xb_r4 --no-time --out "$out/wgmma_4096_check.json" \
+        > "$out/wgmma_4096_check.log" 2>&1; echo "check rc=$?"; tail -5 "$out/wgmma_4096_check.log"
+      timeout ${KERNEL_TIMEOUT:-240} python3 experiments/bench_gemm.py --ms 4096 --old-ms 4096 \
+        --shapes 6144:4096,4096:4096,24576:4096,4096:12288 \
+        --variants ${W4096_VARIANTS:-wgmma_n128_xb,wgmma_n128_xb_r8,wgmma_n256_xb,wgmma_n256_xb_r4} \
+        --ops gemm_graph,jax_bf16,dot_kernel \
+        --time-budget ${WGMMA_TIME_BUDGET:-200} --out "$out/wgmma_4096_kernel.json" \
+        > "$out/wgmma_4096_kernel.log" 2>&1; echo "kernel rc=$?"
+      grep -E "geomean" "$out/wgmma_4096_kernel.log" | head -12
+      timeout ${BENCH_TIMEOUT:-300} python3 experiments/bench_decode.py --modes bf16 nvfp4 \
+        --batch 8 --gen-len 32 --repeats 5 --no-breakdown \
+        --gemm-wgmma-max-m default none default none --out "$out/wgmma_4096_decode.json" \
+        > "$out/wgmma_4096_decode.log" 2>&1
+      echo "bench rc=$?"; grep -E "ms/token|FAILED|Error" "$out/wgmma_4096_decode.log";;
     dot_sanitize)
       # compute-sanitizer memcheck and racecheck on the dot finish's forms (rejax.ops.dot_block,
       # the default on the dot path): SwiGLU chunked, RMSNorm one CTA a row and chunked

@@ -96,6 +96,11 @@ VARIANTS = {
     # one loaded ahead; ptxas 186 registers; not yet run)
     "wgmma_n256_xb": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3},
     "wgmma_n256_xb_p2": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3, "pipe": 2},
+    # ... and the CTAs walking groups of token tiles (RASTER: 8 of 128 tokens, 4 of 256), so
+    # the CTAs resident at once share about 1024 tokens' x_hat in L2 (M in the thousands: the
+    # batch-8 prefill's 4096 rows; the same tiles and bits as without; not yet run)
+    "wgmma_n128_xb_r8": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "raster": 8},
+    "wgmma_n256_xb_r4": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3, "raster": 4},
     "wgmma_xb": {"bulk": 3},
     # the plan's own small-M tiles (8-64 tokens) with the bulk forms
     "wgmma_bulk": {"bulk": 1},
@@ -118,6 +123,8 @@ LARGE_M_VARIANTS = (
     "wgmma_n128_wr2_xb_p2",
     "wgmma_n256_xb",
     "wgmma_n256_xb_p2",
+    "wgmma_n128_xb_r8",
+    "wgmma_n256_xb_r4",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only

@@ -25,7 +25,7 @@ def _args(**kw):
         "o_proj_output": [rconfig.Config.o_proj_output],
         "gemm_chain": [rconfig.Config.gemm_chain],
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
-        "gemm_wgmma_max_m": rconfig.Config.gemm_wgmma_max_m,
+        "gemm_wgmma_max_m": [rconfig.Config.gemm_wgmma_max_m],
         "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
         "gemm_dot_stream": [rconfig.Config.gemm_dot_stream],
         "gemm_dot_finish": [rconfig.Config.gemm_dot_finish],
@@ -103,10 +103,18 @@ def test_variants_cross_gemm_wgmma_min_m(base):
         ("head=bf16 prefetch=none occ=wide wg=None", None, "wide"),
     ]
     assert [label for _, _, label, _ in bd._variants(base, args, None)] == ["bf16"]
-    args = _args(gemm_wgmma_min_m=[128], gemm_wgmma_max_m=None)
+    args = _args(gemm_wgmma_min_m=[128], gemm_wgmma_max_m=[None])
     got = [(label, p.cfg.gemm_wgmma_min_m, p.cfg.gemm_wgmma_max_m) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [("head=bf16 prefetch=none wg=128 wgmax=None", 128, None)]
+    # several --gemm-wgmma-max-m values: one variant each, in the order given
+    args = _args(gemm_wgmma_max_m=["default", None, "default"])
+    got = [(label, p.cfg.gemm_wgmma_max_m) for _, _, label, p in bd._variants(base, args, "nvfp4")]
+    assert got == [
+        ("head=bf16 prefetch=none", "default"),
+        ("head=bf16 prefetch=none wgmax=None", None),
+        ("head=bf16 prefetch=none", "default"),
+    ]
     assert bd._max_m("none") is None and bd._max_m("256") == 256
     assert bd._wgmma_rows("default") == "default" and bd._wgmma_rows("none") is None
     assert bd._wgmma_rows("128") == 128

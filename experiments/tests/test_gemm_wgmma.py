@@ -3,6 +3,7 @@ K order, a numpy emulation of one warpgroup's data flow (register A fragments fr
 the shared-memory x tile through the matrix descriptor), the plans of the device check, and
 NVRTC builds of every planned kernel (registers, no spills, no wgmma serialization)."""
 
+import dataclasses
 import re
 
 import numpy as np
@@ -291,7 +292,8 @@ def test_large_tile_plans():
     "variant",
     ["wgmma_n128_wr2", "wgmma_n256", "wgmma_n128_g4", "wgmma_n128_wr2_g4", "wgmma_n128_bulk",
      "wgmma_n128_wr2_bulk", "wgmma_n128_wr2_g4_bulk", "wgmma_n128_xb", "wgmma_n128_wr2_xb",
-     "wgmma_n128_xb_p2", "wgmma_n128_wr2_xb_p2", "wgmma_n256_xb_p2"],
+     "wgmma_n128_xb_p2", "wgmma_n128_wr2_xb_p2", "wgmma_n256_xb_p2", "wgmma_n128_xb_r8",
+     "wgmma_n256_xb_r4"],
 )  # fmt: skip
 def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
     """The largest accumulators (128 floats a thread): no spills, no serialized wgmma, one
@@ -355,3 +357,24 @@ def test_wave_split_rule():
     assert (wave.grid, fill.grid) == ((2, 40, 3), (2, 40, 1))
     with pytest.raises(wgm.KernelError, match="split_rule='best', expected one of"):
         wgm.plan(256, 5120, 5120, tm=128, split_rule="best")
+
+
+def test_raster_maps_each_cta_to_one_tile():
+    """RASTER (`raster_tiles`, the kernel's `cta_tile`): every (token tile, weight tile) exactly
+    once, for any group size and grid (a last group smaller than the rest included); 0 is the
+    plain grid order; with G > 0 the first G x (weight tiles) CTAs cover only G token tiles and
+    each group's weight tiles run in order, G token tiles at a time. The plan passes it to the
+    kernel as RASTER and refuses a negative one."""
+    for tiles_m, tiles_n in ((32, 48), (9, 5), (1, 7), (16, 192), (5, 1)):
+        everything = {(x, y) for x in range(tiles_m) for y in range(tiles_n)}
+        plain = wgm.raster_tiles(tiles_m, tiles_n, 0)
+        assert plain == [(x, y) for y in range(tiles_n) for x in range(tiles_m)]
+        for g in (1, 2, 4, 8, 64):
+            order = wgm.raster_tiles(tiles_m, tiles_n, g)
+            assert len(order) == tiles_m * tiles_n and set(order) == everything, (tiles_m, g)
+            first = order[: min(g, tiles_m) * tiles_n]
+            assert {mt for mt, _ in first} == set(range(min(g, tiles_m)))
+            assert [nt for _, nt in first[:: min(g, tiles_m)]] == list(range(tiles_n))
+    p = wgm.plan(4096, 6144, 4096, tm=128, nwg=2, wr=1, bulk=3, raster=8)
+    assert p.defines()["RASTER"] == 8 and "RASTER" not in wgm.plan(4096, 6144, 4096).defines()
+    assert wgm.check_plan(dataclasses.replace(p, raster=-1))[0] is False
