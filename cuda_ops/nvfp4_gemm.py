@@ -218,6 +218,9 @@ class GemmOptions:
         wgmma_tm: that GEMM's token tile, "auto" (the default: per shape,
             `nvfp4_gemm_wgmma.auto_tm`, 256 where it fills whole waves without a K split;
             512-token prefill at batch 1 23.2 against 24.4 ms with 128 on an H100), 128 or 256.
+        wgmma_raster: the order that GEMM's CTAs take their tiles (`nvfp4_gemm_wgmma.
+            raster_tiles`): 0 (the default: the grid's), or groups of that many token tiles
+            (an experiment for thousands of rows; the same tiles and bits).
         wgmma_x_quant: how a fused linear in front of the wgmma GEMM builds its x_hat stage
             tiles: "kernel" (the default: the quantizer kernel's "xhat_tiles" form writes them;
             36-layer prefill of 512 tokens 24.3 against 26.2 ms at batch 1 on an H100) or
@@ -258,6 +261,7 @@ class GemmOptions:
     wgmma_min_m: int | None = DEFAULT_WGMMA_MIN_M
     wgmma_max_m: int | None = DEFAULT_WGMMA_MAX_M
     wgmma_tm: int | str = "auto"
+    wgmma_raster: int = 0
     wgmma_x_quant: str = "kernel"
     dot_dequant: str = "kernel"
     dot_x: str = "kernel"
@@ -320,6 +324,14 @@ class GemmOptions:
         if self.wgmma_tm not in WGMMA_TMS:
             raise KernelError(
                 f"GemmOptions.wgmma_tm={self.wgmma_tm!r}, expected one of {WGMMA_TMS}"
+            )
+        if (
+            not isinstance(self.wgmma_raster, int)
+            or isinstance(self.wgmma_raster, bool)
+            or self.wgmma_raster < 0
+        ):
+            raise KernelError(
+                f"GemmOptions.wgmma_raster={self.wgmma_raster!r}, expected an int >= 0"
             )
         if self.split_m is not None and (not isinstance(self.split_m, int) or self.split_m < 1):
             raise KernelError(f"GemmOptions.split_m={self.split_m!r}, expected None or an int >= 1")

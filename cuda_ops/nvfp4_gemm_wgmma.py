@@ -486,6 +486,7 @@ def build_linear(
     w_shift: int = DEFAULT_W_SHIFT,
     num_sms: int | None = None,
     split_m: int | None = None,
+    raster: int = 0,
 ) -> WgmmaKernel:
     """The kernel `rejax.ops.linear` runs from `GemmOptions.wgmma_min_m` rows on: `tm`-token
     tiles (128 or 256: each weight decoded once per tile; "auto": `auto_tm`), two warpgroups
@@ -496,6 +497,7 @@ def build_linear(
     with `split_m` the split is planned as for that many rows, so
     every M adds each output's K in the same order (GemmOptions.split_m: a row's result then
     does not depend on the rows beside it; the order inside a split never depends on M).
+    `raster` is the order the CTAs take their tiles (`raster_tiles`; GemmOptions.wgmma_raster).
 
     Raises KernelError off sm_90 (wgmma is Hopper's; the present GPU's arch, compute_90
     without one), for an unsupported plan (K not a multiple of 128) or without NVRTC.
@@ -512,7 +514,8 @@ def build_linear(
         tm = auto_tm(split_m or m, n, k, sms)
     tiles = {"tm": tm, "nwg": 2, "wr": LINEAR_WR[tm], "bulk": LINEAR_BULK}
     splitk = None if split_m is None else plan(split_m, n, k, sms, **tiles).splitk
-    p = plan(m, n, k, sms, **tiles, splitk=splitk, w_shift=w_shift, gw_rows=gw_rows)
+    p = plan(m, n, k, sms, **tiles, splitk=splitk, w_shift=w_shift, gw_rows=gw_rows,
+             raster=raster)  # fmt: skip
     return build_plan(p)
 
 

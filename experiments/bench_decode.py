@@ -301,6 +301,17 @@ def _max_m(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
+def _raster(text: str) -> int:
+    """An int >= 0 (Config.gemm_wgmma_raster)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}")
+    return value
+
+
 def _wgmma_rows(text: str) -> int | None | str:
     """An int, 'none' or 'default' (Config.gemm_wgmma_min_m / max_m)."""
     if text.lower() == "default":
@@ -388,6 +399,15 @@ def main(argv=None) -> dict:
         help="Config.gemm_wgmma_max_m: ... and at most this many ('default': 2048, 'none': no "
         "bound: the batch-8 prefill's 4096 rows take the wgmma GEMM, not the dot path); several "
         "values run every NVFP4 variant once per value (labelled ' wgmax=K' unless 'default')",
+    )
+    ap.add_argument(
+        "--gemm-wgmma-raster",
+        type=_raster,
+        nargs="+",
+        default=[rconfig.Config.gemm_wgmma_raster],
+        help="Config.gemm_wgmma_raster: the order of the wgmma GEMM's tiles (0: the grid's; G: "
+        "groups of G token tiles); several values run every NVFP4 variant once per value "
+        "(labelled ' ras=G' unless 0)",
     )
     ap.add_argument(
         "--gemm-dot-dequant",
@@ -561,11 +581,11 @@ def _variants(base: Params, args, quant):
     default) x --command-buffer (labelled " cb=CHOICE" unless "default") x --decode-unroll x
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
     per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
-    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-wgmma-max-m x --gemm-dot-dequant
-    x --gemm-dot-stream x --gemm-dot-finish (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE"
-    / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" / " wg=K" / " wgmax=K" / " dq=CHOICE" /
-    " ds=CHOICE" / " df=CHOICE" unless Config's default; the last loop innermost, so its values
-    run adjacent)."""
+    --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-wgmma-max-m x --gemm-wgmma-raster
+    x --gemm-dot-dequant x --gemm-dot-stream x --gemm-dot-finish (labelled " occ=CHOICE" /
+    " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" / " wg=K" /
+    " wgmax=K" / " ras=G" / " dq=CHOICE" / " ds=CHOICE" / " df=CHOICE" unless Config's default;
+    the last loop innermost, so its values run adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -589,7 +609,7 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo, gc, wgm, wgmax, dq, ds, df)
+                (p, o, f, ao, go, oo, gc, wgm, wgmax, ras, dq, ds, df)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
@@ -599,15 +619,17 @@ def _variants(base: Params, args, quant):
                 for gc in args.gemm_chain
                 for wgm in args.gemm_wgmma_min_m
                 for wgmax in args.gemm_wgmma_max_m
+                for ras in args.gemm_wgmma_raster
                 for dq in args.gemm_dot_dequant
                 for ds in args.gemm_dot_stream
                 for df in args.gemm_dot_finish
             ]
-            for spec, occ, fusion, out, gu, op_out, chain, wgm, wgmax, dq, ds, df in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain, wgm, wgmax, ras, dq, ds, df in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
                     gemm_wgmma_max_m=wgmax,
+                    gemm_wgmma_raster=ras,
                     gemm_dot_dequant=dq,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
@@ -630,6 +652,7 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if chain == rconfig.Config.gemm_chain else f" gc={chain}"
                 occ_tag += "" if wgm == rconfig.Config.gemm_wgmma_min_m else f" wg={wgm}"
                 occ_tag += "" if wgmax == rconfig.Config.gemm_wgmma_max_m else f" wgmax={wgmax}"
+                occ_tag += "" if ras == rconfig.Config.gemm_wgmma_raster else f" ras={ras}"
                 occ_tag += "" if dq == rconfig.Config.gemm_dot_dequant else f" dq={dq}"
                 occ_tag += "" if ds == rconfig.Config.gemm_dot_stream else f" ds={ds}"
                 occ_tag += "" if df == rconfig.Config.gemm_dot_finish else f" df={df}"

@@ -398,7 +398,8 @@ PY
       # and the "block" finishes): the RASTER variants' bits first (M = 1100: a last group of
       # one token tile), kernel alone at M = 4096 (the four Qwen3-8B shapes, 128- and 256-token
       # tiles with and without RASTER, the dot path jitted, bf16), then 36 layers in one
-      # process, ABAB
+      # process: the dot path, then the wgmma GEMM, each with RASTER 0 / 8 twice (ABAB; RASTER
+      # changes nothing on the dot path, so its pairs are a noise check)
       timeout ${CHECK_TIMEOUT:-150} python3 experiments/kernels/check_gemm_wgmma.py --ms 1100 \
         --variants wgmma_n128_xb_r8,wgmma_n256_xb_r4 --no-time --out "$out/wgmma_4096_check.json" \
         > "$out/wgmma_4096_check.log" 2>&1; echo "check rc=$?"; tail -5 "$out/wgmma_4096_check.log"
@@ -411,7 +412,8 @@ PY
       grep -E "geomean" "$out/wgmma_4096_kernel.log" | head -12
       timeout ${BENCH_TIMEOUT:-300} python3 experiments/bench_decode.py --modes bf16 nvfp4 \
         --batch 8 --gen-len 32 --repeats 5 --no-breakdown \
-        --gemm-wgmma-max-m default none default none --out "$out/wgmma_4096_decode.json" \
+        --gemm-wgmma-max-m default none --gemm-wgmma-raster 0 8 0 8 \
+        --out "$out/wgmma_4096_decode.json" \
         > "$out/wgmma_4096_decode.log" 2>&1
       echo "bench rc=$?"; grep -E "ms/token|FAILED|Error" "$out/wgmma_4096_decode.log";;
     dot_sanitize)

@@ -403,6 +403,12 @@ class Config:
     # against 24.4 ms with "128" on an H100, experiments/results/dot_x_h100/), "128" or "256"
     # (GemmOptions.wgmma_tm)
     gemm_wgmma_tm: str = "auto"
+    # ... and the order its CTAs take their tiles: 0 (the grid's: each weight tile's token
+    # tiles in turn) or groups of that many token tiles, every weight tile within a group, so
+    # the CTAs resident at once share those tokens' x_hat in L2 (an experiment for thousands
+    # of rows, e.g. gemm_wgmma_max_m None at batch-8 prefill; the same bits; not yet measured)
+    # (GemmOptions.wgmma_raster, cuda_ops.nvfp4_gemm_wgmma.raster_tiles)
+    gemm_wgmma_raster: int = 0
     command_buffer: str = "default"
     weight_prefetch: str = "none"
     # Row-invariant matmuls up to this many rows (None: off): a decode program with fewer rows
@@ -531,6 +537,15 @@ class Config:
         if self.gemm_wgmma_tm not in GEMM_WGMMA_TMS:
             raise ValueError(
                 f"unknown gemm_wgmma_tm {self.gemm_wgmma_tm!r}; expected one of {GEMM_WGMMA_TMS}"
+            )
+        if (
+            not isinstance(self.gemm_wgmma_raster, int)
+            or isinstance(self.gemm_wgmma_raster, bool)
+            or self.gemm_wgmma_raster < 0
+        ):
+            raise ValueError(
+                f"gemm_wgmma_raster={self.gemm_wgmma_raster!r}: expected an int >= 0 (0: the "
+                "grid's order; G: groups of G token tiles)"
             )
         if self.gemm_wgmma_x_quant not in GEMM_WGMMA_X_QUANTS:
             raise ValueError(

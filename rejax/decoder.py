@@ -132,7 +132,8 @@ def decoder_layer(
                       gemm_dot_dequant=cfg.gemm_dot_dequant,
                       gemm_wgmma_max_m=cfg.gemm_wgmma_max_m,
                       gemm_dot_x=cfg.gemm_dot_x, gemm_wgmma_tm=cfg.gemm_wgmma_tm,
-                      gemm_dot_stream=cfg.gemm_dot_stream)  # fmt: skip
+                      gemm_dot_stream=cfg.gemm_dot_stream,
+                      gemm_wgmma_raster=cfg.gemm_wgmma_raster)  # fmt: skip
 
     # W4A4 linears with bf16 activations take the fused ops (one kernel each on CUDA): the
     # norms / SwiGLU in front, the residual adds behind (a composition of the same functions)
@@ -164,6 +165,7 @@ def decoder_layer(
             dot_x=cfg.gemm_dot_x,
             wgmma_tm=cfg.gemm_wgmma_tm,
             dot_stream=cfg.gemm_dot_stream,
+            wgmma_raster=cfg.gemm_wgmma_raster,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -387,7 +389,8 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
                       dot_dequant=cfg.gemm_dot_dequant,
                       wgmma_max_m=cfg.gemm_wgmma_max_m,
                       wgmma_x_quant=cfg.gemm_wgmma_x_quant, dot_x=cfg.gemm_dot_x,
-                      wgmma_tm=cfg.gemm_wgmma_tm, dot_stream=cfg.gemm_dot_stream)  # fmt: skip
+                      wgmma_tm=cfg.gemm_wgmma_tm, dot_stream=cfg.gemm_dot_stream,
+                      wgmma_raster=cfg.gemm_wgmma_raster)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

@@ -159,6 +159,7 @@ def linear(
     gemm_dot_x: str | None = None,
     gemm_wgmma_tm: int | str | None = None,
     gemm_dot_stream: str | None = None,
+    gemm_wgmma_raster: int | None = None,
 ) -> jax.Array:
     """y = x @ W.T (+ b) for a float weight, or an NVFP4 linear through `nvfp4_linear`; with
     `residual`, residual + y.
@@ -201,6 +202,8 @@ def linear(
             None: the default, "main"; see `Config.gemm_dot_stream`).
         gemm_wgmma_tm: the wgmma GEMM's token tile (`GemmOptions.wgmma_tm`; None: the default;
             see `Config.gemm_wgmma_tm`).
+        gemm_wgmma_raster: the order of that GEMM's tiles (`GemmOptions.wgmma_raster`; None:
+            the default; see `Config.gemm_wgmma_raster`).
         invariant_rows: compute as a matmul of this many rows would (`Config.invariant_rows`;
             None: off): the NVFP4 GEMM plans its K split for it (`GemmOptions.split_m`); a
             float weight's matmul runs on rows zero-padded to it (when fewer), and so does
@@ -243,6 +246,7 @@ def linear(
             wgmma_max_m=gemm_wgmma_max_m,
             dot_x=gemm_dot_x,
             wgmma_tm=gemm_wgmma_tm,
+            wgmma_raster=gemm_wgmma_raster,
             dot_stream=gemm_dot_stream,
         )
         if scale is not None and scale.ndim == 1:
@@ -296,6 +300,7 @@ def gemm_options(
     dot_x: str | None = None,
     wgmma_tm: int | str | None = None,
     dot_stream: str | None = None,
+    wgmma_raster: int | None = None,
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
     `copies`, `wgmma_min_m`, `dot_dequant` and `wgmma_max_m` (None / "default": the defaults;
@@ -303,13 +308,16 @@ def gemm_options(
     "default" wgmma_min_m is None: the wgmma GEMM would change the summation order at its
     first row count), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
     `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant`,
-    `gemm_wgmma_max_m`, `gemm_wgmma_x_quant`, `gemm_dot_x`, `gemm_wgmma_tm` and
-    `gemm_dot_stream` (None: the default; `wgmma_tm` "128" / "256" as ints)."""
+    `gemm_wgmma_max_m`, `gemm_wgmma_x_quant`, `gemm_dot_x`, `gemm_wgmma_tm`,
+    `gemm_dot_stream` and `gemm_wgmma_raster` (None: the default; `wgmma_tm` "128" / "256" as
+    ints)."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if isinstance(wgmma_tm, str) and wgmma_tm.isdigit():
         wgmma_tm = int(wgmma_tm)
     if wgmma_tm is not None and wgmma_tm != opts.wgmma_tm:
         opts = dataclasses.replace(opts, wgmma_tm=wgmma_tm)
+    if wgmma_raster is not None and wgmma_raster != opts.wgmma_raster:
+        opts = dataclasses.replace(opts, wgmma_raster=wgmma_raster)
     if dot_x is not None and dot_x != opts.dot_x:
         opts = dataclasses.replace(opts, dot_x=dot_x)
     if dot_stream is not None and dot_stream != opts.dot_stream:

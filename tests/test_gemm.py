@@ -621,6 +621,38 @@ def test_wgmma_tm_auto_picks_the_tile_per_shape(stub_compilers):
         assert tms == {int(tm)}, (tm, tms)
 
 
+def test_config_gemm_wgmma_raster_reaches_the_wgmma_builds(stub_compilers):
+    """Config.gemm_wgmma_raster / GemmOptions.wgmma_raster: 0 (the default) builds the wgmma
+    GEMM without RASTER (the grid's order); G > 0 reaches every wgmma build of a 512-token
+    prefill as RASTER G ("split" and "unfused"), and nothing else changes in the lowering but
+    the kernels' text; bad values are refused by name."""
+    assert rconfig.Config().gemm_wgmma_raster == nvfp4_gemm.DEFAULT_OPTIONS.wgmma_raster == 0
+    assert rlayers.gemm_options(None, wgmma_raster=8).wgmma_raster == 8
+    assert kernels.wgmma_kernel(512, 4096, 4096, nvfp4_gemm.GemmOptions(wgmma_raster=8),
+                                False).plan.raster == 8  # fmt: skip
+    base, params = _tiny_prefill_model()
+
+    def wgmma_builds(cfg):  # (lowered text, the wgmma builds' defines), nothing cached
+        nvfp4_gemm_wgmma._build_cached.cache_clear()
+        jax.clear_caches()
+        stub_compilers.clear()
+        text = _prefill_text(params, cfg, 512)
+        return text, [d for name, d in stub_compilers if name == nvfp4_gemm_wgmma.SOURCE.name]
+
+    for fusion in ("split", "unfused"):
+        cfg = dataclasses.replace(base, linear_fusion=fusion)
+        plain, wg = wgmma_builds(cfg)
+        assert wg and all("RASTER" not in d for d in wg), fusion
+        grouped, wg8 = wgmma_builds(dataclasses.replace(cfg, gemm_wgmma_raster=8))
+        assert len(wg8) == len(wg) and all(d.get("RASTER") == 8 for d in wg8), fusion
+        assert _names(grouped) == _names(plain)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="gemm_wgmma_raster="):
+            rconfig.Config(gemm_wgmma_raster=bad)
+        with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_raster="):
+            nvfp4_gemm.GemmOptions(wgmma_raster=bad)
+
+
 def _tiny_prefill_model():
     """(Config, random bf16-initialised Params) of a small NVFP4 Qwen3 for prefill lowerings."""
     from rejax import params as rparams

@@ -26,6 +26,7 @@ def _args(**kw):
         "gemm_chain": [rconfig.Config.gemm_chain],
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
         "gemm_wgmma_max_m": [rconfig.Config.gemm_wgmma_max_m],
+        "gemm_wgmma_raster": [rconfig.Config.gemm_wgmma_raster],
         "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
         "gemm_dot_stream": [rconfig.Config.gemm_dot_stream],
         "gemm_dot_finish": [rconfig.Config.gemm_dot_finish],
@@ -107,14 +108,21 @@ def test_variants_cross_gemm_wgmma_min_m(base):
     got = [(label, p.cfg.gemm_wgmma_min_m, p.cfg.gemm_wgmma_max_m) for _, _, label, p in
            bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [("head=bf16 prefetch=none wg=128 wgmax=None", 128, None)]
-    # several --gemm-wgmma-max-m values: one variant each, in the order given
-    args = _args(gemm_wgmma_max_m=["default", None, "default"])
-    got = [(label, p.cfg.gemm_wgmma_max_m) for _, _, label, p in bd._variants(base, args, "nvfp4")]
+    # several --gemm-wgmma-max-m values: one variant each, in the order given, each once per
+    # --gemm-wgmma-raster value (innermost of the two)
+    args = _args(gemm_wgmma_max_m=["default", None], gemm_wgmma_raster=[0, 8])
+    got = [(label, p.cfg.gemm_wgmma_max_m, p.cfg.gemm_wgmma_raster) for _, _, label, p in
+           bd._variants(base, args, "nvfp4")]  # fmt: skip
     assert got == [
-        ("head=bf16 prefetch=none", "default"),
-        ("head=bf16 prefetch=none wgmax=None", None),
-        ("head=bf16 prefetch=none", "default"),
+        ("head=bf16 prefetch=none", "default", 0),
+        ("head=bf16 prefetch=none ras=8", "default", 8),
+        ("head=bf16 prefetch=none wgmax=None", None, 0),
+        ("head=bf16 prefetch=none wgmax=None ras=8", None, 8),
     ]
+    assert bd._raster("8") == 8 and bd._raster("0") == 0
+    for bad in ("-1", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="an int >= 0"):
+            bd._raster(bad)
     assert bd._max_m("none") is None and bd._max_m("256") == 256
     assert bd._wgmma_rows("default") == "default" and bd._wgmma_rows("none") is None
     assert bd._wgmma_rows("128") == 128

@@ -367,7 +367,8 @@ def _default_wgmma_range(gemm_options: nvfp4_gemm.GemmOptions) -> bool:
 
 def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, gw_rows: bool):
     """The wgmma GEMM for one W4A4 problem (`nvfp4_gemm_wgmma.build_linear` with
-    `gemm_options.wgmma_tm`, `w_shift` and `split_m`), or None where it cannot be built (off
+    `gemm_options.wgmma_tm`, `wgmma_raster`, `w_shift` and `split_m`), or None where it cannot
+    be built (off
     sm_90, K not a multiple of 128, no NVRTC): logged once where the options chose a wgmma
     range other than the default, silent for the default (the usual dispatch runs)."""
     try:
@@ -379,6 +380,7 @@ def wgmma_kernel(m: int, n: int, k: int, gemm_options: nvfp4_gemm.GemmOptions, g
             gw_rows=gw_rows,
             w_shift=gemm_options.w_shift,
             split_m=gemm_options.split_m,
+            raster=gemm_options.wgmma_raster,
         )
     except nvfp4_gemv.KernelError as err:
         if not _default_wgmma_range(gemm_options):
