@@ -35,6 +35,7 @@
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
 # prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish);
+# wgmma_ws (the warp-specialized wgmma GEMM: bits, then kernel alone at 512 and 4096 rows);
 # dot_sanitize (compute-sanitizer on the dot finish's forms); wgmma_4096 (the batch-8 prefill's
 # rows on the wgmma GEMM against the dot path: kernel alone, then 36 layers).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
@@ -416,6 +417,22 @@ PY
         --out "$out/wgmma_4096_decode.json" \
         > "$out/wgmma_4096_decode.log" 2>&1
       echo "bench rc=$?"; grep -E "ms/token|FAILED|Error" "$out/wgmma_4096_decode.log";;
+    wgmma_ws)
+      # the warp-specialized wgmma GEMM (WS 1: a producer warpgroup decodes the weights into
+      # shared memory, the consumers issue SS wgmmas): bits at M = 256 / 512 / 1100 and the
+      # large-tile extras (odd M, odd N), then kernel alone at WS_MS (512 and 4096 rows) against
+      # the RS forms and jitted bf16 (the four Qwen3-8B shapes)
+      timeout ${CHECK_TIMEOUT:-150} python3 experiments/kernels/check_gemm_wgmma.py \
+        --ms ${WS_CHECK_MS:-256,512,1100} --no-time --out "$out/ws_check.json" \
+        --variants ${WS_VARIANTS:-wgmma_n128_xb_ws,wgmma_n256_xb_ws,wgmma_n256_xb_ws_r4} \
+        > "$out/ws_check.log" 2>&1; echo "check rc=$?"; tail -8 "$out/ws_check.log" | cut -c1-600
+      timeout ${KERNEL_TIMEOUT:-240} python3 experiments/bench_gemm.py --ms ${WS_MS:-512,4096} \
+        --old-ms 4096 --shapes 6144:4096,4096:4096,24576:4096,4096:12288 \
+        --variants ${WS_BENCH_VARIANTS:-wgmma_n128_xb,wgmma_n256_xb_r4,wgmma_n128_xb_ws,wgmma_n256_xb_ws,wgmma_n256_xb_ws_r4} \
+        --ops gemm_graph,jax_bf16 --time-budget ${WGMMA_TIME_BUDGET:-200} \
+        --out "$out/ws_kernel.json" > "$out/ws_kernel.log" 2>&1; echo "kernel rc=$?"
+      grep -E "geomean" "$out/ws_kernel.log" | head -20
+      grep -E "^ +[0-9]+x[0-9]+ " "$out/ws_kernel.log" | tail -8;;
     dot_sanitize)
       # compute-sanitizer memcheck and racecheck on the dot finish's forms (rejax.ops.dot_block,
       # the default on the dot path): SwiGLU chunked, RMSNorm one CTA a row and chunked

@@ -57,6 +57,13 @@ _OPT_INT_FIELDS = {"gemm_max_m", "gemm_wgmma_min_m", "gemm_wgmma_max_m"}  # an i
 _BOOLS = {"on": True, "off": False, "true": True, "false": False}
 
 
+def _int(spec: str, key: str, val: str) -> int:
+    try:
+        return int(val)
+    except ValueError:
+        raise SystemExit(f"--variant {spec!r}: {key} takes an int, got {val!r}") from None
+
+
 def parse_variant(spec: str) -> tuple[str, int, dict]:
     """'nvfp4:8:gemm_min_m=8' -> ('nvfp4', 8, {'gemm_min_m': 8}). Besides Config fields,
     `sampler=NAME` picks the decode loop's sampler from bench_decode's SAMPLERS (default
@@ -89,9 +96,11 @@ def parse_variant(spec: str) -> tuple[str, int, dict]:
             if val == "default" and defaults[key] == "default":  # the wgmma range's default
                 fields[key] = val
             else:
-                fields[key] = None if val == "none" else int(val)
+                fields[key] = None if val.lower() == "none" else _int(spec, key, val)
+        elif key in _INT_FIELDS or type(defaults[key]) is int:
+            fields[key] = _int(spec, key, val)
         else:
-            fields[key] = int(val) if key in _INT_FIELDS else val
+            fields[key] = val
     return quant, batch, fields
 
 
