@@ -52,6 +52,8 @@ SMEM_LIMIT = 227 * 1024
 DEFAULT_W_SHIFT = 7
 WS_KT = 64  # WS: logical k a ring stage (the kernel's WS_KT)
 WS_MAX_STAGES = 8
+WS_RAW = 4  # WS: the producer's raw ring of weight chunks (the kernel's default WS_RAW)
+WS_RAW_ROW = 80  # ... its bytes a weight row a chunk (64 of codes, 16 of scales)
 # the shapes the device check runs (Qwen3-8B: qkv, o, gate_up, down) and its M
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 CHECK_MS = (16, 32, 64)
@@ -99,6 +101,7 @@ class WgmmaPlan:
     # decodes the weights into shared memory for the consumers' SS wgmmas, ring stages of half a
     # 128-element chunk (`WS_KT`)
     ws: int = 0
+    ws_raw: int = 0  # WS: chunks in the producer's raw weight ring (0: `WS_RAW`)
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -124,7 +127,8 @@ class WgmmaPlan:
     @property
     def smem(self) -> int:
         # BULK: a full and an empty mbarrier (8 bytes each) per ring slot after the ring
-        return self.stages * self.stage_bytes + (16 * self.stages if self.bulk or self.ws else 0)
+        raw = self.ws * (self.ws_raw or WS_RAW) * self.tile_n * WS_RAW_ROW
+        return self.stages * self.stage_bytes + (16 * self.stages if self.bulk or self.ws else 0) + raw
 
     @property
     def partials(self) -> bool:
@@ -158,6 +162,7 @@ class WgmmaPlan:
             | ({"BULK": self.bulk} if self.bulk else {})
             | ({"RASTER": self.raster} if self.raster else {})
             | ({"WS": self.ws} if self.ws else {})
+            | ({"WS_RAW": self.ws_raw} if self.ws and self.ws_raw else {})
         )
 
 
@@ -207,10 +212,12 @@ def plan(
     tile_n = 64 * wr * nwg
     stage = tile_n * (kt // 2 + kt // 16) + tm * kt * 2 + (16 if bulk else 0)
     ahead = max(1, (3 if tm <= 32 else 2) * 128 // kt)  # the bytes in flight of KT = 128
+    room = SMEM_LIMIT
     if ws:
         stage = (tile_n + tm) * WS_KT * 2 + 16
         ahead = WS_MAX_STAGES - 2
-    stages = stages or max(3, min(ahead + 2, SMEM_LIMIT // stage))
+        room -= WS_RAW * tile_n * WS_RAW_ROW
+    stages = stages or max(3, min(ahead + 2, room // stage))
     nkt = max(1, k // kt)
     if splitk is None:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
