@@ -33,11 +33,6 @@
 //                        walks groups of G token tiles, every weight tile within a group, so
 //                        the CTAs resident at once share G x_hat tiles in L2 (the same tiles,
 //                        the same bits; an experiment for M in the thousands)
-//   WS                   1: warp-specialized (an experiment; WR 1, KT 128, BULK 3, TM >= 64). A
-//                        producer warpgroup (the CTA's last) decodes the weights into shared
-//                        memory as fp16 in the wgmma A layout and copies the x_hat tiles; the
-//                        NWG consumer warpgroups only wait and issue wgmmas with both operands
-//                        from shared memory (SS). See "WS" below.
 //   GROUP_WORDS          code words (2 k16 steps each) per wgmma commit group: 1 (default), 2, 4
 //                        (4 measured 2-7% slower than 1 on an H100, experiments/KERNEL_NOTES.md)
 //   STATIC_COPIES        the stage copies with compile-time trip counts (gemm_common.cuh's
@@ -163,9 +158,6 @@ typedef unsigned long long u64;
 #ifndef GROUP_WORDS
 #define GROUP_WORDS 1
 #endif
-#ifndef WS
-#define WS 0
-#endif
 #ifndef RASTER
 #define RASTER 0
 #endif
@@ -194,7 +186,7 @@ constexpr u32 W_SCALE2 = (u32)((15 + W_SHIFT) << 10) * 0x10001u;  // f16x2 (2^W_
 constexpr float W_UNSCALE = (float)(1 << (14 - W_SHIFT));
 constexpr bool PARTIALS = SPLITK > 1;  // float32 partials for the finish kernel
 
-constexpr int NT = 128 * (NWG + (WS ? 1 : 0));  // WS: + the producer warpgroup
+constexpr int NT = 128 * NWG;
 constexpr int TILE_N = 64 * WR * NWG;
 constexpr int NACC = TM / 2;         // accumulator floats per thread per 64-row tile
 constexpr int SUB = KT / 128;        // 128-element sub-chunks per stage
@@ -206,26 +198,9 @@ constexpr int S_BYTES = TILE_N * S_PITCH;
 constexpr int X_COL = TM * 16;       // one 8-k column of the x tile (all tokens): the LBO
 constexpr int X_STEP = 2 * X_COL;    // one k16 step of the x tile
 constexpr int X_BYTES = TM * KT * 2;
-#if WS
-// WS: a ring stage is half a 128-element chunk (WS_KT logical k): the decoded weights of the
-// TILE_N rows (fp16, one 8 KiB 64-row tile per consumer warpgroup) then that half of the x tile
-constexpr int WS_KT = 64;
-constexpr int WS_A_WG = 64 * WS_KT * 2;
-constexpr int WS_A_BYTES = TILE_N * WS_KT * 2;
-constexpr int WS_X_BYTES = TM * WS_KT * 2;
-constexpr int STAGE_BYTES = WS_A_BYTES + WS_X_BYTES;
-#ifndef WS_RAW
-#define WS_RAW 4
-#endif
-// the producer's raw ring after the barriers: WS_RAW chunks of each producer thread's codes (16
-// bytes a row group) and scales (4 bytes a row group)
-constexpr int WS_RAW_BYTES = TILE_N * 80;
-static_assert(WS_RAW >= 2, "WS_RAW: the raw ring needs two or more chunks");
-#else
 constexpr int STAGE_BYTES = W_BYTES + S_BYTES + X_BYTES;
-#endif
 constexpr int N_TILES = (N_OUT + TILE_N - 1) / TILE_N;
-constexpr int BAR_BYTES = BULK || WS ? 16 * STAGES : 0;  // BULK: full[STAGES], empty[STAGES] after the ring
+constexpr int BAR_BYTES = BULK ? 16 * STAGES : 0;  // BULK: full[STAGES], empty[STAGES] after the ring
 constexpr u32 DESC_LBO = DESC_SWAP ? 128u : (u32)X_COL;
 constexpr u32 DESC_SBO = DESC_SWAP ? (u32)X_COL : 128u;
 
@@ -235,17 +210,11 @@ static_assert(KT == 128 || KT == 256, "KT must be 128 or 256");
 static_assert(K_IN % KT == 0, "K must be a multiple of KT");
 static_assert(WR >= 1 && WR <= 2 && NWG >= 1 && NWG <= 2, "WR and NWG must be 1 or 2");
 static_assert(STAGES >= 3, "the ring needs a slack slot for the wgmmas in flight");
-static_assert(!WS || (WS == 1 && WR == 1 && KT == 128 && BULK == 3 && TM >= 64),
-              "WS: 1 with WR 1, KT 128, BULK 3 and TM 64 / 128 / 256");
 static_assert(SPLITK >= 1 && SPLITK <= NKT, "SPLITK must be in 1..K/KT");
 static_assert((W_BYTES + S_BYTES) % 128 == 0 && STAGE_BYTES % 128 == 0,
               "the x tile must stay 128-byte aligned");
 static_assert(STAGES * STAGE_BYTES < (1 << 18), "descriptor addresses have 18 bits");
 #ifdef SMEM_BYTES  // the launch's dynamic shared memory (the host plans it)
-#if WS
-static_assert(STAGES * STAGE_BYTES + BAR_BYTES + WS_RAW * WS_RAW_BYTES <= SMEM_BYTES,
-              "the rings must fit in shared memory");
-#endif
 static_assert(STAGES * STAGE_BYTES + BAR_BYTES <= SMEM_BYTES,
               "the pipeline must fit in shared memory");
 #endif
@@ -525,174 +494,6 @@ __device__ __forceinline__ void compute_stage(u32 st, float (&acc)[WR][NACC], in
   }
 }
 
-#if WS
-// ---------------------------------------------------------------------------- WS
-// The warp-specialized form (WS 1). Warpgroups 0 .. NWG - 1 consume, warpgroup NWG produces.
-// Ring slot s (STAGES of them, STAGE_BYTES each) holds stage i = half h = i % 2 of 128-element
-// chunk i / 2: the decoded weights, then x_hat's columns 8h .. 8h + 7 of the chunk's stage tile
-// (contiguous in `to_stage_tiles`' layout, the same LBO). full[s] completes on 128 producer
-// arrivals, producer thread 0's arrive.expect_tx and the x copy's bytes; empty[s] on one
-// arrival per consumer warp.
-// * The A tile of consumer warpgroup w: rows n0 + 64 w + r (r < 64) in the same K-major
-//   no-swizzle layout as the x tile: 8-k column q of row r at q * A_LBO + (r / 8) * 128 +
-//   (r % 8) * 16, so A_LBO = 64 * 16 bytes and SBO = 128, one k16 step = two columns.
-// * The logical k order is the x operand's (the kernel header): word u of code chunk t of a row
-//   decodes to the f16x2 pairs P_i (decode8), and P_i is logical k (2t, 2t + 1) of column
-//   4u + i of the chunk: its 4 bytes go to byte 4t of that column's 16-byte row. So producer
-//   lane (g, t) of warp p decodes rows TILE_N / 4 * p + 8 j + g (j < TILE_N / 32), code chunk t,
-//   as the RS form's lane (g, t) does, and a warp's stores of one column are 128 contiguous bytes.
-// * The producer copies each chunk's codes (16 bytes a row) and scales with cp.async into a raw
-//   ring of WS_RAW chunks (after the barriers), WS_RAW - 1 chunks ahead of its decode. (The
-//   first form loaded them into registers one chunk ahead: 1.1-1.5x slower than the RS form.)
-// * Numerics: the same fp16 A values and x_hat as the RS form, the same k16 steps in the same
-//   order into the same accumulators.
-constexpr u32 A_LBO = 64 * 16;
-constexpr int WS_RJ = TILE_N / 32;  // row groups of 8 a producer thread decodes
-
-__device__ __forceinline__ u64 a_desc(u32 addr) {
-  return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(A_LBO >> 4) << 16) | ((u64)(128u >> 4) << 32);
-}
-
-__device__ __forceinline__ void sts32(u32 addr, u32 v) {
-  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
-}
-
-// D[64 x TM] += A[64 x 16] . B[16 x TM], both from shared memory (descriptors)
-__device__ __forceinline__ void wgmma_ss(float (&d)[NACC], u64 da, u64 db) {
-  if constexpr (TM == 64) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, "
-                 "%8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, "
-                 "%24, %25, %26, %27, %28, %29, %30, %31}, "
-                 "%32, %33, p, 1, 1, 0, 0;\n}"
-                 : ACC16(0), ACC16(16)
-                 : "l"(da), "l"(db), "r"(1));
-  } else if constexpr (TM == 128) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-                 "%64, %65, p, 1, 1, 0, 0;\n}"
-                 : ACC64(0)
-                 : "l"(da), "l"(db), "r"(1));
-  } else {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
-                 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-                 "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-                 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-                 "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-                 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-                 "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-                 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-                 "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, "
-                 "%128, %129, p, 1, 1, 0, 0;\n}"
-                 : ACC64(0), ACC64(64)
-                 : "l"(da), "l"(db), "r"(1));
-  }
-}
-
-// this producer thread's copies of chunk c (its codes and scales, zeros past N) into raw slot
-// `rs`: row group j's 16 code bytes at rs + j * 16 * 128 + 16 pt, and the 4 scale bytes that
-// hold its pair (bytes 4 (t / 2) .. + 3 of the row's 8) at rs + 16 * 128 * WS_RJ + j * 4 * 128
-// + 4 pt. Only this thread reads them back (after its own cp.async.wait_group), so the ring
-// needs no barrier.
-__device__ __forceinline__ void ws_copy(u32 rs, const u8* wp, const u8* ws, int n0, int pt,
-                                        int c) {
-  const int p = pt >> 5, g = (pt & 31) >> 2, t = pt & 3;
-#pragma unroll
-  for (int j = 0; j < WS_RJ; ++j) {
-    const int n = n0 + (TILE_N / 4) * p + 8 * j + g;
-    const bool ok = N_OUT % TILE_N == 0 || n < N_OUT;
-    const size_t nn = ok ? n : 0;
-    cp16(rs + j * 16 * 128 + 16 * pt, wp + nn * (K_IN / 2) + (size_t)c * 64 + 16 * t, ok);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(
-                     rs + 16 * 128 * WS_RJ + j * 4 * 128 + 4 * pt),
-                 "l"(ws + nn * (K_IN / 16) + (size_t)c * 8 + 4 * (t >> 1)), "r"(ok ? 4 : 0));
-  }
-}
-
-// the producer warpgroup: chunks kt0 .. kt0 + nk - 1, two ring stages each; the raw ring keeps
-// WS_RAW - 1 chunks of weights in flight ahead of the decode
-__device__ __forceinline__ void ws_produce(int pt, u32 s0, u32 full0, u32 empty0, u32 raw0,
-                                           const u8* wp, const u8* ws, const u8* x8, int n0,
-                                           int mt, int kt0, int nk) {
-  const int p = pt >> 5, lane = pt & 31, g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int c = 0; c < WS_RAW - 1; ++c) {
-    if (c < nk) ws_copy(raw0 + c * WS_RAW_BYTES, wp, ws, n0, pt, kt0 + c);
-    cp_commit();
-  }
-  for (int c = 0; c < nk; ++c) {
-    const int ahead = c + WS_RAW - 1;  // into the slot chunk c - 1 used (read back already)
-    if (ahead < nk) ws_copy(raw0 + (ahead % WS_RAW) * WS_RAW_BYTES, wp, ws, n0, pt, kt0 + ahead);
-    cp_commit();
-    cp_wait<WS_RAW - 1>();  // chunk c landed
-    const u32 rs = raw0 + (c % WS_RAW) * WS_RAW_BYTES;
-    uint4 wc[WS_RJ];
-    u32 s2[WS_RJ];
-#pragma unroll
-    for (int j = 0; j < WS_RJ; ++j) {
-      wc[j] = lds128(rs + j * 16 * 128 + 16 * pt);
-      u32 sc;
-      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(sc) : "r"(rs + 16 * 128 * WS_RJ + j * 4 * 128 + 4 * pt));
-      s2[j] = hmul2(e4m3x2_to_f16x2((t & 1) ? sc >> 16 : sc & 0xFFFFu), W_SCALE2);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int i = 2 * c + h, slot = i % STAGES;
-      const u32 st = s0 + slot * STAGE_BYTES, full = full0 + 8 * slot;
-      if (i >= STAGES) mbar_wait(empty0 + 8 * slot, (u32)(i / STAGES - 1) & 1);
-      if (pt == 0) {
-        mbar_arrive_expect_tx(full, WS_X_BYTES);
-        bulk_copy(st + WS_A_BYTES,
-                  x8 + ((size_t)mt * NKT + kt0 + c) * X_BYTES + (size_t)h * WS_X_BYTES,
-                  WS_X_BYTES, full);
-      }
-#pragma unroll
-      for (int j = 0; j < WS_RJ; ++j) {
-        const int r = (TILE_N / 4) * p + 8 * j + g;  // this row of the CTA's tile
-        const u32 base = st + (r >> 6) * WS_A_WG + ((r & 63) >> 3) * 128 + (r & 7) * 16 + 4 * t;
-#pragma unroll
-        for (int du = 0; du < 2; ++du) {
-          const int u = 2 * h + du;
-          u32 q[4];
-          decode8(word(wc[j], u), prmt(s2[j], 0u, u < 2 ? 0x1010u : 0x3232u), q);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sts32(base + (4 * du + e) * A_LBO, q[e]);
-        }
-      }
-      fence_async_shared();  // the decoded A visible to the wgmmas (async proxy)
-      mbar_arrive(full);
-    }
-  }
-}
-
-// a consumer warpgroup: 2 nk ring stages of 4 k16 steps, one commit group a stage, one group
-// in flight while the next stage is awaited; a stage's slot is released once the next stage's
-// wait_group has retired its group
-__device__ __forceinline__ void ws_consume(float (&acc)[NACC], u32 s0, u32 full0, u32 empty0,
-                                           int wgi, int lane, int nk) {
-  for (int i = 0; i < 2 * nk; ++i) {
-    const int slot = i % STAGES;
-    const u32 st = s0 + slot * STAGE_BYTES;
-    mbar_wait_warp(full0 + 8 * slot, (u32)(i / STAGES) & 1);
-    const u64 da = a_desc(st + wgi * WS_A_WG), db = x_desc(st + WS_A_BYTES);
-    wg_fence();
-#pragma unroll
-    for (int s = 0; s < WS_KT / 16; ++s)
-      wgmma_ss(acc, da + (u64)((2 * s * A_LBO) >> 4), db + (u64)((s * X_STEP) >> 4));
-    wg_commit();
-    wg_wait<1>();
-    mbar_arrive_if(i > 0 && lane == 0, empty0 + 8 * ((i + STAGES - 1) % STAGES));
-  }
-}
-#endif  // WS
-
 // ---------------------------------------------------------------------------- kernel
 
 // xh: fp16 x_hat [M, K] in the wgmma K order (see above); xg: float32 [M] activation global
@@ -724,25 +525,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
 #pragma unroll
     for (int e = 0; e < NACC; ++e) acc[r][e] = 0.f;
 
-#if WS
-  {
-    const u32 full0 = s0 + STAGES * STAGE_BYTES, empty0 = full0 + 8 * STAGES;
-    if (tid == 0) {
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(full0 + 8 * s, 128 + 1);  // the producers, then thread 0's expect_tx
-        mbar_init(empty0 + 8 * s, 4 * NWG);
-      }
-      mbar_init_fence();
-    }
-    __syncthreads();
-    if (wgi == NWG) {
-      ws_produce(tid - 128 * NWG, s0, full0, empty0, full0 + 16 * STAGES, wp, ws, x8, n0, mt,
-                 kt0, nk);
-      return;
-    }
-    ws_consume(acc[0], s0, full0, empty0, wgi, lane, nk);
-  }
-#else
 #if BULK
   const u32 full0 = s0 + STAGES * STAGE_BYTES, empty0 = full0 + 8 * STAGES;
   if (tid == 0) {
@@ -806,7 +588,6 @@ extern "C" __global__ void __launch_bounds__(NT, MIN_BLOCKS)
     do step(i);
     while (++i < nk);
   }
-#endif  // WS
   wg_wait<0>();
 #pragma unroll
   for (int r = 0; r < WR; ++r)

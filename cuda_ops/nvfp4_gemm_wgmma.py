@@ -50,10 +50,6 @@ MAX_SPLITK = 8
 DEFAULT_SMS = 132
 SMEM_LIMIT = 227 * 1024
 DEFAULT_W_SHIFT = 7
-WS_KT = 64  # WS: logical k a ring stage (the kernel's WS_KT)
-WS_MAX_STAGES = 8
-WS_RAW = 4  # WS: the producer's raw ring of weight chunks (the kernel's default WS_RAW)
-WS_RAW_ROW = 80  # ... its bytes a weight row a chunk (64 of codes, 16 of scales)
 # the shapes the device check runs (Qwen3-8B: qkv, o, gate_up, down) and its M
 QWEN3_8B_SHAPES = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
 CHECK_MS = (16, 32, 64)
@@ -97,11 +93,6 @@ class WgmmaPlan:
     # the order CTAs take tiles (RASTER; `raster_tiles`): 0 token tiles along grid x, G > 0
     # groups of G token tiles, every weight tile within a group (an experiment, M >= 1024)
     raster: int = 0
-    # WS 1 (an experiment; wr 1, bulk 3, tm >= 64): warp-specialized, a producer warpgroup
-    # decodes the weights into shared memory for the consumers' SS wgmmas, ring stages of half a
-    # 128-element chunk (`WS_KT`)
-    ws: int = 0
-    ws_raw: int = 0  # WS: chunks in the producer's raw weight ring (0: `WS_RAW`)
 
     n_inputs = N_INPUTS
     finish_inputs = FINISH_INPUTS
@@ -112,7 +103,7 @@ class WgmmaPlan:
 
     @property
     def threads(self) -> int:
-        return 128 * (self.nwg + self.ws)
+        return 128 * self.nwg
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -120,15 +111,12 @@ class WgmmaPlan:
 
     @property
     def stage_bytes(self) -> int:
-        if self.ws:  # the decoded weights (fp16) and half the x tile, WS_KT logical k
-            return (self.tile_n + self.tm) * WS_KT * 2
         return self.tile_n * (self.kt // 2 + self.kt // 16) + self.tm * self.kt * 2
 
     @property
     def smem(self) -> int:
         # BULK: a full and an empty mbarrier (8 bytes each) per ring slot after the ring
-        raw = self.ws * (self.ws_raw or WS_RAW) * self.tile_n * WS_RAW_ROW
-        return self.stages * self.stage_bytes + (16 * self.stages if self.bulk or self.ws else 0) + raw
+        return self.stages * self.stage_bytes + (16 * self.stages if self.bulk else 0)
 
     @property
     def partials(self) -> bool:
@@ -161,8 +149,6 @@ class WgmmaPlan:
             | ({"PIPE": self.pipe} if self.pipe != 1 else {})
             | ({"BULK": self.bulk} if self.bulk else {})
             | ({"RASTER": self.raster} if self.raster else {})
-            | ({"WS": self.ws} if self.ws else {})
-            | ({"WS_RAW": self.ws_raw} if self.ws and self.ws_raw else {})
         )
 
 
@@ -188,7 +174,6 @@ def plan(
     split_rule: str = "fill",
     pipe: int = 1,
     raster: int = 0,
-    ws: int = 0,
 ) -> WgmmaPlan:
     """The launch plan, production's "wide" rule transposed to warpgroups: the token tile is the
     smallest wgmma N in `TMS` that holds min(M, 64) (grid x over larger M; `tm` 128 or 256 by
@@ -200,9 +185,7 @@ def plan(
     plan's CTAs: the same weight tiles and K split (experiments/tests/test_gemm_wgmma.py).
     `split_rule` "wave" (128 / 256-token tiles; an experiment, `wave_splitk`) picks the K split
     that leaves the least of the last wave idle instead of splitting only below one wave.
-    `raster` (an experiment) is the order the CTAs take their tiles (`raster_tiles`).
-    `ws` 1 (an experiment) plans the warp-specialized form: the ring as deep as shared memory
-    allows (at most `WS_MAX_STAGES` stages of `WS_KT` logical k)."""
+    `raster` (an experiment) is the order the CTAs take their tiles (`raster_tiles`)."""
     if split_rule not in SPLIT_RULES:
         raise KernelError(f"split_rule={split_rule!r}, expected one of {SPLIT_RULES}")
     tm = tm or next(v for v in TMS if v >= min(m, DEFAULT_MAX_TM))
@@ -212,12 +195,7 @@ def plan(
     tile_n = 64 * wr * nwg
     stage = tile_n * (kt // 2 + kt // 16) + tm * kt * 2 + (16 if bulk else 0)
     ahead = max(1, (3 if tm <= 32 else 2) * 128 // kt)  # the bytes in flight of KT = 128
-    room = SMEM_LIMIT
-    if ws:
-        stage = (tile_n + tm) * WS_KT * 2 + 16
-        ahead = WS_MAX_STAGES - 2
-        room -= WS_RAW * tile_n * WS_RAW_ROW
-    stages = stages or max(3, min(ahead + 2, room // stage))
+    stages = stages or max(3, min(ahead + 2, SMEM_LIMIT // stage))
     nkt = max(1, k // kt)
     if splitk is None:
         tiles = _cdiv(m, tm) * _cdiv(n, tile_n)
@@ -249,7 +227,6 @@ def plan(
         bulk=int(bulk),
         pipe=int(pipe),
         raster=int(raster),
-        ws=int(ws),
     )
 
 
@@ -301,13 +278,6 @@ def check_plan(p: WgmmaPlan) -> tuple[bool, str]:
         return False, f"bulk copies with kt={p.kt} (expected 128)"
     if not isinstance(p.raster, int) or p.raster < 0:
         return False, f"raster={p.raster!r} (expected 0 or a positive group of token tiles)"
-    if p.ws not in (0, 1):
-        return False, f"ws={p.ws!r} (expected 0 or 1)"
-    if p.ws and (p.wr != 1 or p.kt != 128 or p.bulk != 3 or p.tm < 64):
-        return False, (
-            f"ws=1 with wr={p.wr}, kt={p.kt}, bulk={p.bulk}, tm={p.tm} "
-            "(expected wr 1, kt 128, bulk 3, tm >= 64)"
-        )
     return True, ""
 
 

@@ -94,9 +94,7 @@ WGMMA_VARIANTS = {"wgmma_n128": "wgmma_n128", "wgmma_n128_wr2": "wgmma_n128_wr2"
                   "wgmma_n128_wr2_xb": "wgmma_n128_wr2_xb",
                   "wgmma_n128_xb_wave": "wgmma_n128_xb_wave",
                   "wgmma_n256_xb": "wgmma_n256_xb", "wgmma_n128_xb_r8": "wgmma_n128_xb_r8",
-                  "wgmma_n256_xb_r4": "wgmma_n256_xb_r4", "wgmma_n128_xb_ws": "wgmma_n128_xb_ws",
-                  "wgmma_n256_xb_ws": "wgmma_n256_xb_ws",
-                  "wgmma_n256_xb_ws_r4": "wgmma_n256_xb_ws_r4"}  # fmt: skip
+                  "wgmma_n256_xb_r4": "wgmma_n256_xb_r4"}  # fmt: skip
 _LARGE_MS = set(range(128, 1 << 16))
 # variants that only make sense at some M (others skip them there)
 VARIANT_MS = {

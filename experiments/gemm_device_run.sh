@@ -35,7 +35,8 @@
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
 # prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish);
-# wgmma_ws (the warp-specialized wgmma GEMM: bits, then kernel alone at 512 and 4096 rows);
+# wgmma_ws (applies experiments/kernels/wgmma_ws.patch, the warp-specialized wgmma GEMM that
+# lost: bits, then kernel alone at 512 and 4096 rows);
 # dot_sanitize (compute-sanitizer on the dot finish's forms); wgmma_4096 (the batch-8 prefill's
 # rows on the wgmma GEMM against the dot path: kernel alone, then 36 layers).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
@@ -418,10 +419,12 @@ PY
         > "$out/wgmma_4096_decode.log" 2>&1
       echo "bench rc=$?"; grep -E "ms/token|FAILED|Error" "$out/wgmma_4096_decode.log";;
     wgmma_ws)
-      # the warp-specialized wgmma GEMM (WS 1: a producer warpgroup decodes the weights into
-      # shared memory, the consumers issue SS wgmmas): bits at M = 256 / 512 / 1100 and the
-      # large-tile extras (odd M, odd N), then kernel alone at WS_MS (512 and 4096 rows) against
-      # the RS forms and jitted bf16 (the four Qwen3-8B shapes)
+      # the warp-specialized wgmma GEMM (WS 1, lost: a producer warpgroup decodes the weights
+      # into shared memory, the consumers issue SS wgmmas), applied from
+      # experiments/kernels/wgmma_ws.patch to this copy of the tree (later phases of the call
+      # see it too): bits at M = 256 / 512 / 1100 and the large-tile extras (odd M, odd N),
+      # then kernel alone at WS_MS (512 and 4096 rows) against the RS forms and jitted bf16
+      git apply experiments/kernels/wgmma_ws.patch || { echo "wgmma_ws.patch does not apply"; exit 1; }
       timeout ${CHECK_TIMEOUT:-150} python3 experiments/kernels/check_gemm_wgmma.py \
         --ms ${WS_CHECK_MS:-256,512,1100} --no-time --out "$out/ws_check.json" \
         --variants ${WS_VARIANTS:-wgmma_n128_xb_ws,wgmma_n256_xb_ws,wgmma_n256_xb_ws_r4} \

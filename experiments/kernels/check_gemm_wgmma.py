@@ -101,11 +101,6 @@ VARIANTS = {
     # batch-8 prefill's 4096 rows; the same tiles and bits as without; not yet run)
     "wgmma_n128_xb_r8": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "raster": 8},
     "wgmma_n256_xb_r4": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3, "raster": 4},
-    # warp-specialized (WS 1): a producer warpgroup decodes the weights into shared memory, the
-    # two consumer warpgroups issue SS wgmmas only (not yet run)
-    "wgmma_n128_xb_ws": {"tm": 128, "nwg": 2, "wr": 1, "bulk": 3, "ws": 1},
-    "wgmma_n256_xb_ws": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3, "ws": 1},
-    "wgmma_n256_xb_ws_r4": {"tm": 256, "nwg": 2, "wr": 1, "bulk": 3, "ws": 1, "raster": 4},
     "wgmma_xb": {"bulk": 3},
     # the plan's own small-M tiles (8-64 tokens) with the bulk forms
     "wgmma_bulk": {"bulk": 1},
@@ -130,9 +125,6 @@ LARGE_M_VARIANTS = (
     "wgmma_n256_xb_p2",
     "wgmma_n128_xb_r8",
     "wgmma_n256_xb_r4",
-    "wgmma_n128_xb_ws",
-    "wgmma_n256_xb_ws",
-    "wgmma_n256_xb_ws_r4",
 )
 DEFAULT_VARIANTS = ("wgmma", "wgmma_wg2")
 # (tag, n, k, m, scale byte range, weight global scale factor): correctness only

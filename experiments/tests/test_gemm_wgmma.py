@@ -293,7 +293,7 @@ def test_large_tile_plans():
     ["wgmma_n128_wr2", "wgmma_n256", "wgmma_n128_g4", "wgmma_n128_wr2_g4", "wgmma_n128_bulk",
      "wgmma_n128_wr2_bulk", "wgmma_n128_wr2_g4_bulk", "wgmma_n128_xb", "wgmma_n128_wr2_xb",
      "wgmma_n128_xb_p2", "wgmma_n128_wr2_xb_p2", "wgmma_n256_xb_p2", "wgmma_n128_xb_r8",
-     "wgmma_n256_xb_r4", "wgmma_n128_xb_ws", "wgmma_n256_xb_ws", "wgmma_n256_xb_ws_r4"],
+     "wgmma_n256_xb_r4"],
 )  # fmt: skip
 def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
     """The largest accumulators (128 floats a thread): no spills, no serialized wgmma, one
@@ -318,11 +318,6 @@ def test_large_tile_kernels_compile_without_spills_or_serialization(variant):
         if p.bulk == 1:  # three bulk copies a stage (prologue and loop copies), no cp.async
             assert copies >= 3 and copies % 3 == 0, copies
             assert "cp.async.cg" not in kern.ptx and "cp.async.ca" not in kern.ptx
-        elif p.ws:  # x's bulk copy from the producer; the weights by its raw cp.async ring
-            assert copies >= 1, copies
-            assert "cp.async.cg.shared.global" in kern.ptx and "cp.async.ca" in kern.ptx
-            assert "cp.async.mbarrier.arrive" not in kern.ptx  # the ring is the thread's own
-            assert p.threads == 384 and p.defines()["WS"] == 1
         else:  # x's bulk copy; the weights' 16 / 8-byte cp.async pieces
             assert copies >= 1, copies
             assert "cp.async.cg.shared.global" in kern.ptx and "cp.async.ca" in kern.ptx
