@@ -1328,15 +1328,31 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
 // memory [stage][column][row][slot] (a warp's 8 rows x 4 slots hit 32 banks). Then the CTA
 // stores the image as 128-byte runs (8 rows of one column). Rows at or past XHAT_M (the last
 // tile's padding, and the last group's rows when M % 8 != 0) are zeros and read nothing.
+// TILE_IMG: the elements of one pass of the image (16 bytes of shared memory each). The whole
+// chunk up to 2048; a longer chunk (e.g. a whole row: QCHUNK = K, one CTA an 8-row group, so
+// the row statistics are read once instead of once per chunk) is built and stored in passes of
+// the largest of 2048, 1024, 512 and 256 that divides it.
+#if QCHUNK <= 2048
+#define TILE_IMG QCHUNK
+#elif QCHUNK % 2048 == 0
+#define TILE_IMG 2048
+#elif QCHUNK % 1024 == 0
+#define TILE_IMG 1024
+#elif QCHUNK % 512 == 0
+#define TILE_IMG 512
+#else
+#define TILE_IMG 256
+#endif
 static_assert(M_TOK == 8, "the stage-tile form quantizes 8 rows a CTA (M_TOK = 8)");
 static_assert(XHAT_TM % 8 == 0, "XHAT_TM: whole 8-token groups");
-static_assert(QCHUNK <= 2048, "the chunk's tile image takes QCHUNK * 16 bytes of shared memory");
+static_assert(TILE_IMG <= 2048 && QCHUNK % TILE_IMG == 0,
+              "the image takes TILE_IMG * 16 bytes of shared memory, passes of a whole chunk");
 extern "C" __global__ void __launch_bounds__(NTHREADS)
     nvfp4_quantize_bf16(const u16* __restrict__ x, const float* __restrict__ xg,
                         const u16* __restrict__ nw_all, const int* __restrict__ layer,
                         u16* __restrict__ xh, float* __restrict__ xg_out) {
   __shared__ float scratch[RED_SLOTS], s_rs[8], s_g[8], s_ig[8];
-  __shared__ __align__(16) u32 s_t[QCHUNK / 128][16][8][4];
+  __shared__ __align__(16) u32 s_t[TILE_IMG / 128][16][8][4];
   const int row0 = blockIdx.x * 8;
   const int real = min(8, XHAT_M - row0);  // rows of x in the group (<= 0: padding only)
   const int c0 = blockIdx.y * (QCHUNK / 128);  // the chunk's first stage
@@ -1398,11 +1414,19 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
   __syncthreads();
   if (threadIdx.x < 8) xr.ig[threadIdx.x] = div_rn(1.0f, xr.g[threadIdx.x]);
   __syncthreads();
-  for (int it = threadIdx.x; it < QCHUNK / 2; it += NTHREADS) {
+#if QCHUNK > TILE_IMG
+  for (int pass = 0; pass < QCHUNK / TILE_IMG; ++pass) {
+    const int cs = c0 + pass * (TILE_IMG / 128);  // this pass's first stage
+    if (pass > 0) __syncthreads();  // every thread's stores of the previous image are done
+#else
+  {
+    const int cs = c0;
+#endif
+  for (int it = threadIdx.x; it < TILE_IMG / 2; it += NTHREADS) {
     const int m = it & 7, t = (it >> 3) & 3, v = (it >> 5) & 1, c = it >> 6;
     uint4 h0 = make_uint4(0u, 0u, 0u, 0u), h1 = h0;
     if (m < real) {
-      const int e0 = (c0 + c) * 128 + 32 * t + 16 * v;  // pieces u = 2v (e0) and 2v + 1
+      const int e0 = (cs + c) * 128 + 32 * t + 16 * v;  // pieces u = 2v (e0) and 2v + 1
       float a[8], b[8];
       pro_values8(a, xr, m, e0);
       pro_values8(b, xr, m, e0 + 8);
@@ -1420,13 +1444,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS)
     col[4][m][t] = h1.x, col[5][m][t] = h1.y, col[6][m][t] = h1.z, col[7][m][t] = h1.w;
   }
   __syncthreads();
-  u16* const base = xh + ((size_t)(row0 / XHAT_TM) * (K_IN / 128) + c0) * (XHAT_TM * 128) +
+  u16* const base = xh + ((size_t)(row0 / XHAT_TM) * (K_IN / 128) + cs) * (XHAT_TM * 128) +
                     (row0 % XHAT_TM) * 8;
   const uint4* const img = (const uint4*)&s_t[0][0][0][0];
-  for (int j = threadIdx.x; j < QCHUNK; j += NTHREADS) {  // [stage][column][row] 16-byte pieces
+  for (int j = threadIdx.x; j < TILE_IMG; j += NTHREADS) {  // [stage][column][row] 16-byte pieces
     const int m = j & 7, q = (j >> 3) & 15, c = j >> 7;
     *(uint4*)(base + (size_t)c * (XHAT_TM * 128) + q * (XHAT_TM * 8) + m * 8) = img[j];
   }
+  }  // the passes
   // (int): real is negative in a group of padding rows (an unsigned compare would pass there)
   if (blockIdx.y == 0 && (int)threadIdx.x < real) xg_out[row0 + threadIdx.x] = s_g[threadIdx.x];
 }

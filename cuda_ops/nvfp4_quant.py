@@ -20,9 +20,10 @@ the other way (tests/test_quant_kernel_gpu.py). Two output forms (`OUTS`, a comp
   [ceil(M / tile_m), K / 128, tile_m * 128] (`cuda_ops.nvfp4_gemm_wgmma.to_stage_tiles` of its
   `wgmma_x_operand`; the last tile's padding rows zero), and the global scale float32 [M]: the
   wgmma GEMM's x operand with no XLA fusion. A CTA takes 8 rows (one 8-token core-matrix
-  group) of a `chunk` (default 512, at most `TILES_MAX_CHUNK`), builds their part of the tiles
-  in shared memory and stores whole 128-byte core matrices; the grid covers the last tile's
-  padding rows (zeros).
+  group) of a `chunk` (default 512), builds their part of the tiles in shared memory and stores
+  whole 128-byte core matrices; the grid covers the last tile's padding rows (zeros). A chunk
+  past `TILES_IMG_MAX` elements (e.g. K: one CTA an 8-row group, so that the row statistics are
+  read once, not once per chunk) is built and stored in passes of at most that many.
 * "xhat_bf16" (-DXHAT_OUT=3): the same values as bf16 [M, K] in natural K order (exact), what
   the dot path's bf16 dot takes for its activations (`GemmOptions.dot_x` "kernel"), and the
   global scale float32 [M]; chunking and threads as "xhat".
@@ -105,7 +106,9 @@ N_OUTPUTS = 3
 OUTS = ("codes", "xhat", "xhat_tiles", "xhat_bf16")
 TILE_MS = (128, 256)  # "xhat_tiles": the wgmma GEMM's token tiles
 TILE_GROUP = 8  # "xhat_tiles": rows a CTA (one 8-token core-matrix group: whole 128-byte stores)
-TILES_MAX_CHUNK = 2048  # "xhat_tiles": the chunk's tile image is chunk * 16 bytes of shared memory
+# "xhat_tiles": elements of one pass of the tile image (16 bytes of shared memory each); longer
+# chunks take several passes
+TILES_IMG_MAX = 2048
 XHAT_OUTPUTS = 2
 # FinishIn.w_shift of the dot path's float32 sum (no fp16 weight offset: a factor 2^0)
 DOT_W_SHIFT = 14
@@ -405,8 +408,6 @@ def build(
     step = 256 if out != "codes" else 128  # full warps: 8 (x_hat forms) or 4 elements a thread
     if chunk <= 0 or chunk % step or k % chunk:
         raise KernelError(f"chunk={chunk}: expected a positive multiple of {step} dividing K={k}")
-    if out == "xhat_tiles" and chunk > TILES_MAX_CHUNK:
-        raise KernelError(f"chunk={chunk}: the xhat_tiles form takes at most {TILES_MAX_CHUNK}")
     if finish is not None and finish.cluster and not 2 <= k // chunk <= 8:
         raise KernelError(f"FinishIn.cluster: chunk={chunk} makes {k // chunk} CTAs a row of "
                           f"K={k}, expected 2..8 (a cluster)")  # fmt: skip

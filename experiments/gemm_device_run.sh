@@ -35,6 +35,7 @@
 # prefill, profile); stream_overlap (experiments/stream_overlap_probe.py); dot_stream
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
 # prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish);
+# tiles_chunk (the x_hat tiles quantizer with whole-row chunks: GPU test, candidates timed);
 # wgmma_ws (applies experiments/kernels/wgmma_ws.patch, the warp-specialized wgmma GEMM that
 # lost: bits, then kernel alone at 512 and 4096 rows);
 # dot_sanitize (compute-sanitizer on the dot finish's forms); wgmma_4096 (the batch-8 prefill's
@@ -418,6 +419,16 @@ PY
         --out "$out/wgmma_4096_decode.json" \
         > "$out/wgmma_4096_decode.log" 2>&1
       echo "bench rc=$?"; grep -E "ms/token|FAILED|Error" "$out/wgmma_4096_decode.log";;
+    tiles_chunk)
+      # the "xhat_tiles" quantizer with whole-row chunks (chunk = K: one CTA an 8-row group,
+      # the row statistics read once, the image in passes): its GPU test (bytes equal to the
+      # default chunking's), then bench_quant_tiles.py's candidates at TILES_MS rows
+      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rA -m gpu tests/test_quant_kernel_gpu.py \
+        -k whole_row -p no:cacheprovider > "$out/tiles_chunk_pytest.log" 2>&1
+      echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tiles_chunk_pytest.log" | tail -5
+      timeout ${BENCH_TIMEOUT:-240} python3 experiments/kernels/bench_quant_tiles.py \
+        --ms ${TILES_MS:-512,2048,4096} --out "$out/tiles_chunk.json" > "$out/tiles_chunk.log" 2>&1
+      echo "bench rc=$?"; grep -E "^xhat_tiles|bandwidth|Error" "$out/tiles_chunk.log" | head -90;;
     wgmma_ws)
       # the warp-specialized wgmma GEMM (WS 1, lost: a producer warpgroup decodes the weights
       # into shared memory, the consumers issue SS wgmmas), applied from

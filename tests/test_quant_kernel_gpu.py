@@ -435,6 +435,35 @@ def test_xhat_tiles_form_is_the_codes_form_as_stage_tiles(k, prologue, scale, ti
         np.testing.assert_array_equal(np.asarray(got_g), np.asarray(xgr), err_msg=what)
 
 
+@pytest.mark.parametrize("prologue", ["none", "rmsnorm", "swiglu"])
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_xhat_tiles_whole_row_chunks_write_the_default_bytes(k, prologue):
+    """The "xhat_tiles" form with one CTA an 8-row group (chunk = K, the image in passes of
+    `TILES_IMG_MAX`) and with K / 4096 CTAs a group writes the default chunking's tiles and
+    global scales bit for bit: the row statistics do not depend on the chunk (the same threads
+    sum in the same order) and each element's operations are the same. M = 130 and 300 (a last
+    group of 2 and 4 real rows, padding rows zero), dynamic scales, 128-token tiles."""
+    fused = nvfp4_gemv.Fused(prologue=prologue, dynamic=True, norm_stacked=True)
+    width = 2 * k if prologue == "swiglu" else k
+    norm = (1 + 0.1 * jax.random.normal(jax.random.key(5), (2, k))).astype(jnp.bfloat16)
+    xg, layer = jnp.ones((1,), jnp.float32), jnp.int32(1)
+    for m in (130, 300):
+        x = _x_edges(m, width, m * 31 + k)
+        outs = {}
+        for chunk in (None, 4096, k):
+            kern = nvfp4_quant.build(m, k, fused, out="xhat_tiles", tile_m=128, chunk=chunk)
+            f = jax.jit(lambda *a, t=kern: fl._quant_tiles_p.bind(*a, k=k, fused=fused, kernel=t,
+                                                                  tile_m=128))  # fmt: skip
+            got, got_g = f(x, xg, norm, layer)
+            outs[kern.chunk] = (np.asarray(got).view(np.uint16), np.asarray(got_g))
+        (base, base_g), default = outs[512], nvfp4_quant.default_chunk(k, "xhat_tiles", m)
+        assert default == 512 and set(outs) == {512, 4096, k}
+        for chunk, (got, got_g) in outs.items():
+            what = f"M={m} K={k} {prologue} chunk={chunk}"
+            np.testing.assert_array_equal(got, base, err_msg=what)
+            np.testing.assert_array_equal(got_g, base_g, err_msg=what)
+
+
 @pytest.mark.parametrize("tm", [128, 256])
 @pytest.mark.parametrize(("n", "k"), O_DOWN)
 def test_wgmma_on_the_kernels_tiles_equals_the_xla_tiles_path(n, k, tm):

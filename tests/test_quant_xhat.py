@@ -279,8 +279,8 @@ def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
     """ "xhat_tiles": compiled for its M (XHAT_M), tile (XHAT_TM) and 8 rows a CTA (M_TOK),
     launched over the 8-row groups of whole tiles (grid x = ceil(M / tile_m) tile_m / 8) and
     512-element chunks, outputs [tiles, K / 128, tile_m * 128] float16 and [M] float32; ptxas
-    builds it for sm_90 without a stack frame or spills; bad tiles and chunks past 2048 are
-    refused."""
+    builds it for sm_90 without a stack frame or spills, also with a whole row a CTA (chunk =
+    K, its image in passes of `TILES_IMG_MAX`); bad tiles and chunks are refused."""
     monkeypatch.setenv("REJAX_KERNEL_CACHE", str(tmp_path))
     nvfp4_quant._build_cached.cache_clear()
     try:
@@ -305,9 +305,27 @@ def test_xhat_tiles_form_builds_over_whole_tiles(tmp_path, monkeypatch):
             assert "0 bytes stack frame" in log and "spill" not in log.replace(
                 "0 bytes spill stores, 0 bytes spill loads", ""
             ), log
-        with pytest.raises(nvfp4_gemv.KernelError, match="takes at most 2048"):
+        for k, pro in ((4096, "rmsnorm"), (12288, "swiglu")):  # one CTA an 8-row group
+            fused = nvfp4_gemv.Fused(prologue=pro)
+            whole = nvfp4_quant.build(300, k, fused, arch="compute_90", out="xhat_tiles",
+                                      chunk=k)  # fmt: skip
+            assert whole.grid == (-(-300 // 128) * 128 // 8, 1, 1)
+            defines = (
+                nvfp4_quant._GEMV_DUMMIES
+                | fused.defines()
+                | {"K_IN": k, "NTHREADS": 128, "QUANT_ONLY": 1, "QCHUNK": k}
+                | {"XHAT_OUT": 2, "XHAT_TM": 128, "XHAT_M": 300, "M_TOK": 8}
+            )
+            log = cbuild.ptxas_log(cbuild.read_source(nvfp4_gemv.SOURCE), defines,
+                                   arch="sm_90", name=nvfp4_gemv.SOURCE)  # fmt: skip
+            # the image: one pass of TILES_IMG_MAX elements (16 bytes each) beside the
+            # statistics' few hundred bytes
+            smem = int(re.search(r"(\d+) bytes smem", log).group(1))
+            assert nvfp4_quant.TILES_IMG_MAX * 16 <= smem < nvfp4_quant.TILES_IMG_MAX * 16 + 1024
+            assert "0 bytes stack frame" in log, log
+        with pytest.raises(nvfp4_gemv.KernelError, match="chunk=768"):
             nvfp4_quant.build(200, 4096, nvfp4_gemv.PLAIN, arch="compute_90",
-                              out="xhat_tiles", chunk=4096)  # fmt: skip
+                              out="xhat_tiles", chunk=768)  # fmt: skip
         with pytest.raises(nvfp4_gemv.KernelError, match="tile_m=64, expected one of"):
             nvfp4_quant.build(200, 4096, nvfp4_gemv.PLAIN, arch="compute_90",
                               out="xhat_tiles", tile_m=64)  # fmt: skip

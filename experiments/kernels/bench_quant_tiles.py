@@ -37,8 +37,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 # (prologue, K) of the decoder's four linears' inputs: qkv and gate_up (RMSNorm), o (none),
 # down (SwiGLU of the [M, 2K] gate_up output)
 INPUTS = (("rmsnorm", 4096), ("none", 4096), ("swiglu", 12288))
-# (chunk, threads) of the "xhat_tiles" form (8 rows a CTA; chunk at most
-# nvfp4_quant.TILES_MAX_CHUNK); the first is the default
+# (chunk, threads) of the "xhat_tiles" form (8 rows a CTA; a chunk past
+# nvfp4_quant.TILES_IMG_MAX is built in passes; None: K, one CTA an 8-row group, the row
+# statistics read once); the default (`nvfp4_quant.default_chunk`) is 512, 128 threads
 CANDIDATES = (
     (1024, 128),
     (512, 128),
@@ -46,6 +47,9 @@ CANDIDATES = (
     (256, 128),
     (1024, 256),
     (2048, 256),
+    (4096, 128),
+    (None, 128),
+    (None, 256),
 )
 
 
@@ -67,7 +71,8 @@ def candidates(k: int, form: str = "xhat_tiles") -> list[tuple[int, int]]:
     if form == "xhat_bf16":
         pairs = {(c or k, t) for c, t in BF16_CANDIDATES}
         return sorted((c, t) for c, t in pairs if k % c == 0)
-    return [(c, t) for c, t in CANDIDATES if k % c == 0]
+    pairs = {(c or k, t) for c, t in CANDIDATES}
+    return sorted((c, t) for c, t in pairs if k % c == 0)
 
 
 def _time_form(torch, bk, nvfp4_quant, form, fused, prologue, k, width, m, xg, norm, layer, bw,
