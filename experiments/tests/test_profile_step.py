@@ -97,10 +97,27 @@ def test_variant_optional_int_fields():
         8,
         {"gemm_wgmma_max_m": None, "gemm_wgmma_min_m": "default"},
     )
-    with pytest.raises(ValueError):
+    assert ps.parse_variant("nvfp4:8:gemm_wgmma_max_m=None") == (
+        "nvfp4",
+        8,
+        {"gemm_wgmma_max_m": None},
+    )
+    with pytest.raises(SystemExit, match="gemm_max_m takes an int, got 'big'"):
         ps.parse_variant("nvfp4:8:gemm_max_m=big")
-    with pytest.raises(ValueError):
+    with pytest.raises(SystemExit, match="gemm_max_m takes an int"):
         ps.parse_variant("nvfp4:8:gemm_max_m=default")
+
+
+def test_variant_int_fields():
+    """Any int Config field (e.g. gemm_wgmma_raster) is parsed to an int, so Config's checks
+    see the value the user meant; a non-int names the field."""
+    assert ps.parse_variant("nvfp4:8:gemm_wgmma_max_m=none:gemm_wgmma_raster=4") == (
+        "nvfp4",
+        8,
+        {"gemm_wgmma_max_m": None, "gemm_wgmma_raster": 4},
+    )
+    with pytest.raises(SystemExit, match="gemm_wgmma_raster takes an int, got 'four'"):
+        ps.parse_variant("nvfp4:8:gemm_wgmma_raster=four")
 
 
 def test_prefill_phase_smoke(tmp_path):
