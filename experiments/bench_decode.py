@@ -636,22 +636,7 @@ def _variants(base: Params, args, quant):
                 for ds in args.gemm_dot_stream
                 for df in args.gemm_dot_finish
             ]
-            for (
-                spec,
-                occ,
-                fusion,
-                out,
-                gu,
-                op_out,
-                chain,
-                wgm,
-                wgmax,
-                ras,
-                xc,
-                dq,
-                ds,
-                df,
-            ) in kernels:
+            for spec, occ, fusion, out, gu, op_out, chain, wgm, wgmax, ras, xc, dq, ds, df in kernels:  # fmt: skip
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
