@@ -424,7 +424,7 @@ PY
       # the "xhat_tiles" quantizer with whole-row chunks (chunk = K: one CTA an 8-row group,
       # the row statistics read once, the image in passes): its GPU test (bytes equal to the
       # default chunking's), then bench_quant_tiles.py's candidates at TILES_MS rows
-      timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -rA -m gpu tests/test_quant_kernel_gpu.py \
+      timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -rA -m gpu tests/test_quant_kernel_gpu.py \
         -k whole_row -p no:cacheprovider > "$out/tiles_chunk_pytest.log" 2>&1
       echo "pytest rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$out/tiles_chunk_pytest.log" | tail -5
       timeout ${BENCH_TIMEOUT:-240} python3 experiments/kernels/bench_quant_tiles.py \
