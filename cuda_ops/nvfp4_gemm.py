@@ -110,10 +110,6 @@ X_QUANTS = ("xla", "kernel")
 # how a fused linear in front of the wgmma GEMM builds its x_hat stage tiles: the same two
 # (the quantizer kernel's "xhat_tiles" form the default, GemmOptions.wgmma_x_quant)
 WGMMA_X_QUANTS = ("xla", "kernel")
-# ... and the chunk of a row each of that quantizer's CTAs takes: "default" (512 elements,
-# `nvfp4_quant.default_chunk`) or "row" (the whole row: one CTA an 8-row group, so the RMSNorm
-# statistic is read once, not once per chunk; an experiment, GemmOptions.wgmma_x_chunk)
-WGMMA_X_CHUNKS = ("default", "row")
 # How the dot path hands the activations' bf16 values to its dot: "fused" (XLA may fuse their
 # decode from codes and scales into the GEMM, e.g. a Triton GEMM that decodes them again for
 # every output tile), "materialized" (behind an optimization barrier: written once, the dot
@@ -231,9 +227,6 @@ class GemmOptions:
             36-layer prefill of 512 tokens 24.3 against 26.2 ms at batch 1 on an H100) or
             "xla" (XLA's prologue and quantizer, `wgmma_x_operand`, `to_stage_tiles`)
             (`WGMMA_X_QUANTS`).
-        wgmma_x_chunk: the elements of a row each CTA of that "xhat_tiles" quantizer takes:
-            "default" (`nvfp4_quant.default_chunk`) or "row" (all K: one CTA an 8-row group;
-            an experiment, not yet measured) (`WGMMA_X_CHUNKS`).
         dot_dequant: how the dot path above `max_m` rows decodes the weight to bf16:
             "kernel" (the default: the dequantizer kernel; 512-token prefill 29.6 against
             31.2 ms at batch 1 on an H100) or "xla" (XLA's fusions) (`DOT_DEQUANTS`).
@@ -271,7 +264,6 @@ class GemmOptions:
     wgmma_tm: int | str = "auto"
     wgmma_raster: int = 0
     wgmma_x_quant: str = "kernel"
-    wgmma_x_chunk: str = "default"
     dot_dequant: str = "kernel"
     dot_x: str = "kernel"
     dot_stream: str = "main"
@@ -329,11 +321,6 @@ class GemmOptions:
             raise KernelError(
                 f"GemmOptions.wgmma_x_quant={self.wgmma_x_quant!r}, expected one of "
                 f"{WGMMA_X_QUANTS}"
-            )
-        if self.wgmma_x_chunk not in WGMMA_X_CHUNKS:
-            raise KernelError(
-                f"GemmOptions.wgmma_x_chunk={self.wgmma_x_chunk!r}, expected one of "
-                f"{WGMMA_X_CHUNKS}"
             )
         if self.wgmma_tm not in WGMMA_TMS:
             raise KernelError(

@@ -410,16 +410,6 @@ def main(argv=None) -> dict:
         "(labelled ' ras=G' unless 0)",
     )
     ap.add_argument(
-        "--gemm-wgmma-x-chunk",
-        choices=rconfig.GEMM_WGMMA_X_CHUNKS,
-        nargs="+",
-        default=[rconfig.Config.gemm_wgmma_x_chunk],
-        help="Config.gemm_wgmma_x_chunk: the elements of a row each CTA of the wgmma GEMM's "
-        "x_hat tiles quantizer takes ('default': 512; 'row': all K, one CTA an 8-row group); "
-        "several values run every NVFP4 variant once per value (labelled ' xc=CHOICE' unless "
-        "'default')",
-    )
-    ap.add_argument(
         "--gemm-dot-dequant",
         nargs="+",
         default=[rconfig.Config.gemm_dot_dequant],
@@ -592,11 +582,10 @@ def _variants(base: Params, args, quant):
     --scan-unroll (labelled " du=K" / " su=K" unless Config's default); NVFP4 modes also once
     per --gemm-occupancy x --linear-fusion x --attention-output x --gate-up-output x
     --o-proj-output x --gemm-chain x --gemm-wgmma-min-m x --gemm-wgmma-max-m x --gemm-wgmma-raster
-    x --gemm-wgmma-x-chunk x --gemm-dot-dequant x --gemm-dot-stream x --gemm-dot-finish
-    (labelled " occ=CHOICE" / " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" /
-    " gc=CHOICE" / " wg=K" / " wgmax=K" / " ras=G" / " xc=CHOICE" / " dq=CHOICE" / " ds=CHOICE"
-    / " df=CHOICE" unless Config's default; the last loop innermost, so its values run
-    adjacent)."""
+    x --gemm-dot-dequant x --gemm-dot-stream x --gemm-dot-finish (labelled " occ=CHOICE" /
+    " lf=CHOICE" / " ao=CHOICE" / " go=CHOICE" / " oo=CHOICE" / " gc=CHOICE" / " wg=K" /
+    " wgmax=K" / " ras=G" / " dq=CHOICE" / " ds=CHOICE" / " df=CHOICE" unless Config's default;
+    the last loop innermost, so its values run adjacent)."""
     runs = [
         (t, a, c, u, k)
         for t in args.xla_autotune
@@ -620,7 +609,7 @@ def _variants(base: Params, args, quant):
         for head in args.head:
             params = base if head == "bf16" else rparams.quantize_head(base, random_key=1)
             kernels = [
-                (p, o, f, ao, go, oo, gc, wgm, wgmax, ras, xc, dq, ds, df)
+                (p, o, f, ao, go, oo, gc, wgm, wgmax, ras, dq, ds, df)
                 for p in args.weight_prefetch
                 for o in args.gemm_occupancy
                 for f in args.linear_fusion
@@ -631,18 +620,16 @@ def _variants(base: Params, args, quant):
                 for wgm in args.gemm_wgmma_min_m
                 for wgmax in args.gemm_wgmma_max_m
                 for ras in args.gemm_wgmma_raster
-                for xc in args.gemm_wgmma_x_chunk
                 for dq in args.gemm_dot_dequant
                 for ds in args.gemm_dot_stream
                 for df in args.gemm_dot_finish
             ]
-            for spec, occ, fusion, out, gu, op_out, chain, wgm, wgmax, ras, xc, dq, ds, df in kernels:  # fmt: skip
+            for spec, occ, fusion, out, gu, op_out, chain, wgm, wgmax, ras, dq, ds, df in kernels:
                 cfg = dataclasses.replace(
                     params.cfg,
                     gemm_wgmma_min_m=wgm,
                     gemm_wgmma_max_m=wgmax,
                     gemm_wgmma_raster=ras,
-                    gemm_wgmma_x_chunk=xc,
                     gemm_dot_dequant=dq,
                     weight_prefetch=spec,
                     xla_autotune=tune == "on",
@@ -666,7 +653,6 @@ def _variants(base: Params, args, quant):
                 occ_tag += "" if wgm == rconfig.Config.gemm_wgmma_min_m else f" wg={wgm}"
                 occ_tag += "" if wgmax == rconfig.Config.gemm_wgmma_max_m else f" wgmax={wgmax}"
                 occ_tag += "" if ras == rconfig.Config.gemm_wgmma_raster else f" ras={ras}"
-                occ_tag += "" if xc == rconfig.Config.gemm_wgmma_x_chunk else f" xc={xc}"
                 occ_tag += "" if dq == rconfig.Config.gemm_dot_dequant else f" dq={dq}"
                 occ_tag += "" if ds == rconfig.Config.gemm_dot_stream else f" ds={ds}"
                 occ_tag += "" if df == rconfig.Config.gemm_dot_finish else f" df={df}"

@@ -36,7 +36,6 @@
 # (Config.gemm_dot_stream "side" against "main": GPU test, batch-8 prefill; DS_ARGS);
 # prefill_ab (one bench process: bf16 and every gemm_dot_stream x gemm_dot_finish);
 # tiles_chunk (the x_hat tiles quantizer with whole-row chunks: GPU test, candidates timed);
-# tiles_chunk_e2e (Config.gemm_wgmma_x_chunk "default" / "row", 36-layer prefill, batch 1 and 8);
 # wgmma_ws (applies experiments/kernels/wgmma_ws.patch, the warp-specialized wgmma GEMM that
 # lost: bits, then kernel alone at 512 and 4096 rows);
 # dot_sanitize (compute-sanitizer on the dot finish's forms); wgmma_4096 (the batch-8 prefill's
@@ -430,20 +429,6 @@ PY
       timeout ${BENCH_TIMEOUT:-240} python3 experiments/kernels/bench_quant_tiles.py \
         --ms ${TILES_MS:-512,2048,4096} --out "$out/tiles_chunk.json" > "$out/tiles_chunk.log" 2>&1
       echo "bench rc=$?"; grep -E "^xhat_tiles|bandwidth|Error" "$out/tiles_chunk.log" | head -90;;
-    tiles_chunk_e2e)
-      # Config.gemm_wgmma_x_chunk "default" / "row" end to end (36 layers, prompt 512, ABAB in
-      # one process): the batch-1 prefill (512 rows, the wgmma GEMM), then batch 8 with the
-      # 4096 rows on the wgmma GEMM (RASTER 4) beside the default dot path
-      timeout ${BENCH_TIMEOUT:-270} python3 experiments/bench_decode.py --modes bf16 nvfp4 \
-        --batch 1 --gen-len 32 --repeats 5 --no-breakdown \
-        --gemm-wgmma-x-chunk default row default row --out "$out/tiles_chunk_b1.json" \
-        > "$out/tiles_chunk_b1.log" 2>&1
-      echo "b1 rc=$?"; grep -E "ms/token|FAILED|Error" "$out/tiles_chunk_b1.log"
-      timeout ${BENCH8_TIMEOUT:-300} python3 experiments/bench_decode.py --modes bf16 nvfp4 \
-        --batch 8 --gen-len 32 --repeats 5 --no-breakdown --gemm-wgmma-max-m default none \
-        --gemm-wgmma-raster 4 --gemm-wgmma-x-chunk default row --out "$out/tiles_chunk_b8.json" \
-        > "$out/tiles_chunk_b8.log" 2>&1
-      echo "b8 rc=$?"; grep -E "ms/token|FAILED|Error" "$out/tiles_chunk_b8.log";;
     wgmma_ws)
       # the warp-specialized wgmma GEMM (WS 1, lost: a producer warpgroup decodes the weights
       # into shared memory, the consumers issue SS wgmmas), applied from

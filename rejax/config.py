@@ -189,7 +189,6 @@ GEMM_X_QUANTS = ("xla", "kernel")
 # (XLA's quantizer and layout ops) or "kernel" (the quantizer kernel's "xhat_tiles" form; the
 # default, faster on the H100): cuda_ops.nvfp4_gemm.WGMMA_X_QUANTS.
 GEMM_WGMMA_X_QUANTS = ("xla", "kernel")
-GEMM_WGMMA_X_CHUNKS = ("default", "row")  # Config.gemm_wgmma_x_chunk (GemmOptions.wgmma_x_chunk)
 # What XLA captures into CUDA command buffers (graphs) in the jitted decode loop
 # (rejax.decode.decode_loop; XLA's per-executable compiler options, never a global flag):
 # "default" (XLA's own choice: fusions, cuBLAS, custom calls, dynamic-slice fusions,
@@ -399,10 +398,6 @@ class Config:
     # 26.2 ms at batch 1 on an H100, experiments/results/xquant_tiles_h100/) or "xla" (XLA's
     # quantizer, wgmma_x_operand and to_stage_tiles fusions) (GemmOptions.wgmma_x_quant)
     gemm_wgmma_x_quant: str = "kernel"
-    # ... and the elements of a row each of that quantizer's CTAs takes: "default" (512) or
-    # "row" (all K, one CTA an 8-row group: the RMSNorm statistic read once, not once per
-    # chunk; an experiment, not yet measured) (GemmOptions.wgmma_x_chunk)
-    gemm_wgmma_x_chunk: str = "default"
     # the wgmma GEMM's token tile: "auto" (per shape: 256 where its tiles fill whole waves
     # without a K split, `nvfp4_gemm_wgmma.auto_tm`; 36-layer 512-token prefill at batch 1 23.2
     # against 24.4 ms with "128" on an H100, experiments/results/dot_x_h100/), "128" or "256"
@@ -557,11 +552,6 @@ class Config:
             raise ValueError(
                 f"unknown gemm_wgmma_x_quant {self.gemm_wgmma_x_quant!r}; expected one of "
                 f"{GEMM_WGMMA_X_QUANTS}"
-            )
-        if self.gemm_wgmma_x_chunk not in GEMM_WGMMA_X_CHUNKS:
-            raise ValueError(
-                f"unknown gemm_wgmma_x_chunk {self.gemm_wgmma_x_chunk!r}; expected one of "
-                f"{GEMM_WGMMA_X_CHUNKS}"
             )
         if self.gemm_occupancy not in GEMM_OCCUPANCIES:
             raise ValueError(

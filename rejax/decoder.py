@@ -166,7 +166,6 @@ def decoder_layer(
             wgmma_tm=cfg.gemm_wgmma_tm,
             dot_stream=cfg.gemm_dot_stream,
             wgmma_raster=cfg.gemm_wgmma_raster,
-            wgmma_x_chunk=cfg.gemm_wgmma_x_chunk,
         ),
         "residual_epilogue": cfg.residual_fusion == "fused",
     }
@@ -391,8 +390,7 @@ def cross_layer_chain(cfg: Config, lw: dict, shape: tuple, kv, dtype) -> bool:
                       wgmma_max_m=cfg.gemm_wgmma_max_m,
                       wgmma_x_quant=cfg.gemm_wgmma_x_quant, dot_x=cfg.gemm_dot_x,
                       wgmma_tm=cfg.gemm_wgmma_tm, dot_stream=cfg.gemm_dot_stream,
-                      wgmma_raster=cfg.gemm_wgmma_raster,
-                      wgmma_x_chunk=cfg.gemm_wgmma_x_chunk)  # fmt: skip
+                      wgmma_raster=cfg.gemm_wgmma_raster)  # fmt: skip
     shapes = tuple(mlp_or_att[name]["weight"].shape for mlp_or_att, name in
                    ((att, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")))  # fmt: skip
     qkv = att["qkv_proj"]["weight"].shape

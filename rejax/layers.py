@@ -301,7 +301,6 @@ def gemm_options(
     wgmma_tm: int | str | None = None,
     dot_stream: str | None = None,
     wgmma_raster: int | None = None,
-    wgmma_x_chunk: str | None = None,
 ) -> nvfp4_gemm.GemmOptions:
     """The NVFP4 GEMM choices with `min_m`, `occupancy`, `max_m`, `reduce`, `split_m`, `x_quant`,
     `copies`, `wgmma_min_m`, `dot_dequant` and `wgmma_max_m` (None / "default": the defaults;
@@ -310,8 +309,8 @@ def gemm_options(
     first row count), e.g. `Config.gemm_min_m`, `gemm_occupancy`, `gemm_max_m`, `gemm_reduce`,
     `invariant_rows`, `gemm_x_quant`, `gemm_copies`, `gemm_wgmma_min_m`, `gemm_dot_dequant`,
     `gemm_wgmma_max_m`, `gemm_wgmma_x_quant`, `gemm_dot_x`, `gemm_wgmma_tm`,
-    `gemm_dot_stream`, `gemm_wgmma_raster` and `gemm_wgmma_x_chunk` (None: the default;
-    `wgmma_tm` "128" / "256" as ints)."""
+    `gemm_dot_stream` and `gemm_wgmma_raster` (None: the default; `wgmma_tm` "128" / "256" as
+    ints)."""
     opts = nvfp4_gemm.DEFAULT_OPTIONS
     if isinstance(wgmma_tm, str) and wgmma_tm.isdigit():
         wgmma_tm = int(wgmma_tm)
@@ -319,8 +318,6 @@ def gemm_options(
         opts = dataclasses.replace(opts, wgmma_tm=wgmma_tm)
     if wgmma_raster is not None and wgmma_raster != opts.wgmma_raster:
         opts = dataclasses.replace(opts, wgmma_raster=wgmma_raster)
-    if wgmma_x_chunk is not None and wgmma_x_chunk != opts.wgmma_x_chunk:
-        opts = dataclasses.replace(opts, wgmma_x_chunk=wgmma_x_chunk)
     if dot_x is not None and dot_x != opts.dot_x:
         opts = dataclasses.replace(opts, dot_x=dot_x)
     if dot_stream is not None and dot_stream != opts.dot_stream:

@@ -653,45 +653,13 @@ def test_config_gemm_wgmma_raster_reaches_the_wgmma_builds(stub_compilers):
             nvfp4_gemm.GemmOptions(wgmma_raster=bad)
 
 
-def test_config_gemm_wgmma_x_chunk_reaches_the_tiles_quantizer(stub_compilers):
-    """Config.gemm_wgmma_x_chunk / GemmOptions.wgmma_x_chunk: "default" builds the x_hat tiles
-    quantizers in front of a 512-token prefill's wgmma GEMMs with the default chunk; "row"
-    builds every one of them with a whole row a CTA (QCHUNK = K) and changes nothing else in
-    the lowering but the kernels' text; bad values are refused by name."""
-    assert rconfig.Config().gemm_wgmma_x_chunk == nvfp4_gemm.DEFAULT_OPTIONS.wgmma_x_chunk
-    assert rconfig.Config().gemm_wgmma_x_chunk == "default"
-    assert rlayers.gemm_options(None, wgmma_x_chunk="row").wgmma_x_chunk == "row"
-    # K = 1024 and 2048: the default chunk (512) is less than K
-    base, params = _tiny_prefill_model(1024, 1024)
-
-    def tiles_builds(cfg):  # (lowered text, the tiles quantizer builds' defines)
-        nvfp4_quant._build_cached.cache_clear()
-        jax.clear_caches()
-        stub_compilers.clear()
-        text = _prefill_text(params, cfg, 512)
-        return text, [d for _, d in stub_compilers if d.get("XHAT_OUT") == 2]
-
-    cfg = dataclasses.replace(base, linear_fusion="split")
-    plain, tiles = tiles_builds(cfg)
-    chunks = sorted((d["K_IN"], d["QCHUNK"]) for d in tiles)  # o_proj's K is 256 here
-    assert all(c == nvfp4_quant.default_chunk(k, "xhat_tiles") for k, c in chunks), chunks
-    assert chunks == [(256, 256), (1024, 512), (1024, 512)], chunks
-    rows, whole = tiles_builds(dataclasses.replace(cfg, gemm_wgmma_x_chunk="row"))
-    assert len(whole) == len(tiles) and all(d["QCHUNK"] == d["K_IN"] for d in whole), whole
-    assert _names(rows) == _names(plain)
-    with pytest.raises(ValueError, match="unknown gemm_wgmma_x_chunk 'all'"):
-        rconfig.Config(gemm_wgmma_x_chunk="all")
-    with pytest.raises(nvfp4_gemv.KernelError, match="wgmma_x_chunk='all'"):
-        nvfp4_gemm.GemmOptions(wgmma_x_chunk="all")
-
-
-def _tiny_prefill_model(hidden_size: int = 256, intermediate_size: int = 512):
+def _tiny_prefill_model():
     """(Config, random bf16-initialised Params) of a small NVFP4 Qwen3 for prefill lowerings."""
     from rejax import params as rparams
 
     base = rconfig.Config(
-        quant="nvfp4", hidden_size=hidden_size, intermediate_size=intermediate_size,
-        head_dim=64, num_heads=4, num_kv_heads=2,
+        quant="nvfp4", hidden_size=256, intermediate_size=512, head_dim=64, num_heads=4,
+        num_kv_heads=2,
     )  # fmt: skip
     return base, rparams.init_params(base, 0, jnp.bfloat16)
 

@@ -27,7 +27,6 @@ def _args(**kw):
         "gemm_wgmma_min_m": [rconfig.Config.gemm_wgmma_min_m],
         "gemm_wgmma_max_m": [rconfig.Config.gemm_wgmma_max_m],
         "gemm_wgmma_raster": [rconfig.Config.gemm_wgmma_raster],
-        "gemm_wgmma_x_chunk": [rconfig.Config.gemm_wgmma_x_chunk],
         "gemm_dot_dequant": [rconfig.Config.gemm_dot_dequant],
         "gemm_dot_stream": [rconfig.Config.gemm_dot_stream],
         "gemm_dot_finish": [rconfig.Config.gemm_dot_finish],
@@ -119,16 +118,6 @@ def test_variants_cross_gemm_wgmma_min_m(base):
         ("head=bf16 prefetch=none ras=8", "default", 8),
         ("head=bf16 prefetch=none wgmax=None", None, 0),
         ("head=bf16 prefetch=none wgmax=None ras=8", None, 8),
-    ]
-    # --gemm-wgmma-x-chunk: one variant each, inside the raster loop, labelled unless "default"
-    args = _args(gemm_wgmma_raster=[0, 4], gemm_wgmma_x_chunk=["default", "row"])
-    got = [(label, p.cfg.gemm_wgmma_raster, p.cfg.gemm_wgmma_x_chunk) for _, _, label, p in
-           bd._variants(base, args, "nvfp4")]  # fmt: skip
-    assert got == [
-        ("head=bf16 prefetch=none", 0, "default"),
-        ("head=bf16 prefetch=none xc=row", 0, "row"),
-        ("head=bf16 prefetch=none ras=4", 4, "default"),
-        ("head=bf16 prefetch=none ras=4 xc=row", 4, "row"),
     ]
     assert bd._raster("8") == 8 and bd._raster("0") == 0
     for bad in ("-1", "x"):

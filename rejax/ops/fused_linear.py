@@ -330,14 +330,12 @@ def _wgmma_composed(
 def _wgmma_quant(m: int, k: int, fused, kernel, gemm_options):
     """The "xhat_tiles" quantizer kernel in front of the wgmma GEMM `kernel` where
     `gemm_options.wgmma_x_quant` is "kernel" (and the quantizer takes the shape), else None:
-    XLA builds the tiles (a failed build logged once). `gemm_options.wgmma_x_chunk` "row"
-    gives each CTA a whole row (chunk = K)."""
+    XLA builds the tiles (a failed build logged once)."""
     if gemm_options.wgmma_x_quant != "kernel" or not nvfp4_quant.check_shape(m, k)[0]:
         return None
     try:
         pro = dataclasses.replace(fused, residual=False)
-        chunk = k if gemm_options.wgmma_x_chunk == "row" else None
-        return nvfp4_quant.build(m, k, pro, out="xhat_tiles", tile_m=kernel.plan.tm, chunk=chunk)
+        return nvfp4_quant.build(m, k, pro, out="xhat_tiles", tile_m=kernel.plan.tm)
     except nvfp4_gemv.KernelError as err:
         _note_no_xhat(f"quantizer (xhat_tiles) build failed: {err}")
         return None
