@@ -41,6 +41,8 @@
 # dot_sanitize (compute-sanitizer on the dot finish's forms); wgmma_4096 (the batch-8 prefill's
 # rows on the wgmma GEMM against the dot path: kernel alone, then 36 layers).
 # Knobs: BENCH_ARGS, PYTEST_K, QUANT_K (quant_rows' -k), WGMMA_TIME_BUDGET.
+# GIT_SHA: the commit of the tree, recorded as versions' git_sha_declared in every JSON (the
+# device's copy of the tree may carry an older git HEAD).
 set -uo pipefail
 out=${1:?output dir}; shift
 phases=${*:-env ptxas pytest bench}

@@ -347,7 +347,9 @@ def versions() -> dict:
     """What produced a result file, the one copy every script and command records: rejax, git sha
     and whether the checkout has uncommitted changes (None outside a checkout), the digest of the
     sources that ran (`source_digest`), python, jax, jaxlib, flax, torch (None without it),
-    backend and device."""
+    backend and device; and `git_sha_declared`, the commit the caller names in the GIT_SHA
+    environment variable (None when unset): a copied working tree (a device machine's) may carry
+    an older git HEAD than the sources it holds."""
     out = {
         "rejax": __version__,
         "python": platform.python_version(),
@@ -364,5 +366,6 @@ def versions() -> dict:
     out["git_sha"] = _git("rev-parse", "HEAD") or None
     status = _git("status", "--porcelain")
     out["git_dirty"] = None if status is None else bool(status)
+    out["git_sha_declared"] = os.environ.get("GIT_SHA") or None
     out["source_digest"] = source_digest()
     return out

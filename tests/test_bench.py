@@ -130,6 +130,19 @@ def test_source_digest_names_the_code(tmp_path):
     assert bench.source_digest([root]) != second
 
 
+def test_versions_record_the_declared_commit(monkeypatch):
+    """`versions()` keeps git's HEAD as `git_sha` and records the commit the caller names in
+    GIT_SHA as `git_sha_declared` (a device machine's copied tree may carry an older HEAD)."""
+    monkeypatch.delenv("GIT_SHA", raising=False)
+    assert bench.versions()["git_sha_declared"] is None
+    monkeypatch.setenv("GIT_SHA", "9bd13b7")
+    v = bench.versions()
+    assert v["git_sha_declared"] == "9bd13b7"
+    assert v["git_sha"] != "9bd13b7"  # HEAD is still git's own
+    monkeypatch.setenv("GIT_SHA", "")
+    assert bench.versions()["git_sha_declared"] is None
+
+
 def test_copy_ceiling_counts_every_pass(monkeypatch):
     # bytes = read + write of the buffer per pass, over the median call time; a call runs
     monkeypatch.setattr(bench, "_time", lambda run, repeats: (0.0, 0.5, [0.5]))
