@@ -58,6 +58,10 @@ design, one CTA a row storing 16-byte pieces 2 KiB apart, took 20 us for 512 row
 (7x the bytes' floor, in every launch shape tried; ncu: 1.57 M L2 write sectors where the bytes
 need 131 K, L2 74% busy). With 8 rows a CTA and 512-element chunks: 7.8 us ("none"), 16.2 us
 (RMSNorm: every CTA re-reads its 8 rows for the statistic) and 24.2 us (SwiGLU, K = 12288).
+Longer chunks (up to a whole row, the image in passes; the same bytes) measured slower where it
+matters (experiments/results/tiles_chunk_h100_s46/): a whole row at 512 rows took 36.4 against
+12.6 us (RMSNorm; 64 CTAs), and the SwiGLU input at 4096 rows 188 against 124 us; only the
+RMSNorm input from 2048 rows gained, 59 against 70 us at 4096 rows with 1024-element chunks.
 """
 
 from __future__ import annotations
