@@ -1881,6 +1881,13 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
 #ifndef NC  // the first draw's candidates, whose keep tests run in one sweep
 #define NC 4
 #endif
+#ifndef GRID_CDF  // the "cdf" variant: the first draws by the inverse CDF instead of Gumbel-max
+#define GRID_CDF 0
+#endif
+#if TOP_K > 0  // top-k keeps the grid's own draw (the top-p path below is dead code there)
+#undef GRID_CDF
+#define GRID_CDF 0
+#endif
 
 static_assert(GRID >= 1 && GRID <= NTHREADS, "one partial per thread in the combines");
 
@@ -1889,6 +1896,58 @@ __device__ int g_garg[B_ROWS * GRID * 2];   // per CTA: first / last argmax
 __device__ u64 g_gbest[B_ROWS * GRID * NC];  // per CTA: its NC best packed scores of the round
 __device__ u32 g_gmass[B_ROWS * GRID * (NC + 1)];  // per CTA: mass, the parts above each x
 __device__ u32 g_gbar[B_ROWS];              // arrivals at the row's barriers (GRID per round)
+#if GRID_CDF
+// The "cdf" variant's first draws (step 2 below): each token's weight is its tempered exp
+// relative to its chunk's max, exp((z - mc) / t) in [0, 1], in fixed point (cdf_units: 2**40
+// units, exact for weights >= 2**-16). A chunk's weights sum exactly (integers), so its
+// sub-blocks of 128 tokens, the chunk and the row have exact totals in vocabulary order. A draw
+// picks the chunk by the totals scaled to the row's max (float64), then the sub-block and the
+// token by integer prefix sums. Every CTA publishes its totals at both candidate temperatures.
+static_assert(V_SIZE < (1 << 23), "the weights' sums fit 64 bits");
+#define CDF_SUB 128                           // tokens a sub-block: one warp's float4 loads
+#define NSUB ((CH + CDF_SUB - 1) / CDF_SUB)  // sub-blocks a chunk
+__device__ u64 g_gcdf[B_ROWS * GRID * 2];  // per CTA: its weights' totals at t_a and t_b
+__device__ int g_gcand[B_ROWS * NC];       // the row's NC draws (written by the CTA holding each)
+__device__ __forceinline__ u64 cdf_units(float e) {  // e in [0, 1] -> 2**40 units (truncated)
+    return __float2ull_rz(e * 1099511627776.0f);
+}
+// The warp's sum of x < 2**42 a lane (two 32-bit reductions of its high and low parts).
+__device__ __forceinline__ u64 warp_sum_w(u64 x) {
+    const u32 h = __reduce_add_sync(0xffffffffu, (u32)(x >> 20));
+    const u32 l = __reduce_add_sync(0xffffffffu, (u32)x & 0xFFFFFu);
+    return ((u64)h << 20) + l;
+}
+struct SumU64 {
+    __device__ static u64 identity() { return 0ull; }
+    __device__ static u64 apply(u64 a, u64 b) { return a + b; }
+};
+// Inclusive prefix sum over the block's threads in thread order (any T: u64, double); every
+// thread gets its own and *total the block's. `red` holds NWARPS values.
+template <typename T>
+__device__ T block_scan_t(T x, T* red, T* total) {
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        const T y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    __syncthreads();
+    if (lane == 31) red[w] = x;
+    __syncthreads();
+    if (w == 0) {
+        T s = lane < NWARPS ? red[lane] : (T)0;
+        for (int o = 1; o < 32; o <<= 1) {
+            const T y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        if (lane < NWARPS) red[lane] = s;
+    }
+    __syncthreads();
+    const T out = x + (w > 0 ? red[w - 1] : (T)0);
+    *total = red[NWARPS - 1];
+    __syncthreads();
+    return out;
+}
+#endif
 __device__ u32 g_gexit[B_ROWS];             // CTAs of the row that have left
 #if TOP_K > 0
 // Top-k: each CTA publishes the TK_PUB largest of its threads' maxima (distinct tokens, packed
@@ -2217,6 +2276,17 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     __shared__ int ired2[2 * NWARPS];
     __shared__ u32 ured5[(NC + 1) * NWARPS];
     __shared__ u64 wl[NWARPS * NC];      // block_top's lists
+#if GRID_CDF
+    __shared__ u64 sub_w[2][NSUB];       // the chunk's sub-block weight totals at t_a, t_b
+    __shared__ u64 red64[NWARPS];
+    __shared__ double redd[NWARPS];
+    __shared__ double cdf_incl[NTHREADS];  // the row's chunk totals, inclusive prefix sums
+    __shared__ u64 cdf_v[NC], cdf_rem[NC], my_w[2];  // my_w: this CTA's totals at t_a, t_b
+    __shared__ int cdf_claim[NC], cdf_sub[NC];
+    __shared__ int row_high, cdf_last_s;  // the row's choice of t_a; its last chunk of weight
+    __shared__ double cdf_total_s;        // the row's weight total (row-max units)
+    __shared__ float mc_own;  // this chunk's max (the weights' reference)
+#endif
 #if TOP_K > 0
     __shared__ u64 hb[NMAX];            // CTA 0's list of the row's tokens >= tau; scratch before
     __shared__ u32 hm[NB], hc[NB];      // topk_draw's histograms
@@ -2266,7 +2336,62 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         const float mc = block_reduce<MaxF>(m, fred);
         float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
         const bool two = ib != ia;  // Temperature: one tempered sum
+#if GRID_CDF
+        // the same sums, each thread over the same tokens in the same order (so the same
+        // bits), plus the weights: every lane of a warp runs every iteration (the reductions),
+        // a lane past hi on -inf logits (adding zeros)
+        if (tid == 0) mc_own = mc;
+        u64 wa_tot = 0ull, wb_tot = 0ull;  // lane 0: its warp's totals
         if (mc > -INFINITY) {
+            const int lane = tid & 31, w = tid >> 5;
+            int i = 0;
+            for (int w0 = lo + 4 * (tid & ~31); w0 < hi; w0 += 4 * NTHREADS, ++i) {
+                const int j0 = w0 + 4 * lane;
+                float x[4];
+                if (j0 < hi) {
+                    load4(z, j0, hi, x);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
+                }
+                u64 la = 0ull, lb = 0ull;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const float d = x[q] - mc;
+                    const float e = expf(d);
+                    s += e;
+                    if (e > 0.0f) u += e * d;
+                    const float ea = expf(d * ia);
+                    sa += ea;
+                    la += cdf_units(ea);
+                    if (two) {
+                        const float eb = expf(d * ib);
+                        sb += eb;
+                        lb += cdf_units(eb);
+                    }
+                }
+                const u64 ta = warp_sum_w(la);
+                const u64 tb = two ? warp_sum_w(lb) : ta;
+                if (lane == 0) {  // sub-block i * NWARPS + w: tokens [w0, w0 + 128)
+                    sub_w[0][i * NWARPS + w] = ta;
+                    sub_w[1][i * NWARPS + w] = tb;
+                    wa_tot += ta;
+                    wb_tot += tb;
+                }
+            }
+        }
+        wa_tot = block_reduce<SumU64>(wa_tot, red64);
+        wb_tot = block_reduce<SumU64>(wb_tot, red64);
+        if (tid == 0) {
+            my_w[0] = wa_tot;
+            my_w[1] = wb_tot;
+            g_gcdf[((size_t)r * GRID + c) * 2 + 0] = wa_tot;
+            g_gcdf[((size_t)r * GRID + c) * 2 + 1] = wb_tot;
+        }
+        if (false) {
+#else
+        if (mc > -INFINITY) {
+#endif
             for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
                 float x[4];
                 load4(z, j0, hi, x);
@@ -2357,8 +2482,30 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 entropy[r] = h;
                 temperature[r] = rowf[1];
             }
+#if GRID_CDF
+            row_high = high;
+#endif
         }
         __syncthreads();
+#if GRID_CDF
+        {  // the chunks' weight totals at the row's temperature, scaled to the row's max (the
+           // factor SA / SB's combine applies), and their inclusive prefix sums in chunk order
+            const bool ha = row_high;
+            double mq = 0.0;
+            if (tid < GRID && si > 0.0f) {
+                const u64 eq = __ldcg(g_gcdf + ((size_t)r * GRID + tid) * 2 + (ha ? 0 : 1));
+                mq = (double)eq * (double)expf((mi - mw) * (ha ? ia : ib));
+            }
+            double total;
+            cdf_incl[tid] = block_scan_t<double>(mq, redd, &total);
+            const int lastc = block_reduce<MaxI>(mq > 0.0 ? tid : -1, ired);
+            if (tid == 0) {
+                cdf_total_s = total;
+                cdf_last_s = lastc;
+            }
+            __syncthreads();
+        }
+#endif
     }
     const float m = rowf[0], t = rowf[1], den = rowf[2];
 #if RESET_STATE
@@ -2425,16 +2572,122 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
 
         const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
-        // ---- 2. the NC best scores over every live token (top list, best first)
         u64 cand[NC];
-        chunk_top(z, lo, hi, m, it, k0, k1, wl, slot, cand);
-        for (;;) {
-            if (tid == 0)
+#if GRID_CDF
+        // ---- 2. (cdf) NC independent draws from the untempered-by-top-p distribution, each
+        // by the inverse CDF of the tokens' weights in vocabulary order: u uniform in [0, total)
+        // from 53 random bits (Philox at counters (0, 2, 0, 0) and (1, 2, 0, 0): words the noise,
+        // at (id / 4, 0 or 1, 0, 0), never uses); the chunk whose prefix interval holds u (the
+        // last chunk of weight takes a u rounded up to the total); then within the chunk, in
+        // integers, the sub-block and the token. The first kept draw (step 3, in draw order) is
+        // a draw from the kept tokens by their weights (rejection sampling); when all NC are
+        // rejected, step 4's climb draws instead with its own noise.
+        static_assert(NC <= 4 && NC <= NWARPS, "two Philox calls; a warp a draw");
+        bool first_round = true;
+        const bool ha = row_high;
+        const float ich = ha ? ia : ib;
+        if (tid == 0) {
+            const double total = cdf_total_s;
+            const double inc_c = cdf_incl[c], exc_c = c ? cdf_incl[c - 1] : 0.0;
+            const u64 e_c = ha ? my_w[0] : my_w[1];
+            const double f_c = (double)expf((mc_own - m) * ich);
+            const uint4 p0 = philox(0u, 2u, 0u, 0u, k0, k1), p1 = philox(1u, 2u, 0u, 0u, k0, k1);
+            const u32 wd[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
 #pragma unroll
-                for (int k = 0; k < NC; ++k) gbest[c * NC + k] = cand[k];
-            grid_barrier(bar, ++round);
-            u64 xs[NC];  // the row's NC best scores, best first (0: none)
+            for (int k = 0; k < NC; ++k) {
+                const u64 r53 = ((u64)wd[2 * k] << 21) | (wd[2 * k + 1] >> 11);
+                const double uk = (double)r53 * 0x1p-53 * total;
+                const bool cl = e_c > 0ull && ((exc_c <= uk && uk < inc_c) ||
+                                               (uk >= total && c == cdf_last_s));
+                u64 v = 0ull;
+                if (cl) {
+                    const double vd = floor((uk - exc_c) / f_c);
+                    v = vd >= (double)(e_c - 1ull) ? e_c - 1ull : (u64)fmax(vd, 0.0);
+                }
+                cdf_claim[k] = cl;
+                cdf_v[k] = v;
+            }
+        }
+        __syncthreads();
+        bool claimed = false;
+#pragma unroll
+        for (int k = 0; k < NC; ++k) claimed |= cdf_claim[k] != 0;
+        if (claimed) {  // this chunk holds some of the draws: their sub-blocks, then tokens
+            const u64* subs = sub_w[ha ? 0 : 1];
+            const int nsub = (hi - lo + CDF_SUB - 1) / CDF_SUB;
+            u64 carry = 0ull;
+            for (int s0 = 0; s0 < nsub; s0 += NTHREADS) {
+                const int sb = s0 + tid;
+                const u64 x = sb < nsub ? subs[sb] : 0ull;
+                u64 tot;
+                const u64 incl = block_scan_t<u64>(x, red64, &tot) + carry;
+#pragma unroll
+                for (int k = 0; k < NC; ++k)
+                    if (cdf_claim[k] && sb < nsub && incl - x <= cdf_v[k] && cdf_v[k] < incl) {
+                        cdf_sub[k] = sb;
+                        cdf_rem[k] = cdf_v[k] - (incl - x);
+                    }
+                carry += tot;
+            }
+            __syncthreads();
+            const int w = tid >> 5, lane = tid & 31;
+            if (w < NC && cdf_claim[w]) {  // warp k walks draw k's sub-block
+                const u64 rem = cdf_rem[w];
+                const int j0 = lo + CDF_SUB * cdf_sub[w] + 4 * lane;
+                float x[4];
+                if (j0 < hi) {
+                    load4(z, j0, hi, x);
+                } else {
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
+                }
+                u64 wq[4], l4 = 0ull;
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {  // the sweep's weights, bit for bit
+                    wq[q] = cdf_units(expf((x[q] - mc_own) * ich));
+                    l4 += wq[q];
+                }
+                u64 incl = l4;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const u64 y = __shfl_up_sync(0xffffffffu, incl, o);
+                    if (lane >= o) incl += y;
+                }
+                const u64 excl = incl - l4;
+                const bool mine = excl <= rem && rem < incl;  // one lane (exact integers)
+                if (mine) {
+                    u64 acc = excl;
+                    int id = -1;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if (id < 0 && rem < acc + wq[q]) id = j0 + q;
+                        acc += wq[q];
+                    }
+                    g_gcand[r * NC + w] = id;
+                }
+                if (!__ballot_sync(0xffffffffu, mine) && lane == 0)  // unreachable: a token
+                    g_gcand[r * NC + w] = lo + CDF_SUB * cdf_sub[w];   // all the same
+            }
+        }
+#else
+        // ---- 2. the NC best scores over every live token (top list, best first)
+        chunk_top(z, lo, hi, m, it, k0, k1, wl, slot, cand);
+#endif
+        for (;;) {
+            u64 xs[NC];  // the row's NC best scores, best first (0: none); cdf: its NC draws
+#if GRID_CDF
+            if (first_round) {
+                grid_barrier(bar, ++round);
+                const bool any = cdf_total_s > 0.0;
+#pragma unroll
+                for (int k = 0; k < NC; ++k)
+                    xs[k] = any ? pack(0.0f, __ldcg(g_gcand + r * NC + k)) : 0ull;
+            } else
+#endif
             {
+                if (tid == 0)
+#pragma unroll
+                    for (int k = 0; k < NC; ++k) gbest[c * NC + k] = cand[k];
+                grid_barrier(bar, ++round);
                 u64 mine[NC];
 #pragma unroll
                 for (int k = 0; k < NC; ++k)
@@ -2528,6 +2781,9 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                     hid = xid[k];
                 }
             cand[0] = chunk_best_above(z, lo, hi, m, it, iden, hk, hid, k0, k1, ured);
+#if GRID_CDF
+            first_round = false;
+#endif
 #pragma unroll
             for (int k = 1; k < NC; ++k) cand[k] = 0ull;
         }

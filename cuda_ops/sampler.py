@@ -26,6 +26,14 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   threads' 8 largest maxima; the k-th largest published value has k distinct tokens at or above
   it, so the tokens at or above it (listed in one sweep) hold the top-k set, and CTA 0 draws
   from that list as the split kernels' last block does (`GRID_TOPK_CTAS_PER_SM` CTAs an SM).
+- "cdf": "grid" whose first draws come from the inverse CDF of the tokens' tempered weights in
+  vocabulary order instead of Gumbel-max, so no sweep scores the vocabulary's noise: the
+  statistics sweep also sums each token's weight in fixed point (per CTA and per 128-token
+  sub-block, exact integers), the CTA whose chunk holds a draw finds its sub-block and token,
+  and the keep test of the NC draws is "grid"'s; the first kept draw is a draw from the kept
+  tokens (rejection sampling), and all NC rejected fall back to "grid"'s climb (`GRID_CDF`).
+  The same distribution and kept set as the other variants, different tokens for a key. With
+  top-k it is "grid".
 
 Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """
@@ -52,6 +60,7 @@ __all__ = [
     "ENTRIES",
     "GRID_ENTRIES",
     "GRID_STATE_ENTRIES",
+    "GRID_VARIANTS",
     "MAX_BATCH",
     "MAX_VOCAB",
     "NMAX",
@@ -78,7 +87,8 @@ CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
 # state's 9 arrays out
 GRID_ENTRIES = {"rejax_sample_grid": (7, 3)}
 GRID_STATE_ENTRIES = {"rejax_sample_grid": (18, 12)}
-VARIANTS = ("split", "cluster", "merge", "reject", "grid")
+VARIANTS = ("split", "cluster", "merge", "reject", "grid", "cdf")
+GRID_VARIANTS = ("grid", "cdf")  # one launch over a grid of CTAs per row (GRIDSYNC)
 CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
 CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
@@ -112,7 +122,7 @@ def entries(variant: str = "split", top_k: int = 0, window: int = 0) -> dict:
     """The variant's kernel entries: name -> (number of operands, number of results) ("grid"
     with ReSET's state of `window` entropies: GRID_STATE_ENTRIES)."""
     _check_variant(variant)
-    if variant == "grid":
+    if variant in GRID_VARIANTS:
         return GRID_STATE_ENTRIES if window else GRID_ENTRIES
     return CLUSTER_ENTRIES if variant in CLUSTER_VARIANTS else ENTRIES
 
@@ -146,7 +156,7 @@ class Plan:
     threads: int = THREADS
     nmax: int = NMAX
     variant: str = "split"
-    window: int = 0  # "grid": ReSET's state update in the kernel, a ring of `window` entropies
+    window: int = 0  # "grid" / "cdf": ReSET's state update in the kernel, a ring of `window` entropies
 
     @property
     def cluster(self) -> int:
@@ -166,9 +176,11 @@ class Plan:
             d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
         if self.variant == "reject" and self.top_k == 0:
             d |= {"REJECT": 1}
-        if self.variant == "grid":
+        if self.variant in GRID_VARIANTS:
             ctas = GRID_TOPK_CTAS_PER_SM if self.top_k else GRID_CTAS_PER_SM
             d |= {"GRIDSYNC": 1, "GRID": self.chunks, "MIN_CTAS": ctas}
+            if self.variant == "cdf" and not self.top_k:
+                d |= {"GRID_CDF": 1}
             if self.window:
                 d |= {"RESET_STATE": 1, "W_RING": self.window}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
@@ -200,14 +212,14 @@ def plan(
     per row.
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
     CLUSTER).
-    "grid": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
+    "grid" and "cdf": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
     `window` > 0 builds it with ReSET's state update (a ring of `window` entropies; top-p
     alone)."""
     _check_variant(variant)
-    if window and (variant != "grid" or top_k):
+    if window and (variant not in GRID_VARIANTS or top_k):
         raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
-                         f"without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
-    if variant == "grid":
+                         f"or 'cdf' without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
+    if variant in GRID_VARIANTS:
         ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
         chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=ctas)
         return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k,

@@ -145,7 +145,7 @@ SAMPLERS = {
     "temp-topk": lambda: sampling.Temperature(t=0.6, top_p=0.95, top_p_method="topk"),
     "topk20": lambda: sampling.Temperature(t=0.6, top_p=0.95, top_k=20),
     # the fused sampler's CUDA kernels by variant (`rejax.ops.sampler.VARIANTS`, and
-    # STATE_VARIANT: "grid" with ReSET's state update in the kernel)
+    # STATE_VARIANTS: "grid-state" / "cdf-state", ReSET's state update in the kernel)
     **{
         f"{name}-{v}": (
             lambda make=make, v=v: dataclasses.replace(make(), top_p_method=f"kernel-{v}")
@@ -155,7 +155,7 @@ SAMPLERS = {
             ("temp", lambda: sampling.Temperature(t=0.6, top_p=0.95)),
             ("topk20", lambda: sampling.Temperature(t=0.6, top_p=0.95, top_k=20)),
         ]
-        for v in (*sampler_op.VARIANTS, sampler_op.STATE_VARIANT)
+        for v in (*sampler_op.VARIANTS, *sampler_op.STATE_VARIANTS)
     },
 }
 

@@ -74,7 +74,7 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # "kernel-grid" with ReSET's state update in the kernel (what "kernel" runs for ReSET wherever
 # "auto" picks "grid")
 KERNEL_METHODS = {"kernel": None, **{f"kernel-{v}": v for v in sampler_op.VARIANTS}}
-KERNEL_METHODS[f"kernel-{sampler_op.STATE_VARIANT}"] = sampler_op.STATE_VARIANT
+KERNEL_METHODS |= {f"kernel-{v}": v for v in sampler_op.STATE_VARIANTS}  # "kernel-cdf-state"
 SAMPLE_METHODS = (*KERNEL_METHODS, *TOP_P_METHODS)
 TOP_P_METHOD = "kernel"
 # The mask default: on the H200 (36-layer Qwen3-8B NVFP4 decode loop, batch 1) ReSET + top-p
@@ -871,13 +871,14 @@ def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, imp
     variant = variant or sampler_op.VARIANT
     # "auto" runs ReSET's state update in the launch wherever it picks "grid" (the same tokens
     # and state; see sampler_op.STATE_VARIANT)
-    state_in_op = variant == sampler_op.STATE_VARIANT or (
+    state_in_op = variant in sampler_op.STATE_VARIANTS or (
         variant == "auto"
         and isinstance(sampler, ReSET)
         and sampler_op.choose_variant(variant, b) == "grid"
     )
+    draw = sampler_op.STATE_VARIANTS.get(variant, "grid")
     if state_in_op:
-        variant = "grid"
+        variant = draw
     opts = {"stats_method": stats_method, "variant": variant, "impl": impl}
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)
@@ -895,7 +896,7 @@ def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, imp
         nl, dnl = jnp.asarray(sampler.nl_mask), jnp.asarray(sampler.dnl_mask)
         tokens, h, t, state = sampler_op.sample_reset_step(
             logits, thr, alt, t_high, t_low, top_p, keys, state, nl, dnl, impl=impl,
-            stats_method=stats_method,
+            stats_method=stats_method, variant=draw,
         )  # fmt: skip
         return tokens, state, {"entropy": h, "temperature": t}
     tokens, h, t = sampler_op.sample_top_p(

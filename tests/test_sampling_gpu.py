@@ -30,6 +30,7 @@ pytestmark = pytest.mark.gpu
 
 V = 151936
 VARIANTS = pytest.mark.parametrize("variant", op.VARIANTS)
+GRID = op.kernels.GRID_VARIANTS  # "grid" and "cdf": one launch over a grid of CTAs per row
 
 
 def _logits(kind: str, b: int, seed: int = 0) -> np.ndarray:
@@ -124,10 +125,10 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k, variant):
     agree, paths = 0, set()
     plan = op.kernels.plan(b, V, top_k, variant=variant, sms=device_sms())  # the build's plan
     chunks = plan.chunks
-    prune = "bound" if plan.variant in (*op.kernels.CLUSTER_VARIANTS, "grid") else True
+    prune = "bound" if plan.variant in (*op.kernels.CLUSTER_VARIANTS, *GRID) else True
     for i in range(b):
         em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k, chunks=chunks,
-                        prune=prune, variant=variant)  # fmt: skip
+                        prune=prune, variant=variant, chunk=plan.chunk)  # fmt: skip
         paths.add(em["path"])
         agree += int(em["tokens"][0] == tok[i])
         if t > 1e-6:  # smaller temperatures are greedy (Temperature's rule)
@@ -263,7 +264,8 @@ def test_grid_variant_draws_the_reject_tokens():
                                               np.asarray(ir["temperature"]))  # fmt: skip
 
 
-def test_grid_state_kernel_updates_reset_state_as_xla_does():
+@pytest.mark.parametrize("draw", GRID)
+def test_grid_state_kernel_updates_reset_state_as_xla_does(draw):
     # "kernel-grid-state": the grid kernel also writes ReSET's new state (ring, counts, sums,
     # the step boundary from the newline masks, y1 / y2). Tokens, entropies and every state
     # array equal "kernel-grid"'s (the same draw, the update in XLA) bit for bit, step by step;
@@ -277,9 +279,9 @@ def test_grid_state_kernel_updates_reset_state_as_xla_does():
     for b in (1, 8, 64):
         z = _logits("real", b, seed=6)
         z[:, :15] = z.max(axis=1, keepdims=True) + np.linspace(0.0, -1.0, 15, dtype=np.float32)
-        smp = ReSET(top_p_method="kernel-grid-state", t_high=1.0, t_low=0.3, tau_0=3.0,
+        smp = ReSET(top_p_method=f"kernel-{draw}-state", t_high=1.0, t_low=0.3, tau_0=3.0,
                     window=8, top_p=0.9, nl_mask=nl, dnl_mask=dnl)  # fmt: skip
-        ref = dataclasses.replace(smp, top_p_method="kernel-grid")
+        ref = dataclasses.replace(smp, top_p_method=f"kernel-{draw}")
         step = jax.jit(sample)
         sa, sb, ends = sampler_init(smp, b), sampler_init(ref, b), 0
         steps = 24
@@ -296,7 +298,8 @@ def test_grid_state_kernel_updates_reset_state_as_xla_does():
         assert 0 < ends < steps * b, ends  # steps ended, and steps went on
 
 
-def test_grid_state_kernel_in_a_scan_matches_the_xla_update():
+@pytest.mark.parametrize("draw", GRID)
+def test_grid_state_kernel_in_a_scan_matches_the_xla_update(draw):
     # inside a jitted scan the state is a loop carry, which the op updates in place (its state
     # operands alias its results): the tokens and the final state equal "kernel-grid"'s
     import dataclasses
@@ -309,7 +312,7 @@ def test_grid_state_kernel_in_a_scan_matches_the_xla_update():
     z = _logits("real", b, seed=7)
     z[:, :15] = z.max(axis=1, keepdims=True) + np.linspace(0.0, -1.0, 15, dtype=np.float32)
     z = jnp.asarray(z)
-    smp = ReSET(top_p_method="kernel-grid-state", t_high=1.0, t_low=0.3, tau_0=3.0,
+    smp = ReSET(top_p_method=f"kernel-{draw}-state", t_high=1.0, t_low=0.3, tau_0=3.0,
                 window=8, top_p=0.9, nl_mask=nl, dnl_mask=dnl)  # fmt: skip
 
     def run(s):
@@ -321,7 +324,7 @@ def test_grid_state_kernel_in_a_scan_matches_the_xla_update():
         return jax.jit(lambda: jax.lax.scan(body, sampler_init(s, b), jnp.arange(steps)))()
 
     sa, ta = run(smp)
-    sb, tb = run(dataclasses.replace(smp, top_p_method="kernel-grid"))
+    sb, tb = run(dataclasses.replace(smp, top_p_method=f"kernel-{draw}"))
     np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb))
     for f in dataclasses.fields(SamplerState):
         np.testing.assert_array_equal(np.asarray(getattr(sa, f.name)),
@@ -329,8 +332,9 @@ def test_grid_state_kernel_in_a_scan_matches_the_xla_update():
     assert int(np.asarray(sa.g_n).min()) == steps
 
 
+@pytest.mark.parametrize("variant", GRID)
 @pytest.mark.parametrize("top_k", [0, 20])
-def test_grid_variant_repeats_its_bits_launch_after_launch(top_k):
+def test_grid_variant_repeats_its_bits_launch_after_launch(top_k, variant):
     # the barrier counters (and top-k's list length) are cleared by each row's last CTA: many
     # launches in one jitted loop (a stale counter would let a CTA pass a barrier early, or
     # hang, or list past the row's tokens) give the same tokens
@@ -343,13 +347,13 @@ def test_grid_variant_repeats_its_bits_launch_after_launch(top_k):
     @jax.jit
     def many(z):
         def body(c, i):
-            return c, op.sample_kernel(keys, z + 0.0 * i, state, smp, variant="grid")[0]
+            return c, op.sample_kernel(keys, z + 0.0 * i, state, smp, variant=variant)[0]
 
         return jax.lax.scan(body, 0, jnp.arange(64, dtype=jnp.float32))[1]
 
     toks = np.asarray(many(z))
     assert (toks == toks[0]).all()
-    one, _, _ = _run(smp, np.asarray(z), keys, variant="grid")
+    one, _, _ = _run(smp, np.asarray(z), keys, variant=variant)
     np.testing.assert_array_equal(toks[0], one)
 
 
@@ -409,8 +413,9 @@ def test_default_auto_runs_the_variant_it_chooses():
             assert np.array_equal(auto, ref), (b, smp, chosen, np.flatnonzero(auto != ref))
 
 
+@pytest.mark.parametrize("variant", GRID)
 @pytest.mark.parametrize("v", [10, 1001, 4099, 151937])
-def test_grid_variant_small_and_odd_vocabularies_and_masked_rows(v):
+def test_grid_variant_small_and_odd_vocabularies_and_masked_rows(v, variant):
     # scalar loads (V % 4 != 0), one CTA a row (V <= 1024) or several; rows of -inf logits but
     # a few (a masked vocabulary); kept tokens only, and the emulation's tokens with the grid's
     # own chunks
@@ -420,14 +425,14 @@ def test_grid_variant_small_and_odd_vocabularies_and_masked_rows(v):
     z[1, : v - 3] = -np.inf  # three live tokens
     keys = jax.random.split(jax.random.key(v), b)
     data = np.asarray(jax.random.key_data(keys))
-    chunks = op.kernels.plan(b, v, 0, variant="grid", sms=device_sms()).chunks
+    plan = op.kernels.plan(b, v, 0, variant=variant, sms=device_sms())
     differ = []
     for t, top_p in [(1.0, 0.9), (0.6, 1.0), (1.0, 0.3)]:
         smp = Temperature(top_p_method="kernel", t=t, top_p=top_p)
-        tok, _, _ = _run(smp, z, keys, variant="grid")
+        tok, _, _ = _run(smp, z, keys, variant=variant)
         for i in range(b):
-            em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], chunks=chunks,
-                            prune="bound", variant="grid")  # fmt: skip
+            em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], chunks=plan.chunks,
+                            prune="bound", variant=variant, chunk=plan.chunk)  # fmt: skip
             _, keep = _nucleus64(z[i], t, top_p)
             assert keep[tok[i]], (v, t, top_p, i)
             if em["tokens"][0] != tok[i]:  # float rounding may move a boundary, rarely

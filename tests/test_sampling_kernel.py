@@ -169,21 +169,24 @@ def test_grid_launch_is_planned_for_the_devices_sms(monkeypatch):
             kernels.build(b, v, variant="grid", arch="compute_90", sms=bad)
 
 
+@pytest.mark.parametrize("variant,b", [("grid", 1), ("cdf", 1), ("cdf", 64), ("cdf", 1024)])
 @pytest.mark.parametrize("top_k", [0, 20])
-def test_grid_kernel_fits_its_occupancy(top_k):
+def test_grid_kernel_fits_its_occupancy(top_k, variant, b):
     # the plan's residency assumes GRID_CTAS_PER_SM (with top-k GRID_TOPK_CTAS_PER_SM) CTAs of
     # GRID_THREADS per SM: registers (launch bounds) and static shared memory must allow it
+    # ("cdf" keeps a chunk's sub-block sums in shared memory: the most at one CTA a row)
     pytest.importorskip("cuda.bindings.nvrtc")
     from cuda_ops.build import ptxas_log, read_source
 
-    p = kernels.plan(1, 151936, top_k, variant="grid")
+    p = kernels.plan(b, 151936, top_k, variant=variant)
+    assert ("GRID_CDF" in p.defines()) == (variant == "cdf" and not top_k)
     ctas = kernels.GRID_TOPK_CTAS_PER_SM if top_k else kernels.GRID_CTAS_PER_SM
     log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
     assert len(regs) == 1 and regs[0] * kernels.GRID_THREADS * ctas <= 65536
     assert smem[0] <= 48 * 1024 and ctas * (smem[0] + 1024) <= 228 * 1024, log
-    if top_k:  # 128 registers: no spills
+    if top_k or variant == "cdf":  # no spills
         assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
 
 
@@ -429,6 +432,43 @@ def test_emulation_draws_follow_the_truncated_softmax(name):
     p = np.exp((z.astype(np.float64) - z.max()) / t)
     want = np.where(em["keep"], p, 0.0)
     _assert_draws_match(em["tokens"], want / want.sum(), name)
+
+
+@pytest.mark.parametrize("name", ["peaked", "flat", "ties", "tiny_top_p", "top_p_1", "masked"])
+def test_cdf_emulation_draws_follow_the_truncated_softmax(name):
+    # the "cdf" variant's draws (4 inverse-CDF draws over 3 chunks, the first kept one, else the
+    # climb's Gumbel-max over the kept tokens): 10^5 draws against the exact truncated softmax;
+    # draws land in every chunk, and some rows fall back ("tiny_top_p" mostly)
+    z, t, top_p, nmax, _ = _em_cases()[name]
+    z = np.asarray(z, np.float32)[:240]
+    em = op.emulate(z, -np.inf, np.inf, t, t, top_p, _keys(_N, seed=11), nmax=nmax, chunks=3,
+                    variant="cdf")  # fmt: skip
+    p = np.exp((z.astype(np.float64) - z.max()) / t)
+    want = np.where(em["keep"], p, 0.0)
+    _assert_draws_match(em["tokens"], want / want.sum(), name)
+    draws = em["draws"]
+    assert draws.shape == (_N, op.CDF_DRAWS) and (draws >= 0).all() and (draws < len(z)).all()
+    # each draw alone follows the untruncated weights (p > 1e-4)
+    _assert_draws_match(draws[:, 1], p / p.sum(), f"{name} draw 1")
+    if top_p >= 1:
+        np.testing.assert_array_equal(em["tokens"], draws[:, 0])
+
+
+def test_cdf_draws_find_the_token_of_each_prefix():
+    # the chunk / sub-block / token search: u just inside each token's interval of the
+    # integer CDF (weights of 1 unit at 2**-40 included) returns that token, across chunks of
+    # different maxima; masked chunks and tokens are never drawn
+    rng = np.random.default_rng(5)
+    z = rng.normal(size=50).astype(np.float32) * 3
+    z[10:20] = -np.inf  # a masked chunk (chunk 1 of 5 x 10)
+    z[23] = -np.inf
+    z[30] = z[31:40].max() - np.float32(27.0)  # weight about 2**-39: a few units
+    keys = _keys(20000, seed=2)
+    d = op.cdf_draws(z, z.max(), np.float32(1.0), 10, keys)
+    assert not np.isin(d, np.r_[10:20, 23]).any()
+    p = np.exp((z.astype(np.float64) - z.max()))
+    _assert_draws_match(d.ravel(), p / p.sum(), "cdf draws")
+    assert (op.cdf_draws(np.full(8, -np.inf, np.float32), -np.inf, 1.0, 4, keys[:3]) == -1).all()
 
 
 def test_pruning_never_changes_the_winner():

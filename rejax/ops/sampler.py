@@ -72,6 +72,8 @@ VARIANT_CHOICES = ("auto", *VARIANTS)
 # experiments/results/h200_u/): busy 446.0 us against 453.7 for ReSET on "grid" and 439.9 for
 # Temperature; 36-layer decode loop at 64 rows: +136 against +151 us over greedy.
 STATE_VARIANT = "grid-state"
+# every variant with the state update in its launch -> the draw variant it runs
+STATE_VARIANTS = {"grid-state": "grid", "cdf-state": "cdf"}
 # Kernel alone on the H200 (experiments/bench_sampler.py --logits lm, us over greedy, split /
 # merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
 # 8, 114.2 / 90.4 at 64; ReSET + top-p 30.7 / 31.6, 39.8 / 32.4, 135.0 / 105.2; top-k 20
@@ -171,7 +173,7 @@ def _lower_cuda(ctx, *args, **params):
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         fn = functools.partial(_reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-    if kern.plan.variant == "grid":
+    if kern.plan.variant in kernels.GRID_VARIANTS:
         impl = _cuda_impl_grid
     elif kern.plan.variant in kernels.CLUSTER_VARIANTS:
         impl = _cuda_impl_cluster
@@ -270,14 +272,14 @@ _reset_p.def_impl(lambda *args, **params: _jitted_bind_reset(**params)(*args))
 
 
 def _composed_reset(logits, thr, alt, t_a, t_b, top_p, keys, *rest, launch, key_impl,
-                    stats_method, impl):  # fmt: skip
+                    stats_method, impl, variant="grid"):  # fmt: skip
     # the draw (the "grid" op, or its reference), then rejax.sampling's state update in XLA:
     # exactly the non-fused path
     from rejax import sampling  # sampling imports this module
 
     tokens, h, t = _sample_p.bind(
         logits, thr, alt, t_a, t_b, top_p, keys, launch=launch, kind="reset", top_k=0,
-        key_impl=key_impl, stats_method=stats_method, impl=impl, variant="grid",
+        key_impl=key_impl, stats_method=stats_method, impl=impl, variant=variant,
     )  # fmt: skip
     state = sampling.SamplerState(*rest[:9])
     state = sampling._observe(sampling._push(h, state), tokens, rest[9], rest[10])
@@ -303,7 +305,7 @@ def _lower_cuda_reset(ctx, *args, **params):
     kern = None
     if supported[0] and params["impl"] != "ref":
         try:
-            kern = kernels.build(b, v, 0, variant="grid", window=w)
+            kern = kernels.build(b, v, 0, variant=params.get("variant", "grid"), window=w)
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
@@ -345,14 +347,16 @@ def sample_reset_step(
     *,
     impl: str = "auto",
     stats_method: str = "two_pass",
+    variant: str = "grid",
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-    """`sample_top_p(..., kind="reset", variant="grid")` and ReSET's state update after it
+    """`sample_top_p(..., kind="reset", variant=variant)` and ReSET's state update after it
     (`rejax.sampling._push` the entropies, `_observe` the tokens) as one op: on CUDA one launch
     of the grid kernel built with the state (`STATE_VARIANT`), elsewhere (or where the kernel
     does not serve) the draw and then the update in XLA, the non-fused path exactly.
 
     Args:
       logits, thr, alt, t_a, t_b, top_p, keys, impl, stats_method: as `sample_top_p`.
+      variant: the draw, "grid" or "cdf" (`kernels.GRID_VARIANTS`). Static.
       state: the rows' `rejax.sampling.SamplerState` (ring of w entropies).
       nl_mask, dnl_mask: bool [V], ReSET's newline masks.
 
@@ -362,13 +366,15 @@ def sample_reset_step(
     from rejax import sampling  # sampling imports this module
 
     _dispatch.check_impl(impl)
+    if variant not in kernels.GRID_VARIANTS:
+        raise ValueError(f"variant={variant!r}, expected one of {kernels.GRID_VARIANTS}")
     v = logits.shape[-1]
     for name, mask in (("nl_mask", nl_mask), ("dnl_mask", dnl_mask)):
         if mask.shape != (v,) or mask.dtype != jnp.bool_:
             raise ValueError(f"{name} must be bool [{v}], got {mask.dtype}{mask.shape}")
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
     params = {"key_impl": str(jax.random.key_impl(keys)), "stats_method": stats_method}
-    params |= {"impl": impl, "launch": launch}
+    params |= {"impl": impl, "launch": launch, "variant": variant}
     outs = _reset_p.bind(
         logits, thr, alt, t_a, t_b, top_p, jax.random.key_data(keys),
         *(getattr(state, f) for f in _STATE_FIELDS), nl_mask, dnl_mask, **params,
@@ -444,17 +450,18 @@ def sample_kernel(
 
     Args:
       key, logits, state, sampler, stats_method: as `rejax.sampling.sample`.
-      variant: one of `VARIANTS` or "auto", as `sample_top_p`, or `STATE_VARIANT` ("grid"
-        with ReSET's state update in the kernel, `sample_reset_step`; "auto" runs it for ReSET
-        wherever it picks "grid"). Static.
+      variant: one of `VARIANTS` or "auto", as `sample_top_p`, or one of `STATE_VARIANTS`
+        ("grid-state" / "cdf-state": that draw with ReSET's state update in the kernel,
+        `sample_reset_step`; "auto" runs "grid-state" for ReSET wherever it picks "grid").
+        Static.
       impl: as `sample_top_p`.
 
     Returns:
       (tokens i32 [B], state, info) as `rejax.sampling.sample`.
     """
-    if variant not in (*VARIANT_CHOICES, STATE_VARIANT):
+    if variant not in (*VARIANT_CHOICES, *STATE_VARIANTS):
         raise ValueError(
-            f"variant={variant!r}, expected one of {(*VARIANT_CHOICES, STATE_VARIANT)}"
+            f"variant={variant!r}, expected one of {(*VARIANT_CHOICES, *STATE_VARIANTS)}"
         )
     from rejax import sampling  # sampling imports this module
 
@@ -746,6 +753,7 @@ def emulate(
     nmax: int = kernels.NMAX,
     prune: bool | str = True,
     variant: str = "split",
+    chunk: int | None = None,
 ) -> dict:
     """The kernels' algorithm in NumPy for one row of logits and many keys.
 
@@ -763,7 +771,10 @@ def emulate(
         its first draw over every token and that draw's keep test (`VARIANTS`); "grid" draws
         from "cluster"'s kept set (its kernel climbs the rank order from the first draw to the
         best kept score: the same token) and with top-k is "split" (a listed superset of the
-        top-k set, cut at the k-th largest as "split"'s last block does).
+        top-k set, cut at the k-th largest as "split"'s last block does). "cdf" keeps
+        "grid"'s kept set and draws as its kernel does: `cdf_draws`' NC inverse-CDF draws over
+        chunks of `chunk` tokens (None: the plan's length for `chunks` chunks), the first kept
+        one, else (all rejected) the Gumbel-max over the kept tokens (the climb's token).
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
@@ -774,7 +785,8 @@ def emulate(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
-    if variant == "grid":  # its top-k lists a superset of the top-k set as "split" does (the
+    cdf = variant == "cdf" and not top_k
+    if variant in kernels.GRID_VARIANTS:  # its top-k lists a superset of the top-k set as "split" does (the
         variant = "split" if top_k else "cluster"  # same kept set); its top-p keeps "cluster"'s
     z = np.asarray(logits, np.float32)
     key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
@@ -805,6 +817,80 @@ def emulate(
         accepted = _reject_test(zt, live, den, tp, first)
         out.update(first=first, accepted=accepted)
         out["tokens"] = np.where(accepted, first, out["tokens"]).astype(np.int32)
+    if cdf:
+        if chunk is None:
+            chunk = -(-(-(-z.shape[0] // chunks)) // 4) * 4
+        it = np.float32(1) / (ta if high else tb)
+        draws = cdf_draws(z, m, it, chunk, key_data)  # [n, NC], -1: no weight at all
+        if tp >= 1:
+            out["tokens"] = np.where(draws[:, 0] >= 0, draws[:, 0], out["tokens"]).astype(np.int32)
+        else:
+            tokens = out["tokens"].copy()
+            for k in range(CDF_DRAWS - 1, -1, -1):  # the first kept draw
+                d = draws[:, k]
+                ok = (d >= 0) & _reject_test(zt, live, den, tp, np.maximum(d, 0))
+                tokens = np.where(ok, d, tokens)
+            out["tokens"] = tokens.astype(np.int32)
+        out["draws"] = draws
+    return out
+
+
+CDF_DRAWS = 4  # sampler.cu NC: the "cdf" variant's first draws, kept-tested in one sweep
+CDF_UNITS = 2.0**40  # sampler.cu cdf_units: a weight in [0, 1] in fixed point (truncated)
+
+
+def cdf_draws(z, m, inv_t, chunk: int, key_data) -> np.ndarray:
+    """The "cdf" kernel's CDF_DRAWS first draws per key: int32 [n, CDF_DRAWS] token ids (-1 if
+    the row has no weight).
+
+    A token's weight is exp((z - mc) / t) in 2**-40 units (truncated), mc its chunk's max; a
+    chunk's total scaled by exp((mc - m) / t) to the row max (float64) picks the chunk of
+    u = r53 2**-53 x total (53 bits of Philox at counters (0, 2) and (1, 2) under the key; the
+    last chunk with weight takes a u rounded up to the total), then the integer prefix sums of
+    the chunk's weights in vocabulary order pick the token. numpy's float32 exp stands for CUDA's
+    expf (they may differ in the last bit, which moves a draw only at a boundary)."""
+    z = np.asarray(z, np.float32)
+    key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
+    n, v = key_data.shape[0], z.shape[0]
+    inv_t = np.float32(inv_t)
+    ws, tot, scale = [], [], []
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        for lo in range(0, v, chunk):
+            zc = z[lo : lo + chunk]
+            mc = zc.max()
+            if not mc > -np.inf:
+                ws.append(np.zeros(zc.shape, np.uint64))
+                tot.append(0)
+                scale.append(0.0)
+                continue
+            e = np.exp((zc - mc).astype(np.float32) * inv_t).astype(np.float32)
+            w = np.nan_to_num(np.floor(e.astype(np.float64) * CDF_UNITS)).astype(np.uint64)
+            ws.append(w)
+            tot.append(int(w.sum(dtype=np.uint64)))
+            scale.append(float(np.exp(np.float32((mc - np.float32(m)) * inv_t), dtype=np.float32)))
+    mass = np.array([float(t) * f for t, f in zip(tot, scale)], np.float64)
+    incl = np.cumsum(mass)
+    total = incl[-1] if len(incl) else 0.0
+    out = np.full((n, CDF_DRAWS), -1, np.int32)
+    if not total > 0:
+        return out
+    last = int(np.flatnonzero(mass > 0)[-1])
+    k0, k1 = key_data[:, 0], key_data[:, 1]
+    words = [*philox(0, k0, k1, 2), *philox(1, k0, k1, 2)]
+    cums = [np.cumsum(w, dtype=np.uint64) for w in ws]
+    for k in range(CDF_DRAWS):
+        hi, lo = words[2 * k].astype(np.uint64), words[2 * k + 1].astype(np.uint64)
+        r53 = (hi << np.uint64(21)) | (lo >> np.uint64(11))
+        u = r53.astype(np.float64) * 2.0**-53 * total
+        cs = np.searchsorted(incl, u, side="right")
+        cs = np.where(cs >= len(incl), last, cs)
+        for c in np.unique(cs):
+            sel = np.flatnonzero(cs == c)
+            exc = incl[c - 1] if c else 0.0
+            vd = np.floor((u[sel] - exc) / scale[c])
+            vi = np.clip(vd, 0.0, None)
+            vi = np.where(vd >= tot[c] - 1, tot[c] - 1, vi.astype(np.uint64)).astype(np.uint64)
+            out[sel, k] = c * chunk + np.searchsorted(cums[c], vi, side="right")
     return out
 
 
