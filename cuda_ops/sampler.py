@@ -156,7 +156,9 @@ class Plan:
     threads: int = THREADS
     nmax: int = NMAX
     variant: str = "split"
-    window: int = 0  # "grid" / "cdf": ReSET's state update in the kernel, a ring of `window` entropies
+    window: int = (
+        0  # "grid" / "cdf": ReSET's state update in the kernel, a ring of `window` entropies
+    )
 
     @property
     def cluster(self) -> int:

@@ -466,7 +466,7 @@ def test_cdf_draws_find_the_token_of_each_prefix():
     keys = _keys(20000, seed=2)
     d = op.cdf_draws(z, z.max(), np.float32(1.0), 10, keys)
     assert not np.isin(d, np.r_[10:20, 23]).any()
-    p = np.exp((z.astype(np.float64) - z.max()))
+    p = np.exp(z.astype(np.float64) - z.max())
     _assert_draws_match(d.ravel(), p / p.sum(), "cdf draws")
     assert (op.cdf_draws(np.full(8, -np.inf, np.float32), -np.inf, 1.0, 4, keys[:3]) == -1).all()
 

@@ -786,7 +786,9 @@ def emulate(
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
     cdf = variant == "cdf" and not top_k
-    if variant in kernels.GRID_VARIANTS:  # its top-k lists a superset of the top-k set as "split" does (the
+    if (
+        variant in kernels.GRID_VARIANTS
+    ):  # its top-k lists a superset of the top-k set as "split" does (the
         variant = "split" if top_k else "cluster"  # same kept set); its top-p keeps "cluster"'s
     z = np.asarray(logits, np.float32)
     key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
@@ -819,7 +821,8 @@ def emulate(
         out["tokens"] = np.where(accepted, first, out["tokens"]).astype(np.int32)
     if cdf:
         if chunk is None:
-            chunk = -(-(-(-z.shape[0] // chunks)) // 4) * 4
+            per = -(-z.shape[0] // chunks)  # the plans' chunk length: a multiple of 4
+            chunk = -(-per // 4) * 4
         it = np.float32(1) / (ta if high else tb)
         draws = cdf_draws(z, m, it, chunk, key_data)  # [n, NC], -1: no weight at all
         if tp >= 1:
