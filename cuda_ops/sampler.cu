@@ -1898,15 +1898,18 @@ __device__ u32 g_gmass[B_ROWS * GRID * (NC + 1)];  // per CTA: mass, the parts a
 __device__ u32 g_gbar[B_ROWS];              // arrivals at the row's barriers (GRID per round)
 #if GRID_CDF
 // The "cdf" variant's first draws (step 2 below): each token's weight is its tempered exp
-// relative to its chunk's max, exp((z - mc) / t) in [0, 1], in fixed point (cdf_units: 2**40
-// units, exact for weights >= 2**-16). A chunk's weights sum exactly (integers), so its
-// sub-blocks of 128 tokens, the chunk and the row have exact totals in vocabulary order. A draw
-// picks the chunk by the totals scaled to the row's max (float64), then the sub-block and the
-// token by integer prefix sums. Every CTA publishes its totals at both candidate temperatures.
+// relative to the row's max, exp((z - m) / t) in [0, 1], in fixed point (cdf_units: 2**40
+// units, exact for weights >= 2**-16), the same for every launch plan. The weights sum exactly
+// (integers), so the sub-blocks of 128 tokens, the chunks and the row have exact totals in
+// vocabulary order, and a draw u in [0, total) finds its chunk, sub-block and token by integer
+// prefix sums: the token is a function of the logits, the temperature and the key alone (any
+// batch, any plan). The row max is known before the sums: a barrier after the max sweep. Every
+// CTA publishes its totals at both candidate temperatures.
 static_assert(V_SIZE < (1 << 23), "the weights' sums fit 64 bits");
 #define CDF_SUB 128                           // tokens a sub-block: one warp's float4 loads
 #define NSUB ((CH + CDF_SUB - 1) / CDF_SUB)  // sub-blocks a chunk
 __device__ u64 g_gcdf[B_ROWS * GRID * 2];  // per CTA: its weights' totals at t_a and t_b
+__device__ float g_gmax[B_ROWS * GRID];    // per CTA: its chunk's max (before the sums)
 __device__ int g_gcand[B_ROWS * NC];       // the row's NC draws (written by the CTA holding each)
 __device__ __forceinline__ u64 cdf_units(float e) {  // e in [0, 1] -> 2**40 units (truncated)
     return __float2ull_rz(e * 1099511627776.0f);
@@ -2279,13 +2282,12 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
 #if GRID_CDF
     __shared__ u64 sub_w[2][NSUB];       // the chunk's sub-block weight totals at t_a, t_b
     __shared__ u64 red64[NWARPS];
-    __shared__ double redd[NWARPS];
-    __shared__ double cdf_incl[NTHREADS];  // the row's chunk totals, inclusive prefix sums
-    __shared__ u64 cdf_v[NC], cdf_rem[NC], my_w[2];  // my_w: this CTA's totals at t_a, t_b
+    __shared__ u64 cdf_incl[NTHREADS];  // the row's chunk totals, inclusive prefix sums
+    __shared__ u64 cdf_v[NC], cdf_rem[NC];
     __shared__ int cdf_claim[NC], cdf_sub[NC];
-    __shared__ int row_high, cdf_last_s;  // the row's choice of t_a; its last chunk of weight
-    __shared__ double cdf_total_s;        // the row's weight total (row-max units)
-    __shared__ float mc_own;  // this chunk's max (the weights' reference)
+    __shared__ int row_high;      // the row's choice of t_a
+    __shared__ u64 cdf_total_s;   // the row's weight total
+    __shared__ float mc_own;  // the row's max (the weights' reference; -inf: a dead chunk)
 #endif
 #if TOP_K > 0
     __shared__ u64 hb[NMAX];            // CTA 0's list of the row's tokens >= tau; scratch before
@@ -2333,13 +2335,27 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         publish_top(m > -INFINITY ? ((u64)ord_of(m) << 32) | (u32)first : 0ull, hb,
                     gtop + c * TK_PUB);
 #endif
+#if GRID_CDF
+        // the sums relative to the row's max (published as every chunk's max, so the combine's
+        // rescale is by exp(0) = 1); the first / last argmax only from chunks holding it
+        float mc = block_reduce<MaxF>(m, fred);
+        if (tid == 0) g_gmax[(size_t)r * GRID + c] = mc;
+        grid_barrier(bar, ++round);
+        {
+            const float mq = tid < GRID ? __ldcg(g_gmax + (size_t)r * GRID + tid) : -INFINITY;
+            const float mrow = block_reduce<MaxF>(mq, fred);
+            if (mc < mrow) m = -INFINITY;  // this chunk's argmax is not the row's
+            mc = mc > -INFINITY ? mrow : mc;
+        }
+#else
         const float mc = block_reduce<MaxF>(m, fred);
+#endif
         float s = 0.0f, u = 0.0f, sa = 0.0f, sb = 0.0f;
         const bool two = ib != ia;  // Temperature: one tempered sum
 #if GRID_CDF
-        // the same sums, each thread over the same tokens in the same order (so the same
-        // bits), plus the weights: every lane of a warp runs every iteration (the reductions),
-        // a lane past hi on -inf logits (adding zeros)
+        // the same sums, each thread over the same tokens in the same order, plus the weights:
+        // every lane of a warp runs every iteration (the reductions), a lane past hi on -inf
+        // logits (adding zeros)
         if (tid == 0) mc_own = mc;
         u64 wa_tot = 0ull, wb_tot = 0ull;  // lane 0: its warp's totals
         if (mc > -INFINITY) {
@@ -2383,8 +2399,6 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         wa_tot = block_reduce<SumU64>(wa_tot, red64);
         wb_tot = block_reduce<SumU64>(wb_tot, red64);
         if (tid == 0) {
-            my_w[0] = wa_tot;
-            my_w[1] = wb_tot;
             g_gcdf[((size_t)r * GRID + c) * 2 + 0] = wa_tot;
             g_gcdf[((size_t)r * GRID + c) * 2 + 1] = wb_tot;
         }
@@ -2488,21 +2502,14 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         }
         __syncthreads();
 #if GRID_CDF
-        {  // the chunks' weight totals at the row's temperature, scaled to the row's max (the
-           // factor SA / SB's combine applies), and their inclusive prefix sums in chunk order
+        {  // the chunks' weight totals at the row's temperature and their inclusive prefix
+           // sums in chunk order (integers: the same in every CTA)
             const bool ha = row_high;
-            double mq = 0.0;
-            if (tid < GRID && si > 0.0f) {
-                const u64 eq = __ldcg(g_gcdf + ((size_t)r * GRID + tid) * 2 + (ha ? 0 : 1));
-                mq = (double)eq * (double)expf((mi - mw) * (ha ? ia : ib));
-            }
-            double total;
-            cdf_incl[tid] = block_scan_t<double>(mq, redd, &total);
-            const int lastc = block_reduce<MaxI>(mq > 0.0 ? tid : -1, ired);
-            if (tid == 0) {
-                cdf_total_s = total;
-                cdf_last_s = lastc;
-            }
+            const u64 eq =
+                tid < GRID ? __ldcg(g_gcdf + ((size_t)r * GRID + tid) * 2 + (ha ? 0 : 1)) : 0ull;
+            u64 total;
+            cdf_incl[tid] = block_scan_t<u64>(eq, red64, &total);
+            if (tid == 0) cdf_total_s = total;
             __syncthreads();
         }
 #endif
@@ -2574,38 +2581,28 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
         u64 cand[NC];
 #if GRID_CDF
-        // ---- 2. (cdf) NC independent draws from the untempered-by-top-p distribution, each
-        // by the inverse CDF of the tokens' weights in vocabulary order: u uniform in [0, total)
-        // from 53 random bits (Philox at counters (0, 2, 0, 0) and (1, 2, 0, 0): words the noise,
-        // at (id / 4, 0 or 1, 0, 0), never uses); the chunk whose prefix interval holds u (the
-        // last chunk of weight takes a u rounded up to the total); then within the chunk, in
-        // integers, the sub-block and the token. The first kept draw (step 3, in draw order) is
-        // a draw from the kept tokens by their weights (rejection sampling); when all NC are
-        // rejected, step 4's climb draws instead with its own noise.
+        // ---- 2. (cdf) NC independent draws over every token by weight, each by the inverse
+        // CDF of the weights in vocabulary order: u = floor(r total / 2**64) for 64 random bits
+        // r (Philox at counters (0, 2, 0, 0) and (1, 2, 0, 0): words the noise, at (id / 4, 0 or
+        // 1, 0, 0), never uses), uniform on [0, total) to 2**-64; the chunk whose prefix
+        // interval holds u, then within it the sub-block and the token. The first kept draw
+        // (step 3, in draw order) is a draw from the kept tokens by their weights (rejection
+        // sampling); when all NC are rejected, step 4's climb draws instead with its own noise.
         static_assert(NC <= 4 && NC <= NWARPS, "two Philox calls; a warp a draw");
         bool first_round = true;
         const bool ha = row_high;
         const float ich = ha ? ia : ib;
         if (tid == 0) {
-            const double total = cdf_total_s;
-            const double inc_c = cdf_incl[c], exc_c = c ? cdf_incl[c - 1] : 0.0;
-            const u64 e_c = ha ? my_w[0] : my_w[1];
-            const double f_c = (double)expf((mc_own - m) * ich);
+            const u64 total = cdf_total_s;
+            const u64 inc_c = cdf_incl[c], exc_c = c ? cdf_incl[c - 1] : 0ull;
             const uint4 p0 = philox(0u, 2u, 0u, 0u, k0, k1), p1 = philox(1u, 2u, 0u, 0u, k0, k1);
             const u32 wd[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
 #pragma unroll
             for (int k = 0; k < NC; ++k) {
-                const u64 r53 = ((u64)wd[2 * k] << 21) | (wd[2 * k + 1] >> 11);
-                const double uk = (double)r53 * 0x1p-53 * total;
-                const bool cl = e_c > 0ull && ((exc_c <= uk && uk < inc_c) ||
-                                               (uk >= total && c == cdf_last_s));
-                u64 v = 0ull;
-                if (cl) {
-                    const double vd = floor((uk - exc_c) / f_c);
-                    v = vd >= (double)(e_c - 1ull) ? e_c - 1ull : (u64)fmax(vd, 0.0);
-                }
+                const u64 uk = __umul64hi(((u64)wd[2 * k] << 32) | wd[2 * k + 1], total);
+                const bool cl = exc_c <= uk && uk < inc_c;
                 cdf_claim[k] = cl;
-                cdf_v[k] = v;
+                cdf_v[k] = cl ? uk - exc_c : 0ull;
             }
         }
         __syncthreads();
@@ -2677,7 +2674,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
 #if GRID_CDF
             if (first_round) {
                 grid_barrier(bar, ++round);
-                const bool any = cdf_total_s > 0.0;
+                const bool any = cdf_total_s > 0ull;
 #pragma unroll
                 for (int k = 0; k < NC; ++k)
                     xs[k] = any ? pack(0.0f, __ldcg(g_gcand + r * NC + k)) : 0ull;

@@ -866,17 +866,16 @@ def _reference_tempered(
 
 def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, impl="auto"):
     # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics;
-    # variant sampler_op.STATE_VARIANT: "grid", with ReSET's state update in the same op
+    # variants sampler_op.STATE_VARIANTS: "grid" / "cdf" with ReSET's state update in the op
     b = logits.shape[0]
     variant = variant or sampler_op.VARIANT
-    # "auto" runs ReSET's state update in the launch wherever it picks "grid" (the same tokens
-    # and state; see sampler_op.STATE_VARIANT)
+    # "auto" runs ReSET's state update in the launch wherever it picks "grid" or "cdf" (the
+    # same tokens and state; see sampler_op.STATE_VARIANT)
+    chosen = sampler_op.choose_variant(variant, b) if variant == "auto" else None
     state_in_op = variant in sampler_op.STATE_VARIANTS or (
-        variant == "auto"
-        and isinstance(sampler, ReSET)
-        and sampler_op.choose_variant(variant, b) == "grid"
+        isinstance(sampler, ReSET) and chosen in sampler_op.kernels.GRID_VARIANTS
     )
-    draw = sampler_op.STATE_VARIANTS.get(variant, "grid")
+    draw = sampler_op.STATE_VARIANTS.get(variant, chosen or "grid")
     if state_in_op:
         variant = draw
     opts = {"stats_method": stats_method, "variant": variant, "impl": impl}

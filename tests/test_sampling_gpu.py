@@ -128,7 +128,7 @@ def test_kernel_matches_emulation_and_nucleus(kind, t, top_p, top_k, variant):
     prune = "bound" if plan.variant in (*op.kernels.CLUSTER_VARIANTS, *GRID) else True
     for i in range(b):
         em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], top_k=top_k, chunks=chunks,
-                        prune=prune, variant=variant, chunk=plan.chunk)  # fmt: skip
+                        prune=prune, variant=variant)  # fmt: skip
         paths.add(em["path"])
         agree += int(em["tokens"][0] == tok[i])
         if t > 1e-6:  # smaller temperatures are greedy (Temperature's rule)
@@ -432,7 +432,7 @@ def test_grid_variant_small_and_odd_vocabularies_and_masked_rows(v, variant):
         tok, _, _ = _run(smp, z, keys, variant=variant)
         for i in range(b):
             em = op.emulate(z[i], -np.inf, np.inf, t, t, top_p, data[i], chunks=plan.chunks,
-                            prune="bound", variant=variant, chunk=plan.chunk)  # fmt: skip
+                            prune="bound", variant=variant)  # fmt: skip
             _, keep = _nucleus64(z[i], t, top_p)
             assert keep[tok[i]], (v, t, top_p, i)
             if em["tokens"][0] != tok[i]:  # float rounding may move a boundary, rarely

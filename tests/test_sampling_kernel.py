@@ -454,21 +454,25 @@ def test_cdf_emulation_draws_follow_the_truncated_softmax(name):
         np.testing.assert_array_equal(em["tokens"], draws[:, 0])
 
 
-def test_cdf_draws_find_the_token_of_each_prefix():
-    # the chunk / sub-block / token search: u just inside each token's interval of the
-    # integer CDF (weights of 1 unit at 2**-40 included) returns that token, across chunks of
-    # different maxima; masked chunks and tokens are never drawn
+def test_cdf_draws_follow_the_weights_and_skip_masked_tokens():
+    # the inverse-CDF search over integer weights: draws follow the softmax (a weight of a few
+    # 2**-40 units included), masked tokens are never drawn, and the draws do not depend on the
+    # launch plan (no chunk enters); an all-masked row has no draw
     rng = np.random.default_rng(5)
     z = rng.normal(size=50).astype(np.float32) * 3
-    z[10:20] = -np.inf  # a masked chunk (chunk 1 of 5 x 10)
+    z[10:20] = -np.inf
     z[23] = -np.inf
-    z[30] = z[31:40].max() - np.float32(27.0)  # weight about 2**-39: a few units
+    z[30] = z.max() - np.float32(27.0)  # weight about 2**-39: a few units
     keys = _keys(20000, seed=2)
-    d = op.cdf_draws(z, z.max(), np.float32(1.0), 10, keys)
+    d = op.cdf_draws(z, z.max(), np.float32(1.0), keys)
     assert not np.isin(d, np.r_[10:20, 23]).any()
     p = np.exp(z.astype(np.float64) - z.max())
     _assert_draws_match(d.ravel(), p / p.sum(), "cdf draws")
-    assert (op.cdf_draws(np.full(8, -np.inf, np.float32), -np.inf, 1.0, 4, keys[:3]) == -1).all()
+    assert (op.cdf_draws(np.full(8, -np.inf, np.float32), -np.inf, 1.0, keys[:3]) == -1).all()
+    for chunks in (1, 3, 7):
+        em = op.emulate(z, -np.inf, np.inf, 1.0, 1.0, 0.9, keys[:500], chunks=chunks,
+                        variant="cdf")  # fmt: skip
+        np.testing.assert_array_equal(em["draws"], d[:500])
 
 
 def test_pruning_never_changes_the_winner():
@@ -645,9 +649,9 @@ def _bound_variants(fn, *args) -> list:
     """The `variant` parameter of every sampler primitive in fn's jaxpr ("grid-state" for
     ReSET's draw-and-update primitive)."""
     jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-    names = {"rejax_sample_top_p": None, "rejax_sample_reset": op.STATE_VARIANT}
+    names = {"rejax_sample_top_p": "", "rejax_sample_reset": "-state"}
     return [
-        names[e.primitive.name] or e.params["variant"]
+        e.params["variant"] + names[e.primitive.name]
         for e in jaxpr.eqns
         if e.primitive.name in names
     ]
@@ -655,15 +659,15 @@ def _bound_variants(fn, *args) -> list:
 
 @pytest.mark.parametrize(
     "rows,top_k,want",
-    [(1, 0, "grid"), (7, 0, "grid"), (64, 0, "grid"), (1, 20, "grid"), (64, 20, "grid"),
+    [(1, 0, "grid"), (2, 0, "cdf"), (7, 0, "cdf"), (64, 0, "cdf"), (1, 20, "grid"), (64, 20, "grid"),
      (1, 21, "split"), (31, 21, "split"), (32, 21, "merge"), (64, 32, "merge"), (64, 33, "split"),
      (64, 64, "split")],
 )  # fmt: skip
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
-    """The default variant "auto" binds "grid" for top-p alone and top-k up to 20, and for a
-    larger k "merge" where the H200 measured it faster (k <= 32 from 32 rows) and "split"
-    elsewhere; `sample` binds the same pick, ReSET as top-p alone with its state update in the
-    launch ("grid-state"); a named variant is kept."""
+    """The default variant "auto" binds "cdf" for top-p alone from 2 rows, "grid" at one row and
+    for top-k up to 20, and for a larger k "merge" where the H200 measured it faster (k <= 32
+    from 32 rows) and "split" elsewhere; `sample` binds the same pick, ReSET as top-p alone with
+    its state update in the launch ("grid-state" / "cdf-state"); a named variant is kept."""
     assert op.VARIANT == "auto"
     assert op.choose_variant("auto", rows, top_k) == want
     assert op.choose_variant("cluster", rows, top_k) == "cluster"
@@ -678,7 +682,7 @@ def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
         reset = sampling.ReSET(t_high=1.0, t_low=0.1, top_p=0.95, nl_mask=jnp.zeros(vocab, bool),
                                dnl_mask=jnp.zeros(vocab, bool))  # fmt: skip
         got = _bound_variants(lambda k, x: sample(k, x, sampler_init(reset, rows), reset), key, z)
-        assert got == [op.STATE_VARIANT]
+        assert got == [f"{want}-state"]
         named = dataclasses.replace(reset, top_p_method="kernel-grid")
         got = _bound_variants(lambda k, x: sample(k, x, sampler_init(named, rows), named), key, z)
         assert got == ["grid"]

@@ -60,9 +60,10 @@ KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
 VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "grid" (one), "merge"
 # "auto" (the default) picks a variant per call by the batch rows and top-k (`choose_variant`):
-# "grid" for top-p alone (Temperature, ReSET) and top-k up to GRID_TOPK_MAX_K, "merge" or
-# "split" for a larger k. Every variant draws the same tokens up to the float rounding of the row
-# statistics. "cluster" and "reject" are opt-in.
+# "cdf" for top-p alone (Temperature, ReSET) from CDF_MIN_ROWS rows, "grid" below that and for
+# top-k up to GRID_TOPK_MAX_K, "merge" or "split" for a larger k. Every variant but "cdf" draws
+# the same tokens up to the float rounding of the row statistics ("cdf": the same distribution,
+# its own tokens). "cluster" and "reject" are opt-in.
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # "grid" with ReSET's state update in the same launch (`sample_reset_step`; Temperature runs
@@ -93,16 +94,29 @@ STATE_VARIANTS = {"grid-state": "grid", "cdf-state": "cdf"}
 # recommended 20) and the earlier choice above it.
 GRID_TOPK_MAX_K = 20
 MERGE_MIN_ROWS_TOPK = 32
+# "cdf" ("grid" drawing by the inverse CDF: no noise sweep) against "grid", same run, H200,
+# kernel alone, us over greedy, lm / flat logits (experiments/results/cdf_s47/): Temperature +
+# top-p 16.4 / 18.7 against 16.6 / 17.1 at 1 row, 24.3 / 25.5 against 28.4 / 31.7 at 8, 35.0 /
+# 34.1 against 48.6 / 54.8 at 32, 55.7 / 56.5 against 80.9 / 91.5 at 64; ReSET + top-p 25.5 /
+# 28.8 against 19.9 / 27.3 at 1 row, 28.7 / 27.9 against 29.6 / 32.5 at 8, 76.1 / 64.7 against
+# 101.0 / 96.7 at 64. In the 36-layer decode loop at 64 rows: Temperature +69 / +69 us over
+# greedy against +80 / +107, ReSET (state in the launch) +71 / +69 against +103 / +103; at 1
+# row a tie (+13 / +15 against +14 / +14). So "auto" takes "cdf" for top-p alone from
+# CDF_MIN_ROWS rows.
+CDF_MIN_ROWS = 2
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
-    """The kernel variant a call runs: `variant` itself, or for "auto" "grid" for top-p alone
-    and top-k up to `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster
-    (k <= `kernels.MERGE_MAX_K` from `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
+    """The kernel variant a call runs: `variant` itself, or for "auto" "cdf" for top-p alone
+    from `CDF_MIN_ROWS` rows, "grid" for top-p alone below that and for top-k up to
+    `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster (k <=
+    `kernels.MERGE_MAX_K` from `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
     if variant not in VARIANT_CHOICES:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
     if variant != "auto":
         return variant
+    if top_k == 0 and batch >= CDF_MIN_ROWS:
+        return "cdf"
     if top_k <= GRID_TOPK_MAX_K:
         return "grid"
     if top_k <= kernels.MERGE_MAX_K:
@@ -753,7 +767,6 @@ def emulate(
     nmax: int = kernels.NMAX,
     prune: bool | str = True,
     variant: str = "split",
-    chunk: int | None = None,
 ) -> dict:
     """The kernels' algorithm in NumPy for one row of logits and many keys.
 
@@ -772,9 +785,8 @@ def emulate(
         from "cluster"'s kept set (its kernel climbs the rank order from the first draw to the
         best kept score: the same token) and with top-k is "split" (a listed superset of the
         top-k set, cut at the k-th largest as "split"'s last block does). "cdf" keeps
-        "grid"'s kept set and draws as its kernel does: `cdf_draws`' NC inverse-CDF draws over
-        chunks of `chunk` tokens (None: the plan's length for `chunks` chunks), the first kept
-        one, else (all rejected) the Gumbel-max over the kept tokens (the climb's token).
+        "grid"'s kept set and draws as its kernel does: `cdf_draws`' inverse-CDF draws, the
+        first kept one, else (all rejected) the Gumbel-max over the kept tokens (the climb's).
 
     Returns:
       dict with "tokens" i32 [n], "entropy", "temperature", "probs" f32 [V] (the kernels'
@@ -820,11 +832,8 @@ def emulate(
         out.update(first=first, accepted=accepted)
         out["tokens"] = np.where(accepted, first, out["tokens"]).astype(np.int32)
     if cdf:
-        if chunk is None:
-            per = -(-z.shape[0] // chunks)  # the plans' chunk length: a multiple of 4
-            chunk = -(-per // 4) * 4
         it = np.float32(1) / (ta if high else tb)
-        draws = cdf_draws(z, m, it, chunk, key_data)  # [n, NC], -1: no weight at all
+        draws = cdf_draws(z, m, it, key_data)  # [n, NC], -1: no weight at all
         if tp >= 1:
             out["tokens"] = np.where(draws[:, 0] >= 0, draws[:, 0], out["tokens"]).astype(np.int32)
         else:
@@ -842,58 +851,35 @@ CDF_DRAWS = 4  # sampler.cu NC: the "cdf" variant's first draws, kept-tested in 
 CDF_UNITS = 2.0**40  # sampler.cu cdf_units: a weight in [0, 1] in fixed point (truncated)
 
 
-def cdf_draws(z, m, inv_t, chunk: int, key_data) -> np.ndarray:
+def cdf_draws(z, m, inv_t, key_data) -> np.ndarray:
     """The "cdf" kernel's CDF_DRAWS first draws per key: int32 [n, CDF_DRAWS] token ids (-1 if
     the row has no weight).
 
-    A token's weight is exp((z - mc) / t) in 2**-40 units (truncated), mc its chunk's max; a
-    chunk's total scaled by exp((mc - m) / t) to the row max (float64) picks the chunk of
-    u = r53 2**-53 x total (53 bits of Philox at counters (0, 2) and (1, 2) under the key; the
-    last chunk with weight takes a u rounded up to the total), then the integer prefix sums of
-    the chunk's weights in vocabulary order pick the token. numpy's float32 exp stands for CUDA's
-    expf (they may differ in the last bit, which moves a draw only at a boundary)."""
+    A token's weight is exp((z - m) / t) in 2**-40 units (truncated), m the row's max; draw k
+    is the token whose interval of the weights' integer prefix sums (vocabulary order) holds
+    u = floor(r total / 2**64), r the 64 bits of Philox words 2k, 2k + 1 at counters (0, 2) and
+    (1, 2) under the key. No launch plan enters: the token depends on the logits, the
+    temperature and the key alone. numpy's float32 exp stands for CUDA's expf (they may differ
+    in the last bit, which moves a draw only at a boundary)."""
     z = np.asarray(z, np.float32)
     key_data = np.asarray(key_data, np.uint32).reshape(-1, 2)
-    n, v = key_data.shape[0], z.shape[0]
-    inv_t = np.float32(inv_t)
-    ws, tot, scale = [], [], []
-    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
-        for lo in range(0, v, chunk):
-            zc = z[lo : lo + chunk]
-            mc = zc.max()
-            if not mc > -np.inf:
-                ws.append(np.zeros(zc.shape, np.uint64))
-                tot.append(0)
-                scale.append(0.0)
-                continue
-            e = np.exp((zc - mc).astype(np.float32) * inv_t).astype(np.float32)
-            w = np.nan_to_num(np.floor(e.astype(np.float64) * CDF_UNITS)).astype(np.uint64)
-            ws.append(w)
-            tot.append(int(w.sum(dtype=np.uint64)))
-            scale.append(float(np.exp(np.float32((mc - np.float32(m)) * inv_t), dtype=np.float32)))
-    mass = np.array([float(t) * f for t, f in zip(tot, scale)], np.float64)
-    incl = np.cumsum(mass)
-    total = incl[-1] if len(incl) else 0.0
+    n = key_data.shape[0]
     out = np.full((n, CDF_DRAWS), -1, np.int32)
-    if not total > 0:
+    if not np.float32(m) > -np.inf:
         return out
-    last = int(np.flatnonzero(mass > 0)[-1])
+    with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+        e = np.exp((z - np.float32(m)).astype(np.float32) * np.float32(inv_t)).astype(np.float32)
+    w = np.nan_to_num(np.floor(e.astype(np.float64) * CDF_UNITS)).astype(np.uint64)
+    cum = np.cumsum(w, dtype=np.uint64)
+    total = int(cum[-1]) if len(cum) else 0
+    if total == 0:
+        return out
     k0, k1 = key_data[:, 0], key_data[:, 1]
     words = [*philox(0, k0, k1, 2), *philox(1, k0, k1, 2)]
-    cums = [np.cumsum(w, dtype=np.uint64) for w in ws]
     for k in range(CDF_DRAWS):
-        hi, lo = words[2 * k].astype(np.uint64), words[2 * k + 1].astype(np.uint64)
-        r53 = (hi << np.uint64(21)) | (lo >> np.uint64(11))
-        u = r53.astype(np.float64) * 2.0**-53 * total
-        cs = np.searchsorted(incl, u, side="right")
-        cs = np.where(cs >= len(incl), last, cs)
-        for c in np.unique(cs):
-            sel = np.flatnonzero(cs == c)
-            exc = incl[c - 1] if c else 0.0
-            vd = np.floor((u[sel] - exc) / scale[c])
-            vi = np.clip(vd, 0.0, None)
-            vi = np.where(vd >= tot[c] - 1, tot[c] - 1, vi.astype(np.uint64)).astype(np.uint64)
-            out[sel, k] = c * chunk + np.searchsorted(cums[c], vi, side="right")
+        r = [(int(a) << 32) | int(b) for a, b in zip(words[2 * k], words[2 * k + 1])]
+        u = np.array([(x * total) >> 64 for x in r], np.uint64)
+        out[:, k] = np.searchsorted(cum, u, side="right")
     return out
 
 
