@@ -659,13 +659,12 @@ def _bound_variants(fn, *args) -> list:
 
 @pytest.mark.parametrize(
     "rows,top_k,want",
-    [(1, 0, "grid"), (2, 0, "cdf"), (7, 0, "cdf"), (64, 0, "cdf"), (1, 20, "grid"), (64, 20, "grid"),
+    [(1, 0, "cdf"), (2, 0, "cdf"), (7, 0, "cdf"), (64, 0, "cdf"), (1, 20, "grid"), (64, 20, "grid"),
      (1, 21, "split"), (31, 21, "split"), (32, 21, "merge"), (64, 32, "merge"), (64, 33, "split"),
      (64, 64, "split")],
 )  # fmt: skip
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
-    """The default variant "auto" binds "cdf" for top-p alone from 2 rows, "grid" at one row and
-    for top-k up to 20, and for a larger k "merge" where the H200 measured it faster (k <= 32
+    """The default variant "auto" binds "cdf" for top-p alone, "grid" for top-k up to 20, and for a larger k "merge" where the H200 measured it faster (k <= 32
     from 32 rows) and "split" elsewhere; `sample` binds the same pick, ReSET as top-p alone with
     its state update in the launch ("grid-state" / "cdf-state"); a named variant is kept."""
     assert op.VARIANT == "auto"

@@ -102,8 +102,9 @@ MERGE_MIN_ROWS_TOPK = 32
 # 101.0 / 96.7 at 64. In the 36-layer decode loop at 64 rows: Temperature +69 / +69 us over
 # greedy against +80 / +107, ReSET (state in the launch) +71 / +69 against +103 / +103; at 1
 # row a tie (+13 / +15 against +14 / +14). So "auto" takes "cdf" for top-p alone from
-# CDF_MIN_ROWS rows.
-CDF_MIN_ROWS = 2
+# CDF_MIN_ROWS rows: from one, so that a row draws the same token in any batch (its draws do not
+# depend on the launch plan; "grid"'s differ from them).
+CDF_MIN_ROWS = 1
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
