@@ -664,9 +664,10 @@ def _bound_variants(fn, *args) -> list:
      (64, 64, "split")],
 )  # fmt: skip
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
-    """The default variant "auto" binds "cdf" for top-p alone, "grid" for top-k up to 20, and for a larger k "merge" where the H200 measured it faster (k <= 32
-    from 32 rows) and "split" elsewhere; `sample` binds the same pick, ReSET as top-p alone with
-    its state update in the launch ("grid-state" / "cdf-state"); a named variant is kept."""
+    """The default variant "auto" binds "cdf" for top-p alone, "grid" for top-k up to 20, and
+    for a larger k "merge" where the H200 measured it faster (k <= 32 from 32 rows) and "split"
+    elsewhere; `sample` binds the same pick, ReSET as top-p alone with its state update in the
+    launch ("cdf-state"); a named variant is kept."""
     assert op.VARIANT == "auto"
     assert op.choose_variant("auto", rows, top_k) == want
     assert op.choose_variant("cluster", rows, top_k) == "cluster"

@@ -10,27 +10,20 @@ log=$out/call3.log
 mkdir -p $out/x
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $log
 t0=$(date +%s)
-timeout 150 python3 -m pytest -q tests/test_sampling_gpu.py \
-  -k "cdf or default_auto or rows_independent" -p no:cacheprovider > $out/x/gpu_tests.log 2>&1
+timeout 110 python3 -m pytest -q tests/test_sampling_gpu.py \
+  -k "(cdf and not chi_square) or default_auto" -p no:cacheprovider > $out/x/gpu_tests.log 2>&1
 echo "gpu tests rc=$? $(( $(date +%s)-t0 ))s" | tee -a $log
 tail -4 $out/x/gpu_tests.log | tee -a $log
 t0=$(date +%s)
-timeout 80 python3 experiments/bench_sampler.py --batch 1 8 64 --logits lm flat --methods kernel \
+timeout 45 python3 experiments/bench_sampler.py --batch 1 64 --logits lm flat --methods kernel \
   --variants grid cdf --samplers temperature_top_p reset_top_p --stats two_pass \
   --out $out/x/kernel_alone.json > $out/x/kernel_alone.log 2>&1
 echo "kernel alone rc=$? $(( $(date +%s)-t0 ))s" | tee -a $log
 grep -o '"logits": "[a-z]*", "batch": [0-9]*\|[a-z_]*/kernel:[a-z]*_over_greedy_us": [0-9.]*' $out/x/kernel_alone.log | tee -a $log
 t0=$(date +%s)
-timeout 170 python3 experiments/bench_decode.py --modes nvfp4 --batch 64 --gen-len 128 --repeats 3 \
+timeout 120 python3 experiments/bench_decode.py --modes nvfp4 --batch 64 --gen-len 128 --repeats 3 \
   --no-breakdown --samplers greedy temp-grid temp-cdf reset-grid-state reset-cdf-state \
-  greedy temp-grid temp-cdf reset-grid-state reset-cdf-state \
   --out $out/x/decode_b64.json > $out/x/decode_b64.log 2>&1
 echo "decode b64 rc=$? $(( $(date +%s)-t0 ))s" | tee -a $log
 grep -E "ms/token|rror" $out/x/decode_b64.log | tee -a $log
-t0=$(date +%s)
-timeout 70 python3 experiments/bench_decode.py --modes nvfp4 --batch 1 --gen-len 256 --repeats 3 \
-  --no-breakdown --samplers greedy temp-grid temp-cdf reset-grid-state reset-cdf-state \
-  --out $out/x/decode_b1.json > $out/x/decode_b1.log 2>&1
-echo "decode b1 rc=$? $(( $(date +%s)-t0 ))s" | tee -a $log
-grep -E "ms/token|rror" $out/x/decode_b1.log | tee -a $log
 tar czf $out/x.tgz -C $out x && rm -rf $out/x
