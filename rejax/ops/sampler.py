@@ -60,10 +60,10 @@ KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
 VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "grid" (one), "merge"
 # "auto" (the default) picks a variant per call by the batch rows and top-k (`choose_variant`):
-# "cdf" for top-p alone (Temperature, ReSET) from CDF_MIN_ROWS rows, "grid" below that and for
-# top-k up to GRID_TOPK_MAX_K, "merge" or "split" for a larger k. Every variant but "cdf" draws
-# the same tokens up to the float rounding of the row statistics ("cdf": the same distribution,
-# its own tokens). "cluster" and "reject" are opt-in.
+# "grid" for top-p alone (Temperature, ReSET) and top-k up to GRID_TOPK_MAX_K, "merge" or
+# "split" for a larger k. Every variant but "cdf" draws the same tokens up to the float rounding
+# of the row statistics ("cdf": the same distribution, its own tokens). "cluster", "reject" and
+# "cdf" are opt-in.
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # "grid" with ReSET's state update in the same launch (`sample_reset_step`; Temperature runs
@@ -95,29 +95,26 @@ STATE_VARIANTS = {"grid-state": "grid", "cdf-state": "cdf"}
 GRID_TOPK_MAX_K = 20
 MERGE_MIN_ROWS_TOPK = 32
 # "cdf" ("grid" drawing by the inverse CDF: no noise sweep) against "grid", same run, H200,
-# kernel alone, us over greedy, lm / flat logits (experiments/results/cdf_s47/): Temperature +
-# top-p 16.4 / 18.7 against 16.6 / 17.1 at 1 row, 24.3 / 25.5 against 28.4 / 31.7 at 8, 35.0 /
-# 34.1 against 48.6 / 54.8 at 32, 55.7 / 56.5 against 80.9 / 91.5 at 64; ReSET + top-p 25.5 /
-# 28.8 against 19.9 / 27.3 at 1 row, 28.7 / 27.9 against 29.6 / 32.5 at 8, 76.1 / 64.7 against
-# 101.0 / 96.7 at 64. In the 36-layer decode loop at 64 rows: Temperature +69 / +69 us over
-# greedy against +80 / +107, ReSET (state in the launch) +71 / +69 against +103 / +103; at 1
-# row a tie (+13 / +15 against +14 / +14). So "auto" takes "cdf" for top-p alone from
-# CDF_MIN_ROWS rows: from one, so that a row draws the same token in any batch (its draws do not
-# depend on the launch plan; "grid"'s differ from them).
-CDF_MIN_ROWS = 1
+# kernel alone, us over greedy, lm / flat logits (experiments/results/cdf_s47/; its first build,
+# with weights relative to each chunk's max, at 3eb414b): Temperature + top-p 16.4 / 18.7
+# against 16.6 / 17.1 at 1 row, 24.3 / 25.5 against 28.4 / 31.7 at 8, 35.0 / 34.1 against 48.6 /
+# 54.8 at 32, 55.7 / 56.5 against 80.9 / 91.5 at 64; ReSET + top-p 25.5 / 28.8 against 19.9 /
+# 27.3 at 1 row, 28.7 / 27.9 against 29.6 / 32.5 at 8, 76.1 / 64.7 against 101.0 / 96.7 at 64.
+# In the 36-layer decode loop at 64 rows: Temperature +69 / +69 us over greedy against +80 /
+# +107, ReSET (state in the launch) +71 / +69 against +103 / +103; at 1 row a tie (+13 / +15
+# against +14 / +14). The build in the tree (weights relative to the row max, one barrier more,
+# the same draws for every plan) has not run on a GPU yet, so "auto" keeps "grid"; it takes
+# "cdf" for top-p alone once that build passes its GPU tests and measures as the first did.
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
-    """The kernel variant a call runs: `variant` itself, or for "auto" "cdf" for top-p alone
-    from `CDF_MIN_ROWS` rows, "grid" for top-p alone below that and for top-k up to
-    `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster (k <=
-    `kernels.MERGE_MAX_K` from `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
+    """The kernel variant a call runs: `variant` itself, or for "auto" "grid" for top-p alone
+    and top-k up to `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster
+    (k <= `kernels.MERGE_MAX_K` from `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
     if variant not in VARIANT_CHOICES:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
     if variant != "auto":
         return variant
-    if top_k == 0 and batch >= CDF_MIN_ROWS:
-        return "cdf"
     if top_k <= GRID_TOPK_MAX_K:
         return "grid"
     if top_k <= kernels.MERGE_MAX_K:
