@@ -194,26 +194,28 @@ __device__ T block_reduce(T x, T* red) {
     __syncthreads();
     return red[0];
 }
-// Inclusive prefix sum over threads in thread order; *total gets the block's sum.
-__device__ u32 block_scan(u32 x, u32* red, u32* total) {
+// Inclusive prefix sum over threads in thread order (u32, or u64 for the "cdf" weights);
+// *total gets the block's sum. `red` holds NWARPS values.
+template <typename T>
+__device__ T block_scan(T x, T* red, T* total) {
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(0xffffffffu, x, o);
+        const T y = __shfl_up_sync(0xffffffffu, x, o);
         if (lane >= o) x += y;
     }
     __syncthreads();
     if (lane == 31) red[w] = x;
     __syncthreads();
     if (w == 0) {
-        u32 s = lane < NWARPS ? red[lane] : 0u;
+        T s = lane < NWARPS ? red[lane] : (T)0;
         for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(0xffffffffu, s, o);
+            const T y = __shfl_up_sync(0xffffffffu, s, o);
             if (lane >= o) s += y;
         }
         if (lane < NWARPS) red[lane] = s;
     }
     __syncthreads();
-    const u32 out = x + (w > 0 ? red[w - 1] : 0u);
+    const T out = x + (w > 0 ? red[w - 1] : (T)0);
     *total = red[NWARPS - 1];
     __syncthreads();
     return out;
@@ -1924,32 +1926,6 @@ struct SumU64 {
     __device__ static u64 identity() { return 0ull; }
     __device__ static u64 apply(u64 a, u64 b) { return a + b; }
 };
-// Inclusive prefix sum over the block's threads in thread order (any T: u64, double); every
-// thread gets its own and *total the block's. `red` holds NWARPS values.
-template <typename T>
-__device__ T block_scan_t(T x, T* red, T* total) {
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-    for (int o = 1; o < 32; o <<= 1) {
-        const T y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-    }
-    __syncthreads();
-    if (lane == 31) red[w] = x;
-    __syncthreads();
-    if (w == 0) {
-        T s = lane < NWARPS ? red[lane] : (T)0;
-        for (int o = 1; o < 32; o <<= 1) {
-            const T y = __shfl_up_sync(0xffffffffu, s, o);
-            if (lane >= o) s += y;
-        }
-        if (lane < NWARPS) red[lane] = s;
-    }
-    __syncthreads();
-    const T out = x + (w > 0 ? red[w - 1] : (T)0);
-    *total = red[NWARPS - 1];
-    __syncthreads();
-    return out;
-}
 #endif
 __device__ u32 g_gexit[B_ROWS];             // CTAs of the row that have left
 #if TOP_K > 0
@@ -2508,7 +2484,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
             const u64 eq =
                 tid < GRID ? __ldcg(g_gcdf + ((size_t)r * GRID + tid) * 2 + (ha ? 0 : 1)) : 0ull;
             u64 total;
-            cdf_incl[tid] = block_scan_t<u64>(eq, red64, &total);
+            cdf_incl[tid] = block_scan<u64>(eq, red64, &total);
             if (tid == 0) cdf_total_s = total;
             __syncthreads();
         }
@@ -2617,7 +2593,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 const int sb = s0 + tid;
                 const u64 x = sb < nsub ? subs[sb] : 0ull;
                 u64 tot;
-                const u64 incl = block_scan_t<u64>(x, red64, &tot) + carry;
+                const u64 incl = block_scan<u64>(x, red64, &tot) + carry;
 #pragma unroll
                 for (int k = 0; k < NC; ++k)
                     if (cdf_claim[k] && sb < nsub && incl - x <= cdf_v[k] && cdf_v[k] < incl) {
