@@ -26,11 +26,15 @@ h and the temperature used.
   together and takes the best kept one, and if all are rejected climbs the rank order (the best
   score among the tokens ranked above them, tested again) until one is kept; with top-k it lists
   the tokens at or above the k-th largest of the CTAs' published thread maxima (a superset of
-  the top-k set) and draws from that list in one CTA.
-  All draw with their own random numbers (a
+  the top-k set) and draws from that list in one CTA;
+  "cdf" (opt-in), "grid" whose first 4 draws come from the inverse CDF of the tokens' weights
+  (integer prefix sums in vocabulary order, no noise sweep; `cdf_draws`), the first kept one
+  the token, all rejected "grid"'s climb; with top-k it is "grid".
+  All but "cdf" draw with the same random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
-  id, 55 bits a token as `gumbel_of_bits` maps them), the same for both variants, so tokens
-  differ from the reference's for the same key while the distribution is the same.
+  id, 55 bits a token as `gumbel_of_bits` maps them), so tokens differ from the reference's for
+  the same key while the distribution is the same; "cdf" draws its own tokens from the same
+  distribution.
 
 `sample_kernel` is `rejax.sampling.sample`'s kernel path with the variant as an argument (the
 GPU tests and experiments/bench_sampler.py reach every variant through it).
