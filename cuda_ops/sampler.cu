@@ -1269,6 +1269,16 @@ __device__ __forceinline__ void load4(const float* z, int j0, int hi, float (&x)
 #endif
 }
 
+// load4 for a lane of a warp-uniform loop: a group at or past hi reads nothing (-inf logits).
+__device__ __forceinline__ void load4_or_inf(const float* z, int j0, int hi, float (&x)[4]) {
+    if (j0 < hi) {
+        load4(z, j0, hi, x);
+    } else {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
+    }
+}
+
 struct SumU {
     __device__ static u32 identity() { return 0u; }
     __device__ static u32 apply(u32 a, u32 b) { return a + b; }
@@ -2340,12 +2350,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
             for (int w0 = lo + 4 * (tid & ~31); w0 < hi; w0 += 4 * NTHREADS, ++i) {
                 const int j0 = w0 + 4 * lane;
                 float x[4];
-                if (j0 < hi) {
-                    load4(z, j0, hi, x);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
-                }
+                load4_or_inf(z, j0, hi, x);
                 u64 la = 0ull, lb = 0ull;
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
@@ -2513,12 +2518,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
         for (int w0 = lo + 4 * (tid & ~31); w0 < hi; w0 += 4 * NTHREADS) {
             const int j0 = w0 + 4 * lane;
             float x[4];
-            if (j0 < hi) {
-                load4(z, j0, hi, x);
-            } else {
-#pragma unroll
-                for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
-            }
+            load4_or_inf(z, j0, hi, x);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const float zt = tempered(x[q], m, it);
@@ -2608,12 +2608,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
                 const u64 rem = cdf_rem[w];
                 const int j0 = lo + CDF_SUB * cdf_sub[w] + 4 * lane;
                 float x[4];
-                if (j0 < hi) {
-                    load4(z, j0, hi, x);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) x[q] = -INFINITY;
-                }
+                load4_or_inf(z, j0, hi, x);
                 u64 wq[4], l4 = 0ull;
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {  // the sweep's weights, bit for bit
