@@ -49,6 +49,9 @@ typedef unsigned long long u64;
 #ifndef REJECT  // the "reject" variant: the cluster kernel with a first draw over every token
 #define REJECT 0
 #endif
+#ifndef LOGITS_BF16  // bfloat16 logits (each read as its exact float32)
+#define LOGITS_BF16 0
+#endif
 
 #define NB 2048                      // bins of the top-p histogram (and of the finer levels)
 #define BPT (NB / NTHREADS)          // bins per thread in the last block
@@ -66,6 +69,46 @@ typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 
 // ----------------------------------------------------------------------------- helpers
+
+// The logits of a row, float32 or (LOGITS_BF16) bfloat16 read as the float32 of the same value
+// (exact), so every variant computes the same from either.
+#if LOGITS_BF16
+typedef unsigned short logit_t;
+__device__ __forceinline__ float logit_f(u32 h) { return __uint_as_float(h << 16); }
+#else
+typedef float logit_t;
+#endif
+struct Logits {
+    const logit_t* p;
+#if LOGITS_BF16
+    __device__ __forceinline__ float operator[](int i) const { return logit_f(__ldg(p + i)); }
+#else
+    __device__ __forceinline__ float operator[](int i) const { return p[i]; }
+#endif
+};
+
+// The four logits z[j0, j0 + 4) of a chunk that ends at hi (-inf past it).
+__device__ __forceinline__ void load4(Logits z, int j0, int hi, float (&x)[4]) {
+#if V_SIZE % 4 == 0  // CH % 4 == 0 and rows of V % 4 == 0 logits: aligned vector loads
+#if LOGITS_BF16
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(z.p + j0));
+    x[0] = __uint_as_float(v.x << 16);
+    x[1] = __uint_as_float(v.x & 0xFFFF0000u);
+    x[2] = __uint_as_float(v.y << 16);
+    x[3] = __uint_as_float(v.y & 0xFFFF0000u);
+#else
+    const float4 v = __ldg(reinterpret_cast<const float4*>(z.p + j0));
+    x[0] = v.x;
+    x[1] = v.y;
+    x[2] = v.z;
+    x[3] = v.w;
+#endif
+#else
+#pragma unroll
+    for (int q = 0; q < 4; ++q) x[q] = j0 + q < hi ? z[j0 + q] : -INFINITY;
+#endif
+}
+
 
 __device__ __forceinline__ u32 rotl(u32 x, int r) { return (x << r) | (x >> (32 - r)); }
 
@@ -270,7 +313,7 @@ __device__ float g_stats_part[B_ROWS * CHUNKS * 5];
 __device__ int g_stats_arg[B_ROWS * CHUNKS * 2];
 
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ thr,
+rejax_sample_stats(const logit_t* __restrict__ logits, const float* __restrict__ thr,
                    const float* __restrict__ alt, const float* __restrict__ t_a,
                    const float* __restrict__ t_b, float* __restrict__ stats,
                    int* __restrict__ arg) {
@@ -278,7 +321,7 @@ rejax_sample_stats(const float* __restrict__ logits, const float* __restrict__ t
     __shared__ int ired[NWARPS];
     __shared__ int is_last;
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
-    const float* z = logits + (size_t)r * V_SIZE;
+    const Logits z{logits + (size_t)r * V_SIZE};
     const int lo = c * CH, hi = min(lo + CH, V_SIZE);
     const float ta_raw = t_a[r], tb_raw = t_b[r];
     const float ia = 1.0f / (ta_raw <= GREEDY_EPS ? 1.0f : ta_raw);
@@ -412,7 +455,7 @@ __device__ u32 g_cand_n[B_ROWS * CHUNKS];
 __device__ u64 g_cand[B_ROWS * CHUNKS * CAND];
 __device__ __forceinline__ u32 ord_of(float f);
 __device__ __forceinline__ float float_of_ord(u32 o);
-__device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, float it, u32 k0,
+__device__ int topk_draw(u64* list, int n, float tp, Logits z, float m, float it, u32 k0,
                          u32 k1, float floor_score, u32* hm, u32* hc, u32* red, int* ired,
                          u64* ured, float* fred);
 
@@ -448,7 +491,7 @@ __device__ void topk_boundary(const u32* hc, u32* red, int* ired, int* b_out, u3
 
 #if !CLUSTER && !GRIDSYNC
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ stats,
+rejax_sample_hist(const logit_t* __restrict__ logits, const float* __restrict__ stats,
                   const int* __restrict__ arg, const float* __restrict__ top_p,
                   const u32* __restrict__ keys, int* __restrict__ plan) {
     __shared__ u32 hm[NB], hc[NB];
@@ -480,13 +523,15 @@ rejax_sample_hist(const float* __restrict__ logits, const float* __restrict__ st
         hb[i] = 0ull;
     }
     __syncthreads();
-    const float* z = logits + (size_t)r * V_SIZE;
+    const Logits z{logits + (size_t)r * V_SIZE};
     const int lo = c * CH, hi = min(lo + CH, V_SIZE);
     // four consecutive tokens per thread: one Philox call gives the noise of all four
     for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
         float x[4];
-#if V_SIZE % 4 == 0
-        const float4 v4 = *reinterpret_cast<const float4*>(z + j0);  // CH % 4 == 0: aligned
+#if LOGITS_BF16
+        load4(z, j0, hi, x);
+#elif V_SIZE % 4 == 0
+        const float4 v4 = *reinterpret_cast<const float4*>(z.p + j0);  // CH % 4 == 0: aligned
         x[0] = v4.x;
         x[1] = v4.y;
         x[2] = v4.z;
@@ -732,7 +777,7 @@ __device__ __forceinline__ int pow2_at_least(int n) {
 // list[0, n) holds (probability bits << 32 | id) in rank order below `base` mass: the best packed
 // score among the kept ones (all of them if `full`).
 __device__ u64 draw_sorted(const u64* list, int n, u32 base, float limit, bool full,
-                           const float* z, float m, float it, u32 k0, u32 k1, float floor_score,
+                           Logits z, float m, float it, u32 k0, u32 k1, float floor_score,
                            u32* red, u64* ured) {
     const int per = NMAX / NTHREADS, i0 = threadIdx.x * per;
     u32 mine = 0;
@@ -785,7 +830,7 @@ __device__ __forceinline__ u32 warp_excl_scan(u32 x) {
 }
 // draw_sorted over list[0, n), n <= 32, in one warp: sorted in-warp, the same keep rule, the same
 // scores. Returns the best packed score (every lane).
-__device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool full, const float* z,
+__device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool full, Logits z,
                          float m, float it, u32 k0, u32 k1) {
     const int lane = threadIdx.x & 31;
     const u64 v = warp_sort_desc(lane < n ? list[lane] : 0ull);
@@ -809,7 +854,7 @@ __device__ u64 warp_draw(const u64* list, int n, u32 base, float limit, bool ful
 // at most 32. Returns the best packed score among the kept tokens, the one draw_sorted finds
 // over the sorted list; *ok = false (every thread) when s holds more than 32 tokens.
 __device__ u64 draw_subhist(const u64* list, int n, u32 klo, u32 above, float limit,
-                            const float* z, float m, float it, u32 k0, u32 k1, float floor_score,
+                            Logits z, float m, float it, u32 k0, u32 k1, float floor_score,
                             u32* hm, u32* hc, u32* red, int* ired, u64* ured, bool* ok) {
     __shared__ u64 s_tie[32];
     __shared__ u32 s_cnt;
@@ -860,7 +905,7 @@ __device__ u64 draw_subhist(const u64* list, int n, u32 klo, u32 above, float li
 // [lo, lo + 2**bits), ranked below `above` mass, by the last block alone: histograms of up to 11
 // bits a level over V until one bit pattern remains, then that tie group cut by id (contiguous
 // id ranges per thread, the higher ids ranking above). Returns the best packed score among them.
-__device__ u64 resolve_range(const float* z, float m, float it, float iden, float zmin, u32 k0,
+__device__ u64 resolve_range(Logits z, float m, float it, float iden, float zmin, u32 k0,
                              u32 k1, float floor_score, u32 lo, int bits, u32 above, float limit,
                              u32* hm, u32* hc, u32* red, int* ired, u64* ured) {
     const int tid = threadIdx.x;
@@ -928,7 +973,7 @@ __device__ u64 resolve_range(const float* z, float m, float it, float iden, floa
 // Top-k then top-p by the last block. list[0, n) holds (order bits of zt << 32 | id) of a superset
 // of the top-k tokens (every token >= the k-th largest); or, with n > NMAX, nothing yet: the k-th
 // largest is then found by histograms over V first.
-__device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, float it, u32 k0,
+__device__ int topk_draw(u64* list, int n, float tp, Logits z, float m, float it, u32 k0,
                          u32 k1, float floor_score, u32* hm, u32* hc, u32* red, int* ired,
                          u64* ured, float* fred) {
     __shared__ u32 s_n;
@@ -1089,7 +1134,7 @@ __device__ int topk_draw(u64* list, int n, float tp, const float* z, float m, fl
 
 #if !CLUSTER && !GRIDSYNC
 extern "C" __global__ void __launch_bounds__(NTHREADS)
-rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__ stats,
+rejax_sample_resolve(const logit_t* __restrict__ logits, const float* __restrict__ stats,
                      const int* __restrict__ arg, const float* __restrict__ top_p,
                      const u32* __restrict__ keys, const int* __restrict__ plan,
                      int* __restrict__ tokens) {
@@ -1110,7 +1155,7 @@ rejax_sample_resolve(const float* __restrict__ logits, const float* __restrict__
     const float it = 1.0f / t, iden = 1.0f / den;
     const int b = pl[2];
     const u32 nb = (u32)pl[4];
-    const float* z = logits + (size_t)r * V_SIZE;
+    const Logits z{logits + (size_t)r * V_SIZE};
     const u32 klo = bin_lo(b);
     if (nb <= (u32)NMAX) {  // collect: top-p, the tokens of bin b; top-k, of bins >= b
         const int lo = c * CH, hi = min(lo + CH, V_SIZE);
@@ -1255,22 +1300,9 @@ __device__ __forceinline__ void scores4(const float (&zt)[4], const bool (&cand)
         out[q] = go[q] ? pack(zt[q] + gumbel_of(word(w, q), word(wl, q)), j0 + q) : 0ull;
 }
 
-// The four logits z[j0, j0 + 4) of a chunk that ends at hi (-inf past it).
-__device__ __forceinline__ void load4(const float* z, int j0, int hi, float (&x)[4]) {
-#if V_SIZE % 4 == 0
-    const float4 v = __ldg(reinterpret_cast<const float4*>(z + j0));  // CH % 4 == 0: aligned
-    x[0] = v.x;
-    x[1] = v.y;
-    x[2] = v.z;
-    x[3] = v.w;
-#else
-#pragma unroll
-    for (int q = 0; q < 4; ++q) x[q] = j0 + q < hi ? z[j0 + q] : -INFINITY;
-#endif
-}
 
 // load4 for a lane of a warp-uniform loop: a group at or past hi reads nothing (-inf logits).
-__device__ __forceinline__ void load4_or_inf(const float* z, int j0, int hi, float (&x)[4]) {
+__device__ __forceinline__ void load4_or_inf(Logits z, int j0, int hi, float (&x)[4]) {
     if (j0 < hi) {
         load4(z, j0, hi, x);
     } else {
@@ -1287,7 +1319,7 @@ struct SumU {
 #if TOP_K > 0
 // topk_draw's list path for n <= 32 in one warp (the same sums in the same order, so the same
 // denominator, kept set and token).
-__device__ int warp_topk_draw(const u64* list, int n, float tp, const float* z, float m, float it,
+__device__ int warp_topk_draw(const u64* list, int n, float tp, Logits z, float m, float it,
                               u32 k0, u32 k1) {
     const int lane = threadIdx.x & 31;
     u64 v = warp_sort_desc(lane < n ? list[lane] : 0ull);  // tempered logit, then id
@@ -1348,7 +1380,7 @@ __device__ int gather_lists(u64* list, u32 n0, const Pub* pub) {
 
 // The best packed score (Gumbel-max) over the live tokens of chunk [lo, hi) whose tempered
 // logit is >= FLOOR, reduced over the block (every thread gets it; `ured`: NWARPS words).
-__device__ u64 chunk_best(const float* z, int lo, int hi, float m, float it, u32 k0, u32 k1,
+__device__ u64 chunk_best(Logits z, int lo, int hi, float m, float it, u32 k0, u32 k1,
                           u64* ured) {
     const int tid = threadIdx.x;
     u64 best = 0ull;
@@ -1374,7 +1406,7 @@ __device__ u64 chunk_best(const float* z, int lo, int hi, float m, float it, u32
 
 #if CLUSTER > 0
 extern "C" __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(NTHREADS, MIN_CTAS)
-rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__ thr,
+rejax_sample_cluster(const logit_t* __restrict__ logits, const float* __restrict__ thr,
                      const float* __restrict__ alt, const float* __restrict__ t_a,
                      const float* __restrict__ t_b, const float* __restrict__ top_p,
                      const u32* __restrict__ keys, int* __restrict__ tokens,
@@ -1397,7 +1429,7 @@ rejax_sample_cluster(const float* __restrict__ logits, const float* __restrict__
     u32* const hm = hist.w;
     u32* const hc = hist.w + NB;
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
-    const float* z = logits + (size_t)r * V_SIZE;
+    const Logits z{logits + (size_t)r * V_SIZE};
     const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
 
     // ---- 1. the chunk's statistics (rejax_sample_stats), combined in every CTA
@@ -2066,7 +2098,7 @@ __device__ void block_top(u64 (&mine)[NC], u64* wl, u64 (&out)[NC]) {
 // list may then miss tokens of its own, but never one of those. Warps skip the noise's
 // logarithms far more often than with the thread's own floor (flat logits: a warp computes
 // them when any lane needs them).
-__device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32 k0, u32 k1,
+__device__ void chunk_top(Logits z, int lo, int hi, float m, float it, u32 k0, u32 k1,
                           u64* wl, u32 (&slot)[NC], u64 (&out)[NC]) {
     const int tid = threadIdx.x;
     u64 l[NC];
@@ -2108,7 +2140,7 @@ __device__ void chunk_top(const float* z, int lo, int hi, float m, float it, u32
 // The best packed score over the tokens of chunk [lo, hi) ranked above (kx, xid) (a larger
 // probability key, or the same key and a higher id) whose tempered logit is >= FLOOR, with
 // chunk_best's noise and pruning; reduced over the block.
-__device__ u64 chunk_best_above(const float* z, int lo, int hi, float m, float it, float iden,
+__device__ u64 chunk_best_above(Logits z, int lo, int hi, float m, float it, float iden,
                                 u32 kx, int xid, u32 k0, u32 k1, u64* ured) {
     const int tid = threadIdx.x;
     u64 best = 0ull;
@@ -2249,7 +2281,7 @@ __device__ void reset_record(int r, int token, float h, const float* ring, const
 #endif
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
-rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ thr,
+rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ thr,
                   const float* __restrict__ alt, const float* __restrict__ t_a,
                   const float* __restrict__ t_b, const float* __restrict__ top_p,
                   const u32* __restrict__ keys, RESET_STATE_IN int* __restrict__ tokens,
@@ -2282,7 +2314,7 @@ rejax_sample_grid(const float* __restrict__ logits, const float* __restrict__ th
     static_assert(NWARPS * TAU_K_MAX <= NMAX && NWARPS * TK_PUB <= NMAX, "hb as scratch");
 #endif
     const int r = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
-    const float* z = logits + (size_t)r * V_SIZE;
+    const Logits z{logits + (size_t)r * V_SIZE};
     const int lo = min(c * CH, V_SIZE), hi = min(lo + CH, V_SIZE);
     float* const gst = g_gst + (size_t)r * GRID * 5;
     int* const garg = g_garg + (size_t)r * GRID * 2;

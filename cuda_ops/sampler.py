@@ -89,6 +89,7 @@ GRID_ENTRIES = {"rejax_sample_grid": (7, 3)}
 GRID_STATE_ENTRIES = {"rejax_sample_grid": (18, 12)}
 VARIANTS = ("split", "cluster", "merge", "reject", "grid", "cdf")
 GRID_VARIANTS = ("grid", "cdf")  # one launch over a grid of CTAs per row (GRIDSYNC)
+LOGITS_DTYPES = ("float32", "bfloat16")  # the logits the kernels read (bfloat16: as float32)
 CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
 CLUSTER = 8  # CTAs per row in the cluster variant (the portable maximum)
@@ -159,6 +160,7 @@ class Plan:
     window: int = (
         0  # "grid" / "cdf": ReSET's state update in the kernel, a ring of `window` entropies
     )
+    bf16: bool = False  # bfloat16 logits (read as their exact float32 values)
 
     @property
     def cluster(self) -> int:
@@ -174,6 +176,8 @@ class Plan:
             "NTHREADS": self.threads,
             "NMAX": self.nmax,
         }
+        if self.bf16:
+            d |= {"LOGITS_BF16": 1}
         if self.variant in CLUSTER_VARIANTS:
             d |= {"CLUSTER": self.cluster, "MIN_CTAS": self.ctas_per_sm}
         if self.variant == "reject" and self.top_k == 0:
@@ -208,6 +212,7 @@ def plan(
     variant: str = "split",
     window: int = 0,
     sms: int = DEFAULT_SMS,
+    bf16: bool = False,
 ) -> Plan:
     """The launch plan on a device of `sms` SMs.
     "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
@@ -216,7 +221,7 @@ def plan(
     CLUSTER).
     "grid" and "cdf": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
     `window` > 0 builds it with ReSET's state update (a ring of `window` entropies; top-p
-    alone)."""
+    alone). `bf16`: for bfloat16 logits (the same launch geometry)."""
     _check_variant(variant)
     if window and (variant not in GRID_VARIANTS or top_k):
         raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
@@ -225,16 +230,17 @@ def plan(
         ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
         chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=ctas)
         return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k,
-                    threads=GRID_THREADS, variant=variant, window=window)  # fmt: skip
+                    threads=GRID_THREADS, variant=variant, window=window, bf16=bf16)  # fmt: skip
     if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
-                    threads=cluster_threads(batch, sms), variant=variant)  # fmt: skip
+                    threads=cluster_threads(batch, sms), variant=variant, bf16=bf16)  # fmt: skip
     chunks = max(4, min(MAX_CHUNKS, sms * SPLIT_BLOCKS_PER_SM // batch))
     chunks = min(chunks, vocab)
     chunk = _cdiv(_cdiv(vocab, chunks), 4) * 4  # a multiple of 4 (the histogram's float4 loads)
     chunks = _cdiv(vocab, chunk)  # no empty trailing chunk
-    return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k, variant=variant)
+    return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k, variant=variant,
+                bf16=bf16)  # fmt: skip
 
 
 def grid_plan(
@@ -282,9 +288,16 @@ class SamplerKernel:
 
 @functools.cache
 def _build_cached(
-    batch: int, vocab: int, top_k: int, variant: str, arch: str, window: int, sms: int
+    batch: int,
+    vocab: int,
+    top_k: int,
+    variant: str,
+    arch: str,
+    window: int,
+    sms: int,
+    bf16: bool = False,
 ) -> SamplerKernel:
-    p = plan(batch, vocab, top_k, variant, window, sms)
+    p = plan(batch, vocab, top_k, variant, window, sms, bf16)
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=p.defines(), arch=arch)
     return SamplerKernel(plan=p, ptx=ptx)
 
@@ -298,11 +311,13 @@ def build(
     arch: str | None = None,
     window: int = 0,
     sms: int | None = None,
+    logits_dtype: str = "float32",
 ) -> SamplerKernel:
     """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits
-    (top_k > 0: top-k before top-p) of one of `VARIANTS` ("grid" with `window` > 0: with
-    ReSET's state update for a ring of `window` entropies), for a device of `sms` SMs (None:
-    the first CUDA device's, `DEFAULT_SMS` without one).
+    of `logits_dtype` ("float32" or "bfloat16") (top_k > 0: top-k before top-p) of one of
+    `VARIANTS` ("grid" with `window` > 0: with ReSET's state update for a ring of `window`
+    entropies), for a device of `sms` SMs (None: the first CUDA device's, `DEFAULT_SMS`
+    without one).
 
     Raises KernelError when NVRTC is missing or the shape is unsupported, ValueError for an
     unknown variant.
@@ -313,7 +328,11 @@ def build(
         raise KernelError(f"unsupported shape: {why}")
     if not isinstance(window, int) or window < 0:
         raise ValueError(f"window={window!r}, expected an int >= 0")
+    if logits_dtype not in LOGITS_DTYPES:
+        raise ValueError(f"logits_dtype={logits_dtype!r}, expected one of {LOGITS_DTYPES}")
     sms = device_sms() if sms is None else sms
     if not isinstance(sms, int) or sms < 1:
         raise ValueError(f"sms={sms!r}, expected a positive int (the device's SMs)")
-    return _build_cached(batch, vocab, top_k, variant, arch or device_arch(), int(window), sms)
+    bf16 = logits_dtype == "bfloat16"
+    return _build_cached(batch, vocab, top_k, variant, arch or device_arch(), int(window), sms,
+                         bf16)  # fmt: skip

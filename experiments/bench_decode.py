@@ -160,7 +160,8 @@ SAMPLERS = {
 }
 
 
-def _run_generation(params, batch, prompt_len, gen_len, repeats, sampler="greedy"):
+def _run_generation(params, batch, prompt_len, gen_len, repeats, sampler="greedy",
+                    logits_dtype=None):  # fmt: skip
     """`rejax.bench.bench_decode` (the product's timing of prefill and the decode loop), plus a
     cache filled by one more prefill for the breakdown below."""
     run = rbench.bench_decode(
@@ -170,6 +171,7 @@ def _run_generation(params, batch, prompt_len, gen_len, repeats, sampler="greedy
         prompt_len=prompt_len,
         repeats=repeats,
         sampler=SAMPLERS[sampler](),
+        logits_dtype=logits_dtype,
     )
     cfg = params.cfg
     tokens = jnp.zeros((batch, prompt_len), jnp.int32)
@@ -449,6 +451,14 @@ def main(argv=None) -> dict:
         choices=sorted(SAMPLERS),
         help="decode-loop samplers to time per batch (the breakdown runs for the first)",
     )
+    ap.add_argument(
+        "--logits-dtypes",
+        nargs="+",
+        default=["head"],
+        choices=["head", "float32"],
+        help="logits the decode loop carries and samples: the head's dtype (as rejax.generate) "
+        "or float32 (the head's cast)",
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2, help="timed decode runs (median)")
@@ -664,10 +674,13 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
     """Times one variant at every --batch and --samplers, appending its runs to `result`."""
     wbytes = _weight_bytes(params)
     print(f"[{mode}] {variant}: weights {wbytes / 1e9:.2f} GB", flush=True)
-    for batch, sampler in [(b, s) for b in args.batch for s in args.samplers]:
+    runs = [(b, s, d) for b in args.batch for d in args.logits_dtypes for s in args.samplers]
+    for batch, sampler, dtype in runs:
         t0 = time.perf_counter()
+        carry = None if dtype == "head" else dtype
         try:
-            run, cache = _run_generation(params, batch, bucket, args.gen_len, args.repeats, sampler)
+            run, cache = _run_generation(params, batch, bucket, args.gen_len, args.repeats, sampler,
+                                         carry)  # fmt: skip
         except Exception as err:  # noqa: BLE001 - record the failure, keep benchmarking
             result["runs"].append(
                 {
@@ -677,6 +690,7 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
                     "weight_prefetch": spec,
                     "batch": batch,
                     "sampler": sampler,
+                    "logits_dtype": dtype,
                     "error": f"{type(err).__name__}: {err}",
                 }
             )
@@ -693,6 +707,7 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
             weight_prefetch=spec,
             batch=batch,
             sampler=sampler,
+            logits_dtype=dtype,
             prompt_len=bucket,
             gen_len=args.gen_len,
             weight_bytes=wbytes,
@@ -702,7 +717,7 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
             weight_bandwidth_GBps=wbytes / step_s / 1e9,
         )
         run["fraction_of_copy_ceiling"] = run["bandwidth_GBps"] / result["copy_ceiling_GBps"]
-        if not args.no_breakdown and sampler == args.samplers[0]:
+        if not args.no_breakdown and sampler == args.samplers[0] and dtype == args.logits_dtypes[0]:
             bd = _breakdown(params, cache, batch, args.breakdown_steps, args.repeats)
             parts = (
                 bd["linears_and_head"]
@@ -736,7 +751,7 @@ def _run_variant(args, result, cfg, bucket, mode, head, spec, variant, params):
             flush=True,
         )
         print(
-            f"[{variant} b{batch} {sampler}] {run['ms_per_token']:.3f} ms/token, "
+            f"[{variant} b{batch} {sampler} {dtype}] {run['ms_per_token']:.3f} ms/token, "
             f"{run['tokens_per_s']:.1f} tok/s, {run['bandwidth_GBps']:.0f} GB/s, "
             f"prefill {run['prefill_ms']:.1f} ms"
             + (f", dominant: {run.get('dominant')}" if "dominant" in run else ""),

@@ -84,7 +84,8 @@ def _scan_sampler(
     def run(keys, logits, state):
         def body(carry, i):
             state, acc = carry
-            z = logits + i.astype(jnp.float32) * 1e-3  # a fresh array every step
+            # a fresh array every step (of the logits' dtype)
+            z = logits + (i.astype(jnp.float32) * 1e-3).astype(logits.dtype)
             ks = jax.vmap(lambda k: jax.random.fold_in(k, i))(keys)
             tokens, state, info = step(ks, z, state)
             # the entropy stays live, as in a decode loop that reports it
@@ -179,7 +180,7 @@ def _logit_profile(z: np.ndarray, t: float = 0.6, top_p: float = TOP_P) -> dict:
 
 
 def _covered_fraction(logits: jax.Array, t: float, top_p: float) -> float:
-    probs = jax.nn.softmax(logits / t, axis=-1)
+    probs = jax.nn.softmax(logits.astype(jnp.float32) / t, axis=-1)
     tp = jnp.full((logits.shape[0],), top_p, jnp.float32)
     return float(jnp.mean(sampling._top_p_candidates(probs, tp)[3]))
 
@@ -292,6 +293,10 @@ def main(argv=None) -> None:
         "--out", default=None, help="JSON path (default: results/bench_sampler_<platform>.json)"
     )
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument(
+        "--logits-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="dtype of the sampled logits (bfloat16: as a bf16 head's, read by the kernels as is)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--steps", type=int, default=None, help="sample calls per timed scan")
     parser.add_argument("--repeats", type=int, default=None)
@@ -396,8 +401,9 @@ def main(argv=None) -> None:
                 logits = jnp.tile(model_rows, (-(-b // model_rows.shape[0]), 1))[:b]
             else:
                 logits = _logits(kind, b, v)
+            logits = logits.astype(args.logits_dtype)
             keys = jax.random.split(jax.random.key(0), b)
-            row = {"logits": kind, "batch": b}
+            row = {"logits": kind, "batch": b, "logits_dtype": args.logits_dtype}
             greedy = _scan_sampler(Greedy(), steps, sampling.TOP_P_METHOD)
             row["greedy_us"] = _median_time(greedy, (keys, logits, sampler_init(Greedy(), b)),
                                             repeats) / steps * 1e6  # fmt: skip
@@ -420,7 +426,7 @@ def main(argv=None) -> None:
                 label += "" if stats == sampling.STATS_METHOD else f"+{stats}"
                 row[f"{label}_us"] = t / steps * 1e6
                 row[f"{label}_over_greedy_us"] = row[f"{label}_us"] - row["greedy_us"]
-            probs = jax.nn.softmax(logits / 0.6, axis=-1)
+            probs = jax.nn.softmax(logits.astype(jnp.float32) / 0.6, axis=-1)
             for method in [m for m in args.methods if m in sampling.TOP_P_METHODS]:
                 fn = _scan_top_p(steps, method)
                 t = _median_time(fn, (probs, jnp.full((b,), TOP_P)), repeats)

@@ -134,6 +134,7 @@ def bench_decode(
     repeats: int = 3,
     seed: int = 0,
     sampler: sampling.Sampler | None = None,
+    logits_dtype: str | None = None,
 ) -> dict:
     """Times prefill and the decode loop for one (batch, new_tokens) point.
 
@@ -146,6 +147,8 @@ def bench_decode(
       seed: prompt token seed.
       sampler: the decode loop's sampler (default Greedy()); a ReSET without newline masks gets
         all-false ones (the whole answer is one step).
+      logits_dtype: the logits the loop carries and samples from: None for the head's dtype
+        (as `rejax.generate` runs it), "float32" for the head's logits cast.
 
     Returns:
       dict: batch, new_tokens, prompt_len, prefill_ms, prefill_first_call_s,
@@ -183,7 +186,9 @@ def bench_decode(
     def prefill():
         cache = jax.block_until_ready(sharding.init_cache(params, batch, slots, jnp.bfloat16))
         t0 = time.perf_counter()
-        filled["out"] = jax.block_until_ready(gen.prefill(params, tokens, positions, cache))
+        filled["out"] = jax.block_until_ready(
+            gen.prefill(params, tokens, positions, cache, logits_dtype=logits_dtype)
+        )
         return time.perf_counter() - t0
 
     prefill_first, prefill_s, _ = _time(prefill, repeats)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from rejax import compile_cache, sharding
 from rejax.cache import KVCache
 from rejax.config import compiler_options
-from rejax.decoder import forward
+from rejax.decoder import forward, logits_out_dtype
 from rejax.params import Params
 from rejax.sampling import sample
 
@@ -69,19 +69,25 @@ def per_compiler_options(fn=None, **jit_kwargs):
     return _PerCompilerOptions(fn, **jit_kwargs)
 
 
-def _forward(params: Params, tokens, positions, cache, logits_at=None):
+def _forward(params: Params, tokens, positions, cache, logits_at=None, logits_dtype=jnp.float32):
     if params.sharding is not None:  # placed on a mesh by rejax.shard
-        return sharding.forward(params, tokens, positions, cache, logits_at)
-    return forward(params.weights, tokens, positions, cache, params.cfg, logits_at)
+        # float32 of the head's logits (the activation dtype's): cast back, exactly
+        head = params.weights["embed_tokens"]["embedding"].dtype
+        logits, cache = sharding.forward(params, tokens, positions, cache, logits_at)
+        return logits.astype(logits_out_dtype(head, logits_dtype)), cache
+    return forward(
+        params.weights, tokens, positions, cache, params.cfg, logits_at, logits_dtype=logits_dtype
+    )
 
 
-@per_compiler_options(static_argnames=("all_logits",), donate_argnames=("cache",))
+@per_compiler_options(static_argnames=("all_logits", "logits_dtype"), donate_argnames=("cache",))
 def prefill(
     params: Params,
     tokens: jax.Array,
     positions: jax.Array,
     cache: KVCache | None,
     all_logits: bool = False,
+    logits_dtype: str | None = "float32",
 ) -> tuple[jax.Array, KVCache | None]:
     """Runs the prompt through the model, filling the cache.
 
@@ -91,13 +97,16 @@ def prefill(
         positions: [B, T] int32 positions, -1 for padding.
         cache: KVCache with at least T free slots (donated), or None.
         all_logits: return logits for all T tokens instead of each row's last token.
+        logits_dtype: "float32", or None for the head's dtype (bfloat16 for a bfloat16 model:
+            the same values; what `decode_loop` then carries and samples from, at half the
+            bytes).
 
     Returns:
-        (float32 logits [B, V] at each row's last prompt token, or [B, T, V]; the cache).
+        (logits [B, V] at each row's last prompt token, or [B, T, V]; the cache).
     """
     TRACE_COUNTS["prefill"] += 1
     logits_at = None if all_logits else jnp.argmax(positions, axis=1)
-    return _forward(params, tokens, positions, cache, logits_at)
+    return _forward(params, tokens, positions, cache, logits_at, logits_dtype)
 
 
 def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
@@ -105,7 +114,11 @@ def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, step)  # [B]
     tokens, sampler_state, info = sample(keys, logits, sampler_state, sampler)
     tokens = tokens.astype(jnp.int32)
-    next_logits, cache = _forward(params, tokens[:, None], positions[:, None], cache)
+    # the next logits in the dtype of these (bfloat16 ones: half the bytes to write, carry and
+    # read; float32: the head's logits cast)
+    next_logits, cache = _forward(
+        params, tokens[:, None], positions[:, None], cache, logits_dtype=logits.dtype
+    )
     return tokens, next_logits[:, 0], cache, sampler_state, info
 
 
@@ -126,7 +139,8 @@ def decode_step(
 
     Args:
         params: the model.
-        logits: [B, V] float32 logits for the token to sample now.
+        logits: [B, V] logits for the token to sample now, float32 or the head's dtype (the
+            next logits come in the same dtype).
         cache: KVCache with a free slot (donated).
         positions: [B] int32 position the sampled token will occupy.
         sampler: Greedy | Temperature | ReSET.
@@ -135,7 +149,7 @@ def decode_step(
         step: [] int32 index of the token being generated.
 
     Returns:
-        (tokens int32 [B], next logits float32 [B, V], cache, sampler_state,
+        (tokens int32 [B], next logits [B, V] of logits' dtype, cache, sampler_state,
          info {"entropy": [B], "temperature": [B]}).
     """
     TRACE_COUNTS["decode_step"] += 1
@@ -149,7 +163,7 @@ class DecodeState:
 
     Attributes:
         step: [] int32 tokens generated so far (the loop index).
-        logits: [B, V] float32 logits for the next token.
+        logits: [B, V] logits for the next token (the dtype the loop was given).
         cache: KVCache.
         positions: [B] int32 position of the next token per row.
         sampler_state: the sampler's SamplerState.
@@ -202,7 +216,9 @@ def _decode_loop(
 
     Args:
         params: the model.
-        logits: [B, V] float32 prefill logits.
+        logits: [B, V] prefill logits, float32 or the head's dtype (`prefill(...,
+            logits_dtype=None)`: bfloat16 for a bfloat16 model, half the bytes each step); the
+            loop carries this dtype.
         cache: KVCache with at least M free slots (donated).
         positions: [B] int32 position of the first generated token per row.
         sampler, sampler_state: as in `decode_step`.

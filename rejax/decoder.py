@@ -582,6 +582,20 @@ def layer_loop(weights: dict, cfg: Config) -> str:
     return "scan" if quantized else "unroll"
 
 
+def logits_out_dtype(head_dtype: Any, logits_dtype: Any) -> Any:
+    """The dtype `forward` returns its logits in: `logits_dtype`, None for the head's own; a
+    ValueError where it would round the head's logits."""
+    if logits_dtype is None:
+        return jnp.dtype(head_dtype)
+    out = jnp.dtype(logits_dtype)
+    if jnp.promote_types(head_dtype, out) != out:
+        raise ValueError(
+            f"logits_dtype={out.name} would round the head's {jnp.dtype(head_dtype).name} "
+            f"logits; expected {jnp.dtype(head_dtype).name}, a wider float or None"
+        )
+    return out
+
+
 def forward(
     weights: dict,
     tokens: jax.Array,
@@ -592,6 +606,7 @@ def forward(
     *,
     with_amax: bool = False,
     tp_axis: str | None = None,
+    logits_dtype: Any = jnp.float32,
 ):
     """Forward over T new tokens per row.
 
@@ -610,9 +625,13 @@ def forward(
             (rejax/sharding.py): weights and cfg are this device's slice, row-parallel linears
             all-reduce over this mesh axis, and an embedding table with fewer rows than
             cfg.vocab_size is this device's vocabulary slice (logits are then [..., V / M]).
+        logits_dtype: the logits' dtype: float32 (the default), or None for the head's own
+            (the activation dtype: bfloat16 logits of a bfloat16 model hold the same values in
+            half the bytes, which the decode loop carries and the sampler kernels read). A
+            dtype narrower than the head's is an error (it would round the logits).
 
     Returns:
-        (logits float32 [B, T, V] or [B, V], updated cache or None[, amax]).
+        (logits [B, T, V] or [B, V] of `logits_dtype`, updated cache or None[, amax]).
     """
     embedding = weights["embed_tokens"]["embedding"]
     if tp_axis is not None and embedding.shape[0] != cfg.vocab_size:
@@ -658,15 +677,16 @@ def forward(
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, None, None].astype(jnp.int32), axis=1)[:, 0]
     x = rms_norm(x, weights["norm"]["scale"], cfg.rms_norm_eps)
-    # The head runs in the activation dtype and is cast to float32 afterwards, as
+    # The head runs in the activation dtype and is cast to float32 afterwards (by default), as
     # transformers and vLLM do, so entropies see the same logits.
     head = embedding if cfg.tie_word_embeddings else weights["lm_head"]["weight"]
     if isinstance(head, Nvfp4Tensor):  # rejax.params.quantize_head: NVFP4 W4A16 (opt-in)
-        logits = linear(x, {"weight": head}, "nvfp4-w4a16").astype(jnp.float32)
+        logits = linear(x, {"weight": head}, "nvfp4-w4a16")
     else:
         logits = padded_rows(
             lambda a: jnp.einsum("...d,vd->...v", a, head.astype(x.dtype)), x, cfg.invariant_rows
-        ).astype(jnp.float32)
+        )
+    logits = logits.astype(logits_out_dtype(logits.dtype, logits_dtype))
     if cache is not None:
         cache = dataclasses.replace(
             cache, k=kv[0], v=kv[1], k_scale=kv[2], v_scale=kv[3], positions=k_positions,

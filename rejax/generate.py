@@ -316,7 +316,11 @@ def _generate_batch(
     dtype = params.weights["embed_tokens"]["embedding"].dtype
     cache = sharding.init_cache(params, rows, bucket + max_new_tokens, dtype)
     if prefill_rows is None:
-        logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+        # the head's logits as they are (bfloat16 for a bfloat16 model: the decode loop carries
+        # and samples half the bytes, the same values)
+        logits, cache = prefill(
+            params, jnp.asarray(tokens), jnp.asarray(positions), cache, logits_dtype=None
+        )
     else:
         logits, cache = prefill_chunked(params, expanded, cache, prefill_rows)
     out = decode_loop(
@@ -392,7 +396,9 @@ def _generate_stream(params, prompt, max_new_tokens, sampler, key, stop_mask, em
     tokens, positions, lengths, _ = _pad_batch([prompt], 1, bucket)
     dtype = params.weights["embed_tokens"]["embedding"].dtype
     cache = sharding.init_cache(params, 1, bucket + max_new_tokens, dtype)
-    logits, cache = prefill(params, jnp.asarray(tokens), jnp.asarray(positions), cache)
+    logits, cache = prefill(
+        params, jnp.asarray(tokens), jnp.asarray(positions), cache, logits_dtype=None
+    )
     state = sampling.sampler_init(sampler, 1)
     pos = jnp.asarray(lengths)
     stop = np.asarray(stop_mask)

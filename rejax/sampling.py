@@ -701,7 +701,7 @@ def _check_logits(logits: Any) -> jax.Array:
         raise ValueError(
             f"logits must be float [B, V], got {logits.dtype} with shape {logits.shape}"
         )
-    return logits.astype(jnp.float32)
+    return logits
 
 
 def _check_sampler(sampler: Any) -> None:
@@ -925,7 +925,8 @@ def sample(
     Args:
       key: a jax.random key (split per row) or a [B] batch of keys (row i uses key[i], so a row
         samples the same token in any batch). Fold the step in: `jax.random.fold_in(key, step)`.
-      logits: [B, V] raw logits (cast to float32).
+      logits: [B, V] raw logits (cast to float32; the "kernel" methods read bfloat16 logits
+        as they are, the same values).
       state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
       sampler: Greedy(), Temperature(...) or ReSET(...).
       top_p_method: one of `SAMPLE_METHODS`, overriding the sampler's own `top_p_method`
@@ -952,7 +953,8 @@ def sample(
         raise ValueError(
             f"stats_method={stats_method!r} is invalid: expected one of {STATS_METHODS}"
         )
-    logits = _check_logits(logits)
+    raw = _check_logits(logits)
+    logits = raw.astype(jnp.float32)  # exact for bfloat16 and float16
     b, v = logits.shape
     _check_state(state, b, sampler.window if isinstance(sampler, ReSET) else None)
     if isinstance(sampler, Temperature) and sampler.top_k > v:
@@ -963,7 +965,8 @@ def sample(
     if top_p_method in KERNEL_METHODS:
         if _kernel_serves(sampler):
             variant = KERNEL_METHODS[top_p_method]
-            return _sample_kernel(keys, logits, state, sampler, stats_method, variant)
+            # the op reads bfloat16 logits as they are (their float32 values: the same draws)
+            return _sample_kernel(keys, raw, state, sampler, stats_method, variant)
         top_p_method = "radix"  # what the op's reference computes
     # the temperatures whose softmax denominators the statistics pass can provide
     if isinstance(sampler, Temperature):

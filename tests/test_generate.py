@@ -404,3 +404,81 @@ def test_decode_unroll_masks_steps_past_the_limit_and_checks_less_often(params):
     # k > 1 adds one loop of static length (fori_loop: a scan) inside the predicate's loop
     (w1, s1), (w4, s4) = loops(1), loops(4)
     assert w1 >= 1 and (w4, s4) == (w1, s1 + 1), ((w1, s1), (w4, s4))
+
+
+@pytest.fixture(scope="module")
+def bf16_params(params):
+    """The tiny model in bfloat16 (a bfloat16 head: bfloat16 logits)."""
+    w = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params.weights)
+    return dataclasses.replace(params, weights=w)
+
+
+def test_head_dtype_logits_are_the_heads_rounding_and_narrower_raises(params, bf16_params):
+    # prefill(logits_dtype=None) returns the head's own logits (bfloat16 for a bfloat16 model,
+    # as transformers and vLLM compute them): the float32 logits rounded to bfloat16 (XLA may
+    # fuse the default's cast into the dot, so those need not be bfloat16 values); a dtype
+    # that would round a float32 head's logits is refused before anything runs
+    tokens = jnp.asarray([[3, 9, 27, 81]], jnp.int32)
+    positions = jnp.arange(4, dtype=jnp.int32)[None]
+    f32, _ = gen.prefill(bf16_params, tokens, positions, None)
+    head, _ = gen.prefill(bf16_params, tokens, positions, None, logits_dtype=None)
+    assert f32.dtype == jnp.float32 and head.dtype == jnp.bfloat16
+    f32, head = np.asarray(f32), np.asarray(head.astype(jnp.float32))
+    assert np.all(np.abs(head - f32) <= 2.0**-7 * np.abs(f32) + 1e-6), np.abs(head - f32).max()
+    assert gen.prefill(params, tokens, positions, None, logits_dtype=None)[0].dtype == jnp.float32
+    with pytest.raises(ValueError, match="logits_dtype=bfloat16 would round the head's float32"):
+        gen.prefill(params, tokens, positions, None, logits_dtype="bfloat16")
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [Greedy(), Temperature(t=0.8, top_p=0.9), Temperature(t=0.8, top_p=0.9, top_p_method="kernel"),
+     ReSET(t_high=1.0, t_low=0.3, top_p=0.9, top_p_method="kernel")],
+    ids=["greedy", "temperature", "temperature-kernel", "reset-kernel"],
+)  # fmt: skip
+def test_decode_loop_and_steps_carry_the_logits_dtype_they_are_given(bf16_params, sampler):
+    # bfloat16 prefill logits (what generate passes for a bfloat16 model): the loop carries
+    # bfloat16 logits, and its tokens, entropies and temperatures are those of decode_step
+    # called step by step on them (each step returning bfloat16 logits); float32 ones stay
+    # float32
+    from rejax import decode as rdecode
+    from rejax.cache import init_cache
+
+    cfg = bf16_params.cfg
+    if isinstance(sampler, ReSET):
+        nl, dnl = newline_masks(bf16_params.tokenizer.tokenizer, cfg.vocab_size)
+        sampler = dataclasses.replace(sampler, nl_mask=nl, dnl_mask=dnl)
+    b, p, m = 3, 4, 8
+    tokens = jnp.asarray(np.arange(b * p).reshape(b, p) % 250, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    keys = jax.random.split(jax.random.key(4), b)
+    never = jnp.zeros((cfg.vocab_size,), bool)
+
+    def prefilled(dtype):
+        cache = init_cache(cfg, b, p + m, jnp.bfloat16)
+        return gen.prefill(bf16_params, tokens, positions, cache, logits_dtype=dtype)
+
+    logits, cache = prefilled(None)
+    assert logits.dtype == jnp.bfloat16
+    out = rdecode.decode_loop(
+        bf16_params, logits, cache, jnp.full((b,), p, jnp.int32), sampler,
+        sampler_init(sampler, b), keys, never, jnp.zeros((b,), bool), max_new_tokens=m,
+    )  # fmt: skip
+    assert out.logits.dtype == jnp.bfloat16
+    logits, cache = prefilled(None)
+    state, pos = sampler_init(sampler, b), jnp.full((b,), p, jnp.int32)
+    for i in range(m):
+        t, logits, cache, state, info = rdecode.decode_step(
+            bf16_params, logits, cache, pos, sampler, state, keys, jnp.int32(i)
+        )
+        assert logits.dtype == jnp.bfloat16
+        pos = pos + 1
+        np.testing.assert_array_equal(np.asarray(out.tokens[:, i]), np.asarray(t), f"step {i}")
+        np.testing.assert_array_equal(np.asarray(out.entropy[:, i]), np.asarray(info["entropy"]))
+        np.testing.assert_array_equal(
+            np.asarray(out.temperature[:, i]), np.asarray(info["temperature"])
+        )
+    logits, cache = prefilled("float32")
+    t, logits, *_ = rdecode.decode_step(bf16_params, logits, cache, pos - m, sampler,
+                                        sampler_init(sampler, b), keys, jnp.int32(0))  # fmt: skip
+    assert logits.dtype == jnp.float32

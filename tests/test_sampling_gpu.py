@@ -264,6 +264,38 @@ def test_grid_variant_draws_the_reject_tokens():
                                               np.asarray(ir["temperature"]))  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "variant,top_k",
+    [("split", 0), ("merge", 20), ("cluster", 0), ("reject", 0), ("grid", 20), ("cdf", 0),
+     ("grid-state", 0), ("cdf-state", 0)],
+)  # fmt: skip
+def test_bfloat16_logits_draw_as_their_float32_values(variant, top_k):
+    # bfloat16 logits are read as their exact float32 values: tokens, entropies and
+    # temperatures equal those of the same logits cast to float32, bit for bit, at 3 rows and
+    # 64 (two launch plans), for Temperature and for ReSET (with its state in the launch on
+    # the state variants); every kernel's loads (vector, scalar, each variant's paths)
+    for b in (3, 64):
+        z = jnp.asarray(_logits("real", b, seed=9)).astype(jnp.bfloat16)
+        keys = jax.random.split(jax.random.key(3), b)
+        smps = [Temperature(top_p_method="kernel", t=0.6, top_p=0.95, top_k=top_k)]
+        if top_k == 0:
+            smps.append(ReSET(top_p_method="kernel", top_p=0.95, nl_mask=jnp.zeros(V, bool),
+                              dnl_mask=jnp.zeros(V, bool).at[7].set(True)))  # fmt: skip
+        for smp in smps:
+            state = sampler_init(smp, b)
+            fn = jax.jit(op.sample_kernel, static_argnames="variant")
+            t16, s16, i16 = fn(keys, z, state, smp, variant=variant)
+            t32, s32, i32 = fn(keys, z.astype(jnp.float32), state, smp, variant=variant)
+            hlo = fn.lower(keys, z, state, smp, variant=variant).as_text()
+            # the kernels read the bf16 logits: no f32 copy of them
+            assert "xla.gpu.ptx" in hlo and f"tensor<{b}x{V}xf32>" not in hlo
+            np.testing.assert_array_equal(np.asarray(t16), np.asarray(t32), (b, smp))
+            for k in ("entropy", "temperature"):
+                np.testing.assert_array_equal(np.asarray(i16[k]), np.asarray(i32[k]), k)
+            for a, c in zip(jax.tree.leaves(s16), jax.tree.leaves(s32), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+
+
 @pytest.mark.parametrize("draw", GRID)
 def test_grid_state_kernel_updates_reset_state_as_xla_does(draw):
     # "kernel-grid-state": the grid kernel also writes ReSET's new state (ring, counts, sums,
@@ -392,7 +424,7 @@ def test_merge_variant_draws_the_split_tokens():
 def test_default_auto_runs_the_variant_it_chooses():
     # `sample` with the default variant ("auto") lowers to the kernels of the variant
     # `choose_variant` names for the batch rows and top-k, and draws that variant's tokens:
-    # grid for top-p alone and top-k up to GRID_TOPK_MAX_K; above it split below
+    # cdf for top-p alone, grid for top-k up to GRID_TOPK_MAX_K; above it split below
     # MERGE_MIN_ROWS_TOPK rows, merge from there on (k <= MERGE_MAX_K), split for a larger k.
     assert op.VARIANT == "auto"
     for b in (1, 8, op.MERGE_MIN_ROWS_TOPK, 64):

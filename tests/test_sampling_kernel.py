@@ -659,15 +659,15 @@ def _bound_variants(fn, *args) -> list:
 
 @pytest.mark.parametrize(
     "rows,top_k,want",
-    [(1, 0, "grid"), (7, 0, "grid"), (64, 0, "grid"), (1, 20, "grid"), (64, 20, "grid"),
+    [(1, 0, "cdf"), (7, 0, "cdf"), (64, 0, "cdf"), (1, 20, "grid"), (64, 20, "grid"),
      (1, 21, "split"), (31, 21, "split"), (32, 21, "merge"), (64, 32, "merge"), (64, 33, "split"),
      (64, 64, "split")],
 )  # fmt: skip
 def test_auto_variant_picks_by_rows_and_top_k(rows, top_k, want):
-    """The default variant "auto" binds "grid" for top-p alone and top-k up to 20, and for a
-    larger k "merge" where the H200 measured it faster (k <= 32 from 32 rows) and "split"
+    """The default variant "auto" binds "cdf" for top-p alone, "grid" for top-k up to 20, and
+    for a larger k "merge" where the H200 measured it faster (k <= 32 from 32 rows) and "split"
     elsewhere; `sample` binds the same pick, ReSET as top-p alone with its state update in the
-    launch ("grid-state"); a named variant is kept ("kernel-cdf-state": "cdf" with the state)."""
+    launch ("cdf-state"); a named variant is kept ("kernel-grid": "grid" without the state)."""
     assert op.VARIANT == "auto"
     assert op.choose_variant("auto", rows, top_k) == want
     assert op.choose_variant("cluster", rows, top_k) == "cluster"

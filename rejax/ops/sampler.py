@@ -112,13 +112,15 @@ MERGE_MIN_ROWS_TOPK = 32
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
-    """The kernel variant a call runs: `variant` itself, or for "auto" "grid" for top-p alone
-    and top-k up to `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster
+    """The kernel variant a call runs: `variant` itself, or for "auto" "cdf" for top-p alone,
+    "grid" for top-k up to `GRID_TOPK_MAX_K`, and for a larger k "merge" where it measured faster
     (k <= `kernels.MERGE_MAX_K` from `MERGE_MIN_ROWS_TOPK` rows) and "split" elsewhere."""
     if variant not in VARIANT_CHOICES:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
     if variant != "auto":
         return variant
+    if top_k == 0:
+        return "cdf"
     if top_k <= GRID_TOPK_MAX_K:
         return "grid"
     if top_k <= kernels.MERGE_MAX_K:
@@ -158,7 +160,7 @@ def _reference(
     from rejax import sampling  # sampling imports this module
 
     return sampling._reference_tempered(
-        logits, thr, alt, t_a, t_b, top_p, jax.random.wrap_key_data(keys, impl=key_impl),
+        logits.astype(jnp.float32), thr, alt, t_a, t_b, top_p, jax.random.wrap_key_data(keys, impl=key_impl),
         kind=kind, top_k=top_k, stats_method=stats_method,
     )  # fmt: skip
 
@@ -183,7 +185,8 @@ def _lower_cuda(ctx, *args, **params):
     kern = None
     if supported[0] and params["impl"] != "ref":
         try:
-            kern = kernels.build(b, v, params["top_k"], variant=params["variant"])
+            kern = kernels.build(b, v, params["top_k"], variant=params["variant"],
+                                 logits_dtype=str(ctx.avals_in[0].dtype))  # fmt: skip
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
@@ -321,7 +324,8 @@ def _lower_cuda_reset(ctx, *args, **params):
     kern = None
     if supported[0] and params["impl"] != "ref":
         try:
-            kern = kernels.build(b, v, 0, variant=params.get("variant", "grid"), window=w)
+            kern = kernels.build(b, v, 0, variant=params.get("variant", "grid"), window=w,
+                                 logits_dtype=str(ctx.avals_in[0].dtype))  # fmt: skip
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
@@ -347,6 +351,15 @@ def _batch_reset(args, dims, **params):
 batching.primitive_batchers[_reset_p] = _batch_reset
 mlir.register_lowering(_reset_p, _lower_reset)
 mlir.register_lowering(_reset_p, _lower_cuda_reset, platform="cuda")
+
+
+def _op_logits(logits: jax.Array) -> jax.Array:
+    """The logits as the kernels read them: float32 or bfloat16 as they are (a bfloat16 logit
+    is read as its exact float32 value, so both give the same draws), any other float cast to
+    float32."""
+    if not jnp.issubdtype(logits.dtype, jnp.floating):
+        raise ValueError(f"logits must be float [B, V], got {logits.dtype}{logits.shape}")
+    return logits if logits.dtype in (jnp.float32, jnp.bfloat16) else logits.astype(jnp.float32)
 
 
 def sample_reset_step(
@@ -384,6 +397,7 @@ def sample_reset_step(
     _dispatch.check_impl(impl)
     if variant not in kernels.GRID_VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {kernels.GRID_VARIANTS}")
+    logits = _op_logits(logits)
     v = logits.shape[-1]
     for name, mask in (("nl_mask", nl_mask), ("dnl_mask", dnl_mask)):
         if mask.shape != (v,) or mask.dtype != jnp.bool_:
@@ -416,7 +430,8 @@ def sample_top_p(
     """One token per row (module docstring).
 
     Args:
-      logits: f32 [B, V] raw logits.
+      logits: [B, V] raw logits, f32 or bf16 (read as their f32 values: the same draws; the
+        kernels read half the bytes); another float dtype is cast to f32.
       thr, alt: f32 [B]: a row takes t_a iff its entropy h >= thr or h > alt, else t_b.
       t_a, t_b: f32 [B] temperatures (<= 1e-6: greedy, the first argmax of the raw logits).
       top_p: f32 [B] in (0, 1].
@@ -437,6 +452,7 @@ def sample_top_p(
         raise ValueError(f"kind={kind!r}, expected one of {KINDS}")
     if variant not in VARIANT_CHOICES:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANT_CHOICES}")
+    logits = _op_logits(logits)
     key_impl = str(jax.random.key_impl(keys))
     data = jax.random.key_data(keys)
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
