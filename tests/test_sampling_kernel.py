@@ -169,17 +169,23 @@ def test_grid_launch_is_planned_for_the_devices_sms(monkeypatch):
             kernels.build(b, v, variant="grid", arch="compute_90", sms=bad)
 
 
-@pytest.mark.parametrize("variant,b", [("grid", 1), ("cdf", 1), ("cdf", 64), ("cdf", 1024)])
+@pytest.mark.parametrize(
+    "variant,b,bf16",
+    [("grid", 1, False), ("cdf", 1, False), ("cdf", 64, False), ("cdf", 1024, False),
+     ("grid", 64, True), ("cdf", 64, True)],
+)  # fmt: skip
 @pytest.mark.parametrize("top_k", [0, 20])
-def test_grid_kernel_fits_its_occupancy(top_k, variant, b):
+def test_grid_kernel_fits_its_occupancy(top_k, variant, b, bf16):
     # the plan's residency assumes GRID_CTAS_PER_SM (with top-k GRID_TOPK_CTAS_PER_SM) CTAs of
     # GRID_THREADS per SM: registers (launch bounds) and static shared memory must allow it
-    # ("cdf" keeps a chunk's sub-block sums in shared memory: the most at one CTA a row)
+    # ("cdf" keeps a chunk's sub-block sums in shared memory: the most at one CTA a row); the
+    # same for the build reading bfloat16 logits
     pytest.importorskip("cuda.bindings.nvrtc")
     from cuda_ops.build import ptxas_log, read_source
 
-    p = kernels.plan(b, 151936, top_k, variant=variant)
+    p = kernels.plan(b, 151936, top_k, variant=variant, bf16=bf16)
     assert ("GRID_CDF" in p.defines()) == (variant == "cdf" and not top_k)
+    assert ("LOGITS_BF16" in p.defines()) == bf16
     ctas = kernels.GRID_TOPK_CTAS_PER_SM if top_k else kernels.GRID_CTAS_PER_SM
     log = ptxas_log(read_source("sampler.cu"), p.defines(), name="sampler.cu")
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
@@ -207,6 +213,22 @@ def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k, variant):
     assert len(regs) == 1 and regs[0] <= kernels.CLUSTER_REGS, log
     assert spills == [("0", "0")], log
     assert smem[0] < 48 * 1024 and p.ctas_per_sm * (smem[0] + 1024) <= 228 * 1024, log
+
+
+def test_bfloat16_logits_build_their_own_kernels_and_bad_dtypes_raise():
+    # the op builds the kernels for its logits' dtype (bfloat16: LOGITS_BF16, the same launch
+    # plan); a dtype the kernels do not read is refused by name
+    pytest.importorskip("cuda.bindings.nvrtc")
+    f32 = kernels.build(64, 151936, variant="cdf", arch="compute_90", sms=132)
+    bf16 = kernels.build(64, 151936, variant="cdf", arch="compute_90", sms=132,
+                         logits_dtype="bfloat16")  # fmt: skip
+    assert "LOGITS_BF16" in bf16.plan.defines() and "LOGITS_BF16" not in f32.plan.defines()
+    assert dataclasses.replace(bf16.plan, bf16=False) == f32.plan
+    # the vector loads read 8 bytes (4 logits) instead of 16, the scalar ones 2 instead of 4
+    assert bf16.ptx.count("ld.global.nc.v2.u32") == f32.ptx.count("ld.global.nc.v4.f32") > 0
+    assert "ld.global.nc.u16" in bf16.ptx and "ld.global.nc.v4.f32" not in bf16.ptx
+    with pytest.raises(ValueError, match="logits_dtype='float16'"):
+        kernels.build(64, 151936, variant="cdf", arch="compute_90", logits_dtype="float16")
 
 
 @pytest.mark.parametrize("variant", kernels.VARIANTS)
