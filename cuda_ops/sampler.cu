@@ -1,7 +1,8 @@
 // The fused GPU sampler: temperature (or ReSET's entropy policy) + exact top-p + a Gumbel-max draw.
 //
-// Three kernels over B rows of V float32 logits, each a grid of CHUNKS x B blocks (one chunk of a
-// row per block) whose last block to finish a row (an atomic ticket, no grid sync) combines it:
+// Three kernels over B rows of V float32 (or bfloat16) logits, each a grid of CHUNKS x B blocks
+// (one chunk of a row per block) whose last block to finish a row (an atomic ticket, no grid
+// sync) combines it:
 //
 //   rejax_sample_stats    max, first / last argmax, the entropy's sums and the softmax
 //                         denominators at both candidate temperatures; the last block picks the
@@ -30,6 +31,8 @@
 // Compile-time constants (-D): B_ROWS, V_SIZE, CHUNKS, CH (chunk length), NTHREADS, NMAX, TOP_K,
 // and CLUSTER: 0 builds the three kernels above ("split"); > 0 builds rejax_sample_cluster
 // instead (the "cluster" variant, at the end of this file: the same sampler in one launch).
+// LOGITS_BF16 = 1 builds any variant for bfloat16 logits, each read as its exact float32 value
+// (the same results as the float32 build on the cast logits, from half the bytes).
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
@@ -108,7 +111,6 @@ __device__ __forceinline__ void load4(Logits z, int j0, int hi, float (&x)[4]) {
     for (int q = 0; q < 4; ++q) x[q] = j0 + q < hi ? z[j0 + q] : -INFINITY;
 #endif
 }
-
 
 __device__ __forceinline__ u32 rotl(u32 x, int r) { return (x << r) | (x >> (32 - r)); }
 

@@ -11,8 +11,9 @@ h and the temperature used.
   (`rejax.sampling._reference_tempered`), so CPU results are those of that method.
 * The `platform="cuda"` lowering asks `rejax.ops._dispatch.use_kernel`: the kernels of
   `cuda_ops/sampler.cu` as `__gpu$xla.gpu.ptx` custom calls, or else the reference. `variant`
-  picks them (`VARIANTS`, or "auto", the default: `choose_variant` takes "grid" for top-p
-  alone, and for top-k "merge" where it measured faster, else "split"): "split", three kernels (statistics;
+  picks them (`VARIANTS`, or "auto", the default: `choose_variant` takes "cdf" for top-p
+  alone, "grid" for top-k up to 20, above it "merge" where it measured faster, else "split"):
+  "split", three kernels (statistics;
   top-p histogram; boundary resolution, each one multi-block pass over the row with a
   last-block combine);
   "cluster", one kernel in which a cluster of 8 CTAs per row combines through distributed
@@ -64,16 +65,18 @@ KINDS = ("temperature", "reset")
 GREEDY_EPS = 1e-6
 VARIANTS = kernels.VARIANTS  # "split" (three kernels), "cluster", "reject", "grid" (one), "merge"
 # "auto" (the default) picks a variant per call by the batch rows and top-k (`choose_variant`):
-# "grid" for top-p alone (Temperature, ReSET) and top-k up to GRID_TOPK_MAX_K, "merge" or
-# "split" for a larger k. Every variant but "cdf" draws the same tokens up to the float rounding
-# of the row statistics ("cdf": the same distribution, its own tokens). "cluster", "reject" and
-# "cdf" are opt-in.
+# "cdf" for top-p alone (Temperature, ReSET), "grid" for top-k up to GRID_TOPK_MAX_K, "merge"
+# or "split" for a larger k. Every variant but "cdf" draws the same tokens up to the float
+# rounding of the row statistics ("cdf": the same distribution, its own tokens, the same for any
+# batch). "cluster" and "reject" are opt-in. Every variant reads float32 or bfloat16 logits
+# (`LOGITS_DTYPES`: bfloat16 ones as their float32 values, so the same draws from half the
+# bytes; the decode loop carries a bfloat16 head's logits as they are).
 VARIANT = "auto"
 VARIANT_CHOICES = ("auto", *VARIANTS)
 # "grid" with ReSET's state update in the same launch (`sample_reset_step`; Temperature runs
 # "grid"): the ReSET policy's state update after the draw (about 8 small XLA kernels a step)
 # becomes part of the kernel, which updates the state in place (`STATE_ALIASES`). "auto" runs
-# it for ReSET wherever it picks "grid". H200, 2-layer decode step at 1 row (profile_step,
+# it for ReSET wherever it picks "grid" or "cdf" ("cdf-state"). H200, 2-layer decode step at 1 row (profile_step,
 # experiments/results/h200_u/): busy 446.0 us against 453.7 for ReSET on "grid" and 439.9 for
 # Temperature; 36-layer decode loop at 64 rows: +136 against +151 us over greedy.
 STATE_VARIANT = "grid-state"
@@ -106,9 +109,10 @@ MERGE_MIN_ROWS_TOPK = 32
 # 27.3 at 1 row, 28.7 / 27.9 against 29.6 / 32.5 at 8, 76.1 / 64.7 against 101.0 / 96.7 at 64.
 # In the 36-layer decode loop at 64 rows: Temperature +69 / +69 us over greedy against +80 /
 # +107, ReSET (state in the launch) +71 / +69 against +103 / +103; at 1 row a tie (+13 / +15
-# against +14 / +14). The build in the tree (weights relative to the row max, one barrier more,
-# the same draws for every plan) has not run on a GPU yet, so "auto" keeps "grid"; it takes
-# "cdf" for top-p alone once that build passes its GPU tests and measures as the first did.
+# against +14 / +14). So "auto" takes "cdf" for top-p alone at every batch (one variant for all
+# batches: a row draws the same token in any batch). The build here (weights relative to the row
+# max, one barrier more, the same draws for every plan) is to pass its GPU tests before this
+# lands (experiments/results/s48/).
 
 
 def choose_variant(variant: str, batch: int, top_k: int = 0) -> str:
