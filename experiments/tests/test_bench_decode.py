@@ -248,6 +248,7 @@ def test_bad_choices_are_refused_before_any_work(tmp_path):
         ("--command-buffer", "graph"),
         ("--decode-unroll", "0"),
         ("--scan-unroll", "x"),
+        ("--logits-dtypes", "float16"),
     ):
         with pytest.raises(SystemExit):
             bd.main(["--tiny", flag, value, "--out", str(tmp_path / "x.json")])
@@ -310,3 +311,14 @@ def test_block_tma_spec_is_checked_and_installed(tmp_path):
     traces = result["runs"][0]["block_tma_traces"]
     assert traces["block"] >= 1 and traces["qkv"] >= 1, traces
     assert any("one token of one row" in k for k in traces)
+
+
+def test_logits_dtypes_time_each_carry(tmp_path):
+    # --logits-dtypes head float32: one run per carry and sampler, each recording its dtype
+    out = tmp_path / "dtypes.json"
+    bd.main(["--tiny", "--modes", "nvfp4", "--batch", "1", "--repeats", "1", "--no-breakdown",
+             "--samplers", "greedy", "temp", "--logits-dtypes", "head", "float32",
+             "--out", str(out)])  # fmt: skip
+    runs = [r for r in json.loads(out.read_text())["runs"] if "error" not in r]
+    got = sorted((r["logits_dtype"], r["sampler"]) for r in runs)
+    assert got == [("float32", "greedy"), ("float32", "temp"), ("head", "greedy"), ("head", "temp")]
