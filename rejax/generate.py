@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from rejax import sampling, sharding
 from rejax.cache import init_cache  # noqa: F401 (callers use rejax.generate's init_cache)
 from rejax.decode import TRACE_COUNTS, decode_loop, decode_step, per_compiler_options, prefill
-from rejax.decoder import forward
+from rejax.decoder import forward, logits_out_dtype
 from rejax.params import Params, map_linears
 from rejax.text import newline_masks, prompt_ids, require_tokenizer
 from rejax.text import stop_mask as text_stop_mask
@@ -355,12 +355,13 @@ def prefill_chunked(params: Params, prompts, cache, p: int):
         p: P rows per chunk (the last chunk of a bucket padded with dropped dummy rows).
 
     Returns:
-        (float32 logits [B, V] at each row's last prompt token, the cache with a per-row
-        write index [B]: each row's prompt at slots [0, its bucket)).
+        (logits [B, V] at each row's last prompt token in the head's dtype, the cache with a
+        per-row write index [B]: each row's prompt at slots [0, its bucket)).
     """
     rows = cache.batch_size
     cache = dataclasses.replace(cache, index=jnp.zeros((rows,), jnp.int32))
-    logits = jnp.zeros((rows, params.cfg.vocab_size), jnp.float32)
+    head = params.weights["embed_tokens"]["embedding"].dtype
+    logits = jnp.zeros((rows, params.cfg.vocab_size), logits_out_dtype(head, None))
     full = [list(q) for q in prompts] + [[0]] * (rows - len(prompts))
     groups: dict[int, list[int]] = {}
     for r, q in enumerate(full):

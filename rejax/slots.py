@@ -41,7 +41,7 @@ import numpy as np
 
 from rejax.cache import KVCache, init_cache
 from rejax.decode import TRACE_COUNTS, per_compiler_options
-from rejax.decoder import forward
+from rejax.decoder import forward, logits_out_dtype
 from rejax.params import Params
 from rejax.sampling import sample, sampler_init
 
@@ -52,7 +52,8 @@ class SlotState:
     """Device state of B slots, carried through `decode_chunk` and `slot_prefill`.
 
     Attributes:
-        logits: [B, V] float32 logits for each slot's next token.
+        logits: [B, V] logits for each slot's next token, in the head's dtype (bfloat16 for a
+            bfloat16 model, read by the sampler as their float32 values).
         cache: KVCache with a per-row index [B] (the next slot each row writes).
         positions: [B] int32 position of each slot's next token.
         step: [B] int32 tokens the slot's row has generated (its next step index).
@@ -94,7 +95,7 @@ def init_slots(params: Params, slots: int, length: int, max_new_tokens: int, sam
     cache = dataclasses.replace(cache, index=jnp.zeros((slots,), jnp.int32))
     zi = jnp.zeros((slots,), jnp.int32)
     state = SlotState(
-        logits=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
+        logits=jnp.zeros((slots, cfg.vocab_size), logits_out_dtype(dtype, None)),
         cache=cache,
         positions=zi,
         step=zi,
@@ -128,16 +129,17 @@ def prefill_rows(
         ids: [P] int32 cache row of each prompt; B (out of range) for a dummy row, dropped.
 
     Returns:
-        (float32 logits [P, V] at each prompt's last token, the cache with each row's slots
-        [0, T) from the prompt, its slot positions, and its write index T).
+        (logits [P, V] at each prompt's last token in the head's dtype, the cache with each
+        row's slots [0, T) from the prompt, its slot positions, and its write index T).
     """
     cfg = params.cfg
     p, t = tokens.shape
     s = cache.length
     fresh = init_cache(cfg, p, t, params.weights["embed_tokens"]["embedding"].dtype)
     logits, fresh = forward(
-        params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1)
-    )
+        params.weights, tokens, positions, fresh, cfg, jnp.argmax(positions, axis=1),
+        logits_dtype=None,
+    )  # fmt: skip
 
     def put(buf, rows):  # rows past B (dummies) are dropped
         return buf.at[ids].set(rows.astype(buf.dtype), mode="drop")
@@ -252,8 +254,9 @@ def decode_chunk(
         tokens, sampler_state, info = sample(keys, s.logits, s.sampler_state, sampler)
         tokens = tokens.astype(jnp.int32)
         logits, cache = forward(
-            params.weights, tokens[:, None], s.positions[:, None], s.cache, params.cfg
-        )
+            params.weights, tokens[:, None], s.positions[:, None], s.cache, params.cfg,
+            logits_dtype=None,
+        )  # fmt: skip
         live = ~s.done
         col = jnp.where(live, s.step, m)  # column m is out of range: dropped
 

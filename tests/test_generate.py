@@ -482,3 +482,20 @@ def test_decode_loop_and_steps_carry_the_logits_dtype_they_are_given(bf16_params
     t, logits, *_ = rdecode.decode_step(bf16_params, logits, cache, pos - m, sampler,
                                         sampler_init(sampler, b), keys, jnp.int32(0))  # fmt: skip
     assert logits.dtype == jnp.float32
+
+
+def test_slot_and_chunked_prefill_paths_carry_the_heads_logits(params, bf16_params):
+    # slot refill (rejax.slots) and the chunked static prefill keep the head's logits too:
+    # bfloat16 for a bfloat16 model, float32 for a float32 one
+    from rejax import slots
+    from rejax.cache import init_cache
+
+    smp = Temperature(t=0.8, top_p=0.9)
+    for p, want in ((bf16_params, jnp.bfloat16), (params, jnp.float32)):
+        state = slots.init_slots(p, 2, 32, 4, smp)
+        assert state.logits.dtype == want
+        cache = init_cache(p.cfg, 3, 64, p.weights["embed_tokens"]["embedding"].dtype)
+        logits, _ = gen.prefill_chunked(p, [[1, 2, 3], [4, 5]], cache, 2)
+        assert logits.dtype == want and logits.shape == (3, p.cfg.vocab_size)
+    out = gen.generate(bf16_params, ["hi", "yo"], max_new_tokens=4, stop=[], prefill_rows=2)
+    assert [len(t) for t in out.tokens] == [4, 4]
