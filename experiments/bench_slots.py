@@ -58,6 +58,7 @@ from rejax import decode as rdecode
 from rejax import params as rparams
 from rejax import slots as rslots
 from rejax.cache import init_cache
+from rejax.decoder import logits_out_dtype
 from rejax.generate import _bucket, _pad_batch, _row_keys, prefill_chunked
 from rejax.sampling import Greedy, ReSET, sampler_init
 
@@ -154,13 +155,17 @@ def compile_static(
             def prefill(params_, expanded_, cache_):
                 return prefill_chunked(params_, expanded_, cache_, prefill_rows)
         else:
-            one = rdecode.prefill.lower(params, tokens, positions, cache).compile()
+            # the head's logits, as rejax.generate prefills them
+            one = rdecode.prefill.lower(
+                params, tokens, positions, cache, logits_dtype=None
+            ).compile()
 
             def prefill(params_, expanded_, cache_, one=one, b=bucket):
                 t, q, _, _ = _pad_batch(expanded_, batch_rows, b)
                 return one(params_, jnp.asarray(t), jnp.asarray(q), cache_)
 
-        logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), jnp.float32)
+        head = logits_out_dtype(params.weights["embed_tokens"]["embedding"].dtype, None)
+        logits_shape = jax.ShapeDtypeStruct((batch_rows, params.cfg.vocab_size), head)
         loop = rdecode.decode_loop.lower(
             params,
             logits_shape,
