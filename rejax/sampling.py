@@ -70,9 +70,9 @@ TOP_P_METHODS = ("topk", "radix", "sort")  # exact top-p mask implementations (m
 # "radix" did on CPU; experiments/results/sampler_tail_bias_cpu.md.)
 # "kernel-split" / "kernel-cluster" / "kernel-merge" / ... are "kernel" with the CUDA kernels'
 # variant named (`rejax.ops.sampler.VARIANTS`; "kernel" takes `rejax.ops.sampler.VARIANT`), for
-# A/B timings in one decode loop; "kernel-grid-state" (`rejax.ops.sampler.STATE_VARIANT`) is
-# "kernel-grid" with ReSET's state update in the kernel (what "kernel" runs for ReSET wherever
-# "auto" picks "grid")
+# A/B timings in one decode loop; "kernel-grid-state" (`rejax.ops.sampler.STATE_VARIANT`) and
+# "kernel-cdf-state" are "kernel-grid" / "kernel-cdf" with ReSET's state update in the kernel
+# (what "kernel" runs for ReSET wherever "auto" picks "grid" / "cdf": "cdf" for top-p alone)
 KERNEL_METHODS = {"kernel": None, **{f"kernel-{v}": v for v in sampler_op.VARIANTS}}
 KERNEL_METHODS |= {f"kernel-{v}": v for v in sampler_op.STATE_VARIANTS}  # "kernel-cdf-state"
 SAMPLE_METHODS = (*KERNEL_METHODS, *TOP_P_METHODS)
@@ -935,8 +935,10 @@ def sample(
         for the same key; "kernel" off a GPU, or for ReSET with include_current=True, is
         "radix"; "kernel-split", "kernel-cluster", "kernel-merge", "kernel-reject" and
         "kernel-grid" name the kernels' variant, the same distribution and random numbers;
-        "kernel-grid-state" is "kernel-grid" with ReSET's state update in the kernel's launch,
-        the same tokens and state, and what "kernel" runs for ReSET). Static.
+        "kernel-cdf" draws from the same distribution with other random numbers;
+        "kernel-grid-state" / "kernel-cdf-state" are "kernel-grid" / "kernel-cdf" with ReSET's
+        state update in the kernel's launch, the same tokens and state; "kernel" runs
+        "kernel-cdf-state" for ReSET). Static.
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.
