@@ -22,7 +22,7 @@ from rejax.cache import KVCache
 from rejax.config import compiler_options
 from rejax.decoder import forward, logits_out_dtype
 from rejax.params import Params
-from rejax.sampling import sample
+from rejax.sampling import broadcast_rows, sample
 
 # Traces per jitted function; tests read it to check that a second call does not retrace.
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -234,6 +234,7 @@ def _decode_loop(
     """
     TRACE_COUNTS["decode_loop"] += 1
     b, m = logits.shape[0], max_new_tokens
+    sampler = broadcast_rows(sampler, b)  # once, not every step (sampling.broadcast_rows)
     state = DecodeState(
         step=jnp.zeros((), jnp.int32),
         logits=logits,

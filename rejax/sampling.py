@@ -373,6 +373,30 @@ def _row_param(name: str, x: Any, batch: int) -> jax.Array:
     return x
 
 
+# the per-row hyperparameters of each sampler (scalar or [B]), in the order they are checked
+_ROW_FIELDS = {Temperature: ("t", "top_p"), ReSET: ("t_high", "t_low", "tau_0", "top_p")}
+
+
+def broadcast_rows(sampler: Sampler, batch: int) -> Sampler:
+    """`sampler` with each per-row hyperparameter as a float32 [batch] array (Temperature's t and
+    top_p; ReSET's t_high, t_low, tau_0 and top_p): the same draws, the same checks.
+
+    A loop that samples every step calls it once before the loop (`rejax.decode.decode_loop`,
+    `rejax.slots.decode_chunk`): the steps then hand these arrays to the sampler as they are.
+    Scalars broadcast inside the loop body are broadcast again every step, and on a GPU each
+    broadcast to more than one row is a kernel of its own (XLA does not hoist broadcasts out of
+    a loop).
+
+    Raises:
+      ValueError: a hyperparameter that is neither a scalar nor a [batch] vector.
+    """
+    _check_sampler(sampler)
+    name = type(sampler).__name__
+    fields = {f: _row_param(f"{name}.{f}", getattr(sampler, f), batch)
+              for f in _ROW_FIELDS.get(type(sampler), ())}  # fmt: skip
+    return dataclasses.replace(sampler, **fields) if fields else sampler
+
+
 def _ring_mean(state: SamplerState) -> jax.Array:
     # Recomputed from the buffer (no drift). While the ring still holds the whole response its
     # mean is the running mean, taken from the same incremental sum so that the exact tie

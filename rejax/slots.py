@@ -43,7 +43,7 @@ from rejax.cache import KVCache, init_cache
 from rejax.decode import TRACE_COUNTS, per_compiler_options
 from rejax.decoder import forward, logits_out_dtype
 from rejax.params import Params
-from rejax.sampling import sample, sampler_init
+from rejax.sampling import broadcast_rows, sample, sampler_init
 
 
 @jax.tree_util.register_dataclass
@@ -241,6 +241,7 @@ def decode_chunk(
     """
     TRACE_COUNTS["decode_chunk"] += 1
     b, m = state.tokens.shape
+    sampler = broadcast_rows(sampler, b)  # once, not every step (sampling.broadcast_rows)
     rows = jnp.arange(b)
 
     def cond(c):
