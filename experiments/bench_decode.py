@@ -289,6 +289,36 @@ def _kernel_report(cfg, batches) -> dict:
     return rep
 
 
+def over_greedy(runs: list[dict]) -> dict[str, list[float]]:
+    """Each non-greedy run's us per token over greedy, against the greedy runs beside it.
+
+    Runs are grouped by (mode, variant, batch, logits dtype) in the order they ran; a run's
+    baseline is the mean of the nearest greedy run before it and the nearest after it (one of
+    them at an end), so a drift of the card during the process cancels when --samplers
+    alternates greedy with the others (`--samplers greedy temp greedy reset greedy`). Sets
+    run["over_greedy_us"] and returns {"VARIANT bB DTYPE SAMPLER": [us, ...]}; a group without
+    a greedy run is left out."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        if "error" not in r:
+            key = (r["mode"], r["variant"], r["batch"], r.get("logits_dtype"))
+            groups.setdefault(key, []).append(r)
+    out: dict[str, list[float]] = {}
+    for (_, variant, batch, dtype), rs in groups.items():
+        greedy = [i for i, r in enumerate(rs) if r["sampler"] == "greedy"]
+        for i, r in enumerate(rs):
+            if r["sampler"] == "greedy" or not greedy:
+                continue
+            before = [rs[j]["ms_per_token"] for j in greedy if j < i][-1:]
+            after = [rs[j]["ms_per_token"] for j in greedy if j > i][:1]
+            base = statistics.mean(before + after)
+            r["over_greedy_us"] = 1e3 * (r["ms_per_token"] - base)
+            out.setdefault(f"{variant} b{batch} {dtype} {r['sampler']}", []).append(
+                r["over_greedy_us"]
+            )
+    return out
+
+
 def _write(path: str, result: dict) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2, default=str)
@@ -449,7 +479,9 @@ def main(argv=None) -> dict:
         nargs="+",
         default=["greedy"],
         choices=sorted(SAMPLERS),
-        help="decode-loop samplers to time per batch (the breakdown runs for the first)",
+        help="decode-loop samplers to time per batch, in this order (the breakdown runs for "
+        "the first); a sampler may repeat. Each non-greedy run is also reported over the greedy "
+        "runs beside it (over_greedy_us), so alternate: greedy temp greedy reset greedy",
     )
     ap.add_argument(
         "--logits-dtypes",
@@ -578,6 +610,9 @@ def main(argv=None) -> dict:
                     bf16["ms_per_token"] / r["ms_per_token"]
                 )
     result["nvfp4_speedup_over_bf16"] = speed
+    result["over_greedy_us"] = over_greedy(result["runs"])
+    for name, us in result["over_greedy_us"].items():
+        print(f"[{name}] over greedy: " + " ".join(f"{x:+.1f}" for x in us) + " us/token")
     result["total_wall_s"] = time.perf_counter() - t_start
     _write(args.out, result)
     print(f"wrote {args.out} ({result['total_wall_s']:.0f}s)", flush=True)

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from experiments import bench_decode as bd
@@ -322,3 +323,29 @@ def test_logits_dtypes_time_each_carry(tmp_path):
     runs = [r for r in json.loads(out.read_text())["runs"] if "error" not in r]
     got = sorted((r["logits_dtype"], r["sampler"]) for r in runs)
     assert got == [("float32", "greedy"), ("float32", "temp"), ("head", "greedy"), ("head", "temp")]
+
+
+def test_over_greedy_takes_the_greedy_runs_beside_each_run():
+    def run(sampler, ms, batch=64, variant="v", dtype="head"):
+        return {"mode": "nvfp4", "variant": variant, "batch": batch, "logits_dtype": dtype,
+                "sampler": sampler, "ms_per_token": ms}  # fmt: skip
+
+    runs = [run("greedy", 7.0), run("temp", 7.1), run("greedy", 7.02), run("reset", 7.08),
+            run("temp", 7.09), run("greedy", 7.04), {"mode": "nvfp4", "error": "x"},
+            run("temp", 2.0, batch=1), run("greedy", 1.99, batch=1), run("temp", 5.0, variant="w")]  # fmt: skip
+    got = bd.over_greedy(runs)
+    assert got.keys() == {"v b64 head temp", "v b64 head reset", "v b1 head temp"}
+    np.testing.assert_allclose(got["v b64 head temp"], [90.0, 60.0], atol=1e-9)  # 7.01, 7.03
+    np.testing.assert_allclose(got["v b64 head reset"], [50.0], atol=1e-9)  # 7.03: 7.02 / 7.04
+    np.testing.assert_allclose(got["v b1 head temp"], [10.0], atol=1e-9)  # the greedy after it
+    assert runs[1]["over_greedy_us"] == pytest.approx(90.0) and "over_greedy_us" not in runs[-1]
+
+
+def test_alternated_samplers_report_over_greedy(tmp_path):
+    out = tmp_path / "alt.json"
+    bd.main(["--tiny", "--modes", "nvfp4", "--batch", "1", "--repeats", "1", "--no-breakdown",
+             "--samplers", "greedy", "temp", "greedy", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [r["sampler"] for r in result["runs"]] == ["greedy", "temp", "greedy"]
+    ((name, us),) = result["over_greedy_us"].items()
+    assert name.endswith(" b1 head temp") and len(us) == 1 and np.isfinite(us[0])
