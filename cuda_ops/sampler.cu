@@ -1313,6 +1313,54 @@ __device__ __forceinline__ void load4_or_inf(Logits z, int j0, int hi, float (&x
     }
 }
 
+// The grid kernel's sweeps load each trip's logits AHEAD trips ahead (those loads are in
+// flight while this trip computes): Ahead4 holds them as loaded and expands them exactly as
+// load4 / load4_or_inf do (-inf past hi), so the sweeps see the same values in the same order.
+// A sweep over j0 = start, start + 4 NTHREADS, ... calls `start` once and `next` every trip.
+#ifndef AHEAD
+#define AHEAD 1
+#endif
+static_assert(AHEAD >= 1 && AHEAD <= 4, "trips loaded ahead");
+struct Ahead4 {
+#if V_SIZE % 4 == 0 && LOGITS_BF16
+    uint2 v[AHEAD];
+    __device__ __forceinline__ void load(int d, Logits z, int j0, int hi) {
+        v[d] = j0 < hi ? __ldg(reinterpret_cast<const uint2*>(z.p + j0))
+                       : make_uint2(0xFF80FF80u, 0xFF80FF80u);  // four bfloat16 -inf
+    }
+    __device__ __forceinline__ void take(float (&x)[4]) {
+        x[0] = __uint_as_float(v[0].x << 16);
+        x[1] = __uint_as_float(v[0].x & 0xFFFF0000u);
+        x[2] = __uint_as_float(v[0].y << 16);
+        x[3] = __uint_as_float(v[0].y & 0xFFFF0000u);
+#pragma unroll
+        for (int d = 0; d + 1 < AHEAD; ++d) v[d] = v[d + 1];
+    }
+#else
+    float y[AHEAD][4];
+    __device__ __forceinline__ void load(int d, Logits z, int j0, int hi) {
+        load4_or_inf(z, j0, hi, y[d]);
+    }
+    __device__ __forceinline__ void take(float (&x)[4]) {
+#pragma unroll
+        for (int q = 0; q < 4; ++q) x[q] = y[0][q];
+#pragma unroll
+        for (int d = 0; d + 1 < AHEAD; ++d)
+#pragma unroll
+            for (int q = 0; q < 4; ++q) y[d][q] = y[d + 1][q];
+    }
+#endif
+    __device__ __forceinline__ void start(Logits z, int j0, int hi) {
+#pragma unroll
+        for (int d = 0; d < AHEAD; ++d) load(d, z, j0 + d * 4 * NTHREADS, hi);
+    }
+    // x = the logits of the trip at j0; then the loads of the trip AHEAD after it
+    __device__ __forceinline__ void next(Logits z, int j0, int hi, float (&x)[4]) {
+        take(x);
+        load(AHEAD - 1, z, j0 + AHEAD * 4 * NTHREADS, hi);
+    }
+};
+
 struct SumU {
     __device__ static u32 identity() { return 0u; }
     __device__ static u32 apply(u32 a, u32 b) { return a + b; }
@@ -2335,9 +2383,11 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
     {
         float m = -INFINITY;
         int first = INT_BIG, last = -1;
+        Ahead4 nx;
+        nx.start(z, lo + 4 * tid, hi);
         for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
             float x[4];
-            load4(z, j0, hi, x);
+            nx.next(z, j0, hi, x);
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 if (x[q] > m) {
@@ -2381,10 +2431,12 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
         if (mc > -INFINITY) {
             const int lane = tid & 31, w = tid >> 5;
             int i = 0;
+            Ahead4 nx;
+            nx.start(z, lo + 4 * tid, hi);
             for (int w0 = lo + 4 * (tid & ~31); w0 < hi; w0 += 4 * NTHREADS, ++i) {
                 const int j0 = w0 + 4 * lane;
                 float x[4];
-                load4_or_inf(z, j0, hi, x);
+                nx.next(z, j0, hi, x);
                 u64 la = 0ull, lb = 0ull;
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
@@ -2421,9 +2473,11 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
 #else
         if (mc > -INFINITY) {
 #endif
+            Ahead4 nx;
+            nx.start(z, lo + 4 * tid, hi);
             for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
                 float x[4];
-                load4(z, j0, hi, x);
+                nx.next(z, j0, hi, x);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const float d = x[q] - mc;
@@ -2715,9 +2769,11 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
                 above[k] = 0u;
             }
             u32 mass = 0u;
+            Ahead4 nx;
+            nx.start(z, lo + 4 * tid, hi);
             for (int j0 = lo + 4 * tid; j0 < hi; j0 += 4 * NTHREADS) {
                 float x[4];
-                load4(z, j0, hi, x);
+                nx.next(z, j0, hi, x);
 #pragma unroll
                 for (int q = 0; q < 4; ++q) {
                     const float zt = tempered(x[q], m, it);

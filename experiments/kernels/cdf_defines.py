@@ -13,7 +13,7 @@ Constants measured with it:
                 `CDF_DRAWS` is set to match. Every draw stays exact (all NC rejected: the climb).
   CDF_FAST_EXP  1: the statistics sweep's and the draw walk's exp as the hardware's exp2 (a
                 constant of sampler_cdf_fast_exp.patch: apply it first; the tree ignores it).
-  AHEAD         trips of logits each sweep loads ahead (sampler_grid_ahead.patch; default 1).
+  AHEAD         trips of logits each grid sweep loads ahead (sampler.cu: 1).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The grid sampler kernels' draws and statistics on fixed inputs, saved, so that two builds of
 cuda_ops/sampler.cu (the tree's and a patched one, in two processes) compare bit for bit.
 
-A patch that only reorders loads (sampler_grid_ahead.patch) must leave every token, entropy,
-temperature and ReSET state word as it was; the GPU tests allow one row in a batch to differ
+A patch that only reorders loads (as the grid sweeps' loads ahead did) must leave every token,
+entropy, temperature and ReSET state word as it was; the GPU tests allow one row in a batch to differ
 from the CPU emulation, so they would not see a patch that moves a rare draw.
 
     python3 experiments/kernels/sampler_draws_dump.py --out tree.npz        (GPU)
-    git apply experiments/kernels/sampler_grid_ahead.patch
+    git apply PATCH
     python3 experiments/kernels/sampler_draws_dump.py --out patched.npz
     python3 experiments/kernels/sampler_draws_dump.py --compare tree.npz patched.npz
 
