@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and timings of the grid sampler's three patches ([T2-E], batch 64), applied in
-# order on the tree's cuda_ops/sampler.cu: sampler_grid_word_skip.patch,
-# sampler_grid_mass_bounds.patch, sampler_grid_sums_t1.patch (each patch's header says what it
-# changes and what to check).
+# order on cuda_ops/sampler.cu as it was at BASE (below: they predate the grid sweeps' loads
+# ahead, and lost in the thirty-third session), the "tree" of every comparison here:
+# sampler_grid_word_skip.patch, sampler_grid_mass_bounds.patch, sampler_grid_sums_t1.patch
+# (each patch's header says what it changes and what to check). Needs the git history.
 #
 #   bash experiments/kernels/grid_patches_run.sh [-n N] OUT STEP...    (from the repository root)
 #
@@ -48,9 +49,11 @@ x=$out/x  # every step's files; tarred at the end
 mkdir -p "$out" "$x" $work
 log=$out/grid_patches.log
 src=cuda_ops/sampler.cu
+BASE=cf59efc  # the patches' cuda_ops/sampler.cu
 kdir=experiments/kernels
 if [ ! -f $work/new.cu ]; then  # the tree's source, once, before any patch is applied
-  [ -f /tmp/grid_patches/tree.cu ] || cp $src /tmp/grid_patches/tree.cu
+  [ -f /tmp/grid_patches/tree.cu ] || git show $BASE:$src > /tmp/grid_patches/tree.cu \
+    || { echo "no git history with $BASE" | tee -a "$log"; exit 1; }
   cp /tmp/grid_patches/tree.cu $src
   for p in sampler_grid_word_skip sampler_grid_mass_bounds sampler_grid_sums_t1; do
     [ $npatch -gt 0 ] || break

@@ -1,6 +1,7 @@
-"""experiments/kernels/grid_patches_run.sh and the grid sampler patches it applies: the patches
-still apply, in order, to the tree's cuda_ops/sampler.cu, and the script refuses bad arguments
-before it touches anything."""
+"""experiments/kernels/grid_patches_run.sh and the grid sampler patches it applies (they lost in
+the thirty-third session): the patches still apply, in order, to cuda_ops/sampler.cu as it was
+at BASE (the last commit before the grid sweeps' loads ahead landed, which they predate), and
+the script refuses bad arguments before it touches anything."""
 
 import pathlib
 import shutil
@@ -11,12 +12,22 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "experiments" / "kernels"
 PATCHES = ["sampler_grid_word_skip", "sampler_grid_mass_bounds", "sampler_grid_sums_t1"]
+BASE = "cf59efc"  # grid_patches_run.sh's BASE
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_script_names_the_same_base():
+    assert f"BASE={BASE}" in (KERNELS / "grid_patches_run.sh").read_text()
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_the_patches_apply_in_order(tmp_path):
     (tmp_path / "cuda_ops").mkdir()
-    shutil.copy(ROOT / "cuda_ops" / "sampler.cu", tmp_path / "cuda_ops" / "sampler.cu")
+    r = subprocess.run(["git", "show", f"{BASE}:cuda_ops/sampler.cu"], cwd=ROOT,
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"no git history with {BASE}: {r.stderr.strip()}")
+    (tmp_path / "cuda_ops" / "sampler.cu").write_text(r.stdout)
     before = (tmp_path / "cuda_ops" / "sampler.cu").read_text()
     for name in PATCHES:
         cmd = ["git", "apply", str(KERNELS / f"{name}.patch")]
