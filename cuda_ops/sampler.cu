@@ -132,6 +132,28 @@ __device__ __forceinline__ uint4 philox(u32 c0, u32 c1, u32 c2, u32 c3, u32 k0, 
     return make_uint4(c0, c1, c2, c3);
 }
 
+// jax.random.fold_in(key, data) of a threefry key (k0, k1), JAX's default key: Threefry-2x32
+// with 20 rounds of (k0, k1) on the counter pair (0, data); the new key is the output pair.
+// Integer operations only, so the grid kernel's row keys are the bits XLA's fold_in makes.
+__device__ __forceinline__ void threefry_fold_in(u32 k0, u32 k1, u32 data, u32& o0, u32& o1) {
+    const u32 ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
+    const int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+    u32 x0 = 0u + ks[0], x1 = data + ks[1];
+#pragma unroll
+    for (int i = 0; i < 5; ++i) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            x0 += x1;
+            x1 = rotl(x1, rot[i & 1][j]);
+            x1 ^= x0;
+        }
+        x0 += ks[(i + 1) % 3];
+        x1 += ks[(i + 2) % 3] + (u32)(i + 1);
+    }
+    o0 = x0;
+    o1 = x1;
+}
+
 // Gumbel noise from 55 random bits, a word hi and the top 23 bits of a word lo: u = (hi * 2**23
 // + (lo >> 9) + 1/2) / 2**55 and the noise is -log(E) of the exponential E = -log(1 - u). Each
 // end comes from the half of u's range nearer to it, so nothing is lost to rounding u near 1:
@@ -2330,11 +2352,26 @@ __device__ void reset_record(int r, int token, float h, const float* ring, const
 #define RESET_STATE_OUT
 #endif
 
+// FOLD_STEP (the decode loops' step folded into the row keys in the launch instead of an XLA
+// fusion before it): `keys` holds the rows' base keys and `step` STEP_ROWS (1: one for every
+// row, or B_ROWS) int32 steps; row r draws with fold_in(keys[r], step[r or 0]).
+#ifndef FOLD_STEP
+#define FOLD_STEP 0
+#endif
+#if FOLD_STEP
+#ifndef STEP_ROWS
+#define STEP_ROWS 1
+#endif
+static_assert(STEP_ROWS == 1 || STEP_ROWS == B_ROWS, "one step, or one a row");
+#define STEP_IN const int *__restrict__ step,
+#else
+#define STEP_IN
+#endif
 extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ thr,
                   const float* __restrict__ alt, const float* __restrict__ t_a,
                   const float* __restrict__ t_b, const float* __restrict__ top_p,
-                  const u32* __restrict__ keys, RESET_STATE_IN int* __restrict__ tokens,
+                  const u32* __restrict__ keys, RESET_STATE_IN STEP_IN int* __restrict__ tokens,
                   float* __restrict__ entropy, float* __restrict__ temperature RESET_STATE_OUT) {
     __shared__ u32 red[NWARPS];
     __shared__ int ired[NWARPS];
@@ -2375,6 +2412,16 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
     u32* const gmass = g_gmass + (size_t)r * GRID * (NC + 1);
     u32* const bar = g_gbar + r;
     u32 round = 0;
+#if FOLD_STEP
+    // the row's key, made while the first sweep loads (read after its block reductions)
+    __shared__ u32 key_s[2];
+    if (tid == 0)
+        threefry_fold_in(keys[r * 2], keys[r * 2 + 1], (u32)step[STEP_ROWS == 1 ? 0 : r],
+                         key_s[0], key_s[1]);
+    const u32* const rkey = key_s;
+#else
+    const u32* const rkey = keys + r * 2;
+#endif
 
     // ---- 1. the chunk's statistics, combined in every CTA
     const float ta_raw = t_a[r], tb_raw = t_b[r];
@@ -2598,7 +2645,7 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
         // from the list as the split kernels' last block does (topk_draw: the k-th largest,
         // top-p over the kept tokens, the noise of the listed tokens only)
         const float it = 1.0f / t, tp = top_p[r];
-        const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+        const u32 k0 = rkey[0], k1 = rkey[1];
         const u64 tau = kth_published(gtop, hb, &tau_s);
         const float zt_tau = tau ? tempered(float_of_ord((u32)(tau >> 32)), m, it) : -INFINITY;
         const int lane = tid & 31;
@@ -2642,7 +2689,7 @@ rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ 
 #endif
         const float it = 1.0f / t, iden = 1.0f / den, tp = top_p[r];
 
-        const u32 k0 = keys[r * 2], k1 = keys[r * 2 + 1];
+        const u32 k0 = rkey[0], k1 = rkey[1];
         u64 cand[NC];
 #if GRID_CDF
         // ---- 2. (cdf) NC independent draws over every token by weight, each by the inverse

@@ -51,6 +51,7 @@ from cuda_ops.build import (
     device_sms,
     escape_mlir,
     ptx_backend_config,
+    ptx_entries,
     read_source,
 )
 
@@ -84,7 +85,8 @@ CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
 # the grid variant's one kernel: the same operands and results as the cluster kernel; built with
 # ReSET's state (`window` > 0, RESET_STATE), also the state's 9 arrays and the two newline masks
 # in (ring, n_ring, ring_pos, s_sum, s_n, g_sum, g_n, y1, y2, nl_mask, dnl_mask) and the new
-# state's 9 arrays out
+# state's 9 arrays out; built to fold the step into the row keys (`step_rows` > 0, FOLD_STEP),
+# one more operand last: the int32 step [step_rows]
 GRID_ENTRIES = {"rejax_sample_grid": (7, 3)}
 GRID_STATE_ENTRIES = {"rejax_sample_grid": (18, 12)}
 VARIANTS = ("split", "cluster", "merge", "reject", "grid", "cdf")
@@ -119,12 +121,14 @@ SPLIT_BLOCKS_PER_SM = 4  # "split" / "merge": 4 blocks of 512 threads an SM, one
 MAX_CHUNKS = 128
 
 
-def entries(variant: str = "split", top_k: int = 0, window: int = 0) -> dict:
+def entries(variant: str = "split", top_k: int = 0, window: int = 0, step_rows: int = 0) -> dict:
     """The variant's kernel entries: name -> (number of operands, number of results) ("grid"
-    with ReSET's state of `window` entropies: GRID_STATE_ENTRIES)."""
+    with ReSET's state of `window` entropies: GRID_STATE_ENTRIES; with the step folded in,
+    `step_rows` > 0: one operand more)."""
     _check_variant(variant)
     if variant in GRID_VARIANTS:
-        return GRID_STATE_ENTRIES if window else GRID_ENTRIES
+        e = GRID_STATE_ENTRIES if window else GRID_ENTRIES
+        return {k: (n + (step_rows > 0), m) for k, (n, m) in e.items()}
     return CLUSTER_ENTRIES if variant in CLUSTER_VARIANTS else ENTRIES
 
 
@@ -161,6 +165,9 @@ class Plan:
         0  # "grid" / "cdf": ReSET's state update in the kernel, a ring of `window` entropies
     )
     bf16: bool = False  # bfloat16 logits (read as their exact float32 values)
+    # "grid" / "cdf": > 0 folds an int32 step operand of this many rows (1: shared, or batch)
+    # into the row keys in the launch, fold_in(keys[r], step) (FOLD_STEP)
+    step_rows: int = 0
 
     @property
     def cluster(self) -> int:
@@ -189,6 +196,8 @@ class Plan:
                 d |= {"GRID_CDF": 1}
             if self.window:
                 d |= {"RESET_STATE": 1, "W_RING": self.window}
+            if self.step_rows:
+                d |= {"FOLD_STEP": 1, "STEP_ROWS": self.step_rows}
         if self.variant == "merge" and 0 < self.top_k <= MERGE_MAX_K:
             d |= {"TOPK_MERGE": 1}
         elif self.variant == "merge" and self.top_k == 0:
@@ -213,6 +222,7 @@ def plan(
     window: int = 0,
     sms: int = DEFAULT_SMS,
     bf16: bool = False,
+    step_rows: int = 0,
 ) -> Plan:
     """The launch plan on a device of `sms` SMs.
     "split" and "merge": about one wave of blocks over the whole batch, at least 4 chunks
@@ -221,8 +231,13 @@ def plan(
     CLUSTER).
     "grid" and "cdf": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
     `window` > 0 builds it with ReSET's state update (a ring of `window` entropies; top-p
-    alone). `bf16`: for bfloat16 logits (the same launch geometry)."""
+    alone). `bf16`: for bfloat16 logits (the same launch geometry). `step_rows` 1 or `batch`
+    ("grid" / "cdf"): the row keys are base keys and the launch folds in an int32 step operand
+    of that many rows."""
     _check_variant(variant)
+    if step_rows and (variant not in GRID_VARIANTS or step_rows not in (1, batch)):
+        raise ValueError(f"step_rows={step_rows!r} (the step folded in the launch) needs variant "
+                         f"'grid' or 'cdf' and 1 or batch={batch} rows, got variant={variant!r}")  # fmt: skip
     if window and (variant not in GRID_VARIANTS or top_k):
         raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
                          f"or 'cdf' without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
@@ -230,7 +245,8 @@ def plan(
         ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
         chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=ctas)
         return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k,
-                    threads=GRID_THREADS, variant=variant, window=window, bf16=bf16)  # fmt: skip
+                    threads=GRID_THREADS, variant=variant, window=window, bf16=bf16,
+                    step_rows=step_rows)  # fmt: skip
     if variant in CLUSTER_VARIANTS:
         chunk = _cdiv(_cdiv(vocab, CLUSTER), 4) * 4
         return Plan(batch=batch, vocab=vocab, chunks=CLUSTER, chunk=chunk, top_k=top_k,
@@ -275,8 +291,8 @@ class SamplerKernel:
 
     def backend_config(self, entry: str) -> str:
         """MLIR dictionary text for XLA's `__gpu$xla.gpu.ptx` call of one entry."""
-        n_in, n_out = entries(self.plan.variant, self.plan.top_k, self.plan.window)[entry]
         p = self.plan
+        n_in, n_out = entries(p.variant, p.top_k, p.window, p.step_rows)[entry]
         return ptx_backend_config(
             entry,
             self._escaped,
@@ -296,9 +312,18 @@ def _build_cached(
     window: int,
     sms: int,
     bf16: bool = False,
+    step_rows: int = 0,
 ) -> SamplerKernel:
-    p = plan(batch, vocab, top_k, variant, window, sms, bf16)
+    p = plan(batch, vocab, top_k, variant, window, sms, bf16, step_rows)
     ptx = compile_ptx(read_source(SOURCE), name=SOURCE, defines=p.defines(), arch=arch)
+    # every entry the op calls, with its operands and results as parameters (a custom call
+    # passing another count would hand the kernel the wrong buffers)
+    want = {
+        k: n_in + n_out for k, (n_in, n_out) in entries(variant, top_k, window, step_rows).items()
+    }
+    got = {k: n for k, n in ptx_entries(ptx).items() if k in want}
+    if got != want:
+        raise KernelError(f"PTX entries {got}, expected {want} parameters ({p.defines()})")
     return SamplerKernel(plan=p, ptx=ptx)
 
 
@@ -312,12 +337,14 @@ def build(
     window: int = 0,
     sms: int | None = None,
     logits_dtype: str = "float32",
+    step_rows: int = 0,
 ) -> SamplerKernel:
     """Plans and compiles (NVRTC, disk-cached) the sampler kernels for [batch, vocab] logits
     of `logits_dtype` ("float32" or "bfloat16") (top_k > 0: top-k before top-p) of one of
     `VARIANTS` ("grid" with `window` > 0: with ReSET's state update for a ring of `window`
-    entropies), for a device of `sms` SMs (None: the first CUDA device's, `DEFAULT_SMS`
-    without one).
+    entropies; with `step_rows` 1 or `batch`: folding that int32 step operand into the row
+    keys), for a device of `sms` SMs (None: the first CUDA device's, `DEFAULT_SMS` without
+    one).
 
     Raises KernelError when NVRTC is missing or the shape is unsupported, ValueError for an
     unknown variant.
@@ -334,5 +361,8 @@ def build(
     if not isinstance(sms, int) or sms < 1:
         raise ValueError(f"sms={sms!r}, expected a positive int (the device's SMs)")
     bf16 = logits_dtype == "bfloat16"
+    if not isinstance(step_rows, int) or step_rows < 0:
+        raise ValueError(f"step_rows={step_rows!r}, expected an int >= 0")
+    plan(batch, vocab, top_k, variant, window, 1, bf16, step_rows)  # the arguments' checks
     return _build_cached(batch, vocab, top_k, variant, arch or device_arch(), int(window), sms,
-                         bf16)  # fmt: skip
+                         bf16, step_rows)  # fmt: skip

@@ -111,8 +111,8 @@ def prefill(
 
 def _step(params, logits, cache, positions, sampler, sampler_state, key, step):
     """Samples one token per row from `logits`, then feeds it through the model."""
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, step)  # [B]
-    tokens, sampler_state, info = sample(keys, logits, sampler_state, sampler)
+    # row b draws with fold_in(key[b], step): the grid sampler kernels fold it in their launch
+    tokens, sampler_state, info = sample(key, logits, sampler_state, sampler, step=step)
     tokens = tokens.astype(jnp.int32)
     # the next logits in the dtype of these (bfloat16 ones: half the bytes to write, carry and
     # read; float32: the head's logits cast)

@@ -888,7 +888,8 @@ def _reference_tempered(
     return tokens, h, t
 
 
-def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, impl="auto"):
+def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, impl="auto",
+                   step=None):  # fmt: skip
     # the fused op (rejax.ops.sampler): Temperature, and ReSET in reference semantics;
     # variants sampler_op.STATE_VARIANTS: "grid" / "cdf" with ReSET's state update in the op
     b = logits.shape[0]
@@ -902,7 +903,7 @@ def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, imp
     draw = sampler_op.STATE_VARIANTS.get(variant, chosen or "grid")
     if state_in_op:
         variant = draw
-    opts = {"stats_method": stats_method, "variant": variant, "impl": impl}
+    opts = {"stats_method": stats_method, "variant": variant, "impl": impl, "step": step}
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)
         top_p = _row_param("Temperature.top_p", sampler.top_p, b)
@@ -919,7 +920,7 @@ def _sample_kernel(keys, logits, state, sampler, stats_method, variant=None, imp
         nl, dnl = jnp.asarray(sampler.nl_mask), jnp.asarray(sampler.dnl_mask)
         tokens, h, t, state = sampler_op.sample_reset_step(
             logits, thr, alt, t_high, t_low, top_p, keys, state, nl, dnl, impl=impl,
-            stats_method=stats_method, variant=draw,
+            stats_method=stats_method, variant=draw, step=step,
         )  # fmt: skip
         return tokens, state, {"entropy": h, "temperature": t}
     tokens, h, t = sampler_op.sample_top_p(
@@ -938,6 +939,7 @@ def sample(
     *,
     top_p_method: str | None = None,
     stats_method: str = STATS_METHOD,
+    step: jax.Array | None = None,
 ) -> tuple[jax.Array, SamplerState, dict]:
     """Draw the next token of every row.
 
@@ -966,6 +968,9 @@ def sample(
       stats_method: "two_pass" (a max pass, then one pass for the entropy's sums and the
         softmax denominators) or "online" (all of them in one rescaling reduction; the same
         values up to float rounding). Static.
+      step: None, or an int scalar / [B]: row i samples with fold_in(key[i], step[i]) (the
+        same tokens as folding before the call; the "kernel" methods' grid kernels fold it in
+        their launch instead of an XLA kernel before it, the others fold first).
 
     Returns:
       (tokens i32 [B], state, info) with info = {"entropy": f32 [B] raw T=1 entropy in nats,
@@ -988,12 +993,18 @@ def sample(
     if isinstance(sampler, ReSET):
         _check_masks(sampler, v)
     keys = _row_keys(key, b)
+    if step is not None:
+        step = sampler_op._step_operand(step, b)  # int32 [1] or [B] (checked before any work)
     if top_p_method in KERNEL_METHODS:
         if _kernel_serves(sampler):
             variant = KERNEL_METHODS[top_p_method]
             # the op reads bfloat16 logits as they are (their float32 values: the same draws)
-            return _sample_kernel(keys, raw, state, sampler, stats_method, variant)
+            return _sample_kernel(keys, raw, state, sampler, stats_method, variant, step=step)
         top_p_method = "radix"  # what the op's reference computes
+    if step is not None:  # the other methods fold in XLA (the same keys)
+        impl_name = str(jax.random.key_impl(keys))
+        data = sampler_op._fold_step(jax.random.key_data(keys), step, impl_name)
+        keys = jax.random.wrap_key_data(data, impl=impl_name)
     # the temperatures whose softmax denominators the statistics pass can provide
     if isinstance(sampler, Temperature):
         t = _row_param("Temperature.t", sampler.t, b)

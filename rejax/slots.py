@@ -251,8 +251,9 @@ def decode_chunk(
 
     def body(c):
         s, n, used = c
-        keys = jax.vmap(jax.random.fold_in)(s.keys, s.step)  # [B]
-        tokens, sampler_state, info = sample(keys, s.logits, s.sampler_state, sampler)
+        # fold_in(keys[b], step[b]) (the grid sampler kernels fold it in their launch)
+        tokens, sampler_state, info = sample(s.keys, s.logits, s.sampler_state, sampler,
+                                             step=s.step)  # fmt: skip
         tokens = tokens.astype(jnp.int32)
         logits, cache = forward(
             params.weights, tokens[:, None], s.positions[:, None], s.cache, params.cfg,

@@ -536,3 +536,63 @@ def test_reset_decisions_match_reference_on_device(variant):
         tk_t, tr_t = np.asarray(ik["temperature"]), np.asarray(ir["temperature"])
         np.testing.assert_array_equal(tk_t[clear], tr_t[clear])
         sk = sk_new
+
+
+def _scan_draws(z, keys, state, smp, step, fold_before: bool):
+    """4 steps of `sample` on rolled logits: with step=step + i, or on keys folded before."""
+    axis = None if step.ndim == 0 else 0
+
+    def body(st, i):
+        zi = jnp.roll(z, i, axis=1)
+        if fold_before:
+            ki = jax.vmap(jax.random.fold_in, in_axes=(0, axis))(keys, step + i)
+            tok, st, info = sample(ki, zi, st, smp)
+        else:
+            tok, st, info = sample(keys, zi, st, smp, step=step + i)
+        return st, (tok, info["entropy"], info["temperature"])
+
+    return jax.lax.scan(body, state, jnp.arange(4))
+
+
+@pytest.mark.parametrize(
+    ("method", "top_k"),
+    [("kernel-cdf", 0), ("kernel-grid", 0), ("kernel-grid", 20), ("kernel-split", 0),
+     ("kernel-cdf-state", 0), ("kernel-grid-state", 0)],
+)  # fmt: skip
+def test_the_kernels_fold_the_step_as_xla_does(method, top_k):
+    # sample(..., step=s): "grid" / "cdf" (and their ReSET state builds) fold s into the row keys
+    # in the launch (threefry_fold_in), "split" in XLA first: every token, entropy, temperature
+    # and state word equals the call on keys folded before it (jax.random.fold_in), for a shared
+    # step and a step a row, at 1 and 64 rows, over a scan's steps; and the compiled program
+    # holds no threefry ops for "grid" / "cdf" (they are named in it when XLA folds)
+    nl = jnp.zeros(V, bool).at[:10].set(True)
+    dnl = jnp.zeros(V, bool).at[10:15].set(True)
+    if method.endswith("-state"):
+        smp = ReSET(top_p_method=method, t_high=1.0, t_low=0.3, tau_0=3.0, window=8, top_p=0.9,
+                    nl_mask=nl, dnl_mask=dnl)  # fmt: skip
+    else:
+        smp = Temperature(top_p_method=method, t=1.0, top_p=0.9, top_k=top_k)
+    scan = jax.jit(_scan_draws, static_argnames="fold_before")
+    one = jax.jit(lambda z, k, s, step: sample(k, z, s, smp, step=step))
+    for b in (1, 64):
+        z = _logits("real", b, seed=8)
+        z[:, :15] = z.max(axis=1, keepdims=True) + np.linspace(0.0, -1.0, 15, dtype=np.float32)
+        z = jnp.asarray(z, jnp.bfloat16)
+        keys = jax.random.split(jax.random.key(5), b)
+        st0 = sampler_init(smp, b)
+        for step in (jnp.int32(12345), jnp.arange(b, dtype=jnp.int32) * 7 + 1):
+            got = scan(z, keys, st0, smp, step, False)
+            want = scan(z, keys, st0, smp, step, True)
+            for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(c), f"b={b} {step}")
+            if b == 64:  # not a constant: another step moves some draws
+                t0, t1 = one(z, keys, st0, step)[0], one(z, keys, st0, step + 1)[0]
+                assert (np.asarray(t0) != np.asarray(t1)).any()
+        inside = one.lower(z, keys, st0, jnp.int32(3)).compile().as_text().lower()
+        before = jax.jit(lambda z, k, s: sample(k, z, s, smp)).lower(
+            z, jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 3), st0
+        )  # the keys folded outside: no fold in this program either
+        fold = jax.jit(lambda k: jax.vmap(jax.random.fold_in, in_axes=(0, None))(k, 3))
+        assert "threefry" in fold.lower(keys).compile().as_text().lower()  # named when XLA folds
+        assert ("threefry" in inside) == (method == "kernel-split"), (b, method)
+        assert "threefry" not in before.compile().as_text().lower()

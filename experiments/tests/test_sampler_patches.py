@@ -1,7 +1,7 @@
-"""The sampler patches waiting for a GPU, without one: sampler_fold_step.patch and
-sampler_grid_barrier.patch apply to the tree; the barrier patch's grid builds keep their
-registers without spills at BAR_ARRIVE 0 and 1 (its default) and drop the sequentially
-consistent fences; the run scripts refuse bad arguments before they touch anything."""
+"""The sampler patch waiting for a GPU, without one: sampler_grid_barrier.patch applies to the
+tree; its grid builds keep their registers without spills at BAR_ARRIVE 0 and 1 (its default)
+and drop the sequentially consistent fences; its run script refuses bad arguments before it
+touches anything."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from cuda_ops import sampler as kernels
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "experiments" / "kernels"
-PATCHES = ["sampler_fold_step.patch", "sampler_grid_barrier.patch"]
-SCRIPTS = {"fold_step_run.sh": "tests", "barrier_patch_run.sh": "same"}
+PATCHES = ["sampler_grid_barrier.patch"]
+SCRIPTS = {"barrier_patch_run.sh": "same"}
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

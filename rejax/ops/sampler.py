@@ -37,6 +37,11 @@ h and the temperature used.
   the same key while the distribution is the same; "cdf" draws its own tokens from the same
   distribution.
 
+`step=` (both ops): the keys are the rows' base keys and row r draws with
+fold_in(keys[r], step[r]) (step () or [B] int32), the same bits as folding before the call;
+"grid" / "cdf" fold in their launch (`threefry_fold_in`, threefry keys), which spares a decode
+loop the fold's XLA kernel every step; every other path folds in XLA first.
+
 `sample_kernel` is `rejax.sampling.sample`'s kernel path with the variant as an argument (the
 GPU tests and experiments/bench_sampler.py reach every variant through it).
 
@@ -138,7 +143,33 @@ _sample_p = Primitive("rejax_sample_top_p")
 _sample_p.multiple_results = True
 
 
-def _abstract(logits, thr, alt, t_a, t_b, top_p, keys, **_: Any):
+def _fold_step(keys, step, key_impl: str):
+    """Key data [B, 2] -> the key data of fold_in(key[r], step[r or 0]) (XLA's fold)."""
+    typed = jax.random.wrap_key_data(keys, impl=key_impl)
+    axis = None if step.shape[0] == 1 else 0
+    folded = jax.vmap(jax.random.fold_in, in_axes=(0, axis))(
+        typed, step[0] if axis is None else step
+    )
+    return jax.random.key_data(folded)
+
+
+def _step_operand(step, b: int) -> jax.Array:
+    """step (), [1] or [B] -> int32 [1] or [B] (the op's last operand)."""
+    step = jnp.asarray(step)
+    if not jnp.issubdtype(step.dtype, jnp.integer) or step.shape not in ((), (1,), (b,)):
+        raise ValueError(
+            f"step must be an int scalar or an int array of shape [B={b}], got "
+            f"{step.dtype}{list(step.shape)}"
+        )
+    return jnp.reshape(step.astype(jnp.int32), (-1,))
+
+
+def _kernel_folds(params) -> bool:
+    """Whether the grid kernel folds the step in (threefry keys; else XLA folds first)."""
+    return params.get("fold_step", False) and params["key_impl"] == "threefry2x32"
+
+
+def _abstract(logits, thr, alt, t_a, t_b, top_p, keys, *_step, **_: Any):
     b = logits.shape[0]
     return (
         jax.core.ShapedArray((b,), jnp.int32),
@@ -159,10 +190,12 @@ _sample_p.def_impl(lambda *args, **params: _jitted_bind(**params)(*args))
 
 
 def _reference(
-    logits, thr, alt, t_a, t_b, top_p, keys, *, kind, top_k, key_impl, stats_method, **_
+    logits, thr, alt, t_a, t_b, top_p, keys, *step, kind, top_k, key_impl, stats_method, **_
 ):
     from rejax import sampling  # sampling imports this module
 
+    if step:
+        keys = _fold_step(keys, step[0], key_impl)
     return sampling._reference_tempered(
         logits.astype(jnp.float32), thr, alt, t_a, t_b, top_p, jax.random.wrap_key_data(keys, impl=key_impl),
         kind=kind, top_k=top_k, stats_method=stats_method,
@@ -187,15 +220,20 @@ def _lower_cuda(ctx, *args, **params):
     b, v = ctx.avals_in[0].shape
     supported = _supported(b, v, params["top_k"], ctx.avals_in[6].shape, params["launch"])
     kern = None
+    folds = _kernel_folds(params) and params["variant"] in kernels.GRID_VARIANTS
     if supported[0] and params["impl"] != "ref":
         try:
             kern = kernels.build(b, v, params["top_k"], variant=params["variant"],
-                                 logits_dtype=str(ctx.avals_in[0].dtype))  # fmt: skip
+                                 logits_dtype=str(ctx.avals_in[0].dtype),
+                                 step_rows=ctx.avals_in[7].shape[0] if folds else 0)  # fmt: skip
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
         fn = functools.partial(_reference, **params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    if len(args) == 8 and not folds:  # the other kernels take folded keys
+        return mlir.lower_fun(functools.partial(_fold_then, kern=kern, **params),
+                              multiple_results=True)(ctx, *args)  # fmt: skip
     if kern.plan.variant in kernels.GRID_VARIANTS:
         impl = _cuda_impl_grid
     elif kern.plan.variant in kernels.CLUSTER_VARIANTS:
@@ -203,6 +241,18 @@ def _lower_cuda(ctx, *args, **params):
     else:  # "split" and "merge"
         impl = _cuda_impl
     return mlir.lower_fun(functools.partial(impl, kern=kern), multiple_results=True)(ctx, *args)
+
+
+def _fold_then(*args, kern, key_impl, **_):
+    # XLA folds the step into the keys, then the kernels run on the op's seven operands
+    keys = _fold_step(args[6], args[7], key_impl)
+    if kern.plan.variant in kernels.GRID_VARIANTS:
+        impl = _cuda_impl_grid
+    elif kern.plan.variant in kernels.CLUSTER_VARIANTS:
+        impl = _cuda_impl_cluster
+    else:
+        impl = _cuda_impl
+    return impl(*args[:6], keys, kern=kern)
 
 
 def _call(kern, entry: str, out, *operands):
@@ -234,11 +284,12 @@ def _cuda_impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
 
 
 def _one_launch(entry: str):
-    # the cluster and grid kernels: one call, the op's seven operands and three results
-    def impl(logits, thr, alt, t_a, t_b, top_p, keys, *, kern):
+    # the cluster and grid kernels: one call, the op's seven operands (the grid kernel folding
+    # the step in: eight) and three results
+    def impl(logits, thr, alt, t_a, t_b, top_p, keys, *step, kern):
         avals = _abstract(logits, thr, alt, t_a, t_b, top_p, keys)
         outs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
-        return _call(kern, entry, outs, logits, thr, alt, t_a, t_b, top_p, keys)
+        return _call(kern, entry, outs, logits, thr, alt, t_a, t_b, top_p, keys, *step)
 
     return impl
 
@@ -258,9 +309,26 @@ def _fold_rows(args, dims) -> tuple[int, list]:
 
 
 def _batch(args, dims, **params):
+    if params.get("fold_step"):  # fold first (a batched step is per row), then batch the rest
+        args, dims = _unfold_batched(args, dims, params)
+        params = {**params, "fold_step": False}
     n, flat = _fold_rows(args, dims)
     outs = _sample_p.bind(*flat, **params)
     return [o.reshape(n, -1) for o in outs], [0, 0, 0]
+
+
+def _unfold_batched(args, dims, params):
+    # (args with the step folded into the keys, dims) under vmap: keys [.., B, 2], step [.., S]
+    keys, kd, step, sd = args[6], dims[6], args[-1], dims[-1]
+    keys = jnp.moveaxis(keys, kd, 0) if kd is not None else keys[None]
+    step = jnp.moveaxis(step, sd, 0) if sd is not None else step[None]
+    n = max(keys.shape[0], step.shape[0])
+    keys = jnp.broadcast_to(keys, (n, *keys.shape[1:]))
+    step = jnp.broadcast_to(step, (n, *step.shape[1:]))
+    folded = jax.vmap(lambda k, s: _fold_step(k, s, params["key_impl"]))(keys, step)
+    args = (*args[:6], folded, *args[7:-1])
+    dims = (*dims[:6], 0, *dims[7:-1])
+    return args, dims
 
 
 batching.primitive_batchers[_sample_p] = _batch
@@ -275,7 +343,7 @@ _reset_p.multiple_results = True
 _STATE_FIELDS = ("ring", "n_ring", "ring_pos", "s_sum", "s_n", "g_sum", "g_n", "y1", "y2")
 
 
-def _abstract_reset(logits, *args, **_: Any):
+def _abstract_reset(logits, *args, **_: Any):  # (the step, when given, is the last operand)
     b, w = logits.shape[0], args[6].shape[1]
     f32, i32 = jnp.float32, jnp.int32
     shapes = [((b,), i32), ((b,), f32), ((b,), f32), ((b, w), f32)]
@@ -295,14 +363,15 @@ _reset_p.def_impl(lambda *args, **params: _jitted_bind_reset(**params)(*args))
 
 
 def _composed_reset(logits, thr, alt, t_a, t_b, top_p, keys, *rest, launch, key_impl,
-                    stats_method, impl, variant="grid"):  # fmt: skip
+                    stats_method, impl, variant="grid", fold_step=False):  # fmt: skip
     # the draw (the "grid" op, or its reference), then rejax.sampling's state update in XLA:
     # exactly the non-fused path
     from rejax import sampling  # sampling imports this module
 
     tokens, h, t = _sample_p.bind(
-        logits, thr, alt, t_a, t_b, top_p, keys, launch=launch, kind="reset", top_k=0,
-        key_impl=key_impl, stats_method=stats_method, impl=impl, variant=variant,
+        logits, thr, alt, t_a, t_b, top_p, keys, *rest[11:], launch=launch, kind="reset",
+        top_k=0, key_impl=key_impl, stats_method=stats_method, impl=impl, variant=variant,
+        fold_step=fold_step,
     )  # fmt: skip
     state = sampling.SamplerState(*rest[:9])
     state = sampling._observe(sampling._push(h, state), tokens, rest[9], rest[10])
@@ -325,11 +394,14 @@ def _lower_cuda_reset(ctx, *args, **params):
     b, v = ctx.avals_in[0].shape
     w = ctx.avals_in[7].shape[1]
     supported = _supported(b, v, 0, ctx.avals_in[6].shape, params["launch"])
+    if params.get("fold_step") and not _kernel_folds(params):
+        supported = (False, f"key_impl={params['key_impl']!r} (the kernel folds threefry keys)")
     kern = None
     if supported[0] and params["impl"] != "ref":
         try:
             kern = kernels.build(b, v, 0, variant=params.get("variant", "grid"), window=w,
-                                 logits_dtype=str(ctx.avals_in[0].dtype))  # fmt: skip
+                                 logits_dtype=str(ctx.avals_in[0].dtype),
+                                 step_rows=ctx.avals_in[18].shape[0] if params.get("fold_step") else 0)  # fmt: skip
         except kernels.KernelError as err:
             supported = (False, f"kernel build failed: {err}")
     if not _dispatch.use_kernel(OP, params["impl"], supported):
@@ -345,6 +417,9 @@ def _lower_cuda_reset(ctx, *args, **params):
 
 def _batch_reset(args, dims, **params):
     # vmap over a leading dim n of the rows' arguments: fold it into B; the masks stay shared
+    if params.get("fold_step"):  # fold first (a batched step is per row), then batch the rest
+        args, dims = _unfold_batched(args, dims, params)
+        params = {**params, "fold_step": False}
     if dims[-1] is not None or dims[-2] is not None:
         raise NotImplementedError("ReSET's newline masks cannot be batched: one vocabulary")
     n, flat = _fold_rows(args[:-2], dims[:-2])
@@ -381,6 +456,7 @@ def sample_reset_step(
     impl: str = "auto",
     stats_method: str = "two_pass",
     variant: str = "grid",
+    step: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
     """`sample_top_p(..., kind="reset", variant=variant)` and ReSET's state update after it
     (`rejax.sampling._push` the entropies, `_observe` the tokens) as one op: on CUDA one launch
@@ -392,6 +468,8 @@ def sample_reset_step(
       variant: the draw, "grid" or "cdf" (`kernels.GRID_VARIANTS`). Static.
       state: the rows' `rejax.sampling.SamplerState` (ring of w entropies).
       nl_mask, dnl_mask: bool [V], ReSET's newline masks.
+      step: None (keys as given), or int () / [B]: row r draws with fold_in(keys[r], step[r])
+        (the same bits; the kernel folds it in its launch).
 
     Returns:
       (tokens i32 [B], entropy f32 [B], temperature f32 [B], the new state).
@@ -408,10 +486,11 @@ def sample_reset_step(
             raise ValueError(f"{name} must be bool [{v}], got {mask.dtype}{mask.shape}")
     launch = _dispatch.default_launch() if impl != "ref" else "ptx"
     params = {"key_impl": str(jax.random.key_impl(keys)), "stats_method": stats_method}
-    params |= {"impl": impl, "launch": launch, "variant": variant}
+    params |= {"impl": impl, "launch": launch, "variant": variant, "fold_step": step is not None}
+    extra = () if step is None else (_step_operand(step, logits.shape[0]),)
     outs = _reset_p.bind(
         logits, thr, alt, t_a, t_b, top_p, jax.random.key_data(keys),
-        *(getattr(state, f) for f in _STATE_FIELDS), nl_mask, dnl_mask, **params,
+        *(getattr(state, f) for f in _STATE_FIELDS), nl_mask, dnl_mask, *extra, **params,
     )  # fmt: skip
     return outs[0], outs[1], outs[2], sampling.SamplerState(*outs[3:])
 
@@ -430,6 +509,7 @@ def sample_top_p(
     impl: str = "auto",
     stats_method: str = "two_pass",
     variant: str = VARIANT,
+    step: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token per row (module docstring).
 
@@ -439,7 +519,7 @@ def sample_top_p(
       thr, alt: f32 [B]: a row takes t_a iff its entropy h >= thr or h > alt, else t_b.
       t_a, t_b: f32 [B] temperatures (<= 1e-6: greedy, the first argmax of the raw logits).
       top_p: f32 [B] in (0, 1].
-      keys: [B] typed jax.random keys, one per row (fold the step in before).
+      keys: [B] typed jax.random keys, one per row (fold the step in before, or pass `step`).
       kind: "temperature" or "reset" (only how the reference sums its denominators). Static.
       top_k: > 0 keeps the tokens whose tempered logit is >= the k-th largest before top-p
         (`rejax.sampling.Temperature`'s rule). Static.
@@ -447,6 +527,8 @@ def sample_top_p(
       stats_method: the reference's statistics ("two_pass" / "online"). Static.
       variant: which CUDA kernels: one of `VARIANTS` (the same algorithm and noise), or "auto"
         (`choose_variant`: by the rows and top_k). Static.
+      step: None (keys as given), or int () / [B]: row r draws with fold_in(keys[r], step[r])
+        (the same bits; "grid" and "cdf" fold it in their launch, other paths in XLA first).
 
     Returns:
       (tokens i32 [B], entropy f32 [B], temperature f32 [B]).
@@ -465,7 +547,9 @@ def sample_top_p(
     variant = choose_variant(variant, logits.shape[0], int(top_k))
     params = {"kind": kind, "top_k": int(top_k), "key_impl": key_impl}
     params |= {"stats_method": stats_method, "impl": impl, "variant": variant}
-    outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, launch=launch, **params)
+    params |= {"fold_step": step is not None}
+    extra = () if step is None else (_step_operand(step, logits.shape[0]),)
+    outs = _sample_p.bind(logits, thr, alt, t_a, t_b, top_p, data, *extra, launch=launch, **params)
     return tuple(outs)
 
 
@@ -541,6 +625,26 @@ def philox(c0, k0, k1, c1=0, c2=0, c3=0) -> tuple[np.ndarray, ...]:
         c = [(p1 >> np.uint64(32)) ^ c[1] ^ k0, p1 & mask, (p0 >> np.uint64(32)) ^ c[3] ^ k1,
              p0 & mask]  # fmt: skip
     return tuple(x.astype(np.uint32) for x in c)
+
+
+def threefry_fold_in(k0, k1, data) -> tuple[np.ndarray, np.ndarray]:
+    """sampler.cu's `threefry_fold_in`, elementwise over uint32: the key data of
+    jax.random.fold_in((k0, k1), data) for threefry keys (Threefry-2x32, 20 rounds, on the
+    counter pair (0, data))."""
+    mask = np.uint64(0xFFFFFFFF)
+    k0, k1 = np.asarray(k0, np.uint64) & mask, np.asarray(k1, np.uint64) & mask
+    ks = (k0, k1, k0 ^ k1 ^ np.uint64(0x1BD11BDA))
+    x0 = ks[0] + np.uint64(0)
+    x1 = (np.asarray(data).astype(np.int64).astype(np.uint64) + ks[1]) & mask
+    rot = ((13, 15, 26, 6), (17, 29, 16, 24))
+    for i in range(5):
+        for r in rot[i & 1]:
+            x0 = (x0 + x1) & mask
+            x1 = ((x1 << np.uint64(r)) | (x1 >> np.uint64(32 - r))) & mask
+            x1 = x1 ^ x0
+        x0 = (x0 + ks[(i + 1) % 3]) & mask
+        x1 = (x1 + ks[(i + 2) % 3] + np.uint64(i + 1)) & mask
+    return x0.astype(np.uint32), x1.astype(np.uint32)
 
 
 def gumbel_of_bits(hi, lo) -> np.ndarray:
