@@ -950,7 +950,8 @@ def sample(
 
     Args:
       key: a jax.random key (split per row) or a [B] batch of keys (row i uses key[i], so a row
-        samples the same token in any batch). Fold the step in: `jax.random.fold_in(key, step)`.
+        samples the same token in any batch). Fold the step in with `step=` (the same draws
+        as `jax.random.fold_in(key, step)` before the call).
       logits: [B, V] raw logits (cast to float32; the "kernel" methods read bfloat16 logits
         as they are, the same values).
       state: `SamplerState` from `sampler_init(sampler, B)`; returned unchanged unless ReSET.
