@@ -146,7 +146,6 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
             np.testing.assert_array_equal(got, want)
 
 
-# (Config fields, prompts per batch): the fused one-launch linears (all prompts in one batch, and
 @pytest.mark.parametrize(("n", "k"), [(24576, 4096), (1024, 256), (512, 768)])
 def test_swiglu_epilogue_equals_the_swiglu_quantizer_gpu(n, k):
     """gate_up's SWIGLU_OUT GEMV (fused_linear_swiglu) writes the bytes of the "bf16" path,
@@ -182,27 +181,30 @@ def test_swiglu_epilogue_equals_the_swiglu_quantizer_gpu(n, k):
                 continue
             quant = nvfp4_quant.build(m, n // 2, down)
 
-            def want_fn(x, quant=quant, down=down, xgd=xgd):
+            # the weights go in as arguments: closed over, each of these 32 programs would
+            # embed gate_up's 113 MB as constants (seconds of compile apiece: this test used
+            # to run past 200 s)
+            def want_fn(x, params, quant=quant, down=down, xgd=xgd):
                 h = fl.fused_linear(x, params, layer=layer, prologue="rmsnorm", norm=norm,
                                     kernels="two", gemm_options=go, impl="cuda")  # fmt: skip
                 nw = jnp.zeros((1,), jnp.bfloat16)
                 return fl._quant_p.bind(h, xgd, nw, layer, k=n // 2, fused=down, kernel=quant)
 
             got_fn = jax.jit(
-                lambda x, d=down_scale: fl.fused_linear_swiglu(
+                lambda x, params, d=down_scale: fl.fused_linear_swiglu(
                     x, params, d, layer=layer, norm=norm, gemm_options=go, impl="cuda"
                 )
             )
             x = _x(m, k, _seed("swiglu", n, k, m))
-            want = [np.asarray(a) for a in jax.jit(want_fn)(x)]
-            got = [np.asarray(a) for a in got_fn(x)]
+            want = [np.asarray(a) for a in jax.jit(want_fn)(x, params)]
+            got = [np.asarray(a) for a in got_fn(x, params)]
             assert want[0].any(), "all-zero codes: the test's scales are off"
             if stacked:
                 assert (want[1] == 0x7E).all()  # 448 at g = 1e-9
             for name, a, b in zip(("codes", "scales", "global scale"), got, want, strict=True):
                 np.testing.assert_array_equal(a, b, err_msg=f"{name} M={m} N={n} K={k}")
             # repeated calls: the same bits
-            np.testing.assert_array_equal(np.asarray(got_fn(x)[0]), got[0])
+            np.testing.assert_array_equal(np.asarray(got_fn(x, params)[0]), got[0])
 
 
 @pytest.mark.parametrize(("n", "k"), [(4096, 4096), (1024, 512)])
@@ -264,6 +266,7 @@ def test_norm_out_tail_equals_the_quantizer_kernel_gpu(n, k):
                 np.testing.assert_array_equal(np.asarray(y2), got[0])
 
 
+# (Config fields, prompts per batch): the fused one-launch linears (all prompts in one batch, and
 # batches of 4 rows: the GEMV); "mixed" (o_proj fused, the rest split) in batches of 4; the split
 # path with every opt-in decode kernel (the residual in the linears' epilogues, q/k norm + RoPE +
 # cache write as one kernel), in batches of 4 rows (the GEMV), 8 and 16 (the quantizer kernel's
