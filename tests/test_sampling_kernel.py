@@ -196,6 +196,23 @@ def test_grid_kernel_fits_its_occupancy(top_k, variant, b, bf16):
         assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
 
 
+@pytest.mark.parametrize(
+    ("variant", "b", "window", "top_k"),
+    [("cdf", 1, 16, 0), ("cdf", 64, 0, 0), ("grid", 1, 0, 20), ("grid", 8, 0, 0)],
+)
+def test_grid_barriers_arrive_without_sequentially_consistent_fences(variant, b, window, top_k):
+    # grid_barrier arrives with fence.acq_rel + a relaxed add and polls with acquire loads: the
+    # PTX keeps one fence.sc (the exit's counter reset), not two per barrier site
+    pytest.importorskip("cuda.bindings.nvrtc")
+    from cuda_ops.build import compile_ptx, read_source
+
+    p = kernels.plan(b, 151936, top_k, variant=variant, window=window, bf16=True)
+    ptx = compile_ptx(read_source("sampler.cu"), name="sampler.cu", defines=p.defines(),
+                      arch="compute_90")  # fmt: skip
+    assert ptx.count("fence.sc.gpu") + ptx.count("membar.gl") == 1, variant
+    assert ptx.count("fence.acq_rel.gpu") >= 2 and "ld.acquire.gpu" in ptx
+
+
 @pytest.mark.parametrize("variant", kernels.CLUSTER_VARIANTS)
 @pytest.mark.parametrize("b,top_k", [(1, 0), (1, 20), (24, 0), (24, 20), (64, 0), (64, 20)])
 def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k, variant):

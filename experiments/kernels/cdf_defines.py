@@ -14,8 +14,6 @@ Constants measured with it:
   CDF_FAST_EXP  1: the statistics sweep's and the draw walk's exp as the hardware's exp2 (a
                 constant of sampler_cdf_fast_exp.patch: apply it first; the tree ignores it).
   AHEAD         trips of logits each grid sweep loads ahead (sampler.cu: 1).
-  BAR_ARRIVE    the grid barrier's arrival (a constant of sampler_grid_barrier.patch: apply it
-                first; the tree ignores it): 0 the tree's, 1 fence.acq_rel, 2 release add.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import os
 import runpy
 import sys
 
-KNOWN = {"NC": range(1, 5), "CDF_FAST_EXP": range(2), "AHEAD": range(1, 5), "BAR_ARRIVE": range(3)}
+KNOWN = {"NC": range(1, 5), "CDF_FAST_EXP": range(2), "AHEAD": range(1, 5)}
 
 
 def parse(spec: str) -> dict[str, int]:
