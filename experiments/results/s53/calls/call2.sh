@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# session 53 call 2 (about 8 min), on the tree with the step folded in the sampler's launch:
+# session 53 call 2 (about 7 min), on the tree with the step folded in the sampler's launch:
 #  1. tests/test_sample_step.py on the GPU (call 1's two failures fixed: the reference jitted
 #     too, and the register check skipped where NVRTC's log has no ptxas report) and
 #     test_sampling_gpu.py -k fold_the_step
 #  2. profile_step.py, 4 layers, 32 steps, 64 rows Temperature / ReSET and 1 row ReSET: the
 #     loops folding in XLA (experiments/loop_fold_off.py) / in the launch, alternated twice
-#  3. experiments/kernels/barrier_patch_run.sh same (bit for bit against this tree)
+#  3. test_fused_linear_gpu.py -k "swiglu_epilogue and 24576" with its weights passed as
+#     arguments (it ran past 200 s in sessions 46 and 52)
 set -uo pipefail
 out=$1
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false REJAX_KERNEL_CACHE=/tmp/rk
@@ -37,6 +38,9 @@ for r in json.load(open(sys.argv[1]))["results"]:
           f"concatenate {k.get('input_concatenate_fusion', 0):.2f} us")
 PY
 done
+t0=$(date +%s)
+timeout 150 python3 -m pytest tests/test_fused_linear_gpu.py -k "swiglu_epilogue and 24576" \
+  -p no:cacheprovider -rf -o faulthandler_timeout=140 > $x/swiglu24576.log 2>&1
+stamp swiglu24576 $? $t0
+grep -a -E "passed|failed|Timeout" $x/swiglu24576.log | tail -5 | tee -a $log
 tar czf $out/call2.tgz -C $out x && rm -rf $x
-bash experiments/kernels/barrier_patch_run.sh $out/barrier same
-cat $out/barrier/barrier_patch.log >> $log
