@@ -89,15 +89,18 @@ def test_in_kernel_quantization_equals_quantize_activation(n, k, static):
     w = _weight(n, k, _seed(n, k))
     params = {"weight": w} | ({"input_scale": jnp.full((2,), 0.01, jnp.float32)} if static else {})
     layer = jnp.int32(1)
-    fused = jax.jit(lambda x: fl.fused_linear(x, params, layer=layer, impl="cuda"))
+    # the weights go in as arguments (closed over, every program would embed them as constants)
+    fused = jax.jit(lambda x, params: fl.fused_linear(x, params, layer=layer, impl="cuda"))
     # the plain GEMV on quantize_activation's codes at every M = 1..8 (at M = 8 the plain linear
     # would take the GEMM by default, whose fp32 sum order is not the GEMV's)
     gemv_min = nvfp4_gemv.MAX_M + 1
-    plain = jax.jit(lambda x: layers.linear(x, params, "nvfp4", layer=layer, gemm_min_m=gemv_min))
+    plain = jax.jit(
+        lambda x, params: layers.linear(x, params, "nvfp4", layer=layer, gemm_min_m=gemv_min)
+    )
     for m in range(1, 9):
         x = _x(m, k, _seed(n, k, m, static))
-        got = np.asarray(fused(x), np.float32)
-        want = np.asarray(plain(x), np.float32)
+        got = np.asarray(fused(x, params), np.float32)
+        want = np.asarray(plain(x, params), np.float32)
         assert np.isfinite(got).all()
         np.testing.assert_array_equal(got, want, err_msg=f"M={m} N={n} K={k} static={static}")
 
@@ -111,7 +114,7 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
     layer = jnp.int32(0)
     norm = (1 + 0.1 * jax.random.normal(jax.random.key(3), (2, k))).astype(jnp.bfloat16)
 
-    def unfused(x, r):
+    def unfused(x, r, params):
         if prologue == "rmsnorm":
             h = layers.rms_norm(x, layers.take(norm, layer), 1e-6)
         elif prologue == "swiglu":
@@ -122,7 +125,7 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
         return r + layers.linear(h, params, "nvfp4", layer=layer, gemm_min_m=nvfp4_gemv.MAX_M + 1)
 
     fused = jax.jit(
-        lambda x, r: fl.fused_linear(
+        lambda x, r, params: fl.fused_linear(
             x, params, layer=layer, prologue=prologue, norm=norm, residual=r, impl="cuda"
         )
     )
@@ -131,8 +134,8 @@ def test_fused_ops_match_the_unfused_composition(n, k, prologue):
     for m in (1, 8, 16):
         x = _x(m, width, _seed(n, k, m, prologue), scale=1.0)
         r = jax.random.normal(jax.random.key(m), (m, n), jnp.float32).astype(jnp.bfloat16)
-        got = np.asarray(fused(x, r), np.float64)
-        want = np.asarray(jax.jit(unfused)(x, r), np.float64)
+        got = np.asarray(fused(x, r, params), np.float64)
+        want = np.asarray(jax.jit(unfused)(x, r, params), np.float64)
         rel = np.linalg.norm(got - want) / np.linalg.norm(want)
         equal = np.mean(got == want)
         worst.append((m, rel, equal))
