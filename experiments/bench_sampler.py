@@ -16,8 +16,9 @@ is the previous default (pure XLA). `--variants` times the kernel's variants sid
 labelled "kernel:v" and runs through `rejax.ops.sampler.sample_kernel`). `--decode-layers N` also
 times the decode loop of a random-weight Qwen3-8B NVFP4 with N layers (`rejax.bench.bench_decode`)
 per sampler and method ("decode" in the JSON; the default variant only), in `--decode-rounds`
-rounds of greedy then every sampler: a sampler's cost over greedy is the median over rounds of
-its difference to that round's greedy (one executable's runs drift by about 10 us at batch 1).
+rounds of greedy, S1, greedy, S2, ..., greedy: a sampler's cost over greedy is the median over
+rounds of its time minus the mean of the greedy runs just before and after it (one
+executable's runs drift by about 10 us at batch 1).
 
 Usage (H200, the issue-15 measurement; about 7 minutes):
   PYTHONPATH=. python experiments/bench_sampler.py --batch 1 64 --logits lm --methods kernel \\
@@ -216,18 +217,48 @@ def _nucleus_fraction(logits: jax.Array, t: float, top_p: float) -> float:
     return float(jnp.mean(jnp.sum(kept, axis=-1) / logits.shape[-1]))
 
 
-def over_greedy(rounds: list[dict]) -> dict:
-    """Each label's cost over greedy from rounds of decode-loop timings ({"greedy": us, label:
-    us, ...} per round, timed in that order): per round the label minus that round's greedy,
-    then the median over rounds (runs of one executable drift by about 10 us at batch 1, so a
-    difference is only taken within a round)."""
-    if not rounds or any("greedy" not in r for r in rounds):
-        raise ValueError(f"rounds={rounds!r}: expected one or more dicts with a 'greedy' time")
-    labels = [k for k in rounds[0] if k != "greedy"]
-    out = {"greedy_us_per_token": float(np.median([r["greedy"] for r in rounds]))}
+def _round_diffs(r) -> tuple[float, dict]:
+    """One round's greedy time and each label's (time, difference to greedy). A dict round
+    ({"greedy": us, label: us, ...}, timed in that order) takes the one greedy entry; a list round
+    ([(label, us), ...] in run order, greedy entries labelled "greedy" between the others) takes
+    for each entry the mean of the greedy entries just before and just after it, so drift within
+    the round cancels too."""
+    if isinstance(r, dict):
+        if "greedy" not in r:
+            raise ValueError(f"round {r!r}: expected a 'greedy' time")
+        return r["greedy"], {k: (us, us - r["greedy"]) for k, us in r.items() if k != "greedy"}
+    seq = list(r)
+    greedy = [i for i, (k, _) in enumerate(seq) if k == "greedy"]
+    if not greedy:
+        raise ValueError(f"round {r!r}: expected one or more 'greedy' entries")
+    out = {}
+    for i, (k, us) in enumerate(seq):
+        if k == "greedy":
+            continue
+        if k in out:
+            raise ValueError(f"round {r!r}: label {k!r} twice")
+        near = [seq[j][1] for j in (max([g for g in greedy if g < i], default=None),
+                                    min([g for g in greedy if g > i], default=None))
+                if j is not None]  # fmt: skip
+        out[k] = (us, us - float(np.mean(near)))
+    return float(np.median([seq[g][1] for g in greedy])), out
+
+
+def over_greedy(rounds: list) -> dict:
+    """Each label's cost over greedy from rounds of decode-loop timings, per round the label
+    minus that round's greedy (`_round_diffs`: a dict round's one greedy entry, a list round's
+    greedy entries just before and after the label), then the median over rounds (runs of one
+    executable drift by about 10 us at batch 1, so a difference is only taken within a round)."""
+    if not rounds:
+        raise ValueError(f"rounds={rounds!r}: expected one or more rounds with a 'greedy' time")
+    parsed = [_round_diffs(r) for r in rounds]
+    labels = list(parsed[0][1])
+    if any(list(d) != labels for _, d in parsed):
+        raise ValueError(f"rounds={rounds!r}: expected the same labels in every round")
+    out = {"greedy_us_per_token": float(np.median([g for g, _ in parsed]))}
     for k in labels:
-        diffs = [r[k] - r["greedy"] for r in rounds]
-        out[f"{k}_us_per_token"] = float(np.median([r[k] for r in rounds]))
+        diffs = [d[k][1] for _, d in parsed]
+        out[f"{k}_us_per_token"] = float(np.median([d[k][0] for _, d in parsed]))
         out[f"{k}_over_greedy_us"] = float(np.median(diffs))
         out[f"{k}_over_greedy_us_rounds"] = diffs
     return out
@@ -266,14 +297,15 @@ def _decode_loop(args, samplers) -> dict:
             return r["ms_per_token"] * 1e3
 
         rounds = []
-        for _ in range(args.decode_rounds):
-            times = {"greedy": timed(Greedy())}
+        for _ in range(args.decode_rounds):  # greedy S1 greedy S2 ... greedy
+            times = [("greedy", timed(Greedy()))]
             for name in args.decode_samplers:
                 smp = samplers[name]
                 if isinstance(smp, ReSET):
                     smp = dataclasses.replace(smp, nl_mask=nl, dnl_mask=dnl)
                 for method in args.methods:
-                    times[f"{name}/{method}"] = timed(dataclasses.replace(smp, top_p_method=method))
+                    smp_m = dataclasses.replace(smp, top_p_method=method)
+                    times += [(f"{name}/{method}", timed(smp_m)), ("greedy", timed(Greedy()))]
             rounds.append(times)
         row = {"batch": b, **over_greedy(rounds)}
         runs.append(row)
@@ -281,9 +313,10 @@ def _decode_loop(args, samplers) -> dict:
     return {"layers": args.decode_layers, "model": "qwen3-8b nvfp4, random weights",
             "new_tokens": args.decode_tokens, "prompt_len": 128, "repeats": args.decode_repeats,
             "rounds": args.decode_rounds,
-            "method": "rejax.bench.bench_decode median ms/token; rounds of greedy then every "
-            "sampler in one process; *_over_greedy_us = median over rounds of (sampler - that "
-            "round's greedy), *_us_per_token = median over rounds", "model_logits": logit_stats,
+            "method": "rejax.bench.bench_decode median ms/token; rounds of greedy, S1, greedy, "
+            "S2, ..., greedy in one process; *_over_greedy_us = median over rounds of (sampler - "
+            "the mean of the greedy runs just before and after it), *_us_per_token = median over "
+            "rounds", "model_logits": logit_stats,
             "runs": runs}  # fmt: skip
 
 
@@ -339,8 +372,8 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-repeats", type=int, default=5, help="timed decode-loop runs")
     parser.add_argument(
         "--decode-rounds", type=int, default=3,
-        help="rounds of greedy then every decode sampler; costs over greedy are medians of the "
-        "rounds' differences",
+        help="rounds of greedy, S1, greedy, S2, ..., greedy; a sampler's cost over greedy is the "
+        "median over rounds of its time minus the mean of the greedy runs beside it",
     )  # fmt: skip
     parser.add_argument(
         "--decode-samplers",

@@ -24,6 +24,43 @@ def test_over_greedy_takes_each_rounds_difference_then_the_median():
     }  # fmt: skip
 
 
+def test_alternated_rounds_take_the_greedy_runs_beside_each_sampler():
+    # greedy climbs 10 us a run inside each round: the round's first greedy would charge the
+    # last sampler with the drift, the greedy runs beside it do not
+    rounds = [
+        [("greedy", 2500.0), ("temp", 2515.0), ("greedy", 2510.0), ("reset", 2532.0),
+         ("greedy", 2520.0)],
+        [("greedy", 2400.0), ("temp", 2417.0), ("greedy", 2410.0), ("reset", 2430.0),
+         ("greedy", 2420.0)],
+        [("greedy", 2450.0), ("temp", 2461.0), ("greedy", 2460.0), ("reset", 2471.0),
+         ("greedy", 2470.0)],
+    ]  # fmt: skip
+    out = bs.over_greedy(rounds)
+    assert out["temp_over_greedy_us_rounds"] == [10.0, 12.0, 6.0]
+    assert out["reset_over_greedy_us_rounds"] == [17.0, 15.0, 6.0]
+    assert out["temp_over_greedy_us"] == 10.0 and out["reset_over_greedy_us"] == 15.0
+    assert out["greedy_us_per_token"] == 2460.0  # median of the rounds' median greedy
+    assert out["reset_us_per_token"] == 2471.0
+
+
+def test_a_sampler_before_any_greedy_takes_the_greedy_after_it():
+    out = bs.over_greedy([[("temp", 2515.0), ("greedy", 2500.0)]])
+    assert out["temp_over_greedy_us"] == 15.0
+
+
+@pytest.mark.parametrize(
+    "rounds",
+    [
+        [[("temp", 1.0)]],
+        [[("greedy", 1.0), ("temp", 2.0), ("temp", 3.0)]],
+        [{"greedy": 1.0, "temp": 2.0}, {"greedy": 1.0, "reset": 2.0}],
+    ],
+)
+def test_malformed_alternated_rounds_are_refused(rounds):
+    with pytest.raises(ValueError, match="round"):
+        bs.over_greedy(rounds)
+
+
 @pytest.mark.parametrize("rounds", [[], [{"temp": 1.0}]])
 def test_over_greedy_refuses_rounds_without_greedy(rounds):
     with pytest.raises(ValueError, match="greedy"):
