@@ -3,13 +3,15 @@
 # experiments/bench_sampler.py, 36-layer random Qwen3-8B NVFP4 decode loop, batch 1 and 64,
 # 128 new tokens, medians of 5 runs an entry, 3 rounds of greedy S1 greedy S2 greedy S3 greedy
 # (a sampler's cost is its time minus the mean of the greedy runs beside it; the median over
-# rounds), plus the kernel alone on lm logits (about 6 min)
+# rounds), plus the kernel alone on lm logits (about 6 min).
+#   bash call3.sh OUT [SHA]   SHA: the local checkout's (the device copy's git metadata is
+#                             main's as the session began, not the working tree's commits)
 set -uo pipefail
 out=$1
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false REJAX_KERNEL_CACHE=/tmp/rk
 log=$out/call3.log
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $log
-sha=$(git rev-parse HEAD)
+sha=${2:-$(git rev-parse HEAD)}
 t0=$(date +%s)
 timeout 570 python3 experiments/bench_sampler.py --batch 1 64 --logits lm --methods kernel \
   --samplers temperature_top_p top_k20_top_p reset_top_p --stats two_pass --steps 20 --repeats 5 \
