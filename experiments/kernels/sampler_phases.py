@@ -231,7 +231,13 @@ def main(argv=None) -> None:
     for variant in a.variants:
         for kind in a.kinds:
             for b in a.batch:
-                r = run(b, a.vocab, variant, kind, a.launches, a.stamped)
+                try:
+                    r = run(b, a.vocab, variant, kind, a.launches, a.stamped)
+                except Exception as e:  # noqa: BLE001 - the other configurations still run
+                    print(f"{variant} {kind} B={b}: {type(e).__name__}: {e}", flush=True)
+                    results.append({"batch": b, "variant": variant, "kind": kind,
+                                    "error": f"{type(e).__name__}: {e}"})  # fmt: skip
+                    continue
                 results.append(r)
                 ph = sorted(r["phases"].items(), key=lambda kv: -kv[1]["median_us"])[:6]
                 print(f"{variant} {kind} B={b}: event {r['event_us']:.1f} us, span "
