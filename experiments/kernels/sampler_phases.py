@@ -23,11 +23,18 @@ Usage (on a GPU, from the repository root; about a minute):
 Variants "cdf" (the default for top-p alone) and "grid"; kinds "temperature" (t = 0.6, top-p
 0.95) and "reset" (ReSET's choice between t = 1.0 and 0.3 by the row's entropy, top-p 0.95;
 the state update stays out, as in "auto"'s build without the state).
+
+`--geometries` times other launch shapes of the same kernel: `plan` (the tree's `grid_plan`),
+`CxT` (C CTAs a row of T threads, barriers in global memory) or `CxTc` (the row's C <= 8 CTAs
+one thread-block cluster, barriers the cluster's: GRID_CLUSTER). "cdf" draws do not depend on
+the launch shape, so every geometry's tokens are compared with the first one's
+(`tokens_equal_first`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -67,13 +74,42 @@ def patched_source() -> str:
         return (pathlib.Path(d) / "cuda_ops" / "sampler.cu").read_text()
 
 
-def build_ptx(batch: int, vocab: int, variant: str, sms: int, arch: str, diag: bool = True):
-    """(plan, PTX) of the bfloat16-logit grid kernel for [batch, vocab], patched."""
+def parse_geometry(text: str) -> tuple[int, int, bool] | None:
+    """`plan` -> None; `CxT` -> (C, T, False); `CxTc` -> (C, T, True) (a cluster of C CTAs)."""
+    if text == "plan":
+        return None
+    cluster = text.endswith("c")
+    parts = text.removesuffix("c").split("x")
+    try:
+        ctas, threads = (int(v) for v in parts)
+    except ValueError:
+        ctas = threads = 0
+    if not (ctas >= 1 and threads in (128, 256, 512, 1024) and ctas <= threads
+            and (not cluster or ctas <= 8)):  # fmt: skip
+        raise ValueError(f"geometry {text!r}: expected 'plan', 'CxT' or 'CxTc' with T in 128, "
+                         f"256, 512, 1024, 1 <= C <= T, and C <= 8 for a cluster ('c')")  # fmt: skip
+    return ctas, threads, cluster
+
+
+def build_ptx(batch: int, vocab: int, variant: str, sms: int, arch: str, diag: bool = True,
+              geometry: tuple[int, int, bool] | None = None):  # fmt: skip
+    """(plan, PTX) of the bfloat16-logit grid kernel for [batch, vocab], patched; `geometry`
+    (C, T, cluster) overrides the plan's CTAs a row and threads (None: the plan's)."""
     from cuda_ops import sampler as ks
     from cuda_ops.build import compile_ptx
 
     p = ks.plan(batch, vocab, 0, variant, sms=sms, bf16=True)
     defines = p.defines() | ({"DIAG_TS": 1} if diag else {})
+    if geometry is not None:
+        ctas, threads, cluster = geometry
+        per_cta = -(-vocab // ctas)
+        chunk = -(-per_cta // 4) * 4  # a multiple of 4 (float4 loads)
+        ctas = -(-vocab // chunk)  # no empty trailing chunk
+        p = dataclasses.replace(p, chunks=ctas, chunk=chunk, threads=threads)
+        defines |= {"CHUNKS": ctas, "GRID": ctas, "CH": chunk, "NTHREADS": threads,
+                    "MIN_CTAS": max(1, 65536 // (threads * 64))}  # fmt: skip
+        if cluster:
+            defines |= {"GRID_CLUSTER": ctas}
     return p, compile_ptx(patched_source(), name=ks.SOURCE, defines=defines, arch=arch)
 
 
@@ -142,7 +178,15 @@ def _lm_logits_bf16_bits(b: int, v: int, seed: int) -> np.ndarray:
     return z.astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
-def run(batch: int, vocab: int, variant: str, kind: str, launches: int, stamped: int) -> dict:
+def run(
+    batch: int,
+    vocab: int,
+    variant: str,
+    kind: str,
+    launches: int,
+    stamped: int,
+    geometry: str = "plan",
+) -> dict:
     import cupy as cp
 
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -153,9 +197,15 @@ def run(batch: int, vocab: int, variant: str, kind: str, launches: int, stamped:
     except Exception:  # noqa: BLE001 - then clock64 is converted at the stamps' own rate
         clock_khz = 0.0
     arch = f"compute_{major}{minor}"
+    geo = parse_geometry(geometry)
+    if geo is not None and not geo[2] and batch * geo[0] > sms * max(1, 65536 // (geo[1] * 64)):
+        # the barriers in global memory wait for CTAs that would never start
+        raise ValueError(f"geometry {geometry!r} at {batch} rows: {batch * geo[0]} CTAs are "
+                         f"not all resident on {sms} SMs")  # fmt: skip
     modules = []
     for diag in (True, False):  # the stamped build, and the tree's for its time alone
-        p, ptx = build_ptx(batch, vocab, variant, sms, arch, diag=diag)
+        p, ptx = build_ptx(batch, vocab, variant, sms, arch, diag=diag,
+                           geometry=geo)  # fmt: skip
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(ptx)
         modules.append(cp.RawModule(path=f.name))
@@ -204,10 +254,10 @@ def run(batch: int, vocab: int, variant: str, kind: str, launches: int, stamped:
     measured = stamped_clock_khz(stamps)
     out = analyse(stamps, clock_khz or measured)
     return {"batch": batch, "vocab": vocab, "variant": variant, "kind": kind,
-            "ctas_per_row": p.chunks, "threads": p.threads, "sms": sms, "clock_khz": clock_khz,
+            "geometry": geometry, "ctas_per_row": p.chunks, "threads": p.threads, "sms": sms, "clock_khz": clock_khz,
             "stamped_clock_khz": measured,
             "event_us": float(np.median(event_us[0::2])),
-            "event_us_plain": float(np.median(event_us[1::2])), "tokens": cp.asnumpy(tokens).tolist()[:4], **out}  # fmt: skip
+            "event_us_plain": float(np.median(event_us[1::2])), "tokens": cp.asnumpy(tokens).tolist(), **out}  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -218,8 +268,19 @@ def main(argv=None) -> None:
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     ap.add_argument("--launches", type=int, default=200, help="timed launches (events)")
     ap.add_argument("--stamped", type=int, default=20, help="launches whose stamps are read")
+    ap.add_argument(
+        "--geometries",
+        nargs="+",
+        default=["plan"],
+        help="launch shapes: plan, CxT or CxTc (see the module docstring)",
+    )
     ap.add_argument("--out", required=True, help="JSON path")
     a = ap.parse_args(argv)
+    for g in a.geometries:
+        try:
+            parse_geometry(g)
+        except ValueError as e:
+            raise SystemExit(str(e)) from e
     if min(a.batch) < 1 or a.vocab < 1024 or a.launches < 1 or a.stamped < 1:
         raise SystemExit(f"--batch {a.batch} --vocab {a.vocab} --launches {a.launches} "
                          f"--stamped {a.stamped}: expected rows >= 1, V >= 1024, counts >= 1")  # fmt: skip
@@ -228,21 +289,24 @@ def main(argv=None) -> None:
     except ImportError as e:
         raise SystemExit(f"sampler_phases.py needs CuPy and a CUDA GPU ({e})") from e
     results = []
-    for variant in a.variants:
-        for kind in a.kinds:
-            for b in a.batch:
-                try:
-                    r = run(b, a.vocab, variant, kind, a.launches, a.stamped)
-                except Exception as e:  # noqa: BLE001 - the other configurations still run
-                    print(f"{variant} {kind} B={b}: {type(e).__name__}: {e}", flush=True)
-                    results.append({"batch": b, "variant": variant, "kind": kind,
-                                    "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-                    continue
-                results.append(r)
-                ph = sorted(r["phases"].items(), key=lambda kv: -kv[1]["median_us"])[:6]
-                print(f"{variant} {kind} B={b}: event {r['event_us']:.1f} us, span "
-                      f"{r['span_us']} us; " + ", ".join(f"{k} {v['median_us']:.2f}"
-                                                          for k, v in ph), flush=True)  # fmt: skip
+    for variant, kind, b in itertools.product(a.variants, a.kinds, a.batch):
+        first = None  # the first geometry's tokens
+        for g in a.geometries:
+            name = f"{variant} {kind} B={b} {g}"
+            try:
+                r = run(b, a.vocab, variant, kind, a.launches, a.stamped, g)
+            except Exception as e:  # noqa: BLE001 - the other configurations still run
+                print(f"{name}: {type(e).__name__}: {e}", flush=True)
+                results.append({"batch": b, "variant": variant, "kind": kind, "geometry": g,
+                                "error": f"{type(e).__name__}: {e}"})  # fmt: skip
+                continue
+            first = r["tokens"] if first is None else first
+            r["tokens_equal_first"] = r["tokens"] == first
+            results.append(r)
+            ph = sorted(r["phases"].items(), key=lambda kv: -kv[1]["median_us"])[:6]
+            print(f"{name}: tokens equal {r['tokens_equal_first']}, event "
+                  f"{r['event_us']:.1f} us, span {r['span_us']} us; "
+                  + ", ".join(f"{k} {v['median_us']:.2f}" for k, v in ph), flush=True)  # fmt: skip
     pathlib.Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     with open(a.out, "w") as f:
         json.dump({"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(),
