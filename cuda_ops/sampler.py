@@ -34,12 +34,6 @@ Three variants (`VARIANTS`) of the same sampler, bound by `rejax.ops.sampler` as
   tokens (rejection sampling), and all NC rejected fall back to "grid"'s climb (`GRID_CDF`).
   The same distribution and kept set as the other variants, different tokens for a key. With
   top-k it is "grid".
-- "cdf-cluster": "cdf" with a row's CTAs (at most `CLUSTER`, of `cluster_threads`) one
-  thread-block cluster, its barriers the cluster's hardware barrier instead of a counter in
-  global memory (`GRID_CLUSTER`), and each combine over at most 8 partials instead of up to
-  `GRID_THREADS`. The same tokens as "cdf" (its draws do not depend on the launch plan); the
-  cluster's CTAs are scheduled together, so no residency limit on the batch. With top-k it is
-  "grid" (as "cdf" is: that build needs more than the 64 registers a thread of 1024 allows).
 
 Nothing here imports cuda-python at module import; NVRTC is reached only by `build`.
 """
@@ -62,7 +56,6 @@ from cuda_ops.build import (
 )
 
 __all__ = [
-    "CDF_VARIANTS",
     "CLUSTER_ENTRIES",
     "CLUSTER_VARIANTS",
     "ENTRIES",
@@ -96,10 +89,8 @@ CLUSTER_ENTRIES = {"rejax_sample_cluster": (7, 3)}
 # one more operand last: the int32 step [step_rows]
 GRID_ENTRIES = {"rejax_sample_grid": (7, 3)}
 GRID_STATE_ENTRIES = {"rejax_sample_grid": (18, 12)}
-VARIANTS = ("split", "cluster", "merge", "reject", "grid", "cdf", "cdf-cluster")
-# one launch over a grid of CTAs per row (GRIDSYNC); "cdf-cluster": the row's CTAs one cluster
-GRID_VARIANTS = ("grid", "cdf", "cdf-cluster")
-CDF_VARIANTS = ("cdf", "cdf-cluster")  # the inverse-CDF first draws (GRID_CDF) for top-p alone
+VARIANTS = ("split", "cluster", "merge", "reject", "grid", "cdf")
+GRID_VARIANTS = ("grid", "cdf")  # one launch over a grid of CTAs per row (GRIDSYNC)
 LOGITS_DTYPES = ("float32", "bfloat16")  # the logits the kernels read (bfloat16: as float32)
 CLUSTER_VARIANTS = ("cluster", "reject")  # one launch: a thread-block cluster per row
 MERGE_MAX_K = 32  # the largest top-k the "merge" variant merges (sampler.cu: CAND / 2)
@@ -201,10 +192,8 @@ class Plan:
         if self.variant in GRID_VARIANTS:
             ctas = GRID_TOPK_CTAS_PER_SM if self.top_k else GRID_CTAS_PER_SM
             d |= {"GRIDSYNC": 1, "GRID": self.chunks, "MIN_CTAS": ctas}
-            if self.variant in CDF_VARIANTS and not self.top_k:
+            if self.variant == "cdf" and not self.top_k:
                 d |= {"GRID_CDF": 1}
-            if self.variant == "cdf-cluster" and not self.top_k:
-                d |= {"GRID_CLUSTER": self.chunks, "MIN_CTAS": self.ctas_per_sm}
             if self.window:
                 d |= {"RESET_STATE": 1, "W_RING": self.window}
             if self.step_rows:
@@ -217,8 +206,7 @@ class Plan:
 
     @property
     def ctas_per_sm(self) -> int:
-        """CTAs per SM the cluster kernels ("cluster", "reject", "cdf-cluster") are built for
-        (launch bounds: CLUSTER_REGS registers)."""
+        """CTAs per SM the cluster kernel is built for (launch bounds: CLUSTER_REGS registers)."""
         return 65536 // (self.threads * CLUSTER_REGS)
 
 
@@ -242,8 +230,6 @@ def plan(
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
     CLUSTER).
     "grid" and "cdf": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
-    "cdf-cluster" without top-k: `CLUSTER` chunks per row (fewer when V < 4 x `CLUSTER` x
-    threads) of `cluster_threads` threads, one cluster (with top-k "grid"'s plan);
     `window` > 0 builds it with ReSET's state update (a ring of `window` entropies; top-p
     alone). `bf16`: for bfloat16 logits (the same launch geometry). `step_rows` 1 or `batch`
     ("grid" / "cdf"): the row keys are base keys and the launch folds in an int32 step operand
@@ -255,13 +241,6 @@ def plan(
     if window and (variant not in GRID_VARIANTS or top_k):
         raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
                          f"or 'cdf' without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
-    if variant == "cdf-cluster" and not top_k:
-        threads = cluster_threads(batch, sms)
-        per_row = min(CLUSTER, _cdiv(vocab, GRID_MIN_TOKENS * threads))
-        chunk = _cdiv(_cdiv(vocab, per_row), 4) * 4
-        return Plan(batch=batch, vocab=vocab, chunks=_cdiv(vocab, chunk), chunk=chunk,
-                    top_k=top_k, threads=threads, variant=variant, window=window, bf16=bf16,
-                    step_rows=step_rows)  # fmt: skip
     if variant in GRID_VARIANTS:
         ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
         chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=ctas)

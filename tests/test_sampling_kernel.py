@@ -232,50 +232,6 @@ def test_cluster_kernel_fits_its_occupancy_without_spills(b, top_k, variant):
     assert smem[0] < 48 * 1024 and p.ctas_per_sm * (smem[0] + 1024) <= 228 * 1024, log
 
 
-@pytest.mark.parametrize(("b", "window"), [(1, 0), (1, 16), (24, 0), (64, 0), (64, 16)])
-def test_cdf_cluster_is_one_cluster_a_row_with_the_clusters_barriers(b, window):
-    # "cdf-cluster": the grid kernel with a row's <= 8 CTAs one cluster (1024 / 512 / 256
-    # threads by rows, as the cluster kernels), its barriers barrier.cluster instead of the
-    # global counter's polling; <= 64 registers, no spills, shared memory for the CTAs per SM
-    pytest.importorskip("cuda.bindings.nvrtc")
-    from cuda_ops.build import compile_ptx, ptxas_log, read_source
-
-    v, top_k = 151936, 0
-    p = kernels.plan(b, v, top_k, variant="cdf-cluster", window=window, bf16=True)
-    d = p.defines()
-    assert p.chunks == kernels.CLUSTER and (p.chunks - 1) * p.chunk < v <= p.chunks * p.chunk
-    assert p.threads == {1: 1024, 24: 512, 64: 256}[b] and p.ctas_per_sm * p.threads == 1024
-    assert (d["GRIDSYNC"], d["GRID"], d["GRID_CLUSTER"], d["MIN_CTAS"]) == (
-        1, p.chunks, p.chunks, p.ctas_per_sm)  # fmt: skip
-    assert "GRID_CDF" in d
-    ptx = compile_ptx(read_source("sampler.cu"), name="sampler.cu", defines=d, arch="compute_90")
-    assert re.search(r"\.reqnctapercluster\s+8,\s*1,\s*1", ptx)
-    assert "barrier.cluster.arrive.release" in ptx and "barrier.cluster.wait.acquire" in ptx
-    assert "ld.acquire.gpu" not in ptx  # no barrier polls the global counter
-    log = ptxas_log(read_source("sampler.cu"), d, name="sampler.cu")
-    regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
-    smem = [int(x) for x in re.findall(r"(\d+) bytes smem", log)]
-    assert len(regs) == 1 and regs[0] <= kernels.CLUSTER_REGS, log
-    assert re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log) == [("0", "0")]
-    assert smem[0] <= 48 * 1024 and p.ctas_per_sm * (smem[0] + 1024) <= 228 * 1024, log
-    # the tree's "cdf" keeps its global barriers; a small vocabulary gets fewer CTAs, one cluster
-    assert "barrier.cluster" not in kernels.build(b, v, variant="cdf", arch="compute_90").ptx
-    small = kernels.plan(b, 5000, top_k, variant="cdf-cluster")
-    assert small.chunks < kernels.CLUSTER and small.defines()["GRID_CLUSTER"] == small.chunks
-    # with top-k it is "grid", as "cdf" is
-    topk = kernels.plan(b, v, 20, variant="cdf-cluster")
-    assert dataclasses.replace(topk, variant="grid") == kernels.plan(b, v, 20, variant="grid")
-    assert "GRID_CLUSTER" not in topk.defines() and "GRID_CDF" not in topk.defines()
-
-
-def test_cuda_lowering_cdf_cluster_is_one_call_of_clusters():
-    pytest.importorskip("cuda.bindings.nvrtc")
-    (cfg,) = _backend_configs(_lower_cuda_variant(Temperature(0.6, top_p=0.9), 1, 151936,
-                                                  "cdf-cluster"))  # fmt: skip
-    assert cfg["name"] == "rejax_sample_grid"
-    assert (cfg["grid_x"], cfg["grid_y"], cfg["block_x"]) == (kernels.CLUSTER, 1, 1024)
-
-
 def test_bfloat16_logits_build_their_own_kernels_and_bad_dtypes_raise():
     # the op builds the kernels for its logits' dtype (bfloat16: LOGITS_BF16, the same launch
     # plan); a dtype the kernels do not read is refused by name

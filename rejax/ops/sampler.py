@@ -30,18 +30,16 @@ h and the temperature used.
   the top-k set) and draws from that list in one CTA;
   "cdf" (opt-in), "grid" whose first 4 draws come from the inverse CDF of the tokens' weights
   (integer prefix sums in vocabulary order, no noise sweep; `cdf_draws`), the first kept one
-  the token, all rejected "grid"'s climb; with top-k it is "grid";
-  "cdf-cluster" (opt-in), "cdf" with a row's CTAs (at most 8) one thread-block cluster that
-  meets at the cluster's hardware barriers: "cdf"'s tokens.
-  All but "cdf" and "cdf-cluster" draw with the same random numbers (a
+  the token, all rejected "grid"'s climb; with top-k it is "grid".
+  All but "cdf" draw with the same random numbers (a
   Gumbel-max over the kept tokens with Philox-4x32-10 noise keyed by the row's key and the token
   id, 55 bits a token as `gumbel_of_bits` maps them), so tokens differ from the reference's for
   the same key while the distribution is the same; "cdf" draws its own tokens from the same
-  distribution (as does "cdf-cluster", the same ones).
+  distribution.
 
 `step=` (both ops): the keys are the rows' base keys and row r draws with
 fold_in(keys[r], step[r]) (step () or [B] int32), the same bits as folding before the call;
-"grid" / "cdf" / "cdf-cluster" fold in their launch (`threefry_fold_in`, threefry keys), which spares a decode
+"grid" / "cdf" fold in their launch (`threefry_fold_in`, threefry keys), which spares a decode
 loop the fold's XLA kernel every step; every other path folds in XLA first.
 
 `sample_kernel` is `rejax.sampling.sample`'s kernel path with the variant as an argument (the
@@ -88,7 +86,7 @@ VARIANT_CHOICES = ("auto", *VARIANTS)
 # Temperature; 36-layer decode loop at 64 rows: +136 against +151 us over greedy.
 STATE_VARIANT = "grid-state"
 # every variant with the state update in its launch -> the draw variant it runs
-STATE_VARIANTS = {"grid-state": "grid", "cdf-state": "cdf", "cdf-cluster-state": "cdf-cluster"}
+STATE_VARIANTS = {"grid-state": "grid", "cdf-state": "cdf"}
 # Kernel alone on the H200 (experiments/bench_sampler.py --logits lm, us over greedy, split /
 # merge; experiments/results/h200_l/): Temperature + top-p 16.3 / 17.4 at 1 row, 33.0 / 28.4 at
 # 8, 114.2 / 90.4 at 64; ReSET + top-p 30.7 / 31.6, 39.8 / 32.4, 135.0 / 105.2; top-k 20
@@ -925,7 +923,7 @@ def emulate(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}, expected one of {VARIANTS}")
-    cdf = variant in kernels.CDF_VARIANTS and not top_k
+    cdf = variant == "cdf" and not top_k
     if (
         variant in kernels.GRID_VARIANTS
     ):  # its top-k lists a superset of the top-k set as "split" does (the
