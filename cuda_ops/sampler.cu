@@ -2078,27 +2078,6 @@ __device__ __forceinline__ void grid_barrier(u32* bar, u32 round) {
     __syncthreads();
 }
 
-// GRID_CLUSTER (= GRID): the row's CTAs form one thread-block cluster (__cluster_dims__ on the
-// kernel, at most 8 CTAs: the portable size, the one a launch without attributes accepts), and
-// each barrier is the cluster's hardware barrier instead of the counter in global memory. Every
-// thread arrives with release and waits with acquire semantics at cluster scope, which orders
-// the CTA's global writes before it (the partials, read through L2 after it) as the counter
-// does; g_gbar stays 0.
-#ifndef GRID_CLUSTER
-#define GRID_CLUSTER 0
-#endif
-#if GRID_CLUSTER
-static_assert(GRID_CLUSTER == GRID && GRID <= 16, "one cluster of the row's GRID CTAs");
-__device__ __forceinline__ void cluster_row_barrier(u32*, u32) {
-    asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-    asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-#define grid_barrier cluster_row_barrier
-#define GRID_CLUSTER_DIMS __cluster_dims__(GRID, 1, 1)
-#else
-#define GRID_CLUSTER_DIMS
-#endif
-
 // The score of a packed (score, id) (the inverse of pack's float map).
 __device__ __forceinline__ float score_of(u64 p) {
     const u32 b = (u32)(p >> 32);
@@ -2393,7 +2372,7 @@ static_assert(STEP_ROWS == 1 || STEP_ROWS == B_ROWS, "one step, or one a row");
 #else
 #define STEP_IN
 #endif
-extern "C" __global__ void GRID_CLUSTER_DIMS __launch_bounds__(NTHREADS, MIN_CTAS)
+extern "C" __global__ void __launch_bounds__(NTHREADS, MIN_CTAS)
 rejax_sample_grid(const logit_t* __restrict__ logits, const float* __restrict__ thr,
                   const float* __restrict__ alt, const float* __restrict__ t_a,
                   const float* __restrict__ t_b, const float* __restrict__ top_p,

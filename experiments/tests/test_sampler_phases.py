@@ -109,3 +109,32 @@ def test_bad_arguments_are_refused_before_any_gpu_work(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="needs CuPy"):
         sp.main(["--batch", "1", "--out", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def test_geometries_parse_and_bad_ones_are_refused(tmp_path):
+    assert sp.parse_geometry("plan") is None
+    assert sp.parse_geometry("64x256") == (64, 256, False)
+    assert sp.parse_geometry("8x1024c") == (8, 1024, True)
+    for bad in ("9x1024c", "0x256", "8x100", "300x256", "x", "8x256cc"):
+        with pytest.raises(ValueError, match="geometry"):
+            sp.parse_geometry(bad)
+    with pytest.raises(SystemExit, match="geometry '9x512c'"):
+        sp.main(
+            ["--batch", "1", "--geometries", "plan", "9x512c", "--out", str(tmp_path / "x.json")]
+        )
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_geometry_builds_override_the_plan_and_the_cluster_one_uses_cluster_barriers():
+    pytest.importorskip("cuda.bindings.nvrtc")
+    p, ptx = sp.build_ptx(1, 151936, "cdf", 132, "compute_90", diag=True, geometry=(8, 1024, True))
+    assert (p.chunks, p.threads) == (8, 1024) and p.chunks * p.chunk >= 151936
+    assert ".reqnctapercluster" in ptx and "barrier.cluster.arrive.release" in ptx
+    assert "ld.acquire.gpu" not in ptx  # no barrier polls the global counter
+    assert ptx.count("%globaltimer") == 14  # the cluster barrier is stamped as the global one
+    p, ptx = sp.build_ptx(
+        1, 151936, "cdf", 132, "compute_90", diag=False, geometry=(64, 256, False)
+    )
+    assert (p.chunks, p.threads) == (64, 256) and "barrier.cluster" not in ptx
+    assert "ld.acquire.gpu" in ptx
