@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# session 55 call 4: "cdf"'s smaller plan at up to 8 rows (CDF_ROW_CTAS, CDF_SMALL_CTAS_PER_SM)
+# session 55 call 6: "cdf"'s smaller plan at up to 8 rows (CDF_ROW_CTAS, CDF_SMALL_CTAS_PER_SM)
 # through XLA against the previous plan (the same tree with CDF_ROW_CTAS = 256 and
 # CDF_SMALL_BATCH = 0, which is grid_plan's), new then old: bench_sampler's
 # kernel alone on bfloat16 lm logits at 1, 4 and 8 rows; then the GPU sampler tests of "cdf".
-#   bash call4.sh OUT SHA
+#   bash call6.sh OUT SHA
 set -uo pipefail
 out=$1 sha=$2
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false REJAX_KERNEL_CACHE=/tmp/rk
-log=$out/call4.log
+log=$out/call6.log
 nvidia-smi --query-gpu=name --format=csv,noheader | tee -a $log
 bench() {  # name patch
   local t0=$(date +%s)
