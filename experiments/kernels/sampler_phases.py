@@ -21,7 +21,8 @@ Usage (on a GPU, from the repository root; about a minute):
   PYTHONPATH=. python experiments/kernels/sampler_phases.py --batch 1 64 --out OUT/phases.json
 
 Variants "cdf" (the default for top-p alone) and "grid"; kinds "temperature" (t = 0.6, top-p
-0.95) and "reset" (ReSET's choice between t = 1.0 and 0.3 by the row's entropy, top-p 0.95;
+0.95), "topk20" (the same with top-k 20: the grid kernel's top-k path, "auto"'s choice for it,
+whichever variant is named) and "reset" (ReSET's choice between t = 1.0 and 0.3 by the row's entropy, top-p 0.95;
 the state update stays out, as in "auto"'s build without the state).
 
 `--geometries` times other launch shapes of the same kernel: `plan` (the tree's `grid_plan`),
@@ -49,7 +50,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCH = ROOT / "experiments" / "kernels" / "sampler_phase_ts.patch"
 SLOTS = 16  # the patch's DIAG_SLOTS
 NAMES = {0: "entry", 12: "combined", 13: "located", 14: "exit"}
-KINDS = ("temperature", "reset")
+KINDS = ("temperature", "reset", "topk20")
 VARIANTS = ("cdf", "grid")
 
 
@@ -92,13 +93,13 @@ def parse_geometry(text: str) -> tuple[int, int, bool] | None:
 
 
 def build_ptx(batch: int, vocab: int, variant: str, sms: int, arch: str, diag: bool = True,
-              geometry: tuple[int, int, bool] | None = None):  # fmt: skip
-    """(plan, PTX) of the bfloat16-logit grid kernel for [batch, vocab], patched; `geometry`
-    (C, T, cluster) overrides the plan's CTAs a row and threads (None: the plan's)."""
+              geometry: tuple[int, int, bool] | None = None, top_k: int = 0):  # fmt: skip
+    """(plan, PTX) of the bfloat16-logit grid kernel for [batch, vocab] (and `top_k`), patched;
+    `geometry` (C, T, cluster) overrides the plan's CTAs a row and threads (None: the plan's)."""
     from cuda_ops import sampler as ks
     from cuda_ops.build import compile_ptx
 
-    p = ks.plan(batch, vocab, 0, variant, sms=sms, bf16=True)
+    p = ks.plan(batch, vocab, top_k, variant, sms=sms, bf16=True)
     defines = p.defines() | ({"DIAG_TS": 1} if diag else {})
     if geometry is not None:
         ctas, threads, cluster = geometry
@@ -107,7 +108,8 @@ def build_ptx(batch: int, vocab: int, variant: str, sms: int, arch: str, diag: b
         ctas = -(-vocab // chunk)  # no empty trailing chunk
         p = dataclasses.replace(p, chunks=ctas, chunk=chunk, threads=threads)
         defines |= {"CHUNKS": ctas, "GRID": ctas, "CH": chunk, "NTHREADS": threads,
-                    "MIN_CTAS": max(1, 65536 // (threads * 64))}  # fmt: skip
+                    "MIN_CTAS": defines["MIN_CTAS"] if threads == p.threads
+                    else max(1, 65536 // (threads * 64))}  # fmt: skip
         if cluster:
             defines |= {"GRID_CLUSTER": ctas}
     return p, compile_ptx(patched_source(), name=ks.SOURCE, defines=defines, arch=arch)
@@ -197,22 +199,26 @@ def run(
     except Exception:  # noqa: BLE001 - then clock64 is converted at the stamps' own rate
         clock_khz = 0.0
     arch = f"compute_{major}{minor}"
+    from cuda_ops import sampler as ks
+
     geo = parse_geometry(geometry)
-    if geo is not None and not geo[2] and batch * geo[0] > sms * max(1, 65536 // (geo[1] * 64)):
+    top_k = 20 if kind == "topk20" else 0
+    per_sm = ks.GRID_TOPK_CTAS_PER_SM if top_k else max(1, 65536 // ((geo or (0, 256))[1] * 64))
+    if geo is not None and not geo[2] and batch * geo[0] > sms * per_sm:
         # the barriers in global memory wait for CTAs that would never start
         raise ValueError(f"geometry {geometry!r} at {batch} rows: {batch * geo[0]} CTAs are "
                          f"not all resident on {sms} SMs")  # fmt: skip
     modules = []
     for diag in (True, False):  # the stamped build, and the tree's for its time alone
         p, ptx = build_ptx(batch, vocab, variant, sms, arch, diag=diag,
-                           geometry=geo)  # fmt: skip
+                           geometry=geo, top_k=top_k)  # fmt: skip
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(ptx)
         modules.append(cp.RawModule(path=f.name))
     mod = modules[0]
     kern = mod.get_function("rejax_sample_grid")
     logits = cp.asarray(_lm_logits_bf16_bits(batch, vocab, 0))
-    if kind == "temperature":
+    if kind in ("temperature", "topk20"):
         thr = cp.full((batch,), -np.inf, cp.float32)
         alt = cp.full((batch,), np.inf, cp.float32)
         t_a = t_b = cp.full((batch,), 0.6, cp.float32)
