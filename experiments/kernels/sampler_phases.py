@@ -21,9 +21,10 @@ Usage (on a GPU, from the repository root; about a minute):
   PYTHONPATH=. python experiments/kernels/sampler_phases.py --batch 1 64 --out OUT/phases.json
 
 Variants "cdf" (the default for top-p alone) and "grid"; kinds "temperature" (t = 0.6, top-p
-0.95), "topk20" (the same with top-k 20: the grid kernel's top-k path, "auto"'s choice for it,
-whichever variant is named) and "reset" (ReSET's choice between t = 1.0 and 0.3 by the row's entropy, top-p 0.95;
-the state update stays out, as in "auto"'s build without the state).
+0.95), "topk20" (the same with top-k 20: the grid kernel's top-k path, "auto"'s choice for
+it, whichever variant is named) and "reset" (ReSET's choice between t = 1.0 and 0.3 by the
+row's entropy, top-p 0.95; the state update stays out, as in "auto"'s build without the
+state).
 
 `--geometries` times other launch shapes of the same kernel: `plan` (the tree's `grid_plan`),
 `CxT` (C CTAs a row of T threads, barriers in global memory) or `CxTc` (the row's C <= 8 CTAs

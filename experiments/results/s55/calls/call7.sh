@@ -2,10 +2,10 @@
 # session 55 call 7 (next session; about 2 min): where the batch-1 decode loop's idle sits, per
 # executable. Session 55's 36-layer profile (call 2) put greedy / ReSET / Temperature within
 # 1.5-8.6 us of GPU busy time a step while their wall ms/token moved by up to 78 us, the
-# difference idle gaps around host copies (MemcpyD2D / MemcpyH2D, about 4 a 32-step loop, up to
-# 0.8 ms each). This keeps each variant's trace and reads it back with trace_timeline.py
-# (steady-state idle per step, and the host events beside each gap), so a gap is tied to the
-# loop's entry / exit or to steps.
+# difference idle gaps around host copies (MemcpyD2D / MemcpyH2D, 3-4 in 32 steps: one a
+# predicate check, every decode_unroll = 8 steps; up to 0.8 ms each). This keeps each variant's trace and reads it back with trace_timeline.py
+# (steady-state idle per step, and the host events beside each gap), so each gap is tied to
+# the host work it waits for.
 #   bash call7.sh OUT
 set -uo pipefail
 out=$1
