@@ -116,6 +116,18 @@ GRID_THREADS = 256
 GRID_CTAS_PER_SM = 4
 GRID_TOPK_CTAS_PER_SM = 2  # with top-k: 33 KB of shared memory a CTA (the list, topk_draw's)
 GRID_MIN_TOKENS = 4  # tokens a thread at least (one float4): the CTAs of a row at small batch
+# "cdf" without top-k: at most CDF_ROW_CTAS CTAs a row, and up to CDF_SMALL_BATCH rows about
+# CDF_SMALL_CTAS_PER_SM CTAs an SM in all: fewer, longer sweeps against fewer partials to
+# combine after each barrier. Kernel alone, H200, bfloat16 lm logits, us a launch against the
+# plan of 4 CTAs an SM up to 149 a row (experiments/results/s55/, sampler_phases.py
+# --geometries; Temperature / ReSET): 1 row 64 CTAs 17.4-17.8 / 18.2-18.5 against 18.4-18.5 /
+# 18.9-19.0 (149); 2 rows 64: 18.5 / 19.5 against 21.1 / 21.8 (149); 4 rows 64: 21.0 / 22.3,
+# 32: 20.2 / 22.0 against 25.3 / 26.3 (132); 8 rows 32: 22.6 / 24.6 against 26.5 / 27.5 (66).
+# From 16 rows the plan was as fast or faster (16 rows 16 or 24 CTAs, 32 rows 8 or 12, 64 rows
+# 4 or 6: within 1 us or slower).
+CDF_ROW_CTAS = 64
+CDF_SMALL_BATCH = 8
+CDF_SMALL_CTAS_PER_SM = 2
 GRID_TAU_MAX_K = 64  # sampler.cu TAU_K_MAX: a larger top-k selects over every live token
 SPLIT_BLOCKS_PER_SM = 4  # "split" / "merge": 4 blocks of 512 threads an SM, one wave of them
 MAX_CHUNKS = 128
@@ -229,7 +241,9 @@ def plan(
     per row.
     "cluster" and "reject": `CLUSTER` chunks per row (trailing ones may be empty when V < 4
     CLUSTER).
-    "grid" and "cdf": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM);
+    "grid" and "cdf": `grid_plan`'s chunks per row (with top-k for `GRID_TOPK_CTAS_PER_SM` CTAs an SM;
+    "cdf" without top-k at most `CDF_ROW_CTAS` a row, `CDF_SMALL_CTAS_PER_SM` an SM up to
+    `CDF_SMALL_BATCH` rows);
     `window` > 0 builds it with ReSET's state update (a ring of `window` entropies; top-p
     alone). `bf16`: for bfloat16 logits (the same launch geometry). `step_rows` 1 or `batch`
     ("grid" / "cdf"): the row keys are base keys and the launch folds in an int32 step operand
@@ -241,6 +255,12 @@ def plan(
     if window and (variant not in GRID_VARIANTS or top_k):
         raise ValueError(f"window={window} (ReSET's state in the kernel) needs variant 'grid' "
                          f"or 'cdf' without top-k, got variant={variant!r}, top_k={top_k}")  # fmt: skip
+    if variant == "cdf" and not top_k:
+        fill = CDF_SMALL_CTAS_PER_SM if batch <= CDF_SMALL_BATCH else GRID_CTAS_PER_SM
+        chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=fill, row_max=CDF_ROW_CTAS)
+        return Plan(batch=batch, vocab=vocab, chunks=chunks, chunk=chunk, top_k=top_k,
+                    threads=GRID_THREADS, variant=variant, window=window, bf16=bf16,
+                    step_rows=step_rows)  # fmt: skip
     if variant in GRID_VARIANTS:
         ctas = GRID_TOPK_CTAS_PER_SM if top_k else GRID_CTAS_PER_SM
         chunks, chunk = grid_plan(batch, vocab, sms, ctas_per_sm=ctas)
@@ -260,14 +280,20 @@ def plan(
 
 
 def grid_plan(
-    batch: int, vocab: int, sms: int = DEFAULT_SMS, ctas_per_sm: int = GRID_CTAS_PER_SM
+    batch: int,
+    vocab: int,
+    sms: int = DEFAULT_SMS,
+    ctas_per_sm: int = GRID_CTAS_PER_SM,
+    row_max: int = GRID_THREADS,
 ) -> tuple[int, int]:
     """(CTAs per row, chunk length) of the grid kernel: a chunk of at least `GRID_MIN_TOKENS`
-    tokens a thread, at most `GRID_THREADS` CTAs a row (one partial per thread in the
-    combines), and all B x CTAs resident at once (`ctas_per_sm` per SM) whenever a row has more
-    than one CTA."""
+    tokens a thread, at most `row_max` (<= `GRID_THREADS`: one partial per thread in the
+    combines) CTAs a row, and at most `ctas_per_sm` CTAs per SM in all, so all B x CTAs are
+    resident at once (the kernel is built for `GRID_CTAS_PER_SM` or, with top-k,
+    `GRID_TOPK_CTAS_PER_SM`; `ctas_per_sm` must not exceed it) whenever a row has more than
+    one CTA."""
     most = _cdiv(vocab, GRID_MIN_TOKENS * GRID_THREADS)
-    per_row = min(most, GRID_THREADS, max(1, sms * ctas_per_sm // batch))
+    per_row = min(most, row_max, GRID_THREADS, max(1, sms * ctas_per_sm // batch))
     chunk = _cdiv(_cdiv(vocab, per_row), 4) * 4  # a multiple of 4 (float4 loads)
     return _cdiv(vocab, chunk), chunk  # no empty trailing chunk
 

@@ -152,6 +152,30 @@ def test_grid_plan_covers_the_row_and_keeps_every_cta_resident(b, v, sms):
             1, grid, ctas, chunk, kernels.GRID_THREADS)  # fmt: skip
 
 
+@pytest.mark.parametrize("sms", [kernels.DEFAULT_SMS, 114, 16, 1])
+def test_cdf_plan_at_few_rows_uses_fewer_ctas_a_row(sms):
+    # "cdf" for top-p alone: at most CDF_ROW_CTAS CTAs a row and, up to CDF_SMALL_BATCH rows,
+    # CDF_SMALL_CTAS_PER_SM an SM in all (faster on the H200 at 1-8 rows); from 9 rows, and
+    # "grid" and "cdf" with top-k at every batch, grid_plan's default; every CTA resident
+    v = 151936
+    for b in (1, 2, 4, 7, 8, 9, 16, 64, 1024):
+        small = b <= kernels.CDF_SMALL_BATCH
+        fill = kernels.CDF_SMALL_CTAS_PER_SM if small else kernels.GRID_CTAS_PER_SM
+        for window in (0, 16):
+            p = kernels.plan(b, v, 0, "cdf", window=window, sms=sms)
+            want = kernels.grid_plan(b, v, sms, ctas_per_sm=fill, row_max=kernels.CDF_ROW_CTAS)
+            assert (p.chunks, p.chunk) == want
+            assert p.chunks <= kernels.CDF_ROW_CTAS and p.chunks * p.chunk >= v
+            assert p.chunks == 1 or b * p.chunks <= sms * fill <= sms * kernels.GRID_CTAS_PER_SM
+            assert p.defines()["MIN_CTAS"] == kernels.GRID_CTAS_PER_SM
+        if b >= kernels.CDF_SMALL_BATCH + 1:
+            assert kernels.plan(b, v, 0, "cdf", sms=sms).chunks == kernels.grid_plan(b, v, sms)[0]
+        topk = kernels.plan(b, v, 20, "cdf", sms=sms)
+        assert dataclasses.replace(topk, variant="grid") == kernels.plan(b, v, 20, "grid", sms=sms)
+    on_h200 = [kernels.plan(b, v, 0, "cdf").chunks for b in (1, 2, 4, 8, 16, 64)]
+    assert on_h200 == [64, 64, 64, 33, 33, 8]
+
+
 def test_grid_launch_is_planned_for_the_devices_sms(monkeypatch):
     # the lowering plans the grid kernel for the device it runs on: on 16 SMs (a MIG slice) one
     # row gets at most 16 x GRID_CTAS_PER_SM CTAs, all resident (132 SMs' 149 would wait at the
