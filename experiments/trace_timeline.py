@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gzip
+import itertools
 import json
 
 
@@ -82,6 +83,21 @@ def steady_state(gpu: list[dict], lo: float, hi: float, top: int = 6) -> dict:
     }
 
 
+def step_idle(gpu: list[dict], marks: list[float]) -> list[float]:
+    """GPU idle (us) inside each step [marks[i], marks[i + 1]): the periodic host round trips
+    of a decode loop (one check of the predicate every `decode_unroll` steps) show as the
+    steps whose idle stands out."""
+    out = []
+    for a, b in itertools.pairwise(marks):
+        window = [e for e in gpu if a <= e["ts"] < b]
+        end, idle = a, 0.0
+        for e in window:
+            idle += max(0.0, e["ts"] - end)
+            end = max(end, e["ts"] + e["dur"])
+        out.append(idle + max(0.0, b - end))
+    return out
+
+
 def step_timeline(host, gpu, lo: float, hi: float, gap_us: float) -> list[tuple]:
     """(time, 'H' or 'G', duration, text) rows in [lo, hi): every host thunk event and each
     GPU kernel that starts after more than gap_us of GPU idle."""
@@ -100,7 +116,10 @@ def step_timeline(host, gpu, lo: float, hi: float, gap_us: float) -> list[tuple]
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
-    ap.add_argument("--step", type=int, default=5, help="which step's timeline to print")
+    ap.add_argument(
+        "--step", type=int, default=5,
+        help="which step's timeline to print; -1: the steady step with the most GPU idle",
+    )  # fmt: skip
     ap.add_argument("--skip-ms", type=float, default=5.0, help="start-up to leave out (ms)")
     ap.add_argument("--gap-us", type=float, default=3.0, help="GPU idle shown in the timeline")
     args = ap.parse_args(argv)
@@ -118,7 +137,15 @@ def main(argv=None) -> dict:
         for x, y, t in steady["idle_pairs"]:
             print(f"    {t:7.1f} us/step  {x} -> {y}")
     marks = step_marks(gpu)
-    if len(marks) > args.step + 1:
+    idle = step_idle(gpu, marks)
+    lo = t0 + 1e3 * args.skip_ms
+    steady_idx = [i for i in range(len(idle)) if marks[i] >= lo]
+    if steady_idx:
+        print(f"GPU idle per step (us), steady steps {steady_idx[0]}..{steady_idx[-1]}:")
+        print("  " + " ".join(f"{idle[i]:.0f}" for i in steady_idx))
+    if args.step < 0 and steady_idx:
+        args.step = max(steady_idx, key=lambda i: idle[i])
+    if 0 <= args.step and len(marks) > args.step + 1:
         a, b = marks[args.step], marks[args.step + 1]
         print(f"step {args.step} (lm_head to lm_head, {b - a:.1f} us), times from its start:")
         for ts, kind, dur, text in step_timeline(host, gpu, a, b, args.gap_us):
@@ -127,7 +154,7 @@ def main(argv=None) -> dict:
     when = ", ".join(f"{e['ts'] - t0:.0f}" for e in updates[:12])
     total = sum(e["dur"] for e in updates)
     print(f"command-buffer updates: {len(updates)}, {total:.0f} us host (at {when} us)")
-    return {"steady": steady, "updates": len(updates)}
+    return {"steady": steady, "updates": len(updates), "step_idle_us": idle, "step": args.step}
 
 
 if __name__ == "__main__":

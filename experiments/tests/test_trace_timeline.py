@@ -13,9 +13,10 @@ tt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tt)
 
 
-def _trace(steps: int) -> dict:
+def _trace(steps: int, wait_step: int | None = None) -> dict:
     """Per step: a 20 us host graph launch while the GPU idles 25 us, then the kernels (40 us
-    of GEMV, 30 us lm_head, with a 5 us gap between them); one command-buffer update."""
+    of GEMV, 30 us lm_head, with a 5 us gap between them); one command-buffer update. Step
+    `wait_step` (counted from the first lm_head) also waits 300 us on a predicate copy."""
     meta = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "python3"}},
@@ -24,6 +25,9 @@ def _trace(steps: int) -> dict:
     ]
     ev, t = [], 0.0
     for i in range(steps):
+        if wait_step is not None and i == wait_step + 1:
+            ev.append({"ph": "X", "pid": 1, "tid": 3, "ts": t, "dur": 290.0, "name": "MemcpyD2H"})
+            t += 300.0
         ev.append({"ph": "X", "pid": 1, "tid": 3, "ts": t, "dur": 20.0, "name": "cuGraphLaunch"})
         ev.append({"ph": "X", "pid": 1, "tid": 3, "ts": t, "dur": 1.0, "name": "$python fn"})
         if i == 1:
@@ -57,5 +61,20 @@ def test_steady_state_and_timeline(tmp_path, capsys):
     assert kinds == [("G", "gemm_fusion_dot"), ("H", "cuGraphLaunch"), ("G", "nvfp4_gemv")]
     assert "after 25.0 us idle" in rows[2][3]
     out = tt.main([str(path), "--step", "1", "--skip-ms", "0"])
-    assert out == {"steady": s, "updates": 1}
+    assert out == {"steady": s, "updates": 1, "step_idle_us": [30.0] * 5, "step": 1}
     assert "command-buffer updates: 1, 9 us host" in capsys.readouterr().out
+
+
+def test_idlest_step(tmp_path, capsys):
+    """--step -1 prints the steady step with the most GPU idle: the predicate's round trip."""
+    path = tmp_path / "t.trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump(_trace(8, wait_step=4), f)
+    _, gpu = tt.load(str(path))
+    idle = tt.step_idle(gpu, tt.step_marks(gpu))
+    assert idle == [30.0] * 4 + [330.0] + [30.0] * 2
+    out = tt.main([str(path), "--step", "-1", "--skip-ms", "0"])
+    assert out["step"] == 4 and out["step_idle_us"] == idle
+    text = capsys.readouterr().out
+    assert "30 30 30 30 330 30 30" in text and "MemcpyD2H" in text
+    assert "after 325.0 us idle" in text

@@ -4,7 +4,8 @@
 # 1.5-8.6 us of GPU busy time a step while their wall ms/token moved by up to 78 us, the
 # difference idle gaps around host copies (MemcpyD2D / MemcpyH2D, 3-4 in 32 steps: one a
 # predicate check, every decode_unroll = 8 steps; up to 0.8 ms each). This keeps each variant's trace and reads it back with trace_timeline.py
-# (steady-state idle per step, and the host events beside each gap), so each gap is tied to
+# (steady-state idle per step, the idle of every step, and the host events of the idlest step:
+# a predicate check), so each gap is tied to
 # the host work it waits for.
 #   bash call7.sh OUT
 set -uo pipefail
@@ -21,6 +22,6 @@ echo "profile rc=$? $(($(date +%s) - t0))s" | tee -a $log
 grep -aE "^\[|idle" $out/profile.log | cut -c1-160 | tee -a $log
 for t in $out/traces/*.trace.json.gz; do
   echo "== $(basename $t)" | tee -a $log
-  timeout 60 python3 experiments/trace_timeline.py $t --step 5 2>&1 | head -60 | tee -a $log
+  timeout 60 python3 experiments/trace_timeline.py $t --step -1 2>&1 | head -90 | tee -a $log
 done
 rm -rf $out/traces  # tens of MB each; the summaries above are kept
