@@ -127,6 +127,17 @@ def classify(name: str) -> str:
     return "other"
 
 
+def trace_path(trace_dir: str, spec: str) -> str:
+    """Where `--trace-dir` keeps a variant's trace: its spec as a file name; a variant run
+    again in the same process gets `.2`, `.3`, ... rather than overwriting the first."""
+    name = spec.replace(":", "_").replace("=", "-")
+    path, n = os.path.join(trace_dir, f"{name}.trace.json.gz"), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(trace_dir, f"{name}.{n}.trace.json.gz")
+    return path
+
+
 def load_trace(log_dir: str) -> dict:
     paths = glob.glob(os.path.join(log_dir, "**", "*.trace.json.gz"), recursive=True)
     paths += glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)
@@ -271,8 +282,7 @@ def run_variant(spec, cfg0, args):
     trace = load_trace(log_dir)
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
-        name = spec.replace(":", "_").replace("=", "-")
-        with gzip.open(os.path.join(args.trace_dir, f"{name}.trace.json.gz"), "wt") as f:
+        with gzip.open(trace_path(args.trace_dir, spec), "wt") as f:
             json.dump(trace, f)
     per = 1 if args.phase == "prefill" else args.steps  # the summary's unit: a prefill / a step
     summary = summarise(kernel_events(trace), per, cfg.num_layers)

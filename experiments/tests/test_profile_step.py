@@ -147,3 +147,16 @@ def test_parse_variant_takes_a_sampler():
         ps.parse_variant("nvfp4:1:sampler=hot")
     with pytest.raises(SystemExit, match="not a Config field"):
         ps.parse_variant("nvfp4:1:samplr=temp")
+
+
+def test_trace_path_keeps_a_repeated_variants_trace(tmp_path):
+    # `--variant X --variant Y --variant X`: the second X must not overwrite the first
+    spec = "nvfp4:1:sampler=greedy"
+    first = ps.trace_path(str(tmp_path), spec)
+    assert pathlib.Path(first).name == "nvfp4_1_sampler-greedy.trace.json.gz"
+    pathlib.Path(first).write_text("a")
+    second = ps.trace_path(str(tmp_path), spec)
+    assert pathlib.Path(second).name == "nvfp4_1_sampler-greedy.2.trace.json.gz"
+    pathlib.Path(second).write_text("b")
+    assert pathlib.Path(ps.trace_path(str(tmp_path), spec)).name.endswith(".3.trace.json.gz")
+    assert ps.trace_path(str(tmp_path), "bf16:1").endswith("bf16_1.trace.json.gz")
