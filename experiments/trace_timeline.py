@@ -98,6 +98,22 @@ def step_idle(gpu: list[dict], marks: list[float]) -> list[float]:
     return out
 
 
+def split_idle(idle: list[float]) -> dict:
+    """Ordinary steps' idle (the median) against the outliers above twice it plus 20 us (a
+    decode loop's predicate checks): their count, mean extra idle each, and that extra
+    averaged over every step."""
+    if not idle:
+        return {"ordinary_us": 0.0, "outliers": 0, "extra_us": 0.0, "extra_us_per_step": 0.0}
+    med = sorted(idle)[len(idle) // 2]
+    extra = [x - med for x in idle if x > 2 * med + 20]
+    return {
+        "ordinary_us": med,
+        "outliers": len(extra),
+        "extra_us": sum(extra) / len(extra) if extra else 0.0,
+        "extra_us_per_step": sum(extra) / len(idle),
+    }
+
+
 def step_timeline(host, gpu, lo: float, hi: float, gap_us: float) -> list[tuple]:
     """(time, 'H' or 'G', duration, text) rows in [lo, hi): every host thunk event and each
     GPU kernel that starts after more than gap_us of GPU idle."""
@@ -143,6 +159,12 @@ def main(argv=None) -> dict:
     if steady_idx:
         print(f"GPU idle per step (us), steady steps {steady_idx[0]}..{steady_idx[-1]}:")
         print("  " + " ".join(f"{idle[i]:.0f}" for i in steady_idx))
+        split = split_idle([idle[i] for i in steady_idx])
+        print(
+            f"  ordinary steps {split['ordinary_us']:.1f} us (median); {split['outliers']} "
+            f"outlier steps (> 2x + 20 us) at +{split['extra_us']:.1f} us each, "
+            f"{split['extra_us_per_step']:.1f} us a step averaged"
+        )
     if args.step < 0 and steady_idx:
         args.step = max(steady_idx, key=lambda i: idle[i])
     if 0 <= args.step and len(marks) > args.step + 1:

@@ -77,4 +77,9 @@ def test_idlest_step(tmp_path, capsys):
     assert out["step"] == 4 and out["step_idle_us"] == idle
     text = capsys.readouterr().out
     assert "30 30 30 30 330 30 30" in text and "MemcpyD2H" in text
+    assert tt.split_idle(idle) == {
+        "ordinary_us": 30.0, "outliers": 1, "extra_us": 300.0, "extra_us_per_step": 300.0 / 7
+    }  # fmt: skip
+    assert "1 outlier steps (> 2x + 20 us) at +300.0 us each, 42.9 us a step" in text
+    assert tt.split_idle([])["outliers"] == 0
     assert "after 325.0 us idle" in text
