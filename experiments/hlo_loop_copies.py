@@ -16,34 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from experiments.count_kernels import computations
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                 "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_ENTRY = re.compile(r"^\s*ENTRY\s+%?([\w.\-]+)\s*\(")
 _WHILE = re.compile(r"%([\w.\-]+)\s*=.*\swhile\(.*condition=%([\w.\-]+),\s*body=%([\w.\-]+)")
 _COPY = re.compile(r"%([\w.\-]+)\s*=\s*([a-z0-9]+)\[([\d,]*)\]\S*\s+(copy|copy-start)\(")
 _OPNAME = re.compile(r'op_name="([^"]*)"')
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-
-
-def computations(text: str) -> dict[str, list[str]]:
-    """{computation name: its instruction lines}, with the entry's under "ENTRY" too."""
-    comps, name = {}, None
-    for line in text.splitlines():
-        m = _HEADER.match(line)
-        if m:
-            name = m.group(2)
-            comps[name] = []
-            if m.group(1):
-                comps["ENTRY"] = comps[name]
-            continue
-        if name is not None:
-            if line.strip() == "}":
-                name = None
-            else:
-                comps[name].append(line)
-    return comps
 
 
 def _copies(lines: list[str]) -> list[dict]:
@@ -69,10 +56,11 @@ def loop_copies(text: str) -> list[dict]:
     """One entry per while loop, outermost first (depth 0 = in the entry computation): its
     body and condition, known trip count (None if the host must read a predicate) and the
     copies at the top level of each."""
-    comps = computations(text)
-    if "ENTRY" not in comps:
+    entry = next((m.group(1) for m in map(_ENTRY.match, text.splitlines()) if m), None)
+    if entry is None:
         raise ValueError("no ENTRY computation: not an HLO module's text")
-    out, todo = [], [("ENTRY", 0)]
+    comps = computations(text)
+    out, todo = [], [(entry, 0)]
     while todo:
         comp, depth = todo.pop(0)
         for line in comps.get(comp, []):

@@ -72,7 +72,7 @@ def test_loops_outermost_first_with_their_copies(tmp_path, capsys):
     assert hc.main([str(path), "--json", str(out)]) == loops
     assert json.loads(out.read_text()) == loops
     text = capsys.readouterr().out
-    assert "while while.1 (in ENTRY; predicate read by the host): 1 copies" in text
+    assert "while while.1 (in main.1; predicate read by the host): 1 copies" in text
     assert "  while while.2 (in outer_body; trip count 8): 2 copies in its body" in text
 
 
