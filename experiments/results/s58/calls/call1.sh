@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# session 58 call 1 (about 5-6 min), on branch s56-topk-plan: session 56's two pending calls in
-# one, so a machine that comes late serves both:
-#  1. s56/calls/call1.sh with one A/B round: the 46 GPU tests of the "grid" sampler (the top-k
-#     plan of at most 64 CTAs a row among them), then that plan against the old geometry at
-#     1, 2 and 4 rows, kernel alone;
-#  2. s56/calls/call2.sh: the 36-layer batch-1 decode loop's optimized GPU HLO and the copies at
-#     the top level of each while loop's body.
-#   bash call1.sh OUT SHA
+# session 58 call 1 (about 6-8 min), on branch s58-topk-tau (which holds s56-topk-plan): the
+# GPU tests and kernel-alone A/Bs of both top-k changes to the grid sampler:
+#  1. s56/calls/call1.sh with one A/B round: the 46 GPU tests of the "grid" sampler (top-k 20 /
+#     30 on "real", "ties" and "equal" rows among them), then the top-k plan of at most 64 CTAs
+#     a row against the old geometry at 1, 2 and 4 rows;
+#  2. tau by 32-bit warp maxima (TAU_SELECT=1, the branch's default) against the previous 64-bit
+#     rounds (TAU_SELECT=0): sampler_phases.py kind topk20 at 1, 8 and 64 rows, alternated
+#     twice; the tokens must agree and "combined->arrive2" (the phase holding the selection)
+#     should shrink by 2-3 us at 1 row.
+# Then call2.sh (the decode loop's GPU HLO copies) in a call of its own.
+#   [TEST_TIMEOUT=300] [ROUNDS=1] bash call1.sh OUT SHA
 set -uo pipefail
 out=$1 sha=$2
-here=experiments/results/s56/calls
-mkdir -p $out/c1 $out/c2
-TEST_TIMEOUT=${TEST_TIMEOUT:-300} ROUNDS=${ROUNDS:-1} bash $here/call1.sh $out/c1 $sha
-bash $here/call2.sh $out/c2
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false REJAX_KERNEL_CACHE=/tmp/rk
+TEST_TIMEOUT=${TEST_TIMEOUT:-300} ROUNDS=${ROUNDS:-1} \
+  bash experiments/results/s56/calls/call1.sh $out $sha
+log=$out/call1.log
+for r in 1 2; do
+  for sel in 1 0; do
+    timeout 60 python3 experiments/kernels/sampler_phases.py --batch 1 8 64 --variants grid \
+      --kinds topk20 --launches 400 --define TAU_SELECT=$sel --out $out/tau${sel}_r$r.json 2>&1 \
+      | cut -c1-150 | tee -a $log
+  done
+done
